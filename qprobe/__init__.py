@@ -1,0 +1,42 @@
+"""qprobe: Linux kprobes rebuilt outside the guest."""
+
+from qprobe.api import Target, attach, boot
+from qprobe.core.kprobe import Kprobe
+from qprobe.core.regs import PtRegs, regs_get_kernel_argument, regs_return_value
+from qprobe.errors import (
+    Blacklisted,
+    CannotProbe,
+    InvalidProbe,
+    NotInstructionBoundary,
+    NotKernelText,
+    ProbeError,
+    QprobeError,
+    SymbolError,
+    TargetError,
+    TargetGone,
+    VmlinuxMismatch,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Blacklisted",
+    "CannotProbe",
+    "InvalidProbe",
+    "Kprobe",
+    "NotInstructionBoundary",
+    "NotKernelText",
+    "ProbeError",
+    "PtRegs",
+    "QprobeError",
+    "SymbolError",
+    "Target",
+    "TargetError",
+    "TargetGone",
+    "VmlinuxMismatch",
+    "__version__",
+    "attach",
+    "boot",
+    "regs_get_kernel_argument",
+    "regs_return_value",
+]

@@ -1,0 +1,335 @@
+"""The Python API: ``qprobe.boot()`` / ``qprobe.attach()`` give a ``Target``.
+
+::
+
+    import qprobe
+    with qprobe.boot("debian-cloud", smp=2) as t:
+        kp = qprobe.Kprobe(symbol_name="ksys_lseek", pre_handler=lambda kp, regs: print(regs.si))
+        t.register_kprobe(kp)
+        print(t.run("workload lseek 3").output)
+        t.unregister_kprobe(kp)
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import signal
+import struct
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from types import TracebackType
+
+from qprobe.core.kprobe import Kprobe
+from qprobe.core.kprobes import KprobeManager
+from qprobe.errors import QprobeError, TargetError, TargetGone
+from qprobe.kernel.kaslr import detect_slide
+from qprobe.kernel.symbols import Symbols
+from qprobe.target.connection import Connection
+from qprobe.target.console import Console, RunResult
+from qprobe.target.gdbremote import GdbRemote
+from qprobe.target.journal import Journal
+from qprobe.target.machine import Machine
+from qprobe.target.memory import GuestMemory, MemoryFault, PhysReader, SharedRam, kernel_pgd, paging_levels
+from qprobe.target.qemu import QemuConfig, QemuProcess, parse_memory
+from qprobe.target.scratch import ScratchArea, memmap_reservation
+
+log = logging.getLogger("qprobe")
+SESSION_FILE = "session.json"
+
+
+class _StubPhys:
+    """Physical reads through the stub, for a QEMU whose RAM we cannot map."""
+
+    def __init__(self, gdb: GdbRemote) -> None:
+        self.gdb = gdb
+        self.machine: Machine | None = None
+
+    def read_phys(self, paddr: int, size: int) -> bytes:
+        def read() -> bytes:
+            self.gdb.set_physical(True)
+            try:
+                return self.gdb.read_memory(paddr, size)
+            except TargetError:
+                raise MemoryFault(paddr, "outside guest RAM") from None
+
+        return self.machine.call(read) if self.machine is not None else read()
+
+
+class Target:
+    """A running guest kernel under qprobe's control."""
+
+    def __init__(self, gdb_address: str, vmlinux: str | Path, *, ram: Path | None = None, ram_size: int = 0,
+                 console: Path | None = None, qemu: QemuProcess | None = None, console_log: Path | None = None,
+                 boot_timeout: float = 60.0) -> None:  # fmt: skip
+        self.qemu = qemu
+        self.address = gdb_address
+        self.timings: dict[str, float] = {}
+        self.console: Console | None = None
+        self._closed = False
+        alive = qemu.alive if qemu is not None else None
+        try:
+            t0 = time.monotonic()
+            symbols_box: list[Symbols | BaseException] = []
+            loader = threading.Thread(target=_load_into, args=(vmlinux, symbols_box), daemon=True)
+            loader.start()
+            if console is not None:
+                self.console = Console(console, console_log, alive)
+                if qemu is not None:
+                    self.console.wait_for("QPROBE-READY", boot_timeout)
+                    self.timings["boot"] = time.monotonic() - t0
+            self.gdb = GdbRemote(Connection.open(gdb_address, alive))
+            self.gdb.handshake()
+            vcpus = self.gdb.threads()
+            regs0 = self.gdb.read_registers(vcpus[0])
+            phys: PhysReader = SharedRam(ram, ram_size) if ram is not None else _StubPhys(self.gdb)
+            self.mem = GuestMemory(phys, kernel_pgd(regs0["cr3"]), paging_levels(regs0["cr4"]))
+            loader.join()
+            if isinstance(symbols_box[0], BaseException):
+                raise symbols_box[0]
+            self.symbols: Symbols = symbols_box[0]
+            self.timings["symbols"] = self._symbol_time
+            self.slide = detect_slide(self.symbols, self.mem, self.console.text if self.console else "")
+            self.cmdline = self._read_cmdline()
+            self.journal = Journal(gdb_address, f"{self.symbols.build_id}:{self.slide:#x}")
+            self.recovered = self._recover()
+            self.machine = Machine(self.gdb, self.mem, self.journal)
+            if isinstance(phys, _StubPhys):
+                phys.machine = self.machine
+            scratch_phys = memmap_reservation(self.cmdline)
+            if scratch_phys is None:
+                raise TargetError(
+                    "the kernel was not booted with a memmap=2M$ADDR reservation, which qprobe needs for "
+                    "its scratch area: add e.g. memmap=2M$0x1e000000 to the kernel command line"
+                )
+            self.scratch = ScratchArea(self.machine, scratch_phys)
+            self.kprobes = KprobeManager(self.machine, self.symbols, self.scratch)
+            self.timings["attach"] = time.monotonic() - t0
+        except BaseException:
+            self._teardown()
+            raise
+        _register_cleanup(self)
+
+    _symbol_time = 0.0
+
+    def _read_cmdline(self) -> str:
+        ptr = self.mem.read_u64(self.symbols.address("saved_command_line"))
+        return self.mem.read_cstring(ptr, 4096).decode(errors="replace")
+
+    def _recover(self) -> int:
+        """Undo what an earlier qprobe left in this guest (it crashed or was killed)."""
+        identity, patches = self.journal.load()
+        if not patches:
+            return 0
+        restored = 0
+        if identity == self.journal.identity:
+            self.gdb.set_physical(True)
+            for p in reversed(patches):
+                if self.gdb.read_memory(p.phys, len(p.new)) == p.new:
+                    self.gdb.write_memory(p.phys, p.old)
+                    restored += 1
+            log.warning("restored %d patch(es) an earlier qprobe left in this guest", restored)
+        else:
+            log.warning("ignoring a stale journal from another boot of this VM (%s)", identity)
+        self.journal.clear()
+        return restored
+
+    # -- context manager -----------------------------------------------------------
+    def __enter__(self) -> Target:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    # -- guest interaction -----------------------------------------------------------
+    def run(self, command: str, timeout: float = 60.0) -> RunResult:
+        """Run a shell command in the guest (over the serial console)."""
+        if self.console is None:
+            raise TargetError("this target has no guest console (attach with console=PATH)")
+        return self.console.run(command, timeout)
+
+    def read(self, addr: int | str, size: int) -> bytes:
+        """Kernel virtual memory, read from shared RAM without stopping the VM."""
+        return self.mem.read(self.symbols.resolve(addr) if isinstance(addr, str) else addr, size)
+
+    def oopses(self) -> list[str]:
+        return self.console.oopses() if self.console else []
+
+    def registers(self, vcpu: int = 0) -> dict[str, int]:
+        tid = self.machine.vcpus[vcpu]
+        return self.machine.call(lambda: self.gdb.read_registers(tid))
+
+    @property
+    def vcpus(self) -> int:
+        return len(self.machine.vcpus)
+
+    # -- kprobes API (names as in <linux/kprobes.h>) -------------------------------------
+    def register_kprobe(self, kp: Kprobe) -> None:
+        self.kprobes.register_kprobe(kp)
+
+    def unregister_kprobe(self, kp: Kprobe) -> None:
+        self.kprobes.unregister_kprobe(kp)
+
+    def register_kprobes(self, kps: Iterable[Kprobe]) -> None:
+        self.kprobes.register_kprobes(kps)
+
+    def unregister_kprobes(self, kps: Iterable[Kprobe]) -> None:
+        self.kprobes.unregister_kprobes(kps)
+
+    def enable_kprobe(self, kp: Kprobe) -> None:
+        self.kprobes.enable_kprobe(kp)
+
+    def disable_kprobe(self, kp: Kprobe) -> None:
+        self.kprobes.disable_kprobe(kp)
+
+    def set_kprobes_enabled(self, on: bool) -> None:
+        """debugfs ``kprobes/enabled``."""
+        self.kprobes.set_enabled(on)
+
+    def list_probes(self) -> str:
+        return self.kprobes.list_probes()
+
+    def blacklist(self) -> list[str]:
+        return [str(e) for e in self.kprobes.blacklist]
+
+    def text_snapshot(self, addrs: Iterable[int], size: int = 64) -> dict[int, bytes]:
+        return {a: self.mem.read(a, size) for a in addrs}
+
+    # -- teardown ------------------------------------------------------------------
+    def close(self) -> None:
+        """Remove every probe, detach, and stop our own QEMU."""
+        if self._closed:
+            return
+        self._closed = True
+        _unregister_cleanup(self)
+        try:
+            if hasattr(self, "kprobes") and self.machine.alive:
+                self.kprobes.remove_all()
+                self.journal.clear()
+        except QprobeError as exc:
+            log.warning("could not remove every probe: %s", exc)
+        self._teardown()
+
+    def _teardown(self) -> None:
+        machine = getattr(self, "machine", None)
+        if machine is not None:
+            machine.close(detach=True)
+        elif hasattr(self, "gdb"):
+            try:
+                self.gdb.detach()
+            except QprobeError:
+                pass
+        if self.console is not None:
+            self.console.close()
+        if self.qemu is not None:
+            self.qemu.terminate()
+
+
+def _load_into(vmlinux: str | Path, box: list[Symbols | BaseException]) -> None:
+    t = time.monotonic()
+    try:
+        box.append(Symbols.load(vmlinux))
+    except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+        box.append(exc)
+    Target._symbol_time = time.monotonic() - t
+
+
+# -- cleanup on exit and on SIGTERM ------------------------------------------------------
+_live: set[Target] = set()
+_handlers_installed = False
+
+
+def _register_cleanup(target: Target) -> None:
+    global _handlers_installed
+    _live.add(target)
+    if not _handlers_installed and threading.current_thread() is threading.main_thread():
+        _handlers_installed = True
+        atexit.register(_close_all)
+        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+            # SIGTERM unwinds like Ctrl-C does, so every ``with`` block and
+            # finally clause removes its probes before the process ends.
+            signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _unregister_cleanup(target: Target) -> None:
+    _live.discard(target)
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _close_all() -> None:
+    for t in list(_live):
+        t.close()
+
+
+# -- constructors ------------------------------------------------------------------------
+def boot(image: str = "debian-cloud", smp: int = 2, memory: str | int = "512M",
+         files: dict[str, str | Path] | None = None, accel: str = "auto", cmdline: str = "",
+         boot_timeout: float = 60.0) -> Target:  # fmt: skip
+    """Boot an image (fetched and built on first use) and attach to it."""
+    from qprobe.images import get_image, with_files
+
+    img = get_image(image)
+    if files:
+        img = with_files(img, files)
+    config = QemuConfig(
+        kernel=img.kernel, initrd=img.initrd, disk=img.disk, disk_interface=img.disk_interface,
+        cmdline=" ".join(x for x in (img.cmdline, cmdline) if x), smp=smp, memory=parse_memory(memory), accel=accel,
+    )  # fmt: skip
+    qemu = QemuProcess(config)
+    try:
+        qemu.wait_for_sockets()
+        session = {"gdb": str(qemu.gdb_path), "console": str(qemu.console_path), "ram": str(qemu.ram_path),
+                   "ram_size": config.memory, "vmlinux": str(img.vmlinux), "image": img.name,
+                   "console_log": str(qemu.console_log), "pid": qemu.proc.pid}  # fmt: skip
+        path = qemu.rundir / SESSION_FILE
+        path.write_text(json.dumps(session))
+        os.chmod(path, 0o600)
+    except BaseException:
+        qemu.terminate()
+        raise
+    target = Target(f"unix:{qemu.gdb_path}", img.vmlinux, ram=qemu.ram_path, ram_size=config.memory,
+                    console=qemu.console_path, qemu=qemu, console_log=qemu.console_log,
+                    boot_timeout=boot_timeout)  # fmt: skip
+    target.image = img  # type: ignore[attr-defined]
+    return target
+
+
+def attach(address: str, vmlinux: str | Path | None = None, *, ram: str | Path | None = None,
+           ram_size: int | str = 0, console: str | Path | None = None, allow_remote: bool = False) -> Target:  # fmt: skip
+    """Attach to a running QEMU's gdbstub (``unix:PATH`` or ``HOST:PORT``).
+
+    For a QEMU started by ``qprobe boot``, the run directory's session file
+    supplies vmlinux, the shared RAM file and the console.
+    """
+    addr = address if address.startswith(("unix:", "/")) or ":" in address else address
+    if not addr.startswith(("unix:", "/")):
+        host = addr.rpartition(":")[0].strip("[]")
+        if host not in ("127.0.0.1", "localhost", "::1") and not allow_remote:
+            raise TargetError(f"refusing to attach to non-local {host}: the gdbstub is unauthenticated "
+                              "(pass allow_remote=True / --allow-remote if you mean it)")  # fmt: skip
+        log.warning("attaching over TCP to %s: anyone who can reach that port controls the guest", addr)
+    else:
+        sock = Path(addr.removeprefix("unix:"))
+        session_path = sock.parent / SESSION_FILE
+        if session_path.exists():
+            session = json.loads(session_path.read_text())
+            vmlinux = vmlinux or session["vmlinux"]
+            ram = ram or session["ram"]
+            ram_size = ram_size or session["ram_size"]
+            console = console or session["console"]
+    if vmlinux is None:
+        raise TargetError("attach needs the running kernel's vmlinux (vmlinux=PATH / --vmlinux PATH)")
+    ram_path = Path(ram) if ram else None
+    size = parse_memory(ram_size) if ram_size else (ram_path.stat().st_size if ram_path else 0)
+    return Target(addr if addr.startswith(("unix:", "/")) or ":" in addr else addr, vmlinux, ram=ram_path,
+                  ram_size=size, console=Path(console) if console else None)  # fmt: skip
+
+
+__all__ = ["Target", "attach", "boot"]

@@ -1,0 +1,434 @@
+"""The architecture-neutral kprobes core, host side: probe table, aggregation,
+per-vCPU control blocks, arming, and the #BP dispatcher.
+
+Mirrors kernel/kprobes.c: ``register_kprobe`` resolves and checks
+everything before it writes a byte (``_kprobe_addr``,
+``check_kprobe_address_safe``), probes at one address share one int3 and one
+out-of-line copy (the aggregate probe, ``aggr_pre_handler``), and a hit while
+the same vCPU is already handling a probe only counts ``nmissed``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import struct
+import traceback
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from qprobe.arch.x86_64.decode import check_boundary
+from qprobe.arch.x86_64.insn import PreparedInsn, emulate, prepare_kprobe, resume_singlestep, singlestep_done
+from qprobe.core.blacklist import Blacklist
+from qprobe.core.kprobe import KPROBE_FLAG_DISABLED, Kprobe
+from qprobe.core.regs import PtRegs
+from qprobe.errors import (
+    Blacklisted,
+    InvalidProbe,
+    NotKernelText,
+    ProbeError,
+    QprobeError,
+    SymbolError,
+)
+from qprobe.target.journal import Patch
+from qprobe.target.machine import Machine
+from qprobe.target.scratch import ScratchArea
+
+if TYPE_CHECKING:
+    from qprobe.kernel.symbols import Symbols
+
+log = logging.getLogger("qprobe.kprobes")
+
+INT3 = b"\xcc"
+SLOT_SIZE = 32  # MAX_INSN_SIZE (16) + a 5-byte jmp back, rounded up
+TF, RF = 0x100, 0x10000
+MAX_STEP_RETRIES = 1 << 16
+
+
+class KprobeStatus(enum.Enum):
+    """kprobe_ctlblk.kprobe_status."""
+
+    IDLE = 0
+    HIT_ACTIVE = 1
+    HIT_SS = 2
+
+
+@dataclass
+class KprobeCtlblk:
+    """Per-vCPU state (the kernel's per-CPU kprobe_ctlblk)."""
+
+    status: KprobeStatus = KprobeStatus.IDLE
+    current: ProbePoint | None = None
+
+
+@dataclass
+class ProbePoint:
+    """All probes at one address: one int3, one slot (the kernel's aggregate kprobe)."""
+
+    addr: int
+    where: str
+    prep: PreparedInsn
+    probes: list[Kprobe] = field(default_factory=list)
+    int3: Patch | None = None
+
+    @property
+    def armed(self) -> bool:
+        return self.int3 is not None
+
+    def wants_arming(self) -> bool:
+        return any(not kp.disabled for kp in self.probes)
+
+
+class KprobeManager:
+    """Owns the probe table; every method that touches the guest runs on the stop loop."""
+
+    def __init__(self, machine: Machine, symbols: Symbols, scratch: ScratchArea, int3_entry: str = "asm_exc_int3") -> None:
+        self.machine = machine
+        self.symbols = symbols
+        self.scratch = scratch
+        self.blacklist = Blacklist(symbols)
+        self.points: dict[int, ProbePoint] = {}
+        self.ctlblk: dict[str, KprobeCtlblk] = {tid: KprobeCtlblk() for tid in machine.vcpus}
+        self.vcpu_index = {tid: i for i, tid in enumerate(machine.vcpus)}
+        self.enabled = True  # debugfs kprobes/enabled
+        self.int3_entry = symbols.address(int3_entry)
+        self._hooked = False
+        self._touched: set[int] = set()  # every address we ever put an int3 at
+        self.passed_through = 0
+        self.handler_errors: list[str] = []
+
+    # -- resolving and checking (no guest writes) -----------------------------
+    def _kprobe_addr(self, kp: Kprobe) -> int:
+        if kp.symbol_name is not None:
+            try:
+                return self.symbols.address(kp.symbol_name) + kp.offset
+            except SymbolError:
+                raise SymbolError(f"unknown symbol {kp.symbol_name!r}: not in the kernel's symbol table") from None
+        assert kp.addr is not None
+        return kp.addr + kp.offset
+
+    def check_kprobe_address_safe(self, addr: int) -> tuple[str, int, bytes]:
+        """(sym+off text, function start, function bytes) or a ProbeError saying why not."""
+        where = self.symbols.symbolize(addr)
+        if not self.symbols.is_text(addr):
+            raise NotKernelText(f"{where} ({addr:#x}) is not in kernel text")
+        bad = self.blacklist.lookup(addr)
+        if bad is not None:
+            raise Blacklisted(f"{where} is blacklisted ({bad.name}): probing it would break the trap path")
+        fn = self.symbols.function(addr)
+        if fn is None:
+            raise NotKernelText(f"{addr:#x} is not inside a known kernel function")
+        code = self.machine.mem.read(fn.addr, fn.size)
+        return where, fn.addr, code
+
+    def _patched(self) -> dict[int, int]:
+        return {a: p.int3.old[0] for a, p in self.points.items() if p.int3 is not None}
+
+    # -- registration ------------------------------------------------------------
+    def register_kprobe(self, kp: Kprobe) -> None:
+        if kp.registered:
+            raise InvalidProbe(f"{kp.where()} is already registered (EINVAL)")
+        addr = self._kprobe_addr(kp)
+        self.machine.call(lambda: self._register(kp, addr))
+
+    def _register(self, kp: Kprobe, addr: int) -> None:
+        point = self.points.get(addr)
+        if point is None:
+            where, fn_start, code = self.check_kprobe_address_safe(addr)
+            patched = self._patched()
+            check_boundary(code, fn_start, addr, patched=patched, name=where.split("+")[0])
+            if not self.scratch.mapped:
+                self.scratch.map()
+            slot = self.scratch.alloc(SLOT_SIZE)
+            try:
+                prep = prepare_kprobe(self.machine.mem.read(addr, 16), addr, slot, patched=patched, where=where)
+                if prep.copy:
+                    self.scratch.write(slot, prep.copy)
+            except BaseException:
+                self.scratch.free(slot)
+                raise
+            point = ProbePoint(addr, where, prep)
+            self.points[addr] = point
+        point.probes.append(kp)
+        kp.registered = True
+        kp.addr = addr if kp.symbol_name is None else kp.addr
+        kp._resolved = addr  # type: ignore[attr-defined]
+        self._sync(point)
+
+    def register_kprobes(self, kps: Iterable[Kprobe]) -> None:
+        """All or nothing: on an error, the ones already registered are unregistered."""
+        done: list[Kprobe] = []
+        try:
+            for kp in kps:
+                self.register_kprobe(kp)
+                done.append(kp)
+        except BaseException:
+            for kp in reversed(done):
+                self.unregister_kprobe(kp)
+            raise
+
+    def unregister_kprobe(self, kp: Kprobe) -> None:
+        if not kp.registered:
+            raise InvalidProbe(f"{kp.where()} is not registered")
+        self.machine.call(lambda: self._unregister(kp))
+
+    def unregister_kprobes(self, kps: Iterable[Kprobe]) -> None:
+        for kp in list(kps):
+            if kp.registered:
+                self.unregister_kprobe(kp)
+
+    def _unregister(self, kp: Kprobe) -> None:
+        addr = kp._resolved  # type: ignore[attr-defined]
+        point = self.points[addr]
+        point.probes.remove(kp)
+        kp.registered = False
+        self._sync(point)
+        if not point.probes:
+            del self.points[addr]
+            self.scratch.free(point.prep.slot_addr)
+        if not self.points:
+            self._unhook()
+
+    def enable_kprobe(self, kp: Kprobe) -> None:
+        self._set_disabled(kp, False)
+
+    def disable_kprobe(self, kp: Kprobe) -> None:
+        self._set_disabled(kp, True)
+
+    def _set_disabled(self, kp: Kprobe, disabled: bool) -> None:
+        if not kp.registered:
+            kp.flags = (kp.flags | KPROBE_FLAG_DISABLED) if disabled else (kp.flags & ~KPROBE_FLAG_DISABLED)
+            return
+
+        def change() -> None:
+            kp.flags = (kp.flags | KPROBE_FLAG_DISABLED) if disabled else (kp.flags & ~KPROBE_FLAG_DISABLED)
+            self._sync(self.points[kp._resolved])  # type: ignore[attr-defined]
+
+        self.machine.call(change)
+
+    def set_enabled(self, on: bool) -> None:
+        """debugfs kprobes/enabled: arm or disarm everything, keeping each probe's own state."""
+
+        def change() -> None:
+            self.enabled = on
+            for point in self.points.values():
+                self._sync(point)
+
+        self.machine.call(change)
+
+    # -- arming (stop-loop thread) -----------------------------------------------
+    def _sync(self, point: ProbePoint) -> None:
+        want = self.enabled and point.wants_arming()
+        if want and not point.armed:
+            self._hook()
+            self._touched.add(point.addr)
+            point.int3 = self.machine.patch(point.addr, INT3, "int3")
+        elif not want and point.armed:
+            assert point.int3 is not None
+            self.machine.unpatch(point.int3)
+            point.int3 = None
+
+    def _hook(self) -> None:
+        if not self._hooked:
+            self.machine.gdb.insert_breakpoint(self.int3_entry)
+            self.machine.stop_handlers[self.int3_entry] = self._on_int3
+            self._hooked = True
+
+    def _unhook(self) -> None:
+        if self._hooked:
+            self.machine.gdb.remove_breakpoint(self.int3_entry)
+            del self.machine.stop_handlers[self.int3_entry]
+            self._hooked = False
+
+    def remove_all(self) -> None:
+        """Unregister every probe and unmap the scratch area (exit path)."""
+
+        def work() -> None:
+            for point in list(self.points.values()):
+                for kp in list(point.probes):
+                    self._unregister(kp)
+            self._unhook()
+            self.scratch.unmap()
+
+        self.machine.call(work)
+
+    # -- the dispatcher (stop-loop thread) ---------------------------------------------
+    def _write_regs(self, tid: str, values: dict[str, int]) -> None:
+        self.machine.gdb.write_registers(tid, values)
+
+    def _on_int3(self, tid: str, regs: dict[str, int]) -> None:
+        mem = self.machine.mem
+        ret_ip, cs, rflags, rsp, _ss = struct.unpack("<5Q", mem.read(regs["rsp"], 40))
+        addr = ret_ip - 1
+        point = self.points.get(addr) if not cs & 3 else None
+        if point is None or not point.armed:
+            if not cs & 3 and addr in self._touched and mem.read(addr, 1) != INT3:
+                # Our int3 was removed after this vCPU executed it but before we saw
+                # the trap: back up and run the original instruction (as the kernel does).
+                self._write_regs(tid, {"rip": addr, "rsp": rsp, "eflags": rflags})
+                return
+            self._pass_through(tid)
+            return
+        pt = PtRegs(regs, tid, self.vcpu_index[tid], mem, self.symbols)
+        # Undo the trap: the state is exactly the one before the int3.
+        pt.set_quietly("ip", addr)
+        pt.set_quietly("sp", rsp)
+        pt.set_quietly("flags", rflags)
+        ctl = self.ctlblk[tid]
+        if ctl.status is not KprobeStatus.IDLE:
+            for kp in point.probes:
+                kp.nmissed += 1
+            self._execute(point, pt, None)
+            return
+        ctl.status, ctl.current = KprobeStatus.HIT_ACTIVE, point
+        try:
+            self._execute(point, pt, ctl)
+        finally:
+            ctl.status, ctl.current = KprobeStatus.IDLE, None
+
+    def _pass_through(self, tid: str) -> None:
+        """Somebody else's int3: let the guest's own #BP handler have it."""
+        self.passed_through += 1
+        # A gdb breakpoint sits on the entry; stepping executes its first instruction.
+        self.machine.gdb.step(tid)
+
+    def _execute(self, point: ProbePoint, pt: PtRegs, ctl: KprobeCtlblk | None) -> None:
+        active = [kp for kp in point.probes if not kp.disabled] if ctl is not None else []
+        if self._pre_handlers(active, pt):
+            # A pre_handler changed ip and asked to skip the instruction.
+            self._write_regs(pt.tid, {"rsp": pt.sp, "eflags": pt.flags, **pt.dirty(), "rip": pt.ip})
+            return
+        prep = point.prep
+        if prep.emulate is not None:
+            emulate(prep, pt, _StackWriter(self.machine, pt))
+            self._post_handlers(active, pt)
+            self._write_regs(pt.tid, {"rsp": pt.sp, "eflags": pt.flags, **pt.dirty(), "rip": pt.ip})
+            return
+        if ctl is not None:
+            ctl.status = KprobeStatus.HIT_SS
+        self._single_step(point, pt, active)
+
+    def _single_step(self, point: ProbePoint, pt: PtRegs, active: list[Kprobe]) -> None:
+        prep, gdb, tid = point.prep, self.machine.gdb, pt.tid
+        self._write_regs(tid, {**pt.dirty(), "rip": prep.slot_addr, "rsp": pt.sp, "eflags": pt.flags & ~(TF | RF)})
+        for _ in range(MAX_STEP_RETRIES):
+            gdb.step(tid)
+            after = gdb.read_registers(tid)
+            # QEMU with MTTCG sometimes reports a step that executed nothing, and a
+            # rep-prefixed instruction stops after each iteration: step again.
+            if singlestep_done(prep, after["rip"]):
+                break
+        else:
+            raise ProbeError(f"single-step of {point.where} never left the slot")
+        post = PtRegs(after, tid, pt.vcpu, self.machine.mem, self.symbols)
+        ip = after["rip"]
+        if prep.resume_fixes_ip and not prep.slot_addr <= ip <= prep.slot_addr + len(prep.copy):
+            self._step_faulted(point, post, active)
+            return
+        resume_singlestep(prep, post)
+        post.mark_clean()
+        self._post_handlers(active, post)
+        self._write_regs(tid, {**post.dirty(), "rip": post.ip})
+
+    def _step_faulted(self, point: ProbePoint, post: PtRegs, active: list[Kprobe]) -> None:
+        """The copy raised an exception: make the guest see it at the original address.
+
+        As kprobe_fault_handler does for KPROBE_HIT_SS: the exception frame's
+        ip is moved from the slot back to the probe address, so the kernel's
+        fixup (exception tables) and oops reports see the real text.
+        """
+        prep = point.prep
+        lo, hi = prep.slot_addr, prep.slot_addr + len(prep.copy)
+        for off in (0, 8):  # with and without an error code
+            frame_ip = int.from_bytes(self.machine.mem.read(post.sp + off, 8), "little")
+            if lo <= frame_ip <= hi:
+                phys = self.machine.mem.virt_to_phys(post.sp + off)
+                self.machine.write_phys(phys, (point.addr + frame_ip - lo).to_bytes(8, "little"))
+                break
+        exc = ProbeError(f"the out-of-line copy of {point.where} faulted (guest exception at {post.symbolize()})")
+        for kp in active:
+            kp.nfaults += 1
+            self._call_fault_handler(kp, post, exc)
+
+    # -- handlers (user code) --------------------------------------------------------
+    def _pre_handlers(self, active: list[Kprobe], pt: PtRegs) -> bool:
+        """aggr_pre_handler: every enabled probe's pre_handler; True to skip the step."""
+        skip = False
+        for kp in active:
+            kp.nhit += 1
+            if kp.pre_handler is None:
+                continue
+            ip = pt.ip
+            try:
+                ret = kp.pre_handler(kp, pt)
+            except Exception as exc:  # noqa: BLE001 - user code; reported, never fatal
+                self._handler_failed(kp, pt, exc, "pre_handler")
+                continue
+            if ret and pt.ip != ip:
+                skip = True
+        return skip
+
+    def _post_handlers(self, active: list[Kprobe], pt: PtRegs) -> None:
+        for kp in active:
+            if kp.post_handler is None:
+                continue
+            try:
+                kp.post_handler(kp, pt)
+            except Exception as exc:  # noqa: BLE001 - user code
+                self._handler_failed(kp, pt, exc, "post_handler")
+
+    def _handler_failed(self, kp: Kprobe, pt: PtRegs, exc: Exception, which: str) -> None:
+        kp.nfaults += 1
+        line = f"{which} of {kp.where()} raised {type(exc).__name__}: {exc}"
+        if len(kp.errors) < 100:
+            kp.errors.append(line)
+        if len(self.handler_errors) < 1000:
+            self.handler_errors.append(line)
+        log.warning("%s\n%s", line, "".join(traceback.format_exception(exc)[-3:]))
+        self._call_fault_handler(kp, pt, exc)
+
+    def _call_fault_handler(self, kp: Kprobe, pt: PtRegs, exc: BaseException) -> None:
+        if kp.fault_handler is None:
+            return
+        try:
+            kp.fault_handler(kp, pt, exc)
+        except Exception as inner:  # noqa: BLE001 - user code
+            log.warning("fault_handler of %s raised %s: %s", kp.where(), type(inner).__name__, inner)
+
+    # -- listing -------------------------------------------------------------------
+    def list_probes(self) -> str:
+        """The debugfs kprobes/list format."""
+        lines = []
+        for addr in sorted(self.points):
+            point = self.points[addr]
+            for kp in point.probes:
+                flags = ("[GONE]" if kp.gone else "") + ("[DISABLED]" if kp.disabled and not kp.gone else "")
+                if not self.enabled and not kp.disabled:
+                    flags += "[DISABLED]"
+                lines.append(f"{addr:016x}  {getattr(kp, 'kind', 'k')}  {point.where}    {flags}".rstrip())
+        return "\n".join(lines) + ("\n" if lines else "")
+
+
+class _StackWriter:
+    """Memory for the emulator: reads through the task's tables, writes through the stub."""
+
+    def __init__(self, machine: Machine, pt: PtRegs) -> None:
+        self.machine = machine
+        self.pt = pt
+
+    def read(self, addr: int, size: int) -> bytes:
+        return self.pt.read(addr, size)
+
+    def write(self, addr: int, data: bytes) -> None:
+        phys = self.machine.mem.virt_to_phys(addr, self.pt._pgd)  # noqa: SLF001
+        if (phys & 0xFFF) + len(data) > 0x1000:
+            head = 0x1000 - (phys & 0xFFF)
+            self.write(addr, data[:head])
+            self.write(addr + head, data[head:])
+            return
+        self.machine.write_phys(phys, data)
+
+
+def describe(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, QprobeError) else f"{type(exc).__name__}: {exc}"

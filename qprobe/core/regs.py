@@ -1,0 +1,132 @@
+"""pt_regs on the host: what a handler sees and may change.
+
+Names follow the kernel's ``struct pt_regs`` (``regs.ax``, ``regs.di``,
+``regs.ip``, ``regs.flags``); a write marks the register dirty and the
+dispatcher writes exactly the dirty ones back before the vCPU resumes.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import TYPE_CHECKING
+
+from qprobe.target.memory import GuestMemory, kernel_pgd
+
+if TYPE_CHECKING:
+    from qprobe.kernel.symbols import Symbols
+
+# pt_regs name -> the gdbstub's register name
+PT_REGS = {
+    "ax": "rax", "bx": "rbx", "cx": "rcx", "dx": "rdx", "si": "rsi", "di": "rdi",
+    "bp": "rbp", "sp": "rsp", "r8": "r8", "r9": "r9", "r10": "r10", "r11": "r11",
+    "r12": "r12", "r13": "r13", "r14": "r14", "r15": "r15", "ip": "rip", "flags": "eflags",
+    "cs": "cs", "ss": "ss",
+}  # fmt: skip
+ARG_REGS = ("di", "si", "dx", "cx", "r8", "r9")
+_MASK = (1 << 64) - 1
+
+
+class PtRegs:
+    """A vCPU's registers at a probe hit.
+
+    ``vcpu`` is the 0-based vCPU number (the kernel's smp_processor_id()
+    under QEMU), ``tid`` the stub's thread id.
+    """
+
+    __slots__ = ("_dirty", "_mem", "_pgd", "_symbols", "_values", "tid", "vcpu")
+
+    def __init__(self, values: dict[str, int], tid: str, vcpu: int, mem: GuestMemory,
+                 symbols: Symbols | None = None) -> None:  # fmt: skip
+        self._values = {pt: values[g] for pt, g in PT_REGS.items() if g in values}
+        self._dirty: set[str] = set()
+        self._mem = mem
+        self._symbols = symbols
+        # Reads use the interrupted task's page tables, so user pointers work too.
+        self._pgd = kernel_pgd(values["cr3"]) if "cr3" in values else mem.pgd
+        self.tid = tid
+        self.vcpu = vcpu
+
+    def __getattr__(self, name: str) -> int:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(f"pt_regs has no register {name!r}") from None
+
+    def __setattr__(self, name: str, value: int) -> None:
+        if name in PtRegs.__slots__:
+            object.__setattr__(self, name, value)
+            return
+        if name not in PT_REGS:
+            raise AttributeError(f"pt_regs has no register {name!r}")
+        if not isinstance(value, int):
+            raise TypeError(f"regs.{name} must be an int, not {type(value).__name__}")
+        self._values[name] = value & _MASK
+        self._dirty.add(name)
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self._values)
+
+    def dirty(self) -> dict[str, int]:
+        """gdbstub name -> value of every register a handler changed."""
+        return {PT_REGS[n]: self._values[n] for n in self._dirty}
+
+    def set_quietly(self, name: str, value: int) -> None:
+        """Change a register as the dispatcher (not the user) sees it."""
+        self._values[name] = value & _MASK
+
+    def mark_clean(self) -> None:
+        self._dirty.clear()
+
+    # -- memory ----------------------------------------------------------------
+    def read(self, addr: int, size: int) -> bytes:
+        """Guest memory through the interrupted task's page tables (raises MemoryFault)."""
+        return self._mem.read(addr, size, self._pgd)
+
+    def read_u64(self, addr: int) -> int:
+        return struct.unpack("<Q", self.read(addr, 8))[0]
+
+    def read_u32(self, addr: int) -> int:
+        return struct.unpack("<I", self.read(addr, 4))[0]
+
+    def read_string(self, addr: int, limit: int = 4096) -> str:
+        out = bytearray()
+        while len(out) < limit:
+            chunk = self.read(addr + len(out), min(64, limit - len(out), 4096 - ((addr + len(out)) & 0xFFF)))
+            nul = chunk.find(b"\0")
+            if nul >= 0:
+                out += chunk[:nul]
+                break
+            out += chunk
+        return out.decode("utf-8", "replace")
+
+    # -- conventions -------------------------------------------------------------
+    def arg(self, n: int) -> int:
+        """The n-th (1-based) integer argument at function entry, by the x86_64 ABI."""
+        if n < 1:
+            raise ValueError("arguments are numbered from 1")
+        if n <= len(ARG_REGS):
+            return self._values[ARG_REGS[n - 1]]
+        # At entry [sp] is the return address; stack arguments follow it.
+        return self.read_u64(self._values["sp"] + 8 * (n - len(ARG_REGS)))
+
+    def stack(self, n: int = 0) -> int:
+        """``$stackN``: the n-th u64 on the stack."""
+        return self.read_u64(self._values["sp"] + 8 * n)
+
+    def symbolize(self, addr: int | None = None) -> str:
+        addr = self._values["ip"] if addr is None else addr
+        return self._symbols.symbolize(addr) if self._symbols else f"{addr:#x}"
+
+    def __repr__(self) -> str:
+        body = " ".join(f"{k}={v:#x}" for k, v in self._values.items())
+        return f"<pt_regs vcpu={self.vcpu} {body}>"
+
+
+def regs_return_value(regs: PtRegs) -> int:
+    """The function's return value at a return probe (``ax``), as the kernel's helper."""
+    return regs.ax
+
+
+def regs_get_kernel_argument(regs: PtRegs, n: int) -> int:
+    """0-based argument, as the kernel's helper of that name."""
+    return regs.arg(n + 1)

@@ -1,0 +1,94 @@
+"""One exception tree for everything qprobe reports to a user.
+
+Every message is one line a user can act on; the CLI prints ``str(exc)``
+without a traceback for any ``QprobeError``.
+"""
+
+from __future__ import annotations
+
+
+class QprobeError(Exception):
+    """Base of every error qprobe raises on purpose."""
+
+
+class TargetError(QprobeError):
+    """QEMU, the gdbstub or the guest did not do what was asked."""
+
+
+class TargetGone(TargetError):
+    """QEMU exited or the connection to it closed."""
+
+
+class ProtocolError(TargetError):
+    """The GDB remote protocol peer sent something malformed or unexpected."""
+
+
+class GuestTimeout(TargetError):
+    """The guest did not answer in time."""
+
+
+class ImageError(QprobeError):
+    """A kernel image is unknown, incomplete or could not be built."""
+
+
+class SymbolError(QprobeError):
+    """A symbol is unknown or vmlinux does not match the running kernel."""
+
+
+class VmlinuxMismatch(SymbolError):
+    """The vmlinux file is not the kernel that is running."""
+
+
+class ProbeError(QprobeError):
+    """A probe cannot be registered, armed or removed."""
+
+
+class InvalidProbe(ProbeError):
+    """The probe definition itself is wrong (EINVAL in the kernel)."""
+
+
+class NotInstructionBoundary(ProbeError):
+    """The address is inside an instruction (the kernel's BAD_INSN_BNDRY)."""
+
+
+class Blacklisted(ProbeError):
+    """The address is in code that must not be probed."""
+
+
+class NotKernelText(ProbeError):
+    """The address is not in the kernel's executable text."""
+
+
+class CannotProbe(ProbeError):
+    """The instruction at the address cannot be executed out of line."""
+
+
+class DisplacementOverflow(CannotProbe):
+    """A relocated displacement does not fit in 32 bits."""
+
+
+class ScratchFull(ProbeError):
+    """No room is left in the scratch area injected into the guest."""
+
+
+class ProbeBusy(ProbeError):
+    """Something other than qprobe already patched this address (EBUSY)."""
+
+
+class FetchArgError(QprobeError):
+    """A kprobe_events definition or fetch argument is malformed.
+
+    ``column`` is the 0-based position of the offending character in the
+    definition, as the kernel's error_log caret points at it.
+    """
+
+    def __init__(self, message: str, text: str = "", column: int = 0) -> None:
+        self.reason = message
+        self.text = text
+        self.column = column
+        where = f" (at column {column}: {text!r})" if text else ""
+        super().__init__(f"{message}{where}")
+
+    def caret(self) -> str:
+        """Two lines: the definition and a caret under the offending column."""
+        return f"{self.text}\n{' ' * self.column}^"

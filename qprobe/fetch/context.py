@@ -1,0 +1,174 @@
+"""What evaluation needs from a stopped guest, and the values it produces.
+
+Evaluation runs on the host while the guest vCPU is stopped at the probe, so
+everything the kernel's ``process_fetch_insn`` reads from ``pt_regs``, the
+stack or memory comes through a :class:`FetchContext`.  A fault while
+reading guest memory is part of normal operation (the kernel records it and
+goes on), so it is a value, :data:`FAULT`, never an exception to callers.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from qprobe.errors import QprobeError
+
+from .messages import MAX_STRING_SIZE
+
+U64_MASK = (1 << 64) - 1
+PAGE_SIZE = 4096
+# x86_64 with 4-level paging (what QEMU's default CPUs give a 6.1 guest).
+TASK_SIZE_MAX = (1 << 47) - PAGE_SIZE
+KERNEL_SPACE_START = 0xFFFF_8000_0000_0000
+
+# pt_regs names x86's regs_query_register_offset() accepts (case-sensitive).
+REGISTERS: tuple[str, ...] = (
+    "r15", "r14", "r13", "r12", "r11", "r10", "r9", "r8",
+    "bx", "cx", "dx", "si", "di", "bp", "ax",
+    "orig_ax", "ip", "cs", "flags", "sp", "ss",
+)  # fmt: skip
+
+
+class MemoryFault(QprobeError):
+    """A guest memory read failed (unmapped page, wrong address space...)."""
+
+    def __init__(self, addr: int, size: int = 1) -> None:
+        self.addr = addr
+        self.size = size
+        super().__init__(f"cannot read {size} byte(s) at {addr:#x}")
+
+
+@runtime_checkable
+class FetchContext(Protocol):
+    """The guest state at one probe hit, as the fetch instructions see it.
+
+    ``reg`` takes a name from :data:`REGISTERS` and returns the full 64-bit
+    pt_regs slot.  ``read``/``read_user`` return exactly ``size`` bytes or
+    raise :class:`MemoryFault`; the evaluator already refuses user addresses
+    for ``read`` and kernel addresses for ``read_user`` (as x86's
+    copy_from_kernel_nofault / copy_from_user_nofault do), so an
+    implementation only has to report unmapped memory.  ``stack(n)`` is
+    ``regs_get_kernel_stack_nth`` (0 past the stack top), ``arg(n)`` the
+    1-based x86_64 argument (di, si, dx, cx, r8, r9, then the stack),
+    ``retval`` the return value (only asked for in return probes),
+    ``comm`` the current task's comm, ``symbol_address`` resolves ``@SYM``
+    (KeyError if unknown) and ``symbolize`` formats an address like the
+    kernel's ``%pS`` (``func+0x12/0x80`` or ``0xffff...``).
+    """
+
+    def reg(self, name: str) -> int: ...
+    def read(self, addr: int, size: int) -> bytes: ...
+    def read_user(self, addr: int, size: int) -> bytes: ...
+    def stack(self, n: int) -> int: ...
+    def stack_pointer(self) -> int: ...
+    def retval(self) -> int: ...
+    def comm(self) -> str: ...
+    def arg(self, n: int) -> int: ...
+    def symbol_address(self, name: str) -> int: ...
+    def symbolize(self, addr: int) -> str: ...
+
+
+class Fault:
+    """The value of an argument whose memory could not be read."""
+
+    _instance: Fault | None = None
+
+    def __new__(cls) -> Fault:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "FAULT"
+
+    def __str__(self) -> str:
+        return "(fault)"
+
+    def __bool__(self) -> bool:
+        return False
+
+
+FAULT = Fault()
+
+
+class SymbolValue(int):
+    """A ``:symbol`` value: the address, plus its ``%pS`` text for printing."""
+
+    text: str
+
+    def __new__(cls, value: int, text: str) -> SymbolValue:
+        obj = super().__new__(cls, value)
+        obj.text = text
+        return obj
+
+    def __repr__(self) -> str:
+        return f"SymbolValue({int(self):#x}, {self.text!r})"
+
+
+def kernel_address_ok(addr: int) -> bool:
+    """``copy_from_kernel_nofault_allowed`` on x86_64 (4-level paging)."""
+    return addr >= KERNEL_SPACE_START
+
+
+def user_range_ok(addr: int, size: int) -> bool:
+    """``access_ok`` on x86_64: the whole range below TASK_SIZE_MAX."""
+    return addr + size <= TASK_SIZE_MAX
+
+
+def read_memory(ctx: FetchContext, addr: int, size: int, user: bool) -> bytes:
+    """Read guest memory as the kernel's probe_mem_read{,_user} would."""
+    addr &= U64_MASK
+    if user:
+        if not user_range_ok(addr, size):
+            raise MemoryFault(addr, size)
+        data = ctx.read_user(addr, size)
+    else:
+        if not kernel_address_ok(addr):
+            raise MemoryFault(addr, size)
+        data = ctx.read(addr, size)
+    if len(data) != size:
+        raise MemoryFault(addr, size)
+    return data
+
+
+def read_uint(ctx: FetchContext, addr: int, size: int, user: bool) -> int:
+    """A little-endian unsigned integer of ``size`` bytes from guest memory."""
+    return int.from_bytes(read_memory(ctx, addr, size, user), "little")
+
+
+def read_string(ctx: FetchContext, addr: int, user: bool) -> str | Fault:
+    """A NUL-terminated string, at most MAX_STRING_SIZE - 1 characters.
+
+    Memory is read a page at a time so a short string near the end of a
+    mapping does not fault on bytes past its NUL; a page that faults is
+    retried byte by byte, and a fault before the NUL gives FAULT, as the
+    kernel's strncpy_from_*_nofault does.  Bytes are decoded as UTF-8 with
+    surrogateescape so the exact bytes can be recovered.
+    """
+    out = bytearray()
+    addr &= U64_MASK
+    while len(out) < MAX_STRING_SIZE:
+        chunk = min(PAGE_SIZE - addr % PAGE_SIZE, MAX_STRING_SIZE - len(out))
+        try:
+            data = read_memory(ctx, addr, chunk, user)
+        except MemoryFault:
+            data = bytearray()
+            for i in range(chunk):
+                try:
+                    byte = read_memory(ctx, addr + i, 1, user)
+                except MemoryFault:
+                    return FAULT
+                data += byte
+                if byte == b"\0":
+                    break
+        nul = data.find(0)
+        if nul >= 0:
+            out += data[:nul]
+            return _decode(out)
+        out += data
+        addr = (addr + chunk) & U64_MASK
+    return _decode(out[: MAX_STRING_SIZE - 1])
+
+
+def _decode(raw: bytes | bytearray) -> str:
+    return bytes(raw).decode("utf-8", "surrogateescape")

@@ -1,0 +1,330 @@
+"""Whole kprobe_events lines: ``p``/``r`` definitions and ``-:`` deletions.
+
+A transcription of ``create_or_delete_trace_kprobe``,
+``__trace_kprobe_create`` (kernel/trace/trace_kprobe.c), ``dyn_event_release``
+and ``traceprobe_parse_event_name`` of Linux 6.1.  Errors carry the column of
+the kernel's error_log caret, counted in the text the caller gave (the
+kernel counts in its argv re-joined with single spaces; with single spaces
+the two agree).
+
+What the kernel only learns when it registers the probe (does the symbol
+exist, is the offset a function entry) comes from the optional
+``symbol_exists`` and ``on_func_entry`` callables; without them every
+non-empty symbol exists and only offset 0 is a function entry (an
+ENDBR-prefixed function also has its entry at +4: pass ``on_func_entry``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from qprobe.errors import FetchArgError
+
+from . import messages as M
+from .args import FetchArg, Value, parse_fetch_arg, symbol_refs_of
+from .context import FetchContext
+from .expr import FL_FENTRY, FL_KERNEL, FL_RETURN, ArgError, split_symbol_offset
+from .kstrto import is_good_name, isdigit, kstrtouint, kstrtoul, split_args
+
+SymbolExists = Callable[[str], bool]
+OnFuncEntry = Callable[[str, int], bool]
+
+
+@dataclass
+class ProbeEvent:
+    """One kprobe or kretprobe definition.
+
+    ``symbol`` is None for a probe on an address (then ``addr`` is set).
+    ``SYM%return`` is stored as ``kind == "r"``, as the kernel does, so it is
+    listed back as an ``r`` event.  ``maxactive`` 0 means the default.
+    """
+
+    kind: str
+    group: str
+    event: str
+    symbol: str | None
+    offset: int
+    addr: int | None
+    maxactive: int = 0
+    args: list[FetchArg] = field(default_factory=list)
+    text: str = ""
+
+    @property
+    def is_return(self) -> bool:
+        """True for a kretprobe (``r`` or ``%return``)."""
+        return self.kind == "r"
+
+    @property
+    def probe_point(self) -> str:
+        """The place as ``kprobe_events`` shows it: ``sym``, ``sym+16`` or ``0x...``."""
+        if self.symbol is None:
+            return f"0x{self.addr or 0:016x}"
+        return f"{self.symbol}+{self.offset}" if self.offset else self.symbol
+
+    def evaluate(self, ctx: FetchContext) -> list[Value]:
+        """Every argument's value at one hit, in order."""
+        return [a.evaluate(ctx) for a in self.args]
+
+
+@dataclass
+class DeleteEvent:
+    """``-:[GRP/][EVENT] [probe-point [args...]]``.
+
+    ``group`` None matches every group; ``event`` "" matches every event of
+    the group; ``args`` (optional) must match the head of the definition.
+    """
+
+    group: str | None
+    event: str
+    args: list[str] = field(default_factory=list)
+    text: str = ""
+
+    def matches(self, ev: ProbeEvent) -> bool:
+        """``trace_kprobe_match``: would this command delete ``ev``?"""
+        if self.event and self.event != ev.event:
+            return False
+        if self.group is not None and self.group != ev.group:
+            return False
+        if not self.args:
+            return True
+        if self.args[0] != ev.probe_point or len(ev.args) < len(self.args) - 1:
+            return False
+        wanted = self.args[1:]
+        have = [f"{a.name}={a.body}"[: M.MAX_ARGSTR_LEN] for a in ev.args[: len(wanted)]]
+        return have == wanted
+
+
+class _Command:
+    """The argv of one line, turning (word index, offset) into caret columns."""
+
+    def __init__(self, text: str, line: str) -> None:
+        self.text = text
+        self.words = split_args(line)
+        self.argv = [w for _, w in self.words]
+
+    def column(self, index: int, offset: int) -> int:
+        if index >= len(self.words):  # the kernel points past the last word
+            start, word = self.words[-1] if self.words else (0, "")
+            return start + len(word) + 1
+        return self.words[index][0] + offset
+
+    def error(self, index: int, offset: int, message: str) -> FetchArgError:
+        return FetchArgError(message, self.text, self.column(index, offset))
+
+
+def _strip_line(text: str) -> str:
+    line = text[:-1] if text.endswith("\n") else text
+    if "\n" in line:
+        raise FetchArgError("One definition per line (use parse_events)", text, line.index("\n"))
+    hash_at = line.find("#")
+    return line if hash_at < 0 else line[:hash_at]
+
+
+def parse_event(
+    text: str,
+    *,
+    symbol_exists: SymbolExists | None = None,
+    on_func_entry: OnFuncEntry | None = None,
+) -> ProbeEvent | DeleteEvent:
+    """Parse one kprobe_events line as Linux 6.1 would, or raise FetchArgError.
+
+    ``symbol_exists(name)`` answers for probe symbols (``[MOD:]SYM``) and for
+    ``@SYM`` arguments; ``on_func_entry(symbol, offset)`` says whether that
+    place is the function entry (for ``$argN`` and return probes).
+    """
+    line = _strip_line(text)
+    cmd = _Command(text, line)
+    if line.startswith("-"):
+        return _parse_delete(cmd)
+    if not cmd.argv:
+        raise FetchArgError(M.EMPTY_COMMAND, text, 0)
+    head = cmd.argv[0]
+    if head[0] not in "pr":
+        raise cmd.error(0, 0, M.NOT_A_PROBE)
+    if len(cmd.argv) < 2:
+        raise cmd.error(1, 0, M.NO_PROBE_POINT)
+    return _parse_probe(cmd, symbol_exists, on_func_entry)
+
+
+def parse_events(text: str, **kwargs: SymbolExists | OnFuncEntry | None) -> list[ProbeEvent | DeleteEvent]:
+    """Every non-empty line of a kprobe_events write, comments removed."""
+    out: list[ProbeEvent | DeleteEvent] = []
+    for line in text.split("\n"):
+        if split_args(line.split("#", 1)[0]):
+            out.append(parse_event(line, **kwargs))  # type: ignore[arg-type]
+    return out
+
+
+def _parse_delete(cmd: _Command) -> DeleteEvent:
+    head = cmd.argv[0]
+    if head[1:2] != ":":
+        raise cmd.error(0, 0, M.BAD_DELETE)
+    event = head[2:]
+    group = None
+    slash = event.find("/")
+    if slash >= 0:
+        group, event = event[:slash], event[slash + 1 :]
+    if group is None and not event:
+        raise cmd.error(0, 0, M.BAD_DELETE)
+    return DeleteEvent(group, event, cmd.argv[1:], cmd.text)
+
+
+def _parse_probe(
+    cmd: _Command, symbol_exists: SymbolExists | None, on_func_entry: OnFuncEntry | None
+) -> ProbeEvent:
+    argv = cmd.argv
+    head = argv[0]
+    is_return = head[0] == "r"
+    flags = FL_KERNEL
+    colon = head.find(":", 1)
+    event: str | None = head[colon + 1 :] if colon >= 0 else None
+    maxactive = 0
+    if isdigit(head[1:2]):
+        if not is_return:
+            raise cmd.error(0, 1, M.MAXACT_NO_KPROBE)
+        digits = head[1:colon] if colon >= 0 else head[1:]
+        value = kstrtouint(digits, 0) if len(digits) <= M.MAX_EVENT_NAME_LEN - 1 else None
+        if not value:
+            raise cmd.error(0, 1, M.BAD_MAXACT)
+        if value > M.KRETPROBE_MAXACTIVE_MAX:
+            raise cmd.error(0, 1, M.MAXACT_TOO_BIG)
+        maxactive = value
+
+    symbol: str | None = None
+    offset = 0
+    exists = True
+    addr = kstrtoul(argv[1], 0)
+    if addr is None:
+        if "/" in argv[1] and ":" in argv[1]:
+            raise cmd.error(1, 0, M.UPROBE_SYNTAX)
+        symbol = argv[1]
+        pct = symbol.find("%")
+        if pct >= 0:
+            if symbol[pct:] != "%return":
+                raise cmd.error(1, pct, M.BAD_ADDR_SUFFIX)
+            symbol = symbol[:pct]
+            is_return = True
+        symbol, parsed = split_symbol_offset(symbol)
+        if parsed is None or not 0 <= parsed <= M.UINT_MAX:
+            raise cmd.error(1, 0, M.BAD_PROBE_ADDR)
+        offset = parsed
+        if is_return:
+            flags |= FL_RETURN
+        exists = bool(symbol) and (symbol_exists is None or symbol_exists(symbol))
+        if exists:  # else kprobe_on_func_entry() is -ENOENT: decided later
+            entry = on_func_entry(symbol, offset) if on_func_entry else offset == 0
+            if entry:
+                flags |= FL_FENTRY
+            elif is_return:
+                raise cmd.error(1, 0, M.BAD_RETPROBE)
+
+    group = M.KPROBE_EVENT_SYSTEM
+    if event is not None:
+        parsed_group, event = _parse_event_name(cmd, event, colon + 1)
+        group = parsed_group or group
+    if event is None:
+        event = _default_event_name(is_return, symbol, offset, addr)
+
+    args: list[FetchArg] = []
+    for i, word in enumerate(argv[2 : 2 + M.MAX_TRACE_ARGS]):
+        try:
+            args.append(parse_fetch_arg(word, i, flags, args))
+        except ArgError as exc:
+            raise cmd.error(i + 2, exc.offset, exc.message) from None
+
+    # What registration (traceprobe_update_arg, register_kprobe) would reject.
+    for _, ref in symbol_refs_of(args):
+        if ref.offset is None:
+            raise cmd.error(1, 0, M.FAIL_REG_PROBE)
+        if not ref.name or (symbol_exists is not None and not symbol_exists(ref.name)):
+            raise cmd.error(1, 0, M.BAD_PROBE_ADDR)
+    if not exists:
+        raise cmd.error(1, 0, M.BAD_PROBE_ADDR)
+    return ProbeEvent(
+        kind="r" if is_return else "p",
+        group=group,
+        event=event,
+        symbol=symbol,
+        offset=offset,
+        addr=addr,
+        maxactive=maxactive,
+        args=args,
+        text=cmd.text,
+    )
+
+
+def _parse_event_name(cmd: _Command, name: str, offset: int) -> tuple[str | None, str | None]:
+    """``traceprobe_parse_event_name``: (group or None, event or None for ``GRP/``)."""
+    group = None
+    slash = name.find("/")
+    if slash < 0:
+        slash = name.find(".")
+    if slash >= 0:
+        if slash == 0:
+            raise cmd.error(0, offset, M.NO_GROUP_NAME)
+        if slash + 1 > M.MAX_EVENT_NAME_LEN:
+            raise cmd.error(0, offset, M.GROUP_TOO_LONG)
+        group = name[:slash]
+        if not is_good_name(group, hash_ok=True):
+            raise cmd.error(0, offset, M.BAD_GROUP_NAME)
+        offset += slash + 1
+        name = name[slash + 1 :]
+    if not name:
+        if slash >= 0:
+            return group, None
+        raise cmd.error(0, offset, M.NO_EVENT_NAME)
+    if len(name) > M.MAX_EVENT_NAME_LEN:
+        raise cmd.error(0, offset, M.EVENT_TOO_LONG)
+    if not is_good_name(name):
+        raise cmd.error(0, offset, M.BAD_EVENT_NAME)
+    return group, name
+
+
+def _default_event_name(is_return: bool, symbol: str | None, offset: int, addr: int | None) -> str:
+    """``p_SYM_OFFS`` / ``r_0xADDR``, cut to 63 chars, ``:`` and ``.`` made ``_``.
+
+    The kernel prints the address with ``%p``, which is a hashed value unless
+    the guest boots with no_hash_pointers; qprobe uses the real address.
+    """
+    kind = "r" if is_return else "p"
+    name = f"{kind}_{symbol}_{offset}" if symbol is not None else f"{kind}_0x{addr or 0:016x}"
+    name = name[: M.MAX_EVENT_NAME_LEN - 1]
+    return name[0] + name[1:].replace(":", "_").replace(".", "_")
+
+
+def check_append(new: ProbeEvent, existing: Sequence[ProbeEvent]) -> None:
+    """Can ``new`` join the event whose probes are ``existing`` (same group/event)?
+
+    Mirrors register_trace_kprobe / append_trace_kprobe: the probe type must
+    match, the arguments must have the same names and types as the first
+    existing probe, and the same place with the same arguments cannot be
+    added twice (probes on addresses all count as the same place, "unknown",
+    as in the kernel).  Raises FetchArgError with the kernel's caret.
+    """
+    if not existing:
+        return
+    cmd = _Command(new.text, _strip_line(new.text))
+    old = existing[0]
+    if new.is_return != old.is_return:
+        raise cmd.error(0, 0, M.DIFF_PROBE_TYPE)
+    diff = _compare_arg_types(new.args, old.args)
+    if diff:
+        raise cmd.error(diff + 1, 0, M.DIFF_ARG_TYPE)
+    for probe in existing:
+        if (
+            (probe.symbol or "unknown") == (new.symbol or "unknown")
+            and probe.offset == new.offset
+            and [a.body for a in probe.args] == [a.body for a in new.args]
+        ):
+            raise cmd.error(0, 0, M.SAME_PROBE)
+
+
+def _compare_arg_types(a: list[FetchArg], b: list[FetchArg]) -> int:
+    """``trace_probe_compare_arg_type``: 1-based index of the first difference, or 0."""
+    if len(a) != len(b):
+        return min(len(a), len(b)) + 1
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if x.type.name != y.type.name or x.type.array != y.type.array or x.name != y.name:
+            return i + 1
+    return 0

@@ -1,0 +1,275 @@
+"""Fetch-argument expressions: the tree, its parser and its evaluation.
+
+The parser is a transcription of ``parse_probe_arg`` and ``parse_probe_vars``
+(kernel/trace/trace_probe.c, Linux 6.1) into a tree instead of a fetch_insn
+array.  It still counts the instructions the kernel would emit, because the
+kernel's 16-slot limit decides where "Dereference is too much nested" is
+reported, and it reproduces the kernel's error offsets (including the
+off-by-one of ``+u``), so carets match the kernel's error_log.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import messages as M
+from .context import REGISTERS, U64_MASK, FetchContext, read_uint
+from .kstrto import isdigit, kstrtol, kstrtoul, to_s32
+
+# TPARG_FL_* from trace_probe.h
+FL_RETURN = 1
+FL_KERNEL = 2
+FL_FENTRY = 4
+FL_MASK = 0xF
+
+
+class ArgError(Exception):
+    """A parse error at ``offset`` inside the current word of the command."""
+
+    def __init__(self, offset: int, message: str) -> None:
+        super().__init__(message)
+        self.offset = offset
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Reg:
+    """``%REG``: a pt_regs slot."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Stack:
+    """``$stackN``: the Nth word on the kernel stack."""
+
+    n: int
+
+
+@dataclass(frozen=True)
+class StackPointer:
+    """``$stack``: the kernel stack pointer."""
+
+
+@dataclass(frozen=True)
+class RetVal:
+    """``$retval``: the return value (return probes only)."""
+
+
+@dataclass(frozen=True)
+class Comm:
+    """``$comm``: the current task's comm (a string, cannot be dereferenced)."""
+
+
+@dataclass(frozen=True)
+class Arg:
+    """``$argN``: the Nth (1-based) function argument (function entry only)."""
+
+    n: int
+
+
+@dataclass(frozen=True)
+class Imm:
+    """``\\IMM`` or the address of ``@ADDR``: a constant."""
+
+    value: int
+
+
+@dataclass(frozen=True)
+class ImmString:
+    """``\\"text"``: a constant string."""
+
+    value: str
+
+
+@dataclass(frozen=True)
+class SymbolAddr:
+    """The address of ``@SYM[+|-offs]``, resolved when the probe is registered.
+
+    ``spec`` is the text after ``@``.  ``offset`` is None when the part after
+    the first ``+``/``-`` is not a number: the kernel accepts such an
+    argument when parsing and fails at registration.
+    """
+
+    spec: str
+    name: str
+    offset: int | None
+
+
+@dataclass(frozen=True)
+class Deref:
+    """``+|-[u]OFFS(inner)``; also ``@ADDR``/``@SYM`` (a deref at offset 0)."""
+
+    inner: Node
+    offset: int  # a C int, as in fetch_insn
+    user: bool = False
+
+
+Node = Reg | Stack | StackPointer | RetVal | Comm | Arg | Imm | ImmString | SymbolAddr | Deref
+
+
+class Code:
+    """Index of the kernel's fetch_insn cursor, to enforce FETCH_INSN_MAX."""
+
+    END = M.FETCH_INSN_MAX - 1
+
+    def __init__(self) -> None:
+        self.idx = 0
+
+    def advance(self, offs: int) -> None:
+        """``if (++code == end)``: one more instruction, or too many."""
+        self.idx += 1
+        if self.idx == self.END:
+            raise ArgError(offs, M.TOO_MANY_OPS)
+
+
+def split_symbol_offset(spec: str) -> tuple[str, int | None]:
+    """``traceprobe_split_symbol_offset``: ("sym", offset) or ("sym", None) if bad."""
+    cut = min((i for i in (spec.find("+"), spec.find("-")) if i >= 0), default=-1)
+    if cut < 0:
+        return spec, 0
+    return spec[:cut], kstrtol(spec[cut:], 0)
+
+
+def _parse_vars(var: str, flags: int, offs: int) -> Node:
+    """``parse_probe_vars``: the text after ``$``."""
+    if var == "retval":
+        if flags & FL_RETURN:
+            return RetVal()
+        raise ArgError(offs, M.RETVAL_ON_PROBE)
+    if var.startswith("stack"):
+        rest = var[5:]
+        if rest == "":
+            return StackPointer()
+        if isdigit(rest):
+            n = kstrtoul(rest, 10)
+            if n is None:
+                raise ArgError(offs, M.BAD_VAR)
+            if (flags & FL_KERNEL) and n > M.PARAM_MAX_STACK:
+                raise ArgError(offs, M.BAD_STACK_NUM)
+            return Stack(n)
+        raise ArgError(offs, M.BAD_VAR)
+    if var in ("comm", "COMM"):
+        return Comm()
+    if (flags & FL_MASK) == (FL_KERNEL | FL_FENTRY) and var.startswith("arg"):
+        n = kstrtoul(var[3:], 10)
+        if n is None:
+            raise ArgError(offs, M.BAD_VAR)
+        if n == 0 or n > M.PARAM_MAX_STACK:
+            raise ArgError(offs, M.BAD_ARG_NUM)
+        return Arg(n)
+    raise ArgError(offs, M.BAD_VAR)
+
+
+def _str_to_immediate(text: str) -> int | None:
+    if isdigit(text):
+        return kstrtoul(text, 0)
+    if text[:1] == "-":
+        value = kstrtol(text, 0)
+    elif text[:1] == "+":
+        value = kstrtol(text[1:], 0)
+    else:
+        return None
+    return None if value is None else value & U64_MASK
+
+
+def _parse_deref(arg: str, flags: int, offs: int, code: Code) -> Node:
+    """The ``+``/``-`` case of parse_probe_arg, offsets computed as in C."""
+    buf = arg
+    user = False
+    if buf[1:2] == "u":
+        user = True
+        buf = buf[0] + buf[2:]  # arg[1] = arg[0]; arg++
+    if buf[:1] == "+":
+        buf = buf[1:]
+    paren = buf.find("(")
+    if paren < 0:
+        raise ArgError(offs, M.DEREF_NEED_BRACE)
+    offset = kstrtol(buf[:paren], 0)
+    if offset is None:
+        raise ArgError(offs, M.BAD_DEREF_OFFS)
+    offs += paren + 1 + (1 if buf[:1] != "-" else 0)
+    rest = buf[paren + 1 :]
+    close = rest.rfind(")")
+    if close < 0:
+        raise ArgError(offs + len(rest), M.DEREF_OPEN_BRACE)
+    inner = parse_probe_arg(rest[:close], flags, offs, code)
+    if isinstance(inner, Comm | ImmString):
+        raise ArgError(offs, M.COMM_CANT_DEREF)
+    code.advance(offs)
+    return Deref(inner, to_s32(offset), user)
+
+
+def parse_probe_arg(arg: str, flags: int, offs: int, code: Code) -> Node:
+    """``parse_probe_arg``: one expression (no name, no type) at ``offs``."""
+    head = arg[:1]
+    if head == "$":
+        return _parse_vars(arg[1:], flags, offs)
+    if head == "%":
+        if arg[1:] not in REGISTERS:
+            raise ArgError(offs, M.BAD_REG_NAME)
+        return Reg(arg[1:])
+    if head == "@":
+        node: Node
+        if isdigit(arg[1:2]):
+            addr = kstrtoul(arg[1:], 0)
+            if addr is None:
+                raise ArgError(offs, M.BAD_MEM_ADDR)
+            node = Imm(addr)
+        elif arg[1:2] == "+":
+            raise ArgError(offs, M.FILE_ON_KPROBE)
+        else:
+            name, offset = split_symbol_offset(arg[1:])
+            node = SymbolAddr(arg[1:], name, offset)
+            code.advance(offs)  # FETCH_NOP_SYMBOL, then FETCH_OP_IMM
+        code.advance(offs)
+        return Deref(node, 0)
+    if head in ("+", "-"):
+        return _parse_deref(arg, flags, offs, code)
+    if head == "\\":
+        if arg[1:2] == '"':
+            text = arg[2:]
+            # An empty body checks the '"' just before it, as the C does.
+            if text and text[-1] != '"':
+                raise ArgError(offs + 2 + len(text), M.IMMSTR_NO_CLOSE)
+            return ImmString(text[:-1])
+        value = _str_to_immediate(arg[1:])
+        if value is None:
+            raise ArgError(offs + 1, M.BAD_IMM)
+        return Imm(value)
+    raise ArgError(offs, M.BAD_FETCH_ARG)
+
+
+def symbol_refs(node: Node) -> list[SymbolAddr]:
+    """Every ``@SYM`` in the expression, innermost first."""
+    while isinstance(node, Deref):
+        node = node.inner
+    return [node] if isinstance(node, SymbolAddr) else []
+
+
+def fetch(node: Node, ctx: FetchContext) -> int:
+    """Stages 1 and 2 of process_fetch_insn: the unsigned long value.
+
+    Raises MemoryFault (a bad dereference) or KeyError (an unknown symbol);
+    strings (Comm, ImmString) are handled by the caller, never here.
+    """
+    match node:
+        case Reg(name):
+            return ctx.reg(name) & U64_MASK
+        case Stack(n):
+            return ctx.stack(n) & U64_MASK
+        case StackPointer():
+            return ctx.stack_pointer() & U64_MASK
+        case RetVal():
+            return ctx.retval() & U64_MASK
+        case Arg(n):
+            return ctx.arg(n) & U64_MASK
+        case Imm(value):
+            return value
+        case SymbolAddr(_, name, offset):
+            if offset is None:
+                raise KeyError(name)
+            return (ctx.symbol_address(name) + offset) & U64_MASK
+        case Deref(inner, offset, user):
+            return read_uint(ctx, fetch(inner, ctx) + offset, 8, user)
+    raise TypeError(f"{node!r} has no numeric value")

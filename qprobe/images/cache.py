@@ -1,0 +1,151 @@
+"""The on-disk cache: where fetched kernels and built guest files live.
+
+Everything qprobe downloads or builds goes below one directory,
+``$QPROBE_CACHE`` or ``~/.cache/qprobe``, created with mode 0700 (it may hold
+a kernel a user built). Two rules keep it trustworthy:
+
+* every result is written under a temporary name and renamed into place, so
+  an interrupted build never leaves a half-written file that a later run
+  would take as good;
+* builds of one result take an exclusive lock file, so two processes (say,
+  parallel test workers) never build the same thing twice at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from qprobe.errors import ImageError
+
+__all__ = [
+    "atomic_dir",
+    "atomic_file",
+    "cache_dir",
+    "hash_inputs",
+    "locked",
+    "prune",
+    "subdir",
+]
+
+TMP_PREFIX = ".tmp-"
+
+
+def cache_dir() -> Path:
+    """The cache root, created (mode 0700) if missing."""
+    env = os.environ.get("QPROBE_CACHE")
+    root = Path(env).expanduser() if env else Path.home() / ".cache" / "qprobe"
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ImageError(f"cannot create the cache directory {root}: {exc.strerror}; set QPROBE_CACHE") from exc
+    return root
+
+
+def subdir(*parts: str) -> Path:
+    """A directory inside the cache, created with mode 0700."""
+    path = cache_dir().joinpath(*parts)
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ImageError(f"cannot create {path}: {exc.strerror}; check QPROBE_CACHE") from exc
+    return path
+
+
+@contextlib.contextmanager
+def locked(directory: Path, name: str) -> Iterator[None]:
+    """Hold an exclusive lock named ``name`` in ``directory`` for the block."""
+    lock = directory / f".lock-{name}"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_file(dest: Path, mode: int = 0o644) -> Iterator[Path]:
+    """Yield a temporary path next to ``dest``; rename it to ``dest`` on success.
+
+    On an exception the temporary file is removed and ``dest`` is untouched.
+    """
+    fd, tmp_name = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{dest.name}.", dir=dest.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        os.chmod(tmp, mode)
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_dir(dest: Path) -> Iterator[Path]:
+    """Yield a temporary directory next to ``dest``; rename it to ``dest`` on success.
+
+    An existing ``dest`` (an incomplete leftover the caller decided to
+    replace) is removed first.
+    """
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{dest.name}.", dir=dest.parent))
+    try:
+        yield tmp
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def remove_leftovers(directory: Path) -> None:
+    """Remove temporary files and directories an interrupted run left behind.
+
+    Call it only while holding the lock that guards ``directory``'s builds,
+    or a running build's temporary files would go.
+    """
+    for leftover in directory.glob(f"{TMP_PREFIX}*"):
+        if leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            leftover.unlink(missing_ok=True)
+
+
+def hash_inputs(items: Iterable[tuple[str, bytes]]) -> str:
+    """A short hex digest of named byte strings (names are part of the hash)."""
+    h = hashlib.sha256()
+    for name, data in items:
+        h.update(name.encode() + b"\0" + len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()[:16]
+
+
+def prune(directory: Path, pattern: str, keep: int, protect: Iterable[Path] = ()) -> None:
+    """Delete all but the ``keep`` most recently used entries matching ``pattern``.
+
+    Deleting a file that a running QEMU still has open is harmless on Linux.
+    """
+    protected = {p.resolve() for p in protect}
+    entries = [p for p in directory.glob(pattern) if not p.name.startswith(TMP_PREFIX)]
+    entries.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in entries[keep:]:
+        if old.resolve() in protected:
+            continue
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+
+
+def touch(path: Path) -> None:
+    """Mark a cached entry as just used (``prune`` keeps recent ones)."""
+    with contextlib.suppress(OSError):
+        os.utime(path)

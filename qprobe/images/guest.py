@@ -1,0 +1,247 @@
+"""The guest's root filesystem: busybox, /init and the workload program.
+
+Built on the host without root from ``scripts/guest/`` and the host's static
+busybox, into ``<cache>/guest/<hash>/``, where the hash covers every input
+(workload.c, init, the busybox binary, this module's layout version): a
+change to any of them builds a new directory, an unchanged checkout reuses
+the old one. One tree gives both forms:
+
+* ``initramfs.cpio.gz``: the tree through our own cpio writer, which also
+  adds ``/dev/console`` (char 5:1), the node the kernel opens for init's
+  stdin/stdout before ``/init`` runs;
+* ``rootfs.ext2``: ``mke2fs -t ext2 -d tree``, for booting from a disk. Its
+  ``/dev`` is empty: the console is opened from the kernel's built-in
+  initramfs before the disk is mounted, and /init mounts devtmpfs.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from qprobe.errors import ImageError
+from qprobe.images import cache
+from qprobe.images.cpio import CpioWriter
+from qprobe.images.progress import Reporter
+
+__all__ = ["GuestFiles", "build_disk", "build_initramfs", "guest_sources", "guest_state"]
+
+# Bump when the tree's layout changes, so old cached builds are not reused.
+LAYOUT_VERSION = "1"
+DISK_MIN_BYTES = 32 << 20
+
+_ETC = {
+    "etc/passwd": "root:x:0:0:root:/root:/bin/sh\n",
+    "etc/group": "root:x:0:\n",
+    "etc/hostname": "qprobe\n",
+    "etc/shells": "/bin/sh\n",
+}
+# Empty directories the tree needs, with their modes.
+_DIRS = {
+    "dev": 0o755,
+    "proc": 0o555,
+    "sys": 0o555,
+    "tmp": 0o1777,
+    "run": 0o755,
+    "root": 0o700,
+    "mnt": 0o755,
+    "var": 0o755,
+    "etc": 0o755,
+    "bin": 0o755,
+    "sbin": 0o755,
+    "usr": 0o755,
+    "usr/bin": 0o755,
+    "usr/sbin": 0o755,
+}
+
+
+@dataclass(frozen=True)
+class GuestFiles:
+    """Where the guest's inputs are on the host."""
+
+    workload_c: Path
+    init: Path
+    busybox: Path
+
+    def key(self) -> str:
+        """Hash of every input: the name of this build's cache directory."""
+        items = [("layout", LAYOUT_VERSION.encode())]
+        for name, path in (("workload.c", self.workload_c), ("init", self.init), ("busybox", self.busybox)):
+            try:
+                items.append((name, path.read_bytes()))
+            except OSError as exc:
+                raise ImageError(f"cannot read guest input {path}: {exc.strerror}") from exc
+        return cache.hash_inputs(items)
+
+
+def _find_busybox() -> Path:
+    env = os.environ.get("QPROBE_BUSYBOX")
+    candidates = [Path(env)] if env else [Path("/bin/busybox"), Path(shutil.which("busybox") or "/nonexistent")]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise ImageError("busybox not found: install busybox-static (or set QPROBE_BUSYBOX to a static busybox)")
+
+
+def guest_sources() -> GuestFiles:
+    """The guest's inputs: ``scripts/guest/`` of this checkout and the host's busybox.
+
+    ``$QPROBE_GUEST_SRC`` names another directory holding workload.c and init.
+    """
+    env = os.environ.get("QPROBE_GUEST_SRC")
+    src = Path(env).expanduser() if env else Path(__file__).resolve().parents[2] / "scripts" / "guest"
+    files = GuestFiles(workload_c=src / "workload.c", init=src / "init", busybox=_find_busybox())
+    for path in (files.workload_c, files.init):
+        if not path.is_file():
+            raise ImageError(f"guest source {path} not found; set QPROBE_GUEST_SRC to the scripts/guest directory")
+    return files
+
+
+def _check_static(path: Path, what: str, hint: str) -> None:
+    """Refuse a dynamically linked binary: the guest has no libc to load it with."""
+    data = path.read_bytes()[:4096]
+    if data[:4] != b"\x7fELF" or data[4] != 2:
+        raise ImageError(f"{what} {path} is not a 64-bit ELF program")
+    phoff = int.from_bytes(data[32:40], "little")
+    phentsize = int.from_bytes(data[54:56], "little")
+    phnum = int.from_bytes(data[56:58], "little")
+    for i in range(phnum):
+        off = phoff + i * phentsize
+        if off + 4 <= len(data) and int.from_bytes(data[off : off + 4], "little") == 3:  # PT_INTERP
+            raise ImageError(f"{what} {path} is dynamically linked; {hint}")
+
+
+def _build_workload(src: Path, dest: Path) -> None:
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        raise ImageError("gcc not found: install gcc and libc6-dev to build the guest workload")
+    with cache.atomic_file(dest, 0o755) as tmp:
+        proc = subprocess.run(
+            [gcc, "-static", "-O2", "-Wall", "-o", str(tmp), str(src)], capture_output=True, text=True, check=False
+        )
+        if proc.returncode != 0:
+            errors = [line for line in proc.stderr.splitlines() if "error" in line] or proc.stderr.splitlines()
+            raise ImageError(f"gcc -static failed on {src}: {errors[0] if errors else 'no output'}")
+        _check_static(tmp, "workload", "gcc could not link it statically (install libc6-dev)")
+
+
+def _applets(busybox: Path) -> list[str]:
+    """Applet paths ("bin/sh", "sbin/poweroff", ...) the busybox binary provides."""
+    proc = subprocess.run([str(busybox), "--list-full"], capture_output=True, text=True, check=False)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        raise ImageError(f"{busybox} --list-full failed: is it a busybox binary?")
+    return [line.strip() for line in proc.stdout.splitlines() if "/" in line.strip()]
+
+
+def _build_tree(files: GuestFiles, workload: Path, dest: Path) -> None:
+    """The root filesystem as a host directory (owners are fixed up per form)."""
+    _check_static(files.busybox, "busybox", "install busybox-static")
+    with cache.atomic_dir(dest) as tree:
+        tree.chmod(0o755)
+        for name, mode in _DIRS.items():
+            (tree / name).mkdir(parents=True, exist_ok=True)
+            (tree / name).chmod(mode)
+        shutil.copyfile(files.busybox, tree / "bin/busybox")
+        (tree / "bin/busybox").chmod(0o755)
+        shutil.copyfile(workload, tree / "bin/workload")
+        (tree / "bin/workload").chmod(0o755)
+        shutil.copyfile(files.init, tree / "init")
+        (tree / "init").chmod(0o755)
+        for name, text in _ETC.items():
+            (tree / name).write_text(text)
+            (tree / name).chmod(0o644)
+        for applet in _applets(tree / "bin/busybox"):
+            link = tree / applet
+            if link.exists() or link.is_symlink() or applet.count("/") > 2:
+                continue  # never replace busybox, workload or init
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to("/bin/busybox")
+
+
+def _guest_dir(files: GuestFiles, reporter: Reporter) -> Path:
+    """The build directory with ``workload`` and ``tree`` in it (built if missing)."""
+    key = files.key()
+    root = cache.subdir("guest")
+    directory = root / key
+    if (directory / "tree").is_dir() and (directory / "workload").is_file():
+        cache.touch(directory)
+        return directory
+    with cache.locked(root, key):
+        directory.mkdir(mode=0o700, exist_ok=True)
+        cache.remove_leftovers(directory)
+        if not (directory / "workload").is_file():
+            reporter.note("building the guest workload (gcc -static)")
+            _build_workload(files.workload_c, directory / "workload")
+        if not (directory / "tree").is_dir():
+            _build_tree(files, directory / "workload", directory / "tree")
+    cache.prune(root, "[0-9a-f]*", keep=4, protect=[directory])
+    return directory
+
+
+def build_initramfs(reporter: Reporter, files: GuestFiles | None = None) -> Path:
+    """The gzip'd newc initramfs of the guest tree (cached)."""
+    files = files or guest_sources()
+    directory = _guest_dir(files, reporter)
+    dest = directory / "initramfs.cpio.gz"
+    if dest.is_file():
+        return dest
+    with cache.locked(directory.parent, directory.name):
+        if dest.is_file():
+            return dest
+        reporter.note("building the guest initramfs")
+        writer = CpioWriter()
+        writer.add_tree(directory / "tree")
+        writer.add_chardev("/dev/console", 5, 1, 0o600)
+        data = gzip.compress(writer.finish(), compresslevel=6, mtime=0)
+        with cache.atomic_file(dest) as tmp:
+            tmp.write_bytes(data)
+    return dest
+
+
+def build_disk(reporter: Reporter, files: GuestFiles | None = None) -> Path:
+    """A raw ext2 image of the guest tree (cached), made by ``mke2fs -d``."""
+    files = files or guest_sources()
+    directory = _guest_dir(files, reporter)
+    dest = directory / "rootfs.ext2"
+    if dest.is_file():
+        return dest
+    mke2fs = shutil.which("mke2fs") or shutil.which("mke2fs", path="/sbin:/usr/sbin")
+    if mke2fs is None:
+        raise ImageError("mke2fs not found: install e2fsprogs to build the guest disk image")
+    with cache.locked(directory.parent, directory.name):
+        if dest.is_file():
+            return dest
+        reporter.note("building the guest disk image (mke2fs -t ext2)")
+        tree = directory / "tree"
+        used = sum(p.lstat().st_size for p in tree.rglob("*"))
+        size_kib = max(DISK_MIN_BYTES, used * 2 + (8 << 20)) // 1024
+        with cache.atomic_file(dest) as tmp:
+            tmp.unlink()  # mke2fs creates the file itself, with the size given
+            proc = subprocess.run(
+                [
+                    mke2fs, "-q", "-F", "-t", "ext2", "-b", "1024", "-m", "0", "-L", "qprobe",
+                    "-U", "00000000-0000-4000-8000-00000071b0be", "-E", "root_owner=0:0",
+                    "-d", str(tree), str(tmp), f"{size_kib}k",
+                ],  # fmt: skip
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if proc.returncode != 0:
+                lines = proc.stderr.strip().splitlines()
+                raise ImageError(f"mke2fs -d {tree} failed: {lines[-1] if lines else proc.returncode}")
+    return dest
+
+
+def guest_state() -> bool:
+    """Whether the guest build for the current sources is in the cache."""
+    try:
+        files = guest_sources()
+        directory = cache.cache_dir() / "guest" / files.key()
+    except ImageError:
+        return False
+    return (directory / "initramfs.cpio.gz").is_file()

@@ -1,0 +1,187 @@
+"""The image manifests: ``kernels/images.toml`` and the user's own file.
+
+Both use one schema, a table per image under ``[images.NAME]``:
+
+* a Debian kernel: ``flavour = "cloud-amd64"`` (the package
+  ``linux-image-<abi>-<flavour>`` and its ``-dbg``); optional ``abi`` pins
+  the ABI ("6.1.0-56") instead of taking what apt offers;
+* a kernel given by files: ``kernel`` (bzImage) and ``vmlinux``, optional
+  ``system_map`` and ``config``, and ``initrd`` *or* ``disk``. Relative
+  paths are taken from the manifest's directory, ``~`` is expanded.
+
+Common keys: ``description``, ``cmdline`` (extra kernel arguments),
+``rootfs`` ("initramfs" default, or "disk": which qprobe-built root to use
+when no ``initrd``/``disk`` file is given) and ``disk_interface`` ("nvme"
+default, or "virtio" for kernels with virtio-blk built in).
+
+Unknown keys are errors: a typo ("vmlinx") must not silently drop a file.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from qprobe.errors import ImageError
+from qprobe.images.image import DISK_INTERFACES
+
+__all__ = [
+    "DEFAULT_IMAGE",
+    "ImageSpec",
+    "builtin_manifest_path",
+    "load_manifest",
+    "load_specs",
+    "user_manifest_path",
+]
+
+DEFAULT_IMAGE = "debian-cloud"
+
+_COMMON = {"description", "cmdline", "rootfs", "disk_interface", "source"}
+_DEBIAN = _COMMON | {"flavour", "abi"}
+_FILES = _COMMON | {"kernel", "vmlinux", "initrd", "disk", "system_map", "config"}
+_FILE_KEYS = ("kernel", "vmlinux", "initrd", "disk", "system_map", "config")
+_ROOTFS = ("initramfs", "disk")
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """One image as a manifest describes it (nothing fetched or checked yet)."""
+
+    name: str
+    source: str  # "debian" or "files"
+    description: str = ""
+    origin: Path | None = None  # the manifest it came from
+    flavour: str | None = None
+    abi: str | None = None
+    files: dict[str, Path] = field(default_factory=dict)
+    cmdline: str | None = None
+    rootfs: str = "initramfs"  # which form when no initrd/disk file is given
+    disk_interface: str = "nvme"
+
+    @property
+    def form(self) -> str:
+        """"initramfs" or "disk": how the guest's root filesystem is supplied."""
+        if "disk" in self.files:
+            return "disk"
+        if "initrd" in self.files:
+            return "initramfs"
+        return self.rootfs
+
+
+def builtin_manifest_path() -> Path:
+    """``kernels/images.toml`` of this checkout (``$QPROBE_MANIFEST`` overrides)."""
+    env = os.environ.get("QPROBE_MANIFEST")
+    if env:
+        return Path(env).expanduser()
+    return Path(__file__).resolve().parents[2] / "kernels" / "images.toml"
+
+
+def user_manifest_path() -> Path:
+    """``$QPROBE_IMAGES``, else ``$XDG_CONFIG_HOME/qprobe/images.toml`` (~/.config)."""
+    env = os.environ.get("QPROBE_IMAGES")
+    if env:
+        return Path(env).expanduser()
+    config_home = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(config_home).expanduser() / "qprobe" / "images.toml"
+
+
+def _string(table: dict[str, object], key: str, where: str) -> str | None:
+    value = table.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ImageError(f"{where}: '{key}' must be a string, not {type(value).__name__}")
+    return value
+
+
+def parse_spec(name: str, table: object, origin: Path | None) -> ImageSpec:
+    """Check one ``[images.NAME]`` table and turn it into an ImageSpec."""
+    where = f"{origin or '<manifest>'}: image '{name}'"
+    if not isinstance(table, dict):
+        raise ImageError(f"{where} must be a table ([images.{name}])")
+    if not name or any(c.isspace() or c == "/" for c in name):
+        raise ImageError(f"{where}: an image name must be non-empty, without spaces or '/'")
+    source = _string(table, "source", where)
+    if source is None:
+        source = "debian" if "flavour" in table else "files"
+    if source not in ("debian", "files"):
+        raise ImageError(f"{where}: source must be 'debian' or 'files', not {source!r}")
+    allowed = _DEBIAN if source == "debian" else _FILES
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise ImageError(f"{where}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(sorted(allowed))})")
+
+    rootfs = _string(table, "rootfs", where) or "initramfs"
+    if rootfs not in _ROOTFS:
+        raise ImageError(f"{where}: rootfs must be 'initramfs' or 'disk', not {rootfs!r}")
+    iface = _string(table, "disk_interface", where) or "nvme"
+    if iface not in DISK_INTERFACES:
+        raise ImageError(f"{where}: disk_interface must be 'nvme' or 'virtio', not {iface!r}")
+    common = ImageSpec(
+        name=name,
+        source=source,
+        description=_string(table, "description", where) or "",
+        origin=origin,
+        cmdline=_string(table, "cmdline", where),
+        rootfs=rootfs,
+        disk_interface=iface,
+    )
+    if source == "debian":
+        flavour = _string(table, "flavour", where)
+        if not flavour:
+            raise ImageError(f"{where}: a Debian image needs 'flavour' (e.g. \"cloud-amd64\")")
+        return replace(common, flavour=flavour, abi=_string(table, "abi", where))
+
+    base = origin.parent if origin is not None else Path.cwd()
+    files: dict[str, Path] = {}
+    for key in _FILE_KEYS:
+        value = _string(table, key, where)
+        if value:
+            path = Path(value).expanduser()
+            files[key] = path if path.is_absolute() else base / path
+    for key in ("kernel", "vmlinux"):
+        if key not in files:
+            raise ImageError(f"{where}: '{key}' is required for an image given by files")
+    if "initrd" in files and "disk" in files:
+        raise ImageError(f"{where}: give either 'initrd' or 'disk', not both")
+    return replace(common, files=files)
+
+
+def load_manifest(path: Path, *, required: bool) -> dict[str, ImageSpec]:
+    """The images of one manifest file, in file order.
+
+    A missing optional file (the user's) gives no images; a missing required
+    one (the built-in) or a malformed one is an ImageError.
+    """
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError as exc:
+        if not required:
+            return {}
+        raise ImageError(f"image manifest {path} not found; set QPROBE_MANIFEST to its location") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ImageError(f"image manifest {path} is not valid TOML: {exc}") from exc
+    except OSError as exc:
+        raise ImageError(f"cannot read image manifest {path}: {exc.strerror}") from exc
+    unknown = sorted(set(data) - {"images"})
+    if unknown:
+        raise ImageError(f"{path}: unknown top-level key(s) {', '.join(unknown)}; images go in [images.NAME]")
+    images = data.get("images", {})
+    if not isinstance(images, dict):
+        raise ImageError(f"{path}: 'images' must be a table of [images.NAME] tables")
+    return {name: parse_spec(name, table, path) for name, table in images.items()}
+
+
+def load_specs() -> dict[str, ImageSpec]:
+    """Built-in images followed by the user's; a user image may not reuse a built-in name."""
+    builtin_path = builtin_manifest_path()
+    specs = load_manifest(builtin_path, required=True)
+    user_path = user_manifest_path()
+    for name, spec in load_manifest(user_path, required=False).items():
+        if name in specs:
+            raise ImageError(f"{user_path}: image '{name}' clashes with a built-in image; rename it")
+        specs[name] = spec
+    return specs

@@ -1,0 +1,229 @@
+"""The GDB remote protocol as QEMU 7.2's gdbstub speaks it, one method per request.
+
+Registers come from the stub's own target description (``qXfer:features``),
+so offsets in the ``g`` packet are never guessed; reading it is also what
+makes QEMU 7.2 answer ``p``/``P`` at all (see the facts file).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from qprobe.errors import ProtocolError, TargetError
+from qprobe.target.connection import Connection
+from qprobe.target.rsp import StopReply, hex_to_bytes, normalize_thread, parse_stop_reply
+
+_TAG = re.compile(r"<(xi:include|reg)\b([^>]*)>")
+_COMMENT = re.compile(r"<!--.*?-->", re.S)
+_ATTR = re.compile(r'(\w+)="([^"]*)"')
+BREAK_SW, BREAK_HW, WATCH_WRITE, WATCH_READ, WATCH_ACCESS = range(5)
+
+
+@dataclass(frozen=True)
+class RegDesc:
+    name: str
+    regnum: int
+    bitsize: int
+    offset: int  # byte offset in the ``g`` packet
+
+    @property
+    def size(self) -> int:
+        return self.bitsize // 8
+
+
+class GdbRemote:
+    """Requests to one stub.  A single thread must own an instance."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.packet_size = 0x1000
+        self.regs: dict[str, RegDesc] = {}
+        self._g_size = 0
+        self._hg: str | None = None
+        self._phys = False
+        self.running = False
+
+    # -- set-up ------------------------------------------------------------
+    def handshake(self) -> StopReply:
+        """Negotiate features, learn the registers, return the current stop state."""
+        self.conn.send(b"qSupported:multiprocess+;swbreak+;hwbreak+;xmlRegisters=i386")
+        reply = self.conn.recv()
+        # Connecting stops a running VM, and QEMU reports that stop unsolicited
+        # (``T02thread:01;``), possibly before the answer to our first packet.
+        while reply[:1] in (b"T", b"S"):
+            reply = self.conn.recv()
+        for feature in reply.split(b";"):
+            if feature.startswith(b"PacketSize="):
+                self.packet_size = int(feature.split(b"=")[1], 16)
+        if b"qXfer:features:read+" not in reply:
+            raise ProtocolError("the gdbstub offers no target description (qXfer:features:read)")
+        self._load_target_description()
+        # Connecting stops the VM; '?' tells us where (a \x03 now would get no reply).
+        stop = parse_stop_reply(self.conn.request(b"?"))
+        self.running = False
+        return stop
+
+    def _xfer(self, annex: str) -> str:
+        data = b""
+        while True:
+            chunk = self.conn.request(b"qXfer:features:read:%s:%x,%x" % (annex.encode(), len(data), 0xF00))
+            if not chunk or chunk[:1] not in b"lm":
+                raise ProtocolError(f"the gdbstub refused to send {annex}: {chunk[:40]!r}")
+            data += chunk[1:]
+            if chunk[:1] == b"l":
+                return data.decode()
+
+    def _load_target_description(self) -> None:
+        regnum = 0
+        offset = 0
+
+        def walk(annex: str) -> None:
+            nonlocal regnum, offset
+            # QEMU's target.xml uses an unbound ``xi:`` prefix, which an XML
+            # parser rejects; the tags we need are flat, so read them in order.
+            text = _COMMENT.sub("", self._xfer(annex))  # QEMU comments out cs_base..es_base
+            for tag, attrs in _TAG.findall(text):
+                attrib = dict(_ATTR.findall(attrs))
+                if tag == "xi:include":
+                    walk(attrib["href"])
+                elif tag == "reg":
+                    regnum = int(attrib.get("regnum", regnum))
+                    bits = int(attrib["bitsize"])
+                    self.regs[attrib["name"]] = RegDesc(attrib["name"], regnum, bits, offset)
+                    regnum += 1
+                    offset += bits // 8
+
+        walk("target.xml")
+        if "rip" not in self.regs or "cr3" not in self.regs:
+            raise ProtocolError("the gdbstub's target description is not x86_64 (no rip/cr3)")
+        self._g_size = offset
+
+    # -- replies -----------------------------------------------------------
+    def _ok(self, reply: bytes, what: str) -> None:
+        if reply != b"OK":
+            raise TargetError(f"gdbstub refused {what}: {_describe(reply)}")
+
+    def request(self, payload: bytes) -> bytes:
+        if self.running:
+            raise TargetError(f"internal: request {payload[:20]!r} sent while the VM runs")
+        return self.conn.request(payload)
+
+    # -- threads = vCPUs ---------------------------------------------------
+    def threads(self) -> list[str]:
+        out: list[str] = []
+        reply = self.request(b"qfThreadInfo")
+        while reply.startswith(b"m"):
+            out += [normalize_thread(t) for t in reply[1:].decode().split(",") if t]
+            reply = self.request(b"qsThreadInfo")
+        if reply != b"l":
+            raise ProtocolError(f"bad thread list reply {_describe(reply)}")
+        return out
+
+    def select(self, tid: str) -> None:
+        if self._hg != tid:
+            self._ok(self.request(b"Hg" + tid.encode()), f"selecting vCPU {tid}")
+            self._hg = tid
+
+    # -- registers -----------------------------------------------------------
+    def read_registers(self, tid: str) -> dict[str, int]:
+        self.select(tid)
+        raw = hex_to_bytes(self.request(b"g"))
+        if len(raw) < self._g_size:
+            # QEMU sends only what fits; everything we use precedes the FPU state.
+            needed = self.regs["efer"].offset + 8 if "efer" in self.regs else 0
+            if len(raw) < needed:
+                raise ProtocolError(f"short register packet: {len(raw)} bytes")
+        out = {}
+        for d in self.regs.values():
+            if d.offset + d.size <= len(raw) and d.bitsize <= 64:
+                out[d.name] = int.from_bytes(raw[d.offset : d.offset + d.size], "little")
+        return out
+
+    def write_register(self, tid: str, name: str, value: int) -> None:
+        d = self.regs[name]
+        self.select(tid)
+        data = (value & ((1 << d.bitsize) - 1)).to_bytes(d.size, "little").hex()
+        self._ok(self.request(b"P%x=%s" % (d.regnum, data.encode())), f"writing register {name}")
+
+    def write_registers(self, tid: str, values: dict[str, int]) -> None:
+        for name, value in values.items():
+            self.write_register(tid, name, value)
+
+    # -- memory --------------------------------------------------------------
+    @property
+    def chunk(self) -> int:
+        # Hex doubles the size; leave room for the framing and command.
+        return (self.packet_size - 32) // 2
+
+    def set_physical(self, on: bool) -> None:
+        """``Qqemu.PhyMemMode``: m/M take guest-physical addresses."""
+        if self._phys != on:
+            self._ok(self.request(b"Qqemu.PhyMemMode:%d" % on), "physical memory mode")
+            self._phys = on
+
+    def read_memory(self, addr: int, size: int) -> bytes:
+        out = bytearray()
+        while len(out) < size:
+            n = min(self.chunk, size - len(out))
+            reply = self.request(b"m%x,%x" % (addr + len(out), n))
+            if reply.startswith(b"E") and len(reply) == 3:
+                raise TargetError(f"cannot read guest memory at {addr + len(out):#x}: {_describe(reply)}")
+            out += hex_to_bytes(reply)
+        return bytes(out)
+
+    def write_memory(self, addr: int, data: bytes) -> None:
+        for off in range(0, len(data), self.chunk):
+            part = data[off : off + self.chunk]
+            reply = self.request(b"M%x,%x:%s" % (addr + off, len(part), part.hex().encode()))
+            self._ok(reply, f"writing guest memory at {addr + off:#x}")
+
+    # -- breakpoints -----------------------------------------------------------
+    def insert_breakpoint(self, addr: int, kind: int = BREAK_SW, length: int = 1) -> None:
+        self._ok(self.request(b"Z%d,%x,%x" % (kind, addr, length)), f"breakpoint at {addr:#x}")
+
+    def remove_breakpoint(self, addr: int, kind: int = BREAK_SW, length: int = 1) -> None:
+        self._ok(self.request(b"z%d,%x,%x" % (kind, addr, length)), f"removing breakpoint at {addr:#x}")
+
+    # -- execution -------------------------------------------------------------
+    def cont(self) -> None:
+        self.conn.send(b"vCont;c")
+        self.running = True
+
+    def step(self, tid: str, timeout: float = 10.0) -> StopReply:
+        """Single-step one vCPU; the others stay stopped (QEMU's gdb_continue_partial)."""
+        self.conn.send(b"vCont;s:" + tid.encode())
+        self.running = True
+        return self.wait_stop(timeout)
+
+    def interrupt(self) -> None:
+        # While the VM runs, any byte stops it; \x03 is the conventional one.
+        self.conn.send_raw(b"\x03")
+
+    def wait_stop(self, timeout: float | None = 10.0) -> StopReply:
+        stop = parse_stop_reply(self.conn.recv(timeout))
+        self.running = False
+        return stop
+
+    def poll_stop(self, timeout: float) -> StopReply | None:
+        payload = self.conn.poll(timeout)
+        if payload is None:
+            return None
+        self.running = False
+        return parse_stop_reply(payload)
+
+    def detach(self) -> None:
+        """``D``: the VM runs on without us."""
+        try:
+            self.conn.send(b"D")
+            self.conn.recv(2.0)
+        finally:
+            self.conn.close()
+
+
+def _describe(reply: bytes) -> str:
+    if not reply:
+        return "empty reply (not supported)"
+    if reply.startswith(b"E"):
+        return f"error {reply.decode(errors='replace')}"
+    return repr(reply[:40])

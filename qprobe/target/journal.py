@@ -1,0 +1,76 @@
+"""Everything qprobe writes into the guest, recorded before it is written.
+
+The journal is a small JSON file rewritten atomically on every change, so
+that after any exit, even SIGKILL, the next attach to the same VM can put
+back exactly the bytes qprobe replaced, and only where qprobe's bytes are
+still there (a rebooted guest or a foreign patch is left alone).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from qprobe.paths import cache_dir
+
+
+@dataclass(frozen=True)
+class Patch:
+    phys: int
+    virt: int
+    old: bytes
+    new: bytes
+    what: str  # "int3", "pmd", ...
+
+    def to_json(self) -> dict[str, object]:
+        d = asdict(self)
+        d["old"], d["new"] = self.old.hex(), self.new.hex()
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, object]) -> Patch:
+        return cls(int(d["phys"]), int(d["virt"]), bytes.fromhex(str(d["old"])),  # type: ignore[arg-type]
+                   bytes.fromhex(str(d["new"])), str(d["what"]))  # fmt: skip
+
+
+class Journal:
+    """Live patches of one VM, keyed by its gdbstub address."""
+
+    def __init__(self, key: str, identity: str) -> None:
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", key)[-120:]
+        self.path = cache_dir("journal") / f"{safe}.json"
+        self.identity = identity  # build-id and slide: a journal is only valid for that boot
+        self.patches: dict[int, Patch] = {}
+
+    def load(self) -> tuple[str, list[Patch]]:
+        """What an earlier qprobe left: (its identity, its live patches)."""
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return "", []
+        return str(data.get("identity", "")), [Patch.from_json(p) for p in data.get("patches", [])]
+
+    def _save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        payload = {"identity": self.identity, "patches": [p.to_json() for p in self.patches.values()]}
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def record(self, patch: Patch) -> None:
+        self.patches[patch.phys] = patch
+        self._save()
+
+    def forget(self, phys: int) -> None:
+        if self.patches.pop(phys, None) is not None:
+            self._save()
+
+    def clear(self) -> None:
+        self.patches.clear()
+        Path(self.path).unlink(missing_ok=True)

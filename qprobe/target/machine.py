@@ -1,0 +1,164 @@
+"""One guest under our control: the stub, its memory, its console, and the stop loop.
+
+Data flows one way: a stop event arrives on the stop-loop thread, goes to the
+handler registered for that breakpoint address (the kprobes dispatcher),
+and the handler decides how the vCPU resumes.  Every other use of the stub
+(arming a probe, reading registers for a user) is a request the loop runs
+while the VM is stopped, so the stub is only ever driven from one thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from qprobe.errors import QprobeError, TargetError, TargetGone
+from qprobe.target.gdbremote import GdbRemote
+from qprobe.target.journal import Journal, Patch
+from qprobe.target.memory import GuestMemory
+from qprobe.target.rsp import StopReply
+
+T = TypeVar("T")
+StopHandler = Callable[[str, dict[str, int]], None]
+SIGTRAP = 5
+
+
+class Machine:
+    """The stop loop and guarded writes.  ``call`` is the only way in from other threads."""
+
+    def __init__(self, gdb: GdbRemote, mem: GuestMemory, journal: Journal) -> None:
+        self.gdb = gdb
+        self.mem = mem
+        self.journal = journal
+        self.vcpus = gdb.threads()
+        self.stop_handlers: dict[int, StopHandler] = {}
+        self.handler_errors: list[str] = []
+        self._requests: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
+        self._error: BaseException | None = None
+        self._closing = False
+        self._paused = 0
+        self._thread = threading.Thread(target=self._loop, name="qprobe-stop-loop", daemon=True)
+        self._thread.start()
+
+    # -- requests from other threads -----------------------------------------
+    def call(self, fn: Callable[[], T], timeout: float | None = 60.0) -> T:
+        """Run ``fn`` on the stop-loop thread with every vCPU stopped."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        if self._error is not None:
+            raise TargetGone(f"the VM is gone: {self._error}")
+        fut: Future[T] = Future()
+        self._requests.put((fn, fut))
+        return fut.result(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._error is None and self._thread.is_alive()
+
+    def pause(self) -> None:
+        """Keep the VM stopped after the current request (until ``resume``)."""
+        self.call(lambda: setattr(self, "_paused", self._paused + 1))
+
+    def resume(self) -> None:
+        self.call(lambda: setattr(self, "_paused", max(0, self._paused - 1)))
+
+    # -- the loop ----------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while True:
+                if self.gdb.running:
+                    stop = self.gdb.poll_stop(0.05)
+                    if stop is None:
+                        if self._requests.empty():
+                            continue
+                        self.gdb.interrupt()
+                        stop = self.gdb.wait_stop(10.0)
+                    self._dispatch(stop)
+                self._serve_requests()
+                while self._paused and not self._closing:
+                    self._serve_requests(block=True)
+                if self._closing:
+                    return
+                self.gdb.cont()
+        except BaseException as exc:  # noqa: BLE001 - recorded and re-raised in every caller
+            self._error = exc
+        finally:
+            self._fail_pending()
+
+    def _dispatch(self, stop: StopReply) -> None:
+        if stop.exited:
+            raise TargetGone(f"the guest exited (stop reply {stop.kind}{stop.signal:02x})")
+        if stop.signal != SIGTRAP or stop.thread is None:
+            return  # our own interrupt (SIGINT) or a stop we have nothing to do with
+        regs = self.gdb.read_registers(stop.thread)
+        handler = self.stop_handlers.get(regs["rip"])
+        if handler is not None:
+            handler(stop.thread, regs)
+
+    def _serve_requests(self, block: bool = False) -> None:
+        """Run queued requests: all of them, or (``block``) at most one within 50 ms."""
+        while True:
+            try:
+                fn, fut = self._requests.get(timeout=0.05) if block else self._requests.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except TargetGone as exc:
+                    fut.set_exception(exc)
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(exc)
+            if block:
+                return
+
+    def _fail_pending(self) -> None:
+        err = self._error or TargetError("the stop loop ended")
+        while True:
+            try:
+                _fn, fut = self._requests.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(TargetGone(f"the VM is gone: {err}") if self._error else err)
+
+    def close(self, detach: bool = True) -> None:
+        """Stop the loop, leaving the VM running (detached) unless it is gone."""
+        if not self._thread.is_alive():
+            return
+        try:
+            self.call(lambda: setattr(self, "_closing", True), timeout=10.0)
+        except QprobeError:
+            pass
+        self._thread.join(5.0)
+        if detach and self._error is None:
+            try:
+                self.gdb.detach()
+            except QprobeError:
+                pass
+        else:
+            self.gdb.conn.close()
+
+    # -- guarded writes (stop-loop thread only) --------------------------------
+    def patch(self, virt: int, data: bytes, what: str) -> Patch:
+        """Journal, then write ``data`` at kernel address ``virt`` (physically, past write protection)."""
+        phys = self.mem.virt_to_phys(virt)
+        if (phys & 0xFFF) + len(data) > 0x1000:
+            raise TargetError(f"internal: patch at {virt:#x} crosses a page")
+        old = self.mem.read(virt, len(data))
+        p = Patch(phys, virt, old, data, what)
+        self.journal.record(p)
+        self.write_phys(phys, data)
+        return p
+
+    def unpatch(self, p: Patch) -> None:
+        self.write_phys(p.phys, p.old)
+        self.journal.forget(p.phys)
+
+    def write_phys(self, phys: int, data: bytes) -> None:
+        self.gdb.set_physical(True)
+        self.gdb.write_memory(phys, data)

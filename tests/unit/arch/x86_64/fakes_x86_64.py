@@ -1,0 +1,49 @@
+"""Fake vCPU registers and guest memory for the x86_64 emulation tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+REG_NAMES = ("ax", "bx", "cx", "dx", "si", "di", "bp", "sp", *(f"r{n}" for n in range(8, 16)), "ip", "flags")
+
+
+@dataclass
+class FakeRegs:
+    ax: int = 0
+    bx: int = 0
+    cx: int = 0
+    dx: int = 0
+    si: int = 0
+    di: int = 0
+    bp: int = 0
+    sp: int = 0
+    r8: int = 0
+    r9: int = 0
+    r10: int = 0
+    r11: int = 0
+    r12: int = 0
+    r13: int = 0
+    r14: int = 0
+    r15: int = 0
+    ip: int = 0
+    flags: int = 0x2
+
+
+class FakeMem:
+    """Sparse byte-addressed memory; reading an unwritten byte is an error."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[int, int] = {}
+
+    def write(self, addr: int, data: bytes) -> None:
+        for i, b in enumerate(data):
+            self.bytes[addr + i] = b
+
+    def read(self, addr: int, size: int) -> bytes:
+        return bytes(self.bytes[addr + i] for i in range(size))
+
+    def u64(self, addr: int) -> int:
+        return int.from_bytes(self.read(addr, 8), "little")
+
+    def put_u64(self, addr: int, val: int) -> None:
+        self.write(addr, val.to_bytes(8, "little"))

@@ -105,7 +105,8 @@ def _candidate_abis(flavour: str) -> list[str]:
         m = pattern.search(line)
         if m and m.group(1) not in found:
             found.append(m.group(1))
-    search = _apt("apt-cache", "search", "--names-only", rf"^linux-image-[0-9.]+-[0-9]+-{re.escape(flavour)}-dbg$")
+    # flavour is [a-z0-9-]+ (checked by the manifest): nothing to escape for apt's regex.
+    search = _apt("apt-cache", "search", "--names-only", f"^linux-image-[0-9.]+-[0-9]+-{flavour}-dbg$")
     listed = re.findall(rf"^linux-image-(\d+\.\d+\.\d+-\d+)-{re.escape(flavour)}-dbg ", search.stdout, re.M)
     found.sort(key=_abi_key, reverse=True)
     found += [abi for abi in sorted(set(listed), key=_abi_key, reverse=True) if abi not in found]
@@ -315,11 +316,14 @@ def fetch_kernel(flavour: str, abi: str | None, reporter: Reporter) -> KernelFil
             return files
         cache.remove_leftovers(kernels)
         kernel = resolve(flavour, abi)
-        reporter.note(
-            f"fetching Debian kernel {kernel.release} ({kernel.version}): "
-            f"{human(kernel.image_size + kernel.dbg_size)} to download"
-        )
         debs = cache.subdir("debs")
+        missing = [
+            size
+            for package, size in ((kernel.image_package, kernel.image_size), (kernel.dbg_package, kernel.dbg_size))
+            if not (debs / _deb_name(package, kernel.version)).exists()
+        ]
+        todo = f": {human(sum(missing))} to download" if missing else ""
+        reporter.note(f"fetching Debian kernel {kernel.release} ({kernel.version}){todo}")
         with cache.locked(debs, "download"):
             cache.remove_leftovers(debs)
             image_deb = download(kernel.image_package, kernel.version, kernel.image_size, debs, reporter)

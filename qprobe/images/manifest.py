@@ -20,6 +20,7 @@ Unknown keys are errors: a typo ("vmlinx") must not silently drop a file.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -132,7 +133,12 @@ def parse_spec(name: str, table: object, origin: Path | None) -> ImageSpec:
         flavour = _string(table, "flavour", where)
         if not flavour:
             raise ImageError(f"{where}: a Debian image needs 'flavour' (e.g. \"cloud-amd64\")")
-        return replace(common, flavour=flavour, abi=_string(table, "abi", where))
+        if not re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", flavour):
+            raise ImageError(f"{where}: flavour {flavour!r} is not a Debian kernel flavour like \"cloud-amd64\"")
+        abi = _string(table, "abi", where)
+        if abi is not None and not re.fullmatch(r"\d+\.\d+\.\d+-\d+", abi):
+            raise ImageError(f"{where}: abi {abi!r} must look like \"6.1.0-56\"")
+        return replace(common, flavour=flavour, abi=abi)
 
     base = origin.parent if origin is not None else Path.cwd()
     files: dict[str, Path] = {}

@@ -10,6 +10,7 @@ for one run without rebuilding the cached image.
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 from collections.abc import Mapping
@@ -283,6 +284,38 @@ def initrd_with_files(image: Image, files: Mapping[str, str | Path]) -> Path:
     return dest
 
 
+def _e2fs(tool: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run an e2fsprogs tool (they live in /sbin, often not in a user's PATH)."""
+    path = shutil.which(tool) or shutil.which(tool, path="/sbin:/usr/sbin")
+    if path is None:
+        raise ImageError(f"{tool} not found: install e2fsprogs")
+    return subprocess.run([path, *args], input=stdin, capture_output=True, text=True, check=False)
+
+
+def _make_room(disk: Path, need: int) -> None:
+    """Grow an ext2/3/4 image file (offline, no root) until ``need`` more bytes fit."""
+    fields = {}
+    for line in _e2fs("dumpe2fs", "-h", str(disk)).stdout.splitlines():
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    try:
+        free = int(fields["Free blocks"]) * int(fields["Block size"])
+    except (KeyError, ValueError) as exc:
+        raise ImageError(f"dumpe2fs cannot read {disk}: is it an ext2/3/4 image?") from exc
+    margin = 1 << 20
+    if free >= need + margin:
+        return
+    # resize2fs insists on a freshly checked filesystem; -p fixes only what is safe.
+    check = _e2fs("e2fsck", "-f", "-p", str(disk))
+    if check.returncode not in (0, 1):
+        raise ImageError(f"e2fsck found errors in a copy of the disk image: {check.stdout.strip()[-200:]}")
+    new_size = disk.stat().st_size + need + 8 * margin
+    os.truncate(disk, new_size)
+    grow = _e2fs("resize2fs", str(disk), f"{new_size // 1024}K")
+    if grow.returncode != 0:
+        raise ImageError(f"resize2fs could not grow a copy of the disk image: {grow.stderr.strip()}")
+
+
 def disk_with_files(image: Image, files: Mapping[str, str | Path]) -> Path:
     """A copy of the image's disk with host files written in (cached file).
 
@@ -291,9 +324,6 @@ def disk_with_files(image: Image, files: Mapping[str, str | Path]) -> Path:
     """
     if image.disk is None:
         raise ImageError(f"image {image.name!r} has no disk: use initrd_with_files()")
-    debugfs = shutil.which("debugfs") or shutil.which("debugfs", path="/sbin:/usr/sbin")
-    if debugfs is None:
-        raise ImageError("debugfs not found: install e2fsprogs")
     checked, key = _files_key(files)
     directory = cache.subdir("extra")
     digest = hashlib.sha256(_base_key(image.disk) + key.encode()).hexdigest()[:16]
@@ -318,20 +348,15 @@ def disk_with_files(image: Image, files: Mapping[str, str | Path]) -> Path:
             f'sif "{gpath}" uid 0',
             f'sif "{gpath}" gid 0',
         ]
+    need = sum(h.stat().st_size for h in checked.values()) + 4096 * (len(checked) + len(made))
     with cache.atomic_file(dest) as tmp:
         subprocess.run(["cp", "--sparse=always", str(image.disk), str(tmp)], check=True)
-        proc = subprocess.run(
-            [debugfs, "-w", "-f", "-", str(tmp)],
-            input="\n".join(script) + "\n",
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if proc.returncode != 0:
-            raise ImageError(f"debugfs could not write files into a copy of {image.disk}: {proc.stderr.strip()}")
-        failed = [line for line in proc.stderr.splitlines() if "write:" in line or "Allocate" in line]
-        if failed:
-            raise ImageError(f"debugfs could not write files into a copy of {image.disk}: {failed[0]}")
+        _make_room(tmp, need)
+        proc = _e2fs("debugfs", "-w", "-f", "-", str(tmp), stdin="\n".join(script) + "\n")
+        failed = [line for line in proc.stderr.splitlines() if line.startswith(("write:", "sif:"))]
+        if proc.returncode != 0 or failed:
+            detail = failed[0] if failed else proc.stderr.strip()
+            raise ImageError(f"debugfs could not write files into a copy of {image.disk}: {detail}")
     cache.prune(directory, "disk-*.img", keep=_KEEP_EXTRA, protect=[dest])
     return dest
 

@@ -107,6 +107,7 @@ _refuse(
 )
 _refuse("starts a transaction whose abort address is relative", "XBEGIN_REL16", "XBEGIN_REL32")
 
+
 def insn_has_emulate_prefix(code: bytes) -> str | None:
     """``ud2; .ascii "xen"/"kvm"`` before an instruction asks the hypervisor to emulate it."""
     return _EMULATE_PREFIXES.get(bytes(code[:5]))
@@ -248,9 +249,7 @@ class PreparedInsn:
         """The copy followed by ``jmp`` back to the next original instruction."""
         if not self.boostable:
             raise CannotProbe(_msg(self.insn, "is not boostable"))
-        return self.copy + synthesize_reljump(
-            self.slot_addr + len(self.copy), self.addr + self.insn.length
-        )
+        return self.copy + synthesize_reljump(self.slot_addr + len(self.copy), self.addr + self.insn.length)
 
 
 def prepare_kprobe(
@@ -353,4 +352,3 @@ def arch_adjust_kprobe_addr(func_code: bytes, func_start: int, offset: int) -> t
         on_entry = offset in (0, 4)
         return func_start + (4 if on_entry else offset), on_entry
     return func_start + offset, offset == 0
-

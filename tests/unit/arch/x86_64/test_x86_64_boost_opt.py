@@ -169,7 +169,7 @@ def test_can_optimize_refuses_indirect_jumps_anywhere() -> None:
 
 def test_can_optimize_refuses_jumps_into_the_retpoline_thunk() -> None:
     thunk = (ADDR + 0x100000, ADDR + 0x100100)
-    code = bytes.fromhex("4889e5" "4883ec10") + synthesize_reljump(ADDR + 7, thunk[0] + 0x20) + b"\xc3"
+    code = bytes.fromhex("4889e54883ec10") + synthesize_reljump(ADDR + 7, thunk[0] + 0x20) + b"\xc3"
     assert can_optimize(code, ADDR, ADDR).ok
     res = can_optimize(code, ADDR, ADDR, indirect_thunk=thunk)
     assert not res.ok and "indirect jump" in res.reason

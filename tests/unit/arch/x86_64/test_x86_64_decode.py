@@ -86,8 +86,11 @@ def test_check_boundary_rejects_inside(off: int, prev: int, nxt: int) -> None:
 
 def test_check_boundary_message_like_vfs_read() -> None:
     code = bytes.fromhex("e800000000") + bytes.fromhex("4889e5c3")
-    with pytest.raises(NotInstructionBoundary, match=r"^vfs_read\+0x3 is not an instruction boundary "
-                       r"\(nearest: \+0x0 and \+0x5\)$"):
+    with pytest.raises(
+        NotInstructionBoundary,
+        match=r"^vfs_read\+0x3 is not an instruction boundary "
+        r"\(nearest: \+0x0 and \+0x5\)$",
+    ):
         check_boundary(code, START, START + 3, name="vfs_read")
 
 
@@ -106,7 +109,7 @@ def test_check_boundary_recovers_our_int3() -> None:
     # qprobe armed a probe at +0x0 of "mov eax,0x02030405; ret" (b8 -> cc).
     # Decoded raw, the int3 is followed by "add eax,imm32", which swallows
     # the ret; ``patched`` puts the original byte back first.
-    code = bytes.fromhex("b805040302" "c3" "90909090")
+    code = bytes.fromhex("b805040302c390909090")
     armed = b"\xcc" + code[1:]
     with pytest.raises(NotInstructionBoundary):
         check_boundary(armed, START, START + 5)
@@ -121,7 +124,7 @@ def test_patched_outside_range_is_ignored() -> None:
 
 
 def test_check_boundary_invalid_before_addr() -> None:
-    code = bytes.fromhex("90" "06" "90")
+    code = bytes.fromhex("900690")
     with pytest.raises(CannotProbe, match="invalid"):
         check_boundary(code, START, START + 2)
 

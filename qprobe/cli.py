@@ -1,0 +1,171 @@
+"""The ``qprobe`` command: a thin layer over the Python API.
+
+Every ``QprobeError`` is printed as one line and the exit status is non-zero;
+tracebacks are only for bugs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+from qprobe import __version__
+from qprobe.errors import QprobeError
+
+
+def _files(specs: list[str]) -> dict[str, str]:
+    out = {}
+    for spec in specs:
+        host, sep, guest = spec.rpartition(":")
+        if not sep or not host or not guest.startswith("/"):
+            raise QprobeError(f"bad --file {spec!r}: expected HOST_PATH:/GUEST/PATH")
+        out[guest] = host
+    return out
+
+
+def _boot(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    import qprobe
+
+    if getattr(args, "attach", None):
+        return qprobe.attach(args.attach, args.vmlinux, allow_remote=args.allow_remote)
+    return qprobe.boot(args.image, smp=args.smp, memory=args.memory, files=_files(args.file))
+
+
+def cmd_boot(args: argparse.Namespace) -> int:
+    target = _boot(args)
+    qemu = target.qemu
+    assert qemu is not None
+    print(f"booted {args.image} in {target.timings.get('boot', 0):.1f} s "
+          f"(kernel slide {target.slide:#x}, {target.vcpus} vCPUs)")  # fmt: skip
+    # Release the gdbstub (it takes one client) so other qprobe processes can attach.
+    target.machine.close(detach=True)
+    if target.console is not None:
+        target.console.close()
+    print(f"attach with:  qprobe attach unix:{qemu.gdb_path}")
+    print(f"console log:  {qemu.console_log}")
+    print("Ctrl-C stops the VM.", flush=True)
+    try:
+        while qemu.alive():
+            time.sleep(0.5)
+        print("QEMU exited", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        qemu.terminate()
+
+
+def cmd_attach(args: argparse.Namespace) -> int:
+    """Attach, restore anything an earlier qprobe left behind, report, detach."""
+    target = _boot(args)
+    try:
+        print(f"attached: kernel slide {target.slide:#x}, {target.vcpus} vCPUs, "
+              f"restored {target.recovered} leftover patch(es)")  # fmt: skip
+    finally:
+        target.close()
+    return 0
+
+
+def cmd_images(args: argparse.Namespace) -> int:
+    from qprobe.images import get_image, list_images
+
+    if args.fetch:
+        for name in args.fetch:
+            img = get_image(name)
+            print(f"{name}: ready ({img.kernel_version}, preempt={img.preempt})")
+        return 0
+    for info in list_images():
+        print(f"{info.name:20} {info.state:12} {info.description}")
+    return 0
+
+
+def cmd_blacklist(args: argparse.Namespace) -> int:
+    with _boot(args) as target:
+        for line in target.blacklist():
+            print(line)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from qprobe.demo import run_demo
+
+    return run_demo(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from qprobe.bench import run_bench
+
+    return run_bench(args)
+
+
+def _target_options(p: argparse.ArgumentParser, attach: bool = True) -> None:
+    p.add_argument("--image", default="debian-cloud", help="image to boot (see `qprobe images`)")
+    p.add_argument("--smp", type=int, default=2, help="number of vCPUs (default 2)")
+    p.add_argument("--memory", default="512M", help="guest RAM (default 512M)")
+    p.add_argument("--file", action="append", default=[], metavar="HOST:GUEST",
+                   help="add a host file to the guest's root filesystem (repeatable)")  # fmt: skip
+    if attach:
+        p.add_argument("--attach", metavar="ADDR", help="attach to a running QEMU instead of booting")
+        p.add_argument("--vmlinux", help="the running kernel's vmlinux (for --attach)")
+        p.add_argument("--allow-remote", action="store_true", help="allow attaching to a non-local address")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qprobe", description="Linux kprobes from outside a QEMU guest.")
+    parser.add_argument("--version", action="version", version=f"qprobe {__version__}")
+    parser.add_argument("-q", "--quiet", action="store_true", help="only errors")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("boot", help="boot an image and keep the VM running for `qprobe attach`")
+    _target_options(p, attach=False)
+    p.set_defaults(func=cmd_boot)
+
+    p = sub.add_parser("attach", help="attach to a running VM, restore leftovers of a crashed qprobe, detach")
+    p.add_argument("attach", metavar="ADDR", help="unix:PATH of the gdbstub (printed by `qprobe boot`) or HOST:PORT")
+    p.add_argument("--vmlinux", help="the running kernel's vmlinux (found automatically for `qprobe boot` VMs)")
+    p.add_argument("--allow-remote", action="store_true", help="allow a non-local HOST:PORT")
+    p.set_defaults(func=cmd_attach)
+
+    p = sub.add_parser("images", help="list the known images, or fetch/build them")
+    p.add_argument("--fetch", nargs="+", metavar="NAME", help="fetch and build these images")
+    p.set_defaults(func=cmd_images)
+
+    p = sub.add_parser("blacklist", help="print the addresses qprobe refuses to probe")
+    _target_options(p)
+    p.set_defaults(func=cmd_blacklist)
+
+    p = sub.add_parser("demo", help="boot the default image with demonstration probes (make run)")
+    _target_options(p, attach=False)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help="measure boot, symbol loading, stub round trips and probe hit rates")
+    _target_options(p, attach=False)
+    p.add_argument("--hits", type=int, default=2000, help="probe hits to time (default 2000)")
+    p.add_argument("--output", type=Path, help="also write the report (markdown) to this file")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = logging.ERROR if args.quiet else logging.DEBUG if args.verbose else logging.WARNING
+    logging.basicConfig(level=level, format="qprobe: %(message)s")
+    # SIGTERM unwinds like Ctrl-C so that probes are removed on the way out.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        return int(args.func(args) or 0)
+    except QprobeError as exc:
+        print(f"qprobe: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("qprobe: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

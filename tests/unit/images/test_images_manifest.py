@@ -1,0 +1,122 @@
+"""The built-in manifest and the user's: schema, paths, errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from images_fakes import fake_bzimage, fake_vmlinux
+
+from qprobe.errors import ImageError
+from qprobe.images import list_images
+from qprobe.images.manifest import builtin_manifest_path, load_manifest, load_specs, parse_spec
+
+
+def test_builtin_manifest_has_the_three_debian_images() -> None:
+    specs = load_manifest(builtin_manifest_path(), required=True)
+    assert list(specs)[:3] == ["debian-cloud", "debian-rt", "debian-cloud-disk"]
+    cloud, rt, disk = specs["debian-cloud"], specs["debian-rt"], specs["debian-cloud-disk"]
+    assert (cloud.source, cloud.flavour, cloud.form, cloud.abi) == ("debian", "cloud-amd64", "initramfs", None)
+    assert (rt.flavour, rt.form) == ("rt-amd64", "initramfs")
+    assert (disk.flavour, disk.form, disk.disk_interface) == ("cloud-amd64", "disk", "nvme")
+    assert disk.cmdline is not None and "root=/dev/nvme0n1" in disk.cmdline and "console=" not in disk.cmdline
+    assert all(spec.description for spec in specs.values())
+
+
+def test_user_manifest_relative_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    images = tmp_path / "br" / "output" / "images"
+    images.mkdir(parents=True)
+    manifest = tmp_path / "br" / "qprobe.toml"
+    manifest.write_text(
+        "[images.buildroot]\n"
+        'description = "mine"\n'
+        'kernel = "output/images/bzImage"\n'
+        'vmlinux = "output/images/vmlinux"\n'
+        'disk = "output/images/rootfs.ext2"\n'
+        'disk_interface = "virtio"\n'
+    )
+    monkeypatch.setenv("QPROBE_IMAGES", str(manifest))
+    specs = load_specs()
+    spec = specs["buildroot"]
+    assert spec.source == "files"
+    assert spec.files["kernel"] == images / "bzImage"
+    assert spec.files["disk"] == images / "rootfs.ext2"
+    assert spec.form == "disk"
+    assert spec.disk_interface == "virtio"
+    assert "debian-cloud" in specs  # built-ins stay
+
+
+def test_list_images_without_cache_or_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    manifest = tmp_path / "images.toml"
+    fake_bzimage(tmp_path / "bzImage")
+    manifest.write_text('[images.half]\nkernel = "bzImage"\nvmlinux = "vmlinux"\n')
+    monkeypatch.setenv("QPROBE_IMAGES", str(manifest))
+    infos = {info.name: info for info in list_images()}
+    assert infos["debian-cloud"].state == "not fetched"
+    assert infos["debian-cloud"].source == "debian:cloud-amd64"
+    assert infos["debian-cloud-disk"].rootfs == "disk"
+    assert infos["half"].state == "partial"
+    assert infos["half"].kernel_version == "6.6.0-qptest"
+    fake_vmlinux(tmp_path / "vmlinux")
+    assert {i.name: i for i in list_images()}["half"].state == "ready"
+
+
+def test_list_images_sees_cached_kernel(_isolated_images: Path) -> None:
+    release = "6.1.0-99-cloud-amd64"
+    kdir = _isolated_images / "kernels" / release
+    kdir.mkdir(parents=True)
+    for name in ("vmlinuz", "config", "vmlinux", "System.map"):
+        (kdir / f"{name}-{release}").write_text("x")
+    infos = {info.name: info for info in list_images()}
+    assert infos["debian-cloud"].state == "partial"  # no stamp: an interrupted extraction
+    (kdir / "source.json").write_text('{"version": "6.1.999-1"}')
+    infos = {info.name: info for info in list_images()}
+    assert infos["debian-cloud"].state == "ready"
+    assert infos["debian-cloud"].kernel_version == release
+    assert infos["debian-rt"].state == "not fetched"
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ({"kernel": "k"}, "'vmlinux' is required"),
+        ({"vmlinux": "v"}, "'kernel' is required"),
+        ({"kernel": "k", "vmlinux": "v", "vmlinx": "v"}, "unknown key"),
+        ({"kernel": "k", "vmlinux": "v", "initrd": "i", "disk": "d"}, "either 'initrd' or 'disk'"),
+        ({"kernel": "k", "vmlinux": "v", "disk_interface": "ide"}, "disk_interface"),
+        ({"kernel": "k", "vmlinux": "v", "rootfs": "nfs"}, "rootfs"),
+        ({"kernel": 3, "vmlinux": "v"}, "must be a string"),
+        ({"flavour": "cloud-amd64", "kernel": "k"}, "unknown key"),
+        ({"source": "debian"}, "needs 'flavour'"),
+        ({"source": "http"}, "source must be"),
+        ({"flavour": "cloud amd64"}, "not a Debian kernel flavour"),
+        ({"flavour": "cloud-amd64", "abi": "latest"}, "abi"),
+    ],
+)
+def test_bad_tables(table: dict[str, object], message: str) -> None:
+    with pytest.raises(ImageError, match=message):
+        parse_spec("x", table, Path("/tmp/m.toml"))
+
+
+def test_bad_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[images.x\n")
+    with pytest.raises(ImageError, match="not valid TOML"):
+        load_manifest(broken, required=False)
+    assert load_manifest(tmp_path / "absent.toml", required=False) == {}
+    with pytest.raises(ImageError, match="not found"):
+        load_manifest(tmp_path / "absent.toml", required=True)
+    stray = tmp_path / "stray.toml"
+    stray.write_text('[image.x]\nkernel = "k"\n')
+    with pytest.raises(ImageError, match="unknown top-level"):
+        load_manifest(stray, required=False)
+    clash = tmp_path / "clash.toml"
+    clash.write_text('[images.debian-cloud]\nkernel = "k"\nvmlinux = "v"\n')
+    monkeypatch.setenv("QPROBE_IMAGES", str(clash))
+    with pytest.raises(ImageError, match="clashes with a built-in"):
+        load_specs()
+
+
+def test_debian_abi_pin() -> None:
+    spec = parse_spec("pinned", {"flavour": "cloud-amd64", "abi": "6.1.0-56"}, None)
+    assert (spec.source, spec.flavour, spec.abi) == ("debian", "cloud-amd64", "6.1.0-56")

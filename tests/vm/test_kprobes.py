@@ -1,0 +1,168 @@
+"""Issue 3: kprobes from the host on the real default image (KASLR on, smp 2)."""
+
+from __future__ import annotations
+
+import pytest
+
+import qprobe
+from qprobe import Kprobe
+from qprobe.arch.x86_64.decode import decode_all, decode_one
+from qprobe.errors import Blacklisted, InvalidProbe, NotInstructionBoundary, NotKernelText, SymbolError
+
+from .conftest import workload_result
+
+pytestmark = pytest.mark.vm
+
+
+@pytest.mark.parametrize("n", [1, 100, 2000])
+def test_getppid_counts_exactly(target: qprobe.Target, guard: dict[int, bytes], n: int) -> None:
+    kp = Kprobe(symbol_name="__x64_sys_getppid")
+    target.register_kprobe(kp)
+    try:
+        res = workload_result(target.run(f"workload getppid {n}", timeout=600).check().output)
+    finally:
+        target.unregister_kprobe(kp)
+    assert int(res["n"]) == n and int(res["errors"]) == 0
+    assert kp.nhit == n
+    assert kp.nmissed == 0
+
+
+def test_pre_handler_reads_the_syscall_arguments(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    seen: list[tuple[int, int, int]] = []
+    kp = Kprobe(symbol_name="ksys_lseek", pre_handler=lambda kp, regs: seen.append((regs.di, regs.si, regs.dx)))
+    target.register_kprobe(kp)
+    try:
+        res = workload_result(target.run("workload lseek 50").check().output)
+    finally:
+        target.unregister_kprobe(kp)
+    fd = int(res["fd"])
+    assert seen == [(fd, i, 0) for i in range(1, 51)]  # lseek(fd, i, SEEK_SET)
+
+
+def test_both_vcpus_hit_and_each_hit_is_handled_once(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    cpus: list[int] = []
+    kp = Kprobe(symbol_name="__x64_sys_getppid", pre_handler=lambda kp, regs: cpus.append(regs.vcpu))
+    target.register_kprobe(kp)
+    try:
+        out = target.run("taskset -c 0 workload getppid 300 & taskset -c 1 workload getppid 300; wait",
+                         timeout=600).check().output  # fmt: skip
+    finally:
+        target.unregister_kprobe(kp)
+    assert out.count("errors=0") == 2
+    assert kp.nhit == 600 == len(cpus)
+    assert cpus.count(0) == 300 and cpus.count(1) == 300
+
+
+def _mov_reg_reg(target: qprobe.Target, func: str) -> tuple[int, str, str]:
+    """The first ``mov r64, r64`` in a function: (address, destination, source)."""
+    sym = target.symbols.lookup(func)
+    for insn in decode_all(target.read(sym.addr, sym.size), sym.addr):
+        text = insn.text
+        if text.startswith("mov ") and "," in text and "[" not in text:
+            dst, src = (x.strip() for x in text[4:].split(","))
+            if dst.startswith("r") and src.startswith("r") and len(dst) == 3 and len(src) == 3:
+                return insn.addr, dst, src
+    raise AssertionError(f"no mov reg,reg in {func}")
+
+
+def test_post_handler_sees_the_state_after_the_instruction(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    addr, dst, src = _mov_reg_reg(target, "ksys_lseek")
+    pt = {"rax": "ax", "rbx": "bx", "rcx": "cx", "rdx": "dx", "rsi": "si", "rdi": "di", "rbp": "bp"}
+    pre: list[int] = []
+    post: list[tuple[int, int]] = []
+    kp = Kprobe(addr=addr, pre_handler=lambda kp, r: pre.append(getattr(r, pt.get(src, src))),
+                post_handler=lambda kp, r: post.append((getattr(r, pt.get(dst, dst)), r.ip)))  # fmt: skip
+    target.register_kprobe(kp)
+    try:
+        target.run("workload lseek 5").check()
+    finally:
+        target.unregister_kprobe(kp)
+    assert len(pre) == len(post) == 5
+    length = decode_one(target.read(addr, 16), addr).length
+    assert post == [(v, addr + length) for v in pre]
+
+
+def test_handler_changes_what_the_guest_sees(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    def fake_return(kp: Kprobe, regs: qprobe.PtRegs) -> int:
+        # Return 4242 from the syscall without running it: pop the return address.
+        regs.ax = 4242
+        regs.ip = regs.read_u64(regs.sp)
+        regs.sp += 8
+        return 1
+
+    kp = Kprobe(symbol_name="__x64_sys_getppid", pre_handler=fake_return)
+    target.register_kprobe(kp)
+    try:
+        res = workload_result(target.run("workload getppid 3").check().output)
+    finally:
+        target.unregister_kprobe(kp)
+    assert res["ret"] == "4242" and kp.nhit == 3
+    assert workload_result(target.run("workload getppid 1").output)["ret"] != "4242"
+
+
+def test_two_probes_at_one_address_both_run(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    a, b = Kprobe(symbol_name="ksys_lseek"), Kprobe(symbol_name="ksys_lseek")
+    target.register_kprobes([a, b])
+    assert target.list_probes().count("ksys_lseek+0x0") == 2
+    try:
+        target.run("workload lseek 7").check()
+        target.disable_kprobe(b)
+        assert "[DISABLED]" in target.list_probes()
+        target.run("workload lseek 3").check()
+    finally:
+        target.unregister_kprobes([a, b])
+    assert (a.nhit, b.nhit) == (10, 7)
+
+
+def test_handler_exception_is_counted_and_the_probe_stays_armed(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    faults: list[BaseException] = []
+
+    def boom(kp: Kprobe, regs: qprobe.PtRegs) -> None:
+        raise RuntimeError("handler bug")
+
+    kp = Kprobe(symbol_name="ksys_lseek", pre_handler=boom, fault_handler=lambda kp, r, e: faults.append(e))
+    target.register_kprobe(kp)
+    try:
+        res = workload_result(target.run("workload lseek 4").check().output)
+    finally:
+        target.unregister_kprobe(kp)
+    assert int(res["errors"]) == 0 and kp.nhit == 4 and kp.nfaults == 4 and len(faults) == 4
+    assert "RuntimeError: handler bug" in kp.errors[0]
+
+
+def test_global_disarm_keeps_each_probes_state(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    kp = Kprobe(symbol_name="ksys_lseek")
+    target.register_kprobe(kp)
+    try:
+        target.set_kprobes_enabled(False)
+        target.run("workload lseek 5").check()
+        assert kp.nhit == 0
+        target.set_kprobes_enabled(True)
+        target.run("workload lseek 5").check()
+        assert kp.nhit == 5
+    finally:
+        target.unregister_kprobe(kp)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"symbol_name": "vfs_read", "offset": 3}, NotInstructionBoundary, "not an instruction boundary"),
+        ({"symbol_name": "asm_exc_int3"}, Blacklisted, "blacklisted"),
+        ({"symbol_name": "do_int3"}, Blacklisted, "blacklisted"),
+        ({"symbol_name": "no_such_function_xyz"}, SymbolError, "unknown symbol"),
+        ({"symbol_name": "jiffies"}, NotKernelText, "not in kernel text"),
+    ],
+)
+def test_bad_probes_are_refused_and_change_nothing(target: qprobe.Target, guard: dict[int, bytes],
+                                                   kwargs: dict, error: type, match: str) -> None:  # fmt: skip
+    before = dict(target.journal.patches)
+    with pytest.raises(error, match=match) as e:
+        target.register_kprobe(Kprobe(**kwargs))
+    assert "\n" not in str(e.value)
+    assert target.journal.patches == before and not target.kprobes.points
+
+
+def test_symbol_and_address_together_is_einval(target: qprobe.Target) -> None:
+    with pytest.raises(InvalidProbe, match="EINVAL"):
+        Kprobe(symbol_name="vfs_read", addr=target.symbols.address("vfs_read"))

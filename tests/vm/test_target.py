@@ -1,0 +1,135 @@
+"""Issue 2: the target layer on the real default image (KASLR on)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import qprobe
+from qprobe.errors import QprobeError, TargetError, TargetGone, VmlinuxMismatch
+from qprobe.images import get_image
+from qprobe.target.console import READY, Console
+from qprobe.target.qemu import QemuConfig, QemuProcess
+
+from .conftest import IMAGE
+
+
+def test_run_returns_output_and_status(target: qprobe.Target) -> None:
+    r = target.run("echo hello; echo err >&2; exit 3")
+    assert r.output.splitlines() == ["hello", "err"]
+    assert r.status == 3
+    assert target.run("true").status == 0
+
+
+def test_boot_is_fast_and_kaslr_is_on(target: qprobe.Target) -> None:
+    assert target.slide != 0, "KASLR should have moved the kernel"
+    assert target.timings["boot"] < 60
+
+
+def test_symbols_match_proc_kallsyms(target: qprobe.Target) -> None:
+    names = ["vfs_read", "ksys_lseek", "__x64_sys_getppid", "do_sys_openat2", "schedule", "linux_banner",
+             "jiffies", "asm_exc_int3", "_stext", "init_task", "memcpy", "kmem_cache_alloc"]  # fmt: skip
+    pattern = "|".join(names)
+    out = target.run(f"grep -E ' ({pattern})$' /proc/kallsyms").check().output
+    seen = {}
+    for line in out.splitlines():
+        addr, _kind, name = line.split()
+        seen.setdefault(name, int(addr, 16))
+    assert set(seen) == set(names)
+    for name, addr in seen.items():
+        assert target.symbols.address(name) == addr, name
+        assert target.symbols.symbolize(addr) == f"{name}+0x0"
+
+
+def test_shared_ram_reads_agree_with_the_gdbstub(target: qprobe.Target) -> None:
+    rng = random.Random(1)
+    s = target.symbols
+    lo, hi = s.address("_stext"), s.address("_end")
+    addrs = [rng.randrange(lo, hi - 64) for _ in range(1000)]
+    gdb = target.gdb
+
+    def compare() -> int:
+        # Both reads happen while the VM is stopped, so data cannot change in between.
+        tid = next(t for t in target.machine.vcpus if gdb.read_registers(t)["cs"] & 3 == 0)
+        gdb.select(tid)
+        gdb.set_physical(False)
+        try:
+            same = 0
+            for a in addrs:
+                n = rng.randrange(1, 64)
+                if gdb.read_memory(a, n) == target.read(a, n):
+                    same += 1
+            return same
+        finally:
+            gdb.set_physical(True)
+
+    assert target.machine.call(compare) == len(addrs)
+
+
+def test_errors_are_one_line(tmp_path: Path) -> None:
+    with pytest.raises(TargetError, match="does not exist") as e:
+        QemuProcess(QemuConfig(kernel=tmp_path / "bzImage"))
+    assert "\n" not in str(e.value)
+    with pytest.raises(QprobeError, match="unknown image") as e:
+        qprobe.boot("no-such-image")
+    t0 = time.monotonic()
+    with pytest.raises(TargetGone, match="cannot connect") as e:
+        qprobe.attach("127.0.0.1:1", get_image(IMAGE, fetch=False).vmlinux)
+    assert time.monotonic() - t0 < 10 and "\n" not in str(e.value)
+    with pytest.raises(TargetError, match="non-local"):
+        qprobe.attach("192.0.2.1:1234", "vmlinux")
+
+
+def _bare_qemu() -> QemuProcess:
+    """Our QEMU without qprobe attached, booted to the guest shell."""
+    img = get_image(IMAGE, fetch=False)
+    q = QemuProcess(QemuConfig(kernel=img.kernel, initrd=img.initrd, cmdline=img.cmdline))
+    q.wait_for_sockets()
+    console = Console(q.console_path, alive=q.alive)
+    try:
+        console.wait_for(READY, 60)
+    finally:
+        console.close()
+    return q
+
+
+def test_mismatched_vmlinux_is_refused() -> None:
+    other = get_image("debian-rt").vmlinux  # same source, different build
+    q = _bare_qemu()
+    try:
+        with pytest.raises(VmlinuxMismatch, match="not the running kernel") as e:
+            qprobe.attach(f"unix:{q.gdb_path}", other, ram=q.ram_path, ram_size=q.config.memory)
+        assert "\n" not in str(e.value)
+    finally:
+        q.terminate()
+
+
+def test_dead_qemu_fails_fast() -> None:
+    img = get_image(IMAGE, fetch=False)
+    with qprobe.boot(IMAGE) as t:
+        assert t.qemu is not None
+        os.killpg(t.qemu.proc.pid, signal.SIGKILL)
+        kp = qprobe.Kprobe(symbol_name="ksys_lseek")
+        t0 = time.monotonic()
+        with pytest.raises(TargetGone) as e:
+            t.register_kprobe(kp)
+        assert time.monotonic() - t0 < 2
+        assert "\n" not in str(e.value)
+        with pytest.raises(TargetGone):
+            t.run("true", timeout=5)
+    assert img.vmlinux.exists()
+
+
+def test_cli_boot_attach_and_version() -> None:
+    out = subprocess.run([sys.executable, "-m", "qprobe.cli", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("qprobe ")
+    bad = subprocess.run([sys.executable, "-m", "qprobe.cli", "boot", "--file", "nocolon"],
+                         capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "bad --file" in bad.stderr

@@ -19,6 +19,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -44,7 +45,9 @@ def cache_dir() -> Path:
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
-        raise ImageError(f"cannot create the cache directory {root}: {exc.strerror}; set QPROBE_CACHE") from exc
+        raise ImageError(
+            f"cannot create the cache directory {root}: {exc.strerror}; set QPROBE_CACHE"
+        ) from exc
     return root
 
 
@@ -128,16 +131,26 @@ def hash_inputs(items: Iterable[tuple[str, bytes]]) -> str:
     return h.hexdigest()[:16]
 
 
-def prune(directory: Path, pattern: str, keep: int, protect: Iterable[Path] = ()) -> None:
+def prune(
+    directory: Path, pattern: str, keep: int, protect: Iterable[Path] = (), min_age: float = 3600
+) -> None:
     """Delete all but the ``keep`` most recently used entries matching ``pattern``.
 
-    Deleting a file that a running QEMU still has open is harmless on Linux.
+    Entries used (``touch``) within ``min_age`` seconds stay, so a file
+    another process just got from the cache is not deleted before it starts
+    QEMU with it. Deleting a file a running QEMU has open is harmless.
     """
     protected = {p.resolve() for p in protect}
-    entries = [p for p in directory.glob(pattern) if not p.name.startswith(TMP_PREFIX)]
-    entries.sort(key=lambda p: p.stat().st_mtime, reverse=True)
-    for old in entries[keep:]:
-        if old.resolve() in protected:
+    now = time.time()
+    entries = []
+    for p in directory.glob(pattern):
+        if p.name.startswith(TMP_PREFIX):
+            continue
+        with contextlib.suppress(OSError):
+            entries.append((p.stat().st_mtime, p))
+    entries.sort(key=lambda item: item[0], reverse=True)
+    for mtime, old in entries[keep:]:
+        if old.resolve() in protected or now - mtime < min_age:
             continue
         if old.is_dir() and not old.is_symlink():
             shutil.rmtree(old, ignore_errors=True)

@@ -73,7 +73,9 @@ def _abi_key(abi: str) -> tuple[int, ...]:
 
 def _apt(*args: str) -> subprocess.CompletedProcess[str]:
     if shutil.which(args[0]) is None:
-        raise ImageError(f"{args[0]} not found: Debian images need a Debian host with apt; or define a user image")
+        raise ImageError(
+            f"{args[0]} not found: Debian images need a Debian host with apt; or define a user image"
+        )
     return subprocess.run(list(args), capture_output=True, text=True, check=False)
 
 
@@ -100,7 +102,9 @@ def _candidate_abis(flavour: str) -> list[str]:
     """ABIs to try, best first: the metapackage's, then every one apt lists."""
     found: list[str] = []
     meta = _apt("apt-cache", "depends", f"linux-image-{flavour}")
-    pattern = re.compile(rf"Depends:\s*linux-image-(\d+\.\d+\.\d+-\d+)-{re.escape(flavour)}(?:-unsigned)?\s*$")
+    pattern = re.compile(
+        rf"Depends:\s*linux-image-(\d+\.\d+\.\d+-\d+)-{re.escape(flavour)}(?:-unsigned)?\s*$"
+    )
     for line in meta.stdout.splitlines():
         m = pattern.search(line)
         if m and m.group(1) not in found:
@@ -218,13 +222,13 @@ def extract(deb: Path, members: dict[str, Path], reporter: Reporter) -> None:
                 src = tar.extractfile(member)
                 assert src is not None
                 dest = wanted.pop(name)
-                with reporter.transfer(f"extracting {Path(name).name}", member.size) as update:
-                    with dest.open("wb") as out:
-                        done = 0
-                        while chunk := src.read(_CHUNK):
-                            out.write(chunk)
-                            done += len(chunk)
-                            update(done, None)
+                label = f"extracting {Path(name).name}"
+                with reporter.transfer(label, member.size) as update, dest.open("wb") as out:
+                    done = 0
+                    while chunk := src.read(_CHUNK):
+                        out.write(chunk)
+                        done += len(chunk)
+                        update(done, None)
                 if not wanted:
                     stopped_early = True
                     break
@@ -303,7 +307,9 @@ def kernel_state(flavour: str, abi: str | None = None) -> tuple[str, str | None]
     root = cache.cache_dir()
     tag = f"{abi or '*'}-{flavour}"
     leftovers = list((root / "debs").glob(f"linux-image-{tag}[_-]*.deb"))
-    leftovers += list((root / "kernels").glob(f"*{abi or ''}-{flavour}*"))
+    leftovers += [
+        p for p in (root / "kernels").glob(f"*{abi or ''}-{flavour}*") if not p.name.startswith(".lock-")
+    ]
     return ("partial" if leftovers else "not fetched"), None
 
 
@@ -319,7 +325,10 @@ def fetch_kernel(flavour: str, abi: str | None, reporter: Reporter) -> KernelFil
         debs = cache.subdir("debs")
         missing = [
             size
-            for package, size in ((kernel.image_package, kernel.image_size), (kernel.dbg_package, kernel.dbg_size))
+            for package, size in (
+                (kernel.image_package, kernel.image_size),
+                (kernel.dbg_package, kernel.dbg_size),
+            )
             if not (debs / _deb_name(package, kernel.version)).exists()
         ]
         todo = f": {human(sum(missing))} to download" if missing else ""
@@ -333,7 +342,10 @@ def fetch_kernel(flavour: str, abi: str | None, reporter: Reporter) -> KernelFil
         with cache.atomic_dir(dest) as tmp:
             _extract_or_discard(
                 image_deb,
-                {f"boot/vmlinuz-{release}": tmp / f"vmlinuz-{release}", f"boot/config-{release}": tmp / f"config-{release}"},
+                {
+                    f"boot/vmlinuz-{release}": tmp / f"vmlinuz-{release}",
+                    f"boot/config-{release}": tmp / f"config-{release}",
+                },
                 reporter,
             )
             _extract_or_discard(

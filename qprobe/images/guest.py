@@ -80,7 +80,9 @@ class GuestFiles:
 
 def _find_busybox() -> Path:
     env = os.environ.get("QPROBE_BUSYBOX")
-    candidates = [Path(env)] if env else [Path("/bin/busybox"), Path(shutil.which("busybox") or "/nonexistent")]
+    candidates = (
+        [Path(env)] if env else [Path("/bin/busybox"), Path(shutil.which("busybox") or "/nonexistent")]
+    )
     for path in candidates:
         if path.is_file():
             return path
@@ -97,7 +99,9 @@ def guest_sources() -> GuestFiles:
     files = GuestFiles(workload_c=src / "workload.c", init=src / "init", busybox=_find_busybox())
     for path in (files.workload_c, files.init):
         if not path.is_file():
-            raise ImageError(f"guest source {path} not found; set QPROBE_GUEST_SRC to the scripts/guest directory")
+            raise ImageError(
+                f"guest source {path} not found; set QPROBE_GUEST_SRC to the scripts/guest directory"
+            )
     return files
 
 
@@ -121,10 +125,15 @@ def _build_workload(src: Path, dest: Path) -> None:
         raise ImageError("gcc not found: install gcc and libc6-dev to build the guest workload")
     with cache.atomic_file(dest, 0o755) as tmp:
         proc = subprocess.run(
-            [gcc, "-static", "-O2", "-Wall", "-o", str(tmp), str(src)], capture_output=True, text=True, check=False
+            [gcc, "-static", "-O2", "-Wall", "-o", str(tmp), str(src)],
+            capture_output=True,
+            text=True,
+            check=False,
         )
         if proc.returncode != 0:
-            errors = [line for line in proc.stderr.splitlines() if "error" in line] or proc.stderr.splitlines()
+            errors = [
+                line for line in proc.stderr.splitlines() if "error" in line
+            ] or proc.stderr.splitlines()
             raise ImageError(f"gcc -static failed on {src}: {errors[0] if errors else 'no output'}")
         _check_static(tmp, "workload", "gcc could not link it statically (install libc6-dev)")
 
@@ -156,8 +165,8 @@ def _build_tree(files: GuestFiles, workload: Path, dest: Path) -> None:
             (tree / name).chmod(0o644)
         for applet in _applets(tree / "bin/busybox"):
             link = tree / applet
-            if link.exists() or link.is_symlink() or applet.count("/") > 2:
-                continue  # never replace busybox, workload or init
+            if link.exists() or link.is_symlink():
+                continue  # never replace busybox itself
             link.parent.mkdir(parents=True, exist_ok=True)
             link.symlink_to("/bin/busybox")
 
@@ -178,7 +187,7 @@ def _guest_dir(files: GuestFiles, reporter: Reporter) -> Path:
             _build_workload(files.workload_c, directory / "workload")
         if not (directory / "tree").is_dir():
             _build_tree(files, directory / "workload", directory / "tree")
-    cache.prune(root, "[0-9a-f]*", keep=4, protect=[directory])
+    cache.prune(root, "[0-9a-f]*", keep=4, protect=[directory], min_age=24 * 3600)
     return directory
 
 
@@ -221,12 +230,11 @@ def build_disk(reporter: Reporter, files: GuestFiles | None = None) -> Path:
         size_kib = max(DISK_MIN_BYTES, used * 2 + (8 << 20)) // 1024
         with cache.atomic_file(dest) as tmp:
             tmp.unlink()  # mke2fs creates the file itself, with the size given
+            # Fixed UUID: the same tree gives the same image.
+            args = ["-q", "-F", "-t", "ext2", "-b", "1024", "-m", "0", "-L", "qprobe"]
+            args += ["-U", "00000000-0000-4000-8000-00000071b0be", "-E", "root_owner=0:0"]
             proc = subprocess.run(
-                [
-                    mke2fs, "-q", "-F", "-t", "ext2", "-b", "1024", "-m", "0", "-L", "qprobe",
-                    "-U", "00000000-0000-4000-8000-00000071b0be", "-E", "root_owner=0:0",
-                    "-d", str(tree), str(tmp), f"{size_kib}k",
-                ],  # fmt: skip
+                [mke2fs, *args, "-d", str(tree), str(tmp), f"{size_kib}k"],
                 capture_output=True,
                 text=True,
                 check=False,

@@ -159,9 +159,9 @@ def bzimage_version(path: Path) -> str | None:
 
 def check_vmlinux(path: Path) -> None:
     """vmlinux must be a 64-bit little-endian x86-64 ELF (what gdb and lief read)."""
-    head = _head(path, 20, "vmlinux")
+    head = _head(path, 0x206, "vmlinux")
     if head[:4] != b"\x7fELF":
-        hint = " (that is a bzImage: give the uncompressed vmlinux)" if len(head) >= 4 else ""
+        hint = " (that is a bzImage: give the uncompressed vmlinux)" if head[0x202:0x206] == b"HdrS" else ""
         raise ImageError(f"vmlinux {path} is not an ELF file{hint}")
     if len(head) < 20 or head[4] != 2 or head[5] != 1:
         raise ImageError(f"vmlinux {path} is not a 64-bit little-endian ELF file")

@@ -63,7 +63,7 @@ class ImageSpec:
 
     @property
     def form(self) -> str:
-        """"initramfs" or "disk": how the guest's root filesystem is supplied."""
+        """ "initramfs" or "disk": how the guest's root filesystem is supplied."""
         if "disk" in self.files:
             return "disk"
         if "initrd" in self.files:
@@ -112,7 +112,9 @@ def parse_spec(name: str, table: object, origin: Path | None) -> ImageSpec:
     allowed = _DEBIAN if source == "debian" else _FILES
     unknown = sorted(set(table) - allowed)
     if unknown:
-        raise ImageError(f"{where}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(sorted(allowed))})")
+        raise ImageError(
+            f"{where}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(sorted(allowed))})"
+        )
 
     rootfs = _string(table, "rootfs", where) or "initramfs"
     if rootfs not in _ROOTFS:
@@ -134,10 +136,12 @@ def parse_spec(name: str, table: object, origin: Path | None) -> ImageSpec:
         if not flavour:
             raise ImageError(f"{where}: a Debian image needs 'flavour' (e.g. \"cloud-amd64\")")
         if not re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", flavour):
-            raise ImageError(f"{where}: flavour {flavour!r} is not a Debian kernel flavour like \"cloud-amd64\"")
+            raise ImageError(
+                f'{where}: flavour {flavour!r} is not a Debian kernel flavour like "cloud-amd64"'
+            )
         abi = _string(table, "abi", where)
         if abi is not None and not re.fullmatch(r"\d+\.\d+\.\d+-\d+", abi):
-            raise ImageError(f"{where}: abi {abi!r} must look like \"6.1.0-56\"")
+            raise ImageError(f'{where}: abi {abi!r} must look like "6.1.0-56"')
         return replace(common, flavour=flavour, abi=abi)
 
     base = origin.parent if origin is not None else Path.cwd()

@@ -130,8 +130,9 @@ def get_image(name: str = DEFAULT_IMAGE, *, fetch: bool = True, progress: bool =
     files = debian.cached_kernel(spec.flavour, spec.abi)
     if files is None:
         if not fetch:
+            where = cache.cache_dir()
             raise ImageError(
-                f"the kernel of image {name!r} is not in the cache ({cache.cache_dir()}); get it with fetch=True"
+                f"the kernel of image {name!r} is not in the cache ({where}); get it with fetch=True"
             )
         files = debian.fetch_kernel(spec.flavour, spec.abi, reporter)
     initrd, disk = _rootfs(spec.rootfs, reporter)
@@ -275,11 +276,10 @@ def initrd_with_files(image: Image, files: Mapping[str, str | Path]) -> Path:
         cache.touch(dest)
         return dest
     extra = extra_files_cpio({str(g): h for g, h in checked.items()})
-    with cache.atomic_file(dest) as tmp:
-        with image.initrd.open("rb") as src, tmp.open("wb") as out:
-            shutil.copyfileobj(src, out, 1 << 20)
-            out.write(b"\0" * (-out.tell() % 4))
-            out.write(extra)
+    with cache.atomic_file(dest) as tmp, image.initrd.open("rb") as src, tmp.open("wb") as out:
+        shutil.copyfileobj(src, out, 1 << 20)
+        out.write(b"\0" * (-out.tell() % 4))
+        out.write(extra)
     cache.prune(directory, "initrd-*.img", keep=_KEEP_EXTRA, protect=[dest])
     return dest
 

@@ -110,9 +110,10 @@ class Console:
         with self._lock:
             start = len(self.text)
             # The markers are printed by printf so that the command line itself
-            # (should echo be on) never contains them verbatim.
+            # (should echo be on) never contains them verbatim; the command runs
+            # in a subshell so that ``exit`` ends it, not the guest's shell.
             self.write(
-                f"printf '\\n@@qp-begin-%s@@\\n' {token}; {{ {command} ; }} </dev/null 2>&1; "
+                f"printf '\\n@@qp-begin-%s@@\\n' {token}; ( {command} ) </dev/null 2>&1; "
                 f"printf '\\n@@qp-end-%s@@%d\\n' {token} $?\n"
             )
             try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from iced_x86 import Code, FlowControl, OpKind, Register
 
@@ -36,7 +37,7 @@ from qprobe.arch.x86_64.boost import (
     synthesize_reljump,
 )
 from qprobe.arch.x86_64.decode import Insn, decode_one, recover_bytes, skip_prefixes
-from qprobe.arch.x86_64.emulate import LOOP_KINDS, emulate
+from qprobe.arch.x86_64.emulate import LOOP_KINDS, Memory, emulate
 from qprobe.errors import CannotProbe, DisplacementOverflow, ProbeBusy, ProbeError
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "ExceptionTable",
     "PreparedInsn",
     "StepOutsideSlot",
+    "StepRegs",
     "arch_adjust_kprobe_addr",
     "can_boost",
     "cannot_copy_reason",
@@ -66,6 +68,7 @@ __all__ = [
 ]
 
 _MASK64 = (1 << 64) - 1
+X86_EFLAGS_TF = 1 << 8
 
 
 class StepOutsideSlot(ProbeError):
@@ -149,7 +152,8 @@ def prepare_emulation(insn: Insn, where: str | None = None) -> str | None:
     popf): the kernel emulates those because its int3-based single-step would
     run them with interrupts re-enabled. qprobe steps with the gdbstub, which
     does not use the guest's TF flag either, so the flags they push or pop are
-    genuine and they are single-stepped like anything else.
+    genuine and they are single-stepped like anything else. (Under KVM the
+    step does set the real TF; resume_singlestep() clears it from a pushf.)
     Raises CannotProbe for forms that are neither.
     """
     instr = insn.instr
@@ -189,7 +193,7 @@ def _msg(insn: Insn, reason: str, where: str | None = None) -> str:
     return f"cannot probe {where or hex(insn.addr)}: '{insn.text}' {reason}"
 
 
-def copy_instruction(insn: Insn, slot_addr: int) -> bytes:
+def copy_instruction(insn: Insn, slot_addr: int, where: str | None = None) -> bytes:
     """Linux's ``__copy_instruction()``: the bytes to single-step at ``slot_addr``.
 
     A rip-relative displacement is rewritten in place (same length, same
@@ -200,13 +204,13 @@ def copy_instruction(insn: Insn, slot_addr: int) -> bytes:
     if not insn.is_rip_relative:
         return insn.raw
     if insn.instr.memory_base == Register.EIP or insn.disp_size != 4:
-        raise CannotProbe(_msg(insn, "uses eip-relative addressing"))
+        raise CannotProbe(_msg(insn, "uses eip-relative addressing", where))
     target = insn.instr.ip_rel_memory_address
     try:
         newdisp = rel32(slot_addr + insn.length, target, "rip-relative reference")
     except DisplacementOverflow:
         raise DisplacementOverflow(
-            f"cannot probe {insn.addr:#x}: '{insn.text}' refers to {target:#x}, "
+            f"cannot probe {where or hex(insn.addr)}: '{insn.text}' refers to {target:#x}, "
             f"{signed64(target - slot_addr - insn.length):+#x} from the slot at {slot_addr:#x}; "
             "a rip-relative displacement only reaches ±2 GiB"
         ) from None
@@ -214,7 +218,7 @@ def copy_instruction(insn: Insn, slot_addr: int) -> bytes:
     copy = insn.raw[:off] + newdisp.to_bytes(4, "little", signed=True) + insn.raw[off + 4 :]
     check = decode_one(copy, slot_addr)
     if check.memory_target != target or check.code != insn.code or check.length != insn.length:
-        raise CannotProbe(_msg(insn, f"could not be relocated to {slot_addr:#x}"))
+        raise CannotProbe(_msg(insn, f"could not be relocated to {slot_addr:#x}", where))
     return copy
 
 
@@ -292,7 +296,7 @@ def prepare_kprobe(
     in_table = search_exception_tables(exception_table, addr)
     if kind is not None:
         return PreparedInsn(addr, insn, b"", slot_addr, kind, False, in_table)
-    copy = copy_instruction(insn, slot_addr)
+    copy = copy_instruction(insn, slot_addr, where)
     boostable = can_boost(insn, exception_table) and MAX_INSN_SIZE - insn.length >= JMP32_INSN_SIZE
     if boostable:
         try:
@@ -311,7 +315,14 @@ def singlestep_done(prep: PreparedInsn, ip: int) -> bool:
     return ip != prep.slot_addr
 
 
-def resume_singlestep(prep: PreparedInsn, regs: object) -> None:
+class StepRegs(Protocol):
+    """What resume_singlestep() touches: ip, and sp when fixing up a pushf."""
+
+    ip: int
+    sp: int
+
+
+def resume_singlestep(prep: PreparedInsn, regs: StepRegs, mem: Memory | None = None) -> None:
     """Linux's ``resume_singlestep()``: map ip from the slot back to the original text.
 
     After the copy was stepped, ``regs.ip`` is just past it in the slot; it
@@ -319,17 +330,26 @@ def resume_singlestep(prep: PreparedInsn, regs: object) -> None:
     already put its absolute target in ip and is left alone. An ip anywhere
     else means the step faulted (the kernel then rewinds to the probe address
     in kprobe_fault_handler); that is reported as StepOutsideSlot.
+
+    With ``mem``, a stepped ``pushf`` gets TF cleared in the word it pushed,
+    as Linux's pre-5.14 resume_execution() did: TCG's gdbstub step leaves TF
+    alone, but KVM's guest-debug step sets the real TF, which pushf records.
     """
     if prep.emulate is not None:
         raise ValueError(f"{prep.insn.text!r} is emulated, not single-stepped")
     if not prep.resume_fixes_ip:
         return
-    ip = regs.ip  # type: ignore[attr-defined]
+    ip = regs.ip
     if not prep.slot_addr <= ip <= prep.slot_addr + len(prep.copy):
         raise StepOutsideSlot(
             f"single-step of '{prep.insn.text}' in the slot at {prep.slot_addr:#x} ended at {ip:#x}"
         )
-    regs.ip = (prep.addr + (ip - prep.slot_addr)) & _MASK64  # type: ignore[attr-defined]
+    if mem is not None and prep.insn.code in (Code.PUSHFQ, Code.PUSHFW) and ip != prep.slot_addr:
+        size = 8 if prep.insn.code == Code.PUSHFQ else 2
+        pushed = int.from_bytes(mem.read(regs.sp, size), "little")
+        if pushed & X86_EFLAGS_TF:
+            mem.write(regs.sp, (pushed & ~X86_EFLAGS_TF).to_bytes(size, "little"))
+    regs.ip = (prep.addr + (ip - prep.slot_addr)) & _MASK64
 
 
 _ENDBR64 = bytes.fromhex("f30f1efa")

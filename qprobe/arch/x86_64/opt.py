@@ -120,6 +120,8 @@ def can_optimize(
         insns = decode_all(code, func_start)
     except CannotProbe as exc:
         return OptCheck(False, f"the function cannot be decoded: {exc}")
+    if all(insn.addr != addr for insn in insns):
+        return OptCheck(False, f"{where} is not an instruction boundary")
     for insn in insns:
         here = _where(insn.addr, func_start, name)
         if search_exception_tables(exception_table, insn.addr):

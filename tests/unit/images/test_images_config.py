@@ -17,7 +17,10 @@ from qprobe.images.image import Image, parse_config, preempt_model
     [
         (["CONFIG_PREEMPT_RT=y", "CONFIG_PREEMPT=y"], "rt"),
         (["CONFIG_PREEMPT=y", "# CONFIG_PREEMPT_VOLUNTARY is not set"], "full"),
-        (["CONFIG_PREEMPT_VOLUNTARY=y", "# CONFIG_PREEMPT is not set", "CONFIG_PREEMPT_DYNAMIC=y"], "voluntary"),
+        (
+            ["CONFIG_PREEMPT_VOLUNTARY=y", "# CONFIG_PREEMPT is not set", "CONFIG_PREEMPT_DYNAMIC=y"],
+            "voluntary",
+        ),
         (["CONFIG_PREEMPT_NONE=y"], "none"),
         (["CONFIG_SMP=y"], "none"),
     ],
@@ -54,7 +57,9 @@ def test_debian_cloud_style_config(tmp_path: Path) -> None:
 
 
 def test_parse_values_and_gzip(tmp_path: Path) -> None:
-    text = 'CONFIG_KPROBES=y\nCONFIG_LOCALVERSION="-qp \\"x\\""\nCONFIG_NR_CPUS=64\n# CONFIG_KGDB is not set\n'
+    text = (
+        'CONFIG_KPROBES=y\nCONFIG_LOCALVERSION="-qp \\"x\\""\nCONFIG_NR_CPUS=64\n# CONFIG_KGDB is not set\n'
+    )
     plain = tmp_path / "config"
     plain.write_text(text)
     packed = tmp_path / "config.gz"
@@ -70,7 +75,7 @@ def test_parse_values_and_gzip(tmp_path: Path) -> None:
 def test_not_a_config(tmp_path: Path) -> None:
     bogus = tmp_path / "config"
     bogus.write_text("hello world\n")
-    with pytest.raises(ImageError, match="not a kernel .config"):
+    with pytest.raises(ImageError, match=r"not a kernel \.config"):
         parse_config(bogus)
 
 

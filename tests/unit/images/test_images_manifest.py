@@ -16,7 +16,12 @@ def test_builtin_manifest_has_the_three_debian_images() -> None:
     specs = load_manifest(builtin_manifest_path(), required=True)
     assert list(specs)[:3] == ["debian-cloud", "debian-rt", "debian-cloud-disk"]
     cloud, rt, disk = specs["debian-cloud"], specs["debian-rt"], specs["debian-cloud-disk"]
-    assert (cloud.source, cloud.flavour, cloud.form, cloud.abi) == ("debian", "cloud-amd64", "initramfs", None)
+    assert (cloud.source, cloud.flavour, cloud.form, cloud.abi) == (
+        "debian",
+        "cloud-amd64",
+        "initramfs",
+        None,
+    )
     assert (rt.flavour, rt.form) == ("rt-amd64", "initramfs")
     assert (disk.flavour, disk.form, disk.disk_interface) == ("cloud-amd64", "disk", "nvme")
     assert disk.cmdline is not None and "root=/dev/nvme0n1" in disk.cmdline and "console=" not in disk.cmdline

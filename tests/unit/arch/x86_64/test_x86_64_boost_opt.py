@@ -199,6 +199,11 @@ def test_can_optimize_refuses_another_probe_inside_the_region() -> None:
     assert not res.ok and "another probe" in res.reason
 
 
+def test_can_optimize_needs_a_boundary() -> None:
+    res = can_optimize(FUNC, ADDR, ADDR + 2, name="f")
+    assert res == (False, "f+0x2 is not an instruction boundary", 0)
+
+
 def test_can_optimize_needs_five_bytes() -> None:
     res = can_optimize(FUNC[:0x1A], ADDR, ADDR + 0x18)
     assert not res.ok and "needs 5" in res.reason

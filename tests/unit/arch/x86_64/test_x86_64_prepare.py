@@ -257,3 +257,40 @@ def test_resume_singlestep_of_emulated_is_an_error() -> None:
 def test_arch_adjust_kprobe_addr(head: str, offset: int, expected: tuple[int, bool]) -> None:
     addr, on_entry = arch_adjust_kprobe_addr(bytes.fromhex(head), ADDR, offset)
     assert (addr - ADDR, on_entry) == expected
+
+
+@dataclass
+class IPSP:
+    ip: int
+    sp: int
+
+
+class Stack:
+    def __init__(self, sp: int, word: int) -> None:
+        self.mem = {sp: word.to_bytes(8, "little")}
+
+    def read(self, addr: int, size: int) -> bytes:
+        return self.mem[addr][:size]
+
+    def write(self, addr: int, data: bytes) -> None:
+        self.mem[addr] = data
+
+
+def test_stepped_pushf_has_tf_cleared_in_the_pushed_word() -> None:
+    p = prep("9c")
+    sp = 0xFFFFC90000007FF8
+    stack = Stack(sp, 0x346)  # TF | IF | ZF | PF | reserved bit 1
+    regs = IPSP(SLOT + 1, sp)
+    resume_singlestep(p, regs, stack)
+    assert regs.ip == ADDR + 1
+    assert int.from_bytes(stack.read(sp, 8), "little") == 0x246
+    # without mem (or under TCG, where TF was never set) nothing is touched
+    untouched = Stack(sp, 0x246)
+    resume_singlestep(p, IPSP(SLOT + 1, sp), untouched)
+    assert int.from_bytes(untouched.read(sp, 8), "little") == 0x246
+
+
+def test_displacement_overflow_message_names_the_probe() -> None:
+    with pytest.raises(DisplacementOverflow) as exc:
+        prep("488b0500000000", slot=ADDR - (1 << 40), where="vfs_read+0x8")
+    assert str(exc.value).startswith("cannot probe vfs_read+0x8: 'mov rax,[rip]' refers to ")

@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import signal
-import struct
 import threading
 import time
 from collections.abc import Iterable
@@ -26,7 +25,7 @@ from types import TracebackType
 
 from qprobe.core.kprobe import Kprobe
 from qprobe.core.kprobes import KprobeManager
-from qprobe.errors import QprobeError, TargetError, TargetGone
+from qprobe.errors import QprobeError, TargetError
 from qprobe.kernel.kaslr import detect_slide
 from qprobe.kernel.symbols import Symbols
 from qprobe.target.connection import Connection
@@ -233,7 +232,7 @@ def _load_into(vmlinux: str | Path, box: list[Symbols | BaseException]) -> None:
     t = time.monotonic()
     try:
         box.append(Symbols.load(vmlinux))
-    except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+    except BaseException as exc:
         box.append(exc)
     Target._symbol_time = time.monotonic() - t
 
@@ -301,14 +300,21 @@ def boot(image: str = "debian-cloud", smp: int = 2, memory: str | int = "512M",
     return target
 
 
-def attach(address: str, vmlinux: str | Path | None = None, *, ram: str | Path | None = None,
-           ram_size: int | str = 0, console: str | Path | None = None, allow_remote: bool = False) -> Target:  # fmt: skip
+def attach(
+    address: str,
+    vmlinux: str | Path | None = None,
+    *,
+    ram: str | Path | None = None,
+    ram_size: int | str = 0,
+    console: str | Path | None = None,
+    allow_remote: bool = False,
+) -> Target:
     """Attach to a running QEMU's gdbstub (``unix:PATH`` or ``HOST:PORT``).
 
     For a QEMU started by ``qprobe boot``, the run directory's session file
     supplies vmlinux, the shared RAM file and the console.
     """
-    addr = address if address.startswith(("unix:", "/")) or ":" in address else address
+    addr = address
     if not addr.startswith(("unix:", "/")):
         host = addr.rpartition(":")[0].strip("[]")
         if host not in ("127.0.0.1", "localhost", "::1") and not allow_remote:
@@ -328,8 +334,7 @@ def attach(address: str, vmlinux: str | Path | None = None, *, ram: str | Path |
         raise TargetError("attach needs the running kernel's vmlinux (vmlinux=PATH / --vmlinux PATH)")
     ram_path = Path(ram) if ram else None
     size = parse_memory(ram_size) if ram_size else (ram_path.stat().st_size if ram_path else 0)
-    return Target(addr if addr.startswith(("unix:", "/")) or ":" in addr else addr, vmlinux, ram=ram_path,
-                  ram_size=size, console=Path(console) if console else None)  # fmt: skip
+    return Target(addr, vmlinux, ram=ram_path, ram_size=size, console=Path(console) if console else None)
 
 
 __all__ = ["Target", "attach", "boot"]

@@ -83,7 +83,9 @@ class ProbePoint:
 class KprobeManager:
     """Owns the probe table; every method that touches the guest runs on the stop loop."""
 
-    def __init__(self, machine: Machine, symbols: Symbols, scratch: ScratchArea, int3_entry: str = "asm_exc_int3") -> None:
+    def __init__(
+        self, machine: Machine, symbols: Symbols, scratch: ScratchArea, int3_entry: str = "asm_exc_int3"
+    ) -> None:
         self.machine = machine
         self.symbols = symbols
         self.scratch = scratch
@@ -362,7 +364,7 @@ class KprobeManager:
             ip = pt.ip
             try:
                 ret = kp.pre_handler(kp, pt)
-            except Exception as exc:  # noqa: BLE001 - user code; reported, never fatal
+            except Exception as exc:
                 self._handler_failed(kp, pt, exc, "pre_handler")
                 continue
             if ret and pt.ip != ip:
@@ -375,7 +377,7 @@ class KprobeManager:
                 continue
             try:
                 kp.post_handler(kp, pt)
-            except Exception as exc:  # noqa: BLE001 - user code
+            except Exception as exc:
                 self._handler_failed(kp, pt, exc, "post_handler")
 
     def _handler_failed(self, kp: Kprobe, pt: PtRegs, exc: Exception, which: str) -> None:
@@ -393,7 +395,7 @@ class KprobeManager:
             return
         try:
             kp.fault_handler(kp, pt, exc)
-        except Exception as inner:  # noqa: BLE001 - user code
+        except Exception as inner:
             log.warning("fault_handler of %s raised %s: %s", kp.where(), type(inner).__name__, inner)
 
     # -- listing -------------------------------------------------------------------
@@ -421,7 +423,7 @@ class _StackWriter:
         return self.pt.read(addr, size)
 
     def write(self, addr: int, data: bytes) -> None:
-        phys = self.machine.mem.virt_to_phys(addr, self.pt._pgd)  # noqa: SLF001
+        phys = self.machine.mem.virt_to_phys(addr, self.pt._pgd)
         if (phys & 0xFFF) + len(data) > 0x1000:
             head = 0x1000 - (phys & 0xFFF)
             self.write(addr, data[:head])

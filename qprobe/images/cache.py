@@ -109,13 +109,14 @@ def atomic_dir(dest: Path) -> Iterator[Path]:
         raise
 
 
-def remove_leftovers(directory: Path) -> None:
+def remove_leftovers(directory: Path, name: str = "") -> None:
     """Remove temporary files and directories an interrupted run left behind.
 
-    Call it only while holding the lock that guards ``directory``'s builds,
-    or a running build's temporary files would go.
+    Only those for results whose name starts with ``name``; call it while
+    holding the lock that guards building them, or a running build's
+    temporary files would go.
     """
-    for leftover in directory.glob(f"{TMP_PREFIX}*"):
+    for leftover in directory.glob(f"{TMP_PREFIX}{name}*"):
         if leftover.is_dir() and not leftover.is_symlink():
             shutil.rmtree(leftover, ignore_errors=True)
         else:

@@ -320,8 +320,8 @@ def fetch_kernel(flavour: str, abi: str | None, reporter: Reporter) -> KernelFil
         files = cached_kernel(flavour, abi)
         if files is not None:
             return files
-        cache.remove_leftovers(kernels)
         kernel = resolve(flavour, abi)
+        cache.remove_leftovers(kernels, kernel.release)
         debs = cache.subdir("debs")
         missing = [
             size

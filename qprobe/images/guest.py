@@ -28,7 +28,7 @@ from qprobe.images import cache
 from qprobe.images.cpio import CpioWriter
 from qprobe.images.progress import Reporter
 
-__all__ = ["GuestFiles", "build_disk", "build_initramfs", "guest_sources", "guest_state"]
+__all__ = ["GuestFiles", "build_disk", "build_initramfs", "guest_sources"]
 
 # Bump when the tree's layout changes, so old cached builds are not reused.
 LAYOUT_VERSION = "1"
@@ -243,13 +243,3 @@ def build_disk(reporter: Reporter, files: GuestFiles | None = None) -> Path:
                 lines = proc.stderr.strip().splitlines()
                 raise ImageError(f"mke2fs -d {tree} failed: {lines[-1] if lines else proc.returncode}")
     return dest
-
-
-def guest_state() -> bool:
-    """Whether the guest build for the current sources is in the cache."""
-    try:
-        files = guest_sources()
-        directory = cache.cache_dir() / "guest" / files.key()
-    except ImageError:
-        return False
-    return (directory / "initramfs.cpio.gz").is_file()

@@ -12,13 +12,14 @@ import bisect
 import mmap
 import pickle
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from qprobe.errors import SymbolError
 from qprobe.paths import cache_dir
 
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
 LINK_BASE = 0xFFFF_FFFF_8100_0000  # __START_KERNEL with CONFIG_PHYSICAL_START=0x1000000
 
 
@@ -56,6 +57,11 @@ class Symbols:
             self._by_name.setdefault(n, i)  # the first, as kallsyms_lookup_name does
         self._file: mmap.mmap | None = None
 
+    def __getstate__(self) -> dict[str, object]:
+        state = dict(self.__dict__)
+        state["_file"] = None
+        return state
+
     # -- loading -------------------------------------------------------------
     @classmethod
     def load(cls, path: str | Path) -> Symbols:
@@ -66,17 +72,21 @@ class Symbols:
         cached = cache_dir("symbols") / f"{build_id}.pickle"
         if cached.exists():
             try:
-                version, syms, sections = pickle.loads(cached.read_bytes())
-                if version == _CACHE_VERSION:
-                    return cls(path, build_id, syms, sections)
-            except (pickle.UnpicklingError, EOFError, ValueError, TypeError):
-                pass  # a corrupt cache is rebuilt below
+                version, table = pickle.loads(cached.read_bytes())
+                if version == _CACHE_VERSION and isinstance(table, cls):
+                    table.path = path
+                    return table
+            except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError):
+                pass  # a corrupt or outdated cache is rebuilt below
         syms, sections = _parse_with_lief(path)
+        table = cls(path, build_id, syms, sections)
+        # The whole indexed table is cached, not the raw symbols: sorting and
+        # indexing 120k rows costs as much as LIEF's parse.
         tmp = cached.with_suffix(".tmp")
-        tmp.write_bytes(pickle.dumps((_CACHE_VERSION, syms, sections)))
+        tmp.write_bytes(pickle.dumps((_CACHE_VERSION, table), protocol=pickle.HIGHEST_PROTOCOL))
         tmp.chmod(0o600)
         tmp.replace(cached)
-        return cls(path, build_id, syms, sections)
+        return table
 
     # -- lookups (running addresses) -----------------------------------------
     def __contains__(self, name: str) -> bool:
@@ -169,21 +179,34 @@ class Symbols:
 
 
 def read_build_id(path: Path) -> str:
-    """The GNU build-id note, read without parsing the whole ELF."""
-    import lief
+    """The GNU build-id note, read from the section headers directly.
 
-    config = lief.ELF.ParserConfig()
-    config.parse_relocations = False
-    config.parse_dyn_symbols = False
-    config.parse_symtab_symbols = False
-    config.parse_symbol_versions = False
-    config.parse_overlay = False
-    binary = lief.ELF.parse(str(path), config)
-    if binary is None or binary.header.machine_type != lief.ELF.ARCH.X86_64:
-        raise SymbolError(f"{path} is not an x86_64 ELF vmlinux")
-    for note in binary.notes:
-        if note.type == lief.ELF.Note.TYPE.GNU_BUILD_ID:
-            return bytes(note.description).hex()
+    LIEF would take about a second for this on the debug vmlinux; the cache
+    lookup must not cost more than the cache saves.
+    """
+    with open(path, "rb") as f:
+        ident = f.read(64)
+        if ident[:4] != b"\x7fELF" or ident[4] != 2 or struct.unpack_from("<H", ident, 18)[0] != 62:
+            raise SymbolError(f"{path} is not an x86_64 ELF vmlinux")
+        shoff, = struct.unpack_from("<Q", ident, 40)
+        shentsize, shnum = struct.unpack_from("<HH", ident, 58)
+        f.seek(shoff)
+        headers = f.read(shentsize * shnum)
+        for i in range(shnum):
+            sh_type, = struct.unpack_from("<I", headers, i * shentsize + 4)
+            if sh_type != 7:  # SHT_NOTE
+                continue
+            offset, size = struct.unpack_from("<QQ", headers, i * shentsize + 24)
+            f.seek(offset)
+            notes = f.read(size)
+            pos = 0
+            while pos + 12 <= len(notes):
+                namesz, descsz, ntype = struct.unpack_from("<III", notes, pos)
+                name_end = pos + 12 + ((namesz + 3) & ~3)
+                desc = notes[name_end : name_end + descsz]
+                if ntype == 3 and notes[pos + 12 : pos + 12 + namesz].rstrip(b"\0") == b"GNU":
+                    return desc.hex()
+                pos = name_end + ((descsz + 3) & ~3)
     raise SymbolError(f"{path} has no build-id note; cannot match it to a running kernel")
 
 

@@ -83,7 +83,7 @@ class Machine:
                 if self._closing:
                     return
                 self.gdb.cont()
-        except BaseException as exc:  # noqa: BLE001 - recorded and re-raised in every caller
+        except BaseException as exc:
             self._error = exc
         finally:
             self._fail_pending()
@@ -111,7 +111,7 @@ class Machine:
                 except TargetGone as exc:
                     fut.set_exception(exc)
                     raise
-                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                except BaseException as exc:
                     fut.set_exception(exc)
             if block:
                 return

@@ -225,7 +225,7 @@ class KprobeManager:
         if want and not point.armed:
             self._hook()
             self._touched.add(point.addr)
-            point.int3 = self.machine.patch(point.addr, INT3, "int3")
+            point.int3 = self.machine.patch(point.addr, INT3, "int3", point.prep.slot_addr)
         elif not want and point.armed:
             assert point.int3 is not None
             self.machine.unpatch(point.int3)

@@ -24,6 +24,7 @@ class Patch:
     old: bytes
     new: bytes
     what: str  # "int3", "pmd", ...
+    slot: int = 0  # for an int3: where its instruction's copy runs out of line
 
     def to_json(self) -> dict[str, object]:
         d = asdict(self)
@@ -33,7 +34,7 @@ class Patch:
     @classmethod
     def from_json(cls, d: dict[str, object]) -> Patch:
         return cls(int(d["phys"]), int(d["virt"]), bytes.fromhex(str(d["old"])),  # type: ignore[arg-type]
-                   bytes.fromhex(str(d["new"])), str(d["what"]))  # fmt: skip
+                   bytes.fromhex(str(d["new"])), str(d["what"]), int(d.get("slot", 0)))  # type: ignore[arg-type]  # fmt: skip
 
 
 class Journal:

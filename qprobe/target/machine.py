@@ -144,13 +144,13 @@ class Machine:
             self.gdb.conn.close()
 
     # -- guarded writes (stop-loop thread only) --------------------------------
-    def patch(self, virt: int, data: bytes, what: str) -> Patch:
+    def patch(self, virt: int, data: bytes, what: str, slot: int = 0) -> Patch:
         """Journal, then write ``data`` at kernel address ``virt`` (physically, past write protection)."""
         phys = self.mem.virt_to_phys(virt)
         if (phys & 0xFFF) + len(data) > 0x1000:
             raise TargetError(f"internal: patch at {virt:#x} crosses a page")
         old = self.mem.read(virt, len(data))
-        p = Patch(phys, virt, old, data, what)
+        p = Patch(phys, virt, old, data, what, slot)
         self.journal.record(p)
         self.write_phys(phys, data)
         return p

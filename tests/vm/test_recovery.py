@@ -1,0 +1,87 @@
+"""A qprobe killed with SIGKILL while probes are armed; the next attach restores the text.
+
+Also covers the CLI's ``boot`` (keeps the VM, prints how to attach) and
+``attach``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+
+import pytest
+
+import qprobe
+
+from .conftest import IMAGE, workload_result
+
+pytestmark = pytest.mark.vm
+
+PROBER = textwrap.dedent(
+    """
+    import sys, time, qprobe
+    t = qprobe.attach(sys.argv[1])
+    kps = [qprobe.Kprobe(symbol_name=n) for n in ("ksys_lseek", "__x64_sys_getppid")]
+    t.register_kprobes(kps)
+    print("ARMED", flush=True)
+    while True:
+        time.sleep(1)
+    """
+)
+
+
+def _readline_matching(proc: subprocess.Popen[str], pattern: str) -> re.Match[str]:
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        m = re.search(pattern, line)
+        if m:
+            return m
+    raise AssertionError(f"{pattern!r} never printed; output: {''.join(seen)}; stderr: {proc.stderr and proc.stderr.read()}")
+
+
+@pytest.fixture
+def booted() -> Iterator[str]:
+    """``qprobe boot`` in the background; yields the attach address."""
+    proc = subprocess.Popen([sys.executable, "-m", "qprobe.cli", "boot", "--image", IMAGE],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        yield _readline_matching(proc, r"attach with:\s+qprobe attach (\S+)").group(1)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            assert proc.wait(30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def test_sigkill_with_probes_armed_then_attach_restores_text(booted: str) -> None:
+    with qprobe.attach(booted) as t:
+        names = ("ksys_lseek", "__x64_sys_getppid")
+        original = {n: t.read(n, t.symbols.lookup(n).size) for n in names}
+    prober = subprocess.Popen([sys.executable, "-c", PROBER, booted], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        _readline_matching(prober, "ARMED")
+    finally:
+        os.kill(prober.pid, signal.SIGKILL)
+        prober.wait()
+    cli = subprocess.run([sys.executable, "-m", "qprobe.cli", "attach", booted], capture_output=True, text=True)
+    assert cli.returncode == 0, cli.stderr
+    # Two int3s and the scratch-area mapping were left behind.
+    assert "restored 3 leftover patch(es)" in cli.stdout
+    with qprobe.attach(booted) as t:
+        assert t.recovered == 0
+        for n in names:
+            assert t.read(n, len(original[n])) == original[n], f"{n} was not restored"
+        # The formerly probed functions run normally.
+        assert int(workload_result(t.run("workload lseek 20").check().output)["errors"]) == 0
+        assert workload_result(t.run("workload getppid 20").check().output)["n"] == "20"
+        assert t.oopses() == [], t.console.tail(60)  # type: ignore[union-attr]

@@ -147,12 +147,20 @@ def parse_event(
     return _parse_probe(cmd, symbol_exists, on_func_entry)
 
 
-def parse_events(text: str, **kwargs: SymbolExists | OnFuncEntry | None) -> list[ProbeEvent | DeleteEvent]:
-    """Every non-empty line of a kprobe_events write, comments removed."""
+def parse_events(
+    text: str,
+    *,
+    symbol_exists: SymbolExists | None = None,
+    on_func_entry: OnFuncEntry | None = None,
+) -> list[ProbeEvent | DeleteEvent]:
+    """Every non-empty line of a kprobe_events write, comments removed.
+
+    Stops at the first bad line, as the kernel's trace_parse_run_command does.
+    """
     out: list[ProbeEvent | DeleteEvent] = []
     for line in text.split("\n"):
         if split_args(line.split("#", 1)[0]):
-            out.append(parse_event(line, **kwargs))  # type: ignore[arg-type]
+            out.append(parse_event(line, symbol_exists=symbol_exists, on_func_entry=on_func_entry))
     return out
 
 
@@ -170,9 +178,7 @@ def _parse_delete(cmd: _Command) -> DeleteEvent:
     return DeleteEvent(group, event, cmd.argv[1:], cmd.text)
 
 
-def _parse_probe(
-    cmd: _Command, symbol_exists: SymbolExists | None, on_func_entry: OnFuncEntry | None
-) -> ProbeEvent:
+def _parse_probe(cmd: _Command, symbol_exists: SymbolExists | None, on_func_entry: OnFuncEntry | None) -> ProbeEvent:
     argv = cmd.argv
     head = argv[0]
     is_return = head[0] == "r"

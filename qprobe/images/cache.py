@@ -45,9 +45,7 @@ def cache_dir() -> Path:
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
-        raise ImageError(
-            f"cannot create the cache directory {root}: {exc.strerror}; set QPROBE_CACHE"
-        ) from exc
+        raise ImageError(f"cannot create the cache directory {root}: {exc.strerror}; set QPROBE_CACHE") from exc
     return root
 
 
@@ -132,9 +130,7 @@ def hash_inputs(items: Iterable[tuple[str, bytes]]) -> str:
     return h.hexdigest()[:16]
 
 
-def prune(
-    directory: Path, pattern: str, keep: int, protect: Iterable[Path] = (), min_age: float = 3600
-) -> None:
+def prune(directory: Path, pattern: str, keep: int, protect: Iterable[Path] = (), min_age: float = 3600) -> None:
     """Delete all but the ``keep`` most recently used entries matching ``pattern``.
 
     Entries used (``touch``) within ``min_age`` seconds stay, so a file

@@ -46,9 +46,7 @@ class CpioWriter:
         self._mtime = mtime
         self._finished = False
 
-    def _entry(
-        self, name: str, mode: int, data: bytes = b"", nlink: int = 1, rdev: tuple[int, int] = (0, 0)
-    ) -> None:
+    def _entry(self, name: str, mode: int, data: bytes = b"", nlink: int = 1, rdev: tuple[int, int] = (0, 0)) -> None:
         if self._finished:
             raise ImageError("internal error: cpio archive already finished")
         encoded = name.encode()

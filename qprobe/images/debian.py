@@ -73,9 +73,7 @@ def _abi_key(abi: str) -> tuple[int, ...]:
 
 def _apt(*args: str) -> subprocess.CompletedProcess[str]:
     if shutil.which(args[0]) is None:
-        raise ImageError(
-            f"{args[0]} not found: Debian images need a Debian host with apt; or define a user image"
-        )
+        raise ImageError(f"{args[0]} not found: Debian images need a Debian host with apt; or define a user image")
     return subprocess.run(list(args), capture_output=True, text=True, check=False)
 
 
@@ -102,9 +100,7 @@ def _candidate_abis(flavour: str) -> list[str]:
     """ABIs to try, best first: the metapackage's, then every one apt lists."""
     found: list[str] = []
     meta = _apt("apt-cache", "depends", f"linux-image-{flavour}")
-    pattern = re.compile(
-        rf"Depends:\s*linux-image-(\d+\.\d+\.\d+-\d+)-{re.escape(flavour)}(?:-unsigned)?\s*$"
-    )
+    pattern = re.compile(rf"Depends:\s*linux-image-(\d+\.\d+\.\d+-\d+)-{re.escape(flavour)}(?:-unsigned)?\s*$")
     for line in meta.stdout.splitlines():
         m = pattern.search(line)
         if m and m.group(1) not in found:
@@ -205,9 +201,7 @@ def extract(deb: Path, members: dict[str, Path], reporter: Reporter) -> None:
     if shutil.which("dpkg-deb") is None:
         raise ImageError("dpkg-deb not found: install the dpkg package")
     wanted = dict(members)
-    proc = subprocess.Popen(
-        ["dpkg-deb", "--fsys-tarfile", str(deb)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
+    proc = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", str(deb)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout is not None and proc.stderr is not None
     stopped_early = False
     tar_error: tarfile.TarError | None = None
@@ -307,9 +301,7 @@ def kernel_state(flavour: str, abi: str | None = None) -> tuple[str, str | None]
     root = cache.cache_dir()
     tag = f"{abi or '*'}-{flavour}"
     leftovers = list((root / "debs").glob(f"linux-image-{tag}[_-]*.deb"))
-    leftovers += [
-        p for p in (root / "kernels").glob(f"*{abi or ''}-{flavour}*") if not p.name.startswith(".lock-")
-    ]
+    leftovers += [p for p in (root / "kernels").glob(f"*{abi or ''}-{flavour}*") if not p.name.startswith(".lock-")]
     return ("partial" if leftovers else "not fetched"), None
 
 

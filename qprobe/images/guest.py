@@ -80,9 +80,7 @@ class GuestFiles:
 
 def _find_busybox() -> Path:
     env = os.environ.get("QPROBE_BUSYBOX")
-    candidates = (
-        [Path(env)] if env else [Path("/bin/busybox"), Path(shutil.which("busybox") or "/nonexistent")]
-    )
+    candidates = [Path(env)] if env else [Path("/bin/busybox"), Path(shutil.which("busybox") or "/nonexistent")]
     for path in candidates:
         if path.is_file():
             return path
@@ -99,9 +97,7 @@ def guest_sources() -> GuestFiles:
     files = GuestFiles(workload_c=src / "workload.c", init=src / "init", busybox=_find_busybox())
     for path in (files.workload_c, files.init):
         if not path.is_file():
-            raise ImageError(
-                f"guest source {path} not found; set QPROBE_GUEST_SRC to the scripts/guest directory"
-            )
+            raise ImageError(f"guest source {path} not found; set QPROBE_GUEST_SRC to the scripts/guest directory")
     return files
 
 
@@ -131,9 +127,7 @@ def _build_workload(src: Path, dest: Path) -> None:
             check=False,
         )
         if proc.returncode != 0:
-            errors = [
-                line for line in proc.stderr.splitlines() if "error" in line
-            ] or proc.stderr.splitlines()
+            errors = [line for line in proc.stderr.splitlines() if "error" in line] or proc.stderr.splitlines()
             raise ImageError(f"gcc -static failed on {src}: {errors[0] if errors else 'no output'}")
         _check_static(tmp, "workload", "gcc could not link it statically (install libc6-dev)")
 

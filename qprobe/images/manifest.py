@@ -112,9 +112,7 @@ def parse_spec(name: str, table: object, origin: Path | None) -> ImageSpec:
     allowed = _DEBIAN if source == "debian" else _FILES
     unknown = sorted(set(table) - allowed)
     if unknown:
-        raise ImageError(
-            f"{where}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(sorted(allowed))})"
-        )
+        raise ImageError(f"{where}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(sorted(allowed))})")
 
     rootfs = _string(table, "rootfs", where) or "initramfs"
     if rootfs not in _ROOTFS:
@@ -136,9 +134,7 @@ def parse_spec(name: str, table: object, origin: Path | None) -> ImageSpec:
         if not flavour:
             raise ImageError(f"{where}: a Debian image needs 'flavour' (e.g. \"cloud-amd64\")")
         if not re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", flavour):
-            raise ImageError(
-                f'{where}: flavour {flavour!r} is not a Debian kernel flavour like "cloud-amd64"'
-            )
+            raise ImageError(f'{where}: flavour {flavour!r} is not a Debian kernel flavour like "cloud-amd64"')
         abi = _string(table, "abi", where)
         if abi is not None and not re.fullmatch(r"\d+\.\d+\.\d+-\d+", abi):
             raise ImageError(f'{where}: abi {abi!r} must look like "6.1.0-56"')

@@ -131,9 +131,7 @@ def get_image(name: str = DEFAULT_IMAGE, *, fetch: bool = True, progress: bool =
     if files is None:
         if not fetch:
             where = cache.cache_dir()
-            raise ImageError(
-                f"the kernel of image {name!r} is not in the cache ({where}); get it with fetch=True"
-            )
+            raise ImageError(f"the kernel of image {name!r} is not in the cache ({where}); get it with fetch=True")
         files = debian.fetch_kernel(spec.flavour, spec.abi, reporter)
     initrd, disk = _rootfs(spec.rootfs, reporter)
     if disk is not None:

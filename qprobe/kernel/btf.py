@@ -247,9 +247,8 @@ class Btf:
             if i:
                 agg = self._aggregate_of(tid)
                 if agg is None:
-                    raise SymbolError(
-                        f"{label} is {self.type_name(tid)}, not a struct or union; no {name!r} in it"
-                    )
+                    what = self.type_name(tid)
+                    raise SymbolError(f"{label} is {what}, not a struct or union; no {name!r} in it")
                 tid = agg
             found = self._find_member(tid, name, 0)
             if found is None:

@@ -43,7 +43,8 @@ def _readline_matching(proc: subprocess.Popen[str], pattern: str) -> re.Match[st
         m = re.search(pattern, line)
         if m:
             return m
-    raise AssertionError(f"{pattern!r} never printed; output: {''.join(seen)}; stderr: {proc.stderr and proc.stderr.read()}")
+    err = proc.stderr.read() if proc.stderr else ""
+    raise AssertionError(f"{pattern!r} never printed; output: {''.join(seen)}; stderr: {err}")
 
 
 @pytest.fixture

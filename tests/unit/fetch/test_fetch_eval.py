@@ -60,7 +60,8 @@ def test_fake_context_is_a_fetch_context() -> None:
         ("%ax:b0x10@0x10/0x20", 0x1234_5678, "arg1=4660"),
         ("x=%ax:symbol", KALLSYMS["vfs_read"][0] + 0x10, "x=vfs_read+0x10/0x1a0"),
         ("x=%ax:symbol", 0xFFFF_FFFF_9000_0000, "x=0xffffffff90000000"),
-        ("x=%ax:symbol", KALLSYMS["trace_printk:trace_printk_irq_work"][0], "x=trace_printk_irq_work+0x0/0x60 [trace_printk]"),
+        ("x=%ax:symbol", KALLSYMS["trace_printk:trace_printk_irq_work"][0],
+         "x=trace_printk_irq_work+0x0/0x60 [trace_printk]"),
     ],
 )  # fmt: skip
 def test_register_types(arg: str, ax: int, out: str) -> None:
@@ -151,9 +152,7 @@ def test_vars_and_args() -> None:
     stack = u64(0xFFFF_FFFF_8100_0042) + u64(7) + u64(8)
     regs = {"sp": SP, "di": 1, "si": 2, "dx": 3, "cx": 4, "r8": 5, "r9": 6, "orig_ax": 0x27, "flags": 0x246}
     ctx = FakeContext(regs=regs, memory={SP: stack})
-    assert hit(
-        "p vfs_read $arg1:u8 $arg6:u8 $arg7:u8 $arg8:u8 $stack $stack1:u8 %orig_ax %flags", ctx
-    ) == [
+    assert hit("p vfs_read $arg1:u8 $arg6:u8 $arg7:u8 $arg8:u8 $stack $stack1:u8 %orig_ax %flags", ctx) == [
         "arg1=1",
         "arg2=6",
         "arg3=7",

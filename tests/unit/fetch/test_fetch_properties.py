@@ -20,7 +20,7 @@ PIECES = [
     ":u8", ":s16", ":x32", ":x64", ":u64", ":string", ":ustring", ":symbol", ":b4@4/32", ":b0@1/8",
     ":b4@60/8", ":b3@x/8", ":y16", "::", "abc", "&", "*", "é",
 ]  # fmt: skip
-ALPHABET = "pr-:/._azAZ09xX%$@+()[]\\\"=#& \t\n"
+ALPHABET = 'pr-:/._azAZ09xX%$@+()[]\\"=#& \t\n'
 
 
 def _check_parse(text: str) -> None:
@@ -99,9 +99,9 @@ def fetch_arg(draw: st.DrawFn, allow_retval: bool, allow_args: bool) -> str:
     bits = draw(st.integers(1, width))
     choices.append(f":b{bits}@{draw(st.integers(0, width - bits))}/{width}")
     typ = draw(st.sampled_from(choices))
-    if kind == "mem" or (kind in ("umem", "imm") and typ.endswith("string")):
-        if typ and draw(st.booleans()):
-            typ += f"[{draw(st.integers(1, 64))}]"
+    arrayable = kind == "mem" or (kind in ("umem", "imm") and typ.endswith("string"))
+    if arrayable and typ and draw(st.booleans()):
+        typ += f"[{draw(st.integers(1, 64))}]"
     return expr + typ
 
 

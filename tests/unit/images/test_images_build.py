@@ -58,9 +58,7 @@ def test_workload_runs_on_host(_isolated_images: Path) -> None:
 
 
 @can_build
-def test_inputs_change_rebuilds(
-    _isolated_images: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_inputs_change_rebuilds(_isolated_images: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = tmp_path / "guest-src"
     shutil.copytree(Path(guest.__file__).resolve().parents[2] / "scripts" / "guest", src)
     monkeypatch.setenv("QPROBE_GUEST_SRC", str(src))
@@ -93,9 +91,7 @@ def test_disk_image_and_disk_with_files(_isolated_images: Path, tmp_path: Path) 
     extended = with_files(image, {"/opt/qp/helper": helper})
     assert extended.disk != disk and extended.kernel == image.kernel
     debugfs = shutil.which("debugfs") or "/sbin/debugfs"
-    stat = subprocess.run(
-        [debugfs, "-R", "stat /opt/qp/helper", str(extended.disk)], capture_output=True, text=True
-    )
+    stat = subprocess.run([debugfs, "-R", "stat /opt/qp/helper", str(extended.disk)], capture_output=True, text=True)
     assert "Mode:  0755" in stat.stdout
     assert re.search(rf"Size: {helper.stat().st_size}\b", stat.stdout)
     cat = subprocess.run([debugfs, "-R", "cat /init", str(extended.disk)], capture_output=True, text=True)
@@ -105,9 +101,7 @@ def test_disk_image_and_disk_with_files(_isolated_images: Path, tmp_path: Path) 
 def _fake_apt(outputs: dict[tuple[str, ...], str]):
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         out = outputs.get(args, "")
-        return subprocess.CompletedProcess(
-            list(args), 0 if out else 100, out, "" if out else "E: No packages found"
-        )
+        return subprocess.CompletedProcess(list(args), 0 if out else 100, out, "" if out else "E: No packages found")
 
     return run
 
@@ -145,9 +139,7 @@ def test_resolve_falls_back_to_highest_listed_and_signed(monkeypatch: pytest.Mon
         ("apt-cache", "search", "--names-only", "^linux-image-[0-9.]+-[0-9]+-rt-amd64-dbg$"): (
             "linux-image-6.1.0-9-rt-amd64-dbg - x\nlinux-image-6.1.0-10-rt-amd64-dbg - x\n"
         ),
-        ("apt-cache", "show", "--no-all-versions", "linux-image-6.1.0-10-rt-amd64-dbg"): _show(
-            "d", "6.1.1-1"
-        ),
+        ("apt-cache", "show", "--no-all-versions", "linux-image-6.1.0-10-rt-amd64-dbg"): _show("d", "6.1.1-1"),
         ("apt-cache", "show", "--no-all-versions", "linux-image-6.1.0-10-rt-amd64"): _show("s", "6.1.1-1"),
     }
     monkeypatch.setattr(debian, "_apt", _fake_apt(outputs))

@@ -57,9 +57,7 @@ def test_debian_cloud_style_config(tmp_path: Path) -> None:
 
 
 def test_parse_values_and_gzip(tmp_path: Path) -> None:
-    text = (
-        'CONFIG_KPROBES=y\nCONFIG_LOCALVERSION="-qp \\"x\\""\nCONFIG_NR_CPUS=64\n# CONFIG_KGDB is not set\n'
-    )
+    text = 'CONFIG_KPROBES=y\nCONFIG_LOCALVERSION="-qp \\"x\\""\nCONFIG_NR_CPUS=64\n# CONFIG_KGDB is not set\n'
     plain = tmp_path / "config"
     plain.write_text(text)
     packed = tmp_path / "config.gz"

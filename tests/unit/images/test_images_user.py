@@ -75,9 +75,7 @@ def test_missing_file_is_named(tmp_path: Path, files: dict[str, Path]) -> None:
     with pytest.raises(ImageError, match=r"vmlinux file .*nope/vmlinux does not exist"):
         image_from_files("x", kernel=files["kernel"], vmlinux=missing, initrd=files["initrd"])
     with pytest.raises(ImageError, match=r"initrd file .*absent\.img does not exist"):
-        image_from_files(
-            "x", kernel=files["kernel"], vmlinux=files["vmlinux"], initrd=tmp_path / "absent.img"
-        )
+        image_from_files("x", kernel=files["kernel"], vmlinux=files["vmlinux"], initrd=tmp_path / "absent.img")
 
 
 def test_image_from_files_initrd(files: dict[str, Path]) -> None:
@@ -125,9 +123,7 @@ def test_image_from_files_disk_cmdline(files: dict[str, Path]) -> None:
         )
 
 
-def test_get_image_user_manifest(
-    tmp_path: Path, files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_get_image_user_manifest(tmp_path: Path, files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     manifest = tmp_path / "images.toml"
     manifest.write_text(
         '[images.mine]\nkernel = "bzImage"\nvmlinux = "vmlinux"\ninitrd = "rootfs.cpio.gz"\n'
@@ -163,9 +159,7 @@ def test_initrd_with_files(tmp_path: Path, files: dict[str, Path]) -> None:
     assert data[start : start + 6] == b"070701"  # the kernel wants it 4-byte aligned
     assert gzip.decompress(base)  # the base part is untouched
     if shutil.which("cpio"):
-        listing = subprocess.run(
-            ["cpio", "-it", "--quiet"], input=data[start:], capture_output=True, check=True
-        )
+        listing = subprocess.run(["cpio", "-it", "--quiet"], input=data[start:], capture_output=True, check=True)
         assert listing.stdout.decode().split() == ["opt", "opt/probe-helper"]
     assert initrd_with_files(image, {"/opt/probe-helper": extra}) == out  # cached
     extra.write_text("#!/bin/sh\necho changed\n")

@@ -2,6 +2,7 @@
 
 from qprobe.api import Target, attach, boot
 from qprobe.core.kprobe import Kprobe
+from qprobe.core.kretprobe import Kretprobe, KretprobeInstance
 from qprobe.core.regs import PtRegs, regs_get_kernel_argument, regs_return_value
 from qprobe.errors import (
     Blacklisted,
@@ -24,6 +25,8 @@ __all__ = [
     "CannotProbe",
     "InvalidProbe",
     "Kprobe",
+    "Kretprobe",
+    "KretprobeInstance",
     "NotInstructionBoundary",
     "NotKernelText",
     "ProbeError",

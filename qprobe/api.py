@@ -26,9 +26,12 @@ from types import TracebackType
 
 from qprobe.core.kprobe import Kprobe
 from qprobe.core.kprobes import KprobeManager
+from qprobe.core.kretprobe import Kretprobe, KretprobeManager
+from qprobe.core.regs import PtRegs
 from qprobe.errors import QprobeError, TargetError
 from qprobe.kernel.kaslr import detect_slide
 from qprobe.kernel.symbols import Symbols
+from qprobe.kernel.task import Task
 from qprobe.target.connection import Connection
 from qprobe.target.console import Console, RunResult
 from qprobe.target.gdbremote import GdbRemote
@@ -108,6 +111,7 @@ class Target:
                 )
             self.scratch = ScratchArea(self.machine, scratch_phys)
             self.kprobes = KprobeManager(self.machine, self.symbols, self.scratch)
+            self.kretprobes = KretprobeManager(self.kprobes)
             self.timings["attach"] = time.monotonic() - t0
         except BaseException:
             self._teardown()
@@ -205,6 +209,39 @@ class Target:
     def disable_kprobe(self, kp: Kprobe) -> None:
         self.kprobes.disable_kprobe(kp)
 
+    def register_kretprobe(self, rp: Kretprobe) -> None:
+        self.kretprobes.register_kretprobe(rp)
+
+    def unregister_kretprobe(self, rp: Kretprobe) -> None:
+        self.kretprobes.unregister_kretprobe(rp)
+
+    def register_kretprobes(self, rps: Iterable[Kretprobe]) -> None:
+        """All or nothing, as register_kprobes."""
+        done: list[Kretprobe] = []
+        try:
+            for rp in rps:
+                self.register_kretprobe(rp)
+                done.append(rp)
+        except BaseException:
+            for rp in reversed(done):
+                self.unregister_kretprobe(rp)
+            raise
+
+    def unregister_kretprobes(self, rps: Iterable[Kretprobe]) -> None:
+        for rp in list(rps):
+            if rp.registered:
+                self.unregister_kretprobe(rp)
+
+    def enable_kretprobe(self, rp: Kretprobe) -> None:
+        self.kprobes.enable_kprobe(rp.kp)
+
+    def disable_kretprobe(self, rp: Kretprobe) -> None:
+        self.kprobes.disable_kprobe(rp.kp)
+
+    def current_task(self, regs: PtRegs) -> Task:
+        """The guest task a handler interrupted (pid, tgid, comm)."""
+        return self.kprobes.tasks.current(regs.gs_base)
+
     def set_kprobes_enabled(self, on: bool) -> None:
         """debugfs ``kprobes/enabled``."""
         self.kprobes.set_enabled(on)
@@ -227,6 +264,7 @@ class Target:
         _unregister_cleanup(self)
         try:
             if hasattr(self, "kprobes") and self.machine.alive:
+                self.kretprobes.remove_all()
                 self.kprobes.remove_all()
                 self.journal.clear()
         except QprobeError as exc:

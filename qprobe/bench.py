@@ -36,7 +36,7 @@ def run_bench(args: argparse.Namespace) -> int:
         rows.append(("boot + attach (symbols, KASLR, journal)", f"{time.perf_counter() - t0:.2f} s"))
         vmlinux = target.symbols.path
         t = time.perf_counter()
-        syms, _ = symbols_mod._parse_with_lief(vmlinux)
+        syms, _, _ = symbols_mod._parse_with_lief(vmlinux)
         rows.append((f"symbols, cold (LIEF parse, {len(syms)} symbols)", f"{time.perf_counter() - t:.2f} s"))
         t = time.perf_counter()
         symbols_mod.Symbols.load(vmlinux)

@@ -14,7 +14,7 @@ import enum
 import logging
 import struct
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -31,6 +31,7 @@ from qprobe.errors import (
     QprobeError,
     SymbolError,
 )
+from qprobe.kernel.task import Tasks
 from qprobe.target.journal import Patch
 from qprobe.target.machine import Machine
 from qprobe.target.scratch import ScratchArea
@@ -99,6 +100,9 @@ class KprobeManager:
         self._touched: set[int] = set()  # every address we ever put an int3 at
         self.passed_through = 0
         self.handler_errors: list[str] = []
+        # int3s in the scratch area that are not probes: the kretprobe trampoline.
+        self.trampolines: dict[int, Callable[[str, dict[str, int], int, int], None]] = {}
+        self.tasks = Tasks(symbols, machine.mem)
 
     # -- resolving and checking (no guest writes) -----------------------------
     def _kprobe_addr(self, kp: Kprobe) -> int:
@@ -237,8 +241,23 @@ class KprobeManager:
             self.machine.stop_handlers[self.int3_entry] = self._on_int3
             self._hooked = True
 
+    def drain(self) -> None:
+        """Finish every hit a vCPU is part way into, so the hook and the scratch area can go.
+
+        A vCPU can be stopped on the #BP entry with one of our traps pending, or
+        about to execute a trampoline's int3; left alone after the hook is
+        gone, the guest's own #BP handler would see an int3 it does not know.
+        """
+        for tid in self.machine.vcpus:
+            regs = self.machine.gdb.read_registers(tid)
+            if regs["rip"] == self.int3_entry:
+                self._on_int3(tid, regs)
+            elif regs["rip"] in self.trampolines:
+                self.trampolines[regs["rip"]](tid, regs, regs["rsp"], regs["eflags"])
+
     def _unhook(self) -> None:
-        if self._hooked:
+        if self._hooked and not self.trampolines:
+            self.drain()
             self.machine.gdb.remove_breakpoint(self.int3_entry)
             del self.machine.stop_handlers[self.int3_entry]
             self._hooked = False
@@ -250,6 +269,9 @@ class KprobeManager:
             for point in list(self.points.values()):
                 for kp in list(point.probes):
                     self._unregister(kp)
+            if self._hooked:
+                self.drain()
+            self.trampolines.clear()
             self._unhook()
             self.scratch.unmap()
 
@@ -263,6 +285,10 @@ class KprobeManager:
         mem = self.machine.mem
         ret_ip, cs, rflags, rsp, _ss = struct.unpack("<5Q", mem.read(regs["rsp"], 40))
         addr = ret_ip - 1
+        tramp = self.trampolines.get(addr) if not cs & 3 else None
+        if tramp is not None:
+            tramp(tid, regs, rsp, rflags)
+            return
         point = self.points.get(addr) if not cs & 3 else None
         if point is None or not point.armed:
             if not cs & 3 and addr in self._touched and mem.read(addr, 1) != INT3:

@@ -33,7 +33,7 @@ class PtRegs:
     under QEMU), ``tid`` the stub's thread id.
     """
 
-    __slots__ = ("_dirty", "_mem", "_pgd", "_symbols", "_values", "tid", "vcpu")
+    __slots__ = ("_dirty", "_mem", "_pgd", "_symbols", "_values", "gs_base", "tid", "vcpu")
 
     def __init__(self, values: dict[str, int], tid: str, vcpu: int, mem: GuestMemory,
                  symbols: Symbols | None = None) -> None:  # fmt: skip
@@ -45,6 +45,7 @@ class PtRegs:
         self._pgd = kernel_pgd(values["cr3"]) if "cr3" in values else mem.pgd
         self.tid = tid
         self.vcpu = vcpu
+        self.gs_base = values.get("gs_base", 0)  # the per-CPU base while in kernel mode
 
     def __getattr__(self, name: str) -> int:
         try:

@@ -19,7 +19,7 @@ from pathlib import Path
 from qprobe.errors import SymbolError
 from qprobe.paths import cache_dir
 
-_CACHE_VERSION = 2
+_CACHE_VERSION = 3
 LINK_BASE = 0xFFFF_FFFF_8100_0000  # __START_KERNEL with CONFIG_PHYSICAL_START=0x1000000
 
 
@@ -44,8 +44,10 @@ class Symbols:
     """Name <-> address for one vmlinux.  ``slide`` is set once the running kernel is known."""
 
     def __init__(self, path: Path, build_id: str, symbols: list[tuple[str, int, int, str]],
-                 sections: list[Section]) -> None:  # fmt: skip
+                 sections: list[Section], percpu: dict[str, int] | None = None) -> None:  # fmt: skip
         self.path = path
+        # Per-CPU variables are offsets from each CPU's base (gs_base), not addresses: KASLR does not move them.
+        self.percpu = percpu or {}
         self.build_id = build_id
         self.slide = 0
         self.sections = sections
@@ -78,8 +80,8 @@ class Symbols:
                     return table
             except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError):
                 pass  # a corrupt or outdated cache is rebuilt below
-        syms, sections = _parse_with_lief(path)
-        table = cls(path, build_id, syms, sections)
+        syms, sections, percpu = _parse_with_lief(path)
+        table = cls(path, build_id, syms, sections, percpu)
         # The whole indexed table is cached, not the raw symbols: sorting and
         # indexing 120k rows costs as much as LIEF's parse.
         tmp = cached.with_suffix(".tmp")
@@ -210,7 +212,7 @@ def read_build_id(path: Path) -> str:
     raise SymbolError(f"{path} has no build-id note; cannot match it to a running kernel")
 
 
-def _parse_with_lief(path: Path) -> tuple[list[tuple[str, int, int, str]], list[Section]]:
+def _parse_with_lief(path: Path) -> tuple[list[tuple[str, int, int, str]], list[Section], dict[str, int]]:
     import lief
 
     config = lief.ELF.ParserConfig()
@@ -222,11 +224,16 @@ def _parse_with_lief(path: Path) -> tuple[list[tuple[str, int, int, str]], list[
     if binary is None:
         raise SymbolError(f"LIEF could not parse {path}")
     kinds = {lief.ELF.Symbol.TYPE.FUNC: "func", lief.ELF.Symbol.TYPE.OBJECT: "object"}
-    syms = [
-        (s.name, s.value, s.size, kinds.get(s.type, "other"))
-        for s in binary.symtab_symbols
-        if s.name and s.value >= LINK_BASE & ~0xFFFFFFF and s.type != lief.ELF.Symbol.TYPE.FILE
-    ]
+    syms = []
+    percpu: dict[str, int] = {}
+    percpu_index = next((i for i, sec in enumerate(binary.sections) if sec.name == ".data..percpu"), -1)
+    for s in binary.symtab_symbols:
+        if not s.name or s.type == lief.ELF.Symbol.TYPE.FILE:
+            continue
+        if s.value >= LINK_BASE & ~0xFFFFFFF:
+            syms.append((s.name, s.value, s.size, kinds.get(s.type, "other")))
+        elif s.shndx == percpu_index and s.type == lief.ELF.Symbol.TYPE.OBJECT:
+            percpu[s.name] = s.value
     if not syms:
         raise SymbolError(f"{path} has no symbol table (stripped vmlinux?); use the -dbg package's file")
     exec_flag = lief.ELF.Section.FLAGS.EXECINSTR
@@ -235,4 +242,4 @@ def _parse_with_lief(path: Path) -> tuple[list[tuple[str, int, int, str]], list[
         for s in binary.sections
         if s.virtual_address
     ]
-    return syms, sections
+    return syms, sections, percpu

@@ -1,0 +1,243 @@
+"""Return probes (kretprobes), host side.
+
+At function entry an internal kprobe takes a free ``KretprobeInstance``,
+saves the return address and replaces it on the stack with the address of a
+trampoline in the scratch area: one ``int3``.  When the function returns
+there, the #BP dispatcher hands the hit to ``KretprobeManager.trampoline_hit``,
+which matches the instance by its stack slot (and task), runs the handler and
+resumes at the real return address.  Matching by the stack slot makes
+recursion, preemption and sleeping functions right: every live call has its
+own slot.  The stack write is journaled like any patch, so an exit or crash
+puts every real return address back.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from qprobe.core.kprobe import KPROBE_FLAG_DISABLED, Kprobe
+from qprobe.core.regs import PtRegs
+from qprobe.errors import InvalidProbe, ProbeError, QprobeError
+from qprobe.kernel.task import Task
+from qprobe.target.journal import Patch
+
+if TYPE_CHECKING:
+    from qprobe.core.kprobes import KprobeManager
+
+log = logging.getLogger("qprobe.kretprobes")
+
+# Functions whose return address must not be replaced: __switch_to returns on
+# another task's stack (the kernel's kretprobe_blacklist), and these never return.
+KRETPROBE_BLACKLIST = frozenset({
+    "__switch_to", "do_exit", "do_group_exit", "make_task_dead", "panic", "kthread_exit",
+    "rewind_stack_and_make_dead", "__x64_sys_exit", "__x64_sys_exit_group", "machine_restart",
+    "emergency_restart", "__stack_chk_fail", "__ubsan_handle_builtin_unreachable", "start_kernel",
+    "cpu_startup_entry", "do_task_dead", "__do_sys_exit", "__do_sys_exit_group", "usercopy_abort",
+})  # fmt: skip
+
+Handler = Callable[["KretprobeInstance", PtRegs], Any]
+
+
+@dataclass
+class KretprobeInstance:
+    """One live call of a return-probed function (``struct kretprobe_instance``)."""
+
+    rp: Kretprobe
+    ret_addr: int = 0
+    stack_slot: int = 0  # where the return address lives on the guest stack
+    task: Task | None = None
+    data: bytearray = field(default_factory=bytearray)
+    patch: Patch | None = None
+
+
+class Kretprobe:
+    """A return probe, as ``struct kretprobe``.
+
+    ``handler(ri, regs)`` runs when the function returns (``regs_return_value(regs)``
+    is its return value; a handler may change ``regs.ax`` to inject a fault);
+    ``entry_handler(ri, regs)`` runs at entry and, by returning non-zero,
+    leaves that call unprobed.  ``maxactive`` bounds live instances (0: the
+    kernel's default); a call with none free counts in ``nmissed``.
+    ``ri.data`` is ``data_size`` bytes shared between the two handlers.
+    """
+
+    def __init__(self, symbol_name: str | None = None, handler: Handler | None = None,
+                 entry_handler: Handler | None = None, maxactive: int = 0, data_size: int = 0,
+                 addr: int | None = None, offset: int = 0, disabled: bool = False) -> None:  # fmt: skip
+        if maxactive < 0 or data_size < 0:
+            raise InvalidProbe("maxactive and data_size must not be negative (EINVAL)")
+        for name, fn in (("handler", handler), ("entry_handler", entry_handler)):
+            if fn is not None and not callable(fn):
+                raise InvalidProbe(f"{name} must be callable (EINVAL)")
+        self.kp = Kprobe(symbol_name=symbol_name, addr=addr, offset=offset, disabled=disabled)
+        self.kp.kind = "r"  # type: ignore[attr-defined]
+        self.handler = handler
+        self.entry_handler = entry_handler
+        self.maxactive = maxactive
+        self.data_size = data_size
+        self.nmissed = 0
+        self.nfaults = 0
+        self.errors: list[str] = []
+        self.free: list[KretprobeInstance] = []
+        self.live: dict[int, KretprobeInstance] = {}  # stack slot -> instance
+
+    @property
+    def nhit(self) -> int:
+        return self.kp.nhit
+
+    @property
+    def registered(self) -> bool:
+        return self.kp.registered
+
+    def __repr__(self) -> str:
+        return f"<Kretprobe {self.kp.where()} nhit={self.nhit} nmissed={self.nmissed} live={len(self.live)}>"
+
+
+class KretprobeManager:
+    """Instances, the trampoline and its dispatch, on top of the kprobe table."""
+
+    def __init__(self, kprobes: KprobeManager) -> None:
+        self.kprobes = kprobes
+        self.machine = kprobes.machine
+        self.symbols = kprobes.symbols
+        self.trampoline = 0
+        self.by_slot: dict[int, KretprobeInstance] = {}
+        self.preemptible = "preempt_schedule" in self.symbols  # CONFIG_PREEMPTION
+        self.registered: set[Kretprobe] = set()
+
+    def default_maxactive(self) -> int:
+        """The kernel's default: max(10, 2 * CPUs) when preemptible, else the number of CPUs."""
+        ncpus = len(self.machine.vcpus)
+        return max(10, 2 * ncpus) if self.preemptible else ncpus
+
+    # -- registration ------------------------------------------------------------
+    def register_kretprobe(self, rp: Kretprobe) -> None:
+        kp = rp.kp
+        if kp.offset:
+            raise InvalidProbe(f"a kretprobe must be on a function entry, not {kp.where()} (EINVAL)")
+        name = kp.symbol_name or (self.symbols.function(kp.addr or 0) or _NoSym).name
+        if name in KRETPROBE_BLACKLIST:
+            raise ProbeError(f"cannot return-probe {name}: it does not return to its caller")
+        if kp.symbol_name is None:
+            fn = self.symbols.function(kp.addr or 0)
+            if fn is None or fn.addr != kp.addr:
+                raise InvalidProbe(f"{kp.where()} is not a function entry (EINVAL)")
+        n = rp.maxactive or self.default_maxactive()
+        rp.free = [KretprobeInstance(rp, data=bytearray(rp.data_size)) for _ in range(n)]
+        kp.pre_handler = lambda _kp, regs: self._entry(rp, regs)
+        self.machine.call(self._ensure_trampoline)
+        self.kprobes.register_kprobe(kp)
+        self.registered.add(rp)
+
+    def unregister_kretprobe(self, rp: Kretprobe) -> None:
+        self.kprobes.unregister_kprobe(rp.kp)
+        self.machine.call(lambda: self._retire(rp))
+        self.registered.discard(rp)
+
+    def remove_all(self) -> None:
+        for rp in list(self.registered):
+            self.unregister_kretprobe(rp)
+
+    def _ensure_trampoline(self) -> None:
+        if self.trampoline and self.kprobes.scratch.mapped:
+            return
+        if not self.kprobes.scratch.mapped:
+            self.kprobes.scratch.map()
+        self.trampoline = self.kprobes.scratch.alloc(16)
+        self.kprobes.scratch.write(self.trampoline, b"\xcc")
+        self.kprobes.trampolines[self.trampoline] = self.trampoline_hit
+
+    def _retire(self, rp: Kretprobe) -> None:
+        """Put back the real return address of every call still in flight."""
+        # A vCPU may already have returned into the trampoline: finish that first.
+        self.kprobes.drain()
+        for slot, ri in list(rp.live.items()):
+            self._release(ri, restore=True)
+            del rp.live[slot]
+
+    def _release(self, ri: KretprobeInstance, restore: bool) -> None:
+        if ri.patch is not None:
+            current = self.machine.mem.read(ri.patch.virt, 8, None)
+            if restore and current == ri.patch.new:
+                self.machine.unpatch(ri.patch)
+            else:
+                self.machine.journal.forget(ri.patch.phys)
+        self.by_slot.pop(ri.stack_slot, None)
+        ri.patch = None
+        ri.task = None
+        ri.data[:] = bytes(len(ri.data))
+        ri.rp.free.append(ri)
+
+    def _reclaim(self, rp: Kretprobe) -> None:
+        """Recycle instances whose call can no longer return here (the task exited, the stack was reused)."""
+        for slot, ri in list(rp.live.items()):
+            try:
+                still = ri.patch is not None and self.machine.mem.read(slot, 8) == ri.patch.new
+            except QprobeError:
+                still = False
+            if not still:
+                del rp.live[slot]
+                self._release(ri, restore=False)
+
+    # -- entry (a kprobe pre_handler, on the stop loop) ------------------------------
+    def _entry(self, rp: Kretprobe, regs: PtRegs) -> int:
+        if not rp.free:
+            self._reclaim(rp)
+        if not rp.free:
+            rp.nmissed += 1
+            return 0
+        ri = rp.free.pop()
+        ri.stack_slot = regs.sp
+        ri.ret_addr = regs.read_u64(regs.sp)
+        ri.task = self.kprobes.tasks.current(regs.gs_base)
+        if rp.entry_handler is not None:
+            try:
+                skip = rp.entry_handler(ri, regs)
+            except Exception as exc:
+                self._failed(rp, exc, "entry_handler")
+                skip = 0
+            if skip:
+                self._release(ri, restore=False)
+                return 0
+        ri.patch = self.machine.patch(regs.sp, self.trampoline.to_bytes(8, "little"), "retaddr")
+        rp.live[ri.stack_slot] = ri
+        self.by_slot[ri.stack_slot] = ri
+        return 0
+
+    # -- return (the trampoline's int3) ---------------------------------------------------
+    def trampoline_hit(self, tid: str, regs: dict[str, int], rsp: int, rflags: int) -> None:
+        """The function returned into the trampoline: ``rsp`` is just past its return slot."""
+        slot = rsp - 8
+        ri = self.by_slot.get(slot)
+        if ri is None:
+            raise ProbeError(f"a return into the kretprobe trampoline with no instance for stack slot {slot:#x}")
+        rp = ri.rp
+        pt = PtRegs(regs, tid, self.kprobes.vcpu_index[tid], self.machine.mem, self.symbols)
+        pt.set_quietly("ip", self.trampoline)
+        pt.set_quietly("sp", rsp)
+        pt.set_quietly("flags", rflags)
+        if rp.handler is not None and not rp.kp.flags & KPROBE_FLAG_DISABLED:
+            try:
+                rp.handler(ri, pt)
+            except Exception as exc:
+                self._failed(rp, exc, "handler")
+        ret_addr = ri.ret_addr
+        rp.live.pop(slot, None)
+        # The return address on the stack was consumed by the ret: only forget the patch.
+        self._release(ri, restore=False)
+        self.machine.gdb.write_registers(tid, {**pt.dirty(), "rip": ret_addr, "rsp": rsp, "eflags": rflags})
+
+    def _failed(self, rp: Kretprobe, exc: Exception, which: str) -> None:
+        rp.nfaults += 1
+        line = f"{which} of kretprobe {rp.kp.where()} raised {type(exc).__name__}: {exc}"
+        if len(rp.errors) < 100:
+            rp.errors.append(line)
+        log.warning("%s\n%s", line, "".join(traceback.format_exception(exc)[-3:]))
+
+
+class _NoSym:
+    name = ""

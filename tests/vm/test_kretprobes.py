@@ -1,0 +1,122 @@
+"""Issue 4: return probes from the host on the real default image."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import qprobe
+from qprobe import Kretprobe, regs_return_value
+from qprobe.errors import InvalidProbe, ProbeError
+
+from .conftest import workload_result
+
+pytestmark = pytest.mark.vm
+ENOMEM = 12
+
+
+def test_return_values_task_and_private_data(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    seen: list[tuple[int, str, int, bytes, str]] = []
+
+    def entry(ri: qprobe.KretprobeInstance, regs: qprobe.PtRegs) -> int:
+        ri.data[:8] = regs.si.to_bytes(8, "little")  # the offset argument
+        return 0
+
+    def ret(ri: qprobe.KretprobeInstance, regs: qprobe.PtRegs) -> None:
+        assert ri.task is not None
+        seen.append((regs_return_value(regs), ri.task.comm, ri.task.pid, bytes(ri.data[:8]),
+                     target.symbols.symbolize(ri.ret_addr).split("+")[0]))  # fmt: skip
+
+    rp = Kretprobe(symbol_name="ksys_lseek", handler=ret, entry_handler=entry, data_size=8)
+    target.register_kretprobe(rp)
+    assert "  r  ksys_lseek+0x0" in target.list_probes()
+    try:
+        res = workload_result(target.run("workload lseek 20").check().output)
+    finally:
+        target.unregister_kretprobe(rp)
+    pid = int(res["pid"])
+    # lseek(fd, i, SEEK_SET) returns i; the entry handler saw the same i.
+    # __x64_sys_lseek tail-calls ksys_lseek, so it returns straight into do_syscall_64.
+    assert seen == [(i, "workload", pid, i.to_bytes(8, "little"), "do_syscall_64") for i in range(1, 21)]
+    assert rp.nhit == 20 and rp.nmissed == 0 and not rp.live
+
+
+def test_fault_injection_through_the_return_value(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    calls = []
+
+    def fail_once(ri: qprobe.KretprobeInstance, regs: qprobe.PtRegs) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            regs.ax = -ENOMEM & (2**64 - 1)
+
+    rp = Kretprobe(symbol_name="__x64_sys_getppid", handler=fail_once)
+    target.register_kretprobe(rp)
+    try:
+        res = workload_result(target.run("workload getppid 5").check().output)
+    finally:
+        target.unregister_kretprobe(rp)
+    assert res["errors"] == "1" and res["errnos"] == "ENOMEM:1"
+
+
+def test_entry_handler_nonzero_leaves_the_call_alone(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    returns = []
+    rp = Kretprobe(symbol_name="ksys_lseek", handler=lambda ri, regs: returns.append(regs.ax),
+                   entry_handler=lambda ri, regs: 1 if regs.si % 2 else 0)  # fmt: skip
+    target.register_kretprobe(rp)
+    try:
+        target.run("workload lseek 10").check()
+    finally:
+        target.unregister_kretprobe(rp)
+    assert returns == [2, 4, 6, 8, 10] and rp.nhit == 10
+
+
+def test_maxactive_bounds_live_calls_and_counts_nmissed(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    returned = []
+    rp = Kretprobe(symbol_name="hrtimer_nanosleep", handler=lambda ri, regs: returned.append(ri.task.pid),
+                   maxactive=1)  # fmt: skip
+    target.register_kretprobe(rp)
+    try:
+        target.run("sleep 1 & sleep 1 & wait", timeout=120).check()
+    finally:
+        target.unregister_kretprobe(rp)
+    # Both sleeps overlapped; the second found no free instance.
+    assert rp.nhit == 2 and rp.nmissed == 1 and len(returned) == 1
+
+
+def test_default_maxactive_follows_the_kernel(target: qprobe.Target) -> None:
+    preemptible = target.kretprobes.preemptible
+    assert preemptible == (getattr(target, "image").config_option("PREEMPTION") == "y")
+    expected = max(10, 2 * target.vcpus) if preemptible else target.vcpus
+    assert target.kretprobes.default_maxactive() == expected
+
+
+def test_unregister_with_a_call_in_flight_restores_its_return(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    rp = Kretprobe(symbol_name="hrtimer_nanosleep", handler=lambda ri, regs: None)
+    target.register_kretprobe(rp)
+    try:
+        target.run("(sleep 3; echo slept > /tmp/slept) >/dev/null 2>&1 &").check()
+        deadline = time.monotonic() + 60
+        while not rp.live and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(rp.live) == 1
+    finally:
+        target.unregister_kretprobe(rp)
+    # The sleeper returns through its real return address: the guest carries on.
+    target.run("while [ ! -e /tmp/slept ]; do sleep 0.2; done; rm /tmp/slept", timeout=120).check()
+    assert rp.nhit == 1 and not rp.live
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"symbol_name": "ksys_lseek", "offset": 4}, InvalidProbe, "function entry"),
+        ({"symbol_name": "__switch_to"}, ProbeError, "does not return"),
+        ({"symbol_name": "do_exit"}, ProbeError, "does not return"),
+    ],
+)
+def test_bad_kretprobes_are_refused(target: qprobe.Target, guard: dict[int, bytes], kwargs: dict, error: type,
+                                    match: str) -> None:  # fmt: skip
+    with pytest.raises(error, match=match):
+        target.register_kretprobe(Kretprobe(**kwargs))
+    assert not target.kprobes.points

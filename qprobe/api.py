@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from qprobe.core.kprobe import Kprobe
 from qprobe.core.kprobes import KprobeManager
@@ -40,6 +41,9 @@ from qprobe.target.machine import Machine
 from qprobe.target.memory import GuestMemory, MemoryFault, PhysReader, SharedRam, kernel_pgd, paging_levels
 from qprobe.target.qemu import QemuConfig, QemuProcess, parse_memory
 from qprobe.target.scratch import ScratchArea, memmap_reservation
+
+if TYPE_CHECKING:
+    from qprobe.images import Image
 
 log = logging.getLogger("qprobe")
 SESSION_FILE = "session.json"
@@ -70,6 +74,7 @@ class Target:
                  console: Path | None = None, qemu: QemuProcess | None = None, console_log: Path | None = None,
                  boot_timeout: float = 60.0) -> None:  # fmt: skip
         self.qemu = qemu
+        self.image: Image | None = None  # set by boot(); None when attached to a foreign QEMU
         self.address = gdb_address
         self.timings: dict[str, float] = {}
         self.console: Console | None = None
@@ -354,7 +359,7 @@ def boot(image: str = "debian-cloud", smp: int = 2, memory: str | int = "512M",
     target = Target(f"unix:{qemu.gdb_path}", img.vmlinux, ram=qemu.ram_path, ram_size=config.memory,
                     console=qemu.console_path, qemu=qemu, console_log=qemu.console_log,
                     boot_timeout=boot_timeout)  # fmt: skip
-    target.image = img  # type: ignore[attr-defined]
+    target.image = img
     return target
 
 

@@ -86,7 +86,8 @@ def test_maxactive_bounds_live_calls_and_counts_nmissed(target: qprobe.Target, g
 
 def test_default_maxactive_follows_the_kernel(target: qprobe.Target) -> None:
     preemptible = target.kretprobes.preemptible
-    assert preemptible == (getattr(target, "image").config_option("PREEMPTION") == "y")
+    assert target.image is not None
+    assert preemptible == (target.image.config_option("PREEMPTION") == "y")
     expected = max(10, 2 * target.vcpus) if preemptible else target.vcpus
     assert target.kretprobes.default_maxactive() == expected
 

@@ -20,7 +20,7 @@ import signal
 import struct
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -29,7 +29,7 @@ from qprobe.core.kprobe import Kprobe
 from qprobe.core.kprobes import KprobeManager
 from qprobe.core.kretprobe import Kretprobe, KretprobeManager
 from qprobe.core.regs import PtRegs
-from qprobe.errors import QprobeError, TargetError
+from qprobe.errors import ProbeError, QprobeError, TargetError
 from qprobe.kernel.kaslr import detect_slide
 from qprobe.kernel.symbols import Symbols
 from qprobe.kernel.task import Task
@@ -43,6 +43,7 @@ from qprobe.target.qemu import QemuConfig, QemuProcess, parse_memory
 from qprobe.target.scratch import ScratchArea, memmap_reservation
 
 if TYPE_CHECKING:
+    from qprobe.events import EventHit, TraceEvent
     from qprobe.images import Image
 
 log = logging.getLogger("qprobe")
@@ -75,6 +76,8 @@ class Target:
                  boot_timeout: float = 60.0) -> None:  # fmt: skip
         self.qemu = qemu
         self.image: Image | None = None  # set by boot(); None when attached to a foreign QEMU
+        self.events: dict[str, TraceEvent] = {}
+        self.t0 = time.monotonic()  # trace timestamps count from here
         self.address = gdb_address
         self.timings: dict[str, float] = {}
         self.console: Console | None = None
@@ -247,6 +250,27 @@ class Target:
         """The guest task a handler interrupted (pid, tgid, comm)."""
         return self.kprobes.tasks.current(regs.gs_base)
 
+    def add_event(self, definition: str, callback: Callable[[EventHit], None] | None = None) -> TraceEvent:
+        """Arm a kprobe_events definition (``p:ev vfs_read count=%dx``); hits go to ``callback`` and ``.hits``."""
+        from qprobe.events import add_event
+
+        te = add_event(self, definition, callback)
+        self.events[te.name] = te
+        return te
+
+    def remove_event(self, event: TraceEvent | str) -> None:
+        """Disarm an event given as returned by add_event, as ``GRP/EVENT``, ``EVENT`` or ``-:EVENT``."""
+        from qprobe.events import remove_event
+
+        if isinstance(event, str):
+            name = event.removeprefix("-:")
+            matches = [te for key, te in self.events.items() if key == name or key.split("/")[1] == name]
+            if not matches:
+                raise ProbeError(f"no such event {name!r} (ENOENT)")
+            event = matches[0]
+        remove_event(self, event)
+        self.events.pop(event.name, None)
+
     def set_kprobes_enabled(self, on: bool) -> None:
         """debugfs ``kprobes/enabled``."""
         self.kprobes.set_enabled(on)
@@ -269,6 +293,7 @@ class Target:
         _unregister_cleanup(self)
         try:
             if hasattr(self, "kprobes") and self.machine.alive:
+                self.events.clear()
                 self.kretprobes.remove_all()
                 self.kprobes.remove_all()
                 self.journal.clear()

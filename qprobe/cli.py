@@ -10,11 +10,16 @@ import argparse
 import logging
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from qprobe import __version__
-from qprobe.errors import QprobeError
+from qprobe.errors import FetchArgError, QprobeError
+
+if TYPE_CHECKING:
+    from qprobe.events import EventHit
 
 
 def _files(specs: list[str]) -> dict[str, str]:
@@ -68,6 +73,50 @@ def cmd_attach(args: argparse.Namespace) -> int:
     finally:
         target.close()
     return 0
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    """Arm kprobe_events definitions, print one line per hit, then a summary."""
+    import json
+
+    lock = threading.Lock()
+
+    def show(hit: EventHit) -> None:
+        with lock:
+            print(json.dumps(hit.as_json()) if args.json else hit.line(), flush=True)
+
+    from qprobe.fetch import parse_event
+
+    for text in args.events:  # syntax errors before anything boots
+        parse_event(text)
+    status = 0
+    with _boot(args) as target:
+        events = [target.add_event(text, show) for text in args.events]
+        try:
+            if args.run:
+                result = target.run(args.run, timeout=args.timeout)
+                sys.stderr.write(result.output)
+                status = 0 if result.status == 0 else 1
+            elif args.duration:
+                time.sleep(args.duration)
+            else:
+                print("tracing; Ctrl-C to stop", file=sys.stderr, flush=True)
+                while True:
+                    time.sleep(3600)
+        except KeyboardInterrupt:
+            status = 130
+        finally:
+            for te in events:
+                target.remove_event(te)
+            summary = {te.definition.event: {"hits": te.nhit, "nmissed": te.nmissed, "lost": te.lost}
+                       for te in events}  # fmt: skip
+            with lock:
+                if args.json:
+                    print(json.dumps({"summary": summary}), flush=True)
+                else:
+                    for name, row in summary.items():
+                        print(f"# {name}: hits={row['hits']} nmissed={row['nmissed']} lost={row['lost']}")
+    return status
 
 
 def cmd_images(args: argparse.Namespace) -> int:
@@ -131,6 +180,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-remote", action="store_true", help="allow a non-local HOST:PORT")
     p.set_defaults(func=cmd_attach)
 
+    p = sub.add_parser("trace", help="trace kprobe_events definitions, one line per hit (ftrace format)")
+    _target_options(p)
+    p.add_argument("--run", metavar="CMD", help="run CMD in the guest while tracing, then stop")
+    p.add_argument("--duration", type=float, metavar="S", help="trace for S seconds (default: until Ctrl-C)")
+    p.add_argument("--timeout", type=float, default=600, help="limit for --run (default 600 s)")
+    p.add_argument("--json", action="store_true", help="one JSON object per hit and a final summary object")
+    p.add_argument("events", nargs="+", metavar="EVENT",
+                   help="kprobe_events syntax: 'p:myread vfs_read count=%%dx:u64', 'r:ret ksys_read ret=$retval'")
+    p.set_defaults(func=cmd_trace)
+
     p = sub.add_parser("images", help="list the known images, or fetch/build them")
     p.add_argument("--fetch", nargs="+", metavar="NAME", help="fetch and build these images")
     p.set_defaults(func=cmd_images)
@@ -159,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         return int(args.func(args) or 0)
+    except FetchArgError as exc:
+        # The kernel's error_log style: the message, the definition, a caret under the column.
+        print(f"qprobe: error: {exc.reason}\n{exc.caret()}", file=sys.stderr)
+        return 2
     except QprobeError as exc:
         print(f"qprobe: error: {exc}", file=sys.stderr)
         return 2

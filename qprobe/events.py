@@ -1,0 +1,189 @@
+"""kprobe_events definitions on a Target: one language for the API, the CLI and the shell.
+
+``target.add_event("p:myread vfs_read count=%dx:u64")`` parses the
+definition exactly as the kernel's kprobe_events would, registers a kprobe
+(or a kretprobe for ``r``/``%return``) whose handler evaluates the fetch
+arguments against the stopped vCPU, and records one ``EventHit`` per hit,
+printable as ftrace's trace prints it.  Nothing is written into the guest's
+tracing directory: the guest needs no CONFIG_KPROBE_EVENTS.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from qprobe.core.kprobe import Kprobe
+from qprobe.core.kretprobe import Kretprobe, KretprobeInstance
+from qprobe.core.regs import PtRegs
+from qprobe.errors import FetchArgError, QprobeError
+from qprobe.fetch import MemoryFault, ProbeEvent, SymbolInfo, format_event, format_hit, parse_event
+from qprobe.fetch.args import Value
+
+if TYPE_CHECKING:
+    from qprobe.api import Target
+
+IF_FLAG = 0x200
+
+
+@dataclass
+class EventHit:
+    """One hit of an event, with its arguments formatted as ftrace does."""
+
+    event: str
+    cpu: int
+    pid: int
+    comm: str
+    ts: float  # seconds since qprobe attached (host clock; the guest's clock is not read)
+    addr: int
+    symbol: str
+    args: dict[str, str]
+    body: str  # "(ksys_lseek+0x0/0x90) fd=3 ..."
+    irqs_off: bool = False
+
+    def line(self) -> str:
+        """The line ftrace's ``trace`` file would show."""
+        flags = ("d" if self.irqs_off else ".") + "...."
+        return f"{self.comm:>16}-{self.pid:<7} [{self.cpu:03d}] {flags} {self.ts:12.6f}: {self.event}: {self.body}"
+
+    def as_json(self) -> dict[str, object]:
+        return {"event": self.event, "cpu": self.cpu, "pid": self.pid, "comm": self.comm, "ts": round(self.ts, 6),
+                "addr": f"{self.addr:#x}", "symbol": self.symbol, "args": self.args}  # fmt: skip
+
+
+class _HostContext:
+    """The FetchContext of one hit: a stopped vCPU's registers and memory."""
+
+    def __init__(self, target: Target, regs: PtRegs, retval: int | None) -> None:
+        self.target = target
+        self.regs = regs
+        self._retval = retval
+
+    def reg(self, name: str) -> int:
+        return 0 if name == "orig_ax" else getattr(self.regs, name)
+
+    def read(self, addr: int, size: int) -> bytes:
+        try:
+            return self.regs.read(addr, size)
+        except QprobeError:
+            raise MemoryFault(addr, size) from None
+
+    read_user = read  # the interrupted task's page tables map its user memory too
+
+    def stack(self, n: int) -> int:
+        try:
+            return self.regs.stack(n)
+        except QprobeError:
+            return 0
+
+    def stack_pointer(self) -> int:
+        return self.regs.sp
+
+    def retval(self) -> int:
+        return self.regs.ax if self._retval is None else self._retval
+
+    def comm(self) -> str:
+        return self.target.current_task(self.regs).comm
+
+    def arg(self, n: int) -> int:
+        return self.regs.arg(n)
+
+    def symbol_address(self, name: str) -> int:
+        return self.target.symbols.address(name)
+
+    def symbolize(self, addr: int) -> str:
+        info = _lookup(self.target)(addr)
+        return f"{info.name}+{info.offset:#x}/{info.size:#x}" if info else f"{addr:#x}"
+
+
+def _lookup(target: Target) -> Callable[[int], SymbolInfo | None]:
+    def lookup(addr: int) -> SymbolInfo | None:
+        sym = target.symbols.containing(addr)
+        return None if sym is None else SymbolInfo(sym.name, addr - sym.addr, sym.size)
+
+    return lookup
+
+
+@dataclass
+class TraceEvent:
+    """A kprobe_events definition armed on a target."""
+
+    target: Target
+    definition: ProbeEvent
+    callback: Callable[[EventHit], None] | None = None
+    keep: int = 100_000  # hits kept in ``hits``; older ones are counted in ``lost``
+    hits: collections.deque[EventHit] = field(default_factory=collections.deque)
+    lost: int = 0
+    nhit: int = 0
+    probe: Kprobe | Kretprobe | None = None
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.definition.group}/{self.definition.event}"
+
+    @property
+    def nmissed(self) -> int:
+        return self.probe.nmissed if self.probe is not None else 0
+
+    def listing(self) -> str:
+        """The line ``cat kprobe_events`` shows."""
+        return format_event(self.definition)
+
+    def _record(self, regs: PtRegs, ip: int, func: int | None, retval: int | None) -> None:
+        ctx = _HostContext(self.target, regs, retval)
+        values: list[Value] = self.definition.evaluate(ctx)
+        body = format_hit(self.definition, values, ip, func, lookup=_lookup(self.target),
+                          trampoline=self.target.kretprobes.trampoline or None)  # fmt: skip
+        task = self.target.current_task(regs)
+        hit = EventHit(
+            event=self.definition.event, cpu=regs.vcpu, pid=task.pid, comm=task.comm,
+            ts=time.monotonic() - self.target.t0, addr=func if func is not None else ip,
+            symbol=self.target.symbols.symbolize(func if func is not None else ip),
+            args={a.name: a.format_value(v) for a, v in zip(self.definition.args, values, strict=True)},
+            body=body, irqs_off=not regs.flags & IF_FLAG,
+        )  # fmt: skip
+        self.nhit += 1
+        if len(self.hits) >= self.keep:
+            self.hits.popleft()
+            self.lost += 1
+        self.hits.append(hit)
+        if self.callback is not None:
+            self.callback(hit)
+
+    def _kprobe_hit(self, kp: Kprobe, regs: PtRegs) -> int:
+        self._record(regs, regs.ip, None, None)
+        return 0
+
+    def _kretprobe_hit(self, ri: KretprobeInstance, regs: PtRegs) -> None:
+        func = self.probe.kp._resolved  # type: ignore[union-attr]
+        self._record(regs, ri.ret_addr, func, regs.ax)
+
+
+def add_event(target: Target, text: str, callback: Callable[[EventHit], None] | None = None) -> TraceEvent:
+    """Parse a kprobe_events definition and arm it; raises FetchArgError/ProbeError naming the problem."""
+    ev = parse_event(text, symbol_exists=lambda name: name in target.symbols)
+    if not isinstance(ev, ProbeEvent):
+        raise FetchArgError("use remove_event() to delete an event", text, 0)
+    te = TraceEvent(target, ev, callback)
+    if ev.is_return:
+        rp = Kretprobe(symbol_name=ev.symbol, addr=ev.addr if ev.symbol is None else None, offset=ev.offset,
+                       maxactive=ev.maxactive, handler=te._kretprobe_hit)  # fmt: skip
+        te.probe = rp
+        target.register_kretprobe(rp)
+    else:
+        kp = Kprobe(symbol_name=ev.symbol, addr=ev.addr if ev.symbol is None else None, offset=ev.offset,
+                    pre_handler=te._kprobe_hit)  # fmt: skip
+        te.probe = kp
+        target.register_kprobe(kp)
+    return te
+
+
+def remove_event(target: Target, te: TraceEvent) -> None:
+    if isinstance(te.probe, Kretprobe):
+        target.unregister_kretprobe(te.probe)
+    elif te.probe is not None:
+        target.unregister_kprobe(te.probe)

@@ -1,0 +1,81 @@
+"""Issue 4/6: kprobe_events definitions evaluated on the host, through the API and `qprobe trace`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+import qprobe
+from qprobe.errors import FetchArgError
+
+from .conftest import IMAGE, workload_result
+
+pytestmark = pytest.mark.vm
+
+
+def test_fetch_args_registers_memory_strings_and_retval(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    seek = target.add_event("p:myseek ksys_lseek fd=%di off=%si:s64 whence=%dx:u32 who=$comm")
+    ret = target.add_event("r:retseek ksys_lseek ret=$retval:s64")
+    opens = target.add_event("p:opens do_sys_openat2 path=+0(%si):ustring first=+u0(%si):u8 kern=+0(%si):u8")
+    try:
+        res = workload_result(target.run("workload lseek 4; cat /etc/hostname").check().output)
+    finally:
+        for te in (seek, ret, opens):
+            target.remove_event(te)
+    fd = int(res["fd"])
+    assert [h.args for h in seek.hits] == [
+        {"fd": f"{fd:#x}", "off": str(i), "whence": "0", "who": '"workload"'} for i in range(1, 5)
+    ]
+    assert [h.args["ret"] for h in ret.hits] == ["1", "2", "3", "4"]
+    assert all(h.pid == int(res["pid"]) and h.comm == "workload" for h in seek.hits)
+    paths = [h.args["path"] for h in opens.hits]
+    assert '"/etc/hostname"' in paths and '"/tmp/qprobe-lseek"' in paths
+    hostname = next(h for h in opens.hits if h.args["path"] == '"/etc/hostname"')
+    assert hostname.args["first"] == str(ord("/"))
+    # A kernel-memory fetch from a user pointer faults, as copy_from_kernel_nofault refuses it:
+    # a value, not an exception.
+    assert hostname.args["kern"] == "(fault)"
+    assert hostname.line().lstrip().startswith("cat-") and ": opens: (do_sys_openat2+0x0/" in hostname.line()
+    assert seek.listing() == "p:kprobes/myseek ksys_lseek fd=%di off=%si:s64 whence=%dx:u32 who=$comm"
+    assert not target.events
+
+
+def test_bad_definitions_point_at_the_column_and_change_nothing(target: qprobe.Target) -> None:
+    before = dict(target.journal.patches)
+    for text, at in (("p:ev ksys_lseek x=%zz", "%zz"), ("r:ev ksys_lseek+8 x=$retval", "ksys_lseek+8"),
+                     ("p:ev ksys_lseek $retval", "$retval")):  # fmt: skip
+        with pytest.raises(FetchArgError) as e:
+            target.add_event(text)
+        assert e.value.column == text.index(at), (text, e.value)
+    with pytest.raises(qprobe.NotInstructionBoundary):
+        target.add_event("p:ev vfs_read+3")
+    assert target.journal.patches == before and not target.events
+
+
+def _qprobe(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "qprobe.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def test_cli_trace_json() -> None:
+    out = _qprobe("trace", "--image", IMAGE, "--json", "--run", "workload getppid 7",
+                  "p:gp __x64_sys_getppid", "r:gpr __x64_sys_getppid ret=$retval:s32")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    hits, summary = rows[:-1], rows[-1]["summary"]
+    assert summary == {"gp": {"hits": 7, "nmissed": 0, "lost": 0}, "gpr": {"hits": 7, "nmissed": 0, "lost": 0}}
+    assert {h["event"] for h in hits} == {"gp", "gpr"} and all(h["comm"] == "workload" for h in hits)
+    assert len({h["args"]["ret"] for h in hits if h["event"] == "gpr"}) == 1  # the same parent every time
+    assert "mode=getppid n=7" in out.stderr
+
+
+def test_cli_trace_rejects_bad_syntax_before_booting() -> None:
+    t0 = time.monotonic()
+    out = _qprobe("trace", "p:bad vfs_read x=%zz", timeout=60)
+    assert out.returncode == 2 and time.monotonic() - t0 < 30
+    assert out.stderr.splitlines() == ["qprobe: error: Invalid register name", "p:bad vfs_read x=%zz",
+                                       " " * 17 + "^"]  # fmt: skip

@@ -118,7 +118,8 @@ class Target:
                     "its scratch area: add e.g. memmap=2M$0x1e000000 to the kernel command line"
                 )
             self.scratch = ScratchArea(self.machine, scratch_phys)
-            self.kprobes = KprobeManager(self.machine, self.symbols, self.scratch)
+            self.kprobes = KprobeManager(self.machine, self.symbols, self.scratch,
+                                         fully_preemptible=fully_preemptible(self.symbols, self.cmdline))  # fmt: skip
             self.kretprobes = KretprobeManager(self.kprobes)
             self.timings["attach"] = time.monotonic() - t0
         except BaseException:
@@ -314,6 +315,16 @@ class Target:
             self.console.close()
         if self.qemu is not None:
             self.qemu.terminate()
+
+
+def fully_preemptible(symbols: Symbols, cmdline: str) -> bool:
+    """PREEMPT_RT, CONFIG_PREEMPT, or a PREEMPT_DYNAMIC kernel booted with preempt=full."""
+    if "rt_spin_lock" in symbols:  # PREEMPT_RT
+        return True
+    if "sched_dynamic_update" in symbols:  # PREEMPT_DYNAMIC: the boot parameter decides
+        return "preempt=full" in cmdline.split()
+    # Linux 6.1 builds __cond_resched only without CONFIG_PREEMPTION (or with PREEMPT_DYNAMIC).
+    return "preempt_schedule" in symbols and "__cond_resched" not in symbols
 
 
 def _load_into(vmlinux: str | Path, box: list[Symbols | BaseException]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import logging
 import struct
+import time
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -72,6 +73,7 @@ class ProbePoint:
     prep: PreparedInsn
     probes: list[Kprobe] = field(default_factory=list)
     int3: Patch | None = None
+    boosted: int = 0  # hits that ran the copy freely with a jmp back instead of a single-step
 
     @property
     def armed(self) -> bool:
@@ -85,7 +87,12 @@ class KprobeManager:
     """Owns the probe table; every method that touches the guest runs on the stop loop."""
 
     def __init__(
-        self, machine: Machine, symbols: Symbols, scratch: ScratchArea, int3_entry: str = "asm_exc_int3"
+        self,
+        machine: Machine,
+        symbols: Symbols,
+        scratch: ScratchArea,
+        int3_entry: str = "asm_exc_int3",
+        fully_preemptible: bool = False,
     ) -> None:
         self.machine = machine
         self.symbols = symbols
@@ -103,6 +110,14 @@ class KprobeManager:
         # int3s in the scratch area that are not probes: the kretprobe trampoline.
         self.trampolines: dict[int, Callable[[str, dict[str, int], int, int], None]] = {}
         self.tasks = Tasks(symbols, machine.mem)
+        self.extable = symbols.exception_table()
+        # Boosting lets a vCPU run the slot copy freely; an interrupt there leaves an
+        # interrupted context inside the slot.  Without forced preemption that context
+        # resumes as soon as the interrupt returns, which the grace period in
+        # remove_all() covers; a fully preemptible kernel could sleep there, so it is
+        # not boosted (the kernel waits for an RCU-tasks grace period instead).
+        self.boost = not fully_preemptible
+        self._quarantine: list[int] = []  # boosted slots, never reused while the area is mapped
 
     # -- resolving and checking (no guest writes) -----------------------------
     def _kprobe_addr(self, kp: Kprobe) -> int:
@@ -148,9 +163,10 @@ class KprobeManager:
                 self.scratch.map()
             slot = self.scratch.alloc(SLOT_SIZE)
             try:
-                prep = prepare_kprobe(self.machine.mem.read(addr, 16), addr, slot, patched=patched, where=where)
+                prep = prepare_kprobe(self.machine.mem.read(addr, 16), addr, slot, patched=patched, where=where,
+                                      exception_table=self.extable)  # fmt: skip
                 if prep.copy:
-                    self.scratch.write(slot, prep.copy)
+                    self.scratch.write(slot, prep.boosted_copy() if prep.boostable else prep.copy)
             except BaseException:
                 self.scratch.free(slot)
                 raise
@@ -192,7 +208,10 @@ class KprobeManager:
         self._sync(point)
         if not point.probes:
             del self.points[addr]
-            self.scratch.free(point.prep.slot_addr)
+            if point.boosted:
+                self._quarantine.append(point.prep.slot_addr)
+            else:
+                self.scratch.free(point.prep.slot_addr)
         if not self.points:
             self._unhook()
 
@@ -262,20 +281,44 @@ class KprobeManager:
             del self.machine.stop_handlers[self.int3_entry]
             self._hooked = False
 
-    def remove_all(self) -> None:
-        """Unregister every probe and unmap the scratch area (exit path)."""
+    def remove_all(self, grace: float = 0.1) -> None:
+        """Unregister every probe, then unmap the scratch area (exit path).
 
-        def work() -> None:
+        Between the two the VM runs for ``grace`` seconds with no probe armed,
+        so that a context interrupted inside a boosted copy has returned to it
+        and left it; vCPUs still inside the area are then stepped out.
+        """
+
+        def disarm() -> None:
             for point in list(self.points.values()):
                 for kp in list(point.probes):
                     self._unregister(kp)
             if self._hooked:
                 self.drain()
+
+        def unmap() -> None:
+            self.evacuate()
             self.trampolines.clear()
             self._unhook()
             self.scratch.unmap()
+            self._quarantine.clear()
 
-        self.machine.call(work)
+        self.machine.call(disarm)
+        if self._quarantine and self.scratch.mapped:
+            time.sleep(grace)
+        self.machine.call(unmap)
+
+    def evacuate(self) -> None:
+        """Step every vCPU whose ip is inside the scratch area until it is out (stop loop)."""
+        gdb = self.machine.gdb
+        for tid in self.machine.vcpus:
+            for _ in range(64):
+                rip = gdb.read_registers(tid)["rip"]
+                if not self.scratch.contains(rip) or rip in self.trampolines:
+                    break
+                gdb.step(tid)
+            else:
+                raise ProbeError(f"vCPU {tid} did not leave the scratch area")
 
     # -- the dispatcher (stop-loop thread) ---------------------------------------------
     def _write_regs(self, tid: str, values: dict[str, int]) -> None:
@@ -332,6 +375,12 @@ class KprobeManager:
             emulate(prep, pt, _StackWriter(self.machine, pt))
             self._post_handlers(active, pt)
             self._write_regs(pt.tid, {"rsp": pt.sp, "eflags": pt.flags, **pt.dirty(), "rip": pt.ip})
+            return
+        if self.boost and prep.boostable and not any(kp.post_handler for kp in active):
+            # The kprobe-booster: the copy in the slot is followed by a jmp back,
+            # so the vCPU just runs it: one VM stop per hit instead of two.
+            point.boosted += 1
+            self._write_regs(pt.tid, {**pt.dirty(), "rip": prep.slot_addr, "rsp": pt.sp, "eflags": pt.flags})
             return
         if ctl is not None:
             ctl.status = KprobeStatus.HIT_SS

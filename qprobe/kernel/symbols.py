@@ -175,6 +175,19 @@ class Symbols:
         off = sec.offset + link - sec.addr
         return self._file[off : off + size]
 
+    def exception_table(self) -> frozenset[int]:
+        """Running addresses of instructions with an ``__ex_table`` fixup entry.
+
+        Linux 6.1's ``struct exception_table_entry`` is three s32 offsets (insn,
+        fixup, data), each relative to its own field's address.
+        """
+        sec = self.section("__ex_table")
+        if sec is None:
+            return frozenset()
+        base = sec.addr + self.slide
+        raw = self.file_bytes(base, sec.size - sec.size % 12)
+        return frozenset(base + i + struct.unpack_from("<i", raw, i)[0] for i in range(0, len(raw), 12))
+
     def is_text(self, addr: int) -> bool:
         sec = self.section_at(addr)
         return sec is not None and sec.executable and not sec.name.startswith(".init")

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from qprobe.core.kprobe import Kprobe
 from qprobe.core.kprobes import KprobeManager
 from qprobe.core.kretprobe import Kretprobe, KretprobeManager
+from qprobe.core.optimizer import Optimizer
 from qprobe.core.regs import PtRegs
 from qprobe.errors import ProbeError, QprobeError, TargetError
 from qprobe.kernel.kaslr import detect_slide
@@ -73,7 +74,7 @@ class Target:
 
     def __init__(self, gdb_address: str, vmlinux: str | Path, *, ram: Path | None = None, ram_size: int = 0,
                  console: Path | None = None, qemu: QemuProcess | None = None, console_log: Path | None = None,
-                 boot_timeout: float = 60.0) -> None:  # fmt: skip
+                 boot_timeout: float = 60.0, doorbell: Path | None = None) -> None:  # fmt: skip
         self.qemu = qemu
         self.image: Image | None = None  # set by boot(); None when attached to a foreign QEMU
         self.events: dict[str, TraceEvent] = {}
@@ -97,7 +98,7 @@ class Target:
             self.gdb.handshake()
             vcpus = self.gdb.threads()
             regs0 = self.gdb.read_registers(vcpus[0])
-            phys: PhysReader = SharedRam(ram, ram_size) if ram is not None else _StubPhys(self.gdb)
+            phys: PhysReader = SharedRam(ram, ram_size, writable=True) if ram is not None else _StubPhys(self.gdb)
             self.mem = GuestMemory(phys, kernel_pgd(regs0["cr3"]), paging_levels(regs0["cr4"]))
             loader.join()
             if isinstance(symbols_box[0], BaseException):
@@ -121,6 +122,9 @@ class Target:
             self.kprobes = KprobeManager(self.machine, self.symbols, self.scratch,
                                          fully_preemptible=fully_preemptible(self.symbols, self.cmdline))  # fmt: skip
             self.kretprobes = KretprobeManager(self.kprobes)
+            self.kprobes.optimizer = Optimizer(
+                self.kprobes, phys if isinstance(phys, SharedRam) else None, str(doorbell) if doorbell else None
+            )
             self.timings["attach"] = time.monotonic() - t0
         except BaseException:
             self._teardown()
@@ -277,7 +281,29 @@ class Target:
         self.kprobes.set_enabled(on)
 
     def list_probes(self) -> str:
-        return self.kprobes.list_probes()
+        return self.machine.call(self.kprobes.list_probes)
+
+    @property
+    def kprobes_optimization(self) -> bool:
+        """debug.kprobes_optimization: whether probes are jump-optimized when they can be."""
+        opt = self.kprobes.optimizer
+        return bool(opt and opt.enabled)
+
+    def set_kprobes_optimization(self, on: bool) -> None:
+        """Turn jump optimization on (optimizing what can be) or off (every probe back to an int3)."""
+        opt = self.kprobes.optimizer
+        if on and (opt is None or not opt.available):
+            raise TargetError("jump optimization needs qprobe's own QEMU (a doorbell device and shared RAM)")
+        assert opt is not None
+
+        def change() -> None:
+            opt.enabled = on
+            for point in self.kprobes.points.values():
+                self.kprobes._sync(point)
+
+        self.machine.call(change)
+        if on:
+            self.kprobes.optimize_later(list(self.kprobes.points))
 
     def blacklist(self) -> list[str]:
         return [str(e) for e in self.kprobes.blacklist]
@@ -385,7 +411,8 @@ def boot(image: str = "debian-cloud", smp: int = 2, memory: str | int = "512M",
         qemu.wait_for_sockets()
         session = {"gdb": str(qemu.gdb_path), "console": str(qemu.console_path), "ram": str(qemu.ram_path),
                    "ram_size": config.memory, "vmlinux": str(img.vmlinux), "image": img.name,
-                   "console_log": str(qemu.console_log), "pid": qemu.proc.pid}  # fmt: skip
+                   "console_log": str(qemu.console_log), "pid": qemu.proc.pid,
+                   "doorbell": str(qemu.doorbell_path)}  # fmt: skip
         path = qemu.rundir / SESSION_FILE
         path.write_text(json.dumps(session))
         os.chmod(path, 0o600)
@@ -394,7 +421,7 @@ def boot(image: str = "debian-cloud", smp: int = 2, memory: str | int = "512M",
         raise
     target = Target(f"unix:{qemu.gdb_path}", img.vmlinux, ram=qemu.ram_path, ram_size=config.memory,
                     console=qemu.console_path, qemu=qemu, console_log=qemu.console_log,
-                    boot_timeout=boot_timeout)  # fmt: skip
+                    boot_timeout=boot_timeout, doorbell=qemu.doorbell_path)  # fmt: skip
     target.image = img
     return target
 
@@ -414,6 +441,7 @@ def attach(
     supplies vmlinux, the shared RAM file and the console.
     """
     addr = address
+    doorbell: str | None = None
     if not addr.startswith(("unix:", "/")):
         host = addr.rpartition(":")[0].strip("[]")
         if host not in ("127.0.0.1", "localhost", "::1") and not allow_remote:
@@ -429,11 +457,13 @@ def attach(
             ram = ram or session["ram"]
             ram_size = ram_size or session["ram_size"]
             console = console or session["console"]
+            doorbell = session.get("doorbell")
     if vmlinux is None:
         raise TargetError("attach needs the running kernel's vmlinux (vmlinux=PATH / --vmlinux PATH)")
     ram_path = Path(ram) if ram else None
     size = parse_memory(ram_size) if ram_size else (ram_path.stat().st_size if ram_path else 0)
-    return Target(addr, vmlinux, ram=ram_path, ram_size=size, console=Path(console) if console else None)
+    return Target(addr, vmlinux, ram=ram_path, ram_size=size, console=Path(console) if console else None,
+                  doorbell=Path(doorbell) if doorbell else None)  # fmt: skip
 
 
 __all__ = ["Target", "attach", "boot"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import logging
 import struct
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -23,6 +24,7 @@ from qprobe.arch.x86_64.decode import check_boundary
 from qprobe.arch.x86_64.insn import PreparedInsn, emulate, prepare_kprobe, resume_singlestep, singlestep_done
 from qprobe.core.blacklist import Blacklist
 from qprobe.core.kprobe import KPROBE_FLAG_DISABLED, Kprobe
+from qprobe.core.optimizer import Optimized, Optimizer
 from qprobe.core.regs import PtRegs
 from qprobe.errors import (
     Blacklisted,
@@ -46,6 +48,7 @@ INT3 = b"\xcc"
 SLOT_SIZE = 32  # MAX_INSN_SIZE (16) + a 5-byte jmp back, rounded up
 TF, RF = 0x100, 0x10000
 MAX_STEP_RETRIES = 1 << 16
+OPTIMIZE_DELAY = 0.05  # seconds the VM runs between arming the int3 and placing the jump
 
 
 class KprobeStatus(enum.Enum):
@@ -74,10 +77,12 @@ class ProbePoint:
     probes: list[Kprobe] = field(default_factory=list)
     int3: Patch | None = None
     boosted: int = 0  # hits that ran the copy freely with a jmp back instead of a single-step
+    opt: Optimized | None = None  # set while jump-optimized
+    opt_size: int = 0
 
     @property
     def armed(self) -> bool:
-        return self.int3 is not None
+        return self.int3 is not None or self.opt is not None
 
     def wants_arming(self) -> bool:
         return any(not kp.disabled for kp in self.probes)
@@ -117,7 +122,10 @@ class KprobeManager:
         # remove_all() covers; a fully preemptible kernel could sleep there, so it is
         # not boosted (the kernel waits for an RCU-tasks grace period instead).
         self.boost = not fully_preemptible
-        self._quarantine: list[int] = []  # boosted slots, never reused while the area is mapped
+        self._quarantine: list[int] = []  # boosted slots and detours, never reused while the area is mapped
+        # User handlers never run concurrently (the stop loop and the doorbell thread both call them).
+        self.handler_lock = threading.RLock()
+        self.optimizer: Optimizer | None = None
 
     # -- resolving and checking (no guest writes) -----------------------------
     def _kprobe_addr(self, kp: Kprobe) -> int:
@@ -144,7 +152,24 @@ class KprobeManager:
         return where, fn.addr, code
 
     def _patched(self) -> dict[int, int]:
-        return {a: p.int3.old[0] for a, p in self.points.items() if p.int3 is not None}
+        """address -> original byte of everything we changed in kernel text."""
+        out = {a: p.int3.old[0] for a, p in self.points.items() if p.int3 is not None}
+        for p in self.points.values():
+            if p.opt is not None:
+                out.update({p.addr + i: b for i, b in enumerate(p.opt.jmp.old)})
+        return out
+
+    def _original(self, addr: int, size: int) -> bytes:
+        """Kernel text as it was before qprobe touched it."""
+        patched = self._patched()
+        return bytes(patched.get(addr + i, b) for i, b in enumerate(self.machine.mem.read(addr, size)))
+
+    def quarantine(self, addr: int) -> None:
+        self._quarantine.append(addr)
+
+    def _regions(self, addr: int) -> list[ProbePoint]:
+        """Optimized points whose displaced instructions cover ``addr`` (other than at their start)."""
+        return [p for p in self.points.values() if p.opt is not None and p.addr < addr < p.addr + p.opt.size]
 
     # -- registration ------------------------------------------------------------
     def register_kprobe(self, kp: Kprobe) -> None:
@@ -152,9 +177,28 @@ class KprobeManager:
             raise InvalidProbe(f"{kp.where()} is already registered (EINVAL)")
         addr = self._kprobe_addr(kp)
         self.machine.call(lambda: self._register(kp, addr))
+        self.optimize_later([addr])
+
+    def optimize_later(self, addrs: Iterable[int]) -> None:
+        """The kernel's delayed optimizer: int3 first, a grace period, then the jump."""
+        opt = self.optimizer
+        if opt is None or not opt.enabled:
+            return
+        time.sleep(OPTIMIZE_DELAY)
+
+        def work() -> None:
+            for a in addrs:
+                point = self.points.get(a)
+                if point is not None and point.opt is None and point.armed:
+                    opt.optimize(point)
+
+        self.machine.call(work)
 
     def _register(self, kp: Kprobe, addr: int) -> None:
         point = self.points.get(addr)
+        for other in self._regions(addr):
+            self.optimizer.unoptimize(other)  # type: ignore[union-attr]
+            self._sync(other)
         if point is None:
             where, fn_start, code = self.check_kprobe_address_safe(addr)
             patched = self._patched()
@@ -163,7 +207,7 @@ class KprobeManager:
                 self.scratch.map()
             slot = self.scratch.alloc(SLOT_SIZE)
             try:
-                prep = prepare_kprobe(self.machine.mem.read(addr, 16), addr, slot, patched=patched, where=where,
+                prep = prepare_kprobe(self._original(addr, 16), addr, slot, where=where,
                                       exception_table=self.extable)  # fmt: skip
                 if prep.copy:
                     self.scratch.write(slot, prep.boosted_copy() if prep.boostable else prep.copy)
@@ -193,7 +237,10 @@ class KprobeManager:
     def unregister_kprobe(self, kp: Kprobe) -> None:
         if not kp.registered:
             raise InvalidProbe(f"{kp.where()} is not registered")
+        addr = kp._resolved  # type: ignore[attr-defined]
         self.machine.call(lambda: self._unregister(kp))
+        if addr in self.points:  # the others there may be optimizable now
+            self.optimize_later([addr])
 
     def unregister_kprobes(self, kps: Iterable[Kprobe]) -> None:
         for kp in list(kps):
@@ -203,10 +250,14 @@ class KprobeManager:
     def _unregister(self, kp: Kprobe) -> None:
         addr = kp._resolved  # type: ignore[attr-defined]
         point = self.points[addr]
+        if self.optimizer is not None:
+            self.optimizer.sync_missed(point)
         point.probes.remove(kp)
         kp.registered = False
         self._sync(point)
         if not point.probes:
+            if point.opt is not None:
+                self.optimizer.unoptimize(point)  # type: ignore[union-attr]
             del self.points[addr]
             if point.boosted:
                 self._quarantine.append(point.prep.slot_addr)
@@ -245,12 +296,13 @@ class KprobeManager:
     # -- arming (stop-loop thread) -----------------------------------------------
     def _sync(self, point: ProbePoint) -> None:
         want = self.enabled and point.wants_arming()
+        if point.opt is not None and (not want or self.optimizer is None or self.optimizer.why_not_kept(point)):
+            self.optimizer.unoptimize(point)  # type: ignore[union-attr]
         if want and not point.armed:
             self._hook()
             self._touched.add(point.addr)
             point.int3 = self.machine.patch(point.addr, INT3, "int3", point.prep.slot_addr)
-        elif not want and point.armed:
-            assert point.int3 is not None
+        elif not want and point.int3 is not None:
             self.machine.unpatch(point.int3)
             point.int3 = None
 
@@ -298,6 +350,8 @@ class KprobeManager:
 
         def unmap() -> None:
             self.evacuate()
+            if self.optimizer is not None:
+                self.optimizer.close()
             self.trampolines.clear()
             self._unhook()
             self.scratch.unmap()
@@ -312,7 +366,7 @@ class KprobeManager:
         """Step every vCPU whose ip is inside the scratch area until it is out (stop loop)."""
         gdb = self.machine.gdb
         for tid in self.machine.vcpus:
-            for _ in range(64):
+            for _ in range(100_000):  # a vCPU in the optimized stub spins until served
                 rip = gdb.read_registers(tid)["rip"]
                 if not self.scratch.contains(rip) or rip in self.trampolines:
                     break
@@ -366,7 +420,7 @@ class KprobeManager:
 
     def _execute(self, point: ProbePoint, pt: PtRegs, ctl: KprobeCtlblk | None) -> None:
         active = [kp for kp in point.probes if not kp.disabled] if ctl is not None else []
-        if self._pre_handlers(active, pt):
+        if self.run_pre_handlers(active, pt):
             # A pre_handler changed ip and asked to skip the instruction.
             self._write_regs(pt.tid, {"rsp": pt.sp, "eflags": pt.flags, **pt.dirty(), "rip": pt.ip})
             return
@@ -429,6 +483,10 @@ class KprobeManager:
             self._call_fault_handler(kp, post, exc)
 
     # -- handlers (user code) --------------------------------------------------------
+    def run_pre_handlers(self, active: list[Kprobe], pt: PtRegs) -> bool:
+        with self.handler_lock:
+            return self._pre_handlers(active, pt)
+
     def _pre_handlers(self, active: list[Kprobe], pt: PtRegs) -> bool:
         """aggr_pre_handler: every enabled probe's pre_handler; True to skip the step."""
         skip = False
@@ -447,6 +505,10 @@ class KprobeManager:
         return skip
 
     def _post_handlers(self, active: list[Kprobe], pt: PtRegs) -> None:
+        with self.handler_lock:
+            self._post_handlers_locked(active, pt)
+
+    def _post_handlers_locked(self, active: list[Kprobe], pt: PtRegs) -> None:
         for kp in active:
             if kp.post_handler is None:
                 continue
@@ -476,6 +538,9 @@ class KprobeManager:
     # -- listing -------------------------------------------------------------------
     def list_probes(self) -> str:
         """The debugfs kprobes/list format."""
+        if self.optimizer is not None:
+            for point in self.points.values():
+                self.optimizer.sync_missed(point)
         lines = []
         for addr in sorted(self.points):
             point = self.points[addr]
@@ -483,6 +548,8 @@ class KprobeManager:
                 flags = ("[GONE]" if kp.gone else "") + ("[DISABLED]" if kp.disabled and not kp.gone else "")
                 if not self.enabled and not kp.disabled:
                     flags += "[DISABLED]"
+                if point.opt is not None:
+                    flags += "[OPTIMIZED]"
                 lines.append(f"{addr:016x}  {getattr(kp, 'kind', 'k')}  {point.where}    {flags}".rstrip())
         return "\n".join(lines) + ("\n" if lines else "")
 

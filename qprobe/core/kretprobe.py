@@ -75,6 +75,8 @@ class Kretprobe:
                 raise InvalidProbe(f"{name} must be callable (EINVAL)")
         self.kp = Kprobe(symbol_name=symbol_name, addr=addr, offset=offset, disabled=disabled)
         self.kp.kind = "r"  # type: ignore[attr-defined]
+        # Its entry handler writes the stack through the stub, so it stays an int3 probe.
+        self.kp.no_optimize = True  # type: ignore[attr-defined]
         self.handler = handler
         self.entry_handler = entry_handler
         self.maxactive = maxactive

@@ -39,12 +39,16 @@ class PhysReader(Protocol):
 class SharedRam:
     """Guest RAM mapped from QEMU's ``memory-backend-file`` (read-only here)."""
 
-    def __init__(self, path: Path, size: int) -> None:
-        fd = os.open(path, os.O_RDONLY)
+    def __init__(self, path: Path, size: int, writable: bool = False) -> None:
+        # Writable only for data the guest polls (the optimized probes' mailboxes):
+        # code must be written through the stub so translated blocks are dropped.
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
         try:
-            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
         finally:
             os.close(fd)
+        self.writable = writable
         self.size = size
         self.low = min(size, LOW_RAM_LIMIT) if size > LOW_RAM_LIMIT else size
 
@@ -62,6 +66,10 @@ class SharedRam:
     def read_u64_phys(self, paddr: int) -> int:
         off = self._offset(paddr, 8)
         return int.from_bytes(self._map[off : off + 8], "little")
+
+    def write_phys(self, paddr: int, data: bytes) -> None:
+        off = self._offset(paddr, len(data))
+        self._map[off : off + len(data)] = data
 
     def close(self) -> None:
         self._map.close()

@@ -23,6 +23,7 @@ from qprobe.errors import TargetError, TargetGone
 # Reserved with memmap= so the kernel never uses it; qprobe maps it as the
 # scratch area (see qprobe.target.scratch).  2 MiB: one PMD.
 SCRATCH_SIZE = 2 << 20
+DOORBELL_PORT = 0x5E0  # must match qprobe.core.optimizer.DOORBELL_PORT
 
 
 def parse_memory(memory: str | int) -> int:
@@ -112,6 +113,7 @@ class QemuProcess:
         self.qmp_path = self.rundir / "qmp.sock"
         self.console_path = self.rundir / "console.sock"
         self.console_log = self.rundir / "console.log"
+        self.doorbell_path = self.rundir / "doorbell.sock"
         self.scratch_phys = scratch_phys(config.memory)
         self.argv = [binary, *self._args()]
         stderr = open(self.rundir / "qemu.stderr", "wb")  # noqa: SIM115 - lives as long as QEMU
@@ -152,6 +154,9 @@ class QemuProcess:
             "-mon", "chardev=qmp0,mode=control",
             "-chardev", f"socket,id=con0,path={self.console_path},server=on,wait=off,logfile={self.console_log}",
             "-serial", "chardev:con0",
+            # The optimized probes' doorbell: an `out` to this port arrives on the socket.
+            "-chardev", f"socket,id=bell0,path={self.doorbell_path},server=on,wait=off",
+            "-device", f"isa-debugcon,iobase={DOORBELL_PORT:#x},chardev=bell0",
             "-kernel", str(c.kernel),
             "-append", append,
         ]  # fmt: skip
@@ -178,7 +183,7 @@ class QemuProcess:
 
     def wait_for_sockets(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
-        paths = (self.gdb_path, self.console_path, self.qmp_path, self.ram_path)
+        paths = (self.gdb_path, self.console_path, self.qmp_path, self.ram_path, self.doorbell_path)
         while not all(p.exists() for p in paths):
             if not self.alive():
                 raise TargetGone(f"QEMU exited at start-up: {self.stderr_tail() or 'no message'}")

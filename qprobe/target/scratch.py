@@ -84,13 +84,15 @@ class ScratchArea:
     def contains(self, addr: int) -> bool:
         return self.mapped and self.base <= addr < self.base + SIZE
 
-    def alloc(self, size: int) -> int:
+    def alloc(self, size: int, align: int = GRANULE) -> int:
         size = -(-size // self.GRANULE) * self.GRANULE
         for i, (off, n) in enumerate(self._free):
-            if n >= size:
-                self._free[i : i + 1] = [(off + size, n - size)] if n > size else []
-                self._used[off] = size
-                return self.base + off
+            start = -(-off // align) * align
+            if start + size <= off + n:
+                pieces = [(o, m) for o, m in ((off, start - off), (start + size, off + n - start - size)) if m]
+                self._free[i : i + 1] = pieces
+                self._used[start] = size
+                return self.base + start
         raise ScratchFull(f"the {SIZE >> 20} MiB scratch area is full ({len(self._used)} slots in use)")
 
     def free(self, addr: int) -> None:

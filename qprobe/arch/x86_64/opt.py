@@ -122,17 +122,21 @@ def can_optimize(
         return OptCheck(False, f"the function cannot be decoded: {exc}")
     if all(insn.addr != addr for insn in insns):
         return OptCheck(False, f"{where} is not an instruction boundary")
+    after_exit = False
     for insn in insns:
         here = _where(insn.addr, func_start, name)
         if search_exception_tables(exception_table, insn.addr):
             # Fixup code may jump back into this function.
             return OptCheck(False, f"{here} has an exception-table entry")
         if insn.code == Code.INT3:
-            # Padding after the last ret is fine; an int3 in the body may be
-            # another debugger's breakpoint hiding the real instruction.
-            if all(b == INT3_INSN_OPCODE for b in code[insn.addr - func_start :]):
-                break
+            # Padding after the last ret is fine, and so is the speculation
+            # barrier the kernel puts after every ret/jmp (CONFIG_RETHUNK/SLS:
+            # the 6.1.y fix "Fix optprobe optimization check with CONFIG_RETHUNK");
+            # any other int3 may be another debugger's breakpoint hiding the real instruction.
+            if after_exit or all(b == INT3_INSN_OPCODE for b in code[insn.addr - func_start :]):
+                continue
             return OptCheck(False, f"int3 at {here} inside the function body")
+        after_exit = insn.mnemonic in ("ret", "jmp")
         if insn_is_indirect_jump(insn, indirect_thunk):
             return OptCheck(False, f"'{insn.text}' at {here} is an indirect jump")
         if insn_jump_into_range(insn, addr + INT3_INSN_SIZE, DISP32_SIZE):

@@ -1,0 +1,158 @@
+"""Code for optimized probes: the shared mailbox stub and the per-probe detour.
+
+A probe's first instructions are replaced by ``jmp detour``.  The detour is::
+
+    push  $probe_id
+    call  stub                  ; never returns here: the stub resumes at FINAL_IP
+  continue:
+    <the replaced instructions, relocated>
+    jmp   addr + replaced_length
+
+The stub saves the registers as a frame on the stack, copies them into this
+CPU's mailbox in the scratch area, rings the doorbell (an ``out`` to QEMU's
+isa-debugcon port, whose chardev is a socket the host reads) and spins until
+the host has run the handlers and answered.  It then reloads the (possibly
+changed) registers and leaves through ``pop rsp; ret`` so that the host can
+choose both the stack pointer and the ip to resume at: ``continue`` for a
+normal hit, anything else when a pre_handler changed ``regs.ip`` to skip the
+instruction.  Interrupts stay disabled while the mailbox is in use; a probe
+hit on a CPU whose mailbox is busy (an NMI) only counts ``nmissed``.
+
+Frame layout (offsets from rsp after the pushes), mirrored by the host::
+
+    0 r15  8 r14  16 r13  24 r12  32 r11  40 r10  48 r9  56 r8  64 rdi  72 rsi
+    80 rbp  88 rbx  96 rdx  104 rcx  112 rax  120 flags  128 return into detour
+    136 probe id  144 = the probed context's rsp
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from iced_x86 import BlockEncoder, Code, Instruction, MemoryOperand, Register, RepPrefixKind
+
+from qprobe.arch.x86_64.boost import synthesize_relcall, synthesize_reljump
+
+FRAME_REGS = ("r15", "r14", "r13", "r12", "r11", "r10", "r9", "r8", "rdi", "rsi", "rbp", "rbx", "rdx", "rcx", "rax")
+FRAME_FLAGS = 120
+FRAME_RET = 128
+FRAME_ID = 136
+FRAME_SIZE = 144  # the probed context's rsp is frame + FRAME_SIZE
+
+# Mailbox layout (one per CPU, MAILBOX_SIZE bytes)
+MB_STATE, MB_BUSY, MB_FRAME, MB_CR3, MB_PERCPU, MB_CURRENT, MB_FINAL_IP, MB_FINAL_SP = (
+    0x00, 0x08, 0x18, 0x20, 0x28, 0x30, 0x38, 0x40)  # fmt: skip
+MB_REGS = 0x80  # 18 qwords copied from the frame
+MAILBOX_SHIFT = 9
+MAILBOX_SIZE = 1 << MAILBOX_SHIFT
+STATE_IDLE, STATE_REQUEST, STATE_DONE = 0, 1, 2
+DETOUR_HEAD = 10  # push imm32 (5) + call rel32 (5)
+
+_PUSHED = ("rax", "rcx", "rdx", "rbx", "rbp", "rsi", "rdi", "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15")
+
+
+@dataclass(frozen=True)
+class StubParams:
+    mailboxes: int  # address of CPU 0's mailbox
+    missed: int  # address of the per-probe nmissed counters (u64 each)
+    cpu_number: int  # per-CPU offset of cpu_number
+    this_cpu_off: int  # per-CPU offset of this_cpu_off (the CPU's per-CPU base)
+    current_task: int  # per-CPU offset of current_task
+    port: int  # the isa-debugcon I/O port
+
+
+def _r(name: str) -> int:
+    return getattr(Register, name.upper())
+
+
+def _mem(
+    base: str | None = None, disp: int = 0, index: str | None = None, scale: int = 1, seg: str | None = None
+) -> MemoryOperand:
+    if disp >= 1 << 63:
+        disp -= 1 << 64  # a kernel-image address, encoded as a sign-extended disp32
+    if not -(1 << 31) <= disp < 1 << 31:
+        raise ValueError(f"displacement {disp:#x} does not fit 32 bits")
+    return MemoryOperand(_r(base) if base else Register.NONE, _r(index) if index else Register.NONE, scale,
+                         disp, 8 if disp else 0, False, _r(seg) if seg else Register.NONE)  # fmt: skip
+
+
+def build_stub(p: StubParams, address: int) -> bytes:
+    """The shared stub, encoded for ``address``."""
+    spin, missed, restore = 1, 2, 3  # labels (BlockEncoder resolves branches by ip)
+    c = Instruction
+    code = [c.create(Code.PUSHFQ), c.create(Code.CLI), c.create(Code.CLD)]
+    code += [c.create_reg(Code.PUSH_R64, _r(n)) for n in _PUSHED]
+    code += [
+        c.create_reg_mem(Code.MOV_R32_RM32, Register.EAX, _mem(disp=p.cpu_number, seg="gs")),
+        c.create_reg_i32(Code.SHL_RM32_IMM8, Register.EAX, MAILBOX_SHIFT),
+        c.create_reg_mem(Code.LEA_R64_M, Register.RBX, _mem("rax", p.mailboxes)),
+        c.create_mem_i32(Code.CMP_RM64_IMM8, _mem("rbx", MB_BUSY), 0),
+        c.create_branch(Code.JNE_REL32_64, missed),
+        c.create_mem_i32(Code.MOV_RM64_IMM32, _mem("rbx", MB_BUSY), 1),
+        c.create_mem_reg(Code.MOV_RM64_R64, _mem("rbx", MB_FRAME), Register.RSP),
+        c.create_reg_reg(Code.MOV_R64_CR, Register.RAX, Register.CR3),
+        c.create_mem_reg(Code.MOV_RM64_R64, _mem("rbx", MB_CR3), Register.RAX),
+        c.create_reg_mem(Code.MOV_R64_RM64, Register.RAX, _mem(disp=p.this_cpu_off, seg="gs")),
+        c.create_mem_reg(Code.MOV_RM64_R64, _mem("rbx", MB_PERCPU), Register.RAX),
+        c.create_reg_mem(Code.MOV_R64_RM64, Register.RAX, _mem(disp=p.current_task, seg="gs")),
+        c.create_mem_reg(Code.MOV_RM64_R64, _mem("rbx", MB_CURRENT), Register.RAX),
+        c.create_reg_reg(Code.MOV_R64_RM64, Register.RSI, Register.RSP),
+        c.create_reg_mem(Code.LEA_R64_M, Register.RDI, _mem("rbx", MB_REGS)),
+        c.create_reg_u32(Code.MOV_R32_IMM32, Register.ECX, FRAME_SIZE // 8),
+        c.create_movsq(64, Register.NONE, RepPrefixKind.REPE),
+        # The request is published last; x86 stores are not reordered with older stores.
+        c.create_mem_i32(Code.MOV_RM64_IMM32, _mem("rbx", MB_STATE), STATE_REQUEST),
+        c.create_reg_mem(Code.MOV_R32_RM32, Register.EAX, _mem(disp=p.cpu_number, seg="gs")),
+        c.create_reg_u32(Code.MOV_R32_IMM32, Register.EDX, p.port),
+        c.create_reg_reg(Code.OUT_DX_AL, Register.DX, Register.AL),
+    ]
+    pause = c.create(Code.PAUSE)
+    pause.ip = spin
+    code += [
+        pause,
+        c.create_mem_i32(Code.CMP_RM64_IMM8, _mem("rbx", MB_STATE), STATE_DONE),
+        c.create_branch(Code.JNE_REL32_64, spin),
+        # Registers and flags back from the mailbox: the handlers may have changed them.
+        c.create_reg_mem(Code.LEA_R64_M, Register.RSI, _mem("rbx", MB_REGS)),
+        c.create_reg_reg(Code.MOV_R64_RM64, Register.RDI, Register.RSP),
+        c.create_reg_u32(Code.MOV_R32_IMM32, Register.ECX, FRAME_RET // 8),
+        c.create_movsq(64, Register.NONE, RepPrefixKind.REPE),
+        # Resume at FINAL_IP with rsp = FINAL_SP: store the ip just below the new
+        # stack pointer and point the frame's return slot at it for `pop rsp; ret`.
+        c.create_reg_mem(Code.MOV_R64_RM64, Register.RCX, _mem("rbx", MB_FINAL_SP)),
+        c.create_reg_mem(Code.MOV_R64_RM64, Register.RAX, _mem("rbx", MB_FINAL_IP)),
+        c.create_reg_i32(Code.SUB_RM64_IMM8, Register.RCX, 8),
+        c.create_mem_reg(Code.MOV_RM64_R64, _mem("rcx"), Register.RAX),
+        c.create_mem_reg(Code.MOV_RM64_R64, _mem("rsp", FRAME_RET), Register.RCX),
+        c.create_mem_i32(Code.MOV_RM64_IMM32, _mem("rbx", MB_STATE), STATE_IDLE),
+        c.create_mem_i32(Code.MOV_RM64_IMM32, _mem("rbx", MB_BUSY), 0),
+        c.create_branch(Code.JMP_REL32_64, restore),
+    ]
+    first_missed = c.create_reg_mem(Code.MOV_R64_RM64, Register.RAX, _mem("rsp", FRAME_ID))
+    first_missed.ip = missed
+    inc = c.create_mem(Code.INC_RM64, _mem(None, p.missed, "rax", 8))
+    inc.has_lock_prefix = True
+    code += [
+        first_missed,
+        inc,
+        # Resume at the detour's continue label (its call's return address), rsp unchanged.
+        c.create_reg_mem(Code.MOV_R64_RM64, Register.RAX, _mem("rsp", FRAME_RET)),
+        c.create_mem_reg(Code.MOV_RM64_R64, _mem("rsp", FRAME_ID), Register.RAX),
+        c.create_reg_mem(Code.LEA_R64_M, Register.RAX, _mem("rsp", FRAME_ID)),
+        c.create_mem_reg(Code.MOV_RM64_R64, _mem("rsp", FRAME_RET), Register.RAX),
+    ]
+    pops = [c.create_reg(Code.POP_R64, _r(n)) for n in reversed(_PUSHED)]
+    pops[0].ip = restore
+    code += [*pops, c.create(Code.POPFQ), c.create_reg(Code.POP_R64, Register.RSP), c.create(Code.RETNQ)]
+    enc = BlockEncoder(64)
+    enc.add_many(code)
+    return bytes(enc.encode(address))
+
+
+def build_detour(address: int, probe_id: int, stub: int, relocated: bytes, resume: int) -> bytes:
+    """``push id; call stub; <relocated>; jmp resume`` encoded at ``address``."""
+    if not 0 <= probe_id < 1 << 31:
+        raise ValueError(f"probe id {probe_id} does not fit a push imm32")
+    head = bytes([0x68]) + probe_id.to_bytes(4, "little") + synthesize_relcall(address + 5, stub)
+    tail_at = address + DETOUR_HEAD + len(relocated)
+    return head + relocated + synthesize_reljump(tail_at, resume)

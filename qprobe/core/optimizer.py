@@ -1,0 +1,299 @@
+"""Jump optimization and the stop-less handler channel (host side).
+
+An optimized probe's first instructions are a ``jmp`` to a detour in the
+scratch area (see qprobe.arch.x86_64.detour).  Its hits never stop the VM:
+the guest's stub puts the registers in its CPU's mailbox and rings a
+doorbell, an ``out`` to QEMU's isa-debugcon device whose chardev is a Unix
+socket read here; this thread runs the Python handlers on those registers
+(guest memory is read through the shared RAM file), writes changed
+registers back into the mailbox and releases the vCPU.  Other vCPUs keep
+running throughout.
+
+The checks before optimizing are the kernel's (``can_optimize``: whole
+function decoded from running memory, no jump into the region, nothing in
+the exception table, every displaced instruction relocatable), plus: no
+vCPU is inside the region, no other probe lies in it, the probe has no
+post_handler, and the probe was armed with an int3 for a grace period first
+(the kernel's optimizer delay), so that a context interrupted inside the
+region has left it.  Like boosting, it is off on fully preemptible kernels,
+where an interrupted context could sleep inside a detour.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from qprobe.arch.x86_64.decode import decode_all
+from qprobe.arch.x86_64.detour import (
+    DETOUR_HEAD,
+    FRAME_FLAGS,
+    FRAME_REGS,
+    FRAME_SIZE,
+    MAILBOX_SIZE,
+    MB_CR3,
+    MB_FINAL_IP,
+    MB_FINAL_SP,
+    MB_FRAME,
+    MB_PERCPU,
+    MB_REGS,
+    MB_STATE,
+    STATE_DONE,
+    STATE_REQUEST,
+    StubParams,
+    build_detour,
+    build_stub,
+)
+from qprobe.arch.x86_64.insn import copy_instruction, synthesize_reljump
+from qprobe.arch.x86_64.opt import can_optimize
+from qprobe.core.regs import PtRegs
+from qprobe.target.journal import Patch
+from qprobe.target.memory import SharedRam
+from qprobe.target.qemu import DOORBELL_PORT
+
+if TYPE_CHECKING:
+    from qprobe.core.kprobes import KprobeManager, ProbePoint
+
+log = logging.getLogger("qprobe.optimizer")
+
+MAX_OPTIMIZED = 4096  # probe ids: one nmissed counter each
+_FRAME_WORDS = FRAME_SIZE // 8
+
+
+@dataclass
+class Optimized:
+    """What an optimized probe point owns besides its int3-less text."""
+
+    probe_id: int
+    detour: int
+    size: int  # bytes of text the jmp displaces (whole instructions)
+    jmp: Patch
+    continue_addr: int
+
+
+class Optimizer:
+    """Builds detours, patches jumps, and serves the doorbell.
+
+    ``available`` is False without a doorbell socket or writable shared RAM
+    (e.g. attached to a QEMU qprobe did not start); probes then stay int3s.
+    """
+
+    def __init__(self, kprobes: KprobeManager, ram: SharedRam | None, doorbell: str | None) -> None:
+        self.kp = kprobes
+        self.machine = kprobes.machine
+        self.ram = ram
+        self.doorbell_path = doorbell
+        self.available = bool(ram is not None and ram.writable and doorbell)
+        self.enabled = self.available and kprobes.boost  # debug.kprobes_optimization
+        self.by_id: dict[int, ProbePoint] = {}
+        self._free_ids = list(range(MAX_OPTIMIZED - 1, -1, -1))
+        self.stub = 0
+        self.mailboxes = 0
+        self.missed = 0
+        self._missed_seen: dict[int, int] = {}
+        self.served = 0
+        self.errors: list[str] = []
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = False
+
+    # -- set-up (stop loop) -------------------------------------------------------------
+    def _ensure_stub(self) -> None:
+        if self.stub and self.kp.scratch.mapped:
+            return
+        scratch, syms = self.kp.scratch, self.kp.symbols
+        if not scratch.mapped:
+            scratch.map()
+        ncpus = len(self.machine.vcpus)
+        # Data the host writes through the RAM file lives on pages of its own, apart from code.
+        data = scratch.alloc(_page_round(ncpus * MAILBOX_SIZE + MAX_OPTIMIZED * 8), align=4096)
+        self.mailboxes, self.missed = data, data + ncpus * MAILBOX_SIZE
+        self._zero(data, ncpus * MAILBOX_SIZE + MAX_OPTIMIZED * 8)
+        params = StubParams(self.mailboxes, self.missed, syms.percpu["cpu_number"], syms.percpu["this_cpu_off"],
+                            syms.percpu["current_task"], DOORBELL_PORT)  # fmt: skip
+        size = len(build_stub(params, scratch.base))
+        self.stub = scratch.alloc(size, align=64)
+        scratch.write(self.stub, build_stub(params, self.stub))
+        self._start_thread()
+
+    def _zero(self, addr: int, size: int) -> None:
+        assert self.ram is not None
+        self.ram.write_phys(self.kp.scratch.phys + addr - self.kp.scratch.base, bytes(size))
+
+    def _start_thread(self) -> None:
+        if self._thread is not None:
+            return
+        assert self.doorbell_path is not None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(self.doorbell_path)
+        self._sock = sock
+        self._thread = threading.Thread(target=self._serve_loop, name="qprobe-doorbell", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop = True
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._sock.close()
+        if self._thread is not None:
+            self._thread.join(2.0)
+
+    # -- optimizing (stop loop) -------------------------------------------------------
+    def why_not(self, point: ProbePoint) -> str | None:
+        """None if ``point`` can be optimized now, else the reason."""
+        if not self.enabled:
+            return "optimization is off"
+        if not point.armed or point.opt is not None:
+            return "not armed with an int3"
+        if any(kp.post_handler is not None or getattr(kp, "no_optimize", False) for kp in point.probes):
+            return "a probe there has a post_handler"
+        if not self._free_ids:
+            return "too many optimized probes"
+        fn = self.kp.symbols.function(point.addr)
+        if fn is None:
+            return "not in a known function"
+        code = self.machine.mem.read(fn.addr, fn.size)
+        check = can_optimize(code, fn.addr, point.addr, self.kp.extable, patched=self.kp._patched(),
+                             name=fn.name)  # fmt: skip
+        if not check.ok:
+            return check.reason
+        end = point.addr + check.size
+        if any(point.addr < a < end for a in self.kp.points):
+            return "another probe lies in the region"
+        if (point.addr & 0xFFF) + 5 > 0x1000:
+            return "the jump would cross a page"
+        for tid in self.machine.vcpus:
+            rip = self.machine.gdb.read_registers(tid)["rip"]
+            if point.addr < rip < end:
+                return f"vCPU {tid} is inside the region"
+        point.opt_size = check.size
+        return None
+
+    def why_not_kept(self, point: ProbePoint) -> str | None:
+        """Why an optimized point must go back to an int3 (a post_handler arrived, the knob is off)."""
+        if not self.enabled:
+            return "optimization is off"
+        if any(kp.post_handler is not None or getattr(kp, "no_optimize", False) for kp in point.probes):
+            return "a probe there has a post_handler"
+        return None
+
+    def optimize(self, point: ProbePoint) -> bool:
+        why = self.why_not(point)
+        if why is not None:
+            log.debug("not optimizing %s: %s", point.where, why)
+            return False
+        self._ensure_stub()
+        size = point.opt_size
+        region = self.kp._original(point.addr, size)
+        insns = decode_all(region, point.addr)
+        probe_id = self._free_ids.pop()
+        total = DETOUR_HEAD + sum(len(copy_instruction(i, point.addr)) for i in insns) + 5
+        detour = self.kp.scratch.alloc(total + 16)
+        relocated = b""
+        for insn in insns:
+            relocated += copy_instruction(insn, detour + DETOUR_HEAD + len(relocated))
+        code = build_detour(detour, probe_id, self.stub, relocated, point.addr + size)
+        self.kp.scratch.write(detour, code)
+        self._missed_seen[probe_id] = self._read_missed(probe_id)
+        # Swap the int3 for the jump while every vCPU is stopped.
+        assert point.int3 is not None
+        self.machine.unpatch(point.int3)
+        point.int3 = None
+        jmp = self.machine.patch(point.addr, synthesize_reljump(point.addr, detour), "optjmp", detour)
+        point.opt = Optimized(probe_id, detour, size, jmp, detour + DETOUR_HEAD)
+        self.by_id[probe_id] = point
+        return True
+
+    def unoptimize(self, point: ProbePoint) -> None:
+        opt = point.opt
+        if opt is None:
+            return
+        self.machine.unpatch(opt.jmp)
+        point.opt = None
+        self.sync_missed(point, opt)
+        self.by_id.pop(opt.probe_id, None)
+        self._free_ids.append(opt.probe_id)
+        # A vCPU or an interrupted context may still be in the detour: never reuse it.
+        self.kp.quarantine(opt.detour)
+
+    def _read_missed(self, probe_id: int) -> int:
+        assert self.ram is not None
+        phys = self.kp.scratch.phys + self.missed + probe_id * 8 - self.kp.scratch.base
+        return self.ram.read_u64_phys(phys)
+
+    def sync_missed(self, point: ProbePoint, opt: Optimized | None = None) -> None:
+        """Fold the guest's nmissed counter of an optimized probe into its probes."""
+        opt = opt or point.opt
+        if opt is None or self.ram is None:
+            return
+        now = self._read_missed(opt.probe_id)
+        delta = now - self._missed_seen.get(opt.probe_id, now)
+        self._missed_seen[opt.probe_id] = now
+        for kp in point.probes:
+            kp.nmissed += delta
+
+    # -- the doorbell (its own thread) ------------------------------------------------
+    def _serve_loop(self) -> None:
+        assert self._sock is not None
+        while not self._stop:
+            try:
+                data = self._sock.recv(256)
+            except OSError:
+                return
+            if not data:
+                return
+            for cpu in data:
+                try:
+                    self.serve(cpu)
+                except Exception as exc:
+                    self.errors.append(f"{type(exc).__name__}: {exc}")
+                    log.warning("doorbell for CPU %d: %s", cpu, exc)
+
+    def serve(self, cpu: int) -> None:
+        """Answer one mailbox: run the handlers of its probe and release the vCPU."""
+        ram, scratch = self.ram, self.kp.scratch
+        assert ram is not None
+        if cpu >= len(self.machine.vcpus):
+            return  # a byte nobody sent as a doorbell (firmware debug output)
+        mb = scratch.phys + self.mailboxes + cpu * MAILBOX_SIZE - scratch.base
+        if ram.read_u64_phys(mb + MB_STATE) != STATE_REQUEST:
+            return
+        words = struct.unpack(f"<{_FRAME_WORDS}Q", ram.read_phys(mb + MB_REGS, FRAME_SIZE))
+        header = struct.unpack("<8Q", ram.read_phys(mb, 64))
+        frame_addr, cr3, percpu = header[MB_FRAME // 8], header[MB_CR3 // 8], header[MB_PERCPU // 8]
+        continue_addr, probe_id = words[16], words[17]
+        final_ip, final_sp = continue_addr, frame_addr + FRAME_SIZE
+        point = self.by_id.get(probe_id)
+        if point is not None and point.opt is not None:
+            values = dict(zip(FRAME_REGS, words, strict=False))
+            values.update(rip=point.addr, rsp=final_sp, eflags=words[FRAME_FLAGS // 8], cr3=cr3, gs_base=percpu)
+            pt = PtRegs(values, self.machine.vcpus[cpu], cpu, self.machine.mem, self.kp.symbols)
+            active = [kp for kp in point.probes if not kp.disabled]
+            if self.kp.run_pre_handlers(active, pt):
+                final_ip = pt.ip
+            final_sp = pt.sp
+            dirty = pt.dirty()
+            for i, name in enumerate(FRAME_REGS):
+                if name in dirty:
+                    ram.write_phys(mb + MB_REGS + i * 8, dirty[name].to_bytes(8, "little"))
+            if "eflags" in dirty:
+                ram.write_phys(mb + MB_REGS + FRAME_FLAGS, dirty["eflags"].to_bytes(8, "little"))
+        ram.write_phys(mb + MB_FINAL_IP, final_ip.to_bytes(8, "little"))
+        ram.write_phys(mb + MB_FINAL_SP, final_sp.to_bytes(8, "little"))
+        self.served += 1
+        # Published last: the stub reads the answer only after it sees DONE.
+        ram.write_phys(mb + MB_STATE, STATE_DONE.to_bytes(8, "little"))
+
+
+def _page_round(n: int) -> int:
+    return (n + 0xFFF) & ~0xFFF
+
+
+__all__ = ["Optimized", "Optimizer"]

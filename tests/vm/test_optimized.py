@@ -1,0 +1,134 @@
+"""Issue 5: jump-optimized probes whose hits never stop the VM (mailbox + doorbell)."""
+
+from __future__ import annotations
+
+import pytest
+
+import qprobe
+from qprobe import Kprobe
+from qprobe.arch.x86_64.decode import decode_all
+
+from .conftest import workload_result
+
+pytestmark = pytest.mark.vm
+
+
+def _optimized(target: qprobe.Target, kp: Kprobe) -> bool:
+    line = next(x for x in target.list_probes().splitlines() if x.split()[0] == f"{kp._resolved:016x}")
+    return "[OPTIMIZED]" in line
+
+
+def test_optimized_probe_counts_exactly_without_stops(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    assert target.kprobes_optimization
+    kp = Kprobe(symbol_name="__x64_sys_getppid")
+    target.register_kprobe(kp)
+    try:
+        assert _optimized(target, kp)
+        served = target.kprobes.optimizer.served  # type: ignore[union-attr]
+        res = workload_result(target.run("workload getppid 20000", timeout=600).check().output)
+        assert target.kprobes.optimizer.served - served == 20000  # type: ignore[union-attr]
+    finally:
+        target.unregister_kprobe(kp)
+    assert res["n"] == "20000" and kp.nhit == 20000 and kp.nmissed == 0
+
+
+def test_optimized_handler_sees_arguments_and_task(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    seen: list[tuple[int, int, str]] = []
+    kp = Kprobe(symbol_name="ksys_lseek",
+                pre_handler=lambda k, r: seen.append((r.si, r.dx, target.current_task(r).comm)))  # fmt: skip
+    target.register_kprobe(kp)
+    try:
+        assert _optimized(target, kp)
+        target.run("workload lseek 30").check()
+    finally:
+        target.unregister_kprobe(kp)
+    assert seen == [(i, 0, "workload") for i in range(1, 31)]
+
+
+def test_optimized_pre_handler_can_skip_the_function(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    def fake_return(kp: Kprobe, regs: qprobe.PtRegs) -> int:
+        regs.ax = 4242
+        regs.ip = regs.read_u64(regs.sp)
+        regs.sp += 8
+        return 1
+
+    kp = Kprobe(symbol_name="__x64_sys_getppid", pre_handler=fake_return)
+    target.register_kprobe(kp)
+    try:
+        assert _optimized(target, kp)
+        res = workload_result(target.run("workload getppid 50").check().output)
+    finally:
+        target.unregister_kprobe(kp)
+    assert res["ret"] == "4242" and res["errors"] == "0" and kp.nhit == 50
+
+
+def test_both_vcpus_through_their_own_mailboxes(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    cpus: list[int] = []
+    kp = Kprobe(symbol_name="__x64_sys_getppid", pre_handler=lambda k, r: cpus.append(r.vcpu))
+    target.register_kprobe(kp)
+    try:
+        assert _optimized(target, kp)
+        target.run("taskset -c 0 workload getppid 3000 & taskset -c 1 workload getppid 3000; wait",
+                   timeout=600).check()  # fmt: skip
+    finally:
+        target.unregister_kprobe(kp)
+    assert kp.nhit == 6000 and cpus.count(0) == 3000 and cpus.count(1) == 3000
+
+
+def test_post_handler_and_knob_unoptimize_and_counts_stay_exact(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    a = Kprobe(symbol_name="__x64_sys_getppid")
+    target.register_kprobe(a)
+    try:
+        assert _optimized(target, a)
+        b = Kprobe(symbol_name="__x64_sys_getppid", post_handler=lambda k, r: None)
+        target.register_kprobe(b)
+        assert not _optimized(target, a)  # a post_handler needs the single-step
+        target.run("workload getppid 10").check()
+        target.unregister_kprobe(b)
+        assert _optimized(target, a)
+        target.set_kprobes_optimization(False)
+        assert not _optimized(target, a)
+        target.run("workload getppid 10").check()
+        target.set_kprobes_optimization(True)
+        assert _optimized(target, a)
+        target.run("workload getppid 10").check()
+    finally:
+        target.set_kprobes_optimization(True)
+        if a.registered:
+            target.unregister_kprobe(a)
+    assert (a.nhit, b.nhit) == (30, 10)
+
+
+def test_a_probe_inside_an_optimized_region_unoptimizes_it(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    sym = target.symbols.lookup("ksys_lseek")
+    insns = decode_all(target.read(sym.addr, sym.size), sym.addr)
+    # A short instruction after the entry: its jump displaces the next one(s) too.
+    first_insn = next(i for i in insns[1:] if i.length < 5)
+    first = Kprobe(addr=first_insn.addr)
+    target.register_kprobe(first)
+    try:
+        assert _optimized(target, first)
+        opt = target.kprobes.points[first_insn.addr].opt
+        assert opt is not None and opt.size > first_insn.length
+        second = Kprobe(addr=first_insn.addr + first_insn.length)
+        target.register_kprobe(second)
+        assert not _optimized(target, first)
+        target.run("workload lseek 5").check()
+        target.unregister_kprobe(second)
+    finally:
+        target.unregister_kprobe(first)
+    assert second.nhit == 5 and first.nhit >= 5
+
+
+def test_handler_exception_on_the_optimized_path(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    def boom(kp: Kprobe, regs: qprobe.PtRegs) -> None:
+        raise ValueError("bad handler")
+
+    kp = Kprobe(symbol_name="__x64_sys_getppid", pre_handler=boom)
+    target.register_kprobe(kp)
+    try:
+        assert _optimized(target, kp)
+        res = workload_result(target.run("workload getppid 25").check().output)
+    finally:
+        target.unregister_kprobe(kp)
+    assert res["errors"] == "0" and kp.nhit == 25 and kp.nfaults == 25

@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import signal
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -29,6 +28,7 @@ from qprobe.core.kprobe import Kprobe
 from qprobe.core.kprobes import KprobeManager
 from qprobe.core.kretprobe import Kretprobe, KretprobeManager
 from qprobe.core.optimizer import Optimizer
+from qprobe.core.recovery import recover
 from qprobe.core.regs import PtRegs
 from qprobe.errors import ProbeError, QprobeError, TargetError
 from qprobe.kernel.kaslr import detect_slide
@@ -108,7 +108,7 @@ class Target:
             self.slide = detect_slide(self.symbols, self.mem, self.console.text if self.console else "")
             self.cmdline = self._read_cmdline()
             self.journal = Journal(gdb_address, f"{self.symbols.build_id}:{self.slide:#x}")
-            self.recovered = self._recover()
+            self.recovered = recover(self.gdb, self.mem, self.symbols, self.journal)
             self.machine = Machine(self.gdb, self.mem, self.journal)
             if isinstance(phys, _StubPhys):
                 phys.machine = self.machine
@@ -136,43 +136,6 @@ class Target:
     def _read_cmdline(self) -> str:
         ptr = self.mem.read_u64(self.symbols.address("saved_command_line"))
         return self.mem.read_cstring(ptr, 4096).decode(errors="replace")
-
-    def _recover(self) -> int:
-        """Undo what an earlier qprobe left in this guest (it crashed or was killed).
-
-        Besides the bytes, a vCPU can be caught half way through a hit: trapped
-        on one of our int3s (at the #BP entry, which the stub stopped on), or
-        inside a slot copy.  Both are moved back to the probed instruction,
-        which runs normally once the original byte is back.
-        """
-        identity, patches = self.journal.load()
-        if not patches:
-            return 0
-        if identity != self.journal.identity:
-            log.warning("ignoring a stale journal from another boot of this VM (%s)", identity)
-            self.journal.clear()
-            return 0
-        int3s = {p.virt: p for p in patches if p.what == "int3"}
-        entry = self.symbols.address("asm_exc_int3")
-        for tid in self.gdb.threads():
-            regs = self.gdb.read_registers(tid)
-            rip = regs["rip"]
-            if rip == entry:
-                ret_ip, _cs, rflags, rsp, _ss = struct.unpack("<5Q", self.mem.read(regs["rsp"], 40))
-                if ret_ip - 1 in int3s:
-                    self.gdb.write_registers(tid, {"rip": ret_ip - 1, "rsp": rsp, "eflags": rflags})
-            for p in int3s.values():
-                if p.slot and p.slot <= rip < p.slot + 16:
-                    self.gdb.write_register(tid, "rip", p.virt + rip - p.slot)
-        restored = 0
-        self.gdb.set_physical(True)
-        for p in reversed(patches):
-            if self.gdb.read_memory(p.phys, len(p.new)) == p.new:
-                self.gdb.write_memory(p.phys, p.old)
-                restored += 1
-        log.warning("restored %d patch(es) an earlier qprobe left in this guest", restored)
-        self.journal.clear()
-        return restored
 
     # -- context manager -----------------------------------------------------------
     def __enter__(self) -> Target:

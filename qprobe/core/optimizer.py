@@ -117,6 +117,8 @@ class Optimizer:
                             syms.percpu["current_task"], DOORBELL_PORT)  # fmt: skip
         size = len(build_stub(params, scratch.base))
         self.stub = scratch.alloc(size, align=64)
+        self.machine.journal.set_meta(stub=self.stub, stub_size=size, mailboxes=self.mailboxes,
+                                      scratch=scratch.base, scratch_phys=scratch.phys)  # fmt: skip
         scratch.write(self.stub, build_stub(params, self.stub))
         self._start_thread()
 

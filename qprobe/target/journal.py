@@ -45,23 +45,31 @@ class Journal:
         self.path = cache_dir("journal") / f"{safe}.json"
         self.identity = identity  # build-id and slide: a journal is only valid for that boot
         self.patches: dict[int, Patch] = {}
+        self.meta: dict[str, int] = {}  # where the scratch area's stub and mailboxes are
 
     def load(self) -> tuple[str, list[Patch]]:
-        """What an earlier qprobe left: (its identity, its live patches)."""
+        """What an earlier qprobe left: (its identity, its live patches); its meta goes to ``left_meta``."""
+        self.left_meta: dict[str, int] = {}
         try:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError):
             return "", []
+        self.left_meta = {str(k): int(v) for k, v in data.get("meta", {}).items()}
         return str(data.get("identity", "")), [Patch.from_json(p) for p in data.get("patches", [])]
+
+    def set_meta(self, **values: int) -> None:
+        self.meta.update(values)
+        self._save()
 
     def _save(self) -> None:
         tmp = self.path.with_suffix(".tmp")
-        payload = {"identity": self.identity, "patches": [p.to_json() for p in self.patches.values()]}
+        payload = {"identity": self.identity, "meta": self.meta,
+                   "patches": [p.to_json() for p in self.patches.values()]}  # fmt: skip
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        # No fsync: the journal must survive the death of this process (the page
+        # cache does that), not a host power cut, and it is rewritten per patch.
         with os.fdopen(fd, "w") as f:
             json.dump(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
         os.replace(tmp, self.path)
 
     def record(self, patch: Patch) -> None:
@@ -74,4 +82,5 @@ class Journal:
 
     def clear(self) -> None:
         self.patches.clear()
+        self.meta.clear()
         Path(self.path).unlink(missing_ok=True)

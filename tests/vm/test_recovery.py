@@ -86,3 +86,34 @@ def test_sigkill_with_probes_armed_then_attach_restores_text(booted: str) -> Non
         assert int(workload_result(t.run("workload lseek 20").check().output)["errors"]) == 0
         assert workload_result(t.run("workload getppid 20").check().output)["n"] == "20"
         assert t.oopses() == [], t.console.tail(60)  # type: ignore[union-attr]
+
+
+STUCK = textwrap.dedent(
+    """
+    import sys, threading, time, qprobe
+    t = qprobe.attach(sys.argv[1])
+    def handler(kp, regs):
+        print("IN_HANDLER", flush=True)
+        time.sleep(3600)  # the vCPU now spins in the optimized stub, waiting for us
+    kp = qprobe.Kprobe(symbol_name="__x64_sys_getppid", pre_handler=handler)
+    t.register_kprobe(kp)
+    assert "[OPTIMIZED]" in t.list_probes()
+    threading.Thread(target=t.run, args=("workload getppid 3",), daemon=True).start()
+    time.sleep(3600)
+    """
+)
+
+
+def test_sigkill_while_a_vcpu_waits_in_the_optimized_stub(booted: str) -> None:
+    prober = subprocess.Popen([sys.executable, "-c", STUCK, booted], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        _readline_matching(prober, "IN_HANDLER")
+    finally:
+        os.kill(prober.pid, signal.SIGKILL)
+        prober.wait()
+    with qprobe.attach(booted) as t:
+        assert t.recovered >= 2  # the jump and the scratch mapping
+        # The stuck vCPU was answered and stepped out; the guest carries on.
+        assert workload_result(t.run("workload getppid 5").check().output)["n"] == "5"
+        assert t.oopses() == [], t.console.tail(60)  # type: ignore[union-attr]

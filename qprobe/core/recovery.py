@@ -1,0 +1,135 @@
+"""Put a guest back after a qprobe that died with probes armed (crash, SIGKILL).
+
+Everything qprobe wrote is in the journal; what the journal cannot say is
+where the vCPUs were when it died.  A vCPU may be trapped on one of our
+int3s (stopped on the #BP entry), returning through the kretprobe
+trampoline, inside a boosted slot, or spinning in the optimized-probe stub
+for an answer that will never come.  Each is moved to where it would have
+been without qprobe (or answered and stepped out), the text and return
+addresses are restored, the VM runs for a grace period with nothing of ours
+left to enter, and only then is the scratch area unmapped.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+
+from qprobe.arch.x86_64.detour import (
+    FRAME_RET,
+    FRAME_SIZE,
+    MAILBOX_SIZE,
+    MB_FINAL_IP,
+    MB_FINAL_SP,
+    MB_FRAME,
+    MB_REGS,
+    MB_STATE,
+    STATE_DONE,
+    STATE_REQUEST,
+)
+from qprobe.kernel.symbols import Symbols
+from qprobe.target.gdbremote import GdbRemote
+from qprobe.target.journal import Journal, Patch
+from qprobe.target.memory import GuestMemory
+
+log = logging.getLogger("qprobe.recovery")
+SCRATCH_SIZE = 2 << 20
+GRACE = 0.1
+
+
+class _Recovery:
+    def __init__(self, gdb: GdbRemote, mem: GuestMemory, symbols: Symbols, patches: list[Patch],
+                 meta: dict[str, int]) -> None:  # fmt: skip
+        self.gdb, self.mem, self.meta = gdb, mem, meta
+        self.entry = symbols.address("asm_exc_int3")
+        self.int3s = {p.virt: p for p in patches if p.what == "int3"}
+        self.retaddrs = {p.virt: int.from_bytes(p.old, "little") for p in patches if p.what == "retaddr"}
+        self.trampoline = next((int.from_bytes(p.new, "little") for p in patches if p.what == "retaddr"), None)
+        pmd = next((p for p in patches if p.what == "pmd"), None)
+        self.scratch = pmd.virt if pmd else None
+
+    def in_scratch(self, rip: int) -> bool:
+        return self.scratch is not None and self.scratch <= rip < self.scratch + SCRATCH_SIZE
+
+    def rewind(self, tid: str) -> None:
+        regs = self.gdb.read_registers(tid)
+        rip = regs["rip"]
+        if rip == self.entry:
+            ret_ip, _cs, rflags, rsp, _ss = struct.unpack("<5Q", self.mem.read(regs["rsp"], 40))
+            if ret_ip - 1 in self.int3s:
+                self.gdb.write_registers(tid, {"rip": ret_ip - 1, "rsp": rsp, "eflags": rflags})
+            elif ret_ip - 1 == self.trampoline and rsp - 8 in self.retaddrs:
+                self.gdb.write_registers(tid, {"rip": self.retaddrs[rsp - 8], "rsp": rsp, "eflags": rflags})
+        elif rip == self.trampoline and regs["rsp"] - 8 in self.retaddrs:
+            self.gdb.write_register(tid, "rip", self.retaddrs[regs["rsp"] - 8])
+        else:
+            for p in self.int3s.values():
+                if p.slot and p.slot <= rip < p.slot + 32:
+                    self.gdb.write_register(tid, "rip", p.virt + rip - p.slot)
+
+    def answer_mailbox(self, cpu: int) -> None:
+        """Release a vCPU waiting in the stub: resume at its detour's continue label."""
+        if "mailboxes" not in self.meta:
+            return
+        mb = self.meta["scratch_phys"] + self.meta["mailboxes"] - self.meta["scratch"] + cpu * MAILBOX_SIZE
+        self.gdb.set_physical(True)
+        if int.from_bytes(self.gdb.read_memory(mb + MB_STATE, 8), "little") != STATE_REQUEST:
+            return
+        frame = int.from_bytes(self.gdb.read_memory(mb + MB_FRAME, 8), "little")
+        cont = int.from_bytes(self.gdb.read_memory(mb + MB_REGS + FRAME_RET, 8), "little")
+        self.gdb.write_memory(mb + MB_FINAL_IP, cont.to_bytes(8, "little"))
+        self.gdb.write_memory(mb + MB_FINAL_SP, (frame + FRAME_SIZE).to_bytes(8, "little"))
+        self.gdb.write_memory(mb + MB_STATE, STATE_DONE.to_bytes(8, "little"))
+
+    def evacuate(self, tid: str, cpu: int) -> None:
+        for _ in range(100_000):
+            rip = self.gdb.read_registers(tid)["rip"]
+            if not self.in_scratch(rip):
+                return
+            if rip == self.trampoline:
+                self.rewind(tid)
+                continue
+            self.answer_mailbox(cpu)
+            self.gdb.step(tid)
+        raise RuntimeError(f"vCPU {tid} did not leave the scratch area")
+
+
+def recover(gdb: GdbRemote, mem: GuestMemory, symbols: Symbols, journal: Journal) -> int:
+    """Undo an earlier qprobe's patches in this guest; returns how many were restored."""
+    identity, patches = journal.load()
+    if not patches:
+        return 0
+    if identity != journal.identity:
+        log.warning("ignoring a stale journal from another boot of this VM (%s)", identity)
+        journal.clear()
+        return 0
+    r = _Recovery(gdb, mem, symbols, patches, journal.left_meta)
+    vcpus = gdb.threads()
+    for tid in vcpus:
+        r.rewind(tid)
+    restored = 0
+    gdb.set_physical(True)
+    for p in reversed([p for p in patches if p.what != "pmd"]):
+        if gdb.read_memory(p.phys, len(p.new)) == p.new:
+            gdb.write_memory(p.phys, p.old)
+            restored += 1
+    pmd = [p for p in patches if p.what == "pmd"]
+    if pmd:
+        for cpu, tid in enumerate(vcpus):
+            r.evacuate(tid, cpu)
+        # Let contexts interrupted inside the area return to the kernel text first.
+        gdb.cont()
+        time.sleep(GRACE)
+        gdb.interrupt()
+        gdb.wait_stop()
+        for cpu, tid in enumerate(vcpus):
+            r.evacuate(tid, cpu)
+        gdb.set_physical(True)
+        for p in pmd:
+            if gdb.read_memory(p.phys, len(p.new)) == p.new:
+                gdb.write_memory(p.phys, p.old)
+                restored += 1
+    log.warning("restored %d patch(es) an earlier qprobe left in this guest", restored)
+    journal.clear()
+    return restored

@@ -191,8 +191,26 @@ class QemuProcess:
                 raise TargetError(f"QEMU did not open its sockets within {timeout:g} s")
             time.sleep(0.02)
 
+    def qmp(self, command: str, **arguments: object) -> object:
+        """One QMP command through QEMU's own client library (qemu.qmp)."""
+        from qemu.qmp.legacy import QEMUMonitorProtocol
+
+        mon = QEMUMonitorProtocol(str(self.qmp_path))
+        try:
+            mon.settimeout(5.0)
+            mon.connect()
+            return mon.cmd(command, **arguments)  # type: ignore[arg-type]
+        finally:
+            mon.close()
+
     def terminate(self, timeout: float = 5.0) -> None:
-        """Stop QEMU (SIGTERM, then SIGKILL) and remove the run directory and RAM file."""
+        """Stop QEMU (QMP ``quit``, then SIGTERM, then SIGKILL) and remove the run directory and RAM file."""
+        if self.alive():
+            try:
+                self.qmp("quit")
+                self.proc.wait(timeout)
+            except Exception:  # any QMP failure falls through to the signals below
+                pass
         if self.alive():
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)

@@ -31,6 +31,9 @@ def test_run_returns_output_and_status(target: qprobe.Target) -> None:
 def test_boot_is_fast_and_kaslr_is_on(target: qprobe.Target) -> None:
     assert target.slide != 0, "KASLR should have moved the kernel"
     assert target.timings["boot"] < 60
+    # The monitor answers through QEMU's own QMP client library.
+    assert target.qemu is not None
+    assert target.qemu.qmp("query-status")["status"] in ("running", "debug")  # type: ignore[index]
 
 
 def test_symbols_match_proc_kallsyms(target: qprobe.Target) -> None:

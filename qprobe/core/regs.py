@@ -101,14 +101,31 @@ class PtRegs:
         return out.decode("utf-8", "replace")
 
     # -- conventions -------------------------------------------------------------
-    def arg(self, n: int) -> int:
-        """The n-th (1-based) integer argument at function entry, by the x86_64 ABI."""
+    def arg(self, n: int | str) -> int:
+        """The n-th (1-based) integer argument at function entry, by the x86_64 ABI.
+
+        ``n`` may also be the parameter's name in the C source (``regs.arg("count")``),
+        looked up in the kernel's BTF for the function containing ``ip``.
+        """
+        if isinstance(n, str):
+            n = self._param_index(n)
         if n < 1:
             raise ValueError("arguments are numbered from 1")
         if n <= len(ARG_REGS):
             return self._values[ARG_REGS[n - 1]]
         # At entry [sp] is the return address; stack arguments follow it.
         return self.read_u64(self._values["sp"] + 8 * (n - len(ARG_REGS)))
+
+    def _param_index(self, name: str) -> int:
+        if self._symbols is None:
+            raise ValueError("argument names need the kernel's symbols")
+        fn = self._symbols.function(self._values["ip"])
+        if fn is None:
+            raise ValueError(f"{self._values['ip']:#x} is not in a known function")
+        params = [p for p, _ in self._symbols.btf.func_params(fn.name)]
+        if name not in params:
+            raise ValueError(f"{fn.name} has no parameter {name!r} (it has {', '.join(params) or 'none'})")
+        return params.index(name) + 1
 
     def stack(self, n: int = 0) -> int:
         """``$stackN``: the n-th u64 on the stack."""

@@ -229,6 +229,24 @@ class Btf:
             raise SymbolError(f"no struct {name} in BTF")
         return self._struct_at(tid)
 
+    def func_params(self, name: str) -> list[tuple[str, str]]:
+        """(name, C type) of each parameter of function ``name``, in order (BTF FUNC -> FUNC_PROTO)."""
+        tid = self._names.get(f"func {name}")
+        if tid is None:
+            raise SymbolError(f"no function {name} in BTF")
+        proto = self._head(tid)[2]
+        kind, info, _ = self._head(proto)
+        if kind != KIND_FUNC_PROTO:
+            raise _malformed(f"function {name} does not point at a prototype")
+        words, i = self._words, self._starts[proto] + 3
+        out = []
+        for _ in range(info & 0xFFFF):
+            name_off, ptype = words[i], words[i + 1]
+            i += 2
+            if ptype:  # a trailing (name 0, type 0) entry is the "..." of a variadic function
+                out.append((self._str(name_off), self._spell(ptype, "", 0)))
+        return out
+
     def locate(self, struct_name: str, member_path: str) -> tuple[int, Member]:
         """Bit offset of ``member_path`` in ``struct_name``, and the member found last.
 
@@ -543,6 +561,8 @@ def _walk(words: array, strings: bytes) -> tuple[array, dict[str, int]]:
             raise _malformed(f"type id {tid} has name offset {off} past the string section ({str_len} bytes)")
         name = strings[off : find(b"\0", off)].decode("utf-8", "replace")
         key = name if kind in (KIND_TYPEDEF, KIND_INT, KIND_FLOAT) else f"{_NAMED_KINDS[kind]} {name}"
+        if kind == KIND_FUNC:
+            key = f"func {name}"  # functions share C's ordinary namespace, but not our typedef lookups
         old = names.get(key)
         if old is None:
             names[key] = tid
@@ -554,7 +574,7 @@ def _walk(words: array, strings: bytes) -> tuple[array, dict[str, int]]:
 # Kinds whose names go in the index, and the C tag each lives under.
 _NAMED_KINDS = {
     KIND_STRUCT: "struct", KIND_UNION: "union", KIND_ENUM: "enum", KIND_ENUM64: "enum",
-    KIND_TYPEDEF: "", KIND_INT: "", KIND_FLOAT: "",
+    KIND_TYPEDEF: "", KIND_INT: "", KIND_FLOAT: "", KIND_FUNC: "func",
 }  # fmt: skip
 
 

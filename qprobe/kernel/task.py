@@ -35,9 +35,9 @@ class Tasks:
         self.symbols = symbols
         self.mem = mem
 
-    @cached_property
+    @property
     def _btf(self) -> Btf:
-        return Btf.from_vmlinux(self.symbols.path)
+        return self.symbols.btf
 
     @cached_property
     def _offsets(self) -> tuple[int, int, int, int]:

@@ -166,3 +166,17 @@ def test_bad_probes_are_refused_and_change_nothing(target: qprobe.Target, guard:
 def test_symbol_and_address_together_is_einval(target: qprobe.Target) -> None:
     with pytest.raises(InvalidProbe, match="EINVAL"):
         Kprobe(symbol_name="vfs_read", addr=target.symbols.address("vfs_read"))
+
+
+def test_arguments_by_position_and_by_name(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    seen: list[tuple[int, int, int, int]] = []
+    kp = Kprobe(symbol_name="ksys_lseek",
+                pre_handler=lambda k, r: seen.append((r.arg(1), r.arg("fd"), r.arg("offset"), r.arg("whence"))))
+    target.register_kprobe(kp)
+    try:
+        res = workload_result(target.run("workload lseek 3").check().output)
+    finally:
+        target.unregister_kprobe(kp)
+    fd = int(res["fd"])
+    assert seen == [(fd, fd, i, 0) for i in (1, 2, 3)]
+    assert kp.nfaults == 0

@@ -4,6 +4,7 @@ from qprobe.api import Target, attach, boot
 from qprobe.core.kprobe import Kprobe
 from qprobe.core.kretprobe import Kretprobe, KretprobeInstance
 from qprobe.core.regs import PtRegs, regs_get_kernel_argument, regs_return_value
+from qprobe.core.watchpoint import Watchpoint
 from qprobe.errors import (
     Blacklisted,
     CannotProbe,
@@ -37,6 +38,7 @@ __all__ = [
     "TargetError",
     "TargetGone",
     "VmlinuxMismatch",
+    "Watchpoint",
     "__version__",
     "attach",
     "boot",

@@ -30,13 +30,14 @@ from qprobe.core.kretprobe import Kretprobe, KretprobeManager
 from qprobe.core.optimizer import Optimizer
 from qprobe.core.recovery import recover
 from qprobe.core.regs import PtRegs
+from qprobe.core.watchpoint import Watchpoint
 from qprobe.errors import ProbeError, QprobeError, TargetError
 from qprobe.kernel.kaslr import detect_slide
 from qprobe.kernel.symbols import Symbols
 from qprobe.kernel.task import Task
 from qprobe.target.connection import Connection
 from qprobe.target.console import Console, RunResult
-from qprobe.target.gdbremote import GdbRemote
+from qprobe.target.gdbremote import WATCH_ACCESS, WATCH_READ, WATCH_WRITE, GdbRemote
 from qprobe.target.journal import Journal
 from qprobe.target.machine import Machine
 from qprobe.target.memory import GuestMemory, MemoryFault, PhysReader, SharedRam, kernel_pgd, paging_levels
@@ -213,6 +214,45 @@ class Target:
 
     def disable_kretprobe(self, rp: Kretprobe) -> None:
         self.kprobes.disable_kprobe(rp.kp)
+
+    def register_watchpoint(self, wp: Watchpoint) -> None:
+        """Arm a data watchpoint (QEMU's, not the guest's debug registers)."""
+        if wp.registered:
+            raise ProbeError(f"{wp!r} is already registered")
+        addr = (self.symbols.address(wp.symbol_name) if wp.symbol_name else wp.addr or 0) + wp.offset
+        self.mem.read(addr, wp.length)  # refuse an unmapped address before touching the stub
+        kinds = {"w": WATCH_WRITE, "r": WATCH_READ, "rw": WATCH_ACCESS}
+
+        def hit(tid: str, regs: dict[str, int]) -> None:
+            wp.nhit += 1
+            if wp.handler is None:
+                return
+            pt = PtRegs(regs, tid, self.machine.vcpus.index(tid), self.mem, self.symbols)
+            try:
+                with self.kprobes.handler_lock:
+                    wp.handler(wp, pt)
+            except Exception as exc:  # user code: counted and reported, never fatal
+                wp.nfaults += 1
+                wp.errors.append(f"{type(exc).__name__}: {exc}")
+            if pt.dirty():
+                self.gdb.write_registers(tid, pt.dirty())
+
+        def arm() -> None:
+            self.gdb.insert_breakpoint(addr, kinds[wp.kind], wp.length)
+            self.machine.watch_handlers[addr] = hit
+
+        self.machine.call(arm)
+        wp.resolved, wp.registered = addr, True
+
+    def unregister_watchpoint(self, wp: Watchpoint) -> None:
+        kinds = {"w": WATCH_WRITE, "r": WATCH_READ, "rw": WATCH_ACCESS}
+
+        def disarm() -> None:
+            self.gdb.remove_breakpoint(wp.resolved, kinds[wp.kind], wp.length)
+            self.machine.watch_handlers.pop(wp.resolved, None)
+
+        self.machine.call(disarm)
+        wp.registered = False
 
     def current_task(self, regs: PtRegs) -> Task:
         """The guest task a handler interrupted (pid, tgid, comm)."""

@@ -35,6 +35,8 @@ class Machine:
         self.journal = journal
         self.vcpus = gdb.threads()
         self.stop_handlers: dict[int, StopHandler] = {}
+        # Watchpoint hits, keyed by the watched address the stop reply names.
+        self.watch_handlers: dict[int, StopHandler] = {}
         self.handler_errors: list[str] = []
         self._requests: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._error: BaseException | None = None
@@ -94,6 +96,13 @@ class Machine:
         if stop.signal != SIGTRAP or stop.thread is None:
             return  # our own interrupt (SIGINT) or a stop we have nothing to do with
         regs = self.gdb.read_registers(stop.thread)
+        for key in ("watch", "rwatch", "awatch"):
+            value = stop.field(key)
+            if value is not None:
+                watcher = self.watch_handlers.get(int(value, 16))
+                if watcher is not None:
+                    watcher(stop.thread, regs)
+                return
         handler = self.stop_handlers.get(regs["rip"])
         if handler is not None:
             handler(stop.thread, regs)

@@ -111,6 +111,8 @@ class Target:
             self.journal = Journal(gdb_address, f"{self.symbols.build_id}:{self.slide:#x}")
             self.recovered = recover(self.gdb, self.mem, self.symbols, self.journal)
             self.machine = Machine(self.gdb, self.mem, self.journal)
+            if isinstance(phys, SharedRam) and phys.writable:
+                self.machine.data_writer = phys
             if isinstance(phys, _StubPhys):
                 phys.machine = self.machine
             scratch_phys = memmap_reservation(self.cmdline)
@@ -227,7 +229,7 @@ class Target:
             wp.nhit += 1
             if wp.handler is None:
                 return
-            pt = PtRegs(regs, tid, self.machine.vcpus.index(tid), self.mem, self.symbols)
+            pt = self.kprobes.make_regs(regs, tid)
             try:
                 with self.kprobes.handler_lock:
                     wp.handler(wp, pt)

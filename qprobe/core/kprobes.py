@@ -40,6 +40,7 @@ from qprobe.target.machine import Machine
 from qprobe.target.scratch import ScratchArea
 
 if TYPE_CHECKING:
+    from qprobe.core.kretprobe import KretprobeManager
     from qprobe.kernel.symbols import Symbols
 
 log = logging.getLogger("qprobe.kprobes")
@@ -126,6 +127,7 @@ class KprobeManager:
         # User handlers never run concurrently (the stop loop and the doorbell thread both call them).
         self.handler_lock = threading.RLock()
         self.optimizer: Optimizer | None = None
+        self.kretprobes: KretprobeManager | None = None  # set by KretprobeManager
 
     # -- resolving and checking (no guest writes) -----------------------------
     def _kprobe_addr(self, kp: Kprobe) -> int:
@@ -395,7 +397,7 @@ class KprobeManager:
                 return
             self._pass_through(tid)
             return
-        pt = PtRegs(regs, tid, self.vcpu_index[tid], mem, self.symbols)
+        pt = self.make_regs(regs, tid)
         # Undo the trap: the state is exactly the one before the int3.
         pt.set_quietly("ip", addr)
         pt.set_quietly("sp", rsp)
@@ -411,6 +413,11 @@ class KprobeManager:
             self._execute(point, pt, ctl)
         finally:
             ctl.status, ctl.current = KprobeStatus.IDLE, None
+
+    def make_regs(self, values: dict[str, int], tid: str) -> PtRegs:
+        """pt_regs for a handler; its stack traces see through kretprobe trampolines."""
+        return PtRegs(values, tid, self.vcpu_index[tid], self.machine.mem, self.symbols,
+                      fix_return=self.kretprobes.fix_return if self.kretprobes else None)  # fmt: skip
 
     def _pass_through(self, tid: str) -> None:
         """Somebody else's int3: let the guest's own #BP handler have it."""
@@ -452,7 +459,7 @@ class KprobeManager:
                 break
         else:
             raise ProbeError(f"single-step of {point.where} never left the slot")
-        post = PtRegs(after, tid, pt.vcpu, self.machine.mem, self.symbols)
+        post = self.make_regs(after, tid)
         ip = after["rip"]
         if prep.resume_fixes_ip and not prep.slot_addr <= ip <= prep.slot_addr + len(prep.copy):
             self._step_faulted(point, post, active)

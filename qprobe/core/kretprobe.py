@@ -75,8 +75,6 @@ class Kretprobe:
                 raise InvalidProbe(f"{name} must be callable (EINVAL)")
         self.kp = Kprobe(symbol_name=symbol_name, addr=addr, offset=offset, disabled=disabled)
         self.kp.kind = "r"  # type: ignore[attr-defined]
-        # Its entry handler writes the stack through the stub, so it stays an int3 probe.
-        self.kp.no_optimize = True  # type: ignore[attr-defined]
         self.handler = handler
         self.entry_handler = entry_handler
         self.maxactive = maxactive
@@ -110,6 +108,12 @@ class KretprobeManager:
         self.by_slot: dict[int, KretprobeInstance] = {}
         self.preemptible = "preempt_schedule" in self.symbols  # CONFIG_PREEMPTION
         self.registered: set[Kretprobe] = set()
+        kprobes.kretprobes = self
+
+    def fix_return(self, slot: int, value: int) -> int:
+        """For the unwinder: the real return address behind a trampoline address at ``slot``."""
+        ri = self.by_slot.get(slot)
+        return ri.ret_addr if value == self.trampoline and ri is not None else value
 
     def default_maxactive(self) -> int:
         """The kernel's default: max(10, 2 * CPUs) when preemptible, else the number of CPUs."""
@@ -145,13 +149,24 @@ class KretprobeManager:
             self.unregister_kretprobe(rp)
 
     def _ensure_trampoline(self) -> None:
+        """An int3, or with the doorbell channel ``push 0; call stub; int3`` so returns need no stop.
+
+        The int3 after the call is only reached when the CPU's mailbox was busy
+        (an NMI inside a probe): that return then takes the stop-based path.
+        """
         if self.trampoline and self.kprobes.scratch.mapped:
             return
-        if not self.kprobes.scratch.mapped:
-            self.kprobes.scratch.map()
-        self.trampoline = self.kprobes.scratch.alloc(16)
-        self.kprobes.scratch.write(self.trampoline, b"\xcc")
-        self.kprobes.trampolines[self.trampoline] = self.trampoline_hit
+        scratch, opt = self.kprobes.scratch, self.kprobes.optimizer
+        if not scratch.mapped:
+            scratch.map()
+        self.trampoline = scratch.alloc(32)
+        if opt is not None and opt.available:
+            code = opt.trampoline_code(self.trampoline)
+            scratch.write(self.trampoline, code)
+            self.kprobes.trampolines[self.trampoline + len(code) - 1] = self.trampoline_hit
+        else:
+            scratch.write(self.trampoline, b"\xcc")
+            self.kprobes.trampolines[self.trampoline] = self.trampoline_hit
 
     def _retire(self, rp: Kretprobe) -> None:
         """Put back the real return address of every call still in flight."""
@@ -198,40 +213,51 @@ class KretprobeManager:
         ri.task = self.kprobes.tasks.current(regs.gs_base)
         if rp.entry_handler is not None:
             try:
-                skip = rp.entry_handler(ri, regs)
+                with self.kprobes.handler_lock:
+                    skip = rp.entry_handler(ri, regs)
             except Exception as exc:
                 self._failed(rp, exc, "entry_handler")
                 skip = 0
             if skip:
                 self._release(ri, restore=False)
                 return 0
-        ri.patch = self.machine.patch(regs.sp, self.trampoline.to_bytes(8, "little"), "retaddr")
+        ri.patch = self.machine.patch_data(regs.sp, self.trampoline.to_bytes(8, "little"), "retaddr")
         rp.live[ri.stack_slot] = ri
         self.by_slot[ri.stack_slot] = ri
         return 0
 
     # -- return (the trampoline's int3) ---------------------------------------------------
     def trampoline_hit(self, tid: str, regs: dict[str, int], rsp: int, rflags: int) -> None:
-        """The function returned into the trampoline: ``rsp`` is just past its return slot."""
-        slot = rsp - 8
+        """The function returned into the int3 trampoline: ``rsp`` is just past its return slot."""
+        pt = self.kprobes.make_regs(regs, tid)
+        pt.set_quietly("sp", rsp)
+        pt.set_quietly("flags", rflags)
+        ret_addr = self.returned(pt)
+        self.machine.gdb.write_registers(tid, {**pt.dirty(), "rip": ret_addr, "rsp": rsp, "eflags": rflags})
+
+    def returned(self, pt: PtRegs) -> int:
+        """Run the handler of the instance whose call just returned; the real return address.
+
+        Called from the stop loop (int3 trampoline) or the doorbell thread; ``pt.sp``
+        is the stack pointer after the ret, just past the instance's stack slot.
+        """
+        slot = pt.sp - 8
         ri = self.by_slot.get(slot)
         if ri is None:
             raise ProbeError(f"a return into the kretprobe trampoline with no instance for stack slot {slot:#x}")
         rp = ri.rp
-        pt = PtRegs(regs, tid, self.kprobes.vcpu_index[tid], self.machine.mem, self.symbols)
         pt.set_quietly("ip", self.trampoline)
-        pt.set_quietly("sp", rsp)
-        pt.set_quietly("flags", rflags)
         if rp.handler is not None and not rp.kp.flags & KPROBE_FLAG_DISABLED:
             try:
-                rp.handler(ri, pt)
-            except Exception as exc:
+                with self.kprobes.handler_lock:
+                    rp.handler(ri, pt)
+            except Exception as exc:  # user code: counted and reported, never fatal
                 self._failed(rp, exc, "handler")
         ret_addr = ri.ret_addr
         rp.live.pop(slot, None)
         # The return address on the stack was consumed by the ret: only forget the patch.
         self._release(ri, restore=False)
-        self.machine.gdb.write_registers(tid, {**pt.dirty(), "rip": ret_addr, "rsp": rsp, "eflags": rflags})
+        return ret_addr
 
     def _failed(self, rp: Kretprobe, exc: Exception, which: str) -> None:
         rp.nfaults += 1

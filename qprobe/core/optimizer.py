@@ -50,7 +50,6 @@ from qprobe.arch.x86_64.detour import (
 )
 from qprobe.arch.x86_64.insn import copy_instruction, synthesize_reljump
 from qprobe.arch.x86_64.opt import can_optimize
-from qprobe.core.regs import PtRegs
 from qprobe.target.journal import Patch
 from qprobe.target.memory import SharedRam
 from qprobe.target.qemu import DOORBELL_PORT
@@ -61,6 +60,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("qprobe.optimizer")
 
 MAX_OPTIMIZED = 4096  # probe ids: one nmissed counter each
+TRAMPOLINE_ID = 0
 _FRAME_WORDS = FRAME_SIZE // 8
 
 
@@ -90,7 +90,8 @@ class Optimizer:
         self.available = bool(ram is not None and ram.writable and doorbell)
         self.enabled = self.available and kprobes.boost  # debug.kprobes_optimization
         self.by_id: dict[int, ProbePoint] = {}
-        self._free_ids = list(range(MAX_OPTIMIZED - 1, -1, -1))
+        # Probe id 0 is the kretprobe trampoline's.
+        self._free_ids = list(range(MAX_OPTIMIZED - 1, 0, -1))
         self.stub = 0
         self.mailboxes = 0
         self.missed = 0
@@ -146,6 +147,11 @@ class Optimizer:
             self._sock.close()
         if self._thread is not None:
             self._thread.join(2.0)
+
+    def trampoline_code(self, address: int) -> bytes:
+        """The stop-less kretprobe trampoline at ``address``: ``push 0; call stub; int3``."""
+        self._ensure_stub()
+        return build_detour(address, TRAMPOLINE_ID, self.stub, b"", 0)[:DETOUR_HEAD] + b"\xcc"
 
     # -- optimizing (stop loop) -------------------------------------------------------
     def why_not(self, point: ProbePoint) -> str | None:
@@ -273,15 +279,22 @@ class Optimizer:
         continue_addr, probe_id = words[16], words[17]
         final_ip, final_sp = continue_addr, frame_addr + FRAME_SIZE
         point = self.by_id.get(probe_id)
-        if point is not None and point.opt is not None:
-            values = dict(zip(FRAME_REGS, words, strict=False))
-            values.update(rip=point.addr, rsp=final_sp, eflags=words[FRAME_FLAGS // 8], cr3=cr3, gs_base=percpu)
-            pt = PtRegs(values, self.machine.vcpus[cpu], cpu, self.machine.mem, self.kp.symbols)
+        values = dict(zip(FRAME_REGS, words, strict=False))
+        values.update(rsp=final_sp, eflags=words[FRAME_FLAGS // 8], cr3=cr3, gs_base=percpu)
+        dirty: dict[str, int] = {}
+        if probe_id == TRAMPOLINE_ID and self.kp.kretprobes is not None:
+            pt = self.kp.make_regs(values, self.machine.vcpus[cpu])
+            final_ip = self.kp.kretprobes.returned(pt)
+            dirty = pt.dirty()
+        elif point is not None and point.opt is not None:
+            values["rip"] = point.addr
+            pt = self.kp.make_regs(values, self.machine.vcpus[cpu])
             active = [kp for kp in point.probes if not kp.disabled]
             if self.kp.run_pre_handlers(active, pt):
                 final_ip = pt.ip
             final_sp = pt.sp
             dirty = pt.dirty()
+        if dirty:
             for i, name in enumerate(FRAME_REGS):
                 if name in dirty:
                     ram.write_phys(mb + MB_REGS + i * 8, dirty[name].to_bytes(8, "little"))

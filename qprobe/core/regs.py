@@ -8,8 +8,11 @@ dispatcher writes exactly the dirty ones back before the vCPU resumes.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from qprobe.errors import SymbolError
+from qprobe.kernel.orc import format_stack, unwinder_for
 from qprobe.target.memory import GuestMemory, kernel_pgd
 
 if TYPE_CHECKING:
@@ -33,10 +36,11 @@ class PtRegs:
     under QEMU), ``tid`` the stub's thread id.
     """
 
-    __slots__ = ("_dirty", "_mem", "_pgd", "_symbols", "_values", "gs_base", "tid", "vcpu")
+    __slots__ = ("_dirty", "_mem", "_pgd", "_symbols", "_values", "fix_return", "gs_base", "tid", "vcpu")
 
     def __init__(self, values: dict[str, int], tid: str, vcpu: int, mem: GuestMemory,
-                 symbols: Symbols | None = None) -> None:  # fmt: skip
+                 symbols: Symbols | None = None,
+                 fix_return: Callable[[int, int], int] | None = None) -> None:  # fmt: skip
         self._values = {pt: values[g] for pt, g in PT_REGS.items() if g in values}
         self._dirty: set[str] = set()
         self._mem = mem
@@ -46,6 +50,8 @@ class PtRegs:
         self.tid = tid
         self.vcpu = vcpu
         self.gs_base = values.get("gs_base", 0)  # the per-CPU base while in kernel mode
+        # Maps a value read from a stack slot to the real return address (kretprobe trampolines).
+        self.fix_return = fix_return
 
     def __getattr__(self, name: str) -> int:
         try:
@@ -134,6 +140,18 @@ class PtRegs:
     def symbolize(self, addr: int | None = None) -> str:
         addr = self._values["ip"] if addr is None else addr
         return self._symbols.symbolize(addr) if self._symbols else f"{addr:#x}"
+
+    def stack_trace(self, max_frames: int = 64) -> list[str]:
+        """This hit's kernel stack, innermost first, as /proc/PID/stack lines (``[<0>] sym+0xoff/0xsize``).
+
+        Unwound on the host from vmlinux's ORC tables (Debian kernels keep no
+        frame pointers); a kretprobe trampoline shows as the real return address.
+        """
+        if self._symbols is None:
+            raise SymbolError("no vmlinux symbols for this hit: cannot unwind its stack")
+        addrs = unwinder_for(self._symbols).unwind(self._values, self.read, max_frames=max_frames,
+                                                   fix_return=self.fix_return)  # fmt: skip
+        return format_stack(addrs, self._symbols)
 
     def __repr__(self) -> str:
         body = " ".join(f"{k}={v:#x}" for k, v in self._values.items())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -46,6 +47,8 @@ class Journal:
         self.identity = identity  # build-id and slide: a journal is only valid for that boot
         self.patches: dict[int, Patch] = {}
         self.meta: dict[str, int] = {}  # where the scratch area's stub and mailboxes are
+        # The stop loop and the doorbell thread (kretprobe return addresses) both record patches.
+        self._lock = threading.Lock()
 
     def load(self) -> tuple[str, list[Patch]]:
         """What an earlier qprobe left: (its identity, its live patches); its meta goes to ``left_meta``."""
@@ -62,9 +65,13 @@ class Journal:
         self._save()
 
     def _save(self) -> None:
+        with self._lock:
+            self._save_locked()
+
+    def _save_locked(self) -> None:
         tmp = self.path.with_suffix(".tmp")
         payload = {"identity": self.identity, "meta": self.meta,
-                   "patches": [p.to_json() for p in self.patches.values()]}  # fmt: skip
+                   "patches": [p.to_json() for p in list(self.patches.values())]}  # fmt: skip
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         # No fsync: the journal must survive the death of this process (the page
         # cache does that), not a host power cut, and it is rewritten per patch.

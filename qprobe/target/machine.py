@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from qprobe.errors import QprobeError, TargetError, TargetGone
 from qprobe.target.gdbremote import GdbRemote
 from qprobe.target.journal import Journal, Patch
-from qprobe.target.memory import GuestMemory
+from qprobe.target.memory import GuestMemory, SharedRam
 from qprobe.target.rsp import StopReply
 
 T = TypeVar("T")
@@ -35,6 +35,8 @@ class Machine:
         self.journal = journal
         self.vcpus = gdb.threads()
         self.stop_handlers: dict[int, StopHandler] = {}
+        # Where data (not code) can be written without stopping the VM: the shared RAM file.
+        self.data_writer: SharedRam | None = None
         # Watchpoint hits, keyed by the watched address the stop reply names.
         self.watch_handlers: dict[int, StopHandler] = {}
         self.handler_errors: list[str] = []
@@ -162,6 +164,20 @@ class Machine:
         p = Patch(phys, virt, old, data, what, slot)
         self.journal.record(p)
         self.write_phys(phys, data)
+        return p
+
+    def patch_data(self, virt: int, data: bytes, what: str) -> Patch:
+        """Journal, then write data (never code) from any thread: through the shared RAM file if we can."""
+        if self.data_writer is None:
+            if threading.current_thread() is not self._thread:
+                raise TargetError("internal: data written off the stop loop without shared RAM")
+            return self.patch(virt, data, what)
+        phys = self.mem.virt_to_phys(virt)
+        if (phys & 0xFFF) + len(data) > 0x1000:
+            raise TargetError(f"internal: patch at {virt:#x} crosses a page")
+        p = Patch(phys, virt, self.mem.read(virt, len(data)), data, what)
+        self.journal.record(p)
+        self.data_writer.write_phys(phys, data)
         return p
 
     def unpatch(self, p: Patch) -> None:

@@ -121,3 +121,22 @@ def test_bad_kretprobes_are_refused(target: qprobe.Target, guard: dict[int, byte
     with pytest.raises(error, match=match):
         target.register_kretprobe(Kretprobe(**kwargs))
     assert not target.kprobes.points
+
+
+def test_stack_trace_in_a_handler_shows_the_real_return_address(target: qprobe.Target,
+                                                                guard: dict[int, bytes]) -> None:  # fmt: skip
+    traces: list[list[str]] = []
+    rp = Kretprobe(symbol_name="ksys_lseek", handler=lambda ri, regs: traces.append(regs.stack_trace()))
+    kp = qprobe.Kprobe(symbol_name="ksys_lseek", pre_handler=lambda k, regs: traces.append(regs.stack_trace()))
+    target.register_kretprobe(rp)
+    target.register_kprobe(kp)
+    try:
+        target.run("workload lseek 1").check()
+    finally:
+        target.unregister_kprobe(kp)
+        target.unregister_kretprobe(rp)
+    entry, ret = traces
+    names = [[line.split()[1].split("+")[0] for line in t] for t in traces]
+    assert names[0][:3] == ["ksys_lseek", "do_syscall_64", "entry_SYSCALL_64_after_hwframe"], entry
+    # At the return the trampoline is never shown: the unwinder sees the real return address.
+    assert names[1][0] == "do_syscall_64" and not any(n[:2] == "0x" for n in names[1]), ret

@@ -159,7 +159,7 @@ class TraceEvent:
         return 0
 
     def _kretprobe_hit(self, ri: KretprobeInstance, regs: PtRegs) -> None:
-        func = self.probe.kp._resolved  # type: ignore[union-attr]
+        func = self.probe.kp.resolved  # type: ignore[union-attr]
         self._record(regs, ri.ret_addr, func, regs.ax)
 
 

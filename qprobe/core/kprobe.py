@@ -58,6 +58,7 @@ class Kprobe:
         self.nfaults = 0
         self.errors: list[str] = []
         self.registered = False
+        self.resolved = 0  # the running address, once registered
 
     @property
     def disabled(self) -> bool:

@@ -153,7 +153,7 @@ class KprobeManager:
         code = self.machine.mem.read(fn.addr, fn.size)
         return where, fn.addr, code
 
-    def _patched(self) -> dict[int, int]:
+    def patched(self) -> dict[int, int]:
         """address -> original byte of everything we changed in kernel text."""
         out = {a: p.int3.old[0] for a, p in self.points.items() if p.int3 is not None}
         for p in self.points.values():
@@ -161,9 +161,9 @@ class KprobeManager:
                 out.update({p.addr + i: b for i, b in enumerate(p.opt.jmp.old)})
         return out
 
-    def _original(self, addr: int, size: int) -> bytes:
+    def original(self, addr: int, size: int) -> bytes:
         """Kernel text as it was before qprobe touched it."""
-        patched = self._patched()
+        patched = self.patched()
         return bytes(patched.get(addr + i, b) for i, b in enumerate(self.machine.mem.read(addr, size)))
 
     def quarantine(self, addr: int) -> None:
@@ -174,12 +174,13 @@ class KprobeManager:
         return [p for p in self.points.values() if p.opt is not None and p.addr < addr < p.addr + p.opt.size]
 
     # -- registration ------------------------------------------------------------
-    def register_kprobe(self, kp: Kprobe) -> None:
+    def register_kprobe(self, kp: Kprobe, optimize: bool = True) -> None:
         if kp.registered:
             raise InvalidProbe(f"{kp.where()} is already registered (EINVAL)")
         addr = self._kprobe_addr(kp)
         self.machine.call(lambda: self._register(kp, addr))
-        self.optimize_later([addr])
+        if optimize:
+            self.optimize_later([addr])
 
     def optimize_later(self, addrs: Iterable[int]) -> None:
         """The kernel's delayed optimizer: int3 first, a grace period, then the jump."""
@@ -203,13 +204,13 @@ class KprobeManager:
             self._sync(other)
         if point is None:
             where, fn_start, code = self.check_kprobe_address_safe(addr)
-            patched = self._patched()
+            patched = self.patched()
             check_boundary(code, fn_start, addr, patched=patched, name=where.split("+")[0])
             if not self.scratch.mapped:
                 self.scratch.map()
             slot = self.scratch.alloc(SLOT_SIZE)
             try:
-                prep = prepare_kprobe(self._original(addr, 16), addr, slot, where=where,
+                prep = prepare_kprobe(self.original(addr, 16), addr, slot, where=where,
                                       exception_table=self.extable)  # fmt: skip
                 if prep.copy:
                     self.scratch.write(slot, prep.boosted_copy() if prep.boostable else prep.copy)
@@ -221,7 +222,7 @@ class KprobeManager:
         point.probes.append(kp)
         kp.registered = True
         kp.addr = addr if kp.symbol_name is None else kp.addr
-        kp._resolved = addr  # type: ignore[attr-defined]
+        kp.resolved = addr
         self._sync(point)
 
     def register_kprobes(self, kps: Iterable[Kprobe]) -> None:
@@ -229,17 +230,19 @@ class KprobeManager:
         done: list[Kprobe] = []
         try:
             for kp in kps:
-                self.register_kprobe(kp)
+                self.register_kprobe(kp, optimize=False)
                 done.append(kp)
         except BaseException:
             for kp in reversed(done):
                 self.unregister_kprobe(kp)
             raise
+        # One grace period and one VM stop place every jump (the kernel's batched optimizer).
+        self.optimize_later([kp.resolved for kp in done])
 
     def unregister_kprobe(self, kp: Kprobe) -> None:
         if not kp.registered:
             raise InvalidProbe(f"{kp.where()} is not registered")
-        addr = kp._resolved  # type: ignore[attr-defined]
+        addr = kp.resolved
         self.machine.call(lambda: self._unregister(kp))
         if addr in self.points:  # the others there may be optimizable now
             self.optimize_later([addr])
@@ -250,7 +253,7 @@ class KprobeManager:
                 self.unregister_kprobe(kp)
 
     def _unregister(self, kp: Kprobe) -> None:
-        addr = kp._resolved  # type: ignore[attr-defined]
+        addr = kp.resolved
         point = self.points[addr]
         if self.optimizer is not None:
             self.optimizer.sync_missed(point)
@@ -281,7 +284,7 @@ class KprobeManager:
 
         def change() -> None:
             kp.flags = (kp.flags | KPROBE_FLAG_DISABLED) if disabled else (kp.flags & ~KPROBE_FLAG_DISABLED)
-            self._sync(self.points[kp._resolved])  # type: ignore[attr-defined]
+            self._sync(self.points[kp.resolved])
 
         self.machine.call(change)
 

@@ -168,7 +168,7 @@ class Optimizer:
         if fn is None:
             return "not in a known function"
         code = self.machine.mem.read(fn.addr, fn.size)
-        check = can_optimize(code, fn.addr, point.addr, self.kp.extable, patched=self.kp._patched(),
+        check = can_optimize(code, fn.addr, point.addr, self.kp.extable, patched=self.kp.patched(),
                              name=fn.name)  # fmt: skip
         if not check.ok:
             return check.reason
@@ -199,7 +199,7 @@ class Optimizer:
             return False
         self._ensure_stub()
         size = point.opt_size
-        region = self.kp._original(point.addr, size)
+        region = self.kp.original(point.addr, size)
         insns = decode_all(region, point.addr)
         probe_id = self._free_ids.pop()
         total = DETOUR_HEAD + sum(len(copy_instruction(i, point.addr)) for i in insns) + 5

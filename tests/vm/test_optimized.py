@@ -14,7 +14,7 @@ pytestmark = pytest.mark.vm
 
 
 def _optimized(target: qprobe.Target, kp: Kprobe) -> bool:
-    line = next(x for x in target.list_probes().splitlines() if x.split()[0] == f"{kp._resolved:016x}")
+    line = next(x for x in target.list_probes().splitlines() if x.split()[0] == f"{kp.resolved:016x}")
     return "[OPTIMIZED]" in line
 
 

@@ -121,7 +121,7 @@ class Target:
                     "the kernel was not booted with a memmap=2M$ADDR reservation, which qprobe needs for "
                     "its scratch area: add e.g. memmap=2M$0x1e000000 to the kernel command line"
                 )
-            self.scratch = ScratchArea(self.machine, scratch_phys)
+            self.scratch = ScratchArea(self.machine, scratch_phys, self.symbols.address("_end"))
             self.kprobes = KprobeManager(self.machine, self.symbols, self.scratch,
                                          fully_preemptible=fully_preemptible(self.symbols, self.cmdline))  # fmt: skip
             self.kretprobes = KretprobeManager(self.kprobes)

@@ -54,6 +54,8 @@ class PtRegs:
         self.fix_return = fix_return
 
     def __getattr__(self, name: str) -> int:
+        if name.startswith("_"):  # during copy/pickle _values does not exist yet
+            raise AttributeError(name)
         try:
             return self._values[name]
         except KeyError:
@@ -69,6 +71,15 @@ class PtRegs:
             raise TypeError(f"regs.{name} must be an int, not {type(value).__name__}")
         self._values[name] = value & _MASK
         self._dirty.add(name)
+
+    def __copy__(self) -> PtRegs:
+        """A snapshot: later changes to either object do not show in the other."""
+        twin = object.__new__(PtRegs)
+        for name in PtRegs.__slots__:
+            object.__setattr__(twin, name, getattr(self, name))
+        object.__setattr__(twin, "_values", dict(self._values))
+        object.__setattr__(twin, "_dirty", set(self._dirty))
+        return twin
 
     def as_dict(self) -> dict[str, int]:
         return dict(self._values)

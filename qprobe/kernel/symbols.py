@@ -128,21 +128,27 @@ class Symbols:
             raise SymbolError(f"cannot parse {expr!r}: expected SYMBOL[+OFFSET] or an address") from None
 
     def containing(self, addr: int) -> Symbol | None:
-        """The symbol whose [addr, addr+size) covers ``addr`` (or the nearest below for size 0)."""
+        """The symbol at the nearest address at or below ``addr`` that covers it.
+
+        Among symbols sharing that address a sized function wins.  A size-0
+        symbol (an assembler label) covers everything up to the next symbol, as
+        in kallsyms; a sized one only its own bytes, so padding after a function
+        is None rather than a far-away label's offset.
+        """
         link = addr - self.slide
         i = bisect.bisect_right(self._addrs, link) - 1
-        # Several symbols can share an address; prefer a function with a size.
-        best = None
-        while i >= 0 and (best is None or self._rows[i][0] == self._rows[i + 1][0]):
-            a, s, n, k = self._rows[i]
-            if a <= link < a + max(s, 1) or (s == 0 and best is None):
-                cand = Symbol(n, a + self.slide, s, k)
-                if best is None or (cand.kind == "func" and best.kind != "func") or (cand.size and not best.size):
-                    best = cand
-            i -= 1
-        if best is not None and best.size and not best.addr <= addr < best.addr + best.size:
+        if i < 0:
             return None
-        return best
+        at = self._addrs[i]
+        rows = []
+        while i >= 0 and self._addrs[i] == at:
+            rows.append(self._rows[i])
+            i -= 1
+        covering = [r for r in rows if r[1] == 0 or link < r[0] + r[1]]
+        if not covering:
+            return None
+        a, size, name, kind = max(covering, key=lambda r: (r[3] == "func", r[1] > 0))
+        return Symbol(name, a + self.slide, size, kind)
 
     def function(self, addr: int) -> Symbol | None:
         sym = self.containing(addr)
@@ -207,9 +213,17 @@ def read_build_id(path: Path) -> str:
     LIEF would take about a second for this on the debug vmlinux; the cache
     lookup must not cost more than the cache saves.
     """
+    try:
+        return _read_build_id(path)
+    except struct.error:
+        raise SymbolError(f"{path} is truncated: its ELF headers are cut short") from None
+
+
+def _read_build_id(path: Path) -> str:
     with open(path, "rb") as f:
         ident = f.read(64)
-        if ident[:4] != b"\x7fELF" or ident[4] != 2 or struct.unpack_from("<H", ident, 18)[0] != 62:
+        is_elf64 = len(ident) == 64 and ident[:4] == b"\x7fELF" and ident[4] == 2
+        if not is_elf64 or struct.unpack_from("<H", ident, 18)[0] != 62:  # EM_X86_64
             raise SymbolError(f"{path} is not an x86_64 ELF vmlinux")
         shoff, = struct.unpack_from("<Q", ident, 40)
         shentsize, shnum = struct.unpack_from("<HH", ident, 58)

@@ -79,7 +79,9 @@ class Connection:
 
     def _fill(self, deadline: float | None) -> bool:
         """Read once; False on timeout.  Queues complete packets."""
-        wait = _POLL if deadline is None else max(0.0, min(_POLL, deadline - time.monotonic()))
+        wait = _POLL if deadline is None else min(_POLL, deadline - time.monotonic())
+        if wait <= 0:
+            return False  # settimeout(0) would make the socket non-blocking, not time out
         self.sock.settimeout(wait)
         try:
             data = self.sock.recv(65536)

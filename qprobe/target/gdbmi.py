@@ -635,16 +635,22 @@ class GdbMiRemote:
         self.write_registers(tid, {name: value})
 
     def write_registers(self, tid: str, values: dict[str, int]) -> None:
-        """All assignments are sent before the first answer is read: one pipe round trip, not one per register."""
+        """One C comma expression (``$rip=..,$rsp=..``): one MI command per call, one ``P`` packet per register.
+
+        Each MI command costs gdb a thread switch and a new frame 0, which is
+        most of the time a separate command per register would take.
+        """
+        if not values:
+            return
         self._check_stopped("register write")
         gid = self._gid(tid)
-        sent = []
+        parts = []
         for name, value in values.items():
             d = self.regs[name]  # KeyError for an unknown name, as GdbRemote
-            expr = mi_quote(f"${name}={value & ((1 << d.bitsize) - 1):#x}")
-            sent.append((name, self.conn.send(f"-data-evaluate-expression --thread {gid} --frame 0 {expr}")))
-        for name, token in sent:
-            result_payload(self.conn.result(token, f"writing register {name}"), f"writing register {name}")
+            parts.append(f"(${name}={value & ((1 << d.bitsize) - 1):#x})")
+        expr = mi_quote(",".join(parts))
+        what = f"writing registers {', '.join(values)} of vCPU {tid}"
+        self.conn.command(f"-data-evaluate-expression --thread {gid} --frame 0 {expr}", what)
 
     # -- memory ----------------------------------------------------------------------------
     @property

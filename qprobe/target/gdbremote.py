@@ -62,6 +62,7 @@ class GdbRemote:
         # Connecting stops the VM; '?' tells us where (a \x03 now would get no reply).
         stop = parse_stop_reply(self.conn.request(b"?"))
         self.running = False
+        self._hg = None
         return stop
 
     def _xfer(self, annex: str) -> str:
@@ -167,7 +168,7 @@ class GdbRemote:
         while len(out) < size:
             n = min(self.chunk, size - len(out))
             reply = self.request(b"m%x,%x" % (addr + len(out), n))
-            if reply.startswith(b"E") and len(reply) == 3:
+            if not reply or (reply.startswith(b"E") and len(reply) == 3):
                 raise TargetError(f"cannot read guest memory at {addr + len(out):#x}: {_describe(reply)}")
             out += hex_to_bytes(reply)
         return bytes(out)
@@ -188,12 +189,18 @@ class GdbRemote:
     # -- execution -------------------------------------------------------------
     def cont(self) -> None:
         self.conn.send(b"vCont;c")
+        self._running()
+
+    def _running(self) -> None:
+        # Every stop makes QEMU select the stopped vCPU for Hg again (gdb_set_stop_cpu):
+        # our idea of the selected vCPU does not survive the VM running.
         self.running = True
+        self._hg = None
 
     def step(self, tid: str, timeout: float = 10.0) -> StopReply:
         """Single-step one vCPU; the others stay stopped (QEMU's gdb_continue_partial)."""
         self.conn.send(b"vCont;s:" + tid.encode())
-        self.running = True
+        self._running()
         return self.wait_stop(timeout)
 
     def interrupt(self) -> None:
@@ -203,6 +210,7 @@ class GdbRemote:
     def wait_stop(self, timeout: float | None = 10.0) -> StopReply:
         stop = parse_stop_reply(self.conn.recv(timeout))
         self.running = False
+        self._hg = None
         return stop
 
     def poll_stop(self, timeout: float) -> StopReply | None:
@@ -210,6 +218,7 @@ class GdbRemote:
         if payload is None:
             return None
         self.running = False
+        self._hg = None
         return parse_stop_reply(payload)
 
     def detach(self) -> None:

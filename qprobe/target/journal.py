@@ -55,10 +55,12 @@ class Journal:
         self.left_meta: dict[str, int] = {}
         try:
             data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return "", []
-        self.left_meta = {str(k): int(v) for k, v in data.get("meta", {}).items()}
-        return str(data.get("identity", "")), [Patch.from_json(p) for p in data.get("patches", [])]
+            meta = {str(k): int(v) for k, v in data.get("meta", {}).items()}
+            result = str(data.get("identity", "")), [Patch.from_json(p) for p in data.get("patches", [])]
+        except (OSError, ValueError, AttributeError, KeyError, TypeError):
+            return "", []  # unreadable: nothing we can trust to restore
+        self.left_meta = meta
+        return result
 
     def set_meta(self, **values: int) -> None:
         self.meta.update(values)

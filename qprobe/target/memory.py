@@ -50,7 +50,8 @@ class SharedRam:
             os.close(fd)
         self.writable = writable
         self.size = size
-        self.low = min(size, LOW_RAM_LIMIT) if size > LOW_RAM_LIMIT else size
+        # QEMU's pc machine moves RAM above 3 GiB to 4 GiB only from 3.5 GiB of RAM (pc_piix.c).
+        self.low = LOW_RAM_LIMIT if size >= 0xE000_0000 else size
 
     def _offset(self, paddr: int, size: int) -> int:
         if paddr + size <= self.low:

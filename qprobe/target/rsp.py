@@ -9,11 +9,13 @@ here so callers only ever see plain payload bytes.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from qprobe.errors import ProtocolError
 
 _ESCAPED = frozenset(b"$#}*")
+_HEX2 = re.compile(rb"[0-9a-fA-F]{2}")
 MAX_PACKET = 1 << 20  # a stop reply or register dump is far smaller; larger is garbage
 
 
@@ -121,10 +123,9 @@ class PacketParser:
                 body = bytes(self._buf[1:end])
                 cs_text = bytes(self._buf[end + 1 : end + 3])
                 del self._buf[: end + 3]
-                try:
-                    cs = int(cs_text, 16)
-                except ValueError:
-                    raise ProtocolError(f"malformed packet: checksum {cs_text!r} is not hex") from None
+                if not _HEX2.fullmatch(cs_text):  # int(x, 16) would take a sign or a space
+                    raise ProtocolError(f"malformed packet: checksum {cs_text!r} is not hex")
+                cs = int(cs_text, 16)
                 if cs != checksum(body):
                     raise ProtocolError(
                         f"malformed packet: checksum {cs:#04x} != computed {checksum(body):#04x}"
@@ -179,7 +180,10 @@ def parse_stop_reply(payload: bytes) -> StopReply:
             key, _, value = part.partition(":")
             fields.append((key, value))
             if key == "thread":
-                thread = normalize_thread(value)
+                try:
+                    thread = normalize_thread(value)
+                except ValueError:
+                    raise ProtocolError(f"malformed stop reply {text[:40]!r}: bad thread id") from None
     return StopReply(kind, signal, thread, tuple(fields))
 
 

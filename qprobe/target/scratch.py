@@ -26,8 +26,11 @@ _ADDR = 0x000F_FFFF_FFFF_F000
 
 def memmap_reservation(cmdline: str) -> int | None:
     """The physical base of a ``memmap=2M$ADDR`` reservation on the kernel command line."""
-    m = re.search(r"memmap=(?:2M|2048K|0x200000)\$(0x[0-9a-fA-F]+|\d+)", cmdline)
-    return int(m.group(1), 0) if m else None
+    m = re.search(r"memmap=(?:2M|2048K|0x200000)\$(0x[0-9a-fA-F]+|\d+)([KMG]?)", cmdline)
+    if not m:
+        return None
+    # The kernel's memparse() suffixes.
+    return int(m.group(1), 0) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2)]
 
 
 class ScratchArea:
@@ -35,11 +38,14 @@ class ScratchArea:
 
     GRANULE = 16
 
-    def __init__(self, machine: Machine, phys: int) -> None:
+    def __init__(self, machine: Machine, phys: int, image_end: int | None = None) -> None:
         if phys & (SIZE - 1):
             raise TargetError(f"scratch area {phys:#x} is not 2 MiB aligned")
         self.machine = machine
         self.phys = phys
+        # Without KASLR the module area starts 512 MiB into this PUD: take the first
+        # free slot just above the kernel image rather than the last one.
+        self.image_end = image_end
         self.base = 0
         self._pmd: Patch | None = None
         self._free: list[tuple[int, int]] = []  # (offset, size), sorted
@@ -53,7 +59,10 @@ class ScratchArea:
         if len(path) <= pud_level + 1 or path[pud_level][1] & 0x80:
             raise TargetError("the kernel image is not mapped through a PMD table")
         pmd_table = path[pud_level][1] & _ADDR
-        for index in range(511, -1, -1):
+        order = range(511, -1, -1)
+        if self.image_end is not None:
+            order = range(((self.image_end - KERNEL_IMAGE_BASE) >> 21) + 1, 512)
+        for index in order:
             entry = int.from_bytes(mem.phys.read_phys(pmd_table + index * 8, 8), "little")
             if entry == 0:
                 break
@@ -85,6 +94,8 @@ class ScratchArea:
         return self.mapped and self.base <= addr < self.base + SIZE
 
     def alloc(self, size: int, align: int = GRANULE) -> int:
+        if size <= 0:
+            raise ValueError(f"internal: scratch allocation of {size} bytes")
         size = -(-size // self.GRANULE) * self.GRANULE
         for i, (off, n) in enumerate(self._free):
             start = -(-off // align) * align

@@ -1,0 +1,491 @@
+"""GdbRemote against a scripted QEMU 7.2 gdbstub on a socketpair."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import pytest
+from target_fakes import (
+    CLOSE,
+    G_SIZE,
+    I386_64BIT_XML,
+    SILENT,
+    TARGET_XML,
+    X86_64_REGS,
+    XML_SPLIT,
+    QemuStub,
+    g_offsets,
+    pkt,
+    wait_for,
+)
+
+from qprobe.errors import GuestTimeout, ProtocolError, TargetError, TargetGone
+from qprobe.target.connection import Connection
+from qprobe.target.gdbremote import BREAK_HW, BREAK_SW, WATCH_ACCESS, GdbRemote, RegDesc
+from qprobe.target.rsp import StopReply
+
+KTEXT = 0xFFFF_FFFF_8100_0000
+
+
+def connect(stub: QemuStub, handshake: bool = True) -> GdbRemote:
+    gdb = GdbRemote(Connection(stub.client, name="fake"))
+    if handshake:
+        gdb.handshake()
+    return gdb
+
+
+@pytest.fixture
+def stub() -> Iterator[QemuStub]:
+    s = QemuStub(xfer_splits={"i386-64bit.xml": [XML_SPLIT]}, xfer_max=0xF00)
+    yield s
+    s.close()
+    assert not s.errors, s.errors
+
+
+@pytest.fixture
+def gdb(stub: QemuStub) -> GdbRemote:
+    return connect(stub)
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc)
+    assert text and "\n" not in text, text
+    return text
+
+
+# -- handshake and target description ------------------------------------------------
+
+
+def test_handshake_survives_the_unsolicited_stop(stub: QemuStub) -> None:
+    gdb = connect(stub, handshake=False)
+    stop = gdb.handshake()
+    assert stop == StopReply("T", 5, "p1.1", (("thread", "p01.01"),))
+    assert gdb.packet_size == 0x1000
+    assert gdb.running is False
+    assert stub.requests[0].startswith(b"qSupported:")
+    assert b"xmlRegisters=i386" in stub.requests[0]
+    assert stub.requests[-1] == b"?"
+
+
+def test_target_description_is_read_in_two_chunks_across_a_comment(stub: QemuStub, gdb: GdbRemote) -> None:
+    xfers = stub.sent(b"qXfer:features:read:")
+    assert xfers == [
+        b"qXfer:features:read:target.xml:0,f00",
+        b"qXfer:features:read:i386-64bit.xml:0,f00",
+        b"qXfer:features:read:i386-64bit.xml:%x,f00" % XML_SPLIT,
+    ]
+    assert "<!--" in I386_64BIT_XML[:XML_SPLIT] and "-->" in I386_64BIT_XML[XML_SPLIT:]
+
+
+# Offsets and numbers stated independently of both the parser and the fake.
+EXPECTED_REGS = [
+    ("rax", 0, 0, 64),
+    ("rbx", 1, 8, 64),
+    ("rdi", 5, 40, 64),
+    ("rsp", 7, 56, 64),
+    ("r8", 8, 64, 64),
+    ("r15", 15, 120, 64),
+    ("rip", 16, 128, 64),
+    ("eflags", 17, 136, 32),
+    ("cs", 18, 140, 32),
+    ("ss", 19, 144, 32),
+    ("gs", 23, 160, 32),
+    ("fs_base", 24, 164, 64),
+    ("gs_base", 25, 172, 64),
+    ("k_gs_base", 26, 180, 64),
+    ("cr0", 27, 188, 64),
+    ("cr2", 28, 196, 64),
+    ("cr3", 29, 204, 64),
+    ("cr4", 30, 212, 64),
+    ("cr8", 31, 220, 64),
+    ("efer", 32, 228, 64),
+    ("st0", 33, 236, 80),
+    ("st7", 40, 306, 80),
+    ("fctrl", 41, 316, 32),
+    ("fop", 48, 344, 32),
+    ("xmm0", 49, 348, 128),
+    ("xmm15", 64, 588, 128),
+    ("mxcsr", 65, 604, 32),
+]
+
+
+@pytest.mark.parametrize(("name", "regnum", "offset", "bits"), EXPECTED_REGS)
+def test_register_layout(gdb: GdbRemote, name: str, regnum: int, offset: int, bits: int) -> None:
+    assert gdb.regs[name] == RegDesc(name, regnum, bits, offset)
+
+
+def test_register_set_is_exactly_what_qemu_sends(gdb: GdbRemote) -> None:
+    assert list(gdb.regs) == [n for n, _ in X86_64_REGS]
+    for commented_out in ("cs_base", "ss_base", "ds_base", "es_base"):
+        assert commented_out not in gdb.regs
+    assert gdb._g_size == G_SIZE == 608
+    assert gdb.regs["eflags"].size == 4
+    assert gdb.regs["fs_base"].offset == gdb.regs["gs"].offset + 4
+
+
+@pytest.mark.parametrize("xfer_max", [2045, 0x100, 0xF00])
+def test_description_in_qemu_sized_chunks(xfer_max: int) -> None:
+    stub = QemuStub(xfer_max=xfer_max)
+    try:
+        gdb = connect(stub)
+        assert gdb.regs["rip"].offset == 128 and gdb.regs["cr3"].offset == 204
+        n = len(stub.sent(b"qXfer:features:read:i386-64bit.xml"))
+        assert n == -(-len(I386_64BIT_XML) // min(xfer_max, 0xF00))
+    finally:
+        stub.close()
+
+
+def test_description_split_inside_a_reg_tag() -> None:
+    split = I386_64BIT_XML.index('name="cr3"') + 4
+    stub = QemuStub(xfer_splits={"i386-64bit.xml": [split]}, xfer_max=0xF00)
+    try:
+        assert connect(stub).regs["cr3"] == RegDesc("cr3", 29, 64, 204)
+    finally:
+        stub.close()
+
+
+def test_description_without_rip_or_cr3_is_refused() -> None:
+    stub = QemuStub()
+    stub.annexes["i386-64bit.xml"] = b'<feature><reg name="eax" bitsize="32"/></feature>'
+    try:
+        with pytest.raises(ProtocolError, match="not x86_64") as info:
+            connect(stub)
+        one_line(info.value)
+    finally:
+        stub.close()
+
+
+@pytest.mark.parametrize("reply", [b"E00", b""])
+def test_refused_description(reply: bytes) -> None:
+    stub = QemuStub()
+    stub.overrides[b"qXfer:features:read:target.xml"] = reply
+    try:
+        with pytest.raises(ProtocolError, match=r"refused to send target\.xml") as info:
+            connect(stub)
+        one_line(info.value)
+    finally:
+        stub.close()
+
+
+def test_stub_without_qxfer_is_refused() -> None:
+    stub = QemuStub(supported=b"PacketSize=1000;multiprocess+")
+    try:
+        with pytest.raises(ProtocolError, match="no target description") as info:
+            connect(stub)
+        one_line(info.value)
+    finally:
+        stub.close()
+
+
+def test_handshake_without_the_unsolicited_stop() -> None:
+    stub = QemuStub(unsolicited_stop=False, packet_size=0x200)
+    try:
+        gdb = connect(stub)
+        assert gdb.packet_size == 0x200
+        assert gdb.chunk == (0x200 - 32) // 2
+    finally:
+        stub.close()
+
+
+# -- threads and registers -------------------------------------------------------------
+
+
+def test_threads(gdb: GdbRemote) -> None:
+    assert gdb.threads() == ["p1.1", "p1.2"]
+
+
+def test_threads_in_several_replies(stub: QemuStub, gdb: GdbRemote) -> None:
+    stub.overrides[b"qfThreadInfo"] = b"mp01.01"
+    stub.overrides[b"qsThreadInfo"] = lambda p: b"mp01.02,p01.03" if len(stub.sent(b"qsThreadInfo")) == 1 else b"l"
+    assert gdb.threads() == ["p1.1", "p1.2", "p1.3"]
+
+
+@pytest.mark.parametrize("reply", [b"", b"E01", b"x"])
+def test_bad_thread_list(stub: QemuStub, gdb: GdbRemote, reply: bytes) -> None:
+    stub.overrides[b"qfThreadInfo"] = reply
+    with pytest.raises(ProtocolError, match="bad thread list") as info:
+        gdb.threads()
+    one_line(info.value)
+
+
+def test_read_registers(stub: QemuStub, gdb: GdbRemote) -> None:
+    cpu = stub.vcpus[1]
+    cpu.set("rip", 0xFFFF_FFFF_8123_4567)
+    cpu.set("rdi", 0x1122_3344_5566_7788)
+    cpu.set("eflags", 0x246)
+    cpu.set("cs", 0x10)
+    cpu.set("fs_base", 0x7F00_DEAD_0000)
+    cpu.set("gs_base", 0xFFFF_8880_3FC0_0000)
+    cpu.set("cr3", 0x0AB_C000 | 0x1005)
+    cpu.set("efer", 0xD01)
+    cpu.set("xmm0", (1 << 128) - 1)
+    regs = gdb.read_registers("p1.2")
+    assert stub.sent(b"Hg") == [b"Hgp1.2"]
+    assert regs["rip"] == 0xFFFF_FFFF_8123_4567
+    assert regs["rdi"] == 0x1122_3344_5566_7788
+    assert regs["eflags"] == 0x246
+    assert regs["cs"] == 0x10
+    assert regs["fs_base"] == 0x7F00_DEAD_0000
+    assert regs["gs_base"] == 0xFFFF_8880_3FC0_0000
+    assert regs["cr3"] == 0x0AB_D005
+    assert regs["efer"] == 0xD01
+    # 80- and 128-bit registers are not integers a probe uses.
+    assert "st0" not in regs and "xmm0" not in regs
+    assert "mxcsr" in regs and "fop" in regs
+
+
+def test_select_is_cached(stub: QemuStub, gdb: GdbRemote) -> None:
+    gdb.read_registers("p1.1")
+    gdb.read_registers("p1.1")
+    gdb.read_registers("p1.2")
+    gdb.read_registers("p1.2")
+    assert stub.sent(b"Hg") == [b"Hgp1.1", b"Hgp1.2"]
+
+
+def test_select_refused(gdb: GdbRemote) -> None:
+    with pytest.raises(TargetError, match=r"refused selecting vCPU p1\.9: error E22") as info:
+        gdb.read_registers("p1.9")
+    one_line(info.value)
+
+
+def test_short_register_packet_with_everything_we_use(stub: QemuStub, gdb: GdbRemote) -> None:
+    stub.vcpus[0].set("efer", 0xD01)
+    stub.overrides[b"g"] = lambda p: bytes(stub.vcpus[0].regs[:236]).hex().encode()
+    regs = gdb.read_registers("p1.1")
+    assert regs["efer"] == 0xD01
+    assert "fctrl" not in regs
+
+
+def test_short_register_packet_without_efer(stub: QemuStub, gdb: GdbRemote) -> None:
+    stub.overrides[b"g"] = lambda p: bytes(stub.vcpus[0].regs[:200]).hex().encode()
+    with pytest.raises(ProtocolError, match="short register packet: 200 bytes"):
+        gdb.read_registers("p1.1")
+
+
+def test_register_packet_not_hex(stub: QemuStub, gdb: GdbRemote) -> None:
+    stub.overrides[b"g"] = b"E14"
+    with pytest.raises(ProtocolError):
+        gdb.read_registers("p1.1")
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "packet"),
+    [
+        ("rip", 0xFFFF_FFFF_8100_0010, b"P10=10000081ffffffff"),
+        ("rax", 1, b"P0=0100000000000000"),
+        ("eflags", 0x1_0000_0246, b"P11=46020000"),  # 32 bits: masked
+        ("rsp", -8, b"P7=f8ffffffffffffff"),  # negative: two's complement
+        ("cr3", 0x1234000, b"P1d=0040230100000000"),
+    ],
+)
+def test_write_register(stub: QemuStub, gdb: GdbRemote, name: str, value: int, packet: bytes) -> None:
+    gdb.write_register("p1.2", name, value)
+    assert stub.sent(b"P") == [packet]
+    off, size = g_offsets()[name], dict(X86_64_REGS)[name] // 8
+    mask = (1 << (8 * size)) - 1
+    assert int.from_bytes(stub.vcpus[1].regs[off : off + size], "little") == value & mask
+    assert gdb.read_registers("p1.2")[name] == value & mask
+
+
+def test_write_registers(stub: QemuStub, gdb: GdbRemote) -> None:
+    gdb.write_registers("p1.1", {"rip": KTEXT + 5, "rsp": 0xFFFF_C900_0000_3F00, "eflags": 0x202})
+    regs = gdb.read_registers("p1.1")
+    assert (regs["rip"], regs["rsp"], regs["eflags"]) == (KTEXT + 5, 0xFFFF_C900_0000_3F00, 0x202)
+    assert len(stub.sent(b"P")) == 3
+
+
+def test_write_register_refused(stub: QemuStub, gdb: GdbRemote) -> None:
+    stub.overrides[b"P"] = b"E22"
+    with pytest.raises(TargetError, match="refused writing register rip: error E22") as info:
+        gdb.write_register("p1.1", "rip", 0)
+    one_line(info.value)
+
+
+# -- memory ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("packet_size", [0x1000, 0x100, 0x47])
+@pytest.mark.parametrize("size", [1, 2032, 2033, 5000, 3 * 2032])
+def test_read_memory_is_chunked_within_packet_size(packet_size: int, size: int) -> None:
+    stub = QemuStub(packet_size=packet_size)
+    try:
+        gdb = connect(stub)
+        data = bytes((i * 7) & 0xFF for i in range(size))
+        stub.fill(KTEXT, data)
+        assert gdb.read_memory(KTEXT, size) == data
+        reqs = stub.sent(b"m")
+        lengths = [int(r.split(b",")[1], 16) for r in reqs]
+        addrs = [int(r[1:].split(b",")[0], 16) for r in reqs]
+        assert sum(lengths) == size
+        assert addrs == [KTEXT + sum(lengths[:i]) for i in range(len(lengths))]
+        # The reply ($, hex, #, checksum) fits the stub's PacketSize.
+        assert max(lengths) * 2 + 4 <= packet_size
+        assert len(reqs) == -(-size // ((packet_size - 32) // 2))
+    finally:
+        stub.close()
+    assert not stub.errors
+
+
+@pytest.mark.parametrize("packet_size", [0x1000, 0x100])
+def test_write_memory_is_chunked_within_packet_size(packet_size: int) -> None:
+    stub = QemuStub(packet_size=packet_size)
+    try:
+        gdb = connect(stub)
+        stub.fill(KTEXT, bytes(6000))
+        data = bytes(range(256)) * 23 + b"#$}*"
+        gdb.write_memory(KTEXT + 3, data)
+        assert stub.read(KTEXT + 3, len(data)) == data
+        frames = [f for f in stub.frames if f.startswith(b"$M")]
+        assert len(frames) == -(-len(data) // gdb.chunk)
+        assert max(len(f) for f in frames) <= packet_size
+    finally:
+        stub.close()
+    assert not stub.errors
+
+
+def test_write_nothing_sends_nothing(stub: QemuStub, gdb: GdbRemote) -> None:
+    gdb.write_memory(KTEXT, b"")
+    assert stub.sent(b"M") == []
+
+
+def test_read_memory_error_reply(stub: QemuStub, gdb: GdbRemote) -> None:
+    stub.fill(KTEXT, bytes(3000))  # the second chunk starts past the end
+    with pytest.raises(TargetError, match=r"cannot read guest memory at 0xffffffff810007f0: error E14") as info:
+        gdb.read_memory(KTEXT, 4000)
+    assert not isinstance(info.value, TargetGone)
+    one_line(info.value)
+
+
+def test_write_memory_error_reply(stub: QemuStub, gdb: GdbRemote) -> None:
+    with pytest.raises(TargetError, match=r"refused writing guest memory at 0x1000: error E14") as info:
+        gdb.write_memory(0x1000, b"\xcc")
+    one_line(info.value)
+
+
+def test_read_memory_unsupported_is_an_error_not_a_hang(stub: QemuStub, gdb: GdbRemote) -> None:
+    # An empty reply adds no bytes, so the loop re-sends the same 'm' forever.
+    # The stub gives up after 20 of them, which turns the hang into TargetGone.
+    stub.overrides[b"m"] = lambda p: CLOSE if len(stub.sent(b"m")) > 20 else b""
+    with pytest.raises(TargetError) as info:
+        gdb.read_memory(KTEXT, 16)
+    assert not isinstance(info.value, TargetGone)
+    assert len(stub.sent(b"m")) == 1
+    one_line(info.value)
+
+
+def test_set_physical_is_sent_once(stub: QemuStub, gdb: GdbRemote) -> None:
+    gdb.set_physical(True)
+    gdb.set_physical(True)
+    assert stub.phys_mode
+    gdb.set_physical(False)
+    assert stub.sent(b"Qqemu.PhyMemMode") == [b"Qqemu.PhyMemMode:1", b"Qqemu.PhyMemMode:0"]
+    assert not stub.phys_mode
+
+
+def test_set_physical_unsupported(stub: QemuStub, gdb: GdbRemote) -> None:
+    stub.overrides[b"Qqemu.PhyMemMode"] = b""
+    with pytest.raises(TargetError, match="physical memory mode: empty reply") as info:
+        gdb.set_physical(True)
+    one_line(info.value)
+
+
+# -- breakpoints ------------------------------------------------------------------------
+
+
+def test_breakpoints(stub: QemuStub, gdb: GdbRemote) -> None:
+    gdb.insert_breakpoint(KTEXT + 0x10)
+    gdb.remove_breakpoint(KTEXT + 0x10, BREAK_SW, 1)
+    assert stub.sent(b"Z") + stub.sent(b"z") == [b"Z0,ffffffff81000010,1", b"z0,ffffffff81000010,1"]
+
+
+@pytest.mark.parametrize(("kind", "reply", "words"), [
+    (BREAK_HW, b"", "breakpoint at 0xffffffff81000000: empty reply (not supported)"),
+    (WATCH_ACCESS, b"E22", "breakpoint at 0xffffffff81000000: error E22"),
+])  # fmt: skip
+def test_breakpoint_refused(stub: QemuStub, gdb: GdbRemote, kind: int, reply: bytes, words: str) -> None:
+    stub.overrides[b"Z%d" % kind] = reply
+    with pytest.raises(TargetError, match=re.escape(words)) as info:
+        gdb.insert_breakpoint(KTEXT, kind)
+    one_line(info.value)
+
+
+# -- execution ----------------------------------------------------------------------------
+
+
+def test_step(stub: QemuStub, gdb: GdbRemote) -> None:
+    before = gdb.read_registers("p1.2")["rip"]
+    stop = gdb.step("p1.2", timeout=2.0)
+    assert stop.thread == "p1.2" and stop.signal == 5
+    assert stub.sent(b"vCont") == [b"vCont;s:p1.2"]
+    assert gdb.running is False
+    assert gdb.read_registers("p1.2")["rip"] == before + 1
+
+
+def test_cont_interrupt_and_wait(stub: QemuStub, gdb: GdbRemote) -> None:
+    gdb.cont()
+    assert gdb.running
+    assert wait_for(lambda: stub.running)
+    with pytest.raises(TargetError, match="internal: request") as info:
+        gdb.read_registers("p1.1")
+    one_line(info.value)
+    assert gdb.poll_stop(0.1) is None and gdb.running
+    gdb.interrupt()
+    stop = gdb.wait_stop(2.0)
+    assert (stop.signal, stop.thread, gdb.running) == (2, "p1.1", False)
+    assert stub.interrupts == 1
+
+
+def test_poll_stop_sees_a_breakpoint_hit(stub: QemuStub, gdb: GdbRemote) -> None:
+    gdb.cont()
+    assert wait_for(lambda: stub.running)
+    stub.send(pkt(b"T05thread:p01.02;swbreak:;"))
+    stop = gdb.poll_stop(2.0)
+    assert stop is not None and stop.thread == "p1.2" and stop.field("swbreak") == ""
+    assert gdb.running is False
+
+
+def test_wait_stop_timeout(stub: QemuStub, gdb: GdbRemote) -> None:
+    gdb.cont()
+    with pytest.raises(GuestTimeout):
+        gdb.wait_stop(0.2)
+
+
+def test_detach_closes_the_connection(stub: QemuStub, gdb: GdbRemote) -> None:
+    gdb.detach()
+    assert stub.requests[-1] == b"D"
+    with pytest.raises(TargetGone):
+        gdb.request(b"?")
+
+
+def test_peer_that_closes_mid_request_is_target_gone(stub: QemuStub, gdb: GdbRemote) -> None:
+    stub.overrides[b"m"] = CLOSE
+    with pytest.raises(TargetGone) as info:
+        gdb.read_memory(KTEXT, 8)
+    one_line(info.value)
+
+
+def test_silent_stub_is_guest_timeout(stub: QemuStub, gdb: GdbRemote) -> None:
+    stub.overrides[b"g"] = SILENT
+    gdb.select("p1.1")
+    # GdbRemote's own requests wait 10 s; the connection's timeout is what is under test.
+    with pytest.raises(GuestTimeout):
+        gdb.conn.request(b"g", timeout=0.2)
+
+
+def test_registers_after_a_stop_on_another_vcpu(stub: QemuStub, gdb: GdbRemote) -> None:
+    # QEMU makes the vCPU that stopped the Hg one again at every stop
+    # (gdb_set_stop_cpu), so a cached "p1.2 is selected" is stale after any
+    # resume: the next 'g' for p1.2 would return p1.1's registers.
+    stub.vcpus[0].set("rip", KTEXT + 0x111)
+    stub.vcpus[1].set("rip", KTEXT + 0x222)
+    assert gdb.read_registers("p1.2")["rip"] == KTEXT + 0x222
+    gdb.cont()
+    assert wait_for(lambda: stub.running)
+    gdb.interrupt()
+    assert gdb.wait_stop(2.0).thread == "p1.1"
+    assert gdb.read_registers("p1.2")["rip"] == KTEXT + 0x222
+
+
+def test_fake_matches_the_literal_description() -> None:
+    assert 'href="i386-64bit.xml"' in TARGET_XML

@@ -31,7 +31,7 @@ from qprobe.core.optimizer import Optimizer
 from qprobe.core.recovery import recover
 from qprobe.core.regs import PtRegs
 from qprobe.core.watchpoint import Watchpoint
-from qprobe.errors import ProbeError, QprobeError, TargetError
+from qprobe.errors import ProbeError, QprobeError, TargetError, TargetGone
 from qprobe.kernel.kaslr import detect_slide
 from qprobe.kernel.symbols import Symbols
 from qprobe.kernel.task import Task
@@ -111,6 +111,7 @@ class Target:
             self.journal = Journal(gdb_address, f"{self.symbols.build_id}:{self.slide:#x}")
             self.recovered = recover(self.gdb, self.mem, self.symbols, self.journal)
             self.machine = Machine(self.gdb, self.mem, self.journal)
+            self.machine.exit_hint = self._exit_hint
             if isinstance(phys, SharedRam) and phys.writable:
                 self.machine.data_writer = phys
             if isinstance(phys, _StubPhys):
@@ -140,6 +141,19 @@ class Target:
         ptr = self.mem.read_u64(self.symbols.address("saved_command_line"))
         return self.mem.read_cstring(ptr, 4096).decode(errors="replace")
 
+    def _exit_hint(self) -> str | None:
+        """What the console says about the end of the VM."""
+        if self.console is None:
+            return None
+        self.console.wait_closed(1.0)  # QEMU's last words may still be in flight
+        text = self.console.text
+        panic = next((line for line in text.splitlines() if "Kernel panic" in line), None)
+        if panic:
+            return f"the guest kernel panicked: {panic.strip()[:120]}"
+        if "reboot: Restarting system" in text or "reboot: Power down" in text:
+            return "the guest rebooted or powered off; QEMU runs with -no-reboot, so the VM and its probes ended"
+        return None
+
     # -- context manager -----------------------------------------------------------
     def __enter__(self) -> Target:
         return self
@@ -152,7 +166,12 @@ class Target:
         """Run a shell command in the guest (over the serial console)."""
         if self.console is None:
             raise TargetError("this target has no guest console (attach with console=PATH)")
-        return self.console.run(command, timeout)
+        self.machine.check_alive()
+        try:
+            return self.console.run(command, timeout)
+        except TargetGone:
+            self.machine.check_alive(wait=2.0)  # the stop loop knows why QEMU went
+            raise
 
     def read(self, addr: int | str, size: int) -> bytes:
         """Kernel virtual memory, read from shared RAM without stopping the VM."""

@@ -72,6 +72,11 @@ class Console:
         with self._cond:
             return self._text
 
+    def wait_closed(self, timeout: float) -> bool:
+        """Wait until QEMU closes the console (everything it printed has been read)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._closed, timeout)
+
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.text.splitlines()[-lines:])
 

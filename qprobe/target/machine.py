@@ -35,6 +35,8 @@ class Machine:
         self.journal = journal
         self.vcpus = gdb.threads()
         self.stop_handlers: dict[int, StopHandler] = {}
+        # Why QEMU went away, if the guest's console says (a panic, a reboot).
+        self.exit_hint: Callable[[], str | None] | None = None
         # Where data (not code) can be written without stopping the VM: the shared RAM file.
         self.data_writer: SharedRam | None = None
         # Watchpoint hits, keyed by the watched address the stop reply names.
@@ -57,6 +59,13 @@ class Machine:
         fut: Future[T] = Future()
         self._requests.put((fn, fut))
         return fut.result(timeout)
+
+    def check_alive(self, wait: float = 0.0) -> None:
+        """Raise the reason the VM is gone, if it is (waiting up to ``wait`` s for the loop to notice)."""
+        if wait:
+            self._thread.join(wait)
+        if self._error is not None:
+            raise TargetGone(f"the VM is gone: {self._error}")
 
     @property
     def alive(self) -> bool:
@@ -87,8 +96,9 @@ class Machine:
                 if self._closing:
                     return
                 self.gdb.cont()
-        except BaseException as exc:
-            self._error = exc
+        except BaseException as exc:  # recorded, and re-raised in every caller
+            hint = self.exit_hint() if isinstance(exc, TargetGone) and self.exit_hint else None
+            self._error = TargetGone(f"{exc} ({hint})") if hint else exc
         finally:
             self._fail_pending()
 

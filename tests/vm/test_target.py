@@ -138,3 +138,16 @@ def test_cli_boot_attach_and_version() -> None:
     bad = subprocess.run([sys.executable, "-m", "qprobe.cli", "boot", "--file", "nocolon"],
                          capture_output=True, text=True)  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "bad --file" in bad.stderr
+
+
+def test_guest_reboot_ends_the_session_with_a_message() -> None:
+    with qprobe.boot(IMAGE) as t:
+        kp = qprobe.Kprobe(symbol_name="ksys_lseek")
+        t.register_kprobe(kp)
+        t.console.write("reboot -f\n")  # type: ignore[union-attr]
+        deadline = time.monotonic() + 60
+        while t.machine.alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with pytest.raises(TargetGone, match="rebooted") as e:
+            t.run("true", timeout=5)
+        assert "\n" not in str(e.value)

@@ -139,6 +139,16 @@ def cmd_blacklist(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_shell(args: argparse.Namespace) -> int:
+    """The interactive shell on a booted (or attached) target; every probe is removed on the way out."""
+    from qprobe.shell import run_shell
+
+    if not getattr(args, "attach", None):
+        print(f"qprobe: booting {args.image} ({args.smp} vCPUs)...", file=sys.stderr, flush=True)
+    with _boot(args) as target:
+        return run_shell(target)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from qprobe.demo import run_demo
 
@@ -197,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("blacklist", help="print the addresses qprobe refuses to probe")
     _target_options(p)
     p.set_defaults(func=cmd_blacklist)
+
+    p = sub.add_parser("shell", help="an interactive shell: kprobe_events definitions, live hits, counts, histograms")
+    _target_options(p)
+    p.set_defaults(func=cmd_shell)
 
     p = sub.add_parser("demo", help="boot the default image with demonstration probes (make run)")
     _target_options(p, attach=False)

@@ -1,0 +1,444 @@
+"""The shell's commands: ``Shell(target, out).execute(line)`` writes what the line asks for.
+
+The prompt loop (``qprobe.shell.prompt``) only reads lines and hands them
+here, so every command runs the same from a terminal, a script or a test.
+An error is printed as one line (a bad definition also gets a caret under
+the column the kernel would point at) and the shell goes on; Ctrl-C ends
+the command that is running, never the shell or the VM.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TextIO
+
+from qprobe.errors import FetchArgError, ProbeError, QprobeError
+from qprobe.fetch import DeleteEvent, parse_event
+from qprobe.fetch import messages as M
+
+from . import inspect_cmds as insp
+from .collect import Aggregation, Stack, Tap
+from .output import Output
+from .parse import NO_UNWINDER, Collect, ShellUsageError, is_definition, parse_collect, split_command
+from .render import render_table, stack_frames
+
+if TYPE_CHECKING:
+    from qprobe.api import Target
+    from qprobe.core.regs import PtRegs
+    from qprobe.events import EventHit, TraceEvent
+    from qprobe.target.console import RunResult
+
+log = logging.getLogger("qprobe.shell")
+RUN_TIMEOUT = 3600.0
+
+# name -> (usage, one-line summary); the order is the order of `help`.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "p": ("p[:[GRP/]EVENT] SYMBOL[+OFFS]|ADDR [NAME=FETCHARG[:TYPE]]...", "add a kprobe event (kprobe_events syntax)"),
+    "r": ("r[MAXACTIVE][:[GRP/]EVENT] SYMBOL [NAME=FETCHARG[:TYPE]]...", "add a return probe event ($retval)"),
+    "-:": ("-:[GRP/]EVENT", "remove an event"),
+    "enable": ("enable EVENT...", "arm events (globs allowed)"),
+    "disable": ("disable EVENT...", "disarm events, keeping them"),
+    "list": ("list", "probes as debugfs kprobes/list shows them"),
+    "events": ("events", "event definitions as kprobe_events shows them"),
+    "enabled": ("enabled [0|1]", "the global arm knob (debugfs kprobes/enabled)"),
+    "optimization": ("optimization 0|1", "jump optimization (debug.kprobes-optimization)"),
+    "blacklist": ("blacklist", "what cannot be probed (debugfs kprobes/blacklist)"),
+    "show": ("show [EVENT...] [for SECONDS | run CMD]", "print hits live as ftrace lines until Ctrl-C"),
+    "stats": ("stats", "hits, nmissed and hits/s per event and probe"),
+    "count": ("count [EVENT...] [by KEY] [for SECONDS | run CMD]", "count hits like bpftrace's @[key] = count()"),
+    "hist": ("hist EVENT by KEY [for SECONDS | run CMD]", "log2 histogram of a numeric key, like hist()"),
+    "sym": ("sym NAME|GLOB", "a symbol's address, size and type"),
+    "addr": ("addr ADDR", "the symbol+offset of an address"),
+    "x": ("x ADDR|SYM[+OFF] [LEN]", "hex dump of kernel memory, like xxd"),
+    "regs": ("regs [CPU]", "a vCPU's registers"),
+    "bt": ("bt [CPU]", "a vCPU's kernel stack"),
+    "run": ("run CMD", "run a command in the guest, with its output and exit status"),
+    "py": ("py", "a Python REPL with `target` and `qprobe` bound (Ctrl-D returns)"),
+    "load": ("load FILE.py", "run a file of Python API handlers with `target` in its globals"),
+    "gdb": ("gdb CMD", "a gdb command (static ones on vmlinux without a live gdb transport)"),
+    "help": ("help [CMD]", "this list, or one command's usage"),
+    "quit": ("quit", "remove every probe and leave (also Ctrl-D)"),
+}
+KEY_HELP = "KEY: an argument name, $comm, $pid, $cpu or $stack"
+ALIASES = {"exit": "quit", "q": "quit", "?": "help", "ls": "list"}
+
+
+class Shell:
+    """Commands on one target.  ``execute`` never raises for a user error; ``done`` is set by ``quit``."""
+
+    def __init__(self, target: Target, out: TextIO | None = None, *, color: bool | None = None,
+                 interactive: bool = False, prompt: str = "qprobe> ") -> None:  # fmt: skip
+        self.target = target
+        self.out = Output(out, color)
+        self.interactive = interactive  # the typed line is on screen: a caret can go right under it
+        self.prompt = prompt
+        self.done = False
+        self.armed: dict[str, float] = {}  # event or probe -> when the shell first saw it armed
+        self.loaded: dict[str, dict[str, object]] = {}  # load FILE -> its globals
+        self.interact: Callable[..., None] | None = None  # code.interact, replaceable in tests
+        self.handlers: dict[str, Callable[[str], None]] = {
+            "enable": self.cmd_enable, "disable": self.cmd_disable, "list": self.cmd_list,
+            "events": self.cmd_events, "enabled": self.cmd_enabled, "optimization": self.cmd_optimization,
+            "blacklist": self.cmd_blacklist, "show": self.cmd_show, "stats": self.cmd_stats,
+            "count": self.cmd_count, "hist": self.cmd_hist, "run": self.cmd_run, "help": self.cmd_help,
+            "quit": self.cmd_quit,
+            "sym": lambda rest: insp.cmd_sym(self, rest), "addr": lambda rest: insp.cmd_addr(self, rest),
+            "x": lambda rest: insp.cmd_x(self, rest), "regs": lambda rest: insp.cmd_regs(self, rest),
+            "bt": lambda rest: insp.cmd_bt(self, rest), "py": lambda rest: insp.cmd_py(self, rest),
+            "load": lambda rest: insp.cmd_load(self, rest), "gdb": lambda rest: insp.cmd_gdb(self, rest),
+        }  # fmt: skip
+
+    # -- the entry point ------------------------------------------------------------------
+    def execute(self, line: str) -> None:
+        """Run one line; every error becomes one printed line."""
+        try:
+            self._execute(line)
+        except FetchArgError as exc:
+            self._caret(line, exc)
+        except QprobeError as exc:
+            self.error(str(exc))
+        except KeyboardInterrupt:
+            self.out.line("interrupted", "note")
+        except Exception as exc:  # a bug must not end the session that holds the probes
+            log.debug("command %r failed", line, exc_info=True)
+            self.error(f"{type(exc).__name__}: {exc}")
+        self.out.flush()
+
+    def _execute(self, line: str) -> None:
+        if is_definition(line):
+            self.definition(line.strip())
+            return
+        cmd, rest = split_command(line)
+        if not cmd:
+            return
+        cmd = ALIASES.get(cmd, cmd)
+        handler = self.handlers.get(cmd)
+        if handler is None:
+            close = difflib.get_close_matches(cmd, [*self.handlers, *ALIASES], n=3, cutoff=0.6)
+            hint = f" (did you mean {' or '.join(close[:3])}?)" if close else ""
+            raise ShellUsageError(f"unknown command {cmd!r}{hint}; `help` lists them")
+        handler(rest)
+
+    # -- output helpers -----------------------------------------------------------------------
+    def error(self, text: str) -> None:
+        """One line, whatever the message: a multi-line one is joined."""
+        one = " | ".join(part.strip() for part in str(text).splitlines() if part.strip())
+        self.out.line(f"error: {one}", "error")
+
+    def note(self, text: str) -> None:
+        self.out.line(text, "note")
+
+    def _caret(self, line: str, exc: FetchArgError) -> None:
+        lead = len(line) - len(line.lstrip())
+        if self.interactive and exc.text == line.strip():
+            # The definition is on screen right above: one line, the caret under the column.
+            self.out.parts((" " * (len(self.prompt) + lead + exc.column) + "^ ", "caret"), (exc.reason, "error"))
+            return
+        self.out.line(exc.text or line.strip())
+        self.out.parts((" " * exc.column + "^ ", "caret"), (exc.reason, "error"))
+
+    # -- events ----------------------------------------------------------------------------------
+    def definition(self, text: str) -> None:
+        """``p:...``/``r:...`` adds an event, ``-:...`` removes events, as a write to kprobe_events."""
+        symbols = self.target.symbols
+        ev = parse_event(text, symbol_exists=lambda name: name in symbols)
+        if isinstance(ev, DeleteEvent):
+            gone = [te for te in list(self.target.events.values()) if ev.matches(te.definition)]
+            if not gone:
+                raise ProbeError(f"no event matches {text.split()[0]!r} (ENOENT)")
+            for te in gone:
+                self.target.remove_event(te)
+                self.armed.pop(te.name, None)
+                self.note(f"removed {te.name} ({te.nhit} hits)")
+            return
+        name = f"{ev.group}/{ev.event}"
+        if name in self.target.events:
+            head = text.split()[0]
+            raise FetchArgError(M.EVENT_EXIST, text, head.index(":") + 1 if ":" in head else 0)
+        te = self.target.add_event(text)
+        self.armed[te.name] = time.monotonic()
+        args = f" with {' '.join(a.name for a in ev.args)}" if ev.args else ""
+        kind = "return probe" if ev.is_return else "probe"
+        self.out.parts(("added ", None), (te.name, "event"), (f"  ({kind} on {ev.probe_point}{args})", "note"))
+
+    def select(self, patterns: Sequence[str]) -> list[TraceEvent]:
+        """Events by name, ``GRP/EVENT`` or glob; all of them for no pattern."""
+        events = list(self.target.events.values())
+        if not patterns:
+            if not events:
+                raise ProbeError("no events yet: add one, e.g.  p:myread vfs_read count=%dx:u64")
+            return events
+        chosen: list[TraceEvent] = []
+        for pat in patterns:
+            pat = pat.removeprefix("-:")
+            hits = [te for te in events if fnmatch.fnmatchcase(te.name, pat)
+                    or fnmatch.fnmatchcase(te.definition.event, pat)]  # fmt: skip
+            if not hits:
+                raise ProbeError(f"no such event {pat!r} (ENOENT); `events` lists them")
+            chosen += [te for te in hits if te not in chosen]
+        return chosen
+
+    def _set_event(self, rest: str, on: bool) -> None:
+        if not rest:
+            raise ShellUsageError(f"usage: {'enable' if on else 'disable'} EVENT...")
+        for te in self.select(rest.split()):
+            probe = te.probe
+            if probe is None:
+                continue
+            if hasattr(probe, "kp"):  # a Kretprobe
+                (self.target.enable_kretprobe if on else self.target.disable_kretprobe)(probe)  # type: ignore[arg-type]
+            else:
+                (self.target.enable_kprobe if on else self.target.disable_kprobe)(probe)  # type: ignore[arg-type]
+            self.note(f"{te.name} {'enabled' if on else 'disabled'}")
+
+    def cmd_enable(self, rest: str) -> None:
+        self._set_event(rest, True)
+
+    def cmd_disable(self, rest: str) -> None:
+        self._set_event(rest, False)
+
+    def cmd_list(self, rest: str) -> None:
+        self.out.write(self.target.list_probes())
+
+    def cmd_events(self, rest: str) -> None:
+        for te in list(self.target.events.values()):
+            self.out.line(te.listing())
+
+    def cmd_enabled(self, rest: str) -> None:
+        if not rest:
+            self.out.line("1" if self.target.kprobes.enabled else "0")
+            return
+        if rest not in ("0", "1"):
+            raise ShellUsageError("usage: enabled [0|1]")
+        self.target.set_kprobes_enabled(rest == "1")
+
+    def cmd_optimization(self, rest: str) -> None:
+        setter = getattr(self.target, "set_kprobes_optimization", None)
+        if setter is None:
+            self.out.line("jump optimization is not available in this build")
+            return
+        if rest not in ("0", "1"):
+            raise ShellUsageError("usage: optimization 0|1")
+        setter(rest == "1")
+
+    def cmd_blacklist(self, rest: str) -> None:
+        for line in self.target.blacklist():
+            self.out.line(line)
+
+    # -- statistics -------------------------------------------------------------------------------
+    def cmd_stats(self, rest: str) -> None:
+        now = time.monotonic()
+        rows: list[tuple[object, ...]] = []
+        mine: set[int] = set()
+        for name, te in list(self.target.events.items()):
+            probe = te.probe
+            if probe is not None:
+                mine.add(id(getattr(probe, "kp", probe)))
+            since = self.armed.setdefault(name, now)
+            rows.append((name, te.nhit, te.nmissed, te.lost, _rate(te.nhit, now - since)))
+        for point in list(self.target.kprobes.points.values()):
+            for kp in list(point.probes):
+                if id(kp) in mine:
+                    continue
+                kind = "kretprobe" if getattr(kp, "kind", "k") == "r" else "kprobe"
+                since = self.armed.setdefault(f"{kind}@{id(kp)}", now)
+                rows.append((f"{kind} {point.where}", kp.nhit, kp.nmissed, "-", _rate(kp.nhit, now - since)))
+        if not rows:
+            self.note("no events or probes")
+            return
+        self.out.write(render_table(("EVENT", "HITS", "NMISSED", "LOST", "HITS/S"), rows))
+
+    # -- watching -------------------------------------------------------------------------------------
+    def cmd_show(self, rest: str) -> None:
+        spec = parse_collect(rest, verb="show", allow_key=False)
+        events = self.select(spec.events)
+        hits: queue.SimpleQueue[EventHit] = queue.SimpleQueue()
+
+        def drain() -> None:
+            while True:
+                try:
+                    hit = hits.get_nowait()
+                except queue.Empty:
+                    return
+                self.out.line(hit.line())
+
+        if spec.seconds is None and spec.command is None:
+            self.note(f"showing {', '.join(te.name for te in events)}; Ctrl-C to stop")
+        with Tap(events, lambda te, hit, stack: hits.put(hit)):
+            result = self._watch(spec, drain)
+        drain()
+        self._report_run(result)
+
+    def cmd_count(self, rest: str) -> None:
+        spec = parse_collect(rest, verb="count")
+        events = self.select(spec.events)
+        agg = Aggregation("count", spec.key, by_event=spec.key is None and len(events) > 1)
+        self._aggregate("count", spec, events, agg)
+
+    def cmd_hist(self, rest: str) -> None:
+        spec = parse_collect(rest, verb="hist", need_key=True)
+        if spec.key in ("$comm", "$stack"):
+            raise ShellUsageError(f"hist needs a numeric key, not {spec.key} (try: count EVENT by {spec.key})")
+        if len(spec.events) != 1:
+            raise ShellUsageError("usage: hist EVENT by KEY [for SECONDS | run CMD]")
+        events = self.select(spec.events)
+        self._aggregate("hist", spec, events, Aggregation("hist", spec.key))
+
+    def _aggregate(self, verb: str, spec: Collect, events: list[TraceEvent], agg: Aggregation) -> None:
+        unwind = None
+        if spec.key == "$stack":
+            unwind = self.unwinder()
+        elif spec.key is not None and not spec.key.startswith("$"):
+            for te in events:
+                names = [a.name for a in te.definition.args]
+                if spec.key not in names:
+                    have = ", ".join(names) if names else "no arguments"
+                    raise ShellUsageError(f"{te.name} has no argument {spec.key!r} ({have}); {KEY_HELP}")
+        if spec.seconds is None and spec.command is None:
+            what = ", ".join(te.name for te in events) + (f" by {spec.key}" if spec.key else "")
+            self.note(f"{'counting' if verb == 'count' else 'histogram of'} {what}; Ctrl-C to stop")
+        with Tap(events, agg.add, unwind):
+            result = self._watch(spec, lambda: None)
+        self._report_run(result)
+        text = agg.render()
+        if text:
+            self.out.write(text)
+        else:
+            self.note("no hits")
+        if agg.skipped:
+            self.note(f"({agg.skipped} of {agg.total} values of {spec.key} were not numbers)")
+
+    def unwinder(self) -> Callable[[PtRegs], Stack]:
+        """``$stack``: the kernel stack at a hit, frames as bpftrace prints them."""
+        if not self.can_unwind():
+            raise ShellUsageError(f"$stack {NO_UNWINDER}")
+
+        def unwind(regs: PtRegs) -> Stack:
+            return stack_frames(self.stack_of(regs), self._symbolize_decimal)
+
+        return unwind
+
+    def can_unwind(self) -> bool:
+        from qprobe.core.regs import PtRegs
+
+        return hasattr(self.target, "stack_trace") or hasattr(PtRegs, "stack_trace")
+
+    def stack_of(self, regs: PtRegs) -> list[object]:
+        """The target's unwinder (``target.stack_trace(regs)``), else the hit's own (``regs.stack_trace()``)."""
+        stack_trace = getattr(self.target, "stack_trace", None)
+        if stack_trace is not None:
+            return list(stack_trace(regs))
+        return list(regs.stack_trace())
+
+    def _symbolize_decimal(self, addr: int) -> tuple[str, int] | None:
+        sym = self.target.symbols.containing(addr)
+        return None if sym is None else (sym.name, addr - sym.addr)
+
+    def _watch(self, spec: Collect, poll: Callable[[], None]) -> RunResult | QprobeError | None:
+        """Until Ctrl-C, for ``spec.seconds``, or while ``spec.command`` runs in the guest.
+
+        ``poll`` (printing hits, for ``show``) runs every 0.1 s.  The guest command
+        runs on this thread, so that Ctrl-C interrupts its wait and frees the console
+        at once (and is passed on to the guest); ``poll`` then runs on a helper thread.
+        Returns the command's result, or the error it raised.
+        """
+        if spec.command is not None:
+            stop = threading.Event()
+
+            def poller() -> None:
+                while not stop.wait(0.1):
+                    poll()
+
+            helper = threading.Thread(target=poller, name="qprobe-shell-poll", daemon=True)
+            helper.start()
+            result: RunResult | QprobeError | None = None
+            try:
+                result = self.target.run(spec.command, timeout=RUN_TIMEOUT)
+            except KeyboardInterrupt:
+                self.interrupt_guest()
+                self.out.line("")
+                self.note("interrupted: sent ^C to the guest command")
+            except QprobeError as exc:
+                result = exc
+            finally:
+                stop.set()
+                helper.join()
+            poll()
+            return result
+        deadline = None if spec.seconds is None else time.monotonic() + spec.seconds
+        try:
+            while True:
+                poll()
+                left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+                if left <= 0:
+                    break
+                time.sleep(left)
+        except KeyboardInterrupt:
+            self.out.line("")
+        poll()
+        return None
+
+    def _report_run(self, result: RunResult | QprobeError | None) -> None:
+        if isinstance(result, QprobeError):
+            self.error(str(result))
+        elif result is not None:
+            self._print_run(result)
+
+    def interrupt_guest(self) -> None:
+        """Ctrl-C the guest's foreground command (the console is its controlling tty)."""
+        console = getattr(self.target, "console", None)
+        if console is not None:
+            try:
+                console.write("\x03")
+            except QprobeError:
+                pass
+
+    # -- the guest ---------------------------------------------------------------------------------
+    def cmd_run(self, rest: str) -> None:
+        if not rest:
+            raise ShellUsageError("usage: run CMD")
+        try:
+            result = self.target.run(rest, timeout=RUN_TIMEOUT)
+        except KeyboardInterrupt:
+            self.interrupt_guest()
+            self.out.line("")
+            self.note("interrupted: sent ^C to the guest command")
+            return
+        self._print_run(result)
+
+    def _print_run(self, result: RunResult) -> None:
+        if result.output:
+            self.out.write(result.output if result.output.endswith("\n") else result.output + "\n")
+        self.out.line(f"exit status {result.status}", "note" if result.status == 0 else "error")
+
+    # -- the shell itself ---------------------------------------------------------------------------
+    def cmd_help(self, rest: str) -> None:
+        if rest:
+            name = ALIASES.get(rest, rest)
+            name = "p" if is_definition(name) and name.startswith("p") else name
+            name = "r" if is_definition(name) and name.startswith("r") else name
+            if name not in COMMANDS:
+                raise ShellUsageError(f"no command {rest!r}; `help` lists them")
+            usage, summary = COMMANDS[name]
+            self.out.parts((usage, "header"))
+            self.out.line(f"  {summary}")
+            if name in ("count", "hist"):
+                self.out.line(f"  {KEY_HELP}")
+            return
+        width = max(len(u) for u, _ in COMMANDS.values())
+        for usage, summary in COMMANDS.values():
+            self.out.parts((f"{usage:<{width}}  ", "header"), (summary, "note"))
+        self.note(f"{KEY_HELP}.  Ctrl-C stops a command; Ctrl-D leaves, removing every probe.")
+
+    def cmd_quit(self, rest: str) -> None:
+        self.done = True
+
+
+def _rate(hits: int, seconds: float) -> str:
+    return f"{hits / seconds:.2f}" if seconds > 0 else "0.00"

@@ -1,0 +1,228 @@
+"""Shell commands that look at the kernel rather than at events: sym, addr, x, regs, bt, py, load, gdb."""
+
+from __future__ import annotations
+
+import fnmatch
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from qprobe.errors import SymbolError, TargetError
+
+from . import gdbcmd
+from .parse import NO_UNWINDER, ShellUsageError, parse_int
+from .render import hexdump, render_registers
+
+if TYPE_CHECKING:
+    from .core import Shell
+
+
+MAX_DUMP = 1 << 20
+DEFAULT_DUMP = 64
+MAX_LISTED = 200
+
+
+def cmd_sym(shell: Shell, rest: str) -> None:
+    if not rest or len(rest.split()) != 1:
+        raise ShellUsageError("usage: sym NAME|GLOB")
+    symbols = shell.target.symbols
+    if any(c in rest for c in "*?["):
+        names = sorted(n for n in symbols.names() if fnmatch.fnmatchcase(n, rest))
+        if not names:
+            raise SymbolError(f"no symbol matches {rest!r}")
+        for name in names[:MAX_LISTED]:
+            _print_symbol(shell, name)
+        if len(names) > MAX_LISTED:
+            shell.note(f"... and {len(names) - MAX_LISTED} more")
+        return
+    if rest not in symbols and rest in getattr(symbols, "percpu", {}):
+        shell.out.parts((rest, "key"), (f"  per-CPU offset {symbols.percpu[rest]:#x}", None))
+        return
+    _print_symbol(shell, rest)
+
+
+def _print_symbol(shell: Shell, name: str) -> None:
+    symbols = shell.target.symbols
+    sym = symbols.lookup(name)
+    section = symbols.section_at(sym.addr)
+    shell.out.parts((sym.name, "key"), (f"  {sym.addr:#018x}", "addr"),
+                    (f"  size {sym.size:#x} ({sym.size})  {sym.kind}"
+                     f"{'  ' + section.name if section is not None else ''}", None))  # fmt: skip
+
+
+def cmd_addr(shell: Shell, rest: str) -> None:
+    if not rest:
+        raise ShellUsageError("usage: addr ADDR")
+    addr = shell.target.symbols.resolve(rest)
+    sym = shell.target.symbols.containing(addr)
+    if sym is None:
+        shell.out.parts((f"{addr:#018x}", "addr"), ("  not inside a known symbol", "note"))
+        return
+    off = addr - sym.addr
+    size = f"/{sym.size:#x}" if sym.size else ""
+    shell.out.parts((f"{addr:#018x}", "addr"), ("  ", None), (f"{sym.name}+{off:#x}{size}", "key"),
+                    (f"  {sym.kind}", "note"))  # fmt: skip
+
+
+def cmd_x(shell: Shell, rest: str) -> None:
+    words = rest.split()
+    if not 1 <= len(words) <= 2:
+        raise ShellUsageError("usage: x ADDR|SYM[+OFF] [LEN]")
+    symbols = shell.target.symbols
+    addr = symbols.resolve(words[0])
+    if len(words) == 2:
+        length = parse_int(words[1], "LEN")
+    else:
+        sym = symbols.lookup(words[0]) if words[0] in symbols else None
+        length = min(sym.size, 256) if sym is not None and sym.size else DEFAULT_DUMP
+    if not 0 < length <= MAX_DUMP:
+        raise ShellUsageError(f"LEN must be 1..{MAX_DUMP}, not {length}")
+    shell.out.write(hexdump(addr, shell.target.read(addr, length)))
+
+
+def _vcpu(shell: Shell, rest: str, verb: str) -> int:
+    words = rest.split()
+    if len(words) > 1:
+        raise ShellUsageError(f"usage: {verb} [CPU]")
+    cpu = parse_int(words[0], "CPU") if words else 0
+    if not 0 <= cpu < shell.target.vcpus:
+        raise ShellUsageError(f"CPU must be 0..{shell.target.vcpus - 1}, not {cpu}")
+    return cpu
+
+
+def cmd_regs(shell: Shell, rest: str) -> None:
+    cpu = _vcpu(shell, rest, "regs")
+    regs = shell.target.registers(cpu)
+    shell.out.write(render_registers(regs, shell.target.symbols.symbolize))
+    if not regs.get("cs", 0) & 3 and "gs_base" in regs:
+        try:
+            task = shell.target.kprobes.tasks.current(regs["gs_base"])
+            shell.note(f"vCPU {cpu} in the kernel, current task {task.comm}-{task.pid}")
+        except Exception:  # a vCPU in early entry code may not have a usable per-CPU base yet
+            pass
+    elif regs.get("cs", 0) & 3:
+        shell.note(f"vCPU {cpu} is in user mode")
+
+
+def cmd_bt(shell: Shell, rest: str) -> None:
+    cpu = _vcpu(shell, rest, "bt")
+    if not shell.can_unwind():
+        raise ShellUsageError(f"bt {NO_UNWINDER}")
+    from qprobe.core.regs import PtRegs
+
+    target = shell.target
+    tid = target.machine.vcpus[cpu]
+    kretprobes = getattr(target, "kretprobes", None)
+
+    def unwind() -> tuple[dict[str, int], list[object]]:
+        # With every vCPU stopped, so that the stack does not change under the unwinder.
+        values = target.gdb.read_registers(tid)
+        if values.get("cs", 0) & 3:
+            return values, []
+        regs = PtRegs(values, tid, cpu, target.mem, target.symbols,
+                      fix_return=getattr(kretprobes, "fix_return", None))  # fmt: skip
+        return values, shell.stack_of(regs)
+
+    values, frames = target.machine.call(unwind)
+    if values.get("cs", 0) & 3:
+        shell.note(f"vCPU {cpu} is in user mode (rip {values.get('rip', 0):#x}): no kernel stack")
+        return
+    for frame in frames:
+        addr = frame if isinstance(frame, int) else getattr(frame, "addr", None)
+        if isinstance(addr, int):
+            sym = target.symbols.containing(addr)
+            where = f"{sym.name}+{addr - sym.addr:#x}/{sym.size:#x}" if sym is not None else f"{addr:#x}"
+            shell.out.line(f"[<0>] {where}")
+        else:
+            shell.out.line(str(frame))  # /proc/PID/stack lines, as the unwinder formats them
+
+
+def cmd_py(shell: Shell, rest: str) -> None:
+    import code
+
+    import qprobe
+
+    namespace = {"target": shell.target, "qprobe": qprobe, "shell": shell}
+    try:
+        import readline  # noqa: F401 - line editing for input()
+    except ImportError:
+        pass
+    interact = shell.interact or code.interact
+    banner = "Python REPL: `target`, `qprobe` and `shell` are bound; Ctrl-D returns to qprobe."
+    try:
+        interact(banner=banner, local=namespace, exitmsg="")
+    except SystemExit:  # exit() or quit() typed in the REPL: back to the shell
+        pass
+
+
+def cmd_load(shell: Shell, rest: str) -> None:
+    if not rest:
+        raise ShellUsageError("usage: load FILE.py")
+    path = Path(rest).expanduser()
+    try:
+        source = path.read_text()
+    except OSError as exc:
+        raise ShellUsageError(f"load: cannot read {path}: {exc.strerror}") from None
+    import qprobe
+
+    target = shell.target
+    before = _probe_ids(shell)
+    namespace: dict[str, object] = {"__name__": "__qprobe_load__", "__file__": str(path), "target": target,
+                                    "qprobe": qprobe, "shell": shell}  # fmt: skip
+    try:
+        exec(compile(source, str(path), "exec"), namespace)
+    except SyntaxError as exc:
+        raise ShellUsageError(f"load {path}: line {exc.lineno}: {exc.msg}") from None
+    except Exception as exc:
+        line = next((f.lineno for f in reversed(traceback.extract_tb(exc.__traceback__))
+                     if f.filename == str(path)), None)  # fmt: skip
+        where = f" line {line}:" if line else ""
+        raise ShellUsageError(f"load {path}:{where} {type(exc).__name__}: {exc}") from None
+    shell.loaded[str(path)] = namespace
+    added = len(_probe_ids(shell) - before)
+    shell.note(f"loaded {path}: {added} new probe(s); `list` shows them")
+
+
+def _probe_ids(shell: Shell) -> set[int]:
+    return {id(kp) for point in list(shell.target.kprobes.points.values()) for kp in list(point.probes)}
+
+
+def cmd_gdb(shell: Shell, rest: str) -> None:
+    if not rest:
+        raise ShellUsageError("usage: gdb CMD")
+    transport = getattr(shell.target, "gdb", None)
+    console = getattr(transport, "console", None)
+    if callable(console):
+        machine = getattr(shell.target, "machine", None)
+        # gdb may only talk to the stub while the VM is stopped: on the stop loop.
+        out = machine.call(lambda: console(rest)) if machine is not None else console(rest)
+        if out:
+            shell.out.write(out if str(out).endswith("\n") else f"{out}\n")
+        return
+    if not gdbcmd.is_static(rest):
+        raise ShellUsageError(gdbcmd.LIVE_HINT)
+    symbols = shell.target.symbols
+    index_dir = _gdb_index_dir()
+    if not gdbcmd.index_exists(index_dir, symbols.build_id):
+        shell.note("gdb: indexing vmlinux once (about 20 s on TCG hosts; later runs take a second)")
+        shell.out.flush()
+    try:
+        sections = [(s.name, s.addr) for s in symbols.sections if s.addr]
+        run = gdbcmd.run_static(Path(symbols.path), shell.target.slide, rest, index_dir, sections)
+    except OSError as exc:
+        raise TargetError(f"gdb: {exc}") from None
+    shell.out.write(run.stdout)
+    for line in run.stderr.splitlines():
+        if line.strip():
+            shell.out.line(line, "error")
+    shell.note("(static: vmlinux as built, at the running kernel's addresses; live-target commands need the gdb "
+               "transport)")
+
+
+def _gdb_index_dir() -> Path:
+    from qprobe.paths import cache_dir
+
+    return cache_dir("gdb-index")
+
+
+__all__ = ["cmd_addr", "cmd_bt", "cmd_gdb", "cmd_load", "cmd_py", "cmd_regs", "cmd_sym", "cmd_x"]

@@ -1,0 +1,127 @@
+"""A target without a VM for the shell's unit tests: real Symbols and kprobe_events parsing, fake hits."""
+
+from __future__ import annotations
+
+import io
+import re
+from pathlib import Path
+
+from qprobe.core.kprobe import Kprobe
+from qprobe.errors import ProbeError, TargetError
+from qprobe.events import EventHit, TraceEvent
+from qprobe.fetch import ProbeEvent, format_event, parse_event
+from qprobe.kernel.symbols import Section, Symbols
+from qprobe.shell import Shell
+from qprobe.target.console import RunResult
+
+TEXT = 0xFFFFFFFF81000000
+BANNER = TEXT + 0x1000000
+SYMS = [
+    ("_stext", TEXT, 0, "other"),
+    ("vfs_read", TEXT + 0x1000, 0x1B0, "func"),
+    ("vfs_readv", TEXT + 0x1200, 0x100, "func"),
+    ("vfs_write", TEXT + 0x1400, 0x1C0, "func"),
+    ("ksys_read", TEXT + 0x1600, 0xE0, "func"),
+    ("__x64_sys_getppid", TEXT + 0x1800, 0x40, "func"),
+    ("linux_banner", BANNER, 0x80, "object"),
+]
+
+
+class FakeProbes:
+    def __init__(self) -> None:
+        self.enabled = True
+        self.points: dict[int, object] = {}
+
+
+class FakeConsole:
+    def __init__(self) -> None:
+        self.written: list[str] = []
+
+    def write(self, data: str) -> None:
+        self.written.append(data)
+
+
+class FakeTarget:
+    """What the shell uses of qprobe.api.Target; ``run("workload getppid N")`` fires N hits of every event."""
+
+    vcpus = 2
+
+    def __init__(self) -> None:
+        sections = [Section(".text", TEXT, 0x2000, 0x1000, True), Section(".rodata", BANNER, 0x1000, 0x3000, False)]
+        self.symbols = Symbols(Path("/nonexistent/vmlinux"), "00" * 20, SYMS, sections)
+        self.events: dict[str, TraceEvent] = {}
+        self.kprobes = FakeProbes()
+        self.console = FakeConsole()
+        self.slide = 0
+        self.memory = {BANNER: b"Linux version 6.1.0-56-cloud-amd64 (debian-kernel@lists.debian.org)\x00"}
+        self.enabled_calls: list[bool] = []
+        self.ran: list[str] = []
+
+    # events
+    def add_event(self, definition: str, callback: object = None) -> TraceEvent:
+        ev = parse_event(definition, symbol_exists=lambda n: n in self.symbols)
+        assert isinstance(ev, ProbeEvent)
+        te = TraceEvent(self, ev, callback)  # type: ignore[arg-type]
+        te.probe = Kprobe(symbol_name=ev.symbol or "vfs_read", offset=ev.offset)
+        self.events[te.name] = te
+        return te
+
+    def remove_event(self, te: TraceEvent) -> None:
+        if te.name not in self.events:
+            raise ProbeError("no such event")
+        del self.events[te.name]
+
+    def fire(self, te: TraceEvent, comm: str = "workload", pid: int = 42, cpu: int = 0, **args: str) -> None:
+        hit = EventHit(event=te.definition.event, cpu=cpu, pid=pid, comm=comm, ts=1.5, addr=TEXT + 0x1800,
+                       symbol="__x64_sys_getppid+0x0", args=dict(args), body="(__x64_sys_getppid+0x0/0x40)")
+        te.nhit += 1
+        te.hits.append(hit)
+        if te.callback is not None:
+            te.callback(hit)
+
+    def list_probes(self) -> str:
+        return "".join(f"{TEXT + 0x1800:016x}  k  {te.definition.probe_point}+0x0\n" for te in self.events.values())
+
+    def set_kprobes_enabled(self, on: bool) -> None:
+        self.kprobes.enabled = on
+        self.enabled_calls.append(on)
+
+    def enable_kprobe(self, kp: Kprobe) -> None:
+        kp.flags &= ~2
+
+    def disable_kprobe(self, kp: Kprobe) -> None:
+        kp.flags |= 2
+
+    def blacklist(self) -> list[str]:
+        return ["0xffffffff81e00000-0xffffffff81e00040\tasm_exc_int3"]
+
+    # memory and guest
+    def read(self, addr: int, size: int) -> bytes:
+        for base, data in self.memory.items():
+            if base <= addr and addr + size <= base + len(data) + 0x100:
+                return (data + bytes(0x100))[addr - base : addr - base + size]
+        raise TargetError(f"cannot read {addr:#x}: not mapped")
+
+    def registers(self, vcpu: int = 0) -> dict[str, int]:
+        return {"rax": 1, "rbx": (1 << 64) - 2, "rip": TEXT + 0x1010, "eflags": 0x246, "cs": 0x33, "rsp": 0x7FFC0}
+
+    def run(self, command: str, timeout: float = 60.0) -> RunResult:
+        self.ran.append(command)
+        m = re.fullmatch(r"workload (\w+) (\d+)(?: (\d+))?", command)
+        if m is None:
+            return RunResult(command, f"sh: {command.split()[0]}: not found", 127)
+        n = int(m.group(2))
+        for te in list(self.events.values()):
+            for i in range(n):
+                self.fire(te, count=str(int(m.group(3) or 0) or i))
+        return RunResult(command, f"workload mode={m.group(1)} n={n} pid=42 ret=1 errors=0", 0)
+
+
+def make_shell(target: FakeTarget | None = None) -> tuple[Shell, FakeTarget, io.StringIO]:
+    target = target or FakeTarget()
+    out = io.StringIO()
+    return Shell(target, out=out), target, out  # type: ignore[arg-type]
+
+
+def listing(te: TraceEvent) -> str:
+    return format_event(te.definition)

@@ -1,0 +1,214 @@
+"""The interactive shell on the real kernel: Shell.execute driven line by line, and `qprobe shell` in a pty."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import qprobe
+from qprobe.shell import Shell
+
+from .conftest import IMAGE
+
+pytestmark = pytest.mark.vm
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (the QEMU a qprobe process started, in its own session)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+# The pty test comes first: the module's `target` VM is not booted yet, so only one QEMU runs at a time.
+def test_qprobe_shell_in_a_pty_exits_0_on_ctrl_d() -> None:
+    pexpect = pytest.importorskip("pexpect")
+    env = dict(os.environ, PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm", NO_COLOR="1", PYTHONPATH=str(ROOT))
+    child = pexpect.spawn(sys.executable, ["-m", "qprobe.cli", "shell", "--image", IMAGE], cwd=str(ROOT), env=env,
+                          encoding="utf-8", timeout=300, dimensions=(50, 200))  # fmt: skip
+    qemus: list[int] = []
+    try:
+        child.expect_exact("qprobe>", timeout=600)  # the boot (prompt_toolkit draws the space as a cursor move)
+        qemus = _children(child.pid)
+        child.sendline("sym vfs_read")
+        child.expect(r"vfs_read\s+0xffffffff[0-9a-f]{8}\s+size 0x[0-9a-f]+")
+        child.expect_exact("qprobe>")
+        child.sendline("p:gp __x64_sys_getppid")
+        child.expect_exact("added kprobes/gp")
+        child.sendline("count gp by $comm run workload getppid 3")
+        child.expect_exact("@[workload]: 3")
+        child.expect_exact("qprobe>")
+        # Ctrl-C ends a count that waits for it, and the shell goes on.
+        child.sendline("count gp")
+        child.expect_exact("Ctrl-C to stop")
+        time.sleep(1.0)
+        child.sendintr()
+        child.expect_exact("no hits")
+        child.expect_exact("qprobe>")
+        child.sendline("p:bad vfs_read x=%zz")
+        child.expect(r"\^ .{0,20}Invalid register name")
+        child.expect_exact("qprobe>")
+        child.sendcontrol("d")
+        child.expect(pexpect.EOF, timeout=120)
+        child.close()
+        assert child.exitstatus == 0, child.before
+        assert not [pid for pid in qemus if Path(f"/proc/{pid}").exists()], "QEMU outlived `qprobe shell`"
+    finally:
+        if child.isalive():
+            child.kill(signal.SIGTERM)  # qprobe removes its probes and stops QEMU on SIGTERM
+            deadline = time.monotonic() + 60
+            while child.isalive() and time.monotonic() < deadline:
+                time.sleep(0.5)
+            if child.isalive():
+                child.kill(signal.SIGKILL)
+        for pid in qemus:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture
+def shell(target: qprobe.Target, guard: dict[int, bytes]) -> Iterator[tuple[Shell, io.StringIO]]:
+    out = io.StringIO()
+    sh = Shell(target, out=out)
+    try:
+        yield sh, out
+    finally:
+        for te in list(target.events.values()):
+            target.remove_event(te)
+
+
+def do(sh: Shell, out: io.StringIO, line: str) -> str:
+    out.seek(0)
+    out.truncate()
+    sh.execute(line)
+    return out.getvalue()
+
+
+def test_shell_session(target: qprobe.Target, shell: tuple[Shell, io.StringIO]) -> None:
+    sh, out = shell
+    assert do(sh, out, "p:gp __x64_sys_getppid") == "added kprobes/gp  (probe on __x64_sys_getppid)\n"
+    text = do(sh, out, "run workload getppid 5")
+    assert "workload mode=getppid n=5 " in text and text.endswith("exit status 0\n")
+    stats = do(sh, out, "stats").splitlines()
+    assert stats[0].split() == ["EVENT", "HITS", "NMISSED", "LOST", "HITS/S"]
+    assert stats[1].split()[:4] == ["kprobes/gp", "5", "0", "0"]
+
+    text = do(sh, out, "count gp by $comm run workload getppid 5")
+    assert "@[workload]: 5" in text.splitlines(), text
+
+    assert do(sh, out, "p:rd ksys_read count=%dx:u64").startswith("added kprobes/rd")
+    text = do(sh, out, "hist rd by count run workload read 5 3000")
+    assert "@count: " in text.splitlines()
+    assert re.search(r"^\[2K, 4K\)\s+5 \|@+ *\|$", text, re.M), text
+
+    listing = do(sh, out, "list")
+    assert re.search(r"^[0-9a-f]{16}  k  __x64_sys_getppid\+0x0", listing, re.M), listing
+    assert re.search(r"^[0-9a-f]{16}  k  ksys_read\+0x0", listing, re.M), listing
+    assert do(sh, out, "events") == "p:kprobes/gp __x64_sys_getppid\np:kprobes/rd ksys_read count=%dx:u64\n"
+
+    lines = do(sh, out, "show gp run workload getppid 2").splitlines()
+    hits = [line for line in lines if ": gp: (__x64_sys_getppid+0x0/" in line]
+    assert len(hits) == 2 and all(line.lstrip().startswith("workload-") for line in hits), lines
+
+    assert do(sh, out, "-:gp").startswith("removed kprobes/gp (")
+    assert do(sh, out, "-:rd").startswith("removed kprobes/rd (")
+    assert not target.events and not target.kprobes.points
+
+    dump = do(sh, out, "x linux_banner 32")
+    assert "Linux version" in dump and dump.startswith(f"{target.symbols.address('linux_banner'):016x}: 4c69 6e75")
+    sym = target.symbols.lookup("vfs_read")
+    assert do(sh, out, "sym vfs_read").startswith(f"vfs_read  {sym.addr:#018x}  size {sym.size:#x} ({sym.size})  func")
+    assert do(sh, out, "addr vfs_read+5") == f"{sym.addr + 5:#018x}  vfs_read+0x5/{sym.size:#x}  func\n"
+
+
+def test_bad_definition_gets_a_caret_and_the_shell_goes_on(target: qprobe.Target,
+                                                           shell: tuple[Shell, io.StringIO]) -> None:  # fmt: skip
+    sh, out = shell
+    before = dict(target.journal.patches)
+    assert do(sh, out, "p:bad vfs_read x=%zz") == "p:bad vfs_read x=%zz\n" + " " * 17 + "^ Invalid register name\n"
+    assert do(sh, out, "p:bad vfs_read+3").startswith("error: ")  # not an instruction boundary: one line
+    assert len(do(sh, out, "p:bad vfs_read+3").splitlines()) == 1
+    assert target.journal.patches == before and not target.events and not sh.done
+    assert do(sh, out, "r:rr ksys_read ret=$retval:s64").startswith("added kprobes/rr  (return probe")
+    assert "@[100]: 3" in do(sh, out, "count rr by ret run workload read 3 100").splitlines()
+    assert do(sh, out, "-:rr") == "removed kprobes/rr (3 hits)\n"
+
+
+def test_ctrl_c_stops_a_count_and_a_guest_command_not_the_shell(target: qprobe.Target,
+                                                                shell: tuple[Shell, io.StringIO]) -> None:  # fmt: skip
+    sh, out = shell
+    do(sh, out, "p:gp __x64_sys_getppid")
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def workload_then_ctrl_c() -> None:
+        target.run("workload getppid 3", timeout=300)
+        time.sleep(0.5)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    helper = threading.Thread(target=workload_then_ctrl_c)
+    helper.start()
+    text = do(sh, out, "count gp by $comm")  # until Ctrl-C
+    helper.join(60)
+    assert "@[workload]: 3" in text.splitlines(), text
+    assert target.events["kprobes/gp"].callback is None
+
+    timer = threading.Timer(2.0, signal.pthread_kill, (main, signal.SIGINT))
+    timer.start()
+    t0 = time.monotonic()
+    text = do(sh, out, "run sleep 60")
+    timer.join()
+    assert time.monotonic() - t0 < 30 and "interrupted: sent ^C to the guest command" in text
+    assert do(sh, out, "run echo still-here").startswith("still-here\n")
+
+    # The same for a count over a guest command: the count prints, the console is free at once.
+    timer = threading.Timer(2.0, signal.pthread_kill, (main, signal.SIGINT))
+    timer.start()
+    t0 = time.monotonic()
+    text = do(sh, out, "count gp by $comm run workload getppid 4; sleep 60")
+    timer.join()
+    assert "interrupted: sent ^C to the guest command" in text and "@[workload]: 4" in text.splitlines(), text
+    assert do(sh, out, "run echo again").startswith("again\n") and time.monotonic() - t0 < 30
+    assert do(sh, out, "-:gp").startswith("removed kprobes/gp")
+
+
+def test_gdb_static_command_on_vmlinux(target: qprobe.Target, shell: tuple[Shell, io.StringIO]) -> None:
+    sh, out = shell
+    text = do(sh, out, "gdb info line vfs_read")
+    assert f"{target.symbols.address('vfs_read'):#x} <vfs_read>" in text, text
+    if not callable(getattr(target.gdb, "console", None)):
+        assert do(sh, out, "gdb info registers").startswith("error: live-target gdb commands need the gdb transport")
+
+
+def test_stack_counts_and_bt(target: qprobe.Target, shell: tuple[Shell, io.StringIO]) -> None:
+    sh, out = shell
+    do(sh, out, "p:gp __x64_sys_getppid")
+    text = do(sh, out, "count gp by $stack run workload getppid 3")
+    # bpftrace's kstack key: one frame per line, 8 spaces in, decimal offsets; the syscall path under the probe.
+    frame = r"\n {8}"
+    stack = rf"^@\[{frame}__x64_sys_getppid\+0{frame}do_syscall_64\+\d+(?:{frame}\S+)*\n\]: 3$"
+    assert re.search(stack, text, re.M), text
+    assert do(sh, out, "-:gp").startswith("removed kprobes/gp")
+    frames = do(sh, out, "bt 0").splitlines()
+    assert frames and all(re.fullmatch(r"\[<0>\] \S+\+0x[0-9a-f]+/0x[0-9a-f]+|vCPU 0 is in user mode.*", f)
+                          for f in frames), frames  # fmt: skip
+

@@ -31,10 +31,11 @@ from qprobe.core.optimizer import Optimizer
 from qprobe.core.recovery import recover
 from qprobe.core.regs import PtRegs
 from qprobe.core.watchpoint import Watchpoint
-from qprobe.errors import ProbeError, QprobeError, TargetError, TargetGone
+from qprobe.errors import ProbeError, QprobeError, SymbolError, TargetError, TargetGone
 from qprobe.kernel.kaslr import detect_slide
 from qprobe.kernel.symbols import Symbols
 from qprobe.kernel.task import Task
+from qprobe.kernel.typed import KObject
 from qprobe.target.connection import Connection
 from qprobe.target.console import Console, RunResult
 from qprobe.target.gdbremote import WATCH_ACCESS, WATCH_READ, WATCH_WRITE, GdbRemote
@@ -274,6 +275,22 @@ class Target:
 
         self.machine.call(disarm)
         wp.registered = False
+
+    def var(self, name: str, type_name: str | None = None) -> KObject:
+        """A kernel variable as a typed object (``target.var("jiffies", "unsigned long").value_()``).
+
+        Per-CPU variables are typed by BTF (pass ``type_name`` anyway for them:
+        their address is per CPU, see ``current``); Linux 6.1's BTF has no other
+        globals, so their C type is given by the caller.
+        """
+        if type_name is None:
+            raise SymbolError(f"give the C type of {name}: Linux 6.1's BTF describes only per-CPU variables")
+        return KObject.of(self.symbols.btf, self.mem.read, type_name, self.symbols.address(name))
+
+    def current(self, regs: PtRegs) -> KObject:
+        """The interrupted task as a typed ``struct task_struct`` (``current.comm.string_()``)."""
+        addr = self.kprobes.tasks.current_addr(regs.gs_base)
+        return KObject.of(self.symbols.btf, self.mem.read, "struct task_struct", addr)
 
     def current_task(self, regs: PtRegs) -> Task:
         """The guest task a handler interrupted (pid, tgid, comm)."""

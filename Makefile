@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEBS   := qemu-system-x86 busybox-static cpio gdb e2fsprogs gcc libc6-dev
 
-.PHONY: all setup system-deps venv image run test unit vm lint bench clean
+.PHONY: all setup system-deps venv image run test test-matrix unit vm lint bench clean
 
 all: setup
 
@@ -43,7 +43,11 @@ vm: image
 
 test: image
 	$(BIN)/ruff check qprobe tests
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q tests examples
+
+# The VM tests and the examples on each kernel (debian-rt is fetched on first use).
+test-matrix: image
+	$(BIN)/pytest -q --qprobe-image debian-cloud --qprobe-image debian-rt tests/vm examples
 
 bench: image
 	$(BIN)/qprobe bench

@@ -245,8 +245,12 @@ class Target:
         self.mem.read(addr, wp.length)  # refuse an unmapped address before touching the stub
         kinds = {"w": WATCH_WRITE, "r": WATCH_READ, "rw": WATCH_ACCESS}
 
+        wp.new_value = self.mem.read(addr, wp.length)
+
         def hit(tid: str, regs: dict[str, int]) -> None:
             wp.nhit += 1
+            # QEMU reports the hit after the access: the value before it is our last copy.
+            wp.old_value, wp.new_value = wp.new_value, self.mem.read(addr, wp.length)
             if wp.handler is None:
                 return
             pt = self.kprobes.make_regs(regs, tid)

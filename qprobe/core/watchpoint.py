@@ -22,7 +22,8 @@ class Watchpoint:
     """Watch ``length`` bytes at ``addr`` or ``symbol_name+offset``; ``kind`` is "w", "r" or "rw".
 
     ``handler(wp, regs)`` runs on the host with the vCPU that made the access
-    stopped; ``wp.nhit`` counts hits.
+    stopped; during it ``wp.old_value`` and ``wp.new_value`` are the watched
+    bytes before and after the access.  ``wp.nhit`` counts hits.
     """
 
     def __init__(self, symbol_name: str | None = None, offset: int = 0, addr: int | None = None, length: int = 8,
@@ -40,6 +41,8 @@ class Watchpoint:
         self.errors: list[str] = []
         self.resolved = 0
         self.registered = False
+        self.old_value = b""
+        self.new_value = b""
 
     def __repr__(self) -> str:
         where = f"{self.symbol_name}+{self.offset:#x}" if self.symbol_name else f"{self.addr:#x}"

@@ -1,15 +1,32 @@
-"""Fixtures for tests that boot the real default image under real QEMU (TCG)."""
+"""Fixtures for tests that boot a real image under real QEMU (TCG).
+
+They are the qprobe pytest plugin's (``qprobe/pytest_plugin.py``), the one
+users get: ``target`` is ``qprobe_target`` (one VM per module and image,
+``--qprobe-image`` repeatable), reset and checked after every test by the
+plugin's ``qprobe_reset``.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import pytest
 
 import qprobe
+from qprobe.pytest_plugin import QprobeReset, qprobe_scope, register_if_missing, selected_images
 
+# The image of tests that boot through the CLI or by hand: the first --qprobe-image.
 IMAGE = os.environ.get("QPROBE_TEST_IMAGE", "debian-cloud")
+
+
+def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
+    # A source checkout that is not pip-installed has no pytest11 entry point.
+    register_if_missing(pluginmanager)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global IMAGE
+    IMAGE = selected_images(config)[0]
 
 
 def workload_result(output: str) -> dict[str, str]:
@@ -18,24 +35,20 @@ def workload_result(output: str) -> dict[str, str]:
     return dict(part.split("=", 1) for part in line.split()[1:] if "=" in part)
 
 
-@pytest.fixture(scope="module")
-def target() -> Iterator[qprobe.Target]:
-    """One booted guest per test module (KASLR on, smp 2)."""
-    with qprobe.boot(IMAGE, smp=2) as t:
-        yield t
-        assert t.oopses() == [], "the guest oopsed:\n" + t.console.tail(60)  # type: ignore[union-attr]
+@pytest.fixture(scope=qprobe_scope)
+def target(qprobe_target: qprobe.Target) -> qprobe.Target:
+    """One booted guest per test module and image (KASLR on, smp 2)."""
+    return qprobe_target
 
 
 @pytest.fixture
-def guard(target: qprobe.Target) -> Iterator[dict[int, bytes]]:
-    """Snapshot of kernel text; after the test no probe is left and the text is byte-identical."""
-    names = ["ksys_lseek", "__x64_sys_getppid", "__x64_sys_lseek", "vfs_read", "ksys_read", "vfs_write"]
-    snap = {target.symbols.address(n): target.read(n, target.symbols.lookup(n).size) for n in names}
-    yield snap
-    for kp_point in list(target.kprobes.points.values()):
-        target.unregister_kprobes(list(kp_point.probes))
-        pytest.fail(f"a probe was left registered at {kp_point.where}")
-    for addr, data in snap.items():
-        assert target.read(addr, len(data)) == data, f"kernel text changed at {target.symbols.symbolize(addr)}"
-    assert [p.what for p in target.journal.patches.values()] in ([], ["pmd"])
-    assert target.oopses() == [], target.console.tail(60)  # type: ignore[union-attr]
+def guard(target: qprobe.Target, qprobe_reset: QprobeReset) -> dict[int, bytes]:
+    """Snapshot of kernel text; after the test no probe is left and the text is byte-identical.
+
+    The plugin checks every function the test probed, the console and qprobe's
+    journal anyway; the guard also fails a test that leaves a probe registered
+    and watches these functions whether probed or not.
+    """
+    qprobe_reset.strict = True
+    return qprobe_reset.watch("ksys_lseek", "__x64_sys_getppid", "__x64_sys_lseek", "vfs_read", "ksys_read",
+                              "vfs_write")  # fmt: skip

@@ -40,3 +40,17 @@ def test_bad_watchpoints() -> None:
 def test_watchpoint_on_unmapped_memory_is_refused(target: qprobe.Target) -> None:
     with pytest.raises(TargetError, match="not mapped"):
         target.register_watchpoint(Watchpoint(addr=0xFFFF_FFFF_FFFF_0000 - 0x10000000))
+
+
+def test_watchpoint_reports_every_change_with_old_and_new_values(target: qprobe.Target) -> None:
+    domain = target.symbols.btf.offsetof("uts_namespace", "name.domainname")
+    changes: list[tuple[bytes, bytes]] = []
+    wp = Watchpoint(symbol_name="init_uts_ns", offset=domain, length=8,
+                    handler=lambda w, regs: changes.append((w.old_value, w.new_value)))  # fmt: skip
+    target.register_watchpoint(wp)
+    try:
+        target.run("for i in 1 2 3 4 5; do echo dom$i > /proc/sys/kernel/domainname; done").check()
+    finally:
+        target.unregister_watchpoint(wp)
+    values = [new.split(b"\0")[0] for old, new in changes if old != new]
+    assert values == [b"dom1", b"dom2", b"dom3", b"dom4", b"dom5"], changes

@@ -1,0 +1,554 @@
+"""pytest plugin: test a Linux kernel booted under QEMU, with qprobe's probes as the instrument.
+
+Installed with qprobe (entry point ``pytest11: qprobe``), so any test can ask
+for a booted kernel::
+
+    from qprobe import Kprobe
+
+    def test_getppid_is_reached(qprobe_target):
+        kp = Kprobe(symbol_name="__x64_sys_getppid")
+        qprobe_target.register_kprobe(kp)
+        qprobe_target.run("workload getppid 10").check()
+        assert kp.nhit == 10
+
+Fixtures
+    ``qprobe_target``  a booted ``qprobe.Target``: one VM per test module by
+                       default (``--qprobe-scope``), once per ``--qprobe-image``.
+    ``qprobe_image``   the name of the image the test runs on (the parameter).
+    ``qprobe_reset``   autouse for every test that uses ``qprobe_target``: after
+                       the test it removes every probe and event still
+                       registered, checks that the text of every kernel
+                       function qprobe patched during the test is byte-identical
+                       to what it was before, and fails the test if the guest
+                       printed an oops, BUG, WARNING or panic.  Request it to
+                       adjust those checks (``.watch(...)``, ``.strict``).
+    ``qprobe_boot_kwargs``  extra ``qprobe.boot()`` arguments (``files=``,
+                       ``memory=``, ``cmdline=``): override it in a conftest.py.
+
+Markers
+    ``@pytest.mark.qprobe_needs_symbol("name", ...)``  skip on images whose vmlinux lacks a symbol.
+    ``@pytest.mark.qprobe_needs_config("CONFIG_X")``   skip on images whose config does not set X;
+    ``@pytest.mark.qprobe_needs_config("PREEMPT_RT", "y")``  ... or sets it to another value.
+
+A failing test's report carries the tail of the guest console, the oops
+lines and the probes that were registered; ``--qprobe-keep`` leaves the VM of
+a failing test running (probes removed, gdbstub released) and prints how to
+``qprobe attach`` to it; the module's later tests on that image are skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from qprobe.api import Target
+    from qprobe.images import Image
+    from qprobe.kernel.symbols import Symbols
+
+__all__ = [
+    "QprobeReset",
+    "qprobe_boot_kwargs",
+    "qprobe_image",
+    "qprobe_reset",
+    "qprobe_scope",
+    "qprobe_target",
+    "register_if_missing",
+    "selected_images",
+]
+
+DEFAULT_IMAGE = "debian-cloud"
+CONSOLE_TAIL = 40
+SCOPES = ("function", "class", "module", "package", "session")
+
+_VMS = pytest.StashKey[dict[int, "_Vm"]]()
+_IMAGES = pytest.StashKey[dict[str, "Image"]]()
+_SYMBOLS = pytest.StashKey[dict[str, "Symbols"]]()
+_KEPT = pytest.StashKey[list[str]]()
+_RESET = pytest.StashKey["QprobeReset"]()
+_REPORTS = pytest.StashKey[dict[str, pytest.TestReport]]()
+_OUR_SKIP = pytest.StashKey[bool]()
+
+
+# -- options, markers, parametrization ---------------------------------------------------
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("qprobe", "qprobe: test a kernel booted under QEMU")
+    group.addoption("--qprobe-image", action="append", dest="qprobe_images", metavar="NAME", default=None,
+                    help="image to boot for tests that use qprobe_target (repeatable: the tests run once per "
+                         f"image; default: $QPROBE_TEST_IMAGE or {DEFAULT_IMAGE})")  # fmt: skip
+    group.addoption("--qprobe-smp", type=int, default=2, metavar="N", help="vCPUs of each VM (default 2)")
+    group.addoption("--qprobe-memory", default="512M", metavar="SIZE", help="guest RAM of each VM (default 512M)")
+    group.addoption("--qprobe-boot-timeout", type=float, default=180.0, metavar="S",
+                    help="seconds a VM may take to boot (default 180: TCG on a busy machine is slow)")  # fmt: skip
+    group.addoption("--qprobe-scope", choices=SCOPES, default="module",
+                    help="how long one VM lives: one per test module by default")  # fmt: skip
+    group.addoption("--qprobe-keep", action="store_true", default=False,
+                    help="leave a failing test's VM running (probes removed); print how to attach to it")  # fmt: skip
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "qprobe: the test boots a kernel under QEMU (it uses qprobe_target)")
+    config.addinivalue_line(
+        "markers", "qprobe_needs_symbol(*names): skip on images whose vmlinux lacks one of these symbols"
+    )
+    config.addinivalue_line(
+        "markers",
+        "qprobe_needs_config(option, value=None): skip on images whose kernel config does not set option "
+        "(CONFIG_ prefix optional), or sets it to something other than value",
+    )
+    config.stash[_VMS] = {}
+    config.stash[_IMAGES] = {}
+    config.stash[_SYMBOLS] = {}
+    config.stash[_KEPT] = []
+    if config.getoption("qprobe_images"):
+        from qprobe.images import list_images
+
+        known = [info.name for info in list_images()]
+        unknown = [name for name in selected_images(config) if name not in known]
+        if unknown:
+            raise pytest.UsageError(f"--qprobe-image: unknown image(s) {', '.join(unknown)}; "
+                                    f"known: {', '.join(known)} (see `qprobe images`)")  # fmt: skip
+
+
+def selected_images(config: pytest.Config) -> list[str]:
+    """The images tests run on: ``--qprobe-image`` values, else ``$QPROBE_TEST_IMAGE``, else debian-cloud."""
+    given = config.getoption("qprobe_images", default=None) or [os.environ.get("QPROBE_TEST_IMAGE") or DEFAULT_IMAGE]
+    return list(dict.fromkeys(given))
+
+
+def qprobe_scope(fixture_name: str, config: pytest.Config) -> str:
+    """The scope of the VM fixtures (``--qprobe-scope``); use it for fixtures that depend on ``qprobe_target``."""
+    return str(config.getoption("qprobe_scope", default="module") or "module")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return (f"qprobe: images {', '.join(selected_images(config))}; smp {config.getoption('qprobe_smp')}; "
+            f"one VM per {qprobe_scope('', config)}")  # fmt: skip
+
+
+def _parametrized_explicitly(metafunc: pytest.Metafunc, name: str) -> bool:
+    for marker in metafunc.definition.iter_markers("parametrize"):
+        names = marker.args[0] if marker.args else marker.kwargs.get("argnames", ())
+        if isinstance(names, str):
+            names = [n.strip() for n in names.split(",")]
+        if name in names:
+            return True
+    return False
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # Every test that (through any fixture) uses qprobe_target runs once per image;
+    # the image is a parameter of the VM's scope, so each VM boots once.
+    if "qprobe_image" in metafunc.fixturenames and not _parametrized_explicitly(metafunc, "qprobe_image"):
+        images = selected_images(metafunc.config)
+        metafunc.parametrize("qprobe_image", images, ids=images, indirect=True)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "qprobe_target" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.qprobe)
+
+
+# -- images, symbols and the markers that skip ----------------------------------------------
+def _image(config: pytest.Config, name: str) -> Image:
+    cache = config.stash[_IMAGES]
+    if name not in cache:
+        from qprobe.images import get_image
+
+        cache[name] = get_image(name)  # fetched and built on first use, as boot() would
+    return cache[name]
+
+
+def _symbols(config: pytest.Config, name: str) -> Symbols:
+    cache = config.stash[_SYMBOLS]
+    if name not in cache:
+        for vm in config.stash[_VMS].values():
+            if vm.image == name:
+                cache[name] = vm.target.symbols
+                break
+        else:
+            from qprobe.kernel.symbols import Symbols
+
+            cache[name] = Symbols.load(_image(config, name).vmlinux)  # cached by build-id: fast
+    return cache[name]
+
+
+def _unmet(config: pytest.Config, image: str, item: pytest.Item) -> str | None:
+    """Why ``item`` cannot run on ``image`` (a skip reason naming the image), or None."""
+    for marker in item.iter_markers("qprobe_needs_symbol"):
+        if not marker.args:
+            raise pytest.UsageError(f"{item.nodeid}: qprobe_needs_symbol needs at least one symbol name")
+        syms = _symbols(config, image)
+        for name in marker.args:
+            if name not in syms:
+                return f"image {image}: its vmlinux has no symbol {name!r}"
+    for marker in item.iter_markers("qprobe_needs_config"):
+        if not 1 <= len(marker.args) <= 2:
+            raise pytest.UsageError(f"{item.nodeid}: use qprobe_needs_config(option) or (option, value)")
+        option = str(marker.args[0])
+        option = option if option.startswith("CONFIG_") else f"CONFIG_{option}"
+        want = marker.args[1] if len(marker.args) == 2 else None
+        img = _image(config, image)
+        if img.config is None:
+            return f"image {image}: no kernel config to check {option} in"
+        have = img.config_option(option)
+        if want is None and have is None:
+            return f"image {image}: {option} is not set"
+        if want is not None and have != str(want):
+            return f"image {image}: {option} is {have if have is not None else 'not set'}, the test needs {want}"
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # Before any fixture: a test that cannot run on this image must not boot it.
+    if not any(item.iter_markers("qprobe_needs_symbol")) and not any(item.iter_markers("qprobe_needs_config")):
+        return
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and "qprobe_image" in callspec.params:
+        images = [callspec.params["qprobe_image"]]
+    else:
+        images = selected_images(item.config)
+    for image in images:
+        reason = _unmet(item.config, image, item)
+        if reason is not None:
+            item.stash[_OUR_SKIP] = True  # reported at the test, not here
+            pytest.skip(reason)
+
+
+# -- the VM ------------------------------------------------------------------------------
+@dataclass(eq=False)
+class _Vm:
+    image: str
+    target: Target
+    kept: str | None = None  # the test whose failure kept this VM running
+    gone: str | None = None  # why the VM cannot be used any more
+
+
+@pytest.fixture(scope=qprobe_scope)
+def qprobe_image(request: pytest.FixtureRequest) -> str:
+    """The name of the image this test runs on (one parameter per ``--qprobe-image``)."""
+    return str(getattr(request, "param", None) or selected_images(request.config)[0])
+
+
+@pytest.fixture(scope=qprobe_scope)
+def qprobe_boot_kwargs() -> dict[str, Any]:
+    """Extra keyword arguments for ``qprobe.boot()``; override in a conftest.py, e.g.
+    ``{"files": {"/bin/mytest": "build/mytest"}}`` to add a program to the guest."""
+    return {}
+
+
+@pytest.fixture(scope=qprobe_scope)
+def qprobe_target(request: pytest.FixtureRequest, qprobe_image: str,
+                  qprobe_boot_kwargs: dict[str, Any]) -> Iterator[Target]:  # fmt: skip
+    """A booted kernel: one VM per test module (``--qprobe-scope``) and image, reset between tests."""
+    import qprobe
+
+    config = request.config
+    kwargs: dict[str, Any] = {
+        "smp": config.getoption("qprobe_smp", default=2),
+        "memory": config.getoption("qprobe_memory", default="512M"),
+        "boot_timeout": config.getoption("qprobe_boot_timeout", default=180.0),
+        **qprobe_boot_kwargs,
+    }
+    target = qprobe.boot(qprobe_image, **kwargs)
+    vm = _Vm(qprobe_image, target)
+    config.stash[_VMS][id(target)] = vm
+    try:
+        yield target
+    finally:
+        config.stash[_VMS].pop(id(target), None)
+        if vm.kept is None:
+            try:
+                target.close()
+            finally:
+                if target.qemu is not None and target.qemu.alive():  # close() failed half way
+                    target.qemu.terminate()
+
+
+# -- between tests ---------------------------------------------------------------------------
+class QprobeReset:
+    """What the plugin does around one test that uses ``qprobe_target``.
+
+    ``strict``: fail the test if it leaves a probe or event registered (they are
+    removed either way).  ``watch(*functions)``: also check these functions'
+    text, probed or not.  Functions qprobe patches during the test are
+    snapshotted just before their first patch.
+    """
+
+    def __init__(self, vm: _Vm, item: pytest.Item) -> None:
+        self.vm = vm
+        self.item = item
+        self.target = vm.target
+        self.strict = False
+        self.snapshots: dict[int, tuple[str, bytes]] = {}  # start -> (name, bytes before the test)
+        self.oops_seen = len(self.target.oopses())
+        self.handler_errors_seen = len(self.target.kprobes.handler_errors)
+        self._original_patch = None
+
+    # -- text snapshots ------------------------------------------------------------------
+    def _pristine(self, start: int, size: int) -> bytes:
+        """Bytes at [start, start+size) as they are without qprobe's live patches."""
+        data = bytearray(self.target.read(start, size))
+        for p in self.target.journal.patches.values():
+            if start <= p.virt and p.virt + len(p.old) <= start + size:
+                data[p.virt - start : p.virt - start + len(p.old)] = p.old
+        return bytes(data)
+
+    def _snapshot(self, addr: int) -> None:
+        syms = self.target.symbols
+        fn = syms.function(addr)
+        if fn is not None:
+            start, size, name = fn.addr, fn.size, fn.name
+        elif syms.is_text(addr):
+            start, size, name = addr - 16, 32, syms.symbolize(addr)
+        else:
+            return  # a stack slot (kretprobe) or a page-table entry (the scratch mapping)
+        if start not in self.snapshots:
+            self.snapshots[start] = (name, self._pristine(start, size))
+
+    def watch(self, *functions: str) -> dict[int, bytes]:
+        """Check these functions' text after the test too; returns {address: bytes now}."""
+        out = {}
+        for name in functions:
+            sym = self.target.symbols.lookup(name)
+            data = self._pristine(sym.addr, sym.size)
+            self.snapshots.setdefault(sym.addr, (name, data))
+            out[sym.addr] = data
+        return out
+
+    def start(self) -> None:
+        # Every byte qprobe writes into the guest goes through Machine.patch (journaled
+        # first): snapshot the function around it just before its first patch.
+        machine = self.target.machine
+        original = machine.patch
+
+        def patch(virt: int, *args: Any, **kwargs: Any) -> Any:
+            try:
+                self._snapshot(virt)
+            except Exception:  # never let the check break the probe itself
+                pass
+            return original(virt, *args, **kwargs)
+
+        machine.patch = patch  # type: ignore[method-assign]
+        self._original_patch = original
+
+    def _stop_watching(self) -> None:
+        machine = self.target.machine
+        if self._original_patch is not None and "patch" in vars(machine):
+            del machine.patch  # back to Machine.patch
+        self._original_patch = None
+
+    # -- checks ------------------------------------------------------------------------
+    def new_oopses(self) -> list[str]:
+        lines = self.target.oopses()
+        new, self.oops_seen = lines[self.oops_seen :], len(lines)
+        return new
+
+    def _remove_everything(self) -> list[str]:
+        """Unregister every event, kretprobe and kprobe still registered; what was left, as kprobes/list lines."""
+        t = self.target
+        left = [line for line in t.list_probes().splitlines() if line.strip()]
+        for key, te in list(t.events.items()):
+            if te.probe is not None and te.probe.registered:
+                t.remove_event(te)
+            else:
+                t.events.pop(key, None)
+        t.unregister_kretprobes(list(t.kretprobes.registered))
+        for point in list(t.kprobes.points.values()):
+            t.unregister_kprobes(list(point.probes))
+        if not t.kprobes.enabled:
+            t.set_kprobes_enabled(True)
+        return left
+
+    def finish(self) -> list[str]:
+        """Undo and check everything; returns the problems found (empty: all is well)."""
+        from qprobe.errors import QprobeError
+
+        t = self.target
+        problems: list[str] = []
+        try:
+            left = self._remove_everything()
+            if left and self.strict:
+                problems.append("the test left probes registered (removed now):\n  " + "\n  ".join(left))
+            for start, (name, before) in sorted(self.snapshots.items()):
+                now = t.read(start, len(before))
+                if now != before:
+                    problems.append(_text_diff(name, before, now))
+            leftovers = [f"{p.what} at {t.symbols.symbolize(p.virt)}" for p in t.journal.patches.values()
+                         if p.what != "pmd"]  # fmt: skip
+            if leftovers:
+                problems.append("qprobe left patches in the guest: " + ", ".join(leftovers))
+        except QprobeError as exc:
+            if t.machine.alive:
+                problems.append(f"could not reset the VM: {exc}")
+        finally:
+            self._stop_watching()
+        if not t.machine.alive or (t.qemu is not None and not t.qemu.alive()):
+            self.vm.gone = f"the {self.vm.image} VM died during {self.item.nodeid}"
+            problems.append(self.vm.gone)
+        oopses = self.new_oopses()
+        if oopses:
+            problems.append("the guest kernel reported:\n  " + "\n  ".join(oopses))
+        return problems
+
+    # -- reports ----------------------------------------------------------------------------
+    def sections(self) -> list[tuple[str, str]]:
+        """Report sections for a failure: each read on its own, so that a dead VM still shows its console."""
+        t, image = self.target, self.vm.image
+        out: list[tuple[str, str]] = []
+
+        def add(title: str, read: Callable[[], str], quiet: bool = False) -> None:
+            try:
+                text = read()
+            except Exception as exc:  # the report must never be lost to a broken VM
+                text = "" if quiet else f"(could not be read: {exc})"
+            if text.strip():
+                out.append((f"qprobe: {title} ({image})", text.rstrip("\n")))
+
+        if t.console is not None:
+            add(f"guest console, last {CONSOLE_TAIL} lines", lambda: t.console.tail(CONSOLE_TAIL))  # type: ignore[union-attr]
+        add("kernel oops lines since boot", lambda: "\n".join(t.oopses()))
+        add("probes registered", t.list_probes, quiet=True)  # asks the VM: nothing to say if it is gone
+        add("handler exceptions", lambda: "\n".join(t.kprobes.handler_errors[self.handler_errors_seen :]))
+        return out
+
+
+def _text_diff(name: str, before: bytes, now: bytes) -> str:
+    offsets = [i for i, (a, b) in enumerate(zip(before, now, strict=True)) if a != b]
+    lo = offsets[0] & ~15
+    return (f"kernel text of {name} changed at offset(s) {', '.join(hex(o) for o in offsets[:8])}"
+            f"{' ...' if len(offsets) > 8 else ''}: {name}+{lo:#x} was {before[lo : lo + 16].hex(' ')}, "
+            f"is {now[lo : lo + 16].hex(' ')}")  # fmt: skip
+
+
+def _vm_of(config: pytest.Config, target: Target, image: str) -> _Vm:
+    vms = config.stash[_VMS]
+    if id(target) not in vms:  # a qprobe_target fixture overridden by the user
+        vms[id(target)] = _Vm(image, target)
+    return vms[id(target)]
+
+
+@pytest.fixture(autouse=True)
+def qprobe_reset(request: pytest.FixtureRequest) -> Iterator[QprobeReset | None]:
+    """Around every test that uses ``qprobe_target``: probes removed, text and console checked."""
+    if "qprobe_target" not in request.fixturenames:
+        yield None
+        return
+    target = request.getfixturevalue("qprobe_target")
+    vm = _vm_of(request.config, target, request.getfixturevalue("qprobe_image"))
+    if vm.kept is not None:
+        request.node.stash[_OUR_SKIP] = True
+        pytest.skip(f"the {vm.image} VM of this module was left running after {vm.kept} failed (--qprobe-keep)")
+    if vm.gone is not None:
+        pytest.fail(f"{vm.gone}; later tests of this module cannot run", pytrace=False)
+    item = request.node
+    reset = QprobeReset(vm, item)
+    item.stash[_RESET] = reset
+    reset.start()
+    try:
+        yield reset
+    finally:
+        problems = reset.finish()
+        reports = item.stash.get(_REPORTS, {})
+        failed = bool(problems) or any(r.failed for r in reports.values())
+        if failed and request.config.getoption("qprobe_keep", default=False):
+            _keep(request.config, vm, item, reports.get("call") or reports.get("setup"))
+    if problems:
+        pytest.fail("\n".join(problems), pytrace=False)
+
+
+def _keep(config: pytest.Config, vm: _Vm, item: pytest.Item, report: pytest.TestReport | None) -> None:
+    """Leave the VM running for inspection: no probes, gdbstub and console released."""
+    target = vm.target
+    qemu = target.qemu
+    if vm.kept is not None or qemu is None or not qemu.alive():
+        return
+    target.qemu = None  # so that close() detaches and leaves QEMU alone
+    try:
+        target.close()  # every probe removed, the stub detached (the VM runs on), the console released
+    except BaseException:
+        qemu.terminate()  # a VM whose probes may still be armed is no use to anyone
+        raise
+    vm.kept = item.nodeid
+    text = "\n".join([
+        f"qprobe: the {vm.image} VM was left running after {item.nodeid} failed",
+        f"  attach with:  qprobe attach unix:{qemu.gdb_path}",
+        f"  (Python:      qprobe.attach('unix:{qemu.gdb_path}'))",
+        f"  console log:  {qemu.console_log}",
+        f"  stop it with: kill {qemu.proc.pid}; rm -rf {qemu.rundir} {qemu.shmdir}",
+    ])  # fmt: skip
+    config.stash[_KEPT].append(text)
+    if report is not None:
+        report.sections.append(("qprobe: VM kept for inspection", text))
+    capman = config.pluginmanager.getplugin("capturemanager")
+    reporter = config.pluginmanager.getplugin("terminalreporter")
+    if reporter is not None:
+        if capman is not None:
+            with capman.global_and_fixture_disabled():
+                reporter.write_line("\n" + text)
+        else:
+            reporter.write_line("\n" + text)
+
+
+# -- reports ---------------------------------------------------------------------------------
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    reset = item.stash.get(_RESET, None)
+    try:
+        result = yield
+    except BaseException:
+        if reset is not None:
+            reset.new_oopses()  # the failure's report lists them; no second error at teardown
+        raise
+    # An oops during a test that otherwise passed fails the test itself (not its teardown).
+    if reset is not None:
+        oopses = reset.new_oopses()
+        if oopses:
+            pytest.fail("the guest kernel reported:\n  " + "\n  ".join(oopses), pytrace=False)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    report: pytest.TestReport = yield
+    item.stash.setdefault(_REPORTS, {})[report.when] = report
+    if report.skipped and item.stash.get(_OUR_SKIP, False) and isinstance(report.longrepr, tuple):
+        filename, line = item.reportinfo()[:2]
+        report.longrepr = (str(filename), (line or 0) + 1, report.longrepr[2])
+    reset = item.stash.get(_RESET, None)
+    if report.failed and reset is not None:
+        report.sections.extend(reset.sections())
+    return report
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    kept = config.stash.get(_KEPT, [])
+    if kept:
+        terminalreporter.section("qprobe: VMs left running (--qprobe-keep)")
+        for text in kept:
+            terminalreporter.write_line(text)
+
+
+# -- for a source checkout ---------------------------------------------------------------------
+def register_if_missing(pluginmanager: pytest.PytestPluginManager) -> None:
+    """Register this plugin unless pytest already has it (from the ``pytest11`` entry point or ``-p``).
+
+    For conftest.py files of a qprobe source checkout that is not pip-installed;
+    call it from ``pytest_addoption(parser, pluginmanager)`` so that the options
+    exist before the command line is parsed::
+
+        def pytest_addoption(parser, pluginmanager):
+            from qprobe.pytest_plugin import register_if_missing
+            register_if_missing(pluginmanager)
+    """
+    this = sys.modules[__name__]
+    if pluginmanager.is_registered(this) or pluginmanager.has_plugin("qprobe") or pluginmanager.is_blocked("qprobe"):
+        return
+    pluginmanager.register(this, "qprobe")

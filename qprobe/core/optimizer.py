@@ -50,6 +50,7 @@ from qprobe.arch.x86_64.detour import (
 )
 from qprobe.arch.x86_64.insn import copy_instruction, synthesize_reljump
 from qprobe.arch.x86_64.opt import can_optimize
+from qprobe.errors import QprobeError
 from qprobe.target.journal import Patch
 from qprobe.target.memory import SharedRam
 from qprobe.target.qemu import DOORBELL_PORT
@@ -61,6 +62,7 @@ log = logging.getLogger("qprobe.optimizer")
 
 MAX_OPTIMIZED = 4096  # probe ids: one nmissed counter each
 TRAMPOLINE_ID = 0
+THREAD_SIZE = 16 << 10  # x86_64 kernel and IRQ stacks (without KASAN)
 _FRAME_WORDS = FRAME_SIZE // 8
 
 
@@ -178,11 +180,41 @@ class Optimizer:
         if (point.addr & 0xFFF) + 5 > 0x1000:
             return "the jump would cross a page"
         for tid in self.machine.vcpus:
-            rip = self.machine.gdb.read_registers(tid)["rip"]
-            if point.addr < rip < end:
+            regs = self.machine.gdb.read_registers(tid)
+            if point.addr < regs["rip"] < end:
                 return f"vCPU {tid} is inside the region"
+            if self._interrupted_inside(regs, point.addr, end):
+                return f"a context interrupted on vCPU {tid} would return inside the region"
         point.opt_size = check.size
         return None
+
+    def _interrupted_inside(self, regs: dict[str, int], start: int, end: int) -> bool:
+        """Could an interrupted context on this vCPU return into (start, end)?
+
+        An interrupt taken inside the region leaves its return address in a
+        pt_regs frame: on the task's stack, or on the IRQ stack the vCPU runs on
+        now.  The kernel waits for an RCU-tasks grace period instead; we look:
+        every qword of the running stack and of the current task's stack that
+        points strictly inside the region counts (a false match only delays).
+        """
+        if regs["cs"] & 3:
+            return False  # user mode: no kernel context is interrupted on this vCPU
+        mem, tasks = self.machine.mem, self.kp.tasks
+        stacks = [(regs["rsp"] & ~7, (regs["rsp"] | (THREAD_SIZE - 1)) + 1)]
+        try:
+            task = tasks.current_addr(regs["gs_base"])
+            base = mem.read_u64(task + self.kp.symbols.btf.offsetof("task_struct", "stack"))
+            stacks.append((base, base + THREAD_SIZE))
+        except QprobeError:
+            return True  # cannot tell: do not optimize now
+        for lo, hi in stacks:
+            try:
+                data = mem.read(lo, hi - lo)
+            except QprobeError:
+                return True
+            if any(start < v < end for v in struct.unpack(f"<{len(data) // 8}Q", data)):
+                return True
+        return False
 
     def why_not_kept(self, point: ProbePoint) -> str | None:
         """Why an optimized point must go back to an int3 (a post_handler arrived, the knob is off)."""

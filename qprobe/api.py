@@ -16,6 +16,7 @@ import atexit
 import json
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -36,6 +37,7 @@ from qprobe.kernel.kaslr import detect_slide
 from qprobe.kernel.symbols import Symbols
 from qprobe.kernel.task import Task
 from qprobe.kernel.typed import KObject
+from qprobe.paths import cache_dir
 from qprobe.target.connection import Connection
 from qprobe.target.console import Console, RunResult
 from qprobe.target.gdbremote import WATCH_ACCESS, WATCH_READ, WATCH_WRITE, GdbRemote
@@ -131,8 +133,11 @@ class Target:
                 self.kprobes, phys if isinstance(phys, SharedRam) else None, str(doorbell) if doorbell else None
             )
             self.timings["attach"] = time.monotonic() - t0
-        except BaseException:
+        except BaseException as exc:
+            kept = self._keep_console_log()
             self._teardown()
+            if kept:
+                exc.add_note(f"guest console kept in {kept}")
             raise
         _register_cleanup(self)
 
@@ -141,6 +146,14 @@ class Target:
     def _read_cmdline(self) -> str:
         ptr = self.mem.read_u64(self.symbols.address("saved_command_line"))
         return self.mem.read_cstring(ptr, 4096).decode(errors="replace")
+
+    def _keep_console_log(self) -> Path | None:
+        """Copy the console log of a VM that failed to come up, before its run directory goes."""
+        if self.qemu is None or not self.qemu.console_log.exists():
+            return None
+        dest = cache_dir("logs") / f"console-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+        shutil.copyfile(self.qemu.console_log, dest)
+        return dest
 
     def _exit_hint(self) -> str | None:
         """What the console says about the end of the VM."""
@@ -326,6 +339,9 @@ class Target:
         self.kprobes.set_enabled(on)
 
     def list_probes(self) -> str:
+        """The debugfs kprobes/list format (nmissed of optimized probes synced when the VM is up)."""
+        if not self.machine.alive:
+            return self.kprobes.list_probes(sync=False)
         return self.machine.call(self.kprobes.list_probes)
 
     @property
@@ -371,7 +387,9 @@ class Target:
                 self.journal.clear()
         except QprobeError as exc:
             log.warning("could not remove every probe: %s", exc)
-        self._teardown()
+        finally:
+            # Whatever happened above, QEMU (if ours) is stopped and nothing is leaked.
+            self._teardown()
 
     def _teardown(self) -> None:
         machine = getattr(self, "machine", None)

@@ -237,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qprobe: error: {exc.reason}\n{exc.caret()}", file=sys.stderr)
         return 2
     except QprobeError as exc:
-        print(f"qprobe: error: {exc}", file=sys.stderr)
+        notes = "".join(f" ({note})" for note in getattr(exc, "__notes__", []))
+        print(f"qprobe: error: {exc}{notes}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("qprobe: interrupted", file=sys.stderr)

@@ -30,6 +30,7 @@ from qprobe.errors import (
     Blacklisted,
     InvalidProbe,
     NotKernelText,
+    ProbeBusy,
     ProbeError,
     QprobeError,
     SymbolError,
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("qprobe.kprobes")
 
 INT3 = b"\xcc"
+FTRACE_NOP5 = bytes.fromhex("0f1f440000")  # x86_64 ideal 5-byte NOP that boot puts at every __fentry__ call
 SLOT_SIZE = 32  # MAX_INSN_SIZE (16) + a 5-byte jmp back, rounded up
 TF, RF = 0x100, 0x10000
 MAX_STEP_RETRIES = 1 << 16
@@ -151,7 +153,31 @@ class KprobeManager:
         if fn is None:
             raise NotKernelText(f"{addr:#x} is not inside a known kernel function")
         code = self.machine.mem.read(fn.addr, fn.size)
+        self._check_ftrace_site(addr, where)
         return where, fn.addr, code
+
+    def _check_ftrace_site(self, addr: int, where: str) -> None:
+        """Refuse an ``__fentry__`` site the guest's ftrace has turned into a call.
+
+        At boot every ``call __fentry__`` becomes a 5-byte NOP; the guest's
+        function tracer, or its own kprobe_events on a function entry (ftrace-based
+        on x86), turns it back into a call and later verifies the bytes it expects
+        there before changing them again.  Patching over it would break the
+        guest's ftrace (ftrace_bug), so qprobe leaves such a site alone.
+        """
+        try:
+            linked = self.symbols.file_bytes(addr, 5)
+        except QprobeError:
+            return
+        fentry = self.symbols.address("__fentry__") if "__fentry__" in self.symbols else None
+        if linked[0] != 0xE8 or fentry is None:
+            return
+        if addr + 5 + int.from_bytes(linked[1:], "little", signed=True) != fentry:
+            return
+        running = self.original(addr, 5)
+        if running != FTRACE_NOP5:
+            raise ProbeBusy(f"the guest's ftrace is using {where} (its function tracer or its own "
+                            f"kprobe_events): qprobe will not patch over it; probe the next instruction")  # fmt: skip
 
     def patched(self) -> dict[int, int]:
         """address -> original byte of everything we changed in kernel text."""
@@ -546,9 +572,9 @@ class KprobeManager:
             log.warning("fault_handler of %s raised %s: %s", kp.where(), type(inner).__name__, inner)
 
     # -- listing -------------------------------------------------------------------
-    def list_probes(self) -> str:
+    def list_probes(self, sync: bool = True) -> str:
         """The debugfs kprobes/list format."""
-        if self.optimizer is not None:
+        if sync and self.optimizer is not None:
             for point in self.points.values():
                 self.optimizer.sync_missed(point)
         lines = []

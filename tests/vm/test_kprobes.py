@@ -180,3 +180,24 @@ def test_arguments_by_position_and_by_name(target: qprobe.Target, guard: dict[in
     fd = int(res["fd"])
     assert seen == [(fd, fd, i, 0) for i in (1, 2, 3)]
     assert kp.nfaults == 0
+
+
+def test_refuses_a_site_the_guests_own_ftrace_uses(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    tracing = "/sys/kernel/tracing"
+    target.run(f"echo 'p:guestk ksys_lseek' > {tracing}/kprobe_events && "
+               f"echo 1 > {tracing}/events/kprobes/guestk/enable").check()  # fmt: skip
+    try:
+        with pytest.raises(qprobe.ProbeError, match="guest's ftrace") as e:
+            target.register_kprobe(Kprobe(symbol_name="ksys_lseek"))
+        assert "\n" not in str(e.value) and not target.kprobes.points
+    finally:
+        target.run(f"echo 0 > {tracing}/events/kprobes/guestk/enable; "
+                   f"echo '-:guestk' >> {tracing}/kprobe_events").check()  # fmt: skip
+    # With the guest's probe gone the entry is a NOP again, and qprobe may use it.
+    kp = Kprobe(symbol_name="ksys_lseek")
+    target.register_kprobe(kp)
+    try:
+        target.run("workload lseek 2").check()
+    finally:
+        target.unregister_kprobe(kp)
+    assert kp.nhit == 2

@@ -78,7 +78,8 @@ class Target:
 
     def __init__(self, gdb_address: str, vmlinux: str | Path, *, ram: Path | None = None, ram_size: int = 0,
                  console: Path | None = None, qemu: QemuProcess | None = None, console_log: Path | None = None,
-                 boot_timeout: float = 60.0, doorbell: Path | None = None) -> None:  # fmt: skip
+                 boot_timeout: float = 60.0, doorbell: Path | None = None,
+                 system_map: Path | None = None) -> None:  # fmt: skip
         self.qemu = qemu
         self.image: Image | None = None  # set by boot(); None when attached to a foreign QEMU
         self.events: dict[str, TraceEvent] = {}
@@ -91,7 +92,7 @@ class Target:
         try:
             t0 = time.monotonic()
             symbols_box: list[Symbols | BaseException] = []
-            loader = threading.Thread(target=_load_into, args=(vmlinux, symbols_box), daemon=True)
+            loader = threading.Thread(target=_load_into, args=(vmlinux, symbols_box, system_map), daemon=True)
             loader.start()
             if console is not None:
                 self.console = Console(console, console_log, alive)
@@ -416,10 +417,10 @@ def fully_preemptible(symbols: Symbols, cmdline: str) -> bool:
     return "preempt_schedule" in symbols and "__cond_resched" not in symbols
 
 
-def _load_into(vmlinux: str | Path, box: list[Symbols | BaseException]) -> None:
+def _load_into(vmlinux: str | Path, box: list[Symbols | BaseException], system_map: Path | None = None) -> None:
     t = time.monotonic()
     try:
-        box.append(Symbols.load(vmlinux))
+        box.append(Symbols.load(vmlinux, system_map))
     except BaseException as exc:
         box.append(exc)
     Target._symbol_time = time.monotonic() - t
@@ -484,7 +485,7 @@ def boot(image: str = "debian-cloud", smp: int = 2, memory: str | int = "512M",
         raise
     target = Target(f"unix:{qemu.gdb_path}", img.vmlinux, ram=qemu.ram_path, ram_size=config.memory,
                     console=qemu.console_path, qemu=qemu, console_log=qemu.console_log,
-                    boot_timeout=boot_timeout, doorbell=qemu.doorbell_path)  # fmt: skip
+                    boot_timeout=boot_timeout, doorbell=qemu.doorbell_path, system_map=img.system_map)  # fmt: skip
     target.image = img
     return target
 
@@ -497,6 +498,7 @@ def attach(
     ram_size: int | str = 0,
     console: str | Path | None = None,
     allow_remote: bool = False,
+    system_map: str | Path | None = None,
 ) -> Target:
     """Attach to a running QEMU's gdbstub (``unix:PATH`` or ``HOST:PORT``).
 
@@ -526,7 +528,8 @@ def attach(
     ram_path = Path(ram) if ram else None
     size = parse_memory(ram_size) if ram_size else (ram_path.stat().st_size if ram_path else 0)
     return Target(addr, vmlinux, ram=ram_path, ram_size=size, console=Path(console) if console else None,
-                  doorbell=Path(doorbell) if doorbell else None)  # fmt: skip
+                  doorbell=Path(doorbell) if doorbell else None,
+                  system_map=Path(system_map) if system_map else None)  # fmt: skip
 
 
 __all__ = ["Target", "attach", "boot"]

@@ -74,7 +74,8 @@ class Symbols:
 
     # -- loading -------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | Path) -> Symbols:
+    def load(cls, path: str | Path, system_map: str | Path | None = None) -> Symbols:
+        """Symbols of ``path``; a stripped vmlinux takes its symbols from ``system_map``."""
         path = Path(path)
         if not path.is_file():
             raise SymbolError(f"vmlinux {path} does not exist")
@@ -88,7 +89,7 @@ class Symbols:
                     return table
             except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError):
                 pass  # a corrupt or outdated cache is rebuilt below
-        syms, sections, percpu = _parse_with_lief(path)
+        syms, sections, percpu = _parse_with_lief(path, system_map)
         table = cls(path, build_id, syms, sections, percpu)
         # The whole indexed table is cached, not the raw symbols: sorting and
         # indexing 120k rows costs as much as LIEF's parse.
@@ -247,7 +248,39 @@ def _read_build_id(path: Path) -> str:
     raise SymbolError(f"{path} has no build-id note; cannot match it to a running kernel")
 
 
-def _parse_with_lief(path: Path) -> tuple[list[tuple[str, int, int, str]], list[Section], dict[str, int]]:
+def parse_system_map(text: str) -> tuple[list[tuple[str, int, int, str]], dict[str, int]]:
+    """System.map lines (``ffffffff81000000 T _stext``): symbols with sizes up to the next one.
+
+    System.map carries no sizes, so a symbol's size is the distance to the next
+    address, as kallsyms assumes; per-CPU variables are the small absolute ones.
+    """
+    rows = []
+    percpu: dict[str, int] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        try:
+            addr = int(parts[0], 16)
+        except ValueError:
+            continue
+        kind, name = parts[1], parts[2]
+        if addr < LINK_BASE & ~0xFFFFFFF:
+            if kind in "Dd":
+                percpu[name] = addr
+            continue
+        rows.append((addr, name, "func" if kind in "Tt" else "object" if kind in "DdBbRr" else "other"))
+    rows.sort()
+    syms = []
+    for i, (addr, name, kind) in enumerate(rows):
+        nxt = next((a for a, _n, _k in rows[i + 1 :] if a > addr), addr)
+        syms.append((name, addr, nxt - addr, kind))
+    return syms, percpu
+
+
+def _parse_with_lief(
+    path: Path, system_map: str | Path | None = None
+) -> tuple[list[tuple[str, int, int, str]], list[Section], dict[str, int]]:
     import lief
 
     config = lief.ELF.ParserConfig()
@@ -269,8 +302,14 @@ def _parse_with_lief(path: Path) -> tuple[list[tuple[str, int, int, str]], list[
             syms.append((s.name, s.value, s.size, kinds.get(s.type, "other")))
         elif s.shndx == percpu_index and s.type == lief.ELF.Symbol.TYPE.OBJECT:
             percpu[s.name] = s.value
+    if not syms and system_map is not None:
+        try:
+            syms, percpu = parse_system_map(Path(system_map).read_text())
+        except OSError as exc:
+            raise SymbolError(f"cannot read {system_map}: {exc.strerror}") from None
     if not syms:
-        raise SymbolError(f"{path} has no symbol table (stripped vmlinux?); use the -dbg package's file")
+        raise SymbolError(f"{path} has no symbol table (stripped vmlinux?): use the -dbg package's file "
+                          "or give its System.map")  # fmt: skip
     exec_flag = lief.ELF.Section.FLAGS.EXECINSTR
     sections = [
         Section(s.name, s.virtual_address, s.size, s.file_offset, s.has(exec_flag))

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import qprobe
+import qprobe.kernel.symbols
 from qprobe.errors import QprobeError, TargetError, TargetGone, VmlinuxMismatch
 from qprobe.images import get_image
 from qprobe.target.console import READY, Console
@@ -151,3 +152,46 @@ def test_guest_reboot_ends_the_session_with_a_message() -> None:
         with pytest.raises(TargetGone, match="rebooted") as e:
             t.run("true", timeout=5)
         assert "\n" not in str(e.value)
+
+
+def test_stripped_vmlinux_with_system_map(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    img = get_image(IMAGE, fetch=False)
+    assert img.system_map is not None
+    stripped = tmp_path / "vmlinux.stripped"
+    subprocess.run(["objcopy", "--strip-all", str(img.vmlinux), str(stripped)], check=True)
+    q = _bare_qemu()
+    # The symbol cache is keyed by build-id, which stripping keeps: start from an empty one.
+    monkeypatch.setenv("QPROBE_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(qprobe.SymbolError, match=r"System\.map"):
+        qprobe.kernel.symbols.Symbols.load(stripped)
+    try:
+        with qprobe.attach(f"unix:{q.gdb_path}", stripped, ram=q.ram_path, ram_size=q.config.memory,
+                           console=q.console_path, system_map=img.system_map) as t:  # fmt: skip
+            out = t.run("grep -w ksys_lseek /proc/kallsyms").check().output
+            assert t.symbols.address("ksys_lseek") == int(out.split()[0], 16)
+            kp = qprobe.Kprobe(symbol_name="ksys_lseek")
+            t.register_kprobe(kp)
+            t.run("workload lseek 3").check()
+            t.unregister_kprobe(kp)
+            assert kp.nhit == 3
+    finally:
+        q.terminate()
+
+
+def test_extra_files_reach_the_guest(tmp_path: Path) -> None:
+    script = tmp_path / "hello.sh"
+    script.write_text("#!/bin/sh\necho hello-from-host $1\n")
+    script.chmod(0o755)
+    with qprobe.boot(IMAGE, files={"/bin/hello": script}) as t:
+        assert t.run("hello 42").check().output.strip() == "hello-from-host 42"
+
+
+def test_the_disk_image_boots_and_probes() -> None:
+    with qprobe.boot("debian-cloud-disk") as t:
+        assert t.run("cat /proc/mounts").check().output.startswith("/dev/root / ext2 ")
+        assert "nvme0n1" in t.run("cat /proc/partitions").check().output
+        kp = qprobe.Kprobe(symbol_name="__x64_sys_getppid")
+        t.register_kprobe(kp)
+        t.run("workload getppid 7").check()
+        t.unregister_kprobe(kp)
+        assert kp.nhit == 7 and t.oopses() == []

@@ -40,6 +40,7 @@ from qprobe.kernel.typed import KObject
 from qprobe.paths import cache_dir
 from qprobe.target.connection import Connection
 from qprobe.target.console import Console, RunResult
+from qprobe.target.gdbmi import GdbMiRemote
 from qprobe.target.gdbremote import WATCH_ACCESS, WATCH_READ, WATCH_WRITE, GdbRemote
 from qprobe.target.journal import Journal
 from qprobe.target.machine import Machine
@@ -53,12 +54,22 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("qprobe")
 SESSION_FILE = "session.json"
+TRANSPORTS = ("rsp", "gdb")
+
+
+def open_stub(transport: str, address: str, alive: Callable[[], bool] | None = None) -> GdbRemote | GdbMiRemote:
+    """The gdbstub client: qprobe's own RSP client, or a real gdb driven through GDB/MI (same interface)."""
+    if transport == "rsp":
+        return GdbRemote(Connection.open(address, alive))
+    if transport == "gdb":
+        return GdbMiRemote(address, alive=alive)
+    raise TargetError(f"unknown transport {transport!r}: expected one of {', '.join(TRANSPORTS)}")
 
 
 class _StubPhys:
     """Physical reads through the stub, for a QEMU whose RAM we cannot map."""
 
-    def __init__(self, gdb: GdbRemote) -> None:
+    def __init__(self, gdb: GdbRemote | GdbMiRemote) -> None:
         self.gdb = gdb
         self.machine: Machine | None = None
 
@@ -79,7 +90,7 @@ class Target:
     def __init__(self, gdb_address: str, vmlinux: str | Path, *, ram: Path | None = None, ram_size: int = 0,
                  console: Path | None = None, qemu: QemuProcess | None = None, console_log: Path | None = None,
                  boot_timeout: float = 60.0, doorbell: Path | None = None,
-                 system_map: Path | None = None) -> None:  # fmt: skip
+                 system_map: Path | None = None, transport: str = "rsp") -> None:  # fmt: skip
         self.qemu = qemu
         self.image: Image | None = None  # set by boot(); None when attached to a foreign QEMU
         self.events: dict[str, TraceEvent] = {}
@@ -99,7 +110,7 @@ class Target:
                 if qemu is not None:
                     self.console.wait_for("QPROBE-READY", boot_timeout)
                     self.timings["boot"] = time.monotonic() - t0
-            self.gdb = GdbRemote(Connection.open(gdb_address, alive))
+            self.gdb = open_stub(transport, gdb_address, alive)
             self.gdb.handshake()
             vcpus = self.gdb.threads()
             regs0 = self.gdb.read_registers(vcpus[0])
@@ -111,6 +122,12 @@ class Target:
             self.symbols: Symbols = symbols_box[0]
             self.timings["symbols"] = self._symbol_time
             self.slide = detect_slide(self.symbols, self.mem, self.console.text if self.console else "")
+            if isinstance(self.gdb, GdbMiRemote):
+                # For the shell's raw ``gdb CMD``: symbols at the running kernel's addresses, DWARF through
+                # the index cache the shell's static gdb also uses (1 s once it holds this build, 20 s before).
+                t = time.monotonic()
+                self.gdb.load_symbols(self.symbols.path, self.slide, index_dir=cache_dir("gdb-index"))
+                self.timings["gdb symbols"] = time.monotonic() - t
             self.cmdline = self._read_cmdline()
             self.journal = Journal(gdb_address, f"{self.symbols.build_id}:{self.slide:#x}")
             self.recovered = recover(self.gdb, self.mem, self.symbols, self.journal)
@@ -459,8 +476,11 @@ def _close_all() -> None:
 # -- constructors ------------------------------------------------------------------------
 def boot(image: str = "debian-cloud", smp: int = 2, memory: str | int = "512M",
          files: dict[str, str | Path] | None = None, accel: str = "auto", cmdline: str = "",
-         boot_timeout: float = 60.0) -> Target:  # fmt: skip
-    """Boot an image (fetched and built on first use) and attach to it."""
+         boot_timeout: float = 60.0, transport: str = "rsp") -> Target:  # fmt: skip
+    """Boot an image (fetched and built on first use) and attach to it.
+
+    ``transport``: "rsp" (qprobe's own client) or "gdb" (a real gdb through GDB/MI).
+    """
     from qprobe.images import get_image, with_files
 
     img = get_image(image)
@@ -485,7 +505,8 @@ def boot(image: str = "debian-cloud", smp: int = 2, memory: str | int = "512M",
         raise
     target = Target(f"unix:{qemu.gdb_path}", img.vmlinux, ram=qemu.ram_path, ram_size=config.memory,
                     console=qemu.console_path, qemu=qemu, console_log=qemu.console_log,
-                    boot_timeout=boot_timeout, doorbell=qemu.doorbell_path, system_map=img.system_map)  # fmt: skip
+                    boot_timeout=boot_timeout, doorbell=qemu.doorbell_path, system_map=img.system_map,
+                    transport=transport)  # fmt: skip
     target.image = img
     return target
 
@@ -499,8 +520,11 @@ def attach(
     console: str | Path | None = None,
     allow_remote: bool = False,
     system_map: str | Path | None = None,
+    transport: str = "rsp",
 ) -> Target:
     """Attach to a running QEMU's gdbstub (``unix:PATH`` or ``HOST:PORT``).
+
+    ``transport``: "rsp" (qprobe's own client) or "gdb" (a real gdb through GDB/MI).
 
     For a QEMU started by ``qprobe boot``, the run directory's session file
     supplies vmlinux, the shared RAM file and the console.
@@ -529,7 +553,7 @@ def attach(
     size = parse_memory(ram_size) if ram_size else (ram_path.stat().st_size if ram_path else 0)
     return Target(addr, vmlinux, ram=ram_path, ram_size=size, console=Path(console) if console else None,
                   doorbell=Path(doorbell) if doorbell else None,
-                  system_map=Path(system_map) if system_map else None)  # fmt: skip
+                  system_map=Path(system_map) if system_map else None, transport=transport)  # fmt: skip
 
 
 __all__ = ["Target", "attach", "boot"]

@@ -35,9 +35,10 @@ def _files(specs: list[str]) -> dict[str, str]:
 def _boot(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     import qprobe
 
+    transport = getattr(args, "transport", "rsp")
     if getattr(args, "attach", None):
-        return qprobe.attach(args.attach, args.vmlinux, allow_remote=args.allow_remote)
-    return qprobe.boot(args.image, smp=args.smp, memory=args.memory, files=_files(args.file))
+        return qprobe.attach(args.attach, args.vmlinux, allow_remote=args.allow_remote, transport=transport)
+    return qprobe.boot(args.image, smp=args.smp, memory=args.memory, files=_files(args.file), transport=transport)
 
 
 def cmd_boot(args: argparse.Namespace) -> int:
@@ -167,6 +168,8 @@ def _target_options(p: argparse.ArgumentParser, attach: bool = True) -> None:
     p.add_argument("--memory", default="512M", help="guest RAM (default 512M)")
     p.add_argument("--file", action="append", default=[], metavar="HOST:GUEST",
                    help="add a host file to the guest's root filesystem (repeatable)")  # fmt: skip
+    p.add_argument("--transport", choices=("rsp", "gdb"), default="rsp",
+                   help="qprobe's own gdbstub client (fast, default) or a real gdb through GDB/MI")  # fmt: skip
     if attach:
         p.add_argument("--attach", metavar="ADDR", help="attach to a running QEMU instead of booting")
         p.add_argument("--vmlinux", help="the running kernel's vmlinux (for --attach)")

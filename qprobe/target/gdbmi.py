@@ -43,8 +43,11 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from pygdbmi.gdbcontroller import GdbController
+from pygdbmi.IoManager import IoManager
+
 from qprobe.errors import GuestTimeout, ProtocolError, TargetError, TargetGone
-from qprobe.target.gdbremote import BREAK_HW, BREAK_SW, RegDesc
+from qprobe.target.gdbremote import BREAK_HW, BREAK_SW, WATCH_ACCESS, WATCH_READ, WATCH_WRITE, RegDesc
 from qprobe.target.rsp import StopReply
 
 MiRecord = dict[str, Any]
@@ -67,6 +70,15 @@ _TRAP_REASONS = frozenset(
     {"breakpoint-hit", "end-stepping-range", "watchpoint-trigger", "read-watchpoint-trigger",
      "access-watchpoint-trigger", "watchpoint-scope", "function-finished", "location-reached"}
 )  # fmt: skip
+# Watchpoint stops: gdb's reason and the record naming the watchpoint -> the field a raw ``T`` packet carries.
+_WATCH_STOPS = {
+    "watchpoint-trigger": ("wpt", "watch"),
+    "read-watchpoint-trigger": ("hw-rwpt", "rwatch"),
+    "access-watchpoint-trigger": ("hw-awpt", "awatch"),
+}
+_WATCH_FLAGS = {WATCH_WRITE: "", WATCH_READ: "-r ", WATCH_ACCESS: "-a "}
+# ``-break-info`` types of watchpoints QEMU checks; a plain "watchpoint" is gdb single-stepping the VM.
+_HW_WATCH_TYPES = frozenset({"hw watchpoint", "read watchpoint", "acc watchpoint"})
 # Console commands that would end or replace the session under our feet.
 _SESSION_COMMANDS = frozenset({"quit", "q", "kill", "k", "detach", "disconnect", "target", "tar"})
 
@@ -230,19 +242,35 @@ def parse_memory(payload: Mapping[str, Any], addr: int, size: int) -> bytes:
 
 
 def parse_breakpoint_number(payload: Mapping[str, Any]) -> str:
-    """``-break-insert`` -> the breakpoint's number, for ``-break-delete``."""
-    number = _string(_field(_field(payload, "bkpt", "-break-insert"), "number", "-break-insert"), "a breakpoint")
+    """``-break-insert``/``-break-watch`` -> the breakpoint's number, for ``-break-delete``."""
+    keys = [k for k in ("bkpt", "wpt", "hw-rwpt", "hw-awpt") if isinstance(payload, Mapping) and k in payload]
+    if len(keys) != 1:
+        raise ProtocolError(f"gdb's answer to a breakpoint insertion names no single breakpoint: {str(payload)[:80]}")
+    number = _string(_field(payload[keys[0]], "number", "-break-insert"), "a breakpoint number")
     if not number.isdigit():
         raise ProtocolError(f"gdb numbered a breakpoint {number!r}")
     return number
 
 
-def parse_stopped(payload: Mapping[str, Any], threads: Mapping[str, str]) -> StopReply:
+def parse_breakpoint_type(payload: Mapping[str, Any]) -> str:
+    """``-break-info N`` -> gdb's type for it (``breakpoint``, ``hw watchpoint``, ``watchpoint``, ...)."""
+    body = _field(_field(payload, "BreakpointTable", "-break-info"), "body", "-break-info")
+    if not isinstance(body, list) or len(body) != 1:
+        raise ProtocolError(f"gdb's -break-info lists {len(body) if isinstance(body, list) else 'no'} breakpoints")
+    return _string(_field(body[0], "type", "-break-info"), "a breakpoint type")
+
+
+def parse_stopped(
+    payload: Mapping[str, Any], threads: Mapping[str, str], watches: Mapping[str, int] | None = None
+) -> StopReply:
     """A ``*stopped`` record -> the StopReply the raw stub would have sent.
 
     A stop gdb explains (breakpoint hit, end of a stepi) is a SIGTRAP on the
     wire; a stop with no reason at all is the one ``target remote`` reports
-    on connecting, which QEMU's ``?`` answers with SIGTRAP too.
+    on connecting, which QEMU's ``?`` answers with SIGTRAP too.  A watchpoint
+    stop gets the ``watch``/``rwatch``/``awatch`` field QEMU sends, with the
+    watched address found through ``watches`` (gdb number -> address); one
+    of gdb's own (made on the console) gets none.
     """
     if not isinstance(payload, Mapping):
         raise ProtocolError(f"malformed *stopped record: {str(payload)[:80]}")
@@ -273,6 +301,11 @@ def parse_stopped(payload: Mapping[str, Any], threads: Mapping[str, str]) -> Sto
     for key in ("signal-name", "bkptno"):
         if key in payload:
             fields.append((key, _string(payload[key], key)))
+    if reason in _WATCH_STOPS:
+        record, field = _WATCH_STOPS[reason]
+        number = _string(_field(_field(payload, record, "*stopped"), "number", "*stopped"), "a watchpoint number")
+        if watches is not None and number in watches:
+            fields.append((field, f"{watches[number]:x}"))
     thread = None
     if kind == "T" and "thread-id" in payload:
         gid = _string(payload["thread-id"], "a thread id")
@@ -332,6 +365,28 @@ def stream_text(records: Iterable[MiRecord], kinds: tuple[str, ...] = ("console"
 
 
 # -- I/O: one gdb process ------------------------------------------------------------------
+class _GdbController(GdbController):
+    """pygdbmi's GdbController, with gdb in a session of its own.
+
+    A Ctrl-C typed at qprobe goes to the terminal's whole process group: gdb
+    would take it as "interrupt the VM", or abort the command it is running
+    (a register write half done).  Only qprobe may interrupt gdb.  The rest is
+    pygdbmi 0.11's spawn_new_gdb_subprocess.
+    """
+
+    def spawn_new_gdb_subprocess(self) -> int:
+        if self.gdb_process:
+            self.exit()
+        self.gdb_process = subprocess.Popen(
+            self.command, shell=False, stdout=subprocess.PIPE, stdin=subprocess.PIPE, stderr=subprocess.PIPE,
+            bufsize=0, start_new_session=True,
+        )  # fmt: skip
+        assert self.gdb_process.stdin is not None and self.gdb_process.stdout is not None
+        self.io_manager = IoManager(self.gdb_process.stdin, self.gdb_process.stdout, self.gdb_process.stderr,
+                                    self.time_to_check_for_additional_output_sec)  # fmt: skip
+        return self.gdb_process.pid
+
+
 class MiChannel:
     """gdb's MI stream: tokened commands in, records out.  A single thread must own it.
 
@@ -342,10 +397,8 @@ class MiChannel:
     """
 
     def __init__(self, gdb: str = "gdb", alive: Callable[[], bool] | None = None, name: str = "") -> None:
-        from pygdbmi.gdbcontroller import GdbController
-
         try:
-            self.controller = GdbController([gdb, *GDB_COMMAND])
+            self.controller = _GdbController([gdb, *GDB_COMMAND])
         except ValueError as exc:
             raise TargetError(f"cannot start gdb ({gdb}): {exc}; install Debian's gdb") from None
         proc = self.controller.gdb_process
@@ -370,6 +423,8 @@ class MiChannel:
         """Write one tokened command; returns the token its result will carry."""
         if self._closed:
             raise TargetGone(f"the gdb process for {self.name} is closed")
+        if self.gone is not None and not self.expect_exit:
+            raise TargetGone(f"lost the gdbstub connection {self.name}: {self.gone}")
         if "\n" in command:
             raise TargetError(f"internal: MI command with a newline: {command[:40]!r}")
         self._token += 1
@@ -389,7 +444,11 @@ class MiChannel:
         while token not in self._results:
             if not self.pump(deadline) and time.monotonic() >= deadline:
                 raise GuestTimeout(f"gdb did not answer {what} within {timeout:g} s")
-        return self._results.pop(token)
+        record = self._results.pop(token)
+        if record.get("message") == "error" and self.gone is not None and not self.expect_exit:
+            # gdb's own words would be "Remote connection closed": say what the caller can act on.
+            raise TargetGone(f"lost the gdbstub connection {self.name}: {self.gone}")
+        return record
 
     def command(self, command: str, what: str = "", timeout: float = 10.0) -> Mapping[str, Any]:
         """Send, wait for the result, return its payload; ``^error`` raises TargetError."""
@@ -494,7 +553,7 @@ class GdbMiRemote:
     """
 
     def __init__(self, address: str, *, alive: Callable[[], bool] | None = None, vmlinux: str | Path | None = None,
-                 gdb: str = "gdb", connect_timeout: float = 30.0) -> None:  # fmt: skip
+                 gdb: str = "gdb", connect_timeout: int = 5) -> None:  # fmt: skip
         self.address = address
         self.conn = MiChannel(gdb, alive, address)
         self.regs: dict[str, RegDesc] = {}
@@ -510,13 +569,15 @@ class GdbMiRemote:
         self._current: str | None = None  # gdb's selected thread, when we know it
         self._phys = False  # the mode QEMU is in
         self._want_phys = False  # the mode our next memory access needs
-        self._breakpoints: dict[tuple[int, int, int], list[str]] = {}
+        self._breakpoints: dict[tuple[int, int, int], list[str]] = {}  # (kind, addr, length) -> gdb numbers
+        self._watches: dict[str, int] = {}  # gdb watchpoint number -> watched address
         try:
             for setting in ("mi-async on", "pagination off", "width 0", "height 0", "confirm off", "non-stop off"):
                 self.conn.command(f"-gdb-set {setting}")
             for cli in ("set auto-load off", "set osabi none", "set architecture i386:x86-64",
                         "set breakpoint always-inserted on", "set stack-cache off", "set code-cache off",
-                        "set remotetimeout 20", "set print thread-events off"):  # fmt: skip
+                        "set remotetimeout 20", "set print thread-events off",
+                        f"set tcp connect-timeout {connect_timeout}"):  # fmt: skip
                 self._cli(cli)
             if vmlinux is not None:
                 self.load_symbols(vmlinux, 0)
@@ -526,9 +587,18 @@ class GdbMiRemote:
 
     # -- set-up ------------------------------------------------------------------------------
     def handshake(self) -> StopReply:
-        """Connect gdb to the stub, learn registers and vCPUs, return the current stop state."""
-        self.conn.command(f"-target-select remote {self._target}", "connecting gdb to the gdbstub",
-                          self._connect_timeout)  # fmt: skip
+        """Connect gdb to the stub, learn registers and vCPUs, return the current stop state.
+
+        gdb retries a refused TCP connection for ``connect_timeout`` seconds
+        (``tcp connect-timeout``), as Connection.open does; failing that, the
+        error is TargetGone like Connection.open's.
+        """
+        token = self.conn.send(f"-target-select remote {self._target}")
+        record = self.conn.result(token, "connecting gdb to the gdbstub", self._connect_timeout + 30)
+        if record.get("message") == "error":
+            msg = one_line(str((record.get("payload") or {}).get("msg", ""))) or "no message"
+            raise TargetGone(f"cannot connect to the gdbstub at {self.address}: {msg}")
+        result_payload(record, "connecting gdb to the gdbstub")
         # Connecting stops a running VM; gdb reports that stop before ^connected.
         stopped = self.conn.next_stop(0)
         self._cli("set scheduler-locking step")  # refused before there is a target
@@ -542,12 +612,22 @@ class GdbMiRemote:
             raise ProtocolError("gdb connected without reporting where the VM stopped")
         return parse_stopped(stopped, self._tids)
 
-    def load_symbols(self, vmlinux: str | Path, slide: int = 0) -> None:
-        """Give gdb the kernel's ELF symbols (not DWARF: seconds and gigabytes), moved by the KASLR slide.
+    def load_symbols(self, vmlinux: str | Path, slide: int = 0, index_dir: str | Path | None = None) -> None:
+        """Give gdb the kernel's symbols, moved by the KASLR slide (``symbol-file -o``).
 
-        Only for people typing gdb commands (``console``): qprobe's own requests use raw addresses.
+        Only for people typing gdb commands (``console``): qprobe's own requests
+        use raw addresses.  Without ``index_dir``, ELF symbols only (``-readnever``,
+        0.2 s): ``info symbol``, ``x/i`` with names.  With it, the DWARF too, through
+        gdb's index cache in that directory: ``info line``, ``ptype``, ``list``; about
+        1 s once the cache holds this build, 20 s or more for the load that writes it.
         """
-        self._cli(f"symbol-file -readnever -o {slide:#x} {shlex.quote(str(vmlinux))}")
+        path = shlex.quote(str(vmlinux))
+        if index_dir is None:
+            self._cli(f"symbol-file -readnever -o {slide:#x} {path}")
+            return
+        self._cli(f"set index-cache directory {shlex.quote(str(index_dir))}")
+        self._cli("set index-cache enabled on")
+        self._cli(f"symbol-file -o {slide:#x} {path}", timeout=600.0)
 
     def _cli(self, command: str, timeout: float = 30.0) -> str:
         """A gdb CLI command through MI; its console output."""
@@ -574,6 +654,7 @@ class GdbMiRemote:
         if words[0] in _SESSION_COMMANDS:
             raise TargetError(f"gdb command {words[0]!r} would end qprobe's session; use qprobe's detach/close")
         self._check_stopped(command)
+        self._apply_physical(False)  # a person typing ``x/4gx ADDR`` means a virtual address
         self._current = None  # the command may select another thread or frame
         return self._cli(command, timeout)
 
@@ -592,7 +673,8 @@ class GdbMiRemote:
             text = payload.decode("ascii")
         except UnicodeDecodeError:
             raise TargetError(f"cannot send binary packet {payload[:20]!r} through gdb's maint packet") from None
-        if not text.isprintable():
+        if not text.isprintable() or any(c in text for c in "$#}*"):
+            # maint packet frames the text as it is: these would need the escaping putpkt does not do.
             raise TargetError(f"cannot send packet {payload[:20]!r} through gdb's maint packet")
         return parse_maint_packet(self._cli(f"maint packet {text}"))
 
@@ -694,17 +776,30 @@ class GdbMiRemote:
 
     # -- breakpoints -------------------------------------------------------------------------
     def insert_breakpoint(self, addr: int, kind: int = BREAK_SW, length: int = 1) -> None:
-        """gdb breakpoints (``Z0``/``Z1`` on the wire, with always-inserted on).
+        """gdb breakpoints and watchpoints: ``Z0``..``Z4`` on the wire.
 
-        Watchpoints are refused: gdb checks a watched value itself and hides
-        stops where it did not change, which is not what a ``Z2`` does.
+        A watchpoint watches ``*(unsigned char (*)[length]) addr``.  One
+        difference from the raw stub: gdb compares a write watchpoint's value
+        itself and resumes without reporting a write that left it unchanged.
+        gdb reads that value in virtual mode, so physical mode is turned off first.
         """
         self._check_stopped("-break-insert")
-        if kind not in (BREAK_SW, BREAK_HW):
-            raise TargetError(f"the gdb transport does not set watchpoints (kind {kind}); use the RSP transport")
-        flag = "-h " if kind == BREAK_HW else ""
-        payload = self.conn.command(f"-break-insert {flag}*{addr:#x}", f"breakpoint at {addr:#x}")
-        self._breakpoints.setdefault((kind, addr, length), []).append(parse_breakpoint_number(payload))
+        what = f"{'breakpoint' if kind in (BREAK_SW, BREAK_HW) else 'watchpoint'} at {addr:#x}"
+        if kind in (BREAK_SW, BREAK_HW):
+            payload = self.conn.command(f"-break-insert {'-h ' if kind == BREAK_HW else ''}*{addr:#x}", what)
+            number = parse_breakpoint_number(payload)
+        elif kind in _WATCH_FLAGS:
+            self._apply_physical(False)
+            expr = mi_quote(f"*(unsigned char (*)[{length}]) {addr:#x}")
+            number = parse_breakpoint_number(self.conn.command(f"-break-watch {_WATCH_FLAGS[kind]}{expr}", what))
+            kind_name = parse_breakpoint_type(self.conn.command(f"-break-info {number}", what))
+            if kind_name not in _HW_WATCH_TYPES:
+                self.conn.command(f"-break-delete {number}", what)
+                raise TargetError(f"gdb would watch {addr:#x} by single-stepping the VM ({kind_name}), not via QEMU")
+            self._watches[number] = addr
+        else:
+            raise TargetError(f"unknown breakpoint kind {kind} at {addr:#x}")
+        self._breakpoints.setdefault((kind, addr, length), []).append(number)
 
     def remove_breakpoint(self, addr: int, kind: int = BREAK_SW, length: int = 1) -> None:
         self._check_stopped("-break-delete")
@@ -712,7 +807,7 @@ class GdbMiRemote:
         if not numbers:
             raise TargetError(f"gdbstub refused removing breakpoint at {addr:#x}: no such breakpoint")
         self.conn.command(f"-break-delete {numbers[-1]}", f"removing breakpoint at {addr:#x}")
-        numbers.pop()
+        self._watches.pop(numbers.pop(), None)
         if not numbers:
             del self._breakpoints[(kind, addr, length)]
 
@@ -751,11 +846,11 @@ class GdbMiRemote:
     def _stopped(self, payload: Mapping[str, Any]) -> StopReply:
         self.running = False
         gid = payload.get("thread-id")
-        if isinstance(gid, str):
-            if gid not in self._tids:
-                self.threads()
-            self._current = gid  # in all-stop mode gdb selects the thread that stopped
-        return parse_stopped(payload, self._tids)
+        if isinstance(gid, str) and gid not in self._tids:
+            self.threads()  # a vCPU gdb learned of only now (hot-plug): refresh the map
+        # gdb selects the thread that stopped (all-stop); select() asks again rather than rely on it.
+        self._current = None
+        return parse_stopped(payload, self._tids, self._watches)
 
     def wait_stop(self, timeout: float | None = 10.0) -> StopReply:
         payload = self.conn.next_stop(timeout)
@@ -789,6 +884,7 @@ __all__ = [
     "gdb_address",
     "mi_quote",
     "parse_breakpoint_number",
+    "parse_breakpoint_type",
     "parse_maint_packet",
     "parse_memory",
     "parse_register_values",

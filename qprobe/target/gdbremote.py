@@ -224,7 +224,8 @@ class GdbRemote:
     def detach(self) -> None:
         """``D``: the VM runs on without us."""
         try:
-            self.conn.send(b"D")
+            # With multiprocess+ QEMU 7.2 answers a bare D with E22 and leaves the VM paused.
+            self.conn.send(b"D;1")
             self.conn.recv(2.0)
         finally:
             self.conn.close()

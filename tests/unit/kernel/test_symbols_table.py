@@ -352,7 +352,7 @@ def test_load_parses_once_then_uses_the_cache(cache: Path, tmp_path: Path, monke
     path.write_bytes(elf([note(b"GNU", 3, BUILD_ID)]))
     parses: list[Path] = []
 
-    def parse(p: Path) -> tuple[list[tuple[str, int, int, str]], list[Section], dict[str, int]]:
+    def parse(p: Path, system_map: object = None) -> tuple[list[tuple[str, int, int, str]], list[Section], dict]:
         parses.append(p)
         return list(ROWS), list(SECTIONS), {"runqueues": 0x2E000}
 
@@ -380,7 +380,7 @@ def test_load_rebuilds_a_bad_cache(cache: Path, tmp_path: Path, monkeypatch: pyt
     path.write_bytes(elf([note(b"GNU", 3, BUILD_ID)]))
     (cache / "symbols").mkdir(parents=True)
     (cache / "symbols" / f"{BUILD_ID.hex()}.pickle").write_bytes(content)
-    monkeypatch.setattr(symbols_mod, "_parse_with_lief", lambda p: (list(ROWS), list(SECTIONS), {}))
+    monkeypatch.setattr(symbols_mod, "_parse_with_lief", lambda p, system_map=None: (list(ROWS), list(SECTIONS), {}))
     assert Symbols.load(path).address("foo") == S + 0x1000
     version, table = pickle.loads((cache / "symbols" / f"{BUILD_ID.hex()}.pickle").read_bytes())
     assert version == symbols_mod._CACHE_VERSION and isinstance(table, Symbols)

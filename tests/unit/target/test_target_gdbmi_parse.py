@@ -9,6 +9,7 @@ process (no VM) to check the token matching of MiChannel.
 from __future__ import annotations
 
 import shutil
+import time
 from typing import Any
 
 import pytest
@@ -17,10 +18,12 @@ from pygdbmi.gdbmiparser import parse_response
 from qprobe.errors import ProtocolError, TargetError, TargetGone
 from qprobe.target.gdbmi import (
     GDB_SIGNALS,
+    GdbMiRemote,
     MiChannel,
     gdb_address,
     mi_quote,
     parse_breakpoint_number,
+    parse_breakpoint_type,
     parse_maint_packet,
     parse_memory,
     parse_register_values,
@@ -261,10 +264,29 @@ def test_parse_breakpoint_number() -> None:
         'thread-groups=["i1"],times="0",original-location="*0xffffffff81000000"}'
     )
     assert parse_breakpoint_number(payload(line)) == "1"
-    with pytest.raises(ProtocolError):
+    assert parse_breakpoint_number(payload('4^done,wpt={number="2",exp="*(unsigned char (*)[8]) 0x1000"}')) == "2"
+    assert parse_breakpoint_number(payload('4^done,hw-rwpt={number="3",exp="x"}')) == "3"
+    assert parse_breakpoint_number(payload('4^done,hw-awpt={number="4",exp="x"}')) == "4"
+    with pytest.raises(ProtocolError, match="numbered"):
         parse_breakpoint_number(payload('1^done,bkpt={number="1.2"}'))
-    with pytest.raises(ProtocolError):
-        parse_breakpoint_number(payload('1^done,wpt={number="1"}'))
+    with pytest.raises(ProtocolError, match="no single breakpoint"):
+        parse_breakpoint_number(payload('1^done,tracepoint={number="1"}'))
+    with pytest.raises(ProtocolError, match="no single breakpoint"):
+        parse_breakpoint_number(payload('1^done,bkpt={number="1"},wpt={number="2"}'))
+
+
+BREAK_INFO = (
+    '5^done,BreakpointTable={nr_rows="1",nr_cols="6",hdr=[{width="7",alignment="-1",col_name="number",'
+    'colhdr="Num"}],body=[bkpt={number="2",type="hw watchpoint",disp="keep",enabled="y",addr="",'
+    'what="*(unsigned char (*)[8]) 0x1000",times="0"}]}'
+)
+
+
+def test_parse_breakpoint_type() -> None:
+    assert parse_breakpoint_type(payload(BREAK_INFO)) == "hw watchpoint"
+    assert parse_breakpoint_type(payload(BREAK_INFO.replace("hw watchpoint", "watchpoint"))) == "watchpoint"
+    with pytest.raises(ProtocolError, match="lists 0 breakpoints"):
+        parse_breakpoint_type(payload('5^done,BreakpointTable={nr_rows="0",body=[]}'))
 
 
 # -- stops ---------------------------------------------------------------------------------------------
@@ -306,6 +328,37 @@ def test_parse_stopped_keeps_gdbs_explanation() -> None:
     assert stop == StopReply("T", 5, "p1.2", (("reason", "breakpoint-hit"), ("bkptno", "3"), ("thread", "p1.2"),
                                               ("addr", "0xffffffff81a00b40")))  # fmt: skip
     assert stop.field("bkptno") == "3"
+
+
+@pytest.mark.parametrize(
+    ("line", "field"),
+    [
+        ('*stopped,reason="watchpoint-trigger",wpt={number="2",exp="*(unsigned char (*)[8]) 0xffffffff82e1c0c8"},'
+         'value={old="{0, 0}",new="{1, 0}"},frame={addr="0xffffffff810b52e0"},thread-id="1",stopped-threads="all"',
+         ("watch", "ffffffff82e1c0c8")),
+        ('*stopped,reason="read-watchpoint-trigger",hw-rwpt={number="3",exp="x"},value={value="1"},thread-id="2"',
+         ("rwatch", "1000")),
+        ('*stopped,reason="access-watchpoint-trigger",hw-awpt={number="4",exp="x"},value={new="1"},thread-id="2"',
+         ("awatch", "2000")),
+    ],
+)  # fmt: skip
+def test_parse_stopped_watchpoints_name_the_watched_address_as_qemu_does(line: str, field: tuple[str, str]) -> None:
+    watches = {"2": 0xFFFFFFFF82E1C0C8, "3": 0x1000, "4": 0x2000}
+    stop = parse_stopped(payload(line), THREADS, watches)
+    assert (stop.kind, stop.signal) == ("T", 5)
+    assert stop.field(field[0]) == field[1]
+    assert stop.thread is not None
+    raw = f"T05thread:p01.0{stop.thread[-1]};{field[0]}:{field[1]};"  # what QEMU sends for the same hit
+    wire = parse_stop_reply(raw.encode())
+    assert wire.field(field[0]) == stop.field(field[0]) and wire.thread == stop.thread
+
+
+def test_parse_stopped_watchpoint_of_gdbs_own_has_no_address() -> None:
+    line = '*stopped,reason="watchpoint-trigger",wpt={number="9",exp="x"},thread-id="1"'
+    stop = parse_stopped(payload(line), THREADS, {"2": 0x1000})
+    assert stop.field("watch") is None and stop.signal == 5
+    with pytest.raises(ProtocolError, match="no 'wpt'"):
+        parse_stopped(payload('*stopped,reason="watchpoint-trigger",thread-id="1"'), THREADS, {})
 
 
 @pytest.mark.parametrize(
@@ -415,3 +468,16 @@ def test_channel_reports_a_dead_qemu_while_waiting() -> None:
             ch.next_stop(5.0)
     finally:
         ch.close()
+
+
+@needs_gdb
+@pytest.mark.parametrize("address", ["127.0.0.1:1", "unix:/nonexistent/qprobe-gdb.sock"])
+def test_no_stub_is_target_gone_in_one_line(address: str) -> None:
+    remote = GdbMiRemote(address, connect_timeout=1)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TargetGone, match="cannot connect to the gdbstub at") as e:
+            remote.handshake()
+    finally:
+        remote.conn.close()
+    assert time.monotonic() - t0 < 10 and "\n" not in str(e.value)

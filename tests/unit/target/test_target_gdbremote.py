@@ -453,7 +453,7 @@ def test_wait_stop_timeout(stub: QemuStub, gdb: GdbRemote) -> None:
 
 def test_detach_closes_the_connection(stub: QemuStub, gdb: GdbRemote) -> None:
     gdb.detach()
-    assert stub.requests[-1] == b"D"
+    assert stub.requests[-1] == b"D;1"
     with pytest.raises(TargetGone):
         gdb.request(b"?")
 

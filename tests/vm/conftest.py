@@ -8,12 +8,17 @@ plugin's ``qprobe_reset``.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 
 import pytest
 
 import qprobe
+from qprobe.images import get_image
 from qprobe.pytest_plugin import QprobeReset, qprobe_scope, register_if_missing, selected_images
+from qprobe.target.console import READY, Console
+from qprobe.target.qemu import QemuConfig, QemuProcess
 
 # The image of tests that boot through the CLI or by hand: the first --qprobe-image.
 IMAGE = os.environ.get("QPROBE_TEST_IMAGE", "debian-cloud")
@@ -27,6 +32,35 @@ def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginMa
 def pytest_configure(config: pytest.Config) -> None:
     global IMAGE
     IMAGE = selected_images(config)[0]
+
+
+@contextlib.contextmanager
+def bare_qemu(image: str | None = None, timeout: float = 180.0) -> Iterator[QemuProcess]:
+    """Our QEMU without qprobe attached, booted to the guest shell, stopped afterwards."""
+    img = get_image(image or IMAGE, fetch=False)
+    q = QemuProcess(QemuConfig(kernel=img.kernel, initrd=img.initrd, cmdline=img.cmdline))
+    try:
+        q.wait_for_sockets()
+        console = Console(q.console_path, alive=q.alive)
+        try:
+            console.wait_for(READY, timeout)
+        finally:
+            console.close()
+        yield q
+    finally:
+        q.terminate()
+
+
+def fake_return(value: int) -> Callable[[qprobe.Kprobe, qprobe.PtRegs], int]:
+    """A pre_handler that makes the probed function return ``value`` without running it."""
+
+    def handler(kp: qprobe.Kprobe, regs: qprobe.PtRegs) -> int:
+        regs.ax = value
+        regs.ip = regs.read_u64(regs.sp)  # the return address
+        regs.sp += 8
+        return 1  # skip the probed instruction: we changed ip
+
+    return handler
 
 
 def workload_result(output: str) -> dict[str, str]:

@@ -22,12 +22,12 @@ from qprobe.errors import TargetError
 from qprobe.images import get_image
 from qprobe.paths import cache_dir
 from qprobe.target.connection import Connection
-from qprobe.target.console import READY, Console
+from qprobe.target.console import Console
 from qprobe.target.gdbmi import GdbMiRemote
 from qprobe.target.gdbremote import GdbRemote
-from qprobe.target.qemu import QemuConfig, QemuProcess
+from qprobe.target.qemu import QemuProcess
 
-from .conftest import IMAGE, workload_result
+from .conftest import IMAGE, bare_qemu, workload_result
 
 pytestmark = pytest.mark.vm
 HITS = 20
@@ -37,20 +37,10 @@ _OOPS = re.compile(r"(BUG: |Oops: |Kernel panic|general protection fault|WARNING
 @pytest.fixture(scope="module")
 def vm() -> Iterator[QemuProcess]:
     """Our own QEMU booted to the guest shell, nobody attached; never left running."""
-    img = get_image(IMAGE, fetch=False)
-    q = QemuProcess(QemuConfig(kernel=img.kernel, initrd=img.initrd, cmdline=img.cmdline))
-    try:
-        q.wait_for_sockets()
-        console = Console(q.console_path, alive=q.alive)
-        try:
-            console.wait_for(READY, 180)
-        finally:
-            console.close()
+    with bare_qemu() as q:
         yield q
         log = q.console_log.read_text(errors="replace")
         assert not _OOPS.search(log), "the guest oopsed:\n" + "\n".join(log.splitlines()[-60:])
-    finally:
-        q.terminate()
 
 
 def _report(capsys: pytest.CaptureFixture[str], line: str) -> None:

@@ -9,7 +9,7 @@ from qprobe import Kprobe
 from qprobe.arch.x86_64.decode import decode_all, decode_one
 from qprobe.errors import Blacklisted, InvalidProbe, NotInstructionBoundary, NotKernelText, SymbolError
 
-from .conftest import workload_result
+from .conftest import fake_return, workload_result
 
 pytestmark = pytest.mark.vm
 
@@ -83,14 +83,7 @@ def test_post_handler_sees_the_state_after_the_instruction(target: qprobe.Target
 
 
 def test_handler_changes_what_the_guest_sees(target: qprobe.Target, guard: dict[int, bytes]) -> None:
-    def fake_return(kp: Kprobe, regs: qprobe.PtRegs) -> int:
-        # Return 4242 from the syscall without running it: pop the return address.
-        regs.ax = 4242
-        regs.ip = regs.read_u64(regs.sp)
-        regs.sp += 8
-        return 1
-
-    kp = Kprobe(symbol_name="__x64_sys_getppid", pre_handler=fake_return)
+    kp = Kprobe(symbol_name="__x64_sys_getppid", pre_handler=fake_return(4242))
     target.register_kprobe(kp)
     try:
         res = workload_result(target.run("workload getppid 3").check().output)

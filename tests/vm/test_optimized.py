@@ -8,7 +8,7 @@ import qprobe
 from qprobe import Kprobe
 from qprobe.arch.x86_64.decode import decode_all
 
-from .conftest import workload_result
+from .conftest import fake_return, workload_result
 
 pytestmark = pytest.mark.vm
 
@@ -46,13 +46,7 @@ def test_optimized_handler_sees_arguments_and_task(target: qprobe.Target, guard:
 
 
 def test_optimized_pre_handler_can_skip_the_function(target: qprobe.Target, guard: dict[int, bytes]) -> None:
-    def fake_return(kp: Kprobe, regs: qprobe.PtRegs) -> int:
-        regs.ax = 4242
-        regs.ip = regs.read_u64(regs.sp)
-        regs.sp += 8
-        return 1
-
-    kp = Kprobe(symbol_name="__x64_sys_getppid", pre_handler=fake_return)
+    kp = Kprobe(symbol_name="__x64_sys_getppid", pre_handler=fake_return(4242))
     target.register_kprobe(kp)
     try:
         assert _optimized(target, kp)

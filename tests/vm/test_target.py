@@ -16,10 +16,9 @@ import qprobe
 import qprobe.kernel.symbols
 from qprobe.errors import QprobeError, TargetError, TargetGone, VmlinuxMismatch
 from qprobe.images import get_image
-from qprobe.target.console import READY, Console
 from qprobe.target.qemu import QemuConfig, QemuProcess
 
-from .conftest import IMAGE
+from .conftest import IMAGE, bare_qemu
 
 
 def test_run_returns_output_and_status(target: qprobe.Target) -> None:
@@ -93,28 +92,12 @@ def test_errors_are_one_line(tmp_path: Path) -> None:
         qprobe.attach("192.0.2.1:1234", "vmlinux")
 
 
-def _bare_qemu() -> QemuProcess:
-    """Our QEMU without qprobe attached, booted to the guest shell."""
-    img = get_image(IMAGE, fetch=False)
-    q = QemuProcess(QemuConfig(kernel=img.kernel, initrd=img.initrd, cmdline=img.cmdline))
-    q.wait_for_sockets()
-    console = Console(q.console_path, alive=q.alive)
-    try:
-        console.wait_for(READY, 60)
-    finally:
-        console.close()
-    return q
-
-
 def test_mismatched_vmlinux_is_refused() -> None:
     other = get_image("debian-rt").vmlinux  # same source, different build
-    q = _bare_qemu()
-    try:
+    with bare_qemu() as q:
         with pytest.raises(VmlinuxMismatch, match="not the running kernel") as e:
             qprobe.attach(f"unix:{q.gdb_path}", other, ram=q.ram_path, ram_size=q.config.memory)
         assert "\n" not in str(e.value)
-    finally:
-        q.terminate()
 
 
 def test_dead_qemu_fails_fast() -> None:
@@ -159,12 +142,11 @@ def test_stripped_vmlinux_with_system_map(tmp_path: Path, monkeypatch: pytest.Mo
     assert img.system_map is not None
     stripped = tmp_path / "vmlinux.stripped"
     subprocess.run(["objcopy", "--strip-all", str(img.vmlinux), str(stripped)], check=True)
-    q = _bare_qemu()
-    # The symbol cache is keyed by build-id, which stripping keeps: start from an empty one.
-    monkeypatch.setenv("QPROBE_CACHE", str(tmp_path / "cache"))
-    with pytest.raises(qprobe.SymbolError, match=r"System\.map"):
-        qprobe.kernel.symbols.Symbols.load(stripped)
-    try:
+    with bare_qemu() as q:
+        # The symbol cache is keyed by build-id, which stripping keeps: start from an empty one.
+        monkeypatch.setenv("QPROBE_CACHE", str(tmp_path / "cache"))
+        with pytest.raises(qprobe.SymbolError, match=r"System\.map"):
+            qprobe.kernel.symbols.Symbols.load(stripped)
         with qprobe.attach(f"unix:{q.gdb_path}", stripped, ram=q.ram_path, ram_size=q.config.memory,
                            console=q.console_path, system_map=img.system_map) as t:  # fmt: skip
             out = t.run("grep -w ksys_lseek /proc/kallsyms").check().output
@@ -174,8 +156,6 @@ def test_stripped_vmlinux_with_system_map(tmp_path: Path, monkeypatch: pytest.Mo
             t.run("workload lseek 3").check()
             t.unregister_kprobe(kp)
             assert kp.nhit == 3
-    finally:
-        q.terminate()
 
 
 def test_extra_files_reach_the_guest(tmp_path: Path) -> None:

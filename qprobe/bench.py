@@ -72,14 +72,23 @@ def run_bench(args: argparse.Namespace) -> int:
             elif optimize:
                 continue
             runs = n * 10 if optimize else n
-            kp = qprobe.Kprobe(symbol_name="__x64_sys_getppid")
-            target.register_kprobe(kp)
-            try:
-                probed = _guest_seconds(target, f"workload getppid {runs}")
-            finally:
-                target.unregister_kprobe(kp)
-            rows.append((f"`workload getppid {runs}`, probe on __x64_sys_getppid: {label} ({kp.nhit} hits)",
-                         f"{probed:.2f} s = {kp.nhit / probed:,.0f} hits/s"))  # fmt: skip
+            for kind, probe in (("kprobe", qprobe.Kprobe(symbol_name="__x64_sys_getppid")),
+                                ("kretprobe", qprobe.Kretprobe(symbol_name="__x64_sys_getppid"))):  # fmt: skip
+                if isinstance(probe, qprobe.Kretprobe):
+                    target.register_kretprobe(probe)
+                else:
+                    target.register_kprobe(probe)
+                try:
+                    probed = _guest_seconds(target, f"workload getppid {runs}")
+                finally:
+                    if isinstance(probe, qprobe.Kretprobe):
+                        target.unregister_kretprobe(probe)
+                    else:
+                        target.unregister_kprobe(probe)
+                added = (probed - base * runs / n) / max(probe.nhit, 1) * 1e6
+                what = f"`workload getppid {runs}`, {kind} on __x64_sys_getppid: {label} ({probe.nhit} hits)"
+                rate = f"{probed:.2f} s = {probe.nhit / probed:,.0f} hits/s, {added:,.0f} µs added per hit"
+                rows.append((what, rate))
     report = [
         f"qprobe bench: {platform.node()}, {platform.machine()}, image {args.image}, smp {args.smp}, "
         f"memory {args.memory}, {time.strftime('%Y-%m-%d %H:%M')}",

@@ -147,6 +147,9 @@ def read_string(ctx: FetchContext, addr: int, user: bool) -> str | Fault:
     """
     out = bytearray()
     addr &= U64_MASK
+    # x86 has non-overlapping address spaces (CONFIG_ARCH_HAS_NON_OVERLAPPING_ADDRESS_SPACE), so the
+    # kernel's fetch_store_string() reads a ``string`` below TASK_SIZE from user memory.
+    user = user or addr < TASK_SIZE_MAX
     while len(out) < MAX_STRING_SIZE:
         chunk = min(PAGE_SIZE - addr % PAGE_SIZE, MAX_STRING_SIZE - len(out))
         try:

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.vm
 def test_fetch_args_registers_memory_strings_and_retval(target: qprobe.Target, guard: dict[int, bytes]) -> None:
     seek = target.add_event("p:myseek ksys_lseek fd=%di off=%si:s64 whence=%dx:u32 who=$comm")
     ret = target.add_event("r:retseek ksys_lseek ret=$retval:s64")
-    opens = target.add_event("p:opens do_sys_openat2 path=+0(%si):ustring first=+u0(%si):u8 kern=+0(%si):u8")
+    opens = target.add_event("p:opens do_sys_openat2 path=+0(%si):ustring first=+u0(%si):u8 kern=+0(%si):u8 "
+                             "str=+0(%si):string")  # fmt: skip
     try:
         res = workload_result(target.run("workload lseek 4; cat /etc/hostname").check().output)
     finally:
@@ -36,6 +37,7 @@ def test_fetch_args_registers_memory_strings_and_retval(target: qprobe.Target, g
     assert '"/etc/hostname"' in paths and '"/tmp/qprobe-lseek"' in paths
     hostname = next(h for h in opens.hits if h.args["path"] == '"/etc/hostname"')
     assert hostname.args["first"] == str(ord("/"))
+    assert hostname.args["str"] == '"/etc/hostname"'  # :string on a user pointer, as 6.1 on x86 does
     # A kernel-memory fetch from a user pointer faults, as copy_from_kernel_nofault refuses it:
     # a value, not an exception.
     assert hostname.args["kern"] == "(fault)"

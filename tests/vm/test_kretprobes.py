@@ -140,3 +140,42 @@ def test_stack_trace_in_a_handler_shows_the_real_return_address(target: qprobe.T
     assert names[0][:3] == ["ksys_lseek", "do_syscall_64", "entry_SYSCALL_64_after_hwframe"], entry
     # At the return the trampoline is never shown: the unwinder sees the real return address.
     assert names[1][0] == "do_syscall_64" and not any(n[:2] == "0x" for n in names[1]), ret
+
+
+def test_a_thousand_entry_and_return_pairs_match(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    pairs: list[tuple[int, int]] = []
+
+    def entry(ri: qprobe.KretprobeInstance, regs: qprobe.PtRegs) -> int:
+        ri.data[:8] = regs.arg("offset").to_bytes(8, "little")
+        return 0
+
+    rp = Kretprobe(symbol_name="ksys_lseek", entry_handler=entry, data_size=8,
+                   handler=lambda ri, regs: pairs.append((int.from_bytes(ri.data[:8], "little"),
+                                                          regs_return_value(regs))))  # fmt: skip
+    target.register_kretprobe(rp)
+    try:
+        target.run("workload lseek 1000", timeout=600).check()
+    finally:
+        target.unregister_kretprobe(rp)
+    assert pairs == [(i, i) for i in range(1, 1001)]
+    assert rp.nmissed == 0 and rp.maxactive == 0  # the default pool sufficed
+
+
+def test_stack_trace_in_a_nested_kretprobed_call(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    """Linux's test_stacktrace_on_nested_kretprobe: both real return addresses, in order."""
+    inner_traces: list[list[str]] = []
+    outer = Kretprobe(symbol_name="ksys_lseek", handler=lambda ri, regs: None)
+    inner = Kretprobe(symbol_name="generic_file_llseek_size",
+                      handler=lambda ri, regs: inner_traces.append(regs.stack_trace()))  # fmt: skip
+    target.register_kretprobes([outer, inner])
+    try:
+        target.run("workload lseek 2").check()
+    finally:
+        target.unregister_kretprobes([inner, outer])
+    assert len(inner_traces) == 2
+    for trace in inner_traces:
+        names = [line.split()[1].split("+")[0] for line in trace]
+        # The inner function returns into its caller; ksys_lseek (probed too) into do_syscall_64.
+        assert "ksys_lseek" in names and "do_syscall_64" in names, trace
+        assert names.index("ksys_lseek") < names.index("do_syscall_64")
+        assert not any(n.startswith("0x") for n in names), trace

@@ -135,7 +135,9 @@ def test_kernel_and_user_address_spaces() -> None:
     assert hit(
         "p vfs_read +0(%di):string +u0(%di):string +0(%di):ustring +0(%si):ustring +0(%di):u8 +u0(%di):u8",
         ctx,
-    ) == ["arg1=(fault)", 'arg2="user"', 'arg3="user"', "arg4=(fault)", "arg5=(fault)", "arg6=117"]
+    ) == ['arg1="user"', 'arg2="user"', 'arg3="user"', "arg4=(fault)", "arg5=(fault)", "arg6=117"]
+    # arg1: on x86 (non-overlapping address spaces) 6.1's fetch_store_string reads a string below
+    # TASK_SIZE from user memory; a plain u8 load there (arg5) still faults.
 
 
 def test_immediates() -> None:

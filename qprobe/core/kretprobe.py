@@ -182,7 +182,7 @@ class KretprobeManager:
             if restore and current == ri.patch.new:
                 self.machine.unpatch(ri.patch)
             else:
-                self.machine.journal.forget(ri.patch.phys)
+                self.machine.journal.forget_often(ri.patch.phys)
         self.by_slot.pop(ri.stack_slot, None)
         ri.patch = None
         ri.task = None

@@ -47,6 +47,10 @@ class Journal:
         self.identity = identity  # build-id and slide: a journal is only valid for that boot
         self.patches: dict[int, Patch] = {}
         self.meta: dict[str, int] = {}  # where the scratch area's stub and mailboxes are
+        # Frequent data patches (kretprobe return addresses, one per call) are appended to a
+        # log beside the snapshot instead of rewriting it; a snapshot save folds the log in.
+        self.log_path = self.path.with_suffix(".log")
+        self._log: int | None = None
         # The stop loop and the doorbell thread (kretprobe return addresses) both record patches.
         self._lock = threading.Lock()
 
@@ -56,11 +60,27 @@ class Journal:
         try:
             data = json.loads(self.path.read_text())
             meta = {str(k): int(v) for k, v in data.get("meta", {}).items()}
-            result = str(data.get("identity", "")), [Patch.from_json(p) for p in data.get("patches", [])]
+            patches = {p.phys: p for p in (Patch.from_json(x) for x in data.get("patches", []))}
         except (OSError, ValueError, AttributeError, KeyError, TypeError):
             return "", []  # unreadable: nothing we can trust to restore
+        self._replay_log(patches)
         self.left_meta = meta
-        return result
+        return str(data.get("identity", "")), list(patches.values())
+
+    def _replay_log(self, patches: dict[int, Patch]) -> None:
+        try:
+            lines = self.log_path.read_text().splitlines()
+        except OSError:
+            return
+        for line in lines:
+            try:
+                if line.startswith("+"):
+                    p = Patch.from_json(json.loads(line[1:]))
+                    patches[p.phys] = p
+                elif line.startswith("-"):
+                    patches.pop(int(line[1:]), None)
+            except (ValueError, KeyError, TypeError, AttributeError):
+                return  # a torn last line: everything before it stands
 
     def set_meta(self, **values: int) -> None:
         self.meta.update(values)
@@ -80,6 +100,25 @@ class Journal:
         with os.fdopen(fd, "w") as f:
             json.dump(payload, f)
         os.replace(tmp, self.path)
+        if self._log is not None:  # the snapshot now holds everything the log said
+            os.close(self._log)
+            self._log = None
+            self.log_path.unlink(missing_ok=True)
+
+    def _append(self, line: str) -> None:
+        with self._lock:
+            if self._log is None:
+                self._log = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            os.write(self._log, line.encode() + b"\n")
+
+    def record_often(self, patch: Patch) -> None:
+        """``record`` for a patch made on every probe hit: one appended line, not a rewrite."""
+        self.patches[patch.phys] = patch
+        self._append("+" + json.dumps(patch.to_json()))
+
+    def forget_often(self, phys: int) -> None:
+        if self.patches.pop(phys, None) is not None:
+            self._append(f"-{phys}")
 
     def record(self, patch: Patch) -> None:
         self.patches[patch.phys] = patch
@@ -92,4 +131,9 @@ class Journal:
     def clear(self) -> None:
         self.patches.clear()
         self.meta.clear()
+        with self._lock:
+            if self._log is not None:
+                os.close(self._log)
+                self._log = None
         Path(self.path).unlink(missing_ok=True)
+        self.log_path.unlink(missing_ok=True)

@@ -186,7 +186,7 @@ class Machine:
         if (phys & 0xFFF) + len(data) > 0x1000:
             raise TargetError(f"internal: patch at {virt:#x} crosses a page")
         p = Patch(phys, virt, self.mem.read(virt, len(data)), data, what)
-        self.journal.record(p)
+        self.journal.record_often(p)
         self.data_writer.write_phys(phys, data)
         return p
 

@@ -179,3 +179,26 @@ def test_cache_base_is_private(cache: Path) -> None:
     # only, so the base is created 0755 under the usual umask.
     Journal("k", "id").record(INT3)
     assert mode(cache) == 0o700
+
+
+def test_frequent_patches_go_to_an_appended_log_that_load_replays(cache: Path) -> None:
+    j = Journal("often", "id")
+    j.record(INT3)
+    ret = Patch(0x3000, 0xFFFF_C900_0001_3F00, b"\x11" * 8, b"\x22" * 8, "retaddr")
+    gone = Patch(0x3008, 0xFFFF_C900_0001_3F08, b"\x33" * 8, b"\x44" * 8, "retaddr")
+    j.record_often(ret)
+    j.record_often(gone)
+    j.forget_often(gone.phys)
+    assert j.log_path.exists() and j.log_path.stat().st_mode & 0o777 == 0o600
+    # A later qprobe (after a crash) sees the snapshot plus the log.
+    identity, patches = Journal("often", "id").load()
+    assert identity == "id" and sorted(p.phys for p in patches) == [ret.phys, INT3.phys]
+    # A torn last line (a crash mid-append) leaves everything before it.
+    with open(j.log_path, "a") as f:
+        f.write('+{"phys": 1, "virt"')
+    assert len(Journal("often", "id").load()[1]) == 2
+    # A snapshot write folds the log in; clear() removes both files.
+    j.forget(INT3.phys)
+    assert not j.log_path.exists() and [p.phys for p in Journal("often", "id").load()[1]] == [ret.phys]
+    j.clear()
+    assert not j.path.exists() and not j.log_path.exists()

@@ -94,13 +94,13 @@ def test_gdb_transport_reads_what_the_rsp_transport_reads(vm: QemuProcess, capsy
         tids = raw.threads()
         regs = [raw.read_registers(t) for t in tids]
         # Virtual reads through a vCPU in kernel mode (with PTI a user-mode one may not map the kernel).
-        kernel = [t for t, r in zip(tids, regs, strict=True) if r["cs"] & 3 == 0] or tids
-        rip = next(r["rip"] for t, r in zip(tids, regs, strict=True) if t == kernel[0])
+        kernel = [t for t, r in zip(tids, regs, strict=True) if r["cs"] & 3 == 0]
+        rip = next((r["rip"] for t, r in zip(tids, regs, strict=True) if kernel and t == kernel[0]), 0)
         rng = random.Random(7)
         plan = [("regs", tids[i % len(tids)], 0, 0) for i in range(100)]
         for i in range(100):
-            if i % 2:  # around the idle loop: kernel text, mapped the same on every vCPU
-                addr, size = rip - (1 << 20) + rng.randrange(2 << 20), rng.randrange(1, 300)
+            if i % 2 and kernel:  # close around the idle loop: kernel text, mapped the same on every vCPU
+                addr, size = rip - (128 << 10) + rng.randrange(256 << 10), rng.randrange(1, 300)
                 plan.append(("virt", kernel[i % len(kernel)], addr, size))
             else:
                 plan.append(("phys", tids[0], rng.randrange(vm.config.memory - 4096), rng.randrange(1, 4096)))

@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEBS   := qemu-system-x86 busybox-static cpio gdb e2fsprogs gcc libc6-dev
 
-.PHONY: all setup system-deps venv image run test test-matrix unit vm lint bench clean
+.PHONY: all setup system-deps venv image run test test-matrix unit vm lint bench soak clean
 
 all: setup
 

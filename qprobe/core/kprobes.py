@@ -126,6 +126,9 @@ class KprobeManager:
         # not boosted (the kernel waits for an RCU-tasks grace period instead).
         self.boost = not fully_preemptible
         self._quarantine: list[int] = []  # boosted slots and detours, never reused while the area is mapped
+        # Where code in the scratch area jumps back into kernel text (boosted slots, detours), for as
+        # long as the area is mapped: a vCPU or an interrupted context may still be on its way there.
+        self.resume_targets: set[int] = set()
         # User handlers never run concurrently (the stop loop and the doorbell thread both call them).
         self.handler_lock = threading.RLock()
         self.optimizer: Optimizer | None = None
@@ -387,6 +390,7 @@ class KprobeManager:
             self._unhook()
             self.scratch.unmap()
             self._quarantine.clear()
+            self.resume_targets.clear()
 
         self.machine.call(disarm)
         if self._quarantine and self.scratch.mapped:
@@ -470,6 +474,7 @@ class KprobeManager:
             # The kprobe-booster: the copy in the slot is followed by a jmp back,
             # so the vCPU just runs it: one VM stop per hit instead of two.
             point.boosted += 1
+            self.resume_targets.add(point.addr + prep.insn.length)
             self._write_regs(pt.tid, {**pt.dirty(), "rip": prep.slot_addr, "rsp": pt.sp, "eflags": pt.flags})
             return
         if ctl is not None:

@@ -177,12 +177,20 @@ class Optimizer:
         end = point.addr + check.size
         if any(point.addr < a < end for a in self.kp.points):
             return "another probe lies in the region"
+        if any(point.addr < a < end for a in self.kp.resume_targets):
+            # A boosted copy or a detour (perhaps already removed) jumps back there.
+            return "out-of-line code returns into the region"
         if (point.addr & 0xFFF) + 5 > 0x1000:
             return "the jump would cross a page"
         for tid in self.machine.vcpus:
             regs = self.machine.gdb.read_registers(tid)
             if point.addr < regs["rip"] < end:
                 return f"vCPU {tid} is inside the region"
+            if regs["rip"] == self.kp.int3_entry:
+                # A trap still to be dispatched: if its probe is gone it resumes at the int3's address.
+                trapped = self.machine.mem.read_u64(regs["rsp"]) - 1
+                if point.addr < trapped < end:
+                    return f"vCPU {tid} is trapping on an int3 inside the region"
             if self._interrupted_inside(regs, point.addr, end):
                 return f"a context interrupted on vCPU {tid} would return inside the region"
         point.opt_size = check.size
@@ -248,6 +256,7 @@ class Optimizer:
         point.int3 = None
         jmp = self.machine.patch(point.addr, synthesize_reljump(point.addr, detour), "optjmp", detour)
         point.opt = Optimized(probe_id, detour, size, jmp, detour + DETOUR_HEAD)
+        self.kp.resume_targets.add(point.addr + size)
         self.by_id[probe_id] = point
         return True
 

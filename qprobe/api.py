@@ -31,6 +31,7 @@ from qprobe.core.kretprobe import Kretprobe, KretprobeManager
 from qprobe.core.optimizer import Optimizer
 from qprobe.core.recovery import recover
 from qprobe.core.regs import PtRegs
+from qprobe.core.watchpoint import KINDS as WATCH_KINDS
 from qprobe.core.watchpoint import Watchpoint
 from qprobe.errors import ProbeError, QprobeError, SymbolError, TargetError, TargetGone
 from qprobe.kernel.kaslr import detect_slide
@@ -41,7 +42,7 @@ from qprobe.paths import cache_dir
 from qprobe.target.connection import Connection
 from qprobe.target.console import Console, RunResult
 from qprobe.target.gdbmi import GdbMiRemote
-from qprobe.target.gdbremote import WATCH_ACCESS, WATCH_READ, WATCH_WRITE, GdbRemote
+from qprobe.target.gdbremote import GdbRemote
 from qprobe.target.journal import Journal
 from qprobe.target.machine import Machine
 from qprobe.target.memory import GuestMemory, MemoryFault, PhysReader, SharedRam, kernel_pgd, paging_levels
@@ -274,8 +275,6 @@ class Target:
             raise ProbeError(f"{wp!r} is already registered")
         addr = (self.symbols.address(wp.symbol_name) if wp.symbol_name else wp.addr or 0) + wp.offset
         self.mem.read(addr, wp.length)  # refuse an unmapped address before touching the stub
-        kinds = {"w": WATCH_WRITE, "r": WATCH_READ, "rw": WATCH_ACCESS}
-
         wp.new_value = self.mem.read(addr, wp.length)
 
         def hit(tid: str, regs: dict[str, int]) -> None:
@@ -295,17 +294,15 @@ class Target:
                 self.gdb.write_registers(tid, pt.dirty())
 
         def arm() -> None:
-            self.gdb.insert_breakpoint(addr, kinds[wp.kind], wp.length)
+            self.gdb.insert_breakpoint(addr, WATCH_KINDS[wp.kind], wp.length)
             self.machine.watch_handlers[addr] = hit
 
         self.machine.call(arm)
         wp.resolved, wp.registered = addr, True
 
     def unregister_watchpoint(self, wp: Watchpoint) -> None:
-        kinds = {"w": WATCH_WRITE, "r": WATCH_READ, "rw": WATCH_ACCESS}
-
         def disarm() -> None:
-            self.gdb.remove_breakpoint(wp.resolved, kinds[wp.kind], wp.length)
+            self.gdb.remove_breakpoint(wp.resolved, WATCH_KINDS[wp.kind], wp.length)
             self.machine.watch_handlers.pop(wp.resolved, None)
 
         self.machine.call(disarm)

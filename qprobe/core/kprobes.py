@@ -613,7 +613,3 @@ class _StackWriter:
             self.write(addr + head, data[head:])
             return
         self.machine.write_phys(phys, data)
-
-
-def describe(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, QprobeError) else f"{type(exc).__name__}: {exc}"

@@ -125,13 +125,12 @@ class KretprobeManager:
         kp = rp.kp
         if kp.offset:
             raise InvalidProbe(f"a kretprobe must be on a function entry, not {kp.where()} (EINVAL)")
-        name = kp.symbol_name or (self.symbols.function(kp.addr or 0) or _NoSym).name
+        fn = self.symbols.function(kp.addr or 0) if kp.symbol_name is None else None
+        name = kp.symbol_name or (fn.name if fn else "")
         if name in KRETPROBE_BLACKLIST:
             raise ProbeError(f"cannot return-probe {name}: it does not return to its caller")
-        if kp.symbol_name is None:
-            fn = self.symbols.function(kp.addr or 0)
-            if fn is None or fn.addr != kp.addr:
-                raise InvalidProbe(f"{kp.where()} is not a function entry (EINVAL)")
+        if kp.symbol_name is None and (fn is None or fn.addr != kp.addr):
+            raise InvalidProbe(f"{kp.where()} is not a function entry (EINVAL)")
         n = rp.maxactive or self.default_maxactive()
         rp.free = [KretprobeInstance(rp, data=bytearray(rp.data_size)) for _ in range(n)]
         kp.pre_handler = lambda _kp, regs: self._entry(rp, regs)
@@ -265,7 +264,3 @@ class KretprobeManager:
         if len(rp.errors) < 100:
             rp.errors.append(line)
         log.warning("%s\n%s", line, "".join(traceback.format_exception(exc)[-3:]))
-
-
-class _NoSym:
-    name = ""

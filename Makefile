@@ -42,7 +42,8 @@ vm: image
 	$(BIN)/pytest -q tests/vm
 
 test: image
-	$(BIN)/ruff check qprobe tests
+	$(BIN)/ruff check qprobe tests examples
+	$(BIN)/ruff format --check qprobe tests examples
 	$(BIN)/pytest -q tests examples
 
 # The VM tests and the examples on each kernel (debian-rt is fetched on first use).
@@ -57,7 +58,8 @@ bench: image
 	$(BIN)/qprobe bench
 
 lint: venv
-	$(BIN)/ruff check qprobe tests
+	$(BIN)/ruff check qprobe tests examples
+	$(BIN)/ruff format --check qprobe tests examples
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -123,6 +123,10 @@ class Target:
             self.symbols: Symbols = symbols_box[0]
             self.timings["symbols"] = self._symbol_time
             self.slide = detect_slide(self.symbols, self.mem, self.console.text if self.console else "")
+            # vCPU 0's CR3 may be a user process's page tables (idle borrows the last mm): valid now,
+            # freed and reused once that process exits.  From here on walk the kernel's own PGD.
+            if "init_top_pgt" in self.symbols:
+                self.mem.pgd = self.mem.virt_to_phys(self.symbols.address("init_top_pgt"))
             if isinstance(self.gdb, GdbMiRemote):
                 # For the shell's raw ``gdb CMD``: symbols at the running kernel's addresses, DWARF through
                 # the index cache the shell's static gdb also uses (1 s once it holds this build, 20 s before).
@@ -328,11 +332,17 @@ class Target:
         """The guest task a handler interrupted (pid, tgid, comm)."""
         return self.kprobes.tasks.current(regs.gs_base)
 
-    def add_event(self, definition: str, callback: Callable[[EventHit], None] | None = None) -> TraceEvent:
-        """Arm a kprobe_events definition (``p:ev vfs_read count=%dx``); hits go to ``callback`` and ``.hits``."""
+    def add_event(
+        self, definition: str, callback: Callable[[EventHit], None] | None = None, filter: str | None = None
+    ) -> TraceEvent:
+        """Arm a kprobe_events definition (``p:ev vfs_read count=%dx``); hits go to ``callback`` and ``.hits``.
+
+        ``filter`` is an ftrace event filter (``count > 100 && comm == "cat"``): hits it rejects are
+        only counted (``.filtered``).
+        """
         from qprobe.events import add_event
 
-        te = add_event(self, definition, callback)
+        te = add_event(self, definition, callback, filter)
         self.events[te.name] = te
         return te
 

@@ -86,8 +86,10 @@ def run_bench(args: argparse.Namespace) -> int:
                     else:
                         target.unregister_kprobe(probe)
                 added = (probed - base * runs / n) / max(probe.nhit, 1) * 1e6
-                what = (f"`workload getppid {runs}`, {kind} on __x64_sys_getppid: {label} "
-                        f"({probe.nhit} hits, {probe.nmissed} missed)")
+                what = (
+                    f"`workload getppid {runs}`, {kind} on __x64_sys_getppid: {label} "
+                    f"({probe.nhit} hits, {probe.nmissed} missed)"
+                )
                 rate = f"{probed:.2f} s = {probe.nhit / probed:,.0f} hits/s, {added:,.0f} µs added per hit"
                 rows.append((what, rate))
     report = [

@@ -86,13 +86,16 @@ def cmd_trace(args: argparse.Namespace) -> int:
         with lock:
             print(json.dumps(hit.as_json()) if args.json else hit.line(), flush=True)
 
-    from qprobe.fetch import parse_event
+    from qprobe.events import event_filter
+    from qprobe.fetch import ProbeEvent, parse_event
 
-    for text in args.events:  # syntax errors before anything boots
-        parse_event(text)
+    for text in args.events:  # syntax errors (of the events and of the filter) before anything boots
+        ev = parse_event(text)
+        if args.filter and isinstance(ev, ProbeEvent):
+            event_filter(ev, args.filter)
     status = 0
     with _boot(args) as target:
-        events = [target.add_event(text, show) for text in args.events]
+        events = [target.add_event(text, show, args.filter) for text in args.events]
         try:
             if args.run:
                 result = target.run(args.run, timeout=args.timeout)
@@ -111,13 +114,28 @@ def cmd_trace(args: argparse.Namespace) -> int:
                 target.remove_event(te)
             summary = {te.definition.event: {"hits": te.nhit, "nmissed": te.nmissed, "lost": te.lost}
                        for te in events}  # fmt: skip
+            if args.filter:
+                for te in events:
+                    summary[te.definition.event]["filtered"] = te.filtered
             with lock:
                 if args.json:
                     print(json.dumps({"summary": summary}), flush=True)
                 else:
                     for name, row in summary.items():
-                        print(f"# {name}: hits={row['hits']} nmissed={row['nmissed']} lost={row['lost']}")
+                        print(f"# {name}: " + " ".join(f"{k}={v}" for k, v in row.items()))
     return status
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """Arm the given events (if any) and print the probe list as debugfs's kprobes/list does, with reasons."""
+    with _boot(args) as target:
+        events = [target.add_event(text) for text in args.events]
+        try:
+            print(target.list_probes(why=True), end="")
+        finally:
+            for te in events:
+                target.remove_event(te)
+    return 0
 
 
 def cmd_images(args: argparse.Namespace) -> int:
@@ -199,9 +217,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, metavar="S", help="trace for S seconds (default: until Ctrl-C)")
     p.add_argument("--timeout", type=float, default=600, help="limit for --run (default 600 s)")
     p.add_argument("--json", action="store_true", help="one JSON object per hit and a final summary object")
-    p.add_argument("events", nargs="+", metavar="EVENT",
-                   help="kprobe_events syntax: 'p:myread vfs_read count=%%dx:u64', 'r:ret ksys_read ret=$retval'")
+    p.add_argument(
+        "--filter",
+        metavar="EXPR",
+        help="ftrace event filter over the events' arguments and common_pid/comm/cpu, "
+        "e.g. 'count >= 4096 && comm == \"cat\"'; rejected hits are only counted",
+    )
+    p.add_argument(
+        "events",
+        nargs="+",
+        metavar="EVENT",
+        help="kprobe_events syntax: 'p:myread vfs_read count=%%dx:u64', 'r:ret ksys_read ret=$retval'",
+    )
     p.set_defaults(func=cmd_trace)
+
+    p = sub.add_parser(
+        "list",
+        help="arm EVENTs and print the probe list (debugfs kprobes/list format, with why a probe is not optimized)",
+    )
+    _target_options(p)
+    p.add_argument("events", nargs="*", metavar="EVENT", help="kprobe_events definitions to arm first")
+    p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("images", help="list the known images, or fetch/build them")
     p.add_argument("--fetch", nargs="+", metavar="NAME", help="fetch and build these images")

@@ -22,6 +22,7 @@ from qprobe.core.regs import PtRegs
 from qprobe.errors import FetchArgError, QprobeError
 from qprobe.fetch import MemoryFault, ProbeEvent, SymbolInfo, format_event, format_hit, parse_event
 from qprobe.fetch.args import Value
+from qprobe.fetch.filter import EventFilter
 
 if TYPE_CHECKING:
     from qprobe.api import Target
@@ -120,6 +121,8 @@ class TraceEvent:
     nhit: int = 0
     probe: Kprobe | Kretprobe | None = None
     errors: list[str] = field(default_factory=list)
+    filter: EventFilter | None = None
+    filtered: int = 0  # hits the filter rejected
 
     @property
     def name(self) -> str:
@@ -146,6 +149,11 @@ class TraceEvent:
             args={a.name: a.format_value(v) for a, v in zip(self.definition.args, values, strict=True)},
             body=body, irqs_off=not regs.flags & IF_FLAG,
         )  # fmt: skip
+        if self.filter is not None and not self.filter(
+            {**hit.args, "common_pid": hit.pid, "pid": hit.pid, "comm": hit.comm, "cpu": hit.cpu}
+        ):
+            self.filtered += 1
+            return
         self.nhit += 1
         if len(self.hits) >= self.keep:
             self.hits.popleft()
@@ -163,12 +171,20 @@ class TraceEvent:
         self._record(regs, ri.ret_addr, func, regs.ax)
 
 
-def add_event(target: Target, text: str, callback: Callable[[EventHit], None] | None = None) -> TraceEvent:
+def event_filter(ev: ProbeEvent, text: str) -> EventFilter:
+    """An ftrace filter over ``ev``'s arguments; raises FetchArgError (with a column) naming the problem."""
+    return EventFilter(text, numeric={a.name for a in ev.args if not a.type.string},
+                       strings={a.name for a in ev.args if a.type.string})  # fmt: skip
+
+
+def add_event(
+    target: Target, text: str, callback: Callable[[EventHit], None] | None = None, filter: str | None = None
+) -> TraceEvent:
     """Parse a kprobe_events definition and arm it; raises FetchArgError/ProbeError naming the problem."""
     ev = parse_event(text, symbol_exists=lambda name: name in target.symbols)
     if not isinstance(ev, ProbeEvent):
         raise FetchArgError("use remove_event() to delete an event", text, 0)
-    te = TraceEvent(target, ev, callback)
+    te = TraceEvent(target, ev, callback, filter=None if filter is None else event_filter(ev, filter))
     if ev.is_return:
         rp = Kretprobe(symbol_name=ev.symbol, addr=ev.addr if ev.symbol is None else None, offset=ev.offset,
                        maxactive=ev.maxactive, handler=te._kretprobe_hit)  # fmt: skip

@@ -52,6 +52,7 @@ SLOT_SIZE = 32  # MAX_INSN_SIZE (16) + a 5-byte jmp back, rounded up
 TF, RF = 0x100, 0x10000
 MAX_STEP_RETRIES = 1 << 16
 OPTIMIZE_DELAY = 0.05  # seconds the VM runs between arming the int3 and placing the jump
+OPTIMIZE_RETRIES = 5  # attempts for a probe a vCPU was passing through at the moment of optimizing
 
 
 class KprobeStatus(enum.Enum):
@@ -82,6 +83,7 @@ class ProbePoint:
     boosted: int = 0  # hits that ran the copy freely with a jmp back instead of a single-step
     opt: Optimized | None = None  # set while jump-optimized
     opt_size: int = 0
+    not_optimized: str | None = None  # why the last attempt to optimize it failed
 
     @property
     def armed(self) -> bool:
@@ -218,13 +220,24 @@ class KprobeManager:
             return
         time.sleep(OPTIMIZE_DELAY)
 
-        def work() -> None:
-            for a in addrs:
-                point = self.points.get(a)
-                if point is not None and point.opt is None and point.armed:
-                    opt.optimize(point)
+        todo = list(addrs)
 
-        self.machine.call(work)
+        def work() -> list[int]:
+            retry = []
+            for a in todo:
+                point = self.points.get(a)
+                if point is None or point.opt is not None or not point.armed or opt.optimize(point):
+                    continue
+                if point.not_optimized is not None and opt.transient(point.not_optimized):
+                    retry.append(a)
+            return retry
+
+        # A vCPU inside a region (or a context interrupted there) only delays its jump: try again.
+        for _ in range(OPTIMIZE_RETRIES):
+            todo = self.machine.call(work)
+            if not todo:
+                return
+            time.sleep(OPTIMIZE_DELAY)
 
     def _register(self, kp: Kprobe, addr: int) -> None:
         point = self.points.get(addr)
@@ -329,6 +342,8 @@ class KprobeManager:
 
     # -- arming (stop-loop thread) -----------------------------------------------
     def _sync(self, point: ProbePoint) -> None:
+        if point.opt is not None and self.optimizer is not None:
+            self.optimizer.sync_missed(point)  # count the hits so far for the probes as they were
         want = self.enabled and point.wants_arming()
         if point.opt is not None and (not want or self.optimizer is None or self.optimizer.why_not_kept(point)):
             self.optimizer.unoptimize(point)  # type: ignore[union-attr]
@@ -591,6 +606,8 @@ class KprobeManager:
                     flags += "[DISABLED]"
                 if point.opt is not None:
                     flags += "[OPTIMIZED]"
+                elif point.not_optimized is not None and point.armed:
+                    flags += f"  (not optimized: {point.not_optimized})"
                 lines.append(f"{addr:016x}  {getattr(kp, 'kind', 'k')}  {point.where}    {flags}".rstrip())
         return "\n".join(lines) + ("\n" if lines else "")
 

@@ -25,11 +25,13 @@ import logging
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from qprobe.arch.x86_64.decode import decode_all
 from qprobe.arch.x86_64.detour import (
+    COUNT_HEAD,
     DETOUR_HEAD,
     FRAME_FLAGS,
     FRAME_REGS,
@@ -45,6 +47,7 @@ from qprobe.arch.x86_64.detour import (
     STATE_DONE,
     STATE_REQUEST,
     StubParams,
+    build_count_detour,
     build_detour,
     build_stub,
 )
@@ -62,8 +65,11 @@ log = logging.getLogger("qprobe.optimizer")
 
 MAX_OPTIMIZED = 4096  # probe ids: one nmissed counter each
 TRAMPOLINE_ID = 0
+COLLECT_INTERVAL = 0.05  # seconds between folds of the in-guest hit counters
 THREAD_SIZE = 16 << 10  # x86_64 kernel and IRQ stacks (without KASAN)
 _FRAME_WORDS = FRAME_SIZE // 8
+# Reasons that hold only at the moment of the attempt (their texts start with these).
+TRANSIENT = ("vCPU", "a context interrupted on vCPU")
 
 
 @dataclass
@@ -75,6 +81,12 @@ class Optimized:
     size: int  # bytes of text the jmp displaces (whole instructions)
     jmp: Patch
     continue_addr: int
+    counting: bool = False  # an in-guest count (no handler to run): the detour wakes nobody
+
+
+def counting(point: ProbePoint) -> bool:
+    """A point whose probes have no handler at all only needs its hits counted, in the guest."""
+    return all(kp.pre_handler is None and kp.post_handler is None for kp in point.probes)
 
 
 class Optimizer:
@@ -97,7 +109,11 @@ class Optimizer:
         self.stub = 0
         self.mailboxes = 0
         self.missed = 0
+        self.counters = 0  # per probe id: hits of in-guest counting detours
         self._missed_seen: dict[int, int] = {}
+        self._counted_seen: dict[int, int] = {}
+        self._fold_lock = threading.Lock()
+        self._collector: threading.Thread | None = None
         self.served = 0
         self.errors: list[str] = []
         self._sock: socket.socket | None = None
@@ -113,9 +129,11 @@ class Optimizer:
             scratch.map()
         ncpus = len(self.machine.vcpus)
         # Data the host writes through the RAM file lives on pages of its own, apart from code.
-        data = scratch.alloc(_page_round(ncpus * MAILBOX_SIZE + MAX_OPTIMIZED * 8), align=4096)
+        size = ncpus * MAILBOX_SIZE + 2 * MAX_OPTIMIZED * 8
+        data = scratch.alloc(_page_round(size), align=4096)
         self.mailboxes, self.missed = data, data + ncpus * MAILBOX_SIZE
-        self._zero(data, ncpus * MAILBOX_SIZE + MAX_OPTIMIZED * 8)
+        self.counters = self.missed + MAX_OPTIMIZED * 8
+        self._zero(data, size)
         params = StubParams(self.mailboxes, self.missed, syms.percpu["cpu_number"], syms.percpu["this_cpu_off"],
                             syms.percpu["current_task"], DOORBELL_PORT)  # fmt: skip
         size = len(build_stub(params, scratch.base))
@@ -138,6 +156,8 @@ class Optimizer:
         self._sock = sock
         self._thread = threading.Thread(target=self._serve_loop, name="qprobe-doorbell", daemon=True)
         self._thread.start()
+        self._collector = threading.Thread(target=self._collect_loop, name="qprobe-collector", daemon=True)
+        self._collector.start()
 
     def close(self) -> None:
         self._stop = True
@@ -149,6 +169,8 @@ class Optimizer:
             self._sock.close()
         if self._thread is not None:
             self._thread.join(2.0)
+        if self._collector is not None:
+            self._collector.join(2.0)
 
     def trampoline_code(self, address: int) -> bytes:
         """The stop-less kretprobe trampoline at ``address``: ``push 0; call stub; int3``."""
@@ -185,14 +207,14 @@ class Optimizer:
         for tid in self.machine.vcpus:
             regs = self.machine.gdb.read_registers(tid)
             if point.addr < regs["rip"] < end:
-                return f"vCPU {tid} is inside the region"
+                return f"{TRANSIENT[0]} {tid} is inside the region"
             if regs["rip"] == self.kp.int3_entry:
                 # A trap still to be dispatched: if its probe is gone it resumes at the int3's address.
                 trapped = self.machine.mem.read_u64(regs["rsp"]) - 1
                 if point.addr < trapped < end:
-                    return f"vCPU {tid} is trapping on an int3 inside the region"
+                    return f"{TRANSIENT[0]} {tid} is trapping on an int3 inside the region"
             if self._interrupted_inside(regs, point.addr, end):
-                return f"a context interrupted on vCPU {tid} would return inside the region"
+                return f"{TRANSIENT[1]} {tid} would return inside the region"
         point.opt_size = check.size
         return None
 
@@ -230,10 +252,17 @@ class Optimizer:
             return "optimization is off"
         if any(kp.post_handler is not None or getattr(kp, "no_optimize", False) for kp in point.probes):
             return "a probe there has a post_handler"
+        if point.opt is not None and point.opt.counting != counting(point):
+            return "its probes' handlers changed"
         return None
 
+    @staticmethod
+    def transient(reason: str) -> bool:
+        """Whether ``reason`` (from why_not) only holds for this moment: another attempt may succeed."""
+        return reason.startswith(TRANSIENT)
+
     def optimize(self, point: ProbePoint) -> bool:
-        why = self.why_not(point)
+        why = point.not_optimized = self.why_not(point)
         if why is not None:
             log.debug("not optimizing %s: %s", point.where, why)
             return False
@@ -242,20 +271,26 @@ class Optimizer:
         region = self.kp.original(point.addr, size)
         insns = decode_all(region, point.addr)
         probe_id = self._free_ids.pop()
-        total = DETOUR_HEAD + sum(len(copy_instruction(i, point.addr)) for i in insns) + 5
+        count_only = counting(point)
+        head = COUNT_HEAD if count_only else DETOUR_HEAD
+        total = head + sum(len(copy_instruction(i, point.addr)) for i in insns) + 5
         detour = self.kp.scratch.alloc(total + 16)
         relocated = b""
         for insn in insns:
-            relocated += copy_instruction(insn, detour + DETOUR_HEAD + len(relocated))
-        code = build_detour(detour, probe_id, self.stub, relocated, point.addr + size)
+            relocated += copy_instruction(insn, detour + head + len(relocated))
+        if count_only:
+            code = build_count_detour(detour, self.counters + probe_id * 8, relocated, point.addr + size)
+        else:
+            code = build_detour(detour, probe_id, self.stub, relocated, point.addr + size)
         self.kp.scratch.write(detour, code)
         self._missed_seen[probe_id] = self._read_missed(probe_id)
+        self._counted_seen[probe_id] = self._read_counter(probe_id)
         # Swap the int3 for the jump while every vCPU is stopped.
         assert point.int3 is not None
         self.machine.unpatch(point.int3)
         point.int3 = None
         jmp = self.machine.patch(point.addr, synthesize_reljump(point.addr, detour), "optjmp", detour)
-        point.opt = Optimized(probe_id, detour, size, jmp, detour + DETOUR_HEAD)
+        point.opt = Optimized(probe_id, detour, size, jmp, detour + head, count_only)
         self.kp.resume_targets.add(point.addr + size)
         self.by_id[probe_id] = point
         return True
@@ -277,16 +312,41 @@ class Optimizer:
         phys = self.kp.scratch.phys + self.missed + probe_id * 8 - self.kp.scratch.base
         return self.ram.read_u64_phys(phys)
 
+    def _read_counter(self, probe_id: int) -> int:
+        assert self.ram is not None
+        phys = self.kp.scratch.phys + self.counters + probe_id * 8 - self.kp.scratch.base
+        return self.ram.read_u64_phys(phys)
+
     def sync_missed(self, point: ProbePoint, opt: Optimized | None = None) -> None:
-        """Fold the guest's nmissed counter of an optimized probe into its probes."""
+        """Fold the guest's counters of an optimized probe (nmissed; hits of a counting detour) into its probes."""
         opt = opt or point.opt
         if opt is None or self.ram is None:
             return
-        now = self._read_missed(opt.probe_id)
-        delta = now - self._missed_seen.get(opt.probe_id, now)
-        self._missed_seen[opt.probe_id] = now
-        for kp in point.probes:
-            kp.nmissed += delta
+        with self._fold_lock:
+            now = self._read_missed(opt.probe_id)
+            delta = now - self._missed_seen.get(opt.probe_id, now)
+            self._missed_seen[opt.probe_id] = now
+            for kp in point.probes:
+                kp.nmissed += delta
+            if opt.counting:
+                now = self._read_counter(opt.probe_id)
+                delta = now - self._counted_seen.get(opt.probe_id, now)
+                self._counted_seen[opt.probe_id] = now
+                for kp in point.probes:
+                    if not kp.disabled:
+                        kp.nhit += delta
+
+    def _collect_loop(self) -> None:
+        """Keep ``nhit`` of in-guest counting probes current while the VM runs (RAM reads, no stop)."""
+        while not self._stop:
+            for point in list(self.by_id.values()):
+                opt = point.opt
+                if opt is not None and opt.counting:
+                    try:
+                        self.sync_missed(point, opt)
+                    except QprobeError as exc:
+                        self.errors.append(f"collector: {exc}")
+            time.sleep(COLLECT_INTERVAL)
 
     # -- the doorbell (its own thread) ------------------------------------------------
     def _serve_loop(self) -> None:
@@ -324,17 +384,22 @@ class Optimizer:
         values.update(rsp=final_sp, eflags=words[FRAME_FLAGS // 8], cr3=cr3, gs_base=percpu)
         dirty: dict[str, int] = {}
         if probe_id == TRAMPOLINE_ID and self.kp.kretprobes is not None:
+            # No default here: without its instance the real return address is unknown.
             pt = self.kp.make_regs(values, self.machine.vcpus[cpu])
             final_ip = self.kp.kretprobes.returned(pt)
             dirty = pt.dirty()
         elif point is not None and point.opt is not None:
             values["rip"] = point.addr
-            pt = self.kp.make_regs(values, self.machine.vcpus[cpu])
-            active = [kp for kp in point.probes if not kp.disabled]
-            if self.kp.run_pre_handlers(active, pt):
-                final_ip = pt.ip
-            final_sp = pt.sp
-            dirty = pt.dirty()
+            try:
+                pt = self.kp.make_regs(values, self.machine.vcpus[cpu])
+                active = [kp for kp in point.probes if not kp.disabled]
+                if self.kp.run_pre_handlers(active, pt):
+                    final_ip = pt.ip
+                final_sp = pt.sp
+                dirty = pt.dirty()
+            except Exception as exc:  # never leave the vCPU spinning: it resumes as if unprobed
+                self.errors.append(f"{point.where}: {type(exc).__name__}: {exc}")
+                final_ip, final_sp, dirty = continue_addr, frame_addr + FRAME_SIZE, {}
         if dirty:
             for i, name in enumerate(FRAME_REGS):
                 if name in dirty:

@@ -226,12 +226,12 @@ def _read_build_id(path: Path) -> str:
         is_elf64 = len(ident) == 64 and ident[:4] == b"\x7fELF" and ident[4] == 2
         if not is_elf64 or struct.unpack_from("<H", ident, 18)[0] != 62:  # EM_X86_64
             raise SymbolError(f"{path} is not an x86_64 ELF vmlinux")
-        shoff, = struct.unpack_from("<Q", ident, 40)
+        (shoff,) = struct.unpack_from("<Q", ident, 40)
         shentsize, shnum = struct.unpack_from("<HH", ident, 58)
         f.seek(shoff)
         headers = f.read(shentsize * shnum)
         for i in range(shnum):
-            sh_type, = struct.unpack_from("<I", headers, i * shentsize + 4)
+            (sh_type,) = struct.unpack_from("<I", headers, i * shentsize + 4)
             if sh_type != 7:  # SHT_NOTE
                 continue
             offset, size = struct.unpack_from("<QQ", headers, i * shentsize + 24)

@@ -100,4 +100,3 @@ class KObject:
 
     def __repr__(self) -> str:
         return f"({self.type_}) at {self.address_:#x}"
-

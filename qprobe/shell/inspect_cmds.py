@@ -215,8 +215,9 @@ def cmd_gdb(shell: Shell, rest: str) -> None:
     for line in run.stderr.splitlines():
         if line.strip():
             shell.out.line(line, "error")
-    shell.note("(static: vmlinux as built, at the running kernel's addresses; live-target commands need the gdb "
-               "transport)")
+    shell.note(
+        "(static: vmlinux as built, at the running kernel's addresses; live-target commands need the gdb transport)"
+    )
 
 
 def _gdb_index_dir() -> Path:

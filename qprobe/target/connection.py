@@ -123,4 +123,3 @@ class Connection:
     def request(self, payload: bytes, timeout: float = 10.0) -> bytes:
         self.send(payload)
         return self.recv(timeout)
-

@@ -127,9 +127,7 @@ class PacketParser:
                     raise ProtocolError(f"malformed packet: checksum {cs_text!r} is not hex")
                 cs = int(cs_text, 16)
                 if cs != checksum(body):
-                    raise ProtocolError(
-                        f"malformed packet: checksum {cs:#04x} != computed {checksum(body):#04x}"
-                    )
+                    raise ProtocolError(f"malformed packet: checksum {cs:#04x} != computed {checksum(body):#04x}")
                 payload = decode_body(body)
                 events.append(Packet(payload) if head == 0x24 else Notification(payload))
             else:

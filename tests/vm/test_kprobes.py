@@ -163,8 +163,10 @@ def test_symbol_and_address_together_is_einval(target: qprobe.Target) -> None:
 
 def test_arguments_by_position_and_by_name(target: qprobe.Target, guard: dict[int, bytes]) -> None:
     seen: list[tuple[int, int, int, int]] = []
-    kp = Kprobe(symbol_name="ksys_lseek",
-                pre_handler=lambda k, r: seen.append((r.arg(1), r.arg("fd"), r.arg("offset"), r.arg("whence"))))
+    kp = Kprobe(
+        symbol_name="ksys_lseek",
+        pre_handler=lambda k, r: seen.append((r.arg(1), r.arg("fd"), r.arg("offset"), r.arg("whence"))),
+    )
     target.register_kprobe(kp)
     try:
         res = workload_result(target.run("workload lseek 3").check().output)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import qprobe
@@ -20,7 +22,7 @@ def _optimized(target: qprobe.Target, kp: Kprobe) -> bool:
 
 def test_optimized_probe_counts_exactly_without_stops(target: qprobe.Target, guard: dict[int, bytes]) -> None:
     assert target.kprobes_optimization
-    kp = Kprobe(symbol_name="__x64_sys_getppid")
+    kp = Kprobe(symbol_name="__x64_sys_getppid", pre_handler=lambda k, r: 0)
     target.register_kprobe(kp)
     try:
         assert _optimized(target, kp)
@@ -30,6 +32,36 @@ def test_optimized_probe_counts_exactly_without_stops(target: qprobe.Target, gua
     finally:
         target.unregister_kprobe(kp)
     assert res["n"] == "20000" and kp.nhit == 20000 and kp.nmissed == 0
+
+
+def test_handlerless_probe_counts_in_the_guest(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    """No handler to run: the detour only increments a counter in guest RAM and wakes nobody."""
+    kp = Kprobe(symbol_name="__x64_sys_getppid")
+    target.register_kprobe(kp)
+    try:
+        assert _optimized(target, kp)
+        point = target.kprobes.points[kp.resolved]
+        assert point.opt is not None and point.opt.counting
+        served = target.kprobes.optimizer.served  # type: ignore[union-attr]
+        res = workload_result(target.run("workload getppid 20000", timeout=600).check().output)
+        assert target.kprobes.optimizer.served == served  # type: ignore[union-attr]
+        deadline = time.monotonic() + 5
+        while kp.nhit < 20000 and time.monotonic() < deadline:  # the collector folds every 50 ms
+            time.sleep(0.05)
+        assert kp.nhit == 20000
+        # A probe with a handler joins the point: the detour becomes the mailbox one, counts carry on.
+        seen: list[int] = []
+        other = Kprobe(symbol_name="__x64_sys_getppid", pre_handler=lambda k, r: seen.append(r.vcpu))
+        target.register_kprobe(other)
+        try:
+            assert _optimized(target, other) and target.kprobes.points[kp.resolved].opt.counting is False  # type: ignore[union-attr]
+            target.run("workload getppid 100").check()
+        finally:
+            target.unregister_kprobe(other)
+        assert len(seen) == 100 and other.nhit == 100
+    finally:
+        target.unregister_kprobe(kp)
+    assert res["n"] == "20000" and kp.nhit == 20100 and kp.nmissed == 0
 
 
 def test_optimized_handler_sees_arguments_and_task(target: qprobe.Target, guard: dict[int, bytes]) -> None:

@@ -211,4 +211,3 @@ def test_stack_counts_and_bt(target: qprobe.Target, shell: tuple[Shell, io.Strin
     frames = do(sh, out, "bt 0").splitlines()
     assert frames and all(re.fullmatch(r"\[<0>\] \S+\+0x[0-9a-f]+/0x[0-9a-f]+|vCPU 0 is in user mode.*", f)
                           for f in frames), frames  # fmt: skip
-

@@ -70,9 +70,11 @@ def test_soak_256_probes_and_kretprobes(target: qprobe.Target, record_property: 
         target.unregister_kprobes(list(probes.values()))
     rss1 = _rss_mib()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"\nsoak: {rounds} rounds in {SECONDS:g} s, {len(probes)} kprobes ({optimized} optimized) + "
-          f"{len(rets)} kretprobes, {sum(p.nhit for p in probes.values())} kprobe hits, "
-          f"host RSS {rss0:.0f} -> {rss1:.0f} MiB (peak {peak:.0f})")
+    print(
+        f"\nsoak: {rounds} rounds in {SECONDS:g} s, {len(probes)} kprobes ({optimized} optimized) + "
+        f"{len(rets)} kretprobes, {sum(p.nhit for p in probes.values())} kprobe hits, "
+        f"host RSS {rss0:.0f} -> {rss1:.0f} MiB (peak {peak:.0f})"
+    )
     record_property("host_rss_mib", f"{rss0:.0f}->{rss1:.0f}")  # type: ignore[operator]
     gp = probes["__x64_sys_getppid"]
     assert rounds >= 1 and getppids == 500 * rounds

@@ -41,14 +41,18 @@ def _as_proc_stack(target: qprobe.Target, addrs: list[int]) -> list[str]:
 
 
 def _guest_lseek_trace_on(target: qprobe.Target) -> None:
-    target.run(f"cd {TRACING} && echo 'p:{EVENT} __x64_sys_lseek' >> kprobe_events && echo 1 > options/sym-offset "
-               f"&& echo 1 > options/stacktrace && echo > trace && echo 1 > events/{EVENT}/enable").check()
+    target.run(
+        f"cd {TRACING} && echo 'p:{EVENT} __x64_sys_lseek' >> kprobe_events && echo 1 > options/sym-offset "
+        f"&& echo 1 > options/stacktrace && echo > trace && echo 1 > events/{EVENT}/enable"
+    ).check()
 
 
 def _guest_lseek_trace_off(target: qprobe.Target) -> str:
     """Disarm the guest's own probe and return its trace."""
-    return target.run(f"cd {TRACING}; echo 0 > events/{EVENT}/enable; echo 0 > options/stacktrace; cat trace; "
-                      f"echo '-:{EVENT}' >> kprobe_events; echo 0 > options/sym-offset; echo > trace").output
+    return target.run(
+        f"cd {TRACING}; echo 0 > events/{EVENT}/enable; echo 0 > options/stacktrace; cat trace; "
+        f"echo '-:{EVENT}' >> kprobe_events; echo 0 > options/sym-offset; echo > trace"
+    ).output
 
 
 def _ftrace_stacks(trace: str, task: str) -> list[list[str]]:
@@ -122,11 +126,15 @@ def test_lseek_stack_matches_the_guest_s_own(target: qprobe.Target, guard: dict[
 
 def _sleep_and_read_proc_stack(target: qprobe.Target) -> tuple[int, list[str]]:
     """Start ``sleep 2`` in the guest, and read its /proc/PID/stack once it sleeps in nanosleep."""
-    out = target.run(
-        "sleep 2 >/dev/null 2>&1 & p=$!; echo pid=$p; for i in $(seq 50); do s=$(cat /proc/$p/stack); "
-        'case "$s" in *hrtimer_nanosleep*) break;; esac; sleep 0.1; done; echo "$s"; wait',
-        timeout=180,
-    ).check().output
+    out = (
+        target.run(
+            "sleep 2 >/dev/null 2>&1 & p=$!; echo pid=$p; for i in $(seq 50); do s=$(cat /proc/$p/stack); "
+            'case "$s" in *hrtimer_nanosleep*) break;; esac; sleep 0.1; done; echo "$s"; wait',
+            timeout=180,
+        )
+        .check()
+        .output
+    )
     pid = int(next(line for line in out.splitlines() if line.startswith("pid="))[4:])
     return pid, _stack_lines(out)
 

@@ -42,9 +42,7 @@ MAX_INSN_SIZE = 16
 LEGACY_PREFIXES = frozenset((0xF0, 0xF2, 0xF3, 0x2E, 0x36, 0x3E, 0x26, 0x64, 0x65, 0x66, 0x67))
 
 _CODE_NAMES: dict[int, str] = {v: k for k, v in vars(Code).items() if isinstance(v, int) and k.isupper()}
-_FLOW_NAMES: dict[int, str] = {
-    v: k.lower() for k, v in vars(FlowControl).items() if isinstance(v, int) and k.isupper()
-}
+_FLOW_NAMES: dict[int, str] = {v: k.lower() for k, v in vars(FlowControl).items() if isinstance(v, int) and k.isupper()}
 _MNEMONIC_NAMES: dict[int, str] = {
     v: k.lower() for k, v in vars(iced_x86.Mnemonic).items() if isinstance(v, int) and k.isupper()
 }
@@ -197,9 +195,7 @@ def _decode_at(decoder: Decoder, code: bytes, start: int) -> Insn:
             f"({code[off:].hex(' ')})"
         )
     if instr.code == Code.INVALID:
-        raise CannotProbe(
-            f"invalid instruction encoding at {addr:#x} ({code[off : off + instr.len].hex(' ')})"
-        )
+        raise CannotProbe(f"invalid instruction encoding at {addr:#x} ({code[off : off + instr.len].hex(' ')})")
     offsets = decoder.get_constant_offsets(instr)
     return Insn(
         addr=addr,
@@ -264,9 +260,7 @@ def check_boundary(
     where = _where(addr, func_start, name)
     end = func_start + len(code)
     if not func_start <= addr < end:
-        raise NotInstructionBoundary(
-            f"{where} is outside the function's {len(code)} bytes at {func_start:#x}"
-        )
+        raise NotInstructionBoundary(f"{where} is outside the function's {len(code)} bytes at {func_start:#x}")
     code = recover_bytes(code, func_start, patched)
     decoder = Decoder(64, code, ip=func_start)
     while decoder.can_decode:

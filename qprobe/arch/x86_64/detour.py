@@ -149,6 +149,27 @@ def build_stub(p: StubParams, address: int) -> bytes:
     return bytes(enc.encode(address))
 
 
+def count_head(counter: int) -> bytes:
+    """``pushfq; lock inc qword [counter]; popfq``: an in-guest count that wakes nobody.
+
+    ``counter`` is a kernel address, encoded as an absolute sign-extended disp32
+    (no base, no rip): the bytes do not depend on where they are placed.
+    """
+    inc = Instruction.create_mem(Code.INC_RM64, _mem(disp=counter))
+    inc.has_lock_prefix = True
+    enc = BlockEncoder(64)
+    enc.add_many([Instruction.create(Code.PUSHFQ), inc, Instruction.create(Code.POPFQ)])
+    return bytes(enc.encode(0))
+
+
+COUNT_HEAD = len(count_head(-(1 << 31) & ((1 << 64) - 1)))
+
+
+def build_count_detour(address: int, counter: int, relocated: bytes, resume: int) -> bytes:
+    """``<count_head>; <the replaced instructions, relocated>; jmp resume`` encoded at ``address``."""
+    return count_head(counter) + relocated + synthesize_reljump(address + COUNT_HEAD + len(relocated), resume)
+
+
 def build_detour(address: int, probe_id: int, stub: int, relocated: bytes, resume: int) -> bytes:
     """``push id; call stub; <relocated>; jmp resume`` encoded at ``address``."""
     if not 0 <= probe_id < 1 << 31:

@@ -341,9 +341,7 @@ def resume_singlestep(prep: PreparedInsn, regs: StepRegs, mem: Memory | None = N
         return
     ip = regs.ip
     if not prep.slot_addr <= ip <= prep.slot_addr + len(prep.copy):
-        raise StepOutsideSlot(
-            f"single-step of '{prep.insn.text}' in the slot at {prep.slot_addr:#x} ended at {ip:#x}"
-        )
+        raise StepOutsideSlot(f"single-step of '{prep.insn.text}' in the slot at {prep.slot_addr:#x} ended at {ip:#x}")
     if mem is not None and prep.insn.code in (Code.PUSHFQ, Code.PUSHFW) and ip != prep.slot_addr:
         size = 8 if prep.insn.code == Code.PUSHFQ else 2
         pushed = int.from_bytes(mem.read(regs.sp, size), "little")

@@ -66,9 +66,7 @@ def __insn_is_indirect_jump(insn: Insn) -> bool:
 def insn_jump_into_range(insn: Insn, start: int, length: int) -> bool:
     """True if a relative jmp/jcc/loop/jcxz lands in [start, start + length] (calls don't count)."""
     code = insn.code
-    if not (
-        code in (Code.JMP_REL8_64, Code.JMP_REL32_64) or insn.instr.is_jcc_short_or_near or code in LOOP_KINDS
-    ):
+    if not (code in (Code.JMP_REL8_64, Code.JMP_REL32_64) or insn.instr.is_jcc_short_or_near or code in LOOP_KINDS):
         return False
     target = insn.branch_target
     return target is not None and start <= target <= start + length
@@ -109,6 +107,9 @@ def can_optimize(
     if known, to check rip-relative reach. Returns (ok, reason, size).
     """
     where = _where(addr, func_start, name)
+    if name is not None and ".cold" in name:
+        # GCC's split-off cold part: its parent jumps into it anywhere, unseen from here.
+        return OptCheck(False, f"{name} is the cold part of a function, entered by jumps from its parent")
     size = len(func_code)
     offset = addr - func_start
     if not 0 <= offset < size:
@@ -141,9 +142,7 @@ def can_optimize(
             return OptCheck(False, f"'{insn.text}' at {here} is an indirect jump")
         if insn_jump_into_range(insn, addr + INT3_INSN_SIZE, DISP32_SIZE):
             return OptCheck(False, f"'{insn.text}' at {here} jumps into the bytes the jump would replace")
-    return copy_optimized_instructions(
-        code, insns, func_start, addr, exception_table, patched, buffer_addr, name
-    )
+    return copy_optimized_instructions(code, insns, func_start, addr, exception_table, patched, buffer_addr, name)
 
 
 def copy_optimized_instructions(

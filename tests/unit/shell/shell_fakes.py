@@ -72,8 +72,17 @@ class FakeTarget:
         del self.events[te.name]
 
     def fire(self, te: TraceEvent, comm: str = "workload", pid: int = 42, cpu: int = 0, **args: str) -> None:
-        hit = EventHit(event=te.definition.event, cpu=cpu, pid=pid, comm=comm, ts=1.5, addr=TEXT + 0x1800,
-                       symbol="__x64_sys_getppid+0x0", args=dict(args), body="(__x64_sys_getppid+0x0/0x40)")
+        hit = EventHit(
+            event=te.definition.event,
+            cpu=cpu,
+            pid=pid,
+            comm=comm,
+            ts=1.5,
+            addr=TEXT + 0x1800,
+            symbol="__x64_sys_getppid+0x0",
+            args=dict(args),
+            body="(__x64_sys_getppid+0x0/0x40)",
+        )
         te.nhit += 1
         te.hits.append(hit)
         if te.callback is not None:

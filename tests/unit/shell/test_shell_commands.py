@@ -43,12 +43,14 @@ def test_bad_definition_prints_the_caret_and_the_shell_goes_on() -> None:
     shell, t, out = make_shell()
     assert run(shell, out, "p:bad vfs_read x=%zz") == ["p:bad vfs_read x=%zz", " " * 17 + "^ Invalid register name"]
     assert run(shell, out, "p:bad no_such_function") == [
-        "p:bad no_such_function", " " * 6 + "^ Invalid probed address or symbol"
+        "p:bad no_such_function",
+        " " * 6 + "^ Invalid probed address or symbol",
     ]
     assert not t.events and not shell.done
     run(shell, out, "p:gp __x64_sys_getppid")
     assert run(shell, out, "p:gp vfs_read") == [
-        "p:gp vfs_read", "  ^ Given group/event name is already used by another event"
+        "p:gp vfs_read",
+        "  ^ Given group/event name is already used by another event",
     ]
 
 

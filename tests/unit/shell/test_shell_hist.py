@@ -93,8 +93,7 @@ def test_count_map_sorted_by_value_smallest_first() -> None:
 def test_stack_keys_print_as_indented_frames() -> None:
     text = render_counts("", {("vfs_read+0", "ksys_read+103"): 4, ("vfs_read+0", "kernel_read+30"): 1})
     assert text == (
-        "@[\n        vfs_read+0\n        kernel_read+30\n]: 1\n"
-        "@[\n        vfs_read+0\n        ksys_read+103\n]: 4\n"
+        "@[\n        vfs_read+0\n        kernel_read+30\n]: 1\n@[\n        vfs_read+0\n        ksys_read+103\n]: 4\n"
     )
 
 

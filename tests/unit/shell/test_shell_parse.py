@@ -74,8 +74,16 @@ def test_numbers_and_durations() -> None:
 
 
 def test_gdb_static_commands() -> None:
-    for cmd in ("ptype struct task_struct", "whatis jiffies", "info line vfs_read", "list vfs_read",
-                "disassemble vfs_read", "p sizeof(struct file)", "p/x &init_task", "info symbol 0xffffffff81000000"):
+    for cmd in (
+        "ptype struct task_struct",
+        "whatis jiffies",
+        "info line vfs_read",
+        "list vfs_read",
+        "disassemble vfs_read",
+        "p sizeof(struct file)",
+        "p/x &init_task",
+        "info symbol 0xffffffff81000000",
+    ):
         assert is_static(cmd), cmd
     for cmd in ("info registers", "x/8x $sp", "bt", "p jiffies", "continue", "info threads", "stepi", ""):
         assert not is_static(cmd), cmd

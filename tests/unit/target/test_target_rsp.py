@@ -97,7 +97,7 @@ def test_escape_and_frame_round_trip(payload: bytes) -> None:
     [
         (b"0* ", b"0000"),  # ' ' = 29 + 3: three more
         (b"0*!", b"00000"),
-        (b"ff*\"00", b"ff" + b"f" * 5 + b"00"),
+        (b'ff*"00', b"ff" + b"f" * 5 + b"00"),
         (b"0*~", b"0" * 98),  # '~' = 126: the largest count
         (b"a* b* ", b"aaaabbbb"),
         (b"0* * ", b"0" * 7),  # a second run repeats the expanded byte
@@ -120,20 +120,25 @@ STREAMS: list[tuple[str, bytes, list[Event]]] = [
     ("unsupported", b"+$#00", [Ack(), Packet(b"")]),
     (
         "connect",  # the unsolicited stop comes before the qSupported answer
-        b"+" + pkt(b"T02thread:01;") + pkt(b"PacketSize=1000;qXfer:features:read+;ReverseStep+;"
-                                             b"ReverseContinue+;multiprocess+"),
-        [Ack(), Packet(b"T02thread:01;"),
-         Packet(b"PacketSize=1000;qXfer:features:read+;ReverseStep+;ReverseContinue+;multiprocess+")],
+        b"+"
+        + pkt(b"T02thread:01;")
+        + pkt(b"PacketSize=1000;qXfer:features:read+;ReverseStep+;ReverseContinue+;multiprocess+"),
+        [
+            Ack(),
+            Packet(b"T02thread:01;"),
+            Packet(b"PacketSize=1000;qXfer:features:read+;ReverseStep+;ReverseContinue+;multiprocess+"),
+        ],
     ),
-    ("threads", b"+$mp01.01,p01.02#" + csum(b"mp01.01,p01.02") + b"+$l#6c",
-     [Ack(), Packet(b"mp01.01,p01.02"), Ack(), Packet(b"l")]),
-    ("run-length", b"+" + pkt(REGS_RLE, raw=True),
-     [Ack(), Packet(b"0" * 32 + b"0" * 32 + b"10f0ffffffff")]),
+    (
+        "threads",
+        b"+$mp01.01,p01.02#" + csum(b"mp01.01,p01.02") + b"+$l#6c",
+        [Ack(), Packet(b"mp01.01,p01.02"), Ack(), Packet(b"l")],
+    ),
+    ("run-length", b"+" + pkt(REGS_RLE, raw=True), [Ack(), Packet(b"0" * 32 + b"0" * 32 + b"10f0ffffffff")]),
     ("escaped", b"+" + pkt(b"l<x>}#$*</x>"), [Ack(), Packet(b"l<x>}#$*</x>")]),
     ("nak", b"-+$OK#9a", [Nak(), Ack(), Packet(b"OK")]),
     ("acks-between", b"+$OK#9a++$OK#9a+", [Ack(), Packet(b"OK"), Ack(), Ack(), Packet(b"OK"), Ack()]),
-    ("notification", b"%" + pkt(b"Stop:T05thread:p01.01;")[1:],
-     [Notification(b"Stop:T05thread:p01.01;")]),
+    ("notification", b"%" + pkt(b"Stop:T05thread:p01.01;")[1:], [Notification(b"Stop:T05thread:p01.01;")]),
     ("binary", b"+" + pkt(bytes(range(256))), [Ack(), Packet(bytes(range(256)))]),
 ]
 
@@ -297,9 +302,7 @@ def test_parse_stop_reply(payload: bytes, kind: str, signal: int, thread: str | 
 
 def test_stop_reply_fields() -> None:
     stop = parse_stop_reply(b"T05watch:ffffffff81000000;thread:p01.01;swbreak:;")
-    assert stop == StopReply(
-        "T", 5, "p1.1", (("watch", "ffffffff81000000"), ("thread", "p01.01"), ("swbreak", ""))
-    )
+    assert stop == StopReply("T", 5, "p1.1", (("watch", "ffffffff81000000"), ("thread", "p01.01"), ("swbreak", "")))
     assert stop.field("watch") == "ffffffff81000000"
     assert stop.field("swbreak") == ""
     assert stop.field("hwbreak") is None

@@ -123,6 +123,12 @@ def test_can_optimize_ok_reports_displaced_size() -> None:
     assert can_optimize(FUNC, ADDR, ADDR + 8, buffer_addr=ADDR + 0x10000).ok
 
 
+def test_can_optimize_refuses_a_cold_part() -> None:
+    res = can_optimize(FUNC, ADDR, ADDR, name="__x64_sys_gethostname.cold")
+    assert not res.ok and "cold part" in res.reason
+    assert can_optimize(FUNC, ADDR, ADDR, name="__x64_sys_gethostname").ok
+
+
 def test_can_optimize_rip_relative_out_of_reach_of_buffer() -> None:
     res = can_optimize(FUNC, ADDR, ADDR + 8, buffer_addr=ADDR + (1 << 40))
     assert not res.ok and "relocated" in res.reason

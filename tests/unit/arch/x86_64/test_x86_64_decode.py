@@ -79,9 +79,7 @@ def test_check_boundary_accepts_boundaries(off: int) -> None:
 def test_check_boundary_rejects_inside(off: int, prev: int, nxt: int) -> None:
     with pytest.raises(NotInstructionBoundary) as exc:
         check_boundary(FUNC, START, START + off, name="f")
-    assert str(exc.value) == (
-        f"f+{off:#x} is not an instruction boundary (nearest: +{prev:#x} and +{nxt:#x})"
-    )
+    assert str(exc.value) == (f"f+{off:#x} is not an instruction boundary (nearest: +{prev:#x} and +{nxt:#x})")
 
 
 def test_check_boundary_message_like_vfs_read() -> None:

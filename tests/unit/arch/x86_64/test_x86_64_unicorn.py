@@ -195,6 +195,4 @@ def test_calls_and_returns_match_the_cpu() -> None:
     compare_emulation(
         "ff1500200000", FakeRegs(sp=STACK), mem_extra={pointer: (0x00007F0081C0FFEE).to_bytes(8, "little")}
     )
-    compare_emulation(
-        "ff542408", FakeRegs(sp=STACK), stack=bytes(8) + (0x00007F0081D00D00).to_bytes(8, "little")
-    )
+    compare_emulation("ff542408", FakeRegs(sp=STACK), stack=bytes(8) + (0x00007F0081D00D00).to_bytes(8, "little"))

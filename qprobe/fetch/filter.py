@@ -1,0 +1,200 @@
+"""ftrace's event filter language, for ``qprobe trace --filter`` and ``add_event(filter=...)``.
+
+The grammar is the one ``/sys/kernel/tracing/events/.../filter`` accepts
+(Documentation/trace/events.rst, "Event filtering")::
+
+    expr := term { '||' term } ;  term := factor { '&&' factor }
+    factor := '!' factor | '(' expr ')' | FIELD OP VALUE
+
+Numeric fields compare with ``== != < <= > >=`` and ``&`` (bitwise test);
+string fields with ``== !=`` and ``~`` (a glob: ``*``, ``?``, ``[...]``).
+The fields are the event's own arguments plus ftrace's common ones:
+``common_pid`` (alias ``pid``), ``comm`` and ``cpu``.  The error texts are the
+kernel's (kernel/trace/trace_events_filter.c), with a caret under the column.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from qprobe.errors import FetchArgError
+
+COMMON_NUMERIC = ("common_pid", "pid", "cpu")
+COMMON_STRING = ("comm",)
+_TOKEN = re.compile(
+    r"""\s*(?:(?P<op>&&|\|\||==|!=|<=|>=|[<>~&!()])|(?P<str>"[^"]*"?|'[^']*'?)|(?P<word>[^\s&|=!<>~()"']+))"""
+)
+_NUM_OPS = ("==", "!=", "<", "<=", ">", ">=", "&")
+_STR_OPS = ("==", "!=", "~")
+
+# kernel/trace/trace_events_filter.c, ERRORS
+INVALID_OP = "Invalid operator"
+UNBALANCED_PAREN = "Unbalanced parens"
+TOO_MANY_CLOSE = "Too many ')'"
+MISSING_FIELD = "Missing field name and/or value"
+FIELD_NOT_FOUND = "Field not found"
+ILLEGAL_INTVAL = "Illegal integer value"
+ILLEGAL_FIELD_OP = "Illegal operation for field type"
+MISSING_QUOTE = "Missing matching quote"
+EXPECT_DIGIT = "Expecting numeric field"
+EXPECT_STRING = "Expecting string field"
+NO_FILTER = "Meaningless filter expression"
+
+Record = Mapping[str, str | int]  # field name -> formatted argument value, or a common field's value
+
+
+@dataclass(frozen=True)
+class _Tok:
+    kind: str  # "op", "str" or "word"
+    text: str
+    col: int
+
+
+def _tokenize(text: str) -> list[_Tok]:
+    toks: list[_Tok] = []
+    pos = 0
+    while pos < len(text):
+        if text[pos:].strip() == "":
+            break
+        m = _TOKEN.match(text, pos)
+        if m is None or m.end() == pos:  # a lone '|' or '='
+            col = len(text) - len(text[pos:].lstrip())
+            raise FetchArgError(INVALID_OP, text, col)
+        kind = m.lastgroup or "word"
+        value = m.group(kind)
+        col = m.start(kind)
+        if kind == "str" and (len(value) < 2 or value[-1] != value[0]):
+            raise FetchArgError(MISSING_QUOTE, text, col)
+        toks.append(_Tok(kind, value, col))
+        pos = m.end()
+    return toks
+
+
+def _int(text: str) -> int | None:
+    """A filter constant or a formatted argument as an integer (ftrace prints hex as 0x..)."""
+    try:
+        return int(text, 0)
+    except ValueError:
+        return None
+
+
+class EventFilter:
+    """A parsed filter; ``filter(record)`` says whether a hit passes."""
+
+    def __init__(self, text: str, numeric: set[str], strings: set[str]) -> None:
+        """``numeric``/``strings`` are the event's argument names by kind (the common fields are added)."""
+        self.text = text
+        self._numeric = numeric | set(COMMON_NUMERIC)
+        self._strings = strings | set(COMMON_STRING)
+        self._toks = _tokenize(text)
+        self._i = 0
+        if not self._toks:
+            raise FetchArgError(NO_FILTER, text, 0)
+        self._test = self._expr()
+        if self._i < len(self._toks):
+            tok = self._toks[self._i]
+            raise FetchArgError(TOO_MANY_CLOSE if tok.text == ")" else INVALID_OP, text, tok.col)
+
+    def __call__(self, record: Record) -> bool:
+        return self._test(record)
+
+    # -- recursive descent ----------------------------------------------------------
+    def _peek(self) -> _Tok | None:
+        return self._toks[self._i] if self._i < len(self._toks) else None
+
+    def _next(self, what: str) -> _Tok:
+        tok = self._peek()
+        if tok is None:
+            raise FetchArgError(what, self.text, len(self.text))
+        self._i += 1
+        return tok
+
+    def _expr(self) -> Callable[[Record], bool]:
+        parts = [self._term()]
+        while (tok := self._peek()) is not None and tok.text == "||":
+            self._i += 1
+            parts.append(self._term())
+        return parts[0] if len(parts) == 1 else lambda r: any(p(r) for p in parts)
+
+    def _term(self) -> Callable[[Record], bool]:
+        parts = [self._factor()]
+        while (tok := self._peek()) is not None and tok.text == "&&":
+            self._i += 1
+            parts.append(self._factor())
+        return parts[0] if len(parts) == 1 else lambda r: all(p(r) for p in parts)
+
+    def _factor(self) -> Callable[[Record], bool]:
+        tok = self._next(MISSING_FIELD)
+        if tok.text == "!":
+            inner = self._factor()
+            return lambda r: not inner(r)
+        if tok.text == "(":
+            inner = self._expr()
+            close = self._peek()
+            if close is None or close.text != ")":
+                raise FetchArgError(UNBALANCED_PAREN, self.text, tok.col)
+            self._i += 1
+            return inner
+        if tok.kind != "word":
+            raise FetchArgError(MISSING_FIELD, self.text, tok.col)
+        return self._predicate(tok)
+
+    def _predicate(self, field: _Tok) -> Callable[[Record], bool]:
+        name = field.text
+        if name not in self._numeric and name not in self._strings:
+            raise FetchArgError(FIELD_NOT_FOUND, self.text, field.col)
+        op = self._next(INVALID_OP)
+        if op.kind != "op" or op.text not in (*_NUM_OPS, *_STR_OPS):
+            raise FetchArgError(INVALID_OP, self.text, op.col)
+        value = self._next(MISSING_FIELD)
+        if value.kind == "op":
+            raise FetchArgError(MISSING_FIELD, self.text, value.col)
+        if name in self._strings:
+            if op.text not in _STR_OPS:
+                raise FetchArgError(ILLEGAL_FIELD_OP, self.text, op.col)
+            return _string_test(name, op.text, value.text.strip("\"'"))
+        if op.text not in _NUM_OPS:
+            raise FetchArgError(ILLEGAL_FIELD_OP, self.text, op.col)
+        const = _int(value.text) if value.kind == "word" else None
+        if const is None:
+            raise FetchArgError(ILLEGAL_INTVAL, self.text, value.col)
+        return _numeric_test(name, op.text, const)
+
+
+def _field_str(record: Record, name: str) -> str:
+    value = record[name]
+    text = str(value)
+    return text[1:-1] if len(text) >= 2 and text[0] == text[-1] == '"' else text
+
+
+def _string_test(name: str, op: str, const: str) -> Callable[[Record], bool]:
+    if op == "~":
+        return lambda r: fnmatch.fnmatchcase(_field_str(r, name), const)
+    if op == "==":
+        return lambda r: _field_str(r, name) == const
+    return lambda r: _field_str(r, name) != const
+
+
+_COMPARE: dict[str, Callable[[int, int], bool]] = {
+    "==": lambda a, b: a == b, "!=": lambda a, b: a != b, "<": lambda a, b: a < b,
+    "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b,
+    "&": lambda a, b: bool(a & b),
+}  # fmt: skip
+
+
+def _numeric_test(name: str, op: str, const: int) -> Callable[[Record], bool]:
+    compare = _COMPARE[op]
+
+    def test(r: Record) -> bool:
+        value = r[name]
+        number = value if isinstance(value, int) else _int(value)
+        # A value that is not a number (a fault's "(fault)") matches nothing, as in ftrace.
+        return number is not None and compare(number, const)
+
+    return test
+
+
+__all__ = ["EventFilter"]

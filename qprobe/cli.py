@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from qprobe import __version__
 from qprobe.errors import FetchArgError, QprobeError
@@ -22,14 +24,57 @@ if TYPE_CHECKING:
     from qprobe.events import EventHit
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line, like every other qprobe error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"qprobe: error: {message} (see {self.prog} --help)\n")
+
+
+def _number(kind: type[int] | type[float], lo: float, hi: float) -> Callable[[str], int | float]:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not lo <= value <= hi:
+            bounds = f"{int(lo)}..{int(hi)}" if kind is int else f"{lo:g}..{hi:g}"
+            raise argparse.ArgumentTypeError(f"{text} is outside {bounds}")
+        return value
+
+    return parse
+
+
+def _memory(text: str) -> str:
+    from qprobe.target.qemu import parse_memory
+
+    try:
+        size = parse_memory(text)
+    except QprobeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not 128 << 20 <= size <= 64 << 30:
+        raise argparse.ArgumentTypeError(f"{text} is outside 128M..64G")
+    return text
+
+
 def _files(specs: list[str]) -> dict[str, str]:
     out = {}
     for spec in specs:
         host, sep, guest = spec.rpartition(":")
         if not sep or not host or not guest.startswith("/"):
             raise QprobeError(f"bad --file {spec!r}: expected HOST_PATH:/GUEST/PATH")
+        if not os.path.isfile(host) or not os.access(host, os.R_OK):
+            raise QprobeError(f"bad --file {spec!r}: {host} is not a readable file")
         out[guest] = host
     return out
+
+
+def _check_image(args: argparse.Namespace) -> None:
+    """An unknown image is refused before anything is fetched or booted."""
+    from qprobe.images.manifest import load_specs
+
+    if not getattr(args, "attach", None) and args.image not in load_specs():
+        raise QprobeError(f"unknown image {args.image!r}; see `qprobe images`")
 
 
 def _boot(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -38,6 +83,7 @@ def _boot(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     transport = getattr(args, "transport", "rsp")
     if getattr(args, "attach", None):
         return qprobe.attach(args.attach, args.vmlinux, allow_remote=args.allow_remote, transport=transport)
+    _check_image(args)
     return qprobe.boot(args.image, smp=args.smp, memory=args.memory, files=_files(args.file), transport=transport)
 
 
@@ -162,6 +208,7 @@ def cmd_shell(args: argparse.Namespace) -> int:
     """The interactive shell on a booted (or attached) target; every probe is removed on the way out."""
     from qprobe.shell import run_shell
 
+    _check_image(args)
     if not getattr(args, "attach", None):
         print(f"qprobe: booting {args.image} ({args.smp} vCPUs)...", file=sys.stderr, flush=True)
     with _boot(args) as target:
@@ -182,8 +229,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _target_options(p: argparse.ArgumentParser, attach: bool = True) -> None:
     p.add_argument("--image", default="debian-cloud", help="image to boot (see `qprobe images`)")
-    p.add_argument("--smp", type=int, default=2, help="number of vCPUs (default 2)")
-    p.add_argument("--memory", default="512M", help="guest RAM (default 512M)")
+    p.add_argument("--smp", type=_number(int, 1, 64), default=2, help="number of vCPUs (default 2)")
+    p.add_argument("--memory", type=_memory, default="512M", help="guest RAM (default 512M)")
     p.add_argument("--file", action="append", default=[], metavar="HOST:GUEST",
                    help="add a host file to the guest's root filesystem (repeatable)")  # fmt: skip
     p.add_argument("--transport", choices=("rsp", "gdb"), default="rsp",
@@ -195,7 +242,7 @@ def _target_options(p: argparse.ArgumentParser, attach: bool = True) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qprobe", description="Linux kprobes from outside a QEMU guest.")
+    parser = _Parser(prog="qprobe", description="Linux kprobes from outside a QEMU guest.")
     parser.add_argument("--version", action="version", version=f"qprobe {__version__}")
     parser.add_argument("-q", "--quiet", action="store_true", help="only errors")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -214,8 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("trace", help="trace kprobe_events definitions, one line per hit (ftrace format)")
     _target_options(p)
     p.add_argument("--run", metavar="CMD", help="run CMD in the guest while tracing, then stop")
-    p.add_argument("--duration", type=float, metavar="S", help="trace for S seconds (default: until Ctrl-C)")
-    p.add_argument("--timeout", type=float, default=600, help="limit for --run (default 600 s)")
+    p.add_argument(
+        "--duration", type=_number(float, 0.001, 1e7), metavar="S", help="trace for S seconds (default: until Ctrl-C)"
+    )
+    p.add_argument("--timeout", type=_number(float, 0.001, 1e7), default=600, help="limit for --run (default 600 s)")
     p.add_argument("--json", action="store_true", help="one JSON object per hit and a final summary object")
     p.add_argument(
         "--filter",
@@ -257,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="measure boot, symbol loading, stub round trips and probe hit rates")
     _target_options(p, attach=False)
-    p.add_argument("--hits", type=int, default=2000, help="probe hits to time (default 2000)")
+    p.add_argument("--hits", type=_number(int, 1, 10**9), default=2000, help="probe hits to time (default 2000)")
     p.add_argument("--output", type=Path, help="also write the report (markdown) to this file")
     p.set_defaults(func=cmd_bench)
     return parser

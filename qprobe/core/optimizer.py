@@ -406,11 +406,11 @@ class Optimizer:
                     ram.write_phys(mb + MB_REGS + i * 8, dirty[name].to_bytes(8, "little"))
             if "eflags" in dirty:
                 ram.write_phys(mb + MB_REGS + FRAME_FLAGS, dirty["eflags"].to_bytes(8, "little"))
-        ram.write_phys(mb + MB_FINAL_IP, final_ip.to_bytes(8, "little"))
-        ram.write_phys(mb + MB_FINAL_SP, final_sp.to_bytes(8, "little"))
+        ram.write_u64_phys(mb + MB_FINAL_IP, final_ip)
+        ram.write_u64_phys(mb + MB_FINAL_SP, final_sp)
         self.served += 1
-        # Published last: the stub reads the answer only after it sees DONE.
-        ram.write_phys(mb + MB_STATE, STATE_DONE.to_bytes(8, "little"))
+        # Published last, in one store: the stub reads the answer only after it sees DONE.
+        ram.write_u64_phys(mb + MB_STATE, STATE_DONE)
 
 
 def _page_round(n: int) -> int:

@@ -72,6 +72,19 @@ class SharedRam:
         off = self._offset(paddr, len(data))
         self._map[off : off + len(data)] = data
 
+    def write_u64_phys(self, paddr: int, value: int) -> None:
+        """One aligned 8-byte store, for a word a vCPU polls.
+
+        A slice assignment is a memcpy of run-time size, and glibc copies 8
+        bytes as two overlapping stores: a vCPU polling the word can see the
+        first, move on, write the word itself, and then see the second, stale
+        one land.  struct's native "Q" stores with a fixed-size memcpy, one
+        instruction, straight into the mapping.
+        """
+        if paddr & 7:
+            raise ValueError(f"unaligned polled word at {paddr:#x}")
+        struct.pack_into("Q", self._map, self._offset(paddr, 8), value)
+
     def close(self) -> None:
         self._map.close()
 

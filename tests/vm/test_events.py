@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -81,3 +82,38 @@ def test_cli_trace_rejects_bad_syntax_before_booting() -> None:
     assert out.returncode == 2 and time.monotonic() - t0 < 30
     assert out.stderr.splitlines() == ["qprobe: error: Invalid register name", "p:bad vfs_read x=%zz",
                                        " " * 17 + "^"]  # fmt: skip
+
+
+def test_cli_trace_filter_keeps_matching_hits_and_counts_the_rest() -> None:
+    out = _qprobe("trace", "--image", IMAGE, "--json", "--filter", 'count == 128 && comm == "workload"',
+                  "--run", "workload read 6 64; workload read 4 128", "p:rd ksys_read count=%dx:u64")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    hits, summary = rows[:-1], rows[-1]["summary"]["rd"]
+    assert len(hits) == 4 and all(h["args"]["count"] == "128" and h["comm"] == "workload" for h in hits)
+    assert summary["hits"] == 4 and summary["filtered"] >= 6 and summary["nmissed"] == 0
+
+
+def test_cli_trace_bad_filter_points_at_the_column_before_booting() -> None:
+    out = _qprobe("trace", "--filter", "size > 3", "p:rd ksys_read count=%dx:u64", timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == ["qprobe: error: Field not found", "size > 3", "^"]
+
+
+def test_sigint_during_a_trace_removes_probes_prints_the_summary_and_fails() -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "qprobe.cli", "trace", "--image", IMAGE, "p:gp __x64_sys_getppid"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 300
+        line = ""
+        while "Ctrl-C" not in line and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "qprobe trace exited before arming"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    assert out.splitlines()[-1].startswith("# gp: hits=") and "Traceback" not in err

@@ -414,3 +414,18 @@ def test_guest_memory_over_shared_ram(tmp_path: Path) -> None:
         assert mem.read(DIRECT4 + 0x1234_5678, 10) == b"direct map"
     finally:
         ram.close()
+
+
+def test_shared_ram_polled_word_is_one_aligned_store(tmp_path: Path) -> None:
+    path = sparse(tmp_path / "ram", PAGE, {})
+    ram = SharedRam(path, PAGE, writable=True)
+    try:
+        ram.write_u64_phys(0x40, 0x1122334455667788)
+        assert ram.read_u64_phys(0x40) == 0x1122334455667788
+        assert path.read_bytes()[0x40:0x48] == bytes.fromhex("8877665544332211")  # little-endian, in the file
+        with pytest.raises(ValueError, match="unaligned"):
+            ram.write_u64_phys(0x44, 1)
+        with pytest.raises(MemoryFault):
+            ram.write_u64_phys(PAGE, 1)
+    finally:
+        ram.close()

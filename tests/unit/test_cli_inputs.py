@@ -1,0 +1,92 @@
+"""Issue 8: every CLI input a user can get wrong gives one line naming the problem, before anything boots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import qprobe
+from qprobe import cli
+
+
+@pytest.fixture(autouse=True)
+def no_vm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bad input must be refused before a VM exists: booting or attaching fails the test."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a VM was booted or attached for bad input")
+
+    monkeypatch.setattr(qprobe, "boot", refuse)
+    monkeypatch.setattr(qprobe, "attach", refuse)
+
+
+CASES = [
+    # (argv, words the one-line error must contain)
+    ([], ["required", "COMMAND"]),
+    (["frobnicate"], ["invalid choice", "frobnicate"]),
+    (["trace"], ["required", "EVENT"]),
+    (["trace", "--smp", "0", "p:a vfs_read"], ["--smp", "outside 1..64"]),
+    (["trace", "--smp", "two", "p:a vfs_read"], ["--smp", "'two' is not a number"]),
+    (["trace", "--memory", "lots", "p:a vfs_read"], ["--memory", "bad memory size"]),
+    (["trace", "--memory", "16M", "p:a vfs_read"], ["--memory", "outside 128M..64G"]),
+    (["trace", "--duration", "-1", "p:a vfs_read"], ["--duration", "outside"]),
+    (["trace", "--timeout", "x", "p:a vfs_read"], ["--timeout", "not a number"]),
+    (["trace", "--transport", "serial", "p:a vfs_read"], ["--transport", "invalid choice"]),
+    (["trace", "--image", "no-such-image", "p:a vfs_read"], ["unknown image 'no-such-image'"]),
+    (["trace", "--file", "nocolon", "p:a vfs_read"], ["bad --file 'nocolon'"]),
+    (["trace", "--file", "/etc/hostname:relative", "p:a vfs_read"], ["bad --file", "/GUEST/PATH"]),
+    (["trace", "--file", "/no/such/file:/bin/x", "p:a vfs_read"], ["/no/such/file is not a readable file"]),
+    (["trace", "p:a vfs_read x=%zz"], ["Invalid register name"]),
+    (["trace", "p:a vfs_read+ x=%ax"], ["Invalid probed address or symbol"]),
+    (["trace", "q:a vfs_read"], ["Not a kprobe definition"]),
+    (["trace", "r:a vfs_read+8"], ["Retprobe address must be an function entry"]),
+    (["trace", "p:a vfs_read s=+0(%si):strung"], ["Unknown type is specified"]),
+    (["trace", "--filter", "nope == 1", "p:a vfs_read c=%dx"], ["Field not found"]),
+    (["trace", "--filter", "c ~ 1", "p:a vfs_read c=%dx"], ["Illegal operation for field type"]),
+    (["trace", "--filter", "c == x", "p:a vfs_read c=%dx"], ["Illegal integer value"]),
+    (["list", "--smp", "100"], ["--smp", "outside 1..64"]),
+    (["boot", "--memory", "0"], ["--memory", "outside"]),
+    (["bench", "--hits", "0"], ["--hits", "outside 1..1000000000"]),
+    (["shell", "--image", "nope"], ["unknown image 'nope'"]),
+    (["attach", "10.1.2.3:1234"], ["refusing to attach to non-local 10.1.2.3"]),
+    (["images", "--fetch"], ["--fetch", "expected at least one argument"]),
+]
+
+
+@pytest.mark.parametrize(("argv", "words"), CASES, ids=[" ".join(c[0]) or "(none)" for c in CASES])
+def test_bad_cli_input_is_one_line_naming_the_problem(
+    argv: list[str], words: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if argv[:1] == ["attach"]:
+        monkeypatch.undo()  # attach's own check runs before it connects to anything
+    try:
+        status = cli.main(argv)
+    except SystemExit as exc:  # argparse
+        status = exc.code  # type: ignore[assignment]
+    err = capsys.readouterr().err
+    assert status == 2, err
+    first = err.splitlines()[0]
+    assert first.startswith("qprobe: error: "), err
+    for word in words:
+        assert word in first, (word, first)
+    # Event and filter errors add the kernel's two caret lines; everything else is one line.
+    assert len(err.splitlines()) in ((1,) if "^" not in err else (3,)), err
+
+
+def test_help_documents_every_command_and_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("boot", "attach", "trace", "list", "images", "blacklist", "shell", "demo", "bench"):
+        assert command in out
+    with pytest.raises(SystemExit):
+        cli.main(["--version"])
+    assert capsys.readouterr().out.startswith("qprobe ")
+
+
+def test_a_readable_extra_file_is_accepted(tmp_path: Path) -> None:
+    f = tmp_path / "tool"
+    f.write_text("#!/bin/sh\n")
+    assert cli._files([f"{f}:/bin/tool"]) == {"/bin/tool": str(f)}

@@ -21,11 +21,13 @@ from qprobe.core.kretprobe import Kretprobe, KretprobeInstance
 from qprobe.core.regs import PtRegs
 from qprobe.errors import FetchArgError, QprobeError
 from qprobe.fetch import MemoryFault, ProbeEvent, SymbolInfo, format_event, format_hit, parse_event
-from qprobe.fetch.args import Value
+from qprobe.fetch.args import FetchArg, Value
+from qprobe.fetch.expr import Arg, Comm, Imm, ImmString, Node, Reg, StackPointer, SymbolAddr
 from qprobe.fetch.filter import EventFilter
 
 if TYPE_CHECKING:
     from qprobe.api import Target
+    from qprobe.core.optimizer import GuestRecord
 
 IF_FLAG = 0x200
 
@@ -58,10 +60,11 @@ class EventHit:
 class _HostContext:
     """The FetchContext of one hit: a stopped vCPU's registers and memory."""
 
-    def __init__(self, target: Target, regs: PtRegs, retval: int | None) -> None:
+    def __init__(self, target: Target, regs: PtRegs, retval: int | None, comm: str | None = None) -> None:
         self.target = target
         self.regs = regs
         self._retval = retval
+        self._comm = comm
 
     def reg(self, name: str) -> int:
         return 0 if name == "orig_ax" else getattr(self.regs, name)
@@ -87,7 +90,7 @@ class _HostContext:
         return self.regs.ax if self._retval is None else self._retval
 
     def comm(self) -> str:
-        return self.target.current_task(self.regs).comm
+        return self._comm if self._comm is not None else self.target.current_task(self.regs).comm
 
     def arg(self, n: int) -> int:
         return self.regs.arg(n)
@@ -117,7 +120,7 @@ class TraceEvent:
     callback: Callable[[EventHit], None] | None = None
     keep: int = 100_000  # hits kept in ``hits``; older ones are counted in ``lost``
     hits: collections.deque[EventHit] = field(default_factory=collections.deque)
-    lost: int = 0
+    evicted: int = 0  # hits that fell out of ``hits``
     nhit: int = 0
     probe: Kprobe | Kretprobe | None = None
     errors: list[str] = field(default_factory=list)
@@ -132,19 +135,31 @@ class TraceEvent:
     def nmissed(self) -> int:
         return self.probe.nmissed if self.probe is not None else 0
 
+    @property
+    def lost(self) -> int:
+        """Records lost: evicted from ``hits``, or dropped in the guest on a full ring (those are in nmissed too)."""
+        return self.evicted + (self.probe.kp.nlost if isinstance(self.probe, Kretprobe) else
+                               self.probe.nlost if self.probe is not None else 0)  # fmt: skip
+
     def listing(self) -> str:
         """The line ``cat kprobe_events`` shows."""
         return format_event(self.definition)
 
-    def _record(self, regs: PtRegs, ip: int, func: int | None, retval: int | None) -> None:
-        ctx = _HostContext(self.target, regs, retval)
+    def _record(
+        self, regs: PtRegs, ip: int, func: int | None, retval: int | None,
+        task: tuple[int, str] | None = None, ts: float | None = None,
+    ) -> None:  # fmt: skip
+        ctx = _HostContext(self.target, regs, retval, None if task is None else task[1])
         values: list[Value] = self.definition.evaluate(ctx)
         body = format_hit(self.definition, values, ip, func, lookup=_lookup(self.target),
                           trampoline=self.target.kretprobes.trampoline or None)  # fmt: skip
-        task = self.target.current_task(regs)
+        if task is None:
+            current = self.target.current_task(regs)
+            task = current.pid, current.comm
+        pid, comm = task
         hit = EventHit(
-            event=self.definition.event, cpu=regs.vcpu, pid=task.pid, comm=task.comm,
-            ts=time.monotonic() - self.target.t0, addr=func if func is not None else ip,
+            event=self.definition.event, cpu=regs.vcpu, pid=pid, comm=comm,
+            ts=(time.monotonic() if ts is None else ts) - self.target.t0, addr=func if func is not None else ip,
             symbol=self.target.symbols.symbolize(func if func is not None else ip),
             args={a.name: a.format_value(v) for a, v in zip(self.definition.args, values, strict=True)},
             body=body, irqs_off=not regs.flags & IF_FLAG,
@@ -157,7 +172,7 @@ class TraceEvent:
         self.nhit += 1
         if len(self.hits) >= self.keep:
             self.hits.popleft()
-            self.lost += 1
+            self.evicted += 1
         self.hits.append(hit)
         if self.callback is not None:
             self.callback(hit)
@@ -166,9 +181,42 @@ class TraceEvent:
         self._record(regs, regs.ip, None, None)
         return 0
 
+    def _guest_record(self, rec: GuestRecord) -> None:
+        """The same hit, recorded in the guest by an optimized probe's detour and drained from its ring."""
+        kprobes = self.target.kprobes
+        regs = kprobes.make_regs(rec.values, kprobes.machine.vcpus[rec.cpu])
+        self._record(regs, regs.ip, None, None, task=(rec.pid, rec.comm), ts=rec.time)
+
     def _kretprobe_hit(self, ri: KretprobeInstance, regs: PtRegs) -> None:
         func = self.probe.kp.resolved  # type: ignore[union-attr]
         self._record(regs, ri.ret_addr, func, regs.ax)
+
+
+def _register_only(node: Node) -> bool:
+    """Whether a fetch argument's value is in the registers at the hit (no memory read)."""
+    match node:
+        case Reg() | StackPointer() | Imm() | ImmString() | Comm():
+            return True
+        case Arg(n):
+            return n <= 6  # the seventh and later are on the stack
+        case SymbolAddr(_, _, offset):
+            return offset is not None
+    return False
+
+
+def in_guest(ev: ProbeEvent) -> bool:
+    """Can an optimized probe record this event in the guest (a register snapshot), waking nobody?
+
+    Only when every fetch argument comes from the registers (or is $comm, which the
+    record carries): a memory dereference must be read at the hit, which needs the host.
+    """
+
+    def ok(a: FetchArg) -> bool:
+        if a.type.string:  # a string is read from memory, except these two
+            return isinstance(a.expr, Comm | ImmString)
+        return _register_only(a.expr) and not a.type.array
+
+    return not ev.is_return and all(ok(a) for a in ev.args)
 
 
 def event_filter(ev: ProbeEvent, text: str) -> EventFilter:
@@ -193,6 +241,8 @@ def add_event(
     else:
         kp = Kprobe(symbol_name=ev.symbol, addr=ev.addr if ev.symbol is None else None, offset=ev.offset,
                     pre_handler=te._kprobe_hit)  # fmt: skip
+        if in_guest(ev):
+            kp.recorder = te._guest_record
         te.probe = kp
         target.register_kprobe(kp)
     return te

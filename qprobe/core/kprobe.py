@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qprobe.errors import InvalidProbe
+
+if TYPE_CHECKING:
+    from qprobe.core.optimizer import GuestRecord
 
 PreHandler = Callable[["Kprobe", Any], int | None]
 PostHandler = Callable[["Kprobe", Any], None]
@@ -56,6 +59,12 @@ class Kprobe:
         self.nhit = 0
         self.nmissed = 0
         self.nfaults = 0
+        self.nlost = 0  # hits whose in-guest record was dropped on a full ring (also in nmissed)
+        # An action that can run in the guest instead of pre_handler once the probe is jump-optimized:
+        # the detour records the registers into a per-CPU ring and this gets them (see
+        # qprobe.core.optimizer.detour_kind).  Set by kprobe_events definitions; pre_handler still runs
+        # on the int3 path, and must compute the same thing.
+        self.recorder: Callable[[GuestRecord], None] | None = None
         self.errors: list[str] = []
         self.registered = False
         self.resolved = 0  # the running address, once registered

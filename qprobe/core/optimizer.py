@@ -33,7 +33,14 @@ from qprobe.arch.x86_64.decode import decode_all
 from qprobe.arch.x86_64.detour import (
     COUNT_HEAD,
     DETOUR_HEAD,
+    E_COMM,
+    E_CPU_PID,
+    E_SP,
+    E_TASK,
+    E_TSC,
+    ENTRY_SIZE,
     FRAME_FLAGS,
+    FRAME_ID,
     FRAME_REGS,
     FRAME_SIZE,
     MAILBOX_SIZE,
@@ -44,11 +51,17 @@ from qprobe.arch.x86_64.detour import (
     MB_PERCPU,
     MB_REGS,
     MB_STATE,
+    R_HEAD,
+    R_TAIL,
+    RING_ENTRIES,
+    RING_HEADER,
     STATE_DONE,
     STATE_REQUEST,
+    RecordParams,
     StubParams,
     build_count_detour,
     build_detour,
+    build_record_stub,
     build_stub,
 )
 from qprobe.arch.x86_64.insn import copy_instruction, synthesize_reljump
@@ -65,7 +78,7 @@ log = logging.getLogger("qprobe.optimizer")
 
 MAX_OPTIMIZED = 4096  # probe ids: one nmissed counter each
 TRAMPOLINE_ID = 0
-COLLECT_INTERVAL = 0.05  # seconds between folds of the in-guest hit counters
+COLLECT_INTERVAL = 0.02  # seconds between drains of the rings and folds of the in-guest counters
 THREAD_SIZE = 16 << 10  # x86_64 kernel and IRQ stacks (without KASAN)
 _FRAME_WORDS = FRAME_SIZE // 8
 # Reasons that hold only at the moment of the attempt (their texts start with these).
@@ -81,12 +94,39 @@ class Optimized:
     size: int  # bytes of text the jmp displaces (whole instructions)
     jmp: Patch
     continue_addr: int
-    counting: bool = False  # an in-guest count (no handler to run): the detour wakes nobody
+    kind: str = "mailbox"  # see detour_kind
+
+    @property
+    def counting(self) -> bool:
+        return self.kind == "count"
 
 
-def counting(point: ProbePoint) -> bool:
-    """A point whose probes have no handler at all only needs its hits counted, in the guest."""
-    return all(kp.pre_handler is None and kp.post_handler is None for kp in point.probes)
+def detour_kind(point: ProbePoint) -> str:
+    """What the detour does at a hit, from what its probes need.
+
+    "count": no probe has a handler, so the detour only increments a counter in
+    guest RAM; "record": the probes' actions can run in the guest (kprobe_events
+    fetch arguments that are all registers), so the detour snapshots the
+    registers into its CPU's ring and returns; "mailbox": a Python handler runs
+    synchronously through the doorbell.  Neither of the first two wakes the host.
+    """
+    if any(kp.post_handler is not None for kp in point.probes):
+        return "mailbox"
+    if any(kp.pre_handler is not None and kp.recorder is None for kp in point.probes):
+        return "mailbox"
+    return "record" if any(kp.recorder is not None for kp in point.probes) else "count"
+
+
+@dataclass
+class GuestRecord:
+    """One hit recorded by a detour in the guest, as the host drained it from a ring."""
+
+    values: dict[str, int]  # registers at the probe (pt_regs names as gdb gives them: rax, rip, rsp, eflags...)
+    cpu: int
+    pid: int
+    comm: str
+    task: int  # the task_struct address
+    time: float  # host monotonic clock, from the record's TSC
 
 
 class Optimizer:
@@ -112,6 +152,16 @@ class Optimizer:
         self.counters = 0  # per probe id: hits of in-guest counting detours
         self._missed_seen: dict[int, int] = {}
         self._counted_seen: dict[int, int] = {}
+        self._lost_seen: dict[int, int] = {}
+        self.record_stub = 0
+        self.rings = 0  # ring headers (RING_HEADER per CPU), then the entries
+        self.lost = 0  # per probe id: records dropped on a full ring
+        self._tails: list[int] = []
+        self.ring_errors = 0  # ring entries or heads that failed validation (a guest scribbling)
+        self.late_records = 0  # records of a probe unoptimized while a vCPU was inside its record stub
+        self._retired: dict[int, ProbePoint] = {}
+        self._tsc_hz = 0.0
+        self._tsc_offset: float | None = None
         self._fold_lock = threading.Lock()
         self._collector: threading.Thread | None = None
         self.served = 0
@@ -129,10 +179,11 @@ class Optimizer:
             scratch.map()
         ncpus = len(self.machine.vcpus)
         # Data the host writes through the RAM file lives on pages of its own, apart from code.
-        size = ncpus * MAILBOX_SIZE + 2 * MAX_OPTIMIZED * 8
+        size = ncpus * MAILBOX_SIZE + 3 * MAX_OPTIMIZED * 8
         data = scratch.alloc(_page_round(size), align=4096)
         self.mailboxes, self.missed = data, data + ncpus * MAILBOX_SIZE
         self.counters = self.missed + MAX_OPTIMIZED * 8
+        self.lost = self.counters + MAX_OPTIMIZED * 8
         self._zero(data, size)
         params = StubParams(self.mailboxes, self.missed, syms.percpu["cpu_number"], syms.percpu["this_cpu_off"],
                             syms.percpu["current_task"], DOORBELL_PORT)  # fmt: skip
@@ -142,6 +193,26 @@ class Optimizer:
                                       scratch=scratch.base, scratch_phys=scratch.phys)  # fmt: skip
         scratch.write(self.stub, build_stub(params, self.stub))
         self._start_thread()
+
+    def _ensure_rings(self) -> None:
+        """The per-CPU record rings and their stub, on first use (64 KiB of scratch per CPU)."""
+        if self.record_stub:
+            return
+        scratch, syms = self.kp.scratch, self.kp.symbols
+        ncpus = len(self.machine.vcpus)
+        size = RING_HEADER * ncpus + RING_ENTRIES * ENTRY_SIZE * ncpus
+        self.rings = scratch.alloc(_page_round(size), align=4096)
+        self._zero(self.rings, size)
+        self._tails = [0] * ncpus
+        cur, pid_off, _tgid, comm_off = self.kp.tasks.offsets
+        params = RecordParams(self.rings, self.rings + RING_HEADER * ncpus, self.lost, syms.percpu["cpu_number"],
+                              cur, pid_off, comm_off)  # fmt: skip
+        code_size = len(build_record_stub(params, scratch.base))
+        stub = scratch.alloc(code_size, align=64)
+        scratch.write(stub, build_record_stub(params, stub))
+        self.record_stub = stub
+        if "tsc_khz" in syms:
+            self._tsc_hz = int.from_bytes(self.machine.mem.read(syms.address("tsc_khz"), 4), "little") * 1000.0
 
     def _zero(self, addr: int, size: int) -> None:
         assert self.ram is not None
@@ -252,7 +323,7 @@ class Optimizer:
             return "optimization is off"
         if any(kp.post_handler is not None or getattr(kp, "no_optimize", False) for kp in point.probes):
             return "a probe there has a post_handler"
-        if point.opt is not None and point.opt.counting != counting(point):
+        if point.opt is not None and point.opt.kind != detour_kind(point):
             return "its probes' handlers changed"
         return None
 
@@ -271,26 +342,31 @@ class Optimizer:
         region = self.kp.original(point.addr, size)
         insns = decode_all(region, point.addr)
         probe_id = self._free_ids.pop()
-        count_only = counting(point)
-        head = COUNT_HEAD if count_only else DETOUR_HEAD
+        self._retired.pop(probe_id, None)
+        kind = detour_kind(point)
+        if kind == "record":
+            self._ensure_rings()
+        head = COUNT_HEAD if kind == "count" else DETOUR_HEAD
         total = head + sum(len(copy_instruction(i, point.addr)) for i in insns) + 5
         detour = self.kp.scratch.alloc(total + 16)
         relocated = b""
         for insn in insns:
             relocated += copy_instruction(insn, detour + head + len(relocated))
-        if count_only:
+        if kind == "count":
             code = build_count_detour(detour, self.counters + probe_id * 8, relocated, point.addr + size)
         else:
-            code = build_detour(detour, probe_id, self.stub, relocated, point.addr + size)
+            stub = self.record_stub if kind == "record" else self.stub
+            code = build_detour(detour, probe_id, stub, relocated, point.addr + size)
         self.kp.scratch.write(detour, code)
         self._missed_seen[probe_id] = self._read_missed(probe_id)
         self._counted_seen[probe_id] = self._read_counter(probe_id)
+        self._lost_seen[probe_id] = self._read_lost(probe_id)
         # Swap the int3 for the jump while every vCPU is stopped.
         assert point.int3 is not None
         self.machine.unpatch(point.int3)
         point.int3 = None
         jmp = self.machine.patch(point.addr, synthesize_reljump(point.addr, detour), "optjmp", detour)
-        point.opt = Optimized(probe_id, detour, size, jmp, detour + head, count_only)
+        point.opt = Optimized(probe_id, detour, size, jmp, detour + head, kind)
         self.kp.resume_targets.add(point.addr + size)
         self.by_id[probe_id] = point
         return True
@@ -299,11 +375,14 @@ class Optimizer:
         opt = point.opt
         if opt is None:
             return
+        # Counters folded and records delivered while the point is still what they belong to.
+        self.sync_missed(point, opt)
         self.machine.unpatch(opt.jmp)
         point.opt = None
-        self.sync_missed(point, opt)
         self.by_id.pop(opt.probe_id, None)
-        self._free_ids.append(opt.probe_id)
+        # A vCPU stopped inside the record stub publishes after this: recognise its id a while longer.
+        self._retired[opt.probe_id] = point
+        self._free_ids.insert(0, opt.probe_id)
         # A vCPU or an interrupted context may still be in the detour: never reuse it.
         self.kp.quarantine(opt.detour)
 
@@ -317,6 +396,11 @@ class Optimizer:
         phys = self.kp.scratch.phys + self.counters + probe_id * 8 - self.kp.scratch.base
         return self.ram.read_u64_phys(phys)
 
+    def _read_lost(self, probe_id: int) -> int:
+        assert self.ram is not None
+        phys = self.kp.scratch.phys + self.lost + probe_id * 8 - self.kp.scratch.base
+        return self.ram.read_u64_phys(phys)
+
     def sync_missed(self, point: ProbePoint, opt: Optimized | None = None) -> None:
         """Fold the guest's counters of an optimized probe (nmissed; hits of a counting detour) into its probes."""
         opt = opt or point.opt
@@ -328,6 +412,15 @@ class Optimizer:
             self._missed_seen[opt.probe_id] = now
             for kp in point.probes:
                 kp.nmissed += delta
+            if opt.kind == "record":
+                # A record dropped on a full ring is a hit whose action did not run: nmissed, and lost.
+                self._drain_rings()
+                now = self._read_lost(opt.probe_id)
+                delta = now - self._lost_seen.get(opt.probe_id, now)
+                self._lost_seen[opt.probe_id] = now
+                for kp in point.probes:
+                    kp.nmissed += delta
+                    kp.nlost += delta
             if opt.counting:
                 now = self._read_counter(opt.probe_id)
                 delta = now - self._counted_seen.get(opt.probe_id, now)
@@ -337,16 +430,81 @@ class Optimizer:
                         kp.nhit += delta
 
     def _collect_loop(self) -> None:
-        """Keep ``nhit`` of in-guest counting probes current while the VM runs (RAM reads, no stop)."""
+        """While the VM runs (RAM reads, no stop): fold in-guest counters, drain the record rings."""
         while not self._stop:
-            for point in list(self.by_id.values()):
-                opt = point.opt
-                if opt is not None and opt.counting:
-                    try:
+            try:
+                with self._fold_lock:
+                    self._drain_rings()
+                for point in list(self.by_id.values()):
+                    opt = point.opt
+                    if opt is not None and opt.kind != "mailbox":
                         self.sync_missed(point, opt)
-                    except QprobeError as exc:
-                        self.errors.append(f"collector: {exc}")
+            except QprobeError as exc:
+                self.errors.append(f"collector: {exc}")
             time.sleep(COLLECT_INTERVAL)
+
+    def _drain_rings(self) -> None:
+        """Deliver every record in the rings, oldest first across CPUs (call with _fold_lock held).
+
+        Everything read from a ring is validated before use: a head that went
+        backwards or past a full ring, an entry whose CPU is not its ring's or
+        whose probe id is not a recording probe; each failure is counted in
+        ``ring_errors`` and skipped.
+        """
+        if not self.record_stub or self.ram is None:
+            return
+        ram, scratch = self.ram, self.kp.scratch
+        ncpus = len(self._tails)
+        batch: list[tuple[int, int, ProbePoint, tuple[int, ...], bytes]] = []
+        for cpu in range(ncpus):
+            hdr = scratch.phys + self.rings + cpu * RING_HEADER - scratch.base
+            head, tail = ram.read_u64_phys(hdr + R_HEAD), self._tails[cpu]
+            if head == tail:
+                continue
+            if not 0 < head - tail <= RING_ENTRIES:
+                self.ring_errors += 1
+            else:
+                base = scratch.phys + self.rings + RING_HEADER * ncpus + cpu * RING_ENTRIES * ENTRY_SIZE - scratch.base
+                for seq in range(tail, head):
+                    raw = ram.read_phys(base + (seq % RING_ENTRIES) * ENTRY_SIZE, E_SP + 8)
+                    words = struct.unpack(f"<{len(raw) // 8}Q", raw)
+                    point = self.by_id.get(words[FRAME_ID // 8])
+                    if point is None and words[FRAME_ID // 8] in self._retired:
+                        self.late_records += 1
+                        continue
+                    if point is None or point.opt is None or point.opt.kind != "record" or \
+                            words[E_CPU_PID // 8] & 0xFFFFFFFF != cpu:  # fmt: skip
+                        self.ring_errors += 1
+                        continue
+                    batch.append((words[E_TSC // 8], cpu, point, words, raw))
+            self._tails[cpu] = head
+            ram.write_u64_phys(hdr + R_TAIL, head)
+        if not batch:
+            return
+        batch.sort(key=lambda b: b[0])
+        now = time.monotonic()
+        if self._tsc_offset is None or not self._tsc_hz:
+            self._tsc_offset = now - batch[-1][0] / self._tsc_hz if self._tsc_hz else 0.0
+        for tsc, cpu, point, words, raw in batch:
+            values = dict(zip(FRAME_REGS, words, strict=False))
+            values.update(rip=point.addr, rsp=words[E_SP // 8], eflags=words[FRAME_FLAGS // 8])
+            pid = words[E_CPU_PID // 8] >> 32
+            rec = GuestRecord(values, cpu, pid - (1 << 32) if pid >> 31 else pid,
+                              raw[E_COMM : E_COMM + 16].split(b"\0")[0].decode(errors="replace"), words[E_TASK // 8],
+                              min(now, tsc / self._tsc_hz + self._tsc_offset) if self._tsc_hz else now)  # fmt: skip
+            for kp in point.probes:
+                if kp.disabled:
+                    continue
+                kp.nhit += 1
+                if kp.recorder is None:
+                    continue
+                try:
+                    with self.kp.handler_lock:
+                        kp.recorder(rec)
+                except Exception as exc:  # user code: counted and reported, never fatal
+                    kp.nfaults += 1
+                    if len(kp.errors) < 100:
+                        kp.errors.append(f"recorder raised {type(exc).__name__}: {exc}")
 
     # -- the doorbell (its own thread) ------------------------------------------------
     def _serve_loop(self) -> None:

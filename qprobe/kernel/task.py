@@ -39,6 +39,11 @@ class Tasks:
     def _btf(self) -> Btf:
         return self.symbols.btf
 
+    @property
+    def offsets(self) -> tuple[int, int, int, int]:
+        """(per-CPU offset of current_task, then offsetof task_struct pid, tgid, comm)."""
+        return self._offsets
+
     @cached_property
     def _offsets(self) -> tuple[int, int, int, int]:
         if "current_task" in self.symbols.percpu:

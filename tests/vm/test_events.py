@@ -117,3 +117,40 @@ def test_sigint_during_a_trace_removes_probes_prints_the_summary_and_fails() -> 
             proc.kill()
     assert proc.returncode == 130
     assert out.splitlines()[-1].startswith("# gp: hits=") and "Traceback" not in err
+
+
+def test_register_only_event_is_recorded_in_the_guest_as_the_stop_path_would(
+    target: qprobe.Target, guard: dict[int, bytes]
+) -> None:
+    """Fetch args that are all registers: the detour snapshots them into a per-CPU ring, nobody is woken."""
+    opt = target.kprobes.optimizer
+    assert opt is not None
+    seek = target.add_event("p:myseek ksys_lseek fd=%di off=%si:s64 whence=%dx:u32 who=$comm")
+    try:
+        point = target.kprobes.points[seek.probe.resolved]  # type: ignore[union-attr]
+        assert point.opt is not None and point.opt.kind == "record"
+        served = opt.served
+        res = workload_result(target.run("workload lseek 300").check().output)
+        deadline = time.monotonic() + 5
+        while seek.nhit + seek.nmissed < 300 and time.monotonic() < deadline:  # drained every 20 ms
+            time.sleep(0.02)
+        assert opt.served == served and opt.ring_errors == 0
+        in_guest = list(seek.hits)
+        target.set_kprobes_optimization(False)  # the same event, now an int3 and a Python handler
+        res2 = workload_result(target.run("workload lseek 3").check().output)
+        stop_based = list(seek.hits)[len(in_guest) :]
+    finally:
+        target.set_kprobes_optimization(True)
+        target.remove_event(seek)
+    fd, fd2 = f"{int(res['fd']):#x}", f"{int(res2['fd']):#x}"
+    expected = [{"fd": fd, "off": str(i), "whence": "0", "who": '"workload"'} for i in range(1, 301)]
+    lost = seek.probe.nlost  # type: ignore[union-attr]
+    # Every call accounted for: recorded, or counted as lost on a full ring (never silently).
+    assert len(in_guest) + lost == 300 and seek.nmissed == lost and seek.lost == lost
+    got = [h.args for h in in_guest]
+    assert got == expected if lost == 0 else all(g in expected for g in got)
+    assert [int(g["off"]) for g in got] == sorted(int(g["off"]) for g in got)  # delivered in order
+    assert all(h.pid == int(res["pid"]) and h.comm == "workload" for h in in_guest)
+    assert [h.ts for h in in_guest] == sorted(h.ts for h in in_guest)
+    assert [h.args for h in stop_based] == [{**e, "fd": fd2} for e in expected[:3]]
+    assert stop_based[0].body == in_guest[0].body.replace(fd, fd2)  # the same ftrace line either way

@@ -177,3 +177,88 @@ def build_detour(address: int, probe_id: int, stub: int, relocated: bytes, resum
     head = bytes([0x68]) + probe_id.to_bytes(4, "little") + synthesize_relcall(address + 5, stub)
     tail_at = address + DETOUR_HEAD + len(relocated)
     return head + relocated + synthesize_reljump(tail_at, resume)
+
+
+# -- in-guest records: a per-CPU ring the host drains from the RAM file ----------------
+RING_SHIFT = 8  # 256 entries per CPU
+RING_ENTRIES = 1 << RING_SHIFT
+ENTRY_SHIFT = 8
+ENTRY_SIZE = 1 << ENTRY_SHIFT
+RING_HEADER = 64  # per CPU: head (written by the guest), tail (by the host)
+R_HEAD, R_TAIL = 0x00, 0x08
+# An entry: the stub's frame (18 qwords, the probe id last), then what the host cannot read later.
+E_TSC, E_CPU_PID, E_COMM, E_TASK, E_SP = 144, 152, 160, 176, 184
+
+
+@dataclass(frozen=True)
+class RecordParams:
+    headers: int  # CPU 0's ring header; CPU n's is RING_HEADER * n further
+    data: int  # CPU 0's entries; CPU n's are RING_ENTRIES * ENTRY_SIZE * n further
+    lost: int  # per-probe counters of records dropped on a full ring (u64 each)
+    cpu_number: int  # per-CPU offset of cpu_number
+    current_task: int  # per-CPU offset of current_task
+    pid_offset: int  # offsetof(struct task_struct, pid)
+    comm_offset: int  # offsetof(struct task_struct, comm)
+
+
+def build_record_stub(p: RecordParams, address: int) -> bytes:
+    """The shared record stub: snapshot the registers into this CPU's ring and return; nobody waits.
+
+    Called like the mailbox stub (``push id; call stub``), it leaves through
+    ``ret 8`` to the detour's continue label.  A full ring counts the record
+    as lost for its probe.
+    """
+    full, done = 1, 2
+    c = Instruction
+    code = [c.create(Code.PUSHFQ), c.create(Code.CLI), c.create(Code.CLD)]
+    code += [c.create_reg(Code.PUSH_R64, _r(n)) for n in _PUSHED]
+    code += [
+        c.create_reg_mem(Code.MOV_R32_RM32, Register.R8D, _mem(disp=p.cpu_number, seg="gs")),
+        c.create_reg_reg(Code.MOV_R32_RM32, Register.EAX, Register.R8D),
+        c.create_reg_i32(Code.SHL_RM32_IMM8, Register.EAX, 6),
+        c.create_reg_mem(Code.LEA_R64_M, Register.RBX, _mem("rax", p.headers)),
+        c.create_reg_mem(Code.MOV_R64_RM64, Register.RAX, _mem("rbx", R_HEAD)),
+        c.create_reg_reg(Code.MOV_R64_RM64, Register.RCX, Register.RAX),
+        c.create_reg_mem(Code.SUB_R64_RM64, Register.RCX, _mem("rbx", R_TAIL)),
+        c.create_reg_i32(Code.CMP_RM64_IMM32, Register.RCX, RING_ENTRIES),
+        c.create_branch(Code.JAE_REL32_64, full),
+        c.create_reg_i32(Code.AND_RM32_IMM32, Register.EAX, RING_ENTRIES - 1),
+        c.create_reg_i32(Code.SHL_RM32_IMM8, Register.EAX, ENTRY_SHIFT),
+        c.create_reg_reg(Code.MOV_R32_RM32, Register.R9D, Register.R8D),
+        c.create_reg_i32(Code.SHL_RM64_IMM8, Register.R9, RING_SHIFT + ENTRY_SHIFT),
+        c.create_reg_mem(Code.LEA_R64_M, Register.RDI, _mem("rax", p.data, "r9")),
+        c.create_reg_reg(Code.MOV_R64_RM64, Register.RSI, Register.RSP),
+        c.create_reg_u32(Code.MOV_R32_IMM32, Register.ECX, FRAME_SIZE // 8),
+        c.create_movsq(64, Register.NONE, RepPrefixKind.REPE),
+        c.create_reg_mem(Code.LEA_R64_M, Register.RDI, _mem("rdi", -FRAME_SIZE)),
+        c.create(Code.RDTSC),
+        c.create_reg_i32(Code.SHL_RM64_IMM8, Register.RDX, 32),
+        c.create_reg_reg(Code.OR_R64_RM64, Register.RAX, Register.RDX),
+        c.create_mem_reg(Code.MOV_RM64_R64, _mem("rdi", E_TSC), Register.RAX),
+        c.create_reg_mem(Code.LEA_R64_M, Register.RAX, _mem("rsp", FRAME_SIZE)),
+        c.create_mem_reg(Code.MOV_RM64_R64, _mem("rdi", E_SP), Register.RAX),
+        c.create_reg_mem(Code.MOV_R64_RM64, Register.RAX, _mem(disp=p.current_task, seg="gs")),
+        c.create_mem_reg(Code.MOV_RM64_R64, _mem("rdi", E_TASK), Register.RAX),
+        c.create_reg_mem(Code.MOV_R32_RM32, Register.ECX, _mem("rax", p.pid_offset)),
+        c.create_reg_i32(Code.SHL_RM64_IMM8, Register.RCX, 32),
+        c.create_reg_reg(Code.OR_R64_RM64, Register.RCX, Register.R8),
+        c.create_mem_reg(Code.MOV_RM64_R64, _mem("rdi", E_CPU_PID), Register.RCX),
+        c.create_reg_mem(Code.MOV_R64_RM64, Register.RCX, _mem("rax", p.comm_offset)),
+        c.create_mem_reg(Code.MOV_RM64_R64, _mem("rdi", E_COMM), Register.RCX),
+        c.create_reg_mem(Code.MOV_R64_RM64, Register.RCX, _mem("rax", p.comm_offset + 8)),
+        c.create_mem_reg(Code.MOV_RM64_R64, _mem("rdi", E_COMM + 8), Register.RCX),
+        # Published last; x86 stores are not reordered with older stores, and only this CPU writes head.
+        c.create_mem(Code.INC_RM64, _mem("rbx", R_HEAD)),
+        c.create_branch(Code.JMP_REL32_64, done),
+    ]
+    lost = c.create_reg_mem(Code.MOV_R64_RM64, Register.RAX, _mem("rsp", FRAME_ID))
+    lost.ip = full
+    inc = c.create_mem(Code.INC_RM64, _mem(None, p.lost, "rax", 8))
+    inc.has_lock_prefix = True
+    code += [lost, inc]
+    pops = [c.create_reg(Code.POP_R64, _r(n)) for n in reversed(_PUSHED)]
+    pops[0].ip = done
+    code += [*pops, c.create(Code.POPFQ), c.create_i32(Code.RETNQ_IMM16, 8)]
+    enc = BlockEncoder(64)
+    enc.add_many(code)
+    return bytes(enc.encode(address))

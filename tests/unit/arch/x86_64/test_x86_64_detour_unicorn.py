@@ -1,0 +1,118 @@
+"""The in-guest detours run on a real x86 CPU model (unicorn): the counting head and the record stub.
+
+What the guest executes must leave every register and flag as it found
+them, land in the detour's continue label with the stack pointer restored,
+and write exactly the ring entry the host's drain expects.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+unicorn = pytest.importorskip("unicorn", reason="unicorn is not installed; it only cross-checks the arch layer")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from unicorn import x86_const as X  # noqa: E402
+
+from qprobe.arch.x86_64.detour import (  # noqa: E402
+    DETOUR_HEAD,
+    E_COMM,
+    E_CPU_PID,
+    E_SP,
+    E_TASK,
+    E_TSC,
+    ENTRY_SIZE,
+    FRAME_REGS,
+    R_HEAD,
+    RING_ENTRIES,
+    RING_HEADER,
+    RecordParams,
+    build_count_detour,
+    build_detour,
+    build_record_stub,
+)
+
+# Low addresses (unicorn cannot run in the upper half); they still fit the sign-extended disp32 forms.
+STUB, DETOUR, RESUME = 0x10000000, 0x11000000, 0x12000000
+PERCPU, TASK, RINGS, LOST, COUNTERS, STACK = 0x20000000, 0x30000000, 0x40000000, 0x50000000, 0x51000000, 0x60008000
+CPU_NUMBER, CURRENT_TASK, PID_OFF, COMM_OFF = 0x100, 0x200, 0x980, 0xBB0
+NCPUS, CPU, PID, PROBE_ID = 2, 1, 4242, 77
+NOP5 = bytes.fromhex("0f1f440000")
+UC = {name: getattr(X, f"UC_X86_REG_{name.upper()}") for name in FRAME_REGS}
+FLAGS = 0x202 | 0x1 | 0x40 | 0x80 | 0x800  # IF, CF, ZF, SF, OF: all must come back
+
+
+def machine() -> unicorn.Uc:
+    uc = unicorn.Uc(unicorn.UC_ARCH_X86, unicorn.UC_MODE_64)
+    for base in (STUB, DETOUR, RESUME, PERCPU, TASK, RINGS, LOST, COUNTERS):
+        uc.mem_map(base, 0x100000)
+    uc.mem_map(STACK - 0x8000, 0x10000)
+    uc.mem_write(RESUME, b"\xf4")
+    uc.msr_write(0xC0000101, PERCPU)  # GS base
+    uc.mem_write(PERCPU + CPU_NUMBER, CPU.to_bytes(4, "little"))
+    uc.mem_write(PERCPU + CURRENT_TASK, TASK.to_bytes(8, "little"))
+    uc.mem_write(TASK + PID_OFF, PID.to_bytes(4, "little"))
+    uc.mem_write(TASK + COMM_OFF, b"workload".ljust(16, b"\0"))
+    return uc
+
+
+def run(uc: unicorn.Uc, regs: dict[str, int]) -> dict[str, int]:
+    for name, value in regs.items():
+        uc.reg_write(UC[name], value)
+    uc.reg_write(X.UC_X86_REG_RSP, STACK)
+    uc.reg_write(X.UC_X86_REG_EFLAGS, FLAGS)
+    uc.emu_start(DETOUR, RESUME, count=10_000)
+    out = {name: uc.reg_read(UC[name]) for name in FRAME_REGS}
+    assert uc.reg_read(X.UC_X86_REG_RIP) == RESUME
+    assert uc.reg_read(X.UC_X86_REG_RSP) == STACK
+    assert uc.reg_read(X.UC_X86_REG_EFLAGS) & 0xFFF == FLAGS
+    return out
+
+
+PARAMS = RecordParams(RINGS, RINGS + RING_HEADER * NCPUS, LOST, CPU_NUMBER, CURRENT_TASK, PID_OFF, COMM_OFF)
+REGS = st.fixed_dictionaries({name: st.integers(0, 2**64 - 1) for name in FRAME_REGS})
+
+
+@settings(max_examples=25, deadline=None)
+@given(REGS)
+def test_record_stub_writes_the_entry_the_host_reads_and_preserves_everything(regs: dict[str, int]) -> None:
+    uc = machine()
+    uc.mem_write(STUB, build_record_stub(PARAMS, STUB))
+    uc.mem_write(DETOUR, build_detour(DETOUR, PROBE_ID, STUB, NOP5, RESUME))
+    assert run(uc, regs) == regs
+    header = RINGS + RING_HEADER * CPU
+    assert struct.unpack("<Q", uc.mem_read(header + R_HEAD, 8))[0] == 1
+    entry = bytes(uc.mem_read(RINGS + RING_HEADER * NCPUS + CPU * RING_ENTRIES * ENTRY_SIZE, ENTRY_SIZE))
+    words = struct.unpack(f"<{E_SP // 8 + 1}Q", entry[: E_SP + 8])
+    assert dict(zip(FRAME_REGS, words, strict=False)) == regs
+    assert words[15] & 0xFFF == FLAGS  # the flags at the probe
+    assert words[16] == DETOUR + DETOUR_HEAD and words[17] == PROBE_ID  # continue label, probe id
+    assert words[E_CPU_PID // 8] == CPU | PID << 32 and words[E_TASK // 8] == TASK
+    assert entry[E_COMM : E_COMM + 8] == b"workload" and words[E_SP // 8] == STACK
+    assert words[E_TSC // 8] != 0
+    assert struct.unpack("<Q", uc.mem_read(LOST + PROBE_ID * 8, 8))[0] == 0
+
+
+def test_a_full_ring_counts_the_record_as_lost_and_changes_nothing_else() -> None:
+    uc = machine()
+    uc.mem_write(STUB, build_record_stub(PARAMS, STUB))
+    uc.mem_write(DETOUR, build_detour(DETOUR, PROBE_ID, STUB, NOP5, RESUME))
+    header = RINGS + RING_HEADER * CPU
+    uc.mem_write(header + R_HEAD, RING_ENTRIES.to_bytes(8, "little"))  # the host has consumed nothing
+    regs = {name: 0x1000 + i for i, name in enumerate(FRAME_REGS)}
+    assert run(uc, regs) == regs
+    assert struct.unpack("<Q", uc.mem_read(header + R_HEAD, 8))[0] == RING_ENTRIES
+    assert struct.unpack("<Q", uc.mem_read(LOST + PROBE_ID * 8, 8))[0] == 1
+
+
+@settings(max_examples=25, deadline=None)
+@given(REGS, st.integers(1, 5))
+def test_count_detour_counts_and_preserves_everything(regs: dict[str, int], hits: int) -> None:
+    uc = machine()
+    counter = COUNTERS + PROBE_ID * 8
+    uc.mem_write(DETOUR, build_count_detour(DETOUR, counter, NOP5, RESUME))
+    for _ in range(hits):
+        assert run(uc, regs) == regs
+    assert struct.unpack("<Q", uc.mem_read(counter, 8))[0] == hits

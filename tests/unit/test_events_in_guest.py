@@ -1,0 +1,31 @@
+"""Which kprobe_events definitions an optimized probe can record in the guest (registers only)."""
+
+from __future__ import annotations
+
+import pytest
+
+from qprobe.events import in_guest
+from qprobe.fetch import ProbeEvent, parse_event
+
+
+@pytest.mark.parametrize(
+    ("definition", "expected"),
+    [
+        ("p:a vfs_read", True),
+        ("p:a vfs_read c=%dx:u64 n=$arg1 who=$comm", True),
+        ("p:a vfs_read x=%ax:b3@4/32 sp=$stack imm=\\1234 s=\\\"hi\\\":string", True),
+        ("p:a vfs_read w=$comm:string", True),
+        ("p:a vfs_read a=$arg6", True),
+        ("p:a vfs_read a=$arg7", False),  # on the stack: a memory read at the hit
+        ("p:a vfs_read x=$stack1", False),
+        ("p:a vfs_read c=+0(%si):u64", False),
+        ("p:a vfs_read s=+0(%si):string", False),
+        ("p:a vfs_read v=@jiffies", False),
+        ("p:a vfs_read v=+0(@jiffies):u64", False),
+        ("r:a vfs_read r=$retval", False),  # return probes go through the host's instances
+    ],
+)
+def test_in_guest(definition: str, expected: bool) -> None:
+    ev = parse_event(definition, symbol_exists=lambda name: True)
+    assert isinstance(ev, ProbeEvent)
+    assert in_guest(ev) is expected

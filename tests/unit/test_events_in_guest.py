@@ -13,7 +13,7 @@ from qprobe.fetch import ProbeEvent, parse_event
     [
         ("p:a vfs_read", True),
         ("p:a vfs_read c=%dx:u64 n=$arg1 who=$comm", True),
-        ("p:a vfs_read x=%ax:b3@4/32 sp=$stack imm=\\1234 s=\\\"hi\\\":string", True),
+        ('p:a vfs_read x=%ax:b3@4/32 sp=$stack imm=\\1234 s=\\"hi\\":string', True),
         ("p:a vfs_read w=$comm:string", True),
         ("p:a vfs_read a=$arg6", True),
         ("p:a vfs_read a=$arg7", False),  # on the stack: a memory read at the hit

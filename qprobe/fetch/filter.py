@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from qprobe.errors import FetchArgError
@@ -113,18 +113,20 @@ class EventFilter:
         return tok
 
     def _expr(self) -> Callable[[Record], bool]:
-        parts = [self._term()]
-        while (tok := self._peek()) is not None and tok.text == "||":
-            self._i += 1
-            parts.append(self._term())
-        return parts[0] if len(parts) == 1 else lambda r: any(p(r) for p in parts)
+        return self._chain("||", self._term, any)
 
     def _term(self) -> Callable[[Record], bool]:
-        parts = [self._factor()]
-        while (tok := self._peek()) is not None and tok.text == "&&":
+        return self._chain("&&", self._factor, all)
+
+    def _chain(
+        self, op: str, operand: Callable[[], Callable[[Record], bool]], combine: Callable[[Iterable[bool]], bool]
+    ) -> Callable[[Record], bool]:
+        """``operand { op operand }``, evaluated left to right with short circuit."""
+        parts = [operand()]
+        while (tok := self._peek()) is not None and tok.text == op:
             self._i += 1
-            parts.append(self._factor())
-        return parts[0] if len(parts) == 1 else lambda r: all(p(r) for p in parts)
+            parts.append(operand())
+        return parts[0] if len(parts) == 1 else lambda r: combine(p(r) for p in parts)
 
     def _factor(self) -> Callable[[Record], bool]:
         tok = self._next(MISSING_FIELD)

@@ -58,16 +58,16 @@ def machine() -> unicorn.Uc:
     return uc
 
 
-def run(uc: unicorn.Uc, regs: dict[str, int]) -> dict[str, int]:
+def run(uc: unicorn.Uc, regs: dict[str, int], flags: int = FLAGS) -> dict[str, int]:
     for name, value in regs.items():
         uc.reg_write(UC[name], value)
     uc.reg_write(X.UC_X86_REG_RSP, STACK)
-    uc.reg_write(X.UC_X86_REG_EFLAGS, FLAGS)
+    uc.reg_write(X.UC_X86_REG_EFLAGS, flags)
     uc.emu_start(DETOUR, RESUME, count=10_000)
     out = {name: uc.reg_read(UC[name]) for name in FRAME_REGS}
     assert uc.reg_read(X.UC_X86_REG_RIP) == RESUME
     assert uc.reg_read(X.UC_X86_REG_RSP) == STACK
-    assert uc.reg_read(X.UC_X86_REG_EFLAGS) & 0xFFF == FLAGS
+    assert uc.reg_read(X.UC_X86_REG_EFLAGS) & 0xFFF == flags
     return out
 
 
@@ -107,12 +107,17 @@ def test_a_full_ring_counts_the_record_as_lost_and_changes_nothing_else() -> Non
     assert struct.unpack("<Q", uc.mem_read(LOST + PROBE_ID * 8, 8))[0] == 1
 
 
-@settings(max_examples=25, deadline=None)
-@given(REGS, st.integers(1, 5))
-def test_count_detour_counts_and_preserves_everything(regs: dict[str, int], hits: int) -> None:
+# Every combination of the arithmetic flags (CF PF AF ZF SF OF), with IF and the reserved bit set.
+ARITH_FLAGS = st.sets(st.sampled_from([0x1, 0x4, 0x10, 0x40, 0x80, 0x800])).map(lambda s: 0x202 | sum(s))
+
+
+@settings(max_examples=60, deadline=None)
+@given(REGS, st.integers(1, 5), ARITH_FLAGS, st.integers(0, 2**64 - 1))
+def test_count_detour_counts_and_preserves_everything(regs: dict[str, int], hits: int, flags: int, start: int) -> None:
     uc = machine()
     counter = COUNTERS + PROBE_ID * 8
+    uc.mem_write(counter, start.to_bytes(8, "little"))  # an increment that overflows or wraps changes nothing else
     uc.mem_write(DETOUR, build_count_detour(DETOUR, counter, NOP5, RESUME))
     for _ in range(hits):
-        assert run(uc, regs) == regs
-    assert struct.unpack("<Q", uc.mem_read(counter, 8))[0] == hits
+        assert run(uc, regs, flags) == regs
+    assert struct.unpack("<Q", uc.mem_read(counter, 8))[0] == (start + hits) % 2**64

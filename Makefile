@@ -42,8 +42,8 @@ vm: image
 	$(BIN)/pytest -q tests/vm
 
 test: image
-	$(BIN)/ruff check qprobe tests examples
-	$(BIN)/ruff format --check qprobe tests examples
+	$(BIN)/ruff check qprobe tests examples scripts
+	$(BIN)/ruff format --check qprobe tests examples scripts
 	$(BIN)/pytest -q tests examples
 
 # The VM tests and the examples on each kernel (debian-rt is fetched on first use).
@@ -58,8 +58,8 @@ bench: image
 	$(BIN)/qprobe bench
 
 lint: venv
-	$(BIN)/ruff check qprobe tests examples
-	$(BIN)/ruff format --check qprobe tests examples
+	$(BIN)/ruff check qprobe tests examples scripts
+	$(BIN)/ruff format --check qprobe tests examples scripts
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

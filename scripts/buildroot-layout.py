@@ -43,7 +43,10 @@ def main(argv: list[str]) -> int:
     (out / "images.toml").write_text(
         "[images.buildroot]\n"
         f'description = "{img.name} laid out as buildroot\'s output/images/"\n'
-        'kernel = "bzImage"\nvmlinux = "vmlinux"\ndisk = "rootfs.ext2"\n' + extra
+        'kernel = "bzImage"\nvmlinux = "vmlinux"\ndisk = "rootfs.ext2"\n'
+        + extra
+        # root= is derived; this root filesystem is qprobe's, whose /init prints QPROBE-READY and runs a shell.
+        + 'cmdline = "init=/init"\n'
     )
     print(out / "images.toml")
     return 0

@@ -154,3 +154,39 @@ def test_register_only_event_is_recorded_in_the_guest_as_the_stop_path_would(
     assert [h.ts for h in in_guest] == sorted(h.ts for h in in_guest)
     assert [h.args for h in stop_based] == [{**e, "fd": fd2} for e in expected[:3]]
     assert stop_based[0].body == in_guest[0].body.replace(fd, fd2)  # the same ftrace line either way
+
+
+def test_a_guest_scribbling_over_the_rings_gives_counted_errors(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    """Ring heads and entries are checked before use: garbage is counted and skipped, never trusted."""
+    from qprobe.arch.x86_64.detour import ENTRY_SIZE, R_HEAD, RING_ENTRIES, RING_HEADER
+
+    opt = target.kprobes.optimizer
+    assert opt is not None and opt.ram is not None
+    seek = target.add_event("p:myseek ksys_lseek off=%si:s64")
+    try:
+        target.run("workload lseek 5").check()
+        deadline = time.monotonic() + 5
+        while seek.nhit < 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        scratch, ncpus = target.kprobes.scratch, len(target.machine.vcpus)
+        errors = opt.ring_errors
+        # A head far past the tail (as if the guest wrote it): refused, counted, resynchronised.
+        head0 = scratch.phys + opt.rings - scratch.base + R_HEAD
+        opt.ram.write_u64_phys(head0, opt.ram.read_u64_phys(head0) + 10 * RING_ENTRIES)
+        # An entry with a probe id nobody has and a CPU that is not its ring's, published on CPU 1's ring.
+        head1 = head0 + RING_HEADER
+        n = opt.ram.read_u64_phys(head1)
+        entry = opt.rings + RING_HEADER * ncpus + (RING_ENTRIES + n % RING_ENTRIES) * ENTRY_SIZE
+        opt.ram.write_phys(scratch.phys + entry - scratch.base, bytes(range(256)) * (ENTRY_SIZE // 256))
+        opt.ram.write_u64_phys(head1, n + 1)
+        deadline = time.monotonic() + 5
+        while opt.ring_errors < errors + 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert opt.ring_errors == errors + 2
+        target.run("workload lseek 3").check()  # and records flow on
+        deadline = time.monotonic() + 5
+        while seek.nhit < 8 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        target.remove_event(seek)
+    assert [h.args["off"] for h in seek.hits] == ["1", "2", "3", "4", "5", "1", "2", "3"]

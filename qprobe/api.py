@@ -205,10 +205,21 @@ class Target:
             raise TargetError("this target has no guest console (attach with console=PATH)")
         self.machine.check_alive()
         try:
-            return self.console.run(command, timeout)
+            result = self.console.run(command, timeout)
         except TargetGone:
             self.machine.check_alive(wait=2.0)  # the stop loop knows why QEMU went
             raise
+        self.sync()
+        return result
+
+    def sync(self) -> None:
+        """Bring ``nhit``/``nmissed`` and event records up to date with what the guest did so far.
+
+        In-guest counters and record rings are otherwise folded every 20 ms; ``run()`` calls
+        this when the command is done, so counts read right after it are exact.
+        """
+        if self.kprobes.optimizer is not None:
+            self.kprobes.optimizer.sync_all()
 
     def read(self, addr: int | str, size: int) -> bytes:
         """Kernel virtual memory, read from shared RAM without stopping the VM."""

@@ -429,16 +429,22 @@ class Optimizer:
                     if not kp.disabled:
                         kp.nhit += delta
 
+    def sync_all(self) -> None:
+        """Drain the rings and fold every in-guest counter now (RAM reads, no VM stop)."""
+        if self.ram is None:
+            return
+        with self._fold_lock:
+            self._drain_rings()
+        for point in list(self.by_id.values()):
+            opt = point.opt
+            if opt is not None and opt.kind != "mailbox":
+                self.sync_missed(point, opt)
+
     def _collect_loop(self) -> None:
         """While the VM runs (RAM reads, no stop): fold in-guest counters, drain the record rings."""
         while not self._stop:
             try:
-                with self._fold_lock:
-                    self._drain_rings()
-                for point in list(self.by_id.values()):
-                    opt = point.opt
-                    if opt is not None and opt.kind != "mailbox":
-                        self.sync_missed(point, opt)
+                self.sync_all()
             except QprobeError as exc:
                 self.errors.append(f"collector: {exc}")
             time.sleep(COLLECT_INTERVAL)

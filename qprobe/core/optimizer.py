@@ -7,7 +7,9 @@ doorbell, an ``out`` to QEMU's isa-debugcon device whose chardev is a Unix
 socket read here; this thread runs the Python handlers on those registers
 (guest memory is read through the shared RAM file), writes changed
 registers back into the mailbox and releases the vCPU.  Other vCPUs keep
-running throughout.
+running throughout.  Probes that need no Python handler at the hit do not
+wake the host at all (see ``detour_kind``): their detour counts in guest RAM,
+or records the registers into a per-CPU ring that a collector thread drains.
 
 The checks before optimizing are the kernel's (``can_optimize``: whole
 function decoded from running memory, no jump into the region, nothing in

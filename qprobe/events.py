@@ -16,14 +16,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from qprobe.arch.x86_64.guestfilter import GPRS
+from qprobe.arch.x86_64.guestfilter import And as GAnd
+from qprobe.arch.x86_64.guestfilter import Not as GNot
+from qprobe.arch.x86_64.guestfilter import Or as GOr
+from qprobe.arch.x86_64.guestfilter import Pred as GPred
 from qprobe.core.kprobe import Kprobe
 from qprobe.core.kretprobe import Kretprobe, KretprobeInstance
-from qprobe.core.regs import PtRegs
+from qprobe.core.regs import ARG_REGS, PtRegs
 from qprobe.errors import FetchArgError, QprobeError
 from qprobe.fetch import MemoryFault, ProbeEvent, SymbolInfo, format_event, format_hit, parse_event
 from qprobe.fetch.args import FetchArg, Value
 from qprobe.fetch.expr import Arg, Comm, Imm, ImmString, Node, Reg, StackPointer, SymbolAddr
+from qprobe.fetch.filter import And as FAnd
 from qprobe.fetch.filter import EventFilter
+from qprobe.fetch.filter import Not as FNot
+from qprobe.fetch.filter import Or as FOr
+from qprobe.fetch.filter import Pred as FPred
 
 if TYPE_CHECKING:
     from qprobe.api import Target
@@ -125,7 +134,8 @@ class TraceEvent:
     probe: Kprobe | Kretprobe | None = None
     errors: list[str] = field(default_factory=list)
     filter: EventFilter | None = None
-    filtered: int = 0  # hits the filter rejected
+    in_guest: bool = False  # recorded by an optimized probe's detour when it can be (see in_guest())
+    host_filtered: int = 0  # hits the filter rejected on the host (the rest were rejected in the guest)
 
     @property
     def name(self) -> str:
@@ -134,6 +144,11 @@ class TraceEvent:
     @property
     def nmissed(self) -> int:
         return self.probe.nmissed if self.probe is not None else 0
+
+    @property
+    def filtered(self) -> int:
+        """Hits the filter rejected: on the host, or in the guest by an optimized probe's detour."""
+        return self.host_filtered + (self.probe.nfiltered if isinstance(self.probe, Kprobe) else 0)
 
     @property
     def lost(self) -> int:
@@ -167,7 +182,7 @@ class TraceEvent:
         if self.filter is not None and not self.filter(
             {**hit.args, "common_pid": hit.pid, "pid": hit.pid, "comm": hit.comm, "cpu": hit.cpu}
         ):
-            self.filtered += 1
+            self.host_filtered += 1
             return
         self.nhit += 1
         if len(self.hits) >= self.keep:
@@ -180,6 +195,12 @@ class TraceEvent:
     def _kprobe_hit(self, kp: Kprobe, regs: PtRegs) -> int:
         self._record(regs, regs.ip, None, None)
         return 0
+
+    def use_host_handler(self, on: bool) -> None:
+        """While on, every hit runs the Python handler at the hit (to unwind its stack, say), never a record."""
+        if isinstance(self.probe, Kprobe) and self.in_guest:
+            self.probe.recorder = None if on else self._guest_record
+            self.target.kprobes.resync(self.probe)
 
     def _guest_record(self, rec: GuestRecord) -> None:
         """The same hit, recorded in the guest by an optimized probe's detour and drained from its ring."""
@@ -219,6 +240,46 @@ def in_guest(ev: ProbeEvent) -> bool:
     return not ev.is_return and all(ok(a) for a in ev.args)
 
 
+def guest_filter(ev: ProbeEvent, flt: EventFilter) -> object | None:
+    """The filter as register compares an optimized probe's detour can run, or None if it needs the host.
+
+    Every predicate must compare a 64- or 32-bit integer argument taken from a
+    register with a constant in that type's range; common fields (pid, comm,
+    cpu) and strings are only known on the host.
+    """
+    args = {a.name: a for a in ev.args}
+
+    def register(a: FetchArg) -> str | None:
+        match a.expr:
+            case Reg(name) if name in GPRS:
+                return name
+            case Arg(n) if n <= len(ARG_REGS):
+                return ARG_REGS[n - 1]
+        return None
+
+    def convert(node: object) -> object | None:
+        match node:
+            case FPred(field, op, int() as const) if field in args:
+                a = args[field]
+                t, reg = a.type, register(a)
+                if reg is None or t.string or t.array or t.bitfield or t.symbol or t.size not in (4, 8):
+                    return None
+                bits = t.size * 8
+                lo, hi = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if t.signed else (0, (1 << bits) - 1)
+                return GPred(reg, bits, t.signed, op, const) if lo <= const <= hi else None
+            case FAnd(parts) | FOr(parts):
+                sub = [convert(p) for p in parts]
+                if any(x is None for x in sub):
+                    return None
+                return GAnd(tuple(sub)) if isinstance(node, FAnd) else GOr(tuple(sub))
+            case FNot(inner):
+                sub = convert(inner)
+                return None if sub is None else GNot(sub)
+        return None
+
+    return convert(flt.tree) if in_guest(ev) else None
+
+
 def event_filter(ev: ProbeEvent, text: str) -> EventFilter:
     """An ftrace filter over ``ev``'s arguments; raises FetchArgError (with a column) naming the problem."""
     return EventFilter(text, numeric={a.name for a in ev.args if not a.type.string},
@@ -242,7 +303,11 @@ def add_event(
         kp = Kprobe(symbol_name=ev.symbol, addr=ev.addr if ev.symbol is None else None, offset=ev.offset,
                     pre_handler=te._kprobe_hit)  # fmt: skip
         if in_guest(ev):
+            te.in_guest = True
             kp.recorder = te._guest_record
+            if te.filter is not None:
+                # Rejected in the detour, before the ring; the host filter still runs (the int3 path).
+                kp.guest_filter = guest_filter(ev, te.filter)
         te.probe = kp
         target.register_kprobe(kp)
     return te

@@ -65,6 +65,10 @@ class Kprobe:
         # qprobe.core.optimizer.detour_kind).  Set by kprobe_events definitions; pre_handler still runs
         # on the int3 path, and must compute the same thing.
         self.recorder: Callable[[GuestRecord], None] | None = None
+        # With a recorder: a filter the detour runs first (qprobe.arch.x86_64.guestfilter's tree); the hits
+        # it rejects are counted in nhit and nfiltered and never recorded.
+        self.guest_filter: object | None = None
+        self.nfiltered = 0
         self.errors: list[str] = []
         self.registered = False
         self.resolved = 0  # the running address, once registered

@@ -267,6 +267,14 @@ class KprobeManager:
         kp.resolved = addr
         self._sync(point)
 
+    def resync(self, kp: Kprobe) -> None:
+        """After a registered probe's handlers or recorder changed: re-arm its point as they now need."""
+        addr = kp.resolved
+        if not kp.registered or addr not in self.points:
+            return
+        self.machine.call(lambda: self._sync(self.points[addr]) if addr in self.points else None)
+        self.optimize_later([addr])
+
     def register_kprobes(self, kps: Iterable[Kprobe]) -> None:
         """All or nothing: on an error, the ones already registered are unregistered."""
         done: list[Kprobe] = []

@@ -66,6 +66,7 @@ from qprobe.arch.x86_64.detour import (
     build_record_stub,
     build_stub,
 )
+from qprobe.arch.x86_64.guestfilter import build_filtered_detour
 from qprobe.arch.x86_64.insn import copy_instruction, synthesize_reljump
 from qprobe.arch.x86_64.opt import can_optimize
 from qprobe.errors import QprobeError
@@ -80,6 +81,7 @@ log = logging.getLogger("qprobe.optimizer")
 
 MAX_OPTIMIZED = 4096  # probe ids: one nmissed counter each
 TRAMPOLINE_ID = 0
+RECORDING = ("record", "filtered")  # detour kinds that write the rings
 COLLECT_INTERVAL = 0.02  # seconds between drains of the rings and folds of the in-guest counters
 THREAD_SIZE = 16 << 10  # x86_64 kernel and IRQ stacks (without KASAN)
 _FRAME_WORDS = FRAME_SIZE // 8
@@ -111,12 +113,18 @@ def detour_kind(point: ProbePoint) -> str:
     fetch arguments that are all registers), so the detour snapshots the
     registers into its CPU's ring and returns; "mailbox": a Python handler runs
     synchronously through the doorbell.  Neither of the first two wakes the host.
+    "filtered" is "record" behind the probe's ftrace filter compiled to compares
+    (one probe at the point, whose filter only reads registers).
     """
     if any(kp.post_handler is not None for kp in point.probes):
         return "mailbox"
     if any(kp.pre_handler is not None and kp.recorder is None for kp in point.probes):
         return "mailbox"
-    return "record" if any(kp.recorder is not None for kp in point.probes) else "count"
+    if not any(kp.recorder is not None for kp in point.probes):
+        return "count"
+    if len(point.probes) == 1 and point.probes[0].guest_filter is not None:
+        return "filtered"  # "record", behind the probe's filter compiled into the detour
+    return "record"
 
 
 @dataclass
@@ -346,9 +354,12 @@ class Optimizer:
         probe_id = self._free_ids.pop()
         self._retired.pop(probe_id, None)
         kind = detour_kind(point)
-        if kind == "record":
+        if kind in RECORDING:
             self._ensure_rings()
         head = COUNT_HEAD if kind == "count" else DETOUR_HEAD
+        if kind == "filtered":  # the compiled filter's size does not depend on where it is placed
+            tree = point.probes[0].guest_filter
+            head = build_filtered_detour(self.record_stub, tree, probe_id, self.record_stub, 0, b"", 0)[1]
         total = head + sum(len(copy_instruction(i, point.addr)) for i in insns) + 5
         detour = self.kp.scratch.alloc(total + 16)
         relocated = b""
@@ -356,8 +367,12 @@ class Optimizer:
             relocated += copy_instruction(insn, detour + head + len(relocated))
         if kind == "count":
             code = build_count_detour(detour, self.counters + probe_id * 8, relocated, point.addr + size)
+        elif kind == "filtered":
+            code, at = build_filtered_detour(detour, tree, probe_id, self.record_stub, self.counters + probe_id * 8,
+                                             relocated, point.addr + size)  # fmt: skip
+            assert at == head
         else:
-            stub = self.record_stub if kind == "record" else self.stub
+            stub = self.record_stub if kind in RECORDING else self.stub
             code = build_detour(detour, probe_id, stub, relocated, point.addr + size)
         self.kp.scratch.write(detour, code)
         self._missed_seen[probe_id] = self._read_missed(probe_id)
@@ -414,7 +429,7 @@ class Optimizer:
             self._missed_seen[opt.probe_id] = now
             for kp in point.probes:
                 kp.nmissed += delta
-            if opt.kind == "record":
+            if opt.kind in RECORDING:
                 # A record dropped on a full ring is a hit whose action did not run: nmissed, and lost.
                 self._drain_rings()
                 now = self._read_lost(opt.probe_id)
@@ -423,13 +438,15 @@ class Optimizer:
                 for kp in point.probes:
                     kp.nmissed += delta
                     kp.nlost += delta
-            if opt.counting:
+            if opt.kind in ("count", "filtered"):  # hits counted in the guest (for "filtered": rejected ones)
                 now = self._read_counter(opt.probe_id)
                 delta = now - self._counted_seen.get(opt.probe_id, now)
                 self._counted_seen[opt.probe_id] = now
                 for kp in point.probes:
                     if not kp.disabled:
                         kp.nhit += delta
+                        if opt.kind == "filtered":
+                            kp.nfiltered += delta
 
     def sync_all(self) -> None:
         """Drain the rings and fold every in-guest counter now (RAM reads, no VM stop)."""
@@ -480,7 +497,7 @@ class Optimizer:
                     if point is None and words[FRAME_ID // 8] in self._retired:
                         self.late_records += 1
                         continue
-                    if point is None or point.opt is None or point.opt.kind != "record" or \
+                    if point is None or point.opt is None or point.opt.kind not in RECORDING or \
                             words[E_CPU_PID // 8] & 0xFFFFFFFF != cpu:  # fmt: skip
                         self.ring_errors += 1
                         continue

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from qprobe.errors import FetchArgError
@@ -44,6 +44,33 @@ EXPECT_STRING = "Expecting string field"
 NO_FILTER = "Meaningless filter expression"
 
 Record = Mapping[str, str | int]  # field name -> formatted argument value, or a common field's value
+
+
+@dataclass(frozen=True)
+class Pred:
+    """``field op const``: const is an int for a numeric field, the text for a string field."""
+
+    field: str
+    op: str
+    const: int | str
+
+
+@dataclass(frozen=True)
+class And:
+    parts: tuple[Node, ...]
+
+
+@dataclass(frozen=True)
+class Or:
+    parts: tuple[Node, ...]
+
+
+@dataclass(frozen=True)
+class Not:
+    inner: Node
+
+
+Node = Pred | And | Or | Not
 
 
 @dataclass(frozen=True)
@@ -93,10 +120,11 @@ class EventFilter:
         self._i = 0
         if not self._toks:
             raise FetchArgError(NO_FILTER, text, 0)
-        self._test = self._expr()
+        self.tree: Node = self._expr()
         if self._i < len(self._toks):
             tok = self._toks[self._i]
             raise FetchArgError(TOO_MANY_CLOSE if tok.text == ")" else INVALID_OP, text, tok.col)
+        self._test = _compile(self.tree)
 
     def __call__(self, record: Record) -> bool:
         return self._test(record)
@@ -112,27 +140,26 @@ class EventFilter:
         self._i += 1
         return tok
 
-    def _expr(self) -> Callable[[Record], bool]:
-        return self._chain("||", self._term, any)
+    def _expr(self) -> Node:
+        parts = self._chain("||", self._term)
+        return parts[0] if len(parts) == 1 else Or(parts)
 
-    def _term(self) -> Callable[[Record], bool]:
-        return self._chain("&&", self._factor, all)
+    def _term(self) -> Node:
+        parts = self._chain("&&", self._factor)
+        return parts[0] if len(parts) == 1 else And(parts)
 
-    def _chain(
-        self, op: str, operand: Callable[[], Callable[[Record], bool]], combine: Callable[[Iterable[bool]], bool]
-    ) -> Callable[[Record], bool]:
-        """``operand { op operand }``, evaluated left to right with short circuit."""
+    def _chain(self, op: str, operand: Callable[[], Node]) -> tuple[Node, ...]:
+        """``operand { op operand }``."""
         parts = [operand()]
         while (tok := self._peek()) is not None and tok.text == op:
             self._i += 1
             parts.append(operand())
-        return parts[0] if len(parts) == 1 else lambda r: combine(p(r) for p in parts)
+        return tuple(parts)
 
-    def _factor(self) -> Callable[[Record], bool]:
+    def _factor(self) -> Node:
         tok = self._next(MISSING_FIELD)
         if tok.text == "!":
-            inner = self._factor()
-            return lambda r: not inner(r)
+            return Not(self._factor())
         if tok.text == "(":
             inner = self._expr()
             close = self._peek()
@@ -144,7 +171,7 @@ class EventFilter:
             raise FetchArgError(MISSING_FIELD, self.text, tok.col)
         return self._predicate(tok)
 
-    def _predicate(self, field: _Tok) -> Callable[[Record], bool]:
+    def _predicate(self, field: _Tok) -> Pred:
         name = field.text
         if name not in self._numeric and name not in self._strings:
             raise FetchArgError(FIELD_NOT_FOUND, self.text, field.col)
@@ -157,13 +184,32 @@ class EventFilter:
         if name in self._strings:
             if op.text not in _STR_OPS:
                 raise FetchArgError(ILLEGAL_FIELD_OP, self.text, op.col)
-            return _string_test(name, op.text, value.text.strip("\"'"))
+            return Pred(name, op.text, value.text.strip("\"'"))
         if op.text not in _NUM_OPS:
             raise FetchArgError(ILLEGAL_FIELD_OP, self.text, op.col)
         const = _int(value.text) if value.kind == "word" else None
         if const is None:
             raise FetchArgError(ILLEGAL_INTVAL, self.text, value.col)
-        return _numeric_test(name, op.text, const)
+        return Pred(name, op.text, const)
+
+
+def _compile(node: Node) -> Callable[[Record], bool]:
+    """The tree as a test of a record, short-circuit left to right."""
+    match node:
+        case Pred(name, op, str() as const):
+            return _string_test(name, op, const)
+        case Pred(name, op, int() as const):
+            return _numeric_test(name, op, const)
+        case And(parts):
+            tests = [_compile(p) for p in parts]
+            return lambda r: all(t(r) for t in tests)
+        case Or(parts):
+            tests = [_compile(p) for p in parts]
+            return lambda r: any(t(r) for t in tests)
+        case Not(inner):
+            test = _compile(inner)
+            return lambda r: not test(r)
+    raise TypeError(f"not a filter node: {node!r}")
 
 
 def _field_str(record: Record, name: str) -> str:

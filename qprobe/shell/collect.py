@@ -50,6 +50,7 @@ class Tap:
                 attr = "handler" if isinstance(te.probe, Kretprobe) else "pre_handler"
                 old_handler = getattr(te.probe, attr)
                 setattr(te.probe, attr, self._wrap_handler(old_handler))
+                te.use_host_handler(True)  # a stack is unwound at the hit, not from a record
             self._saved.append((te, old_cb, attr, old_handler))
             te.callback = self._chain(te, old_cb)
         return self
@@ -59,6 +60,7 @@ class Tap:
             te.callback = old_cb
             if attr is not None:
                 setattr(te.probe, attr, old_handler)
+                te.use_host_handler(False)
         self._saved.clear()
 
     def _chain(self, te: TraceEvent, old: Callable[[EventHit], None] | None) -> Callable[[EventHit], None]:

@@ -190,3 +190,17 @@ def test_a_guest_scribbling_over_the_rings_gives_counted_errors(target: qprobe.T
     finally:
         target.remove_event(seek)
     assert [h.args["off"] for h in seek.hits] == ["1", "2", "3", "4", "5", "1", "2", "3"]
+
+
+def test_a_register_filter_runs_in_the_detour(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    """``count == 128`` on %dx: compiled into the detour; rejected hits never reach the ring, and are counted."""
+    rd = target.add_event("p:rd ksys_read count=%dx:u64 fd=%di:s32", filter="count == 128 && fd >= 0")
+    try:
+        point = target.kprobes.points[rd.probe.resolved]  # type: ignore[union-attr]
+        assert point.opt is not None and point.opt.kind == "filtered"
+        target.run("workload read 6 64; workload read 4 128").check()
+    finally:
+        target.remove_event(rd)
+    assert [h.args["count"] for h in rd.hits] == ["128"] * 4 and rd.nhit == 4
+    assert rd.probe.nfiltered >= 6 and rd.filtered == rd.probe.nfiltered  # type: ignore[union-attr]
+    assert rd.probe.nhit == 4 + rd.probe.nfiltered  # type: ignore[union-attr]

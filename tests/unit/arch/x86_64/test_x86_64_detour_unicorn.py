@@ -121,3 +121,66 @@ def test_count_detour_counts_and_preserves_everything(regs: dict[str, int], hits
     for _ in range(hits):
         assert run(uc, regs, flags) == regs
     assert struct.unpack("<Q", uc.mem_read(counter, 8))[0] == (start + hits) % 2**64
+
+
+# -- a filter compiled into the record detour ---------------------------------------------------
+from qprobe.arch.x86_64.guestfilter import GPRS, And, Not, Or, Pred, build_filtered_detour, evaluate  # noqa: E402
+
+GPR_UC = {g: UC["r" + g if not g.startswith("r") else g] for g in GPRS}
+
+
+def _pred(draw: st.DrawFn) -> Pred:
+    bits, signed = draw(st.sampled_from([(64, False), (64, True), (32, False), (32, True)]))
+    lo, hi = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
+    const = draw(st.one_of(st.integers(lo, hi), st.sampled_from([lo, hi, 0, 1, -1 if signed else 2])))
+    op = draw(st.sampled_from(["==", "!=", "<", "<=", ">", ">=", "&"]))
+    return Pred(draw(st.sampled_from(GPRS)), bits, signed, op, const)
+
+
+@st.composite
+def trees(draw: st.DrawFn, depth: int = 2) -> object:
+    if depth == 0 or draw(st.booleans()):
+        return _pred(draw)
+    kind = draw(st.sampled_from(["and", "or", "not"]))
+    if kind == "not":
+        return Not(draw(trees(depth - 1)))
+    parts = tuple(draw(st.lists(trees(depth - 1), min_size=2, max_size=3)))
+    return And(parts) if kind == "and" else Or(parts)
+
+
+@st.composite
+def regs_near(draw: st.DrawFn, tree: object) -> dict[str, int]:
+    """Register values, often equal to (or next to) the tree's constants so that every branch is taken."""
+    consts = []
+
+    def walk(n: object) -> None:
+        if isinstance(n, Pred):
+            consts.append(n.const)
+        for child in getattr(n, "parts", ()) or ([n.inner] if isinstance(n, Not) else []):
+            walk(child)
+
+    walk(tree)
+    value = st.one_of(st.integers(0, 2**64 - 1), st.sampled_from(consts).flatmap(
+        lambda c: st.sampled_from([c - 1, c, c + 1]).map(lambda v: v % 2**64)))  # fmt: skip
+    return {name: draw(value) for name in FRAME_REGS}
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_filtered_detour_records_exactly_what_the_filter_accepts(data: st.DataObject) -> None:
+    tree = data.draw(trees())
+    regs = data.draw(regs_near(tree))
+    flags = data.draw(ARITH_FLAGS)
+    uc = machine()
+    filtered = COUNTERS + PROBE_ID * 8
+    uc.mem_write(STUB, build_record_stub(PARAMS, STUB))
+    code, relocated_at = build_filtered_detour(DETOUR, tree, PROBE_ID, STUB, filtered, NOP5, RESUME)
+    uc.mem_write(DETOUR, code)
+    assert run(uc, regs, flags) == regs
+    recorded = struct.unpack("<Q", uc.mem_read(RINGS + RING_HEADER * CPU + R_HEAD, 8))[0]
+    rejected = struct.unpack("<Q", uc.mem_read(filtered, 8))[0]
+    expected = evaluate(tree, {g: regs["r" + g if not g.startswith("r") else g] for g in GPRS})
+    assert (recorded, rejected) == ((1, 0) if expected else (0, 1))
+    if expected:  # the stub returns to the nop just before the relocated code
+        entry = bytes(uc.mem_read(RINGS + RING_HEADER * NCPUS + CPU * RING_ENTRIES * ENTRY_SIZE, 144))
+        assert struct.unpack("<18Q", entry)[16] == DETOUR + relocated_at - 1

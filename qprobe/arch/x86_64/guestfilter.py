@@ -1,0 +1,164 @@
+"""An event filter compiled to x86 for a record detour: hits it rejects never reach the ring.
+
+The filter is a tree of predicates on registers (``Pred``: a 64- or 32-bit
+register compared with a constant), ``And``, ``Or`` and ``Not``, as
+qprobe.fetch.filter parses it and qprobe.events maps its fields to registers.
+``build_filtered_detour`` lays out::
+
+        pushfq; push rax; push rdx
+        <the tree: short-circuit compares and jumps to T or F>
+    F:  lock inc qword [filtered]; pop rdx; pop rax; popfq; jmp CONT
+    T:  pop rdx; pop rax; popfq
+        push id; call record_stub          ; the stub returns to CONT
+    CONT: nop
+        <the replaced instructions, relocated>; jmp resume
+
+Every register and flag is as it was at the probe when the record stub (or
+the relocated code) runs.  Encoded with iced-x86's BlockEncoder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from iced_x86 import BlockEncoder, Code, Instruction, Register
+
+from qprobe.arch.x86_64.boost import synthesize_reljump
+from qprobe.arch.x86_64.detour import _mem, _r
+
+GPRS = ("ax", "bx", "cx", "dx", "si", "di", "bp", "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15")
+_R64 = {name: "r" + name for name in GPRS[:7]}  # pt_regs' "ax" is rax
+# op -> (signed jcc, unsigned jcc) taken when the predicate holds
+_JCC = {
+    "==": (Code.JE_REL32_64, Code.JE_REL32_64), "!=": (Code.JNE_REL32_64, Code.JNE_REL32_64),
+    "<": (Code.JL_REL32_64, Code.JB_REL32_64), "<=": (Code.JLE_REL32_64, Code.JBE_REL32_64),
+    ">": (Code.JG_REL32_64, Code.JA_REL32_64), ">=": (Code.JGE_REL32_64, Code.JAE_REL32_64),
+    "&": (Code.JNE_REL32_64, Code.JNE_REL32_64),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Pred:
+    reg: str  # a pt_regs name from GPRS
+    bits: int  # 64 or 32: the low half for 32
+    signed: bool
+    op: str  # == != < <= > >= &
+    const: int  # within the field's range
+
+
+@dataclass(frozen=True)
+class And:
+    parts: tuple[object, ...]
+
+
+@dataclass(frozen=True)
+class Or:
+    parts: tuple[object, ...]
+
+
+@dataclass(frozen=True)
+class Not:
+    inner: object
+
+
+def evaluate(node: object, regs: dict[str, int]) -> bool:
+    """What the compiled code decides, for tests (``regs`` are 64-bit register values)."""
+    match node:
+        case Pred(reg, bits, signed, op, const):
+            v = regs[reg] & ((1 << bits) - 1)
+            if signed and v >> (bits - 1):
+                v -= 1 << bits
+            return {"==": v == const, "!=": v != const, "<": v < const, "<=": v <= const, ">": v > const,
+                    ">=": v >= const, "&": bool(v & const)}[op]  # fmt: skip
+        case And(parts):
+            return all(evaluate(p, regs) for p in parts)
+        case Or(parts):
+            return any(evaluate(p, regs) for p in parts)
+        case Not(inner):
+            return not evaluate(inner, regs)
+    raise TypeError(f"not a filter node: {node!r}")
+
+
+class _Compiler:
+    def __init__(self) -> None:
+        self.code: list[Instruction] = []
+        self._next_label = 1
+
+    def label(self) -> int:
+        self._next_label += 1
+        return self._next_label
+
+    def place(self, label: int) -> None:
+        nop = Instruction.create(Code.NOPD)
+        nop.ip = label
+        self.code.append(nop)
+
+    def cond(self, node: object, true: int, false: int) -> None:
+        match node:
+            case Pred():
+                self.pred(node, true, false)
+            case And(parts):
+                for part in parts[:-1]:
+                    nxt = self.label()
+                    self.cond(part, nxt, false)
+                    self.place(nxt)
+                self.cond(parts[-1], true, false)
+            case Or(parts):
+                for part in parts[:-1]:
+                    nxt = self.label()
+                    self.cond(part, true, nxt)
+                    self.place(nxt)
+                self.cond(parts[-1], true, false)
+            case Not(inner):
+                self.cond(inner, false, true)
+            case _:
+                raise TypeError(f"not a filter node: {node!r}")
+
+    def pred(self, p: Pred, true: int, false: int) -> None:
+        c = Instruction
+        # Stack: [rsp] = saved rdx, [rsp+8] = saved rax, [rsp+16] = flags.
+        if p.reg == "ax":
+            self.code.append(c.create_reg_mem(Code.MOV_R64_RM64, Register.RAX, _mem("rsp", 8)))
+        elif p.reg == "dx":
+            self.code.append(c.create_reg_mem(Code.MOV_R64_RM64, Register.RAX, _mem("rsp", 0)))
+        else:
+            self.code.append(c.create_reg_reg(Code.MOV_R64_RM64, Register.RAX, _r(_R64.get(p.reg, p.reg))))
+        const = p.const & ((1 << p.bits) - 1)
+        self.code.append(c.create_reg_u64(Code.MOV_R64_IMM64, Register.RDX, const))
+        if p.op == "&":
+            code = Code.TEST_RM64_R64 if p.bits == 64 else Code.TEST_RM32_R32
+        else:
+            code = Code.CMP_RM64_R64 if p.bits == 64 else Code.CMP_RM32_R32
+        a, d = (Register.RAX, Register.RDX) if p.bits == 64 else (Register.EAX, Register.EDX)
+        self.code.append(c.create_reg_reg(code, a, d))
+        self.code.append(c.create_branch(_JCC[p.op][0 if p.signed else 1], true))
+        self.code.append(c.create_branch(Code.JMP_REL32_64, false))
+
+
+def build_filtered_detour(
+    address: int, tree: object, probe_id: int, stub: int, filtered: int, relocated: bytes, resume: int
+) -> tuple[bytes, int]:
+    """The detour at ``address`` and the offset where its relocated code starts (right after CONT's nop).
+
+    ``filtered`` is the address of the u64 counting the hits the filter rejected.
+    """
+    comp = _Compiler()
+    true, false, cont = comp.label(), comp.label(), comp.label()
+    c = Instruction
+    comp.code += [c.create(Code.PUSHFQ), c.create_reg(Code.PUSH_R64, Register.RAX),
+                  c.create_reg(Code.PUSH_R64, Register.RDX)]  # fmt: skip
+    comp.cond(tree, true, false)
+    inc = c.create_mem(Code.INC_RM64, _mem(disp=filtered))
+    inc.has_lock_prefix = True
+    inc.ip = false
+    comp.code += [inc, c.create_reg(Code.POP_R64, Register.RDX), c.create_reg(Code.POP_R64, Register.RAX),
+                  c.create(Code.POPFQ), c.create_branch(Code.JMP_REL32_64, cont)]  # fmt: skip
+    comp.place(true)
+    comp.code += [c.create_reg(Code.POP_R64, Register.RDX), c.create_reg(Code.POP_R64, Register.RAX),
+                  c.create(Code.POPFQ), c.create_i32(Code.PUSHQ_IMM32, probe_id),
+                  c.create_branch(Code.CALL_REL32_64, stub)]  # fmt: skip
+    comp.place(cont)  # the stub's `ret 8` lands here; the relocated code follows the block
+    enc = BlockEncoder(64)
+    enc.add_many(comp.code)
+    head = bytes(enc.encode(address))
+    return head + relocated + synthesize_reljump(address + len(head) + len(relocated), resume), len(head)

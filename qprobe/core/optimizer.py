@@ -100,10 +100,6 @@ class Optimized:
     continue_addr: int
     kind: str = "mailbox"  # see detour_kind
 
-    @property
-    def counting(self) -> bool:
-        return self.kind == "count"
-
 
 def detour_kind(point: ProbePoint) -> str:
     """What the detour does at a hit, from what its probes need.

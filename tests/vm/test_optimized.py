@@ -41,7 +41,7 @@ def test_handlerless_probe_counts_in_the_guest(target: qprobe.Target, guard: dic
     try:
         assert _optimized(target, kp)
         point = target.kprobes.points[kp.resolved]
-        assert point.opt is not None and point.opt.counting
+        assert point.opt is not None and point.opt.kind == "count"
         served = target.kprobes.optimizer.served  # type: ignore[union-attr]
         res = workload_result(target.run("workload getppid 20000", timeout=600).check().output)
         assert target.kprobes.optimizer.served == served  # type: ignore[union-attr]
@@ -54,7 +54,7 @@ def test_handlerless_probe_counts_in_the_guest(target: qprobe.Target, guard: dic
         other = Kprobe(symbol_name="__x64_sys_getppid", pre_handler=lambda k, r: seen.append(r.vcpu))
         target.register_kprobe(other)
         try:
-            assert _optimized(target, other) and target.kprobes.points[kp.resolved].opt.counting is False  # type: ignore[union-attr]
+            assert _optimized(target, other) and target.kprobes.points[kp.resolved].opt.kind == "mailbox"  # type: ignore[union-attr]
             target.run("workload getppid 100").check()
         finally:
             target.unregister_kprobe(other)

@@ -61,24 +61,6 @@ class Not:
     inner: object
 
 
-def evaluate(node: object, regs: dict[str, int]) -> bool:
-    """What the compiled code decides, for tests (``regs`` are 64-bit register values)."""
-    match node:
-        case Pred(reg, bits, signed, op, const):
-            v = regs[reg] & ((1 << bits) - 1)
-            if signed and v >> (bits - 1):
-                v -= 1 << bits
-            return {"==": v == const, "!=": v != const, "<": v < const, "<=": v <= const, ">": v > const,
-                    ">=": v >= const, "&": bool(v & const)}[op]  # fmt: skip
-        case And(parts):
-            return all(evaluate(p, regs) for p in parts)
-        case Or(parts):
-            return any(evaluate(p, regs) for p in parts)
-        case Not(inner):
-            return not evaluate(inner, regs)
-    raise TypeError(f"not a filter node: {node!r}")
-
-
 class _Compiler:
     def __init__(self) -> None:
         self.code: list[Instruction] = []

@@ -124,9 +124,25 @@ def test_count_detour_counts_and_preserves_everything(regs: dict[str, int], hits
 
 
 # -- a filter compiled into the record detour ---------------------------------------------------
-from qprobe.arch.x86_64.guestfilter import GPRS, And, Not, Or, Pred, build_filtered_detour, evaluate  # noqa: E402
+from qprobe.arch.x86_64.guestfilter import GPRS, And, Not, Or, Pred, build_filtered_detour  # noqa: E402
 
-GPR_UC = {g: UC["r" + g if not g.startswith("r") else g] for g in GPRS}
+
+def evaluate(node: object, regs: dict[str, int]) -> bool:
+    """What the compiled code must decide: the filter's meaning, in Python (``regs`` are 64-bit values)."""
+    match node:
+        case Pred(reg, bits, signed, op, const):
+            v = regs[reg] & ((1 << bits) - 1)
+            if signed and v >> (bits - 1):
+                v -= 1 << bits
+            return {"==": v == const, "!=": v != const, "<": v < const, "<=": v <= const, ">": v > const,
+                    ">=": v >= const, "&": bool(v & const)}[op]  # fmt: skip
+        case And(parts):
+            return all(evaluate(p, regs) for p in parts)
+        case Or(parts):
+            return any(evaluate(p, regs) for p in parts)
+        case Not(inner):
+            return not evaluate(inner, regs)
+    raise TypeError(f"not a filter node: {node!r}")
 
 
 def _pred(draw: st.DrawFn) -> Pred:

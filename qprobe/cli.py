@@ -209,7 +209,7 @@ def cmd_shell(args: argparse.Namespace) -> int:
     from qprobe.shell import run_shell
 
     _check_image(args)
-    if not getattr(args, "attach", None):
+    if not getattr(args, "attach", None) and not args.quiet:
         print(f"qprobe: booting {args.image} ({args.smp} vCPUs)...", file=sys.stderr, flush=True)
     with _boot(args) as target:
         return run_shell(target)

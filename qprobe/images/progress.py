@@ -9,6 +9,7 @@ so logs stay readable. ``enabled=False`` prints nothing at all.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from collections.abc import Callable, Iterator
 
@@ -23,7 +24,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-__all__ = ["Reporter"]
+__all__ = ["Reporter", "wanted"]
 
 
 def human(n: int) -> str:
@@ -34,6 +35,11 @@ def human(n: int) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1000
     return f"{n} B"
+
+
+def wanted() -> bool:
+    """Progress bars unless logging was turned down to errors only (``qprobe --quiet``)."""
+    return logging.getLogger().getEffectiveLevel() <= logging.WARNING
 
 
 class Reporter:

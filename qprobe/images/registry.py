@@ -34,6 +34,7 @@ from qprobe.images.image import (
 )
 from qprobe.images.manifest import DEFAULT_IMAGE, ImageSpec, load_specs
 from qprobe.images.progress import Reporter
+from qprobe.images.progress import wanted as progress_wanted
 
 __all__ = [
     "disk_with_files",
@@ -122,7 +123,7 @@ def get_image(name: str = DEFAULT_IMAGE, *, fetch: bool = True, progress: bool =
     spec = specs.get(name)
     if spec is None:
         raise ImageError(f"unknown image {name!r}; known images: {', '.join(specs) or 'none'}")
-    reporter = Reporter(progress)
+    reporter = Reporter(progress and progress_wanted())
     if spec.source == "files":
         return _image_from_spec(spec, reporter)
 

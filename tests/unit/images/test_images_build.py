@@ -183,3 +183,16 @@ def test_cache_dir_mode(_isolated_images: Path) -> None:
     assert cache.subdir("kernels").stat().st_mode & 0o777 == 0o700
     assert cache.hash_inputs([("a", b"1")]) != cache.hash_inputs([("a", b"2")])
     assert cache.hash_inputs([("a", b"1")]) != cache.hash_inputs([("b", b"1")])
+
+
+def test_progress_bars_follow_quiet(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``qprobe --quiet`` sets logging to errors only: no progress bars then."""
+    import logging
+
+    from qprobe.images.progress import wanted
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "level", logging.WARNING)
+    assert wanted()
+    monkeypatch.setattr(root, "level", logging.ERROR)
+    assert not wanted()

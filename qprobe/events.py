@@ -219,7 +219,7 @@ def _register_only(node: Node) -> bool:
         case Reg() | StackPointer() | Imm() | ImmString() | Comm():
             return True
         case Arg(n):
-            return n <= 6  # the seventh and later are on the stack
+            return n <= len(ARG_REGS)  # the seventh and later are on the stack
         case SymbolAddr(_, _, offset):
             return offset is not None
     return False

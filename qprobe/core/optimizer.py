@@ -192,7 +192,7 @@ class Optimizer:
         self.lost = self.counters + MAX_OPTIMIZED * 8
         self._zero(data, size)
         params = StubParams(self.mailboxes, self.missed, syms.percpu["cpu_number"], syms.percpu["this_cpu_off"],
-                            syms.percpu["current_task"], DOORBELL_PORT)  # fmt: skip
+                            self.kp.tasks.offsets[0], DOORBELL_PORT)  # fmt: skip
         size = len(build_stub(params, scratch.base))
         self.stub = scratch.alloc(size, align=64)
         self.machine.journal.set_meta(stub=self.stub, stub_size=size, mailboxes=self.mailboxes,
@@ -222,7 +222,7 @@ class Optimizer:
 
     def _zero(self, addr: int, size: int) -> None:
         assert self.ram is not None
-        self.ram.write_phys(self.kp.scratch.phys + addr - self.kp.scratch.base, bytes(size))
+        self.ram.write_phys(self.kp.scratch.phys_of(addr), bytes(size))
 
     def _start_thread(self) -> None:
         if self._thread is not None:
@@ -371,9 +371,8 @@ class Optimizer:
             stub = self.record_stub if kind in RECORDING else self.stub
             code = build_detour(detour, probe_id, stub, relocated, point.addr + size)
         self.kp.scratch.write(detour, code)
-        self._missed_seen[probe_id] = self._read_missed(probe_id)
-        self._counted_seen[probe_id] = self._read_counter(probe_id)
-        self._lost_seen[probe_id] = self._read_lost(probe_id)
+        for array, seen in self._counter_arrays():
+            seen[probe_id] = self._read_counter(array, probe_id)
         # Swap the int3 for the jump while every vCPU is stopped.
         assert point.int3 is not None
         self.machine.unpatch(point.int3)
@@ -399,61 +398,60 @@ class Optimizer:
         # A vCPU or an interrupted context may still be in the detour: never reuse it.
         self.kp.quarantine(opt.detour)
 
-    def _read_missed(self, probe_id: int) -> int:
-        assert self.ram is not None
-        phys = self.kp.scratch.phys + self.missed + probe_id * 8 - self.kp.scratch.base
-        return self.ram.read_u64_phys(phys)
+    def _counter_arrays(self) -> tuple[tuple[int, dict[int, int]], ...]:
+        """The guest's u64 arrays indexed by probe id, each with the values the host has folded so far."""
+        return ((self.missed, self._missed_seen), (self.counters, self._counted_seen), (self.lost, self._lost_seen))
 
-    def _read_counter(self, probe_id: int) -> int:
+    def _read_counter(self, array: int, probe_id: int) -> int:
         assert self.ram is not None
-        phys = self.kp.scratch.phys + self.counters + probe_id * 8 - self.kp.scratch.base
-        return self.ram.read_u64_phys(phys)
+        return self.ram.read_u64_phys(self.kp.scratch.phys_of(array + probe_id * 8))
 
-    def _read_lost(self, probe_id: int) -> int:
-        assert self.ram is not None
-        phys = self.kp.scratch.phys + self.lost + probe_id * 8 - self.kp.scratch.base
-        return self.ram.read_u64_phys(phys)
+    def _delta(self, array: int, seen: dict[int, int], probe_id: int) -> int:
+        """How much the guest's counter ``array[probe_id]`` went up since it was last folded."""
+        now = self._read_counter(array, probe_id)
+        delta = now - seen.get(probe_id, now)
+        seen[probe_id] = now
+        return delta
 
     def sync_missed(self, point: ProbePoint, opt: Optimized | None = None) -> None:
-        """Fold the guest's counters of an optimized probe (nmissed; hits of a counting detour) into its probes."""
+        """Fold the guest's counters of an optimized probe (nmissed; in-guest hits, records) into its probes."""
         opt = opt or point.opt
         if opt is None or self.ram is None:
             return
         with self._fold_lock:
-            now = self._read_missed(opt.probe_id)
-            delta = now - self._missed_seen.get(opt.probe_id, now)
-            self._missed_seen[opt.probe_id] = now
-            for kp in point.probes:
-                kp.nmissed += delta
             if opt.kind in RECORDING:
-                # A record dropped on a full ring is a hit whose action did not run: nmissed, and lost.
-                self._drain_rings()
-                now = self._read_lost(opt.probe_id)
-                delta = now - self._lost_seen.get(opt.probe_id, now)
-                self._lost_seen[opt.probe_id] = now
-                for kp in point.probes:
-                    kp.nmissed += delta
-                    kp.nlost += delta
-            if opt.kind in ("count", "filtered"):  # hits counted in the guest (for "filtered": rejected ones)
-                now = self._read_counter(opt.probe_id)
-                delta = now - self._counted_seen.get(opt.probe_id, now)
-                self._counted_seen[opt.probe_id] = now
-                for kp in point.probes:
-                    if not kp.disabled:
-                        kp.nhit += delta
-                        if opt.kind == "filtered":
-                            kp.nfiltered += delta
+                self._drain_rings()  # the records before the counts that follow them
+            self._fold(point, opt)
+
+    def _fold(self, point: ProbePoint, opt: Optimized) -> None:
+        """sync_missed's work, with _fold_lock held and the rings already drained."""
+        delta = self._delta(self.missed, self._missed_seen, opt.probe_id)
+        if opt.kind in RECORDING:
+            # A record dropped on a full ring is a hit whose action did not run: nmissed, and lost.
+            lost = self._delta(self.lost, self._lost_seen, opt.probe_id)
+            for kp in point.probes:
+                kp.nlost += lost
+            delta += lost
+        for kp in point.probes:
+            kp.nmissed += delta
+        if opt.kind in ("count", "filtered"):  # hits counted in the guest (for "filtered": rejected ones)
+            counted = self._delta(self.counters, self._counted_seen, opt.probe_id)
+            for kp in point.probes:
+                if not kp.disabled:
+                    kp.nhit += counted
+                    if opt.kind == "filtered":
+                        kp.nfiltered += counted
 
     def sync_all(self) -> None:
-        """Drain the rings and fold every in-guest counter now (RAM reads, no VM stop)."""
+        """Drain the rings once and fold every in-guest counter now (RAM reads, no VM stop)."""
         if self.ram is None:
             return
         with self._fold_lock:
             self._drain_rings()
-        for point in list(self.by_id.values()):
-            opt = point.opt
-            if opt is not None and opt.kind != "mailbox":
-                self.sync_missed(point, opt)
+            for point in list(self.by_id.values()):
+                opt = point.opt
+                if opt is not None and opt.kind != "mailbox":
+                    self._fold(point, opt)
 
     def _collect_loop(self) -> None:
         """While the VM runs (RAM reads, no stop): fold in-guest counters, drain the record rings."""
@@ -478,14 +476,14 @@ class Optimizer:
         ncpus = len(self._tails)
         batch: list[tuple[int, int, ProbePoint, tuple[int, ...], bytes]] = []
         for cpu in range(ncpus):
-            hdr = scratch.phys + self.rings + cpu * RING_HEADER - scratch.base
+            hdr = scratch.phys_of(self.rings + cpu * RING_HEADER)
             head, tail = ram.read_u64_phys(hdr + R_HEAD), self._tails[cpu]
             if head == tail:
                 continue
             if not 0 < head - tail <= RING_ENTRIES:
                 self.ring_errors += 1
             else:
-                base = scratch.phys + self.rings + RING_HEADER * ncpus + cpu * RING_ENTRIES * ENTRY_SIZE - scratch.base
+                base = scratch.phys_of(self.rings + RING_HEADER * ncpus + cpu * RING_ENTRIES * ENTRY_SIZE)
                 for seq in range(tail, head):
                     raw = ram.read_phys(base + (seq % RING_ENTRIES) * ENTRY_SIZE, E_SP + 8)
                     words = struct.unpack(f"<{len(raw) // 8}Q", raw)
@@ -550,7 +548,7 @@ class Optimizer:
         assert ram is not None
         if cpu >= len(self.machine.vcpus):
             return  # a byte nobody sent as a doorbell (firmware debug output)
-        mb = scratch.phys + self.mailboxes + cpu * MAILBOX_SIZE - scratch.base
+        mb = scratch.phys_of(self.mailboxes + cpu * MAILBOX_SIZE)
         if ram.read_u64_phys(mb + MB_STATE) != STATE_REQUEST:
             return
         words = struct.unpack(f"<{_FRAME_WORDS}Q", ram.read_phys(mb + MB_REGS, FRAME_SIZE))

@@ -39,13 +39,9 @@ class Tasks:
     def _btf(self) -> Btf:
         return self.symbols.btf
 
-    @property
+    @cached_property
     def offsets(self) -> tuple[int, int, int, int]:
         """(per-CPU offset of current_task, then offsetof task_struct pid, tgid, comm)."""
-        return self._offsets
-
-    @cached_property
-    def _offsets(self) -> tuple[int, int, int, int]:
         if "current_task" in self.symbols.percpu:
             cur = self.symbols.percpu["current_task"]
         elif "pcpu_hot" in self.symbols.percpu:  # Linux >= 6.2
@@ -58,10 +54,10 @@ class Tasks:
 
     def current_addr(self, gs_base: int) -> int:
         """The task_struct address running on a vCPU stopped in kernel mode."""
-        return self.mem.read_u64(gs_base + self._offsets[0])
+        return self.mem.read_u64(gs_base + self.offsets[0])
 
     def task(self, addr: int) -> Task:
-        _cur, pid_off, tgid_off, comm_off = self._offsets
+        _cur, pid_off, tgid_off, comm_off = self.offsets
         pid = int.from_bytes(self.mem.read(addr + pid_off, 4), "little", signed=True)
         tgid = int.from_bytes(self.mem.read(addr + tgid_off, 4), "little", signed=True)
         comm = self.mem.read(addr + comm_off, 16).split(b"\0")[0].decode(errors="replace")

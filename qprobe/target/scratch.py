@@ -119,8 +119,12 @@ class ScratchArea:
                 merged.append((o, n))
         self._free = merged
 
+    def phys_of(self, addr: int) -> int:
+        """The guest-physical address of ``addr`` in the area (one 2 MiB mapping: a fixed offset)."""
+        return self.phys + addr - self.base
+
     def write(self, addr: int, data: bytes) -> None:
         """Write code into the area through the stub (so stale translations are dropped)."""
         if not (self.contains(addr) and addr + len(data) <= self.base + SIZE):
             raise TargetError(f"internal: {addr:#x} is outside the scratch area")
-        self.machine.write_phys(self.phys + addr - self.base, data)
+        self.machine.write_phys(self.phys_of(addr), data)

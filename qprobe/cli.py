@@ -177,7 +177,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     with _boot(args) as target:
         events = [target.add_event(text) for text in args.events]
         try:
-            print(target.list_probes(why=True), end="")
+            print(target.list_probes(), end="")
         finally:
             for te in events:
                 target.remove_event(te)

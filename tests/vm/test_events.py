@@ -171,13 +171,13 @@ def test_a_guest_scribbling_over_the_rings_gives_counted_errors(target: qprobe.T
         scratch, ncpus = target.kprobes.scratch, len(target.machine.vcpus)
         errors = opt.ring_errors
         # A head far past the tail (as if the guest wrote it): refused, counted, resynchronised.
-        head0 = scratch.phys + opt.rings - scratch.base + R_HEAD
+        head0 = scratch.phys_of(opt.rings) + R_HEAD
         opt.ram.write_u64_phys(head0, opt.ram.read_u64_phys(head0) + 10 * RING_ENTRIES)
         # An entry with a probe id nobody has and a CPU that is not its ring's, published on CPU 1's ring.
         head1 = head0 + RING_HEADER
         n = opt.ram.read_u64_phys(head1)
         entry = opt.rings + RING_HEADER * ncpus + (RING_ENTRIES + n % RING_ENTRIES) * ENTRY_SIZE
-        opt.ram.write_phys(scratch.phys + entry - scratch.base, bytes(range(256)) * (ENTRY_SIZE // 256))
+        opt.ram.write_phys(scratch.phys_of(entry), bytes(range(256)) * (ENTRY_SIZE // 256))
         opt.ram.write_u64_phys(head1, n + 1)
         deadline = time.monotonic() + 5
         while opt.ring_errors < errors + 2 and time.monotonic() < deadline:
@@ -204,3 +204,12 @@ def test_a_register_filter_runs_in_the_detour(target: qprobe.Target, guard: dict
     assert [h.args["count"] for h in rd.hits] == ["128"] * 4 and rd.nhit == 4
     assert rd.probe.nfiltered >= 6 and rd.filtered == rd.probe.nfiltered  # type: ignore[union-attr]
     assert rd.probe.nhit == 4 + rd.probe.nfiltered  # type: ignore[union-attr]
+
+
+def test_cli_list_shows_the_probes_and_why_one_is_not_optimized() -> None:
+    out = _qprobe("list", "--image", IMAGE, "p:seek ksys_lseek", "p:cold __x64_sys_gethostname.cold", timeout=600)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert any(x.split()[1:3] == ["k", "ksys_lseek+0x0"] and x.endswith("[OPTIMIZED]") for x in lines), out.stdout
+    cold = next(x for x in lines if "__x64_sys_gethostname.cold+0x0" in x)
+    assert "[OPTIMIZED]" not in cold and "(not optimized: " in cold and "cold part" in cold

@@ -145,37 +145,32 @@ def test_description_split_inside_a_reg_tag() -> None:
         stub.close()
 
 
-def test_description_without_rip_or_cr3_is_refused() -> None:
-    stub = QemuStub()
-    stub.annexes["i386-64bit.xml"] = b'<feature><reg name="eax" bitsize="32"/></feature>'
+def handshake_refused(stub: QemuStub, pattern: str) -> None:
+    """Connecting to ``stub`` fails with one line matching ``pattern``; the stub is closed either way."""
     try:
-        with pytest.raises(ProtocolError, match="not x86_64") as info:
+        with pytest.raises(ProtocolError, match=pattern) as info:
             connect(stub)
         one_line(info.value)
     finally:
         stub.close()
+
+
+def test_description_without_rip_or_cr3_is_refused() -> None:
+    stub = QemuStub()
+    stub.annexes["i386-64bit.xml"] = b'<feature><reg name="eax" bitsize="32"/></feature>'
+    handshake_refused(stub, "not x86_64")
 
 
 @pytest.mark.parametrize("reply", [b"E00", b""])
 def test_refused_description(reply: bytes) -> None:
     stub = QemuStub()
     stub.overrides[b"qXfer:features:read:target.xml"] = reply
-    try:
-        with pytest.raises(ProtocolError, match=r"refused to send target\.xml") as info:
-            connect(stub)
-        one_line(info.value)
-    finally:
-        stub.close()
+    handshake_refused(stub, r"refused to send target\.xml")
 
 
 def test_stub_without_qxfer_is_refused() -> None:
     stub = QemuStub(supported=b"PacketSize=1000;multiprocess+")
-    try:
-        with pytest.raises(ProtocolError, match="no target description") as info:
-            connect(stub)
-        one_line(info.value)
-    finally:
-        stub.close()
+    handshake_refused(stub, "no target description")
 
 
 def test_handshake_without_the_unsolicited_stop() -> None:

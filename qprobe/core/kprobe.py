@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from qprobe.errors import InvalidProbe
 
 if TYPE_CHECKING:
+    from qprobe.core.kretprobe import Kretprobe
     from qprobe.core.optimizer import GuestRecord
 
 PreHandler = Callable[["Kprobe", Any], int | None]
@@ -69,6 +70,7 @@ class Kprobe:
         # it rejects are counted in nhit and nfiltered and never recorded.
         self.guest_filter: object | None = None
         self.nfiltered = 0
+        self.kretprobe: Kretprobe | None = None  # the return probe whose entry this is
         self.errors: list[str] = []
         self.registered = False
         self.resolved = 0  # the running address, once registered

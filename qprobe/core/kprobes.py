@@ -116,6 +116,7 @@ class KprobeManager:
         self._hooked = False
         self._touched: set[int] = set()  # every address we ever put an int3 at
         self.passed_through = 0
+        self.ntraps = 0  # int3 traps dispatched (each one a VM stop)
         self.handler_errors: list[str] = []
         # int3s in the scratch area that are not probes: the kretprobe trampoline.
         self.trampolines: dict[int, Callable[[str, dict[str, int], int, int], None]] = {}
@@ -437,6 +438,7 @@ class KprobeManager:
         self.machine.gdb.write_registers(tid, values)
 
     def _on_int3(self, tid: str, regs: dict[str, int]) -> None:
+        self.ntraps += 1
         mem = self.machine.mem
         ret_ip, cs, rflags, rsp, _ss = struct.unpack("<5Q", mem.read(regs["rsp"], 40))
         addr = ret_ip - 1
@@ -616,7 +618,8 @@ class KprobeManager:
                     flags += "[OPTIMIZED]"
                 elif point.not_optimized is not None and point.armed:
                     flags += f"  (not optimized: {point.not_optimized})"
-                lines.append(f"{addr:016x}  {getattr(kp, 'kind', 'k')}  {point.where}    {flags}".rstrip())
+                kind = "r" if kp.kretprobe is not None else "k"
+                lines.append(f"{addr:016x}  {kind}  {point.where}    {flags}".rstrip())
         return "\n".join(lines) + ("\n" if lines else "")
 
 

@@ -1,6 +1,11 @@
 """Return probes (kretprobes), host side.
 
-At function entry an internal kprobe takes a free ``KretprobeInstance``,
+Once its entry is jump-optimized, a return probe's instances live in guest
+RAM and the guest takes them itself (qprobe.arch.x86_64.retdetour): the
+entry wakes nobody, and the return either counts in the guest (no handler) or
+hands its registers to ``returned`` through the mailbox.  Until then, and for
+probes with an entry_handler (which runs on the host at entry), the host does
+it: at function entry an internal kprobe takes a free ``KretprobeInstance``,
 saves the return address and replaces it on the stack with the address of a
 trampoline in the scratch area: one ``int3``.  When the function returns
 there, the #BP dispatcher hands the hit to ``KretprobeManager.trampoline_hit``,
@@ -22,10 +27,12 @@ from typing import TYPE_CHECKING, Any
 from qprobe.core.kprobe import KPROBE_FLAG_DISABLED, Kprobe
 from qprobe.core.regs import PtRegs
 from qprobe.errors import InvalidProbe, ProbeError, QprobeError
+from qprobe.kernel.orc import return_fixer
 from qprobe.kernel.task import Task
 from qprobe.target.journal import Patch
 
 if TYPE_CHECKING:
+    from qprobe.arch.x86_64.retdetour import Pool
     from qprobe.core.kprobes import KprobeManager
 
 log = logging.getLogger("qprobe.kretprobes")
@@ -74,14 +81,16 @@ class Kretprobe:
             if fn is not None and not callable(fn):
                 raise InvalidProbe(f"{name} must be callable (EINVAL)")
         self.kp = Kprobe(symbol_name=symbol_name, addr=addr, offset=offset, disabled=disabled)
-        self.kp.kind = "r"  # type: ignore[attr-defined]
+        self.kp.kretprobe = self
         self.handler = handler
         self.entry_handler = entry_handler
         self.maxactive = maxactive
         self.data_size = data_size
         self.nmissed = 0
+        self.nreturns = 0  # calls that returned through a trampoline (handler run, or counted in the guest)
         self.nfaults = 0
         self.errors: list[str] = []
+        self.pool: Pool | None = None  # its instances in guest RAM, when the optimizer has room for them
         self.free: list[KretprobeInstance] = []
         self.live: dict[int, KretprobeInstance] = {}  # stack slot -> instance
 
@@ -112,8 +121,19 @@ class KretprobeManager:
 
     def fix_return(self, slot: int, value: int) -> int:
         """For the unwinder: the real return address behind a trampoline address at ``slot``."""
-        ri = self.by_slot.get(slot)
-        return ri.ret_addr if value == self.trampoline and ri is not None else value
+        value = return_fixer(self)(slot, value)  # an instance the host holds
+        opt = self.kprobes.optimizer
+        real = opt.guest_return_address(value) if opt is not None else None
+        return value if real is None else real
+
+    def live_instances(self, rp: Kretprobe) -> list[KretprobeInstance]:
+        """The calls of ``rp`` in flight: instances the host holds and those taken in guest RAM."""
+        out = list(rp.live.values())
+        opt = self.kprobes.optimizer
+        if rp.pool is not None and opt is not None:
+            for _i, slot, ret_addr, task in opt.pool_instances(rp.pool):
+                out.append(KretprobeInstance(rp, ret_addr, slot, self.kprobes.tasks.task(task)))
+        return out
 
     def default_maxactive(self) -> int:
         """The kernel's default: max(10, 2 * CPUs) when preemptible, else the number of CPUs."""
@@ -134,7 +154,15 @@ class KretprobeManager:
         n = rp.maxactive or self.default_maxactive()
         rp.free = [KretprobeInstance(rp, data=bytearray(rp.data_size)) for _ in range(n)]
         kp.pre_handler = lambda _kp, regs: self._entry(rp, regs)
-        self.machine.call(self._ensure_trampoline)
+
+        def prepare() -> None:
+            self._ensure_trampoline()
+            opt = self.kprobes.optimizer
+            if opt is not None and opt.available and rp.entry_handler is None:
+                rp.pool = opt.alloc_pool(rp, n)
+                self._ensure_return_int3s()
+
+        self.machine.call(prepare)
         self.kprobes.register_kprobe(kp)
         self.registered.add(rp)
 
@@ -167,6 +195,15 @@ class KretprobeManager:
             scratch.write(self.trampoline, b"\xcc")
             self.kprobes.trampolines[self.trampoline] = self.trampoline_hit
 
+    def _ensure_return_int3s(self) -> None:
+        """The shared return code's int3s (a busy mailbox, a bad instance) finish the return on the stop path."""
+        opt = self.kprobes.optimizer
+        assert opt is not None
+        busy, bad = opt.ret_int3s()
+        self.kprobes.trampolines[busy] = self.trampoline_hit
+        # On a bad instance the pushed index is still on the stack: the slot is one word further.
+        self.kprobes.trampolines[bad] = lambda tid, regs, rsp, fl: self.trampoline_hit(tid, regs, rsp + 8, fl)
+
     def _retire(self, rp: Kretprobe) -> None:
         """Put back the real return address of every call still in flight."""
         # A vCPU may already have returned into the trampoline: finish that first.
@@ -174,6 +211,10 @@ class KretprobeManager:
         for slot, ri in list(rp.live.items()):
             self._release(ri, restore=True)
             del rp.live[slot]
+        opt = self.kprobes.optimizer
+        if rp.pool is not None and opt is not None:
+            opt.retire_pool(rp)
+            rp.pool = None
 
     def _release(self, ri: KretprobeInstance, restore: bool) -> None:
         if ri.patch is not None:
@@ -242,10 +283,24 @@ class KretprobeManager:
         """
         slot = pt.sp - 8
         ri = self.by_slot.get(slot)
-        if ri is None:
+        guest = None
+        if ri is None and self.kprobes.optimizer is not None:
+            guest = self.kprobes.optimizer.guest_instance(slot)
+        if ri is None and guest is None:
             raise ProbeError(f"a return into the kretprobe trampoline with no instance for stack slot {slot:#x}")
+        if ri is None:
+            assert guest is not None
+            owner, index, ret_addr, task = guest
+            if owner is None:  # unregistered while this call was in flight: no handler (as the kernel)
+                self.kprobes.optimizer.free_instance(index)  # type: ignore[union-attr]
+                return ret_addr
+            ri = KretprobeInstance(owner, ret_addr, slot, self.kprobes.tasks.task(task), bytearray(owner.data_size))
         rp = ri.rp
-        pt.set_quietly("ip", self.trampoline)
+        rp.nreturns += 1
+        # Where the ret went (the unwinder maps it back to the real return address while the instance is taken).
+        opt = self.kprobes.optimizer
+        pt.set_quietly("ip", self.trampoline if guest is None or opt is None or opt.ret is None
+                       else opt.ret.trampoline(guest[1]))  # fmt: skip
         if rp.handler is not None and not rp.kp.flags & KPROBE_FLAG_DISABLED:
             try:
                 with self.kprobes.handler_lock:
@@ -253,6 +308,9 @@ class KretprobeManager:
             except Exception as exc:  # user code: counted and reported, never fatal
                 self._failed(rp, exc, "handler")
         ret_addr = ri.ret_addr
+        if guest is not None:
+            self.kprobes.optimizer.free_instance(guest[1])  # type: ignore[union-attr]
+            return ret_addr
         rp.live.pop(slot, None)
         # The return address on the stack was consumed by the ret: only forget the patch.
         self._release(ri, restore=False)

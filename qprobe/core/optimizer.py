@@ -69,6 +69,20 @@ from qprobe.arch.x86_64.detour import (
 from qprobe.arch.x86_64.guestfilter import build_filtered_detour
 from qprobe.arch.x86_64.insn import copy_instruction, synthesize_reljump
 from qprobe.arch.x86_64.opt import can_optimize
+from qprobe.arch.x86_64.retdetour import (
+    I_OWNER,
+    I_RET,
+    INSTANCE_SIZE,
+    MODE_COUNT,
+    MODE_MAILBOX,
+    TRAMP_STRIDE,
+    TRAMPOLINE_ID,
+    Pool,
+    RetParams,
+    build_entry_detour,
+    build_trampolines,
+    common_offsets,
+)
 from qprobe.errors import QprobeError
 from qprobe.target.journal import Patch
 from qprobe.target.memory import SharedRam
@@ -76,11 +90,13 @@ from qprobe.target.qemu import DOORBELL_PORT
 
 if TYPE_CHECKING:
     from qprobe.core.kprobes import KprobeManager, ProbePoint
+    from qprobe.core.kretprobe import Kretprobe
 
 log = logging.getLogger("qprobe.optimizer")
 
 MAX_OPTIMIZED = 4096  # probe ids: one nmissed counter each
-TRAMPOLINE_ID = 0
+MAX_INSTANCES = 2048  # kretprobe instances in guest RAM, shared by every return probe's pool
+MAX_OWNERS = 256  # return probes with a pool at once: one return counter each
 RECORDING = ("record", "filtered")  # detour kinds that write the rings
 COLLECT_INTERVAL = 0.02  # seconds between drains of the rings and folds of the in-guest counters
 THREAD_SIZE = 16 << 10  # x86_64 kernel and IRQ stacks (without KASAN)
@@ -101,6 +117,14 @@ class Optimized:
     kind: str = "mailbox"  # see detour_kind
 
 
+@dataclass
+class PoolState:
+    """A return probe's instances in guest RAM; ``rp`` is None once it is unregistered and the pool drains."""
+
+    pool: Pool
+    rp: Kretprobe | None
+
+
 def detour_kind(point: ProbePoint) -> str:
     """What the detour does at a hit, from what its probes need.
 
@@ -110,8 +134,14 @@ def detour_kind(point: ProbePoint) -> str:
     registers into its CPU's ring and returns; "mailbox": a Python handler runs
     synchronously through the doorbell.  Neither of the first two wakes the host.
     "filtered" is "record" behind the probe's ftrace filter compiled to compares
-    (one probe at the point, whose filter only reads registers).
+    (one probe at the point, whose filter only reads registers).  "retentry" is
+    a kretprobe's entry alone at its point, with no entry_handler and a pool of
+    instances in guest RAM: the detour takes the instance and replaces the return
+    address itself (qprobe.arch.x86_64.retdetour).
     """
+    rp = point.probes[0].kretprobe if len(point.probes) == 1 else None
+    if rp is not None and rp.entry_handler is None and rp.pool is not None:
+        return "retentry"
     if any(kp.post_handler is not None for kp in point.probes):
         return "mailbox"
     if any(kp.pre_handler is not None and kp.recorder is None for kp in point.probes):
@@ -170,6 +200,9 @@ class Optimizer:
         self._tsc_offset: float | None = None
         self._fold_lock = threading.Lock()
         self._collector: threading.Thread | None = None
+        self.ret: RetParams | None = None  # kretprobe instances in guest RAM, once a return probe wants them
+        self.pools: dict[int, PoolState] = {}  # owner -> pool
+        self._returns_seen: dict[int, int] = {}
         self.served = 0
         self.errors: list[str] = []
         self._sock: socket.socket | None = None
@@ -219,6 +252,132 @@ class Optimizer:
         self.record_stub = stub
         if "tsc_khz" in syms:
             self._tsc_hz = int.from_bytes(self.machine.mem.read(syms.address("tsc_khz"), 4), "little") * 1000.0
+
+    # -- return probes' instances in guest RAM (stop loop) --------------------------------------
+    def ensure_returns(self) -> RetParams:
+        """The instance array, its return counters and the per-instance trampolines, on first use."""
+        if self.ret is not None and self.kp.scratch.mapped:
+            return self.ret
+        self._ensure_stub()
+        scratch = self.kp.scratch
+        size = MAX_INSTANCES * INSTANCE_SIZE + MAX_OWNERS * 8
+        data = scratch.alloc(_page_round(size), align=4096)  # written by the guest: apart from code
+        self._zero(data, size)
+        probe = RetParams(data, MAX_INSTANCES, scratch.base, data + MAX_INSTANCES * INSTANCE_SIZE, self.stub,
+                          self.kp.tasks.offsets[0])  # fmt: skip
+        code = scratch.alloc(len(build_trampolines(probe)), align=64)
+        self.ret = RetParams(probe.instances, probe.count, code, probe.returns, self.stub, probe.current_task)
+        self.machine.journal.set_meta(instances=data, ninstances=MAX_INSTANCES, ret_trampolines=code)
+        scratch.write(code, build_trampolines(self.ret))
+        self.pools.clear()
+        return self.ret
+
+    def ret_int3s(self) -> tuple[int, int]:
+        """The shared return code's two int3s: after the mailbox call (busy mailbox), and on a bad instance."""
+        assert self.ret is not None
+        common = self.ret.trampoline(self.ret.count)
+        busy, bad = common_offsets(self.ret)
+        return common + busy, common + bad
+
+    def alloc_pool(self, rp: Kretprobe, count: int) -> Pool | None:
+        """A slice of ``count`` free instances for ``rp`` (None if the array has no room: the host keeps them)."""
+        ret = self.ensure_returns()
+        self._release_drained()
+        owner = next((o for o in range(1, MAX_OWNERS) if o not in self.pools), None)
+        used = sorted((s.pool.first, s.pool.first + s.pool.count) for s in self.pools.values())
+        first, start = None, 0
+        for lo, hi in [*used, (ret.count, ret.count)]:
+            if lo - start >= count:
+                first = start
+                break
+            start = max(start, hi)
+        if owner is None or first is None or count > ret.count:
+            return None
+        pool = Pool(first, count, owner)
+        mode = MODE_MAILBOX if rp.handler is not None else MODE_COUNT
+        assert self.ram is not None
+        for i in range(first, first + count):
+            phys = self.kp.scratch.phys_of(ret.instance(i))
+            self.ram.write_phys(phys, bytes(INSTANCE_SIZE))
+            self.ram.write_phys(phys + I_OWNER, struct.pack("<II", owner, mode))
+        self.pools[owner] = PoolState(pool, rp)
+        self._returns_seen[owner] = self._read_counter(ret.returns, owner)
+        return pool
+
+    def pool_instances(self, pool: Pool) -> list[tuple[int, int, int, int]]:
+        """(index, slot, return address, task) of every taken instance of ``pool``, read from guest RAM."""
+        assert self.ram is not None and self.ret is not None
+        raw = self.ram.read_phys(self.kp.scratch.phys_of(self.ret.instance(pool.first)), pool.count * INSTANCE_SIZE)
+        out = []
+        for n in range(pool.count):
+            slot, ret, task = struct.unpack_from("<3Q", raw, n * INSTANCE_SIZE)
+            if slot:
+                out.append((pool.first + n, slot, ret, task))
+        return out
+
+    def guest_instance(self, slot: int) -> tuple[Kretprobe | None, int, int, int] | None:
+        """The taken instance for a return through stack ``slot``: (its probe, index, return address, task)."""
+        for state in list(self.pools.values()):
+            for i, s, ret, task in self.pool_instances(state.pool):
+                if s == slot:
+                    return state.rp, i, ret, task
+        return None
+
+    def free_instance(self, i: int) -> None:
+        assert self.ram is not None and self.ret is not None
+        self.ram.write_u64_phys(self.kp.scratch.phys_of(self.ret.instance(i)), 0)
+
+    def guest_return_address(self, value: int) -> int | None:
+        """If ``value`` is an instance's trampoline, the real return address it stands for."""
+        ret = self.ret
+        if ret is None or self.ram is None or not ret.trampolines <= value < ret.trampoline(ret.count):
+            return None
+        i = (value - ret.trampolines) // TRAMP_STRIDE
+        return self.ram.read_u64_phys(self.kp.scratch.phys_of(ret.instance(i) + I_RET))
+
+    def retire_pool(self, rp: Kretprobe) -> None:
+        """Put back the real return address of every call of ``rp`` still in flight (stop loop, VM stopped).
+
+        A call that has already returned into its trampoline (a vCPU inside the
+        shared return code, or a context interrupted on the trampoline's first
+        instruction, whose interrupt frame sits just below the slot) keeps its
+        instance: the trampoline frees it.  The pool is reused once every
+        instance is free.
+        """
+        owner = next((o for o, s in self.pools.items() if s.rp is rp), None)
+        if owner is None or self.ret is None:
+            return
+        state = self.pools[owner]
+        self._fold_returns(owner, state)
+        state.rp = None
+        ret, mem = self.ret, self.machine.mem
+        # A vCPU in the scratch area may be returning through one of these (in the shared code or the stub).
+        inside = any(self.kp.scratch.contains(self.machine.gdb.read_registers(t)["rip"]) for t in self.machine.vcpus)
+        for i, slot, real, _task in self.pool_instances(state.pool):
+            tramp = ret.trampoline(i)
+            try:
+                if mem.read_u64(slot) == tramp:
+                    self.machine.write_phys(mem.virt_to_phys(slot), real.to_bytes(8, "little"))
+                    self.free_instance(i)
+                    continue
+                near = mem.read(slot - 56, 64)
+            except QprobeError:
+                near = b""  # the stack is gone: nothing can return through it
+            if inside or tramp in struct.unpack(f"<{len(near) // 8}Q", near):
+                continue
+            self.free_instance(i)  # a call that never returned (its task exited inside the function)
+
+    def _release_drained(self) -> None:
+        for owner, state in list(self.pools.items()):
+            if state.rp is None and not self.pool_instances(state.pool):
+                del self.pools[owner]
+
+    def _fold_returns(self, owner: int, state: PoolState) -> None:
+        """Returns counted in the guest (count-mode pools) into the probe's nreturns."""
+        assert self.ret is not None
+        delta = self._delta(self.ret.returns, self._returns_seen, owner)
+        if state.rp is not None:
+            state.rp.nreturns += delta
 
     def _zero(self, addr: int, size: int) -> None:
         assert self.ram is not None
@@ -356,6 +515,11 @@ class Optimizer:
         if kind == "filtered":  # the compiled filter's size does not depend on where it is placed
             tree = point.probes[0].guest_filter
             head = build_filtered_detour(self.record_stub, tree, probe_id, self.record_stub, 0, b"", 0)[1]
+        rp = point.probes[0].kretprobe
+        if kind == "retentry":
+            assert rp is not None and rp.pool is not None
+            ret = self.ensure_returns()
+            head = build_entry_detour(ret.trampolines, ret, rp.pool, ret.instances, ret.instances, b"", 0)[1]
         total = head + sum(len(copy_instruction(i, point.addr)) for i in insns) + 5
         detour = self.kp.scratch.alloc(total + 16)
         relocated = b""
@@ -366,6 +530,11 @@ class Optimizer:
         elif kind == "filtered":
             code, at = build_filtered_detour(detour, tree, probe_id, self.record_stub, self.counters + probe_id * 8,
                                              relocated, point.addr + size)  # fmt: skip
+            assert at == head
+        elif kind == "retentry":
+            assert rp is not None and rp.pool is not None and self.ret is not None
+            code, at = build_entry_detour(detour, self.ret, rp.pool, self.counters + probe_id * 8,
+                                          self.missed + probe_id * 8, relocated, point.addr + size)  # fmt: skip
             assert at == head
         else:
             stub = self.record_stub if kind in RECORDING else self.stub
@@ -426,6 +595,10 @@ class Optimizer:
     def _fold(self, point: ProbePoint, opt: Optimized) -> None:
         """sync_missed's work, with _fold_lock held and the rings already drained."""
         delta = self._delta(self.missed, self._missed_seen, opt.probe_id)
+        rp = point.probes[0].kretprobe if point.probes else None
+        if opt.kind == "retentry" and rp is not None:
+            rp.nmissed += delta  # calls that found no free instance: the kretprobe's nmissed
+            delta = 0
         if opt.kind in RECORDING:
             # A record dropped on a full ring is a hit whose action did not run: nmissed, and lost.
             lost = self._delta(self.lost, self._lost_seen, opt.probe_id)
@@ -434,7 +607,7 @@ class Optimizer:
             delta += lost
         for kp in point.probes:
             kp.nmissed += delta
-        if opt.kind in ("count", "filtered"):  # hits counted in the guest (for "filtered": rejected ones)
+        if opt.kind in ("count", "filtered", "retentry"):  # hits counted in the guest (for "filtered": rejected ones)
             counted = self._delta(self.counters, self._counted_seen, opt.probe_id)
             for kp in point.probes:
                 if not kp.disabled:
@@ -452,6 +625,9 @@ class Optimizer:
                 opt = point.opt
                 if opt is not None and opt.kind != "mailbox":
                     self._fold(point, opt)
+            if self.ret is not None:
+                for owner, state in list(self.pools.items()):
+                    self._fold_returns(owner, state)
 
     def _collect_loop(self) -> None:
         """While the VM runs (RAM reads, no stop): fold in-guest counters, drain the record rings."""

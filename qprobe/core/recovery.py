@@ -17,6 +17,7 @@ import struct
 import time
 
 from qprobe.arch.x86_64.detour import (
+    FRAME_ID,
     FRAME_RET,
     FRAME_SIZE,
     MAILBOX_SIZE,
@@ -28,6 +29,8 @@ from qprobe.arch.x86_64.detour import (
     STATE_DONE,
     STATE_REQUEST,
 )
+from qprobe.arch.x86_64.retdetour import INSTANCE_SIZE, TRAMP_STRIDE, TRAMPOLINE_ID
+from qprobe.errors import QprobeError
 from qprobe.kernel.symbols import Symbols
 from qprobe.target.gdbremote import GdbRemote
 from qprobe.target.journal import Journal, Patch
@@ -48,9 +51,46 @@ class _Recovery:
         self.trampoline = next((int.from_bytes(p.new, "little") for p in patches if p.what == "retaddr"), None)
         pmd = next((p for p in patches if p.what == "pmd"), None)
         self.scratch = pmd.virt if pmd else None
+        self.guest = self.guest_instances()
 
     def in_scratch(self, rip: int) -> bool:
         return self.scratch is not None and self.scratch <= rip < self.scratch + SCRATCH_SIZE
+
+    def guest_instances(self) -> dict[int, tuple[int, int]]:
+        """Kretprobe instances taken in guest RAM: stack slot -> (trampoline, real return address)."""
+        meta = self.meta
+        if "instances" not in meta:
+            return {}
+        self.gdb.set_physical(True)
+        phys = meta["scratch_phys"] + meta["instances"] - meta["scratch"]
+        raw = self.gdb.read_memory(phys, meta["ninstances"] * INSTANCE_SIZE)
+        out = {}
+        for i in range(meta["ninstances"]):
+            slot, ret = struct.unpack_from("<2Q", raw, i * INSTANCE_SIZE)
+            if slot:
+                out[slot] = (meta["ret_trampolines"] + i * TRAMP_STRIDE, ret)
+        return out
+
+    def real_return(self, slot: int) -> int | None:
+        """The return address a trampoline stands for at stack ``slot`` (instances of the host's or the guest's)."""
+        if slot in self.retaddrs:
+            return self.retaddrs[slot]
+        return self.guest[slot][1] if slot in self.guest else None
+
+    def restore_guest_stacks(self) -> int:
+        """Put back every return address the guest replaced with an instance's trampoline."""
+        restored = 0
+        for slot, (tramp, ret) in self.guest.items():
+            try:
+                if self.mem.read_u64(slot) != tramp:
+                    continue  # already returned, or the stack is gone
+                phys = self.mem.virt_to_phys(slot)
+            except QprobeError:
+                continue
+            self.gdb.set_physical(True)
+            self.gdb.write_memory(phys, ret.to_bytes(8, "little"))
+            restored += 1
+        return restored
 
     def rewind(self, tid: str) -> None:
         regs = self.gdb.read_registers(tid)
@@ -63,6 +103,8 @@ class _Recovery:
                 self.gdb.write_registers(tid, {"rip": self.retaddrs[rsp - 8], "rsp": rsp, "eflags": rflags})
         elif rip == self.trampoline and regs["rsp"] - 8 in self.retaddrs:
             self.gdb.write_register(tid, "rip", self.retaddrs[regs["rsp"] - 8])
+        elif self.guest.get(regs["rsp"] - 8, (None,))[0] == rip:  # about to enter its instance's trampoline
+            self.gdb.write_register(tid, "rip", self.guest[regs["rsp"] - 8][1])
         else:
             for p in self.int3s.values():
                 if p.slot and p.slot <= rip < p.slot + 32:
@@ -78,6 +120,9 @@ class _Recovery:
             return
         frame = int.from_bytes(self.gdb.read_memory(mb + MB_FRAME, 8), "little")
         cont = int.from_bytes(self.gdb.read_memory(mb + MB_REGS + FRAME_RET, 8), "little")
+        if int.from_bytes(self.gdb.read_memory(mb + MB_REGS + FRAME_ID, 8), "little") == TRAMPOLINE_ID:
+            # A return waiting for its handler: resume at the real return address, not the int3 after the call.
+            cont = self.real_return(frame + FRAME_SIZE - 8) or cont
         self.gdb.write_memory(mb + MB_FINAL_IP, cont.to_bytes(8, "little"))
         self.gdb.write_memory(mb + MB_FINAL_SP, (frame + FRAME_SIZE).to_bytes(8, "little"))
         self.gdb.write_memory(mb + MB_STATE, STATE_DONE.to_bytes(8, "little"))
@@ -114,6 +159,7 @@ def recover(gdb: GdbRemote, mem: GuestMemory, symbols: Symbols, journal: Journal
         if gdb.read_memory(p.phys, len(p.new)) == p.new:
             gdb.write_memory(p.phys, p.old)
             restored += 1
+    restored += r.restore_guest_stacks()
     pmd = [p for p in patches if p.what == "pmd"]
     if pmd:
         for cpu, tid in enumerate(vcpus):

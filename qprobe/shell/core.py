@@ -246,7 +246,7 @@ class Shell:
             for kp in list(point.probes):
                 if id(kp) in mine:
                     continue
-                kind = "kretprobe" if getattr(kp, "kind", "k") == "r" else "kprobe"
+                kind = "kretprobe" if kp.kretprobe is not None else "kprobe"
                 since = self.armed.setdefault(f"{kind}@{id(kp)}", now)
                 rows.append((f"{kind} {point.where}", kp.nhit, kp.nmissed, "-", _rate(kp.nhit, now - since)))
         if not rows:

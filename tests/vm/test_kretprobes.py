@@ -98,14 +98,19 @@ def test_unregister_with_a_call_in_flight_restores_its_return(target: qprobe.Tar
     try:
         target.run("(sleep 3; echo slept > /tmp/slept) >/dev/null 2>&1 &").check()
         deadline = time.monotonic() + 60
-        while not rp.live and time.monotonic() < deadline:
+        while not target.kretprobes.live_instances(rp) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert len(rp.live) == 1
+        (ri,) = target.kretprobes.live_instances(rp)
+        assert ri.task is not None and ri.task.comm == "sleep"
+        # The sleeper's return address on its stack is a trampoline's; the instance knows the real one.
+        assert target.symbols.function(ri.ret_addr) is not None
+        assert target.mem.read_u64(ri.stack_slot) != ri.ret_addr
     finally:
         target.unregister_kretprobe(rp)
+    assert target.mem.read_u64(ri.stack_slot) == ri.ret_addr
     # The sleeper returns through its real return address: the guest carries on.
     target.run("while [ ! -e /tmp/slept ]; do sleep 0.2; done; rm /tmp/slept", timeout=120).check()
-    assert rp.nhit == 1 and not rp.live
+    assert rp.nhit == 1 and not target.kretprobes.live_instances(rp) and rp.nreturns == 0
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import time
 import pytest
 
 import qprobe
-from qprobe import Kprobe
+from qprobe import Kprobe, Kretprobe, regs_return_value
 from qprobe.arch.x86_64.decode import decode_all
 
 from .conftest import fake_return, workload_result
@@ -158,3 +158,59 @@ def test_handler_exception_on_the_optimized_path(target: qprobe.Target, guard: d
     finally:
         target.unregister_kprobe(kp)
     assert res["errors"] == "0" and kp.nhit == 25 and kp.nfaults == 25
+
+
+# -- return probes whose instances live in guest RAM ---------------------------------------------
+def test_handlerless_kretprobe_counts_entries_and_returns_in_the_guest(target: qprobe.Target,
+                                                                       guard: dict[int, bytes]) -> None:  # fmt: skip
+    """rf: the entry detour takes an instance, the instance's trampoline counts the return; nobody is woken."""
+    rp = Kretprobe(symbol_name="__x64_sys_getppid")
+    target.register_kretprobe(rp)
+    try:
+        assert _optimized(target, rp.kp)
+        assert target.kprobes.points[rp.kp.resolved].opt.kind == "retentry"  # type: ignore[union-attr]
+        served, stops = target.kprobes.optimizer.served, target.kprobes.ntraps  # type: ignore[union-attr]
+        res = workload_result(target.run("workload getppid 20000", timeout=600).check().output)
+        assert target.kprobes.optimizer.served == served  # type: ignore[union-attr]
+        assert target.kprobes.ntraps == stops
+        assert not target.kretprobes.live_instances(rp)
+    finally:
+        target.unregister_kretprobe(rp)
+    assert res["n"] == "20000" and res["errors"] == "0"
+    assert (rp.nhit, rp.nreturns, rp.nmissed) == (20000, 20000, 0)
+
+
+def test_optimized_kretprobe_handler_wakes_the_host_only_at_the_return(target: qprobe.Target,
+                                                                      guard: dict[int, bytes]) -> None:  # fmt: skip
+    """ro: the entry is taken in the guest; each return hands its registers to the handler through the mailbox."""
+    seen: list[tuple[int, str, str]] = []
+
+    def ret(ri: qprobe.KretprobeInstance, regs: qprobe.PtRegs) -> None:
+        assert ri.task is not None
+        seen.append((regs_return_value(regs), ri.task.comm, target.symbols.symbolize(ri.ret_addr).split("+")[0]))
+
+    rp = Kretprobe(symbol_name="ksys_lseek", handler=ret)
+    target.register_kretprobe(rp)
+    try:
+        assert _optimized(target, rp.kp)
+        served = target.kprobes.optimizer.served  # type: ignore[union-attr]
+        target.run("workload lseek 300", timeout=300).check()
+        assert target.kprobes.optimizer.served - served == 300  # type: ignore[union-attr]
+    finally:
+        target.unregister_kretprobe(rp)
+    callers = {name for _, _, name in seen}
+    assert [v for v, _, _ in seen] == list(range(1, 301)) and {c for _, c, _ in seen} == {"workload"}
+    assert len(callers) == 1 and callers <= {"__x64_sys_lseek", "do_syscall_64", "x64_sys_call"}
+    assert (rp.nhit, rp.nreturns, rp.nmissed) == (300, 300, 0)
+
+
+def test_guest_instances_run_out_like_the_kernel_s(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    """maxactive=1 and two overlapping sleeps on the optimized path: one return, one nmissed."""
+    rp = Kretprobe(symbol_name="hrtimer_nanosleep", maxactive=1)
+    target.register_kretprobe(rp)
+    try:
+        assert _optimized(target, rp.kp)
+        target.run("sleep 1 & sleep 1 & wait", timeout=120).check()
+    finally:
+        target.unregister_kretprobe(rp)
+    assert (rp.nhit, rp.nreturns, rp.nmissed) == (2, 1, 1)

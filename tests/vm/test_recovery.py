@@ -117,3 +117,42 @@ def test_sigkill_while_a_vcpu_waits_in_the_optimized_stub(booted: str) -> None:
         # The stuck vCPU was answered and stepped out; the guest carries on.
         assert workload_result(t.run("workload getppid 5").check().output)["n"] == "5"
         assert t.oopses() == [], t.console.tail(60)  # type: ignore[union-attr]
+
+
+RETURNING = textwrap.dedent(
+    """
+    import sys, time, qprobe
+    t = qprobe.attach(sys.argv[1])
+    def handler(ri, regs):
+        print("IN_HANDLER", flush=True)
+        time.sleep(3600)  # the sleeper's vCPU now spins in the stub, waiting for us
+    rp = qprobe.Kretprobe(symbol_name="hrtimer_nanosleep", handler=handler if sys.argv[2] == "ro" else None)
+    t.register_kretprobe(rp)
+    assert "[OPTIMIZED]" in t.list_probes()
+    t.run(f"(sleep {sys.argv[3]}; echo slept > /tmp/slept) >/dev/null 2>&1 &")
+    while not t.kretprobes.live_instances(rp):
+        time.sleep(0.05)
+    print("IN_FLIGHT", flush=True)
+    time.sleep(3600)
+    """
+)
+
+
+@pytest.mark.parametrize(("kind", "wait_for", "sleep"), [("rf", "IN_FLIGHT", 8), ("ro", "IN_HANDLER", 1)])
+def test_sigkill_with_a_return_in_flight_through_a_guest_instance(booted: str, kind: str, wait_for: str,
+                                                                  sleep: int) -> None:  # fmt: skip
+    """The guest itself replaced the sleeper's return address (or its return waits in the stub): recovery
+    puts the real one back from the instance array in guest RAM, and the sleeper returns normally."""
+    prober = subprocess.Popen([sys.executable, "-c", RETURNING, booted, kind, str(sleep)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        _readline_matching(prober, wait_for)
+    finally:
+        os.kill(prober.pid, signal.SIGKILL)
+        prober.wait()
+    with qprobe.attach(booted) as t:
+        # The jump and the scratch mapping; for rf also the sleeping task's stack slot.
+        assert t.recovered == (3 if kind == "rf" else 2)
+        t.run("while [ ! -e /tmp/slept ]; do sleep 0.2; done; rm /tmp/slept", timeout=120).check()
+        assert workload_result(t.run("workload getppid 5").check().output)["n"] == "5"
+        assert t.oopses() == [], t.console.tail(60)  # type: ignore[union-attr]

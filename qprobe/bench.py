@@ -90,8 +90,7 @@ def _probe_matrix(target: qprobe.Target, args: argparse.Namespace) -> list[tuple
             ("f", "kprobe: jump-optimized, in-guest count, nobody woken", True, True, "f"),
             ("r", "kretprobe: int3, single-step, Python handler", False, False, "r"),
             ("rb", "kretprobe: int3, boosted, Python handler", True, False, "r"),
-            ("ro", "kretprobe: jump-optimized, instance taken in the guest, Python handler at the return", True, True,
-             "r"),
+            ("ro", "kretprobe: jump-optimized, guest instance, Python handler at the return", True, True, "r"),
             ("rf", "kretprobe: jump-optimized, instance and return count in the guest, nobody woken", True, True, "rf"),
         )
         for key, what, boost, optimize, kind in variants:

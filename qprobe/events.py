@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from qprobe.arch.x86_64.detour import FRAME_REGS
+from qprobe.arch.x86_64.guestagg import KeySpec
 from qprobe.arch.x86_64.guestfilter import GPRS
 from qprobe.arch.x86_64.guestfilter import And as GAnd
 from qprobe.arch.x86_64.guestfilter import Not as GNot
@@ -136,6 +138,7 @@ class TraceEvent:
     filter: EventFilter | None = None
     in_guest: bool = False  # recorded by an optimized probe's detour when it can be (see in_guest())
     host_filtered: int = 0  # hits the filter rejected on the host (the rest were rejected in the guest)
+    guest_key_arg: str | None = None  # the argument count_in_guest counts by
 
     @property
     def name(self) -> str:
@@ -202,6 +205,49 @@ class TraceEvent:
             self.probe.recorder = None if on else self._guest_record
             self.target.kprobes.resync(self.probe)
 
+    def count_in_guest(self, key: str, hist: bool = False) -> bool:
+        """Count hits by argument ``key`` (or its hist() bucket) in guest RAM instead of recording them.
+
+        For an event recorded in the guest, with no filter, whose key is an integer
+        taken from a register; otherwise returns False and changes nothing.  Hits
+        the host still sees (before the jump is placed, or while it cannot be)
+        reach ``callback`` as usual; ``stop_counting_in_guest`` returns the rest.
+        """
+        kp = self.probe
+        spec = guest_key(self.definition, key, hist) if self.filter is None and isinstance(kp, Kprobe) else None
+        if spec is None or not isinstance(kp, Kprobe) or self.target.kprobes.optimizer is None:
+            return False
+        self.guest_key_arg = key
+        self.target.kprobes.resync(kp, lambda: setattr(kp, "guest_key", spec))
+        return True
+
+    def stop_counting_in_guest(self) -> dict[str | int, int]:
+        """End ``count_in_guest``: the hits counted in the guest, by formatted key (by bucket for a histogram)."""
+        kp, kprobes = self.probe, self.target.kprobes
+        if not isinstance(kp, Kprobe) or not isinstance(kp.guest_key, KeySpec) or kprobes.optimizer is None:
+            return {}
+        spec, opt = kp.guest_key, kprobes.optimizer
+        raw: dict[int, int] = {}
+
+        def take() -> None:  # in the stop that puts the recording detour back: no hit is lost in between
+            point = kprobes.points.get(kp.resolved)
+            if point is not None:
+                raw.update(opt.keyed_counts(point))
+            kp.guest_key = None
+
+        kprobes.resync(kp, take)
+        self.nhit += sum(raw.values())
+        if spec.hist:
+            return dict(raw)
+        a = next(a for a in self.definition.args if a.name == self.guest_key_arg)
+        out: dict[str | int, int] = {}
+        for value, n in raw.items():
+            regs = kprobes.make_regs({**dict.fromkeys(FRAME_REGS, value), "rip": 0, "rsp": 0, "eflags": 0},
+                                     kprobes.machine.vcpus[0])  # fmt: skip
+            text = a.format_value(a.evaluate(_HostContext(self.target, regs, None)))
+            out[text] = out.get(text, 0) + n
+        return out
+
     def _guest_record(self, rec: GuestRecord) -> None:
         """The same hit, recorded in the guest by an optimized probe's detour and drained from its ring."""
         kprobes = self.target.kprobes
@@ -240,6 +286,33 @@ def in_guest(ev: ProbeEvent) -> bool:
     return not ev.is_return and all(ok(a) for a in ev.args)
 
 
+def _arg_register(a: FetchArg) -> str | None:
+    """The general-purpose register (a pt_regs name) an argument is taken from as it is, if it is one."""
+    match a.expr:
+        case Reg(name) if name in GPRS:
+            return name
+        case Arg(n) if n <= len(ARG_REGS):
+            return ARG_REGS[n - 1]
+    return None
+
+
+def guest_key(ev: ProbeEvent, name: str, hist: bool) -> KeySpec | None:
+    """``count``/``hist`` by argument ``name`` as a key the detour can compute, or None if only the host can.
+
+    The argument must be an integer taken from a register as it is; a histogram also needs
+    a numeric type (u/s/x), since the host buckets the number its text shows.
+    """
+    a = next((a for a in ev.args if a.name == name), None)
+    if a is None or not in_guest(ev):
+        return None
+    t, reg = a.type, _arg_register(a)
+    if reg is None or t.string or t.array or t.bitfield or t.size not in (1, 2, 4, 8):
+        return None
+    if hist and not (t.name[:1] in ("u", "s", "x") and t.name[1:].isdigit()):
+        return None
+    return KeySpec(reg, t.size * 8, t.signed, hist)
+
+
 def guest_filter(ev: ProbeEvent, flt: EventFilter) -> object | None:
     """The filter as register compares an optimized probe's detour can run, or None if it needs the host.
 
@@ -248,14 +321,7 @@ def guest_filter(ev: ProbeEvent, flt: EventFilter) -> object | None:
     cpu) and strings are only known on the host.
     """
     args = {a.name: a for a in ev.args}
-
-    def register(a: FetchArg) -> str | None:
-        match a.expr:
-            case Reg(name) if name in GPRS:
-                return name
-            case Arg(n) if n <= len(ARG_REGS):
-                return ARG_REGS[n - 1]
-        return None
+    register = _arg_register
 
     def convert(node: object) -> object | None:
         match node:

@@ -70,6 +70,9 @@ class Kprobe:
         # it rejects are counted in nhit and nfiltered and never recorded.
         self.guest_filter: object | None = None
         self.nfiltered = 0
+        # Instead of records: count hits by a key the detour computes from a register (the arch layer's
+        # KeySpec), in per-CPU tables in guest RAM that the front end reads (the shell's count/hist).
+        self.guest_key: object | None = None
         self.kretprobe: Kretprobe | None = None  # the return probe whose entry this is
         self.errors: list[str] = []
         self.registered = False

@@ -268,13 +268,22 @@ class KprobeManager:
         kp.resolved = addr
         self._sync(point)
 
-    def resync(self, kp: Kprobe) -> None:
-        """After a registered probe's handlers or recorder changed: re-arm its point as they now need."""
+    def resync(self, kp: Kprobe, change: Callable[[], None] | None = None) -> None:
+        """Re-arm a registered probe's point as its handlers, recorder or guest key now need.
+
+        ``change``, if given, runs first in the same VM stop (so that no hit falls between it and the re-arm).
+        """
         addr = kp.resolved
-        if not kp.registered or addr not in self.points:
-            return
-        self.machine.call(lambda: self._sync(self.points[addr]) if addr in self.points else None)
-        self.optimize_later([addr])
+
+        def work() -> None:
+            if change is not None:
+                change()
+            if kp.registered and addr in self.points:
+                self._sync(self.points[addr])
+
+        self.machine.call(work)
+        if kp.registered and addr in self.points:
+            self.optimize_later([addr])
 
     def register_kprobes(self, kps: Iterable[Kprobe]) -> None:
         """All or nothing: on an error, the ones already registered are unregistered."""

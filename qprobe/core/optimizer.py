@@ -66,6 +66,7 @@ from qprobe.arch.x86_64.detour import (
     build_record_stub,
     build_stub,
 )
+from qprobe.arch.x86_64.guestagg import SLOT_SIZE, TABLE_SIZE, KeySpec, build_keyed_detour
 from qprobe.arch.x86_64.guestfilter import build_filtered_detour
 from qprobe.arch.x86_64.insn import copy_instruction, synthesize_reljump
 from qprobe.arch.x86_64.opt import can_optimize
@@ -115,6 +116,7 @@ class Optimized:
     jmp: Patch
     continue_addr: int
     kind: str = "mailbox"  # see detour_kind
+    tables: int = 0  # "keyed": CPU 0's table of keyed counts
 
 
 @dataclass
@@ -137,11 +139,14 @@ def detour_kind(point: ProbePoint) -> str:
     (one probe at the point, whose filter only reads registers).  "retentry" is
     a kretprobe's entry alone at its point, with no entry_handler and a pool of
     instances in guest RAM: the detour takes the instance and replaces the return
-    address itself (qprobe.arch.x86_64.retdetour).
+    address itself (qprobe.arch.x86_64.retdetour).  "keyed" counts the hit by a key
+    computed from a register in a per-CPU table (one probe with a ``guest_key``).
     """
     rp = point.probes[0].kretprobe if len(point.probes) == 1 else None
     if rp is not None and rp.entry_handler is None and rp.pool is not None:
         return "retentry"
+    if len(point.probes) == 1 and point.probes[0].guest_key is not None and point.probes[0].post_handler is None:
+        return "keyed"
     if any(kp.post_handler is not None for kp in point.probes):
         return "mailbox"
     if any(kp.pre_handler is not None and kp.recorder is None for kp in point.probes):
@@ -379,6 +384,19 @@ class Optimizer:
         if state.rp is not None:
             state.rp.nreturns += delta
 
+    def keyed_counts(self, point: ProbePoint) -> dict[int, int]:
+        """A "keyed" point's counts so far, key -> hits, summed over the CPUs' tables (RAM reads, no stop)."""
+        opt = point.opt
+        if opt is None or opt.kind != "keyed" or self.ram is None:
+            return {}
+        raw = self.ram.read_phys(self.kp.scratch.phys_of(opt.tables), TABLE_SIZE * len(self.machine.vcpus))
+        out: dict[int, int] = {}
+        for i in range(len(raw) // SLOT_SIZE):
+            key, count = struct.unpack_from("<2Q", raw, i * SLOT_SIZE)
+            if count:
+                out[key] = out.get(key, 0) + count
+        return out
+
     def _zero(self, addr: int, size: int) -> None:
         assert self.ram is not None
         self.ram.write_phys(self.kp.scratch.phys_of(addr), bytes(size))
@@ -515,7 +533,14 @@ class Optimizer:
         if kind == "filtered":  # the compiled filter's size does not depend on where it is placed
             tree = point.probes[0].guest_filter
             head = build_filtered_detour(self.record_stub, tree, probe_id, self.record_stub, 0, b"", 0)[1]
-        rp = point.probes[0].kretprobe
+        rp, tables = point.probes[0].kretprobe, 0
+        spec = point.probes[0].guest_key
+        if kind == "keyed":
+            assert isinstance(spec, KeySpec)
+            table_bytes = TABLE_SIZE * len(self.machine.vcpus)
+            tables = self.kp.scratch.alloc(table_bytes, align=4096)  # written by the guest: apart from code
+            self._zero(tables, table_bytes)
+            head = build_keyed_detour(tables, spec, tables, 0, tables, tables, b"", 0)[1]
         if kind == "retentry":
             assert rp is not None and rp.pool is not None
             ret = self.ensure_returns()
@@ -530,6 +555,12 @@ class Optimizer:
         elif kind == "filtered":
             code, at = build_filtered_detour(detour, tree, probe_id, self.record_stub, self.counters + probe_id * 8,
                                              relocated, point.addr + size)  # fmt: skip
+            assert at == head
+        elif kind == "keyed":
+            assert isinstance(spec, KeySpec)
+            code, at = build_keyed_detour(detour, spec, tables, self.kp.symbols.percpu["cpu_number"],
+                                          self.counters + probe_id * 8, self.lost + probe_id * 8, relocated,
+                                          point.addr + size)  # fmt: skip
             assert at == head
         elif kind == "retentry":
             assert rp is not None and rp.pool is not None and self.ret is not None
@@ -547,7 +578,7 @@ class Optimizer:
         self.machine.unpatch(point.int3)
         point.int3 = None
         jmp = self.machine.patch(point.addr, synthesize_reljump(point.addr, detour), "optjmp", detour)
-        point.opt = Optimized(probe_id, detour, size, jmp, detour + head, kind)
+        point.opt = Optimized(probe_id, detour, size, jmp, detour + head, kind, tables)
         self.kp.resume_targets.add(point.addr + size)
         self.by_id[probe_id] = point
         return True
@@ -564,8 +595,10 @@ class Optimizer:
         # A vCPU stopped inside the record stub publishes after this: recognise its id a while longer.
         self._retired[opt.probe_id] = point
         self._free_ids.insert(0, opt.probe_id)
-        # A vCPU or an interrupted context may still be in the detour: never reuse it.
+        # A vCPU or an interrupted context may still be in the detour: never reuse it (nor its tables).
         self.kp.quarantine(opt.detour)
+        if opt.tables:
+            self.kp.quarantine(opt.tables)
 
     def _counter_arrays(self) -> tuple[tuple[int, dict[int, int]], ...]:
         """The guest's u64 arrays indexed by probe id, each with the values the host has folded so far."""
@@ -599,15 +632,15 @@ class Optimizer:
         if opt.kind == "retentry" and rp is not None:
             rp.nmissed += delta  # calls that found no free instance: the kretprobe's nmissed
             delta = 0
-        if opt.kind in RECORDING:
-            # A record dropped on a full ring is a hit whose action did not run: nmissed, and lost.
+        if opt.kind in (*RECORDING, "keyed"):
+            # A record dropped on a full ring (a key with no free slot) is a hit whose action did not run.
             lost = self._delta(self.lost, self._lost_seen, opt.probe_id)
             for kp in point.probes:
                 kp.nlost += lost
             delta += lost
         for kp in point.probes:
             kp.nmissed += delta
-        if opt.kind in ("count", "filtered", "retentry"):  # hits counted in the guest (for "filtered": rejected ones)
+        if opt.kind in ("count", "filtered", "retentry", "keyed"):  # hits counted in the guest ("filtered": rejected)
             counted = self._delta(self.counters, self._counted_seen, opt.probe_id)
             for kp in point.probes:
                 if not kp.disabled:

@@ -142,6 +142,17 @@ class Aggregation:
             k = None
         self.counts[k] = self.counts.get(k, 0) + 1
 
+    def add_counts(self, counts: dict[str | int, int]) -> None:
+        """Hits counted in the guest: ``count`` by formatted key, ``hist`` by bucket index."""
+        for k, n in counts.items():
+            if self.kind == "hist":
+                assert isinstance(k, int)
+                self.buckets[k] = self.buckets.get(k, 0) + n
+            else:
+                key: MapKey = strip_quotes(k) if isinstance(k, str) else k
+                self.counts[key] = self.counts.get(key, 0) + n
+            self.total += n
+
     def add_values(self, values: Sequence[int]) -> None:
         """Bucket plain integers (tests and the Python API)."""
         for i, n in hist_buckets(values).items():

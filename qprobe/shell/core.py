@@ -303,8 +303,14 @@ class Shell:
         if spec.seconds is None and spec.command is None:
             what = ", ".join(te.name for te in events) + (f" by {spec.key}" if spec.key else "")
             self.note(f"{'counting' if verb == 'count' else 'histogram of'} {what}; Ctrl-C to stop")
-        with Tap(events, agg.add, unwind):
-            result = self._watch(spec, lambda: None)
+        # One event keyed by an integer argument from a register: counted in the guest's tables, waking nobody.
+        in_guest = len(events) == 1 and spec.key is not None and events[0].count_in_guest(spec.key, verb == "hist")
+        try:
+            with Tap(events, agg.add, unwind):
+                result = self._watch(spec, lambda: None)
+        finally:
+            if in_guest:
+                agg.add_counts(events[0].stop_counting_in_guest())
         self._report_run(result)
         text = agg.render()
         if text:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 
 import qprobe
 from qprobe.errors import FetchArgError
+from qprobe.shell.render import log2_bucket
 
 from .conftest import IMAGE, workload_result
 
@@ -213,3 +215,30 @@ def test_cli_list_shows_the_probes_and_why_one_is_not_optimized() -> None:
     assert any(x.split()[1:3] == ["k", "ksys_lseek+0x0"] and x.endswith("[OPTIMIZED]") for x in lines), out.stdout
     cold = next(x for x in lines if "__x64_sys_gethostname.cold+0x0" in x)
     assert "[OPTIMIZED]" not in cold and "(not optimized: " in cold and "cold part" in cold
+
+
+def test_keyed_counts_run_in_the_guest(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    """count/hist by a register argument: per-CPU tables in guest RAM, nobody woken, exact per key."""
+    te = target.add_event("p:seek ksys_lseek fd=%di:s32 off=%si:x64 whence=%dx:u32")
+    try:
+        assert te.count_in_guest("off")
+        point = target.kprobes.points[te.probe.resolved]  # type: ignore[union-attr]
+        assert point.opt is not None and point.opt.kind == "keyed"
+        served, traps, recorded = target.kprobes.optimizer.served, target.kprobes.ntraps, len(te.hits)  # type: ignore[union-attr]
+        target.run("workload lseek 300", timeout=300).check()
+        assert target.kprobes.optimizer.served == served and target.kprobes.ntraps == traps  # type: ignore[union-attr]
+        counts = te.stop_counting_in_guest()
+        assert len(te.hits) == recorded  # counted, not recorded
+        # The keys as the event formats them (x64: hex), each offset once.
+        assert counts == {hex(i): 1 for i in range(1, 301)}
+        assert te.count_in_guest("off", hist=True)
+        target.run("workload lseek 300", timeout=300).check()
+        buckets = te.stop_counting_in_guest()
+        assert buckets == dict(collections.Counter(log2_bucket(i) for i in range(1, 301)))
+        # Back to recording: the next hits are records again.
+        assert target.kprobes.points[te.probe.resolved].opt.kind == "record"  # type: ignore[union-attr]
+        target.run("workload lseek 2").check()
+        assert [h.args["off"] for h in list(te.hits)[-2:]] == ["0x1", "0x2"]
+    finally:
+        target.remove_event(te)
+    assert te.probe.nhit == 602 and te.nhit == 602 and te.probe.nmissed == 0  # type: ignore[union-attr]

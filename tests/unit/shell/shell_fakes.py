@@ -31,6 +31,7 @@ class FakeProbes:
     def __init__(self) -> None:
         self.enabled = True
         self.points: dict[int, object] = {}
+        self.optimizer = None  # no jump optimization: every hit reaches the host
 
 
 class FakeConsole:

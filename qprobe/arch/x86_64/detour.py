@@ -76,6 +76,29 @@ def _mem(
                          disp, 8 if disp else 0, False, _r(seg) if seg else Register.NONE)  # fmt: skip
 
 
+def simm32(v: int) -> int:
+    """A kernel address (top 2 GiB) as the sign-extended imm32 an instruction carries."""
+    return v - (1 << 64) if v >> 63 else v
+
+
+def locked_inc(addr: int) -> Instruction:
+    """``lock inc qword [addr]``, the address as an absolute disp32."""
+    insn = Instruction.create_mem(Code.INC_RM64, _mem(disp=addr))
+    insn.has_lock_prefix = True
+    return insn
+
+
+def save_regs(*names: str) -> list[Instruction]:
+    """``pushfq; cli; push <names>``: the start of an in-guest action that runs with interrupts off."""
+    return [Instruction.create(Code.PUSHFQ), Instruction.create(Code.CLI),
+            *(Instruction.create_reg(Code.PUSH_R64, _r(n)) for n in names)]  # fmt: skip
+
+
+def restore_regs(*names: str) -> list[Instruction]:
+    """The end of what ``save_regs(*names)`` started: ``pop`` them in reverse, ``popfq``."""
+    return [*(Instruction.create_reg(Code.POP_R64, _r(n)) for n in reversed(names)), Instruction.create(Code.POPFQ)]
+
+
 def build_stub(p: StubParams, address: int) -> bytes:
     """The shared stub, encoded for ``address``."""
     spin, missed, restore = 1, 2, 3  # labels (BlockEncoder resolves branches by ip)
@@ -155,10 +178,8 @@ def count_head(counter: int) -> bytes:
     ``counter`` is a kernel address, encoded as an absolute sign-extended disp32
     (no base, no rip): the bytes do not depend on where they are placed.
     """
-    inc = Instruction.create_mem(Code.INC_RM64, _mem(disp=counter))
-    inc.has_lock_prefix = True
     enc = BlockEncoder(64)
-    enc.add_many([Instruction.create(Code.PUSHFQ), inc, Instruction.create(Code.POPFQ)])
+    enc.add_many([Instruction.create(Code.PUSHFQ), locked_inc(counter), Instruction.create(Code.POPFQ)])
     return bytes(enc.encode(0))
 
 

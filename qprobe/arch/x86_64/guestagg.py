@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from iced_x86 import BlockEncoder, Code, Instruction, Register
 
 from qprobe.arch.x86_64.boost import synthesize_reljump
-from qprobe.arch.x86_64.detour import _mem, _r
+from qprobe.arch.x86_64.detour import _mem, _r, locked_inc, restore_regs, save_regs, simm32
 
 TABLE_SHIFT = 9
 TABLE_ENTRIES = 1 << TABLE_SHIFT
@@ -87,25 +87,16 @@ def build_keyed_detour(
     """
     loop, empty, found, out, negative, zero, bucket = 1, 2, 3, 4, 5, 6, 7
     c = Instruction
-    rax, rbx, rcx, rdx = Register.RAX, Register.RBX, Register.RCX, Register.RDX
-
-    def locked_inc(addr: int) -> Instruction:
-        i = c.create_mem(Code.INC_RM64, _mem(disp=addr))
-        i.has_lock_prefix = True
-        return i
+    rax, rcx, rdx = Register.RAX, Register.RCX, Register.RDX
 
     def labelled(insn: Instruction, label: int) -> Instruction:
         insn.ip = label
         return insn
 
     dest = rax if spec.bits == 64 or spec.signed else Register.EAX
+    saved = ("rax", "rbx", "rcx", "rdx")
     code = [
-        c.create(Code.PUSHFQ),
-        c.create(Code.CLI),
-        c.create_reg(Code.PUSH_R64, rax),
-        c.create_reg(Code.PUSH_R64, rbx),
-        c.create_reg(Code.PUSH_R64, rcx),
-        c.create_reg(Code.PUSH_R64, rdx),
+        *save_regs(*saved),
         locked_inc(hits),
         # Nothing was changed yet: the key's register still holds the value at the probe.
         c.create_reg_reg(_LOAD[(spec.bits, spec.signed)], dest, _sub_register(spec.reg, spec.bits)),
@@ -129,7 +120,7 @@ def build_keyed_detour(
     code += [
         after_key,
         c.create_reg_i32(Code.SHL_RM64_IMM8, rdx, TABLE_SHIFT + 4),
-        c.create_reg_i32(Code.ADD_RM64_IMM32, rdx, tables - (1 << 64) if tables >> 63 else tables),
+        c.create_reg_i32(Code.ADD_RM64_IMM32, rdx, simm32(tables)),
         c.create_reg_u64(Code.MOV_R64_IMM64, rcx, GOLDEN),
         c.create_reg_reg(Code.IMUL_R64_RM64, rcx, rax),
         c.create_reg_i32(Code.SHR_RM64_IMM8, rcx, 64 - TABLE_SHIFT),
@@ -147,12 +138,10 @@ def build_keyed_detour(
         c.create_branch(Code.JMP_REL32_64, out),
         labelled(c.create_mem_reg(Code.MOV_RM64_R64, _mem("rdx", 0, "rcx"), rax), empty),
         labelled(c.create_mem(Code.INC_RM64, _mem("rdx", 8, "rcx")), found),
-        labelled(c.create_reg(Code.POP_R64, rdx), out),
-        c.create_reg(Code.POP_R64, rcx),
-        c.create_reg(Code.POP_R64, rbx),
-        c.create_reg(Code.POP_R64, rax),
-        c.create(Code.POPFQ),
     ]
+    leave = restore_regs(*saved)
+    leave[0].ip = out
+    code += leave
     enc = BlockEncoder(64)
     enc.add_many(code)
     head = bytes(enc.encode(address))

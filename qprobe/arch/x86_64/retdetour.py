@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from iced_x86 import BlockEncoder, Code, Instruction, Register
 
 from qprobe.arch.x86_64.boost import synthesize_reljump
-from qprobe.arch.x86_64.detour import _mem
+from qprobe.arch.x86_64.detour import _mem, locked_inc, restore_regs, save_regs, simm32
 
 INSTANCE_SIZE = 32
 I_SLOT, I_RET, I_TASK, I_OWNER, I_MODE = 0, 8, 16, 24, 28
@@ -74,17 +74,15 @@ def _common(p: RetParams, address: int) -> bytes:
     bad, mailbox = 1, 2
     c = Instruction
     rax, rcx = Register.RAX, Register.RCX
+    saved = ("rax", "rcx")
     code = [
-        c.create(Code.PUSHFQ),
-        c.create(Code.CLI),
-        c.create_reg(Code.PUSH_R64, rax),
-        c.create_reg(Code.PUSH_R64, rcx),
+        *save_regs(*saved),
         # slot = rsp + 24: flags, rax and rcx above it
         c.create_reg_mem(Code.MOV_R32_RM32, Register.ECX, _mem("rsp", 24)),
         c.create_reg_i32(Code.CMP_RM32_IMM32, Register.ECX, p.count),
         c.create_branch(Code.JAE_REL32_64, bad),
         c.create_reg_i32(Code.SHL_RM64_IMM8, rcx, 5),
-        c.create_reg_i32(Code.ADD_RM64_IMM32, rcx, p.instances - (1 << 64) if p.instances >> 63 else p.instances),
+        c.create_reg_i32(Code.ADD_RM64_IMM32, rcx, simm32(p.instances)),
         c.create_reg_mem(Code.LEA_R64_M, rax, _mem("rsp", 24)),
         c.create_reg_mem(Code.CMP_R64_RM64, rax, _mem("rcx", I_SLOT)),
         c.create_branch(Code.JNE_REL32_64, bad),
@@ -100,25 +98,21 @@ def _common(p: RetParams, address: int) -> bytes:
         c.create_mem_reg(Code.MOV_RM64_R64, _mem("rsp", 24), rax),
         # Freed last: from here the instance may be taken by another call.
         c.create_mem_i32(Code.MOV_RM64_IMM32, _mem("rcx", I_SLOT), 0),
-        c.create_reg(Code.POP_R64, rcx),
-        c.create_reg(Code.POP_R64, rax),
-        c.create(Code.POPFQ),
+        *restore_regs(*saved),
         c.create(Code.RETNQ),  # to the real return address, rsp = slot + 8
     ]
-    to_host = c.create_reg(Code.POP_R64, rcx)
-    to_host.ip = mailbox
+    to_host = restore_regs(*saved)
+    to_host[0].ip = mailbox
     code += [
-        to_host,
-        c.create_reg(Code.POP_R64, rax),
-        c.create(Code.POPFQ),
+        *to_host,
         # The registers are the function's at its return; the host finds the instance by slot = rsp.
         c.create_mem_i32(Code.MOV_RM64_IMM32, _mem("rsp"), TRAMPOLINE_ID),
         c.create_branch(Code.CALL_REL32_64, p.stub),
         c.create(Code.INT3),  # the mailbox was busy (an NMI inside a probe): the stop path finishes the return
     ]
-    fail = c.create_reg(Code.POP_R64, rcx)
-    fail.ip = bad
-    code += [fail, c.create_reg(Code.POP_R64, rax), c.create(Code.POPFQ), c.create(Code.INT3)]
+    fail = restore_regs(*saved)
+    fail[0].ip = bad
+    code += [*fail, c.create(Code.INT3)]
     enc = BlockEncoder(64)
     enc.add_many(code)
     return bytes(enc.encode(address))
@@ -153,20 +147,10 @@ def build_entry_detour(
     rax, rcx, rdx = Register.RAX, Register.RCX, Register.RDX
     start, end = p.instance(pool.first), p.instance(pool.first + pool.count)
 
-    def imm(v: int) -> int:
-        return v - (1 << 64) if v >> 63 else v
-
-    def locked_inc(addr: int) -> Instruction:
-        i = c.create_mem(Code.INC_RM64, _mem(disp=addr))
-        i.has_lock_prefix = True
-        return i
-
+    imm = simm32
+    saved = ("rax", "rcx", "rdx")
     code = [
-        c.create(Code.PUSHFQ),
-        c.create(Code.CLI),
-        c.create_reg(Code.PUSH_R64, rax),
-        c.create_reg(Code.PUSH_R64, rcx),
-        c.create_reg(Code.PUSH_R64, rdx),
+        *save_regs(*saved),
         locked_inc(hits),
         c.create_reg_mem(Code.LEA_R64_M, rdx, _mem("rsp", 32)),  # the return address's slot
         c.create_reg_i32(Code.MOV_RM64_IMM32, rcx, imm(start)),
@@ -210,9 +194,9 @@ def build_entry_detour(
         # The stack last: the instance already says how to undo it.
         c.create_mem_reg(Code.MOV_RM64_R64, _mem("rdx"), rax),
     ]
-    leave = c.create_reg(Code.POP_R64, rdx)
-    leave.ip = out
-    code += [leave, c.create_reg(Code.POP_R64, rcx), c.create_reg(Code.POP_R64, rax), c.create(Code.POPFQ)]
+    leave = restore_regs(*saved)
+    leave[0].ip = out
+    code += leave
     enc = BlockEncoder(64)
     enc.add_many(code)
     head = bytes(enc.encode(address))

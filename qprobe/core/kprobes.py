@@ -347,6 +347,8 @@ class KprobeManager:
             self._sync(self.points[kp.resolved])
 
         self.machine.call(change)
+        if not disabled:
+            self.optimize_later([kp.resolved])  # as the kernel's arm_kprobe: int3 first, then the jump
 
     def set_enabled(self, on: bool) -> None:
         """debugfs kprobes/enabled: arm or disarm everything, keeping each probe's own state."""
@@ -357,6 +359,8 @@ class KprobeManager:
                 self._sync(point)
 
         self.machine.call(change)
+        if on:
+            self.optimize_later(list(self.points))
 
     # -- arming (stop-loop thread) -----------------------------------------------
     def _sync(self, point: ProbePoint) -> None:

@@ -117,6 +117,14 @@ def test_post_handler_and_knob_unoptimize_and_counts_stay_exact(target: qprobe.T
         target.run("workload getppid 10").check()
         target.set_kprobes_optimization(True)
         assert _optimized(target, a)
+        # Disabled, then enabled again (one probe, then every probe): optimized again, as the kernel re-arms.
+        target.disable_kprobe(a)
+        assert not _optimized(target, a)
+        target.enable_kprobe(a)
+        assert _optimized(target, a)
+        target.set_kprobes_enabled(False)
+        target.set_kprobes_enabled(True)
+        assert _optimized(target, a)
         target.run("workload getppid 10").check()
     finally:
         target.set_kprobes_optimization(True)

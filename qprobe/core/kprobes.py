@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from qprobe.arch.x86_64.decode import check_boundary
 from qprobe.arch.x86_64.insn import PreparedInsn, emulate, prepare_kprobe, resume_singlestep, singlestep_done
+from qprobe.arch.x86_64.int3hook import PT_GPRS, PT_REGS_SIZE, parse_pt_regs, watch_site
 from qprobe.core.blacklist import Blacklist
 from qprobe.core.kprobe import KPROBE_FLAG_DISABLED, Kprobe
 from qprobe.core.optimizer import Optimized, Optimizer
@@ -36,8 +37,10 @@ from qprobe.errors import (
     SymbolError,
 )
 from qprobe.kernel.task import Tasks
+from qprobe.target.gdbremote import WATCH_READ
 from qprobe.target.journal import Patch
 from qprobe.target.machine import Machine
+from qprobe.target.memory import GuestMemory
 from qprobe.target.scratch import ScratchArea
 
 if TYPE_CHECKING:
@@ -93,6 +96,24 @@ class ProbePoint:
         return any(not kp.disabled for kp in self.probes)
 
 
+def find_watch_site(symbols: Symbols, mem: GuestMemory) -> tuple[int, frozenset[int]] | None:
+    """(address of bp_desc.refs, where a vCPU is when QEMU reports poke_int3_handler's read of it), or None.
+
+    None (the breakpoint hook is used) if this kernel has no such read in the
+    shape qprobe.arch.x86_64.int3hook expects.
+    """
+    if "bp_desc" not in symbols or "poke_int3_handler" not in symbols:
+        return None
+    try:
+        refs = symbols.address("bp_desc") + symbols.btf.offsetof("bp_patching_desc", "refs")
+        fn = symbols.lookup("poke_int3_handler")
+        code = mem.read(fn.addr, min(fn.size, 128))
+    except QprobeError:
+        return None
+    safe = watch_site(code, fn.addr, refs)
+    return None if safe is None else (refs, safe)
+
+
 class KprobeManager:
     """Owns the probe table; every method that touches the guest runs on the stop loop."""
 
@@ -114,6 +135,10 @@ class KprobeManager:
         self.enabled = True  # debugfs kprobes/enabled
         self.int3_entry = symbols.address(int3_entry)
         self._hooked = False
+        # The int3 hook (see _hook): a watchpoint in poke_int3_handler when found (watch_refs set), else a
+        # breakpoint on the #BP entry.
+        self.watch_int3 = True
+        self.watch_refs, self.watch_safe = 0, frozenset[int]()
         self._touched: set[int] = set()  # every address we ever put an int3 at
         self.passed_through = 0
         self.ntraps = 0  # int3 traps dispatched (each one a VM stop)
@@ -378,10 +403,26 @@ class KprobeManager:
             point.int3 = None
 
     def _hook(self) -> None:
-        if not self._hooked:
+        """Hear of every guest int3: a read watchpoint in the #BP handler if it can be found, else a breakpoint.
+
+        See qprobe.arch.x86_64.int3hook: a watchpoint stop costs the guest no
+        re-translation, a breakpoint stop does.
+        """
+        if self._hooked:
+            return
+        site = self.watch_site()
+        if site is not None:
+            self.watch_refs, self.watch_safe = site
+            self.machine.gdb.insert_breakpoint(self.watch_refs, WATCH_READ, 4)
+            self.machine.watch_handlers[self.watch_refs] = self._on_int3_watch
+            self.machine.after_stop = self._lost_traps
+        else:
             self.machine.gdb.insert_breakpoint(self.int3_entry)
             self.machine.stop_handlers[self.int3_entry] = self._on_int3
-            self._hooked = True
+        self._hooked = True
+
+    def watch_site(self) -> tuple[int, frozenset[int]] | None:
+        return find_watch_site(self.symbols, self.machine.mem) if self.watch_int3 else None
 
     def drain(self) -> None:
         """Finish every hit a vCPU is part way into, so the hook and the scratch area can go.
@@ -392,17 +433,33 @@ class KprobeManager:
         """
         for tid in self.machine.vcpus:
             regs = self.machine.gdb.read_registers(tid)
-            if regs["rip"] == self.int3_entry:
+            if regs["rip"] == self.int3_entry and not self.watch_refs:
                 self._on_int3(tid, regs)
+            elif self.watch_refs and regs["rip"] in self.watch_safe:
+                self._on_int3_watch(tid, regs)
             elif regs["rip"] in self.trampolines:
                 self.trampolines[regs["rip"]](tid, regs, regs["rsp"], regs["eflags"])
 
-    def _unhook(self) -> None:
-        if self._hooked and not self.trampolines:
-            self.drain()
+    def _unhook(self, final: bool = False) -> None:
+        """Remove the hook once nothing of ours can trap.
+
+        The watchpoint hook hears of a trap some thirty instructions after the
+        int3 ran, so it stays until ``remove_all`` (``final``), after its grace
+        period: a vCPU between an int3 we have just removed and the watched
+        read must still be sent back to the original instruction.
+        """
+        if not self._hooked or self.trampolines or (self.watch_refs and not final):
+            return
+        self.drain()
+        if self.watch_refs:
+            self.machine.gdb.remove_breakpoint(self.watch_refs, WATCH_READ, 4)
+            del self.machine.watch_handlers[self.watch_refs]
+            self.machine.after_stop = None
+            self.watch_refs, self.watch_safe = 0, frozenset()
+        else:
             self.machine.gdb.remove_breakpoint(self.int3_entry)
             del self.machine.stop_handlers[self.int3_entry]
-            self._hooked = False
+        self._hooked = False
 
     def remove_all(self, grace: float = 0.1) -> None:
         """Unregister every probe, then unmap the scratch area (exit path).
@@ -424,7 +481,7 @@ class KprobeManager:
             if self.optimizer is not None:
                 self.optimizer.close()
             self.trampolines.clear()
-            self._unhook()
+            self._unhook(final=True)
             self.scratch.unmap()
             self._quarantine.clear()
             self.resume_targets.clear()
@@ -451,22 +508,65 @@ class KprobeManager:
         self.machine.gdb.write_registers(tid, values)
 
     def _on_int3(self, tid: str, regs: dict[str, int]) -> None:
+        """The breakpoint hook: the vCPU stopped on the #BP entry, the hardware frame at rsp."""
+        ret_ip, cs, rflags, rsp, _ss = struct.unpack("<5Q", self.machine.mem.read(regs["rsp"], 40))
+        if not self._ours(ret_ip - 1, cs):
+            self._pass_through(tid)
+            return
+        self._trap(tid, regs, ret_ip - 1, rflags, rsp)
+
+    def _on_int3_watch(self, tid: str, regs: dict[str, int]) -> None:
+        """The watchpoint hook: the vCPU is inside poke_int3_handler, the trap's pt_regs at rdi.
+
+        Any other read of the watched word (text_poke_bp's own) and any int3
+        not ours just continue, untouched.  For ours, every register goes back
+        to the trapped context's and the trap is handled as at the int3.
+        """
+        if regs["rip"] not in self.watch_safe:
+            return
+        pt = parse_pt_regs(self.machine.mem.read(regs["rdi"], PT_REGS_SIZE))
+        if not self._ours(pt["rip"] - 1, pt["cs"]):
+            return
+        gprs = {name: pt[name] for name in PT_GPRS}
+        self._write_regs(tid, gprs)
+        self._trap(tid, {**regs, **gprs}, pt["rip"] - 1, pt["eflags"], pt["rsp"])
+
+    def _lost_traps(self, stopped: str) -> None:
+        """Handle the traps of vCPUs that wait right after the watched read without a stop of their own.
+
+        QEMU 7.2 reports one debug stop at a time: when two vCPUs raise one
+        together, the other's is dropped, and a watchpoint (unlike a
+        breakpoint) does not fire again when that vCPU goes on.  So after
+        every stop, any other vCPU sitting right after the read is handled
+        here (if its own stop does come later, its ip has moved and it is
+        ignored).
+        """
+        for tid in self.machine.vcpus:
+            if tid != stopped:
+                regs = self.machine.gdb.read_registers(tid)
+                if regs["rip"] in self.watch_safe:
+                    self._on_int3_watch(tid, regs)
+
+    def _ours(self, addr: int, cs: int) -> bool:
+        """Whether an int3 at ``addr`` (from code segment ``cs``) is one of our traps."""
+        if cs & 3:
+            return False
+        point = self.points.get(addr)
+        return addr in self.trampolines or (point is not None and point.armed) or (
+            addr in self._touched and self.machine.mem.read(addr, 1) != INT3)  # fmt: skip
+
+    def _trap(self, tid: str, regs: dict[str, int], addr: int, rflags: int, rsp: int) -> None:
+        """One of our int3s at ``addr`` trapped; ``regs`` are the context's (ip and sp aside)."""
         self.ntraps += 1
-        mem = self.machine.mem
-        ret_ip, cs, rflags, rsp, _ss = struct.unpack("<5Q", mem.read(regs["rsp"], 40))
-        addr = ret_ip - 1
-        tramp = self.trampolines.get(addr) if not cs & 3 else None
+        tramp = self.trampolines.get(addr)
         if tramp is not None:
             tramp(tid, regs, rsp, rflags)
             return
-        point = self.points.get(addr) if not cs & 3 else None
+        point = self.points.get(addr)
         if point is None or not point.armed:
-            if not cs & 3 and addr in self._touched and mem.read(addr, 1) != INT3:
-                # Our int3 was removed after this vCPU executed it but before we saw
-                # the trap: back up and run the original instruction (as the kernel does).
-                self._write_regs(tid, {"rip": addr, "rsp": rsp, "eflags": rflags})
-                return
-            self._pass_through(tid)
+            # Our int3 was removed after this vCPU executed it but before we saw
+            # the trap: back up and run the original instruction (as the kernel does).
+            self._write_regs(tid, {"rip": addr, "rsp": rsp, "eflags": rflags})
             return
         pt = self.make_regs(regs, tid)
         # Undo the trap: the state is exactly the one before the int3.

@@ -29,6 +29,7 @@ from qprobe.arch.x86_64.detour import (
     STATE_DONE,
     STATE_REQUEST,
 )
+from qprobe.arch.x86_64.int3hook import PT_GPRS, PT_REGS_SIZE, parse_pt_regs
 from qprobe.arch.x86_64.retdetour import INSTANCE_SIZE, TRAMP_STRIDE, TRAMPOLINE_ID
 from qprobe.errors import QprobeError
 from qprobe.kernel.symbols import Symbols
@@ -46,6 +47,14 @@ class _Recovery:
                  meta: dict[str, int]) -> None:  # fmt: skip
         self.gdb, self.mem, self.meta = gdb, mem, meta
         self.entry = symbols.address("asm_exc_int3")
+        # With the watchpoint hook a trap is taken back from poke_int3_handler (see KprobeManager._hook);
+        # a vCPU on its way there from the #BP entry is stepped up to it.
+        from qprobe.core.kprobes import find_watch_site  # the kprobes module imports this one
+
+        site = find_watch_site(symbols, mem)
+        self.watch_safe = site[1] if site else frozenset()
+        path = ("asm_exc_int3", "error_entry", "exc_int3", "poke_int3_handler")
+        self.on_the_way = [(f.addr, f.addr + f.size) for f in map(symbols.lookup, (n for n in path if n in symbols))]
         self.int3s = {p.virt: p for p in patches if p.what == "int3"}
         self.retaddrs = {p.virt: int.from_bytes(p.old, "little") for p in patches if p.what == "retaddr"}
         self.trampoline = next((int.from_bytes(p.new, "little") for p in patches if p.what == "retaddr"), None)
@@ -92,8 +101,25 @@ class _Recovery:
             restored += 1
         return restored
 
+    def take_back(self, tid: str, regs: dict[str, int]) -> dict[str, int]:
+        """A vCPU trapped on one of our int3s, inside the #BP handler: put it back on the int3's address."""
+        for _ in range(64):
+            if regs["rip"] in self.watch_safe or not any(lo <= regs["rip"] < hi for lo, hi in self.on_the_way):
+                break
+            self.gdb.step(tid)
+            regs = self.gdb.read_registers(tid)
+        if regs["rip"] in self.watch_safe:
+            pt = parse_pt_regs(self.mem.read(regs["rdi"], PT_REGS_SIZE))
+            if not pt["cs"] & 3 and pt["rip"] - 1 in self.int3s:
+                back = {**{n: pt[n] for n in PT_GPRS}, "rip": pt["rip"] - 1, "rsp": pt["rsp"], "eflags": pt["eflags"]}
+                self.gdb.write_registers(tid, back)
+                return self.gdb.read_registers(tid)
+        return regs
+
     def rewind(self, tid: str) -> None:
         regs = self.gdb.read_registers(tid)
+        if self.watch_safe and self.int3s:
+            regs = self.take_back(tid, regs)
         rip = regs["rip"]
         if rip == self.entry:
             ret_ip, _cs, rflags, rsp, _ss = struct.unpack("<5Q", self.mem.read(regs["rsp"], 40))

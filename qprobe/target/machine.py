@@ -41,6 +41,8 @@ class Machine:
         self.data_writer: SharedRam | None = None
         # Watchpoint hits, keyed by the watched address the stop reply names.
         self.watch_handlers: dict[int, StopHandler] = {}
+        # Runs after every stop that was ours to dispatch, with the stopped thread (see KprobeManager._hook).
+        self.after_stop: Callable[[str], None] | None = None
         self.handler_errors: list[str] = []
         self._requests: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._error: BaseException | None = None
@@ -114,10 +116,13 @@ class Machine:
                 watcher = self.watch_handlers.get(int(value, 16))
                 if watcher is not None:
                     watcher(stop.thread, regs)
-                return
-        handler = self.stop_handlers.get(regs["rip"])
-        if handler is not None:
-            handler(stop.thread, regs)
+                break
+        else:
+            handler = self.stop_handlers.get(regs["rip"])
+            if handler is not None:
+                handler(stop.thread, regs)
+        if self.after_stop is not None:
+            self.after_stop(stop.thread)
 
     def _serve_requests(self, block: bool = False) -> None:
         """Run queued requests: all of them, or (``block``) at most one within 50 ms."""

@@ -53,6 +53,32 @@ def test_both_vcpus_hit_and_each_hit_is_handled_once(target: qprobe.Target, guar
     assert cpus.count(0) == 300 and cpus.count(1) == 300
 
 
+@pytest.mark.parametrize("boost", [True, False])
+def test_the_int3_path_on_both_vcpus_at_once(target: qprobe.Target, guard: dict[int, bytes], boost: bool) -> None:
+    """No jump optimization: every hit is an int3 trap, heard through the watchpoint in the #BP handler.
+
+    Both vCPUs trap together (QEMU reports one debug stop at a time); every hit
+    is handled once, with its own arguments, boosted or single-stepped.
+    """
+    seen: list[tuple[int, int]] = []
+    kp = Kprobe(symbol_name="ksys_lseek", pre_handler=lambda k, regs: seen.append((regs.vcpu, regs.si)))
+    target.set_kprobes_optimization(False)
+    target.kprobes.boost = boost
+    try:
+        target.register_kprobe(kp)
+        assert target.kprobes.watch_refs  # this kernel's #BP handler has the watched read: no breakpoint stops
+        out = target.run("taskset -c 0 workload lseek 150 & taskset -c 1 workload lseek 150; wait",
+                         timeout=600).check().output  # fmt: skip
+        target.unregister_kprobe(kp)
+    finally:
+        target.kprobes.boost = True
+        target.set_kprobes_optimization(True)
+    assert out.count("errors=0") == 2 and kp.nhit == 300 and kp.nmissed == 0
+    for cpu in (0, 1):
+        assert [off for c, off in seen if c == cpu] == list(range(1, 151))
+    assert target.kprobes.points == {} and target.oopses() == []
+
+
 def _mov_reg_reg(target: qprobe.Target, func: str) -> tuple[int, str, str]:
     """The first ``mov r64, r64`` in a function: (address, destination, source)."""
     sym = target.symbols.lookup(func)

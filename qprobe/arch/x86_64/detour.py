@@ -94,9 +94,19 @@ def save_regs(*names: str) -> list[Instruction]:
             *(Instruction.create_reg(Code.PUSH_R64, _r(n)) for n in names)]  # fmt: skip
 
 
-def restore_regs(*names: str) -> list[Instruction]:
-    """The end of what ``save_regs(*names)`` started: ``pop`` them in reverse, ``popfq``."""
-    return [*(Instruction.create_reg(Code.POP_R64, _r(n)) for n in reversed(names)), Instruction.create(Code.POPFQ)]
+def restore_regs(*names: str, label: int = 0) -> list[Instruction]:
+    """The end of what ``save_regs(*names)`` started: ``pop`` them in reverse, ``popfq``; ``label`` names the first."""
+    out = [*(Instruction.create_reg(Code.POP_R64, _r(n)) for n in reversed(names)), Instruction.create(Code.POPFQ)]
+    out[0].ip = label
+    return out
+
+
+def encode_detour(head: list[Instruction], address: int, relocated: bytes, resume: int) -> tuple[bytes, int]:
+    """``head`` encoded at ``address``, then the relocated instructions and ``jmp resume``; and the head's length."""
+    enc = BlockEncoder(64)
+    enc.add_many(head)
+    code = bytes(enc.encode(address))
+    return code + relocated + synthesize_reljump(address + len(code) + len(relocated), resume), len(code)
 
 
 def build_stub(p: StubParams, address: int) -> bytes:

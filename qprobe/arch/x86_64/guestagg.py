@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from iced_x86 import BlockEncoder, Code, Instruction, Register
+from iced_x86 import Code, Instruction, Register
 
-from qprobe.arch.x86_64.boost import synthesize_reljump
-from qprobe.arch.x86_64.detour import _mem, _r, locked_inc, restore_regs, save_regs, simm32
+from qprobe.arch.x86_64.detour import _mem, _r, encode_detour, locked_inc, restore_regs, save_regs, simm32
 
 TABLE_SHIFT = 9
 TABLE_ENTRIES = 1 << TABLE_SHIFT
@@ -139,10 +138,5 @@ def build_keyed_detour(
         labelled(c.create_mem_reg(Code.MOV_RM64_R64, _mem("rdx", 0, "rcx"), rax), empty),
         labelled(c.create_mem(Code.INC_RM64, _mem("rdx", 8, "rcx")), found),
     ]
-    leave = restore_regs(*saved)
-    leave[0].ip = out
-    code += leave
-    enc = BlockEncoder(64)
-    enc.add_many(code)
-    head = bytes(enc.encode(address))
-    return head + relocated + synthesize_reljump(address + len(head) + len(relocated), resume), len(head)
+    code += restore_regs(*saved, label=out)
+    return encode_detour(code, address, relocated, resume)

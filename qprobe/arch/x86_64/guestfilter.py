@@ -21,10 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from iced_x86 import BlockEncoder, Code, Instruction, Register
+from iced_x86 import Code, Instruction, Register
 
-from qprobe.arch.x86_64.boost import synthesize_reljump
-from qprobe.arch.x86_64.detour import _mem, _r
+from qprobe.arch.x86_64.detour import _mem, _r, encode_detour
 
 GPRS = ("ax", "bx", "cx", "dx", "si", "di", "bp", "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15")
 _R64 = {name: "r" + name for name in GPRS[:7]}  # pt_regs' "ax" is rax
@@ -140,7 +139,4 @@ def build_filtered_detour(
                   c.create(Code.POPFQ), c.create_i32(Code.PUSHQ_IMM32, probe_id),
                   c.create_branch(Code.CALL_REL32_64, stub)]  # fmt: skip
     comp.place(cont)  # the stub's `ret 8` lands here; the relocated code follows the block
-    enc = BlockEncoder(64)
-    enc.add_many(comp.code)
-    head = bytes(enc.encode(address))
-    return head + relocated + synthesize_reljump(address + len(head) + len(relocated), resume), len(head)
+    return encode_detour(comp.code, address, relocated, resume)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from iced_x86 import BlockEncoder, Code, Instruction, Register
 
 from qprobe.arch.x86_64.boost import synthesize_reljump
-from qprobe.arch.x86_64.detour import _mem, locked_inc, restore_regs, save_regs, simm32
+from qprobe.arch.x86_64.detour import _mem, encode_detour, locked_inc, restore_regs, save_regs, simm32
 
 INSTANCE_SIZE = 32
 I_SLOT, I_RET, I_TASK, I_OWNER, I_MODE = 0, 8, 16, 24, 28
@@ -101,18 +101,14 @@ def _common(p: RetParams, address: int) -> bytes:
         *restore_regs(*saved),
         c.create(Code.RETNQ),  # to the real return address, rsp = slot + 8
     ]
-    to_host = restore_regs(*saved)
-    to_host[0].ip = mailbox
     code += [
-        *to_host,
+        *restore_regs(*saved, label=mailbox),
         # The registers are the function's at its return; the host finds the instance by slot = rsp.
         c.create_mem_i32(Code.MOV_RM64_IMM32, _mem("rsp"), TRAMPOLINE_ID),
         c.create_branch(Code.CALL_REL32_64, p.stub),
         c.create(Code.INT3),  # the mailbox was busy (an NMI inside a probe): the stop path finishes the return
     ]
-    fail = restore_regs(*saved)
-    fail[0].ip = bad
-    code += [*fail, c.create(Code.INT3)]
+    code += [*restore_regs(*saved, label=bad), c.create(Code.INT3)]
     enc = BlockEncoder(64)
     enc.add_many(code)
     return bytes(enc.encode(address))
@@ -194,10 +190,5 @@ def build_entry_detour(
         # The stack last: the instance already says how to undo it.
         c.create_mem_reg(Code.MOV_RM64_R64, _mem("rdx"), rax),
     ]
-    leave = restore_regs(*saved)
-    leave[0].ip = out
-    code += leave
-    enc = BlockEncoder(64)
-    enc.add_many(code)
-    head = bytes(enc.encode(address))
-    return head + relocated + synthesize_reljump(address + len(head) + len(relocated), resume), len(head)
+    code += restore_regs(*saved, label=out)
+    return encode_detour(code, address, relocated, resume)

@@ -531,21 +531,20 @@ class KprobeManager:
         self._write_regs(tid, gprs)
         self._trap(tid, {**regs, **gprs}, pt["rip"] - 1, pt["eflags"], pt["rsp"])
 
-    def _lost_traps(self, stopped: str) -> None:
+    def _lost_traps(self) -> None:
         """Handle the traps of vCPUs that wait right after the watched read without a stop of their own.
 
-        QEMU 7.2 reports one debug stop at a time: when two vCPUs raise one
-        together, the other's is dropped, and a watchpoint (unlike a
-        breakpoint) does not fire again when that vCPU goes on.  So after
-        every stop, any other vCPU sitting right after the read is handled
-        here (if its own stop does come later, its ip has moved and it is
-        ignored).
+        QEMU 7.2 reports one stop at a time: when a vCPU's debug stop comes
+        together with another (a second vCPU's, or our own interrupt), it is
+        dropped, and a watchpoint (unlike a breakpoint) does not fire again when
+        that vCPU goes on.  So after every stop, any vCPU sitting right after
+        the read is handled here (the one just handled has moved on; if a
+        dropped stop does come later, its ip has moved and it is ignored).
         """
         for tid in self.machine.vcpus:
-            if tid != stopped:
-                regs = self.machine.gdb.read_registers(tid)
-                if regs["rip"] in self.watch_safe:
-                    self._on_int3_watch(tid, regs)
+            regs = self.machine.gdb.read_registers(tid)
+            if regs["rip"] in self.watch_safe:
+                self._on_int3_watch(tid, regs)
 
     def _ours(self, addr: int, cs: int) -> bool:
         """Whether an int3 at ``addr`` (from code segment ``cs``) is one of our traps."""

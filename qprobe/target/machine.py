@@ -41,8 +41,8 @@ class Machine:
         self.data_writer: SharedRam | None = None
         # Watchpoint hits, keyed by the watched address the stop reply names.
         self.watch_handlers: dict[int, StopHandler] = {}
-        # Runs after every stop that was ours to dispatch, with the stopped thread (see KprobeManager._hook).
-        self.after_stop: Callable[[str], None] | None = None
+        # Runs after every stop, once its handler has (see KprobeManager._hook).
+        self.after_stop: Callable[[], None] | None = None
         self.handler_errors: list[str] = []
         self._requests: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._error: BaseException | None = None
@@ -107,22 +107,24 @@ class Machine:
     def _dispatch(self, stop: StopReply) -> None:
         if stop.exited:
             raise TargetGone(f"the guest exited (stop reply {stop.kind}{stop.signal:02x})")
-        if stop.signal != SIGTRAP or stop.thread is None:
-            return  # our own interrupt (SIGINT) or a stop we have nothing to do with
-        regs = self.gdb.read_registers(stop.thread)
+        if stop.signal == SIGTRAP and stop.thread is not None:
+            self._dispatch_trap(stop.thread, stop)
+        # Also after our own interrupt (SIGINT): a vCPU's debug stop can be lost to any other stop.
+        if self.after_stop is not None:
+            self.after_stop()
+
+    def _dispatch_trap(self, thread: str, stop: StopReply) -> None:
+        regs = self.gdb.read_registers(thread)
         for key in ("watch", "rwatch", "awatch"):
             value = stop.field(key)
             if value is not None:
                 watcher = self.watch_handlers.get(int(value, 16))
                 if watcher is not None:
-                    watcher(stop.thread, regs)
-                break
-        else:
-            handler = self.stop_handlers.get(regs["rip"])
-            if handler is not None:
-                handler(stop.thread, regs)
-        if self.after_stop is not None:
-            self.after_stop(stop.thread)
+                    watcher(thread, regs)
+                return
+        handler = self.stop_handlers.get(regs["rip"])
+        if handler is not None:
+            handler(thread, regs)
 
     def _serve_requests(self, block: bool = False) -> None:
         """Run queued requests: all of them, or (``block``) at most one within 50 ms."""

@@ -531,17 +531,20 @@ class KprobeManager:
         self._write_regs(tid, gprs)
         self._trap(tid, {**regs, **gprs}, pt["rip"] - 1, pt["eflags"], pt["rsp"])
 
-    def _lost_traps(self) -> None:
+    def _lost_traps(self, handled: str | None) -> None:
         """Handle the traps of vCPUs that wait right after the watched read without a stop of their own.
 
         QEMU 7.2 reports one stop at a time: when a vCPU's debug stop comes
         together with another (a second vCPU's, or our own interrupt), it is
         dropped, and a watchpoint (unlike a breakpoint) does not fire again when
         that vCPU goes on.  So after every stop, any vCPU sitting right after
-        the read is handled here (the one just handled has moved on; if a
-        dropped stop does come later, its ip has moved and it is ignored).
+        the read is handled here (``handled``, whose stop was just dispatched,
+        is not looked at again; if a dropped stop does come later, its ip has
+        moved and it is ignored).
         """
         for tid in self.machine.vcpus:
+            if tid == handled:
+                continue
             regs = self.machine.gdb.read_registers(tid)
             if regs["rip"] in self.watch_safe:
                 self._on_int3_watch(tid, regs)

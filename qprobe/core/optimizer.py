@@ -28,6 +28,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -527,49 +528,15 @@ class Optimizer:
         probe_id = self._free_ids.pop()
         self._retired.pop(probe_id, None)
         kind = detour_kind(point)
-        if kind in RECORDING:
-            self._ensure_rings()
-        head = COUNT_HEAD if kind == "count" else DETOUR_HEAD
-        if kind == "filtered":  # the compiled filter's size does not depend on where it is placed
-            tree = point.probes[0].guest_filter
-            head = build_filtered_detour(self.record_stub, tree, probe_id, self.record_stub, 0, b"", 0)[1]
-        rp, tables = point.probes[0].kretprobe, 0
-        spec = point.probes[0].guest_key
-        if kind == "keyed":
-            assert isinstance(spec, KeySpec)
-            table_bytes = TABLE_SIZE * len(self.machine.vcpus)
-            tables = self.kp.scratch.alloc(table_bytes, align=4096)  # written by the guest: apart from code
-            self._zero(tables, table_bytes)
-            head = build_keyed_detour(tables, spec, tables, 0, tables, tables, b"", 0)[1]
-        if kind == "retentry":
-            assert rp is not None and rp.pool is not None
-            ret = self.ensure_returns()
-            head = build_entry_detour(ret.trampolines, ret, rp.pool, ret.instances, ret.instances, b"", 0)[1]
+        build, tables = self._detour_builder(point, kind, probe_id, point.addr + size)
+        head = build(self.kp.scratch.base, b"")[1]  # the head's size does not depend on where it is placed
         total = head + sum(len(copy_instruction(i, point.addr)) for i in insns) + 5
         detour = self.kp.scratch.alloc(total + 16)
         relocated = b""
         for insn in insns:
             relocated += copy_instruction(insn, detour + head + len(relocated))
-        if kind == "count":
-            code = build_count_detour(detour, self.counters + probe_id * 8, relocated, point.addr + size)
-        elif kind == "filtered":
-            code, at = build_filtered_detour(detour, tree, probe_id, self.record_stub, self.counters + probe_id * 8,
-                                             relocated, point.addr + size)  # fmt: skip
-            assert at == head
-        elif kind == "keyed":
-            assert isinstance(spec, KeySpec)
-            code, at = build_keyed_detour(detour, spec, tables, self.kp.symbols.percpu["cpu_number"],
-                                          self.counters + probe_id * 8, self.lost + probe_id * 8, relocated,
-                                          point.addr + size)  # fmt: skip
-            assert at == head
-        elif kind == "retentry":
-            assert rp is not None and rp.pool is not None and self.ret is not None
-            code, at = build_entry_detour(detour, self.ret, rp.pool, self.counters + probe_id * 8,
-                                          self.missed + probe_id * 8, relocated, point.addr + size)  # fmt: skip
-            assert at == head
-        else:
-            stub = self.record_stub if kind in RECORDING else self.stub
-            code = build_detour(detour, probe_id, stub, relocated, point.addr + size)
+        code, at = build(detour, relocated)
+        assert at == head
         self.kp.scratch.write(detour, code)
         for array, seen in self._counter_arrays():
             seen[probe_id] = self._read_counter(array, probe_id)
@@ -582,6 +549,37 @@ class Optimizer:
         self.kp.resume_targets.add(point.addr + size)
         self.by_id[probe_id] = point
         return True
+
+    def _detour_builder(
+        self, point: ProbePoint, kind: str, probe_id: int, resume: int
+    ) -> tuple[Callable[[int, bytes], tuple[bytes, int]], int]:
+        """How to build ``point``'s detour of ``kind``: ``build(address, relocated) -> (code, head size)``.
+
+        Also the per-CPU tables of a "keyed" detour (allocated here), else 0.
+        """
+        counter = self.counters + probe_id * 8
+        if kind in RECORDING:
+            self._ensure_rings()
+        if kind == "count":
+            return lambda at, rel: (build_count_detour(at, counter, rel, resume), COUNT_HEAD), 0
+        if kind == "filtered":
+            tree = point.probes[0].guest_filter
+            return lambda at, rel: build_filtered_detour(at, tree, probe_id, self.record_stub, counter, rel, resume), 0
+        if kind == "keyed":
+            spec = point.probes[0].guest_key
+            assert isinstance(spec, KeySpec)
+            table_bytes = TABLE_SIZE * len(self.machine.vcpus)
+            tables = self.kp.scratch.alloc(table_bytes, align=4096)  # written by the guest: apart from code
+            self._zero(tables, table_bytes)
+            cpu_number, lost = self.kp.symbols.percpu["cpu_number"], self.lost + probe_id * 8
+            return lambda at, rel: build_keyed_detour(at, spec, tables, cpu_number, counter, lost, rel, resume), tables
+        if kind == "retentry":
+            pool = point.probes[0].kretprobe.pool  # type: ignore[union-attr]
+            assert pool is not None
+            ret, missed = self.ensure_returns(), self.missed + probe_id * 8
+            return lambda at, rel: build_entry_detour(at, ret, pool, counter, missed, rel, resume), 0
+        stub = self.record_stub if kind in RECORDING else self.stub
+        return lambda at, rel: (build_detour(at, probe_id, stub, rel, resume), DETOUR_HEAD), 0
 
     def unoptimize(self, point: ProbePoint) -> None:
         opt = point.opt

@@ -41,8 +41,8 @@ class Machine:
         self.data_writer: SharedRam | None = None
         # Watchpoint hits, keyed by the watched address the stop reply names.
         self.watch_handlers: dict[int, StopHandler] = {}
-        # Runs after every stop, once its handler has (see KprobeManager._hook).
-        self.after_stop: Callable[[], None] | None = None
+        # Runs after every stop, with the thread whose stop was just handled, if any (see KprobeManager._hook).
+        self.after_stop: Callable[[str | None], None] | None = None
         self.handler_errors: list[str] = []
         self._requests: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._error: BaseException | None = None
@@ -107,11 +107,13 @@ class Machine:
     def _dispatch(self, stop: StopReply) -> None:
         if stop.exited:
             raise TargetGone(f"the guest exited (stop reply {stop.kind}{stop.signal:02x})")
+        handled = None
         if stop.signal == SIGTRAP and stop.thread is not None:
             self._dispatch_trap(stop.thread, stop)
+            handled = stop.thread
         # Also after our own interrupt (SIGINT): a vCPU's debug stop can be lost to any other stop.
         if self.after_stop is not None:
-            self.after_stop()
+            self.after_stop(handled)
 
     def _dispatch_trap(self, thread: str, stop: StopReply) -> None:
         regs = self.gdb.read_registers(thread)

@@ -29,6 +29,7 @@ from qprobe.core.regs import ARG_REGS, PtRegs
 from qprobe.errors import FetchArgError, QprobeError
 from qprobe.fetch import MemoryFault, ProbeEvent, SymbolInfo, format_event, format_hit, parse_event
 from qprobe.fetch.args import FetchArg, Value
+from qprobe.fetch.context import task_size_max
 from qprobe.fetch.expr import Arg, Comm, Imm, ImmString, Node, Reg, StackPointer, SymbolAddr
 from qprobe.fetch.filter import And as FAnd
 from qprobe.fetch.filter import EventFilter
@@ -76,6 +77,7 @@ class _HostContext:
         self.regs = regs
         self._retval = retval
         self._comm = comm
+        self.task_size_max = task_size_max(target.mem.levels)
 
     def reg(self, name: str) -> int:
         return 0 if name == "orig_ax" else getattr(self.regs, name)

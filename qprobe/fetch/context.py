@@ -17,9 +17,17 @@ from .messages import MAX_STRING_SIZE
 
 U64_MASK = (1 << 64) - 1
 PAGE_SIZE = 4096
-# x86_64 with 4-level paging (what QEMU's default CPUs give a 6.1 guest).
-TASK_SIZE_MAX = (1 << 47) - PAGE_SIZE
-KERNEL_SPACE_START = 0xFFFF_8000_0000_0000
+
+
+def task_size_max(paging_levels: int) -> int:
+    """x86_64's ``TASK_SIZE_MAX``: ``(1 << __VIRTUAL_MASK_SHIFT) - PAGE_SIZE``.
+
+    The shift is 47 with 4-level paging and 56 with 5-level (LA57); since Linux
+    4.17 ("x86/mm: Make __VIRTUAL_MASK_SHIFT dynamic") one
+    kernel picks it at boot, so it is a fact of the running guest, not of the build.
+    """
+    return (1 << (56 if paging_levels == 5 else 47)) - PAGE_SIZE
+
 
 # pt_regs names x86's regs_query_register_offset() accepts (case-sensitive).
 REGISTERS: tuple[str, ...] = (
@@ -53,8 +61,11 @@ class FetchContext(Protocol):
     ``retval`` the return value (only asked for in return probes),
     ``comm`` the current task's comm, ``symbol_address`` resolves ``@SYM``
     (KeyError if unknown) and ``symbolize`` formats an address like the
-    kernel's ``%pS`` (``func+0x12/0x80`` or ``0xffff...``).
+    kernel's ``%pS`` (``func+0x12/0x80`` or ``0xffff...``).  ``task_size_max``
+    is the running kernel's TASK_SIZE_MAX (see :func:`task_size_max`).
     """
+
+    task_size_max: int
 
     def reg(self, name: str) -> int: ...
     def read(self, addr: int, size: int) -> bytes: ...
@@ -105,25 +116,36 @@ class SymbolValue(int):
         return f"SymbolValue({int(self):#x}, {self.text!r})"
 
 
-def kernel_address_ok(addr: int) -> bool:
-    """``copy_from_kernel_nofault_allowed`` on x86_64 (4-level paging)."""
-    return addr >= KERNEL_SPACE_START
+def kernel_address_ok(addr: int, task_size: int) -> bool:
+    """``copy_from_kernel_nofault_allowed`` on x86_64: above the user range and its guard page, canonical.
+
+    The kernel's canonical check uses ``x86_virt_bits`` (48 or 57); the lowest
+    canonical kernel address is ``-(task_size + PAGE_SIZE)``.
+    """
+    start = task_size + PAGE_SIZE
+    return addr >= (1 << 64) - start
 
 
-def user_range_ok(addr: int, size: int) -> bool:
+def user_range_ok(addr: int, size: int, task_size: int) -> bool:
     """``access_ok`` on x86_64: the whole range below TASK_SIZE_MAX."""
-    return addr + size <= TASK_SIZE_MAX
+    return addr + size <= task_size
 
 
 def read_memory(ctx: FetchContext, addr: int, size: int, user: bool) -> bytes:
-    """Read guest memory as the kernel's probe_mem_read{,_user} would."""
+    """Read guest memory as the kernel's probe_mem_read{,_user} would.
+
+    A kernel read (``+0(%si)``) of an address below TASK_SIZE reads user memory:
+    x86 has non-overlapping address spaces (CONFIG_ARCH_HAS_NON_OVERLAPPING_ADDRESS_SPACE),
+    and trace_kprobe.c's ``probe_mem_read`` takes the user path for such an address.
+    """
     addr &= U64_MASK
-    if user:
-        if not user_range_ok(addr, size):
+    task_size = ctx.task_size_max
+    if user or addr < task_size:
+        if not user_range_ok(addr, size, task_size):
             raise MemoryFault(addr, size)
         data = ctx.read_user(addr, size)
     else:
-        if not kernel_address_ok(addr):
+        if not kernel_address_ok(addr, task_size):
             raise MemoryFault(addr, size)
         data = ctx.read(addr, size)
     if len(data) != size:
@@ -149,7 +171,7 @@ def read_string(ctx: FetchContext, addr: int, user: bool) -> str | Fault:
     addr &= U64_MASK
     # x86 has non-overlapping address spaces (CONFIG_ARCH_HAS_NON_OVERLAPPING_ADDRESS_SPACE), so the
     # kernel's fetch_store_string() reads a ``string`` below TASK_SIZE from user memory.
-    user = user or addr < TASK_SIZE_MAX
+    user = user or addr < ctx.task_size_max
     while len(out) < MAX_STRING_SIZE:
         chunk = min(PAGE_SIZE - addr % PAGE_SIZE, MAX_STRING_SIZE - len(out))
         try:

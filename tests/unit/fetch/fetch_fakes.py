@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from qprobe.fetch import MemoryFault, SymbolInfo, sprint_symbol
+from qprobe.fetch.context import task_size_max
 
 # x86_64 argument registers, in order (regs_get_kernel_argument).
 ARG_REGS = ("di", "si", "dx", "cx", "r8", "r9")
@@ -55,6 +56,7 @@ class FakeContext:
     task_comm: str = "bash"
     ret: int | None = None
     reads: list[tuple[int, int]] = field(default_factory=list)
+    task_size_max: int = task_size_max(4)
 
     @staticmethod
     def _read(regions: dict[int, bytes], addr: int, size: int) -> bytes:

@@ -19,6 +19,7 @@ from qprobe.fetch import (
     parse_event,
     print_fmt,
 )
+from qprobe.fetch.context import task_size_max
 
 KBUF = 0xFFFF_8880_0010_0000
 UBUF = 0x0000_7FFD_0000_0000
@@ -135,9 +136,25 @@ def test_kernel_and_user_address_spaces() -> None:
     assert hit(
         "p vfs_read +0(%di):string +u0(%di):string +0(%di):ustring +0(%si):ustring +0(%di):u8 +u0(%di):u8",
         ctx,
-    ) == ['arg1="user"', 'arg2="user"', 'arg3="user"', "arg4=(fault)", "arg5=(fault)", "arg6=117"]
-    # arg1: on x86 (non-overlapping address spaces) 6.1's fetch_store_string reads a string below
-    # TASK_SIZE from user memory; a plain u8 load there (arg5) still faults.
+    ) == ['arg1="user"', 'arg2="user"', 'arg3="user"', "arg4=(fault)", "arg5=117", "arg6=117"]
+    # arg1, arg5: on x86 (non-overlapping address spaces) trace_kprobe.c's fetch_store_string and
+    # probe_mem_read read an address below TASK_SIZE from user memory; arg4: a user read of a kernel
+    # address faults (access_ok).
+
+
+def test_five_level_paging_kernel_addresses() -> None:
+    """With LA57 the direct map and slab start at 0xff11..., stacks at 0xff66...: kernel memory, readable."""
+    slab, stack = 0xFF33_0FED_81A1_8C00, 0xFF66_0000_0001_3F00
+    five = FakeContext(regs={"di": slab, "si": stack}, memory={slab: u64(0x1122), stack: u64(7)},
+                       task_size_max=task_size_max(5))  # fmt: skip
+    assert hit("p vfs_read +0(%di):x64 +0(%si):u64", five) == ["arg1=0x1122", "arg2=7"]
+    # The same addresses are non-canonical with 4-level paging: the kernel refuses them.
+    four = FakeContext(regs={"di": slab, "si": stack}, memory={slab: u64(0x1122), stack: u64(7)})
+    assert hit("p vfs_read +0(%di):x64 +0(%si):u64", four) == ["arg1=(fault)", "arg2=(fault)"]
+    # A 5-level user address (above 4-level's TASK_SIZE_MAX) is user memory there.
+    high_user = 0x0000_7FFF_FFFF_F000 + 0x1000_0000
+    five_user = FakeContext(regs={"di": high_user}, user_memory={high_user: b"hi\0"}, task_size_max=task_size_max(5))
+    assert hit("p vfs_read +0(%di):string +0(%di):u8", five_user) == ['arg1="hi"', "arg2=104"]
 
 
 def test_immediates() -> None:

@@ -472,17 +472,22 @@ def _register_cleanup(target: Target) -> None:
     if not _handlers_installed and threading.current_thread() is threading.main_thread():
         _handlers_installed = True
         atexit.register(_close_all)
-        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-            # SIGTERM unwinds like Ctrl-C does, so every ``with`` block and
-            # finally clause removes its probes before the process ends.
-            signal.signal(signal.SIGTERM, _on_sigterm)
+        # SIGTERM and SIGHUP (a closed terminal, an ended tmux session) unwind like Ctrl-C
+        # does, so every ``with`` block and finally clause removes its probes before the end.
+        for signum in UNWIND_SIGNALS:
+            if signal.getsignal(signum) in (signal.SIG_DFL, None):
+                signal.signal(signum, unwind_on_signal)
 
 
 def _unregister_cleanup(target: Target) -> None:
     _live.discard(target)
 
 
-def _on_sigterm(signum: int, frame: object) -> None:
+UNWIND_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def unwind_on_signal(signum: int, frame: object) -> None:
+    """A signal handler that ends the process the way ``sys.exit`` does (status 128 + signal)."""
     raise SystemExit(128 + signum)
 
 
@@ -494,10 +499,12 @@ def _close_all() -> None:
 # -- constructors ------------------------------------------------------------------------
 def boot(image: str = "debian-cloud", smp: int = 2, memory: str | int = "512M",
          files: dict[str, str | Path] | None = None, accel: str = "auto", cmdline: str = "",
-         boot_timeout: float = 60.0, transport: str = "rsp") -> Target:  # fmt: skip
+         boot_timeout: float = 60.0, transport: str = "rsp", keepable: bool = False) -> Target:  # fmt: skip
     """Boot an image (fetched and built on first use) and attach to it.
 
     ``transport``: "rsp" (qprobe's own client) or "gdb" (a real gdb through GDB/MI).
+    The VM dies with this process; ``keepable=True`` lets ``target.qemu.keep()``
+    leave it running afterwards (the pytest plugin's ``--qprobe-keep``).
     """
     from qprobe.images import get_image, with_files
 
@@ -508,7 +515,7 @@ def boot(image: str = "debian-cloud", smp: int = 2, memory: str | int = "512M",
         kernel=img.kernel, initrd=img.initrd, disk=img.disk, disk_interface=img.disk_interface,
         cmdline=" ".join(x for x in (img.cmdline, cmdline) if x), smp=smp, memory=parse_memory(memory), accel=accel,
     )  # fmt: skip
-    qemu = QemuProcess(config)
+    qemu = QemuProcess(config, keepable=keepable)
     try:
         qemu.wait_for_sockets()
         session = {"gdb": str(qemu.gdb_path), "console": str(qemu.console_path), "ram": str(qemu.ram_path),

@@ -316,8 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = logging.ERROR if args.quiet else logging.DEBUG if args.verbose else logging.WARNING
     logging.basicConfig(level=level, format="qprobe: %(message)s")
-    # SIGTERM unwinds like Ctrl-C so that probes are removed on the way out.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    from qprobe.api import UNWIND_SIGNALS, unwind_on_signal
+
+    # SIGTERM and SIGHUP (the terminal went away) unwind like Ctrl-C: probes removed, QEMU stopped.
+    for signum in UNWIND_SIGNALS:
+        signal.signal(signum, unwind_on_signal)
     try:
         return int(args.func(args) or 0)
     except FetchArgError as exc:

@@ -255,6 +255,8 @@ def qprobe_target(request: pytest.FixtureRequest, qprobe_image: str,
         "smp": config.getoption("qprobe_smp", default=2),
         "memory": config.getoption("qprobe_memory", default="512M"),
         "boot_timeout": config.getoption("qprobe_boot_timeout", default=180.0),
+        # Only a VM that --qprobe-keep may hand over is spared when pytest dies; the others die with it.
+        "keepable": bool(config.getoption("qprobe_keep", default=False)),
         **qprobe_boot_kwargs,
     }
     target = qprobe.boot(qprobe_image, **kwargs)
@@ -476,6 +478,7 @@ def _keep(config: pytest.Config, vm: _Vm, item: pytest.Item, report: pytest.Test
     except BaseException:
         qemu.terminate()  # a VM whose probes may still be armed is no use to anyone
         raise
+    qemu.keep()
     vm.kept = item.nodeid
     text = "\n".join([
         f"qprobe: the {vm.image} VM was left running after {item.nodeid} failed",

@@ -4,17 +4,27 @@ Everything QEMU listens on is a Unix socket in a private (0700) run
 directory: the gdbstub gives whoever connects full control of the guest, so
 it is never put on a network port.  Guest RAM is a shared file in /dev/shm so
 the host reads it without stopping the VM.
+
+A VM never outlives the process that started it, however that process ends:
+QEMU gets SIGKILL from the kernel when its owner dies (PR_SET_PDEATHSIG), a
+janitor process removes the run directory and the RAM file once the owner
+is gone, and every start sweeps what a host crash may still have left.
 """
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +34,13 @@ from qprobe.errors import TargetError, TargetGone
 # scratch area (see qprobe.target.scratch).  2 MiB: one PMD.
 SCRATCH_SIZE = 2 << 20
 DOORBELL_PORT = 0x5E0  # must match qprobe.core.optimizer.DOORBELL_PORT
+RUN_PREFIX = "qprobe-run-"
+SHM_ROOT = Path("/dev/shm")
+SHM_PREFIX = "qprobe-"
+# A directory younger than this may belong to a QEMU that is still starting (not yet in any
+# process's command line): the sweep leaves it alone.
+SWEEP_GRACE = 60.0
+PR_SET_PDEATHSIG = 1
 
 
 def parse_memory(memory: str | int) -> int:
@@ -78,6 +95,79 @@ def kvm_usable() -> bool:
         os.close(fd)
 
 
+def _command_lines() -> str:
+    """Every process's command line, NUL-separated, one per line (what the sweep looks for paths in)."""
+    lines = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                lines.append((entry / "cmdline").read_bytes().decode(errors="replace"))
+            except OSError:
+                continue  # exited meanwhile
+    return "\n".join(lines)
+
+
+def sweep_stale(grace: float = SWEEP_GRACE) -> list[Path]:
+    """Remove this user's QEMU run directories and /dev/shm RAM directories whose QEMU is gone.
+
+    A directory is in use while its owner holds a lock on it (``flock``) or
+    while a process (its QEMU) names a path inside it on its command line.
+    Returns what was removed.
+    """
+    candidates = [*Path(tempfile.gettempdir()).glob(RUN_PREFIX + "*"), *SHM_ROOT.glob(SHM_PREFIX + "*")]
+    now = time.time()
+    mine = []
+    for path in candidates:
+        try:
+            st = path.lstat()
+        except OSError:
+            continue
+        if path.is_dir() and not path.is_symlink() and st.st_uid == os.getuid() and now - st.st_mtime > grace:
+            mine.append(path)
+    if not mine:
+        return []
+    in_use = _command_lines()
+    removed = []
+    for path in mine:
+        if f"{path}/" in in_use:
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its owner is alive
+        finally:
+            os.close(fd)  # also releases the lock just taken
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _private_dir(root: str | None, prefix: str) -> tuple[Path, int]:
+    """A fresh 0700 directory and an fd holding an exclusive ``flock`` on it (so the sweep sees it in use)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+    os.chmod(path, 0o700)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return path, fd
+
+
+def _die_with_owner() -> Callable[[], None]:
+    """A ``preexec_fn``: the child gets SIGKILL when the thread that forked it dies."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child only calls it
+    owner = os.getpid()
+
+    def in_child() -> None:
+        prctl(PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGKILL))
+        if os.getppid() != owner:  # the owner died before prctl took effect: no signal will come
+            os._exit(1)
+
+    return in_child
+
+
 @dataclass
 class QemuConfig:
     kernel: Path
@@ -92,11 +182,18 @@ class QemuConfig:
 
 
 class QemuProcess:
-    """A running QEMU with its private run directory."""
+    """A running QEMU with its private run directory.
 
-    def __init__(self, config: QemuConfig, qemu_binary: str = "qemu-system-x86_64") -> None:
+    QEMU dies with this process unless ``keepable``: then the kernel does not
+    kill it with its owner, so that ``keep()`` can hand it over to the user;
+    until then the janitor still stops it if its owner dies.
+    """
+
+    def __init__(self, config: QemuConfig, qemu_binary: str = "qemu-system-x86_64", keepable: bool = False) -> None:
         if config.smp < 1:
             raise TargetError(f"bad -smp {config.smp}: at least one vCPU")
+        if config.disk_interface not in ("nvme", "virtio"):
+            raise TargetError(f"unknown disk interface {config.disk_interface!r}: nvme or virtio")
         for what, path in (("kernel", config.kernel), ("initrd", config.initrd), ("disk", config.disk)):
             if path is not None and not Path(path).is_file():
                 raise TargetError(f"{what} file {path} does not exist")
@@ -104,23 +201,75 @@ class QemuProcess:
         if binary is None:
             raise TargetError(f"{qemu_binary} not found: install Debian's qemu-system-x86 (make setup)")
         self.config = config
-        self.rundir = Path(tempfile.mkdtemp(prefix="qprobe-run-"))
-        os.chmod(self.rundir, 0o700)
-        self.shmdir = Path(tempfile.mkdtemp(prefix="qprobe-", dir="/dev/shm"))
-        os.chmod(self.shmdir, 0o700)
-        self.ram_path = self.shmdir / "ram"
-        self.gdb_path = self.rundir / "gdb.sock"
-        self.qmp_path = self.rundir / "qmp.sock"
-        self.console_path = self.rundir / "console.sock"
-        self.console_log = self.rundir / "console.log"
-        self.doorbell_path = self.rundir / "doorbell.sock"
         self.scratch_phys = scratch_phys(config.memory)
-        self.argv = [binary, *self._args()]
-        stderr = open(self.rundir / "qemu.stderr", "wb")  # noqa: SIM115 - lives as long as QEMU
-        self.proc = subprocess.Popen(
-            self.argv, stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr, start_new_session=True
-        )
-        stderr.close()
+        sweep_stale()
+        self._locks: list[int] = []
+        self._janitor: subprocess.Popen[bytes] | None = None
+        self._janitor_pipe: int | None = None
+        self.rundir, lock = _private_dir(None, RUN_PREFIX)
+        self._locks.append(lock)
+        try:
+            self.shmdir, lock = _private_dir(str(SHM_ROOT), SHM_PREFIX)
+            self._locks.append(lock)
+            self.ram_path = self.shmdir / "ram"
+            self.gdb_path = self.rundir / "gdb.sock"
+            self.qmp_path = self.rundir / "qmp.sock"
+            self.console_path = self.rundir / "console.sock"
+            self.console_log = self.rundir / "console.log"
+            self.doorbell_path = self.rundir / "doorbell.sock"
+            self.argv = [binary, *self._args()]
+            # PR_SET_PDEATHSIG fires when the forking *thread* ends: only the main thread lives as long
+            # as the process.  A VM started from another thread is stopped by the janitor alone.
+            tie = not keepable and threading.current_thread() is threading.main_thread()
+            preexec = _die_with_owner() if tie else None
+            with open(self.rundir / "qemu.stderr", "wb") as stderr:
+                self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr,
+                                             start_new_session=True, preexec_fn=preexec)  # fmt: skip
+            self._start_janitor()
+        except BaseException:
+            self.terminate()
+            raise
+
+    def _start_janitor(self) -> None:
+        """The process that cleans up after us if we die (see qprobe.target.janitor)."""
+        read_end, self._janitor_pipe = os.pipe()
+        script = Path(__file__).with_name("janitor.py")
+        try:
+            self._janitor = subprocess.Popen(
+                [sys.executable, "-I", "-S", str(script), str(self.proc.pid), str(self.rundir), str(self.shmdir)],
+                stdin=read_end, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        finally:
+            os.close(read_end)
+        assert self._janitor.stdout is not None
+        # Until it holds a pidfd of QEMU, reaping QEMU here could let its pid be reused under it.
+        ready = self._janitor.stdout.readline()
+        self._janitor.stdout.close()
+        if ready != b"ready\n":
+            raise TargetError("the janitor process that stops QEMU if qprobe dies did not start")
+
+    def _stop_janitor(self, message: bytes = b"") -> None:
+        if self._janitor_pipe is not None:
+            try:
+                if message:
+                    os.write(self._janitor_pipe, message)
+            finally:
+                os.close(self._janitor_pipe)
+                self._janitor_pipe = None
+        if self._janitor is not None:
+            try:
+                self._janitor.wait(10.0)
+            except subprocess.TimeoutExpired:
+                self._janitor.kill()
+                self._janitor.wait()
+            self._janitor = None
+
+    def keep(self) -> None:
+        """Hand the VM over: it runs on after this process ends (``keepable`` VMs only)."""
+        self._stop_janitor(b"keep")
+        for fd in self._locks:
+            os.close(fd)
+        self._locks.clear()
 
     @property
     def accel(self) -> str:
@@ -166,10 +315,8 @@ class QemuProcess:
             if c.disk_interface == "nvme":
                 args += ["-drive", f"file={c.disk},if=none,id=d0,format=raw,snapshot=on",
                          "-device", "nvme,drive=d0,serial=qprobe0"]  # fmt: skip
-            elif c.disk_interface == "virtio":
-                args += ["-drive", f"file={c.disk},if=virtio,format=raw,snapshot=on"]
             else:
-                raise TargetError(f"unknown disk interface {c.disk_interface!r}: nvme or virtio")
+                args += ["-drive", f"file={c.disk},if=virtio,format=raw,snapshot=on"]
         return args + c.extra_args
 
     def alive(self) -> bool:
@@ -205,6 +352,17 @@ class QemuProcess:
 
     def terminate(self, timeout: float = 5.0) -> None:
         """Stop QEMU (QMP ``quit``, then SIGTERM, then SIGKILL) and remove the run directory and RAM file."""
+        if hasattr(self, "proc"):
+            self._stop_qemu(timeout)
+        for d in (getattr(self, "shmdir", None), self.rundir):
+            if d is not None:
+                shutil.rmtree(d, ignore_errors=True)
+        self._stop_janitor()
+        for fd in self._locks:
+            os.close(fd)
+        self._locks.clear()
+
+    def _stop_qemu(self, timeout: float) -> None:
         if self.alive():
             try:
                 self.qmp("quit")
@@ -221,5 +379,3 @@ class QemuProcess:
                 except ProcessLookupError:
                     pass
                 self.proc.wait(timeout)
-        shutil.rmtree(self.shmdir, ignore_errors=True)
-        shutil.rmtree(self.rundir, ignore_errors=True)

@@ -1,0 +1,134 @@
+"""A VM never outlives the qprobe that started it: `qprobe trace` and `qprobe shell` ended by a closed
+terminal (SIGHUP) or by SIGKILL leave no QEMU, no janitor, no RAM file in /dev/shm and no run directory."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from .conftest import IMAGE
+
+pytestmark = pytest.mark.vm
+ROOT = Path(__file__).resolve().parents[2]
+BOOT_TIMEOUT = 600
+
+
+def _qemu_of(owner: int) -> tuple[int, Path, Path]:
+    """The QEMU ``owner`` started: its pid, run directory and RAM directory (from its command line)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            argv = (entry / "cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == owner and "qemu-system" in argv[0]:
+            text = " ".join(argv)
+            ram = re.search(r"mem-path=(\S+)/ram", text)
+            gdb = re.search(r"path=(\S+)/gdb\.sock", text)
+            assert ram and gdb, text
+            return int(entry.name), Path(gdb[1]), Path(ram[1])
+    raise AssertionError(f"no QEMU started by {owner}")
+
+
+def _mentioning(path: Path) -> list[int]:
+    """Processes whose command line names a file in ``path`` (QEMU, the janitor)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if f"{path}/".encode() in (entry / "cmdline").read_bytes():
+                    out.append(int(entry.name))
+            except OSError:
+                continue
+    return out
+
+
+def _wait_until(cond: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return cond()
+
+
+def _assert_nothing_left(qemu: int, rundir: Path, shmdir: Path) -> None:
+    def clean() -> bool:
+        return not Path(f"/proc/{qemu}").exists() and not rundir.exists() and not shmdir.exists()
+
+    try:
+        assert _wait_until(clean, 60), (
+            f"left behind: qemu {'running' if Path(f'/proc/{qemu}').exists() else 'gone'}, "
+            f"run directory {rundir.exists()}, RAM directory {shmdir.exists()}"
+        )
+        assert _mentioning(rundir) == [] and _mentioning(shmdir) == []
+    finally:
+        for pid in [qemu, *_mentioning(rundir), *_mentioning(shmdir)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(ROOT), PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm", NO_COLOR="1")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGKILL], ids=["SIGHUP", "SIGKILL"])
+def test_trace_ended_by_a_signal_leaves_nothing(sig: signal.Signals) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qprobe.cli", "trace", "--image", IMAGE, "p:gp __x64_sys_getppid"],
+        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    try:
+        deadline = time.monotonic() + BOOT_TIMEOUT
+        while "tracing; Ctrl-C to stop" not in proc.stderr.readline():
+            assert proc.poll() is None and time.monotonic() < deadline, "qprobe trace did not start tracing"
+        qemu, rundir, shmdir = _qemu_of(proc.pid)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    _assert_nothing_left(qemu, rundir, shmdir)
+    if sig == signal.SIGHUP:
+        assert proc.returncode == 128 + signal.SIGHUP
+        assert "# gp: hits=" in out, out  # it unwound: the summary was printed
+    else:
+        assert proc.returncode == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("how", ["terminal closed", "SIGKILL"])
+def test_shell_ended_by_its_terminal_or_sigkill_leaves_nothing(how: str) -> None:
+    pexpect = pytest.importorskip("pexpect")
+    child = pexpect.spawn(sys.executable, ["-m", "qprobe.cli", "shell", "--image", IMAGE], cwd=str(ROOT),
+                          env=_env(), encoding="utf-8", timeout=120, dimensions=(50, 200))  # fmt: skip
+    try:
+        child.expect_exact("qprobe>", timeout=BOOT_TIMEOUT)
+        qemu, rundir, shmdir = _qemu_of(child.pid)
+        child.sendline("p:gp __x64_sys_getppid")
+        child.expect_exact("added kprobes/gp")
+        child.expect_exact("qprobe>")
+        if how == "SIGKILL":
+            child.kill(signal.SIGKILL)
+        else:
+            # What `tmux kill-session` or closing a terminal window does: the pty's master goes away,
+            # the kernel hangs the terminal up and sends SIGHUP to the shell.
+            child.ptyproc.fileobj.close()
+        assert _wait_until(lambda: not child.isalive(), 120), "qprobe shell did not end"
+    finally:
+        if child.isalive():
+            child.kill(signal.SIGKILL)
+    _assert_nothing_left(qemu, rundir, shmdir)

@@ -18,6 +18,7 @@ from qprobe.errors import (
     TargetGone,
     VmlinuxMismatch,
 )
+from qprobe.kernel.program import Stack, Task
 
 __version__ = "0.1.0"
 
@@ -33,10 +34,12 @@ __all__ = [
     "ProbeError",
     "PtRegs",
     "QprobeError",
+    "Stack",
     "SymbolError",
     "Target",
     "TargetError",
     "TargetGone",
+    "Task",
     "VmlinuxMismatch",
     "Watchpoint",
     "__version__",

@@ -25,6 +25,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+import drgn
+
 from qprobe.core.kprobe import Kprobe
 from qprobe.core.kprobes import KprobeManager
 from qprobe.core.kretprobe import Kretprobe, KretprobeManager
@@ -35,9 +37,8 @@ from qprobe.core.watchpoint import KINDS as WATCH_KINDS
 from qprobe.core.watchpoint import Watchpoint
 from qprobe.errors import ProbeError, QprobeError, SymbolError, TargetError, TargetGone
 from qprobe.kernel.kaslr import detect_slide
+from qprobe.kernel.program import KernelData, Task
 from qprobe.kernel.symbols import Symbols
-from qprobe.kernel.task import Task
-from qprobe.kernel.typed import KObject
 from qprobe.paths import cache_dir
 from qprobe.target.connection import Connection
 from qprobe.target.console import Console, RunResult
@@ -135,7 +136,8 @@ class Target:
                 self.timings["gdb symbols"] = time.monotonic() - t
             self.cmdline = self._read_cmdline()
             self.journal = Journal(gdb_address, f"{self.symbols.build_id}:{self.slide:#x}")
-            self.recovered = recover(self.gdb, self.mem, self.symbols, self.journal)
+            self.kernel = KernelData(self.symbols, self.mem)
+            self.recovered = recover(self.gdb, self.kernel, self.journal)
             self.machine = Machine(self.gdb, self.mem, self.journal)
             self.machine.exit_hint = self._exit_hint
             if isinstance(phys, SharedRam) and phys.writable:
@@ -149,7 +151,7 @@ class Target:
                     "its scratch area: add e.g. memmap=2M$0x1e000000 to the kernel command line"
                 )
             self.scratch = ScratchArea(self.machine, scratch_phys, self.symbols.address("_end"))
-            self.kprobes = KprobeManager(self.machine, self.symbols, self.scratch,
+            self.kprobes = KprobeManager(self.machine, self.kernel, self.scratch,
                                          fully_preemptible=fully_preemptible(self.symbols, self.cmdline))  # fmt: skip
             self.kretprobes = KretprobeManager(self.kprobes)
             self.kprobes.optimizer = Optimizer(
@@ -323,25 +325,36 @@ class Target:
         self.machine.call(disarm)
         wp.registered = False
 
-    def var(self, name: str, type_name: str | None = None) -> KObject:
-        """A kernel variable as a typed object (``target.var("jiffies", "unsigned long").value_()``).
+    @property
+    def prog(self) -> drgn.Program:
+        """The running guest kernel as a drgn ``Program``, created on first use and kept.
 
-        Per-CPU variables are typed by BTF (pass ``type_name`` anyway for them:
-        their address is per CPU, see ``current``); Linux 6.1's BTF has no other
-        globals, so their C type is given by the caller.
+        drgn's helpers work on it while probes stay armed, reading guest RAM
+        as it is at the moment of the read (in a handler: as it is at the hit,
+        the hitting vCPU waits)::
+
+            from drgn.helpers.linux.pid import for_each_task
+            comms = [t.comm.string_() for t in for_each_task(target.prog)]
         """
-        if type_name is None:
-            raise SymbolError(f"give the C type of {name}: Linux 6.1's BTF describes only per-CPU variables")
-        return KObject.of(self.symbols.btf, self.mem.read, type_name, self.symbols.address(name))
+        return self.kernel.prog
 
-    def current(self, regs: PtRegs) -> KObject:
-        """The interrupted task as a typed ``struct task_struct`` (``current.comm.string_()``)."""
-        addr = self.kprobes.tasks.current_addr(regs.gs_base)
-        return KObject.of(self.symbols.btf, self.mem.read, "struct task_struct", addr)
+    def var(self, name: str) -> drgn.Object:
+        """A kernel variable as a drgn ``Object`` (``target.var("jiffies").value_()``), typed by the debug info.
+
+        A per-CPU variable is its offset, as in C: ``drgn.helpers.linux.percpu.per_cpu(var, cpu)``.
+        """
+        try:
+            return self.prog[name]
+        except KeyError:
+            raise SymbolError(f"no kernel variable {name!r} in {self.symbols.path.name}'s debug info") from None
+
+    def current(self, regs: PtRegs) -> drgn.Object:
+        """The task a handler interrupted, as drgn's ``struct task_struct *`` (``current.comm.string_()``)."""
+        return self.kernel.current(regs.gs_base)
 
     def current_task(self, regs: PtRegs) -> Task:
-        """The guest task a handler interrupted (pid, tgid, comm)."""
-        return self.kprobes.tasks.current(regs.gs_base)
+        """A snapshot of the task a handler interrupted: pid, tgid and comm as Python values."""
+        return Task.of(self.kernel.current(regs.gs_base))
 
     def add_event(
         self, definition: str, callback: Callable[[EventHit], None] | None = None, filter: str | None = None

@@ -36,16 +36,14 @@ from qprobe.errors import (
     QprobeError,
     SymbolError,
 )
-from qprobe.kernel.task import Tasks
+from qprobe.kernel.program import KernelData
 from qprobe.target.gdbremote import WATCH_READ
 from qprobe.target.journal import Patch
 from qprobe.target.machine import Machine
-from qprobe.target.memory import GuestMemory
 from qprobe.target.scratch import ScratchArea
 
 if TYPE_CHECKING:
     from qprobe.core.kretprobe import KretprobeManager
-    from qprobe.kernel.symbols import Symbols
 
 log = logging.getLogger("qprobe.kprobes")
 
@@ -96,18 +94,19 @@ class ProbePoint:
         return any(not kp.disabled for kp in self.probes)
 
 
-def find_watch_site(symbols: Symbols, mem: GuestMemory) -> tuple[int, frozenset[int]] | None:
+def find_watch_site(kernel: KernelData) -> tuple[int, frozenset[int]] | None:
     """(address of bp_desc.refs, where a vCPU is when QEMU reports poke_int3_handler's read of it), or None.
 
     None (the breakpoint hook is used) if this kernel has no such read in the
     shape qprobe.arch.x86_64.int3hook expects.
     """
+    symbols = kernel.symbols
     if "bp_desc" not in symbols or "poke_int3_handler" not in symbols:
         return None
     try:
-        refs = symbols.address("bp_desc") + symbols.btf.offsetof("bp_patching_desc", "refs")
+        refs = symbols.address("bp_desc") + kernel.type_offset("struct bp_patching_desc", "refs")
         fn = symbols.lookup("poke_int3_handler")
-        code = mem.read(fn.addr, min(fn.size, 128))
+        code = kernel.mem.read(fn.addr, min(fn.size, 128))
     except QprobeError:
         return None
     safe = watch_site(code, fn.addr, refs)
@@ -120,13 +119,13 @@ class KprobeManager:
     def __init__(
         self,
         machine: Machine,
-        symbols: Symbols,
+        kernel: KernelData,
         scratch: ScratchArea,
         int3_entry: str = "asm_exc_int3",
         fully_preemptible: bool = False,
     ) -> None:
         self.machine = machine
-        self.symbols = symbols
+        self.symbols = symbols = kernel.symbols
         self.scratch = scratch
         self.blacklist = Blacklist(symbols)
         self.points: dict[int, ProbePoint] = {}
@@ -145,7 +144,7 @@ class KprobeManager:
         self.handler_errors: list[str] = []
         # int3s in the scratch area that are not probes: the kretprobe trampoline.
         self.trampolines: dict[int, Callable[[str, dict[str, int], int, int], None]] = {}
-        self.tasks = Tasks(symbols, machine.mem)
+        self.kernel = kernel  # the kernel's data through drgn
         self.extable = symbols.exception_table()
         # Boosting lets a vCPU run the slot copy freely; an interrupt there leaves an
         # interrupted context inside the slot.  Without forced preemption that context
@@ -422,7 +421,7 @@ class KprobeManager:
         self._hooked = True
 
     def watch_site(self) -> tuple[int, frozenset[int]] | None:
-        return find_watch_site(self.symbols, self.machine.mem) if self.watch_int3 else None
+        return find_watch_site(self.kernel) if self.watch_int3 else None
 
     def drain(self) -> None:
         """Finish every hit a vCPU is part way into, so the hook and the scratch area can go.
@@ -589,7 +588,7 @@ class KprobeManager:
 
     def make_regs(self, values: dict[str, int], tid: str) -> PtRegs:
         """pt_regs for a handler; its stack traces see through kretprobe trampolines."""
-        return PtRegs(values, tid, self.vcpu_index[tid], self.machine.mem, self.symbols,
+        return PtRegs(values, tid, self.vcpu_index[tid], self.machine.mem, self.symbols, self.kernel,
                       fix_return=self.kretprobes.fix_return if self.kretprobes else None)  # fmt: skip
 
     def _pass_through(self, tid: str) -> None:

@@ -27,8 +27,7 @@ from typing import TYPE_CHECKING, Any
 from qprobe.core.kprobe import KPROBE_FLAG_DISABLED, Kprobe
 from qprobe.core.regs import PtRegs
 from qprobe.errors import InvalidProbe, ProbeError, QprobeError
-from qprobe.kernel.orc import return_fixer
-from qprobe.kernel.task import Task
+from qprobe.kernel.program import Task
 from qprobe.target.journal import Patch
 
 if TYPE_CHECKING:
@@ -121,7 +120,10 @@ class KretprobeManager:
 
     def fix_return(self, slot: int, value: int) -> int:
         """For the unwinder: the real return address behind a trampoline address at ``slot``."""
-        value = return_fixer(self)(slot, value)  # an instance the host holds
+        if value and value == self.trampoline:  # an instance the host holds, keyed by the slot it patched
+            ri = self.by_slot.get(slot)
+            if ri is not None:
+                return ri.ret_addr
         opt = self.kprobes.optimizer
         real = opt.guest_return_address(value) if opt is not None else None
         return value if real is None else real
@@ -132,7 +134,7 @@ class KretprobeManager:
         opt = self.kprobes.optimizer
         if rp.pool is not None and opt is not None:
             for _i, slot, ret_addr, task in opt.pool_instances(rp.pool):
-                out.append(KretprobeInstance(rp, ret_addr, slot, self.kprobes.tasks.task(task)))
+                out.append(KretprobeInstance(rp, ret_addr, slot, Task.of(self.kprobes.kernel.task(task))))
         return out
 
     def default_maxactive(self) -> int:
@@ -250,7 +252,7 @@ class KretprobeManager:
         ri = rp.free.pop()
         ri.stack_slot = regs.sp
         ri.ret_addr = regs.read_u64(regs.sp)
-        ri.task = self.kprobes.tasks.current(regs.gs_base)
+        ri.task = Task.of(self.kprobes.kernel.current(regs.gs_base))
         if rp.entry_handler is not None:
             try:
                 with self.kprobes.handler_lock:
@@ -294,7 +296,8 @@ class KretprobeManager:
             if owner is None:  # unregistered while this call was in flight: no handler (as the kernel)
                 self.kprobes.optimizer.free_instance(index)  # type: ignore[union-attr]
                 return ret_addr
-            ri = KretprobeInstance(owner, ret_addr, slot, self.kprobes.tasks.task(task), bytearray(owner.data_size))
+            snapshot = Task.of(self.kprobes.kernel.task(task))
+            ri = KretprobeInstance(owner, ret_addr, slot, snapshot, bytearray(owner.data_size))
         rp = ri.rp
         rp.nreturns += 1
         # Where the ret went (the unwinder maps it back to the real return address while the instance is taken).

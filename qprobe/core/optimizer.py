@@ -32,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import drgn
+
 from qprobe.arch.x86_64.decode import decode_all
 from qprobe.arch.x86_64.detour import (
     COUNT_HEAD,
@@ -231,7 +233,7 @@ class Optimizer:
         self.lost = self.counters + MAX_OPTIMIZED * 8
         self._zero(data, size)
         params = StubParams(self.mailboxes, self.missed, syms.percpu["cpu_number"], syms.percpu["this_cpu_off"],
-                            self.kp.tasks.offsets[0], DOORBELL_PORT)  # fmt: skip
+                            self.kp.kernel.current_task_offset, DOORBELL_PORT)  # fmt: skip
         size = len(build_stub(params, scratch.base))
         self.stub = scratch.alloc(size, align=64)
         self.machine.journal.set_meta(stub=self.stub, stub_size=size, mailboxes=self.mailboxes,
@@ -249,7 +251,7 @@ class Optimizer:
         self.rings = scratch.alloc(_page_round(size), align=4096)
         self._zero(self.rings, size)
         self._tails = [0] * ncpus
-        cur, pid_off, _tgid, comm_off = self.kp.tasks.offsets
+        cur, pid_off, _tgid, comm_off = self.kp.kernel.offsets
         params = RecordParams(self.rings, self.rings + RING_HEADER * ncpus, self.lost, syms.percpu["cpu_number"],
                               cur, pid_off, comm_off)  # fmt: skip
         code_size = len(build_record_stub(params, scratch.base))
@@ -270,7 +272,7 @@ class Optimizer:
         data = scratch.alloc(_page_round(size), align=4096)  # written by the guest: apart from code
         self._zero(data, size)
         probe = RetParams(data, MAX_INSTANCES, scratch.base, data + MAX_INSTANCES * INSTANCE_SIZE, self.stub,
-                          self.kp.tasks.offsets[0])  # fmt: skip
+                          self.kp.kernel.current_task_offset)  # fmt: skip
         code = scratch.alloc(len(build_trampolines(probe)), align=64)
         self.ret = RetParams(probe.instances, probe.count, code, probe.returns, self.stub, probe.current_task)
         self.machine.journal.set_meta(instances=data, ninstances=MAX_INSTANCES, ret_trampolines=code)
@@ -484,13 +486,12 @@ class Optimizer:
         """
         if regs["cs"] & 3:
             return False  # user mode: no kernel context is interrupted on this vCPU
-        mem, tasks = self.machine.mem, self.kp.tasks
+        mem = self.machine.mem
         stacks = [(regs["rsp"] & ~7, (regs["rsp"] | (THREAD_SIZE - 1)) + 1)]
         try:
-            task = tasks.current_addr(regs["gs_base"])
-            base = mem.read_u64(task + self.kp.symbols.btf.offsetof("task_struct", "stack"))
+            base = self.kp.kernel.current(regs["gs_base"]).stack.value_()
             stacks.append((base, base + THREAD_SIZE))
-        except QprobeError:
+        except (QprobeError, drgn.FaultError):
             return True  # cannot tell: do not optimize now
         for lo, hi in stacks:
             try:

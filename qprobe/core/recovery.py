@@ -32,10 +32,9 @@ from qprobe.arch.x86_64.detour import (
 from qprobe.arch.x86_64.int3hook import PT_GPRS, PT_REGS_SIZE, parse_pt_regs
 from qprobe.arch.x86_64.retdetour import INSTANCE_SIZE, TRAMP_STRIDE, TRAMPOLINE_ID
 from qprobe.errors import QprobeError
-from qprobe.kernel.symbols import Symbols
+from qprobe.kernel.program import KernelData
 from qprobe.target.gdbremote import GdbRemote
 from qprobe.target.journal import Journal, Patch
-from qprobe.target.memory import GuestMemory
 
 log = logging.getLogger("qprobe.recovery")
 SCRATCH_SIZE = 2 << 20
@@ -43,15 +42,15 @@ GRACE = 0.1
 
 
 class _Recovery:
-    def __init__(self, gdb: GdbRemote, mem: GuestMemory, symbols: Symbols, patches: list[Patch],
-                 meta: dict[str, int]) -> None:  # fmt: skip
-        self.gdb, self.mem, self.meta = gdb, mem, meta
+    def __init__(self, gdb: GdbRemote, kernel: KernelData, patches: list[Patch], meta: dict[str, int]) -> None:
+        symbols = kernel.symbols
+        self.gdb, self.mem, self.meta = gdb, kernel.mem, meta
         self.entry = symbols.address("asm_exc_int3")
         # With the watchpoint hook a trap is taken back from poke_int3_handler (see KprobeManager._hook);
         # a vCPU on its way there from the #BP entry is stepped up to it.
         from qprobe.core.kprobes import find_watch_site  # the kprobes module imports this one
 
-        site = find_watch_site(symbols, mem)
+        site = find_watch_site(kernel)
         self.watch_safe = site[1] if site else frozenset()
         path = ("asm_exc_int3", "error_entry", "exc_int3", "poke_int3_handler")
         self.on_the_way = [(f.addr, f.addr + f.size) for f in map(symbols.lookup, (n for n in path if n in symbols))]
@@ -166,7 +165,7 @@ class _Recovery:
         raise RuntimeError(f"vCPU {tid} did not leave the scratch area")
 
 
-def recover(gdb: GdbRemote, mem: GuestMemory, symbols: Symbols, journal: Journal) -> int:
+def recover(gdb: GdbRemote, kernel: KernelData, journal: Journal) -> int:
     """Undo an earlier qprobe's patches in this guest; returns how many were restored."""
     identity, patches = journal.load()
     if not patches:
@@ -175,7 +174,7 @@ def recover(gdb: GdbRemote, mem: GuestMemory, symbols: Symbols, journal: Journal
         log.warning("ignoring a stale journal from another boot of this VM (%s)", identity)
         journal.clear()
         return 0
-    r = _Recovery(gdb, mem, symbols, patches, journal.left_meta)
+    r = _Recovery(gdb, kernel, patches, journal.left_meta)
     vcpus = gdb.threads()
     for tid in vcpus:
         r.rewind(tid)

@@ -12,10 +12,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from qprobe.errors import SymbolError
-from qprobe.kernel.orc import format_stack, unwinder_for
 from qprobe.target.memory import GuestMemory, kernel_pgd
 
 if TYPE_CHECKING:
+    from qprobe.kernel.program import KernelData, Stack
     from qprobe.kernel.symbols import Symbols
 
 # pt_regs name -> the gdbstub's register name
@@ -36,15 +36,16 @@ class PtRegs:
     under QEMU), ``tid`` the stub's thread id.
     """
 
-    __slots__ = ("_dirty", "_mem", "_pgd", "_symbols", "_values", "fix_return", "gs_base", "tid", "vcpu")
+    __slots__ = ("_dirty", "_kernel", "_mem", "_pgd", "_symbols", "_values", "fix_return", "gs_base", "tid", "vcpu")
 
     def __init__(self, values: dict[str, int], tid: str, vcpu: int, mem: GuestMemory,
-                 symbols: Symbols | None = None,
+                 symbols: Symbols | None = None, kernel: KernelData | None = None,
                  fix_return: Callable[[int, int], int] | None = None) -> None:  # fmt: skip
         self._values = {pt: values[g] for pt, g in PT_REGS.items() if g in values}
         self._dirty: set[str] = set()
         self._mem = mem
         self._symbols = symbols
+        self._kernel = kernel
         # Reads use the interrupted task's page tables, so user pointers work too.
         self._pgd = kernel_pgd(values["cr3"]) if "cr3" in values else mem.pgd
         self.tid = tid
@@ -122,7 +123,7 @@ class PtRegs:
         """The n-th (1-based) integer argument at function entry, by the x86_64 ABI.
 
         ``n`` may also be the parameter's name in the C source (``regs.arg("count")``),
-        looked up in the kernel's BTF for the function containing ``ip``.
+        looked up in the debug info of the function containing ``ip``.
         """
         if isinstance(n, str):
             n = self._param_index(n)
@@ -134,12 +135,12 @@ class PtRegs:
         return self.read_u64(self._values["sp"] + 8 * (n - len(ARG_REGS)))
 
     def _param_index(self, name: str) -> int:
-        if self._symbols is None:
+        if self._symbols is None or self._kernel is None:
             raise ValueError("argument names need the kernel's symbols")
         fn = self._symbols.function(self._values["ip"])
         if fn is None:
             raise ValueError(f"{self._values['ip']:#x} is not in a known function")
-        params = [p for p, _ in self._symbols.btf.func_params(fn.name)]
+        params = self._kernel.params(fn.name)
         if name not in params:
             raise ValueError(f"{fn.name} has no parameter {name!r} (it has {', '.join(params) or 'none'})")
         return params.index(name) + 1
@@ -152,17 +153,16 @@ class PtRegs:
         addr = self._values["ip"] if addr is None else addr
         return self._symbols.symbolize(addr) if self._symbols else f"{addr:#x}"
 
-    def stack_trace(self, max_frames: int = 64) -> list[str]:
-        """This hit's kernel stack, innermost first, as /proc/PID/stack lines (``[<0>] sym+0xoff/0xsize``).
+    def stack_trace(self, max_frames: int = 64) -> Stack:
+        """This hit's kernel stack, innermost first: drgn's frames, inlined calls and file:line included.
 
-        Unwound on the host from vmlinux's ORC tables (Debian kernels keep no
-        frame pointers); a kretprobe trampoline shows as the real return address.
+        drgn unwinds from these registers with vmlinux's ORC and DWARF; a
+        kretprobe trampoline shows as the real return address.  ``print()`` it,
+        or look at each frame's ``name``, ``pc`` and ``source()``.
         """
-        if self._symbols is None:
-            raise SymbolError("no vmlinux symbols for this hit: cannot unwind its stack")
-        addrs = unwinder_for(self._symbols).unwind(self._values, self.read, max_frames=max_frames,
-                                                   fix_return=self.fix_return)  # fmt: skip
-        return format_stack(addrs, self._symbols)
+        if self._kernel is None:
+            raise SymbolError("no vmlinux debug info for this hit: cannot unwind its stack")
+        return self._kernel.stack_trace(self._values, self.fix_return, max_frames)
 
     def __repr__(self) -> str:
         body = " ".join(f"{k}={v:#x}" for k, v in self._values.items())

@@ -14,11 +14,9 @@ import pickle
 import re
 import struct
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 
 from qprobe.errors import SymbolError
-from qprobe.kernel.btf import Btf
 from qprobe.paths import cache_dir
 
 _CACHE_VERSION = 3
@@ -64,13 +62,7 @@ class Symbols:
     def __getstate__(self) -> dict[str, object]:
         state = dict(self.__dict__)
         state["_file"] = None
-        state.pop("btf", None)
         return state
-
-    @cached_property
-    def btf(self) -> Btf:
-        """The kernel's own type information (parsed on first use, in about 30 ms)."""
-        return Btf.from_vmlinux(self.path)
 
     # -- loading -------------------------------------------------------------
     @classmethod

@@ -25,7 +25,7 @@ from qprobe.fetch import messages as M
 from . import inspect_cmds as insp
 from .collect import Aggregation, Stack, Tap
 from .output import Output
-from .parse import NO_UNWINDER, Collect, ShellUsageError, is_definition, parse_collect, split_command
+from .parse import Collect, ShellUsageError, is_definition, parse_collect, split_command
 from .render import render_table, stack_frames
 
 if TYPE_CHECKING:
@@ -57,7 +57,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "addr": ("addr ADDR", "the symbol+offset of an address"),
     "x": ("x ADDR|SYM[+OFF] [LEN]", "hex dump of kernel memory, like xxd"),
     "regs": ("regs [CPU]", "a vCPU's registers"),
-    "bt": ("bt [CPU]", "a vCPU's kernel stack"),
+    "bt": ("bt [CPU]", "a vCPU's kernel stack (drgn's, with inlined calls and file:line)"),
+    "drgn": ("drgn", "drgn's interactive mode on the live guest, `prog` bound (Ctrl-D returns)"),
     "run": ("run CMD", "run a command in the guest, with its output and exit status"),
     "py": ("py", "a Python REPL with `target` and `qprobe` bound (Ctrl-D returns)"),
     "load": ("load FILE.py", "run a file of Python API handlers with `target` in its globals"),
@@ -91,6 +92,7 @@ class Shell:
             "sym": lambda rest: insp.cmd_sym(self, rest), "addr": lambda rest: insp.cmd_addr(self, rest),
             "x": lambda rest: insp.cmd_x(self, rest), "regs": lambda rest: insp.cmd_regs(self, rest),
             "bt": lambda rest: insp.cmd_bt(self, rest), "py": lambda rest: insp.cmd_py(self, rest),
+            "drgn": lambda rest: insp.cmd_drgn(self, rest),
             "load": lambda rest: insp.cmd_load(self, rest), "gdb": lambda rest: insp.cmd_gdb(self, rest),
         }  # fmt: skip
 
@@ -320,31 +322,14 @@ class Shell:
         if agg.skipped:
             self.note(f"({agg.skipped} of {agg.total} values of {spec.key} were not numbers)")
 
-    def unwinder(self) -> Callable[[PtRegs], Stack]:
-        """``$stack``: the kernel stack at a hit, frames as bpftrace prints them."""
-        if not self.can_unwind():
-            raise ShellUsageError(f"$stack {NO_UNWINDER}")
+    @staticmethod
+    def unwinder() -> Callable[[PtRegs], Stack]:
+        """``$stack``: the kernel stack at a hit (drgn's), frames as bpftrace prints them."""
 
         def unwind(regs: PtRegs) -> Stack:
-            return stack_frames(self.stack_of(regs), self._symbolize_decimal)
+            return stack_frames(regs.stack_trace())
 
         return unwind
-
-    def can_unwind(self) -> bool:
-        from qprobe.core.regs import PtRegs
-
-        return hasattr(self.target, "stack_trace") or hasattr(PtRegs, "stack_trace")
-
-    def stack_of(self, regs: PtRegs) -> list[object]:
-        """The target's unwinder (``target.stack_trace(regs)``), else the hit's own (``regs.stack_trace()``)."""
-        stack_trace = getattr(self.target, "stack_trace", None)
-        if stack_trace is not None:
-            return list(stack_trace(regs))
-        return list(regs.stack_trace())
-
-    def _symbolize_decimal(self, addr: int) -> tuple[str, int] | None:
-        sym = self.target.symbols.containing(addr)
-        return None if sym is None else (sym.name, addr - sym.addr)
 
     def _watch(self, spec: Collect, poll: Callable[[], None]) -> RunResult | QprobeError | None:
         """Until Ctrl-C, for ``spec.seconds``, or while ``spec.command`` runs in the guest.

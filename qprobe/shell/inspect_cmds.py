@@ -1,4 +1,4 @@
-"""Shell commands that look at the kernel rather than at events: sym, addr, x, regs, bt, py, load, gdb."""
+"""Shell commands that look at the kernel rather than at events: sym, addr, x, regs, bt, drgn, py, load, gdb."""
 
 from __future__ import annotations
 
@@ -8,12 +8,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qprobe.errors import SymbolError, TargetError
+from qprobe.kernel.program import Task
 
 from . import gdbcmd
-from .parse import NO_UNWINDER, ShellUsageError, parse_int
+from .parse import ShellUsageError, parse_int
 from .render import hexdump, render_registers
 
 if TYPE_CHECKING:
+    from qprobe.api import Target
+    from qprobe.kernel.program import Stack
+
     from .core import Shell
 
 
@@ -96,7 +100,7 @@ def cmd_regs(shell: Shell, rest: str) -> None:
     shell.out.write(render_registers(regs, shell.target.symbols.symbolize))
     if not regs.get("cs", 0) & 3 and "gs_base" in regs:
         try:
-            task = shell.target.kprobes.tasks.current(regs["gs_base"])
+            task = Task.of(shell.target.kernel.current(regs["gs_base"]))
             shell.note(f"vCPU {cpu} in the kernel, current task {task.comm}-{task.pid}")
         except Exception:  # a vCPU in early entry code may not have a usable per-CPU base yet
             pass
@@ -106,35 +110,45 @@ def cmd_regs(shell: Shell, rest: str) -> None:
 
 def cmd_bt(shell: Shell, rest: str) -> None:
     cpu = _vcpu(shell, rest, "bt")
-    if not shell.can_unwind():
-        raise ShellUsageError(f"bt {NO_UNWINDER}")
-    from qprobe.core.regs import PtRegs
-
     target = shell.target
     tid = target.machine.vcpus[cpu]
-    kretprobes = getattr(target, "kretprobes", None)
 
-    def unwind() -> tuple[dict[str, int], list[object]]:
+    def unwind() -> tuple[dict[str, int], Stack | None]:
         # With every vCPU stopped, so that the stack does not change under the unwinder.
         values = target.gdb.read_registers(tid)
         if values.get("cs", 0) & 3:
-            return values, []
-        regs = PtRegs(values, tid, cpu, target.mem, target.symbols,
-                      fix_return=getattr(kretprobes, "fix_return", None))  # fmt: skip
-        return values, shell.stack_of(regs)
+            return values, None
+        return values, target.kprobes.make_regs(values, tid).stack_trace()
 
-    values, frames = target.machine.call(unwind)
-    if values.get("cs", 0) & 3:
+    values, stack = target.machine.call(unwind)
+    if stack is None:
         shell.note(f"vCPU {cpu} is in user mode (rip {values.get('rip', 0):#x}): no kernel stack")
         return
-    for frame in frames:
-        addr = frame if isinstance(frame, int) else getattr(frame, "addr", None)
-        if isinstance(addr, int):
-            sym = target.symbols.containing(addr)
-            where = f"{sym.name}+{addr - sym.addr:#x}/{sym.size:#x}" if sym is not None else f"{addr:#x}"
-            shell.out.line(f"[<0>] {where}")
-        else:
-            shell.out.line(str(frame))  # /proc/PID/stack lines, as the unwinder formats them
+    shell.out.write(f"{stack}\n")
+
+
+def cmd_drgn(shell: Shell, rest: str) -> None:
+    if rest:
+        raise ShellUsageError("usage: drgn")
+    drgn_session(shell.target)
+
+
+def drgn_session(target: Target) -> None:
+    """drgn's interactive mode on the live guest (probes stay armed): ``prog`` and ``target`` bound."""
+    import drgn.cli
+
+    prog = target.prog  # loaded before the banner, so that a vmlinux drgn cannot use is one error line
+
+    def more_globals(namespace: dict[str, object]) -> dict[str, object]:
+        return {**namespace, "target": target}
+
+    def banner(text: str) -> str:
+        return f"{text}\n>>> target  # qprobe's Target: probes stay armed; Ctrl-D returns"
+
+    try:
+        drgn.cli.run_interactive(prog, banner_func=banner, globals_func=more_globals)
+    except SystemExit:  # exit() or quit() typed in the REPL: back to the caller
+        pass
 
 
 def cmd_py(shell: Shell, rest: str) -> None:
@@ -226,4 +240,15 @@ def _gdb_index_dir() -> Path:
     return cache_dir("gdb-index")
 
 
-__all__ = ["cmd_addr", "cmd_bt", "cmd_gdb", "cmd_load", "cmd_py", "cmd_regs", "cmd_sym", "cmd_x"]
+__all__ = [
+    "cmd_addr",
+    "cmd_bt",
+    "cmd_drgn",
+    "cmd_gdb",
+    "cmd_load",
+    "cmd_py",
+    "cmd_regs",
+    "cmd_sym",
+    "cmd_x",
+    "drgn_session",
+]

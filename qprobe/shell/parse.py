@@ -14,7 +14,6 @@ from qprobe.errors import QprobeError
 
 SPECIAL_KEYS = ("$comm", "$pid", "$cpu", "$stack")
 NUMERIC_SPECIAL_KEYS = ("$pid", "$cpu")
-NO_UNWINDER = "needs the kernel stack unwinder (target.stack_trace), which this build does not have"
 # The head of a kprobe_events line: p, r, p:EV, r5:GRP/EV, -:EV ...
 _DEFINITION = re.compile(r"^(?:[pr]\d*(?::\S*)?|-\S*)$")
 _WORD = re.compile(r"\s*\S+")

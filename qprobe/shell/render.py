@@ -9,9 +9,12 @@ formats are transcribed from bpftrace's ``TextOutput`` (src/output.cpp):
 
 from __future__ import annotations
 
-import re
 import struct
 from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import drgn
 
 HIST_BAR_WIDTH = 52  # bpftrace's max_width
 STACK_INDENT = 8  # bpftrace prints kstack frames indented by 8 spaces
@@ -142,26 +145,18 @@ def parse_number(text: str) -> int | None:
         return None
 
 
-_PROC_STACK = re.compile(r"(?:\[<[0-9a-fx]+>\]\s*)?([^\s+]+)\+0x([0-9a-f]+)(?:/0x[0-9a-f]+)?")
-
-
-def stack_frames(frames: Sequence[object], symbolize: object = None) -> tuple[str, ...]:
-    """Frames as bpftrace prints kstack entries (``sym+decimal offset``).
-
-    ``frames`` may hold addresses (resolved by ``symbolize(addr) -> (name, offset) | None``),
-    ``/proc/PID/stack`` lines (``[<0>] vfs_read+0x5/0x30c``), other strings, or objects
-    with an ``addr`` attribute.
-    """
+def stack_frames(frames: Iterable[drgn.StackFrame]) -> tuple[str, ...]:
+    """drgn's frames as bpftrace prints kstack entries (``sym+decimal offset``), real frames only."""
     out = []
     for frame in frames:
-        addr = frame if isinstance(frame, int) else getattr(frame, "addr", None)
-        if isinstance(addr, int):
-            found = symbolize(addr) if callable(symbolize) else None
-            out.append(f"{found[0]}+{found[1]}" if found else f"0x{addr:x}")
+        if frame.is_inline:  # bpftrace's kstack lists return addresses, not inlined calls
             continue
-        text = str(frame).strip()
-        m = _PROC_STACK.fullmatch(text)
-        out.append(f"{m.group(1)}+{int(m.group(2), 16)}" if m else text.removeprefix("[<0>] "))
+        try:
+            sym = frame.symbol()
+        except LookupError:
+            out.append(f"0x{frame.pc:x}")
+            continue
+        out.append(f"{sym.name}+{frame.pc - sym.address}")
     return tuple(out)
 
 

@@ -205,9 +205,10 @@ def test_stack_counts_and_bt(target: qprobe.Target, shell: tuple[Shell, io.Strin
     text = do(sh, out, "count gp by $stack run workload getppid 3")
     # bpftrace's kstack key: one frame per line, 8 spaces in, decimal offsets; the syscall path under the probe.
     frame = r"\n {8}"
-    stack = rf"^@\[{frame}__x64_sys_getppid\+0{frame}do_syscall_64\+\d+(?:{frame}\S+)*\n\]: 3$"
+    stack = rf"^@\[{frame}__x64_sys_getppid\+\d+{frame}do_syscall_64\+\d+(?:{frame}\S+)*\n\]: 3$"
     assert re.search(stack, text, re.M), text
     assert do(sh, out, "-:gp").startswith("removed kprobes/gp")
     frames = do(sh, out, "bt 0").splitlines()
-    assert frames and all(re.fullmatch(r"\[<0>\] \S+\+0x[0-9a-f]+/0x[0-9a-f]+|vCPU 0 is in user mode.*", f)
-                          for f in frames), frames  # fmt: skip
+    # drgn's trace: a C function with its file:line, or entry code as symbol+offset/size.
+    frame_line = r"#\d+ +(?:\w+ \(\S+\.[chS]:\d+(?::\d+)?\)|\w+\+0x[0-9a-f]+/0x[0-9a-f]+(?: \(\S+\))?)"
+    assert frames and all(re.fullmatch(f"{frame_line}|vCPU 0 is in user mode.*", f) for f in frames), frames

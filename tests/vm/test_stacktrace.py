@@ -1,30 +1,44 @@
-"""Host-side ORC stack traces of the real default image, checked against the guest kernel's own unwinder.
+"""Stack traces in handlers (drgn's, from the hit's registers) on the real default image.
 
-The guest is the reference twice over: its ftrace kprobe events print the
-stack from a probe's registers (``options/stacktrace``), and
-``/proc/PID/stack`` prints a sleeping task's.  Both go through the kernel's
-ORC unwinder and kallsyms, so the host's lines must equal theirs character
-for character, offsets and sizes included.
+Two references that owe nothing to qprobe or drgn: the guest kernel's own
+unwinder (its ftrace kprobe events print the stack from a probe's
+registers with ``options/stacktrace``, and ``/proc/PID/stack`` prints a
+sleeping task's), for the return addresses; and binutils' addr2line on the
+same vmlinux, for the functions, inlined calls and file:line of each frame.
 """
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
+import drgn
 import pytest
 
 import qprobe
 from qprobe import Kprobe, Kretprobe
-from qprobe.kernel.orc import OrcUnwinder, format_stack
 
 from .conftest import workload_result
 
 pytestmark = pytest.mark.vm
 
 TRACING = "/sys/kernel/tracing"
-EVENT = "qprobe_orc/lseek"
+EVENT = "qprobe_stack/lseek"
 
 
-def _stack_lines(output: str) -> list[str]:
-    return [line.strip() for line in output.splitlines() if line.startswith("[<0>] ")]
+def _proc_stack_lines(output: str) -> list[str]:
+    return [line.strip().removeprefix("[<0>] ") for line in output.splitlines() if line.startswith("[<0>] ")]
+
+
+def _address(target: qprobe.Target, kallsyms_line: str) -> int:
+    """``sym+0xoff/0xsize`` (as the kernel prints a return address) -> the address."""
+    name, _, rest = kallsyms_line.partition("+")
+    return target.symbols.address(name) + int(rest.split("/")[0], 16)
+
+
+def _returns(trace: qprobe.Stack) -> list[int]:
+    """The pcs of the real frames (an inlined call shares its caller's pc)."""
+    return [frame.pc for frame in trace if not frame.is_inline]
 
 
 def _in_sched_functions(target: qprobe.Target, addr: int) -> bool:
@@ -34,10 +48,47 @@ def _in_sched_functions(target: qprobe.Target, addr: int) -> bool:
                if lo in target.symbols and hi in target.symbols)  # fmt: skip
 
 
-def _as_proc_stack(target: qprobe.Target, addrs: list[int]) -> list[str]:
-    """Our trace as /proc/PID/stack would print it for the same task: formatted, sched frames dropped."""
-    lines = format_stack(addrs, target.symbols)
-    return [line for addr, line in zip(addrs, lines, strict=True) if not _in_sched_functions(target, addr)]
+def _addr2line(target: qprobe.Target, trace: qprobe.Stack) -> list[tuple[str | None, str, int]]:
+    """(function, file, line) of every frame, inlined calls first, as binutils reads vmlinux's DWARF.
+
+    A return address is looked up at the byte before it (the call), the hit itself where it is.
+    The function is None where DWARF has none (assembly): addr2line then names the nearest
+    symbol and drgn the containing one.
+    """
+    pcs = _returns(trace)
+    looks = [pc - target.slide - (0 if i == 0 else 1) for i, pc in enumerate(pcs)]
+    out = subprocess.run(["addr2line", "-a", "-i", "-f", "-e", str(target.symbols.path), *map(hex, looks)],
+                         capture_output=True, text=True, check=True).stdout.splitlines()  # fmt: skip
+    frames: list[tuple[str | None, str, int]] = []
+    i = 0
+    while i < len(out):
+        assert out[i].startswith("0x"), out  # -a: each address, then its inlined chain, innermost first
+        i += 1
+        while i < len(out) and not out[i].startswith("0x"):
+            function, where = out[i], out[i + 1]
+            file, _, line = where.rpartition(":")
+            frames.append((None if where.endswith(".S:" + line) else function, file, int(line.split()[0])))
+            i += 2
+    return frames
+
+
+def _drgn_view(trace: qprobe.Stack) -> list[tuple[str | None, str, int]]:
+    out = []
+    for frame in trace:
+        try:
+            file, line, _column = frame.source()
+        except LookupError:
+            file, line = "??", 0
+        out.append((frame.function_name, file, line))
+    return out
+
+
+def _same_frames(ours: list[tuple[str | None, str, int]], reference: list[tuple[str | None, str, int]]) -> None:
+    """Frame for frame; addr2line prints the build directory's path, drgn the source tree's."""
+    assert len(ours) == len(reference), (ours, reference)
+    for (name, file, line), (ref_name, ref_file, ref_line) in zip(ours, reference, strict=True):
+        assert (name, Path(file).parts[-2:], line) == (ref_name, Path(ref_file).parts[-2:], ref_line), (
+            ours, reference)  # fmt: skip
 
 
 def _guest_lseek_trace_on(target: qprobe.Target) -> None:
@@ -56,7 +107,7 @@ def _guest_lseek_trace_off(target: qprobe.Target) -> str:
 
 
 def _ftrace_stacks(trace: str, task: str) -> list[list[str]]:
-    """The ``<stack trace>`` blocks of one task in an ftrace text trace: [' => sym+0x../0x..', ...] each."""
+    """The ``<stack trace>`` blocks of one task in an ftrace text trace: ['sym+0x../0x..', ...] each."""
     stacks: list[list[str]] = []
     current: list[str] | None = None
     for line in trace.splitlines():
@@ -70,22 +121,15 @@ def _ftrace_stacks(trace: str, task: str) -> list[list[str]]:
     return stacks
 
 
-def _call_target(target: qprobe.Target, ret: int) -> int:
-    """The callee of the direct ``call rel32`` that ``ret`` returns from (failing if there is none)."""
-    insn = target.read(ret - 5, 5)
-    assert insn[0] == 0xE8, f"no direct call before {target.symbols.symbolize(ret)}: {insn.hex()}"
-    return ret + int.from_bytes(insn[1:], "little", signed=True)
-
-
 def test_lseek_stack_matches_the_guest_s_own(target: qprobe.Target, guard: dict[int, bytes]) -> None:
-    unwinder = OrcUnwinder(target.symbols)
-    fix = target.kretprobes.fix_return
-    traces: list[tuple[int, list[int]]] = []
+    traces: list[tuple[int, qprobe.Stack]] = []
+    ips: list[int] = []
 
     def pre(kp: Kprobe, regs: qprobe.PtRegs) -> int:
         task = target.current_task(regs)
         if task.comm == "workload":
-            traces.append((task.pid, unwinder.unwind({**regs.as_dict()}, regs.read, fix_return=fix)))
+            traces.append((task.pid, regs.stack_trace()))
+            ips.append(regs.ip)
         return 0
 
     kp = Kprobe(symbol_name="ksys_lseek", pre_handler=pre)
@@ -101,27 +145,45 @@ def test_lseek_stack_matches_the_guest_s_own(target: qprobe.Target, guard: dict[
 
     pid = int(res["pid"])
     assert [p for p, _ in traces] == [pid] * 3
-    lines = [format_stack(addrs, target.symbols) for _, addrs in traces]
-    print("\n".join(lines[0]))
-    assert lines[0] == lines[1] == lines[2]
-    assert [line.split("+")[0] for line in lines[0]] == [
-        "[<0>] ksys_lseek", "[<0>] do_syscall_64", "[<0>] entry_SYSCALL_64_after_hwframe",
-    ]  # fmt: skip
-    assert lines[0][0].startswith("[<0>] ksys_lseek+0x0/")
-
+    print(traces[0][1])
+    ours = [_returns(trace) for _, trace in traces]
+    assert ours[0] == ours[1] == ours[2]
+    fn = target.symbols.containing(ips[0])
+    assert ours[0][0] == ips[0] and fn is not None and fn.name == "ksys_lseek"  # the hit, where it is
     # The guest's own unwinder, from its kprobe event on __x64_sys_lseek (which tail-calls
-    # ksys_lseek, so both have do_syscall_64 as their caller): the same return addresses.
+    # ksys_lseek, so both have do_syscall_64 as their caller): the same return addresses,
+    # down to where the task entered the kernel.
     guest = _ftrace_stacks(guest_trace, f"workload-{pid}")
     assert len(guest) == 3, guest_trace
     for stack in guest:
         assert stack[0].startswith("__x64_sys_lseek+"), stack
-        assert ["[<0>] " + s for s in stack[1:]] == lines[0][1:]
+        assert [_address(target, line) for line in stack[1:]] == ours[0][1:]
+    # Every frame, inlined calls included, with its function and file:line as addr2line reads them.
+    _same_frames(_drgn_view(traces[0][1]), _addr2line(target, traces[0][1]))
 
-    # And every return address follows a call to the frame below it.
-    addrs = traces[0][1]
-    assert _call_target(target, addrs[2]) == target.symbols.address("do_syscall_64")
-    callee = target.symbols.containing(_call_target(target, addrs[1]))
-    assert callee is not None and callee.name in ("x64_sys_call", "__x64_sys_lseek", "ksys_lseek")
+
+def test_three_calls_deep_lists_the_callers_in_order(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    """ksys_lseek -> vfs_llseek -> generic_file_llseek_size (through the file's llseek), each with file:line."""
+    traces: list[qprobe.Stack] = []
+
+    def pre(kp: Kprobe, regs: qprobe.PtRegs) -> None:
+        if target.current_task(regs).comm == "workload":
+            traces.append(regs.stack_trace())
+
+    kp = Kprobe(symbol_name="generic_file_llseek_size", pre_handler=pre)
+    target.register_kprobe(kp)
+    try:
+        target.run("workload lseek 2").check()
+    finally:
+        target.unregister_kprobe(kp)
+    assert len(traces) == 2
+    print(traces[0])
+    view = _drgn_view(traces[0])
+    _same_frames(view, _addr2line(target, traces[0]))
+    names = [frame.name for frame in traces[0]]
+    callers = [names.index(n) for n in ("generic_file_llseek_size", "vfs_llseek", "ksys_lseek", "do_syscall_64")]
+    assert callers == sorted(callers) and callers[0] == 0, names
+    assert all(line > 0 and file.endswith(".c") for name, file, line in view if name is not None)
 
 
 def _sleep_and_read_proc_stack(target: qprobe.Target) -> tuple[int, list[str]]:
@@ -136,21 +198,17 @@ def _sleep_and_read_proc_stack(target: qprobe.Target) -> tuple[int, list[str]]:
         .output
     )
     pid = int(next(line for line in out.splitlines() if line.startswith("pid="))[4:])
-    return pid, _stack_lines(out)
+    return pid, _proc_stack_lines(out)
 
 
 def test_sleeping_task_matches_proc_pid_stack_through_a_kretprobe(target: qprobe.Target,
                                                                   guard: dict[int, bytes]) -> None:  # fmt: skip
-    unwinder = OrcUnwinder(target.symbols)
-    kretprobes = target.kretprobes
-    fix = kretprobes.fix_return
-    seen: dict[int, tuple[list[int], list[int]]] = {}  # pid -> (unwound with fix_return, without)
+    seen: dict[int, qprobe.Stack] = {}
 
     def pre(kp: Kprobe, regs: qprobe.PtRegs) -> int:
         task = target.current_task(regs)
         if task.comm == "sleep":
-            now = {**regs.as_dict()}
-            seen[task.pid] = (unwinder.unwind(now, regs.read, fix_return=fix), unwinder.unwind(now, regs.read))
+            seen[task.pid] = regs.stack_trace()
         return 0
 
     # 1. No return probe: the guest's own view of the sleeping task is the reference.
@@ -160,14 +218,16 @@ def test_sleeping_task_matches_proc_pid_stack_through_a_kretprobe(target: qprobe
         pid, reference = _sleep_and_read_proc_stack(target)
     finally:
         target.unregister_kprobe(kp)
-    plain, _ = seen[pid]
-    assert target.symbols.symbolize(plain[0]) == "do_nanosleep+0x0"
+    plain = _returns(seen[pid])
+    fn = target.symbols.containing(plain[0])
+    assert fn is not None and fn.name == "do_nanosleep"
     assert _in_sched_functions(target, plain[0])  # __sched: the kernel leaves it out of /proc/PID/stack
     assert [line.split("+")[0] for line in reference] == [
-        "[<0>] hrtimer_nanosleep", "[<0>] common_nsleep", "[<0>] __x64_sys_clock_nanosleep",
-        "[<0>] do_syscall_64", "[<0>] entry_SYSCALL_64_after_hwframe",
+        "hrtimer_nanosleep", "common_nsleep", "__x64_sys_clock_nanosleep", "do_syscall_64",
+        "entry_SYSCALL_64_after_hwframe",
     ], reference  # fmt: skip
-    assert _as_proc_stack(target, plain) == reference
+    expected = [_address(target, line) for line in reference]
+    assert [a for a in plain if not _in_sched_functions(target, a)] == expected
 
     # 2. hrtimer_nanosleep return-probed: its return address on the guest stack is our trampoline.
     seen.clear()
@@ -188,14 +248,14 @@ def test_sleeping_task_matches_proc_pid_stack_through_a_kretprobe(target: qprobe
             target.unregister_kprobe(kp)
     finally:
         target.unregister_kretprobe(rp)
-    fixed, raw = seen[pid]
+    fixed = _returns(seen[pid])
+    print(seen[pid])
     ours = target.kprobes.scratch.contains  # the trampolines (the host's, or the instance's own) live there
-    print("\n".join(format_stack(fixed, target.symbols)))
     assert not any(ours(a) for a in fixed)
-    assert _as_proc_stack(target, fixed) == reference  # frame for frame, offsets and sizes too
+    assert [a for a in fixed if not _in_sched_functions(target, a)] == expected  # frame for frame
     assert returns.get(pid) == fixed[2]  # the instance's saved return address (into common_nsleep)
-    # Without fix_return the walk meets the trampoline where hrtimer_nanosleep returns, and stops there.
-    assert raw[:2] == fixed[:2] and len(raw) == 3 and ours(raw[2])
-    # The guest's own unwinder stops there too: the trampoline is not kernel text to it.
+    # The guest's own unwinder stops at the trampoline: it is not kernel text to it.
     assert guest_view == reference[:1]
-    assert rp.nhit >= 1 and not kretprobes.live_instances(rp)
+    assert rp.nhit >= 1 and not target.kretprobes.live_instances(rp)
+    # The frames are drgn's own: file:line for the C ones.
+    assert isinstance(seen[pid][0], drgn.StackFrame) and seen[pid][0].source()[0] == "kernel/time/hrtimer.c"

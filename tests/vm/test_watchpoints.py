@@ -12,7 +12,7 @@ pytestmark = pytest.mark.vm
 
 
 def test_write_watchpoint_catches_sethostname(target: qprobe.Target) -> None:
-    nodename = target.symbols.btf.offsetof("uts_namespace", "name.nodename")
+    nodename = target.kernel.type_offset("struct uts_namespace", "name.nodename")
     where: list[str] = []
     wp = Watchpoint(symbol_name="init_uts_ns", offset=nodename, length=8,
                     handler=lambda w, regs: where.append(target.symbols.symbolize(regs.ip).split("+")[0]))  # fmt: skip
@@ -43,7 +43,7 @@ def test_watchpoint_on_unmapped_memory_is_refused(target: qprobe.Target) -> None
 
 
 def test_watchpoint_reports_every_change_with_old_and_new_values(target: qprobe.Target) -> None:
-    domain = target.symbols.btf.offsetof("uts_namespace", "name.domainname")
+    domain = target.kernel.type_offset("struct uts_namespace", "name.domainname")
     changes: list[tuple[bytes, bytes]] = []
     wp = Watchpoint(symbol_name="init_uts_ns", offset=domain, length=8,
                     handler=lambda w, regs: changes.append((w.old_value, w.new_value)))  # fmt: skip

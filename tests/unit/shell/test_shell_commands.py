@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from shell_fakes import BANNER, FakeTarget, make_shell
 
@@ -148,28 +150,31 @@ def test_hist_by_argument() -> None:
     assert run(shell, out, "hist rd by $comm")[0].startswith("error: hist needs a numeric key")
 
 
-def test_stack_key_needs_an_unwinder(monkeypatch: pytest.MonkeyPatch) -> None:
-    from qprobe.core.regs import PtRegs
+class _Frame:
+    """What the shell uses of a drgn StackFrame."""
 
-    monkeypatch.delattr(PtRegs, "stack_trace", raising=False)
-    shell, _t, out = make_shell()
-    run(shell, out, "p:gp __x64_sys_getppid")
-    no = "needs the kernel stack unwinder (target.stack_trace), which this build does not have"
-    assert run(shell, out, "count gp by $stack for 0.1") == [f"error: $stack {no}"]
-    assert run(shell, out, "bt 1") == [f"error: bt {no}"]
+    def __init__(self, pc: int, symbol: tuple[str, int] | None, inline: bool = False) -> None:
+        self.pc, self._symbol, self.is_inline = pc, symbol, inline
+
+    def symbol(self) -> SimpleNamespace:
+        if self._symbol is None:
+            raise LookupError(f"could not find symbol containing {self.pc:#x}")
+        return SimpleNamespace(name=self._symbol[0], address=self._symbol[1])
 
 
-def test_stack_frames_from_the_target_or_from_the_hit() -> None:
-    shell, t, _out = make_shell()
+def test_stack_key_is_bpftrace_s_kstack_of_the_hit() -> None:
+    shell, _t, _out = make_shell()
+    frames = [_Frame(0xFFFF_FFFF_8130_0000, ("__x64_sys_getppid", 0xFFFF_FFFF_8130_0000)),
+              _Frame(0xFFFF_FFFF_8100_105B, ("do_syscall_64", 0xFFFF_FFFF_8100_1000), inline=True),
+              _Frame(0xFFFF_FFFF_8100_105B, ("do_syscall_64", 0xFFFF_FFFF_8100_1000)),
+              _Frame(0xFFFF_FFFF_C000_1234, None)]  # fmt: skip
 
     class Regs:
-        def stack_trace(self) -> list[str]:
-            return ["[<0>] __x64_sys_getppid+0x0/0x40", "[<0>] do_syscall_64+0x5b/0xc0", "0xffffffffc0001234"]
+        def stack_trace(self) -> list[_Frame]:
+            return frames
 
-    unwind = shell.unwinder()
-    assert unwind(Regs()) == ("__x64_sys_getppid+0", "do_syscall_64+91", "0xffffffffc0001234")  # type: ignore[arg-type]
-    t.stack_trace = lambda regs: [t.symbols.address("vfs_read") + 5, "ksys_read+103"]  # type: ignore[attr-defined]
-    assert shell.unwinder()(Regs()) == ("vfs_read+5", "ksys_read+103")  # type: ignore[arg-type]
+    # Real frames only (an inlined call has no return address of its own), decimal offsets.
+    assert shell.unwinder()(Regs()) == ("__x64_sys_getppid+0", "do_syscall_64+91", "0xffffffffc0001234")  # type: ignore[arg-type]
 
 
 def test_stack_key_counts_stacks_unwound_in_the_handler() -> None:

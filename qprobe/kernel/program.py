@@ -1,0 +1,281 @@
+"""The running guest kernel as a drgn ``Program``: typed data, drgn's helpers and stack traces.
+
+drgn reads guest *physical* memory through qprobe's own reader (the shared
+RAM file, or the stub's physical mode) and walks the page tables from
+``swapper_pg_dir`` itself, as it does for a kdump.  What it needs to know
+about the running kernel is the VMCOREINFO text the guest keeps at
+``*vmcoreinfo_data`` (OSRELEASE, KERNELOFFSET, 5-level paging...); a kernel
+built without CONFIG_CRASH_CORE has none, and qprobe writes the same lines
+itself from vmlinux and the KASLR slide it found.  Types, variables and
+stack traces then come from vmlinux's DWARF and ORC, KASLR undone by drgn.
+
+What drgn keeps between reads of a live kernel: types, symbols and the ORC
+and DWARF indexes (all from the vmlinux file, so they never go stale), and
+nothing of guest memory: every translation starts its page-table walk
+afresh, a reference ``Object`` reads memory each time a value is asked of
+it, and only ``Object.read_()`` (or a value object such as ``current``'s
+pointer) is a snapshot.  ``tests/vm/test_drgn.py`` checks values that change
+between two hits.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING, overload
+
+import drgn
+
+from qprobe.errors import SymbolError
+from qprobe.target.memory import GuestMemory, MemoryFault
+
+if TYPE_CHECKING:
+    from qprobe.kernel.symbols import Symbols
+
+START_KERNEL_MAP = 0xFFFF_FFFF_8000_0000  # __START_KERNEL_map: the kernel image's virtual base
+# struct pt_regs, as arch/x86/include/asm/ptrace.h lays it out (the ptrace ABI: it never moves).
+PT_REGS_ORDER = ("r15", "r14", "r13", "r12", "bp", "bx", "r11", "r10", "r9", "r8",
+                 "ax", "cx", "dx", "si", "di", "orig_ax", "ip", "cs", "flags", "sp", "ss")  # fmt: skip
+_PT_REGS = struct.Struct(f"<{len(PT_REGS_ORDER)}Q")
+# drgn's DWARF register names for the frame registers that go back into a pt_regs.
+_DWARF_TO_PT = {"rax": "ax", "rbx": "bx", "rcx": "cx", "rdx": "dx", "rsi": "si", "rdi": "di", "rbp": "bp",
+                "rsp": "sp", "rip": "ip", "r8": "r8", "r9": "r9", "r10": "r10", "r11": "r11", "r12": "r12",
+                "r13": "r13", "r14": "r14", "r15": "r15"}  # fmt: skip
+_MASK = (1 << 64) - 1
+
+
+def vmcoreinfo(symbols: Symbols, mem: GuestMemory) -> bytes:
+    """The guest's own VMCOREINFO text, or the same lines written from vmlinux and the slide."""
+    if "vmcoreinfo_data" in symbols and "vmcoreinfo_size" in symbols:
+        data = mem.read_u64(symbols.address("vmcoreinfo_data"))
+        size = mem.read_u64(symbols.address("vmcoreinfo_size"))
+        if data and 0 < size <= 1 << 16:  # filled by crash_save_vmcoreinfo_init() at boot
+            text = mem.read(data, size)
+            if b"OSRELEASE=" in text and b"KERNELOFFSET=" in text:
+                return text
+    return synthetic_vmcoreinfo(symbols, mem)
+
+
+def synthetic_vmcoreinfo(symbols: Symbols, mem: GuestMemory) -> bytes:
+    """The VMCOREINFO lines drgn reads, as kernel/crash_core.c and arch/x86/kernel/machine_kexec_64.c write them."""
+    sym = symbols.lookup("linux_banner")
+    banner = symbols.file_bytes(sym.addr, sym.size)
+    release = re.match(rb"Linux version (\S+)", banner)
+    if release is None:
+        raise SymbolError(f"{symbols.path.name}: linux_banner does not name a release: cannot describe the kernel")
+    # On x86_64 swapper_pg_dir is init_top_pgt (#define in pgtable_64.h), and phys_base is where the
+    # image was loaded minus where it was linked to load: __pa_symbol(x) = x - __START_KERNEL_map + phys_base.
+    pgd = symbols.address("init_top_pgt")
+    text = symbols.address("_text")
+    phys_base = (mem.virt_to_phys(text) - (text - START_KERNEL_MAP)) & _MASK
+    lines = [
+        f"OSRELEASE={release.group(1).decode()}",
+        f"BUILD-ID={symbols.build_id}",
+        "PAGESIZE=4096",
+        f"SYMBOL(swapper_pg_dir)={pgd:x}",
+        f"NUMBER(phys_base)={phys_base}",
+        f"NUMBER(pgtable_l5_enabled)={int(mem.levels == 5)}",
+        f"KERNELOFFSET={symbols.slide:x}",
+    ]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def open_program(symbols: Symbols, mem: GuestMemory) -> drgn.Program:
+    """A drgn Program over the live guest: physical memory through ``mem``'s reader, debug info from vmlinux."""
+    prog = drgn.Program(drgn.Platform(drgn.Architecture.X86_64, drgn.PlatformFlags.IS_64_BIT
+                                      | drgn.PlatformFlags.IS_LITTLE_ENDIAN))  # fmt: skip
+    phys = mem.phys
+
+    def read(address: int, count: int, offset: int, physical: bool) -> bytes:
+        try:
+            return phys.read_phys(address, count)
+        except MemoryFault as exc:
+            raise drgn.FaultError(str(exc), address) from None
+
+    # The whole physical address space: the reader itself refuses what is not RAM (the PCI hole).
+    prog.add_memory_segment(0, 1 << 52, read, physical=True)
+    prog.set_linux_kernel_custom(vmcoreinfo(symbols, mem), True)
+    try:
+        prog.load_debug_info([str(symbols.path)])
+    except drgn.MissingDebugInfoError as exc:
+        # Loaded modules without debug info are reported too; only vmlinux's own absence matters.
+        if not prog.main_module().wants_debug_file() and prog.main_module().loaded_file_path:
+            return prog
+        raise SymbolError(f"drgn cannot use {symbols.path.name}: {str(exc).splitlines()[0]}") from None
+    return prog
+
+
+@dataclass(frozen=True)
+class Task:
+    """A snapshot of a guest task, taken at a hit: its address, pid (thread id), tgid and comm."""
+
+    addr: int
+    pid: int
+    tgid: int
+    comm: str
+
+    @classmethod
+    def of(cls, task: drgn.Object) -> Task:
+        return cls(task.value_(), task.pid.value_(), task.tgid.value_(), task.comm.string_().decode(errors="replace"))
+
+    def __str__(self) -> str:
+        return f"{self.comm}-{self.pid}"
+
+
+class Stack(Sequence[drgn.StackFrame]):
+    """A kernel stack, innermost first: drgn's frames, an inlined call as a frame of its own.
+
+    ``str()`` prints it as drgn prints a ``StackTrace``: ``#0  ksys_lseek (fs/read_write.c:380:9)``.
+    """
+
+    def __init__(self, frames: Sequence[drgn.StackFrame]) -> None:
+        self.frames = tuple(frames)
+
+    @overload
+    def __getitem__(self, i: int) -> drgn.StackFrame: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[drgn.StackFrame]: ...
+    def __getitem__(self, i: int | slice) -> drgn.StackFrame | Sequence[drgn.StackFrame]:
+        return self.frames[i]
+
+    def __len__(self) -> int:
+        return len(self.frames)
+
+    def __iter__(self) -> Iterator[drgn.StackFrame]:
+        return iter(self.frames)
+
+    def __str__(self) -> str:
+        return "\n".join(f"#{i:<2} {describe(frame)}" for i, frame in enumerate(self.frames))
+
+    def __repr__(self) -> str:
+        return f"<Stack of {len(self.frames)} frames>"
+
+
+def describe(frame: drgn.StackFrame) -> str:
+    """``name (file:line:column)`` where DWARF knows the frame, else ``symbol+0xoff/0xsize``, else the pc."""
+    where = frame.function_name
+    if where is None:  # no DWARF for this pc (entry code, a module): the ELF symbol, as /proc/PID/stack
+        try:
+            sym = frame.symbol()
+            where = f"{sym.name}+{frame.pc - sym.address:#x}/{sym.size:#x}"
+        except LookupError:
+            where = f"{frame.pc:#x}"
+    try:
+        file, line, column = frame.source()
+    except LookupError:
+        return where
+    return f"{where} ({file}:{line}:{column})" if column else f"{where} ({file}:{line})"
+
+
+class KernelData:
+    """The guest kernel's data through drgn, for handlers, events and the shell.
+
+    The Program is created on first use (about 0.3 s for Debian's debug
+    vmlinux) and kept for the life of the target.
+    """
+
+    def __init__(self, symbols: Symbols, mem: GuestMemory) -> None:
+        self.symbols = symbols
+        self.mem = mem
+        self._lock = threading.Lock()
+        self._prog: drgn.Program | None = None
+        self._params: dict[str, list[str]] = {}
+
+    @property
+    def prog(self) -> drgn.Program:
+        if self._prog is None:
+            with self._lock:
+                if self._prog is None:
+                    self._prog = open_program(self.symbols, self.mem)
+        return self._prog
+
+    def type_offset(self, type_name: str, member: str) -> int:
+        """offsetof(type, member) from the debug info (``member`` may be a path: ``name.nodename``)."""
+        try:
+            return drgn.offsetof(self.prog.type(type_name), member)
+        except LookupError as exc:
+            raise SymbolError(f"{type_name}.{member}: {exc}") from None
+
+    # -- current -------------------------------------------------------------------------
+    @cached_property
+    def current_task_offset(self) -> int:
+        """The per-CPU offset of the running task's pointer (``this_cpu_read(current_task)``).
+
+        Linux up to 6.1 has a per-CPU ``current_task``; 6.2 moved it into
+        ``struct pcpu_hot`` ("x86/percpu: Move current_task to pcpu_hot"); 6.15
+        made it a per-CPU variable of its own again (in the cache-hot section).
+        """
+        prog = self.prog
+        try:
+            return prog["current_task"].address_
+        except KeyError:
+            pass
+        try:
+            hot = prog["pcpu_hot"]
+        except KeyError:
+            raise SymbolError("this kernel has neither current_task nor pcpu_hot: cannot find current") from None
+        return hot.address_ + drgn.offsetof(hot.type_, "current_task")
+
+    @cached_property
+    def offsets(self) -> tuple[int, int, int, int]:
+        """For code generated into the guest: per-CPU offset of current, offsetof task_struct pid, tgid, comm."""
+        task = self.prog.type("struct task_struct")
+        return (self.current_task_offset, drgn.offsetof(task, "pid"), drgn.offsetof(task, "tgid"),
+                drgn.offsetof(task, "comm"))  # fmt: skip
+
+    def current(self, gs_base: int) -> drgn.Object:
+        """``current`` on a vCPU stopped in kernel mode (``gs_base`` is its per-CPU base): a task_struct pointer."""
+        return drgn.Object(self.prog, "struct task_struct *", address=gs_base + self.current_task_offset).read_()
+
+    def task(self, addr: int) -> drgn.Object:
+        return drgn.Object(self.prog, "struct task_struct *", value=addr)
+
+    # -- functions -------------------------------------------------------------------------
+    def params(self, function: str) -> list[str]:
+        """The parameter names of a kernel function, in order, from its debug info."""
+        if function not in self._params:
+            try:
+                fn = self.prog.function(function)
+            except LookupError:
+                raise SymbolError(f"no debug info for the function {function}") from None
+            self._params[function] = [p.name or f"arg{i + 1}" for i, p in enumerate(fn.type_.parameters)]
+        return self._params[function]
+
+    # -- stacks ----------------------------------------------------------------------------
+    def pt_regs(self, values: dict[str, int]) -> drgn.Object:
+        """A ``struct pt_regs`` value holding pt_regs-named registers (absent ones are zero)."""
+        raw = _PT_REGS.pack(*(values.get(name, 0) & _MASK for name in PT_REGS_ORDER))
+        return drgn.Object.from_bytes_(self.prog, "struct pt_regs", raw)
+
+    def stack_trace(self, values: dict[str, int], fix_return: Callable[[int, int], int] | None = None,
+                    max_frames: int = 64) -> Stack:  # fmt: skip
+        """drgn's trace from registers (pt_regs names), through kretprobe trampolines.
+
+        A return address that is one of our trampolines (``fix_return(slot, value)``
+        gives the real one) stops drgn, which has no unwind data for it: the walk
+        goes on from that frame's registers with the real return address, as the
+        kernel's own unwinder does with kretprobe_find_ret_addr().
+        """
+        frames: list[drgn.StackFrame] = []
+        regs = values
+        while len(frames) < max_frames:
+            trace = self.prog.stack_trace(self.pt_regs(regs))
+            resume = None
+            for frame in trace:
+                if len(frames) == max_frames or not frame.pc >> 63:
+                    break  # the kernel stack ends where the task entered the kernel from user mode
+                real = fix_return(frame.sp - 8, frame.pc) if fix_return is not None and not frame.is_inline else None
+                if real is not None and real != frame.pc:
+                    # The trampoline took the place of the return address at sp - 8 (popped by the ret).
+                    resume = {_DWARF_TO_PT[k]: v for k, v in frame.registers().items() if k in _DWARF_TO_PT}
+                    resume["ip"] = real
+                    break
+                frames.append(frame)
+            if resume is None:
+                break
+            regs = resume
+        return Stack(frames)

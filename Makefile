@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-DEBS   := qemu-system-x86 busybox-static cpio gdb e2fsprogs gcc libc6-dev
+DEBS   := qemu-system-x86 busybox-static cpio gdb e2fsprogs gcc libc6-dev tmux
 
 .PHONY: all setup system-deps venv image run test test-matrix unit vm lint bench soak clean
 

@@ -215,6 +215,20 @@ def cmd_shell(args: argparse.Namespace) -> int:
         return run_shell(target)
 
 
+def cmd_drgn(args: argparse.Namespace) -> int:
+    """drgn's interactive mode on a booted (or attached) guest, EVENTs armed while it runs."""
+    from qprobe.shell.inspect_cmds import drgn_session
+
+    _check_image(args)
+    if not getattr(args, "attach", None) and not args.quiet:
+        print(f"qprobe: booting {args.image} ({args.smp} vCPUs)...", file=sys.stderr, flush=True)
+    with _boot(args) as target:
+        for definition in args.events:
+            target.add_event(definition)
+        drgn_session(target)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from qprobe.demo import run_demo
 
@@ -299,6 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("shell", help="an interactive shell: kprobe_events definitions, live hits, counts, histograms")
     _target_options(p)
     p.set_defaults(func=cmd_shell)
+
+    p = sub.add_parser("drgn", help="drgn's interactive mode on the live guest (`prog` bound, EVENTs armed)")
+    _target_options(p)
+    p.add_argument("events", nargs="*", metavar="EVENT", help="kprobe_events definitions to arm for the session")
+    p.set_defaults(func=cmd_drgn)
 
     p = sub.add_parser("demo", help="boot the default image with demonstration probes (make run)")
     _target_options(p, attach=False)

@@ -71,7 +71,7 @@ def synthetic_vmcoreinfo(symbols: Symbols, mem: GuestMemory) -> bytes:
     # image was loaded minus where it was linked to load: __pa_symbol(x) = x - __START_KERNEL_map + phys_base.
     pgd = symbols.address("init_top_pgt")
     text = symbols.address("_text")
-    phys_base = (mem.virt_to_phys(text) - (text - START_KERNEL_MAP)) & _MASK
+    phys_base = mem.virt_to_phys(text) - (text - START_KERNEL_MAP)  # printed signed, as VMCOREINFO_NUMBER does
     lines = [
         f"OSRELEASE={release.group(1).decode()}",
         f"BUILD-ID={symbols.build_id}",
@@ -84,8 +84,11 @@ def synthetic_vmcoreinfo(symbols: Symbols, mem: GuestMemory) -> bytes:
     return ("\n".join(lines) + "\n").encode()
 
 
-def open_program(symbols: Symbols, mem: GuestMemory) -> drgn.Program:
-    """A drgn Program over the live guest: physical memory through ``mem``'s reader, debug info from vmlinux."""
+def open_program(symbols: Symbols, mem: GuestMemory, info: bytes | None = None) -> drgn.Program:
+    """A drgn Program over the live guest: physical memory through ``mem``'s reader, debug info from vmlinux.
+
+    ``info`` is the VMCOREINFO text to describe the kernel with (default: ``vmcoreinfo()``'s).
+    """
     prog = drgn.Program(drgn.Platform(drgn.Architecture.X86_64, drgn.PlatformFlags.IS_64_BIT
                                       | drgn.PlatformFlags.IS_LITTLE_ENDIAN))  # fmt: skip
     phys = mem.phys
@@ -98,7 +101,7 @@ def open_program(symbols: Symbols, mem: GuestMemory) -> drgn.Program:
 
     # The whole physical address space: the reader itself refuses what is not RAM (the PCI hole).
     prog.add_memory_segment(0, 1 << 52, read, physical=True)
-    prog.set_linux_kernel_custom(vmcoreinfo(symbols, mem), True)
+    prog.set_linux_kernel_custom(vmcoreinfo(symbols, mem) if info is None else info, True)
     try:
         prog.load_debug_info([str(symbols.path)])
     except drgn.MissingDebugInfoError as exc:

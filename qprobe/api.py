@@ -13,10 +13,10 @@
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import logging
 import os
-import shutil
 import signal
 import threading
 import time
@@ -39,7 +39,7 @@ from qprobe.errors import ProbeError, QprobeError, SymbolError, TargetError, Tar
 from qprobe.kernel.kaslr import detect_slide
 from qprobe.kernel.program import KernelData, Task
 from qprobe.kernel.symbols import Symbols
-from qprobe.paths import cache_dir
+from qprobe.paths import cache_dir, write_private
 from qprobe.target.connection import Connection
 from qprobe.target.console import Console, RunResult
 from qprobe.target.gdbmi import GdbMiRemote
@@ -135,7 +135,7 @@ class Target:
                 self.gdb.load_symbols(self.symbols.path, self.slide, index_dir=cache_dir("gdb-index"))
                 self.timings["gdb symbols"] = time.monotonic() - t
             self.cmdline = self._read_cmdline()
-            self.journal = Journal(gdb_address, f"{self.symbols.build_id}:{self.slide:#x}")
+            self.journal = Journal(vm_identity(self.symbols, self.slide, self.mem))
             self.kernel = KernelData(self.symbols, self.mem)
             self.recovered = recover(self.gdb, self.kernel, self.journal)
             self.machine = Machine(self.gdb, self.mem, self.journal)
@@ -177,7 +177,7 @@ class Target:
         if self.qemu is None or not self.qemu.console_log.exists():
             return None
         dest = cache_dir("logs") / f"console-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
-        shutil.copyfile(self.qemu.console_log, dest)
+        write_private(dest, self.qemu.console_log.read_bytes())
         return dest
 
     def _exit_hint(self) -> str | None:
@@ -453,6 +453,28 @@ class Target:
             self.console.close()
         if self.qemu is not None:
             self.qemu.terminate()
+
+
+# struct fixed_percpu_data { char gs_base[40]; unsigned long stack_canary; }: fixed by the x86_64 ABI (%gs:40).
+STACK_CANARY = 40
+
+
+def vm_identity(symbols: Symbols, slide: int, mem: GuestMemory) -> str:
+    """What tells this boot of this VM from every other: the name of its undo journal.
+
+    The build-id and KASLR slide, and a digest of numbers the kernel drew at
+    random while booting (the boot CPU's stack canary, the randomized bases of
+    the direct map, vmalloc and vmemmap), so that two VMs of one kernel booted
+    with nokaslr still differ, and every address spelling of one VM agrees.
+    """
+    drawn = []
+    if "fixed_percpu_data" in symbols.percpu and "__per_cpu_offset" in symbols:
+        cpu0 = mem.read_u64(symbols.address("__per_cpu_offset"))
+        drawn.append(mem.read_u64(cpu0 + symbols.percpu["fixed_percpu_data"] + STACK_CANARY))
+    drawn += [mem.read_u64(symbols.address(n)) for n in ("page_offset_base", "vmalloc_base", "vmemmap_base")
+              if n in symbols]  # fmt: skip
+    digest = hashlib.sha256(b"".join(v.to_bytes(8, "little") for v in drawn)).hexdigest()[:16]
+    return f"{symbols.build_id}-{slide:x}-{digest}"
 
 
 def fully_preemptible(symbols: Symbols, cmdline: str) -> bool:

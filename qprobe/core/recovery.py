@@ -34,7 +34,7 @@ from qprobe.arch.x86_64.retdetour import INSTANCE_SIZE, TRAMP_STRIDE, TRAMPOLINE
 from qprobe.errors import QprobeError
 from qprobe.kernel.program import KernelData
 from qprobe.target.gdbremote import GdbRemote
-from qprobe.target.journal import Journal, Patch
+from qprobe.target.journal import Journal, JournalError, Patch
 
 log = logging.getLogger("qprobe.recovery")
 SCRATCH_SIZE = 2 << 20
@@ -165,15 +165,33 @@ class _Recovery:
         raise RuntimeError(f"vCPU {tid} did not leave the scratch area")
 
 
+def check_journal_matches(gdb: GdbRemote, journal: Journal, patches: list[Patch]) -> None:
+    """Refuse, before anything is written, a journal whose bytes the guest does not hold.
+
+    Every place the journal lists must hold qprobe's bytes or the original
+    ones (already put back); anything else means the journal is not about
+    this guest as it is now, and restoring from it would corrupt it.  Return
+    addresses on stacks are not checked: the call may have returned since.
+    """
+    gdb.set_physical(True)
+    for p in patches:
+        if p.what == "retaddr":
+            continue
+        now = gdb.read_memory(p.phys, len(p.new))
+        if now not in (p.new, p.old):
+            raise JournalError(
+                f"the undo journal {journal.path} does not match this guest: {p.what} at {p.virt:#x} holds "
+                f"{now.hex()}, neither qprobe's {p.new.hex()} nor the original {p.old.hex()}; nothing was restored "
+                "(if the guest was rebooted since, delete the file)"
+            )
+
+
 def recover(gdb: GdbRemote, kernel: KernelData, journal: Journal) -> int:
     """Undo an earlier qprobe's patches in this guest; returns how many were restored."""
-    identity, patches = journal.load()
+    patches = journal.load()
     if not patches:
         return 0
-    if identity != journal.identity:
-        log.warning("ignoring a stale journal from another boot of this VM (%s)", identity)
-        journal.clear()
-        return 0
+    check_journal_matches(gdb, journal, patches)
     r = _Recovery(gdb, kernel, patches, journal.left_meta)
     vcpus = gdb.threads()
     for tid in vcpus:

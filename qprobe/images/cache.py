@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from qprobe.errors import ImageError
+from qprobe import paths
 
 __all__ = [
     "atomic_dir",
@@ -39,31 +39,19 @@ TMP_PREFIX = ".tmp-"
 
 
 def cache_dir() -> Path:
-    """The cache root, created (mode 0700) if missing."""
-    env = os.environ.get("QPROBE_CACHE")
-    root = Path(env).expanduser() if env else Path.home() / ".cache" / "qprobe"
-    try:
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ImageError(f"cannot create the cache directory {root}: {exc.strerror}; set QPROBE_CACHE") from exc
-    return root
+    """The cache root, created (mode 0700) if missing; refused if others could write to it."""
+    return paths.cache_dir()
 
 
 def subdir(*parts: str) -> Path:
     """A directory inside the cache, created with mode 0700."""
-    path = cache_dir().joinpath(*parts)
-    try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ImageError(f"cannot create {path}: {exc.strerror}; check QPROBE_CACHE") from exc
-    return path
+    return paths.cache_dir(*parts)
 
 
 @contextlib.contextmanager
 def locked(directory: Path, name: str) -> Iterator[None]:
     """Hold an exclusive lock named ``name`` in ``directory`` for the block."""
-    lock = directory / f".lock-{name}"
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = paths.open_nofollow(directory / f".lock-{name}", os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield

@@ -1,25 +1,28 @@
 """vmlinux symbols through LIEF, cached by build-id, with the KASLR slide applied.
 
 Parsing the 590 MB debug vmlinux skips relocations and dynamic symbols (0.6-2 s
-instead of 30 s); the result is cached in a pickle keyed by the build-id, so
-later loads take a fraction of that.  All addresses handed out are *running*
-addresses: link-time address + ``slide``.
+instead of 30 s); the result is cached as JSON keyed by the build-id, so
+later loads take a fraction of that (JSON, not pickle: a cache file is data,
+and loading it must never run code, whoever wrote it).  All addresses handed
+out are *running* addresses: link-time address + ``slide``.
 """
 
 from __future__ import annotations
 
+import array
+import base64
 import bisect
+import json
 import mmap
-import pickle
 import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from qprobe.errors import SymbolError
-from qprobe.paths import cache_dir
+from qprobe.paths import cache_dir, read_private, write_private
 
-_CACHE_VERSION = 3
+_CACHE_VERSION = 4
 LINK_BASE = 0xFFFF_FFFF_8100_0000  # __START_KERNEL with CONFIG_PHYSICAL_START=0x1000000
 
 
@@ -59,11 +62,6 @@ class Symbols:
             self._by_name.setdefault(n, i)  # the first, as kallsyms_lookup_name does
         self._file: mmap.mmap | None = None
 
-    def __getstate__(self) -> dict[str, object]:
-        state = dict(self.__dict__)
-        state["_file"] = None
-        return state
-
     # -- loading -------------------------------------------------------------
     @classmethod
     def load(cls, path: str | Path, system_map: str | Path | None = None) -> Symbols:
@@ -72,24 +70,26 @@ class Symbols:
         if not path.is_file():
             raise SymbolError(f"vmlinux {path} does not exist")
         build_id = read_build_id(path)
-        cached = cache_dir("symbols") / f"{build_id}.pickle"
-        if cached.exists():
-            try:
-                version, table = pickle.loads(cached.read_bytes())
-                if version == _CACHE_VERSION and isinstance(table, cls):
-                    table.path = path
-                    return table
-            except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError):
-                pass  # a corrupt or outdated cache is rebuilt below
+        cached = cache_dir("symbols") / f"{build_id}.json"
+        found = _from_cache(read_private(cached), build_id)
+        if found is not None:
+            return cls(path, build_id, *found)
         syms, sections, percpu = _parse_with_lief(path, system_map)
         table = cls(path, build_id, syms, sections, percpu)
-        # The whole indexed table is cached, not the raw symbols: sorting and
-        # indexing 120k rows costs as much as LIEF's parse.
-        tmp = cached.with_suffix(".tmp")
-        tmp.write_bytes(pickle.dumps((_CACHE_VERSION, table), protocol=pickle.HIGHEST_PROTOCOL))
-        tmp.chmod(0o600)
-        tmp.replace(cached)
+        write_private(cached, table._cache_bytes())
+        cached.with_suffix(".pickle").unlink(missing_ok=True)  # the format of earlier versions
         return table
+
+    def _cache_bytes(self) -> bytes:
+        # Columns, not a list per symbol: JSON decodes a few long strings several times faster.
+        data = {"version": _CACHE_VERSION, "build_id": self.build_id,
+                "names": [n for _a, _s, n, _k in self._rows],
+                "addrs": _pack([a for a, _s, _n, _k in self._rows]),
+                "sizes": _pack([s for _a, s, _n, _k in self._rows]),
+                "kinds": "".join(_KIND_CODES[k] for _a, _s, _n, k in self._rows),
+                "sections": [[s.name, s.addr, s.size, s.offset, s.executable] for s in self.sections],
+                "percpu": self.percpu}  # fmt: skip
+        return json.dumps(data, separators=(",", ":")).encode()
 
     # -- lookups (running addresses) -----------------------------------------
     def __contains__(self, name: str) -> bool:
@@ -198,6 +198,54 @@ class Symbols:
     def is_text(self, addr: int) -> bool:
         sec = self.section_at(addr)
         return sec is not None and sec.executable and not sec.name.startswith(".init")
+
+
+_Cached = tuple[list[tuple[str, int, int, str]], list[Section], dict[str, int]]
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} in a symbol cache")
+
+
+def _pack(values: list[int]) -> str:
+    return base64.b64encode(array.array("Q", values).tobytes()).decode()
+
+
+def _unpack(text: str, count: int) -> list[int]:
+    values = array.array("Q")
+    values.frombytes(base64.b64decode(text, validate=True))
+    if len(values) != count:
+        raise ValueError("a symbol cache column of the wrong length")
+    return values.tolist()
+
+
+_KIND_CODES = {"func": "f", "object": "o", "other": "x"}
+_KINDS = {code: kind for kind, code in _KIND_CODES.items()}
+
+
+def _from_cache(raw: bytes | None, build_id: str) -> _Cached | None:
+    """The symbols, sections and per-CPU offsets of a cache file, or None for one that is missing,
+    outdated or not exactly what ``_cache_bytes`` writes (it is then rebuilt)."""
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw, parse_constant=_refuse_constant)
+        if data["version"] != _CACHE_VERSION or data["build_id"] != build_id:
+            return None
+        names, count = data["names"], len(data["names"])
+        if not (isinstance(names, list) and all(type(x) is str for x in names) and len(data["kinds"]) == count):
+            return None
+        kinds = [_KINDS[c] for c in data["kinds"]]
+        syms = list(zip(names, _unpack(data["addrs"], count), _unpack(data["sizes"], count), kinds, strict=True))
+        sections = [Section(n, a, s, o, x) for n, a, s, o, x in data["sections"]]
+        percpu = dict(data["percpu"])
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        return None
+    good = all(
+        type(x.name) is str and type(x.addr) is int and type(x.size) is int and type(x.offset) is int
+        and type(x.executable) is bool for x in sections
+    ) and all(type(k) is str and type(v) is int for k, v in percpu.items())  # fmt: skip
+    return (syms, sections, percpu) if good else None
 
 
 def read_build_id(path: Path) -> str:

@@ -2,8 +2,14 @@
 
 The journal is a small JSON file rewritten atomically on every change, so
 that after any exit, even SIGKILL, the next attach to the same VM can put
-back exactly the bytes qprobe replaced, and only where qprobe's bytes are
-still there (a rebooted guest or a foreign patch is left alone).
+back exactly the bytes qprobe replaced.
+
+It is named after the VM itself, never after the address it was reached
+by: ``unix:/run/gdb.sock``, ``/run/gdb.sock`` or another spelling of the
+same VM find the same journal, and another boot of the same kernel (another
+slide, another boot-time random canary) finds none.  A journal that cannot
+be read is an error, never an empty journal: what it lists may still be in
+the guest's text, waiting to oops it.
 """
 
 from __future__ import annotations
@@ -15,7 +21,15 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from qprobe.paths import cache_dir
+from qprobe.errors import TargetError
+from qprobe.paths import cache_dir, open_nofollow, read_private
+
+MAX_PATCH = 64  # bytes of one patch: an int3 is 1, a jump 5, a page-table entry or return address 8
+U64 = 1 << 64
+
+
+class JournalError(TargetError):
+    """An undo journal exists but cannot be trusted: qprobe will not touch the guest."""
 
 
 @dataclass(frozen=True)
@@ -33,20 +47,37 @@ class Patch:
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, object]) -> Patch:
-        return cls(int(d["phys"]), int(d["virt"]), bytes.fromhex(str(d["old"])),  # type: ignore[arg-type]
-                   bytes.fromhex(str(d["new"])), str(d["what"]), int(d.get("slot", 0)))  # type: ignore[arg-type]  # fmt: skip
+    def from_json(cls, d: object) -> Patch:
+        """A patch from its JSON record; ValueError for anything but what ``to_json`` writes."""
+        if not isinstance(d, dict):
+            raise ValueError("a patch record is not an object")
+        phys, virt, slot = d.get("phys"), d.get("virt"), d.get("slot", 0)
+        old, new, what = d.get("old"), d.get("new"), d.get("what")
+        for name, value in (("phys", phys), ("virt", virt), ("slot", slot)):
+            if type(value) is not int or not 0 <= value < U64:
+                raise ValueError(f"{name} is not an address: {value!r:.40}")
+        if not isinstance(old, str) or not isinstance(new, str) or not isinstance(what, str):
+            raise ValueError("old, new and what must be strings")
+        before, after = bytes.fromhex(old), bytes.fromhex(new)
+        if not 0 < len(before) == len(after) <= MAX_PATCH:
+            raise ValueError(f"old and new bytes of different or impossible sizes ({len(before)}, {len(after)})")
+        return cls(phys, virt, before, after, what, slot)  # type: ignore[arg-type]
+
+
+def _refuse_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a number a journal can hold")
 
 
 class Journal:
-    """Live patches of one VM, keyed by its gdbstub address."""
+    """Live patches of one VM, named by ``identity`` (what tells this boot of this VM from any other)."""
 
-    def __init__(self, key: str, identity: str) -> None:
-        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", key)[-120:]
+    def __init__(self, identity: str) -> None:
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", identity)[-160:]
         self.path = cache_dir("journal") / f"{safe}.json"
-        self.identity = identity  # build-id and slide: a journal is only valid for that boot
+        self.identity = identity
         self.patches: dict[int, Patch] = {}
         self.meta: dict[str, int] = {}  # where the scratch area's stub and mailboxes are
+        self.left_meta: dict[str, int] = {}
         # Frequent data patches (kretprobe return addresses, one per call) are appended to a
         # log beside the snapshot instead of rewriting it; a snapshot save folds the log in.
         self.log_path = self.path.with_suffix(".log")
@@ -54,33 +85,57 @@ class Journal:
         # The stop loop and the doorbell thread (kretprobe return addresses) both record patches.
         self._lock = threading.Lock()
 
-    def load(self) -> tuple[str, list[Patch]]:
-        """What an earlier qprobe left: (its identity, its live patches); its meta goes to ``left_meta``."""
-        self.left_meta: dict[str, int] = {}
-        try:
-            data = json.loads(self.path.read_text())
-            meta = {str(k): int(v) for k, v in data.get("meta", {}).items()}
-            patches = {p.phys: p for p in (Patch.from_json(x) for x in data.get("patches", []))}
-        except (OSError, ValueError, AttributeError, KeyError, TypeError):
-            return "", []  # unreadable: nothing we can trust to restore
+    def _unreadable(self, path: Path, why: str) -> JournalError:
+        return JournalError(
+            f"the undo journal {path} cannot be read ({why}); it may list int3s or jumps an earlier qprobe "
+            "left in this guest's text: reboot the guest (or restore its text yourself), then delete the file"
+        )
+
+    def load(self) -> list[Patch]:
+        """What an earlier qprobe left in this VM; its meta goes to ``left_meta``.  JournalError if unreadable."""
+        self.left_meta = {}
+        patches: dict[int, Patch] = {}
+        raw = read_private(self.path)
+        if raw is not None:
+            try:
+                data = json.loads(raw, parse_constant=_refuse_constant)
+                if not isinstance(data, dict):
+                    raise ValueError("not a JSON object")
+                if data.get("identity") != self.identity:
+                    raise ValueError(f"it names another VM, {str(data.get('identity'))!r:.80}")
+                meta = data.get("meta", {})
+                if not isinstance(meta, dict) or not all(type(v) is int and 0 <= v < U64 for v in meta.values()):
+                    raise ValueError("its meta is not a table of addresses")
+                records = data.get("patches")
+                if not isinstance(records, list):
+                    raise ValueError("no list of patches")
+                patches = {p.phys: p for p in map(Patch.from_json, records)}
+            except (ValueError, RecursionError) as exc:
+                raise self._unreadable(self.path, str(exc) or type(exc).__name__) from None
+            self.left_meta = {str(k): v for k, v in meta.items()}
         self._replay_log(patches)
-        self.left_meta = meta
-        return str(data.get("identity", "")), list(patches.values())
+        return list(patches.values())
 
     def _replay_log(self, patches: dict[int, Patch]) -> None:
-        try:
-            lines = self.log_path.read_text().splitlines()
-        except OSError:
+        raw = read_private(self.log_path)
+        if raw is None:
             return
-        for line in lines:
+        # A line is complete once its newline is written; a last line without one was torn by a crash
+        # mid-append, before the write into the guest it stands for: it is left out.
+        lines = raw.decode(errors="replace").split("\n")[:-1]
+        if lines and lines[0] != f"={self.identity}":
+            raise self._unreadable(self.log_path, "it belongs to another VM or has no header")
+        for n, line in enumerate(lines[1:], 2):
             try:
                 if line.startswith("+"):
-                    p = Patch.from_json(json.loads(line[1:]))
+                    p = Patch.from_json(json.loads(line[1:], parse_constant=_refuse_constant))
                     patches[p.phys] = p
-                elif line.startswith("-"):
+                elif line.startswith("-") and line[1:].isdigit():
                     patches.pop(int(line[1:]), None)
-            except (ValueError, KeyError, TypeError, AttributeError):
-                return  # a torn last line: everything before it stands
+                else:
+                    raise ValueError("neither + nor -")
+            except (ValueError, RecursionError) as exc:
+                raise self._unreadable(self.log_path, f"line {n}: {exc}") from None
 
     def set_meta(self, **values: int) -> None:
         self.meta.update(values)
@@ -94,7 +149,7 @@ class Journal:
         tmp = self.path.with_suffix(".tmp")
         payload = {"identity": self.identity, "meta": self.meta,
                    "patches": [p.to_json() for p in list(self.patches.values())]}  # fmt: skip
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         # No fsync: the journal must survive the death of this process (the page
         # cache does that), not a host power cut, and it is rewritten per patch.
         with os.fdopen(fd, "w") as f:
@@ -108,7 +163,9 @@ class Journal:
     def _append(self, line: str) -> None:
         with self._lock:
             if self._log is None:
-                self._log = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                # A log is only ever this session's: recovery has folded in and removed an earlier one.
+                self._log = open_nofollow(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND)
+                os.write(self._log, f"={self.identity}\n".encode())
             os.write(self._log, line.encode() + b"\n")
 
     def record_often(self, patch: Patch) -> None:

@@ -6,6 +6,7 @@ Also covers the CLI's ``boot`` (keeps the VM, prints how to attach) and
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -13,10 +14,12 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 import qprobe
+from qprobe.paths import cache_dir
 
 from .conftest import IMAGE, workload_result
 
@@ -86,6 +89,64 @@ def test_sigkill_with_probes_armed_then_attach_restores_text(booted: str) -> Non
         assert int(workload_result(t.run("workload lseek 20").check().output)["errors"]) == 0
         assert workload_result(t.run("workload getppid 20").check().output)["n"] == "20"
         assert t.oopses() == [], t.console.tail(60)  # type: ignore[union-attr]
+
+
+def _spellings(address: str, tmp: Path) -> list[str]:
+    """Ways of naming one VM's gdbstub: with and without ``unix:``, through ``.``, through a symlink."""
+    sock = Path(address.removeprefix("unix:"))
+    link = tmp / "run"
+    link.symlink_to(sock.parent)
+    return [address, str(sock), f"unix:{sock.parent}/./{sock.name}", str(link / sock.name)]
+
+
+def test_a_crash_is_recovered_through_every_spelling_of_the_address(booted: str, tmp_path: Path) -> None:
+    # The journal is named after the VM itself: armed through one spelling, found through the next.
+    spellings = _spellings(booted, tmp_path)
+    with qprobe.attach(booted) as t:
+        original = {n: t.read(n, t.symbols.lookup(n).size) for n in ("ksys_lseek", "__x64_sys_getppid")}
+    for armed, recovered in zip(spellings, spellings[1:] + spellings[:1], strict=True):
+        prober = subprocess.Popen([sys.executable, "-c", PROBER, armed], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            _readline_matching(prober, "ARMED")
+        finally:
+            os.kill(prober.pid, signal.SIGKILL)
+            prober.wait()
+        cli = subprocess.run([sys.executable, "-m", "qprobe.cli", "attach", recovered], capture_output=True, text=True)
+        assert cli.returncode == 0, cli.stderr
+        assert "restored 3 leftover patch(es)" in cli.stdout, (armed, recovered, cli.stdout)
+    with qprobe.attach(booted) as t:
+        assert t.recovered == 0
+        assert {n: t.read(n, len(b)) for n, b in original.items()} == original
+        assert workload_result(t.run("workload getppid 5").check().output)["n"] == "5"
+        assert t.oopses() == [], t.console.tail(60)  # type: ignore[union-attr]
+
+
+def test_a_journal_that_does_not_match_the_guest_is_refused(booted: str) -> None:
+    prober = subprocess.Popen([sys.executable, "-c", PROBER, booted], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        _readline_matching(prober, "ARMED")
+    finally:
+        os.kill(prober.pid, signal.SIGKILL)
+        prober.wait()
+    journal = next(iter(sorted(cache_dir("journal").glob("*.json"), key=lambda p: p.stat().st_mtime)[-1:]))
+    data = json.loads(journal.read_text())
+    good = json.dumps(data)
+    int3 = next(p for p in data["patches"] if p["what"] == "int3")
+    int3["old"] = int3["new"] = "90"  # the guest holds neither
+    journal.write_text(json.dumps(data))
+    cli = subprocess.run([sys.executable, "-m", "qprobe.cli", "attach", booted], capture_output=True, text=True)
+    assert cli.returncode == 2 and cli.stderr.count("\n") == 1, cli.stderr
+    assert (
+        f"the undo journal {journal} does not match this guest" in cli.stderr and "nothing was restored" in cli.stderr
+    )
+    journal.write_text("{broken")
+    cli = subprocess.run([sys.executable, "-m", "qprobe.cli", "attach", booted], capture_output=True, text=True)
+    assert cli.returncode == 2 and f"the undo journal {journal} cannot be read" in cli.stderr, cli.stderr
+    journal.write_text(good)
+    cli = subprocess.run([sys.executable, "-m", "qprobe.cli", "attach", booted], capture_output=True, text=True)
+    assert "restored 3 leftover patch(es)" in cli.stdout, cli.stderr
 
 
 STUCK = textwrap.dedent(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import pickle
 import stat
@@ -13,6 +15,7 @@ import pytest
 from qprobe.errors import SymbolError
 from qprobe.kernel import symbols as symbols_mod
 from qprobe.kernel.symbols import Section, Symbol, Symbols, read_build_id
+from qprobe.paths import UnsafeCache
 
 S = 0xFFFF_FFFF_8100_0000  # _text
 D = 0xFFFF_FFFF_8200_0000  # _sdata
@@ -237,15 +240,6 @@ def test_file_bytes_outside_a_section(syms: Symbols, addr_size: tuple[int, int])
         syms.file_bytes(*addr_size)
 
 
-def test_pickle_drops_the_open_file(syms: Symbols) -> None:
-    syms.file_bytes(R, 1)  # opens the mmap
-    syms.slide = SLIDE
-    again = pickle.loads(pickle.dumps(syms))
-    assert again._file is None
-    assert again.address("foo") == S + 0x1000 + SLIDE
-    assert again.file_bytes(R + SLIDE, 2) == b"\x00\x01"
-
-
 def test_percpu_offsets_do_not_slide(vmlinux: Path) -> None:
     syms = Symbols(vmlinux, "ab" * 20, list(ROWS), list(SECTIONS), {"runqueues": 0x2E000})
     syms.slide = SLIDE
@@ -360,9 +354,9 @@ def test_load_parses_once_then_uses_the_cache(cache: Path, tmp_path: Path, monke
     first = Symbols.load(path)
     assert first.build_id == BUILD_ID.hex() and first.address("foo") == S + 0x1000
     assert first.percpu == {"runqueues": 0x2E000}
-    pickled = cache / "symbols" / f"{BUILD_ID.hex()}.pickle"
-    assert stat.S_IMODE(pickled.stat().st_mode) == 0o600
-    assert sorted(os.listdir(pickled.parent)) == [pickled.name]  # no .tmp left
+    cached = cache / "symbols" / f"{BUILD_ID.hex()}.json"
+    assert stat.S_IMODE(cached.stat().st_mode) == 0o600
+    assert sorted(os.listdir(cached.parent)) == [cached.name]  # no .tmp left
     moved = tmp_path / "vmlinux-copy"
     moved.write_bytes(path.read_bytes())
     second = Symbols.load(str(moved))
@@ -371,16 +365,77 @@ def test_load_parses_once_then_uses_the_cache(cache: Path, tmp_path: Path, monke
     assert second.percpu == {"runqueues": 0x2E000}
 
 
-@pytest.mark.parametrize(
-    "content", [b"garbage", pickle.dumps((1, "old table")), pickle.dumps("x")], ids=["garbage", "old", "shape"]
-)
-def test_load_rebuilds_a_bad_cache(cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                   content: bytes) -> None:  # fmt: skip
+class RunsCode:
+    """Unpickling this runs code: what a planted pickle cache would have done."""
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, ("touch ran-code",))
+
+
+def _good_cache() -> dict[str, object]:
+    syms = Symbols(Path("v"), BUILD_ID.hex(), list(ROWS), list(SECTIONS), {})
+    return json.loads(syms._cache_bytes())
+
+
+def _bad_caches() -> dict[str, bytes]:
+    def changed(**values: object) -> bytes:
+        return json.dumps({**_good_cache(), **values}).encode()
+
+    return {
+        "garbage": b"garbage",
+        "pickle": pickle.dumps(RunsCode()),
+        "old version": changed(version=3),
+        "other build": changed(build_id="00" * 20),
+        "not an object": b"[1, 2]",
+        "Infinity": _good_cache_text().replace('"percpu":{}', '"percpu":{"x":Infinity}').encode(),
+        "short column": changed(addrs=base64.b64encode(b"\0" * 8).decode()),
+        "name not a string": changed(names=[1] * len(_good_cache()["names"])),  # type: ignore[arg-type]
+        "unknown kind": changed(kinds="?" * len(_good_cache()["kinds"])),  # type: ignore[arg-type]
+        "section shape": changed(sections=[["x", "0x10", 1, 2, True]]),
+        "deep nesting": b"[" * 100_000,
+    }
+
+
+def _good_cache_text() -> str:
+    return json.dumps(_good_cache(), separators=(",", ":"))
+
+
+@pytest.mark.parametrize("name", list(_bad_caches()))
+def test_load_rebuilds_a_bad_cache_and_never_runs_it(cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     name: str) -> None:  # fmt: skip
     path = tmp_path / "vmlinux"
     path.write_bytes(elf([note(b"GNU", 3, BUILD_ID)]))
     (cache / "symbols").mkdir(parents=True)
-    (cache / "symbols" / f"{BUILD_ID.hex()}.pickle").write_bytes(content)
+    cached = cache / "symbols" / f"{BUILD_ID.hex()}.json"
+    cached.write_bytes(_bad_caches()[name])
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(symbols_mod, "_parse_with_lief", lambda p, system_map=None: (list(ROWS), list(SECTIONS), {}))
     assert Symbols.load(path).address("foo") == S + 0x1000
-    version, table = pickle.loads((cache / "symbols" / f"{BUILD_ID.hex()}.pickle").read_bytes())
-    assert version == symbols_mod._CACHE_VERSION and isinstance(table, Symbols)
+    assert not (tmp_path / "ran-code").exists()
+    assert json.loads(cached.read_bytes()) == _good_cache()
+
+
+def test_a_cached_table_is_the_parsed_one(cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "vmlinux"
+    path.write_bytes(elf([note(b"GNU", 3, BUILD_ID)]))
+    percpu = {"runqueues": 0x2E000}
+    monkeypatch.setattr(
+        symbols_mod, "_parse_with_lief", lambda p, system_map=None: (list(ROWS), list(SECTIONS), percpu)
+    )
+    parsed = Symbols.load(path)
+    cached = Symbols.load(path)
+    assert cached._rows == parsed._rows and cached.sections == parsed.sections and cached.percpu == parsed.percpu
+
+
+def test_a_symlink_planted_as_the_cache_file_is_refused(cache: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    path = tmp_path / "vmlinux"
+    path.write_bytes(elf([note(b"GNU", 3, BUILD_ID)]))
+    victim = tmp_path / "victim"
+    victim.write_text("the user's file")
+    (cache / "symbols").mkdir(parents=True)
+    (cache / "symbols" / f"{BUILD_ID.hex()}.json").symlink_to(victim)
+    monkeypatch.setattr(symbols_mod, "_parse_with_lief", lambda p, system_map=None: (list(ROWS), list(SECTIONS), {}))
+    with pytest.raises(UnsafeCache, match="symbolic link"):
+        Symbols.load(path)
+    assert victim.read_text() == "the user's file"

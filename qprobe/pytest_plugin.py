@@ -290,6 +290,7 @@ class QprobeReset:
         self.target = vm.target
         self.strict = False
         self.snapshots: dict[int, tuple[str, bytes]] = {}  # start -> (name, bytes before the test)
+        self.snapshot_errors: list[str] = []  # text that could not be snapshotted, so cannot be checked
         self.oops_seen = len(self.target.oopses())
         self.handler_errors_seen = len(self.target.kprobes.handler_errors)
         self._original_patch = None
@@ -334,8 +335,8 @@ class QprobeReset:
         def patch(virt: int, *args: Any, **kwargs: Any) -> Any:
             try:
                 self._snapshot(virt)
-            except Exception:  # never let the check break the probe itself
-                pass
+            except Exception as exc:  # the probe goes ahead; the test fails at the end, unchecked text is no pass
+                self.snapshot_errors.append(f"{virt:#x}: {type(exc).__name__}: {exc}")
             return original(virt, *args, **kwargs)
 
         machine.patch = patch  # type: ignore[method-assign]
@@ -375,6 +376,9 @@ class QprobeReset:
 
         t = self.target
         problems: list[str] = []
+        if self.snapshot_errors:
+            problems.append("could not snapshot the kernel text qprobe patched, so it was not checked: "
+                            + "; ".join(self.snapshot_errors))  # fmt: skip
         try:
             left = self._remove_everything()
             if left and self.strict:

@@ -302,13 +302,14 @@ class Shell:
                 if spec.key not in names:
                     have = ", ".join(names) if names else "no arguments"
                     raise ShellUsageError(f"{te.name} has no argument {spec.key!r} ({have}); {KEY_HELP}")
-        if spec.seconds is None and spec.command is None:
-            what = ", ".join(te.name for te in events) + (f" by {spec.key}" if spec.key else "")
-            self.note(f"{'counting' if verb == 'count' else 'histogram of'} {what}; Ctrl-C to stop")
         # One event keyed by an integer argument from a register: counted in the guest's tables, waking nobody.
         in_guest = len(events) == 1 and spec.key is not None and events[0].count_in_guest(spec.key, verb == "hist")
         try:
             with Tap(events, agg.add, unwind):
+                if spec.seconds is None and spec.command is None:
+                    # Said once every hit is counted, so that a Ctrl-C from then on ends the count, not its set-up.
+                    what = ", ".join(te.name for te in events) + (f" by {spec.key}" if spec.key else "")
+                    self.note(f"{'counting' if verb == 'count' else 'histogram of'} {what}; Ctrl-C to stop")
                 result = self._watch(spec, lambda: None)
         finally:
             if in_guest:

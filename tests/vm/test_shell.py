@@ -9,7 +9,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -57,8 +57,7 @@ def test_qprobe_shell_in_a_pty_exits_0_on_ctrl_d() -> None:
         child.expect_exact("qprobe>")
         # Ctrl-C ends a count that waits for it, and the shell goes on.
         child.sendline("count gp")
-        child.expect_exact("Ctrl-C to stop")
-        time.sleep(1.0)
+        child.expect_exact("Ctrl-C to stop")  # printed once the count is armed
         child.sendintr()
         child.expect_exact("no hits")
         child.expect_exact("qprobe>")
@@ -153,39 +152,59 @@ def test_bad_definition_gets_a_caret_and_the_shell_goes_on(target: qprobe.Target
     assert do(sh, out, "-:rr") == "removed kprobes/rr (3 hits)\n"
 
 
+def _ctrl_c_when(ready: Callable[[], object], timeout: float = 300.0) -> threading.Thread:
+    """SIGINT to the main thread (as Ctrl-C would) as soon as ``ready()`` holds; started, to be joined."""
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def wait_then_interrupt() -> None:
+        ready()
+        signal.pthread_kill(main, signal.SIGINT)
+
+    thread = threading.Thread(target=wait_then_interrupt)
+    thread.start()
+    return thread
+
+
+def _guest_printed(target: qprobe.Target, pattern: str) -> Callable[[], object]:
+    """Waits until the guest console shows ``pattern`` after what it shows now."""
+    console = target.console
+    assert console is not None
+    start = len(console.text)
+    return lambda: console.wait_for(pattern, 300, start)
+
+
 def test_ctrl_c_stops_a_count_and_a_guest_command_not_the_shell(target: qprobe.Target,
                                                                 shell: tuple[Shell, io.StringIO]) -> None:  # fmt: skip
     sh, out = shell
     do(sh, out, "p:gp __x64_sys_getppid")
-    main = threading.main_thread().ident
-    assert main is not None
 
-    def workload_then_ctrl_c() -> None:
-        target.run("workload getppid 3", timeout=300)
-        time.sleep(0.5)
-        signal.pthread_kill(main, signal.SIGINT)
+    def counting_then_workload() -> None:
+        deadline = time.monotonic() + 60
+        while "Ctrl-C to stop" not in out.getvalue():  # the count is armed
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        target.run("workload getppid 3", timeout=300)  # its hits are all counted when run() returns
 
-    helper = threading.Thread(target=workload_then_ctrl_c)
-    helper.start()
+    helper = _ctrl_c_when(counting_then_workload)
     text = do(sh, out, "count gp by $comm")  # until Ctrl-C
     helper.join(60)
     assert "@[workload]: 3" in text.splitlines(), text
     assert target.events["kprobes/gp"].callback is None
 
-    timer = threading.Timer(2.0, signal.pthread_kill, (main, signal.SIGINT))
-    timer.start()
+    # Ctrl-C once the guest runs the command: the shell's wait for it ends at once.
+    helper = _ctrl_c_when(_guest_printed(target, r"@@qp-begin-[0-9a-f]+@@\n"))
     t0 = time.monotonic()
     text = do(sh, out, "run sleep 60")
-    timer.join()
+    helper.join()
     assert time.monotonic() - t0 < 30 and "interrupted: sent ^C to the guest command" in text
     assert do(sh, out, "run echo still-here").startswith("still-here\n")
 
-    # The same for a count over a guest command: the count prints, the console is free at once.
-    timer = threading.Timer(2.0, signal.pthread_kill, (main, signal.SIGINT))
-    timer.start()
+    # The same for a count over a guest command (Ctrl-C in its sleep): the count prints, the console is free at once.
+    helper = _ctrl_c_when(_guest_printed(target, r"workload mode=getppid n=4 .*\n"))
     t0 = time.monotonic()
     text = do(sh, out, "count gp by $comm run workload getppid 4; sleep 60")
-    timer.join()
+    helper.join()
     assert "interrupted: sent ^C to the guest command" in text and "@[workload]: 4" in text.splitlines(), text
     assert do(sh, out, "run echo again").startswith("again\n") and time.monotonic() - t0 < 30
     assert do(sh, out, "-:gp").startswith("removed kprobes/gp")

@@ -7,7 +7,7 @@ import random
 import pytest
 from target_fakes import ACCESSED, DIRTY, GLOBAL, NX, PS, RW, US, P, PageTables, PhysRam
 
-from qprobe.errors import QprobeError, ScratchFull, TargetError
+from qprobe.errors import ScratchFull, TargetError
 from qprobe.target.journal import Patch
 from qprobe.target.memory import GuestMemory, MemoryFault, translate
 from qprobe.target.scratch import KERNEL_IMAGE_BASE, SIZE, ScratchArea, memmap_reservation
@@ -257,16 +257,16 @@ def test_free_of_an_unknown_slot_is_an_error() -> None:
         area.free(a)
 
 
-def test_zero_sized_alloc_does_not_alias_a_later_slot() -> None:
-    # alloc(0) records a 0-byte slot at the first free offset without taking
-    # it from the free list, so the next alloc returns the same address and
-    # overwrites the bookkeeping of the first.
+@pytest.mark.parametrize("size", [0, -16])
+def test_an_empty_or_negative_alloc_is_refused_and_changes_nothing(size: int) -> None:
+    # A 0-byte slot would share its address with the next allocation: refused outright.
     _, area = mapped()
-    try:
-        a = area.alloc(0)
-    except (ValueError, QprobeError):
-        return
-    assert area.alloc(16) != a
+    first = area.alloc(16)
+    with pytest.raises(ValueError, match=f"scratch allocation of {size} bytes"):
+        area.alloc(size)
+    assert area.alloc(16) == first + 16  # the free list is as it was
+    area.free(first)
+    assert area.alloc(16) == first
 
 
 def first_fit(live: dict[int, int], size: int, align: int) -> int | None:

@@ -90,3 +90,16 @@ def test_a_readable_extra_file_is_accepted(tmp_path: Path) -> None:
     f = tmp_path / "tool"
     f.write_text("#!/bin/sh\n")
     assert cli._files([f"{f}:/bin/tool"]) == {"/bin/tool": str(f)}
+
+
+def test_allow_remote_warns_that_the_stub_is_unauthenticated(caplog: pytest.LogCaptureFixture,
+                                                             capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.undo()
+    # 127.0.0.2 is not one of the local names qprobe accepts without --allow-remote; nothing listens there.
+    assert cli.main(["attach", "127.0.0.2:1"]) == 2
+    assert "refusing to attach to non-local 127.0.0.2" in capsys.readouterr().err
+    with caplog.at_level("WARNING", logger="qprobe"):
+        assert cli.main(["attach", "127.0.0.2:1", "--allow-remote", "--vmlinux", "/nonexistent"]) == 2
+    assert "anyone who can reach that port controls the guest" in caplog.text
+    assert "cannot connect to the gdbstub at 127.0.0.2:1" in capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -26,6 +27,43 @@ def test_run_returns_output_and_status(target: qprobe.Target) -> None:
     assert r.output.splitlines() == ["hello", "err"]
     assert r.status == 3
     assert target.run("true").status == 0
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    out = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            link = os.readlink(fd)
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            out.add(int(link[len("socket:[") : -1]))
+    return out
+
+
+def _network_socket_inodes() -> set[int]:
+    """Every TCP and UDP socket of this network namespace (/proc/net/{tcp,udp}{,6})."""
+    out = set()
+    for name in ("tcp", "tcp6", "udp", "udp6"):
+        path = Path("/proc/net") / name
+        if path.exists():
+            out |= {int(line.split()[9]) for line in path.read_text().splitlines()[1:]}
+    return out
+
+
+def test_nothing_listens_on_the_network_and_the_run_files_are_private(target: qprobe.Target) -> None:
+    q = target.qemu
+    assert q is not None
+    for directory in (q.rundir, q.shmdir):
+        st = directory.lstat()
+        assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
+    for sock in (q.gdb_path, q.qmp_path, q.console_path, q.doorbell_path):
+        assert stat.S_ISSOCK(sock.lstat().st_mode) and sock.parent == q.rundir
+    assert q.ram_path.parent == q.shmdir
+    assert stat.S_IMODE((q.rundir / "session.json").stat().st_mode) == 0o600
+    # QEMU's sockets are all Unix sockets: none is a TCP or UDP socket, listening or not.
+    assert _socket_inodes(q.proc.pid) and not _socket_inodes(q.proc.pid) & _network_socket_inodes()
+    assert not _socket_inodes(os.getpid()) & _network_socket_inodes()
 
 
 def test_boot_is_fast_and_kaslr_is_on(target: qprobe.Target) -> None:

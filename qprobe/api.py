@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import json
 import logging
@@ -39,6 +40,7 @@ from qprobe.errors import ProbeError, QprobeError, SymbolError, TargetError, Tar
 from qprobe.kernel.kaslr import detect_slide
 from qprobe.kernel.program import KernelData, Task
 from qprobe.kernel.symbols import Symbols
+from qprobe.kernel.tracefs import probe_dialect, trace_event_names
 from qprobe.paths import cache_dir, write_private
 from qprobe.target.connection import Connection
 from qprobe.target.console import Console, RunResult
@@ -52,6 +54,7 @@ from qprobe.target.scratch import ScratchArea, memmap_reservation
 
 if TYPE_CHECKING:
     from qprobe.events import EventHit, TraceEvent
+    from qprobe.fetch.dialect import Dialect
     from qprobe.images import Image
 
 log = logging.getLogger("qprobe")
@@ -356,6 +359,16 @@ class Target:
         """A snapshot of the task a handler interrupted: pid, tgid and comm as Python values."""
         return Task.of(self.kernel.current(regs.gs_base))
 
+    @functools.cached_property
+    def dialect(self) -> Dialect:
+        """What this kernel's kprobe_events accepts beyond 6.1.0's and how it words errors (from vmlinux)."""
+        return probe_dialect(self.symbols)
+
+    @functools.cached_property
+    def trace_events(self) -> frozenset[tuple[str, str]]:
+        """(system, name) of the guest kernel's trace events, read once through drgn (module events load later)."""
+        return trace_event_names(self.prog)
+
     def add_event(
         self, definition: str, callback: Callable[[EventHit], None] | None = None, filter: str | None = None
     ) -> TraceEvent:
@@ -366,9 +379,7 @@ class Target:
         """
         from qprobe.events import add_event
 
-        te = add_event(self, definition, callback, filter)
-        self.events[te.name] = te
-        return te
+        return add_event(self, definition, callback, filter)  # in self.events, or appended to its event there
 
     def remove_event(self, event: TraceEvent | str) -> None:
         """Disarm an event given as returned by add_event, as ``GRP/EVENT``, ``EVENT`` or ``-:EVENT``."""
@@ -380,8 +391,12 @@ class Target:
             if not matches:
                 raise ProbeError(f"no such event {name!r} (ENOENT)")
             event = matches[0]
-        remove_event(self, event)
-        self.events.pop(event.name, None)
+        first = self.events.get(event.name)
+        remove_event(self, event)  # the event's every probe if it is the first, else that one
+        if first is event:
+            del self.events[event.name]
+        elif first is not None and event in first.appended:
+            first.appended.remove(event)
 
     def set_kprobes_enabled(self, on: bool) -> None:
         """debugfs ``kprobes/enabled``."""

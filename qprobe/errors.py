@@ -80,14 +80,19 @@ class FetchArgError(QprobeError):
 
     ``column`` is the 0-based position of the offending character in the
     definition, as the kernel's error_log caret points at it.
+    ``logged`` is False for a refusal the kernel makes without an error_log
+    entry; ``detail`` says more than the kernel's text (why registration failed).
     """
 
-    def __init__(self, message: str, text: str = "", column: int = 0) -> None:
+    def __init__(self, message: str, text: str = "", column: int = 0, *, logged: bool = True,
+                 detail: str = "") -> None:  # fmt: skip
         self.reason = message
         self.text = text
         self.column = column
+        self.logged = logged
+        self.detail = detail
         where = f" (at column {column}: {text!r})" if text else ""
-        super().__init__(f"{message}{where}")
+        super().__init__(f"{message}{where}" + (f": {detail}" if detail else ""))
 
     def caret(self) -> str:
         """Two lines: the definition and a caret under the offending column."""

@@ -11,6 +11,7 @@ tracing directory: the guest needs no CONFIG_KPROBE_EVENTS.
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,20 +27,25 @@ from qprobe.arch.x86_64.guestfilter import Pred as GPred
 from qprobe.core.kprobe import Kprobe
 from qprobe.core.kretprobe import Kretprobe, KretprobeInstance
 from qprobe.core.regs import ARG_REGS, PtRegs
-from qprobe.errors import FetchArgError, QprobeError
-from qprobe.fetch import MemoryFault, ProbeEvent, SymbolInfo, format_event, format_hit, parse_event
+from qprobe.errors import FetchArgError, NotInstructionBoundary, NotKernelText, ProbeError, QprobeError, SymbolError
+from qprobe.fetch import MemoryFault, ProbeEvent, SymbolInfo, check_append, format_event, format_hit, parse_event
+from qprobe.fetch import messages as M
 from qprobe.fetch.args import FetchArg, Value
-from qprobe.fetch.context import task_size_max
+from qprobe.fetch.context import U64_MASK, task_size_max
+from qprobe.fetch.dialect import Dialect
 from qprobe.fetch.expr import Arg, Comm, Imm, ImmString, Node, Reg, StackPointer, SymbolAddr
 from qprobe.fetch.filter import And as FAnd
 from qprobe.fetch.filter import EventFilter
 from qprobe.fetch.filter import Not as FNot
 from qprobe.fetch.filter import Or as FOr
 from qprobe.fetch.filter import Pred as FPred
+from qprobe.fetch.kstrto import split_args
 
 if TYPE_CHECKING:
     from qprobe.api import Target
     from qprobe.core.optimizer import GuestRecord
+
+log = logging.getLogger("qprobe.events")
 
 IF_FLAG = 0x200
 
@@ -72,15 +78,22 @@ class EventHit:
 class _HostContext:
     """The FetchContext of one hit: a stopped vCPU's registers and memory."""
 
-    def __init__(self, target: Target, regs: PtRegs, retval: int | None, comm: str | None = None) -> None:
+    def __init__(self, target: Target, regs: PtRegs, retval: int | None, comm: str | None = None,
+                 ip: int | None = None) -> None:  # fmt: skip
         self.target = target
         self.regs = regs
         self._retval = retval
         self._comm = comm
+        self._ip = ip
+        self.orig_ax = U64_MASK
         self.task_size_max = task_size_max(target.mem.levels)
 
     def reg(self, name: str) -> int:
-        return 0 if name == "orig_ax" else getattr(self.regs, name)
+        if name == "orig_ax":
+            return self.orig_ax
+        if name == "ip" and self._ip is not None:
+            return self._ip
+        return getattr(self.regs, name)
 
     def read(self, addr: int, size: int) -> bytes:
         try:
@@ -119,7 +132,7 @@ class _HostContext:
 def _lookup(target: Target) -> Callable[[int], SymbolInfo | None]:
     def lookup(addr: int) -> SymbolInfo | None:
         sym = target.symbols.containing(addr)
-        return None if sym is None else SymbolInfo(sym.name, addr - sym.addr, sym.size)
+        return None if sym is None else SymbolInfo(sym.name, addr - sym.addr, target.symbols.kallsyms_size(sym))
 
     return lookup
 
@@ -141,6 +154,11 @@ class TraceEvent:
     in_guest: bool = False  # recorded by an optimized probe's detour when it can be (see in_guest())
     host_filtered: int = 0  # hits the filter rejected on the host (the rest were rejected in the guest)
     guest_key_arg: str | None = None  # the argument count_in_guest counts by
+    appended: list[TraceEvent] = field(default_factory=list)  # later probes of the same event
+
+    def probes(self) -> list[TraceEvent]:
+        """This definition and every one appended to the event, in the order they were added."""
+        return [self, *self.appended]
 
     @property
     def name(self) -> str:
@@ -162,14 +180,32 @@ class TraceEvent:
                                self.probe.nlost if self.probe is not None else 0)  # fmt: skip
 
     def listing(self) -> str:
-        """The line ``cat kprobe_events`` shows."""
-        return format_event(self.definition)
+        """The lines ``cat kprobe_events`` shows for the event, one per probe."""
+        return "\n".join(format_event(te.definition, te.maxactive) for te in self.probes())
+
+    @property
+    def maxactive(self) -> int:
+        """A return probe's instance count as the kernel lists it (the default resolved), else 0."""
+        if isinstance(self.probe, Kretprobe):
+            return self.probe.maxactive or self.target.kretprobes.default_maxactive()
+        return self.definition.maxactive
 
     def _record(
         self, regs: PtRegs, ip: int, func: int | None, retval: int | None,
         task: tuple[int, str] | None = None, ts: float | None = None,
     ) -> None:  # fmt: skip
-        ctx = _HostContext(self.target, regs, retval, None if task is None else task[1])
+        """One hit at ``ip`` (a kprobe's address, or a return probe's real return address in ``func``).
+
+        ``%ip`` is what the kernel's handler sees: the probe's address + 1 in a kprobe
+        (the int3 has run; its optimized and ftrace-based probes set the same) and the
+        real return address in a return probe.
+        """
+        ctx = _HostContext(self.target, regs, retval, None if task is None else task[1],
+                           ip=ip + 1 if func is None else ip)  # fmt: skip
+        # -1 as the int3 entry and the kretprobe trampoline leave it; 0 in a probe the kernel would run
+        # from ftrace (one qprobe moved off an __fentry__ site), whose pt_regs come from ftrace_regs_caller.
+        probe = self.probe if isinstance(self.probe, Kprobe) else None
+        ctx.orig_ax = 0 if func is None and probe is not None and probe.at != probe.resolved else U64_MASK
         values: list[Value] = self.definition.evaluate(ctx)
         body = format_hit(self.definition, values, ip, func, lookup=_lookup(self.target),
                           trampoline=self.target.kretprobes.trampoline or None)  # fmt: skip
@@ -198,7 +234,7 @@ class TraceEvent:
             self.callback(hit)
 
     def _kprobe_hit(self, kp: Kprobe, regs: PtRegs) -> int:
-        self._record(regs, regs.ip, None, None)
+        self._record(regs, kp.at, None, None)
         return 0
 
     def use_host_handler(self, on: bool) -> None:
@@ -254,7 +290,8 @@ class TraceEvent:
         """The same hit, recorded in the guest by an optimized probe's detour and drained from its ring."""
         kprobes = self.target.kprobes
         regs = kprobes.make_regs(rec.values, kprobes.machine.vcpus[rec.cpu])
-        self._record(regs, regs.ip, None, None, task=(rec.pid, rec.comm), ts=rec.time)
+        assert isinstance(self.probe, Kprobe)
+        self._record(regs, self.probe.at, None, None, task=(rec.pid, rec.comm), ts=rec.time)
 
     def _kretprobe_hit(self, ri: KretprobeInstance, regs: PtRegs) -> None:
         func = self.probe.kp.resolved  # type: ignore[union-attr]
@@ -354,14 +391,75 @@ def event_filter(ev: ProbeEvent, text: str) -> EventFilter:
                        strings={a.name for a in ev.args if a.type.string})  # fmt: skip
 
 
+ENDBR64 = bytes.fromhex("f30f1efa")
+
+
+def on_func_entry(target: Target, symbol: str, offset: int) -> bool:
+    """``kprobe_on_func_entry``: is ``symbol+offset`` the entry of the function that contains it?
+
+    The kernel resolves the address to the kallsyms symbol containing it (so
+    ``ksys_lseek+SIZE`` is the next function's entry) and, on x86, counts the
+    byte after an ``endbr64`` as the entry too (``arch_adjust_kprobe_addr``).
+    """
+    addr = target.symbols.address(symbol) + offset
+    sym = target.symbols.containing(addr)
+    if sym is None:
+        return False
+    at = addr - sym.addr
+    return at == 0 or (at == len(ENDBR64) and target.read(sym.addr, len(ENDBR64)) == ENDBR64)
+
+
+def _registration_error(ev: ProbeEvent, exc: ProbeError, dialect: Dialect) -> FetchArgError:
+    """What ``__trace_kprobe_create`` logs when register_kprobe fails, with qprobe's reason as detail."""
+    if isinstance(exc, NotInstructionBoundary):
+        message = M.BAD_INSN_BNDRY  # -EILSEQ
+    elif isinstance(exc, SymbolError):
+        message = M.BAD_PROBE_ADDR  # -ENOENT
+    else:
+        message = M.FAIL_REG_PROBE  # -EINVAL, -EBUSY...
+    words = split_args(ev.text.split("#", 1)[0])
+    return FetchArgError(dialect.message(message), ev.text, words[1][0] if len(words) > 1 else 0, detail=str(exc))
+
+
 def add_event(
     target: Target, text: str, callback: Callable[[EventHit], None] | None = None, filter: str | None = None
 ) -> TraceEvent:
-    """Parse a kprobe_events definition and arm it; raises FetchArgError/ProbeError naming the problem."""
-    ev = parse_event(text, symbol_exists=lambda name: name in target.symbols)
+    """Parse a kprobe_events definition and arm it; raises FetchArgError naming the problem.
+
+    Refusals are the kernel's (its texts and carets, ``error_log`` style), including
+    those it makes when it adds the probe to its event table or registers it.
+    """
+    symbols, dialect = target.symbols, target.dialect
+    ev = parse_event(text, symbol_exists=lambda name: name in symbols, dialect=dialect, symbol_count=symbols.count,
+                     on_func_entry=lambda sym, off: on_func_entry(target, sym, off))  # fmt: skip
     if not isinstance(ev, ProbeEvent):
-        raise FetchArgError("use remove_event() to delete an event", text, 0)
+        raise FetchArgError("use remove_event() to delete an event", text, 0, logged=False)
+    name = f"{ev.group}/{ev.event}"
+    first = target.events.get(name)
+    # register_trace_kprobe: a definition naming an existing event appends a probe to it.
+    check_append(ev, [te.definition for te in first.probes()] if first else [], dialect)
+    if first is None and (ev.group, ev.event) in target.trace_events:
+        raise FetchArgError(dialect.message(M.EVENT_EXIST), text, 0)
     te = TraceEvent(target, ev, callback, filter=None if filter is None else event_filter(ev, filter))
+    try:
+        _register(target, te)
+    except ProbeError as exc:
+        if isinstance(exc, NotKernelText) and ev.symbol is None and target.symbols.containing(ev.addr or 0) is None:
+            # An address kallsyms does not know is -ENOENT, which the kernel takes for a module's
+            # function not loaded yet: the event is created and its probe stays unregistered.
+            log.warning("%s: This probe might be able to register after target module is loaded. Continue.", name)
+            te.probe = None
+        else:
+            raise _registration_error(ev, exc, dialect) from exc
+    if first is not None:
+        first.appended.append(te)
+    else:
+        target.events[name] = te
+    return te
+
+
+def _register(target: Target, te: TraceEvent) -> None:
+    ev = te.definition
     if ev.is_return:
         rp = Kretprobe(symbol_name=ev.symbol, addr=ev.addr if ev.symbol is None else None, offset=ev.offset,
                        maxactive=ev.maxactive, handler=te._kretprobe_hit)  # fmt: skip
@@ -378,11 +476,12 @@ def add_event(
                 kp.guest_filter = guest_filter(ev, te.filter)
         te.probe = kp
         target.register_kprobe(kp)
-    return te
 
 
 def remove_event(target: Target, te: TraceEvent) -> None:
-    if isinstance(te.probe, Kretprobe):
-        target.unregister_kretprobe(te.probe)
-    elif te.probe is not None:
-        target.unregister_kprobe(te.probe)
+    """Disarm every probe of the event (the first definition and those appended to it)."""
+    for one in te.probes():
+        if isinstance(one.probe, Kretprobe):
+            target.unregister_kretprobe(one.probe)
+        elif one.probe is not None:
+            target.unregister_kprobe(one.probe)

@@ -76,7 +76,10 @@ class Kprobe:
         self.kretprobe: Kretprobe | None = None  # the return probe whose entry this is
         self.errors: list[str] = []
         self.registered = False
-        self.resolved = 0  # the running address, once registered
+        self.resolved = 0  # the running address qprobe armed, once registered
+        # The address the kernel's own kprobe would have (kp->addr): ``resolved`` unless that is an
+        # __fentry__ site, which qprobe leaves to the guest's ftrace and probes on the next instruction.
+        self.at = 0
 
     @property
     def disabled(self) -> bool:

@@ -21,17 +21,24 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from qprobe.arch.x86_64.decode import check_boundary
-from qprobe.arch.x86_64.insn import PreparedInsn, emulate, prepare_kprobe, resume_singlestep, singlestep_done
+from qprobe.arch.x86_64.insn import (
+    PreparedInsn,
+    arch_adjust_kprobe_addr,
+    emulate,
+    is_endbr,
+    prepare_kprobe,
+    resume_singlestep,
+    singlestep_done,
+)
 from qprobe.arch.x86_64.int3hook import PT_GPRS, PT_REGS_SIZE, parse_pt_regs, watch_site
 from qprobe.core.blacklist import Blacklist
 from qprobe.core.kprobe import KPROBE_FLAG_DISABLED, Kprobe
-from qprobe.core.optimizer import Optimized, Optimizer
+from qprobe.core.optimizer import RESUME_GRACE, Optimized, Optimizer
 from qprobe.core.regs import PtRegs
 from qprobe.errors import (
     Blacklisted,
     InvalidProbe,
     NotKernelText,
-    ProbeBusy,
     ProbeError,
     QprobeError,
     SymbolError,
@@ -48,7 +55,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("qprobe.kprobes")
 
 INT3 = b"\xcc"
-FTRACE_NOP5 = bytes.fromhex("0f1f440000")  # x86_64 ideal 5-byte NOP that boot puts at every __fentry__ call
 SLOT_SIZE = 32  # MAX_INSN_SIZE (16) + a 5-byte jmp back, rounded up
 TF, RF = 0x100, 0x10000
 MAX_STEP_RETRIES = 1 << 16
@@ -85,6 +91,7 @@ class ProbePoint:
     opt: Optimized | None = None  # set while jump-optimized
     opt_size: int = 0
     not_optimized: str | None = None  # why the last attempt to optimize it failed
+    optimizing: bool = False  # queued for the optimizer: hits are single-stepped, not boosted
 
     @property
     def armed(self) -> bool:
@@ -146,6 +153,7 @@ class KprobeManager:
         self.trampolines: dict[int, Callable[[str, dict[str, int], int, int], None]] = {}
         self.kernel = kernel  # the kernel's data through drgn
         self.extable = symbols.exception_table()
+        self._fentry = symbols.address("__fentry__") if "__fentry__" in symbols else None  # CONFIG_FUNCTION_TRACER
         # Boosting lets a vCPU run the slot copy freely; an interrupt there leaves an
         # interrupted context inside the slot.  Without forced preemption that context
         # resumes as soon as the interrupt returns, which the grace period in
@@ -155,21 +163,57 @@ class KprobeManager:
         self._quarantine: list[int] = []  # boosted slots and detours, never reused while the area is mapped
         # Where code in the scratch area jumps back into kernel text (boosted slots, detours), for as
         # long as the area is mapped: a vCPU or an interrupted context may still be on its way there.
-        self.resume_targets: set[int] = set()
+        # address -> when it was last resumed to: time.monotonic() of a boosted hit, inf for a detour.
+        self.resume_targets: dict[int, float] = {}
         # User handlers never run concurrently (the stop loop and the doorbell thread both call them).
         self.handler_lock = threading.RLock()
         self.optimizer: Optimizer | None = None
         self.kretprobes: KretprobeManager | None = None  # set by KretprobeManager
 
     # -- resolving and checking (no guest writes) -----------------------------
-    def _kprobe_addr(self, kp: Kprobe) -> int:
+    def kprobe_addr(self, kp: Kprobe) -> int:
+        """``_kprobe_addr``: the address the kernel's kprobe would have (its ``kp->addr``).
+
+        ``sym+offset`` or ``addr+offset``, moved past an ``endbr64`` at a function's
+        entry as ``arch_adjust_kprobe_addr`` does on IBT kernels (an indirect call
+        must land on the ENDBR, so it stays in place).
+        """
         if kp.symbol_name is not None:
             try:
-                return self.symbols.address(kp.symbol_name) + kp.offset
+                addr = self.symbols.address(kp.symbol_name) + kp.offset
             except SymbolError:
                 raise SymbolError(f"unknown symbol {kp.symbol_name!r}: not in the kernel's symbol table") from None
-        assert kp.addr is not None
-        return kp.addr + kp.offset
+        else:
+            assert kp.addr is not None
+            addr = kp.addr + kp.offset
+        fn = self.symbols.function(addr)
+        if fn is not None:
+            addr, _ = arch_adjust_kprobe_addr(self.original(fn.addr, 4), fn.addr, addr - fn.addr)
+        return addr
+
+    def entry_skip(self, fn_addr: int) -> int:
+        """Bytes at a function's start that are not its entry for probes: 4 for an ENDBR, else 0."""
+        return 4 if is_endbr(self.original(fn_addr, 4)) else 0
+
+    def ftrace_site(self, addr: int) -> bool:
+        """Whether ``addr`` is a ``call __fentry__`` site of vmlinux.
+
+        Those 5 bytes belong to the guest's ftrace: boot turns each into a NOP,
+        and its function tracer or its own kprobe_events on a function entry
+        (ftrace-based on x86) turn it back into a call, after checking that the
+        bytes are what ftrace left there (``ftrace_verify_code``; anything else
+        is an ``ftrace_bug`` that disables the guest's ftrace).  So qprobe never
+        writes there: a probe on such a site is armed on the next instruction,
+        where the registers are the same (a NOP ran in between), as the
+        kernel's own probes there run from ftrace with ``[FTRACE]`` in its list.
+        """
+        if self._fentry is None:
+            return False
+        try:
+            linked = self.symbols.file_bytes(addr, 5)
+        except QprobeError:
+            return False
+        return linked[0] == 0xE8 and addr + 5 + int.from_bytes(linked[1:], "little", signed=True) == self._fentry
 
     def check_kprobe_address_safe(self, addr: int) -> tuple[str, int, bytes]:
         """(sym+off text, function start, function bytes) or a ProbeError saying why not."""
@@ -183,31 +227,7 @@ class KprobeManager:
         if fn is None:
             raise NotKernelText(f"{addr:#x} is not inside a known kernel function")
         code = self.machine.mem.read(fn.addr, fn.size)
-        self._check_ftrace_site(addr, where)
         return where, fn.addr, code
-
-    def _check_ftrace_site(self, addr: int, where: str) -> None:
-        """Refuse an ``__fentry__`` site the guest's ftrace has turned into a call.
-
-        At boot every ``call __fentry__`` becomes a 5-byte NOP; the guest's
-        function tracer, or its own kprobe_events on a function entry (ftrace-based
-        on x86), turns it back into a call and later verifies the bytes it expects
-        there before changing them again.  Patching over it would break the
-        guest's ftrace (ftrace_bug), so qprobe leaves such a site alone.
-        """
-        try:
-            linked = self.symbols.file_bytes(addr, 5)
-        except QprobeError:
-            return
-        fentry = self.symbols.address("__fentry__") if "__fentry__" in self.symbols else None
-        if linked[0] != 0xE8 or fentry is None:
-            return
-        if addr + 5 + int.from_bytes(linked[1:], "little", signed=True) != fentry:
-            return
-        running = self.original(addr, 5)
-        if running != FTRACE_NOP5:
-            raise ProbeBusy(f"the guest's ftrace is using {where} (its function tracer or its own "
-                            f"kprobe_events): qprobe will not patch over it; probe the next instruction")  # fmt: skip
 
     def patched(self) -> dict[int, int]:
         """address -> original byte of everything we changed in kernel text."""
@@ -233,19 +253,28 @@ class KprobeManager:
     def register_kprobe(self, kp: Kprobe, optimize: bool = True) -> None:
         if kp.registered:
             raise InvalidProbe(f"{kp.where()} is already registered (EINVAL)")
-        addr = self._kprobe_addr(kp)
+        kp.at = self.kprobe_addr(kp)
+        addr = kp.at + 5 if self.ftrace_site(kp.at) else kp.at
         self.machine.call(lambda: self._register(kp, addr))
         if optimize:
             self.optimize_later([addr])
 
     def optimize_later(self, addrs: Iterable[int]) -> None:
-        """The kernel's delayed optimizer: int3 first, a grace period, then the jump."""
+        """The kernel's delayed optimizer: int3 first, a grace period, then the jump.
+
+        While queued a point's hits are not boosted, so that after the grace period
+        no context can be inside its copy on the way back into the region.
+        """
         opt = self.optimizer
         if opt is None or not opt.enabled:
             return
-        time.sleep(OPTIMIZE_DELAY)
+        queued = todo = list(addrs)
 
-        todo = list(addrs)
+        def queue(on: bool) -> None:
+            for a in queued:
+                point = self.points.get(a)
+                if point is not None:
+                    point.optimizing = on
 
         def work() -> list[int]:
             retry = []
@@ -257,12 +286,17 @@ class KprobeManager:
                     retry.append(a)
             return retry
 
-        # A vCPU inside a region (or a context interrupted there) only delays its jump: try again.
-        for _ in range(OPTIMIZE_RETRIES):
-            todo = self.machine.call(work)
-            if not todo:
-                return
-            time.sleep(OPTIMIZE_DELAY)
+        self.machine.call(lambda: queue(True))
+        try:
+            time.sleep(max(OPTIMIZE_DELAY, RESUME_GRACE))
+            # A vCPU inside a region (or a context interrupted there) only delays its jump: try again.
+            for _ in range(OPTIMIZE_RETRIES):
+                todo = self.machine.call(work)
+                if not todo:
+                    return
+                time.sleep(OPTIMIZE_DELAY)
+        finally:
+            self.machine.call(lambda: queue(False))
 
     def _register(self, kp: Kprobe, addr: int) -> None:
         point = self.points.get(addr)
@@ -609,11 +643,12 @@ class KprobeManager:
             self._post_handlers(active, pt)
             self._write_regs(pt.tid, {"rsp": pt.sp, "eflags": pt.flags, **pt.dirty(), "rip": pt.ip})
             return
-        if self.boost and prep.boostable and not any(kp.post_handler for kp in active):
+        if self.boost and prep.boostable and not point.optimizing and not any(kp.post_handler for kp in active):
             # The kprobe-booster: the copy in the slot is followed by a jmp back,
-            # so the vCPU just runs it: one VM stop per hit instead of two.
+            # so the vCPU just runs it: one VM stop per hit instead of two.  Not while the
+            # point waits to be optimized: the jump back would land inside the jump.
             point.boosted += 1
-            self.resume_targets.add(point.addr + prep.insn.length)
+            self.resume_targets[point.addr + prep.insn.length] = time.monotonic()
             self._write_regs(pt.tid, {**pt.dirty(), "rip": prep.slot_addr, "rsp": pt.sp, "eflags": pt.flags})
             return
         if ctl is not None:
@@ -733,7 +768,10 @@ class KprobeManager:
                 elif point.not_optimized is not None and point.armed:
                     flags += f"  (not optimized: {point.not_optimized})"
                 kind = "r" if kp.kretprobe is not None else "k"
-                lines.append(f"{addr:016x}  {kind}  {point.where}    {flags}".rstrip())
+                at, where = addr, point.where
+                if kp.at != addr:  # moved off an __fentry__ site: listed where asked, as the kernel's [FTRACE]
+                    at, where, flags = kp.at, self.symbols.symbolize(kp.at), "[FTRACE]" + flags
+                lines.append(f"{at:016x}  {kind}  {where}    {flags}".rstrip())
         return "\n".join(lines) + ("\n" if lines else "")
 
 

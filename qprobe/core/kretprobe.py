@@ -145,13 +145,13 @@ class KretprobeManager:
     # -- registration ------------------------------------------------------------
     def register_kretprobe(self, rp: Kretprobe) -> None:
         kp = rp.kp
-        if kp.offset:
-            raise InvalidProbe(f"a kretprobe must be on a function entry, not {kp.where()} (EINVAL)")
-        fn = self.symbols.function(kp.addr or 0) if kp.symbol_name is None else None
-        name = kp.symbol_name or (fn.name if fn else "")
+        addr = self.kprobes.kprobe_addr(kp)
+        fn = self.symbols.function(addr)
+        name = fn.name if fn else ""
         if name in KRETPROBE_BLACKLIST:
             raise ProbeError(f"cannot return-probe {name}: it does not return to its caller")
-        if kp.symbol_name is None and (fn is None or fn.addr != kp.addr):
+        # kprobe_on_func_entry: the address itself must be a function's entry (sym+SIZE is the next one's).
+        if fn is None or addr not in (fn.addr, fn.addr + self.kprobes.entry_skip(fn.addr)):
             raise InvalidProbe(f"{kp.where()} is not a function entry (EINVAL)")
         n = rp.maxactive or self.default_maxactive()
         rp.free = [KretprobeInstance(rp, data=bytearray(rp.data_size)) for _ in range(n)]
@@ -165,7 +165,11 @@ class KretprobeManager:
                 self._ensure_return_int3s()
 
         self.machine.call(prepare)
-        self.kprobes.register_kprobe(kp)
+        try:
+            self.kprobes.register_kprobe(kp)
+        except BaseException:
+            self.machine.call(lambda: self._retire(rp))  # the instance pool goes back
+            raise
         self.registered.add(rp)
 
     def unregister_kretprobe(self, rp: Kretprobe) -> None:

@@ -24,6 +24,7 @@ where an interrupted context could sleep inside a detour.
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import struct
 import threading
@@ -106,7 +107,10 @@ COLLECT_INTERVAL = 0.02  # seconds between drains of the rings and folds of the 
 THREAD_SIZE = 16 << 10  # x86_64 kernel and IRQ stacks (without KASAN)
 _FRAME_WORDS = FRAME_SIZE // 8
 # Reasons that hold only at the moment of the attempt (their texts start with these).
-TRANSIENT = ("vCPU", "a context interrupted on vCPU")
+TRANSIENT = ("vCPU", "a context interrupted on vCPU", "a boosted copy")
+# Seconds after its last entry that a boosted copy may still hold a context interrupted inside it
+# (the same grace KprobeManager.remove_all gives before unmapping).
+RESUME_GRACE = 0.1
 
 
 @dataclass
@@ -221,7 +225,7 @@ class Optimizer:
     def _ensure_stub(self) -> None:
         if self.stub and self.kp.scratch.mapped:
             return
-        scratch, syms = self.kp.scratch, self.kp.symbols
+        scratch, kernel = self.kp.scratch, self.kp.kernel
         if not scratch.mapped:
             scratch.map()
         ncpus = len(self.machine.vcpus)
@@ -232,8 +236,9 @@ class Optimizer:
         self.counters = self.missed + MAX_OPTIMIZED * 8
         self.lost = self.counters + MAX_OPTIMIZED * 8
         self._zero(data, size)
-        params = StubParams(self.mailboxes, self.missed, syms.percpu["cpu_number"], syms.percpu["this_cpu_off"],
-                            self.kp.kernel.current_task_offset, DOORBELL_PORT)  # fmt: skip
+        params = StubParams(self.mailboxes, self.missed, kernel.percpu_offset("cpu_number"),
+                            kernel.percpu_offset("this_cpu_off"), kernel.current_task_offset,
+                            DOORBELL_PORT)  # fmt: skip
         size = len(build_stub(params, scratch.base))
         self.stub = scratch.alloc(size, align=64)
         self.machine.journal.set_meta(stub=self.stub, stub_size=size, mailboxes=self.mailboxes,
@@ -252,8 +257,8 @@ class Optimizer:
         self._zero(self.rings, size)
         self._tails = [0] * ncpus
         cur, pid_off, _tgid, comm_off = self.kp.kernel.offsets
-        params = RecordParams(self.rings, self.rings + RING_HEADER * ncpus, self.lost, syms.percpu["cpu_number"],
-                              cur, pid_off, comm_off)  # fmt: skip
+        params = RecordParams(self.rings, self.rings + RING_HEADER * ncpus, self.lost,
+                              self.kp.kernel.percpu_offset("cpu_number"), cur, pid_off, comm_off)  # fmt: skip
         code_size = len(build_record_stub(params, scratch.base))
         stub = scratch.alloc(code_size, align=64)
         scratch.write(stub, build_record_stub(params, stub))
@@ -456,9 +461,13 @@ class Optimizer:
         end = point.addr + check.size
         if any(point.addr < a < end for a in self.kp.points):
             return "another probe lies in the region"
-        if any(point.addr < a < end for a in self.kp.resume_targets):
-            # A boosted copy or a detour (perhaps already removed) jumps back there.
+        now = time.monotonic()
+        back = [t for a, t in self.kp.resume_targets.items() if point.addr < a < end]
+        if any(t == math.inf for t in back):
+            # A detour (perhaps already removed) jumps back there.
             return "out-of-line code returns into the region"
+        if any(now - t < RESUME_GRACE for t in back):
+            return f"{TRANSIENT[2]} returning into the region ran {RESUME_GRACE} s ago or less"
         if (point.addr & 0xFFF) + 5 > 0x1000:
             return "the jump would cross a page"
         for tid in self.machine.vcpus:
@@ -547,7 +556,7 @@ class Optimizer:
         point.int3 = None
         jmp = self.machine.patch(point.addr, synthesize_reljump(point.addr, detour), "optjmp", detour)
         point.opt = Optimized(probe_id, detour, size, jmp, detour + head, kind, tables)
-        self.kp.resume_targets.add(point.addr + size)
+        self.kp.resume_targets[point.addr + size] = math.inf
         self.by_id[probe_id] = point
         return True
 
@@ -572,7 +581,7 @@ class Optimizer:
             table_bytes = TABLE_SIZE * len(self.machine.vcpus)
             tables = self.kp.scratch.alloc(table_bytes, align=4096)  # written by the guest: apart from code
             self._zero(tables, table_bytes)
-            cpu_number, lost = self.kp.symbols.percpu["cpu_number"], self.lost + probe_id * 8
+            cpu_number, lost = self.kp.kernel.percpu_offset("cpu_number"), self.lost + probe_id * 8
             return lambda at, rel: build_keyed_detour(at, spec, tables, cpu_number, counter, lost, rel, resume), tables
         if kind == "retentry":
             pool = point.probes[0].kretprobe.pool  # type: ignore[union-attr]

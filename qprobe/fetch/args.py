@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from . import messages as M
 from .context import FAULT, U64_MASK, Fault, FetchContext, MemoryFault, SymbolValue, read_string, read_uint
 from .expr import (
+    Arg,
     ArgError,
     Code,
     Comm,
@@ -23,6 +24,9 @@ from .expr import (
     Imm,
     ImmString,
     Node,
+    Reg,
+    RetVal,
+    Stack,
     SymbolAddr,
     fetch,
     parse_probe_arg,
@@ -107,6 +111,11 @@ class FetchArg:
         expr = self.expr
         user = self.type.user
         count = self.type.array
+        if self.type.symbol:  # symstr: the value's %pS text
+            try:
+                return ctx.symbolize(fetch(expr, ctx) & U64_MASK)
+            except (MemoryFault, KeyError):
+                return FAULT
         if isinstance(expr, Comm):
             return ctx.comm()
         if isinstance(expr, ImmString):
@@ -160,9 +169,12 @@ class FetchArg:
         return str(value & mask)
 
 
-def parse_fetch_arg(text: str, index: int, flags: int, previous: list[FetchArg]) -> FetchArg:
+def parse_fetch_arg(
+    text: str, index: int, flags: int, previous: list[FetchArg], types: frozenset[str] = frozenset()
+) -> FetchArg:
     """``traceprobe_parse_probe_arg`` for the ``index``-th (0-based) argument.
 
+    ``types`` names the optional fetch types the kernel accepts (``symstr``).
     Raises ArgError with an offset inside ``text``.
     """
     eq = text.find("=")
@@ -178,11 +190,11 @@ def parse_fetch_arg(text: str, index: int, flags: int, previous: list[FetchArg])
         raise ArgError(0, M.BAD_ARG_NAME)
     if name in RESERVED_FIELD_NAMES or any(a.name == name for a in previous):
         raise ArgError(0, M.USED_ARG_NAME)
-    ftype, expr = _parse_body(body, flags, offset)
+    ftype, expr = _parse_body(body, flags, offset, types)
     return FetchArg(name, body, ftype, expr)
 
 
-def _parse_body(body: str, flags: int, offset: int) -> tuple[FetchType, Node]:
+def _parse_body(body: str, flags: int, offset: int, types: frozenset[str]) -> tuple[FetchType, Node]:
     """``traceprobe_parse_probe_arg_body``: expression, type, store checks."""
     if len(body) > M.MAX_ARGSTR_LEN:
         raise ArgError(offset, M.ARG_TOO_LONG)
@@ -213,10 +225,10 @@ def _parse_body(body: str, flags: int, offset: int) -> tuple[FetchType, Node]:
     if arg in ("$comm", "$COMM") or arg.startswith('\\"'):
         if count or (spec is not None and spec != "string"):
             # The kernel returns -EINVAL here without logging anything.
-            raise ArgError(type_offs, M.BAD_TYPE)
+            raise ArgError(type_offs, M.BAD_TYPE, logged=False)
         base = STRING
     else:
-        base = find_fetch_type(spec)
+        base = find_fetch_type(spec, types)
     if base is None:
         raise ArgError(type_offs, M.BAD_TYPE)
     full_spec = body[colon + 1 :] if colon >= 0 else None
@@ -225,7 +237,13 @@ def _parse_body(body: str, flags: int, offset: int) -> tuple[FetchType, Node]:
     expr = parse_probe_arg(arg, flags, offset, code)
 
     # Store stage: strings need memory, an immediate or $comm; others ST_*.
-    if base.string:
+    if base.name == "symstr":
+        # FETCH_OP_ST_SYMSTR keeps the fetched value (a register, stack slot, argument or kernel load).
+        if not isinstance(expr, Reg | Stack | RetVal | Arg) and not (isinstance(expr, Deref) and not expr.user):
+            raise ArgError(type_offs, M.BAD_SYMSTRING)
+        _next_insn(code, offset)
+        store_is_mem = True
+    elif base.string:
         if not isinstance(expr, Deref | Imm | Comm | ImmString):
             raise ArgError(type_offs, M.BAD_STRING)
         if not isinstance(expr, Deref) or count:

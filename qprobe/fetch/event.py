@@ -24,10 +24,12 @@ from qprobe.errors import FetchArgError
 from . import messages as M
 from .args import FetchArg, Value, parse_fetch_arg, symbol_refs_of
 from .context import FetchContext
+from .dialect import BASE, Dialect
 from .expr import FL_FENTRY, FL_KERNEL, FL_RETURN, ArgError, split_symbol_offset
 from .kstrto import is_good_name, isdigit, kstrtouint, kstrtoul, split_args
 
 SymbolExists = Callable[[str], bool]
+SymbolCount = Callable[[str], int]
 OnFuncEntry = Callable[[str, int], bool]
 
 
@@ -98,10 +100,11 @@ class DeleteEvent:
 class _Command:
     """The argv of one line, turning (word index, offset) into caret columns."""
 
-    def __init__(self, text: str, line: str) -> None:
+    def __init__(self, text: str, line: str, dialect: Dialect = BASE) -> None:
         self.text = text
         self.words = split_args(line)
         self.argv = [w for _, w in self.words]
+        self.dialect = dialect
 
     def column(self, index: int, offset: int) -> int:
         if index >= len(self.words):  # the kernel points past the last word
@@ -109,8 +112,9 @@ class _Command:
             return start + len(word) + 1
         return self.words[index][0] + offset
 
-    def error(self, index: int, offset: int, message: str) -> FetchArgError:
-        return FetchArgError(message, self.text, self.column(index, offset))
+    def error(self, index: int, offset: int, message: str, logged: bool = True) -> FetchArgError:
+        logged = logged and message not in M.UNLOGGED
+        return FetchArgError(self.dialect.message(message), self.text, self.column(index, offset), logged=logged)
 
 
 def _strip_line(text: str) -> str:
@@ -126,25 +130,29 @@ def parse_event(
     *,
     symbol_exists: SymbolExists | None = None,
     on_func_entry: OnFuncEntry | None = None,
+    dialect: Dialect = BASE,
+    symbol_count: SymbolCount | None = None,
 ) -> ProbeEvent | DeleteEvent:
     """Parse one kprobe_events line as Linux 6.1 would, or raise FetchArgError.
 
     ``symbol_exists(name)`` answers for probe symbols (``[MOD:]SYM``) and for
     ``@SYM`` arguments; ``on_func_entry(symbol, offset)`` says whether that
-    place is the function entry (for ``$argN`` and return probes).
+    place is the function entry (for ``$argN`` and return probes); ``dialect``
+    is what the running kernel adds to 6.1.0's language and how it words errors;
+    ``symbol_count(name)`` is how many kallsyms entries have that name.
     """
     line = _strip_line(text)
-    cmd = _Command(text, line)
+    cmd = _Command(text, line, dialect)
     if line.startswith("-"):
         return _parse_delete(cmd)
     if not cmd.argv:
-        raise FetchArgError(M.EMPTY_COMMAND, text, 0)
+        raise FetchArgError(M.EMPTY_COMMAND, text, 0, logged=False)
     head = cmd.argv[0]
     if head[0] not in "pr":
         raise cmd.error(0, 0, M.NOT_A_PROBE)
     if len(cmd.argv) < 2:
         raise cmd.error(1, 0, M.NO_PROBE_POINT)
-    return _parse_probe(cmd, symbol_exists, on_func_entry)
+    return _parse_probe(cmd, symbol_exists, on_func_entry, symbol_count)
 
 
 def parse_events(
@@ -152,6 +160,8 @@ def parse_events(
     *,
     symbol_exists: SymbolExists | None = None,
     on_func_entry: OnFuncEntry | None = None,
+    dialect: Dialect = BASE,
+    symbol_count: SymbolCount | None = None,
 ) -> list[ProbeEvent | DeleteEvent]:
     """Every non-empty line of a kprobe_events write, comments removed.
 
@@ -160,7 +170,8 @@ def parse_events(
     out: list[ProbeEvent | DeleteEvent] = []
     for line in text.split("\n"):
         if split_args(line.split("#", 1)[0]):
-            out.append(parse_event(line, symbol_exists=symbol_exists, on_func_entry=on_func_entry))
+            out.append(parse_event(line, symbol_exists=symbol_exists, on_func_entry=on_func_entry, dialect=dialect,
+                                   symbol_count=symbol_count))  # fmt: skip
     return out
 
 
@@ -178,7 +189,10 @@ def _parse_delete(cmd: _Command) -> DeleteEvent:
     return DeleteEvent(group, event, cmd.argv[1:], cmd.text)
 
 
-def _parse_probe(cmd: _Command, symbol_exists: SymbolExists | None, on_func_entry: OnFuncEntry | None) -> ProbeEvent:
+def _parse_probe(
+    cmd: _Command, symbol_exists: SymbolExists | None, on_func_entry: OnFuncEntry | None,
+    symbol_count: SymbolCount | None,
+) -> ProbeEvent:  # fmt: skip
     argv = cmd.argv
     head = argv[0]
     is_return = head[0] == "r"
@@ -215,6 +229,12 @@ def _parse_probe(cmd: _Command, symbol_exists: SymbolExists | None, on_func_entr
         if parsed is None or not 0 <= parsed <= M.UINT_MAX:
             raise cmd.error(1, 0, M.BAD_PROBE_ADDR)
         offset = parsed
+        if symbol_count is not None and cmd.dialect.has(M.NON_UNIQ_SYMBOL):
+            # validate_probe_symbol (Linux 6.5's "tracing/kprobes: Return EADDRNOTAVAIL when func matches
+            # several symbols", backported to stable kernels): known where the kernel logs its text.
+            count = symbol_count(symbol)
+            if count != 1:
+                raise cmd.error(1, 0, M.NON_UNIQ_SYMBOL if count > 1 else M.BAD_PROBE_ADDR)
         if is_return:
             flags |= FL_RETURN
         exists = bool(symbol) and (symbol_exists is None or symbol_exists(symbol))
@@ -235,9 +255,9 @@ def _parse_probe(cmd: _Command, symbol_exists: SymbolExists | None, on_func_entr
     args: list[FetchArg] = []
     for i, word in enumerate(argv[2 : 2 + M.MAX_TRACE_ARGS]):
         try:
-            args.append(parse_fetch_arg(word, i, flags, args))
+            args.append(parse_fetch_arg(word, i, flags, args, cmd.dialect.types))
         except ArgError as exc:
-            raise cmd.error(i + 2, exc.offset, exc.message) from None
+            raise cmd.error(i + 2, exc.offset, exc.message, exc.logged) from None
 
     # What registration (traceprobe_update_arg, register_kprobe) would reject.
     for _, ref in symbol_refs_of(args):
@@ -280,7 +300,7 @@ def _parse_event_name(cmd: _Command, name: str, offset: int) -> tuple[str | None
         if slash >= 0:
             return group, None
         raise cmd.error(0, offset, M.NO_EVENT_NAME)
-    if len(name) > M.MAX_EVENT_NAME_LEN:
+    if len(name) >= M.MAX_EVENT_NAME_LEN:  # the name and its NUL must fit in MAX_EVENT_NAME_LEN
         raise cmd.error(0, offset, M.EVENT_TOO_LONG)
     if not is_good_name(name):
         raise cmd.error(0, offset, M.BAD_EVENT_NAME)
@@ -299,7 +319,7 @@ def _default_event_name(is_return: bool, symbol: str | None, offset: int, addr: 
     return name[0] + name[1:].replace(":", "_").replace(".", "_")
 
 
-def check_append(new: ProbeEvent, existing: Sequence[ProbeEvent]) -> None:
+def check_append(new: ProbeEvent, existing: Sequence[ProbeEvent], dialect: Dialect = BASE) -> None:
     """Can ``new`` join the event whose probes are ``existing`` (same group/event)?
 
     Mirrors register_trace_kprobe / append_trace_kprobe: the probe type must
@@ -310,7 +330,7 @@ def check_append(new: ProbeEvent, existing: Sequence[ProbeEvent]) -> None:
     """
     if not existing:
         return
-    cmd = _Command(new.text, _strip_line(new.text))
+    cmd = _Command(new.text, _strip_line(new.text), dialect)
     old = existing[0]
     if new.is_return != old.is_return:
         raise cmd.error(0, 0, M.DIFF_PROBE_TYPE)

@@ -24,12 +24,17 @@ FL_MASK = 0xF
 
 
 class ArgError(Exception):
-    """A parse error at ``offset`` inside the current word of the command."""
+    """A parse error at ``offset`` inside the current word of the command.
 
-    def __init__(self, offset: int, message: str) -> None:
+    ``logged`` is False where the kernel fails with -EINVAL and writes nothing
+    to error_log (qprobe still tells its user what is wrong).
+    """
+
+    def __init__(self, offset: int, message: str, logged: bool = True) -> None:
         super().__init__(message)
         self.offset = offset
         self.message = message
+        self.logged = logged
 
 
 @dataclass(frozen=True)
@@ -229,8 +234,9 @@ def parse_probe_arg(arg: str, flags: int, offs: int, code: Code) -> Node:
     if head == "\\":
         if arg[1:2] == '"':
             text = arg[2:]
-            # An empty body checks the '"' just before it, as the C does.
-            if text and text[-1] != '"':
+            # 6.1.0's C checked the '"' just before an empty body (str[len - 1]) and took ``\"`` as
+            # an empty string; later kernels and stable 6.1 (Debian's 6.1.192) refuse it, as qprobe does.
+            if not text or text[-1] != '"':
                 raise ArgError(offs + 2 + len(text), M.IMMSTR_NO_CLOSE)
             return ImmString(text[:-1])
         value = _str_to_immediate(arg[1:])

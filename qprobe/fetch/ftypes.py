@@ -4,8 +4,8 @@ Mirrors ``probe_fetch_types`` and ``find_fetch_type`` in
 kernel/trace/trace_probe.c of Linux 6.1 (x86_64): the default type is
 ``x64``, ``symbol`` is an alias of ``u64`` printed with ``%pS``, ``x*`` types
 print as ``0x%x`` without zero padding, and a bitfield is stored in an
-unsigned container of 8/16/32/64 bits.  6.1 has no ``symstr``, ``char`` or
-BTF types.
+unsigned container of 8/16/32/64 bits.  6.1.0 has no ``symstr``, ``char`` or
+BTF types; ``symstr`` is accepted where the kernel's Dialect says so.
 """
 
 from __future__ import annotations
@@ -97,12 +97,19 @@ BASIC_TYPES: dict[str, FetchType] = {
     "x64": _int("x64", 8, hex_=True),
     "symbol": FetchType("symbol", 8, False, symbol=True, fmttype="u64"),
 }
+# Not in 6.1.0 (Linux 6.2, "tracing/probes: Add symstr type for dynamic events", and stable backports):
+# the value is printed as a string holding its %pS text.  Accepted when the kernel's Dialect lists it.
+OPTIONAL_FETCH_TYPES: dict[str, FetchType] = {
+    "symstr": FetchType("symstr", 4, True, string=True, symbol=True, fmttype="__data_loc char[]"),
+}
 DEFAULT_FETCH_TYPE = "x64"  # x##BITS_PER_LONG
 STRING = BASIC_TYPES["string"]
 
 
-def find_fetch_type(spec: str | None) -> FetchType | None:
+def find_fetch_type(spec: str | None, optional: frozenset[str] = frozenset()) -> FetchType | None:
     """``find_fetch_type``: the type named ``spec`` (None = default), or None.
+
+    ``optional`` names the types of :data:`OPTIONAL_FETCH_TYPES` the kernel accepts.
 
     A spec starting with ``b`` is a bitfield: only the container after ``/`` is
     checked here (``parse_bitfield`` checks the rest later, as the kernel
@@ -118,6 +125,8 @@ def find_fetch_type(spec: str | None) -> FetchType | None:
         if container not in (8, 16, 32, 64):
             return None
         return BASIC_TYPES[f"u{container}"]
+    if spec in optional:
+        return OPTIONAL_FETCH_TYPES.get(spec)
     return BASIC_TYPES.get(spec)
 
 

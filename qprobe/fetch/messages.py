@@ -44,6 +44,7 @@ BAD_ARRAY_NUM = "Invalid array size"
 ARRAY_TOO_BIG = "Array number is too big"
 BAD_TYPE = "Unknown type is specified"
 BAD_STRING = "String accepts only memory argument"
+BAD_SYMSTRING = "Symbol String doesn't accept data/userdata"
 BAD_BITFIELD = "Invalid bitfield"
 ARG_NAME_TOO_LONG = "Argument name is too long"
 NO_ARG_NAME = "Argument name is not specified"
@@ -56,6 +57,7 @@ FAIL_REG_PROBE = "Failed to register probe event"
 DIFF_PROBE_TYPE = "Probe type is different from existing probe"
 DIFF_ARG_TYPE = "Argument type or name is different from existing probe"
 SAME_PROBE = "There is already the exact same probe event"
+NON_UNIQ_SYMBOL = "The symbol is not unique"
 
 # --- qprobe's own texts: the kernel returns -EINVAL and logs nothing -------
 NOT_A_PROBE = "Not a kprobe definition (expected p, r or -)"
@@ -63,6 +65,7 @@ NO_PROBE_POINT = "No probe point is specified"
 UPROBE_SYNTAX = "This is an uprobe definition, not a kprobe one"
 BAD_DELETE = "Invalid delete command (expected -:[GRP/][EVENT])"
 EMPTY_COMMAND = "Empty probe definition"
+UNLOGGED = frozenset({NOT_A_PROBE, NO_PROBE_POINT, UPROBE_SYNTAX, BAD_DELETE, EMPTY_COMMAND})
 
 # --- limits (trace_probe.h, trace.h, trace_kprobe.c; x86_64 values) --------
 MAX_TRACE_ARGS = 128

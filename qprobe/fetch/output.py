@@ -55,13 +55,16 @@ def print_ip_sym(addr: int, lookup: SymbolLookup, offset: bool = True, trampolin
     return info.name if info is not None and info.name else f"0x{addr:08x}"
 
 
-def format_event(ev: ProbeEvent) -> str:
+def format_event(ev: ProbeEvent, maxactive: int = 0) -> str:
     """``trace_kprobe_show``: e.g. ``r10:kprobes/myret vfs_read arg1=$retval``.
 
     Offsets are decimal (``vfs_read+16``), offset 0 is omitted, addresses
     are printed in full (the kernel hashes them unless no_hash_pointers).
+    ``maxactive`` is a registered return probe's instance count: once the
+    kernel has registered it, the default (0 in the definition) is shown resolved.
     """
-    head = ev.kind + (str(ev.maxactive) if ev.is_return and ev.maxactive else "")
+    active = maxactive or ev.maxactive
+    head = ev.kind + (str(active) if ev.is_return and active else "")
     parts = [f"{head}:{ev.group}/{ev.event}", ev.probe_point]
     parts += [a.definition for a in ev.args]
     return " ".join(parts)

@@ -143,6 +143,15 @@ class Symbols:
         a, size, name, kind = max(covering, key=lambda r: (r[3] == "func", r[1] > 0))
         return Symbol(name, a + self.slide, size, kind)
 
+    def kallsyms_size(self, sym: Symbol) -> int:
+        """The size kallsyms gives ``sym``: the distance to the next symbol's address (not the ELF size).
+
+        ``kallsyms_lookup_size_offset`` has no sizes, so ``%pS`` prints ``func+off/SIZE``
+        with the padding up to the next symbol included.
+        """
+        i = bisect.bisect_right(self._addrs, sym.addr - self.slide)
+        return self._addrs[i] + self.slide - sym.addr if i < len(self._addrs) else sym.size
+
     def function(self, addr: int) -> Symbol | None:
         sym = self.containing(addr)
         return sym if sym is not None and sym.kind == "func" and sym.size else None
@@ -156,6 +165,17 @@ class Symbols:
 
     def names(self) -> list[str]:
         return list(self._by_name)
+
+    def count(self, name: str) -> int:
+        """How many distinct functions or objects are called ``name`` (static ones may share a name).
+
+        What kallsyms' ``number_of_same_symbols`` counts: the kernel refuses to probe a
+        name that is not unique rather than pick one.
+        """
+        if name not in self._by_name:
+            return 0
+        addrs = {a for a, _s, n, k in self._rows if n == name and k in ("func", "object")}
+        return max(len(addrs), 1)
 
     def functions_in(self, start: int, end: int) -> list[Symbol]:
         lo = bisect.bisect_left(self._addrs, start - self.slide)

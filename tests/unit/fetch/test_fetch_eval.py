@@ -114,7 +114,7 @@ def test_string_array_is_an_array_of_pointers() -> None:
 def test_strings() -> None:
     mem = {KBUF: b"hello\0", KBUF + 0x1000: b"a" * 5000 + b"\0"}
     ctx = FakeContext(regs={"di": KBUF, "si": KBUF + 0x1000, "dx": KBUF + 0x10_0000}, memory=mem, task_comm="sh")
-    out = hit('p vfs_read +0(%di):string +2(%di):string +0(%dx):string $comm \\"lit" \\" +0(%si):string', ctx)
+    out = hit('p vfs_read +0(%di):string +2(%di):string +0(%dx):string $comm \\"lit" \\"" +0(%si):string', ctx)
     assert out[:6] == ['arg1="hello"', 'arg2="llo"', "arg3=(fault)", 'arg4="sh"', 'arg5="lit"', 'arg6=""']
     assert out[6] == 'arg7="' + "a" * 4095 + '"'  # MAX_STRING_SIZE with its NUL
 

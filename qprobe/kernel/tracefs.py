@@ -1,0 +1,85 @@
+"""What the running kernel's tracefs would say about its kprobe_events language, read from vmlinux.
+
+The kernel keeps the text of tracefs' ``README`` in ``readme_msg`` and its probe
+parser's error texts in ``trace_probe_err_text`` (kernel/trace/trace.c and
+trace_probe.c); both are static data of vmlinux, so qprobe reads them from the
+file on the host before anything boots.  A kernel built without tracing has
+neither: its Dialect is 6.1.0's.  The trace events the kernel has are live
+data, read through drgn.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import drgn
+from drgn.helpers.linux.list import list_for_each_entry
+
+from qprobe.errors import QprobeError
+from qprobe.fetch.dialect import Dialect, dialect_of
+from qprobe.kernel.symbols import Symbols
+
+_MAX_TEXT = 256  # longest error text read; the kernel's are under 80 characters
+
+
+def _cstring(symbols: Symbols, addr: int, limit: int) -> str:
+    raw = symbols.file_bytes(addr, limit)
+    end = raw.find(b"\0")
+    return raw[: end if end >= 0 else len(raw)].decode("utf-8", "replace")
+
+
+def _section_room(symbols: Symbols, addr: int) -> int:
+    sec = symbols.section_at(addr)
+    return 0 if sec is None else sec.addr + sec.size - (addr - symbols.slide)
+
+
+def readme(symbols: Symbols) -> str | None:
+    """The tracefs README text of this kernel, or None if it has none."""
+    if "readme_msg" not in symbols:
+        return None
+    sym = symbols.lookup("readme_msg")
+    try:
+        return _cstring(symbols, sym.addr, sym.size or _section_room(symbols, sym.addr))
+    except QprobeError:
+        return None
+
+
+def error_texts(symbols: Symbols) -> list[str] | None:
+    """The probe parser's error texts (``trace_probe_err_text``: an array of string pointers), or None."""
+    if "trace_probe_err_text" not in symbols:
+        return None
+    sym = symbols.lookup("trace_probe_err_text")
+    try:
+        pointers = struct.unpack(f"<{sym.size // 8}Q", symbols.file_bytes(sym.addr, sym.size - sym.size % 8))
+        # The file holds link-time addresses; symbols' addresses are running ones.
+        return [_cstring(symbols, p + symbols.slide, min(_MAX_TEXT, _section_room(symbols, p + symbols.slide)))
+                for p in pointers]  # fmt: skip
+    except (QprobeError, struct.error):
+        return None
+
+
+def probe_dialect(symbols: Symbols) -> Dialect:
+    """The kprobe_events Dialect of the kernel ``symbols`` describes."""
+    return dialect_of(readme(symbols), error_texts(symbols))
+
+
+def trace_event_names(prog: drgn.Program) -> frozenset[tuple[str, str]]:
+    """(system, name) of every trace event the running kernel has (its ``ftrace_events`` list).
+
+    A kprobe event cannot take one of these names (``trace_probe_register_event_call``
+    refuses it with -EEXIST).  ``trace_event_name()``: a tracepoint event keeps its
+    name in ``call->tp`` (``TRACE_EVENT_FL_TRACEPOINT``), the others in ``call->name``;
+    ``TRACE_EVENT_FL_CUSTOM`` (Linux 5.18) events keep it in ``call->name`` too.
+    """
+    tracepoint = prog.constant("TRACE_EVENT_FL_TRACEPOINT").value_()
+    try:
+        custom = prog.constant("TRACE_EVENT_FL_CUSTOM").value_()
+    except LookupError:
+        custom = 0
+    out = set()
+    for call in list_for_each_entry("struct trace_event_call", prog["ftrace_events"].address_of_(), "list"):
+        flags = call.flags.value_()
+        name = call.tp.name if flags & tracepoint and not flags & custom else call.name
+        if name and call.member_("class"):
+            out.add((call.member_("class").system.string_().decode(), name.string_().decode()))
+    return frozenset(out)

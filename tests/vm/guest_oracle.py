@@ -1,0 +1,128 @@
+"""The guest kernel's own kprobe_events, asked for verdicts and hits in the same VM as qprobe.
+
+A batch of definitions is copied into the guest (base64, in chunks the serial
+console takes), and one guest shell loop writes each line to
+``kprobe_events`` and prints the kernel's answer: ``OK`` and the
+``kprobe_events`` listing, or ``ERR`` and the ``error_log`` entry, whose
+caret gives the column the kernel blames.  Cases are sequences of lines:
+``kprobe_events`` is cleared after each case, so a case can ask about
+definitions that meet an existing event.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import qprobe
+from qprobe.errors import FetchArgError, QprobeError
+
+TRACING = "/sys/kernel/tracing"
+CHUNK = 700  # base64 characters per console command (the tty line limit is 4095)
+
+_SCRIPT = r"""T=%(tracing)s
+while IFS= read -r line; do
+  if [ "$line" = "@@CASE" ]; then echo > $T/kprobe_events; echo "@@CASE"; continue; fi
+  echo > $T/error_log
+  if printf '%%s\n' "$line" >> $T/kprobe_events 2>/dev/null; then
+    echo "@@OK"; cat $T/kprobe_events
+  else
+    echo "@@ERR"; cat $T/error_log
+  fi
+  echo "@@END"
+done < %(defs)s
+echo > $T/kprobe_events
+"""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Accepted (with the listing lines), or refused with the error_log message and caret column."""
+
+    ok: bool
+    message: str = ""
+    column: int = -1
+    listing: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return "OK" if self.ok else f"ERR {self.message!r} at {self.column}"
+
+
+def _put_file(target: qprobe.Target, path: str, data: bytes) -> None:
+    text = base64.b64encode(data).decode()
+    target.run(f": > {path}.b64").check()
+    for i in range(0, len(text), CHUNK):
+        target.run(f"printf '%s' '{text[i : i + CHUNK]}' >> {path}.b64").check()
+    target.run(f"base64 -d {path}.b64 > {path} && rm {path}.b64").check()
+
+
+def _parse_error_log(lines: list[str]) -> tuple[str, int]:
+    """(message, caret column) of the one error_log entry: ``[ts] trace_kprobe: error: MSG``."""
+    message, column, command_at = "", -1, -1
+    for line in lines:
+        m = re.search(r"\] trace_kprobe: error: (.*)$", line)
+        if m:
+            message = m.group(1).strip()
+        elif line.startswith("  Command: "):
+            command_at = len("  Command: ")
+        elif line.strip() == "^" and command_at >= 0:
+            column = line.index("^") - command_at
+    return message, column
+
+
+def guest_verdicts(target: qprobe.Target, cases: Sequence[Sequence[str]]) -> list[list[Verdict]]:
+    """The guest kernel's verdict on every line of every case, in order."""
+    lines: list[str] = []
+    for case in cases:
+        lines.extend(case)
+        lines.append("@@CASE")
+    _put_file(target, "/tmp/oracle-defs", ("\n".join(lines) + "\n").encode())
+    _put_file(target, "/tmp/oracle.sh", (_SCRIPT % {"tracing": TRACING, "defs": "/tmp/oracle-defs"}).encode())
+    out = target.run("sh /tmp/oracle.sh", timeout=600).check().output.splitlines()
+    result: list[list[Verdict]] = [[]]
+    i = 0
+    while i < len(out):
+        tag = out[i].strip()
+        if tag == "@@CASE":
+            result.append([])
+        elif tag in ("@@OK", "@@ERR"):
+            body: list[str] = []
+            i += 1
+            while i < len(out) and out[i].strip() != "@@END":
+                body.append(out[i].rstrip("\r"))
+                i += 1
+            if tag == "@@OK":
+                result[-1].append(Verdict(True, listing=tuple(x for x in body if x.strip())))
+            else:
+                message, column = _parse_error_log(body)
+                result[-1].append(Verdict(False, message, column))
+        i += 1
+    result.pop()  # after the last @@CASE
+    assert [len(r) for r in result] == [len(c) for c in cases], "the guest loop's output lost lines"
+    return result
+
+
+def qprobe_verdicts(target: qprobe.Target, cases: Sequence[Sequence[str]]) -> list[list[Verdict]]:
+    """qprobe's verdict on the same cases: each line through ``Target.add_event``, events removed per case."""
+    result = []
+    for case in cases:
+        got = []
+        added = []
+        for line in case:
+            try:
+                te = target.add_event(line)
+            except FetchArgError as exc:
+                got.append(Verdict(False, exc.reason if exc.logged else "", exc.column if exc.logged else -1))
+            except QprobeError as exc:
+                got.append(Verdict(False, f"qprobe: {exc}", -1))
+            else:
+                added.append(te)
+                listing = "\n".join(t.listing() for t in target.events.values())
+                got.append(Verdict(True, listing=tuple(listing.splitlines())))
+        for te in added:
+            if target.events.get(te.name) is te:  # removes the probes appended to it too
+                target.remove_event(te)
+        result.append(got)
+    return result

@@ -1,0 +1,126 @@
+"""The guest kernel's own kprobes as the oracle, in the same VM as qprobe.
+
+Verdicts: every definition of ``oracle_defs`` (the ftrace selftests' tables
+and generated ones) is put to the guest's ``kprobe_events`` and to
+``Target.add_event``: the same acceptance, error text and caret, and the same
+``kprobe_events`` listing.  Hits: the guest's event and qprobe's, with the
+same definition on the same function (the guest's through its ftrace site,
+qprobe's on the instruction after it), print the same fields for every call
+the workload makes.  Counts: ``kprobe_profile`` and ``nhit`` agree.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import qprobe
+from qprobe import Kprobe
+from qprobe.pytest_plugin import QprobeReset
+
+from .conftest import workload_result
+from .guest_oracle import TRACING, guest_verdicts, qprobe_verdicts
+from .oracle_defs import cases
+
+pytestmark = [pytest.mark.vm, pytest.mark.qprobe_needs_config("KPROBE_EVENTS")]
+
+# "  <comm>-<pid> [cpu] flags ts: event: body"; the comm may hold spaces and dashes.
+TRACE_LINE = re.compile(
+    r"^\s*(?P<comm>.+)-(?P<pid>\d+)\s+\[(?P<cpu>\d+)\]\s+\S+\s+[\d.]+: (?P<event>\w+): (?P<body>.*)$"
+)
+
+
+def test_verdicts_and_listings_equal_the_guest_kernels(target: qprobe.Target) -> None:
+    defs = cases()
+    kernel = guest_verdicts(target, defs)
+    ours = qprobe_verdicts(target, defs)
+    differ = []
+    for case, k_case, q_case in zip(defs, kernel, ours, strict=True):
+        for line, k, q in zip(case, k_case, q_case, strict=True):
+            same = k.ok == q.ok and (k.ok or (k.message, k.column) == (q.message, q.column))
+            # The kernel hashes an address probe's address (%p) in its name and listing.
+            address_probe = re.match(r"[pr]\d*(:\S+)? 0x", line) is not None
+            if not same or (k.ok and not address_probe and k.listing != q.listing):
+                differ.append(f"{line!r}: kernel {k} {k.listing}, qprobe {q} {q.listing}")
+    assert not differ, f"{len(differ)} of {sum(map(len, defs))} definitions differ:\n" + "\n".join(differ)
+    assert not target.events
+
+
+def _guest_hits(target: qprobe.Target, event: str) -> list[tuple[str, int, int, str]]:
+    out = []
+    for line in target.run(f"cat {TRACING}/trace").check().output.splitlines():
+        m = TRACE_LINE.match(line)
+        if m and m["event"] == event:
+            out.append((m["comm"].strip(), int(m["pid"]), int(m["cpu"]), m["body"]))
+    return out
+
+
+@pytest.mark.qprobe_needs_config("FUNCTION_TRACER")
+def test_every_field_of_every_hit_equals_the_guest_trace(target: qprobe.Target) -> None:
+    """vfs_read with register, kernel-pointer (slab, stack), user-memory, symbol and $ arguments."""
+    body = ("vfs_read file=%di pos=+0(%cx):s64 mode=+0x44(%di):x32 fop=+0x28(%di):symbol ip=%ip "
+            "orig=%orig_ax count=%dx:u64 first=+0(%si):u8 sp0=+0($stack):x64 who=$comm a3=$arg3")  # fmt: skip
+    te = target.add_event(f"p:qhit {body}")
+    try:
+        target.run(f"echo 'p:ghit {body}' >> {TRACING}/kprobe_events && echo > {TRACING}/trace && "
+                   f"echo 1 > {TRACING}/events/kprobes/ghit/enable").check()  # fmt: skip
+        res = workload_result(target.run("workload read 5 64").check().output)
+        target.run(f"echo 0 > {TRACING}/events/kprobes/ghit/enable").check()
+        pid = int(res["pid"])
+        guest = [h for h in _guest_hits(target, "ghit") if h[1] == pid]  # before removing: that clears the buffer
+    finally:
+        target.remove_event(te)
+        target.run(f"echo 0 > {TRACING}/events/kprobes/ghit/enable; echo '-:ghit' >> {TRACING}/kprobe_events")
+    ours = [(h.comm, h.pid, h.cpu, h.body) for h in te.hits if h.pid == pid]
+    assert len(guest) == int(res["n"]), guest
+    assert ours == guest
+
+
+@pytest.mark.qprobe_needs_config("FUNCTION_TRACER")
+@pytest.mark.parametrize("qprobe_first", [True, False], ids=["qprobe-first", "guest-first"])
+def test_coexists_with_the_guests_ftrace_on_the_same_function(
+    target: qprobe.Target, qprobe_reset: QprobeReset, qprobe_first: bool
+) -> None:
+    """A probe at ksys_lseek+0 never writes the guest's __fentry__ site: the guest's event works either way."""
+    qprobe_reset.watch("ksys_lseek")  # the text before the guest's ftrace patches it: the same at the end
+    before = len(target.oopses())
+    guest_on = f"echo 'p:gseek ksys_lseek' >> {TRACING}/kprobe_events && echo 1 > {TRACING}/events/kprobes/gseek/enable"
+    guest_off = f"echo 0 > {TRACING}/events/kprobes/gseek/enable; echo '-:gseek' >> {TRACING}/kprobe_events"
+    kp = Kprobe(symbol_name="ksys_lseek")
+    if not qprobe_first:
+        target.run(guest_on).check()
+    target.register_kprobe(kp)
+    try:
+        if qprobe_first:
+            target.run(guest_on).check()
+        res = workload_result(target.run("workload lseek 7").check().output)
+        profile = target.run(f"cat {TRACING}/kprobe_profile").check().output
+        target.run(guest_off).check()
+    finally:
+        target.unregister_kprobe(kp)
+        target.run(guest_off)
+    assert res["errors"] == "0"
+    hits = next(int(line.split()[1]) for line in profile.splitlines() if line.split()[:1] == ["gseek"])
+    assert hits == 7 and kp.nhit == 7
+    assert "[FTRACE]" not in target.list_probes()  # unregistered
+    assert target.oopses()[before:] == []
+    # The guest's ftrace still works afterwards (an ftrace_bug would have disabled it).
+    target.run(f"echo 'p:again ksys_lseek' >> {TRACING}/kprobe_events && echo 1 > {TRACING}/events/kprobes/again/enable"
+               f" && echo 0 > {TRACING}/events/kprobes/again/enable && echo '-:again' >> {TRACING}/kprobe_events"
+               ).check()  # fmt: skip
+
+
+def test_probe_on_an_fentry_site_is_listed_where_asked(target: qprobe.Target) -> None:
+    kp = Kprobe(symbol_name="ksys_lseek")
+    target.register_kprobe(kp)
+    try:
+        listing = target.list_probes()
+        workload_result(target.run("workload lseek 2").check().output)
+    finally:
+        target.unregister_kprobe(kp)
+    start = target.symbols.address("ksys_lseek")
+    if target.read(start, 5) not in (bytes.fromhex("0f1f440000"),) and target.read(start, 1) != b"\xe8":
+        pytest.skip("ksys_lseek does not start with an __fentry__ site on this kernel")
+    assert f"{start:016x}  k  ksys_lseek+0x0    [FTRACE]" in listing
+    assert kp.at == start and kp.resolved == start + 5 and kp.nhit == 2

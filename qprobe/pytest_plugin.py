@@ -106,9 +106,13 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_SYMBOLS] = {}
     config.stash[_KEPT] = []
     if config.getoption("qprobe_images"):
+        from qprobe.errors import QprobeError
         from qprobe.images import list_images
 
-        known = [info.name for info in list_images()]
+        try:
+            known = [info.name for info in list_images()]
+        except QprobeError as exc:  # a malformed images.toml: one line, not an INTERNALERROR traceback
+            raise pytest.UsageError(f"qprobe: {exc}") from None
         unknown = [name for name in selected_images(config) if name not in known]
         if unknown:
             raise pytest.UsageError(f"--qprobe-image: unknown image(s) {', '.join(unknown)}; "
@@ -259,7 +263,11 @@ def qprobe_target(request: pytest.FixtureRequest, qprobe_image: str,
         "keepable": bool(config.getoption("qprobe_keep", default=False)),
         **qprobe_boot_kwargs,
     }
-    target = qprobe.boot(qprobe_image, **kwargs)
+    try:
+        target = qprobe.boot(qprobe_image, **kwargs)
+    except qprobe.QprobeError as exc:  # a bad image, manifest or cache: its one line, not a traceback
+        notes = "".join(f" ({note})" for note in getattr(exc, "__notes__", []))
+        pytest.fail(f"qprobe could not boot {qprobe_image}: {exc}{notes}", pytrace=False)
     vm = _Vm(qprobe_image, target)
     config.stash[_VMS][id(target)] = vm
     try:

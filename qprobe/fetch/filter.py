@@ -42,6 +42,10 @@ MISSING_QUOTE = "Missing matching quote"
 EXPECT_DIGIT = "Expecting numeric field"
 EXPECT_STRING = "Expecting string field"
 NO_FILTER = "Meaningless filter expression"
+# Not the kernel's (its parser keeps an explicit stack): ours recurses, and so do the evaluator and the
+# in-guest compiler, so nesting is bounded well below Python's recursion limit.
+MAX_DEPTH = 100
+TOO_DEEP = f"Nested too deeply (more than {MAX_DEPTH} levels of '(' and '!')"
 
 Record = Mapping[str, str | int]  # field name -> formatted argument value, or a common field's value
 
@@ -118,6 +122,7 @@ class EventFilter:
         self._strings = strings | set(COMMON_STRING)
         self._toks = _tokenize(text)
         self._i = 0
+        self._depth = 0
         if not self._toks:
             raise FetchArgError(NO_FILTER, text, 0)
         self.tree: Node = self._expr()
@@ -158,18 +163,28 @@ class EventFilter:
 
     def _factor(self) -> Node:
         tok = self._next(MISSING_FIELD)
-        if tok.text == "!":
-            return Not(self._factor())
-        if tok.text == "(":
-            inner = self._expr()
-            close = self._peek()
-            if close is None or close.text != ")":
-                raise FetchArgError(UNBALANCED_PAREN, self.text, tok.col)
-            self._i += 1
-            return inner
+        if tok.text in ("!", "("):
+            self._depth += 1
+            if self._depth > MAX_DEPTH:
+                raise FetchArgError(TOO_DEEP, self.text, tok.col)
+            try:
+                return self._nested(tok)
+            finally:
+                self._depth -= 1
         if tok.kind != "word":
             raise FetchArgError(MISSING_FIELD, self.text, tok.col)
         return self._predicate(tok)
+
+    def _nested(self, tok: _Tok) -> Node:
+        """What follows a ``!`` or a ``(``."""
+        if tok.text == "!":
+            return Not(self._factor())
+        inner = self._expr()
+        close = self._peek()
+        if close is None or close.text != ")":
+            raise FetchArgError(UNBALANCED_PAREN, self.text, tok.col)
+        self._i += 1
+        return inner
 
     def _predicate(self, field: _Tok) -> Pred:
         name = field.text

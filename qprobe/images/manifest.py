@@ -71,11 +71,19 @@ class ImageSpec:
         return self.rootfs
 
 
+def expand_user(text: str, where: str) -> Path:
+    """``~`` and ``~user`` expanded; an unknown user is an ImageError naming ``where``, not a RuntimeError."""
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:
+        raise ImageError(f"{where}: {text!r} names a user or home directory that does not exist") from None
+
+
 def builtin_manifest_path() -> Path:
     """``kernels/images.toml`` of this checkout (``$QPROBE_MANIFEST`` overrides)."""
     env = os.environ.get("QPROBE_MANIFEST")
     if env:
-        return Path(env).expanduser()
+        return expand_user(env, "QPROBE_MANIFEST")
     return Path(__file__).resolve().parents[2] / "kernels" / "images.toml"
 
 
@@ -83,9 +91,9 @@ def user_manifest_path() -> Path:
     """``$QPROBE_IMAGES``, else ``$XDG_CONFIG_HOME/qprobe/images.toml`` (~/.config)."""
     env = os.environ.get("QPROBE_IMAGES")
     if env:
-        return Path(env).expanduser()
-    config_home = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(config_home).expanduser() / "qprobe" / "images.toml"
+        return expand_user(env, "QPROBE_IMAGES")
+    config_home = os.environ.get("XDG_CONFIG_HOME") or "~/.config"
+    return expand_user(config_home, "XDG_CONFIG_HOME") / "qprobe" / "images.toml"
 
 
 def _string(table: dict[str, object], key: str, where: str) -> str | None:
@@ -145,7 +153,7 @@ def parse_spec(name: str, table: object, origin: Path | None) -> ImageSpec:
     for key in _FILE_KEYS:
         value = _string(table, key, where)
         if value:
-            path = Path(value).expanduser()
+            path = expand_user(value, f"{where}: {key}")
             files[key] = path if path.is_absolute() else base / path
     for key in ("kernel", "vmlinux"):
         if key not in files:

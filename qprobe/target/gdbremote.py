@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from qprobe.errors import ProtocolError, TargetError
+from qprobe.errors import GuestTimeout, ProtocolError, TargetError
 from qprobe.target.connection import Connection
 from qprobe.target.rsp import StopReply, hex_to_bytes, normalize_thread, parse_stop_reply
 
@@ -18,6 +18,20 @@ _TAG = re.compile(r"<(xi:include|reg)\b([^>]*)>")
 _COMMENT = re.compile(r"<!--.*?-->", re.S)
 _ATTR = re.compile(r'(\w+)="([^"]*)"')
 BREAK_SW, BREAK_HW, WATCH_WRITE, WATCH_READ, WATCH_ACCESS = range(5)
+# Bounds on what a stub may send, so that a broken or hostile one cannot keep qprobe looping or
+# growing forever.  QEMU 7.2 sends 1 stop reply before the features, 2 description files in 2-3
+# chunks each, about 80 registers, one thread-list entry per vCPU, and PacketSize=1000.
+MAX_EARLY_STOPS = 16
+MAX_XFER_CHUNKS = 256
+MAX_DESCRIPTION = 1 << 20  # bytes, all files together
+MAX_INCLUDES = 32
+MAX_REGISTERS = 512
+MAX_THREADS = 4096
+# Memory is moved in chunks of (PacketSize - 32) / 2 bytes: below this a chunk would be empty or
+# negative and a write would silently write nothing.
+MIN_PACKET_SIZE = 0x40
+MAX_PACKET_SIZE = 1 << 20
+FIRST_REPLY_TIMEOUT = 10.0
 
 
 @dataclass(frozen=True)
@@ -48,14 +62,24 @@ class GdbRemote:
     def handshake(self) -> StopReply:
         """Negotiate features, learn the registers, return the current stop state."""
         self.conn.send(b"qSupported:multiprocess+;swbreak+;hwbreak+;xmlRegisters=i386")
-        reply = self.conn.recv()
+        try:
+            reply = self.conn.recv(FIRST_REPLY_TIMEOUT)
+        except GuestTimeout:
+            raise GuestTimeout(
+                f"the gdbstub at {self.conn.name} did not answer within {FIRST_REPLY_TIMEOUT:g} s: is another "
+                "debugger attached to it? QEMU's gdbstub serves one client at a time"
+            ) from None
         # Connecting stops a running VM, and QEMU reports that stop unsolicited
         # (``T02thread:01;``), possibly before the answer to our first packet.
-        while reply[:1] in (b"T", b"S"):
+        for _ in range(MAX_EARLY_STOPS):
+            if reply[:1] not in (b"T", b"S"):
+                break
             reply = self.conn.recv()
+        else:
+            raise ProtocolError(f"the gdbstub sent more than {MAX_EARLY_STOPS} stop replies instead of its features")
         for feature in reply.split(b";"):
             if feature.startswith(b"PacketSize="):
-                self.packet_size = int(feature.split(b"=")[1], 16)
+                self.packet_size = _packet_size(feature.split(b"=", 1)[1])
         if b"qXfer:features:read+" not in reply:
             raise ProtocolError("the gdbstub offers no target description (qXfer:features:read)")
         self._load_target_description()
@@ -65,33 +89,50 @@ class GdbRemote:
         self._hg = None
         return stop
 
-    def _xfer(self, annex: str) -> str:
+    def _xfer(self, annex: str, budget: list[int]) -> str:
+        """One description file; ``budget`` is [chunks, bytes] left for the whole description."""
         data = b""
         while True:
+            budget[0] -= 1
+            if budget[0] < 0 or len(data) > budget[1]:
+                raise ProtocolError(f"the gdbstub's target description is too long (at {annex}, {len(data)} bytes)")
             chunk = self.conn.request(b"qXfer:features:read:%s:%x,%x" % (annex.encode(), len(data), 0xF00))
             if not chunk or chunk[:1] not in b"lm":
                 raise ProtocolError(f"the gdbstub refused to send {annex}: {chunk[:40]!r}")
+            if chunk[:1] == b"m" and len(chunk) == 1:
+                raise ProtocolError(f"the gdbstub sent an empty chunk of {annex} and said there is more")
             data += chunk[1:]
             if chunk[:1] == b"l":
-                return data.decode()
+                budget[1] -= len(data)
+                return data.decode(errors="replace")
 
     def _load_target_description(self) -> None:
         regnum = 0
         offset = 0
+        budget = [MAX_XFER_CHUNKS, MAX_DESCRIPTION]
+        included: list[str] = []
 
         def walk(annex: str) -> None:
             nonlocal regnum, offset
+            if annex in included:
+                raise ProtocolError(f"the gdbstub's target description includes {annex} twice (a loop?)")
+            if len(included) >= MAX_INCLUDES or not re.fullmatch(r"[\w.-]{1,64}", annex):
+                raise ProtocolError(f"the gdbstub's target description includes {annex[:40]!r}: refused")
+            included.append(annex)
             # QEMU's target.xml uses an unbound ``xi:`` prefix, which an XML
             # parser rejects; the tags we need are flat, so read them in order.
-            text = _COMMENT.sub("", self._xfer(annex))  # QEMU comments out cs_base..es_base
+            text = _COMMENT.sub("", self._xfer(annex, budget))  # QEMU comments out cs_base..es_base
             for tag, attrs in _TAG.findall(text):
                 attrib = dict(_ATTR.findall(attrs))
                 if tag == "xi:include":
-                    walk(attrib["href"])
+                    walk(attrib.get("href", ""))
                 elif tag == "reg":
-                    regnum = int(attrib.get("regnum", regnum))
-                    bits = int(attrib["bitsize"])
-                    self.regs[attrib["name"]] = RegDesc(attrib["name"], regnum, bits, offset)
+                    regnum = _reg_field(attrib, "regnum", regnum, 0xFFFF)
+                    bits = _reg_field(attrib, "bitsize", None, 4096)
+                    name = attrib.get("name", "")
+                    if not bits or bits % 8 or not re.fullmatch(r"\w{1,32}", name) or len(self.regs) >= MAX_REGISTERS:
+                        raise ProtocolError(f"the gdbstub describes a register it cannot have: <reg{attrs[:60]}>")
+                    self.regs[name] = RegDesc(name, regnum, bits, offset)
                     regnum += 1
                     offset += bits // 8
 
@@ -115,10 +156,17 @@ class GdbRemote:
         out: list[str] = []
         reply = self.request(b"qfThreadInfo")
         while reply.startswith(b"m"):
-            out += [normalize_thread(t) for t in reply[1:].decode().split(",") if t]
+            try:
+                out += [normalize_thread(t) for t in reply[1:].decode().split(",") if t]
+            except ValueError:
+                raise ProtocolError(f"bad thread list entry in {_describe(reply)}") from None
+            if len(out) > MAX_THREADS:
+                raise ProtocolError(f"the gdbstub lists more than {MAX_THREADS} threads")
             reply = self.request(b"qsThreadInfo")
         if reply != b"l":
             raise ProtocolError(f"bad thread list reply {_describe(reply)}")
+        if not out:
+            raise ProtocolError("the gdbstub lists no threads (vCPUs)")
         return out
 
     def select(self, tid: str) -> None:
@@ -170,7 +218,10 @@ class GdbRemote:
             reply = self.request(b"m%x,%x" % (addr + len(out), n))
             if not reply or (reply.startswith(b"E") and len(reply) == 3):
                 raise TargetError(f"cannot read guest memory at {addr + len(out):#x}: {_describe(reply)}")
-            out += hex_to_bytes(reply)
+            data = hex_to_bytes(reply)
+            if not 0 < len(data) <= n:  # fewer is allowed (the rest is asked for again), more or none is not
+                raise ProtocolError(f"the gdbstub answered a {n}-byte read with {len(data)} bytes")
+            out += data
         return bytes(out)
 
     def write_memory(self, addr: int, data: bytes) -> None:
@@ -229,6 +280,26 @@ class GdbRemote:
             self.conn.recv(2.0)
         finally:
             self.conn.close()
+
+
+def _packet_size(text: bytes) -> int:
+    try:
+        size = int(text, 16)
+    except ValueError:
+        raise ProtocolError(f"the gdbstub's PacketSize {text[:20]!r} is not a hex number") from None
+    if size < MIN_PACKET_SIZE:
+        raise ProtocolError(f"the gdbstub's PacketSize {size:#x} is too small to carry qprobe's requests "
+                            f"(at least {MIN_PACKET_SIZE:#x})")  # fmt: skip
+    return min(size, MAX_PACKET_SIZE)
+
+
+def _reg_field(attrib: dict[str, str], key: str, default: int | None, limit: int) -> int:
+    text = attrib.get(key)
+    if text is None and default is not None:
+        return default
+    if text is None or not re.fullmatch(r"\d{1,6}", text) or int(text) > limit:
+        raise ProtocolError(f"the gdbstub describes a register with {key}={text!r}")
+    return int(text)
 
 
 def _describe(reply: bytes) -> str:

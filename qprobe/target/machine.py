@@ -10,12 +10,13 @@ while the VM is stopped, so the stub is only ever driven from one thread.
 from __future__ import annotations
 
 import queue
+import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from qprobe.errors import QprobeError, TargetError, TargetGone
+from qprobe.errors import ProtocolError, QprobeError, TargetError, TargetGone
 from qprobe.target.gdbremote import GdbRemote
 from qprobe.target.journal import Journal, Patch
 from qprobe.target.memory import GuestMemory, SharedRam
@@ -120,6 +121,8 @@ class Machine:
         for key in ("watch", "rwatch", "awatch"):
             value = stop.field(key)
             if value is not None:
+                if not re.fullmatch(r"[0-9a-fA-F]{1,16}", value):
+                    raise ProtocolError(f"the gdbstub reported a watchpoint hit at {value[:40]!r}")
                 watcher = self.watch_handlers.get(int(value, 16))
                 if watcher is not None:
                     watcher(thread, regs)

@@ -185,12 +185,15 @@ def parse_stop_reply(payload: bytes) -> StopReply:
     return StopReply(kind, signal, thread, tuple(fields))
 
 
+_HEX_ID = re.compile(r"[0-9a-fA-F]{1,16}")
+
+
 def normalize_thread(tid: str) -> str:
-    """Canonical form ``p<pid>.<tid>`` in lowercase hex without leading zeros."""
-    if tid.startswith("p"):
-        pid, _, t = tid[1:].partition(".")
-        return f"p{int(pid, 16):x}.{int(t, 16):x}"
-    return f"p1.{int(tid, 16):x}"
+    """Canonical form ``p<pid>.<tid>`` in lowercase hex without leading zeros; ValueError for anything else."""
+    pid, sep, t = tid[1:].partition(".") if tid.startswith("p") else ("1", ".", tid)
+    if not (sep and _HEX_ID.fullmatch(pid) and _HEX_ID.fullmatch(t)):
+        raise ValueError(f"bad thread id {tid[:40]!r}")
+    return f"p{int(pid, 16):x}.{int(t, 16):x}"
 
 
 def hex_to_bytes(text: bytes) -> bytes:

@@ -116,3 +116,32 @@ def test_numeric_comparisons_agree_with_python(value: int, const: int) -> None:
     rec = {**HIT, "count": str(value)}
     assert flt(f"count < {const}")(rec) is (value < const)
     assert flt(f"count == {const:#x}" if const >= 0 else f"count == {const}")(rec) is (value == const)
+
+
+@given(st.text(alphabet="count=!<>&|~()\"' 0x123abc*", max_size=40), st.integers(0, 1500), st.integers(0, 300))
+def test_long_and_deep_text_parses_or_fails_with_a_located_error(text: str, nots: int, parens: int) -> None:
+    # The short texts above never nest deeply; these add up to 1,500 '!' and 300 '(' around them.
+    text = "!" * nots + "(" * parens + text + ")" * parens
+    try:
+        f = flt(text)
+    except FetchArgError as exc:
+        assert 0 <= exc.column <= len(text)
+        return
+    assert isinstance(f(HIT), bool)
+
+
+@pytest.mark.parametrize(
+    ("text", "column"),
+    [("(" * 200 + "count == 1" + ")" * 200, 100), ("!" * 1000 + "count == 1", 100), ("(!" * 60 + "count == 1", 100)],
+    ids=["200 parentheses", "1000 nots", "mixed"],
+)
+def test_nesting_too_deep_is_an_error_at_the_column(text: str, column: int) -> None:
+    with pytest.raises(FetchArgError, match="Nested too deeply") as e:
+        flt(text)
+    assert e.value.column == column
+
+
+def test_nesting_up_to_the_limit_evaluates() -> None:
+    assert flt("(" * 100 + "count == 4096" + ")" * 100)(HIT) is True
+    assert flt("!" * 100 + "count == 4096")(HIT) is True
+    assert flt("!" * 99 + "count == 4096")(HIT) is False

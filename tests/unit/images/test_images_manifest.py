@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -125,3 +128,27 @@ def test_bad_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_debian_abi_pin() -> None:
     spec = parse_spec("pinned", {"flavour": "cloud-amd64", "abi": "6.1.0-56"}, None)
     assert (spec.source, spec.flavour, spec.abi) == ("debian", "cloud-amd64", "6.1.0-56")
+
+
+def test_an_unknown_user_in_a_path_is_an_image_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    manifest = tmp_path / "images.toml"
+    manifest.write_text('[images.mine]\nkernel = "~nosuchuser/bzImage"\nvmlinux = "v"\n')
+    with pytest.raises(ImageError, match=r"kernel: '~nosuchuser/bzImage' names a user .* that does not exist") as e:
+        load_manifest(manifest, required=False)
+    assert "\n" not in str(e.value)
+    monkeypatch.setenv("QPROBE_IMAGES", "~nosuchuser/images.toml")
+    with pytest.raises(ImageError, match="QPROBE_IMAGES"):
+        load_specs()
+
+
+def test_a_malformed_manifest_under_the_pytest_plugin_is_one_line(tmp_path: Path) -> None:
+    broken = tmp_path / "images.toml"
+    broken.write_text("[images.x\n")
+    (tmp_path / "test_x.py").write_text("def test_x(qprobe_target):\n    pass\n")
+    env = dict(os.environ, QPROBE_IMAGES=str(broken))
+    for argv in (["--qprobe-image", "x"], []):  # the image check at start-up, and the boot in the fixture
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_x.py", *argv],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+        text = out.stdout + out.stderr
+        assert out.returncode != 0 and "INTERNALERROR" not in text and "Traceback" not in text, text
+        assert f"image manifest {broken} is not valid TOML" in text, text

@@ -166,8 +166,13 @@ class QemuStub:
 
     def __init__(self, nvcpus: int = 2, packet_size: int = 0x1000, *, unsolicited_stop: bool = True,
                  xfer_max: int = 2045, xfer_splits: dict[str, list[int]] | None = None,
-                 supported: bytes | None = None) -> None:  # fmt: skip
-        self.client, self._sock = socket.socketpair()
+                 supported: bytes | None = None, sock: socket.socket | None = None) -> None:  # fmt: skip
+        # On a socketpair (``client`` is qprobe's end), or on an accepted connection ``sock``.
+        self.client: socket.socket | None
+        if sock is None:
+            self.client, self._sock = socket.socketpair()
+        else:
+            self.client, self._sock = None, sock
         self.vcpus = [Vcpu() for _ in range(nvcpus)]
         for i, v in enumerate(self.vcpus):
             v.set("rip", 0xFFFF_FFFF_8100_0000 + 0x1000 * i)
@@ -212,7 +217,8 @@ class QemuStub:
     def close(self) -> None:
         for s in (self._sock, self.client):
             try:
-                s.close()
+                if s is not None:
+                    s.close()
             except OSError:
                 pass
         self._thread.join(2.0)

@@ -193,9 +193,10 @@ def test_sweep_removes_only_what_no_qemu_and_no_owner_uses(private_roots: tuple[
     used = _aged_dir(shm / "qprobe-used")
     locked = _aged_dir(run / "qprobe-run-locked")
     other = _aged_dir(run / "not-ours")
-    user = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(1000)", f"{used}/ram"]
-    )  # a live QEMU names its RAM file
+    # A live QEMU names its RAM file on its command line.
+    user = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1000)", f"{used}/ram"])
+    # Popen may return (vfork) before the kernel has set up the new program's command line.
+    assert wait_until(lambda: b"qprobe-used" in Path(f"/proc/{user.pid}/cmdline").read_bytes())
     fd = os.open(locked, os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(fd, fcntl.LOCK_EX)  # a live owner
     try:

@@ -204,24 +204,29 @@ class KernelData:
             raise SymbolError(f"{type_name}.{member}: {exc}") from None
 
     # -- current -------------------------------------------------------------------------
-    @cached_property
-    def current_task_offset(self) -> int:
-        """The per-CPU offset of the running task's pointer (``this_cpu_read(current_task)``).
+    def percpu_offset(self, name: str) -> int:
+        """The per-CPU offset of one of x86's hot per-CPU variables (``current_task``, ``cpu_number``...).
 
-        Linux up to 6.1 has a per-CPU ``current_task``; 6.2 moved it into
-        ``struct pcpu_hot`` ("x86/percpu: Move current_task to pcpu_hot"); 6.15
-        made it a per-CPU variable of its own again (in the cache-hot section).
+        Linux up to 6.1 has each as a per-CPU variable; 6.2 gathered them into
+        ``struct pcpu_hot`` ("x86/percpu: Move current_task to pcpu_hot" and its
+        siblings); 6.15 made them per-CPU variables of their own again, in a
+        cache-hot section.  Whichever this kernel's debug info has.
         """
         prog = self.prog
         try:
-            return prog["current_task"].address_
+            return prog[name].address_
         except KeyError:
             pass
         try:
             hot = prog["pcpu_hot"]
-        except KeyError:
-            raise SymbolError("this kernel has neither current_task nor pcpu_hot: cannot find current") from None
-        return hot.address_ + drgn.offsetof(hot.type_, "current_task")
+            return hot.address_ + drgn.offsetof(hot.type_, name)
+        except (KeyError, LookupError):
+            raise SymbolError(f"this kernel has neither a per-CPU {name} nor pcpu_hot.{name}") from None
+
+    @cached_property
+    def current_task_offset(self) -> int:
+        """The per-CPU offset of the running task's pointer (``this_cpu_read(current_task)``)."""
+        return self.percpu_offset("current_task")
 
     @cached_property
     def offsets(self) -> tuple[int, int, int, int]:

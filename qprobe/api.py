@@ -367,7 +367,10 @@ class Target:
     @functools.cached_property
     def trace_events(self) -> frozenset[tuple[str, str]]:
         """(system, name) of the guest kernel's trace events, read once through drgn (module events load later)."""
-        return trace_event_names(self.prog)
+        try:
+            return trace_event_names(self.prog)
+        except SymbolError:  # a vmlinux without debug info: no names to check against, as before they were read
+            return frozenset()
 
     def add_event(
         self, definition: str, callback: Callable[[EventHit], None] | None = None, filter: str | None = None

@@ -210,8 +210,9 @@ class TraceEvent:
         body = format_hit(self.definition, values, ip, func, lookup=_lookup(self.target),
                           trampoline=self.target.kretprobes.trampoline or None)  # fmt: skip
         if task is None:
-            current = self.target.current_task(regs)
-            task = current.pid, current.comm
+            current = self.target.kernel.snapshot(gs_base=regs.gs_base)
+            # Without the kernel's types (a vmlinux without DWARF) the task is unknown: ftrace's "<...>".
+            task = (current.pid, current.comm) if current is not None else (-1, "<...>")
         pid, comm = task
         hit = EventHit(
             event=self.definition.event, cpu=regs.vcpu, pid=pid, comm=comm,

@@ -134,7 +134,7 @@ class KretprobeManager:
         opt = self.kprobes.optimizer
         if rp.pool is not None and opt is not None:
             for _i, slot, ret_addr, task in opt.pool_instances(rp.pool):
-                out.append(KretprobeInstance(rp, ret_addr, slot, Task.of(self.kprobes.kernel.task(task))))
+                out.append(KretprobeInstance(rp, ret_addr, slot, self.kprobes.kernel.snapshot(task)))
         return out
 
     def default_maxactive(self) -> int:
@@ -256,7 +256,7 @@ class KretprobeManager:
         ri = rp.free.pop()
         ri.stack_slot = regs.sp
         ri.ret_addr = regs.read_u64(regs.sp)
-        ri.task = Task.of(self.kprobes.kernel.current(regs.gs_base))
+        ri.task = self.kprobes.kernel.snapshot(gs_base=regs.gs_base)
         if rp.entry_handler is not None:
             try:
                 with self.kprobes.handler_lock:
@@ -300,8 +300,9 @@ class KretprobeManager:
             if owner is None:  # unregistered while this call was in flight: no handler (as the kernel)
                 self.kprobes.optimizer.free_instance(index)  # type: ignore[union-attr]
                 return ret_addr
-            snapshot = Task.of(self.kprobes.kernel.task(task))
-            ri = KretprobeInstance(owner, ret_addr, slot, snapshot, bytearray(owner.data_size))
+            ri = KretprobeInstance(
+                owner, ret_addr, slot, self.kprobes.kernel.snapshot(task), bytearray(owner.data_size)
+            )
         rp = ri.rp
         rp.nreturns += 1
         # Where the ret went (the unwinder maps it back to the real return address while the instance is taken).

@@ -104,11 +104,16 @@ def open_program(symbols: Symbols, mem: GuestMemory, info: bytes | None = None) 
     prog.set_linux_kernel_custom(vmcoreinfo(symbols, mem) if info is None else info, True)
     try:
         prog.load_debug_info([str(symbols.path)])
-    except drgn.MissingDebugInfoError as exc:
-        # Loaded modules without debug info are reported too; only vmlinux's own absence matters.
-        if not prog.main_module().wants_debug_file() and prog.main_module().loaded_file_path:
-            return prog
-        raise SymbolError(f"drgn cannot use {symbols.path.name}: {str(exc).splitlines()[0]}") from None
+    except drgn.MissingDebugInfoError:
+        pass  # loaded modules without debug info are reported too: only vmlinux's own matters, below
+    try:
+        usable = not prog.main_module().wants_debug_file()
+    except LookupError:
+        usable = False
+    if not usable:
+        raise SymbolError(f"{symbols.path.name} has no DWARF debug info that drgn can use (a -dbg vmlinux, or a "
+                          "kernel built with CONFIG_DEBUG_INFO): kernel types, variables and stack traces are "
+                          "unavailable; probes work without them")  # fmt: skip
     return prog
 
 
@@ -186,14 +191,21 @@ class KernelData:
         self.mem = mem
         self._lock = threading.Lock()
         self._prog: drgn.Program | None = None
+        self._unusable: str | None = None  # why drgn cannot be used, found once
         self._params: dict[str, list[str]] = {}
 
     @property
     def prog(self) -> drgn.Program:
         if self._prog is None:
             with self._lock:
+                if self._unusable is not None:
+                    raise SymbolError(self._unusable)
                 if self._prog is None:
-                    self._prog = open_program(self.symbols, self.mem)
+                    try:
+                        self._prog = open_program(self.symbols, self.mem)
+                    except SymbolError as exc:
+                        self._unusable = str(exc)
+                        raise
         return self._prog
 
     def type_offset(self, type_name: str, member: str) -> int:
@@ -212,7 +224,12 @@ class KernelData:
         siblings); 6.15 made them per-CPU variables of their own again, in a
         cache-hot section.  Whichever this kernel's debug info has.
         """
-        prog = self.prog
+        try:
+            prog = self.prog
+        except SymbolError:
+            if name in self.symbols.percpu:  # no debug info: the ELF symbol table still has the variable
+                return self.symbols.percpu[name]
+            raise
         try:
             return prog[name].address_
         except KeyError:
@@ -241,6 +258,17 @@ class KernelData:
 
     def task(self, addr: int) -> drgn.Object:
         return drgn.Object(self.prog, "struct task_struct *", value=addr)
+
+    def snapshot(self, addr: int | None = None, *, gs_base: int = 0) -> Task | None:
+        """A Task of the task_struct at ``addr`` (else of ``current`` at ``gs_base``), where it can be read.
+
+        None when the kernel's types are unavailable (a vmlinux without DWARF) or the task cannot be
+        read: what a kretprobe instance records, which must not stop the probe.
+        """
+        try:
+            return Task.of(self.current(gs_base) if addr is None else self.task(addr))
+        except (SymbolError, drgn.FaultError):
+            return None
 
     # -- functions -------------------------------------------------------------------------
     def params(self, function: str) -> list[str]:

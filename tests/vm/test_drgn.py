@@ -119,6 +119,48 @@ def test_shell_drgn_command_in_a_terminal(tmux_session: list[Tmux]) -> None:
     term.wait_for(r"^\[exit status 0\]$", timeout=120)
 
 
+def test_a_vmlinux_without_dwarf_still_probes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default image's kernel with its vmlinux stripped of DWARF: probes, return probes and events work;
+    what needs the kernel's types says so in one line."""
+    from qprobe.images import get_image
+
+    img = get_image(IMAGE, fetch=False)
+    stripped = tmp_path / "vmlinux-nodwarf"
+    subprocess.run(["objcopy", "--strip-debug", str(img.vmlinux), str(stripped)], check=True)
+    (tmp_path / "images.toml").write_text(
+        f'[images.nodwarf]\nkernel = "{img.kernel}"\nvmlinux = "{stripped}"\n'
+        + (f'system_map = "{img.system_map}"\n' if img.system_map else "")
+    )
+    monkeypatch.setenv("QPROBE_IMAGES", str(tmp_path / "images.toml"))
+    with qprobe.boot("nodwarf") as t:
+        offsets: list[int] = []
+        errors: list[str] = []
+
+        def pre(kp: Kprobe, regs: qprobe.PtRegs) -> None:
+            offsets.append(regs.si)
+            try:
+                regs.stack_trace()
+            except qprobe.SymbolError as exc:
+                errors.append(str(exc))
+
+        kp = Kprobe(symbol_name="ksys_lseek", pre_handler=pre)
+        returns: list[tuple[int, object]] = []
+        rp = qprobe.Kretprobe(symbol_name="ksys_lseek", handler=lambda ri, regs: returns.append((regs.ax, ri.task)))
+        t.register_kprobe(kp)
+        t.register_kretprobe(rp)
+        t.run("workload lseek 3").check()
+        t.unregister_kprobe(kp)
+        t.unregister_kretprobe(rp)
+        assert offsets == [1, 2, 3] and returns == [(1, None), (2, None), (3, None)], (kp.errors, rp.errors)
+        assert len(errors) == 3 and "\n" not in errors[0] and "has no DWARF debug info" in errors[0]
+        te = t.add_event("p:ls ksys_lseek off=%si")
+        t.run("workload lseek 2").check()
+        t.remove_event(te)
+        assert [h.args["off"] for h in te.hits] == ["0x1", "0x2"] and te.hits[0].comm == "<...>"
+        with pytest.raises(qprobe.SymbolError, match="vmlinux-nodwarf has no DWARF debug info"):
+            _ = t.prog
+
+
 def test_prog_lists_the_guest_s_tasks(target: qprobe.Target) -> None:
     out = target.run("workload spin 3 >/dev/null & echo pid=$!; sleep 1").check().output
     pid = int(re.search(r"pid=(\d+)", out).group(1))  # type: ignore[union-attr]

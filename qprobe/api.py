@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import signal
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -41,15 +42,15 @@ from qprobe.kernel.kaslr import detect_slide
 from qprobe.kernel.program import KernelData, Task
 from qprobe.kernel.symbols import Symbols
 from qprobe.kernel.tracefs import probe_dialect, trace_event_names
-from qprobe.paths import cache_dir, write_private
-from qprobe.target.connection import Connection
+from qprobe.paths import cache_dir, read_private, write_private
+from qprobe.target.connection import Connection, parse_address
 from qprobe.target.console import Console, RunResult
 from qprobe.target.gdbmi import GdbMiRemote
 from qprobe.target.gdbremote import GdbRemote
 from qprobe.target.journal import Journal
 from qprobe.target.machine import Machine
 from qprobe.target.memory import GuestMemory, MemoryFault, PhysReader, SharedRam, kernel_pgd, paging_levels
-from qprobe.target.qemu import QemuConfig, QemuProcess, parse_memory
+from qprobe.target.qemu import SHM_PREFIX, SHM_ROOT, QemuConfig, QemuProcess, parse_memory
 from qprobe.target.scratch import ScratchArea, memmap_reservation
 
 if TYPE_CHECKING:
@@ -473,26 +474,19 @@ class Target:
             self.qemu.terminate()
 
 
-# struct fixed_percpu_data { char gs_base[40]; unsigned long stack_canary; }: fixed by the x86_64 ABI (%gs:40).
-STACK_CANARY = 40
-
-
 def vm_identity(symbols: Symbols, slide: int, mem: GuestMemory) -> str:
     """What tells this boot of this VM from every other: the name of its undo journal.
 
-    The build-id and KASLR slide, and a digest of numbers the kernel drew at
-    random while booting (the boot CPU's stack canary, the randomized bases of
-    the direct map, vmalloc and vmemmap), so that two VMs of one kernel booted
-    with nokaslr still differ, and every address spelling of one VM agrees.
+    The build-id and KASLR slide, and a digest of values the kernel drew at
+    random while booting and never changes afterwards (the key that hashes
+    printed pointers, the randomized bases of the direct map, vmalloc and
+    vmemmap), so that two VMs of one kernel booted with nokaslr still differ,
+    and every address spelling of one VM agrees.  (The per-CPU stack canary
+    would not do: it is switched with every task.)
     """
-    drawn = []
-    if "fixed_percpu_data" in symbols.percpu and "__per_cpu_offset" in symbols:
-        cpu0 = mem.read_u64(symbols.address("__per_cpu_offset"))
-        drawn.append(mem.read_u64(cpu0 + symbols.percpu["fixed_percpu_data"] + STACK_CANARY))
-    drawn += [mem.read_u64(symbols.address(n)) for n in ("page_offset_base", "vmalloc_base", "vmemmap_base")
-              if n in symbols]  # fmt: skip
-    digest = hashlib.sha256(b"".join(v.to_bytes(8, "little") for v in drawn)).hexdigest()[:16]
-    return f"{symbols.build_id}-{slide:x}-{digest}"
+    sizes = {"ptr_key": 16, "page_offset_base": 8, "vmalloc_base": 8, "vmemmap_base": 8}
+    drawn = b"".join(mem.read(symbols.address(n), size) for n, size in sizes.items() if n in symbols)
+    return f"{symbols.build_id}-{slide:x}-{hashlib.sha256(drawn).hexdigest()[:16]}"
 
 
 def fully_preemptible(symbols: Symbols, cmdline: str) -> bool:
@@ -609,22 +603,26 @@ def attach(
     """
     addr = address
     doorbell: str | None = None
-    if not addr.startswith(("unix:", "/")):
-        host = addr.rpartition(":")[0].strip("[]")
+    where = parse_address(addr)
+    if isinstance(where, tuple):
+        host = where[0]
         if host not in ("127.0.0.1", "localhost", "::1") and not allow_remote:
             raise TargetError(f"refusing to attach to non-local {host}: the gdbstub is unauthenticated "
                               "(pass allow_remote=True / --allow-remote if you mean it)")  # fmt: skip
         log.warning("attaching over TCP to %s: anyone who can reach that port controls the guest", addr)
     else:
-        sock = Path(addr.removeprefix("unix:"))
-        session_path = sock.parent / SESSION_FILE
-        if session_path.exists():
-            session = json.loads(session_path.read_text())
-            vmlinux = vmlinux or session["vmlinux"]
-            ram = ram or session["ram"]
-            ram_size = ram_size or session["ram_size"]
-            console = console or session["console"]
-            doorbell = session.get("doorbell")
+        sock = Path(where)
+        if not sock.exists():
+            raise TargetError(f"no such socket {sock}: is the VM running? (`qprobe boot` prints its address)")
+        if not stat.S_ISSOCK(sock.stat().st_mode):
+            raise TargetError(f"{sock} is not a socket: give the gdbstub's socket (unix:PATH) or HOST:PORT")
+        session = read_session(sock)
+        if session is not None:
+            vmlinux = vmlinux or str(session["vmlinux"])
+            ram = ram or str(session["ram"])
+            ram_size = ram_size or int(session["ram_size"])  # type: ignore[call-overload]
+            console = console or str(session["console"])
+            doorbell = str(session["doorbell"])
     if vmlinux is None:
         raise TargetError("attach needs the running kernel's vmlinux (vmlinux=PATH / --vmlinux PATH)")
     ram_path = Path(ram) if ram else None
@@ -632,6 +630,65 @@ def attach(
     return Target(addr, vmlinux, ram=ram_path, ram_size=size, console=Path(console) if console else None,
                   doorbell=Path(doorbell) if doorbell else None,
                   system_map=Path(system_map) if system_map else None, transport=transport)  # fmt: skip
+
+
+def read_session(sock: Path) -> dict[str, object] | None:
+    """The session file `qprobe boot` wrote beside ``sock``, or None if there is none.
+
+    Checked before anything in it is used, since it names the RAM file that is
+    then mapped writable: a private file of this user's, in a private directory,
+    naming sockets beside ``sock`` and a RAM file of the size it says in a
+    private directory of this user's under /dev/shm.
+    """
+    path = sock.parent / SESSION_FILE
+
+    def bad(why: str) -> TargetError:
+        return TargetError(f"{path} is not a session file qprobe wrote ({why}): attach with --vmlinux instead")
+
+    raw = read_private(path)
+    if raw is None:
+        return None
+    # The directory as the user named it may be a link (their choice); what it leads to must be private.
+    if not _private(path, 0o600) or not _private(sock.parent.resolve(), 0o700):
+        raise bad("it or its directory is not private to you")
+    try:
+        data = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        raise bad("not JSON") from None
+    if not isinstance(data, dict):
+        raise bad("not a JSON object")
+    text = ("gdb", "console", "ram", "vmlinux", "doorbell", "console_log")
+    if not all(isinstance(data.get(k), str) for k in text) or type(data.get("ram_size")) is not int:
+        raise bad(f"it needs strings {', '.join(text)} and a number ram_size")
+    for key in ("gdb", "console", "doorbell", "console_log"):
+        try:
+            beside = os.path.samefile(Path(data[key]).parent, sock.parent)
+        except OSError:
+            beside = False
+        if not beside:
+            raise bad(f"its {key} is not beside {sock.name}")
+    ram = Path(data["ram"])
+    if not (ram.is_absolute() and ram.parent.parent == SHM_ROOT and ram.parent.name.startswith(SHM_PREFIX)):
+        raise bad(f"its RAM file {ram} is not one qprobe makes")
+    if not _private(ram, 0o777, size=data["ram_size"]) or not _private(ram.parent, 0o700):
+        raise bad(f"its RAM file {ram} is not yours, not private or not {data['ram_size']} bytes")
+    return data
+
+
+def _private(path: Path, mode: int, size: int | None = None) -> bool:
+    """``path`` is a file or directory of this user's (not a link), with no permission beyond ``mode``."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    kind_ok = stat.S_ISDIR(st.st_mode) if mode == 0o700 else stat.S_ISREG(st.st_mode)
+    # A RAM file may be readable by others (QEMU creates it 0644): its directory is what keeps them out.
+    perm_ok = mode == 0o777 or not stat.S_IMODE(st.st_mode) & ~mode
+    return kind_ok and perm_ok and st.st_uid == os.getuid() and (size is None or st.st_size == size)
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} in a session file")
 
 
 __all__ = ["Target", "attach", "boot"]

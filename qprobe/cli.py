@@ -73,7 +73,7 @@ def _check_image(args: argparse.Namespace) -> None:
     """An unknown image is refused before anything is fetched or booted."""
     from qprobe.images.manifest import load_specs
 
-    if not getattr(args, "attach", None) and args.image not in load_specs():
+    if getattr(args, "attach", None) is None and args.image not in load_specs():
         raise QprobeError(f"unknown image {args.image!r}; see `qprobe images`")
 
 
@@ -81,7 +81,7 @@ def _boot(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     import qprobe
 
     transport = getattr(args, "transport", "rsp")
-    if getattr(args, "attach", None):
+    if getattr(args, "attach", None) is not None:  # an empty --attach is an error, not a reason to boot
         return qprobe.attach(args.attach, args.vmlinux, allow_remote=args.allow_remote, transport=transport)
     _check_image(args)
     return qprobe.boot(args.image, smp=args.smp, memory=args.memory, files=_files(args.file), transport=transport)
@@ -209,7 +209,7 @@ def cmd_shell(args: argparse.Namespace) -> int:
     from qprobe.shell import run_shell
 
     _check_image(args)
-    if not getattr(args, "attach", None) and not args.quiet:
+    if getattr(args, "attach", None) is None and not args.quiet:
         print(f"qprobe: booting {args.image} ({args.smp} vCPUs)...", file=sys.stderr, flush=True)
     with _boot(args) as target:
         return run_shell(target)
@@ -220,7 +220,7 @@ def cmd_drgn(args: argparse.Namespace) -> int:
     from qprobe.shell.inspect_cmds import drgn_session
 
     _check_image(args)
-    if not getattr(args, "attach", None) and not args.quiet:
+    if getattr(args, "attach", None) is None and not args.quiet:
         print(f"qprobe: booting {args.image} ({args.smp} vCPUs)...", file=sys.stderr, flush=True)
     with _boot(args) as target:
         for definition in args.events:
@@ -353,6 +353,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("qprobe: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`qprobe blacklist | head`): not an error of ours.  Python would
+        # complain again when it flushes stdout at exit, so point stdout at /dev/null first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

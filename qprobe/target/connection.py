@@ -8,14 +8,63 @@ reported within a fraction of a second instead of at the timeout.
 from __future__ import annotations
 
 import collections
+import fcntl
+import os
+import re
 import socket
+import stat
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from qprobe.errors import GuestTimeout, ProtocolError, TargetError, TargetGone
 from qprobe.target.rsp import Nak, Notification, Packet, PacketParser, frame
 
 _POLL = 0.1
+
+
+def parse_address(address: str) -> str | tuple[str, int]:
+    """``unix:PATH`` or ``/PATH`` -> the socket path; ``HOST:PORT`` (``[V6]:PORT``) -> (host, port).
+
+    TargetError for anything else: an empty address, a missing path, host or port, a port outside 1..65535.
+    """
+    if not address.strip():
+        raise TargetError("empty gdbstub address: expected unix:PATH or HOST:PORT")
+    if address.startswith(("unix:", "/")):
+        path = address.removeprefix("unix:")
+        if not path:
+            raise TargetError(f"bad gdbstub address {address!r}: unix: needs the socket's path")
+        return path
+    host, _, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not host or not re.fullmatch(r"[0-9]{1,5}", port) or not 1 <= int(port) <= 65535:
+        raise TargetError(f"bad gdbstub address {address!r}: expected unix:PATH or HOST:PORT with a port in 1..65535")
+    return host, int(port)
+
+
+def claim(path: str) -> int | None:
+    """Take the lock that says a qprobe is attached through the socket ``path``; None where there is none to take.
+
+    QEMU's gdbstub serves one client; a second one waits, unanswered, in its
+    listen queue.  In a private run directory of ours (owned by us, 0700) a
+    lock file beside the socket lets a second qprobe say so at once.
+    """
+    parent = Path(path).parent
+    try:
+        st = parent.stat()
+    except OSError:
+        return None
+    if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o700:
+        return None
+    lock = parent / f"{Path(path).name}.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise TargetError(f"another qprobe is attached to {path}: QEMU's gdbstub serves one client at a time, "
+                          "end that session first") from None  # fmt: skip
+    return fd
 
 
 class Connection:
@@ -28,25 +77,39 @@ class Connection:
         self._parser = PacketParser()
         self._packets: collections.deque[bytes] = collections.deque()
         self._closed = False
+        self.lock: int | None = None  # see claim(): released with the connection
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     @classmethod
     def open(cls, address: str, alive: Callable[[], bool] | None = None, timeout: float = 5.0) -> Connection:
         """Connect to ``unix:/path``, ``/path`` or ``host:port``."""
+        where = parse_address(address)
+        lock = claim(where) if isinstance(where, str) else None
+        try:
+            conn = cls(cls._connect(address, where, alive, timeout), alive, address)
+        except BaseException:
+            if lock is not None:
+                os.close(lock)
+            raise
+        conn.lock = lock
+        return conn
+
+    @staticmethod
+    def _connect(address: str, where: str | tuple[str, int], alive: Callable[[], bool] | None,
+                 timeout: float) -> socket.socket:  # fmt: skip
         deadline = time.monotonic() + timeout
         while True:
             try:
-                if address.startswith("unix:") or address.startswith("/"):
-                    path = address.removeprefix("unix:")
+                if isinstance(where, str):
                     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    sock.connect(path)
-                else:
-                    host, _, port = address.rpartition(":")
-                    if not host or not port.isdigit():
-                        raise TargetError(f"bad gdbstub address {address!r}: expected HOST:PORT or unix:PATH")
-                    sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
-                return cls(sock, alive, address)
+                    try:
+                        sock.connect(where)
+                    except OSError:
+                        sock.close()
+                        raise
+                    return sock
+                return socket.create_connection(where, timeout=timeout)
             except (ConnectionRefusedError, FileNotFoundError) as exc:
                 if time.monotonic() > deadline or (alive is not None and not alive()):
                     raise TargetGone(f"cannot connect to the gdbstub at {address}: {exc.strerror}") from None
@@ -61,6 +124,9 @@ class Connection:
                 self.sock.close()
             except OSError:
                 pass
+        if self.lock is not None:
+            os.close(self.lock)
+            self.lock = None
 
     def _gone(self, why: str) -> TargetGone:
         self._closed = True

@@ -50,6 +50,18 @@ CASES = [
     (["bench", "--hits", "0"], ["--hits", "outside 1..1000000000"]),
     (["shell", "--image", "nope"], ["unknown image 'nope'"]),
     (["attach", "10.1.2.3:1234"], ["refusing to attach to non-local 10.1.2.3"]),
+    (["attach", ""], ["empty gdbstub address"]),
+    (["trace", "--attach", "", "p:a vfs_read"], ["empty gdbstub address"]),
+    (["shell", "--attach", ""], ["empty gdbstub address"]),
+    (["list", "--attach", " "], ["empty gdbstub address"]),
+    (["attach", "unix:"], ["unix: needs the socket's path"]),
+    (["attach", "127.0.0.1:70000"], ["port in 1..65535"]),
+    (["attach", "127.0.0.1:65536"], ["port in 1..65535"]),
+    (["attach", "localhost:0"], ["port in 1..65535"]),
+    (["attach", "localhost:http"], ["port in 1..65535"]),
+    (["attach", ":1234"], ["HOST:PORT"]),
+    (["trace", "--attach", "unix:/nonexistent", "p:a vfs_read"], ["no such socket /nonexistent"]),
+    (["attach", "/etc/hostname"], ["/etc/hostname is not a socket"]),
     (["images", "--fetch"], ["--fetch", "expected at least one argument"]),
 ]
 
@@ -58,7 +70,7 @@ CASES = [
 def test_bad_cli_input_is_one_line_naming_the_problem(
     argv: list[str], words: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if argv[:1] == ["attach"]:
+    if argv[:1] == ["attach"] or "--attach" in argv:
         monkeypatch.undo()  # attach's own check runs before it connects to anything
     try:
         status = cli.main(argv)

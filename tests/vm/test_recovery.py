@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -148,6 +149,17 @@ def test_a_journal_that_does_not_match_the_guest_is_refused(booted: str) -> None
     journal.write_text(good)
     cli = subprocess.run([sys.executable, "-m", "qprobe.cli", "attach", booted], capture_output=True, text=True)
     assert "restored 3 leftover patch(es)" in cli.stdout, cli.stderr
+
+
+def test_a_second_attach_is_told_at_once_that_one_is_attached(booted: str) -> None:
+    with qprobe.attach(booted):
+        t0 = time.monotonic()
+        cli = subprocess.run([sys.executable, "-m", "qprobe.cli", "attach", booted], capture_output=True, text=True)
+        assert time.monotonic() - t0 < 10  # Python and qprobe start-up: no wait for an answer that cannot come
+        assert cli.returncode == 2 and cli.stderr.count("\n") == 1, cli.stderr
+        assert "another qprobe is attached to" in cli.stderr, cli.stderr
+    cli = subprocess.run([sys.executable, "-m", "qprobe.cli", "attach", booted], capture_output=True, text=True)
+    assert cli.returncode == 0 and "restored 0 leftover patch(es)" in cli.stdout, cli.stderr
 
 
 STUCK = textwrap.dedent(

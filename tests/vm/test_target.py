@@ -229,3 +229,13 @@ def test_a_buildroot_layout_user_image_boots_and_probes(tmp_path: Path, monkeypa
         t.run("workload getppid 9").check()
         t.unregister_kprobe(kp)
         assert kp.nhit == 9 and t.oopses() == []
+
+
+def test_a_reader_that_goes_away_is_not_an_error(tmp_path: Path) -> None:
+    # `qprobe blacklist | head`, with a head that is done before qprobe prints (`true` reads nothing):
+    # the pipe is broken at the first line; no traceback, and the VM goes as after any other end.
+    err = tmp_path / "stderr"
+    script = f'"{sys.executable}" -m qprobe.cli blacklist --image {IMAGE} 2>"$1" | true; exit ${{PIPESTATUS[0]}}'
+    out = subprocess.run(["bash", "-c", script, "_", str(err)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 128 + signal.SIGPIPE, err.read_text()
+    assert err.read_text() == ""

@@ -11,6 +11,7 @@ the same vCPU is already handling a probe only counts ``nmissed``.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import struct
 import threading
@@ -44,6 +45,7 @@ from qprobe.errors import (
     SymbolError,
 )
 from qprobe.kernel.program import KernelData
+from qprobe.kernel.reserved import ReservedText
 from qprobe.target.gdbremote import WATCH_READ
 from qprobe.target.journal import Patch
 from qprobe.target.machine import Machine
@@ -223,11 +225,23 @@ class KprobeManager:
         bad = self.blacklist.lookup(addr)
         if bad is not None:
             raise Blacklisted(f"{where} is blacklisted ({bad.name}): probing it would break the trap path")
+        reserved = self.reserved.conflict(addr, addr)
+        if reserved is not None:
+            raise InvalidProbe(f"{where} is reserved ({reserved}): the kernel rewrites it at run time (EINVAL)")
         fn = self.symbols.function(addr)
         if fn is None:
             raise NotKernelText(f"{addr:#x} is not inside a known kernel function")
         code = self.machine.mem.read(fn.addr, fn.size)
         return where, fn.addr, code
+
+    @functools.cached_property
+    def reserved(self) -> ReservedText:
+        """Jump-label, static-call and BUG sites (check_kprobe_address_safe refuses them)."""
+        try:
+            bug_entry = self.kernel.prog.type("struct bug_entry").size
+        except (QprobeError, LookupError):
+            bug_entry = None  # no debug info: BUG sites are not known
+        return ReservedText(self.symbols, lambda a, n: self.machine.mem.read(a, n), bug_entry)
 
     def patched(self) -> dict[int, int]:
         """address -> original byte of everything we changed in kernel text."""

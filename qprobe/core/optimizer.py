@@ -459,6 +459,9 @@ class Optimizer:
         if not check.ok:
             return check.reason
         end = point.addr + check.size
+        reserved = self.kp.reserved.conflict(point.addr + 1, end - 1)
+        if reserved is not None:  # copy_optimized_instructions' *_text_reserved checks
+            return f"the displaced instructions hold {reserved}"
         if any(point.addr < a < end for a in self.kp.points):
             return "another probe lies in the region"
         now = time.monotonic()

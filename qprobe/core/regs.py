@@ -26,6 +26,7 @@ PT_REGS = {
     "cs": "cs", "ss": "ss",
 }  # fmt: skip
 ARG_REGS = ("di", "si", "dx", "cx", "r8", "r9")
+KERNEL_CS, KERNEL_DS = 0x10, 0x18  # GDT_ENTRY_KERNEL_CS * 8, GDT_ENTRY_KERNEL_DS * 8 (x86_64)
 _MASK = (1 << 64) - 1
 
 
@@ -42,6 +43,10 @@ class PtRegs:
                  symbols: Symbols | None = None, kernel: KernelData | None = None,
                  fix_return: Callable[[int, int], int] | None = None) -> None:  # fmt: skip
         self._values = {pt: values[g] for pt, g in PT_REGS.items() if g in values}
+        # A detour's frame has no segment registers; probed code runs in kernel mode, where they are
+        # __KERNEL_CS and __KERNEL_DS (what the kernel's own probes record, ftrace-based ones too).
+        self._values.setdefault("cs", KERNEL_CS)
+        self._values.setdefault("ss", KERNEL_DS)
         self._dirty: set[str] = set()
         self._mem = mem
         self._symbols = symbols

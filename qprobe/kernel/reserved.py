@@ -1,0 +1,91 @@
+"""Kernel text the kernel itself rewrites at run time, which kprobes must not touch.
+
+``check_kprobe_address_safe`` refuses a probe on a jump-label site
+(``jump_label_text_reserved``), a static-call site (``static_call_text_reserved``)
+or a ``BUG()``/``WARN()`` instruction (``find_bug``), and x86's
+``copy_optimized_instructions`` refuses a jump whose displaced bytes cover
+such a site.  The sites are read from vmlinux's own tables (relative
+entries, so KASLR does not change them); a table a kernel lacks reserves
+nothing.
+"""
+
+from __future__ import annotations
+
+import bisect
+import struct
+from collections.abc import Callable
+
+from qprobe.errors import QprobeError
+from qprobe.kernel.symbols import Symbols
+
+# struct jump_entry with CONFIG_HAVE_ARCH_JUMP_LABEL_RELATIVE (x86_64 since Linux 4.19): s32 code,
+# s32 target, long key.  A site is a 2- or 5-byte jump or NOP (x86 picks the size at build time
+# since Linux 5.16, "x86/jump_label: Allow short NOPs").
+JUMP_ENTRY_SIZE = 16
+# struct static_call_site: s32 addr, s32 key.  A site is a 5-byte call or jump (CALL_INSN_SIZE).
+STATIC_CALL_SITE_SIZE = 8
+CALL_INSN_SIZE = 5
+_SHORT_JUMP_SITES = (b"\xeb", b"\x66\x90")  # jmp rel8, the 2-byte NOP the kernel writes instead
+
+
+def _relative_sites(symbols: Symbols, start: str, stop: str, entry: int) -> list[int]:
+    """Running addresses a table of relative entries points at (``&entry->field + entry->field``)."""
+    if start not in symbols or stop not in symbols:
+        return []
+    lo, hi = symbols.address(start), symbols.address(stop)
+    try:
+        raw = symbols.file_bytes(lo, hi - lo)
+    except QprobeError:
+        return []
+    return sorted(lo + i + struct.unpack_from("<i", raw, i)[0] for i in range(0, len(raw) - len(raw) % entry, entry))
+
+
+class ReservedText:
+    """Jump-label sites, static-call sites and BUG instructions of one kernel.
+
+    ``read(addr, n)`` reads running kernel text (a jump-label site's size is
+    what is there now); ``bug_entry_size`` is ``sizeof(struct bug_entry)``,
+    None when unknown (then BUG instructions are not looked up).
+    """
+
+    def __init__(self, symbols: Symbols, read: Callable[[int, int], bytes], bug_entry_size: int | None) -> None:
+        self._read = read
+        self.jump_labels = _relative_sites(symbols, "__start___jump_table", "__stop___jump_table", JUMP_ENTRY_SIZE)
+        self.static_calls = _relative_sites(
+            symbols, "__start_static_call_sites", "__stop_static_call_sites", STATIC_CALL_SITE_SIZE
+        )
+        # struct bug_entry starts with s32 bug_addr_disp (CONFIG_GENERIC_BUG_RELATIVE_POINTERS on x86_64).
+        self.bugs = (
+            set(_relative_sites(symbols, "__start___bug_table", "__stop___bug_table", bug_entry_size))
+            if bug_entry_size
+            else set()
+        )
+
+    def _jump_size(self, site: int) -> int:
+        try:
+            code = self._read(site, 2)
+        except QprobeError:
+            return 5
+        return 2 if code[:1] == _SHORT_JUMP_SITES[0] or code == _SHORT_JUMP_SITES[1] else 5
+
+    @staticmethod
+    def _overlapping(sites: list[int], start: int, end: int, longest: int) -> list[int]:
+        """Sites that may overlap [start, end]: those from ``start - longest + 1`` to ``end``."""
+        lo = bisect.bisect_left(sites, start - longest + 1)
+        hi = bisect.bisect_right(sites, end)
+        return sites[lo:hi]
+
+    def conflict(self, start: int, end: int) -> str | None:
+        """What reserves a byte of [start, end] (inclusive, as the kernel's checks take it), or None.
+
+        A BUG instruction only reserves its own address (``find_bug``), as a probe's.
+        """
+        for site in self._overlapping(self.jump_labels, start, end, 5):
+            if site + self._jump_size(site) > start:
+                return f"a jump label at {site:#x}"
+        for site in self._overlapping(self.static_calls, start, end, CALL_INSN_SIZE):
+            if site + CALL_INSN_SIZE > start:
+                return f"a static call at {site:#x}"
+        if start in self.bugs:
+            return "a BUG()/WARN() instruction"
+        return None

@@ -20,6 +20,10 @@ from pathlib import Path
 from qprobe.errors import GuestTimeout, TargetError, TargetGone
 
 READY = "QPROBE-READY"
+# What is kept in memory of a console that may print forever (a guest in a WARNING loop): the last
+# MAX_TEXT characters, and the first MAX_OOPS oops lines.  QEMU's console log file has everything.
+MAX_TEXT = 4 << 20
+MAX_OOPS = 10_000
 _OOPS = re.compile(
     r"(BUG: |Oops: |Kernel panic|general protection fault|WARNING: CPU: |kernel BUG at|"
     r"RIP: 0010:|Call Trace:|watchdog: BUG: soft lockup|INFO: rcu_.* detected stalls)"
@@ -47,6 +51,9 @@ class Console:
         self._alive = alive or (lambda: True)
         self._log = log
         self._text = ""
+        self._base = 0  # how many characters were dropped from the front of _text
+        self._scanned = 0  # where in _text the oops scan goes on (the start of a line not yet complete)
+        self._oopses: list[str] = []
         self._cond = threading.Condition()
         self._closed = False
         self._lock = threading.Lock()  # one command at a time
@@ -65,12 +72,35 @@ class Console:
                     self._cond.notify_all()
                     return
                 self._text += data.decode("utf-8", "replace").replace("\r", "")
+                self._scan()
+                if len(self._text) > MAX_TEXT:
+                    drop = len(self._text) - MAX_TEXT // 2
+                    self._text = self._text[drop:]
+                    self._base += drop
+                    self._scanned = max(0, self._scanned - drop)
                 self._cond.notify_all()
+
+    def _scan(self) -> None:
+        """Keep the oops lines among the lines completed since the last scan (under ``_cond``)."""
+        last = self._text.rfind("\n") + 1
+        if last <= self._scanned:
+            return
+        for line in self._text[self._scanned : last].splitlines():
+            if _OOPS.search(line) and len(self._oopses) < MAX_OOPS:
+                self._oopses.append(line)
+        self._scanned = last
 
     @property
     def text(self) -> str:
+        """What the guest printed (its last MAX_TEXT characters at most)."""
         with self._cond:
             return self._text
+
+    @property
+    def end(self) -> int:
+        """The offset just past everything printed so far, counting what is no longer kept (for ``wait_for``)."""
+        with self._cond:
+            return self._base + len(self._text)
 
     def wait_closed(self, timeout: float) -> bool:
         """Wait until QEMU closes the console (everything it printed has been read)."""
@@ -81,18 +111,22 @@ class Console:
         return "\n".join(self.text.splitlines()[-lines:])
 
     def oopses(self) -> list[str]:
-        """Console lines that report a kernel oops, BUG, WARNING or panic."""
-        return [line for line in self.text.splitlines() if _OOPS.search(line)]
+        """Console lines that report a kernel oops, BUG, WARNING or panic (complete lines, the first MAX_OOPS)."""
+        with self._cond:
+            return list(self._oopses)
 
     def wait_for(self, pattern: str, timeout: float, start: int = 0) -> int:
-        """Wait until ``pattern`` (a regex) appears after offset ``start``; returns the match end."""
+        """Wait until ``pattern`` (a regex) appears after offset ``start``; returns the match end.
+
+        Offsets count everything printed (see ``end``), kept in memory or not.
+        """
         rx = re.compile(pattern)
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
-                m = rx.search(self._text, start)
+                m = rx.search(self._text, max(0, start - self._base))
                 if m:
-                    return m.end()
+                    return m.end() + self._base
                 if self._closed or not self._alive():
                     raise TargetGone(f"the guest console closed while waiting for {pattern!r}")
                 left = deadline - time.monotonic()
@@ -113,7 +147,7 @@ class Console:
         token = secrets.token_hex(6)
         begin, end = f"@@qp-begin-{token}@@", f"@@qp-end-{token}@@"
         with self._lock:
-            start = len(self.text)
+            start = self.end
             # The markers are printed by printf so that the command line itself
             # (should echo be on) never contains them verbatim; the command runs
             # in a subshell so that ``exit`` ends it, not the guest's shell.
@@ -127,7 +161,12 @@ class Console:
                 # Ctrl-C the command so the shell is usable for the next one.
                 self.write("\x03\n")
                 raise GuestTimeout(f"guest command {command!r} did not finish within {timeout:g} s") from None
-            text = self.text[start:stop]
+            with self._cond:
+                text = self._text[max(0, start - self._base) : stop - self._base]
+        if begin not in text:
+            raise TargetError(
+                f"the output of guest command {command!r} is longer than qprobe keeps ({MAX_TEXT} characters)"
+            )
         body = text[text.index(begin) + len(begin) + 1 :]
         out, _, status = body.rpartition(end)
         if out.endswith("\n"):

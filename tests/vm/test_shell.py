@@ -170,7 +170,7 @@ def _guest_printed(target: qprobe.Target, pattern: str) -> Callable[[], object]:
     """Waits until the guest console shows ``pattern`` after what it shows now."""
     console = target.console
     assert console is not None
-    start = len(console.text)
+    start = console.end
     return lambda: console.wait_for(pattern, 300, start)
 
 

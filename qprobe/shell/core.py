@@ -304,6 +304,7 @@ class Shell:
                     raise ShellUsageError(f"{te.name} has no argument {spec.key!r} ({have}); {KEY_HELP}")
         # One event keyed by an integer argument from a register: counted in the guest's tables, waking nobody.
         in_guest = len(events) == 1 and spec.key is not None and events[0].count_in_guest(spec.key, verb == "hist")
+        missed_before = sum(te.nmissed for te in events)
         try:
             with Tap(events, agg.add, unwind):
                 if spec.seconds is None and spec.command is None:
@@ -322,6 +323,12 @@ class Shell:
             self.note("no hits")
         if agg.skipped:
             self.note(f"({agg.skipped} of {agg.total} values of {spec.key} were not numbers)")
+        missed = sum(te.nmissed for te in events) - missed_before
+        if missed:
+            # Hits the guest made but nobody counted: records dropped on a full ring, or hits missed while
+            # the same vCPU was already in a probe.  The counts above are short by that many.
+            self.out.write(f"@lost: {missed}\n")
+            self.note(f"{missed} hits were lost (full record rings or missed probes): the counts above miss them")
 
     @staticmethod
     def unwinder() -> Callable[[PtRegs], Stack]:

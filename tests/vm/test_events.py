@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import io
 import json
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 
 import qprobe
 from qprobe.errors import FetchArgError
+from qprobe.shell.core import Shell
 from qprobe.shell.render import log2_bucket
 
 from .conftest import IMAGE, workload_result
@@ -243,3 +245,19 @@ def test_keyed_counts_run_in_the_guest(target: qprobe.Target, guard: dict[int, b
     finally:
         target.remove_event(te)
     assert te.probe.nhit == 602 and te.nhit == 602 and te.probe.nmissed == 0  # type: ignore[union-attr]
+
+
+def test_shell_count_is_exact_or_says_what_it_lost(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    """`count EV by $comm` over a fast loop: the workload's calls are all counted, or the missing ones are printed."""
+    out = io.StringIO()
+    shell = Shell(target, out=out)
+    shell.execute("p:seek ksys_lseek fd=%di")
+    try:
+        shell.execute("count seek by $comm run workload lseek 30000")
+    finally:
+        shell.execute("-:seek")
+    text = out.getvalue()
+    n = int(workload_result(text)["n"])
+    counted = sum(int(line.rsplit(":", 1)[1]) for line in text.splitlines() if line.startswith("@[workload]"))
+    lost = sum(int(line.split(":")[1]) for line in text.splitlines() if line.startswith("@lost:"))
+    assert counted + lost >= n and counted <= n, text[-500:]

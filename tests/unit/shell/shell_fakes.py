@@ -117,13 +117,15 @@ class FakeTarget:
 
     def run(self, command: str, timeout: float = 60.0) -> RunResult:
         self.ran.append(command)
-        m = re.fullmatch(r"workload (\w+) (\d+)(?: (\d+))?", command)
+        m = re.fullmatch(r"workload (\w+) (\d+)(?: (\d+))?(?: lose (\d+))?", command)
         if m is None:
             return RunResult(command, f"sh: {command.split()[0]}: not found", 127)
         n = int(m.group(2))
         for te in list(self.events.values()):
             for i in range(n):
                 self.fire(te, count=str(int(m.group(3) or 0) or i))
+            if m.group(4) and te.probe is not None:  # hits the guest made that no record reached (a full ring)
+                te.probe.nmissed += int(m.group(4))
         return RunResult(command, f"workload mode={m.group(1)} n={n} pid=42 ret=1 errors=0", 0)
 
 

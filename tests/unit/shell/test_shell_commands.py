@@ -132,6 +132,16 @@ def test_count_over_a_guest_command() -> None:
     assert t.events["kprobes/gp"].callback is None  # the tap is gone
 
 
+def test_count_prints_what_it_lost() -> None:
+    """Hits dropped on a full record ring are in nmissed: the result says how many it is short."""
+    shell, _t, out = make_shell()
+    run(shell, out, "p:gp __x64_sys_getppid")
+    got = run(shell, out, "count gp by $comm run workload getppid 5 0 lose 7")
+    note = "7 hits were lost (full record rings or missed probes): the counts above miss them"
+    assert got[-3:] == ["@[workload]: 5", "@lost: 7", note]
+    assert run(shell, out, "count gp run workload getppid 2")[-1] == "@: 2"  # nothing lost: no @lost line
+
+
 def test_count_several_events_keys_by_event() -> None:
     shell, _t, out = make_shell()
     run(shell, out, "p:a vfs_read")

@@ -64,6 +64,7 @@ class EventHit:
     args: dict[str, str]
     body: str  # "(ksys_lseek+0x0/0x90) fd=3 ..."
     irqs_off: bool = False
+    func: str | None = None  # a return probe's function (addr and symbol are then the return site)
 
     def line(self) -> str:
         """The line ftrace's ``trace`` file would show."""
@@ -71,8 +72,14 @@ class EventHit:
         return f"{self.comm:>16}-{self.pid:<7} [{self.cpu:03d}] {flags} {self.ts:12.6f}: {self.event}: {self.body}"
 
     def as_json(self) -> dict[str, object]:
-        return {"event": self.event, "cpu": self.cpu, "pid": self.pid, "comm": self.comm, "ts": round(self.ts, 6),
-                "addr": f"{self.addr:#x}", "symbol": self.symbol, "args": self.args}  # fmt: skip
+        """The hit as JSON; a return probe's ``addr``/``symbol`` are its return site, ``func`` its function."""
+        out: dict[str, object] = {"event": self.event, "cpu": self.cpu, "pid": self.pid, "comm": self.comm,
+                                  "ts": round(self.ts, 6), "addr": f"{self.addr:#x}",
+                                  "symbol": self.symbol}  # fmt: skip
+        if self.func is not None:
+            out["func"] = self.func
+        out["args"] = self.args
+        return out
 
 
 class _HostContext:
@@ -216,8 +223,9 @@ class TraceEvent:
         pid, comm = task
         hit = EventHit(
             event=self.definition.event, cpu=regs.vcpu, pid=pid, comm=comm,
-            ts=(time.monotonic() if ts is None else ts) - self.target.t0, addr=func if func is not None else ip,
-            symbol=self.target.symbols.symbolize(func if func is not None else ip),
+            ts=(time.monotonic() if ts is None else ts) - self.target.t0, addr=ip,
+            symbol=self.target.symbols.symbolize(ip),
+            func=None if func is None else self.target.symbols.symbolize(func),
             args={a.name: a.format_value(v) for a, v in zip(self.definition.args, values, strict=True)},
             body=body, irqs_off=not regs.flags & IF_FLAG,
         )  # fmt: skip
@@ -295,7 +303,7 @@ class TraceEvent:
         self._record(regs, self.probe.at, None, None, task=(rec.pid, rec.comm), ts=rec.time)
 
     def _kretprobe_hit(self, ri: KretprobeInstance, regs: PtRegs) -> None:
-        func = self.probe.kp.resolved  # type: ignore[union-attr]
+        func = self.probe.kp.at  # type: ignore[union-attr]
         self._record(regs, ri.ret_addr, func, regs.ax)
 
 

@@ -78,6 +78,10 @@ def test_cli_trace_json() -> None:
     assert summary == {"gp": {"hits": 7, "nmissed": 0, "lost": 0}, "gpr": {"hits": 7, "nmissed": 0, "lost": 0}}
     assert {h["event"] for h in hits} == {"gp", "gpr"} and all(h["comm"] == "workload" for h in hits)
     assert len({h["args"]["ret"] for h in hits if h["event"] == "gpr"}) == 1  # the same parent every time
+    # A return hit names its return site, in the caller, as the text line does; func is the probed function.
+    returns = [h for h in hits if h["event"] == "gpr"]
+    assert all(h["func"] == "__x64_sys_getppid+0x0" and not h["symbol"].startswith("__x64_sys_getppid")
+               for h in returns), returns[:1]  # fmt: skip
     assert "mode=getppid n=7" in out.stderr
 
 

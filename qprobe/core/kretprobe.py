@@ -160,7 +160,7 @@ class KretprobeManager:
         def prepare() -> None:
             self._ensure_trampoline()
             opt = self.kprobes.optimizer
-            if opt is not None and opt.available and rp.entry_handler is None:
+            if opt is not None and opt.available and opt.stub_missing() is None and rp.entry_handler is None:
                 rp.pool = opt.alloc_pool(rp, n)
                 self._ensure_return_int3s()
 
@@ -193,7 +193,7 @@ class KretprobeManager:
         if not scratch.mapped:
             scratch.map()
         self.trampoline = scratch.alloc(32)
-        if opt is not None and opt.available:
+        if opt is not None and opt.available and opt.stub_missing() is None:
             code = opt.trampoline_code(self.trampoline)
             scratch.write(self.trampoline, code)
             self.kprobes.trampolines[self.trampoline + len(code) - 1] = self.trampoline_hit

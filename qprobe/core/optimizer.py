@@ -88,7 +88,7 @@ from qprobe.arch.x86_64.retdetour import (
     build_trampolines,
     common_offsets,
 )
-from qprobe.errors import QprobeError
+from qprobe.errors import QprobeError, SymbolError
 from qprobe.target.journal import Patch
 from qprobe.target.memory import SharedRam
 from qprobe.target.qemu import DOORBELL_PORT
@@ -434,6 +434,15 @@ class Optimizer:
         if self._collector is not None:
             self._collector.join(2.0)
 
+    def stub_missing(self) -> str | None:
+        """Why the shared stub cannot be built (the kernel's per-CPU layout is unknown), or None."""
+        try:
+            for name in ("cpu_number", "this_cpu_off", "current_task"):
+                self.kp.kernel.percpu_offset(name)
+        except SymbolError as exc:
+            return f"the detours need the kernel's per-CPU layout: {exc}"
+        return None
+
     def trampoline_code(self, address: int) -> bytes:
         """The stop-less kretprobe trampoline at ``address``: ``push 0; call stub; int3``."""
         self._ensure_stub()
@@ -444,6 +453,9 @@ class Optimizer:
         """None if ``point`` can be optimized now, else the reason."""
         if not self.enabled:
             return "optimization is off"
+        missing = self.stub_missing()
+        if missing is not None:
+            return missing
         if not point.armed or point.opt is not None:
             return "not armed with an int3"
         if any(kp.post_handler is not None or getattr(kp, "no_optimize", False) for kp in point.probes):

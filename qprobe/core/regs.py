@@ -145,7 +145,7 @@ class PtRegs:
         fn = self._symbols.function(self._values["ip"])
         if fn is None:
             raise ValueError(f"{self._values['ip']:#x} is not in a known function")
-        params = self._kernel.params(fn.name)
+        params = self._kernel.params(fn.name, fn.addr)
         if name not in params:
             raise ValueError(f"{fn.name} has no parameter {name!r} (it has {', '.join(params) or 'none'})")
         return params.index(name) + 1

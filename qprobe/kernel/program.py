@@ -192,7 +192,7 @@ class KernelData:
         self._lock = threading.Lock()
         self._prog: drgn.Program | None = None
         self._unusable: str | None = None  # why drgn cannot be used, found once
-        self._params: dict[str, list[str]] = {}
+        self._params: dict[int, list[str]] = {}  # by function address
 
     @property
     def prog(self) -> drgn.Program:
@@ -271,15 +271,23 @@ class KernelData:
             return None
 
     # -- functions -------------------------------------------------------------------------
-    def params(self, function: str) -> list[str]:
-        """The parameter names of a kernel function, in order, from its debug info."""
-        if function not in self._params:
+    def params(self, function: str, address: int) -> list[str]:
+        """The parameter names, in order, of the function ``function`` whose code starts at ``address``.
+
+        Static functions may share a name: where the name alone finds another one, the one at
+        ``address`` is looked up in its own source file (a header's function copied into several
+        files is one definition, whichever copy is found).  GCC's clones (``.constprop.0``...)
+        have no debug info of their own: their parameters are not the source's.
+        """
+        if address not in self._params:
             try:
                 fn = self.prog.function(function)
+                if fn.address_ != address:
+                    fn = self.prog.function(function, self.prog.source_location(address)[-1].filename)
             except LookupError:
                 raise SymbolError(f"no debug info for the function {function}") from None
-            self._params[function] = [p.name or f"arg{i + 1}" for i, p in enumerate(fn.type_.parameters)]
-        return self._params[function]
+            self._params[address] = [p.name or f"arg{i + 1}" for i, p in enumerate(fn.type_.parameters)]
+        return self._params[address]
 
     # -- stacks ----------------------------------------------------------------------------
     def pt_regs(self, values: dict[str, int]) -> drgn.Object:

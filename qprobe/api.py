@@ -41,7 +41,7 @@ from qprobe.errors import ProbeError, QprobeError, SymbolError, TargetError, Tar
 from qprobe.kernel.kaslr import detect_slide
 from qprobe.kernel.program import KernelData, Task
 from qprobe.kernel.symbols import Symbols
-from qprobe.kernel.tracefs import probe_dialect, trace_event_names
+from qprobe.kernel.tracefs import ftrace_locations, probe_dialect, trace_event_names
 from qprobe.paths import cache_dir, read_private, write_private
 from qprobe.target.connection import Connection, parse_address
 from qprobe.target.console import Console, RunResult
@@ -358,12 +358,17 @@ class Target:
 
     def current_task(self, regs: PtRegs) -> Task:
         """A snapshot of the task a handler interrupted: pid, tgid and comm as Python values."""
-        return Task.of(self.kernel.current(regs.gs_base))
+        return self.kernel.read_task(gs_base=regs.gs_base)
 
     @functools.cached_property
     def dialect(self) -> Dialect:
         """What this kernel's kprobe_events accepts beyond 6.1.0's and how it words errors (from vmlinux)."""
         return probe_dialect(self.symbols)
+
+    @functools.cached_property
+    def ftrace_locations(self) -> list[int]:
+        """Every ``__fentry__`` site ftrace manages (from vmlinux), sorted; kprobe events need one in their function."""
+        return ftrace_locations(self.symbols)
 
     @functools.cached_property
     def trace_events(self) -> frozenset[tuple[str, str]]:

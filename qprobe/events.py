@@ -27,7 +27,15 @@ from qprobe.arch.x86_64.guestfilter import Pred as GPred
 from qprobe.core.kprobe import Kprobe
 from qprobe.core.kretprobe import Kretprobe, KretprobeInstance
 from qprobe.core.regs import ARG_REGS, PtRegs
-from qprobe.errors import FetchArgError, NotInstructionBoundary, NotKernelText, ProbeError, QprobeError, SymbolError
+from qprobe.errors import (
+    FetchArgError,
+    InvalidProbe,
+    NotInstructionBoundary,
+    NotKernelText,
+    ProbeError,
+    QprobeError,
+    SymbolError,
+)
 from qprobe.fetch import MemoryFault, ProbeEvent, SymbolInfo, check_append, format_event, format_hit, parse_event
 from qprobe.fetch import messages as M
 from qprobe.fetch.args import FetchArg, Value
@@ -40,6 +48,7 @@ from qprobe.fetch.filter import Not as FNot
 from qprobe.fetch.filter import Or as FOr
 from qprobe.fetch.filter import Pred as FPred
 from qprobe.fetch.kstrto import split_args
+from qprobe.kernel.tracefs import within_notrace_func
 
 if TYPE_CHECKING:
     from qprobe.api import Target
@@ -450,6 +459,10 @@ def add_event(
     if first is None and (ev.group, ev.event) in target.trace_events:
         raise FetchArgError(dialect.message(M.EVENT_EXIST), text, 0)
     te = TraceEvent(target, ev, callback, filter=None if filter is None else event_filter(ev, filter))
+    where = (symbols.address(ev.symbol) if ev.symbol is not None and ev.symbol in symbols else ev.addr or 0) + ev.offset
+    if ev.symbol is not None and within_notrace_func(symbols, target.ftrace_locations, where):
+        # __register_trace_kprobe: "Could not probe notrace function", -EINVAL.
+        raise _registration_error(ev, InvalidProbe(f"{ev.symbol} is a notrace function (EINVAL)"), dialect)
     try:
         _register(target, te)
     except ProbeError as exc:

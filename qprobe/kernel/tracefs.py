@@ -10,6 +10,7 @@ data, read through drgn.
 
 from __future__ import annotations
 
+import bisect
 import struct
 
 import drgn
@@ -83,3 +84,45 @@ def trace_event_names(prog: drgn.Program) -> frozenset[tuple[str, str]]:
         if name and call.member_("class"):
             out.add((call.member_("class").system.string_().decode(), name.string_().decode()))
     return frozenset(out)
+
+
+def ftrace_locations(symbols: Symbols) -> list[int]:
+    """Running addresses of every ``__fentry__`` call site ftrace manages (the ``__mcount_loc`` table), sorted.
+
+    Empty for a kernel without dynamic ftrace.  The table holds link-time addresses.
+    """
+    if "__start_mcount_loc" not in symbols or "__stop_mcount_loc" not in symbols:
+        return []
+    lo, hi = symbols.address("__start_mcount_loc"), symbols.address("__stop_mcount_loc")
+    try:
+        raw = symbols.file_bytes(lo, hi - lo)
+    except QprobeError:
+        return []
+    return sorted(a + symbols.slide for (a,) in struct.iter_unpack("<Q", raw[: len(raw) - len(raw) % 8]) if a)
+
+
+def within_notrace_func(symbols: Symbols, locations: list[int], addr: int) -> bool:
+    """trace_kprobe.c's ``within_notrace_func``: is ``addr`` in a function ftrace cannot trace?
+
+    With dynamic ftrace and without CONFIG_KPROBE_EVENTS_ON_NOTRACE (a debug option
+    distributions leave off) the kernel refuses a kprobe event anywhere in such a
+    function; a ``func.isra.0``-style copy is judged by ``func``.
+    """
+    if not locations:
+        return False
+
+    def notrace(a: int) -> bool:
+        sym = symbols.containing(a)
+        if sym is None:
+            return False
+        start, end = sym.addr, sym.addr + symbols.kallsyms_size(sym) - 1
+        i = bisect.bisect_left(locations, start)
+        return not (i < len(locations) and locations[i] <= end)
+
+    if not notrace(addr):
+        return False
+    sym = symbols.containing(addr)
+    if sym is not None and "." in sym.name:
+        base = sym.name.split(".", 1)[0]
+        return base not in symbols or notrace(symbols.address(base))
+    return True

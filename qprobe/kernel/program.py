@@ -126,10 +126,6 @@ class Task:
     tgid: int
     comm: str
 
-    @classmethod
-    def of(cls, task: drgn.Object) -> Task:
-        return cls(task.value_(), task.pid.value_(), task.tgid.value_(), task.comm.string_().decode(errors="replace"))
-
     def __str__(self) -> str:
         return f"{self.comm}-{self.pid}"
 
@@ -161,6 +157,10 @@ class Stack(Sequence[drgn.StackFrame]):
 
     def __repr__(self) -> str:
         return f"<Stack of {len(self.frames)} frames>"
+
+
+def _s32(raw: bytes, offset: int) -> int:
+    return int.from_bytes(raw[offset : offset + 4], "little", signed=True)  # pid_t
 
 
 def describe(frame: drgn.StackFrame) -> str:
@@ -259,14 +259,25 @@ class KernelData:
     def task(self, addr: int) -> drgn.Object:
         return drgn.Object(self.prog, "struct task_struct *", value=addr)
 
-    def snapshot(self, addr: int | None = None, *, gs_base: int = 0) -> Task | None:
-        """A Task of the task_struct at ``addr`` (else of ``current`` at ``gs_base``), where it can be read.
+    def read_task(self, addr: int | None = None, *, gs_base: int = 0) -> Task:
+        """A Task of the task_struct at ``addr`` (else of ``current`` at ``gs_base``).
 
-        None when the kernel's types are unavailable (a vmlinux without DWARF) or the task cannot be
-        read: what a kretprobe instance records, which must not stop the probe.
+        pid, tgid and comm are read in one read of the span that holds them (at the offsets the
+        debug info gives), not member by member: a page walk instead of three, about 10 µs.
+        """
+        task = (self.current(gs_base) if addr is None else self.task(addr)).value_()
+        _cur, pid, tgid, comm = self.offsets
+        lo = min(pid, tgid, comm)
+        raw = self.prog.read(task + lo, max(pid, tgid, comm) + 16 - lo)
+        name = raw[comm - lo : comm - lo + 16].split(b"\0")[0].decode(errors="replace")
+        return Task(task, _s32(raw, pid - lo), _s32(raw, tgid - lo), name)
+
+    def snapshot(self, addr: int | None = None, *, gs_base: int = 0) -> Task | None:
+        """``read_task``, or None when the kernel's types are unavailable (a vmlinux without DWARF) or the
+        task cannot be read: what a kretprobe instance records, which must not stop the probe.
         """
         try:
-            return Task.of(self.current(gs_base) if addr is None else self.task(addr))
+            return self.read_task(addr, gs_base=gs_base)
         except (SymbolError, drgn.FaultError):
             return None
 

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qprobe.errors import SymbolError, TargetError
-from qprobe.kernel.program import Task
 
 from . import gdbcmd
 from .parse import ShellUsageError, parse_int
@@ -100,7 +99,7 @@ def cmd_regs(shell: Shell, rest: str) -> None:
     shell.out.write(render_registers(regs, shell.target.symbols.symbolize))
     if not regs.get("cs", 0) & 3 and "gs_base" in regs:
         try:
-            task = Task.of(shell.target.kernel.current(regs["gs_base"]))
+            task = shell.target.kernel.read_task(gs_base=regs["gs_base"])
             shell.note(f"vCPU {cpu} in the kernel, current task {task.comm}-{task.pid}")
         except Exception:  # a vCPU in early entry code may not have a usable per-CPU base yet
             pass

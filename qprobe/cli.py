@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except FetchArgError as exc:
         # The kernel's error_log style: the message, the definition, a caret under the column.
-        print(f"qprobe: error: {exc.reason}\n{exc.caret()}", file=sys.stderr)
+        print(f"qprobe: error: {exc.explained}\n{exc.caret()}", file=sys.stderr)
         return 2
     except QprobeError as exc:
         notes = "".join(f" ({note})" for note in getattr(exc, "__notes__", []))

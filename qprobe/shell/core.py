@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, TextIO
 from qprobe.errors import FetchArgError, ProbeError, QprobeError
 from qprobe.fetch import DeleteEvent, parse_event
 from qprobe.fetch import messages as M
+from qprobe.funcs import Probeability, render_funcs
 
 from . import inspect_cmds as insp
 from .collect import Aggregation, Stack, Tap
@@ -53,6 +54,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "stats": ("stats", "hits, nmissed and hits/s per event and probe"),
     "count": ("count [EVENT...] [by KEY] [for SECONDS | run CMD]", "count hits like bpftrace's @[key] = count()"),
     "hist": ("hist EVENT by KEY [for SECONDS | run CMD]", "log2 histogram of a numeric key, like hist()"),
+    "funcs": ("funcs [GLOB...]", "kernel functions matching, and why qprobe cannot probe the ones it cannot"),
     "sym": ("sym NAME|GLOB", "a symbol's address, size and type"),
     "addr": ("addr ADDR", "the symbol+offset of an address"),
     "x": ("x ADDR|SYM[+OFF] [LEN]", "hex dump of kernel memory, like xxd"),
@@ -83,12 +85,13 @@ class Shell:
         self.armed: dict[str, float] = {}  # event or probe -> when the shell first saw it armed
         self.loaded: dict[str, dict[str, object]] = {}  # load FILE -> its globals
         self.interact: Callable[..., None] | None = None  # code.interact, replaceable in tests
+        self.probeability: Probeability | None = None  # the function list, built on first use
         self.handlers: dict[str, Callable[[str], None]] = {
             "enable": self.cmd_enable, "disable": self.cmd_disable, "list": self.cmd_list,
             "events": self.cmd_events, "enabled": self.cmd_enabled, "optimization": self.cmd_optimization,
             "blacklist": self.cmd_blacklist, "show": self.cmd_show, "stats": self.cmd_stats,
             "count": self.cmd_count, "hist": self.cmd_hist, "run": self.cmd_run, "help": self.cmd_help,
-            "quit": self.cmd_quit,
+            "quit": self.cmd_quit, "funcs": self.cmd_funcs,
             "sym": lambda rest: insp.cmd_sym(self, rest), "addr": lambda rest: insp.cmd_addr(self, rest),
             "x": lambda rest: insp.cmd_x(self, rest), "regs": lambda rest: insp.cmd_regs(self, rest),
             "bt": lambda rest: insp.cmd_bt(self, rest), "py": lambda rest: insp.cmd_py(self, rest),
@@ -148,8 +151,7 @@ class Shell:
     # -- events ----------------------------------------------------------------------------------
     def definition(self, text: str) -> None:
         """``p:...``/``r:...`` adds an event, ``-:...`` removes events, as a write to kprobe_events."""
-        symbols = self.target.symbols
-        ev = parse_event(text, symbol_exists=lambda name: name in symbols)
+        ev = parse_event(text)  # the syntax; the target's add_event checks the symbols and suggests names
         if isinstance(ev, DeleteEvent):
             gone = [te for te in list(self.target.events.values()) if ev.matches(te.definition)]
             if not gone:
@@ -232,6 +234,13 @@ class Shell:
     def cmd_blacklist(self, rest: str) -> None:
         for line in self.target.blacklist():
             self.out.line(line)
+
+    def cmd_funcs(self, rest: str) -> None:
+        if self.probeability is None:
+            self.probeability = Probeability.of_target(self.target)
+        text, summary, _ = render_funcs(self.probeability, rest.split())
+        self.out.write(text)
+        self.note(summary)
 
     # -- statistics -------------------------------------------------------------------------------
     def cmd_stats(self, rest: str) -> None:

@@ -1,0 +1,216 @@
+"""Which kernel functions qprobe can probe, and the names a typo was meant to be, from vmlinux.
+
+``Probeability`` answers, for a function name, why a kprobe event on its entry
+would be refused, with the checks the kernel's own event code makes in the
+order it makes them: a name kallsyms has several times (``validate_probe_symbol``),
+text freed after boot, a function ftrace cannot trace (``within_notrace_func``),
+the kprobe blacklist (``within_kprobe_blacklist``) and run-time-patched sites
+(``check_kprobe_address_safe``).  Each check is the one the core uses when it
+registers a probe; this module only puts them in one place so that the host
+can answer before a VM is booted (``Probeability.of(symbols)``), and a running
+target with its own tables (``Probeability.of_target``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from qprobe.core.blacklist import Blacklist
+from qprobe.errors import SymbolError
+from qprobe.fetch import messages as M
+from qprobe.fetch.dialect import Dialect
+from qprobe.kernel.reserved import ReservedText
+from qprobe.kernel.symbols import Symbols
+from qprobe.kernel.tracefs import ftrace_locations, probe_dialect, within_notrace_func
+
+if TYPE_CHECKING:
+    from qprobe.api import Target
+
+__all__ = [
+    "Func",
+    "Probeability",
+    "check_probe_symbol",
+    "did_you_mean",
+    "is_glob",
+    "render_funcs",
+    "suggest",
+    "unknown_symbol",
+]
+
+_GLOB = re.compile(r"[*?\[]")
+# GCC's names for copies of a function: foo.isra.0, foo.constprop.0, foo.part.0, foo.cold, foo.lto_priv.0
+_CLONE = re.compile(r"^(?P<base>[^.]+)\.")
+
+
+def is_glob(name: str) -> bool:
+    """Is ``name`` a shell-style pattern (``vfs_*``, ``ksys_?ead``, ``do_[rw]*``) rather than one symbol?"""
+    return bool(_GLOB.search(name))
+
+
+@dataclass(frozen=True)
+class Func:
+    """A kernel function, and why qprobe cannot probe its entry (None when it can)."""
+
+    name: str
+    addr: int
+    size: int
+    reason: str | None
+
+    @property
+    def probeable(self) -> bool:
+        return self.reason is None
+
+
+class Probeability:
+    """The refusals of one kernel's probe code, for function entries."""
+
+    def __init__(self, symbols: Symbols, blacklist: Blacklist, locations: list[int],
+                 reserved: ReservedText | None, dialect: Dialect) -> None:  # fmt: skip
+        self.symbols = symbols
+        # Kernels with validate_probe_symbol refuse a shared name; older ones probe the first of them.
+        self.unique_names = dialect.has(M.NON_UNIQ_SYMBOL)
+        self.blacklist = blacklist
+        self.locations = locations
+        self.reserved = reserved
+        self._functions: list[str] | None = None
+        self._copies: dict[str, int] = {}  # function name -> how many functions (distinct addresses) have it
+
+    @classmethod
+    def of(cls, symbols: Symbols) -> Probeability:
+        """From the vmlinux file alone, before anything boots (reserved sites as the file has them)."""
+        # The BUG table's entry size needs the kernel's types; a function's entry is never a BUG site.
+        reserved = ReservedText(symbols, symbols.file_bytes, None)
+        return cls(symbols, Blacklist(symbols), ftrace_locations(symbols), reserved, probe_dialect(symbols))
+
+    @classmethod
+    def of_target(cls, target: Target) -> Probeability:
+        """With a running target's tables (its slide, its reserved sites as the text is now)."""
+        return cls(target.symbols, target.kprobes.blacklist, target.ftrace_locations, target.kprobes.reserved,
+                   target.dialect)  # fmt: skip
+
+    def functions(self) -> list[str]:
+        """Every function name of the symbol table, each once, sorted."""
+        if self._functions is None:
+            addrs: dict[str, set[int]] = {}
+            for sym in self.symbols.functions_in(0, 1 << 64):
+                if sym.size:
+                    addrs.setdefault(sym.name, set()).add(sym.addr)
+            self._copies = {name: len(at) for name, at in addrs.items()}
+            self._functions = sorted(addrs)
+        return self._functions
+
+    def reason(self, name: str) -> str | None:
+        """Why a kprobe event on ``name``'s entry would be refused, or None."""
+        symbols = self.symbols
+        if name not in symbols:
+            return "not in the symbol table"
+        self.functions()
+        # Symbols.count scans the whole table; only a name two functions share needs its answer.
+        count = symbols.count(name) if self.unique_names and self._copies.get(name, 1) > 1 else 1
+        if count > 1:
+            return f"not unique: {count} functions share the name (probe one by address)"
+        addr = symbols.address(name)
+        if not symbols.is_text(addr):
+            section = symbols.section_at(addr)
+            return f"in {section.name if section else 'no section'}, not kernel text after boot"
+        if within_notrace_func(symbols, self.locations, addr):
+            return "notrace: no __fentry__ site, the kernel refuses kprobe events there"
+        bad = self.blacklist.lookup(addr)
+        if bad is not None:
+            return f"blacklisted ({bad.name})"
+        if self.reserved is not None:
+            site = self.reserved.conflict(addr, addr)
+            if site is not None:
+                return f"reserved ({site}): the kernel rewrites it at run time"
+        return None
+
+    def match(self, patterns: Sequence[str]) -> list[Func]:
+        """The functions matching any of ``patterns`` (globs or names), sorted by name."""
+        names = self.functions()
+        chosen: set[str] = set()
+        for pat in patterns:
+            if is_glob(pat):
+                chosen.update(fnmatch.filter(names, pat))
+            elif pat in self.symbols:
+                chosen.add(pat)
+        out = []
+        for name in sorted(chosen):
+            sym = self.symbols.lookup(name)
+            out.append(Func(name, sym.addr, sym.size, self.reason(name)))
+        return out
+
+
+def suggest(names: Iterable[str], name: str, n: int = 3) -> list[str]:
+    """The names ``name`` was probably meant to be: its GCC copies first, then the closest spellings."""
+    pool = list(names)
+    base = _CLONE.match(name)
+    stem = base.group("base") if base else name
+    copies = sorted(x for x in pool if x != name and (x.startswith(stem + ".") or x == stem))
+    # difflib's ratio over every name costs seconds; names far longer or shorter cannot be close anyway.
+    slack = max(3, len(name) // 3)
+    near = [x for x in pool if abs(len(x) - len(name)) <= slack]
+    close = difflib.get_close_matches(name, near, n=n, cutoff=0.75)
+    out = copies[:n]
+    out += [x for x in close if x not in out]
+    return out[:n]
+
+
+def unknown_symbol(symbols: Symbols, name: str, names: Iterable[str] | None = None) -> SymbolError:
+    """``no function NAME in VMLINUX (did you mean ...?)``, one line."""
+    hint = did_you_mean(symbols.names() if names is None else names, name)
+    return SymbolError(f"no symbol {name!r} in {symbols.path.name}{hint}")
+
+
+def did_you_mean(names: Iterable[str], name: str) -> str:
+    """`` (did you mean a, b?)`` with the names ``suggest`` finds, or ""."""
+    close = suggest(names, name)
+    return f" (did you mean {', '.join(close)}?)" if close else ""
+
+
+def check_probe_symbol(prob: Probeability, symbol: str, offset: int = 0) -> list[Func]:
+    """Refuse, in one line, a probe symbol the kernel would refuse; the matches of a glob.
+
+    An unknown name suggests the closest ones; a function's entry that cannot be
+    probed says why; a glob must match at least one function that can be.
+    """
+    if is_glob(symbol):
+        found = prob.match([symbol])
+        if not found:
+            raise SymbolError(f"no function matches {symbol!r}")
+        if not any(f.probeable for f in found):
+            first = found[0]
+            raise SymbolError(f"none of the {len(found)} functions matching {symbol!r} can be probed "
+                              f"({first.name}: {first.reason})")  # fmt: skip
+        return found
+    if symbol not in prob.symbols:
+        raise unknown_symbol(prob.symbols, symbol, prob.functions())
+    if offset == 0:
+        why = prob.reason(symbol)
+        if why is not None:
+            raise SymbolError(f"cannot probe {symbol}: {why}")
+    return []
+
+
+def render_funcs(prob: Probeability, patterns: Sequence[str]) -> tuple[str, str, int]:
+    """(one line per matching function, a summary line, how many matched).
+
+    A function qprobe can probe is its bare name (as ``perf probe -F`` lists them,
+    so the output pipes into other tools); one it cannot is followed by why.
+    """
+    found = prob.match(patterns or ["*"])
+    width = max((len(f.name) for f in found if not f.probeable), default=0)
+    lines = [f.name if f.probeable else f"{f.name:<{width}}  cannot probe: {f.reason}" for f in found]
+    what = " ".join(repr(p) for p in patterns) if patterns else "any name"
+    missing = [p for p in patterns if not is_glob(p) and p not in prob.symbols]
+    hints = "".join(f"; no function {p!r}{did_you_mean(prob.functions(), p)}" for p in missing)
+    if not found:
+        return "", f"no function matches {what}{hints}", 0
+    refused = sum(not f.probeable for f in found)
+    plural = "s match" if len(found) > 1 else " matches"
+    summary = f"{len(found)} function{plural} {what}: {len(found) - refused} can be probed, {refused} cannot{hints}"
+    return "".join(line + "\n" for line in lines), summary, len(found)

@@ -1,0 +1,105 @@
+"""Which functions can be probed, and the names a typo was meant to be: pure logic over a symbol table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from qprobe.core.blacklist import BlacklistEntry
+from qprobe.errors import SymbolError
+from qprobe.fetch import messages as M
+from qprobe.fetch.dialect import Dialect
+from qprobe.funcs import Probeability, check_probe_symbol, is_glob, render_funcs, suggest
+from qprobe.kernel.symbols import Section, Symbols
+
+T = 0xFFFF_FFFF_8100_0000
+# name -> (link address, size); two static functions share "shared".
+FUNCS = {
+    "vfs_read": (T + 0x100, 0x40),
+    "vfs_write": (T + 0x140, 0x40),
+    "vfs_notrace": (T + 0x180, 0x20),
+    "vfs_blocked": (T + 0x1A0, 0x20),
+    "finish_task_switch.isra.0": (T + 0x1C0, 0x40),
+    "ksys_read": (T + 0x200, 0x40),
+    "ksys_pread64": (T + 0x240, 0x40),
+    "shared": (T + 0x280, 0x10),
+    "start_kernel": (T + 0x10_0000, 0x100),  # in .init.text
+}
+ROWS = [(name, addr, size, "func") for name, (addr, size) in FUNCS.items()] + [("shared", T + 0x290, 0x10, "func")]
+SECTIONS = [Section(".text", T, 0x1000, 0x1000, True), Section(".init.text", T + 0x10_0000, 0x1000, 0x2000, True)]
+# __fentry__ sites: every function but vfs_notrace has one just after its start.
+FENTRY = sorted([*(addr + 4 for name, (addr, _size) in FUNCS.items() if name != "vfs_notrace"), T + 0x294])
+
+
+class FakeBlacklist:
+    def lookup(self, addr: int) -> BlacklistEntry | None:
+        start, size = FUNCS["vfs_blocked"]
+        return BlacklistEntry(start, start + size, "vfs_blocked") if start <= addr < start + size else None
+
+
+@pytest.fixture
+def prob() -> Probeability:
+    symbols = Symbols(Path("vmlinux-test"), "00", ROWS, SECTIONS)
+    dialect = Dialect(messages=frozenset({M.NON_UNIQ_SYMBOL}))
+    return Probeability(symbols, FakeBlacklist(), FENTRY, None, dialect)  # type: ignore[arg-type]
+
+
+def test_reasons_follow_the_kernels_checks(prob: Probeability) -> None:
+    assert prob.reason("vfs_read") is None
+    assert prob.reason("finish_task_switch.isra.0") is None
+    assert prob.reason("nope") == "not in the symbol table"
+    assert prob.reason("shared") == "not unique: 2 functions share the name (probe one by address)"
+    assert prob.reason("start_kernel") == "in .init.text, not kernel text after boot"
+    assert prob.reason("vfs_notrace") == "notrace: no __fentry__ site, the kernel refuses kprobe events there"
+    assert prob.reason("vfs_blocked") == "blacklisted (vfs_blocked)"
+
+
+def test_a_kernel_without_the_uniqueness_check_probes_a_shared_name(prob: Probeability) -> None:
+    older = Probeability(prob.symbols, prob.blacklist, prob.locations, None, Dialect())
+    assert older.reason("shared") is None
+
+
+def test_globs_match_functions_and_say_which_can_be_probed(prob: Probeability) -> None:
+    found = prob.match(["vfs_*"])
+    assert [(f.name, f.probeable) for f in found] == [
+        ("vfs_blocked", False), ("vfs_notrace", False), ("vfs_read", True), ("vfs_write", True),
+    ]  # fmt: skip
+    assert [f.name for f in prob.match(["ksys_?ead", "vfs_read", "missing"])] == ["ksys_read", "vfs_read"]
+    assert is_glob("vfs_*") and is_glob("do_[rw]*") and not is_glob("vfs_read")
+
+
+def test_suggestions_put_gcc_copies_first_then_close_spellings(prob: Probeability) -> None:
+    names = prob.functions()
+    assert suggest(names, "finish_task_switch")[0] == "finish_task_switch.isra.0"
+    assert suggest(names, "ksys_raed") == ["ksys_read", "ksys_pread64"]
+    assert suggest(names, "zzzzzzzz") == []
+
+
+def test_check_probe_symbol_is_one_line_naming_the_problem(prob: Probeability) -> None:
+    with pytest.raises(SymbolError, match=r"^no symbol 'ksys_raed' in vmlinux-test \(did you mean ksys_read, "
+                                          r"ksys_pread64\?\)$"):  # fmt: skip
+        check_probe_symbol(prob, "ksys_raed")
+    with pytest.raises(SymbolError, match=r"^cannot probe vfs_notrace: notrace"):
+        check_probe_symbol(prob, "vfs_notrace")
+    assert check_probe_symbol(prob, "vfs_notrace", 8) == []  # an offset: the VM's checks decide
+    with pytest.raises(SymbolError, match=r"^no function matches 'xyz_\*'$"):
+        check_probe_symbol(prob, "xyz_*")
+    with pytest.raises(SymbolError, match=r"^none of the 2 functions matching 'vfs_\[bn\]\*' can be probed"):
+        check_probe_symbol(prob, "vfs_[bn]*")
+    assert [f.name for f in check_probe_symbol(prob, "vfs_*")] == ["vfs_blocked", "vfs_notrace", "vfs_read",
+                                                                  "vfs_write"]  # fmt: skip
+
+
+def test_render_funcs_lists_probeable_names_bare_and_refusals_with_why(prob: Probeability) -> None:
+    text, summary, n = render_funcs(prob, ["vfs_*", "ksys_raed"])
+    assert text.splitlines() == [
+        "vfs_blocked  cannot probe: blacklisted (vfs_blocked)",
+        "vfs_notrace  cannot probe: notrace: no __fentry__ site, the kernel refuses kprobe events there",
+        "vfs_read",
+        "vfs_write",
+    ]
+    assert n == 4
+    assert summary == ("4 functions match 'vfs_*' 'ksys_raed': 2 can be probed, 2 cannot; "
+                       "no function 'ksys_raed' (did you mean ksys_read, ksys_pread64?)")  # fmt: skip
+    assert render_funcs(prob, ["nope*"]) == ("", "no function matches 'nope*'", 0)

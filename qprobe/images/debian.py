@@ -7,7 +7,11 @@ with ``usr/lib/debug/boot/vmlinux-*`` (590 MB for cloud, with DWARF) and the
 real ``System.map``. Both must be the same version or the symbols lie.
 
 The ABI is never hard-coded: apt says which one the flavour's metapackage
-depends on, falling back to the highest ABI whose packages apt knows. Only
+depends on (``linux-image-<series>-<flavour>`` when a series such as "6.12"
+is asked for and the release has that metapackage, as bookworm has for its
+6.12 backport; else ``linux-image-<flavour>``), falling back to the highest
+ABI of the series whose packages apt knows. Debian names ABIs two ways,
+"6.1.0-56" and "6.12.117+deb12"; both are taken. Only
 the four members are taken out of the packages, the .deb files are deleted
 afterwards, and the result lands in ``<cache>/kernels/<release>/`` by one
 directory rename, so that directory existing means the kernel is complete.
@@ -29,6 +33,7 @@ from pathlib import Path
 from qprobe.errors import ImageError
 from qprobe.images import cache
 from qprobe.images.image import check_config, check_kernel, check_vmlinux
+from qprobe.images.manifest import ABI_PATTERN, abi_in_series
 from qprobe.images.progress import Reporter, human
 
 __all__ = ["DebianKernel", "KernelFiles", "cached_kernel", "fetch_kernel", "kernel_state"]
@@ -41,7 +46,7 @@ _CHUNK = 1 << 20
 class DebianKernel:
     """A resolved kernel: which packages, at which version."""
 
-    abi: str  # "6.1.0-56"
+    abi: str  # "6.1.0-56" or "6.12.117+deb12"
     flavour: str  # "cloud-amd64"
     image_package: str
     dbg_package: str
@@ -96,30 +101,40 @@ def _versions(package: str) -> set[str]:
     return {parts[1].strip() for line in proc.stdout.splitlines() if len(parts := line.split("|")) >= 3}
 
 
-def _candidate_abis(flavour: str) -> list[str]:
+def _in_series(abi: str, series: str | None) -> bool:
+    return series is None or abi_in_series(abi, series)
+
+
+def _candidate_abis(flavour: str, series: str | None = None) -> list[str]:
     """ABIs to try, best first: the metapackage's, then every one apt lists."""
     found: list[str] = []
-    meta = _apt("apt-cache", "depends", f"linux-image-{flavour}")
-    pattern = re.compile(rf"Depends:\s*linux-image-(\d+\.\d+\.\d+-\d+)-{re.escape(flavour)}(?:-unsigned)?\s*$")
-    for line in meta.stdout.splitlines():
-        m = pattern.search(line)
-        if m and m.group(1) not in found:
-            found.append(m.group(1))
+    metas = ([f"linux-image-{series}-{flavour}"] if series else []) + [f"linux-image-{flavour}"]
+    pattern = re.compile(rf"Depends:\s*linux-image-({ABI_PATTERN})-{re.escape(flavour)}(?:-unsigned)?\s*$")
+    for meta in metas:
+        depends = _apt("apt-cache", "depends", meta)
+        for line in depends.stdout.splitlines():
+            m = pattern.search(line)
+            if m and m.group(1) not in found and _in_series(m.group(1), series):
+                found.append(m.group(1))
+        if found:
+            break
     # flavour is [a-z0-9-]+ (checked by the manifest): nothing to escape for apt's regex.
-    search = _apt("apt-cache", "search", "--names-only", f"^linux-image-[0-9.]+-[0-9]+-{flavour}-dbg$")
-    listed = re.findall(rf"^linux-image-(\d+\.\d+\.\d+-\d+)-{re.escape(flavour)}-dbg ", search.stdout, re.M)
+    search = _apt("apt-cache", "search", "--names-only", f"^linux-image-[0-9.]+(-[0-9]+|\\+deb[0-9]+)-{flavour}-dbg$")
+    listed = re.findall(rf"^linux-image-({ABI_PATTERN})-{re.escape(flavour)}-dbg ", search.stdout, re.M)
     found.sort(key=_abi_key, reverse=True)
+    listed = [abi for abi in listed if _in_series(abi, series)]
     found += [abi for abi in sorted(set(listed), key=_abi_key, reverse=True) if abi not in found]
     return found
 
 
-def resolve(flavour: str, abi: str | None = None) -> DebianKernel:
-    """Ask apt which kernel of ``flavour`` to use (``abi`` pins one)."""
-    abis = [abi] if abi else _candidate_abis(flavour)
+def resolve(flavour: str, abi: str | None = None, series: str | None = None) -> DebianKernel:
+    """Ask apt which kernel of ``flavour`` to use (``abi`` pins one, ``series`` narrows)."""
+    abis = [abi] if abi else _candidate_abis(flavour, series)
     if not abis:
+        what = f"linux-image-{series}.*-{flavour}" if series else f"linux-image-*-{flavour}"
         raise ImageError(
-            f"apt knows no linux-image-*-{flavour} package: run 'apt-get update' "
-            "(Debian's main archive must be in the apt sources)"
+            f"apt knows no {what} package: run 'apt-get update' "
+            "(Debian's main archive, and for newer kernels its security or backports archive, must be in apt's sources)"
         )
     for candidate in abis:
         release = f"{candidate}-{flavour}"
@@ -277,42 +292,47 @@ def _files(directory: Path, release: str) -> KernelFiles | None:
     return replace(files, version=version)
 
 
-def cached_kernel(flavour: str, abi: str | None = None) -> KernelFiles | None:
-    """The newest complete cached kernel of ``flavour`` (or of ``abi``), if any."""
+def cached_kernel(flavour: str, abi: str | None = None, series: str | None = None) -> KernelFiles | None:
+    """The newest complete cached kernel of ``flavour`` (of ``abi``, of ``series``), if any."""
     root = cache.cache_dir() / "kernels"
     if not root.is_dir():
         return None
-    pattern = re.compile(rf"^(\d+\.\d+\.\d+-\d+)-{re.escape(flavour)}$")
+    pattern = re.compile(rf"^({ABI_PATTERN})-{re.escape(flavour)}$")
     found = []
     for d in root.iterdir():
         m = pattern.match(d.name)
-        if m and (abi is None or m.group(1) == abi) and (files := _files(d, d.name)) is not None:
+        if (
+            m
+            and (abi is None or m.group(1) == abi)
+            and _in_series(m.group(1), series)
+            and (files := _files(d, d.name)) is not None
+        ):
             found.append((_abi_key(m.group(1)), files))
     if not found:
         return None
     return max(found, key=lambda item: item[0])[1]
 
 
-def kernel_state(flavour: str, abi: str | None = None) -> tuple[str, str | None]:
+def kernel_state(flavour: str, abi: str | None = None, series: str | None = None) -> tuple[str, str | None]:
     """("ready" | "partial" | "not fetched", release) without touching the network."""
-    files = cached_kernel(flavour, abi)
+    files = cached_kernel(flavour, abi, series)
     if files is not None:
         return "ready", files.release
     root = cache.cache_dir()
-    tag = f"{abi or '*'}-{flavour}"
+    tag = f"{abi or (series + '.*' if series else '*')}-{flavour}"
     leftovers = list((root / "debs").glob(f"linux-image-{tag}[_-]*.deb"))
-    leftovers += [p for p in (root / "kernels").glob(f"*{abi or ''}-{flavour}*") if not p.name.startswith(".lock-")]
+    leftovers += [p for p in (root / "kernels").glob(f"*{tag}*") if not p.name.startswith(".lock-")]
     return ("partial" if leftovers else "not fetched"), None
 
 
-def fetch_kernel(flavour: str, abi: str | None, reporter: Reporter) -> KernelFiles:
+def fetch_kernel(flavour: str, abi: str | None, reporter: Reporter, series: str | None = None) -> KernelFiles:
     """A complete cached kernel of ``flavour``, downloading it if needed."""
     kernels = _kernels_dir()
     with cache.locked(kernels, flavour):
-        files = cached_kernel(flavour, abi)
+        files = cached_kernel(flavour, abi, series)
         if files is not None:
             return files
-        kernel = resolve(flavour, abi)
+        kernel = resolve(flavour, abi, series)
         cache.remove_leftovers(kernels, kernel.release)
         debs = cache.subdir("debs")
         missing = [

@@ -56,7 +56,7 @@ class ImageInfo:
 
     name: str
     description: str
-    source: str  # "debian:<flavour>" or "files:<manifest path>"
+    source: str  # "debian:<flavour>", "build:<source package>" or "files:<manifest path>"
     state: str  # "ready", "not fetched" or "partial"
     rootfs: str  # "initramfs" or "disk"
     kernel_version: str | None = None  # known once fetched

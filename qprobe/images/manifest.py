@@ -3,8 +3,15 @@
 Both use one schema, a table per image under ``[images.NAME]``:
 
 * a Debian kernel: ``flavour = "cloud-amd64"`` (the package
-  ``linux-image-<abi>-<flavour>`` and its ``-dbg``); optional ``abi`` pins
-  the ABI ("6.1.0-56") instead of taking what apt offers;
+  ``linux-image-<abi>-<flavour>`` and its ``-dbg``); optional ``series``
+  ("6.12") takes the kernel of that upstream series (the metapackage
+  ``linux-image-<series>-<flavour>`` where the release has one, as bookworm
+  has for its 6.12 backport); optional ``abi`` pins the ABI in any of
+  Debian's namings ("6.1.0-56", "6.12.117+deb12") instead of taking what apt
+  offers;
+* a kernel built from a Debian source package: ``source = "build"``,
+  ``package = "linux-source-6.12"`` and ``fragment``, a file of CONFIG_
+  lines merged over ``make tinyconfig`` (scripts/build-minimal-kernel.sh);
 * a kernel given by files: ``kernel`` (bzImage) and ``vmlinux``, optional
   ``system_map`` and ``config``, and ``initrd`` *or* ``disk``. Relative
   paths are taken from the manifest's directory, ``~`` is expanded.
@@ -29,8 +36,10 @@ from qprobe.errors import ImageError
 from qprobe.images.image import DISK_INTERFACES
 
 __all__ = [
+    "ABI_PATTERN",
     "DEFAULT_IMAGE",
     "ImageSpec",
+    "abi_in_series",
     "builtin_manifest_path",
     "load_manifest",
     "load_specs",
@@ -39,8 +48,14 @@ __all__ = [
 
 DEFAULT_IMAGE = "debian-cloud"
 
+# Debian's kernel ABI names: "6.1.0-56" (bookworm's own kernel: version, ABI
+# number), "6.12.117+deb12" (its 6.12 backport and trixie: the full upstream
+# version with the release tag).
+ABI_PATTERN = r"\d+\.\d+\.\d+(?:-\d+|\+deb\d+)"
+
 _COMMON = {"description", "cmdline", "rootfs", "disk_interface", "source"}
-_DEBIAN = _COMMON | {"flavour", "abi"}
+_DEBIAN = _COMMON | {"flavour", "abi", "series"}
+_BUILD = _COMMON | {"package", "fragment"}
 _FILES = _COMMON | {"kernel", "vmlinux", "initrd", "disk", "system_map", "config"}
 _FILE_KEYS = ("kernel", "vmlinux", "initrd", "disk", "system_map", "config")
 _ROOTFS = ("initramfs", "disk")
@@ -51,11 +66,14 @@ class ImageSpec:
     """One image as a manifest describes it (nothing fetched or checked yet)."""
 
     name: str
-    source: str  # "debian" or "files"
+    source: str  # "debian", "build" or "files"
     description: str = ""
     origin: Path | None = None  # the manifest it came from
     flavour: str | None = None
     abi: str | None = None
+    series: str | None = None  # "6.12": only kernels of that upstream series
+    package: str | None = None  # source = "build": "linux-source-6.12"
+    fragment: Path | None = None  # source = "build": the config fragment
     files: dict[str, Path] = field(default_factory=dict)
     cmdline: str | None = None
     rootfs: str = "initramfs"  # which form when no initrd/disk file is given
@@ -69,6 +87,11 @@ class ImageSpec:
         if "initrd" in self.files:
             return "initramfs"
         return self.rootfs
+
+
+def abi_in_series(abi: str, series: str) -> bool:
+    """Whether a Debian ABI ("6.12.117+deb12") is of an upstream series ("6.12")."""
+    return abi.startswith(series + ".")
 
 
 def expand_user(text: str, where: str) -> Path:
@@ -115,9 +138,9 @@ def parse_spec(name: str, table: object, origin: Path | None) -> ImageSpec:
     source = _string(table, "source", where)
     if source is None:
         source = "debian" if "flavour" in table else "files"
-    if source not in ("debian", "files"):
-        raise ImageError(f"{where}: source must be 'debian' or 'files', not {source!r}")
-    allowed = _DEBIAN if source == "debian" else _FILES
+    if source not in ("debian", "build", "files"):
+        raise ImageError(f"{where}: source must be 'debian', 'build' or 'files', not {source!r}")
+    allowed = {"debian": _DEBIAN, "build": _BUILD, "files": _FILES}[source]
     unknown = sorted(set(table) - allowed)
     if unknown:
         raise ImageError(f"{where}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(sorted(allowed))})")
@@ -144,11 +167,26 @@ def parse_spec(name: str, table: object, origin: Path | None) -> ImageSpec:
         if not re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", flavour):
             raise ImageError(f'{where}: flavour {flavour!r} is not a Debian kernel flavour like "cloud-amd64"')
         abi = _string(table, "abi", where)
-        if abi is not None and not re.fullmatch(r"\d+\.\d+\.\d+-\d+", abi):
-            raise ImageError(f'{where}: abi {abi!r} must look like "6.1.0-56"')
-        return replace(common, flavour=flavour, abi=abi)
+        if abi is not None and not re.fullmatch(ABI_PATTERN, abi):
+            raise ImageError(f'{where}: abi {abi!r} must look like "6.1.0-56" or "6.12.117+deb12"')
+        series = _string(table, "series", where)
+        if series is not None and not re.fullmatch(r"\d+\.\d+", series):
+            raise ImageError(f'{where}: series {series!r} must look like "6.12"')
+        if abi is not None and series is not None and not abi_in_series(abi, series):
+            raise ImageError(f"{where}: abi {abi!r} is not of series {series!r}")
+        return replace(common, flavour=flavour, abi=abi, series=series)
 
     base = origin.parent if origin is not None else Path.cwd()
+    if source == "build":
+        package = _string(table, "package", where)
+        if not package or not re.fullmatch(r"linux-source-\d+\.\d+", package):
+            raise ImageError(f"{where}: a built image needs 'package' like \"linux-source-6.12\"")
+        value = _string(table, "fragment", where)
+        if not value:
+            raise ImageError(f"{where}: a built image needs 'fragment', a file of CONFIG_ lines")
+        fragment = expand_user(value, f"{where}: fragment")
+        return replace(common, package=package, fragment=fragment if fragment.is_absolute() else base / fragment)
+
     files: dict[str, Path] = {}
     for key in _FILE_KEYS:
         value = _string(table, key, where)

@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path, PurePosixPath
 
 from qprobe.errors import ImageError
-from qprobe.images import cache, debian, guest
+from qprobe.images import build, cache, debian, guest
 from qprobe.images.cpio import extra_files_cpio, guest_path
 from qprobe.images.image import (
     DISK_INTERFACES,
@@ -84,8 +84,12 @@ def list_images() -> list[ImageInfo]:
     for spec in load_specs().values():
         if spec.source == "debian":
             assert spec.flavour is not None
-            state, release = debian.kernel_state(spec.flavour, spec.abi)
+            state, release = debian.kernel_state(spec.flavour, spec.abi, spec.series)
             source = f"debian:{spec.flavour}" + (f" (abi {spec.abi})" if spec.abi else "")
+            source += f" (series {spec.series})" if spec.series and not spec.abi else ""
+        elif spec.source == "build":
+            state, release = build.build_state(spec)
+            source = f"build:{spec.package}"
         else:
             state = _state_of_files(spec)
             kernel = spec.files["kernel"]
@@ -127,13 +131,20 @@ def get_image(name: str = DEFAULT_IMAGE, *, fetch: bool = True, progress: bool =
     if spec.source == "files":
         return _image_from_spec(spec, reporter)
 
-    assert spec.flavour is not None
-    files = debian.cached_kernel(spec.flavour, spec.abi)
+    if spec.source == "build":
+        files = build.built_kernel(spec)
+    else:
+        assert spec.flavour is not None
+        files = debian.cached_kernel(spec.flavour, spec.abi, spec.series)
     if files is None:
         if not fetch:
             where = cache.cache_dir()
             raise ImageError(f"the kernel of image {name!r} is not in the cache ({where}); get it with fetch=True")
-        files = debian.fetch_kernel(spec.flavour, spec.abi, reporter)
+        if spec.source == "build":
+            files = build.build_kernel(spec, reporter)
+        else:
+            assert spec.flavour is not None
+            files = debian.fetch_kernel(spec.flavour, spec.abi, reporter, spec.series)
     initrd, disk = _rootfs(spec.rootfs, reporter)
     if disk is not None:
         cmdline = _disk_cmdline(spec.cmdline, spec.disk_interface, own_disk=True)

@@ -115,7 +115,7 @@ def test_resolve_follows_metapackage(monkeypatch: pytest.MonkeyPatch) -> None:
         ("apt-cache", "depends", "linux-image-cloud-amd64"): (
             "linux-image-cloud-amd64\n  Depends: linux-image-6.1.0-56-cloud-amd64\n"
         ),
-        ("apt-cache", "search", "--names-only", "^linux-image-[0-9.]+-[0-9]+-cloud-amd64-dbg$"): (
+        ("apt-cache", "search", "--names-only", "^linux-image-[0-9.]+(-[0-9]+|\\+deb[0-9]+)-cloud-amd64-dbg$"): (
             "linux-image-6.1.0-50-cloud-amd64-dbg - Debug symbols\n"
             "linux-image-6.1.0-56-cloud-amd64-dbg - Debug symbols\n"
         ),
@@ -136,7 +136,7 @@ def test_resolve_follows_metapackage(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_resolve_falls_back_to_highest_listed_and_signed(monkeypatch: pytest.MonkeyPatch) -> None:
     outputs = {
-        ("apt-cache", "search", "--names-only", "^linux-image-[0-9.]+-[0-9]+-rt-amd64-dbg$"): (
+        ("apt-cache", "search", "--names-only", "^linux-image-[0-9.]+(-[0-9]+|\\+deb[0-9]+)-rt-amd64-dbg$"): (
             "linux-image-6.1.0-9-rt-amd64-dbg - x\nlinux-image-6.1.0-10-rt-amd64-dbg - x\n"
         ),
         ("apt-cache", "show", "--no-all-versions", "linux-image-6.1.0-10-rt-amd64-dbg"): _show("d", "6.1.1-1"),
@@ -146,6 +146,53 @@ def test_resolve_falls_back_to_highest_listed_and_signed(monkeypatch: pytest.Mon
     kernel = debian.resolve("rt-amd64")
     assert kernel.release == "6.1.0-10-rt-amd64"  # 10 > 9 numerically
     assert kernel.image_package == "linux-image-6.1.0-10-rt-amd64"
+
+
+def test_resolve_series_takes_its_metapackage_and_debian_naming(monkeypatch: pytest.MonkeyPatch) -> None:
+    # bookworm's 6.12 backport: linux-image-6.12-<flavour> and ABIs named "6.12.117+deb12".
+    search = "^linux-image-[0-9.]+(-[0-9]+|\\+deb[0-9]+)-cloud-amd64-dbg$"
+    outputs = {
+        ("apt-cache", "depends", "linux-image-6.12-cloud-amd64"): (
+            "linux-image-6.12-cloud-amd64\n  Depends: linux-image-6.12.117+deb12-cloud-amd64\n"
+        ),
+        ("apt-cache", "depends", "linux-image-cloud-amd64"): (
+            "linux-image-cloud-amd64\n  Depends: linux-image-6.1.0-56-cloud-amd64\n"
+        ),
+        ("apt-cache", "search", "--names-only", search): (
+            "linux-image-6.1.0-56-cloud-amd64-dbg - x\n"
+            "linux-image-6.12.111+deb12-cloud-amd64-dbg - x\n"
+            "linux-image-6.12.117+deb12-cloud-amd64-dbg - x\n"
+        ),
+        ("apt-cache", "show", "--no-all-versions", "linux-image-6.12.117+deb12-cloud-amd64-dbg"): _show(
+            "d", "6.12.117-1~deb12u1"
+        ),
+        ("apt-cache", "show", "--no-all-versions", "linux-image-6.12.117+deb12-cloud-amd64-unsigned"): _show(
+            "u", "6.12.117-1~deb12u1"
+        ),
+        ("apt-cache", "show", "--no-all-versions", "linux-image-6.1.0-56-cloud-amd64-dbg"): _show("d", "6.1.192-2"),
+        ("apt-cache", "show", "--no-all-versions", "linux-image-6.1.0-56-cloud-amd64-unsigned"): _show(
+            "u", "6.1.192-2"
+        ),
+    }
+    monkeypatch.setattr(debian, "_apt", _fake_apt(outputs))
+    assert debian.resolve("cloud-amd64", series="6.12").release == "6.12.117+deb12-cloud-amd64"
+    # Series 6.1 has no linux-image-6.1-<flavour>: the plain metapackage, and never a 6.12 ABI.
+    assert debian.resolve("cloud-amd64", series="6.1").release == "6.1.0-56-cloud-amd64"
+    assert debian._candidate_abis("cloud-amd64", "6.1") == ["6.1.0-56"]
+    assert debian.resolve("cloud-amd64", abi="6.12.117+deb12").image_package.endswith("-unsigned")
+
+
+def test_cached_kernel_keeps_series_apart(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("QPROBE_CACHE", str(tmp_path / "cache"))
+    for release in ("6.1.0-56-cloud-amd64", "6.12.117+deb12-cloud-amd64"):
+        d = cache.subdir("kernels", release)
+        for name in ("vmlinuz", "config", "vmlinux", "System.map"):
+            (d / f"{name}-{release}").write_text("x")
+        (d / "source.json").write_text('{"version": "v"}')
+    assert debian.cached_kernel("cloud-amd64", series="6.1").release == "6.1.0-56-cloud-amd64"
+    assert debian.cached_kernel("cloud-amd64", series="6.12").release == "6.12.117+deb12-cloud-amd64"
+    assert debian.cached_kernel("cloud-amd64", abi="6.1.0-56").release == "6.1.0-56-cloud-amd64"
+    assert debian.kernel_state("rt-amd64", series="6.12") == ("not fetched", None)
 
 
 def test_resolve_nothing_known(monkeypatch: pytest.MonkeyPatch) -> None:

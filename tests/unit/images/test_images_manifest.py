@@ -15,9 +15,22 @@ from qprobe.images import list_images
 from qprobe.images.manifest import builtin_manifest_path, load_manifest, load_specs, parse_spec
 
 
-def test_builtin_manifest_has_the_three_debian_images() -> None:
+def test_builtin_manifest_has_the_six_images() -> None:
     specs = load_manifest(builtin_manifest_path(), required=True)
-    assert list(specs)[:3] == ["debian-cloud", "debian-rt", "debian-cloud-disk"]
+    assert list(specs) == [
+        "debian-cloud",
+        "debian-rt",
+        "debian-cloud-disk",
+        "debian-cloud-6.12",
+        "debian-rt-6.12",
+        "minimal-6.12",
+    ]
+    assert {specs[name].series for name in ("debian-cloud", "debian-rt", "debian-cloud-disk")} == {"6.1"}
+    assert (specs["debian-cloud-6.12"].flavour, specs["debian-cloud-6.12"].series) == ("cloud-amd64", "6.12")
+    assert (specs["debian-rt-6.12"].flavour, specs["debian-rt-6.12"].series) == ("rt-amd64", "6.12")
+    minimal = specs["minimal-6.12"]
+    assert (minimal.source, minimal.package) == ("build", "linux-source-6.12")
+    assert minimal.fragment is not None and minimal.fragment.is_file()
     cloud, rt, disk = specs["debian-cloud"], specs["debian-rt"], specs["debian-cloud-disk"]
     assert (cloud.source, cloud.flavour, cloud.form, cloud.abi) == (
         "debian",
@@ -61,7 +74,8 @@ def test_list_images_without_cache_or_files(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setenv("QPROBE_IMAGES", str(manifest))
     infos = {info.name: info for info in list_images()}
     assert infos["debian-cloud"].state == "not fetched"
-    assert infos["debian-cloud"].source == "debian:cloud-amd64"
+    assert infos["debian-cloud"].source == "debian:cloud-amd64 (series 6.1)"
+    assert (infos["minimal-6.12"].source, infos["minimal-6.12"].state) == ("build:linux-source-6.12", "not fetched")
     assert infos["debian-cloud-disk"].rootfs == "disk"
     assert infos["half"].state == "partial"
     assert infos["half"].kernel_version == "6.6.0-qptest"
@@ -128,6 +142,24 @@ def test_bad_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_debian_abi_pin() -> None:
     spec = parse_spec("pinned", {"flavour": "cloud-amd64", "abi": "6.1.0-56"}, None)
     assert (spec.source, spec.flavour, spec.abi) == ("debian", "cloud-amd64", "6.1.0-56")
+    spec = parse_spec("new", {"flavour": "cloud-amd64", "abi": "6.12.117+deb12", "series": "6.12"}, None)
+    assert (spec.abi, spec.series) == ("6.12.117+deb12", "6.12")
+    with pytest.raises(ImageError, match="not of series"):
+        parse_spec("mixed", {"flavour": "cloud-amd64", "abi": "6.12.117+deb12", "series": "6.1"}, None)
+
+
+def test_build_image_spec(tmp_path: Path) -> None:
+    origin = tmp_path / "images.toml"
+    spec = parse_spec("small", {"source": "build", "package": "linux-source-6.12", "fragment": "f.config"}, origin)
+    assert (spec.source, spec.package, spec.fragment) == ("build", "linux-source-6.12", tmp_path / "f.config")
+    for table, needle in (
+        ({"source": "build", "fragment": "f"}, "package"),
+        ({"source": "build", "package": "linux-6.12", "fragment": "f"}, "package"),
+        ({"source": "build", "package": "linux-source-6.12"}, "fragment"),
+        ({"source": "build", "package": "linux-source-6.12", "fragment": "f", "kernel": "k"}, "unknown key"),
+    ):
+        with pytest.raises(ImageError, match=needle):
+            parse_spec("bad", table, origin)
 
 
 def test_an_unknown_user_in_a_path_is_an_image_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

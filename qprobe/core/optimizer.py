@@ -29,7 +29,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -111,6 +111,9 @@ TRANSIENT = ("vCPU", "a context interrupted on vCPU", "a boosted copy")
 # Seconds after its last entry that a boosted copy may still hold a context interrupted inside it
 # (the same grace KprobeManager.remove_all gives before unmapping).
 RESUME_GRACE = 0.1
+_MAILBOX = struct.Struct(f"<{(MB_REGS + FRAME_SIZE) // 8}Q")  # the header words and the frame, in one read
+_ANSWER = struct.Struct("<2Q")  # MB_FINAL_IP, MB_FINAL_SP
+assert MB_FINAL_SP == MB_FINAL_IP + 8
 
 
 @dataclass
@@ -196,6 +199,7 @@ class Optimizer:
         self._free_ids = list(range(MAX_OPTIMIZED - 1, 0, -1))
         self.stub = 0
         self.mailboxes = 0
+        self._mailbox_phys: list[int] = []  # each CPU's mailbox in guest RAM, once the stub exists
         self.missed = 0
         self.counters = 0  # per probe id: hits of in-guest counting detours
         self._missed_seen: dict[int, int] = {}
@@ -244,6 +248,7 @@ class Optimizer:
         self.machine.journal.set_meta(stub=self.stub, stub_size=size, mailboxes=self.mailboxes,
                                       scratch=scratch.base, scratch_phys=scratch.phys)  # fmt: skip
         scratch.write(self.stub, build_stub(params, self.stub))
+        self._mailbox_phys = [scratch.phys_of(self.mailboxes + cpu * MAILBOX_SIZE) for cpu in range(ncpus)]
         self._start_thread()
 
     def _ensure_rings(self) -> None:
@@ -759,33 +764,37 @@ class Optimizer:
 
     # -- the doorbell (its own thread) ------------------------------------------------
     def _serve_loop(self) -> None:
-        assert self._sock is not None
+        sock = self._sock
+        assert sock is not None
         while not self._stop:
             try:
-                data = self._sock.recv(256)
+                data = sock.recv(256)
             except OSError:
                 return
             if not data:
                 return
-            for cpu in data:
-                try:
-                    self.serve(cpu)
-                except Exception as exc:
-                    self.errors.append(f"{type(exc).__name__}: {exc}")
-                    log.warning("doorbell for CPU %d: %s", cpu, exc)
+            self._answer_all(data)
+
+    def _answer_all(self, cpus: Iterable[int]) -> None:
+        for cpu in cpus:
+            try:
+                self.serve(cpu)
+            except Exception as exc:
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+                log.warning("doorbell for CPU %d: %s", cpu, exc)
 
     def serve(self, cpu: int) -> None:
         """Answer one mailbox: run the handlers of its probe and release the vCPU."""
-        ram, scratch = self.ram, self.kp.scratch
+        ram = self.ram
         assert ram is not None
-        if cpu >= len(self.machine.vcpus):
+        if cpu >= len(self._mailbox_phys):
             return  # a byte nobody sent as a doorbell (firmware debug output)
-        mb = scratch.phys_of(self.mailboxes + cpu * MAILBOX_SIZE)
+        mb = self._mailbox_phys[cpu]
         if ram.read_u64_phys(mb + MB_STATE) != STATE_REQUEST:
             return
-        words = struct.unpack(f"<{_FRAME_WORDS}Q", ram.read_phys(mb + MB_REGS, FRAME_SIZE))
-        header = struct.unpack("<8Q", ram.read_phys(mb, 64))
-        frame_addr, cr3, percpu = header[MB_FRAME // 8], header[MB_CR3 // 8], header[MB_PERCPU // 8]
+        box = _MAILBOX.unpack(ram.read_phys(mb, _MAILBOX.size))
+        frame_addr, cr3, percpu = box[MB_FRAME // 8], box[MB_CR3 // 8], box[MB_PERCPU // 8]
+        words = box[MB_REGS // 8 :]
         continue_addr, probe_id = words[16], words[17]
         final_ip, final_sp = continue_addr, frame_addr + FRAME_SIZE
         point = self.by_id.get(probe_id)
@@ -815,8 +824,7 @@ class Optimizer:
                     ram.write_phys(mb + MB_REGS + i * 8, dirty[name].to_bytes(8, "little"))
             if "eflags" in dirty:
                 ram.write_phys(mb + MB_REGS + FRAME_FLAGS, dirty["eflags"].to_bytes(8, "little"))
-        ram.write_u64_phys(mb + MB_FINAL_IP, final_ip)
-        ram.write_u64_phys(mb + MB_FINAL_SP, final_sp)
+        ram.write_phys(mb + MB_FINAL_IP, _ANSWER.pack(final_ip, final_sp))
         self.served += 1
         # Published last, in one store: the stub reads the answer only after it sees DONE.
         ram.write_u64_phys(mb + MB_STATE, STATE_DONE)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import drgn
 
+from qprobe.arch.x86_64.arch import X86_64
 from qprobe.core.kprobe import Kprobe
 from qprobe.core.kprobes import KprobeManager
 from qprobe.core.kretprobe import Kretprobe, KretprobeManager
@@ -38,6 +39,7 @@ from qprobe.core.regs import PtRegs
 from qprobe.core.watchpoint import KINDS as WATCH_KINDS
 from qprobe.core.watchpoint import Watchpoint
 from qprobe.errors import ProbeError, QprobeError, SymbolError, TargetError, TargetGone
+from qprobe.kernel.features import fully_preemptible
 from qprobe.kernel.kaslr import detect_slide
 from qprobe.kernel.program import KernelData, Task
 from qprobe.kernel.symbols import Symbols
@@ -141,7 +143,8 @@ class Target:
             self.cmdline = self._read_cmdline()
             self.journal = Journal(vm_identity(self.symbols, self.slide, self.mem))
             self.kernel = KernelData(self.symbols, self.mem)
-            self.recovered = recover(self.gdb, self.kernel, self.journal)
+            self.arch = X86_64()  # the only architecture qprobe drives so far
+            self.recovered = recover(self.gdb, self.kernel, self.arch, self.journal)
             self.machine = Machine(self.gdb, self.mem, self.journal)
             self.machine.exit_hint = self._exit_hint
             if isinstance(phys, SharedRam) and phys.writable:
@@ -155,7 +158,7 @@ class Target:
                     "its scratch area: add e.g. memmap=2M$0x1e000000 to the kernel command line"
                 )
             self.scratch = ScratchArea(self.machine, scratch_phys, self.symbols.address("_end"))
-            self.kprobes = KprobeManager(self.machine, self.kernel, self.scratch,
+            self.kprobes = KprobeManager(self.machine, self.kernel, self.scratch, self.arch,
                                          fully_preemptible=fully_preemptible(self.symbols, self.cmdline))  # fmt: skip
             self.kretprobes = KretprobeManager(self.kprobes)
             self.kprobes.optimizer = Optimizer(
@@ -492,16 +495,6 @@ def vm_identity(symbols: Symbols, slide: int, mem: GuestMemory) -> str:
     sizes = {"ptr_key": 16, "page_offset_base": 8, "vmalloc_base": 8, "vmemmap_base": 8}
     drawn = b"".join(mem.read(symbols.address(n), size) for n, size in sizes.items() if n in symbols)
     return f"{symbols.build_id}-{slide:x}-{hashlib.sha256(drawn).hexdigest()[:16]}"
-
-
-def fully_preemptible(symbols: Symbols, cmdline: str) -> bool:
-    """PREEMPT_RT, CONFIG_PREEMPT, or a PREEMPT_DYNAMIC kernel booted with preempt=full."""
-    if "rt_spin_lock" in symbols:  # PREEMPT_RT
-        return True
-    if "sched_dynamic_update" in symbols:  # PREEMPT_DYNAMIC: the boot parameter decides
-        return "preempt=full" in cmdline.split()
-    # Linux 6.1 builds __cond_resched only without CONFIG_PREEMPTION (or with PREEMPT_DYNAMIC).
-    return "preempt_schedule" in symbols and "__cond_resched" not in symbols
 
 
 def _load_into(vmlinux: str | Path, box: list[Symbols | BaseException], system_map: Path | None = None) -> None:

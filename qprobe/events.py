@@ -25,9 +25,10 @@ from qprobe.arch.x86_64.guestfilter import And as GAnd
 from qprobe.arch.x86_64.guestfilter import Not as GNot
 from qprobe.arch.x86_64.guestfilter import Or as GOr
 from qprobe.arch.x86_64.guestfilter import Pred as GPred
+from qprobe.arch.x86_64.ptregs import ARG_REGS
 from qprobe.core.kprobe import Kprobe
 from qprobe.core.kretprobe import Kretprobe, KretprobeInstance
-from qprobe.core.regs import ARG_REGS, PtRegs
+from qprobe.core.regs import PtRegs
 from qprobe.errors import (
     FetchArgError,
     InvalidProbe,

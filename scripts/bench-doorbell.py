@@ -35,7 +35,6 @@ from iced_x86 import BlockEncoder, Code, Decoder, Instruction, Mnemonic, Registe
 
 import qprobe
 from qprobe.arch.x86_64 import detour as detour_mod
-from qprobe.core import optimizer as optimizer_mod
 
 # Spare mailbox words (the layout's fields end at MB_FINAL_SP + 8, the registers start at MB_REGS).
 # Absolute stamps, then spans (differences of two stamps of the same hit, same vCPU).
@@ -67,13 +66,16 @@ def stamp(slot: int, since: int | None = None) -> list[Instruction]:
     return [*code, c.create_mem_reg(Code.MOV_RM64_R64, detour_mod._mem("rbx", slot), Register.RAX)]
 
 
+_LIBRARY_STUB = detour_mod.build_stub  # what stamped_stub decorates (main() puts stamped_stub in its place)
+
+
 def stamped_stub(p: detour_mod.StubParams, address: int) -> bytes:
     """The library's stub, decoded, with ``stamp``s inserted where the module docstring says.
 
     Spans the host reads after the fact are stored as differences of two stamps
     taken by the same vCPU (the host's cores need not agree on their TSCs).
     """
-    plain = detour_mod.build_stub(p, address)
+    plain = _LIBRARY_STUB(p, address)
     insns = list(Decoder(64, plain, ip=address))
     out: list[Instruction] = []
     first_lea = next(i for i, x in enumerate(insns) if x.code == Code.LEA_R64_M and x.op0_register == Register.RBX)
@@ -105,7 +107,7 @@ def stamped_stub(p: detour_mod.StubParams, address: int) -> bytes:
 def main() -> None:
     hits = int(sys.argv[1]) if len(sys.argv) > 1 else 20000
     tsc = host_rdtsc()
-    optimizer_mod.build_stub = stamped_stub  # this run's stub only
+    detour_mod.build_stub = stamped_stub  # this run's stub only
     samples: list[tuple[int, ...]] = []
     handler_times: list[tuple[int, int]] = []
     regs_built: list[int] = []

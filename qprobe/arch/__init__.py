@@ -1,0 +1,304 @@
+"""The seam between the kprobes core and one CPU architecture, declared in one place.
+
+As include/linux/kprobes.h declares the ``arch_*`` hooks kernel/kprobes.c
+calls, :class:`Arch` lists everything ``qprobe.core`` asks of an
+architecture; the core imports nothing from an architecture's package and is
+handed its :class:`Arch` object by ``qprobe.api``.  The neutral types both
+sides use (:class:`Resume`, :class:`Trap`, :class:`RegisterLayout`, ...) are
+defined here too.
+
+Checklist for a second architecture (arm64 is the obvious one), in the order
+the core needs the pieces (drgn's "to support a new architecture" list in
+libdrgn/platform.h plays the same part):
+
+1. ``ptregs.py``: ``struct pt_regs`` once (field order, pt_regs names, the
+   gdbstub's names, argument registers, flag bits), and a
+   :class:`RegisterLayout` built from it for handlers' ``regs``.
+2. Instructions: ``arch_prepare_kprobe`` decodes the probed instruction and
+   decides whether it is single-stepped out of line, emulated on the host or
+   boosted (runs out of line followed by a jump back); ``arch_setup_resume``
+   turns that decision into one :class:`Resume`; ``arch_resume_singlestep``
+   maps the ip back after a step; ``arch_fault_frame`` finds a step's
+   exception frame.  ``breakpoint`` is the trap instruction
+   ``arch_arm_kprobe`` writes (int3; ``brk`` on arm64).
+3. Traps: ``decode_trap`` reads where a stop came from (the exception frame,
+   or the pt_regs the kernel's breakpoint handler was given) and
+   ``resume_registers`` writes a :class:`Resume` back as gdbstub registers.
+4. The blacklist: ``arch_populate_kprobe_blacklist`` (the entry code, the
+   functions ``arch_kretprobe_blacklist`` names).
+5. Jump optimization, optional (``optimizes`` False: every probe stays a
+   breakpoint): ``arch_check_optimized_kprobe`` (can_optimize),
+   ``arch_prepare_optimized_kprobe`` (relocate the displaced instructions,
+   build the detour), ``arch_optimize_kprobes`` / ``arch_unoptimize_kprobes``
+   (the jump's bytes), ``arch_within_optimized_kprobe``; and the guest-RAM
+   layouts the core reads without stopping the VM: the mailbox stub and its
+   answer, the record rings, the per-CPU keyed tables, kretprobe instances
+   and their trampolines.
+6. Unit tests under tests/unit/arch/<name>/ that run the generated code
+   (the x86_64 ones use unicorn).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from qprobe.kernel.symbols import Symbols
+
+
+class ResumeKind(enum.Enum):
+    """How a trapped vCPU goes on (``setup_singlestep``'s three cases, plus "done")."""
+
+    CONTINUE = "continue"  # at ``ip``, with nothing left for the host to do
+    STEP = "step"  # single-step the out-of-line copy at ``ip``, then the host comes back
+    BOOST = "boost"  # run the copy at ``ip`` freely: it jumps back to ``jump_back`` on its own
+
+
+@dataclass(frozen=True)
+class Resume:
+    """The one decision of how a vCPU resumes after a trap, applied in one place.
+
+    ``ip``, ``sp`` and ``flags`` are the neutral names of the instruction
+    pointer, stack pointer and flags (the arch maps them to its registers);
+    ``changed`` holds every other register to write, by gdbstub name.
+    """
+
+    kind: ResumeKind
+    ip: int
+    sp: int | None = None
+    flags: int | None = None
+    changed: Mapping[str, int] = field(default_factory=dict)
+    jump_back: int = 0  # BOOST: where the copy's jump lands in the original text
+
+
+@dataclass(frozen=True)
+class Trap:
+    """A stop decoded as a breakpoint trap: the trapped context as it was before the breakpoint ran.
+
+    ``regs`` are the context's registers (gdbstub names); ``restore`` are the
+    ones the vCPU no longer holds (the stop came after the kernel's handler
+    began) and must get back with the resume.
+    """
+
+    addr: int
+    sp: int
+    flags: int
+    regs: Mapping[str, int]
+    restore: Mapping[str, int] = field(default_factory=dict)
+    user: bool = False
+
+
+class TrapHook(enum.Enum):
+    """Where the host hears of a guest breakpoint: a breakpoint on the entry, or a watchpoint in its handler."""
+
+    ENTRY = "entry"
+    WATCH = "watch"
+
+
+@dataclass(frozen=True)
+class RegisterLayout:
+    """The architecture's pt_regs as a handler's ``regs`` object sees it."""
+
+    gdb_name: Mapping[str, str]  # pt_regs name -> gdbstub register name
+    arg_regs: tuple[str, ...]  # pt_regs names of the integer argument registers, in order
+    defaults: Mapping[str, int]  # fields a detour's frame lacks, with their kernel-mode values
+    ip: str = "ip"  # pt_regs names of the instruction pointer, stack pointer and flags
+    sp: str = "sp"
+    flags: str = "flags"
+
+
+@dataclass(frozen=True)
+class PercpuLayout:
+    """Per-CPU offsets the in-guest code reads (found by ``qprobe.kernel``)."""
+
+    cpu_number: int
+    this_cpu_off: int
+    current_task: int
+
+
+@dataclass(frozen=True)
+class Pool:
+    """One kretprobe's slice of the guest's instance array."""
+
+    first: int  # index of its first instance
+    count: int
+    owner: int
+
+
+class ReturnLayout(Protocol):
+    """Where a kretprobe's instances and their trampolines live in the scratch area."""
+
+    instances: int
+    count: int
+    trampolines: int
+    returns: int  # u64 per pool owner: returns counted in the guest
+
+    def trampoline(self, i: int) -> int: ...
+    def instance(self, i: int) -> int: ...
+
+
+@dataclass(frozen=True)
+class DetourParams:
+    """What a detour of one kind needs to know (see ``qprobe.core.optimizer.detour_kind``)."""
+
+    kind: str
+    probe_id: int
+    resume: int  # where the relocated instructions jump back to
+    counter: int  # the probe's u64 hit counter
+    missed: int  # its nmissed counter
+    lost: int  # its lost-record counter
+    stub: int = 0  # the mailbox or record stub it calls
+    tables: int = 0  # "keyed": CPU 0's table
+    cpu_number: int = 0  # "keyed": per-CPU offset of cpu_number
+    guest_filter: object | None = None
+    guest_key: object | None = None
+    returns: ReturnLayout | None = None  # "retentry"
+    pool: Pool | None = None
+
+
+@dataclass(frozen=True)
+class MailboxRequest:
+    """A CPU waiting in the mailbox stub: its probe's registers and where it would go on."""
+
+    probe_id: int
+    values: dict[str, int]  # gdbstub names; rsp the probed context's, cr3 and gs_base included
+    continue_addr: int  # the detour's continue label (the displaced instructions)
+    frame: int  # the stub's frame address
+    final_sp: int  # the context's sp
+
+
+@dataclass(frozen=True)
+class RingEntry:
+    """One record a detour wrote into its CPU's ring."""
+
+    probe_id: int
+    cpu: int
+    pid: int
+    comm: str
+    task: int
+    tsc: int
+    sp: int
+    values: dict[str, int]  # gdbstub names, the ip not set (the host knows the probe's address)
+
+
+class Memory(Protocol):
+    """Guest memory for the emulator and for fault fix-ups."""
+
+    def read(self, addr: int, size: int) -> bytes: ...
+    def write(self, addr: int, data: bytes) -> None: ...
+
+
+class Prepared(Protocol):
+    """arch_prepare_kprobe's result (the kernel's ``struct arch_specific_insn``)."""
+
+    addr: int
+    slot_addr: int
+    copy: bytes
+    emulate: str | None
+    boostable: bool
+
+    @property
+    def length(self) -> int: ...
+
+    def boosted_copy(self) -> bytes: ...
+
+
+class Arch(Protocol):
+    """Everything the core asks of an architecture (see the checklist above)."""
+
+    name: str
+    breakpoint: bytes  # the trap instruction arch_arm_kprobe writes
+    slot_size: int  # bytes of scratch per out-of-line copy
+    jump_size: int  # bytes an optimized probe's jump displaces at least
+    registers: RegisterLayout
+
+    # -- instructions ------------------------------------------------------------------
+    def arch_adjust_kprobe_addr(self, func_code: bytes, func_start: int, offset: int) -> int: ...
+    def entry_skip(self, func_code: bytes) -> int: ...
+    def check_boundary(
+        self, code: bytes, func_start: int, addr: int, patched: Mapping[int, int], name: str
+    ) -> None: ...
+    def arch_prepare_kprobe(
+        self, code: bytes, addr: int, slot: int, where: str, exception_table: object
+    ) -> Prepared: ...
+    def arch_slot_code(self, prep: Prepared) -> bytes: ...
+    def arch_setup_resume(self, prep: Prepared, regs: object, mem: Memory, may_boost: bool) -> Resume: ...
+    def step_left_slot(self, prep: Prepared, ip: int) -> bool: ...
+    def arch_resume_singlestep(self, prep: Prepared, regs: object, mem: Memory) -> None: ...
+    def arch_fault_frame(self, prep: Prepared, sp: int, read_u64: Callable[[int], int]) -> tuple[int, int] | None: ...
+
+    # -- traps -------------------------------------------------------------------------
+    def decode_trap(self, hook: TrapHook, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> Trap: ...
+    def resume_registers(self, resume: Resume) -> dict[str, int]: ...
+    def ip(self, regs: Mapping[str, int]) -> int: ...
+    def sp(self, regs: Mapping[str, int]) -> int: ...
+    def flags(self, regs: Mapping[str, int]) -> int: ...
+    def user_mode(self, regs: Mapping[str, int]) -> bool: ...
+    def percpu_base(self, regs: Mapping[str, int]) -> int: ...
+
+    # -- the blacklist -------------------------------------------------------------------
+    def arch_populate_kprobe_blacklist(self, symbols: Symbols) -> list[tuple[str, str, str]]: ...
+    def arch_kretprobe_blacklist(self) -> frozenset[str]: ...
+
+    # -- jump optimization -----------------------------------------------------------------
+    def arch_check_optimized_kprobe(self, func_code: bytes, func_start: int, addr: int, exception_table: object,
+                                    patched: Mapping[int, int], name: str) -> tuple[str | None, int]: ...  # fmt: skip
+    def arch_prepare_optimized_kprobe(self, params: DetourParams, region: bytes, addr: int, near: int,
+                                      alloc: Callable[[int], int]) -> tuple[int, bytes, int]: ...  # fmt: skip
+    def arch_optimize_kprobes(self, addr: int, detour: int) -> bytes: ...
+    def arch_unoptimize_kprobes(self, jump: bytes, original: bytes) -> bytes: ...
+    def arch_within_optimized_kprobe(self, addr: int, size: int, target: int) -> bool: ...
+
+    # -- guest-RAM layouts of the optimized path -----------------------------------------------
+    mailbox_size: int
+    ring_header_size: int
+    ring_entries: int
+    ring_entry_size: int
+    ring_head: int  # offsets in a ring header
+    ring_tail: int
+    instance_size: int
+    keyed_table_size: int  # per CPU
+    trampoline_id: int  # the probe id a kretprobe return reports through the mailbox
+
+    def build_mailbox_stub(
+        self, mailboxes: int, missed: int, percpu: PercpuLayout, port: int, address: int
+    ) -> bytes: ...
+    def build_record_stub(self, rings: int, ncpus: int, lost: int, percpu: PercpuLayout, pid_offset: int,
+                          comm_offset: int, address: int) -> bytes: ...  # fmt: skip
+    def return_layout(self, instances: int, count: int, trampolines: int, returns: int, stub: int,
+                      current_task: int) -> ReturnLayout: ...  # fmt: skip
+    def build_return_trampolines(self, layout: ReturnLayout) -> bytes: ...
+    def return_int3s(self, layout: ReturnLayout) -> tuple[int, int]: ...
+    def return_trampoline(self, address: int, stub: int) -> bytes: ...
+    def new_instance(self, owner: int, mailbox: bool) -> bytes: ...
+    def parse_instances(self, raw: bytes) -> list[tuple[int, int, int, int]]: ...
+    def instance_return_field(self, layout: ReturnLayout, i: int) -> int: ...
+    def trampoline_index(self, layout: ReturnLayout, value: int) -> int | None: ...
+    def read_mailbox(self, read: Callable[[int, int], bytes]) -> MailboxRequest | None: ...
+    def mailbox_answer(self, changed: Mapping[str, int], final_ip: int, final_sp: int) -> list[tuple[int, bytes]]: ...
+
+    ring_entry_read_size: int  # bytes of an entry parse_ring_entry needs
+
+    def parse_ring_entry(self, raw: bytes) -> RingEntry: ...
+    def parse_keyed_table(self, raw: bytes) -> dict[int, int]: ...
+
+
+__all__ = [
+    "Arch",
+    "DetourParams",
+    "MailboxRequest",
+    "Memory",
+    "PercpuLayout",
+    "Pool",
+    "Prepared",
+    "RegisterLayout",
+    "Resume",
+    "ResumeKind",
+    "ReturnLayout",
+    "RingEntry",
+    "Trap",
+    "TrapHook",
+]

@@ -1,7 +1,8 @@
 """Code qprobe must never probe, as the kernel's kprobe blacklist plus our own needs.
 
-The #BP entry and everything the CPU runs before the host sees the trap
-(``asm_exc_int3`` in .entry.text) would recurse; .noinstr.text runs where
+The architecture's entry code (x86's .entry.text: the #BP entry and
+everything the CPU runs before the host sees the trap, added by
+``arch_populate_kprobe_blacklist``) would recurse; .noinstr.text runs where
 instrumentation is unsafe; .kprobes.text and the ``_kprobe_blacklist``
 entries (NOKPROBE_SYMBOL) are what the kernel itself refuses.  The entries
 are read from vmlinux: ``_kprobe_blacklist`` is init data, freed after boot.
@@ -11,13 +12,13 @@ from __future__ import annotations
 
 import bisect
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from qprobe.kernel.symbols import Symbols
 
+# What kernel/kprobes.c's populate_kprobe_blacklist() adds for every architecture.
 _SECTIONS = (
-    ("__entry_text_start", "__entry_text_end", ".entry.text"),
     ("__noinstr_text_start", "__noinstr_text_end", ".noinstr.text"),
     ("__kprobes_text_start", "__kprobes_text_end", ".kprobes.text"),
     ("__irqentry_text_start", "__irqentry_text_end", ".irqentry.text"),
@@ -37,10 +38,11 @@ class BlacklistEntry:
 
 
 class Blacklist:
-    def __init__(self, symbols: Symbols) -> None:
+    def __init__(self, symbols: Symbols, arch_sections: Iterable[tuple[str, str, str]] = ()) -> None:
+        """``arch_sections``: (start symbol, end symbol, name) of the architecture's own additions."""
         self.sections = [
             BlacklistEntry(symbols.address(start), symbols.address(end), name)
-            for start, end, name in _SECTIONS
+            for start, end, name in (*arch_sections, *_SECTIONS)
             if start in symbols and end in symbols
         ]
         entries: list[BlacklistEntry] = []

@@ -8,7 +8,7 @@ probes with an entry_handler (which runs on the host at entry), the host does
 it: at function entry an internal kprobe takes a free ``KretprobeInstance``,
 saves the return address and replaces it on the stack with the address of a
 trampoline in the scratch area: one ``int3``.  When the function returns
-there, the #BP dispatcher hands the hit to ``KretprobeManager.trampoline_hit``,
+there, the #BP dispatcher hands the hit to ``KretprobeManager.returned``,
 which matches the instance by its stack slot (and task), runs the handler and
 resumes at the real return address.  Matching by the stack slot makes
 recursion, preemption and sleeping functions right: every live call has its
@@ -19,7 +19,6 @@ puts every real return address back.
 from __future__ import annotations
 
 import logging
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -27,23 +26,15 @@ from typing import TYPE_CHECKING, Any
 from qprobe.core.kprobe import KPROBE_FLAG_DISABLED, Kprobe
 from qprobe.core.regs import PtRegs
 from qprobe.errors import InvalidProbe, ProbeError, QprobeError
+from qprobe.kernel.features import preemptible
 from qprobe.kernel.program import Task
 from qprobe.target.journal import Patch
 
 if TYPE_CHECKING:
-    from qprobe.arch.x86_64.retdetour import Pool
+    from qprobe.arch import Pool
     from qprobe.core.kprobes import KprobeManager
 
 log = logging.getLogger("qprobe.kretprobes")
-
-# Functions whose return address must not be replaced: __switch_to returns on
-# another task's stack (the kernel's kretprobe_blacklist), and these never return.
-KRETPROBE_BLACKLIST = frozenset({
-    "__switch_to", "do_exit", "do_group_exit", "make_task_dead", "panic", "kthread_exit",
-    "rewind_stack_and_make_dead", "__x64_sys_exit", "__x64_sys_exit_group", "machine_restart",
-    "emergency_restart", "__stack_chk_fail", "__ubsan_handle_builtin_unreachable", "start_kernel",
-    "cpu_startup_entry", "do_task_dead", "__do_sys_exit", "__do_sys_exit_group", "usercopy_abort",
-})  # fmt: skip
 
 Handler = Callable[["KretprobeInstance", PtRegs], Any]
 
@@ -114,7 +105,7 @@ class KretprobeManager:
         self.symbols = kprobes.symbols
         self.trampoline = 0
         self.by_slot: dict[int, KretprobeInstance] = {}
-        self.preemptible = "preempt_schedule" in self.symbols  # CONFIG_PREEMPTION
+        self.preemptible = preemptible(self.symbols)
         self.registered: set[Kretprobe] = set()
         kprobes.kretprobes = self
 
@@ -148,7 +139,7 @@ class KretprobeManager:
         addr = self.kprobes.kprobe_addr(kp)
         fn = self.symbols.function(addr)
         name = fn.name if fn else ""
-        if name in KRETPROBE_BLACKLIST:
+        if name in self.kprobes.arch.arch_kretprobe_blacklist():
             raise ProbeError(f"cannot return-probe {name}: it does not return to its caller")
         # kprobe_on_func_entry: the address itself must be a function's entry (sym+SIZE is the next one's).
         if fn is None or addr not in (fn.addr, fn.addr + self.kprobes.entry_skip(fn.addr)):
@@ -196,19 +187,23 @@ class KretprobeManager:
         if opt is not None and opt.available and opt.stub_missing() is None:
             code = opt.trampoline_code(self.trampoline)
             scratch.write(self.trampoline, code)
-            self.kprobes.trampolines[self.trampoline + len(code) - 1] = self.trampoline_hit
+            self.kprobes.trampolines[self.trampoline + len(code) - 1] = self.returned
         else:
-            scratch.write(self.trampoline, b"\xcc")
-            self.kprobes.trampolines[self.trampoline] = self.trampoline_hit
+            scratch.write(self.trampoline, self.kprobes.arch.breakpoint)
+            self.kprobes.trampolines[self.trampoline] = self.returned
 
     def _ensure_return_int3s(self) -> None:
         """The shared return code's int3s (a busy mailbox, a bad instance) finish the return on the stop path."""
         opt = self.kprobes.optimizer
         assert opt is not None
         busy, bad = opt.ret_int3s()
-        self.kprobes.trampolines[busy] = self.trampoline_hit
-        # On a bad instance the pushed index is still on the stack: the slot is one word further.
-        self.kprobes.trampolines[bad] = lambda tid, regs, rsp, fl: self.trampoline_hit(tid, regs, rsp + 8, fl)
+        self.kprobes.trampolines[busy] = self.returned
+        self.kprobes.trampolines[bad] = self._returned_bad
+
+    def _returned_bad(self, pt: PtRegs) -> int:
+        """A return whose instance was not its own: the pushed index is still on the stack, the slot a word further."""
+        pt.set_quietly("sp", pt.sp + 8)
+        return self.returned(pt)
 
     def _retire(self, rp: Kretprobe) -> None:
         """Put back the real return address of every call still in flight."""
@@ -258,13 +253,8 @@ class KretprobeManager:
         ri.ret_addr = regs.read_u64(regs.sp)
         ri.task = self.kprobes.kernel.snapshot(gs_base=regs.gs_base)
         if rp.entry_handler is not None:
-            try:
-                with self.kprobes.handler_lock:
-                    skip = rp.entry_handler(ri, regs)
-            except Exception as exc:
-                self._failed(rp, exc, "entry_handler")
-                skip = 0
-            if skip:
+            what = f"entry_handler of kretprobe {rp.kp.where()}"
+            if self.kprobes.handlers.call(rp, what, rp.entry_handler, ri, regs):
                 self._release(ri, restore=False)
                 return 0
         ri.patch = self.machine.patch_data(regs.sp, self.trampoline.to_bytes(8, "little"), "retaddr")
@@ -272,20 +262,13 @@ class KretprobeManager:
         self.by_slot[ri.stack_slot] = ri
         return 0
 
-    # -- return (the trampoline's int3) ---------------------------------------------------
-    def trampoline_hit(self, tid: str, regs: dict[str, int], rsp: int, rflags: int) -> None:
-        """The function returned into the int3 trampoline: ``rsp`` is just past its return slot."""
-        pt = self.kprobes.make_regs(regs, tid)
-        pt.set_quietly("sp", rsp)
-        pt.set_quietly("flags", rflags)
-        ret_addr = self.returned(pt)
-        self.machine.gdb.write_registers(tid, {**pt.dirty(), "rip": ret_addr, "rsp": rsp, "eflags": rflags})
-
+    # -- return (the trampoline's int3, or its mailbox) ---------------------------------------------
     def returned(self, pt: PtRegs) -> int:
         """Run the handler of the instance whose call just returned; the real return address.
 
-        Called from the stop loop (int3 trampoline) or the doorbell thread; ``pt.sp``
-        is the stack pointer after the ret, just past the instance's stack slot.
+        Called from the dispatcher (an int3 trampoline: a qprobe.core.dispatch.Trampoline)
+        or the doorbell thread; ``pt.sp`` is the stack pointer after the ret, just past the
+        instance's stack slot.
         """
         slot = pt.sp - 8
         ri = self.by_slot.get(slot)
@@ -310,11 +293,7 @@ class KretprobeManager:
         pt.set_quietly("ip", self.trampoline if guest is None or opt is None or opt.ret is None
                        else opt.ret.trampoline(guest[1]))  # fmt: skip
         if rp.handler is not None and not rp.kp.flags & KPROBE_FLAG_DISABLED:
-            try:
-                with self.kprobes.handler_lock:
-                    rp.handler(ri, pt)
-            except Exception as exc:  # user code: counted and reported, never fatal
-                self._failed(rp, exc, "handler")
+            self.kprobes.handlers.call(rp, f"handler of kretprobe {rp.kp.where()}", rp.handler, ri, pt)
         ret_addr = ri.ret_addr
         if guest is not None:
             self.kprobes.optimizer.free_instance(guest[1])  # type: ignore[union-attr]
@@ -323,10 +302,3 @@ class KretprobeManager:
         # The return address on the stack was consumed by the ret: only forget the patch.
         self._release(ri, restore=False)
         return ret_addr
-
-    def _failed(self, rp: Kretprobe, exc: Exception, which: str) -> None:
-        rp.nfaults += 1
-        line = f"{which} of kretprobe {rp.kp.where()} raised {type(exc).__name__}: {exc}"
-        if len(rp.errors) < 100:
-            rp.errors.append(line)
-        log.warning("%s\n%s", line, "".join(traceback.format_exception(exc)[-3:]))

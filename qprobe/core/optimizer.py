@@ -23,78 +23,28 @@ where an interrupted context could sleep inside a detour.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import drgn
 
-from qprobe.arch.x86_64.decode import decode_all
-from qprobe.arch.x86_64.detour import (
-    COUNT_HEAD,
-    DETOUR_HEAD,
-    E_COMM,
-    E_CPU_PID,
-    E_SP,
-    E_TASK,
-    E_TSC,
-    ENTRY_SIZE,
-    FRAME_FLAGS,
-    FRAME_ID,
-    FRAME_REGS,
-    FRAME_SIZE,
-    MAILBOX_SIZE,
-    MB_CR3,
-    MB_FINAL_IP,
-    MB_FINAL_SP,
-    MB_FRAME,
-    MB_PERCPU,
-    MB_REGS,
-    MB_STATE,
-    R_HEAD,
-    R_TAIL,
-    RING_ENTRIES,
-    RING_HEADER,
-    STATE_DONE,
-    STATE_REQUEST,
-    RecordParams,
-    StubParams,
-    build_count_detour,
-    build_detour,
-    build_record_stub,
-    build_stub,
-)
-from qprobe.arch.x86_64.guestagg import SLOT_SIZE, TABLE_SIZE, KeySpec, build_keyed_detour
-from qprobe.arch.x86_64.guestfilter import build_filtered_detour
-from qprobe.arch.x86_64.insn import copy_instruction, synthesize_reljump
-from qprobe.arch.x86_64.opt import can_optimize
-from qprobe.arch.x86_64.retdetour import (
-    I_OWNER,
-    I_RET,
-    INSTANCE_SIZE,
-    MODE_COUNT,
-    MODE_MAILBOX,
-    TRAMP_STRIDE,
-    TRAMPOLINE_ID,
-    Pool,
-    RetParams,
-    build_entry_detour,
-    build_trampolines,
-    common_offsets,
-)
+from qprobe.arch import Arch, DetourParams, PercpuLayout, Pool, ReturnLayout, RingEntry
+from qprobe.core.point import Optimized, ProbePoint
 from qprobe.errors import QprobeError, SymbolError
-from qprobe.target.journal import Patch
+from qprobe.kernel.features import thread_size
 from qprobe.target.memory import SharedRam
 from qprobe.target.qemu import DOORBELL_PORT
 
 if TYPE_CHECKING:
-    from qprobe.core.kprobes import KprobeManager, ProbePoint
+    from qprobe.core.kprobes import KprobeManager
     from qprobe.core.kretprobe import Kretprobe
 
 log = logging.getLogger("qprobe.optimizer")
@@ -104,29 +54,11 @@ MAX_INSTANCES = 2048  # kretprobe instances in guest RAM, shared by every return
 MAX_OWNERS = 256  # return probes with a pool at once: one return counter each
 RECORDING = ("record", "filtered")  # detour kinds that write the rings
 COLLECT_INTERVAL = 0.02  # seconds between drains of the rings and folds of the in-guest counters
-THREAD_SIZE = 16 << 10  # x86_64 kernel and IRQ stacks (without KASAN)
-_FRAME_WORDS = FRAME_SIZE // 8
 # Reasons that hold only at the moment of the attempt (their texts start with these).
 TRANSIENT = ("vCPU", "a context interrupted on vCPU", "a boosted copy")
 # Seconds after its last entry that a boosted copy may still hold a context interrupted inside it
 # (the same grace KprobeManager.remove_all gives before unmapping).
 RESUME_GRACE = 0.1
-_MAILBOX = struct.Struct(f"<{(MB_REGS + FRAME_SIZE) // 8}Q")  # the header words and the frame, in one read
-_ANSWER = struct.Struct("<2Q")  # MB_FINAL_IP, MB_FINAL_SP
-assert MB_FINAL_SP == MB_FINAL_IP + 8
-
-
-@dataclass
-class Optimized:
-    """What an optimized probe point owns besides its int3-less text."""
-
-    probe_id: int
-    detour: int
-    size: int  # bytes of text the jmp displaces (whole instructions)
-    jmp: Patch
-    continue_addr: int
-    kind: str = "mailbox"  # see detour_kind
-    tables: int = 0  # "keyed": CPU 0's table of keyed counts
 
 
 @dataclass
@@ -189,6 +121,7 @@ class Optimizer:
 
     def __init__(self, kprobes: KprobeManager, ram: SharedRam | None, doorbell: str | None) -> None:
         self.kp = kprobes
+        self.arch: Arch = kprobes.arch
         self.machine = kprobes.machine
         self.ram = ram
         self.doorbell_path = doorbell
@@ -216,7 +149,7 @@ class Optimizer:
         self._tsc_offset: float | None = None
         self._fold_lock = threading.Lock()
         self._collector: threading.Thread | None = None
-        self.ret: RetParams | None = None  # kretprobe instances in guest RAM, once a return probe wants them
+        self.ret: ReturnLayout | None = None  # kretprobe instances in guest RAM, once a return probe wants them
         self.pools: dict[int, PoolState] = {}  # owner -> pool
         self._returns_seen: dict[int, int] = {}
         self.served = 0
@@ -229,73 +162,81 @@ class Optimizer:
     def _ensure_stub(self) -> None:
         if self.stub and self.kp.scratch.mapped:
             return
-        scratch, kernel = self.kp.scratch, self.kp.kernel
+        scratch = self.kp.scratch
         if not scratch.mapped:
             scratch.map()
         ncpus = len(self.machine.vcpus)
         # Data the host writes through the RAM file lives on pages of its own, apart from code.
-        size = ncpus * MAILBOX_SIZE + 3 * MAX_OPTIMIZED * 8
+        mailbox_size = self.arch.mailbox_size
+        size = ncpus * mailbox_size + 3 * MAX_OPTIMIZED * 8
         data = scratch.alloc(_page_round(size), align=4096)
-        self.mailboxes, self.missed = data, data + ncpus * MAILBOX_SIZE
+        self.mailboxes, self.missed = data, data + ncpus * mailbox_size
         self.counters = self.missed + MAX_OPTIMIZED * 8
         self.lost = self.counters + MAX_OPTIMIZED * 8
         self._zero(data, size)
-        params = StubParams(self.mailboxes, self.missed, kernel.percpu_offset("cpu_number"),
-                            kernel.percpu_offset("this_cpu_off"), kernel.current_task_offset,
-                            DOORBELL_PORT)  # fmt: skip
-        size = len(build_stub(params, scratch.base))
+        percpu = self._percpu()
+
+        def stub(at: int) -> bytes:
+            return self.arch.build_mailbox_stub(self.mailboxes, self.missed, percpu, DOORBELL_PORT, at)
+
+        size = len(stub(scratch.base))
         self.stub = scratch.alloc(size, align=64)
         self.machine.journal.set_meta(stub=self.stub, stub_size=size, mailboxes=self.mailboxes,
                                       scratch=scratch.base, scratch_phys=scratch.phys)  # fmt: skip
-        scratch.write(self.stub, build_stub(params, self.stub))
-        self._mailbox_phys = [scratch.phys_of(self.mailboxes + cpu * MAILBOX_SIZE) for cpu in range(ncpus)]
+        scratch.write(self.stub, stub(self.stub))
+        self._mailbox_phys = [scratch.phys_of(self.mailboxes + cpu * mailbox_size) for cpu in range(ncpus)]
         self._start_thread()
 
     def _ensure_rings(self) -> None:
         """The per-CPU record rings and their stub, on first use (64 KiB of scratch per CPU)."""
         if self.record_stub:
             return
-        scratch, syms = self.kp.scratch, self.kp.symbols
+        scratch, syms, arch = self.kp.scratch, self.kp.symbols, self.arch
         ncpus = len(self.machine.vcpus)
-        size = RING_HEADER * ncpus + RING_ENTRIES * ENTRY_SIZE * ncpus
+        size = arch.ring_header_size * ncpus + arch.ring_entries * arch.ring_entry_size * ncpus
         self.rings = scratch.alloc(_page_round(size), align=4096)
         self._zero(self.rings, size)
         self._tails = [0] * ncpus
-        cur, pid_off, _tgid, comm_off = self.kp.kernel.offsets
-        params = RecordParams(self.rings, self.rings + RING_HEADER * ncpus, self.lost,
-                              self.kp.kernel.percpu_offset("cpu_number"), cur, pid_off, comm_off)  # fmt: skip
-        code_size = len(build_record_stub(params, scratch.base))
-        stub = scratch.alloc(code_size, align=64)
-        scratch.write(stub, build_record_stub(params, stub))
+        _cur, pid_off, _tgid, comm_off = self.kp.kernel.offsets
+        percpu = self._percpu()
+
+        def code(at: int) -> bytes:
+            return arch.build_record_stub(self.rings, ncpus, self.lost, percpu, pid_off, comm_off, at)
+
+        stub = scratch.alloc(len(code(scratch.base)), align=64)
+        scratch.write(stub, code(stub))
         self.record_stub = stub
         if "tsc_khz" in syms:
             self._tsc_hz = int.from_bytes(self.machine.mem.read(syms.address("tsc_khz"), 4), "little") * 1000.0
 
+    def _percpu(self) -> PercpuLayout:
+        kernel = self.kp.kernel
+        return PercpuLayout(kernel.percpu_offset("cpu_number"), kernel.percpu_offset("this_cpu_off"),
+                            kernel.current_task_offset)  # fmt: skip
+
     # -- return probes' instances in guest RAM (stop loop) --------------------------------------
-    def ensure_returns(self) -> RetParams:
+    def ensure_returns(self) -> ReturnLayout:
         """The instance array, its return counters and the per-instance trampolines, on first use."""
         if self.ret is not None and self.kp.scratch.mapped:
             return self.ret
         self._ensure_stub()
-        scratch = self.kp.scratch
-        size = MAX_INSTANCES * INSTANCE_SIZE + MAX_OWNERS * 8
+        scratch, arch = self.kp.scratch, self.arch
+        size = MAX_INSTANCES * arch.instance_size + MAX_OWNERS * 8
         data = scratch.alloc(_page_round(size), align=4096)  # written by the guest: apart from code
         self._zero(data, size)
-        probe = RetParams(data, MAX_INSTANCES, scratch.base, data + MAX_INSTANCES * INSTANCE_SIZE, self.stub,
-                          self.kp.kernel.current_task_offset)  # fmt: skip
-        code = scratch.alloc(len(build_trampolines(probe)), align=64)
-        self.ret = RetParams(probe.instances, probe.count, code, probe.returns, self.stub, probe.current_task)
+        returns, current = data + MAX_INSTANCES * arch.instance_size, self.kp.kernel.current_task_offset
+        probe = arch.return_layout(data, MAX_INSTANCES, scratch.base, returns, self.stub, current)
+        code = scratch.alloc(len(arch.build_return_trampolines(probe)), align=64)
+        self.ret = arch.return_layout(data, MAX_INSTANCES, code, returns, self.stub, current)
         self.machine.journal.set_meta(instances=data, ninstances=MAX_INSTANCES, ret_trampolines=code)
-        scratch.write(code, build_trampolines(self.ret))
+        scratch.write(code, arch.build_return_trampolines(self.ret))
         self.pools.clear()
         return self.ret
 
     def ret_int3s(self) -> tuple[int, int]:
         """The shared return code's two int3s: after the mailbox call (busy mailbox), and on a bad instance."""
         assert self.ret is not None
-        common = self.ret.trampoline(self.ret.count)
-        busy, bad = common_offsets(self.ret)
-        return common + busy, common + bad
+        return self.arch.return_int3s(self.ret)
 
     def alloc_pool(self, rp: Kretprobe, count: int) -> Pool | None:
         """A slice of ``count`` free instances for ``rp`` (None if the array has no room: the host keeps them)."""
@@ -312,12 +253,10 @@ class Optimizer:
         if owner is None or first is None or count > ret.count:
             return None
         pool = Pool(first, count, owner)
-        mode = MODE_MAILBOX if rp.handler is not None else MODE_COUNT
+        free = self.arch.new_instance(owner, mailbox=rp.handler is not None)
         assert self.ram is not None
         for i in range(first, first + count):
-            phys = self.kp.scratch.phys_of(ret.instance(i))
-            self.ram.write_phys(phys, bytes(INSTANCE_SIZE))
-            self.ram.write_phys(phys + I_OWNER, struct.pack("<II", owner, mode))
+            self.ram.write_phys(self.kp.scratch.phys_of(ret.instance(i)), free)
         self.pools[owner] = PoolState(pool, rp)
         self._returns_seen[owner] = self._read_counter(ret.returns, owner)
         return pool
@@ -325,13 +264,9 @@ class Optimizer:
     def pool_instances(self, pool: Pool) -> list[tuple[int, int, int, int]]:
         """(index, slot, return address, task) of every taken instance of ``pool``, read from guest RAM."""
         assert self.ram is not None and self.ret is not None
-        raw = self.ram.read_phys(self.kp.scratch.phys_of(self.ret.instance(pool.first)), pool.count * INSTANCE_SIZE)
-        out = []
-        for n in range(pool.count):
-            slot, ret, task = struct.unpack_from("<3Q", raw, n * INSTANCE_SIZE)
-            if slot:
-                out.append((pool.first + n, slot, ret, task))
-        return out
+        raw = self.ram.read_phys(self.kp.scratch.phys_of(self.ret.instance(pool.first)),
+                                 pool.count * self.arch.instance_size)  # fmt: skip
+        return [(pool.first + n, slot, ret, task) for n, slot, ret, task in self.arch.parse_instances(raw)]
 
     def guest_instance(self, slot: int) -> tuple[Kretprobe | None, int, int, int] | None:
         """The taken instance for a return through stack ``slot``: (its probe, index, return address, task)."""
@@ -348,10 +283,11 @@ class Optimizer:
     def guest_return_address(self, value: int) -> int | None:
         """If ``value`` is an instance's trampoline, the real return address it stands for."""
         ret = self.ret
-        if ret is None or self.ram is None or not ret.trampolines <= value < ret.trampoline(ret.count):
+        i = None if ret is None or self.ram is None else self.arch.trampoline_index(ret, value)
+        if i is None:
             return None
-        i = (value - ret.trampolines) // TRAMP_STRIDE
-        return self.ram.read_u64_phys(self.kp.scratch.phys_of(ret.instance(i) + I_RET))
+        assert ret is not None and self.ram is not None
+        return self.ram.read_u64_phys(self.kp.scratch.phys_of(self.arch.instance_return_field(ret, i)))
 
     def retire_pool(self, rp: Kretprobe) -> None:
         """Put back the real return address of every call of ``rp`` still in flight (stop loop, VM stopped).
@@ -402,13 +338,10 @@ class Optimizer:
         opt = point.opt
         if opt is None or opt.kind != "keyed" or self.ram is None:
             return {}
-        raw = self.ram.read_phys(self.kp.scratch.phys_of(opt.tables), TABLE_SIZE * len(self.machine.vcpus))
-        out: dict[int, int] = {}
-        for i in range(len(raw) // SLOT_SIZE):
-            key, count = struct.unpack_from("<2Q", raw, i * SLOT_SIZE)
-            if count:
-                out[key] = out.get(key, 0) + count
-        return out
+        raw = self.ram.read_phys(
+            self.kp.scratch.phys_of(opt.tables), self.arch.keyed_table_size * len(self.machine.vcpus)
+        )
+        return self.arch.parse_keyed_table(raw)
 
     def _zero(self, addr: int, size: int) -> None:
         assert self.ram is not None
@@ -451,7 +384,7 @@ class Optimizer:
     def trampoline_code(self, address: int) -> bytes:
         """The stop-less kretprobe trampoline at ``address``: ``push 0; call stub; int3``."""
         self._ensure_stub()
-        return build_detour(address, TRAMPOLINE_ID, self.stub, b"", 0)[:DETOUR_HEAD] + b"\xcc"
+        return self.arch.return_trampoline(address, self.stub)
 
     # -- optimizing (stop loop) -------------------------------------------------------
     def why_not(self, point: ProbePoint) -> str | None:
@@ -471,11 +404,11 @@ class Optimizer:
         if fn is None:
             return "not in a known function"
         code = self.machine.mem.read(fn.addr, fn.size)
-        check = can_optimize(code, fn.addr, point.addr, self.kp.extable, patched=self.kp.patched(),
-                             name=fn.name)  # fmt: skip
-        if not check.ok:
-            return check.reason
-        end = point.addr + check.size
+        why, size = self.arch.arch_check_optimized_kprobe(code, fn.addr, point.addr, self.kp.extable,
+                                                          self.kp.patched(), fn.name)  # fmt: skip
+        if why is not None:
+            return why
+        end = point.addr + size
         reserved = self.kp.reserved.conflict(point.addr + 1, end - 1)
         if reserved is not None:  # copy_optimized_instructions' *_text_reserved checks
             return f"the displaced instructions hold {reserved}"
@@ -492,16 +425,15 @@ class Optimizer:
             return "the jump would cross a page"
         for tid in self.machine.vcpus:
             regs = self.machine.gdb.read_registers(tid)
-            if point.addr < regs["rip"] < end:
+            if point.addr < self.arch.ip(regs) < end:
                 return f"{TRANSIENT[0]} {tid} is inside the region"
-            if regs["rip"] == self.kp.int3_entry:
-                # A trap still to be dispatched: if its probe is gone it resumes at the int3's address.
-                trapped = self.machine.mem.read_u64(regs["rsp"]) - 1
-                if point.addr < trapped < end:
-                    return f"{TRANSIENT[0]} {tid} is trapping on an int3 inside the region"
+            # A trap still to be dispatched: if its probe is gone it resumes at the int3's address.
+            trapped = self.kp.dispatcher.arriving(regs)
+            if trapped is not None and point.addr < trapped < end:
+                return f"{TRANSIENT[0]} {tid} is trapping on an int3 inside the region"
             if self._interrupted_inside(regs, point.addr, end):
                 return f"{TRANSIENT[1]} {tid} would return inside the region"
-        point.opt_size = check.size
+        point.opt_size = size
         return None
 
     def _interrupted_inside(self, regs: dict[str, int], start: int, end: int) -> bool:
@@ -513,13 +445,14 @@ class Optimizer:
         every qword of the running stack and of the current task's stack that
         points strictly inside the region counts (a false match only delays).
         """
-        if regs["cs"] & 3:
+        if self.arch.user_mode(regs):
             return False  # user mode: no kernel context is interrupted on this vCPU
-        mem = self.machine.mem
-        stacks = [(regs["rsp"] & ~7, (regs["rsp"] | (THREAD_SIZE - 1)) + 1)]
+        mem, sp = self.machine.mem, self.arch.sp(regs)
         try:
-            base = self.kp.kernel.current(regs["gs_base"]).stack.value_()
-            stacks.append((base, base + THREAD_SIZE))
+            stack_size = thread_size(self.kp.kernel)
+            stacks = [(sp & ~7, (sp | (stack_size - 1)) + 1)]
+            base = self.kp.kernel.current(self.arch.percpu_base(regs)).stack.value_()
+            stacks.append((base, base + stack_size))
         except (QprobeError, drgn.FaultError):
             return True  # cannot tell: do not optimize now
         for lo, hi in stacks:
@@ -554,62 +487,46 @@ class Optimizer:
         self._ensure_stub()
         size = point.opt_size
         region = self.kp.original(point.addr, size)
-        insns = decode_all(region, point.addr)
         probe_id = self._free_ids.pop()
         self._retired.pop(probe_id, None)
-        kind = detour_kind(point)
-        build, tables = self._detour_builder(point, kind, probe_id, point.addr + size)
-        head = build(self.kp.scratch.base, b"")[1]  # the head's size does not depend on where it is placed
-        total = head + sum(len(copy_instruction(i, point.addr)) for i in insns) + 5
-        detour = self.kp.scratch.alloc(total + 16)
-        relocated = b""
-        for insn in insns:
-            relocated += copy_instruction(insn, detour + head + len(relocated))
-        code, at = build(detour, relocated)
-        assert at == head
-        self.kp.scratch.write(detour, code)
+        params = self._detour_params(point, probe_id, point.addr + size)
+        scratch = self.kp.scratch
+        detour, code, continue_addr = self.arch.arch_prepare_optimized_kprobe(params, region, point.addr,
+                                                                              scratch.base, scratch.alloc)  # fmt: skip
+        scratch.write(detour, code)
         for array, seen in self._counter_arrays():
             seen[probe_id] = self._read_counter(array, probe_id)
         # Swap the int3 for the jump while every vCPU is stopped.
         assert point.int3 is not None
         self.machine.unpatch(point.int3)
         point.int3 = None
-        jmp = self.machine.patch(point.addr, synthesize_reljump(point.addr, detour), "optjmp", detour)
-        point.opt = Optimized(probe_id, detour, size, jmp, detour + head, kind, tables)
+        jmp = self.machine.patch(point.addr, self.arch.arch_optimize_kprobes(point.addr, detour), "optjmp", detour)
+        point.opt = Optimized(probe_id, detour, size, jmp, continue_addr, params.kind, params.tables)
         self.kp.resume_targets[point.addr + size] = math.inf
         self.by_id[probe_id] = point
         return True
 
-    def _detour_builder(
-        self, point: ProbePoint, kind: str, probe_id: int, resume: int
-    ) -> tuple[Callable[[int, bytes], tuple[bytes, int]], int]:
-        """How to build ``point``'s detour of ``kind``: ``build(address, relocated) -> (code, head size)``.
-
-        Also the per-CPU tables of a "keyed" detour (allocated here), else 0.
-        """
-        counter = self.counters + probe_id * 8
+    def _detour_params(self, point: ProbePoint, probe_id: int, resume: int) -> DetourParams:
+        """What ``point``'s detour needs: its kind, counters, stub, and a "keyed" detour's tables (allocated here)."""
+        kind = detour_kind(point)
+        counter, missed, lost = (array + probe_id * 8 for array in (self.counters, self.missed, self.lost))
         if kind in RECORDING:
             self._ensure_rings()
-        if kind == "count":
-            return lambda at, rel: (build_count_detour(at, counter, rel, resume), COUNT_HEAD), 0
+        first = point.probes[0]
+        params = DetourParams(kind, probe_id, resume, counter, missed, lost,
+                              stub=self.record_stub if kind in RECORDING else self.stub)  # fmt: skip
         if kind == "filtered":
-            tree = point.probes[0].guest_filter
-            return lambda at, rel: build_filtered_detour(at, tree, probe_id, self.record_stub, counter, rel, resume), 0
+            return dataclasses.replace(params, guest_filter=first.guest_filter)
         if kind == "keyed":
-            spec = point.probes[0].guest_key
-            assert isinstance(spec, KeySpec)
-            table_bytes = TABLE_SIZE * len(self.machine.vcpus)
+            table_bytes = self.arch.keyed_table_size * len(self.machine.vcpus)
             tables = self.kp.scratch.alloc(table_bytes, align=4096)  # written by the guest: apart from code
             self._zero(tables, table_bytes)
-            cpu_number, lost = self.kp.kernel.percpu_offset("cpu_number"), self.lost + probe_id * 8
-            return lambda at, rel: build_keyed_detour(at, spec, tables, cpu_number, counter, lost, rel, resume), tables
+            return dataclasses.replace(params, guest_key=first.guest_key, tables=tables,
+                                       cpu_number=self.kp.kernel.percpu_offset("cpu_number"))  # fmt: skip
         if kind == "retentry":
-            pool = point.probes[0].kretprobe.pool  # type: ignore[union-attr]
-            assert pool is not None
-            ret, missed = self.ensure_returns(), self.missed + probe_id * 8
-            return lambda at, rel: build_entry_detour(at, ret, pool, counter, missed, rel, resume), 0
-        stub = self.record_stub if kind in RECORDING else self.stub
-        return lambda at, rel: (build_detour(at, probe_id, stub, rel, resume), DETOUR_HEAD), 0
+            assert first.kretprobe is not None and first.kretprobe.pool is not None
+            return dataclasses.replace(params, returns=self.ensure_returns(), pool=first.kretprobe.pool)
+        return params
 
     def unoptimize(self, point: ProbePoint) -> None:
         opt = point.opt
@@ -709,58 +626,49 @@ class Optimizer:
         """
         if not self.record_stub or self.ram is None:
             return
-        ram, scratch = self.ram, self.kp.scratch
+        ram, scratch, arch = self.ram, self.kp.scratch, self.arch
         ncpus = len(self._tails)
-        batch: list[tuple[int, int, ProbePoint, tuple[int, ...], bytes]] = []
+        batch: list[tuple[ProbePoint, RingEntry]] = []
         for cpu in range(ncpus):
-            hdr = scratch.phys_of(self.rings + cpu * RING_HEADER)
-            head, tail = ram.read_u64_phys(hdr + R_HEAD), self._tails[cpu]
+            hdr = scratch.phys_of(self.rings + cpu * arch.ring_header_size)
+            head, tail = ram.read_u64_phys(hdr + arch.ring_head), self._tails[cpu]
             if head == tail:
                 continue
-            if not 0 < head - tail <= RING_ENTRIES:
+            if not 0 < head - tail <= arch.ring_entries:
                 self.ring_errors += 1
             else:
-                base = scratch.phys_of(self.rings + RING_HEADER * ncpus + cpu * RING_ENTRIES * ENTRY_SIZE)
+                base = scratch.phys_of(self.rings + arch.ring_header_size * ncpus
+                                       + cpu * arch.ring_entries * arch.ring_entry_size)  # fmt: skip
                 for seq in range(tail, head):
-                    raw = ram.read_phys(base + (seq % RING_ENTRIES) * ENTRY_SIZE, E_SP + 8)
-                    words = struct.unpack(f"<{len(raw) // 8}Q", raw)
-                    point = self.by_id.get(words[FRAME_ID // 8])
-                    if point is None and words[FRAME_ID // 8] in self._retired:
+                    raw = ram.read_phys(base + (seq % arch.ring_entries) * arch.ring_entry_size,
+                                        arch.ring_entry_read_size)  # fmt: skip
+                    entry = arch.parse_ring_entry(raw)
+                    point = self.by_id.get(entry.probe_id)
+                    if point is None and entry.probe_id in self._retired:
                         self.late_records += 1
                         continue
-                    if point is None or point.opt is None or point.opt.kind not in RECORDING or \
-                            words[E_CPU_PID // 8] & 0xFFFFFFFF != cpu:  # fmt: skip
+                    if point is None or point.opt is None or point.opt.kind not in RECORDING or entry.cpu != cpu:
                         self.ring_errors += 1
                         continue
-                    batch.append((words[E_TSC // 8], cpu, point, words, raw))
+                    batch.append((point, entry))
             self._tails[cpu] = head
-            ram.write_u64_phys(hdr + R_TAIL, head)
+            ram.write_u64_phys(hdr + arch.ring_tail, head)
         if not batch:
             return
-        batch.sort(key=lambda b: b[0])
+        batch.sort(key=lambda b: b[1].tsc)
         now = time.monotonic()
         if self._tsc_offset is None or not self._tsc_hz:
-            self._tsc_offset = now - batch[-1][0] / self._tsc_hz if self._tsc_hz else 0.0
-        for tsc, cpu, point, words, raw in batch:
-            values = dict(zip(FRAME_REGS, words, strict=False))
-            values.update(rip=point.addr, rsp=words[E_SP // 8], eflags=words[FRAME_FLAGS // 8])
-            pid = words[E_CPU_PID // 8] >> 32
-            rec = GuestRecord(values, cpu, pid - (1 << 32) if pid >> 31 else pid,
-                              raw[E_COMM : E_COMM + 16].split(b"\0")[0].decode(errors="replace"), words[E_TASK // 8],
-                              min(now, tsc / self._tsc_hz + self._tsc_offset) if self._tsc_hz else now)  # fmt: skip
+            self._tsc_offset = now - batch[-1][1].tsc / self._tsc_hz if self._tsc_hz else 0.0
+        for point, entry in batch:
+            values = {**entry.values, "rip": point.addr}
+            when = min(now, entry.tsc / self._tsc_hz + self._tsc_offset) if self._tsc_hz else now
+            rec = GuestRecord(values, entry.cpu, entry.pid, entry.comm, entry.task, when)
             for kp in point.probes:
                 if kp.disabled:
                     continue
                 kp.nhit += 1
-                if kp.recorder is None:
-                    continue
-                try:
-                    with self.kp.handler_lock:
-                        kp.recorder(rec)
-                except Exception as exc:  # user code: counted and reported, never fatal
-                    kp.nfaults += 1
-                    if len(kp.errors) < 100:
-                        kp.errors.append(f"recorder raised {type(exc).__name__}: {exc}")
+                if kp.recorder is not None:
+                    self.kp.handlers.call(kp, "recorder", kp.recorder, rec)
 
     # -- the doorbell (its own thread) ------------------------------------------------
     def _serve_loop(self) -> None:
@@ -790,18 +698,14 @@ class Optimizer:
         if cpu >= len(self._mailbox_phys):
             return  # a byte nobody sent as a doorbell (firmware debug output)
         mb = self._mailbox_phys[cpu]
-        if ram.read_u64_phys(mb + MB_STATE) != STATE_REQUEST:
+        req = self.arch.read_mailbox(lambda off, size: ram.read_phys(mb + off, size))
+        if req is None:
             return
-        box = _MAILBOX.unpack(ram.read_phys(mb, _MAILBOX.size))
-        frame_addr, cr3, percpu = box[MB_FRAME // 8], box[MB_CR3 // 8], box[MB_PERCPU // 8]
-        words = box[MB_REGS // 8 :]
-        continue_addr, probe_id = words[16], words[17]
-        final_ip, final_sp = continue_addr, frame_addr + FRAME_SIZE
-        point = self.by_id.get(probe_id)
-        values = dict(zip(FRAME_REGS, words, strict=False))
-        values.update(rsp=final_sp, eflags=words[FRAME_FLAGS // 8], cr3=cr3, gs_base=percpu)
+        final_ip, final_sp = req.continue_addr, req.final_sp
+        point = self.by_id.get(req.probe_id)
+        values = req.values
         dirty: dict[str, int] = {}
-        if probe_id == TRAMPOLINE_ID and self.kp.kretprobes is not None:
+        if req.probe_id == self.arch.trampoline_id and self.kp.kretprobes is not None:
             # No default here: without its instance the real return address is unknown.
             pt = self.kp.make_regs(values, self.machine.vcpus[cpu])
             final_ip = self.kp.kretprobes.returned(pt)
@@ -810,28 +714,23 @@ class Optimizer:
             values["rip"] = point.addr
             try:
                 pt = self.kp.make_regs(values, self.machine.vcpus[cpu])
-                active = [kp for kp in point.probes if not kp.disabled]
-                if self.kp.run_pre_handlers(active, pt):
+                if self.kp.handlers.pre(point.active(), pt):
                     final_ip = pt.ip
                 final_sp = pt.sp
                 dirty = pt.dirty()
             except Exception as exc:  # never leave the vCPU spinning: it resumes as if unprobed
                 self.errors.append(f"{point.where}: {type(exc).__name__}: {exc}")
-                final_ip, final_sp, dirty = continue_addr, frame_addr + FRAME_SIZE, {}
-        if dirty:
-            for i, name in enumerate(FRAME_REGS):
-                if name in dirty:
-                    ram.write_phys(mb + MB_REGS + i * 8, dirty[name].to_bytes(8, "little"))
-            if "eflags" in dirty:
-                ram.write_phys(mb + MB_REGS + FRAME_FLAGS, dirty["eflags"].to_bytes(8, "little"))
-        ram.write_phys(mb + MB_FINAL_IP, _ANSWER.pack(final_ip, final_sp))
+                final_ip, final_sp, dirty = req.continue_addr, req.final_sp, {}
+        *answer, (state, done) = self.arch.mailbox_answer(dirty, final_ip, final_sp)
+        for off, data in answer:
+            ram.write_phys(mb + off, data)
         self.served += 1
         # Published last, in one store: the stub reads the answer only after it sees DONE.
-        ram.write_u64_phys(mb + MB_STATE, STATE_DONE)
+        ram.write_u64_phys(mb + state, int.from_bytes(done, "little"))
 
 
 def _page_round(n: int) -> int:
     return (n + 0xFFF) & ~0xFFF
 
 
-__all__ = ["Optimized", "Optimizer"]
+__all__ = ["GuestRecord", "Optimizer", "detour_kind"]

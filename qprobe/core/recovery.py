@@ -13,47 +13,31 @@ left to enter, and only then is the scratch area unmapped.
 from __future__ import annotations
 
 import logging
-import struct
 import time
 
-from qprobe.arch.x86_64.detour import (
-    FRAME_ID,
-    FRAME_RET,
-    FRAME_SIZE,
-    MAILBOX_SIZE,
-    MB_FINAL_IP,
-    MB_FINAL_SP,
-    MB_FRAME,
-    MB_REGS,
-    MB_STATE,
-    STATE_DONE,
-    STATE_REQUEST,
-)
-from qprobe.arch.x86_64.int3hook import PT_GPRS, PT_REGS_SIZE, parse_pt_regs
-from qprobe.arch.x86_64.retdetour import INSTANCE_SIZE, TRAMP_STRIDE, TRAMPOLINE_ID
+from qprobe.arch import Arch, Resume, ResumeKind, TrapHook
 from qprobe.errors import QprobeError
+from qprobe.kernel.features import find_watch_site, int3_entry, int3_path
 from qprobe.kernel.program import KernelData
 from qprobe.target.gdbremote import GdbRemote
 from qprobe.target.journal import Journal, JournalError, Patch
+from qprobe.target.scratch import SIZE as SCRATCH_SIZE
 
 log = logging.getLogger("qprobe.recovery")
-SCRATCH_SIZE = 2 << 20
 GRACE = 0.1
 
 
 class _Recovery:
-    def __init__(self, gdb: GdbRemote, kernel: KernelData, patches: list[Patch], meta: dict[str, int]) -> None:
+    def __init__(self, gdb: GdbRemote, kernel: KernelData, arch: Arch, patches: list[Patch],
+                 meta: dict[str, int]) -> None:  # fmt: skip
         symbols = kernel.symbols
-        self.gdb, self.mem, self.meta = gdb, kernel.mem, meta
-        self.entry = symbols.address("asm_exc_int3")
-        # With the watchpoint hook a trap is taken back from poke_int3_handler (see KprobeManager._hook);
+        self.gdb, self.mem, self.arch, self.meta = gdb, kernel.mem, arch, meta
+        self.entry = int3_entry(symbols)
+        # With the watchpoint hook a trap is taken back from poke_int3_handler (see Dispatcher.install);
         # a vCPU on its way there from the #BP entry is stepped up to it.
-        from qprobe.core.kprobes import find_watch_site  # the kprobes module imports this one
-
         site = find_watch_site(kernel)
         self.watch_safe = site[1] if site else frozenset()
-        path = ("asm_exc_int3", "error_entry", "exc_int3", "poke_int3_handler")
-        self.on_the_way = [(f.addr, f.addr + f.size) for f in map(symbols.lookup, (n for n in path if n in symbols))]
+        self.on_the_way = int3_path(symbols)
         self.int3s = {p.virt: p for p in patches if p.what == "int3"}
         self.retaddrs = {p.virt: int.from_bytes(p.old, "little") for p in patches if p.what == "retaddr"}
         self.trampoline = next((int.from_bytes(p.new, "little") for p in patches if p.what == "retaddr"), None)
@@ -71,13 +55,9 @@ class _Recovery:
             return {}
         self.gdb.set_physical(True)
         phys = meta["scratch_phys"] + meta["instances"] - meta["scratch"]
-        raw = self.gdb.read_memory(phys, meta["ninstances"] * INSTANCE_SIZE)
-        out = {}
-        for i in range(meta["ninstances"]):
-            slot, ret = struct.unpack_from("<2Q", raw, i * INSTANCE_SIZE)
-            if slot:
-                out[slot] = (meta["ret_trampolines"] + i * TRAMP_STRIDE, ret)
-        return out
+        raw = self.gdb.read_memory(phys, meta["ninstances"] * self.arch.instance_size)
+        layout = self.arch.return_layout(meta["instances"], meta["ninstances"], meta["ret_trampolines"], 0, 0, 0)
+        return {slot: (layout.trampoline(i), ret) for i, slot, ret, _task in self.arch.parse_instances(raw)}
 
     def real_return(self, slot: int) -> int | None:
         """The return address a trampoline stands for at stack ``slot`` (instances of the host's or the guest's)."""
@@ -102,59 +82,64 @@ class _Recovery:
 
     def take_back(self, tid: str, regs: dict[str, int]) -> dict[str, int]:
         """A vCPU trapped on one of our int3s, inside the #BP handler: put it back on the int3's address."""
+        arch = self.arch
         for _ in range(64):
-            if regs["rip"] in self.watch_safe or not any(lo <= regs["rip"] < hi for lo, hi in self.on_the_way):
+            ip = arch.ip(regs)
+            if ip in self.watch_safe or not any(lo <= ip < hi for lo, hi in self.on_the_way):
                 break
             self.gdb.step(tid)
             regs = self.gdb.read_registers(tid)
-        if regs["rip"] in self.watch_safe:
-            pt = parse_pt_regs(self.mem.read(regs["rdi"], PT_REGS_SIZE))
-            if not pt["cs"] & 3 and pt["rip"] - 1 in self.int3s:
-                back = {**{n: pt[n] for n in PT_GPRS}, "rip": pt["rip"] - 1, "rsp": pt["rsp"], "eflags": pt["eflags"]}
-                self.gdb.write_registers(tid, back)
+        if arch.ip(regs) in self.watch_safe:
+            trap = arch.decode_trap(TrapHook.WATCH, regs, self.mem.read)
+            if not trap.user and trap.addr in self.int3s:
+                back = Resume(ResumeKind.CONTINUE, trap.addr, trap.sp, trap.flags, trap.restore)
+                self.gdb.write_registers(tid, arch.resume_registers(back))
                 return self.gdb.read_registers(tid)
         return regs
 
     def rewind(self, tid: str) -> None:
+        arch = self.arch
         regs = self.gdb.read_registers(tid)
         if self.watch_safe and self.int3s:
             regs = self.take_back(tid, regs)
-        rip = regs["rip"]
+        rip, sp = arch.ip(regs), arch.sp(regs)
         if rip == self.entry:
-            ret_ip, _cs, rflags, rsp, _ss = struct.unpack("<5Q", self.mem.read(regs["rsp"], 40))
-            if ret_ip - 1 in self.int3s:
-                self.gdb.write_registers(tid, {"rip": ret_ip - 1, "rsp": rsp, "eflags": rflags})
-            elif ret_ip - 1 == self.trampoline and rsp - 8 in self.retaddrs:
-                self.gdb.write_registers(tid, {"rip": self.retaddrs[rsp - 8], "rsp": rsp, "eflags": rflags})
-        elif rip == self.trampoline and regs["rsp"] - 8 in self.retaddrs:
-            self.gdb.write_register(tid, "rip", self.retaddrs[regs["rsp"] - 8])
-        elif self.guest.get(regs["rsp"] - 8, (None,))[0] == rip:  # about to enter its instance's trampoline
-            self.gdb.write_register(tid, "rip", self.guest[regs["rsp"] - 8][1])
+            trap = arch.decode_trap(TrapHook.ENTRY, regs, self.mem.read)
+            if trap.addr in self.int3s:
+                self.gdb.write_registers(tid, arch.resume_registers(Resume(ResumeKind.CONTINUE, trap.addr, trap.sp,
+                                                                           trap.flags)))  # fmt: skip
+            elif trap.addr == self.trampoline and trap.sp - 8 in self.retaddrs:
+                back = Resume(ResumeKind.CONTINUE, self.retaddrs[trap.sp - 8], trap.sp, trap.flags)
+                self.gdb.write_registers(tid, arch.resume_registers(back))
+        elif rip == self.trampoline and sp - 8 in self.retaddrs:
+            self.gdb.write_registers(tid, arch.resume_registers(Resume(ResumeKind.CONTINUE, self.retaddrs[sp - 8])))
+        elif self.guest.get(sp - 8, (None,))[0] == rip:  # about to enter its instance's trampoline
+            self.gdb.write_registers(tid, arch.resume_registers(Resume(ResumeKind.CONTINUE, self.guest[sp - 8][1])))
         else:
             for p in self.int3s.values():
-                if p.slot and p.slot <= rip < p.slot + 32:
-                    self.gdb.write_register(tid, "rip", p.virt + rip - p.slot)
+                if p.slot and p.slot <= rip < p.slot + arch.slot_size:
+                    self.gdb.write_registers(tid, arch.resume_registers(Resume(ResumeKind.CONTINUE,
+                                                                               p.virt + rip - p.slot)))  # fmt: skip
 
     def answer_mailbox(self, cpu: int) -> None:
         """Release a vCPU waiting in the stub: resume at its detour's continue label."""
         if "mailboxes" not in self.meta:
             return
-        mb = self.meta["scratch_phys"] + self.meta["mailboxes"] - self.meta["scratch"] + cpu * MAILBOX_SIZE
+        mb = self.meta["scratch_phys"] + self.meta["mailboxes"] - self.meta["scratch"] + cpu * self.arch.mailbox_size
         self.gdb.set_physical(True)
-        if int.from_bytes(self.gdb.read_memory(mb + MB_STATE, 8), "little") != STATE_REQUEST:
+        req = self.arch.read_mailbox(lambda off, size: self.gdb.read_memory(mb + off, size))
+        if req is None:
             return
-        frame = int.from_bytes(self.gdb.read_memory(mb + MB_FRAME, 8), "little")
-        cont = int.from_bytes(self.gdb.read_memory(mb + MB_REGS + FRAME_RET, 8), "little")
-        if int.from_bytes(self.gdb.read_memory(mb + MB_REGS + FRAME_ID, 8), "little") == TRAMPOLINE_ID:
+        cont = req.continue_addr
+        if req.probe_id == self.arch.trampoline_id:
             # A return waiting for its handler: resume at the real return address, not the int3 after the call.
-            cont = self.real_return(frame + FRAME_SIZE - 8) or cont
-        self.gdb.write_memory(mb + MB_FINAL_IP, cont.to_bytes(8, "little"))
-        self.gdb.write_memory(mb + MB_FINAL_SP, (frame + FRAME_SIZE).to_bytes(8, "little"))
-        self.gdb.write_memory(mb + MB_STATE, STATE_DONE.to_bytes(8, "little"))
+            cont = self.real_return(req.final_sp - 8) or cont
+        for off, data in self.arch.mailbox_answer({}, cont, req.final_sp):
+            self.gdb.write_memory(mb + off, data)
 
     def evacuate(self, tid: str, cpu: int) -> None:
         for _ in range(100_000):
-            rip = self.gdb.read_registers(tid)["rip"]
+            rip = self.arch.ip(self.gdb.read_registers(tid))
             if not self.in_scratch(rip):
                 return
             if rip == self.trampoline:
@@ -186,13 +171,13 @@ def check_journal_matches(gdb: GdbRemote, journal: Journal, patches: list[Patch]
             )
 
 
-def recover(gdb: GdbRemote, kernel: KernelData, journal: Journal) -> int:
+def recover(gdb: GdbRemote, kernel: KernelData, arch: Arch, journal: Journal) -> int:
     """Undo an earlier qprobe's patches in this guest; returns how many were restored."""
     patches = journal.load()
     if not patches:
         return 0
     check_journal_matches(gdb, journal, patches)
-    r = _Recovery(gdb, kernel, patches, journal.left_meta)
+    r = _Recovery(gdb, kernel, arch, patches, journal.left_meta)
     vcpus = gdb.threads()
     for tid in vcpus:
         r.rewind(tid)

@@ -15,18 +15,10 @@ from qprobe.errors import SymbolError
 from qprobe.target.memory import GuestMemory, kernel_pgd
 
 if TYPE_CHECKING:
+    from qprobe.arch import RegisterLayout
     from qprobe.kernel.program import KernelData, Stack
     from qprobe.kernel.symbols import Symbols
 
-# pt_regs name -> the gdbstub's register name
-PT_REGS = {
-    "ax": "rax", "bx": "rbx", "cx": "rcx", "dx": "rdx", "si": "rsi", "di": "rdi",
-    "bp": "rbp", "sp": "rsp", "r8": "r8", "r9": "r9", "r10": "r10", "r11": "r11",
-    "r12": "r12", "r13": "r13", "r14": "r14", "r15": "r15", "ip": "rip", "flags": "eflags",
-    "cs": "cs", "ss": "ss",
-}  # fmt: skip
-ARG_REGS = ("di", "si", "dx", "cx", "r8", "r9")
-KERNEL_CS, KERNEL_DS = 0x10, 0x18  # GDT_ENTRY_KERNEL_CS * 8, GDT_ENTRY_KERNEL_DS * 8 (x86_64)
 _MASK = (1 << 64) - 1
 
 
@@ -37,27 +29,32 @@ class PtRegs:
     under QEMU), ``tid`` the stub's thread id.
     """
 
-    __slots__ = ("_dirty", "_kernel", "_mem", "_pgd", "_symbols", "_values", "fix_return", "gs_base", "tid", "vcpu")
+    __slots__ = ("_dirty", "_kernel", "_layout", "_mem", "_pgd", "_symbols", "_values", "fix_return", "gs_base",
+                 "tid", "vcpu")  # fmt: skip
 
     def __init__(self, values: dict[str, int], tid: str, vcpu: int, mem: GuestMemory,
                  symbols: Symbols | None = None, kernel: KernelData | None = None,
-                 fix_return: Callable[[int, int], int] | None = None) -> None:  # fmt: skip
-        self._values = {pt: values[g] for pt, g in PT_REGS.items() if g in values}
-        # A detour's frame has no segment registers; probed code runs in kernel mode, where they are
-        # __KERNEL_CS and __KERNEL_DS (what the kernel's own probes record, ftrace-based ones too).
-        self._values.setdefault("cs", KERNEL_CS)
-        self._values.setdefault("ss", KERNEL_DS)
-        self._dirty: set[str] = set()
-        self._mem = mem
-        self._symbols = symbols
-        self._kernel = kernel
+                 fix_return: Callable[[int, int], int] | None = None, *, layout: RegisterLayout) -> None:  # fmt: skip
+        regs = {pt: values[g] for pt, g in layout.gdb_name.items() if g in values}
+        # A detour's frame has no segment registers; probed code runs in kernel mode, where they
+        # have the values the layout gives (what the kernel's own probes record, ftrace-based ones too).
+        for name, value in layout.defaults.items():
+            regs.setdefault(name, value)
+        # Slots are set directly: __setattr__ is the handlers' path (a PtRegs is built for every hit).
+        init = object.__setattr__
+        init(self, "_layout", layout)
+        init(self, "_values", regs)
+        init(self, "_dirty", set())
+        init(self, "_mem", mem)
+        init(self, "_symbols", symbols)
+        init(self, "_kernel", kernel)
         # Reads use the interrupted task's page tables, so user pointers work too.
-        self._pgd = kernel_pgd(values["cr3"]) if "cr3" in values else mem.pgd
-        self.tid = tid
-        self.vcpu = vcpu
-        self.gs_base = values.get("gs_base", 0)  # the per-CPU base while in kernel mode
+        init(self, "_pgd", kernel_pgd(values["cr3"]) if "cr3" in values else mem.pgd)
+        init(self, "tid", tid)
+        init(self, "vcpu", vcpu)
+        init(self, "gs_base", values.get("gs_base", 0))  # the per-CPU base while in kernel mode
         # Maps a value read from a stack slot to the real return address (kretprobe trampolines).
-        self.fix_return = fix_return
+        init(self, "fix_return", fix_return)
 
     def __getattr__(self, name: str) -> int:
         if name.startswith("_"):  # during copy/pickle _values does not exist yet
@@ -71,7 +68,7 @@ class PtRegs:
         if name in PtRegs.__slots__:
             object.__setattr__(self, name, value)
             return
-        if name not in PT_REGS:
+        if name not in self._layout.gdb_name:
             raise AttributeError(f"pt_regs has no register {name!r}")
         if not isinstance(value, int):
             raise TypeError(f"regs.{name} must be an int, not {type(value).__name__}")
@@ -92,7 +89,7 @@ class PtRegs:
 
     def dirty(self) -> dict[str, int]:
         """gdbstub name -> value of every register a handler changed."""
-        return {PT_REGS[n]: self._values[n] for n in self._dirty}
+        return {self._layout.gdb_name[n]: self._values[n] for n in self._dirty}
 
     def set_quietly(self, name: str, value: int) -> None:
         """Change a register as the dispatcher (not the user) sees it."""
@@ -125,7 +122,7 @@ class PtRegs:
 
     # -- conventions -------------------------------------------------------------
     def arg(self, n: int | str) -> int:
-        """The n-th (1-based) integer argument at function entry, by the x86_64 ABI.
+        """The n-th (1-based) integer argument at function entry, by the architecture's calling convention.
 
         ``n`` may also be the parameter's name in the C source (``regs.arg("count")``),
         looked up in the debug info of the function containing ``ip``.
@@ -134,10 +131,11 @@ class PtRegs:
             n = self._param_index(n)
         if n < 1:
             raise ValueError("arguments are numbered from 1")
-        if n <= len(ARG_REGS):
-            return self._values[ARG_REGS[n - 1]]
+        args = self._layout.arg_regs
+        if n <= len(args):
+            return self._values[args[n - 1]]
         # At entry [sp] is the return address; stack arguments follow it.
-        return self.read_u64(self._values["sp"] + 8 * (n - len(ARG_REGS)))
+        return self.read_u64(self._values["sp"] + 8 * (n - len(args)))
 
     def _param_index(self, name: str) -> int:
         if self._symbols is None or self._kernel is None:

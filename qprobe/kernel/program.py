@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, overload
 
 import drgn
 
+from qprobe.arch.x86_64.ptregs import PT_GPRS, PT_NAME, PT_NAMES
 from qprobe.errors import SymbolError
 from qprobe.target.memory import GuestMemory, MemoryFault
 
@@ -37,14 +38,9 @@ if TYPE_CHECKING:
     from qprobe.kernel.symbols import Symbols
 
 START_KERNEL_MAP = 0xFFFF_FFFF_8000_0000  # __START_KERNEL_map: the kernel image's virtual base
-# struct pt_regs, as arch/x86/include/asm/ptrace.h lays it out (the ptrace ABI: it never moves).
-PT_REGS_ORDER = ("r15", "r14", "r13", "r12", "bp", "bx", "r11", "r10", "r9", "r8",
-                 "ax", "cx", "dx", "si", "di", "orig_ax", "ip", "cs", "flags", "sp", "ss")  # fmt: skip
-_PT_REGS = struct.Struct(f"<{len(PT_REGS_ORDER)}Q")
+_PT_REGS = struct.Struct(f"<{len(PT_NAMES)}Q")
 # drgn's DWARF register names for the frame registers that go back into a pt_regs.
-_DWARF_TO_PT = {"rax": "ax", "rbx": "bx", "rcx": "cx", "rdx": "dx", "rsi": "si", "rdi": "di", "rbp": "bp",
-                "rsp": "sp", "rip": "ip", "r8": "r8", "r9": "r9", "r10": "r10", "r11": "r11", "r12": "r12",
-                "r13": "r13", "r14": "r14", "r15": "r15"}  # fmt: skip
+_DWARF_TO_PT = {g: PT_NAME[g] for g in (*PT_GPRS, "rip", "rsp")}
 _MASK = (1 << 64) - 1
 
 
@@ -303,7 +299,7 @@ class KernelData:
     # -- stacks ----------------------------------------------------------------------------
     def pt_regs(self, values: dict[str, int]) -> drgn.Object:
         """A ``struct pt_regs`` value holding pt_regs-named registers (absent ones are zero)."""
-        raw = _PT_REGS.pack(*(values.get(name, 0) & _MASK for name in PT_REGS_ORDER))
+        raw = _PT_REGS.pack(*(values.get(name, 0) & _MASK for name in PT_NAMES))
         return drgn.Object.from_bytes_(self.prog, "struct pt_regs", raw)
 
     def stack_trace(self, values: dict[str, int], fix_return: Callable[[int, int], int] | None = None,

@@ -32,12 +32,14 @@ from dataclasses import dataclass
 from iced_x86 import BlockEncoder, Code, Instruction, MemoryOperand, Register, RepPrefixKind
 
 from qprobe.arch.x86_64.boost import synthesize_relcall, synthesize_reljump
+from qprobe.arch.x86_64.ptregs import STUB_FRAME_FLAGS, STUB_FRAME_GPRS, STUB_FRAME_ID, STUB_FRAME_RET, STUB_FRAME_SIZE
 
-FRAME_REGS = ("r15", "r14", "r13", "r12", "r11", "r10", "r9", "r8", "rdi", "rsi", "rbp", "rbx", "rdx", "rcx", "rax")
-FRAME_FLAGS = 120
-FRAME_RET = 128
-FRAME_ID = 136
-FRAME_SIZE = 144  # the probed context's rsp is frame + FRAME_SIZE
+# The frame's layout is defined with pt_regs in qprobe.arch.x86_64.ptregs.
+FRAME_REGS = STUB_FRAME_GPRS
+FRAME_FLAGS = STUB_FRAME_FLAGS
+FRAME_RET = STUB_FRAME_RET
+FRAME_ID = STUB_FRAME_ID
+FRAME_SIZE = STUB_FRAME_SIZE  # the probed context's rsp is frame + FRAME_SIZE
 
 # Mailbox layout (one per CPU, MAILBOX_SIZE bytes)
 MB_STATE, MB_BUSY, MB_FRAME, MB_CR3, MB_PERCPU, MB_CURRENT, MB_FINAL_IP, MB_FINAL_SP = (
@@ -48,7 +50,7 @@ MAILBOX_SIZE = 1 << MAILBOX_SHIFT
 STATE_IDLE, STATE_REQUEST, STATE_DONE = 0, 1, 2
 DETOUR_HEAD = 10  # push imm32 (5) + call rel32 (5)
 
-_PUSHED = ("rax", "rcx", "rdx", "rbx", "rbp", "rsi", "rdi", "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15")
+_PUSHED = tuple(reversed(STUB_FRAME_GPRS))  # pushed in this order, they lie in the frame's
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,6 @@ __all__ = [
     "prepare_kprobe",
     "resume_singlestep",
     "search_exception_tables",
-    "singlestep_done",
     "synthesize_relcall",
     "synthesize_reljump",
 ]
@@ -153,7 +152,8 @@ def prepare_emulation(insn: Insn, where: str | None = None) -> str | None:
     run them with interrupts re-enabled. qprobe steps with the gdbstub, which
     does not use the guest's TF flag either, so the flags they push or pop are
     genuine and they are single-stepped like anything else. (Under KVM the
-    step does set the real TF; resume_singlestep() clears it from a pushf.)
+    step does set the real TF; resume_singlestep() clears it from a pushf,
+    given the memory, as the dispatcher gives it.)
     Raises CannotProbe for forms that are neither.
     """
     instr = insn.instr
@@ -304,15 +304,6 @@ def prepare_kprobe(
         except DisplacementOverflow:
             boostable = False
     return PreparedInsn(addr, insn, copy, slot_addr, None, boostable, in_table)
-
-
-def singlestep_done(prep: PreparedInsn, ip: int) -> bool:
-    """True once a step of the copy has left ``slot_addr``.
-
-    A rep-prefixed string instruction stops after each iteration with ip
-    still on the copy; keep stepping while this is False.
-    """
-    return ip != prep.slot_addr
 
 
 class StepRegs(Protocol):

@@ -17,23 +17,9 @@ stop the VM.
 
 from __future__ import annotations
 
-import struct
-
 from iced_x86 import Decoder, InstructionInfoFactory, OpAccess, Register
 
-# struct pt_regs on x86_64, in memory order (the last five are the hardware frame).
-PT_REGS_ORDER = ("r15", "r14", "r13", "r12", "rbp", "rbx", "r11", "r10", "r9", "r8", "rax", "rcx", "rdx", "rsi",
-                 "rdi", "orig_ax", "rip", "cs", "eflags", "rsp", "ss")  # fmt: skip
-PT_REGS_SIZE = 8 * len(PT_REGS_ORDER)
-PT_GPRS = PT_REGS_ORDER[:15]
-FRAME_OFFSET = 8 * PT_REGS_ORDER.index("rip")  # where the hardware frame starts in pt_regs
 MAX_INSNS = 12  # the read is in the handler's first few instructions
-
-
-def parse_pt_regs(raw: bytes) -> dict[str, int]:
-    """A struct pt_regs read from guest memory, by field (gdb's register names)."""
-    return dict(zip(PT_REGS_ORDER, struct.unpack(f"<{len(PT_REGS_ORDER)}Q", raw[:PT_REGS_SIZE]), strict=True))
-
 
 _WRITES = (OpAccess.WRITE, OpAccess.READ_WRITE, OpAccess.COND_WRITE, OpAccess.READ_COND_WRITE)
 _RDI = (Register.RDI, Register.EDI, Register.DI, Register.DIL)

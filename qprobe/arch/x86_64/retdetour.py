@@ -1,6 +1,6 @@
 """Return probes whose instances live in guest RAM: the entry detour and the return trampolines.
 
-The issue's design, and the kernel's own (struct kretprobe_instance in a pool
+As the kernel's own design (struct kretprobe_instance in a pool
 of ``maxactive``): the entry detour of a jump-optimized kretprobe takes a free
 instance from its probe's slice of an instance array in the scratch area,
 saves the return address in it, and replaces the return address on the stack
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from iced_x86 import BlockEncoder, Code, Instruction, Register
 
+from qprobe.arch import Pool
 from qprobe.arch.x86_64.boost import synthesize_reljump
 from qprobe.arch.x86_64.detour import _mem, encode_detour, locked_inc, restore_regs, save_regs, simm32
 
@@ -119,15 +120,6 @@ def common_offsets(p: RetParams) -> tuple[int, int]:
     code = _common(p, p.trampolines + p.count * TRAMP_STRIDE)
     first = code.index(b"\xcc")
     return first, len(code) - 1
-
-
-@dataclass(frozen=True)
-class Pool:
-    """One kretprobe's slice of the instance array."""
-
-    first: int  # index of its first instance
-    count: int
-    owner: int
 
 
 def build_entry_detour(

@@ -7,9 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from qprobe.arch.x86_64.arch import X86_64
 from qprobe.core.blacklist import Blacklist, BlacklistEntry
 from qprobe.errors import SymbolError
 from qprobe.kernel.symbols import Section, Symbol, Symbols
+
+ARCH_SECTIONS = X86_64().arch_populate_kprobe_blacklist(None)
 
 SLIDE = 0x1E0_0000
 T = 0xFFFF_FFFF_8100_0000  # link-time text base
@@ -78,7 +81,7 @@ def running(name: str) -> tuple[int, int]:
 
 @pytest.fixture
 def blacklist() -> Blacklist:
-    return Blacklist(FakeSymbols())  # type: ignore[arg-type]
+    return Blacklist(FakeSymbols(), ARCH_SECTIONS)  # type: ignore[arg-type]
 
 
 def test_sections(blacklist: Blacklist) -> None:
@@ -91,7 +94,7 @@ def test_sections(blacklist: Blacklist) -> None:
 
 def test_functions_are_deduplicated_sorted_and_slid() -> None:
     syms = FakeSymbols()
-    bl = Blacklist(syms)  # type: ignore[arg-type]
+    bl = Blacklist(syms, ARCH_SECTIONS)  # type: ignore[arg-type]
     assert [(e.name, e.start, e.end) for e in bl.functions] == [
         ("do_int3", *running("do_int3")),
         ("kprobe_handler", *running("kprobe_handler")),
@@ -134,14 +137,14 @@ def test_debugfs_format() -> None:
 
 
 def test_no_slide() -> None:
-    bl = Blacklist(FakeSymbols(slide=0))  # type: ignore[arg-type]
+    bl = Blacklist(FakeSymbols(slide=0), ARCH_SECTIONS)  # type: ignore[arg-type]
     assert bl.lookup(FUNCS["notify_die"][0]) is not None
     assert bl.lookup(FUNCS["notify_die"][0] + SLIDE) is None
 
 
 def test_empty_blacklist_array() -> None:
     names = {**LINK_SYMBOLS, "__stop_kprobe_blacklist": LINK_SYMBOLS["__start_kprobe_blacklist"]}
-    bl = Blacklist(FakeSymbols(names=names))  # type: ignore[arg-type]
+    bl = Blacklist(FakeSymbols(names=names), ARCH_SECTIONS)  # type: ignore[arg-type]
     assert bl.functions == [] and len(bl) == 3
     assert bl.lookup(running("do_int3")[0]) is None
 
@@ -159,7 +162,7 @@ def test_with_real_symbols(tmp_path: Path) -> None:
     ]
     syms = Symbols(vmlinux, "00" * 20, rows, sections)
     syms.slide = SLIDE
-    bl = Blacklist(syms)
+    bl = Blacklist(syms, ARCH_SECTIONS)
     assert [e.name for e in bl.functions] == ["do_int3", "kprobe_handler", "notify_die", "exc_int3_helper"]
     hit = bl.lookup(running("kprobe_handler")[0] + 1)
     assert hit is not None and hit.name == "kprobe_handler"

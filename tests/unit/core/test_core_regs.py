@@ -7,7 +7,10 @@ import struct
 
 import pytest
 
-from qprobe.core.regs import ARG_REGS, PT_REGS, PtRegs, regs_get_kernel_argument, regs_return_value
+from qprobe.arch.x86_64.arch import X86_64
+from qprobe.arch.x86_64.ptregs import ARG_REGS
+from qprobe.arch.x86_64.ptregs import GDB_NAME as PT_REGS
+from qprobe.core.regs import PtRegs, regs_get_kernel_argument, regs_return_value
 from qprobe.target.memory import MemoryFault
 
 PAGE = 4096
@@ -59,7 +62,14 @@ def make(values: dict[str, int] | None = None, mem: FakeMem | None = None, symbo
     mem = mem or FakeMem()
     # Stack at function entry: return address, then arguments 7, 8, 9.
     mem.write(SP, struct.pack("<4Q", 0xFFFF_FFFF_8120_0000, 0x77, 0x88, 0x99))
-    return PtRegs(dict(GDB_VALUES if values is None else values), "p1.2", 1, mem, symbols), mem  # type: ignore[arg-type]
+    return PtRegs(
+        dict(GDB_VALUES if values is None else values),
+        "p1.2",
+        1,
+        mem,
+        symbols,  # type: ignore[arg-type]
+        layout=X86_64.registers,
+    ), mem
 
 
 @pytest.mark.parametrize(("pt", "gdb"), sorted(PT_REGS.items()))

@@ -7,7 +7,8 @@ import struct
 from iced_x86 import BlockEncoder, Code, Decoder, Instruction, Register
 
 from qprobe.arch.x86_64.detour import _mem
-from qprobe.arch.x86_64.int3hook import PT_REGS_ORDER, PT_REGS_SIZE, parse_pt_regs, watch_site
+from qprobe.arch.x86_64.int3hook import watch_site
+from qprobe.arch.x86_64.ptregs import PT_REGS_ORDER, PT_REGS_SIZE, parse_pt_regs
 
 BASE, REFS = 0xFFFFFFFF81005E40, 0xFFFFFFFF828BC52C
 

@@ -1,0 +1,341 @@
+"""x86_64 as the core sees it: the :class:`qprobe.arch.Arch` object, over the modules of this package.
+
+Each method is the x86 half of a kernel hook (arch/x86/kernel/kprobes/
+core.c and opt.c) or of qprobe's host-side additions; the work is done by
+the modules it names.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Mapping
+
+from qprobe.arch import (
+    DetourParams,
+    MailboxRequest,
+    Memory,
+    PercpuLayout,
+    RegisterLayout,
+    Resume,
+    ResumeKind,
+    ReturnLayout,
+    RingEntry,
+    Trap,
+    TrapHook,
+)
+from qprobe.arch.x86_64 import detour, guestagg, guestfilter, retdetour
+from qprobe.arch.x86_64.boost import INT3_INSN_OPCODE, JMP32_INSN_SIZE, synthesize_reljump
+from qprobe.arch.x86_64.decode import check_boundary, decode_all
+from qprobe.arch.x86_64.emulate import emulate
+from qprobe.arch.x86_64.insn import (
+    PreparedInsn,
+    arch_adjust_kprobe_addr,
+    copy_instruction,
+    is_endbr,
+    prepare_kprobe,
+    resume_singlestep,
+)
+from qprobe.arch.x86_64.opt import can_optimize
+from qprobe.arch.x86_64.ptregs import (
+    ARG_REGS,
+    GDB_NAME,
+    HW_FRAME_SIZE,
+    KERNEL_CS,
+    KERNEL_DS,
+    PT_GPRS,
+    PT_REGS_SIZE,
+    X86_EFLAGS_RF,
+    X86_EFLAGS_TF,
+    parse_hw_frame,
+    parse_pt_regs,
+    parse_stub_frame,
+    stub_frame_offset,
+)
+
+_MAILBOX = struct.Struct(f"<{(detour.MB_REGS + detour.FRAME_SIZE) // 8}Q")  # a mailbox up to the end of its frame
+_ANSWER = struct.Struct("<2Q")  # MB_FINAL_IP, MB_FINAL_SP: written in one go
+assert detour.MB_FINAL_SP == detour.MB_FINAL_IP + 8
+
+# Functions whose return address must not be replaced: __switch_to returns on another task's
+# stack (the kernel's kretprobe_blacklist, arch/x86/kernel/kprobes/core.c before 5.18 and
+# kernel/kprobes.c's arch-independent list since), and these never return.
+KRETPROBE_BLACKLIST = frozenset({
+    "__switch_to", "do_exit", "do_group_exit", "make_task_dead", "panic", "kthread_exit",
+    "rewind_stack_and_make_dead", "__x64_sys_exit", "__x64_sys_exit_group", "machine_restart",
+    "emergency_restart", "__stack_chk_fail", "__ubsan_handle_builtin_unreachable", "start_kernel",
+    "cpu_startup_entry", "do_task_dead", "__do_sys_exit", "__do_sys_exit_group", "usercopy_abort",
+})  # fmt: skip
+
+
+class X86_64:
+    """The x86_64 implementation of :class:`qprobe.arch.Arch`."""
+
+    name = "x86_64"
+    breakpoint = bytes([INT3_INSN_OPCODE])
+    slot_size = 32  # MAX_INSN_SIZE (16) + a 5-byte jmp back, rounded up
+    jump_size = JMP32_INSN_SIZE
+    registers = RegisterLayout(GDB_NAME, ARG_REGS, {"cs": KERNEL_CS, "ss": KERNEL_DS})
+
+    mailbox_size = detour.MAILBOX_SIZE
+    ring_header_size = detour.RING_HEADER
+    ring_entries = detour.RING_ENTRIES
+    ring_entry_size = detour.ENTRY_SIZE
+    ring_head, ring_tail = detour.R_HEAD, detour.R_TAIL
+    instance_size = retdetour.INSTANCE_SIZE
+    keyed_table_size = guestagg.TABLE_SIZE
+    trampoline_id = retdetour.TRAMPOLINE_ID
+
+    # -- instructions (core.c) -------------------------------------------------------------
+    def arch_adjust_kprobe_addr(self, func_code: bytes, func_start: int, offset: int) -> int:
+        return arch_adjust_kprobe_addr(func_code, func_start, offset)[0]
+
+    def entry_skip(self, func_code: bytes) -> int:
+        """Bytes at a function's start that are not its entry for probes: an ENDBR's 4, else 0."""
+        return 4 if is_endbr(func_code) else 0
+
+    def check_boundary(self, code: bytes, func_start: int, addr: int, patched: Mapping[int, int], name: str) -> None:
+        check_boundary(code, func_start, addr, patched=patched, name=name)
+
+    def arch_prepare_kprobe(
+        self, code: bytes, addr: int, slot: int, where: str, exception_table: object
+    ) -> PreparedInsn:
+        return prepare_kprobe(code, addr, slot, where=where, exception_table=exception_table)  # type: ignore[arg-type]
+
+    def arch_slot_code(self, prep: PreparedInsn) -> bytes:  # type: ignore[override]
+        """What goes in the slot: the copy, followed by a jump back if it may be boosted."""
+        return prep.boosted_copy() if prep.boostable else prep.copy
+
+    def arch_setup_resume(self, prep: PreparedInsn, regs: object, mem: Memory, may_boost: bool) -> Resume:  # type: ignore[override]
+        """setup_singlestep(): emulate on the host, boost, or single-step the copy."""
+        pt = regs
+        if prep.emulate is not None:
+            emulate(prep, pt, mem)  # type: ignore[arg-type]
+            return Resume(ResumeKind.CONTINUE, pt.ip, pt.sp, pt.flags, pt.dirty())  # type: ignore[attr-defined]
+        if may_boost and prep.boostable:
+            # The kprobe-booster: the copy in the slot is followed by a jmp back, so the vCPU
+            # just runs it: one VM stop per hit instead of two.
+            return Resume(ResumeKind.BOOST, prep.slot_addr, pt.sp, pt.flags, pt.dirty(),  # type: ignore[attr-defined]
+                          jump_back=prep.addr + prep.insn.length)  # fmt: skip
+        # The gdbstub steps the copy; TF and RF stay clear so that the guest sees neither.
+        flags = pt.flags & ~(X86_EFLAGS_TF | X86_EFLAGS_RF)  # type: ignore[attr-defined]
+        return Resume(ResumeKind.STEP, prep.slot_addr, pt.sp, flags, pt.dirty())  # type: ignore[attr-defined]
+
+    def step_left_slot(self, prep: PreparedInsn, ip: int) -> bool:  # type: ignore[override]
+        """Whether a step that should end in the slot ended elsewhere (the copy faulted)."""
+        return prep.resume_fixes_ip and not prep.slot_addr <= ip <= prep.slot_addr + len(prep.copy)
+
+    def arch_resume_singlestep(self, prep: PreparedInsn, regs: object, mem: Memory) -> None:  # type: ignore[override]
+        resume_singlestep(prep, regs, mem)  # type: ignore[arg-type]
+
+    def arch_fault_frame(self, prep: PreparedInsn, sp: int, read_u64: Callable[[int], int]) -> tuple[int, int] | None:  # type: ignore[override]
+        """Where the exception frame of a faulting copy holds its ip, and the ip it should hold.
+
+        As kprobe_fault_handler does for KPROBE_HIT_SS: the frame's ip moves
+        from the slot back to the probe address, so the kernel's fixup
+        (exception tables) and oops reports see the real text.
+        """
+        lo, hi = prep.slot_addr, prep.slot_addr + len(prep.copy)
+        for off in (0, 8):  # with and without an error code
+            frame_ip = read_u64(sp + off)
+            if lo <= frame_ip <= hi:
+                return sp + off, prep.addr + frame_ip - lo
+        return None
+
+    # -- traps -------------------------------------------------------------------------------
+    def decode_trap(self, hook: TrapHook, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> Trap:
+        """The trapped context of a stop on the #BP entry or in poke_int3_handler (see int3hook)."""
+        if hook is TrapHook.ENTRY:
+            frame = parse_hw_frame(read(regs["rsp"], HW_FRAME_SIZE))
+            return Trap(frame["rip"] - 1, frame["rsp"], frame["eflags"], regs, user=bool(frame["cs"] & 3))
+        pt = parse_pt_regs(read(regs["rdi"], PT_REGS_SIZE))
+        gprs = {name: pt[name] for name in PT_GPRS}
+        return Trap(pt["rip"] - 1, pt["rsp"], pt["eflags"], {**regs, **gprs}, gprs, user=bool(pt["cs"] & 3))
+
+    def resume_registers(self, resume: Resume) -> dict[str, int]:
+        out = dict(resume.changed)
+        if resume.sp is not None:
+            out["rsp"] = resume.sp
+        if resume.flags is not None:
+            out["eflags"] = resume.flags
+        out["rip"] = resume.ip
+        return out
+
+    def ip(self, regs: Mapping[str, int]) -> int:
+        return regs["rip"]
+
+    def sp(self, regs: Mapping[str, int]) -> int:
+        return regs["rsp"]
+
+    def flags(self, regs: Mapping[str, int]) -> int:
+        return regs["eflags"]
+
+    def user_mode(self, regs: Mapping[str, int]) -> bool:
+        return bool(regs["cs"] & 3)
+
+    def percpu_base(self, regs: Mapping[str, int]) -> int:
+        return regs["gs_base"]
+
+    # -- the blacklist -------------------------------------------------------------------
+    def arch_populate_kprobe_blacklist(self, symbols: object) -> list[tuple[str, str, str]]:
+        """The entry code, which runs before the trap reaches a handler (x86's own addition)."""
+        return [("__entry_text_start", "__entry_text_end", ".entry.text")]
+
+    def arch_kretprobe_blacklist(self) -> frozenset[str]:
+        return KRETPROBE_BLACKLIST
+
+    # -- jump optimization (opt.c) ----------------------------------------------------------
+    def arch_check_optimized_kprobe(self, func_code: bytes, func_start: int, addr: int, exception_table: object,
+                                    patched: Mapping[int, int], name: str) -> tuple[str | None, int]:  # fmt: skip
+        check = can_optimize(func_code, func_start, addr, exception_table, patched=patched, name=name)  # type: ignore[arg-type]
+        return (None if check.ok else check.reason), check.size
+
+    def arch_prepare_optimized_kprobe(self, params: DetourParams, region: bytes, addr: int, near: int,
+                                      alloc: Callable[[int], int]) -> tuple[int, bytes, int]:  # fmt: skip
+        """(the detour's address, its code, where its continue label is) for the ``region`` at ``addr``.
+
+        ``alloc(size)`` places the detour; ``near`` is any address in the same area (to size its head).
+        """
+        build = self._detour_builder(params)
+        insns = decode_all(region, addr)
+        head = build(near, b"")[1]  # the head's size does not depend on where it is placed
+        total = head + sum(len(copy_instruction(i, addr)) for i in insns) + JMP32_INSN_SIZE
+        at = alloc(total + 16)
+        relocated = b""
+        for insn in insns:
+            relocated += copy_instruction(insn, at + head + len(relocated))
+        code, got = build(at, relocated)
+        assert got == head
+        return at, code, at + head
+
+    def _detour_builder(self, p: DetourParams) -> Callable[[int, bytes], tuple[bytes, int]]:
+        if p.kind == "count":
+            return lambda at, rel: (detour.build_count_detour(at, p.counter, rel, p.resume), detour.COUNT_HEAD)
+        if p.kind == "filtered":
+            return lambda at, rel: guestfilter.build_filtered_detour(at, p.guest_filter, p.probe_id, p.stub,
+                                                                     p.counter, rel, p.resume)  # fmt: skip
+        if p.kind == "keyed":
+            spec = p.guest_key
+            assert isinstance(spec, guestagg.KeySpec)
+            return lambda at, rel: guestagg.build_keyed_detour(at, spec, p.tables, p.cpu_number, p.counter, p.lost,
+                                                               rel, p.resume)  # fmt: skip
+        if p.kind == "retentry":
+            ret, pool = p.returns, p.pool
+            assert isinstance(ret, retdetour.RetParams) and pool is not None
+            return lambda at, rel: retdetour.build_entry_detour(at, ret, pool, p.counter, p.missed, rel, p.resume)
+        return lambda at, rel: (detour.build_detour(at, p.probe_id, p.stub, rel, p.resume), detour.DETOUR_HEAD)
+
+    def arch_optimize_kprobes(self, addr: int, detour_addr: int) -> bytes:
+        """The jump that replaces the probed instructions."""
+        return synthesize_reljump(addr, detour_addr)
+
+    def arch_unoptimize_kprobes(self, jump: bytes, original: bytes) -> bytes:
+        return original
+
+    def arch_within_optimized_kprobe(self, addr: int, size: int, target: int) -> bool:
+        """Whether ``target`` lies in the displaced instructions of a probe at ``addr`` (other than their start)."""
+        return addr < target < addr + size
+
+    # -- guest-RAM layouts of the optimized path -----------------------------------------------
+    def build_mailbox_stub(self, mailboxes: int, missed: int, percpu: PercpuLayout, port: int, address: int) -> bytes:
+        params = detour.StubParams(mailboxes, missed, percpu.cpu_number, percpu.this_cpu_off, percpu.current_task,
+                                   port)  # fmt: skip
+        return detour.build_stub(params, address)
+
+    def build_record_stub(self, rings: int, ncpus: int, lost: int, percpu: PercpuLayout, pid_offset: int,
+                          comm_offset: int, address: int) -> bytes:  # fmt: skip
+        params = detour.RecordParams(rings, rings + detour.RING_HEADER * ncpus, lost, percpu.cpu_number,
+                                     percpu.current_task, pid_offset, comm_offset)  # fmt: skip
+        return detour.build_record_stub(params, address)
+
+    def return_layout(self, instances: int, count: int, trampolines: int, returns: int, stub: int,
+                      current_task: int) -> ReturnLayout:  # fmt: skip
+        return retdetour.RetParams(instances, count, trampolines, returns, stub, current_task)
+
+    def build_return_trampolines(self, layout: ReturnLayout) -> bytes:
+        assert isinstance(layout, retdetour.RetParams)
+        return retdetour.build_trampolines(layout)
+
+    def return_int3s(self, layout: ReturnLayout) -> tuple[int, int]:
+        """The shared return code's two int3s: after the mailbox call (busy mailbox), and on a bad instance."""
+        assert isinstance(layout, retdetour.RetParams)
+        common = layout.trampoline(layout.count)
+        busy, bad = retdetour.common_offsets(layout)
+        return common + busy, common + bad
+
+    def return_trampoline(self, address: int, stub: int) -> bytes:
+        """The stop-less kretprobe trampoline at ``address``: ``push 0; call stub; int3``."""
+        return detour.build_detour(address, retdetour.TRAMPOLINE_ID, stub, b"", 0)[: detour.DETOUR_HEAD] + b"\xcc"
+
+    def new_instance(self, owner: int, mailbox: bool) -> bytes:
+        """A free instance of ``owner``'s pool, whose return counts in the guest or goes to the mailbox."""
+        raw = bytearray(retdetour.INSTANCE_SIZE)
+        mode = retdetour.MODE_MAILBOX if mailbox else retdetour.MODE_COUNT
+        struct.pack_into("<II", raw, retdetour.I_OWNER, owner, mode)
+        return bytes(raw)
+
+    def parse_instances(self, raw: bytes) -> list[tuple[int, int, int, int]]:
+        """(n, slot, return address, task) of every taken instance in ``raw`` (consecutive instances)."""
+        out = []
+        for n in range(len(raw) // retdetour.INSTANCE_SIZE):
+            slot, ret, task = struct.unpack_from("<3Q", raw, n * retdetour.INSTANCE_SIZE + retdetour.I_SLOT)
+            if slot:
+                out.append((n, slot, ret, task))
+        return out
+
+    def instance_return_field(self, layout: ReturnLayout, i: int) -> int:
+        return layout.instance(i) + retdetour.I_RET
+
+    def trampoline_index(self, layout: ReturnLayout, value: int) -> int | None:
+        """If ``value`` is instance i's trampoline, i."""
+        if not layout.trampolines <= value < layout.trampoline(layout.count):
+            return None
+        return (value - layout.trampolines) // retdetour.TRAMP_STRIDE
+
+    def read_mailbox(self, read: Callable[[int, int], bytes]) -> MailboxRequest | None:
+        """The request in a CPU's mailbox (``read(offset, size)`` reads it), or None if there is none.
+
+        The state is read first: the stub writes everything else before it publishes REQUEST.
+        """
+        if int.from_bytes(read(detour.MB_STATE, 8), "little") != detour.STATE_REQUEST:
+            return None
+        raw = read(0, _MAILBOX.size)  # the header words and the frame, in one read
+        box = _MAILBOX.unpack(raw)
+        values, continue_addr, probe_id = parse_stub_frame(raw[detour.MB_REGS :])
+        frame = box[detour.MB_FRAME // 8]
+        values.update(rsp=frame + detour.FRAME_SIZE, cr3=box[detour.MB_CR3 // 8], gs_base=box[detour.MB_PERCPU // 8])
+        return MailboxRequest(probe_id, values, continue_addr, frame, frame + detour.FRAME_SIZE)
+
+    def mailbox_answer(self, changed: Mapping[str, int], final_ip: int, final_sp: int) -> list[tuple[int, bytes]]:
+        """(offset, bytes) writes that answer a request, in order; the last publishes DONE in one store."""
+        writes = []
+        for name, value in changed.items():
+            off = stub_frame_offset(name)
+            if off is not None:
+                writes.append((detour.MB_REGS + off, value.to_bytes(8, "little")))
+        writes.append((detour.MB_FINAL_IP, _ANSWER.pack(final_ip, final_sp)))
+        writes.append((detour.MB_STATE, detour.STATE_DONE.to_bytes(8, "little")))
+        return writes
+
+    def parse_ring_entry(self, raw: bytes) -> RingEntry:
+        values, _ret, probe_id = parse_stub_frame(raw)
+        cpu_pid, task, sp, tsc = (int.from_bytes(raw[o : o + 8], "little")
+                                  for o in (detour.E_CPU_PID, detour.E_TASK, detour.E_SP, detour.E_TSC))  # fmt: skip
+        pid = cpu_pid >> 32
+        comm = raw[detour.E_COMM : detour.E_COMM + 16].split(b"\0")[0].decode(errors="replace")
+        values.update(rsp=sp)
+        return RingEntry(probe_id, cpu_pid & 0xFFFFFFFF, pid - (1 << 32) if pid >> 31 else pid, comm, task, tsc, sp,
+                         values)  # fmt: skip
+
+    ring_entry_read_size = detour.E_SP + 8
+
+    def parse_keyed_table(self, raw: bytes) -> dict[int, int]:
+        """key -> count over one or more CPUs' keyed tables."""
+        out: dict[int, int] = {}
+        for i in range(len(raw) // guestagg.SLOT_SIZE):
+            key, count = struct.unpack_from("<2Q", raw, i * guestagg.SLOT_SIZE)
+            if count:
+                out[key] = out.get(key, 0) + count
+        return out
+
+
+__all__ = ["KRETPROBE_BLACKLIST", "X86_64"]

@@ -1,0 +1,323 @@
+"""The trap path, top to bottom: a VM stop becomes handlers and one :class:`~qprobe.arch.Resume`.
+
+The host hears of a guest breakpoint through a hook (see ``install``): a
+breakpoint on the #BP entry, or a read watchpoint inside the kernel's #BP
+handler where it has the trap's pt_regs in hand.  Every stop then goes the
+same way, as ``kprobe_int3_handler`` does in the kernel:
+
+1. ``on_stop``: the stop loop's callback; somebody else's trap passes through.
+2. ``arch.decode_trap``: the trapped context, as before the breakpoint ran.
+3. ``_handle``: a kretprobe trampoline, a probe removed since the trap, a
+   re-entered vCPU (only ``nmissed`` counts), or the probe's pre_handlers
+   (``Handlers.pre``, the one place handlers run), then
+   ``arch.arch_setup_resume`` decides: emulated, boosted or single-stepped.
+4. ``apply``: the one place a vCPU's registers are written to resume it.  A
+   single-step comes back here once, for the post_handlers and the ip mapped
+   back from the slot (``_after_singlestep``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+from qprobe.arch import Arch, Resume, ResumeKind, Trap, TrapHook
+from qprobe.core.handlers import Handlers
+from qprobe.core.kprobe import Kprobe
+from qprobe.core.point import KprobeCtlblk, KprobeStatus, ProbePoint
+from qprobe.core.regs import PtRegs
+from qprobe.errors import ProbeError
+from qprobe.kernel.features import find_watch_site, int3_entry
+from qprobe.kernel.program import KernelData
+from qprobe.target.gdbremote import WATCH_READ
+from qprobe.target.machine import Machine
+
+log = logging.getLogger("qprobe.kprobes")
+MAX_STEP_RETRIES = 1 << 16
+
+# An int3 in the scratch area that is not a probe (a kretprobe trampoline's): given the
+# registers at the trap (sp and flags as before the int3), it runs its handlers and returns the ip to resume at.
+Trampoline = Callable[[PtRegs], int]
+
+
+class Registry(Protocol):
+    """What the dispatcher reads of the probe table (``qprobe.core.kprobes.KprobeManager``)."""
+
+    points: dict[int, ProbePoint]
+    touched: set[int]
+    trampolines: dict[int, Trampoline]
+    resume_targets: dict[int, float]
+
+    def make_regs(self, values: Mapping[str, int], tid: str) -> PtRegs: ...
+    def may_boost(self, point: ProbePoint, active: list[Kprobe]) -> bool: ...
+
+
+class Dispatcher:
+    """Owns the int3 hook and turns each trap into handlers and one resume (stop-loop thread)."""
+
+    def __init__(self, machine: Machine, kernel: KernelData, arch: Arch, registry: Registry,
+                 handlers: Handlers) -> None:  # fmt: skip
+        self.machine = machine
+        self.kernel = kernel
+        self.arch = arch
+        self.registry = registry
+        self.handlers = handlers
+        self.ctlblk: dict[str, KprobeCtlblk] = {tid: KprobeCtlblk() for tid in machine.vcpus}
+        self.int3_entry = int3_entry(kernel.symbols)
+        self.hooked = False
+        # The hook: a watchpoint in poke_int3_handler when found (watch_refs set), else a breakpoint
+        # on the #BP entry.  See qprobe.arch.x86_64.int3hook: a watchpoint stop costs the guest no
+        # re-translation, a breakpoint stop does.
+        self.watch_int3 = True
+        self.watch_refs, self.watch_safe = 0, frozenset[int]()
+        self.passed_through = 0
+        self.ntraps = 0  # int3 traps dispatched (each one a VM stop)
+
+    # -- the hook -------------------------------------------------------------------------
+    def install(self) -> None:
+        """Hear of every guest int3: a read watchpoint in the #BP handler if it can be found, else a breakpoint."""
+        if self.hooked:
+            return
+        site = find_watch_site(self.kernel) if self.watch_int3 else None
+        if site is not None:
+            self.watch_refs, self.watch_safe = site
+            self.machine.gdb.insert_breakpoint(self.watch_refs, WATCH_READ, 4)
+            self.machine.watch_handlers[self.watch_refs] = self.on_watch_stop
+            self.machine.after_stop = self.lost_traps
+        else:
+            self.machine.gdb.insert_breakpoint(self.int3_entry)
+            self.machine.stop_handlers[self.int3_entry] = self.on_entry_stop
+        self.hooked = True
+
+    def remove(self, final: bool = False) -> None:
+        """Remove the hook once nothing of ours can trap.
+
+        The watchpoint hook hears of a trap some thirty instructions after the
+        int3 ran, so it stays until the end (``final``), after its grace
+        period: a vCPU between an int3 we have just removed and the watched
+        read must still be sent back to the original instruction.
+        """
+        if not self.hooked or self.registry.trampolines or (self.watch_refs and not final):
+            return
+        self.drain()
+        if self.watch_refs:
+            self.machine.gdb.remove_breakpoint(self.watch_refs, WATCH_READ, 4)
+            del self.machine.watch_handlers[self.watch_refs]
+            self.machine.after_stop = None
+            self.watch_refs, self.watch_safe = 0, frozenset()
+        else:
+            self.machine.gdb.remove_breakpoint(self.int3_entry)
+            del self.machine.stop_handlers[self.int3_entry]
+        self.hooked = False
+
+    def drain(self) -> None:
+        """Finish every hit a vCPU is part way into, so the hook and the scratch area can go.
+
+        A vCPU can be stopped on the #BP entry with one of our traps pending, or
+        about to execute a trampoline's int3; left alone after the hook is
+        gone, the guest's own #BP handler would see an int3 it does not know.
+        """
+        for tid in self.machine.vcpus:
+            regs = self.machine.gdb.read_registers(tid)
+            ip = self.arch.ip(regs)
+            if ip == self.int3_entry and not self.watch_refs:
+                self.on_entry_stop(tid, regs)
+            elif self.watch_refs and ip in self.watch_safe:
+                self.on_watch_stop(tid, regs)
+            elif ip in self.registry.trampolines:
+                self._run(tid, Trap(ip, self.arch.sp(regs), self.arch.flags(regs), regs))
+
+    def arriving(self, regs: Mapping[str, int]) -> int | None:
+        """If a vCPU is stopped on the #BP entry with a trap still to dispatch, the trapped address."""
+        if self.arch.ip(regs) != self.int3_entry:
+            return None
+        return self.arch.decode_trap(TrapHook.ENTRY, regs, self.machine.mem.read).addr
+
+    # -- 1. the stop ------------------------------------------------------------------------------
+    def on_entry_stop(self, tid: str, regs: dict[str, int]) -> None:
+        """The breakpoint hook: the vCPU stopped on the #BP entry, the exception frame at its sp."""
+        trap = self.arch.decode_trap(TrapHook.ENTRY, regs, self.machine.mem.read)
+        if not self._ours(trap):
+            # Somebody else's int3: the guest's own #BP handler has it.  A gdb breakpoint sits on
+            # the entry; stepping executes its first instruction.
+            self.passed_through += 1
+            self.machine.gdb.step(tid)
+            return
+        self._dispatch(tid, trap)
+
+    def on_watch_stop(self, tid: str, regs: dict[str, int]) -> None:
+        """The watchpoint hook: the vCPU is inside poke_int3_handler, the trap's pt_regs in hand.
+
+        Any other read of the watched word (text_poke_bp's own) and any int3
+        not ours just continue, untouched.  For ours, every register goes back
+        to the trapped context's with the resume.
+        """
+        if self.arch.ip(regs) not in self.watch_safe:
+            return
+        trap = self.arch.decode_trap(TrapHook.WATCH, regs, self.machine.mem.read)
+        if self._ours(trap):
+            self._dispatch(tid, trap)
+
+    def lost_traps(self, handled: str | None) -> None:
+        """Handle the traps of vCPUs that wait right after the watched read without a stop of their own.
+
+        QEMU 7.2 reports one stop at a time: when a vCPU's debug stop comes
+        together with another (a second vCPU's, or our own interrupt), it is
+        dropped, and a watchpoint (unlike a breakpoint) does not fire again when
+        that vCPU goes on.  So after every stop, any vCPU sitting right after
+        the read is handled here (``handled``, whose stop was just dispatched,
+        is not looked at again; if a dropped stop does come later, its ip has
+        moved and it is ignored).
+        """
+        for tid in self.machine.vcpus:
+            if tid == handled:
+                continue
+            regs = self.machine.gdb.read_registers(tid)
+            if self.arch.ip(regs) in self.watch_safe:
+                self.on_watch_stop(tid, regs)
+
+    def _ours(self, trap: Trap) -> bool:
+        """Whether the trap is one of our int3s (or was, and the vCPU executed it before we removed it)."""
+        if trap.user:
+            return False
+        reg = self.registry
+        point = reg.points.get(trap.addr)
+        return trap.addr in reg.trampolines or (point is not None and point.armed) or (
+            trap.addr in reg.touched
+            and self.machine.mem.read(trap.addr, len(self.arch.breakpoint)) != self.arch.breakpoint)  # fmt: skip
+
+    # -- 2. and 3. decode, handle -------------------------------------------------------------------
+    def _dispatch(self, tid: str, trap: Trap) -> None:
+        self.ntraps += 1
+        self._run(tid, trap)
+
+    def _run(self, tid: str, trap: Trap) -> None:
+        """Handle one decoded trap and resume the vCPU (twice for a single-step: into the slot, and back)."""
+        ctl = self.ctlblk[tid]
+        reentered = ctl.status is not KprobeStatus.IDLE
+        ctl.status = KprobeStatus.HIT_ACTIVE
+        try:
+            point, active, resume = self._handle(tid, trap, reentered)
+            after = self.apply(tid, resume, trap.restore)
+            if resume.kind is ResumeKind.STEP:
+                assert point is not None
+                final = self._after_singlestep(point, tid, after, active)
+                if final is not None:
+                    self.apply(tid, final)
+        finally:
+            if not reentered:
+                ctl.status = KprobeStatus.IDLE
+
+    def _handle(self, tid: str, trap: Trap, reentered: bool) -> tuple[ProbePoint | None, list[Kprobe], Resume]:
+        """What the trap at ``trap.addr`` does: (its probe point, the probes whose handlers ran, the resume)."""
+        reg = self.registry
+        tramp = reg.trampolines.get(trap.addr)
+        if tramp is not None:
+            pt = self._regs(tid, trap)
+            ip = tramp(pt)
+            return None, [], Resume(ResumeKind.CONTINUE, ip, pt.sp, pt.flags, pt.dirty())
+        point = reg.points.get(trap.addr)
+        if point is None or not point.armed:
+            # Our int3 was removed after this vCPU executed it but before we saw
+            # the trap: back up and run the original instruction (as the kernel does).
+            return None, [], Resume(ResumeKind.CONTINUE, trap.addr, trap.sp, trap.flags)
+        pt = self._regs(tid, trap)
+        if reentered:
+            # A hit while this vCPU is handling a probe: counted as missed, its instruction still runs.
+            for kp in point.probes:
+                kp.nmissed += 1
+            return point, [], self._setup(point, pt, [])
+        active = point.active()
+        if self.handlers.pre(active, pt):
+            # A pre_handler changed ip and asked to skip the instruction.
+            return point, active, Resume(ResumeKind.CONTINUE, pt.ip, pt.sp, pt.flags, pt.dirty())
+        return point, active, self._setup(point, pt, active)
+
+    def _regs(self, tid: str, trap: Trap) -> PtRegs:
+        """The handlers' pt_regs: the state exactly as before the breakpoint."""
+        pt = self.registry.make_regs(trap.regs, tid)
+        pt.set_quietly("ip", trap.addr)
+        pt.set_quietly("sp", trap.sp)
+        pt.set_quietly("flags", trap.flags)
+        return pt
+
+    def _setup(self, point: ProbePoint, pt: PtRegs, active: list[Kprobe]) -> Resume:
+        """setup_singlestep: the arch decides from the prepared instruction (emulate, boost or step)."""
+        resume = self.arch.arch_setup_resume(point.prep, pt, _TaskMemory(self.machine, pt),
+                                             self.registry.may_boost(point, active))  # fmt: skip
+        if resume.kind is ResumeKind.CONTINUE:  # emulated on the host: the instruction has run
+            self.handlers.post(active, pt)
+            return Resume(ResumeKind.CONTINUE, pt.ip, pt.sp, pt.flags, pt.dirty())
+        if resume.kind is ResumeKind.BOOST:
+            point.boosted += 1
+            self.registry.resume_targets[resume.jump_back] = time.monotonic()
+        return resume
+
+    def _after_singlestep(self, point: ProbePoint, tid: str, after: dict[str, int],
+                          active: list[Kprobe]) -> Resume | None:  # fmt: skip
+        """The copy was stepped: the post_handlers, and the resume in the original text (None after a fault)."""
+        post = self.registry.make_regs(after, tid)
+        prep = point.prep
+        if self.arch.step_left_slot(prep, self.arch.ip(after)):
+            self._step_faulted(point, post, active)
+            return None  # the vCPU is at the exception's handler: nothing to write
+        self.arch.arch_resume_singlestep(prep, post, _TaskMemory(self.machine, post))
+        post.mark_clean()
+        self.handlers.post(active, post)
+        return Resume(ResumeKind.CONTINUE, post.ip, changed=post.dirty())
+
+    def _step_faulted(self, point: ProbePoint, post: PtRegs, active: list[Kprobe]) -> None:
+        """The copy raised an exception: make the guest see it at the original address."""
+        mem = self.machine.mem
+        frame = self.arch.arch_fault_frame(point.prep, post.sp, mem.read_u64)
+        if frame is not None:
+            where, ip = frame
+            self.machine.write_phys(mem.virt_to_phys(where), ip.to_bytes(8, "little"))
+        exc = ProbeError(f"the out-of-line copy of {point.where} faulted (guest exception at {post.symbolize()})")
+        for kp in active:
+            kp.nfaults += 1
+            self.handlers.fault(kp, post, exc)
+
+    # -- 4. the resume ---------------------------------------------------------------------------
+    def apply(self, tid: str, resume: Resume, restore: Mapping[str, int] | None = None) -> dict[str, int]:
+        """Write the vCPU's registers for ``resume`` (with ``restore`` under them); a STEP steps.
+
+        Returns the registers after a single-step (empty otherwise).
+        """
+        gdb = self.machine.gdb
+        gdb.write_registers(tid, {**(restore or {}), **self.arch.resume_registers(resume)})
+        if resume.kind is not ResumeKind.STEP:
+            return {}
+        for _ in range(MAX_STEP_RETRIES):
+            gdb.step(tid)
+            after = gdb.read_registers(tid)
+            # QEMU with MTTCG sometimes reports a step that executed nothing, and a
+            # rep-prefixed instruction stops after each iteration: step again.
+            if self.arch.ip(after) != resume.ip:
+                return after
+        raise ProbeError(f"single-step at {resume.ip:#x} never left the slot")
+
+
+class _TaskMemory:
+    """Memory for the emulator: reads through the task's tables, writes through the stub."""
+
+    def __init__(self, machine: Machine, pt: PtRegs) -> None:
+        self.machine = machine
+        self.pt = pt
+
+    def read(self, addr: int, size: int) -> bytes:
+        return self.pt.read(addr, size)
+
+    def write(self, addr: int, data: bytes) -> None:
+        phys = self.machine.mem.virt_to_phys(addr, self.pt._pgd)
+        if (phys & 0xFFF) + len(data) > 0x1000:
+            head = 0x1000 - (phys & 0xFFF)
+            self.write(addr, data[:head])
+            self.write(addr + head, data[head:])
+            return
+        self.machine.write_phys(phys, data)
+
+
+__all__ = ["Dispatcher", "Registry", "Trampoline"]

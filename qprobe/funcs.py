@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from qprobe.arch.x86_64.arch import X86_64
 from qprobe.core.blacklist import Blacklist
 from qprobe.errors import SymbolError
 from qprobe.fetch import messages as M
@@ -85,7 +86,8 @@ class Probeability:
         """From the vmlinux file alone, before anything boots (reserved sites as the file has them)."""
         # The BUG table's entry size needs the kernel's types; a function's entry is never a BUG site.
         reserved = ReservedText(symbols, symbols.file_bytes, None)
-        return cls(symbols, Blacklist(symbols), ftrace_locations(symbols), reserved, probe_dialect(symbols))
+        blacklist = Blacklist(symbols, X86_64().arch_populate_kprobe_blacklist(symbols))
+        return cls(symbols, blacklist, ftrace_locations(symbols), reserved, probe_dialect(symbols))
 
     @classmethod
     def of_target(cls, target: Target) -> Probeability:

@@ -56,7 +56,7 @@ from qprobe.target.qemu import SHM_PREFIX, SHM_ROOT, QemuConfig, QemuProcess, pa
 from qprobe.target.scratch import ScratchArea, memmap_reservation
 
 if TYPE_CHECKING:
-    from qprobe.events import EventHit, TraceEvent
+    from qprobe.events import EventHit, TraceEvent, Wildcard
     from qprobe.fetch.dialect import Dialect
     from qprobe.images import Image
 
@@ -392,6 +392,17 @@ class Target:
         from qprobe.events import add_event
 
         return add_event(self, definition, callback, filter)  # in self.events, or appended to its event there
+
+    def add_events(
+        self, definition: str, callback: Callable[[EventHit], None] | None = None, filter: str | None = None
+    ) -> Wildcard:
+        """Arm a definition on a glob (``p:vfs vfs_* fd=%di``): one event per function that can be probed.
+
+        The events are ``vfs/vfs_read``, ``vfs/vfs_write``...; ``.refused`` says why the other matches were not.
+        """
+        from qprobe.events import add_events
+
+        return add_events(self, definition, callback, filter)
 
     def remove_event(self, event: TraceEvent | str) -> None:
         """Disarm an event given as returned by add_event, as ``GRP/EVENT``, ``EVENT`` or ``-:EVENT``."""

@@ -21,7 +21,8 @@ from qprobe import __version__
 from qprobe.errors import FetchArgError, QprobeError
 
 if TYPE_CHECKING:
-    from qprobe.events import EventHit
+    from qprobe.api import Target
+    from qprobe.events import EventHit, TraceEvent
     from qprobe.fetch import ProbeEvent
     from qprobe.funcs import Probeability
 
@@ -114,6 +115,22 @@ def _check_symbols(args: argparse.Namespace, events: list[ProbeEvent]) -> None:
             raise QprobeError(f"{ev.text.strip()}: {exc}") from None
 
 
+def _arm(target: Target, text: str, callback: Callable[[EventHit], None] | None = None,
+         flt: str | None = None) -> list[TraceEvent]:  # fmt: skip
+    """One definition's events: one, or one per function its glob matches (the refused ones said on stderr)."""
+    from qprobe.fetch import ProbeEvent, parse_event
+    from qprobe.funcs import is_glob
+
+    ev = parse_event(text)
+    if not (isinstance(ev, ProbeEvent) and ev.symbol is not None and is_glob(ev.symbol)):
+        return [target.add_event(text, callback, flt)]
+    found = target.add_events(text, callback, flt)
+    refused = "".join(f"\n  {name}: {why}" for name, why in found.refused.items())
+    print(f"qprobe: {found.pattern}: {len(found.events)} probes, {len(found.refused)} refused{refused}",
+          file=sys.stderr, flush=True)  # fmt: skip
+    return found.events
+
+
 def _boot(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     import qprobe
 
@@ -182,7 +199,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     _check_symbols(args, parsed)
     status = 0
     with _boot(args) as target:
-        events = [target.add_event(text, show, args.filter) for text in args.events]
+        events = [te for text in args.events for te in _arm(target, text, show, args.filter)]
         try:
             if args.run:
                 result = target.run(args.run, timeout=args.timeout)
@@ -219,7 +236,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
     _check_symbols(args, [ev for ev in map(parse_event, args.events) if isinstance(ev, ProbeEvent)])
     with _boot(args) as target:
-        events = [target.add_event(text) for text in args.events]
+        events = [te for text in args.events for te in _arm(target, text)]
         try:
             print(target.list_probes(), end="")
         finally:

@@ -50,7 +50,7 @@ from qprobe.fetch.filter import Not as FNot
 from qprobe.fetch.filter import Or as FOr
 from qprobe.fetch.filter import Pred as FPred
 from qprobe.fetch.kstrto import kstrtoul, split_args
-from qprobe.funcs import did_you_mean
+from qprobe.funcs import Probeability, check_probe_symbol, did_you_mean, is_glob, wildcard_definitions
 from qprobe.kernel.tracefs import within_notrace_func
 
 if TYPE_CHECKING:
@@ -432,6 +432,9 @@ def _suggesting(target: Target, exc: FetchArgError) -> FetchArgError:
     symbol = re.split(r"[+%]", words[1][1], maxsplit=1)[0]
     if not symbol or symbol in target.symbols or kstrtoul(symbol, 0) is not None:
         return exc
+    if is_glob(symbol):
+        detail = "a wildcard makes one event per function: add_events()"
+        return FetchArgError(exc.reason, exc.text, exc.column, logged=exc.logged, detail=detail)
     hint = did_you_mean(target.symbols.names(), symbol)
     return FetchArgError(exc.reason, exc.text, exc.column, logged=exc.logged, detail=f"no symbol {symbol!r}{hint}")
 
@@ -456,10 +459,94 @@ def add_event(
     Refusals are the kernel's (its texts and carets, ``error_log`` style), including
     those it makes when it adds the probe to its event table or registers it.
     """
+    te, first = _prepare(target, text, callback, filter, target.symbols.count)
+    try:
+        _register(target, te)
+    except ProbeError as exc:
+        ev = te.definition
+        if isinstance(exc, NotKernelText) and ev.symbol is None and target.symbols.containing(ev.addr or 0) is None:
+            # An address kallsyms does not know is -ENOENT, which the kernel takes for a module's
+            # function not loaded yet: the event is created and its probe stays unregistered.
+            log.warning("%s: This probe might be able to register after target module is loaded. Continue.",
+                        te.name)  # fmt: skip
+            te.probe = None
+        else:
+            raise _registration_error(ev, exc, target.dialect) from exc
+    if first is not None:
+        first.appended.append(te)
+    else:
+        target.events[te.name] = te
+    return te
+
+
+@dataclass
+class Wildcard:
+    """The events a definition on a glob made: one per function that could be probed, and the refusals."""
+
+    pattern: str
+    events: list[TraceEvent]
+    refused: dict[str, str]  # function -> why it was not probed
+
+
+MAX_WILDCARD = 1000  # probes one glob may arm: more is almost always a pattern wider than meant
+
+
+def add_events(
+    target: Target, text: str, callback: Callable[[EventHit], None] | None = None, filter: str | None = None
+) -> Wildcard:
+    """A definition whose probe point is a glob (``p:vfs vfs_* fd=%di``): every match that can be probed, at once.
+
+    Each function gets its own event (see ``wildcard_definitions``); the ones the kernel
+    would refuse (notrace, blacklisted, not unique...) or whose definition it would refuse
+    are counted in ``refused`` with the reason.  The probes are registered as one batch.
+    """
+    words = split_args(text.split("#", 1)[0])
+    pattern = re.match(r"[^+%]*", words[1][1] if len(words) > 1 else "").group(0)  # type: ignore[union-attr]
+    found = check_probe_symbol(Probeability.of_target(target), pattern)
+    if not found:
+        raise FetchArgError("not a wildcard: use add_event()", text, words[1][0] if len(words) > 1 else 0)
+    refused = {f.name: f.reason for f in found if f.reason is not None}
+    definitions = wildcard_definitions(text, [f.name for f in found if f.reason is None])
+    if len(definitions) > MAX_WILDCARD:
+        raise ProbeError(f"{pattern!r} matches {len(definitions)} functions that can be probed; "
+                         f"qprobe arms at most {MAX_WILDCARD} at once (narrow the pattern)")  # fmt: skip
+    prepared: list[TraceEvent] = []
+    for func, definition in definitions:
+        try:
+            te, first = _prepare(target, definition, callback, filter, lambda _name: 1)  # found unique above
+        except FetchArgError as exc:
+            refused[func] = exc.explained
+            continue
+        if first is not None:
+            refused[func] = f"{target.dialect.message(M.EVENT_EXIST)} ({te.name})"
+            continue
+        prepared.append(te)
+    try:
+        _register_batch(target, prepared)
+    except ProbeError:
+        # One the host's checks passed was refused when registered: find which, one by one.
+        armed = []
+        for te in prepared:
+            try:
+                _register(target, te)
+            except ProbeError as exc:
+                refused[te.definition.symbol or ""] = str(exc)
+                continue
+            armed.append(te)
+        prepared = armed
+    for te in prepared:
+        target.events[te.name] = te
+    return Wildcard(pattern, prepared, dict(sorted(refused.items())))
+
+
+def _prepare(
+    target: Target, text: str, callback: Callable[[EventHit], None] | None, filter: str | None,
+    symbol_count: Callable[[str], int],
+) -> tuple[TraceEvent, TraceEvent | None]:  # fmt: skip
+    """The parsed, checked, unregistered event, and the existing event it would join (or None)."""
     symbols, dialect = target.symbols, target.dialect
     try:
-        ev = parse_event(text, symbol_exists=lambda name: name in symbols, dialect=dialect,
-                         symbol_count=symbols.count,
+        ev = parse_event(text, symbol_exists=lambda name: name in symbols, dialect=dialect, symbol_count=symbol_count,
                          on_func_entry=lambda sym, off: on_func_entry(target, sym, off))  # fmt: skip
     except FetchArgError as exc:
         raise _suggesting(target, exc) from None
@@ -476,41 +563,45 @@ def add_event(
                                                      symbols.address(ev.symbol) + ev.offset):  # fmt: skip
         # __register_trace_kprobe: "Could not probe notrace function", -EINVAL.
         raise _registration_error(ev, InvalidProbe(f"{ev.symbol} is a notrace function (EINVAL)"), dialect)
-    try:
-        _register(target, te)
-    except ProbeError as exc:
-        if isinstance(exc, NotKernelText) and ev.symbol is None and target.symbols.containing(ev.addr or 0) is None:
-            # An address kallsyms does not know is -ENOENT, which the kernel takes for a module's
-            # function not loaded yet: the event is created and its probe stays unregistered.
-            log.warning("%s: This probe might be able to register after target module is loaded. Continue.", name)
-            te.probe = None
-        else:
-            raise _registration_error(ev, exc, dialect) from exc
-    if first is not None:
-        first.appended.append(te)
-    else:
-        target.events[name] = te
-    return te
+    _make_probe(te)
+    return te, first
+
+
+def _make_probe(te: TraceEvent) -> None:
+    """The event's kprobe or kretprobe, not yet registered."""
+    ev = te.definition
+    if ev.is_return:
+        te.probe = Kretprobe(symbol_name=ev.symbol, addr=ev.addr if ev.symbol is None else None, offset=ev.offset,
+                             maxactive=ev.maxactive, handler=te._kretprobe_hit)  # fmt: skip
+        return
+    kp = Kprobe(symbol_name=ev.symbol, addr=ev.addr if ev.symbol is None else None, offset=ev.offset,
+                pre_handler=te._kprobe_hit)  # fmt: skip
+    if in_guest(ev):
+        te.in_guest = True
+        kp.recorder = te._guest_record
+        if te.filter is not None:
+            # Rejected in the detour, before the ring; the host filter still runs (the int3 path).
+            kp.guest_filter = guest_filter(ev, te.filter)
+    te.probe = kp
 
 
 def _register(target: Target, te: TraceEvent) -> None:
-    ev = te.definition
-    if ev.is_return:
-        rp = Kretprobe(symbol_name=ev.symbol, addr=ev.addr if ev.symbol is None else None, offset=ev.offset,
-                       maxactive=ev.maxactive, handler=te._kretprobe_hit)  # fmt: skip
-        te.probe = rp
-        target.register_kretprobe(rp)
-    else:
-        kp = Kprobe(symbol_name=ev.symbol, addr=ev.addr if ev.symbol is None else None, offset=ev.offset,
-                    pre_handler=te._kprobe_hit)  # fmt: skip
-        if in_guest(ev):
-            te.in_guest = True
-            kp.recorder = te._guest_record
-            if te.filter is not None:
-                # Rejected in the detour, before the ring; the host filter still runs (the int3 path).
-                kp.guest_filter = guest_filter(ev, te.filter)
-        te.probe = kp
-        target.register_kprobe(kp)
+    if isinstance(te.probe, Kretprobe):
+        target.register_kretprobe(te.probe)
+    elif te.probe is not None:
+        target.register_kprobe(te.probe)
+
+
+def _register_batch(target: Target, events: list[TraceEvent]) -> None:
+    """All or nothing, the kprobes in one batch (one grace period places every jump), then the kretprobes."""
+    kps = [te.probe for te in events if isinstance(te.probe, Kprobe)]
+    rps = [te.probe for te in events if isinstance(te.probe, Kretprobe)]
+    target.register_kprobes(kps)
+    try:
+        target.register_kretprobes(rps)
+    except BaseException:
+        target.unregister_kprobes(kps)
+        raise
 
 
 def remove_event(target: Target, te: TraceEvent) -> None:

@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING
 
 from qprobe.arch.x86_64.arch import X86_64
 from qprobe.core.blacklist import Blacklist
-from qprobe.errors import SymbolError
+from qprobe.errors import FetchArgError, SymbolError
 from qprobe.fetch import messages as M
 from qprobe.fetch.dialect import Dialect
+from qprobe.fetch.kstrto import split_args
 from qprobe.kernel.reserved import ReservedText
 from qprobe.kernel.symbols import Symbols
 from qprobe.kernel.tracefs import ftrace_locations, probe_dialect, within_notrace_func
@@ -41,6 +42,7 @@ __all__ = [
     "render_funcs",
     "suggest",
     "unknown_symbol",
+    "wildcard_definitions",
 ]
 
 _GLOB = re.compile(r"[*?\[]")
@@ -216,3 +218,44 @@ def render_funcs(prob: Probeability, patterns: Sequence[str]) -> tuple[str, str,
     plural = "s match" if len(found) > 1 else " matches"
     summary = f"{len(found)} function{plural} {what}: {len(found) - refused} can be probed, {refused} cannot{hints}"
     return "".join(line + "\n" for line in lines), summary, len(found)
+
+
+def wildcard_definitions(text: str, names: Sequence[str]) -> list[tuple[str, str]]:
+    """``(function, definition)`` for each of ``names``: the definition ``text`` with its glob replaced.
+
+    ``p:NAME GLOB ARGS`` (or ``p:GRP/ GLOB``) becomes ``p:NAME/FUNC FUNC ARGS`` for each
+    function: the name becomes the group and each event is named after its function
+    (``.`` made ``_``, as the kernel's default names do), so hits say which function
+    they came from, as bpftrace's ``func`` does.  Without a name the kernel's default
+    names (``p_FUNC_0``) apply in its ``kprobes`` group.  ``p:GRP/NAME GLOB`` is refused:
+    one name cannot be many events.
+    """
+    words = split_args(text.split("#", 1)[0])
+    if len(words) < 2:
+        raise FetchArgError(M.NO_PROBE_POINT, text, 0)
+    head, (col, point) = words[0][1], words[1]
+    m = re.fullmatch(r"([pr]\d*)(?::(.*))?", head)
+    if m is None:
+        raise FetchArgError(M.NOT_A_PROBE, text, 0)
+    kind, name = m.group(1), m.group(2)
+    group: str | None = None
+    if name is not None:
+        grp, sep, event = name.replace(".", "/", 1).partition("/")
+        if sep and event:
+            raise FetchArgError("A wildcard probe makes one event per function: name a group (p:GRP/) or p:NAME",
+                                text, words[0][0] + len(m.group(1)) + 1)  # fmt: skip
+        group = grp
+    glob_end = len(re.match(r"[^+%]*", point).group(0))  # type: ignore[union-attr]
+    rest = text[col + glob_end :]
+    out = []
+    seen: set[str] = set()
+    for func in names:
+        if group is None:
+            out.append((func, f"{kind} {func}{rest}"))
+            continue
+        event = func.replace(".", "_")[: M.MAX_EVENT_NAME_LEN - 1]
+        if event in seen:  # foo.part.0 and foo_part_0: the first keeps the name
+            continue
+        seen.add(event)
+        out.append((func, f"{kind}:{group}/{event} {func}{rest}"))
+    return out

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, TextIO
 from qprobe.errors import FetchArgError, ProbeError, QprobeError
 from qprobe.fetch import DeleteEvent, parse_event
 from qprobe.fetch import messages as M
-from qprobe.funcs import Probeability, render_funcs
+from qprobe.funcs import Probeability, is_glob, render_funcs
 
 from . import inspect_cmds as insp
 from .collect import Aggregation, Stack, Tap
@@ -161,6 +161,9 @@ class Shell:
                 self.armed.pop(te.name, None)
                 self.note(f"removed {te.name} ({te.nhit} hits)")
             return
+        if ev.symbol is not None and is_glob(ev.symbol):
+            self.wildcard(text)
+            return
         name = f"{ev.group}/{ev.event}"
         if name in self.target.events:
             head = text.split()[0]
@@ -171,8 +174,22 @@ class Shell:
         kind = "return probe" if ev.is_return else "probe"
         self.out.parts(("added ", None), (te.name, "event"), (f"  ({kind} on {ev.probe_point}{args})", "note"))
 
+    def wildcard(self, text: str) -> None:
+        """``p:vfs vfs_*``: one event per function that can be probed, in group ``vfs``; the refusals counted."""
+        found = self.target.add_events(text)
+        now = time.monotonic()
+        for te in found.events:
+            self.armed[te.name] = now
+        groups = sorted({te.definition.group for te in found.events})
+        self.out.parts(("added ", None), (f"{len(found.events)} events", "event"),
+                       (f"  ({' '.join(g + '/*' for g in groups)}: one per function matching {found.pattern})",
+                        "note"))  # fmt: skip
+        if found.refused:
+            self.note(f"{len(found.refused)} not probed: "
+                      + "; ".join(f"{name} ({why})" for name, why in found.refused.items()))  # fmt: skip
+
     def select(self, patterns: Sequence[str]) -> list[TraceEvent]:
-        """Events by name, ``GRP/EVENT`` or glob; all of them for no pattern."""
+        """Events by name, ``GRP/EVENT``, group or glob; all of them for no pattern."""
         events = list(self.target.events.values())
         if not patterns:
             if not events:
@@ -182,7 +199,7 @@ class Shell:
         for pat in patterns:
             pat = pat.removeprefix("-:")
             hits = [te for te in events if fnmatch.fnmatchcase(te.name, pat)
-                    or fnmatch.fnmatchcase(te.definition.event, pat)]  # fmt: skip
+                    or fnmatch.fnmatchcase(te.definition.event, pat) or te.definition.group == pat]  # fmt: skip
             if not hits:
                 raise ProbeError(f"no such event {pat!r} (ENOENT); `events` lists them")
             chosen += [te for te in hits if te not in chosen]

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from qprobe.core.blacklist import BlacklistEntry
-from qprobe.errors import SymbolError
+from qprobe.errors import FetchArgError, SymbolError
 from qprobe.fetch import messages as M
 from qprobe.fetch.dialect import Dialect
-from qprobe.funcs import Probeability, check_probe_symbol, is_glob, render_funcs, suggest
+from qprobe.funcs import Probeability, check_probe_symbol, is_glob, render_funcs, suggest, wildcard_definitions
 from qprobe.kernel.symbols import Section, Symbols
 
 T = 0xFFFF_FFFF_8100_0000
@@ -103,3 +103,29 @@ def test_render_funcs_lists_probeable_names_bare_and_refusals_with_why(prob: Pro
     assert summary == ("4 functions match 'vfs_*' 'ksys_raed': 2 can be probed, 2 cannot; "
                        "no function 'ksys_raed' (did you mean ksys_read, ksys_pread64?)")  # fmt: skip
     assert render_funcs(prob, ["nope*"]) == ("", "no function matches 'nope*'", 0)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("p:vfs vfs_* fd=%di", ["p:vfs/vfs_read vfs_read fd=%di", "p:vfs/f_isra_0 f.isra.0 fd=%di"]),
+        (
+            "r:grp/ vfs_*%return ret=$retval",
+            ["r:grp/vfs_read vfs_read%return ret=$retval", "r:grp/f_isra_0 f.isra.0%return ret=$retval"],
+        ),
+        ("p vfs_*+4", ["p vfs_read+4", "p f.isra.0+4"]),
+        ("r8:vfs vfs_*", ["r8:vfs/vfs_read vfs_read", "r8:vfs/f_isra_0 f.isra.0"]),
+    ],
+)
+def test_a_wildcard_definition_becomes_one_event_per_function(text: str, expected: list[str]) -> None:
+    out = wildcard_definitions(text, ["vfs_read", "f.isra.0"])
+    assert [d for _f, d in out] == expected
+    assert [f for f, _d in out] == ["vfs_read", "f.isra.0"]
+
+
+def test_a_wildcard_names_a_group_not_one_event() -> None:
+    with pytest.raises(FetchArgError, match="one event per function") as e:
+        wildcard_definitions("p:grp/ev vfs_*", ["vfs_read"])
+    assert e.value.column == 2
+    # Two functions whose names differ only by '.' and '_': the first keeps the event name.
+    assert wildcard_definitions("p:g x*", ["x.a", "x_a"]) == [("x.a", "p:g/x_a x.a")]

@@ -6,7 +6,9 @@ asked of its own kprobe_events in the same VM.
 
 from __future__ import annotations
 
+import collections
 import io
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +20,7 @@ from qprobe import cli
 from qprobe.shell import Shell
 
 from .conftest import IMAGE
-from .guest_oracle import guest_verdicts
+from .guest_oracle import TRACING, _put_file, guest_verdicts
 
 pytestmark = pytest.mark.vm
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,3 +83,76 @@ def test_shell_funcs(target: qprobe.Target) -> None:
     sh.execute("p:x ksys_raed fd=%di")
     assert "Invalid probed address or symbol: no symbol 'ksys_raed' (did you mean ksys_read" in out.getvalue()
     assert not target.events
+
+
+TRACE_LINE = re.compile(r"^\s*(?P<comm>.+)-(?P<pid>\d+)\s+\[(?P<cpu>\d+)\]\s+\S+\s+[\d.]+: (?P<event>\w+): ")
+WORK = "workload read 5 100; workload lseek 7; workload getppid 3"
+
+
+def _guest_counts(target: qprobe.Target, defs: list[str], flt: str) -> collections.Counter[str]:
+    """Hits per event of the guest kernel's own kprobe events ``defs`` (filtered by ``flt``) while WORK runs."""
+    _put_file(target, "/tmp/wild-defs", ("\n".join(defs) + "\n").encode())
+    try:
+        target.run(f"while read -r d; do echo \"$d\" >> {TRACING}/kprobe_events; done < /tmp/wild-defs; "
+                   f"for f in {TRACING}/events/gw/*/filter; do echo '{flt}' > $f; done; "
+                   f"echo > {TRACING}/trace; echo 1 > {TRACING}/events/gw/enable").check()  # fmt: skip
+        listed = target.run(f"grep -c '^p:gw/' {TRACING}/kprobe_events").check().output.split()[-1]
+        assert int(listed) == len(defs), "the guest refused a function qprobe probed"
+        target.run(WORK).check()
+        target.run(f"echo 0 > {TRACING}/events/gw/enable").check()
+        trace = target.run(f"cat {TRACING}/trace").check().output
+    finally:
+        target.run(f"echo 0 > {TRACING}/events/gw/enable; echo > {TRACING}/kprobe_events")
+    written = re.search(r"entries-in-buffer/entries-written: (\d+)/(\d+)", trace)
+    assert written and written[1] == written[2], "the guest's trace buffer overran"
+    return collections.Counter(m["event"] for line in trace.splitlines() if (m := TRACE_LINE.match(line)))
+
+
+def test_a_wildcard_probes_every_match_and_counts_what_the_guest_kernel_counts(
+    target: qprobe.Target, guard: dict[int, bytes]
+) -> None:
+    """`p:vfs vfs_*`: an event per probeable function, the refusals said; hits for the workload's process equal
+    the guest's own kprobe events on the same functions, run after ours on the same workload in the same VM."""
+    flt = 'comm == "workload"'
+    target.run(WORK).check()  # once before either count, so that both find the same caches warm
+    found = target.add_events("p:vfs vfs_* fd=%di", filter=flt)
+    try:
+        target.run(WORK).check()
+    finally:
+        for te in found.events:
+            target.remove_event(te)
+    probed = {te.definition.symbol: te for te in found.events}
+    assert all(te.name == f"vfs/{te.definition.symbol.replace('.', '_')}" for te in found.events)  # type: ignore[union-attr]
+    assert "vfs_read" in probed and set(found.refused) >= {"vfs_set_acl_prepare_kgid", "vfs_caches_init"}
+    assert found.refused["vfs_set_acl_prepare_kgid"].startswith("notrace")
+    # The guest kernel refuses every function qprobe refused, and takes every one it probed (counted below).
+    verdicts = guest_verdicts(target, [[f"p:qpw {name}"] for name in found.refused])
+    assert not any(v[0].ok for v in verdicts), dict(zip(found.refused, verdicts, strict=True))
+    guest = _guest_counts(target, [f"p:gw/{te.definition.event} {name}" for name, te in probed.items()], flt)
+    ours = {te.definition.event: te.nhit for te in found.events}
+    assert sum(ours.values()) >= 5 + 7 and sum(1 for n in ours.values() if n) >= 4, ours
+    assert ours == {event: guest.get(event, 0) for event in ours}, (ours, guest)
+
+
+def test_shell_wildcard_events_count_by_function(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    out = io.StringIO()
+    sh = Shell(target, out=out)
+
+    def do(line: str) -> list[str]:
+        out.seek(0)
+        out.truncate()
+        sh.execute(line)
+        return out.getvalue().splitlines()
+
+    try:
+        assert do("p:sk ksys_*seek* fd=%di") == ["added 1 events  (sk/*: one per function matching ksys_*seek*)"]
+        assert [te.name for te in target.events.values()] == ["sk/ksys_lseek"]
+        assert do("p:vfs vfs_read*")[0] == "added 3 events  (vfs/*: one per function matching vfs_read*)"
+        counts = do("count vfs sk run workload lseek 4")
+        assert "@[ksys_lseek]: 4" in counts, counts
+        removed = [line.split(" (")[0] for line in do("-:vfs/")]  # a group's every event, as kprobe_events takes it
+        assert removed == ["removed vfs/vfs_read", "removed vfs/vfs_readlink", "removed vfs/vfs_readv"]
+        assert do("events") == ["p:sk/ksys_lseek ksys_lseek fd=%di"]
+    finally:
+        for te in list(target.events.values()):
+            target.remove_event(te)

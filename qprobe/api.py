@@ -44,6 +44,7 @@ from qprobe.kernel.kaslr import detect_slide
 from qprobe.kernel.program import KernelData, Task
 from qprobe.kernel.symbols import Symbols
 from qprobe.kernel.tracefs import ftrace_locations, probe_dialect, trace_event_names
+from qprobe.modnotify import ModuleNotifier
 from qprobe.paths import cache_dir, read_private, write_private
 from qprobe.target.connection import Connection, parse_address
 from qprobe.target.console import Console, RunResult
@@ -372,6 +373,11 @@ class Target:
     def ftrace_locations(self) -> list[int]:
         """Every ``__fentry__`` site ftrace manages (from vmlinux), sorted; kprobe events need one in their function."""
         return ftrace_locations(self.symbols)
+
+    @functools.cached_property
+    def modules(self) -> ModuleNotifier:
+        """The guest's loaded modules, followed from the first probe on one (``start()``)."""
+        return ModuleNotifier(self)
 
     @functools.cached_property
     def trace_events(self) -> frozenset[tuple[str, str]]:

@@ -439,7 +439,28 @@ def _suggesting(target: Target, exc: FetchArgError) -> FetchArgError:
     return FetchArgError(exc.reason, exc.text, exc.column, logged=exc.logged, detail=f"no symbol {symbol!r}{hint}")
 
 
-def _registration_error(ev: ProbeEvent, exc: ProbeError, dialect: Dialect) -> FetchArgError:
+def _follow_modules(target: Target, text: str) -> None:
+    """Know the guest's modules before a definition whose probe point may be in one is checked.
+
+    ``MOD:SYM`` names a module's symbol; a plain name vmlinux lacks may be one
+    (kallsyms_lookup_name searches modules after vmlinux).  Without the
+    kernel's debug info a plain name stays unknown, and ``MOD:SYM`` is refused.
+    """
+    words = split_args(text.split("#", 1)[0])
+    if len(words) < 2 or words[0][1][:1] not in ("p", "r"):
+        return
+    name = re.split(r"[+%]", words[1][1], maxsplit=1)[0]
+    if not name or name[0].isdigit() or is_glob(name) or name in target.symbols or target.modules.started:
+        return
+    try:
+        target.modules.start()
+    except SymbolError:
+        if ":" in name:
+            raise
+        log.debug("modules not followed", exc_info=True)
+
+
+def _registration_error(ev: ProbeEvent, exc: ProbeError | SymbolError, dialect: Dialect) -> FetchArgError:
     """What ``__trace_kprobe_create`` logs when register_kprobe fails, with qprobe's reason as detail."""
     if isinstance(exc, NotInstructionBoundary):
         message = M.BAD_INSN_BNDRY  # -EILSEQ
@@ -459,14 +480,18 @@ def add_event(
     Refusals are the kernel's (its texts and carets, ``error_log`` style), including
     those it makes when it adds the probe to its event table or registers it.
     """
+    _follow_modules(target, text)
     te, first = _prepare(target, text, callback, filter, target.symbols.count)
     try:
         _register(target, te)
-    except ProbeError as exc:
-        ev = te.definition
-        if isinstance(exc, NotKernelText) and ev.symbol is None and target.symbols.containing(ev.addr or 0) is None:
-            # An address kallsyms does not know is -ENOENT, which the kernel takes for a module's
-            # function not loaded yet: the event is created and its probe stays unregistered.
+    except (ProbeError, SymbolError) as exc:
+        ev, symbols = te.definition, target.symbols
+        if (isinstance(exc, NotKernelText) and ev.symbol is None and symbols.containing(ev.addr or 0) is None) or (
+            isinstance(exc, SymbolError) and ev.symbol is not None and ev.symbol.split(":")[0] not in symbols.modules
+        ):
+            # A symbol or address kallsyms does not know is -ENOENT, which the kernel takes for a
+            # module's function not loaded yet: the event is created and its probe stays unregistered
+            # (for MOD:SYM, until that module loads).
             log.warning("%s: This probe might be able to register after target module is loaded. Continue.",
                         te.name)  # fmt: skip
             te.probe = None
@@ -559,7 +584,7 @@ def _prepare(
     if first is None and (ev.group, ev.event) in target.trace_events:
         raise FetchArgError(dialect.message(M.EVENT_EXIST), text, 0)
     te = TraceEvent(target, ev, callback, filter=None if filter is None else event_filter(ev, filter))
-    if ev.symbol is not None and within_notrace_func(symbols, target.ftrace_locations,
+    if ev.symbol is not None and ev.symbol in symbols and within_notrace_func(symbols, target.ftrace_locations,
                                                      symbols.address(ev.symbol) + ev.offset):  # fmt: skip
         # __register_trace_kprobe: "Could not probe notrace function", -EINVAL.
         raise _registration_error(ev, InvalidProbe(f"{ev.symbol} is a notrace function (EINVAL)"), dialect)
@@ -583,6 +608,12 @@ def _make_probe(te: TraceEvent) -> None:
             # Rejected in the detour, before the ring; the host filter still runs (the int3 path).
             kp.guest_filter = guest_filter(ev, te.filter)
     te.probe = kp
+
+
+def register_probe(target: Target, te: TraceEvent) -> None:
+    """Make the event's probe anew from its definition and register it (a module's event, when it loads)."""
+    _make_probe(te)
+    _register(target, te)
 
 
 def _register(target: Target, te: TraceEvent) -> None:

@@ -191,6 +191,8 @@ def check_probe_symbol(prob: Probeability, symbol: str, offset: int = 0) -> list
             raise SymbolError(f"none of the {len(found)} functions matching {symbol!r} can be probed "
                               f"({first.name}: {first.reason})")  # fmt: skip
         return found
+    if ":" in symbol:
+        return []  # MOD:SYM: the module's symbols are the running guest's (a module not loaded yet waits)
     if symbol not in prob.symbols:
         raise unknown_symbol(prob.symbols, symbol, prob.functions())
     if offset == 0:

@@ -299,6 +299,7 @@ class QprobeReset:
         self.strict = False
         self.snapshots: dict[int, tuple[str, bytes]] = {}  # start -> (name, bytes before the test)
         self.snapshot_errors: list[str] = []  # text that could not be snapshotted, so cannot be checked
+        self.module_text: dict[int, int] = {}  # snapshot start -> the struct module whose text it is
         self.oops_seen = len(self.target.oopses())
         self.handler_errors_seen = len(self.target.kprobes.handler_errors)
         self._original_patch = None
@@ -323,6 +324,9 @@ class QprobeReset:
             return  # a stack slot (kretprobe) or a page-table entry (the scratch mapping)
         if start not in self.snapshots:
             self.snapshots[start] = (name, self._pristine(start, size))
+            mod = syms.module_of(start)
+            if mod is not None:
+                self.module_text[start] = mod.struct_addr
 
     def watch(self, *functions: str) -> dict[int, bytes]:
         """Check these functions' text after the test too; returns {address: bytes now}."""
@@ -365,6 +369,7 @@ class QprobeReset:
     def _remove_everything(self) -> list[str]:
         """Unregister every event, kretprobe and kprobe still registered; what was left, as kprobes/list lines."""
         t = self.target
+        t.modules.stop()  # its own two probes are not the test's
         left = [line for line in t.list_probes().splitlines() if line.strip()]
         for key, te in list(t.events.items()):
             if te.probe is not None and te.probe.registered:
@@ -391,7 +396,11 @@ class QprobeReset:
             left = self._remove_everything()
             if left and self.strict:
                 problems.append("the test left probes registered (removed now):\n  " + "\n  ".join(left))
+            loaded = {m.struct_addr for m in t.symbols.modules.values()}
             for start, (name, before) in sorted(self.snapshots.items()):
+                owner = self.module_text.get(start)
+                if owner is not None and owner not in loaded:
+                    continue  # its module was unloaded: the text is gone (qprobe restored it before the free)
                 now = t.read(start, len(before))
                 if now != before:
                     problems.append(_text_diff(name, before, now))

@@ -71,7 +71,6 @@ class KprobeManager:
         # int3s in the scratch area that are not probes: the kretprobe trampoline.
         self.trampolines: dict[int, Trampoline] = {}
         self.kernel = kernel  # the kernel's data through drgn
-        self.extable = symbols.exception_table()
         self._fentry = symbols.address("__fentry__") if "__fentry__" in symbols else None  # CONFIG_FUNCTION_TRACER
         # Boosting lets a vCPU run the slot copy freely; an interrupt there leaves an
         # interrupted context inside the slot.  Without forced preemption that context
@@ -126,13 +125,7 @@ class KprobeManager:
         where the registers are the same (a NOP ran in between), as the
         kernel's own probes there run from ftrace with ``[FTRACE]`` in its list.
         """
-        if self._fentry is None:
-            return False
-        try:
-            linked = self.symbols.file_bytes(addr, 5)
-        except QprobeError:
-            return False
-        return linked[0] == 0xE8 and addr + 5 + int.from_bytes(linked[1:], "little", signed=True) == self._fentry
+        return self._fentry is not None and self.symbols.fentry_site(addr, self._fentry)
 
     def check_kprobe_address_safe(self, addr: int) -> tuple[str, int, bytes]:
         """(sym+off text, function start, function bytes) or a ProbeError saying why not."""
@@ -241,7 +234,8 @@ class KprobeManager:
                 self.scratch.map()
             slot = self.scratch.alloc(self.arch.slot_size)
             try:
-                prep = self.arch.arch_prepare_kprobe(self.original(addr, 16), addr, slot, where, self.extable)
+                prep = self.arch.arch_prepare_kprobe(self.original(addr, 16), addr, slot, where,
+                                                     self.symbols.exception_table())  # fmt: skip
                 if prep.copy:
                     self.scratch.write(slot, self.arch.arch_slot_code(prep))
             except BaseException:

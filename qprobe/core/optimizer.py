@@ -404,7 +404,7 @@ class Optimizer:
         if fn is None:
             return "not in a known function"
         code = self.machine.mem.read(fn.addr, fn.size)
-        why, size = self.arch.arch_check_optimized_kprobe(code, fn.addr, point.addr, self.kp.extable,
+        why, size = self.arch.arch_check_optimized_kprobe(code, fn.addr, point.addr, self.kp.symbols.exception_table(),
                                                           self.kp.patched(), fn.name)  # fmt: skip
         if why is not None:
             return why

@@ -265,7 +265,8 @@ def _parse_probe(
             raise cmd.error(1, 0, M.FAIL_REG_PROBE)
         if not ref.name or (symbol_exists is not None and not symbol_exists(ref.name)):
             raise cmd.error(1, 0, M.BAD_PROBE_ADDR)
-    if not exists:
+    if not exists and ":" not in (symbol or ""):
+        # MOD:SYM is looked up when it is registered: a module not loaded yet keeps it pending.
         raise cmd.error(1, 0, M.BAD_PROBE_ADDR)
     return ProbeEvent(
         kind="r" if is_return else "p",

@@ -16,6 +16,7 @@ from qprobe.images.cache import cache_dir
 from qprobe.images.cpio import CpioWriter, extra_files_cpio
 from qprobe.images.image import Image, ImageInfo
 from qprobe.images.manifest import DEFAULT_IMAGE
+from qprobe.images.modules import module_file
 from qprobe.images.registry import (
     disk_with_files,
     get_image,
@@ -37,5 +38,6 @@ __all__ = [
     "image_from_files",
     "initrd_with_files",
     "list_images",
+    "module_file",
     "with_files",
 ]

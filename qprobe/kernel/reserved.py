@@ -5,15 +5,15 @@
 or a ``BUG()``/``WARN()`` instruction (``find_bug``), and x86's
 ``copy_optimized_instructions`` refuses a jump whose displaced bytes cover
 such a site.  The sites are read from vmlinux's own tables (relative
-entries, so KASLR does not change them); a table a kernel lacks reserves
-nothing.
+entries, so KASLR does not change them), a loaded module's from its
+``struct module``; a table a kernel lacks reserves nothing.
 """
 
 from __future__ import annotations
 
 import bisect
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from qprobe.errors import QprobeError
 from qprobe.kernel.symbols import Symbols
@@ -50,6 +50,7 @@ class ReservedText:
 
     def __init__(self, symbols: Symbols, read: Callable[[int, int], bytes], bug_entry_size: int | None) -> None:
         self._read = read
+        self._symbols = symbols  # its loaded modules' sites are checked too
         self.jump_labels = _relative_sites(symbols, "__start___jump_table", "__stop___jump_table", JUMP_ENTRY_SIZE)
         self.static_calls = _relative_sites(
             symbols, "__start_static_call_sites", "__stop_static_call_sites", STATIC_CALL_SITE_SIZE
@@ -69,7 +70,7 @@ class ReservedText:
         return 2 if code[:1] == _SHORT_JUMP_SITES[0] or code == _SHORT_JUMP_SITES[1] else 5
 
     @staticmethod
-    def _overlapping(sites: list[int], start: int, end: int, longest: int) -> list[int]:
+    def _overlapping(sites: Sequence[int], start: int, end: int, longest: int) -> list[int]:
         """Sites that may overlap [start, end]: those from ``start - longest + 1`` to ``end``."""
         lo = bisect.bisect_left(sites, start - longest + 1)
         hi = bisect.bisect_right(sites, end)
@@ -80,12 +81,16 @@ class ReservedText:
 
         A BUG instruction only reserves its own address (``find_bug``), as a probe's.
         """
-        for site in self._overlapping(self.jump_labels, start, end, 5):
+        mod = self._symbols.module_of(start)
+        jump_labels, static_calls = (
+            (mod.jump_labels, mod.static_calls) if mod is not None else (self.jump_labels, self.static_calls)
+        )
+        for site in self._overlapping(jump_labels, start, end, 5):
             if site + self._jump_size(site) > start:
                 return f"a jump label at {site:#x}"
-        for site in self._overlapping(self.static_calls, start, end, CALL_INSN_SIZE):
+        for site in self._overlapping(static_calls, start, end, CALL_INSN_SIZE):
             if site + CALL_INSN_SIZE > start:
                 return f"a static call at {site:#x}"
-        if start in self.bugs:
+        if start in (mod.bugs if mod is not None else self.bugs):
             return "a BUG()/WARN() instruction"
         return None

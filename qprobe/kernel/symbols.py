@@ -18,9 +18,13 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from qprobe.errors import SymbolError
+from qprobe.errors import QprobeError, SymbolError
 from qprobe.paths import cache_dir, read_private, write_private
+
+if TYPE_CHECKING:
+    from qprobe.kernel.modules import ModuleText
 
 _CACHE_VERSION = 4
 LINK_BASE = 0xFFFF_FFFF_8100_0000  # __START_KERNEL with CONFIG_PHYSICAL_START=0x1000000
@@ -61,6 +65,10 @@ class Symbols:
         for i, (_a, _s, n, _k) in enumerate(rows):
             self._by_name.setdefault(n, i)  # the first, as kallsyms_lookup_name does
         self._file: mmap.mmap | None = None
+        self._extable: tuple[int, frozenset[int]] | None = None  # (slide, running addresses)
+        # Loaded modules whose symbols are known (``add_module``): kallsyms_lookup_name and
+        # kallsyms_lookup search them after vmlinux, and ``MOD:SYM`` names one module's symbol.
+        self.modules: dict[str, ModuleText] = {}
 
     # -- loading -------------------------------------------------------------
     @classmethod
@@ -93,7 +101,7 @@ class Symbols:
 
     # -- lookups (running addresses) -----------------------------------------
     def __contains__(self, name: str) -> bool:
-        return name in self._by_name
+        return name in self._by_name or bool(self._module_lookup(name))
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -101,9 +109,33 @@ class Symbols:
     def lookup(self, name: str) -> Symbol:
         i = self._by_name.get(name)
         if i is None:
+            found = self._module_lookup(name)
+            if found:
+                return found[0]
+            mod = name.split(":", 1)[0] if ":" in name else None
+            if mod is not None and mod not in self.modules:
+                raise SymbolError(f"unknown symbol {name!r}: module {mod} is not loaded")
             raise SymbolError(f"unknown symbol {name!r} in {self.path.name}")
         a, s, n, k = self._rows[i]
         return Symbol(n, a + self.slide, s, k)
+
+    # -- modules -------------------------------------------------------------------
+    def add_module(self, mod: ModuleText) -> None:
+        self.modules[mod.name] = mod
+
+    def remove_module(self, name: str) -> ModuleText | None:
+        return self.modules.pop(name, None)
+
+    def module_of(self, addr: int) -> ModuleText | None:
+        """The loaded module whose text holds ``addr``."""
+        return next((m for m in self.modules.values() if m.is_text(addr)), None)
+
+    def _module_lookup(self, name: str) -> list[Symbol]:
+        """``MOD:SYM`` in that module, or a plain name in every loaded module (``module_kallsyms_lookup_name``)."""
+        if ":" in name:
+            mod, sym = name.split(":", 1)
+            return self.modules[mod].lookup(sym) if mod in self.modules else []
+        return [s for m in self.modules.values() for s in m.lookup(name)]
 
     def address(self, name: str) -> int:
         return self.lookup(name).addr
@@ -128,6 +160,10 @@ class Symbols:
         in kallsyms; a sized one only its own bytes, so padding after a function
         is None rather than a far-away label's offset.
         """
+        for mod in self.modules.values():
+            sym = mod.containing(addr)
+            if sym is not None:
+                return sym
         link = addr - self.slide
         i = bisect.bisect_right(self._addrs, link) - 1
         if i < 0:
@@ -137,7 +173,9 @@ class Symbols:
         while i >= 0 and self._addrs[i] == at:
             rows.append(self._rows[i])
             i -= 1
-        covering = [r for r in rows if r[1] == 0 or link < r[0] + r[1]]
+        # A label with no symbol after it (``_end``) ends there: what lies beyond is not vmlinux's.
+        last = at == self._addrs[-1]
+        covering = [r for r in rows if (r[1] == 0 and (link == at or not last)) or link < r[0] + r[1]]
         if not covering:
             return None
         a, size, name, kind = max(covering, key=lambda r: (r[3] == "func", r[1] > 0))
@@ -149,6 +187,10 @@ class Symbols:
         ``kallsyms_lookup_size_offset`` has no sizes, so ``%pS`` prints ``func+off/SIZE``
         with the padding up to the next symbol included.
         """
+        mod = self.module_of(sym.addr)
+        if mod is not None:
+            after = mod.next_symbol(sym.addr)
+            return after - sym.addr if after is not None else sym.size
         i = bisect.bisect_right(self._addrs, sym.addr - self.slide)
         return self._addrs[i] + self.slide - sym.addr if i < len(self._addrs) else sym.size
 
@@ -172,10 +214,16 @@ class Symbols:
         What kallsyms' ``number_of_same_symbols`` counts: the kernel refuses to probe a
         name that is not unique rather than pick one.
         """
+        if ":" in name:
+            mod, sym = name.split(":", 1)
+            if mod not in self.modules:
+                return 1  # validate_probe_symbol defers a module that is not loaded yet
+            return len({s.addr for s in self.modules[mod].lookup(sym) if s.kind in ("func", "object")})
+        in_modules = {s.addr for s in self._module_lookup(name) if s.kind in ("func", "object")}
         if name not in self._by_name:
-            return 0
+            return len(in_modules)
         addrs = {a for a, _s, n, k in self._rows if n == name and k in ("func", "object")}
-        return max(len(addrs), 1)
+        return max(len(addrs), 1) + len(in_modules)
 
     def functions_in(self, start: int, end: int) -> list[Symbol]:
         lo = bisect.bisect_left(self._addrs, start - self.slide)
@@ -208,16 +256,39 @@ class Symbols:
         Linux 6.1's ``struct exception_table_entry`` is three s32 offsets (insn,
         fixup, data), each relative to its own field's address.
         """
-        sec = self.section("__ex_table")
-        if sec is None:
-            return frozenset()
-        base = sec.addr + self.slide
-        raw = self.file_bytes(base, sec.size - sec.size % 12)
-        return frozenset(base + i + struct.unpack_from("<i", raw, i)[0] for i in range(0, len(raw), 12))
+        if self._extable is None or self._extable[0] != self.slide:
+            sec = self.section("__ex_table")
+            sites: frozenset[int] = frozenset()
+            if sec is not None:
+                base = sec.addr + self.slide
+                raw = self.file_bytes(base, sec.size - sec.size % 12)
+                sites = frozenset(base + i + struct.unpack_from("<i", raw, i)[0] for i in range(0, len(raw), 12))
+            self._extable = (self.slide, sites)
+        if not self.modules:
+            return self._extable[1]
+        return self._extable[1].union(*(m.extable for m in self.modules.values()))
 
     def is_text(self, addr: int) -> bool:
+        if self.module_of(addr) is not None:
+            return True
         sec = self.section_at(addr)
         return sec is not None and sec.executable and not sec.name.startswith(".init")
+
+    def fentry_site(self, addr: int, fentry: int) -> bool:
+        """Whether ``addr`` is a ``call __fentry__`` site (``fentry``: that function's address).
+
+        vmlinux's are told by the bytes linked there (boot turns them into NOPs);
+        a module's by its ``ftrace_callsites`` table, its ``__mcount_loc``.
+        """
+        mod = self.module_of(addr)
+        if mod is not None:
+            i = bisect.bisect_left(mod.ftrace_sites, addr)
+            return i < len(mod.ftrace_sites) and mod.ftrace_sites[i] == addr
+        try:
+            linked = self.file_bytes(addr, 5)
+        except QprobeError:
+            return False
+        return linked[0] == 0xE8 and addr + 5 + int.from_bytes(linked[1:], "little", signed=True) == fentry
 
 
 _Cached = tuple[list[tuple[str, int, int, str]], list[Section], dict[str, int]]

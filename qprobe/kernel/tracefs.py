@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import struct
+from collections.abc import Sequence
 
 import drgn
 from drgn.helpers.linux.list import list_for_each_entry
@@ -101,13 +102,16 @@ def ftrace_locations(symbols: Symbols) -> list[int]:
     return sorted(a + symbols.slide for (a,) in struct.iter_unpack("<Q", raw[: len(raw) - len(raw) % 8]) if a)
 
 
-def within_notrace_func(symbols: Symbols, locations: list[int], addr: int) -> bool:
+def within_notrace_func(symbols: Symbols, locations: Sequence[int], addr: int) -> bool:
     """trace_kprobe.c's ``within_notrace_func``: is ``addr`` in a function ftrace cannot trace?
 
     With dynamic ftrace and without CONFIG_KPROBE_EVENTS_ON_NOTRACE (a debug option
     distributions leave off) the kernel refuses a kprobe event anywhere in such a
     function; a ``func.isra.0``-style copy is judged by ``func``.
     """
+    mod = symbols.module_of(addr)
+    if mod is not None:
+        locations = mod.ftrace_sites  # a module's own __mcount_loc, in its struct module
     if not locations:
         return False
 

@@ -1,0 +1,87 @@
+"""A Debian kernel's loadable modules (``.ko``), to put into the guest and ``insmod`` there.
+
+qprobe's own initramfs has no modules.  A test or a user who wants one
+(``binfmt_misc``, ``dummy``...) asks for its file; the kernel's image package
+is downloaded again (its modules tree was left out of the first extraction)
+and its ``lib/modules/<release>`` tree kept next to the kernel in the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+from qprobe.errors import ImageError
+from qprobe.images import cache, debian
+from qprobe.images.image import Image
+from qprobe.images.progress import Reporter
+
+__all__ = ["module_file"]
+
+_STAMP = "source.json"
+
+
+def _extract_tree(deb: Path, prefix: str, dest: Path) -> int:
+    """Copy every regular file under ``prefix`` of the .deb's data archive into ``dest``; how many."""
+    if shutil.which("dpkg-deb") is None:
+        raise ImageError("dpkg-deb not found: install the dpkg package")
+    proc = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", str(deb)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    count = 0
+    try:
+        with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
+            for member in tar:
+                name = member.name.removeprefix("./")
+                if not name.startswith(prefix) or not member.isfile() or ".." in Path(name).parts:
+                    continue
+                out = dest / name.removeprefix(prefix)
+                out.parent.mkdir(parents=True, exist_ok=True)
+                src = tar.extractfile(member)
+                assert src is not None
+                with out.open("wb") as f:
+                    shutil.copyfileobj(src, f)
+                count += 1
+    except tarfile.TarError as exc:
+        raise ImageError(f"cannot read {deb}: {exc}") from None
+    finally:
+        proc.stdout.close()
+        proc.wait()
+    return count
+
+
+def modules_tree(kernel_dir: Path, reporter: Reporter) -> Path:
+    """``lib/modules/<release>`` of a cached Debian kernel, extracted from its image package on first use."""
+    try:
+        stamp = json.loads((kernel_dir / _STAMP).read_text())
+        release, version, package = stamp["release"], stamp["version"], stamp["packages"][0]
+    except (OSError, ValueError, KeyError, IndexError):
+        raise ImageError(f"{kernel_dir} is not a Debian kernel qprobe fetched: it has no modules to give") from None
+    dest = kernel_dir / "modules"
+    with cache.locked(kernel_dir.parent, f"modules-{release}"):
+        if dest.is_dir():
+            return dest
+        reporter.note(f"fetching the modules of {release} ({package})")
+        debs = cache.subdir("debs")
+        with cache.locked(debs, "download"):
+            deb = debian.download(package, version, 0, debs, reporter)
+        try:
+            with cache.atomic_dir(dest) as tmp:
+                if not _extract_tree(deb, f"lib/modules/{release}/", tmp):
+                    raise ImageError(f"{deb.name} has no lib/modules/{release}: not the expected kernel package")
+                tmp.chmod(0o755)
+        finally:
+            deb.unlink(missing_ok=True)
+    return dest
+
+
+def module_file(image: Image, name: str, reporter: Reporter | None = None) -> Path:
+    """The ``.ko`` of module ``name`` (``-`` and ``_`` alike, as modprobe takes them) of ``image``'s kernel."""
+    tree = modules_tree(image.kernel.parent, reporter or Reporter(enabled=False))
+    wanted = {f"{name.replace('-', '_')}.ko", f"{name.replace('_', '-')}.ko"}
+    found = sorted(p for p in tree.rglob("*.ko") if p.name in wanted)
+    if not found:
+        raise ImageError(f"{image.name}: its kernel has no module {name} (a built-in or a missing driver)")
+    return found[0]

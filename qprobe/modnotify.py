@@ -1,0 +1,156 @@
+"""Probes on module functions: the guest's module notifier, kept on the host.
+
+The kernel does two things when a module comes and goes, and qprobe does
+the same from two probes of its own, on the functions that run at those
+moments (found in vmlinux; a kernel without one cannot track modules):
+
+- ``do_init_module`` runs once a module is in place and in state COMING,
+  before its init function: ``trace_kprobe_module_callback`` registers the
+  events that name ``MOD:SYM`` of that module there (defined while it was
+  not loaded, or killed by an earlier unload), and logs "Failed to
+  re-register probe" for those it cannot;
+- ``free_module`` runs before a module's memory is freed, after it
+  unloaded or failed to init: ``kprobes_module_callback`` kills every probe
+  in its text (``[GONE]`` in the kprobes list; counts kept).  qprobe puts
+  the original bytes back first, so nothing it wrote outlives the module's
+  memory.
+
+Modules already loaded are read when the first module probe is asked for.
+Their symbols, text, ftrace sites and reserved sites come from the guest's
+``struct module`` through drgn (qprobe.kernel.modules).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import drgn
+
+from qprobe.core.kprobe import KPROBE_FLAG_GONE, Kprobe
+from qprobe.core.kretprobe import Kretprobe
+from qprobe.core.regs import PtRegs
+from qprobe.errors import ProbeError, QprobeError, SymbolError
+from qprobe.kernel.modules import loaded_modules, read_module
+
+if TYPE_CHECKING:
+    from qprobe.api import Target
+    from qprobe.events import TraceEvent
+
+log = logging.getLogger("qprobe.modules")
+
+COMING_HOOK = "do_init_module"  # static noinline int do_init_module(struct module *mod), Linux 3.7 on
+GOING_HOOK = "free_module"  # static void free_module(struct module *mod)
+
+
+class ModuleNotifier:
+    """Loaded modules' symbols in ``target.symbols``, kept current by two host-side probes."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.hooks: list[Kprobe] = []
+        self.loads = 0
+        self.unloads = 0
+
+    @property
+    def started(self) -> bool:
+        """Following the modules: both hooks armed (removing every probe removes them too)."""
+        return bool(self.hooks) and all(kp.registered for kp in self.hooks)
+
+    def start(self) -> None:
+        """Read the loaded modules and hook module load and unload (once); SymbolError if it cannot."""
+        if self.started:
+            return
+        self.stop()
+        symbols = self.target.symbols
+        missing = [fn for fn in (COMING_HOOK, GOING_HOOK) if fn not in symbols]
+        if missing:
+            raise SymbolError(f"this kernel has no {' or '.join(missing)}: qprobe cannot follow its modules")
+        try:
+            prog = self.target.kernel.prog
+        except SymbolError as exc:
+            raise SymbolError(f"probes on modules need the kernel's debug info: {exc}") from None
+        hooks = [Kprobe(symbol_name=COMING_HOOK, pre_handler=self._coming),
+                 Kprobe(symbol_name=GOING_HOOK, pre_handler=self._going)]  # fmt: skip
+
+        def install() -> None:  # one stop: no module can come or go between the read and the hooks
+            for mod in loaded_modules(prog):
+                symbols.add_module(mod)
+            for kp in hooks:
+                # Stop-based: the handlers register and unregister probes, which needs the VM stopped.
+                self.target.kprobes.register_kprobe(kp, optimize=False)
+                self.hooks.append(kp)
+
+        self.target.machine.call(install)
+
+    def stop(self) -> None:
+        """Stop following: unhook, and forget the modules (what is loaded may change from now on)."""
+        for kp in self.hooks:
+            if kp.registered:
+                self.target.kprobes.unregister_kprobe(kp)
+        self.hooks.clear()
+        self.target.symbols.modules.clear()
+
+    # -- the two moments (stop-loop thread, every vCPU stopped) -------------------------------
+    def _module(self, regs: PtRegs) -> drgn.Object:
+        return drgn.Object(self.target.kernel.prog, "struct module *", value=regs.di)
+
+    def _coming(self, _kp: Kprobe, regs: PtRegs) -> int:
+        mod = read_module(self._module(regs))
+        self.target.symbols.add_module(mod)
+        self.loads += 1
+        for te in self._events_of(mod.name):
+            try:
+                self._reregister(te)
+            except QprobeError as exc:
+                te.errors.append(f"Failed to re-register probe {te.definition.event} on {mod.name}: {exc}")
+                log.warning("Failed to re-register probe %s on %s: %s", te.definition.event, mod.name, exc)
+        return 0
+
+    def _going(self, _kp: Kprobe, regs: PtRegs) -> int:
+        name = self._module(regs).name.string_().decode()
+        symbols = self.target.symbols
+        mod = symbols.modules.get(name)
+        if mod is None:
+            return 0
+        self.unloads += 1
+        kprobes = self.target.kprobes
+        for kp in [kp for p in list(kprobes.points.values()) if mod.is_text(p.addr) for kp in p.probes]:
+            rp = kp.kretprobe
+            if isinstance(rp, Kretprobe):
+                self.target.unregister_kretprobe(rp)
+            else:
+                kprobes.unregister_kprobe(kp)
+            kp.flags |= KPROBE_FLAG_GONE  # kill_kprobe: listed [GONE], counts kept
+        symbols.remove_module(name)
+        return 0
+
+    def _events_of(self, module: str) -> list[TraceEvent]:
+        """``trace_kprobe_within_module``: events whose symbol is ``MODULE:...``, each appended probe too."""
+        return [one for te in self.target.events.values() for one in te.probes()
+                if one.definition.symbol is not None and one.definition.symbol.startswith(module + ":")]  # fmt: skip
+
+    def _reregister(self, te: TraceEvent) -> None:
+        """``__register_trace_kprobe`` again for an event of a module that just came."""
+        from qprobe.events import register_probe
+
+        probe = te.probe
+        if probe is None:
+            try:
+                register_probe(self.target, te)
+            except QprobeError:
+                te.probe = None  # still pending: the next load tries again
+                raise
+            return
+        kp = probe.kp if isinstance(probe, Kretprobe) else probe
+        if kp.registered:
+            return
+        kp.flags &= ~KPROBE_FLAG_GONE
+        try:
+            if isinstance(probe, Kretprobe):
+                self.target.register_kretprobe(probe)
+            else:
+                self.target.register_kprobe(probe)
+        except ProbeError:
+            kp.flags |= KPROBE_FLAG_GONE
+            raise

@@ -12,6 +12,7 @@ from __future__ import annotations
 import array
 import base64
 import bisect
+import functools
 import json
 import mmap
 import re
@@ -222,8 +223,16 @@ class Symbols:
         in_modules = {s.addr for s in self._module_lookup(name) if s.kind in ("func", "object")}
         if name not in self._by_name:
             return len(in_modules)
-        addrs = {a for a, _s, n, k in self._rows if n == name and k in ("func", "object")}
-        return max(len(addrs), 1) + len(in_modules)
+        return self._shared.get(name, 1) + len(in_modules)
+
+    @functools.cached_property
+    def _shared(self) -> dict[str, int]:
+        """Names several distinct functions or objects have, with how many (one pass, on first use)."""
+        addrs: dict[str, set[int]] = {}
+        for a, _s, n, k in self._rows:
+            if k in ("func", "object"):
+                addrs.setdefault(n, set()).add(a)
+        return {n: len(found) for n, found in addrs.items() if len(found) > 1}
 
     def functions_in(self, start: int, end: int) -> list[Symbol]:
         lo = bisect.bisect_left(self._addrs, start - self.slide)

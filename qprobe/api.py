@@ -39,7 +39,7 @@ from qprobe.core.regs import PtRegs
 from qprobe.core.watchpoint import KINDS as WATCH_KINDS
 from qprobe.core.watchpoint import Watchpoint
 from qprobe.errors import ProbeError, QprobeError, SymbolError, TargetError, TargetGone
-from qprobe.kernel.features import fully_preemptible
+from qprobe.kernel.features import fully_preemptible, has_pti
 from qprobe.kernel.kaslr import detect_slide
 from qprobe.kernel.program import KernelData, Task
 from qprobe.kernel.symbols import Symbols
@@ -130,6 +130,8 @@ class Target:
                 raise symbols_box[0]
             self.symbols: Symbols = symbols_box[0]
             self.timings["symbols"] = self._symbol_time
+            self.mem.pti = has_pti(self.symbols)
+            self.mem.pgd = self.mem.pgd_of(regs0["cr3"])
             self.slide = detect_slide(self.symbols, self.mem, self.console.text if self.console else "")
             # vCPU 0's CR3 may be a user process's page tables (idle borrows the last mm): valid now,
             # freed and reused once that process exits.  From here on walk the kernel's own PGD.

@@ -6,11 +6,26 @@ everything the CPU runs before the host sees the trap, added by
 instrumentation is unsafe; .kprobes.text and the ``_kprobe_blacklist``
 entries (NOKPROBE_SYMBOL) are what the kernel itself refuses.  The entries
 are read from vmlinux: ``_kprobe_blacklist`` is init data, freed after boot.
+
+A kernel built without CONFIG_KPROBES has no ``_kprobe_blacklist`` (the
+NOKPROBE_SYMBOL macro expands to nothing) and an empty .kprobes.text.  The
+refused set is then derived from what such a kernel still marks as not to be
+instrumented: the entry, .noinstr.text and irq/softirq entry sections (the
+int3 entry and ``exc_int3``/``poke_int3_handler`` live there), and the
+return/indirect-branch thunks and untraining sequences, which every ``ret``
+or indirect call of the trap path may run through.  Functions that a
+CONFIG_KPROBES build of the same source would list by NOKPROBE_SYMBOL
+cannot be known there and stay probeable.
+
+On any kernel, ``__cfi_``/``__pfx_`` symbols are refused: the CFI preamble
+or the padding NOPs before a function, never run as code (kernel commit
+de02f2ac5d8c, v6.5: ``is_cfi_preamble_symbol`` in check_kprobe_address_safe).
 """
 
 from __future__ import annotations
 
 import bisect
+import re
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -24,6 +39,17 @@ _SECTIONS = (
     ("__irqentry_text_start", "__irqentry_text_end", ".irqentry.text"),
     ("__softirqentry_text_start", "__softirqentry_text_end", ".softirqentry.text"),
 )
+
+
+# Thunks by the names arch/x86/lib/retpoline.S and arch/x86/entry/thunk_64.S
+# give them (the thunk sections have no start/end symbols on every config):
+# the return thunks (__x86_return_thunk, call_depth_/its_/srso_/retbleed_
+# return_thunk), the retpolines (__x86_indirect_{,call_,jump_,its_}thunk_*),
+# the untraining sequences and the THUNK-macro wrappers the kernel marks
+# NOKPROBE (preempt_schedule{,_notrace}_thunk, warn_thunk_thunk).
+_THUNK = re.compile(r"__x86_return_thunk|\w+_return_thunk|__x86_indirect_\w*thunk_\w+|\w*untrain_ret"
+                    r"|srso_\w*safe_ret\w*|preempt_schedule\w*_thunk|warn_thunk_thunk")  # fmt: skip
+_PREAMBLE = ("__cfi_", "__pfx_")
 
 
 @dataclass(frozen=True)
@@ -40,18 +66,29 @@ class BlacklistEntry:
 class Blacklist:
     def __init__(self, symbols: Symbols, arch_sections: Iterable[tuple[str, str, str]] = ()) -> None:
         """``arch_sections``: (start symbol, end symbol, name) of the architecture's own additions."""
+        self._symbols = symbols
         self.sections = [
             BlacklistEntry(symbols.address(start), symbols.address(end), name)
             for start, end, name in (*arch_sections, *_SECTIONS)
-            if start in symbols and end in symbols
+            if start in symbols and end in symbols and symbols.address(end) > symbols.address(start)
         ]
+        # CONFIG_KPROBES: the kernel's own list; without it, derived (see the module's docstring).
+        self.derived = "__start_kprobe_blacklist" not in symbols
         entries: list[BlacklistEntry] = []
-        lo, hi = symbols.address("__start_kprobe_blacklist"), symbols.address("__stop_kprobe_blacklist")
-        raw = symbols.file_bytes(lo, hi - lo)
-        for (link,) in struct.iter_unpack("<Q", raw):
-            fn = symbols.function(link + symbols.slide)
-            if fn is not None:
-                entries.append(BlacklistEntry(fn.addr, fn.addr + fn.size, fn.name))
+        if self.derived:
+            for name in symbols.names():
+                fn = symbols.lookup(name) if _THUNK.fullmatch(name) else None
+                if fn is not None and symbols.is_text(fn.addr):
+                    # A size-0 label (assembler thunks often have one) covers up to the next symbol.
+                    size = fn.size or symbols.kallsyms_size(fn)
+                    entries.append(BlacklistEntry(fn.addr, fn.addr + size, fn.name))
+        else:
+            lo, hi = symbols.address("__start_kprobe_blacklist"), symbols.address("__stop_kprobe_blacklist")
+            raw = symbols.file_bytes(lo, hi - lo)
+            for (link,) in struct.iter_unpack("<Q", raw):
+                fn = symbols.function(link + symbols.slide)
+                if fn is not None:
+                    entries.append(BlacklistEntry(fn.addr, fn.addr + fn.size, fn.name))
         # Function entries do not overlap one another, so a bisect finds the one.
         self.functions = sorted(set(entries), key=lambda e: e.start)
         self._starts = [e.start for e in self.functions]
@@ -64,6 +101,9 @@ class Blacklist:
         i = bisect.bisect_right(self._starts, addr) - 1
         if i >= 0 and self.functions[i].start <= addr < self.functions[i].end:
             return self.functions[i]
+        sym = self._symbols.containing(addr)
+        if sym is not None and sym.name.startswith(_PREAMBLE):
+            return BlacklistEntry(sym.addr, sym.addr + (sym.size or self._symbols.kallsyms_size(sym)), sym.name)
         return None
 
     def __iter__(self) -> Iterator[BlacklistEntry]:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from qprobe.errors import SymbolError
-from qprobe.target.memory import GuestMemory, kernel_pgd
+from qprobe.target.memory import GuestMemory
 
 if TYPE_CHECKING:
     from qprobe.arch import RegisterLayout
@@ -49,7 +49,7 @@ class PtRegs:
         init(self, "_symbols", symbols)
         init(self, "_kernel", kernel)
         # Reads use the interrupted task's page tables, so user pointers work too.
-        init(self, "_pgd", kernel_pgd(values["cr3"]) if "cr3" in values else mem.pgd)
+        init(self, "_pgd", mem.pgd_of(values["cr3"]) if "cr3" in values else mem.pgd)
         init(self, "tid", tid)
         init(self, "vcpu", vcpu)
         init(self, "gs_base", values.get("gs_base", 0))  # the per-CPU base while in kernel mode

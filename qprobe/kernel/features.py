@@ -91,3 +91,15 @@ def fully_preemptible(symbols: Symbols, cmdline: str) -> bool:
 
 
 __all__ = ["find_watch_site", "fully_preemptible", "int3_entry", "int3_path", "preemptible", "thread_size"]
+
+
+def has_pti(symbols: Symbols) -> bool:
+    """Whether the kernel has page-table isolation compiled in, so its PGDs are 8 KiB pairs.
+
+    arch/x86/mm/pti.c (``pti_init``) is built only with CONFIG_MITIGATION_PAGE_TABLE_ISOLATION
+    (CONFIG_PAGE_TABLE_ISOLATION before Linux 6.9); with it ``PGD_ALLOCATION_ORDER`` is 1
+    (arch/x86/include/asm/pgalloc.h) even when PTI is off at run time, and CR3 bit 12 selects
+    the user copy. A small config without it (minimal-6.12) allocates single-page PGDs, and a
+    CR3 with bit 12 set is then just a PGD at an odd page.
+    """
+    return "pti_init" in symbols

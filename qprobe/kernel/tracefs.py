@@ -73,13 +73,17 @@ def trace_event_names(prog: drgn.Program) -> frozenset[tuple[str, str]]:
     name in ``call->tp`` (``TRACE_EVENT_FL_TRACEPOINT``), the others in ``call->name``;
     ``TRACE_EVENT_FL_CUSTOM`` (Linux 5.18) events keep it in ``call->name`` too.
     """
-    tracepoint = prog.constant("TRACE_EVENT_FL_TRACEPOINT").value_()
+    try:
+        events = prog["ftrace_events"]
+        tracepoint = prog.constant("TRACE_EVENT_FL_TRACEPOINT").value_()
+    except LookupError:
+        return frozenset()  # a kernel without CONFIG_TRACING has no trace events to clash with
     try:
         custom = prog.constant("TRACE_EVENT_FL_CUSTOM").value_()
     except LookupError:
         custom = 0
     out = set()
-    for call in list_for_each_entry("struct trace_event_call", prog["ftrace_events"].address_of_(), "list"):
+    for call in list_for_each_entry("struct trace_event_call", events.address_of_(), "list"):
         flags = call.flags.value_()
         name = call.tp.name if flags & tracepoint and not flags & custom else call.name
         if name and call.member_("class"):

@@ -94,9 +94,14 @@ def paging_levels(cr4: int) -> int:
     return 5 if cr4 & (1 << 12) else 4
 
 
-def kernel_pgd(cr3: int) -> int:
-    """The kernel half's PGD from any CR3 (PCID bits and PTI's user-PGD bit cleared)."""
-    return cr3 & _ADDR & ~0x1000
+def kernel_pgd(cr3: int, pti: bool = True) -> int:
+    """The kernel half's PGD from any CR3: PCID bits cleared and, on a kernel with PTI, the user-PGD bit.
+
+    With page-table isolation compiled in, every PGD is an 8 KiB pair whose second page is the
+    user copy (bit 12 of CR3 set while in user mode); without it a PGD is any single page and
+    bit 12 is part of its address.
+    """
+    return cr3 & _ADDR & ~(0x1000 if pti else 0)
 
 
 def walk(read_u64: Callable[[int], int], pgd: int, vaddr: int, levels: int = 4) -> list[tuple[int, int]]:
@@ -133,9 +138,14 @@ class GuestMemory:
         self.phys = phys
         self.pgd = pgd
         self.levels = levels  # 5 when the guest runs with LA57
+        self.pti = True  # PGDs are PTI's 8 KiB pairs (kernel_pgd); set once the kernel is known
         self.read_u64_phys: Callable[[int], int] = getattr(phys, "read_u64_phys", None) or (
             lambda pa: int.from_bytes(phys.read_phys(pa, 8), "little")
         )
+
+    def pgd_of(self, cr3: int) -> int:
+        """The kernel half's PGD of a vCPU whose CR3 is ``cr3``."""
+        return kernel_pgd(cr3, self.pti)
 
     def virt_to_phys(self, vaddr: int, pgd: int | None = None) -> int:
         return translate(self.read_u64_phys, self.pgd if pgd is None else pgd, vaddr, self.levels)[0]

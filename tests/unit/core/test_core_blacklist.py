@@ -73,6 +73,12 @@ class FakeSymbols:
                 return Symbol(name, start + self.slide, size, "func")
         return None
 
+    def containing(self, addr: int) -> Symbol | None:
+        return next(
+            (Symbol(n, a + self.slide, sz, "func") for n, (a, sz) in FUNCS.items() if 0 <= addr - a - self.slide < sz),
+            None,
+        )
+
 
 def running(name: str) -> tuple[int, int]:
     start, size = FUNCS[name]
@@ -167,3 +173,60 @@ def test_with_real_symbols(tmp_path: Path) -> None:
     hit = bl.lookup(running("kprobe_handler")[0] + 1)
     assert hit is not None and hit.name == "kprobe_handler"
     assert [e.name for e in bl.sections] == [".entry.text", ".noinstr.text", ".kprobes.text"]
+
+
+def test_without_config_kprobes_the_set_is_derived(tmp_path: Path) -> None:
+    # No _kprobe_blacklist (NOKPROBE_SYMBOL is empty without CONFIG_KPROBES), an empty .kprobes.text:
+    # the entry/noinstr sections and the thunks are refused, other functions are not.
+    link = {k: v for k, v in LINK_SYMBOLS.items() if "kprobe_blacklist" not in k}
+    link["__kprobes_text_end"] = link["__kprobes_text_start"]
+    funcs = {
+        "vfs_read": (T + 0x20_0000, 0x100),
+        "__x86_return_thunk": (T + 0x30_0000, 0),  # an assembler label: up to the next symbol
+        "__x86_indirect_thunk_rax": (T + 0x30_0020, 0x20),
+        "srso_alias_untrain_ret": (T + 0x30_0040, 0x10),
+        "preempt_schedule_thunk": (T + 0x30_0060, 0x20),
+        "is_callthunk": (T + 0x30_0100, 0x40),  # a C helper, probeable
+        "next": (T + 0x30_0200, 0x10),
+    }
+    rows = [(n, a, 0, "other") for n, a in link.items()] + [(n, a, sz, "func") for n, (a, sz) in funcs.items()]
+    rows.append(("retbleed_strings", 0xFFFF_FFFF_8200_0000, 0x40, "object"))  # data: never a probe point
+    sections = [
+        Section(".text", T, 0x100_0000, 0x1000, True),
+        Section(".rodata", 0xFFFF_FFFF_8200_0000, 0x1000, 0x2000, False),
+    ]
+    (tmp_path / "vmlinux").write_bytes(b"\0" * 0x3000)
+    syms = Symbols(tmp_path / "vmlinux", "00" * 20, rows, sections)
+    syms.slide = SLIDE
+    bl = Blacklist(syms, ARCH_SECTIONS)
+    assert bl.derived
+    assert [e.name for e in bl.sections] == [".entry.text", ".noinstr.text"]
+    assert [(e.name, e.end - e.start) for e in bl.functions] == [
+        ("__x86_return_thunk", 0x20),
+        ("__x86_indirect_thunk_rax", 0x20),
+        ("srso_alias_untrain_ret", 0x10),
+        ("preempt_schedule_thunk", 0x20),
+    ]
+    assert bl.lookup(T + 0x30_0010 + SLIDE).name == "__x86_return_thunk"  # type: ignore[union-attr]
+    assert bl.lookup(T + 0x30_0100 + SLIDE) is None and bl.lookup(T + 0x20_0000 + SLIDE) is None
+    assert not Blacklist(FakeSymbols(), ARCH_SECTIONS).derived  # type: ignore[arg-type]
+
+
+def test_cfi_preamble_and_padding_are_refused(tmp_path: Path) -> None:
+    # __pfx_/__cfi_ symbols are the NOPs or the CFI hash before a function (is_cfi_preamble_symbol).
+    rows = [(n, a, 0, "other") for n, a in LINK_SYMBOLS.items()]
+    rows += [("__pfx_vfs_read", T + 0x1F_FFF0, 0x10, "func"), ("vfs_read", T + 0x20_0000, 0x100, "func")]
+    rows += [("__cfi_vfs_write", T + 0x20_0100, 0x10, "func"), ("vfs_write", T + 0x20_0110, 0x100, "func")]
+    data = struct.pack(f"<{len(BLACKLIST_LINK)}Q", *BLACKLIST_LINK)
+    (tmp_path / "vmlinux").write_bytes(b"\0" * 0x100 + data)
+    sections = [
+        Section(".text", T, 0x100_0000, 0x1000, True),
+        Section(".init.data", 0xFFFF_FFFF_8300_0000, len(data), 0x100, False),
+    ]
+    syms = Symbols(tmp_path / "vmlinux", "00" * 20, rows, sections)
+    syms.slide = SLIDE
+    bl = Blacklist(syms, ARCH_SECTIONS)
+    assert bl.lookup(T + 0x1F_FFF8 + SLIDE).name == "__pfx_vfs_read"  # type: ignore[union-attr]
+    assert bl.lookup(T + 0x20_0100 + SLIDE).name == "__cfi_vfs_write"  # type: ignore[union-attr]
+    assert bl.lookup(T + 0x20_0000 + SLIDE) is None and bl.lookup(T + 0x20_0110 + SLIDE) is None
+    assert "__pfx_vfs_read" not in [e.name for e in bl]  # not listed, as debugfs does not list them

@@ -276,6 +276,12 @@ def test_kernel_pgd(cr3: int, pgd: int) -> None:
     assert kernel_pgd(cr3) == pgd
 
 
+def test_kernel_pgd_without_pti() -> None:
+    # Without page-table isolation a PGD is any page: bit 12 is an address bit, not the user copy.
+    assert kernel_pgd(0x0123_5005, pti=False) == 0x0123_5000
+    assert kernel_pgd(0x8000_0000_0123_5801, pti=False) == 0x0123_5000
+
+
 @pytest.mark.parametrize(("cr4", "levels"), [(0, 4), (0x3406F0, 4), (0x1000, 5), (0x3416F0, 5)])
 def test_paging_levels(cr4: int, levels: int) -> None:
     assert paging_levels(cr4) == levels

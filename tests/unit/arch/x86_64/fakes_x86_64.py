@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qprobe.target.memory import kernel_pgd
+
 REG_NAMES = ("ax", "bx", "cx", "dx", "si", "di", "bp", "sp", *(f"r{n}" for n in range(8, 16)), "ip", "flags")
 
 
@@ -34,6 +36,9 @@ class FakeMem:
 
     def __init__(self) -> None:
         self.bytes: dict[int, int] = {}
+
+    def pgd_of(self, cr3: int) -> int:
+        return kernel_pgd(cr3)
 
     def write(self, addr: int, data: bytes) -> None:
         for i, b in enumerate(data):

@@ -31,6 +31,8 @@ MAX_THREADS = 4096
 # negative and a write would silently write nothing.
 MIN_PACKET_SIZE = 0x40
 MAX_PACKET_SIZE = 1 << 20
+G_SAFE = frozenset(("rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "rsp", "r8", "r9", "r10", "r11", "r12", "r13",
+                    "r14", "r15", "rip", "eflags"))  # fmt: skip
 FIRST_REPLY_TIMEOUT = 10.0
 
 
@@ -54,9 +56,13 @@ class GdbRemote:
         self.packet_size = 0x1000
         self.regs: dict[str, RegDesc] = {}
         self._g_size = 0
+        self._g_prefix: list[RegDesc] = []
         self._hg: str | None = None
         self._phys = False
         self.running = False
+        # Each vCPU's registers as last read or written during this stop: they change only through us
+        # until the VM runs again.  What a ``G`` needs for the registers it does not change.
+        self._known: dict[str, dict[str, int]] = {}
 
     # -- set-up ------------------------------------------------------------
     def handshake(self) -> StopReply:
@@ -140,6 +146,14 @@ class GdbRemote:
         if "rip" not in self.regs or "cr3" not in self.regs:
             raise ProtocolError("the gdbstub's target description is not x86_64 (no rip/cr3)")
         self._g_size = offset
+        # The registers a ``G`` may carry: numbers 0, 1, ... in packet order, while they are ones
+        # whose write has no effect beyond the value (see write_registers).
+        by_num = sorted(self.regs.values(), key=lambda d: d.regnum)
+        self._g_prefix = []
+        for i, d in enumerate(by_num):
+            if d.regnum != i or d.name not in G_SAFE or d.offset != sum(x.size for x in by_num[:i]):
+                break
+            self._g_prefix.append(d)
 
     # -- replies -----------------------------------------------------------
     def _ok(self, reply: bytes, what: str) -> None:
@@ -187,6 +201,7 @@ class GdbRemote:
         for d in self.regs.values():
             if d.offset + d.size <= len(raw) and d.bitsize <= 64:
                 out[d.name] = int.from_bytes(raw[d.offset : d.offset + d.size], "little")
+        self._known[tid] = dict(out)
         return out
 
     def write_register(self, tid: str, name: str, value: int) -> None:
@@ -194,10 +209,32 @@ class GdbRemote:
         self.select(tid)
         data = (value & ((1 << d.bitsize) - 1)).to_bytes(d.size, "little").hex()
         self._ok(self.request(b"P%x=%s" % (d.regnum, data.encode())), f"writing register {name}")
+        if tid in self._known:
+            self._known[tid][name] = value & ((1 << d.bitsize) - 1)
 
     def write_registers(self, tid: str, values: dict[str, int]) -> None:
-        for name, value in values.items():
-            self.write_register(tid, name, value)
+        """Write several registers: one ``G`` where it can, else one ``P`` each.
+
+        QEMU 7.2's ``G`` (handle_write_all_regs) writes registers from number 0
+        on for as long as the packet's data lasts, so a prefix that ends at the
+        highest register written replaces them in one round trip; the others in
+        the prefix get their current value back.  Only the general registers,
+        rip and eflags are ever in that prefix: writing a control register even
+        with its own value has effects (a TLB flush on CR0/CR3/CR4).
+        """
+        descs = [self.regs[name] for name in values]
+        top = max((d.regnum for d in descs), default=-1)
+        prefix = self._g_prefix[: top + 1]
+        if len(values) < 3 or len(prefix) != top + 1:
+            for name, value in values.items():
+                self.write_register(tid, name, value)
+            return
+        known = self._known.get(tid) or self.read_registers(tid)
+        merged = {d.name: values.get(d.name, known[d.name]) & ((1 << d.bitsize) - 1) for d in prefix}
+        data = b"".join(merged[d.name].to_bytes(d.size, "little") for d in prefix)
+        self.select(tid)
+        self._ok(self.request(b"G" + data.hex().encode()), f"writing registers {', '.join(values)}")
+        self._known.setdefault(tid, dict(known)).update(merged)
 
     # -- memory --------------------------------------------------------------
     @property
@@ -244,9 +281,10 @@ class GdbRemote:
 
     def _running(self) -> None:
         # Every stop makes QEMU select the stopped vCPU for Hg again (gdb_set_stop_cpu):
-        # our idea of the selected vCPU does not survive the VM running.
+        # our idea of the selected vCPU does not survive the VM running, nor do its registers.
         self.running = True
         self._hg = None
+        self._known.clear()
 
     def step(self, tid: str, timeout: float = 10.0) -> StopReply:
         """Single-step one vCPU; the others stay stopped (QEMU's gdb_continue_partial)."""

@@ -316,6 +316,11 @@ class QemuStub:
             off = g_offsets()[name]
             self.vcpus[self.g_cpu].regs[off : off + len(data)] = data
             return pkt(b"OK")
+        if p.startswith(b"G"):
+            # QEMU 7.2's handle_write_all_regs: registers from number 0 on, while the data lasts.
+            data = bytes.fromhex(p[1:].decode())
+            self.vcpus[self.g_cpu].regs[: len(data)] = data
+            return pkt(b"OK")
         if p.startswith(b"Qqemu.PhyMemMode:"):
             self.phys_mode = p.endswith(b"1")
             return pkt(b"OK")

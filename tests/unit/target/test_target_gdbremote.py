@@ -283,11 +283,41 @@ def test_write_register(stub: QemuStub, gdb: GdbRemote, name: str, value: int, p
     assert gdb.read_registers("p1.2")[name] == value & mask
 
 
-def test_write_registers(stub: QemuStub, gdb: GdbRemote) -> None:
-    gdb.write_registers("p1.1", {"rip": KTEXT + 5, "rsp": 0xFFFF_C900_0000_3F00, "eflags": 0x202})
+def test_write_registers_is_one_g_prefix(stub: QemuStub, gdb: GdbRemote) -> None:
+    stub.vcpus[0].set("cs", 0x10)
+    stub.vcpus[0].set("cr3", 0x1234000)
+    before = gdb.read_registers("p1.1")
+    gdb.write_registers("p1.1", {"rip": KTEXT + 5, "rsp": 0xFFFF_C900_0000_3F00, "eflags": 0x1_0000_0202})
+    # One G up to eflags (register 17), nothing past it; the registers read at this stop fill the gaps.
+    (g,) = stub.sent(b"G")
+    assert len(g) == 1 + 2 * (16 * 8 + 8 + 4) and not stub.sent(b"P")
     regs = gdb.read_registers("p1.1")
     assert (regs["rip"], regs["rsp"], regs["eflags"]) == (KTEXT + 5, 0xFFFF_C900_0000_3F00, 0x202)
-    assert len(stub.sent(b"P")) == 3
+    assert {k: v for k, v in regs.items() if k not in ("rip", "rsp", "eflags")} == \
+        {k: v for k, v in before.items() if k not in ("rip", "rsp", "eflags")}  # fmt: skip
+
+
+def test_write_registers_reads_what_it_does_not_know(stub: QemuStub, gdb: GdbRemote) -> None:
+    stub.vcpus[1].set("rbx", 0x1234)
+    gdb.write_registers("p1.2", {"rax": 1, "rcx": 2, "rdx": 3})
+    assert stub.sent(b"g") and len(stub.sent(b"G")) == 1
+    assert gdb.read_registers("p1.2")["rbx"] == 0x1234
+
+
+def test_registers_are_not_remembered_across_a_resume(stub: QemuStub, gdb: GdbRemote) -> None:
+    gdb.read_registers("p1.1")
+    gdb.cont()
+    stub.vcpus[0].set("rbx", 0x5678)  # the guest ran
+    gdb.interrupt()
+    gdb.wait_stop()
+    gdb.write_registers("p1.1", {"rax": 1, "rcx": 2, "rdx": 3})
+    assert gdb.read_registers("p1.1")["rbx"] == 0x5678
+
+
+def test_write_registers_beyond_the_general_ones_use_p(stub: QemuStub, gdb: GdbRemote) -> None:
+    gdb.write_registers("p1.1", {"rip": KTEXT, "rsp": 8, "cr3": 0x1234000})
+    assert len(stub.sent(b"P")) == 3 and not stub.sent(b"G")
+    assert gdb.read_registers("p1.1")["cr3"] == 0x1234000
 
 
 def test_write_register_refused(stub: QemuStub, gdb: GdbRemote) -> None:

@@ -1,8 +1,7 @@
 """qprobe: Linux kprobes rebuilt outside the guest."""
 
 from qprobe.api import Target, attach, boot
-from qprobe.core.kprobe import Kprobe
-from qprobe.core.kretprobe import Kretprobe, KretprobeInstance
+from qprobe.core.kprobe import Kprobe, Kretprobe, KretprobeInstance
 from qprobe.core.regs import PtRegs, regs_get_kernel_argument, regs_return_value
 from qprobe.core.watchpoint import Watchpoint
 from qprobe.errors import (

@@ -30,10 +30,9 @@ from typing import TYPE_CHECKING
 import drgn
 
 from qprobe.arch.x86_64.arch import X86_64
-from qprobe.core.kprobe import Kprobe
+from qprobe.core.kprobe import Kprobe, Kretprobe
 from qprobe.core.kprobes import KprobeManager
-from qprobe.core.kretprobe import Kretprobe, KretprobeManager
-from qprobe.core.optimizer import Optimizer
+from qprobe.core.kretprobe import KretprobeManager
 from qprobe.core.recovery import recover
 from qprobe.core.regs import PtRegs
 from qprobe.core.watchpoint import KINDS as WATCH_KINDS
@@ -162,11 +161,10 @@ class Target:
                 )
             self.scratch = ScratchArea(self.machine, scratch_phys, self.symbols.address("_end"))
             self.kprobes = KprobeManager(self.machine, self.kernel, self.scratch, self.arch,
-                                         fully_preemptible=fully_preemptible(self.symbols, self.cmdline))  # fmt: skip
+                                         phys if isinstance(phys, SharedRam) else None,
+                                         str(doorbell) if doorbell else None,
+                                         fully_preemptible(self.symbols, self.cmdline))  # fmt: skip
             self.kretprobes = KretprobeManager(self.kprobes)
-            self.kprobes.optimizer = Optimizer(
-                self.kprobes, phys if isinstance(phys, SharedRam) else None, str(doorbell) if doorbell else None
-            )
             self.timings["attach"] = time.monotonic() - t0
         except BaseException as exc:
             kept = self._keep_console_log()
@@ -230,8 +228,7 @@ class Target:
         In-guest counters and record rings are otherwise folded every 20 ms; ``run()`` calls
         this when the command is done, so counts read right after it are exact.
         """
-        if self.kprobes.optimizer is not None:
-            self.kprobes.optimizer.sync_all()
+        self.kprobes.optimizer.sync_all()
 
     def read(self, addr: int | str, size: int) -> bytes:
         """Kernel virtual memory, read from shared RAM without stopping the VM."""
@@ -442,15 +439,13 @@ class Target:
     @property
     def kprobes_optimization(self) -> bool:
         """debug.kprobes_optimization: whether probes are jump-optimized when they can be."""
-        opt = self.kprobes.optimizer
-        return bool(opt and opt.enabled)
+        return self.kprobes.optimizer.enabled
 
     def set_kprobes_optimization(self, on: bool) -> None:
         """Turn jump optimization on (optimizing what can be) or off (every probe back to an int3)."""
         opt = self.kprobes.optimizer
-        if on and (opt is None or not opt.available):
+        if on and not opt.available:
             raise TargetError("jump optimization needs qprobe's own QEMU (a doorbell device and shared RAM)")
-        assert opt is not None
 
         def change() -> None:
             opt.enabled = on

@@ -26,8 +26,7 @@ from qprobe.arch.x86_64.guestfilter import Not as GNot
 from qprobe.arch.x86_64.guestfilter import Or as GOr
 from qprobe.arch.x86_64.guestfilter import Pred as GPred
 from qprobe.arch.x86_64.ptregs import ARG_REGS
-from qprobe.core.kprobe import Kprobe
-from qprobe.core.kretprobe import Kretprobe, KretprobeInstance
+from qprobe.core.kprobe import Kprobe, Kretprobe, KretprobeInstance
 from qprobe.core.regs import PtRegs
 from qprobe.errors import (
     FetchArgError,
@@ -55,7 +54,7 @@ from qprobe.kernel.tracefs import within_notrace_func
 
 if TYPE_CHECKING:
     from qprobe.api import Target
-    from qprobe.core.optimizer import GuestRecord
+    from qprobe.core.kprobe import GuestRecord
 
 log = logging.getLogger("qprobe.events")
 

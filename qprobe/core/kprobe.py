@@ -1,15 +1,22 @@
-"""The user-facing probe objects, named as in <linux/kprobes.h>."""
+"""The user-facing probe objects, named as in <linux/kprobes.h>: struct kprobe, struct kretprobe and its instances.
+
+Plain data at the bottom of the core: the managers that register them import
+this module, never the reverse.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from qprobe.errors import InvalidProbe
 
 if TYPE_CHECKING:
-    from qprobe.core.kretprobe import Kretprobe
-    from qprobe.core.optimizer import GuestRecord
+    from qprobe.arch import Pool
+    from qprobe.core.regs import PtRegs
+    from qprobe.kernel.program import Task
+    from qprobe.target.journal import Patch
 
 PreHandler = Callable[["Kprobe", Any], int | None]
 PostHandler = Callable[["Kprobe", Any], None]
@@ -96,3 +103,75 @@ class Kprobe:
 
     def __repr__(self) -> str:
         return f"<Kprobe {self.where()} nhit={self.nhit} nmissed={self.nmissed}>"
+
+
+@dataclass
+class GuestRecord:
+    """One hit recorded by a detour in the guest, as the host drained it from a ring."""
+
+    values: dict[str, int]  # registers at the probe (pt_regs names as gdb gives them: rax, rip, rsp, eflags...)
+    cpu: int
+    pid: int
+    comm: str
+    task: int  # the task_struct address
+    time: float  # host monotonic clock, from the record's TSC
+
+
+Handler = Callable[["KretprobeInstance", "PtRegs"], Any]
+
+
+@dataclass
+class KretprobeInstance:
+    """One live call of a return-probed function (``struct kretprobe_instance``)."""
+
+    rp: Kretprobe
+    ret_addr: int = 0
+    stack_slot: int = 0  # where the return address lives on the guest stack
+    task: Task | None = None
+    data: bytearray = field(default_factory=bytearray)
+    patch: Patch | None = None
+
+
+class Kretprobe:
+    """A return probe, as ``struct kretprobe``.
+
+    ``handler(ri, regs)`` runs when the function returns (``regs_return_value(regs)``
+    is its return value; a handler may change ``regs.ax`` to inject a fault);
+    ``entry_handler(ri, regs)`` runs at entry and, by returning non-zero,
+    leaves that call unprobed.  ``maxactive`` bounds live instances (0: the
+    kernel's default); a call with none free counts in ``nmissed``.
+    ``ri.data`` is ``data_size`` bytes shared between the two handlers.
+    """
+
+    def __init__(self, symbol_name: str | None = None, handler: Handler | None = None,
+                 entry_handler: Handler | None = None, maxactive: int = 0, data_size: int = 0,
+                 addr: int | None = None, offset: int = 0, disabled: bool = False) -> None:  # fmt: skip
+        if maxactive < 0 or data_size < 0:
+            raise InvalidProbe("maxactive and data_size must not be negative (EINVAL)")
+        for name, fn in (("handler", handler), ("entry_handler", entry_handler)):
+            if fn is not None and not callable(fn):
+                raise InvalidProbe(f"{name} must be callable (EINVAL)")
+        self.kp = Kprobe(symbol_name=symbol_name, addr=addr, offset=offset, disabled=disabled)
+        self.kp.kretprobe = self
+        self.handler = handler
+        self.entry_handler = entry_handler
+        self.maxactive = maxactive
+        self.data_size = data_size
+        self.nmissed = 0
+        self.nreturns = 0  # calls that returned through a trampoline (handler run, or counted in the guest)
+        self.nfaults = 0
+        self.errors: list[str] = []
+        self.pool: Pool | None = None  # its instances in guest RAM, when the optimizer has room for them
+        self.free: list[KretprobeInstance] = []
+        self.live: dict[int, KretprobeInstance] = {}  # stack slot -> instance
+
+    @property
+    def nhit(self) -> int:
+        return self.kp.nhit
+
+    @property
+    def registered(self) -> bool:
+        return self.kp.registered
+
+    def __repr__(self) -> str:
+        return f"<Kretprobe {self.kp.where()} nhit={self.nhit} nmissed={self.nmissed} live={len(self.live)}>"

@@ -40,7 +40,7 @@ from qprobe.target.machine import Machine
 from qprobe.target.scratch import ScratchArea
 
 if TYPE_CHECKING:
-    from qprobe.core.kretprobe import KretprobeManager
+    from qprobe.target.memory import SharedRam
 
 log = logging.getLogger("qprobe.kprobes")
 
@@ -57,8 +57,11 @@ class KprobeManager:
         kernel: KernelData,
         scratch: ScratchArea,
         arch: Arch,
+        ram: SharedRam | None = None,
+        doorbell: str | None = None,
         fully_preemptible: bool = False,
     ) -> None:
+        """``ram`` and ``doorbell``: the shared RAM file and the doorbell socket jump optimization needs."""
         self.machine = machine
         self.arch = arch
         self.symbols = symbols = kernel.symbols
@@ -85,8 +88,10 @@ class KprobeManager:
         self.resume_targets: dict[int, float] = {}
         self.handlers = Handlers()
         self.dispatcher = Dispatcher(machine, kernel, arch, self, self.handlers)
-        self.optimizer: Optimizer | None = None
-        self.kretprobes: KretprobeManager | None = None  # set by KretprobeManager
+        # Map a trampoline address found in a stack slot to the real return address (kretprobes
+        # register theirs); a handler's stack trace sees through them.
+        self.return_fixers: list[Callable[[int, int], int]] = []
+        self.optimizer = Optimizer(self, ram, doorbell)
 
     # -- resolving and checking (no guest writes) -----------------------------
     def kprobe_addr(self, kp: Kprobe) -> int:
@@ -190,7 +195,7 @@ class KprobeManager:
         no context can be inside its copy on the way back into the region.
         """
         opt = self.optimizer
-        if opt is None or not opt.enabled:
+        if not opt.enabled:
             return
         queued = todo = list(addrs)
 
@@ -225,7 +230,7 @@ class KprobeManager:
     def _register(self, kp: Kprobe, addr: int) -> None:
         point = self.points.get(addr)
         for other in self._regions(addr):
-            self.optimizer.unoptimize(other)  # type: ignore[union-attr]
+            self.optimizer.unoptimize(other)
             self._sync(other)
         if point is None:
             where, fn_start, code = self.check_kprobe_address_safe(addr)
@@ -296,14 +301,13 @@ class KprobeManager:
     def _unregister(self, kp: Kprobe) -> None:
         addr = kp.resolved
         point = self.points[addr]
-        if self.optimizer is not None:
-            self.optimizer.sync_missed(point)
+        self.optimizer.sync_missed(point)
         point.probes.remove(kp)
         kp.registered = False
         self._sync(point)
         if not point.probes:
             if point.opt is not None:
-                self.optimizer.unoptimize(point)  # type: ignore[union-attr]
+                self.optimizer.unoptimize(point)
             del self.points[addr]
             if point.boosted:
                 self._quarantine.append(point.prep.slot_addr)
@@ -345,11 +349,11 @@ class KprobeManager:
 
     # -- arming (stop-loop thread) -----------------------------------------------
     def _sync(self, point: ProbePoint) -> None:
-        if point.opt is not None and self.optimizer is not None:
+        if point.opt is not None:
             self.optimizer.sync_missed(point)  # count the hits so far for the probes as they were
         want = self.enabled and point.wants_arming()
-        if point.opt is not None and (not want or self.optimizer is None or self.optimizer.why_not_kept(point)):
-            self.optimizer.unoptimize(point)  # type: ignore[union-attr]
+        if point.opt is not None and (not want or self.optimizer.why_not_kept(point)):
+            self.optimizer.unoptimize(point)
         if want and not point.armed:
             self.dispatcher.install()
             self.touched.add(point.addr)
@@ -379,8 +383,7 @@ class KprobeManager:
 
         def unmap() -> None:
             self.evacuate()
-            if self.optimizer is not None:
-                self.optimizer.close()
+            self.optimizer.close()
             self.trampolines.clear()
             self.dispatcher.remove(final=True)
             self.scratch.unmap()
@@ -408,8 +411,19 @@ class KprobeManager:
     def make_regs(self, values: Mapping[str, int], tid: str) -> PtRegs:
         """pt_regs for a handler; its stack traces see through kretprobe trampolines."""
         return PtRegs(dict(values), tid, self.vcpu_index[tid], self.machine.mem, self.symbols, self.kernel,
-                      fix_return=self.kretprobes.fix_return if self.kretprobes else None,
+                      fix_return=self.fix_return,
                       layout=self.arch.registers)  # fmt: skip
+
+    def fix_return(self, slot: int, value: int) -> int:
+        """The real return address behind ``value``, read from stack ``slot`` (itself if not a trampoline)."""
+        for fix in self.return_fixers:
+            real = fix(slot, value)
+            if real != value:
+                return real
+        return value
+
+    def arriving(self, regs: Mapping[str, int]) -> int | None:
+        return self.dispatcher.arriving(regs)
 
     def may_boost(self, point: ProbePoint, active: list[Kprobe]) -> bool:
         """Whether a hit may run the copy freely (the arch still decides whether the instruction can).
@@ -446,7 +460,7 @@ class KprobeManager:
     # -- listing -------------------------------------------------------------------
     def list_probes(self, sync: bool = True) -> str:
         """The debugfs kprobes/list format."""
-        if sync and self.optimizer is not None:
+        if sync:
             for point in self.points.values():
                 self.optimizer.sync_missed(point)
         lines = []

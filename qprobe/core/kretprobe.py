@@ -19,81 +19,14 @@ puts every real return address back.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
-from qprobe.core.kprobe import KPROBE_FLAG_DISABLED, Kprobe
+from qprobe.core.kprobe import KPROBE_FLAG_DISABLED, Kretprobe, KretprobeInstance
+from qprobe.core.kprobes import KprobeManager
 from qprobe.core.regs import PtRegs
 from qprobe.errors import InvalidProbe, ProbeError, QprobeError
 from qprobe.kernel.features import preemptible
-from qprobe.kernel.program import Task
-from qprobe.target.journal import Patch
-
-if TYPE_CHECKING:
-    from qprobe.arch import Pool
-    from qprobe.core.kprobes import KprobeManager
 
 log = logging.getLogger("qprobe.kretprobes")
-
-Handler = Callable[["KretprobeInstance", PtRegs], Any]
-
-
-@dataclass
-class KretprobeInstance:
-    """One live call of a return-probed function (``struct kretprobe_instance``)."""
-
-    rp: Kretprobe
-    ret_addr: int = 0
-    stack_slot: int = 0  # where the return address lives on the guest stack
-    task: Task | None = None
-    data: bytearray = field(default_factory=bytearray)
-    patch: Patch | None = None
-
-
-class Kretprobe:
-    """A return probe, as ``struct kretprobe``.
-
-    ``handler(ri, regs)`` runs when the function returns (``regs_return_value(regs)``
-    is its return value; a handler may change ``regs.ax`` to inject a fault);
-    ``entry_handler(ri, regs)`` runs at entry and, by returning non-zero,
-    leaves that call unprobed.  ``maxactive`` bounds live instances (0: the
-    kernel's default); a call with none free counts in ``nmissed``.
-    ``ri.data`` is ``data_size`` bytes shared between the two handlers.
-    """
-
-    def __init__(self, symbol_name: str | None = None, handler: Handler | None = None,
-                 entry_handler: Handler | None = None, maxactive: int = 0, data_size: int = 0,
-                 addr: int | None = None, offset: int = 0, disabled: bool = False) -> None:  # fmt: skip
-        if maxactive < 0 or data_size < 0:
-            raise InvalidProbe("maxactive and data_size must not be negative (EINVAL)")
-        for name, fn in (("handler", handler), ("entry_handler", entry_handler)):
-            if fn is not None and not callable(fn):
-                raise InvalidProbe(f"{name} must be callable (EINVAL)")
-        self.kp = Kprobe(symbol_name=symbol_name, addr=addr, offset=offset, disabled=disabled)
-        self.kp.kretprobe = self
-        self.handler = handler
-        self.entry_handler = entry_handler
-        self.maxactive = maxactive
-        self.data_size = data_size
-        self.nmissed = 0
-        self.nreturns = 0  # calls that returned through a trampoline (handler run, or counted in the guest)
-        self.nfaults = 0
-        self.errors: list[str] = []
-        self.pool: Pool | None = None  # its instances in guest RAM, when the optimizer has room for them
-        self.free: list[KretprobeInstance] = []
-        self.live: dict[int, KretprobeInstance] = {}  # stack slot -> instance
-
-    @property
-    def nhit(self) -> int:
-        return self.kp.nhit
-
-    @property
-    def registered(self) -> bool:
-        return self.kp.registered
-
-    def __repr__(self) -> str:
-        return f"<Kretprobe {self.kp.where()} nhit={self.nhit} nmissed={self.nmissed} live={len(self.live)}>"
 
 
 class KretprobeManager:
@@ -107,7 +40,7 @@ class KretprobeManager:
         self.by_slot: dict[int, KretprobeInstance] = {}
         self.preemptible = preemptible(self.symbols)
         self.registered: set[Kretprobe] = set()
-        kprobes.kretprobes = self
+        kprobes.return_fixers.append(self.fix_return)
 
     def fix_return(self, slot: int, value: int) -> int:
         """For the unwinder: the real return address behind a trampoline address at ``slot``."""
@@ -116,14 +49,14 @@ class KretprobeManager:
             if ri is not None:
                 return ri.ret_addr
         opt = self.kprobes.optimizer
-        real = opt.guest_return_address(value) if opt is not None else None
+        real = opt.guest_return_address(value)
         return value if real is None else real
 
     def live_instances(self, rp: Kretprobe) -> list[KretprobeInstance]:
         """The calls of ``rp`` in flight: instances the host holds and those taken in guest RAM."""
         out = list(rp.live.values())
         opt = self.kprobes.optimizer
-        if rp.pool is not None and opt is not None:
+        if rp.pool is not None:
             for _i, slot, ret_addr, task in opt.pool_instances(rp.pool):
                 out.append(KretprobeInstance(rp, ret_addr, slot, self.kprobes.kernel.snapshot(task)))
         return out
@@ -151,7 +84,7 @@ class KretprobeManager:
         def prepare() -> None:
             self._ensure_trampoline()
             opt = self.kprobes.optimizer
-            if opt is not None and opt.available and opt.stub_missing() is None and rp.entry_handler is None:
+            if opt.available and opt.stub_missing() is None and rp.entry_handler is None:
                 rp.pool = opt.alloc_pool(rp, n)
                 self._ensure_return_int3s()
 
@@ -184,7 +117,7 @@ class KretprobeManager:
         if not scratch.mapped:
             scratch.map()
         self.trampoline = scratch.alloc(32)
-        if opt is not None and opt.available and opt.stub_missing() is None:
+        if opt.available and opt.stub_missing() is None:
             code = opt.trampoline_code(self.trampoline)
             scratch.write(self.trampoline, code)
             self.kprobes.trampolines[self.trampoline + len(code) - 1] = self.returned
@@ -194,9 +127,7 @@ class KretprobeManager:
 
     def _ensure_return_int3s(self) -> None:
         """The shared return code's int3s (a busy mailbox, a bad instance) finish the return on the stop path."""
-        opt = self.kprobes.optimizer
-        assert opt is not None
-        busy, bad = opt.ret_int3s()
+        busy, bad = self.kprobes.optimizer.ret_int3s()
         self.kprobes.trampolines[busy] = self.returned
         self.kprobes.trampolines[bad] = self._returned_bad
 
@@ -213,7 +144,7 @@ class KretprobeManager:
             self._release(ri, restore=True)
             del rp.live[slot]
         opt = self.kprobes.optimizer
-        if rp.pool is not None and opt is not None:
+        if rp.pool is not None:
             opt.retire_pool(rp)
             rp.pool = None
 
@@ -273,7 +204,7 @@ class KretprobeManager:
         slot = pt.sp - 8
         ri = self.by_slot.get(slot)
         guest = None
-        if ri is None and self.kprobes.optimizer is not None:
+        if ri is None:
             guest = self.kprobes.optimizer.guest_instance(slot)
         if ri is None and guest is None:
             raise ProbeError(f"a return into the kretprobe trampoline with no instance for stack slot {slot:#x}")
@@ -281,7 +212,7 @@ class KretprobeManager:
             assert guest is not None
             owner, index, ret_addr, task = guest
             if owner is None:  # unregistered while this call was in flight: no handler (as the kernel)
-                self.kprobes.optimizer.free_instance(index)  # type: ignore[union-attr]
+                self.kprobes.optimizer.free_instance(index)
                 return ret_addr
             ri = KretprobeInstance(
                 owner, ret_addr, slot, self.kprobes.kernel.snapshot(task), bytearray(owner.data_size)
@@ -290,13 +221,13 @@ class KretprobeManager:
         rp.nreturns += 1
         # Where the ret went (the unwinder maps it back to the real return address while the instance is taken).
         opt = self.kprobes.optimizer
-        pt.set_quietly("ip", self.trampoline if guest is None or opt is None or opt.ret is None
+        pt.set_quietly("ip", self.trampoline if guest is None or opt.ret is None
                        else opt.ret.trampoline(guest[1]))  # fmt: skip
         if rp.handler is not None and not rp.kp.flags & KPROBE_FLAG_DISABLED:
             self.kprobes.handlers.call(rp, f"handler of kretprobe {rp.kp.where()}", rp.handler, ri, pt)
         ret_addr = ri.ret_addr
         if guest is not None:
-            self.kprobes.optimizer.free_instance(guest[1])  # type: ignore[union-attr]
+            self.kprobes.optimizer.free_instance(guest[1])
             return ret_addr
         rp.live.pop(slot, None)
         # The return address on the stack was consumed by the ret: only forget the patch.

@@ -30,13 +30,14 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import drgn
 
 from qprobe.arch import Arch, DetourParams, PercpuLayout, Pool, ReturnLayout, RingEntry
+from qprobe.core.kprobe import GuestRecord
 from qprobe.core.point import Optimized, ProbePoint
 from qprobe.errors import QprobeError, SymbolError
 from qprobe.kernel.features import thread_size
@@ -44,8 +45,15 @@ from qprobe.target.memory import SharedRam
 from qprobe.target.qemu import DOORBELL_PORT
 
 if TYPE_CHECKING:
-    from qprobe.core.kprobes import KprobeManager
-    from qprobe.core.kretprobe import Kretprobe
+    from qprobe.core.dispatch import Trampoline
+    from qprobe.core.handlers import Handlers
+    from qprobe.core.kprobe import Kretprobe
+    from qprobe.core.regs import PtRegs
+    from qprobe.kernel.program import KernelData
+    from qprobe.kernel.reserved import ReservedText
+    from qprobe.kernel.symbols import Symbols
+    from qprobe.target.machine import Machine
+    from qprobe.target.scratch import ScratchArea
 
 log = logging.getLogger("qprobe.optimizer")
 
@@ -100,16 +108,28 @@ def detour_kind(point: ProbePoint) -> str:
     return "record"
 
 
-@dataclass
-class GuestRecord:
-    """One hit recorded by a detour in the guest, as the host drained it from a ring."""
+class ProbeTable(Protocol):
+    """What the optimizer works with: the probe table (qprobe.core.kprobes.KprobeManager) and its resources."""
 
-    values: dict[str, int]  # registers at the probe (pt_regs names as gdb gives them: rax, rip, rsp, eflags...)
-    cpu: int
-    pid: int
-    comm: str
-    task: int  # the task_struct address
-    time: float  # host monotonic clock, from the record's TSC
+    arch: Arch
+    machine: Machine
+    kernel: KernelData
+    symbols: Symbols
+    scratch: ScratchArea
+    handlers: Handlers
+    points: dict[int, ProbePoint]
+    trampolines: dict[int, Trampoline]
+    resume_targets: dict[int, float]
+    extable: object
+    boost: bool
+
+    @property
+    def reserved(self) -> ReservedText: ...
+    def original(self, addr: int, size: int) -> bytes: ...
+    def patched(self) -> dict[int, int]: ...
+    def quarantine(self, addr: int) -> None: ...
+    def make_regs(self, values: Mapping[str, int], tid: str) -> PtRegs: ...
+    def arriving(self, regs: Mapping[str, int]) -> int | None: ...
 
 
 class Optimizer:
@@ -119,7 +139,7 @@ class Optimizer:
     (e.g. attached to a QEMU qprobe did not start); probes then stay int3s.
     """
 
-    def __init__(self, kprobes: KprobeManager, ram: SharedRam | None, doorbell: str | None) -> None:
+    def __init__(self, kprobes: ProbeTable, ram: SharedRam | None, doorbell: str | None) -> None:
         self.kp = kprobes
         self.arch: Arch = kprobes.arch
         self.machine = kprobes.machine
@@ -428,7 +448,7 @@ class Optimizer:
             if point.addr < self.arch.ip(regs) < end:
                 return f"{TRANSIENT[0]} {tid} is inside the region"
             # A trap still to be dispatched: if its probe is gone it resumes at the int3's address.
-            trapped = self.kp.dispatcher.arriving(regs)
+            trapped = self.kp.arriving(regs)
             if trapped is not None and point.addr < trapped < end:
                 return f"{TRANSIENT[0]} {tid} is trapping on an int3 inside the region"
             if self._interrupted_inside(regs, point.addr, end):
@@ -705,10 +725,13 @@ class Optimizer:
         point = self.by_id.get(req.probe_id)
         values = req.values
         dirty: dict[str, int] = {}
-        if req.probe_id == self.arch.trampoline_id and self.kp.kretprobes is not None:
-            # No default here: without its instance the real return address is unknown.
+        tramp = self.kp.trampolines.get(req.continue_addr) if req.probe_id == self.arch.trampoline_id else None
+        if tramp is not None:
+            # A kretprobe's return, called from its trampoline's mailbox call (the int3 after the
+            # call is the same trampoline's stop path).  No default here: without its instance
+            # the real return address is unknown.
             pt = self.kp.make_regs(values, self.machine.vcpus[cpu])
-            final_ip = self.kp.kretprobes.returned(pt)
+            final_ip = tramp(pt)
             dirty = pt.dirty()
         elif point is not None and point.opt is not None:
             values["rip"] = point.addr

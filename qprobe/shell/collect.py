@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from qprobe.core.kretprobe import Kretprobe
+from qprobe.core.kprobe import Kretprobe
 
 from .parse import NUMERIC_SPECIAL_KEYS, key_name
 from .render import MapKey, hist_buckets, log2_bucket, parse_number, render_counts, render_hist_map, strip_quotes

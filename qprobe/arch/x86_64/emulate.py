@@ -13,12 +13,11 @@ the stack and for ``call [mem]``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from iced_x86 import Code, OpKind, Register
 
-if TYPE_CHECKING:
-    from qprobe.arch.x86_64.insn import PreparedInsn
+from qprobe.arch.x86_64.decode import Insn
 
 __all__ = [
     "LOOP_KINDS",
@@ -27,11 +26,21 @@ __all__ = [
     "X86_EFLAGS_PF",
     "X86_EFLAGS_SF",
     "X86_EFLAGS_ZF",
+    "Emulated",
     "Memory",
     "Regs",
     "emulate",
     "jcc_taken",
 ]
+
+
+class Emulated(Protocol):
+    """What an emulator reads of a prepared probe (qprobe.arch.x86_64.insn.PreparedInsn)."""
+
+    addr: int
+    insn: Insn
+    emulate: str | None
+
 
 X86_EFLAGS_CF = 1 << 0
 X86_EFLAGS_PF = 1 << 2
@@ -144,30 +153,30 @@ def jcc_taken(cc: int, flags: int) -> bool:
     return match != bool(cc & 1)
 
 
-def _next_ip(prep: PreparedInsn) -> int:
+def _next_ip(prep: Emulated) -> int:
     return (prep.addr + prep.insn.length) & _MASK64
 
 
-def _target(prep: PreparedInsn) -> int:
+def _target(prep: Emulated) -> int:
     target = prep.insn.branch_target
     assert target is not None, prep.insn.text
     return target
 
 
-def kprobe_emulate_call(prep: PreparedInsn, regs: Regs, mem: Memory) -> None:
+def kprobe_emulate_call(prep: Emulated, regs: Regs, mem: Memory) -> None:
     int3_emulate_call(regs, mem, _target(prep), _next_ip(prep))
 
 
-def kprobe_emulate_jmp(prep: PreparedInsn, regs: Regs, mem: Memory) -> None:
+def kprobe_emulate_jmp(prep: Emulated, regs: Regs, mem: Memory) -> None:
     int3_emulate_jmp(regs, _target(prep))
 
 
-def kprobe_emulate_jcc(prep: PreparedInsn, regs: Regs, mem: Memory) -> None:
+def kprobe_emulate_jcc(prep: Emulated, regs: Regs, mem: Memory) -> None:
     cc = prep.insn.instr.condition_code - 1  # iced numbers o..g from 1; x86 from 0
     int3_emulate_jmp(regs, _target(prep) if jcc_taken(cc, regs.flags) else _next_ip(prep))
 
 
-def kprobe_emulate_loop(prep: PreparedInsn, regs: Regs, mem: Memory) -> None:
+def kprobe_emulate_loop(prep: Emulated, regs: Regs, mem: Memory) -> None:
     """LOOPNE/LOOPE/LOOP/J*CXZ with a 64-bit (rcx) or, with 0x67, 32-bit (ecx) counter.
 
     Architecturally LOOP tests the count after decrementing it; Linux's
@@ -191,7 +200,7 @@ def kprobe_emulate_loop(prep: PreparedInsn, regs: Regs, mem: Memory) -> None:
     int3_emulate_jmp(regs, _target(prep) if match else _next_ip(prep))
 
 
-def kprobe_emulate_ret(prep: PreparedInsn, regs: Regs, mem: Memory) -> None:
+def kprobe_emulate_ret(prep: Emulated, regs: Regs, mem: Memory) -> None:
     """Near return; ``ret imm16`` also releases imm16 bytes (Linux 6.1 forgets this)."""
     ip = int3_emulate_pop(regs, mem)
     if prep.insn.code == Code.RETNQ_IMM16:
@@ -199,7 +208,7 @@ def kprobe_emulate_ret(prep: PreparedInsn, regs: Regs, mem: Memory) -> None:
     int3_emulate_jmp(regs, ip)
 
 
-def _indirect_target(prep: PreparedInsn, regs: Regs, mem: Memory) -> int:
+def _indirect_target(prep: Emulated, regs: Regs, mem: Memory) -> int:
     """Value of the FF /2 or FF /4 operand, read before anything is pushed."""
     instr = prep.insn.instr
     if instr.op0_kind == OpKind.REGISTER:
@@ -213,12 +222,12 @@ def _indirect_target(prep: PreparedInsn, regs: Regs, mem: Memory) -> int:
     return int.from_bytes(mem.read(ea & _MASK64, 8), "little")
 
 
-def kprobe_emulate_call_indirect(prep: PreparedInsn, regs: Regs, mem: Memory) -> None:
+def kprobe_emulate_call_indirect(prep: Emulated, regs: Regs, mem: Memory) -> None:
     """``call reg``/``call [mem]``; the target is read first, so ``call rsp`` works too."""
     int3_emulate_call(regs, mem, _indirect_target(prep, regs, mem), _next_ip(prep))
 
 
-def kprobe_emulate_jmp_indirect(prep: PreparedInsn, regs: Regs, mem: Memory) -> None:
+def kprobe_emulate_jmp_indirect(prep: Emulated, regs: Regs, mem: Memory) -> None:
     int3_emulate_jmp(regs, _indirect_target(prep, regs, mem))
 
 
@@ -233,7 +242,7 @@ _EMULATORS = {
 }
 
 
-def emulate(prep: PreparedInsn, regs: Regs, mem: Memory) -> None:
+def emulate(prep: Emulated, regs: Regs, mem: Memory) -> None:
     """Perform ``prep``'s instruction on ``regs``/``mem`` (its ``emulate_op``)."""
     if prep.emulate is None:
         raise ValueError(f"{prep.insn.text!r} is single-stepped, not emulated")

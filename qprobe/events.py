@@ -14,9 +14,9 @@ import collections
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from qprobe.arch.x86_64.detour import FRAME_REGS
 from qprobe.arch.x86_64.guestagg import KeySpec
@@ -53,12 +53,56 @@ from qprobe.funcs import Probeability, check_probe_symbol, did_you_mean, is_glob
 from qprobe.kernel.tracefs import within_notrace_func
 
 if TYPE_CHECKING:
-    from qprobe.api import Target
     from qprobe.core.kprobe import GuestRecord
+    from qprobe.core.kprobes import KprobeManager
+    from qprobe.core.kretprobe import KretprobeManager
+    from qprobe.kernel.program import KernelData, Task
+    from qprobe.kernel.symbols import Symbols
+    from qprobe.target.memory import GuestMemory
 
 log = logging.getLogger("qprobe.events")
 
 IF_FLAG = 0x200
+
+
+class ModuleWatch(Protocol):
+    """The target's following of module loads (qprobe.modnotify.ModuleNotifier), as events start it."""
+
+    started: bool
+
+    def start(self) -> None: ...
+
+
+class EventTarget(Protocol):
+    """What events use of a target: qprobe.api.Target's public API (and the probe tables it holds)."""
+
+    symbols: Symbols
+    kernel: KernelData
+    mem: GuestMemory
+    kprobes: KprobeManager
+    kretprobes: KretprobeManager
+    events: dict[str, TraceEvent]
+    t0: float  # trace timestamps count from here
+
+    @property
+    def modules(self) -> ModuleWatch: ...
+
+    @property
+    def dialect(self) -> Dialect: ...
+    @property
+    def ftrace_locations(self) -> list[int]: ...
+    @property
+    def trace_events(self) -> frozenset[tuple[str, str]]: ...
+    def current_task(self, regs: PtRegs) -> Task: ...
+    def add_event(self, definition: str, callback: Callable[[EventHit], None] | None = None,
+                  filter: str | None = None) -> TraceEvent: ...  # fmt: skip
+    def register_kprobe(self, kp: Kprobe) -> None: ...
+    def register_kprobes(self, kps: Iterable[Kprobe]) -> None: ...
+    def unregister_kprobe(self, kp: Kprobe) -> None: ...
+    def unregister_kprobes(self, kps: Iterable[Kprobe]) -> None: ...
+    def register_kretprobe(self, rp: Kretprobe) -> None: ...
+    def register_kretprobes(self, rps: Iterable[Kretprobe]) -> None: ...
+    def unregister_kretprobe(self, rp: Kretprobe) -> None: ...
 
 
 @dataclass
@@ -96,7 +140,7 @@ class EventHit:
 class _HostContext:
     """The FetchContext of one hit: a stopped vCPU's registers and memory."""
 
-    def __init__(self, target: Target, regs: PtRegs, retval: int | None, comm: str | None = None,
+    def __init__(self, target: EventTarget, regs: PtRegs, retval: int | None, comm: str | None = None,
                  ip: int | None = None) -> None:  # fmt: skip
         self.target = target
         self.regs = regs
@@ -147,7 +191,7 @@ class _HostContext:
         return f"{info.name}+{info.offset:#x}/{info.size:#x}" if info else f"{addr:#x}"
 
 
-def _lookup(target: Target) -> Callable[[int], SymbolInfo | None]:
+def _lookup(target: EventTarget) -> Callable[[int], SymbolInfo | None]:
     def lookup(addr: int) -> SymbolInfo | None:
         sym = target.symbols.containing(addr)
         return None if sym is None else SymbolInfo(sym.name, addr - sym.addr, target.symbols.kallsyms_size(sym))
@@ -159,7 +203,7 @@ def _lookup(target: Target) -> Callable[[int], SymbolInfo | None]:
 class TraceEvent:
     """A kprobe_events definition armed on a target."""
 
-    target: Target
+    target: EventTarget
     definition: ProbeEvent
     callback: Callable[[EventHit], None] | None = None
     keep: int = 100_000  # hits kept in ``hits``; older ones are counted in ``lost``
@@ -411,7 +455,7 @@ def event_filter(ev: ProbeEvent, text: str) -> EventFilter:
                        strings={a.name for a in ev.args if a.type.string})  # fmt: skip
 
 
-def on_func_entry(target: Target, symbol: str, offset: int) -> bool:
+def on_func_entry(target: EventTarget, symbol: str, offset: int) -> bool:
     """``kprobe_on_func_entry``: is ``symbol+offset`` the entry of the function that contains it?
 
     The kernel resolves the address to the kallsyms symbol containing it (so
@@ -423,7 +467,7 @@ def on_func_entry(target: Target, symbol: str, offset: int) -> bool:
     return sym is not None and addr - sym.addr in (0, target.kprobes.entry_skip(sym.addr))
 
 
-def _suggesting(target: Target, exc: FetchArgError) -> FetchArgError:
+def _suggesting(target: EventTarget, exc: FetchArgError) -> FetchArgError:
     """The kernel's refusal of an unknown probe symbol, with the names it was probably meant to be."""
     words = split_args(exc.text.split("#", 1)[0])
     if exc.detail or len(words) < 2 or exc.column != words[1][0]:
@@ -438,7 +482,7 @@ def _suggesting(target: Target, exc: FetchArgError) -> FetchArgError:
     return FetchArgError(exc.reason, exc.text, exc.column, logged=exc.logged, detail=f"no symbol {symbol!r}{hint}")
 
 
-def _follow_modules(target: Target, text: str) -> None:
+def _follow_modules(target: EventTarget, text: str) -> None:
     """Know the guest's modules before a definition whose probe point may be in one is checked.
 
     ``MOD:SYM`` names a module's symbol; a plain name vmlinux lacks may be one
@@ -472,7 +516,7 @@ def _registration_error(ev: ProbeEvent, exc: ProbeError | SymbolError, dialect: 
 
 
 def add_event(
-    target: Target, text: str, callback: Callable[[EventHit], None] | None = None, filter: str | None = None
+    target: EventTarget, text: str, callback: Callable[[EventHit], None] | None = None, filter: str | None = None
 ) -> TraceEvent:
     """Parse a kprobe_events definition and arm it; raises FetchArgError naming the problem.
 
@@ -516,7 +560,7 @@ MAX_WILDCARD = 1000  # probes one glob may arm: more is almost always a pattern 
 
 
 def add_events(
-    target: Target, text: str, callback: Callable[[EventHit], None] | None = None, filter: str | None = None
+    target: EventTarget, text: str, callback: Callable[[EventHit], None] | None = None, filter: str | None = None
 ) -> Wildcard:
     """A definition whose probe point is a glob (``p:vfs vfs_* fd=%di``): every match that can be probed, at once.
 
@@ -564,7 +608,7 @@ def add_events(
 
 
 def _prepare(
-    target: Target, text: str, callback: Callable[[EventHit], None] | None, filter: str | None,
+    target: EventTarget, text: str, callback: Callable[[EventHit], None] | None, filter: str | None,
     symbol_count: Callable[[str], int],
 ) -> tuple[TraceEvent, TraceEvent | None]:  # fmt: skip
     """The parsed, checked, unregistered event, and the existing event it would join (or None)."""
@@ -609,20 +653,20 @@ def _make_probe(te: TraceEvent) -> None:
     te.probe = kp
 
 
-def register_probe(target: Target, te: TraceEvent) -> None:
+def register_probe(target: EventTarget, te: TraceEvent) -> None:
     """Make the event's probe anew from its definition and register it (a module's event, when it loads)."""
     _make_probe(te)
     _register(target, te)
 
 
-def _register(target: Target, te: TraceEvent) -> None:
+def _register(target: EventTarget, te: TraceEvent) -> None:
     if isinstance(te.probe, Kretprobe):
         target.register_kretprobe(te.probe)
     elif te.probe is not None:
         target.register_kprobe(te.probe)
 
 
-def _register_batch(target: Target, events: list[TraceEvent]) -> None:
+def _register_batch(target: EventTarget, events: list[TraceEvent]) -> None:
     """All or nothing, the kprobes in one batch (one grace period places every jump), then the kretprobes."""
     kps = [te.probe for te in events if isinstance(te.probe, Kprobe)]
     rps = [te.probe for te in events if isinstance(te.probe, Kretprobe)]
@@ -634,7 +678,7 @@ def _register_batch(target: Target, events: list[TraceEvent]) -> None:
         raise
 
 
-def remove_event(target: Target, te: TraceEvent) -> None:
+def remove_event(target: EventTarget, te: TraceEvent) -> None:
     """Disarm every probe of the event (the first definition and those appended to it)."""
     for one in te.probes():
         if isinstance(one.probe, Kretprobe):

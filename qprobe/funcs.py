@@ -18,7 +18,7 @@ import fnmatch
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from qprobe.arch.x86_64.arch import X86_64
 from qprobe.core.blacklist import Blacklist
@@ -31,7 +31,7 @@ from qprobe.kernel.symbols import Symbols
 from qprobe.kernel.tracefs import ftrace_locations, probe_dialect, within_notrace_func
 
 if TYPE_CHECKING:
-    from qprobe.api import Target
+    from qprobe.core.kprobes import KprobeManager
 
 __all__ = [
     "Func",
@@ -44,6 +44,19 @@ __all__ = [
     "unknown_symbol",
     "wildcard_definitions",
 ]
+
+
+class RunningTarget(Protocol):
+    """What of_target reads of a running target (qprobe.api.Target)."""
+
+    symbols: Symbols
+    kprobes: KprobeManager
+
+    @property
+    def ftrace_locations(self) -> list[int]: ...
+    @property
+    def dialect(self) -> Dialect: ...
+
 
 _GLOB = re.compile(r"[*?\[]")
 # GCC's names for copies of a function: foo.isra.0, foo.constprop.0, foo.part.0, foo.cold, foo.lto_priv.0
@@ -92,7 +105,7 @@ class Probeability:
         return cls(symbols, blacklist, ftrace_locations(symbols), reserved, probe_dialect(symbols))
 
     @classmethod
-    def of_target(cls, target: Target) -> Probeability:
+    def of_target(cls, target: RunningTarget) -> Probeability:
         """With a running target's tables (its slide, its reserved sites as the text is now)."""
         return cls(target.symbols, target.kprobes.blacklist, target.ftrace_locations, target.kprobes.reserved,
                    target.dialect)  # fmt: skip

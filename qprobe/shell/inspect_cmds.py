@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import fnmatch
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from qprobe.errors import SymbolError, TargetError
 
 from . import gdbcmd
+from .output import Output
 from .parse import ShellUsageError, parse_int
 from .render import hexdump, render_registers
 
@@ -17,7 +19,16 @@ if TYPE_CHECKING:
     from qprobe.api import Target
     from qprobe.kernel.program import Stack
 
-    from .core import Shell
+
+class ShellContext(Protocol):
+    """What these commands use of the shell they run in (qprobe.shell.core.Shell)."""
+
+    target: Target
+    out: Output
+    loaded: dict[str, dict[str, object]]  # load FILE -> its globals
+    interact: Callable[..., None] | None  # code.interact, replaceable in tests
+
+    def note(self, text: str) -> None: ...
 
 
 MAX_DUMP = 1 << 20
@@ -25,7 +36,7 @@ DEFAULT_DUMP = 64
 MAX_LISTED = 200
 
 
-def cmd_sym(shell: Shell, rest: str) -> None:
+def cmd_sym(shell: ShellContext, rest: str) -> None:
     if not rest or len(rest.split()) != 1:
         raise ShellUsageError("usage: sym NAME|GLOB")
     symbols = shell.target.symbols
@@ -44,7 +55,7 @@ def cmd_sym(shell: Shell, rest: str) -> None:
     _print_symbol(shell, rest)
 
 
-def _print_symbol(shell: Shell, name: str) -> None:
+def _print_symbol(shell: ShellContext, name: str) -> None:
     symbols = shell.target.symbols
     sym = symbols.lookup(name)
     section = symbols.section_at(sym.addr)
@@ -53,7 +64,7 @@ def _print_symbol(shell: Shell, name: str) -> None:
                      f"{'  ' + section.name if section is not None else ''}", None))  # fmt: skip
 
 
-def cmd_addr(shell: Shell, rest: str) -> None:
+def cmd_addr(shell: ShellContext, rest: str) -> None:
     if not rest:
         raise ShellUsageError("usage: addr ADDR")
     addr = shell.target.symbols.resolve(rest)
@@ -67,7 +78,7 @@ def cmd_addr(shell: Shell, rest: str) -> None:
                     (f"  {sym.kind}", "note"))  # fmt: skip
 
 
-def cmd_x(shell: Shell, rest: str) -> None:
+def cmd_x(shell: ShellContext, rest: str) -> None:
     words = rest.split()
     if not 1 <= len(words) <= 2:
         raise ShellUsageError("usage: x ADDR|SYM[+OFF] [LEN]")
@@ -83,7 +94,7 @@ def cmd_x(shell: Shell, rest: str) -> None:
     shell.out.write(hexdump(addr, shell.target.read(addr, length)))
 
 
-def _vcpu(shell: Shell, rest: str, verb: str) -> int:
+def _vcpu(shell: ShellContext, rest: str, verb: str) -> int:
     words = rest.split()
     if len(words) > 1:
         raise ShellUsageError(f"usage: {verb} [CPU]")
@@ -93,7 +104,7 @@ def _vcpu(shell: Shell, rest: str, verb: str) -> int:
     return cpu
 
 
-def cmd_regs(shell: Shell, rest: str) -> None:
+def cmd_regs(shell: ShellContext, rest: str) -> None:
     cpu = _vcpu(shell, rest, "regs")
     regs = shell.target.registers(cpu)
     shell.out.write(render_registers(regs, shell.target.symbols.symbolize))
@@ -107,7 +118,7 @@ def cmd_regs(shell: Shell, rest: str) -> None:
         shell.note(f"vCPU {cpu} is in user mode")
 
 
-def cmd_bt(shell: Shell, rest: str) -> None:
+def cmd_bt(shell: ShellContext, rest: str) -> None:
     cpu = _vcpu(shell, rest, "bt")
     target = shell.target
     tid = target.machine.vcpus[cpu]
@@ -126,7 +137,7 @@ def cmd_bt(shell: Shell, rest: str) -> None:
     shell.out.write(f"{stack}\n")
 
 
-def cmd_drgn(shell: Shell, rest: str) -> None:
+def cmd_drgn(shell: ShellContext, rest: str) -> None:
     if rest:
         raise ShellUsageError("usage: drgn")
     drgn_session(shell.target)
@@ -150,7 +161,7 @@ def drgn_session(target: Target) -> None:
         pass
 
 
-def cmd_py(shell: Shell, rest: str) -> None:
+def cmd_py(shell: ShellContext, rest: str) -> None:
     import code
 
     import qprobe
@@ -168,7 +179,7 @@ def cmd_py(shell: Shell, rest: str) -> None:
         pass
 
 
-def cmd_load(shell: Shell, rest: str) -> None:
+def cmd_load(shell: ShellContext, rest: str) -> None:
     if not rest:
         raise ShellUsageError("usage: load FILE.py")
     path = Path(rest).expanduser()
@@ -196,11 +207,11 @@ def cmd_load(shell: Shell, rest: str) -> None:
     shell.note(f"loaded {path}: {added} new probe(s); `list` shows them")
 
 
-def _probe_ids(shell: Shell) -> set[int]:
+def _probe_ids(shell: ShellContext) -> set[int]:
     return {id(kp) for point in list(shell.target.kprobes.points.values()) for kp in list(point.probes)}
 
 
-def cmd_gdb(shell: Shell, rest: str) -> None:
+def cmd_gdb(shell: ShellContext, rest: str) -> None:
     if not rest:
         raise ShellUsageError("usage: gdb CMD")
     transport = getattr(shell.target, "gdb", None)

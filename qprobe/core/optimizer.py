@@ -120,7 +120,6 @@ class ProbeTable(Protocol):
     points: dict[int, ProbePoint]
     trampolines: dict[int, Trampoline]
     resume_targets: dict[int, float]
-    extable: object
     boost: bool
 
     @property
@@ -173,6 +172,7 @@ class Optimizer:
         self.pools: dict[int, PoolState] = {}  # owner -> pool
         self._returns_seen: dict[int, int] = {}
         self.served = 0
+        self._thread_size = 0  # the kernel's THREAD_SIZE, once looked up
         self.errors: list[str] = []
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
@@ -416,7 +416,7 @@ class Optimizer:
             return missing
         if not point.armed or point.opt is not None:
             return "not armed with an int3"
-        if any(kp.post_handler is not None or getattr(kp, "no_optimize", False) for kp in point.probes):
+        if any(kp.post_handler is not None for kp in point.probes):
             return "a probe there has a post_handler"
         if not self._free_ids:
             return "too many optimized probes"
@@ -469,7 +469,7 @@ class Optimizer:
             return False  # user mode: no kernel context is interrupted on this vCPU
         mem, sp = self.machine.mem, self.arch.sp(regs)
         try:
-            stack_size = thread_size(self.kp.kernel)
+            stack_size = self._thread_size = self._thread_size or thread_size(self.kp.kernel)
             stacks = [(sp & ~7, (sp | (stack_size - 1)) + 1)]
             base = self.kp.kernel.current(self.arch.percpu_base(regs)).stack.value_()
             stacks.append((base, base + stack_size))
@@ -488,7 +488,7 @@ class Optimizer:
         """Why an optimized point must go back to an int3 (a post_handler arrived, the knob is off)."""
         if not self.enabled:
             return "optimization is off"
-        if any(kp.post_handler is not None or getattr(kp, "no_optimize", False) for kp in point.probes):
+        if any(kp.post_handler is not None for kp in point.probes):
             return "a probe there has a post_handler"
         if point.opt is not None and point.opt.kind != detour_kind(point):
             return "its probes' handlers changed"

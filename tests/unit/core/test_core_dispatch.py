@@ -1,0 +1,309 @@
+"""The trap path (qprobe.core.dispatch) against the scripted QEMU 7.2 gdbstub of tests/unit/target.
+
+A vCPU is put on the #BP entry with a hardware exception frame on its stack,
+as the guest's int3 leaves it; the dispatcher is handed the stop and every
+register it writes back (``P`` packets) and every step (``vCont;s``) is
+read from the stub.  The instructions are decoded and prepared by the real
+x86_64 arch; only the probe table and guest memory are small fakes.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import pytest
+from target_fakes import QemuStub, g_offsets
+
+from qprobe.arch.x86_64.arch import X86_64
+from qprobe.arch.x86_64.ptregs import PT_REGS_ORDER
+from qprobe.core.dispatch import Dispatcher, Trampoline
+from qprobe.core.handlers import Handlers
+from qprobe.core.kprobe import Kprobe
+from qprobe.core.point import KprobeStatus, ProbePoint
+from qprobe.core.regs import PtRegs
+from qprobe.target.connection import Connection
+from qprobe.target.gdbremote import GdbRemote
+
+ARCH = X86_64()
+ENTRY = 0xFFFF_FFFF_81C0_0BA0  # asm_exc_int3
+PROBE = 0xFFFF_FFFF_8120_0000
+SLOT = 0xFFFF_FFFF_A000_0000
+STACK = 0xFFFF_C900_0000_3F00  # the kernel stack: the hardware frame at rsp
+CONTEXT_SP = 0xFFFF_C900_0000_3FA0  # the trapped context's rsp
+FLAGS = 0x246 | 0x100 | 0x10000  # IF ZF PF, and TF RF (the step must clear both)
+
+
+class FakeSymbols:
+    def __contains__(self, name: str) -> bool:
+        return name == "asm_exc_int3"
+
+    def address(self, name: str) -> int:
+        assert name == "asm_exc_int3"
+        return ENTRY
+
+
+@dataclass
+class FakeKernel:
+    symbols: FakeSymbols = field(default_factory=FakeSymbols)
+
+
+class FakeMem:
+    """Guest memory as one flat address space (virtual = physical)."""
+
+    pgd = 0
+
+    def pgd_of(self, cr3: int) -> int:
+        return self.pgd
+
+    def __init__(self) -> None:
+        self.bytes: dict[int, int] = {}
+
+    def fill(self, addr: int, data: bytes) -> None:
+        for i, b in enumerate(data):
+            self.bytes[addr + i] = b
+
+    def read(self, addr: int, size: int, pgd: int | None = None) -> bytes:
+        return bytes(self.bytes.get(addr + i, 0) for i in range(size))
+
+    def read_u64(self, addr: int) -> int:
+        return int.from_bytes(self.read(addr, 8), "little")
+
+    def virt_to_phys(self, addr: int, pgd: int | None = None) -> int:
+        return addr
+
+
+class FakeMachine:
+    def __init__(self, gdb: GdbRemote, mem: FakeMem) -> None:
+        self.gdb, self.mem = gdb, mem
+        self.vcpus = gdb.threads()
+        self.stop_handlers: dict[int, object] = {}
+        self.watch_handlers: dict[int, object] = {}
+        self.after_stop = None
+
+    def write_phys(self, phys: int, data: bytes) -> None:
+        self.mem.fill(phys, data)
+
+
+class Table:
+    """The probe table as the dispatcher reads it (qprobe.core.dispatch.Registry)."""
+
+    def __init__(self, machine: FakeMachine, boost: bool) -> None:
+        self.machine = machine
+        self.points: dict[int, ProbePoint] = {}
+        self.touched: set[int] = set()
+        self.trampolines: dict[int, Trampoline] = {}
+        self.resume_targets: dict[int, float] = {}
+        self.boost = boost
+
+    def make_regs(self, values: Mapping[str, int], tid: str) -> PtRegs:
+        return PtRegs(dict(values), tid, 0, self.machine.mem, layout=ARCH.registers)  # type: ignore[arg-type]
+
+    def may_boost(self, point: ProbePoint, active: list[Kprobe]) -> bool:
+        return self.boost and not any(kp.post_handler for kp in active)
+
+    def probe(self, code: bytes, *probes: Kprobe) -> ProbePoint:
+        prep = ARCH.arch_prepare_kprobe(code.ljust(16, b"\x90"), PROBE, SLOT, "f+0x10", None)
+        point = ProbePoint(PROBE, "f+0x10", prep, list(probes), int3=object())  # type: ignore[arg-type]
+        self.points[PROBE] = point
+        self.touched.add(PROBE)
+        return point
+
+
+@dataclass
+class Rig:
+    stub: QemuStub
+    gdb: GdbRemote
+    mem: FakeMem
+    table: Table
+    dispatcher: Dispatcher
+    handlers: Handlers
+
+    def reg(self, name: str, cpu: int = 0) -> int:
+        off = g_offsets()[name]
+        size = 4 if name == "eflags" else 8
+        return int.from_bytes(self.stub.vcpus[cpu].regs[off : off + size], "little")
+
+    def trap(self, addr: int = PROBE, cs: int = 0x10, rax: int = 7) -> dict[str, int]:
+        """vCPU 0 stopped on the #BP entry after the int3 at ``addr``; its registers as the stop shows them."""
+        self.mem.fill(STACK, struct.pack("<5Q", addr + 1, cs, FLAGS, CONTEXT_SP, 0x18))
+        for name, value in (("rip", ENTRY), ("rsp", STACK), ("rax", rax), ("eflags", 0x86)):
+            self.stub.vcpus[0].set(name, value)
+        self.stub.requests.clear()
+        return self.gdb.read_registers(self.dispatcher.machine.vcpus[0])
+
+    def writes(self) -> list[bytes]:
+        """Every register write the stub received (``P`` one register, ``G`` several)."""
+        return self.stub.sent(b"P") + self.stub.sent(b"G")
+
+
+@pytest.fixture(params=[False, True], ids=["single-step", "boost"])
+def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
+    stub = QemuStub()
+    gdb = GdbRemote(Connection(stub.client, name="fake"))
+    gdb.handshake()
+    mem = FakeMem()
+    machine = FakeMachine(gdb, mem)
+    table = Table(machine, boost=request.param)
+    handlers = Handlers()
+    dispatcher = Dispatcher(machine, FakeKernel(), ARCH, table, handlers)  # type: ignore[arg-type]
+    yield Rig(stub, gdb, mem, table, dispatcher, handlers)
+    stub.close()
+    assert not stub.errors, stub.errors
+
+
+def test_a_hit_runs_the_pre_handler_on_the_state_before_the_int3(rig: Rig) -> None:
+    seen: list[tuple[int, int, int, int]] = []
+    kp = Kprobe(addr=PROBE, pre_handler=lambda kp, regs: seen.append((regs.ip, regs.sp, regs.flags, regs.ax)))
+    point = rig.table.probe(b"\x55", kp)  # push rbp: boostable
+    rig.dispatcher.on_entry_stop(rig.dispatcher.machine.vcpus[0], rig.trap())
+    assert seen == [(PROBE, CONTEXT_SP, FLAGS, 7)]
+    assert kp.nhit == 1 and rig.dispatcher.ntraps == 1
+    if rig.table.boost:
+        # One write of the resume: into the slot, the jump back is the copy's own.
+        assert rig.reg("rip") == SLOT and rig.reg("rsp") == CONTEXT_SP and rig.reg("eflags") == FLAGS
+        assert point.boosted == 1 and not rig.stub.sent(b"vCont;s")
+        assert PROBE + 1 in rig.table.resume_targets
+    else:
+        # Stepped in the slot with TF and RF clear (the fake's step moves rip by one), then back in the text.
+        assert len(rig.stub.sent(b"vCont;s")) == 1
+        assert rig.reg("rip") == PROBE + 1 and rig.reg("rsp") == CONTEXT_SP
+        assert rig.reg("eflags") == FLAGS & ~(0x100 | 0x10000)
+        assert point.boosted == 0
+    assert rig.dispatcher.ctlblk[rig.dispatcher.machine.vcpus[0]].status is KprobeStatus.IDLE
+
+
+def test_a_post_handler_forces_the_single_step_and_sees_the_ip_after_it(rig: Rig) -> None:
+    after: list[int] = []
+    kp = Kprobe(addr=PROBE, post_handler=lambda kp, regs: after.append(regs.ip))
+    rig.table.probe(b"\x55", kp)
+    rig.dispatcher.on_entry_stop(rig.dispatcher.machine.vcpus[0], rig.trap())
+    assert after == [PROBE + 1] and rig.reg("rip") == PROBE + 1
+    assert len(rig.stub.sent(b"vCont;s")) == 1
+
+
+def test_an_emulated_jump_resumes_at_its_target_without_a_step(rig: Rig) -> None:
+    order: list[str] = []
+    kp = Kprobe(addr=PROBE, pre_handler=lambda kp, regs: order.append("pre"),
+                post_handler=lambda kp, regs: order.append(f"post {regs.ip:#x}"))  # fmt: skip
+    rig.table.probe(b"\xeb\x10", kp)  # jmp +0x10
+    rig.dispatcher.on_entry_stop(rig.dispatcher.machine.vcpus[0], rig.trap())
+    assert order == ["pre", f"post {PROBE + 0x12:#x}"]
+    assert rig.reg("rip") == PROBE + 0x12 and rig.reg("rsp") == CONTEXT_SP and rig.reg("eflags") == FLAGS
+    assert not rig.stub.sent(b"vCont;s")
+
+
+def test_a_pre_handler_that_moves_ip_skips_the_instruction(rig: Rig) -> None:
+    def skip(kp: Kprobe, regs: PtRegs) -> int:
+        regs.ip, regs.ax = PROBE + 0x40, 0xDEAD
+        return 1
+
+    rig.table.probe(b"\x55", Kprobe(addr=PROBE, pre_handler=skip))
+    rig.dispatcher.on_entry_stop(rig.dispatcher.machine.vcpus[0], rig.trap())
+    assert rig.reg("rip") == PROBE + 0x40 and rig.reg("rax") == 0xDEAD and rig.reg("rsp") == CONTEXT_SP
+    assert not rig.stub.sent(b"vCont;s")
+
+
+def test_a_failing_handler_is_counted_reported_and_the_hit_still_resumes(rig: Rig) -> None:
+    faults: list[str] = []
+
+    def bad(kp: Kprobe, regs: PtRegs) -> None:
+        raise RuntimeError("handler bug")
+
+    kp = Kprobe(addr=PROBE, pre_handler=bad, fault_handler=lambda kp, regs, exc: faults.append(str(exc)))
+    rig.table.probe(b"\x55", kp)
+    rig.dispatcher.on_entry_stop(rig.dispatcher.machine.vcpus[0], rig.trap())
+    assert kp.nhit == 1 and kp.nfaults == 1 and faults == ["handler bug"]
+    assert kp.errors == [f"pre_handler of {kp.where()} raised RuntimeError: handler bug"]
+    assert rig.handlers.errors == kp.errors
+    assert rig.reg("rip") in (SLOT, PROBE + 1)
+
+
+def test_a_disabled_probe_counts_nothing_and_its_instruction_still_runs(rig: Rig) -> None:
+    kp = Kprobe(addr=PROBE, pre_handler=lambda kp, regs: pytest.fail("disabled"), disabled=True)
+    rig.table.probe(b"\x55", kp)
+    rig.dispatcher.on_entry_stop(rig.dispatcher.machine.vcpus[0], rig.trap())
+    assert kp.nhit == 0 and rig.reg("rip") in (SLOT, PROBE + 1)
+
+
+def test_a_hit_while_the_vcpu_handles_a_probe_only_counts_nmissed(rig: Rig) -> None:
+    kp = Kprobe(addr=PROBE, pre_handler=lambda kp, regs: pytest.fail("re-entered"))
+    rig.table.probe(b"\x55", kp)
+    tid = rig.dispatcher.machine.vcpus[0]
+    rig.dispatcher.ctlblk[tid].status = KprobeStatus.HIT_ACTIVE
+    rig.dispatcher.on_entry_stop(tid, rig.trap())
+    assert kp.nmissed == 1 and kp.nhit == 0
+    assert rig.dispatcher.ctlblk[tid].status is KprobeStatus.HIT_ACTIVE  # the outer hit still owns it
+
+
+def test_an_int3_removed_after_it_trapped_backs_up_to_the_original_instruction(rig: Rig) -> None:
+    rig.table.touched.add(PROBE)  # ours once, no longer armed: the text holds the original byte again
+    rig.mem.fill(PROBE, b"\x55")
+    rig.dispatcher.on_entry_stop(rig.dispatcher.machine.vcpus[0], rig.trap())
+    assert rig.reg("rip") == PROBE and rig.reg("rsp") == CONTEXT_SP and rig.reg("eflags") == FLAGS
+    assert rig.dispatcher.passed_through == 0
+
+
+def test_somebody_elses_int3_passes_through_to_the_guest(rig: Rig) -> None:
+    rig.mem.fill(PROBE + 0x100, b"\xcc")
+    rig.dispatcher.on_entry_stop(rig.dispatcher.machine.vcpus[0], rig.trap(PROBE + 0x100))
+    assert rig.dispatcher.passed_through == 1 and rig.dispatcher.ntraps == 0
+    assert not rig.writes() and len(rig.stub.sent(b"vCont;s")) == 1  # off the breakpoint on the entry
+
+
+def test_a_user_mode_int3_is_never_ours(rig: Rig) -> None:
+    rig.table.probe(b"\x55", Kprobe(addr=PROBE, pre_handler=lambda kp, regs: pytest.fail("user mode")))
+    rig.dispatcher.on_entry_stop(rig.dispatcher.machine.vcpus[0], rig.trap(cs=0x33))
+    assert rig.dispatcher.passed_through == 1 and not rig.writes()
+
+
+def test_a_trampoline_resumes_where_its_handler_says(rig: Rig) -> None:
+    tramp = SLOT + 0x800
+    calls: list[tuple[int, int]] = []
+
+    def returned(pt: PtRegs) -> int:
+        calls.append((pt.ip, pt.sp))
+        pt.ax = 0x1234  # a return probe may change the return value
+        return PROBE + 0x99
+
+    rig.table.trampolines[tramp] = returned
+    rig.dispatcher.on_entry_stop(rig.dispatcher.machine.vcpus[0], rig.trap(tramp))
+    assert calls == [(tramp, CONTEXT_SP)]
+    assert rig.reg("rip") == PROBE + 0x99 and rig.reg("rax") == 0x1234 and rig.reg("rsp") == CONTEXT_SP
+
+
+def test_each_resume_is_one_register_write(rig: Rig) -> None:
+    rig.table.probe(b"\x55", Kprobe(addr=PROBE))
+    rig.dispatcher.on_entry_stop(rig.dispatcher.machine.vcpus[0], rig.trap())
+    # Into the slot (rsp, eflags, rip together); after a single-step, rip back in the text.
+    assert len(rig.writes()) == (1 if rig.table.boost else 2)
+
+
+def test_the_watchpoint_hook_gives_the_trapped_context_its_registers_back(rig: Rig) -> None:
+    """Stopped inside poke_int3_handler with the trap's pt_regs at rdi: the resume restores every register."""
+    safe, ptregs = ENTRY + 0x40, STACK - 0x200
+    rig.dispatcher.watch_safe = frozenset({safe})
+    seen: list[int] = []
+    rig.table.probe(b"\x55", Kprobe(addr=PROBE, pre_handler=lambda kp, regs: seen.append(regs.bx)))
+    values = dict.fromkeys(PT_REGS_ORDER, 0) | {"rbx": 0xB0B, "r12": 0xC12, "rip": PROBE + 1, "cs": 0x10,
+                                                 "eflags": FLAGS, "rsp": CONTEXT_SP, "ss": 0x18}  # fmt: skip
+    rig.mem.fill(ptregs, struct.pack(f"<{len(PT_REGS_ORDER)}Q", *(values[n] for n in PT_REGS_ORDER)))
+    for name, value in (("rip", safe), ("rdi", ptregs), ("rbx", 1), ("r12", 2)):
+        rig.stub.vcpus[0].set(name, value)
+    rig.dispatcher.on_watch_stop(
+        rig.dispatcher.machine.vcpus[0], rig.gdb.read_registers(rig.dispatcher.machine.vcpus[0])
+    )
+    assert seen == [0xB0B]
+    assert rig.reg("rbx") == 0xB0B and rig.reg("r12") == 0xC12 and rig.reg("rsp") == CONTEXT_SP
+    assert rig.reg("rip") in (SLOT, PROBE + 1)
+
+
+def test_the_watchpoint_hook_ignores_other_reads_of_the_watched_word(rig: Rig) -> None:
+    rig.dispatcher.watch_safe = frozenset({ENTRY + 0x40})
+    rig.stub.vcpus[0].set("rip", ENTRY + 0x80)  # text_poke_bp's own read, elsewhere
+    rig.stub.requests.clear()
+    rig.dispatcher.on_watch_stop(
+        rig.dispatcher.machine.vcpus[0], rig.gdb.read_registers(rig.dispatcher.machine.vcpus[0])
+    )
+    assert not rig.writes() and rig.dispatcher.ntraps == 0

@@ -1,0 +1,266 @@
+"""The optimizer's decisions (qprobe.core.optimizer): which detour a point gets and when it may take the jump.
+
+The function's bytes are decoded by the real x86_64 arch; the vCPUs are the
+scripted QEMU 7.2 gdbstub's (tests/unit/target), their stacks a flat fake memory.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+from target_fakes import QemuStub
+
+from qprobe.arch.x86_64.arch import X86_64
+from qprobe.arch.x86_64.guestagg import KeySpec
+from qprobe.core.dispatch import Trampoline
+from qprobe.core.handlers import Handlers
+from qprobe.core.kprobe import Kprobe, Kretprobe
+from qprobe.core.optimizer import RESUME_GRACE, Optimizer, detour_kind
+from qprobe.core.point import ProbePoint
+from qprobe.core.regs import PtRegs
+from qprobe.target.connection import Connection
+from qprobe.target.gdbremote import GdbRemote
+
+ARCH = X86_64()
+FN = 0xFFFF_FFFF_8120_0000
+# push rbp; mov rbp, rsp; push rbx; push r12; mov eax, 1; pop r12; pop rbx; pop rbp; ret
+CODE = bytes.fromhex("554889e5534154b801000000415c5b5dc3")
+PROBE = FN + 4  # push rbx: the jump displaces push rbx; push r12; mov eax, 1 (8 bytes)
+REGION = 8
+TASK_STACK = 0xFFFF_C900_0001_0000
+THREAD_SIZE = 0x4000
+GS_BASE = 0xFFFF_8880_1F00_0000
+
+
+class FakeMem:
+    pgd = 0
+
+    def pgd_of(self, cr3: int) -> int:
+        return self.pgd
+
+    def __init__(self) -> None:
+        self.bytes: dict[int, int] = {}
+
+    def fill(self, addr: int, data: bytes) -> None:
+        for i, b in enumerate(data):
+            self.bytes[addr + i] = b
+
+    def read(self, addr: int, size: int, pgd: int | None = None) -> bytes:
+        return bytes(self.bytes.get(addr + i, 0) for i in range(size))
+
+
+class FakeKernel:
+    """Per-CPU offsets, ``current`` and the stack size, as qprobe.kernel.program.KernelData gives them."""
+
+    current_task_offset = 0x20C00
+
+    def __init__(self) -> None:
+        self.prog = SimpleNamespace(type=lambda name: SimpleNamespace(size=THREAD_SIZE))
+
+    def percpu_offset(self, name: str) -> int:
+        return {"cpu_number": 0x20C08, "this_cpu_off": 0x20C10, "current_task": 0x20C00}[name]
+
+    def current(self, gs_base: int) -> SimpleNamespace:
+        assert gs_base == GS_BASE
+        return SimpleNamespace(stack=SimpleNamespace(value_=lambda: TASK_STACK))
+
+
+@dataclass
+class Fn:
+    addr: int = FN
+    size: int = len(CODE)
+    name: str = "f"
+
+
+class Table:
+    """The probe table as the optimizer reads it (qprobe.core.optimizer.ProbeTable)."""
+
+    arch = ARCH
+    boost = True
+
+    def __init__(self, machine: SimpleNamespace) -> None:
+        self.machine = machine
+        self.kernel = FakeKernel()
+        self.symbols = SimpleNamespace(function=lambda addr: Fn() if FN <= addr < FN + len(CODE) else None,
+                                       exception_table=lambda: None)  # fmt: skip
+        self.scratch = None
+        self.handlers = Handlers()
+        self.points: dict[int, ProbePoint] = {}
+        self.trampolines: dict[int, Trampoline] = {}
+        self.resume_targets: dict[int, float] = {}
+        self.reserved = SimpleNamespace(conflict=lambda lo, hi: None)
+        self.trapping: int | None = None
+
+    def original(self, addr: int, size: int) -> bytes:
+        return self.machine.mem.read(addr, size)
+
+    def patched(self) -> dict[int, int]:
+        return {p.addr: CODE[p.addr - FN] for p in self.points.values()}
+
+    def quarantine(self, addr: int) -> None:
+        pass
+
+    def make_regs(self, values: Mapping[str, int], tid: str) -> PtRegs:
+        return PtRegs(dict(values), tid, 0, self.machine.mem, layout=ARCH.registers)  # type: ignore[arg-type]
+
+    def arriving(self, regs: Mapping[str, int]) -> int | None:
+        return self.trapping
+
+
+@dataclass
+class Rig:
+    stub: QemuStub
+    table: Table
+    opt: Optimizer
+    mem: FakeMem
+    point: ProbePoint = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.point = self.probe(Kprobe(addr=PROBE))
+
+    def probe(self, *probes: Kprobe, addr: int = PROBE) -> ProbePoint:
+        prep = ARCH.arch_prepare_kprobe(CODE[addr - FN :].ljust(16, b"\x90"), addr, 0, "f", None)
+        point = ProbePoint(addr, f"f+{addr - FN:#x}", prep, list(probes), int3=object())  # type: ignore[arg-type]
+        self.table.points[addr] = point
+        return point
+
+    def vcpu(self, i: int, **regs: int) -> None:
+        for name, value in {"cs": 0x10, "gs_base": GS_BASE, "rsp": TASK_STACK + 0x3F00, **regs}.items():
+            self.stub.vcpus[i].set(name, value)
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    stub = QemuStub()
+    gdb = GdbRemote(Connection(stub.client, name="fake"))
+    gdb.handshake()
+    mem = FakeMem()
+    mem.fill(FN, CODE)
+    table = Table(SimpleNamespace(gdb=gdb, mem=mem, vcpus=gdb.threads()))
+    opt = Optimizer(table, None, None)  # type: ignore[arg-type]
+    opt.enabled = True  # as with a doorbell and shared RAM; no detour is built here
+    r = Rig(stub, table, opt, mem)
+    for i in range(len(stub.vcpus)):
+        r.vcpu(i, rip=FN + 0x1000)
+    yield r
+    stub.close()
+    assert not stub.errors, stub.errors
+
+
+def recorder(rec: object) -> None:
+    pass
+
+
+@pytest.mark.parametrize(
+    ("make", "kind"),
+    [
+        (lambda: [Kprobe(addr=PROBE)], "count"),
+        (lambda: [Kprobe(addr=PROBE, pre_handler=lambda kp, regs: None)], "mailbox"),
+        (lambda: [Kprobe(addr=PROBE, post_handler=lambda kp, regs: None)], "mailbox"),
+        (lambda: [_with(Kprobe(addr=PROBE), recorder=recorder)], "record"),
+        (lambda: [_with(Kprobe(addr=PROBE), recorder=recorder, guest_filter=object())], "filtered"),
+        (lambda: [_with(Kprobe(addr=PROBE), recorder=recorder), _with(Kprobe(addr=PROBE), recorder=recorder,
+                                                                       guest_filter=object())], "record"),
+        (lambda: [_with(Kprobe(addr=PROBE), guest_key=KeySpec("di", 64, False, False))], "keyed"),
+        (lambda: [_with(Kretprobe(addr=PROBE).kp)], "count"),  # no pool in guest RAM
+        (lambda: [_pooled(Kretprobe(addr=PROBE))], "retentry"),
+        (lambda: [_pooled(Kretprobe(addr=PROBE, entry_handler=lambda ri, regs: 0))], "count"),
+    ],
+    ids=["no handler", "pre_handler", "post_handler", "recorder", "filter", "two recorders", "key", "kretprobe",
+         "kretprobe pool", "entry_handler"],
+)  # fmt: skip
+def test_detour_kind_follows_what_the_probes_need(make: object, kind: str) -> None:
+    point = ProbePoint(PROBE, "f", None, make())  # type: ignore[arg-type, operator]
+    assert detour_kind(point) == kind
+
+
+def _with(kp: Kprobe, **attrs: object) -> Kprobe:
+    for name, value in attrs.items():
+        setattr(kp, name, value)
+    return kp
+
+
+def _pooled(rp: Kretprobe) -> Kprobe:
+    rp.pool = object()  # type: ignore[assignment]
+    return rp.kp
+
+
+def test_a_plain_probe_may_take_the_jump_and_learns_its_region(rig: Rig) -> None:
+    assert rig.opt.why_not(rig.point) is None
+    assert rig.point.opt_size == REGION
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (lambda r: setattr(r.opt, "enabled", False), "optimization is off"),
+        (lambda r: r.point.probes.append(Kprobe(addr=PROBE, post_handler=lambda kp, regs: None)),
+         "a probe there has a post_handler"),
+        (lambda r: r.probe(Kprobe(addr=PROBE + 1), addr=PROBE + 1), "another probe at f+0x5 is inside the bytes"),
+        (lambda r: r.table.resume_targets.update({PROBE + 3: math.inf}), "out-of-line code returns into the region"),
+        (lambda r: setattr(r.point, "int3", None), "not armed with an int3"),
+    ],
+    ids=["knob off", "post_handler", "probe inside", "detour returns inside", "disarmed"],
+)  # fmt: skip
+def test_what_keeps_a_point_an_int3(rig: Rig, change: object, reason: str) -> None:
+    change(rig)  # type: ignore[operator]
+    why = rig.opt.why_not(rig.point)
+    assert why is not None and why.startswith(reason) and not rig.opt.transient(why)
+
+
+@pytest.mark.parametrize(
+    ("change", "start"),
+    [
+        (lambda r: r.vcpu(1, rip=PROBE + 3), "vCPU"),
+        (lambda r: setattr(r.table, "trapping", PROBE + 1), "vCPU"),
+        (lambda r: r.table.resume_targets.update({PROBE + 3: time.monotonic()}), "a boosted copy"),
+        (lambda r: r.mem.fill(TASK_STACK + 0x100, (PROBE + 3).to_bytes(8, "little")), "a context interrupted"),
+        (lambda r: r.mem.fill(TASK_STACK + 0x3F10, (PROBE + 7).to_bytes(8, "little")), "a context interrupted"),
+    ],
+    ids=["vCPU inside", "trap arriving", "boosted copy just now", "task stack", "running stack"],
+)  # fmt: skip
+def test_what_only_delays_the_jump(rig: Rig, change: object, start: str) -> None:
+    change(rig)  # type: ignore[operator]
+    why = rig.opt.why_not(rig.point)
+    assert why is not None and why.startswith(start) and rig.opt.transient(why)
+
+
+def test_a_boosted_copy_stops_delaying_after_the_grace_period(rig: Rig) -> None:
+    rig.table.resume_targets[PROBE + 3] = time.monotonic() - RESUME_GRACE - 0.01
+    assert rig.opt.why_not(rig.point) is None
+
+
+def test_a_return_address_at_the_regions_start_or_end_is_harmless(rig: Rig) -> None:
+    for at, value in ((TASK_STACK + 0x100, PROBE), (TASK_STACK + 0x108, PROBE + REGION)):
+        rig.mem.fill(at, value.to_bytes(8, "little"))
+    assert rig.opt.why_not(rig.point) is None
+
+
+def test_a_vcpu_in_user_mode_holds_no_kernel_context(rig: Rig) -> None:
+    rig.mem.fill(TASK_STACK + 0x100, (PROBE + 3).to_bytes(8, "little"))
+    for i in range(len(rig.stub.vcpus)):
+        rig.vcpu(i, cs=0x33, rip=0x401000)
+    assert rig.opt.why_not(rig.point) is None
+
+
+def test_a_jump_that_would_cross_a_page_is_refused(rig: Rig) -> None:
+    fn = FN + 0xFF8  # the probe 4 bytes before a page boundary: its jump would end on the next page
+    rig.mem.fill(fn, CODE)
+    rig.table.symbols.function = lambda addr: Fn(addr=fn) if fn <= addr < fn + len(CODE) else None
+    rig.table.points.clear()
+    point = rig.probe(Kprobe(addr=fn + 4), addr=fn + 4)
+    point.prep = ARCH.arch_prepare_kprobe(CODE[4:].ljust(16, b"\x90"), fn + 4, 0, "f", None)
+    rig.table.patched = lambda: {}  # type: ignore[method-assign]
+    assert rig.opt.why_not(point) == "the jump would cross a page"
+
+
+def test_why_not_kept_sends_a_point_back_when_its_handlers_change(rig: Rig) -> None:
+    assert rig.opt.why_not_kept(rig.point) is None
+    rig.point.opt = SimpleNamespace(kind="count")  # type: ignore[assignment]
+    rig.point.probes[0].pre_handler = lambda kp, regs: None
+    assert rig.opt.why_not_kept(rig.point) == "its probes' handlers changed"

@@ -35,8 +35,7 @@ from qprobe.core.kprobes import KprobeManager
 from qprobe.core.kretprobe import KretprobeManager
 from qprobe.core.recovery import recover
 from qprobe.core.regs import PtRegs
-from qprobe.core.watchpoint import KINDS as WATCH_KINDS
-from qprobe.core.watchpoint import Watchpoint
+from qprobe.core.watchpoint import Watchpoint, Watchpoints
 from qprobe.errors import ProbeError, QprobeError, SymbolError, TargetError, TargetGone
 from qprobe.kernel.features import fully_preemptible, has_pti
 from qprobe.kernel.kaslr import detect_slide
@@ -165,6 +164,7 @@ class Target:
                                          str(doorbell) if doorbell else None,
                                          fully_preemptible(self.symbols, self.cmdline))  # fmt: skip
             self.kretprobes = KretprobeManager(self.kprobes)
+            self.watchpoints = Watchpoints(self.machine, self.symbols, self.kprobes.handlers, self.kprobes.make_regs)
             self.timings["attach"] = time.monotonic() - t0
         except BaseException as exc:
             kept = self._keep_console_log()
@@ -295,42 +295,10 @@ class Target:
 
     def register_watchpoint(self, wp: Watchpoint) -> None:
         """Arm a data watchpoint (QEMU's, not the guest's debug registers)."""
-        if wp.registered:
-            raise ProbeError(f"{wp!r} is already registered")
-        addr = (self.symbols.address(wp.symbol_name) if wp.symbol_name else wp.addr or 0) + wp.offset
-        self.mem.read(addr, wp.length)  # refuse an unmapped address before touching the stub
-        wp.new_value = self.mem.read(addr, wp.length)
-
-        def hit(tid: str, regs: dict[str, int]) -> None:
-            wp.nhit += 1
-            # QEMU reports the hit after the access: the value before it is our last copy.
-            wp.old_value, wp.new_value = wp.new_value, self.mem.read(addr, wp.length)
-            if wp.handler is None:
-                return
-            pt = self.kprobes.make_regs(regs, tid)
-            try:
-                with self.kprobes.handler_lock:
-                    wp.handler(wp, pt)
-            except Exception as exc:  # user code: counted and reported, never fatal
-                wp.nfaults += 1
-                wp.errors.append(f"{type(exc).__name__}: {exc}")
-            if pt.dirty():
-                self.gdb.write_registers(tid, pt.dirty())
-
-        def arm() -> None:
-            self.gdb.insert_breakpoint(addr, WATCH_KINDS[wp.kind], wp.length)
-            self.machine.watch_handlers[addr] = hit
-
-        self.machine.call(arm)
-        wp.resolved, wp.registered = addr, True
+        self.watchpoints.register_watchpoint(wp)
 
     def unregister_watchpoint(self, wp: Watchpoint) -> None:
-        def disarm() -> None:
-            self.gdb.remove_breakpoint(wp.resolved, WATCH_KINDS[wp.kind], wp.length)
-            self.machine.watch_handlers.pop(wp.resolved, None)
-
-        self.machine.call(disarm)
-        wp.registered = False
+        self.watchpoints.unregister_watchpoint(wp)
 
     @property
     def prog(self) -> drgn.Program:

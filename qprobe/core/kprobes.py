@@ -23,7 +23,7 @@ from qprobe.core.blacklist import Blacklist
 from qprobe.core.dispatch import Dispatcher, Trampoline
 from qprobe.core.handlers import Handlers
 from qprobe.core.kprobe import KPROBE_FLAG_DISABLED, Kprobe
-from qprobe.core.optimizer import RESUME_GRACE, Optimizer
+from qprobe.core.optimizer import Optimizer
 from qprobe.core.point import ProbePoint
 from qprobe.core.regs import PtRegs
 from qprobe.errors import (
@@ -43,9 +43,6 @@ if TYPE_CHECKING:
     from qprobe.target.memory import SharedRam
 
 log = logging.getLogger("qprobe.kprobes")
-
-OPTIMIZE_DELAY = 0.05  # seconds the VM runs between arming the int3 and placing the jump
-OPTIMIZE_RETRIES = 5  # attempts for a probe a vCPU was passing through at the moment of optimizing
 
 
 class KprobeManager:
@@ -189,43 +186,8 @@ class KprobeManager:
             self.optimize_later([addr])
 
     def optimize_later(self, addrs: Iterable[int]) -> None:
-        """The kernel's delayed optimizer: int3 first, a grace period, then the jump.
-
-        While queued a point's hits are not boosted, so that after the grace period
-        no context can be inside its copy on the way back into the region.
-        """
-        opt = self.optimizer
-        if not opt.enabled:
-            return
-        queued = todo = list(addrs)
-
-        def queue(on: bool) -> None:
-            for a in queued:
-                point = self.points.get(a)
-                if point is not None:
-                    point.optimizing = on
-
-        def work() -> list[int]:
-            retry = []
-            for a in todo:
-                point = self.points.get(a)
-                if point is None or point.opt is not None or not point.armed or opt.optimize(point):
-                    continue
-                if point.not_optimized is not None and opt.transient(point.not_optimized):
-                    retry.append(a)
-            return retry
-
-        self.machine.call(lambda: queue(True))
-        try:
-            time.sleep(max(OPTIMIZE_DELAY, RESUME_GRACE))
-            # A vCPU inside a region (or a context interrupted there) only delays its jump: try again.
-            for _ in range(OPTIMIZE_RETRIES):
-                todo = self.machine.call(work)
-                if not todo:
-                    return
-                time.sleep(OPTIMIZE_DELAY)
-        finally:
-            self.machine.call(lambda: queue(False))
+        """The kernel's delayed optimizer: int3 first, a grace period, then the jump (Optimizer.kprobe_optimizer)."""
+        self.optimizer.optimize_later(addrs)
 
     def _register(self, kp: Kprobe, addr: int) -> None:
         point = self.points.get(addr)

@@ -67,6 +67,8 @@ TRANSIENT = ("vCPU", "a context interrupted on vCPU", "a boosted copy")
 # Seconds after its last entry that a boosted copy may still hold a context interrupted inside it
 # (the same grace KprobeManager.remove_all gives before unmapping).
 RESUME_GRACE = 0.1
+OPTIMIZE_DELAY = 0.05  # seconds the VM runs between arming the int3 and placing the jump
+OPTIMIZE_RETRIES = 5  # attempts for a probe a vCPU was passing through at the moment of optimizing
 
 
 @dataclass
@@ -147,6 +149,9 @@ class Optimizer:
         self.available = bool(ram is not None and ram.writable and doorbell)
         self.enabled = self.available and kprobes.boost  # debug.kprobes_optimization
         self.by_id: dict[int, ProbePoint] = {}
+        # Addresses waiting for their jump, with when they were queued (the kernel's optimizing_list);
+        # changed on the stop loop only.
+        self.optimizing_list: dict[int, float] = {}
         # Probe id 0 is the kretprobe trampoline's.
         self._free_ids = list(range(MAX_OPTIMIZED - 1, 0, -1))
         self.stub = 0
@@ -405,6 +410,70 @@ class Optimizer:
         """The stop-less kretprobe trampoline at ``address``: ``push 0; call stub; int3``."""
         self._ensure_stub()
         return self.arch.return_trampoline(address, self.stub)
+
+    # -- the delayed optimizer (any thread but the stop loop) -----------------------------
+    def optimize_later(self, addrs: Iterable[int]) -> None:
+        """Queue points for the jump and work the queue: optimize_kprobe() and kprobe_optimizer().
+
+        Unoptimizing needs no queue here: the stop loop swaps a jump back for
+        the int3 while every vCPU is stopped (``unoptimize``), and the detour
+        is quarantined instead of freed after a quiescent period.
+        """
+        if not self.enabled:
+            return
+        queued = list(addrs)
+        self.machine.call(lambda: self._enqueue(queued))
+        try:
+            self.kprobe_optimizer(queued)
+        finally:
+            self.machine.call(lambda: self._dequeue(queued))
+
+    def kprobe_optimizer(self, mine: list[int]) -> None:
+        """Work the optimizing list in steps, as kernel/kprobes.c's kprobe_optimizer() does, until ``mine`` is done."""
+        # Step 1: the queued points are int3s whose hits are single-stepped, not boosted (_enqueue).
+        # Step 2: a grace period, so that no context is left inside one of their boosted copies on
+        # its way back into a region (the kernel's synchronize_rcu_tasks()).
+        time.sleep(max(OPTIMIZE_DELAY, RESUME_GRACE))
+        for _ in range(OPTIMIZE_RETRIES):
+            # Step 3: in one VM stop, place the jump of every queued point that can take it now.
+            left = self.machine.call(self._optimize_queued)
+            if not any(a in left for a in mine):
+                return
+            # Step 4: a vCPU inside a region (or a context interrupted there) only delays its
+            # jump: the optimizer runs again after a short delay (the kernel's kick_kprobe_optimizer).
+            time.sleep(OPTIMIZE_DELAY)
+
+    def _enqueue(self, addrs: list[int]) -> None:
+        for a in addrs:
+            point = self.kp.points.get(a)
+            if point is not None:
+                point.optimizing = True
+                self.optimizing_list.setdefault(a, time.monotonic())
+
+    def _dequeue(self, addrs: list[int]) -> None:
+        for a in addrs:
+            point = self.kp.points.get(a)
+            if point is not None:
+                point.optimizing = False
+            self.optimizing_list.pop(a, None)
+
+    def _optimize_queued(self) -> list[int]:
+        """Optimize what has been queued a grace period; the list keeps what a later attempt may still optimize."""
+        now, grace = time.monotonic(), max(OPTIMIZE_DELAY, RESUME_GRACE)
+        for a, since in list(self.optimizing_list.items()):
+            if now - since < grace:
+                continue  # queued by another caller since: its own grace period is not over
+            point = self.kp.points.get(a)
+            if (
+                point is None
+                or point.opt is not None
+                or not point.armed
+                or self.optimize(point)
+                or point.not_optimized is None
+                or not self.transient(point.not_optimized)
+            ):
+                del self.optimizing_list[a]
+        return list(self.optimizing_list)
 
     # -- optimizing (stop loop) -------------------------------------------------------
     def why_not(self, point: ProbePoint) -> str | None:

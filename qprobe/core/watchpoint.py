@@ -9,11 +9,15 @@ data breakpoint.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from qprobe.errors import InvalidProbe
+from qprobe.core.handlers import Handlers
+from qprobe.core.regs import PtRegs
+from qprobe.errors import InvalidProbe, ProbeError
+from qprobe.kernel.symbols import Symbols
 from qprobe.target.gdbremote import WATCH_ACCESS, WATCH_READ, WATCH_WRITE
+from qprobe.target.machine import Machine
 
 KINDS = {"w": WATCH_WRITE, "r": WATCH_READ, "rw": WATCH_ACCESS}
 
@@ -47,3 +51,51 @@ class Watchpoint:
     def __repr__(self) -> str:
         where = f"{self.symbol_name}+{self.offset:#x}" if self.symbol_name else f"{self.addr:#x}"
         return f"<Watchpoint {self.kind} {where} len={self.length} nhit={self.nhit}>"
+
+
+class Watchpoints:
+    """Arms watchpoints through the stub and runs their handlers at each hit (stop-loop thread)."""
+
+    def __init__(self, machine: Machine, symbols: Symbols, handlers: Handlers,
+                 make_regs: Callable[[Mapping[str, int], str], PtRegs]) -> None:  # fmt: skip
+        self.machine = machine
+        self.symbols = symbols
+        self.handlers = handlers
+        self.make_regs = make_regs
+
+    def register_watchpoint(self, wp: Watchpoint) -> None:
+        if wp.registered:
+            raise ProbeError(f"{wp!r} is already registered")
+        mem = self.machine.mem
+        addr = (self.symbols.address(wp.symbol_name) if wp.symbol_name else wp.addr or 0) + wp.offset
+        mem.read(addr, wp.length)  # refuse an unmapped address before touching the stub
+        wp.new_value = mem.read(addr, wp.length)
+
+        def hit(tid: str, regs: dict[str, int]) -> None:
+            wp.nhit += 1
+            # QEMU reports the hit after the access: the value before it is our last copy.
+            wp.old_value, wp.new_value = wp.new_value, mem.read(addr, wp.length)
+            if wp.handler is None:
+                return
+            pt = self.make_regs(regs, tid)
+            self.handlers.call(wp, f"handler of {wp!r}", wp.handler, wp, pt)
+            if pt.dirty():
+                self.machine.gdb.write_registers(tid, pt.dirty())
+
+        def arm() -> None:
+            self.machine.gdb.insert_breakpoint(addr, KINDS[wp.kind], wp.length)
+            self.machine.watch_handlers[addr] = hit
+
+        self.machine.call(arm)
+        wp.resolved, wp.registered = addr, True
+
+    def unregister_watchpoint(self, wp: Watchpoint) -> None:
+        def disarm() -> None:
+            self.machine.gdb.remove_breakpoint(wp.resolved, KINDS[wp.kind], wp.length)
+            self.machine.watch_handlers.pop(wp.resolved, None)
+
+        self.machine.call(disarm)
+        wp.registered = False
+
+
+__all__ = ["KINDS", "Watchpoint", "Watchpoints"]

@@ -17,6 +17,7 @@ from target_fakes import QemuStub
 
 from qprobe.arch.x86_64.arch import X86_64
 from qprobe.arch.x86_64.guestagg import KeySpec
+from qprobe.core import optimizer as optimizer_mod
 from qprobe.core.dispatch import Trampoline
 from qprobe.core.handlers import Handlers
 from qprobe.core.kprobe import Kprobe, Kretprobe
@@ -141,7 +142,7 @@ def rig() -> Iterator[Rig]:
     gdb.handshake()
     mem = FakeMem()
     mem.fill(FN, CODE)
-    table = Table(SimpleNamespace(gdb=gdb, mem=mem, vcpus=gdb.threads()))
+    table = Table(SimpleNamespace(gdb=gdb, mem=mem, vcpus=gdb.threads(), call=lambda fn: fn()))
     opt = Optimizer(table, None, None)  # type: ignore[arg-type]
     opt.enabled = True  # as with a doorbell and shared RAM; no detour is built here
     r = Rig(stub, table, opt, mem)
@@ -264,3 +265,39 @@ def test_why_not_kept_sends_a_point_back_when_its_handlers_change(rig: Rig) -> N
     rig.point.opt = SimpleNamespace(kind="count")  # type: ignore[assignment]
     rig.point.probes[0].pre_handler = lambda kp, regs: None
     assert rig.opt.why_not_kept(rig.point) == "its probes' handlers changed"
+
+
+@pytest.mark.parametrize(
+    ("reasons", "attempts"),
+    [
+        (["vCPU p1.02 is inside the region", "a boosted copy returning into the region ran 0.1 s ago or less"], 3),
+        (["a probe there has a post_handler"], 1),  # not a moment's obstacle: dropped from the queue
+        (["vCPU p1.02 is inside the region"] * 9, optimizer_mod.OPTIMIZE_RETRIES),
+    ],
+    ids=["delayed twice", "refused", "never leaves"],
+)
+def test_the_optimizer_works_its_queue_in_rounds(rig: Rig, monkeypatch: pytest.MonkeyPatch, reasons: list[str],
+                                                 attempts: int) -> None:  # fmt: skip
+    monkeypatch.setattr(optimizer_mod, "OPTIMIZE_DELAY", 0.0)
+    monkeypatch.setattr(optimizer_mod, "RESUME_GRACE", 0.0)
+    tried: list[tuple[bool, list[int]]] = []
+
+    def optimize(point: ProbePoint) -> bool:
+        tried.append((point.optimizing, list(rig.opt.optimizing_list)))
+        if len(tried) <= len(reasons):
+            point.not_optimized = reasons[len(tried) - 1]
+            return False
+        return True
+
+    monkeypatch.setattr(rig.opt, "optimize", optimize)
+    rig.opt.optimize_later([PROBE])
+    assert len(tried) == attempts
+    assert all(flag and queue == [PROBE] for flag, queue in tried)  # queued, and stepped rather than boosted
+    assert not rig.point.optimizing and not rig.opt.optimizing_list
+
+
+def test_the_optimizer_does_nothing_with_the_knob_off(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    rig.opt.enabled = False
+    monkeypatch.setattr(rig.opt, "optimize", lambda point: pytest.fail("optimized with the knob off"))
+    rig.opt.optimize_later([PROBE])
+    assert not rig.point.optimizing

@@ -68,8 +68,8 @@ IF_FLAG = 0x200
 class ModuleWatch(Protocol):
     """The target's following of module loads (qprobe.modnotify.ModuleNotifier), as events start it."""
 
-    started: bool
-
+    @property
+    def started(self) -> bool: ...
     def start(self) -> None: ...
 
 

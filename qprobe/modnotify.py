@@ -23,19 +23,24 @@ Their symbols, text, ftrace sites and reserved sites come from the guest's
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import drgn
 
-from qprobe.core.kprobe import KPROBE_FLAG_GONE, Kprobe
-from qprobe.core.kretprobe import Kretprobe
+from qprobe.core.kprobe import KPROBE_FLAG_GONE, Kprobe, Kretprobe
 from qprobe.core.regs import PtRegs
 from qprobe.errors import ProbeError, QprobeError, SymbolError
 from qprobe.kernel.modules import loaded_modules, read_module
 
 if TYPE_CHECKING:
-    from qprobe.api import Target
-    from qprobe.events import TraceEvent
+    from qprobe.events import EventTarget, TraceEvent
+    from qprobe.target.machine import Machine
+
+    class NotifierTarget(EventTarget, Protocol):
+        """What the notifier uses of a target (qprobe.api.Target): the events' view, and the stop loop."""
+
+        machine: Machine
+
 
 log = logging.getLogger("qprobe.modules")
 
@@ -46,7 +51,7 @@ GOING_HOOK = "free_module"  # static void free_module(struct module *mod)
 class ModuleNotifier:
     """Loaded modules' symbols in ``target.symbols``, kept current by two host-side probes."""
 
-    def __init__(self, target: Target) -> None:
+    def __init__(self, target: NotifierTarget) -> None:
         self.target = target
         self.hooks: list[Kprobe] = []
         self.loads = 0

@@ -12,64 +12,17 @@ those).  All of it is in
 
 from __future__ import annotations
 
-import bisect
-import itertools
-from dataclasses import dataclass, field
-
 import drgn
 from drgn.helpers.linux.kallsyms import module_kallsyms
 from drgn.helpers.linux.module import for_each_module
 
-from qprobe.kernel.symbols import Symbol
+from qprobe.kernel.symbols import ModuleText, Symbol
 
 __all__ = ["ModuleText", "loaded_modules", "read_module"]
 
 # enum module_state (include/linux/module.h, unchanged since Linux 3.x).
 MODULE_STATE_LIVE, MODULE_STATE_COMING, MODULE_STATE_GOING, MODULE_STATE_UNFORMED = range(4)
 _KINDS = {drgn.SymbolKind.FUNC: "func", drgn.SymbolKind.OBJECT: "object"}
-
-
-@dataclass(frozen=True)
-class ModuleText:
-    """One loaded module: its text ranges, symbols (running addresses, sorted) and special sites."""
-
-    name: str
-    struct_addr: int  # the struct module
-    text: tuple[tuple[int, int], ...]  # (start, end) of its core text; init text is not probed
-    symbols: tuple[Symbol, ...]  # sorted by address
-    ftrace_sites: tuple[int, ...] = ()  # sorted ``call __fentry__`` sites (NOPs until ftrace uses them)
-    extable: frozenset[int] = frozenset()  # instructions with an exception-table fixup
-    jump_labels: tuple[int, ...] = ()
-    static_calls: tuple[int, ...] = ()
-    bugs: frozenset[int] = frozenset()  # BUG()/WARN() instructions
-    _addrs: list[int] = field(default_factory=list, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self._addrs.extend(s.addr for s in self.symbols)
-
-    def is_text(self, addr: int) -> bool:
-        return any(lo <= addr < hi for lo, hi in self.text)
-
-    def lookup(self, name: str) -> list[Symbol]:
-        return [s for s in self.symbols if s.name == name]
-
-    def containing(self, addr: int) -> Symbol | None:
-        """The symbol covering ``addr`` (a sized function wins among those at one address).
-
-        A size-0 symbol covers the text up to the next symbol, as in kallsyms.
-        """
-        i = bisect.bisect_right(self._addrs, addr) - 1
-        if i < 0:
-            return None
-        at = self._addrs[i]
-        rows = itertools.takewhile(lambda s: s.addr == at, self.symbols[i::-1])
-        covering = [s for s in rows if addr < s.addr + s.size or (s.size == 0 and self.is_text(addr))]
-        return max(covering, key=lambda s: (s.kind == "func", s.size > 0)) if covering else None
-
-    def next_symbol(self, addr: int) -> int | None:
-        """The address of the first symbol after ``addr`` (kallsyms' idea of where a symbol ends)."""
-        i = bisect.bisect_right(self._addrs, addr)
-        return self._addrs[i] if i < len(self._addrs) else None
 
 
 def _text_ranges(mod: drgn.Object) -> tuple[tuple[int, int], ...]:

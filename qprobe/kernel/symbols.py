@@ -13,19 +13,16 @@ import array
 import base64
 import bisect
 import functools
+import itertools
 import json
 import mmap
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from qprobe.errors import QprobeError, SymbolError
 from qprobe.paths import cache_dir, read_private, write_private
-
-if TYPE_CHECKING:
-    from qprobe.kernel.modules import ModuleText
 
 _CACHE_VERSION = 4
 LINK_BASE = 0xFFFF_FFFF_8100_0000  # __START_KERNEL with CONFIG_PHYSICAL_START=0x1000000
@@ -46,6 +43,49 @@ class Symbol:
     addr: int
     size: int
     kind: str  # "func", "object", "other"
+
+
+@dataclass(frozen=True)
+class ModuleText:
+    """One loaded module: its text ranges, symbols (running addresses, sorted) and special sites."""
+
+    name: str
+    struct_addr: int  # the struct module
+    text: tuple[tuple[int, int], ...]  # (start, end) of its core text; init text is not probed
+    symbols: tuple[Symbol, ...]  # sorted by address
+    ftrace_sites: tuple[int, ...] = ()  # sorted ``call __fentry__`` sites (NOPs until ftrace uses them)
+    extable: frozenset[int] = frozenset()  # instructions with an exception-table fixup
+    jump_labels: tuple[int, ...] = ()
+    static_calls: tuple[int, ...] = ()
+    bugs: frozenset[int] = frozenset()  # BUG()/WARN() instructions
+    _addrs: list[int] = field(default_factory=list, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._addrs.extend(s.addr for s in self.symbols)
+
+    def is_text(self, addr: int) -> bool:
+        return any(lo <= addr < hi for lo, hi in self.text)
+
+    def lookup(self, name: str) -> list[Symbol]:
+        return [s for s in self.symbols if s.name == name]
+
+    def containing(self, addr: int) -> Symbol | None:
+        """The symbol covering ``addr`` (a sized function wins among those at one address).
+
+        A size-0 symbol covers the text up to the next symbol, as in kallsyms.
+        """
+        i = bisect.bisect_right(self._addrs, addr) - 1
+        if i < 0:
+            return None
+        at = self._addrs[i]
+        rows = itertools.takewhile(lambda s: s.addr == at, self.symbols[i::-1])
+        covering = [s for s in rows if addr < s.addr + s.size or (s.size == 0 and self.is_text(addr))]
+        return max(covering, key=lambda s: (s.kind == "func", s.size > 0)) if covering else None
+
+    def next_symbol(self, addr: int) -> int | None:
+        """The address of the first symbol after ``addr`` (kallsyms' idea of where a symbol ends)."""
+        i = bisect.bisect_right(self._addrs, addr)
+        return self._addrs[i] if i < len(self._addrs) else None
 
 
 class Symbols:

@@ -101,7 +101,7 @@ class Probeability:
         """From the vmlinux file alone, before anything boots (reserved sites as the file has them)."""
         # The BUG table's entry size needs the kernel's types; a function's entry is never a BUG site.
         reserved = ReservedText(symbols, symbols.file_bytes, None)
-        blacklist = Blacklist(symbols, X86_64().arch_populate_kprobe_blacklist(symbols))
+        blacklist = Blacklist(symbols, X86_64().arch_populate_kprobe_blacklist())
         return cls(symbols, blacklist, ftrace_locations(symbols), reserved, probe_dialect(symbols))
 
     @classmethod

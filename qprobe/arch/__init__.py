@@ -43,10 +43,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    from qprobe.kernel.symbols import Symbols
+from typing import Protocol
 
 
 class ResumeKind(enum.Enum):
@@ -240,7 +237,7 @@ class Arch(Protocol):
     def percpu_base(self, regs: Mapping[str, int]) -> int: ...
 
     # -- the blacklist -------------------------------------------------------------------
-    def arch_populate_kprobe_blacklist(self, symbols: Symbols) -> list[tuple[str, str, str]]: ...
+    def arch_populate_kprobe_blacklist(self) -> list[tuple[str, str, str]]: ...
     def arch_kretprobe_blacklist(self) -> frozenset[str]: ...
 
     # -- jump optimization -----------------------------------------------------------------

@@ -63,7 +63,7 @@ class KprobeManager:
         self.arch = arch
         self.symbols = symbols = kernel.symbols
         self.scratch = scratch
-        self.blacklist = Blacklist(symbols, arch.arch_populate_kprobe_blacklist(symbols))
+        self.blacklist = Blacklist(symbols, arch.arch_populate_kprobe_blacklist())
         self.points: dict[int, ProbePoint] = {}
         self.vcpu_index = {tid: i for i, tid in enumerate(machine.vcpus)}
         self.enabled = True  # debugfs kprobes/enabled

@@ -176,7 +176,7 @@ class X86_64:
         return regs["gs_base"]
 
     # -- the blacklist -------------------------------------------------------------------
-    def arch_populate_kprobe_blacklist(self, symbols: object) -> list[tuple[str, str, str]]:
+    def arch_populate_kprobe_blacklist(self) -> list[tuple[str, str, str]]:
         """The entry code, which runs before the trap reaches a handler (x86's own addition)."""
         return [("__entry_text_start", "__entry_text_end", ".entry.text")]
 

@@ -12,7 +12,7 @@ from qprobe.core.blacklist import Blacklist, BlacklistEntry
 from qprobe.errors import SymbolError
 from qprobe.kernel.symbols import Section, Symbol, Symbols
 
-ARCH_SECTIONS = X86_64().arch_populate_kprobe_blacklist(None)
+ARCH_SECTIONS = X86_64().arch_populate_kprobe_blacklist()
 
 SLIDE = 0x1E0_0000
 T = 0xFFFF_FFFF_8100_0000  # link-time text base

@@ -40,7 +40,7 @@ class Row:
     """One probe-cost measurement: a workload run ``iterations`` times with one kind of probe."""
 
     workload: str
-    key: str  # the issue's row names: unprobed, gdb, kprobe_events, k, b, o, f, r, rb, ro
+    key: str  # the report's row names: unprobed, gdb, kprobe_events, k, b, o, f, r, rb, ro
     what: str
     iterations: int
     hits: int
@@ -246,7 +246,7 @@ def _cost(row: Row) -> float:
 
 
 def _targets(rows: list[Row]) -> list[str]:
-    """The issue's targets, as ratios within this one run (per-hit costs below zero count as zero)."""
+    """The project's performance targets, as ratios within this one run (per-hit costs below zero count as zero)."""
     by = {(r.workload, r.key): r for r in rows}
     fork, tight = WORKLOADS[0][0], WORKLOADS[1][0]
     out = ["Targets (from this run):", ""]

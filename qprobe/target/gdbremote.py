@@ -2,7 +2,8 @@
 
 Registers come from the stub's own target description (``qXfer:features``),
 so offsets in the ``g`` packet are never guessed; reading it is also what
-makes QEMU 7.2 answer ``p``/``P`` at all (see the facts file).
+makes QEMU 7.2 answer ``p``/``P`` at all (its gdbstub serves them only to a
+client that has read the XML: ``gdb_has_xml``).
 """
 
 from __future__ import annotations

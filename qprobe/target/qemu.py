@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qprobe.errors import TargetError, TargetGone
+from qprobe.target.scratch import SIZE as SCRATCH_SIZE  # reserved with memmap= so the kernel never uses it
 
-# Reserved with memmap= so the kernel never uses it; qprobe maps it as the
-# scratch area (see qprobe.target.scratch).  2 MiB: one PMD.
-SCRATCH_SIZE = 2 << 20
-DOORBELL_PORT = 0x5E0  # must match qprobe.core.optimizer.DOORBELL_PORT
+# The isa-debugcon port whose writes are the optimized probes' doorbell: qprobe.core.optimizer
+# hands it to the architecture's mailbox stub, which rings it with an ``out``.
+DOORBELL_PORT = 0x5E0
 RUN_PREFIX = "qprobe-run-"
 SHM_ROOT = Path("/dev/shm")
 SHM_PREFIX = "qprobe-"

@@ -1,7 +1,12 @@
-"""x86_64 instruction layer: decode, prepare, emulate and relocate probed instructions.
+"""x86_64: the :class:`qprobe.arch.Arch` the core is given (``arch.py``) and the modules behind it.
 
-Pure functions over bytes and register objects; nothing here talks to QEMU.
-Names follow Linux 6.1's arch/x86/kernel/kprobes/{core,opt}.c.
+Instructions are decoded, prepared, emulated and relocated (decode, insn,
+emulate, boost, opt); ``ptregs`` defines ``struct pt_regs`` once; detour,
+retdetour, guestagg and guestfilter generate the code optimized probes run in
+the guest (the mailbox stub rings QEMU's isa-debugcon port); int3hook finds
+where the host hears of a guest int3.  All of it works on bytes and register
+values: the host's I/O with QEMU is qprobe.target's.  Names follow
+arch/x86/kernel/kprobes/{core,opt}.c.
 """
 
 from qprobe.arch.x86_64.boost import can_boost, synthesize_relcall, synthesize_reljump

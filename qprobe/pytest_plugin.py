@@ -302,7 +302,6 @@ class QprobeReset:
         self.module_text: dict[int, int] = {}  # snapshot start -> the struct module whose text it is
         self.oops_seen = len(self.target.oopses())
         self.handler_errors_seen = len(self.target.kprobes.handler_errors)
-        self._original_patch = None
 
     # -- text snapshots ------------------------------------------------------------------
     def _pristine(self, start: int, size: int) -> bytes:
@@ -341,24 +340,18 @@ class QprobeReset:
     def start(self) -> None:
         # Every byte qprobe writes into the guest goes through Machine.patch (journaled
         # first): snapshot the function around it just before its first patch.
-        machine = self.target.machine
-        original = machine.patch
+        self.target.machine.patch_watchers.append(self._before_patch)
 
-        def patch(virt: int, *args: Any, **kwargs: Any) -> Any:
-            try:
-                self._snapshot(virt)
-            except Exception as exc:  # the probe goes ahead; the test fails at the end, unchecked text is no pass
-                self.snapshot_errors.append(f"{virt:#x}: {type(exc).__name__}: {exc}")
-            return original(virt, *args, **kwargs)
-
-        machine.patch = patch  # type: ignore[method-assign]
-        self._original_patch = original
+    def _before_patch(self, virt: int) -> None:
+        try:
+            self._snapshot(virt)
+        except Exception as exc:  # the probe goes ahead; the test fails at the end, unchecked text is no pass
+            self.snapshot_errors.append(f"{virt:#x}: {type(exc).__name__}: {exc}")
 
     def _stop_watching(self) -> None:
-        machine = self.target.machine
-        if self._original_patch is not None and "patch" in vars(machine):
-            del machine.patch  # back to Machine.patch
-        self._original_patch = None
+        watchers = self.target.machine.patch_watchers
+        if self._before_patch in watchers:
+            watchers.remove(self._before_patch)
 
     # -- checks ------------------------------------------------------------------------
     def new_oopses(self) -> list[str]:

@@ -44,6 +44,9 @@ class Machine:
         self.watch_handlers: dict[int, StopHandler] = {}
         # Runs after every stop, with the thread whose stop was just handled, if any (see KprobeManager._hook).
         self.after_stop: Callable[[str | None], None] | None = None
+        # Told the kernel address of every patch just before it is written (the pytest plugin
+        # snapshots the text around it); they must not raise.
+        self.patch_watchers: list[Callable[[int], None]] = []
         self.handler_errors: list[str] = []
         self._requests: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._error: BaseException | None = None
@@ -179,6 +182,8 @@ class Machine:
     # -- guarded writes (stop-loop thread only) --------------------------------
     def patch(self, virt: int, data: bytes, what: str, slot: int = 0) -> Patch:
         """Journal, then write ``data`` at kernel address ``virt`` (physically, past write protection)."""
+        for watcher in self.patch_watchers:
+            watcher(virt)
         phys = self.mem.virt_to_phys(virt)
         if (phys & 0xFFF) + len(data) > 0x1000:
             raise TargetError(f"internal: patch at {virt:#x} crosses a page")

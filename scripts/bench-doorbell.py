@@ -127,7 +127,9 @@ def main() -> None:
         assert "[OPTIMIZED]" in t.list_probes(), t.list_probes()
         ram, scratch = opt.ram, t.kprobes.scratch
         assert ram is not None
-        serve, make_regs = opt.serve, t.kprobes.make_regs
+        bell = opt.doorbell
+        assert bell is not None
+        serve, make_regs = bell.serve, bell.make_regs
         last_span = [0]
 
         def doorbells() -> int:
@@ -150,8 +152,8 @@ def main() -> None:
                 samples.append((prep, out, wait_prev, h1, regs_built[-1], *handler_times[-1], h5, last_span[0]))
                 last_span[0] = h5 - h1
 
-        opt.serve = timed_serve  # type: ignore[method-assign]
-        t.kprobes.make_regs = timed_make_regs  # type: ignore[method-assign]
+        bell.serve = timed_serve  # type: ignore[method-assign]
+        bell.make_regs = timed_make_regs
         cmd = f"workload lseek {hits}"
         t.disable_kprobe(kp)
         unprobed = min(guest_seconds(t, cmd) for _ in range(3))

@@ -48,16 +48,16 @@ class KretprobeManager:
             ri = self.by_slot.get(slot)
             if ri is not None:
                 return ri.ret_addr
-        opt = self.kprobes.optimizer
-        real = opt.guest_return_address(value)
+        pools = self.kprobes.optimizer.returns
+        real = pools.return_address(value) if pools is not None else None
         return value if real is None else real
 
     def live_instances(self, rp: Kretprobe) -> list[KretprobeInstance]:
         """The calls of ``rp`` in flight: instances the host holds and those taken in guest RAM."""
         out = list(rp.live.values())
-        opt = self.kprobes.optimizer
-        if rp.pool is not None:
-            for _i, slot, ret_addr, task in opt.pool_instances(rp.pool):
+        pools = self.kprobes.optimizer.returns
+        if rp.pool is not None and pools is not None:
+            for _i, slot, ret_addr, task in pools.instances(rp.pool):
                 out.append(KretprobeInstance(rp, ret_addr, slot, self.kprobes.kernel.snapshot(task)))
         return out
 
@@ -84,8 +84,8 @@ class KretprobeManager:
         def prepare() -> None:
             self._ensure_trampoline()
             opt = self.kprobes.optimizer
-            if opt.available and opt.stub_missing() is None and rp.entry_handler is None:
-                rp.pool = opt.alloc_pool(rp, n)
+            if opt.available and opt.returns is not None and opt.stub_missing() is None and rp.entry_handler is None:
+                rp.pool = opt.returns.alloc(rp, n)
                 self._ensure_return_int3s()
 
         self.machine.call(prepare)
@@ -127,7 +127,9 @@ class KretprobeManager:
 
     def _ensure_return_int3s(self) -> None:
         """The shared return code's int3s (a busy mailbox, a bad instance) finish the return on the stop path."""
-        busy, bad = self.kprobes.optimizer.ret_int3s()
+        pools = self.kprobes.optimizer.returns
+        assert pools is not None
+        busy, bad = pools.int3s()
         self.kprobes.trampolines[busy] = self.returned
         self.kprobes.trampolines[bad] = self._returned_bad
 
@@ -143,9 +145,9 @@ class KretprobeManager:
         for slot, ri in list(rp.live.items()):
             self._release(ri, restore=True)
             del rp.live[slot]
-        opt = self.kprobes.optimizer
-        if rp.pool is not None:
-            opt.retire_pool(rp)
+        pools = self.kprobes.optimizer.returns
+        if rp.pool is not None and pools is not None:
+            pools.retire(rp)
             rp.pool = None
 
     def _release(self, ri: KretprobeInstance, restore: bool) -> None:
@@ -203,16 +205,18 @@ class KretprobeManager:
         """
         slot = pt.sp - 8
         ri = self.by_slot.get(slot)
+        pools = self.kprobes.optimizer.returns
         guest = None
-        if ri is None:
-            guest = self.kprobes.optimizer.guest_instance(slot)
+        if ri is None and pools is not None:
+            guest = pools.find(slot)
         if ri is None and guest is None:
             raise ProbeError(f"a return into the kretprobe trampoline with no instance for stack slot {slot:#x}")
         if ri is None:
             assert guest is not None
             owner, index, ret_addr, task = guest
             if owner is None:  # unregistered while this call was in flight: no handler (as the kernel)
-                self.kprobes.optimizer.free_instance(index)
+                assert pools is not None
+                pools.free(index)
                 return ret_addr
             ri = KretprobeInstance(
                 owner, ret_addr, slot, self.kprobes.kernel.snapshot(task), bytearray(owner.data_size)
@@ -220,14 +224,14 @@ class KretprobeManager:
         rp = ri.rp
         rp.nreturns += 1
         # Where the ret went (the unwinder maps it back to the real return address while the instance is taken).
-        opt = self.kprobes.optimizer
-        pt.set_quietly("ip", self.trampoline if guest is None or opt.ret is None
-                       else opt.ret.trampoline(guest[1]))  # fmt: skip
+        layout = pools.ret if pools is not None else None
+        pt.set_quietly("ip", self.trampoline if guest is None or layout is None else layout.trampoline(guest[1]))
         if rp.handler is not None and not rp.kp.flags & KPROBE_FLAG_DISABLED:
             self.kprobes.handlers.call(rp, f"handler of kretprobe {rp.kp.where()}", rp.handler, ri, pt)
         ret_addr = ri.ret_addr
         if guest is not None:
-            self.kprobes.optimizer.free_instance(guest[1])
+            assert pools is not None
+            pools.free(guest[1])
             return ret_addr
         rp.live.pop(slot, None)
         # The return address on the stack was consumed by the ret: only forget the patch.

@@ -1,15 +1,13 @@
 """Jump optimization and the stop-less handler channel (host side).
 
 An optimized probe's first instructions are a ``jmp`` to a detour in the
-scratch area (see qprobe.arch.x86_64.detour).  Its hits never stop the VM:
-the guest's stub puts the registers in its CPU's mailbox and rings a
-doorbell, an ``out`` to QEMU's isa-debugcon device whose chardev is a Unix
-socket read here; this thread runs the Python handlers on those registers
-(guest memory is read through the shared RAM file), writes changed
-registers back into the mailbox and releases the vCPU.  Other vCPUs keep
-running throughout.  Probes that need no Python handler at the hit do not
-wake the host at all (see ``detour_kind``): their detour counts in guest RAM,
-or records the registers into a per-CPU ring that a collector thread drains.
+scratch area, built by the architecture (``arch_prepare_optimized_kprobe``).
+Its hits never stop the VM: a Python handler runs on the doorbell server's
+thread (qprobe.core.doorbell), and probes that need no Python handler at the
+hit do not wake the host at all (see ``detour_kind``): their detour counts in
+guest RAM, or records the registers into a per-CPU ring that this module's
+collector thread drains.  A return probe's instances live in guest RAM too
+(qprobe.core.pools).
 
 The checks before optimizing are the kernel's (``can_optimize``: whole
 function decoded from running memory, no jump into the region, nothing in
@@ -26,19 +24,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import socket
 import struct
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import drgn
 
-from qprobe.arch import Arch, DetourParams, PercpuLayout, Pool, ReturnLayout, RingEntry
+from qprobe.arch import Arch, DetourParams, PercpuLayout, RingEntry
+from qprobe.core.doorbell import Doorbell
 from qprobe.core.kprobe import GuestRecord
 from qprobe.core.point import Optimized, ProbePoint
+from qprobe.core.pools import ReturnPools, page_round
 from qprobe.errors import QprobeError, SymbolError
 from qprobe.kernel.features import thread_size
 from qprobe.target.memory import SharedRam
@@ -47,7 +45,6 @@ from qprobe.target.qemu import DOORBELL_PORT
 if TYPE_CHECKING:
     from qprobe.core.dispatch import Trampoline
     from qprobe.core.handlers import Handlers
-    from qprobe.core.kprobe import Kretprobe
     from qprobe.core.regs import PtRegs
     from qprobe.kernel.program import KernelData
     from qprobe.kernel.reserved import ReservedText
@@ -58,8 +55,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("qprobe.optimizer")
 
 MAX_OPTIMIZED = 4096  # probe ids: one nmissed counter each
-MAX_INSTANCES = 2048  # kretprobe instances in guest RAM, shared by every return probe's pool
-MAX_OWNERS = 256  # return probes with a pool at once: one return counter each
 RECORDING = ("record", "filtered")  # detour kinds that write the rings
 COLLECT_INTERVAL = 0.02  # seconds between drains of the rings and folds of the in-guest counters
 # Reasons that hold only at the moment of the attempt (their texts start with these).
@@ -69,14 +64,6 @@ TRANSIENT = ("vCPU", "a context interrupted on vCPU", "a boosted copy")
 RESUME_GRACE = 0.1
 OPTIMIZE_DELAY = 0.05  # seconds the VM runs between arming the int3 and placing the jump
 OPTIMIZE_RETRIES = 5  # attempts for a probe a vCPU was passing through at the moment of optimizing
-
-
-@dataclass
-class PoolState:
-    """A return probe's instances in guest RAM; ``rp`` is None once it is unregistered and the pool drains."""
-
-    pool: Pool
-    rp: Kretprobe | None
 
 
 def detour_kind(point: ProbePoint) -> str:
@@ -134,7 +121,7 @@ class ProbeTable(Protocol):
 
 
 class Optimizer:
-    """Builds detours, patches jumps, and serves the doorbell.
+    """Decides and places jumps (a queue worked in steps), owns the guest-RAM counters and record rings.
 
     ``available`` is False without a doorbell socket or writable shared RAM
     (e.g. attached to a QEMU qprobe did not start); probes then stay int3s.
@@ -173,15 +160,22 @@ class Optimizer:
         self._tsc_offset: float | None = None
         self._fold_lock = threading.Lock()
         self._collector: threading.Thread | None = None
-        self.ret: ReturnLayout | None = None  # kretprobe instances in guest RAM, once a return probe wants them
-        self.pools: dict[int, PoolState] = {}  # owner -> pool
-        self._returns_seen: dict[int, int] = {}
-        self.served = 0
         self._thread_size = 0  # the kernel's THREAD_SIZE, once looked up
-        self.errors: list[str] = []
-        self._sock: socket.socket | None = None
-        self._thread: threading.Thread | None = None
+        self.errors: list[str] = []  # what went wrong off the stop loop (doorbell, collector)
         self._stop = False
+        # Without shared RAM nothing below runs: probes stay int3s.
+        self.returns: ReturnPools | None = None  # kretprobe instances in guest RAM
+        self.doorbell: Doorbell | None = None
+        if ram is not None:
+            self.returns = ReturnPools(self.arch, self.machine, kprobes.scratch, ram,
+                                       lambda: kprobes.kernel.current_task_offset, self._stub)  # fmt: skip
+            self.doorbell = Doorbell(self.arch, self.machine.vcpus, ram, kprobes.handlers, kprobes.make_regs,
+                                     self.by_id.get, kprobes.trampolines, self.errors)  # fmt: skip
+
+    @property
+    def served(self) -> int:
+        """Mailbox requests answered so far."""
+        return self.doorbell.served if self.doorbell is not None else 0
 
     # -- set-up (stop loop) -------------------------------------------------------------
     def _ensure_stub(self) -> None:
@@ -194,7 +188,7 @@ class Optimizer:
         # Data the host writes through the RAM file lives on pages of its own, apart from code.
         mailbox_size = self.arch.mailbox_size
         size = ncpus * mailbox_size + 3 * MAX_OPTIMIZED * 8
-        data = scratch.alloc(_page_round(size), align=4096)
+        data = scratch.alloc(page_round(size), align=4096)
         self.mailboxes, self.missed = data, data + ncpus * mailbox_size
         self.counters = self.missed + MAX_OPTIMIZED * 8
         self.lost = self.counters + MAX_OPTIMIZED * 8
@@ -210,7 +204,11 @@ class Optimizer:
                                       scratch=scratch.base, scratch_phys=scratch.phys)  # fmt: skip
         scratch.write(self.stub, stub(self.stub))
         self._mailbox_phys = [scratch.phys_of(self.mailboxes + cpu * mailbox_size) for cpu in range(ncpus)]
-        self._start_thread()
+        self._start_threads()
+
+    def _stub(self) -> int:
+        self._ensure_stub()
+        return self.stub
 
     def _ensure_rings(self) -> None:
         """The per-CPU record rings and their stub, on first use (64 KiB of scratch per CPU)."""
@@ -219,7 +217,7 @@ class Optimizer:
         scratch, syms, arch = self.kp.scratch, self.kp.symbols, self.arch
         ncpus = len(self.machine.vcpus)
         size = arch.ring_header_size * ncpus + arch.ring_entries * arch.ring_entry_size * ncpus
-        self.rings = scratch.alloc(_page_round(size), align=4096)
+        self.rings = scratch.alloc(page_round(size), align=4096)
         self._zero(self.rings, size)
         self._tails = [0] * ncpus
         _cur, pid_off, _tgid, comm_off = self.kp.kernel.offsets
@@ -239,125 +237,6 @@ class Optimizer:
         return PercpuLayout(kernel.percpu_offset("cpu_number"), kernel.percpu_offset("this_cpu_off"),
                             kernel.current_task_offset)  # fmt: skip
 
-    # -- return probes' instances in guest RAM (stop loop) --------------------------------------
-    def ensure_returns(self) -> ReturnLayout:
-        """The instance array, its return counters and the per-instance trampolines, on first use."""
-        if self.ret is not None and self.kp.scratch.mapped:
-            return self.ret
-        self._ensure_stub()
-        scratch, arch = self.kp.scratch, self.arch
-        size = MAX_INSTANCES * arch.instance_size + MAX_OWNERS * 8
-        data = scratch.alloc(_page_round(size), align=4096)  # written by the guest: apart from code
-        self._zero(data, size)
-        returns, current = data + MAX_INSTANCES * arch.instance_size, self.kp.kernel.current_task_offset
-        probe = arch.return_layout(data, MAX_INSTANCES, scratch.base, returns, self.stub, current)
-        code = scratch.alloc(len(arch.build_return_trampolines(probe)), align=64)
-        self.ret = arch.return_layout(data, MAX_INSTANCES, code, returns, self.stub, current)
-        self.machine.journal.set_meta(instances=data, ninstances=MAX_INSTANCES, ret_trampolines=code)
-        scratch.write(code, arch.build_return_trampolines(self.ret))
-        self.pools.clear()
-        return self.ret
-
-    def ret_int3s(self) -> tuple[int, int]:
-        """The shared return code's two int3s: after the mailbox call (busy mailbox), and on a bad instance."""
-        assert self.ret is not None
-        return self.arch.return_int3s(self.ret)
-
-    def alloc_pool(self, rp: Kretprobe, count: int) -> Pool | None:
-        """A slice of ``count`` free instances for ``rp`` (None if the array has no room: the host keeps them)."""
-        ret = self.ensure_returns()
-        self._release_drained()
-        owner = next((o for o in range(1, MAX_OWNERS) if o not in self.pools), None)
-        used = sorted((s.pool.first, s.pool.first + s.pool.count) for s in self.pools.values())
-        first, start = None, 0
-        for lo, hi in [*used, (ret.count, ret.count)]:
-            if lo - start >= count:
-                first = start
-                break
-            start = max(start, hi)
-        if owner is None or first is None or count > ret.count:
-            return None
-        pool = Pool(first, count, owner)
-        free = self.arch.new_instance(owner, mailbox=rp.handler is not None)
-        assert self.ram is not None
-        for i in range(first, first + count):
-            self.ram.write_phys(self.kp.scratch.phys_of(ret.instance(i)), free)
-        self.pools[owner] = PoolState(pool, rp)
-        self._returns_seen[owner] = self._read_counter(ret.returns, owner)
-        return pool
-
-    def pool_instances(self, pool: Pool) -> list[tuple[int, int, int, int]]:
-        """(index, slot, return address, task) of every taken instance of ``pool``, read from guest RAM."""
-        assert self.ram is not None and self.ret is not None
-        raw = self.ram.read_phys(self.kp.scratch.phys_of(self.ret.instance(pool.first)),
-                                 pool.count * self.arch.instance_size)  # fmt: skip
-        return [(pool.first + n, slot, ret, task) for n, slot, ret, task in self.arch.parse_instances(raw)]
-
-    def guest_instance(self, slot: int) -> tuple[Kretprobe | None, int, int, int] | None:
-        """The taken instance for a return through stack ``slot``: (its probe, index, return address, task)."""
-        for state in list(self.pools.values()):
-            for i, s, ret, task in self.pool_instances(state.pool):
-                if s == slot:
-                    return state.rp, i, ret, task
-        return None
-
-    def free_instance(self, i: int) -> None:
-        assert self.ram is not None and self.ret is not None
-        self.ram.write_u64_phys(self.kp.scratch.phys_of(self.ret.instance(i)), 0)
-
-    def guest_return_address(self, value: int) -> int | None:
-        """If ``value`` is an instance's trampoline, the real return address it stands for."""
-        ret = self.ret
-        i = None if ret is None or self.ram is None else self.arch.trampoline_index(ret, value)
-        if i is None:
-            return None
-        assert ret is not None and self.ram is not None
-        return self.ram.read_u64_phys(self.kp.scratch.phys_of(self.arch.instance_return_field(ret, i)))
-
-    def retire_pool(self, rp: Kretprobe) -> None:
-        """Put back the real return address of every call of ``rp`` still in flight (stop loop, VM stopped).
-
-        A call that has already returned into its trampoline (a vCPU inside the
-        shared return code, or a context interrupted on the trampoline's first
-        instruction, whose interrupt frame sits just below the slot) keeps its
-        instance: the trampoline frees it.  The pool is reused once every
-        instance is free.
-        """
-        owner = next((o for o, s in self.pools.items() if s.rp is rp), None)
-        if owner is None or self.ret is None:
-            return
-        state = self.pools[owner]
-        self._fold_returns(owner, state)
-        state.rp = None
-        ret, mem = self.ret, self.machine.mem
-        # A vCPU in the scratch area may be returning through one of these (in the shared code or the stub).
-        inside = any(self.kp.scratch.contains(self.machine.gdb.read_registers(t)["rip"]) for t in self.machine.vcpus)
-        for i, slot, real, _task in self.pool_instances(state.pool):
-            tramp = ret.trampoline(i)
-            try:
-                if mem.read_u64(slot) == tramp:
-                    self.machine.write_phys(mem.virt_to_phys(slot), real.to_bytes(8, "little"))
-                    self.free_instance(i)
-                    continue
-                near = mem.read(slot - 56, 64)
-            except QprobeError:
-                near = b""  # the stack is gone: nothing can return through it
-            if inside or tramp in struct.unpack(f"<{len(near) // 8}Q", near):
-                continue
-            self.free_instance(i)  # a call that never returned (its task exited inside the function)
-
-    def _release_drained(self) -> None:
-        for owner, state in list(self.pools.items()):
-            if state.rp is None and not self.pool_instances(state.pool):
-                del self.pools[owner]
-
-    def _fold_returns(self, owner: int, state: PoolState) -> None:
-        """Returns counted in the guest (count-mode pools) into the probe's nreturns."""
-        assert self.ret is not None
-        delta = self._delta(self.ret.returns, self._returns_seen, owner)
-        if state.rp is not None:
-            state.rp.nreturns += delta
-
     def keyed_counts(self, point: ProbePoint) -> dict[int, int]:
         """A "keyed" point's counts so far, key -> hits, summed over the CPUs' tables (RAM reads, no stop)."""
         opt = point.opt
@@ -372,28 +251,17 @@ class Optimizer:
         assert self.ram is not None
         self.ram.write_phys(self.kp.scratch.phys_of(addr), bytes(size))
 
-    def _start_thread(self) -> None:
-        if self._thread is not None:
-            return
-        assert self.doorbell_path is not None
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.connect(self.doorbell_path)
-        self._sock = sock
-        self._thread = threading.Thread(target=self._serve_loop, name="qprobe-doorbell", daemon=True)
-        self._thread.start()
-        self._collector = threading.Thread(target=self._collect_loop, name="qprobe-collector", daemon=True)
-        self._collector.start()
+    def _start_threads(self) -> None:
+        assert self.doorbell is not None and self.doorbell_path is not None
+        self.doorbell.start(self.doorbell_path, self._mailbox_phys)
+        if self._collector is None:
+            self._collector = threading.Thread(target=self._collect_loop, name="qprobe-collector", daemon=True)
+            self._collector.start()
 
     def close(self) -> None:
         self._stop = True
-        if self._sock is not None:
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._sock.close()
-        if self._thread is not None:
-            self._thread.join(2.0)
+        if self.doorbell is not None:
+            self.doorbell.close()
         if self._collector is not None:
             self._collector.join(2.0)
 
@@ -614,7 +482,8 @@ class Optimizer:
                                        cpu_number=self.kp.kernel.percpu_offset("cpu_number"))  # fmt: skip
         if kind == "retentry":
             assert first.kretprobe is not None and first.kretprobe.pool is not None
-            return dataclasses.replace(params, returns=self.ensure_returns(), pool=first.kretprobe.pool)
+            assert self.returns is not None
+            return dataclasses.replace(params, returns=self.returns.ensure(), pool=first.kretprobe.pool)
         return params
 
     def unoptimize(self, point: ProbePoint) -> None:
@@ -692,9 +561,8 @@ class Optimizer:
                 opt = point.opt
                 if opt is not None and opt.kind != "mailbox":
                     self._fold(point, opt)
-            if self.ret is not None:
-                for owner, state in list(self.pools.items()):
-                    self._fold_returns(owner, state)
+            if self.returns is not None:
+                self.returns.fold_all()
 
     def _collect_loop(self) -> None:
         """While the VM runs (RAM reads, no stop): fold in-guest counters, drain the record rings."""
@@ -758,71 +626,6 @@ class Optimizer:
                 kp.nhit += 1
                 if kp.recorder is not None:
                     self.kp.handlers.call(kp, "recorder", kp.recorder, rec)
-
-    # -- the doorbell (its own thread) ------------------------------------------------
-    def _serve_loop(self) -> None:
-        sock = self._sock
-        assert sock is not None
-        while not self._stop:
-            try:
-                data = sock.recv(256)
-            except OSError:
-                return
-            if not data:
-                return
-            self._answer_all(data)
-
-    def _answer_all(self, cpus: Iterable[int]) -> None:
-        for cpu in cpus:
-            try:
-                self.serve(cpu)
-            except Exception as exc:
-                self.errors.append(f"{type(exc).__name__}: {exc}")
-                log.warning("doorbell for CPU %d: %s", cpu, exc)
-
-    def serve(self, cpu: int) -> None:
-        """Answer one mailbox: run the handlers of its probe and release the vCPU."""
-        ram = self.ram
-        assert ram is not None
-        if cpu >= len(self._mailbox_phys):
-            return  # a byte nobody sent as a doorbell (firmware debug output)
-        mb = self._mailbox_phys[cpu]
-        req = self.arch.read_mailbox(lambda off, size: ram.read_phys(mb + off, size))
-        if req is None:
-            return
-        final_ip, final_sp = req.continue_addr, req.final_sp
-        point = self.by_id.get(req.probe_id)
-        values = req.values
-        dirty: dict[str, int] = {}
-        tramp = self.kp.trampolines.get(req.continue_addr) if req.probe_id == self.arch.trampoline_id else None
-        if tramp is not None:
-            # A kretprobe's return, called from its trampoline's mailbox call (the int3 after the
-            # call is the same trampoline's stop path).  No default here: without its instance
-            # the real return address is unknown.
-            pt = self.kp.make_regs(values, self.machine.vcpus[cpu])
-            final_ip = tramp(pt)
-            dirty = pt.dirty()
-        elif point is not None and point.opt is not None:
-            values["rip"] = point.addr
-            try:
-                pt = self.kp.make_regs(values, self.machine.vcpus[cpu])
-                if self.kp.handlers.pre(point.active(), pt):
-                    final_ip = pt.ip
-                final_sp = pt.sp
-                dirty = pt.dirty()
-            except Exception as exc:  # never leave the vCPU spinning: it resumes as if unprobed
-                self.errors.append(f"{point.where}: {type(exc).__name__}: {exc}")
-                final_ip, final_sp, dirty = req.continue_addr, req.final_sp, {}
-        *answer, (state, done) = self.arch.mailbox_answer(dirty, final_ip, final_sp)
-        for off, data in answer:
-            ram.write_phys(mb + off, data)
-        self.served += 1
-        # Published last, in one store: the stub reads the answer only after it sees DONE.
-        ram.write_u64_phys(mb + state, int.from_bytes(done, "little"))
-
-
-def _page_round(n: int) -> int:
-    return (n + 0xFFF) & ~0xFFF
 
 
 __all__ = ["GuestRecord", "Optimizer", "detour_kind"]

@@ -88,6 +88,14 @@ def test_imports_run_downward(name: str) -> None:
     )
 
 
+def test_the_core_knows_no_architecture() -> None:
+    """qprobe.core talks to an architecture only through the qprobe.arch interface (api.py hands it in)."""
+    for name in GRAPH:
+        if name == "qprobe.core" or name.startswith("qprobe.core."):
+            arch = sorted(m for m in GRAPH[name] if m.startswith("qprobe.arch."))
+            assert not arch, f"{name} imports {', '.join(arch)}"
+
+
 def test_no_import_circle() -> None:
     """Tarjan's strongly connected components: any with more than one module is a circle."""
     index: dict[str, int] = {}

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from qprobe.events import EventHit, TraceEvent
     from qprobe.fetch import ProbeEvent
     from qprobe.funcs import Probeability
+    from qprobe.proctree import ProcessTree
 
 
 class _Parser(argparse.ArgumentParser):
@@ -142,17 +143,13 @@ def _boot(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def cmd_boot(args: argparse.Namespace) -> int:
+    if args.detach:
+        return _boot_detached(args)
     target = _boot(args)
     qemu = target.qemu
     assert qemu is not None
-    print(f"booted {args.image} in {target.timings.get('boot', 0):.1f} s "
-          f"(kernel slide {target.slide:#x}, {target.vcpus} vCPUs)")  # fmt: skip
-    # Release the gdbstub (it takes one client) so other qprobe processes can attach.
-    target.machine.close(detach=True)
-    if target.console is not None:
-        target.console.close()
-    print(f"attach with:  qprobe attach unix:{qemu.gdb_path}")
-    print(f"console log:  {qemu.console_log}")
+    for line in _booted(args, target):
+        print(line)
     print("Ctrl-C stops the VM.", flush=True)
     try:
         while qemu.alive():
@@ -163,6 +160,66 @@ def cmd_boot(args: argparse.Namespace) -> int:
         return 0
     finally:
         qemu.terminate()
+
+
+def _booted(args: argparse.Namespace, target: Target) -> list[str]:
+    """What a booted VM's user needs: the kernel, how to attach, where its console goes."""
+    qemu = target.qemu
+    assert qemu is not None
+    lines = [f"booted {args.image} in {target.timings.get('boot', 0):.1f} s "
+             f"(kernel slide {target.slide:#x}, {target.vcpus} vCPUs)",
+             f"attach with:  qprobe attach unix:{qemu.gdb_path}",
+             f"console log:  {qemu.console_log}"]  # fmt: skip
+    # Release the gdbstub (it takes one client) so other qprobe processes can attach.
+    target.machine.close(detach=True)
+    if target.console is not None:
+        target.console.close()
+    return lines
+
+
+def _boot_detached(args: argparse.Namespace) -> int:
+    """Boot in a child process that keeps the VM (it dies with its owner) and return once it is ready.
+
+    The child is forked before anything boots, in its own session, so the terminal's
+    Ctrl-C and hang-up do not reach it; it reports through a pipe and then only waits.
+    """
+    _check_image(args)
+    _files(args.file)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(write_end)
+        with os.fdopen(read_end) as report:
+            text = report.read()
+        sys.stdout.write(text)
+        if not text.startswith("booted "):
+            os.waitpid(pid, 0)
+            return 2
+        print(f"the VM runs in the background; stop it with:  kill {pid}", flush=True)
+        return 0
+    os.close(read_end)
+    os.setsid()
+    status = 0
+    with os.fdopen(write_end, "w") as report:
+        try:
+            target = _boot(args)
+        except QprobeError as exc:
+            report.write(f"qprobe: error: {exc}\n")
+            os._exit(2)
+        report.write("".join(line + "\n" for line in _booted(args, target)))
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    qemu = target.qemu
+    assert qemu is not None
+    try:
+        while qemu.alive():
+            time.sleep(0.5)
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    finally:
+        qemu.terminate()
+    os._exit(status)
 
 
 def cmd_attach(args: argparse.Namespace) -> int:
@@ -177,14 +234,40 @@ def cmd_attach(args: argparse.Namespace) -> int:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    """Arm kprobe_events definitions, print one line per hit, then a summary."""
+    """Arm kprobe_events definitions, print one line per hit, then a summary.
+
+    With ``--run CMD`` only the hits of CMD's processes are printed (bpftrace's ``-c``),
+    ``$cpid`` in the filter is CMD's pid, and CMD's exit status is qprobe's.
+    """
+    import collections
     import json
 
     lock = threading.Lock()
+    fmt = None
+    if args.format is not None:
+        from qprobe.shell.printf import parse_printf
+
+        if args.json:
+            raise QprobeError("--format and --json: choose one")
+        fmt = parse_printf(args.format)
+    cpid_filter = args.filter is not None and "$cpid" in args.filter
+    if cpid_filter and not args.run:
+        raise QprobeError("$cpid is the pid of --run's command: give --run CMD")
+    # The filter as it is checked before boot; one naming $cpid is set on the events once the command forks.
+    flt = args.filter.replace("$cpid", "0") if cpid_filter else args.filter
+    shown: collections.Counter[str] = collections.Counter()
+    tree: ProcessTree | None = None
 
     def show(hit: EventHit) -> None:
+        if tree is not None and hit.pid not in tree:
+            return
         with lock:
-            print(json.dumps(hit.as_json()) if args.json else hit.line(), flush=True)
+            shown[hit.event] += 1
+            if fmt is not None:
+                sys.stdout.write(fmt(hit))
+                sys.stdout.flush()
+            else:
+                print(json.dumps(hit.as_json()) if args.json else hit.line(), flush=True)
 
     from qprobe.events import event_filter
     from qprobe.fetch import ProbeEvent, parse_event
@@ -194,21 +277,40 @@ def cmd_trace(args: argparse.Namespace) -> int:
         ev = parse_event(text)
         if isinstance(ev, ProbeEvent):
             parsed.append(ev)
-            if args.filter:
-                event_filter(ev, args.filter)
+            if flt:
+                event_filter(ev, flt)
+            missing = [n for n in (fmt.names() if fmt else ()) if n not in {a.name for a in ev.args}]
+            if missing:
+                raise QprobeError(f"--format names {missing[0]!r}, which {text!r} does not fetch")
     _check_symbols(args, parsed)
+    _say_booting(args)
     status = 0
     with _boot(args) as target:
-        events = [te for text in args.events for te in _arm(target, text, show, args.filter)]
+        events = [te for text in args.events for te in _arm(target, text, show, None if cpid_filter else flt)]
+
+        def on_root(cpid: int) -> None:
+            if cpid_filter:
+                for te in events:
+                    te.filter = event_filter(te.definition, args.filter.replace("$cpid", str(cpid)))
+
         try:
             if args.run:
-                result = target.run(args.run, timeout=args.timeout)
-                sys.stderr.write(result.output)
-                status = 0 if result.status == 0 else 1
+                from qprobe.proctree import ProcessTree
+
+                tree = ProcessTree(target, on_root)
+                if not args.quiet:
+                    print(f"qprobe: tracing {len(events)} event(s) while {args.run!r} runs", file=sys.stderr,
+                          flush=True)  # fmt: skip
+                try:
+                    result = target.run(args.run, timeout=args.timeout)
+                finally:
+                    tree.close()
+                sys.stderr.write(result.output + ("\n" if result.output else ""))
+                status = result.status  # the command's own, as bpftrace -c passes it through
             elif args.duration:
                 time.sleep(args.duration)
             else:
-                print("tracing; Ctrl-C to stop", file=sys.stderr, flush=True)
+                print(f"qprobe: tracing {len(events)} event(s); Ctrl-C to stop", file=sys.stderr, flush=True)
                 while True:
                     time.sleep(3600)
         except KeyboardInterrupt:
@@ -218,6 +320,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
                 target.remove_event(te)
             summary = {te.definition.event: {"hits": te.nhit, "nmissed": te.nmissed, "lost": te.lost}
                        for te in events}  # fmt: skip
+            if tree is not None:
+                for te in events:  # hits counts the command's; the other processes' are said apart
+                    row = summary[te.definition.event]
+                    row["others"] = row["hits"] - shown[te.definition.event]
+                    row["hits"] = shown[te.definition.event]
             if args.filter:
                 for te in events:
                     summary[te.definition.event]["filtered"] = te.filtered
@@ -230,18 +337,30 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return status
 
 
+def _say_booting(args: argparse.Namespace) -> None:
+    """Said before the few seconds a boot takes, as the shell does, so that a quiet terminal is not a hung one."""
+    if getattr(args, "attach", None) is None and not args.quiet:
+        print(f"qprobe: booting {args.image} ({args.smp} vCPUs)...", file=sys.stderr, flush=True)
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     """Arm the given events (if any) and print the probe list as debugfs's kprobes/list does, with reasons."""
     from qprobe.fetch import ProbeEvent, parse_event
 
     _check_symbols(args, [ev for ev in map(parse_event, args.events) if isinstance(ev, ProbeEvent)])
+    _say_booting(args)
     with _boot(args) as target:
         events = [te for text in args.events for te in _arm(target, text)]
         try:
-            print(target.list_probes(), end="")
+            listing = target.list_probes()
         finally:
             for te in events:
                 target.remove_event(te)
+    if not listing:
+        # debugfs's list is empty then; a user who typed `qprobe list` wants to know why nothing came.
+        print("qprobe: no probes are armed (list shows the EVENTs given to it: qprobe list 'p:rd vfs_read')",
+              file=sys.stderr)  # fmt: skip
+    print(listing, end="")
     return 0
 
 
@@ -346,6 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("boot", help="boot an image and keep the VM running for `qprobe attach`")
     _target_options(p, attach=False)
+    p.add_argument("--detach", action="store_true", help="return once the VM is ready; it runs in the background")
     p.set_defaults(func=cmd_boot)
 
     p = sub.add_parser("attach", help="attach to a running VM, restore leftovers of a crashed qprobe, detach")
@@ -362,6 +482,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--timeout", type=_number(float, 0.001, 1e7), default=600, help="limit for --run (default 600 s)")
     p.add_argument("--json", action="store_true", help="one JSON object per hit and a final summary object")
+    p.add_argument("--format", metavar="PRINTF",
+                   help="print each hit with bpftrace's printf arguments: '\"%%-16s %%d\\n\", $comm, count' "
+                   "($comm $pid $cpu $event $func $ts $addr or argument names)")  # fmt: skip
     p.add_argument(
         "--filter",
         metavar="EXPR",
@@ -421,6 +544,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _error_prefix() -> str:
+    """``qprobe: error: ``, in bold red where stderr is a terminal that has colour (and NO_COLOR is not set)."""
+    colour = sys.stderr.isatty() and "NO_COLOR" not in os.environ and os.environ.get("TERM", "dumb") != "dumb"
+    return "\x1b[1;31mqprobe: error:\x1b[0m " if colour else "qprobe: error: "
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = logging.ERROR if args.quiet else logging.DEBUG if args.verbose else logging.WARNING
@@ -434,11 +563,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except FetchArgError as exc:
         # The kernel's error_log style: the message, the definition, a caret under the column.
-        print(f"qprobe: error: {exc.explained}\n{exc.caret()}", file=sys.stderr)
+        print(f"{_error_prefix()}{exc.explained}\n{exc.caret()}", file=sys.stderr)
         return 2
     except QprobeError as exc:
         notes = "".join(f" ({note})" for note in getattr(exc, "__notes__", []))
-        print(f"qprobe: error: {exc}{notes}", file=sys.stderr)
+        print(f"{_error_prefix()}{exc}{notes}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("qprobe: interrupted", file=sys.stderr)

@@ -11,6 +11,7 @@ tracing directory: the guest needs no CONFIG_KPROBE_EVENTS.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import re
 import time
@@ -120,6 +121,7 @@ class EventHit:
     body: str  # "(ksys_lseek+0x0/0x90) fd=3 ..."
     irqs_off: bool = False
     func: str | None = None  # a return probe's function (addr and symbol are then the return site)
+    numbers: frozenset[str] = frozenset()  # the arguments that are integers (JSON gives them as numbers)
 
     def line(self) -> str:
         """The line ftrace's ``trace`` file would show."""
@@ -133,8 +135,16 @@ class EventHit:
                                   "symbol": self.symbol}  # fmt: skip
         if self.func is not None:
             out["func"] = self.func
-        out["args"] = self.args
+        out["args"] = {name: _json_number(text) if name in self.numbers else text for name, text in self.args.items()}
         return out
+
+
+def _json_number(text: str) -> int | str:
+    """An integer argument as ftrace formats it (``-5``, ``4096``, ``0x1000``) as a number; a fault stays text."""
+    try:
+        return int(text, 16) if text.lower().startswith("0x") else int(text, 10)
+    except ValueError:
+        return text
 
 
 class _HostContext:
@@ -218,6 +228,12 @@ class TraceEvent:
     guest_key_arg: str | None = None  # the argument count_in_guest counts by
     appended: list[TraceEvent] = field(default_factory=list)  # later probes of the same event
 
+    @functools.cached_property
+    def numbers(self) -> frozenset[str]:
+        """The arguments whose values are integers (not strings, symbols, arrays or bitfields' text)."""
+        return frozenset(a.name for a in self.definition.args
+                         if not (a.type.string or a.type.symbol or a.type.array))  # fmt: skip
+
     def probes(self) -> list[TraceEvent]:
         """This definition and every one appended to the event, in the order they were added."""
         return [self, *self.appended]
@@ -282,7 +298,7 @@ class TraceEvent:
             symbol=self.target.symbols.symbolize(ip),
             func=None if func is None else self.target.symbols.symbolize(func),
             args={a.name: a.format_value(v) for a, v in zip(self.definition.args, values, strict=True)},
-            body=body, irqs_off=not regs.flags & IF_FLAG,
+            body=body, irqs_off=not regs.flags & IF_FLAG, numbers=self.numbers,
         )  # fmt: skip
         if self.filter is not None and not self.filter(
             {**hit.args, "common_pid": hit.pid, "pid": hit.pid, "comm": hit.comm, "cpu": hit.cpu}

@@ -39,6 +39,7 @@ a failing test running (probes removed, gdbstub released) and prints how to
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -429,11 +430,30 @@ class QprobeReset:
                 out.append((f"qprobe: {title} ({image})", text.rstrip("\n")))
 
         if t.console is not None:
-            add(f"guest console, last {CONSOLE_TAIL} lines", lambda: t.console.tail(CONSOLE_TAIL))  # type: ignore[union-attr]
+            add(f"guest console, last {CONSOLE_TAIL} lines",
+                lambda: guest_console(t.console.text, CONSOLE_TAIL))  # type: ignore[union-attr]  # fmt: skip
         add("kernel oops lines since boot", lambda: "\n".join(t.oopses()))
         add("probes registered", t.list_probes, quiet=True)  # asks the VM: nothing to say if it is gone
         add("handler exceptions", lambda: "\n".join(t.kprobes.handler_errors[self.handler_errors_seen :]))
         return out
+
+
+_MARKER = re.compile(r"^@@qp-(?:begin|end)-[0-9a-f]+@@\d*$")
+
+
+def guest_console(text: str, lines: int) -> str:
+    """The last ``lines`` lines the guest printed, without qprobe's own: the begin/end markers framing each
+    ``target.run`` command (and the blank line each brings) and the boot's ready marker."""
+    from qprobe.target.console import READY
+
+    out: list[str] = []
+    for line in text.splitlines():
+        if _MARKER.match(line.strip()) or line.strip() == READY:
+            if out and not out[-1].strip():
+                out.pop()  # the marker's own leading newline
+            continue
+        out.append(line)
+    return "\n".join(out[-lines:])
 
 
 def _text_diff(name: str, before: bytes, now: bytes) -> str:

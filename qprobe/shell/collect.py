@@ -8,14 +8,27 @@ Everything it installs is put back on exit, also on Ctrl-C.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from qprobe.core.kprobe import Kretprobe
 
-from .parse import NUMERIC_SPECIAL_KEYS, key_name
-from .render import MapKey, hist_buckets, log2_bucket, parse_number, render_counts, render_hist_map, strip_quotes
+from .parse import NUMERIC_SPECIAL_KEYS, VALUE_FUNCS, key_name
+from .render import (
+    KeyParts,
+    MapKey,
+    c_div,
+    lhist_bucket,
+    log2_bucket,
+    parse_number,
+    render_counts,
+    render_hist_map,
+    render_lhist_map,
+    render_stats,
+    strip_quotes,
+)
 
 if TYPE_CHECKING:
     from qprobe.core.regs import PtRegs
@@ -108,61 +121,119 @@ def numeric_value(hit: EventHit, key: str) -> int | None:
 
 
 class Aggregation:
-    """``count`` (by a key, or one total) or ``hist`` (log2 buckets of a numeric key)."""
+    """One bpftrace map: ``count`` (by a key, or one total) or a function of a numeric value.
 
-    def __init__(self, kind: str, key: str | None, by_event: bool = False) -> None:
-        if kind not in ("count", "hist"):
+    ``kind`` is count, sum, avg, min, max, stats, hist or lhist (``bounds`` its min, max,
+    step); ``keys`` the parts of the map key; ``value`` what the function takes.  Hits
+    may arrive on other threads while ``take`` renders and clears (``every S``).
+    """
+
+    def __init__(self, kind: str, keys: Sequence[str] = (), value: str | None = None, by_event: bool = False,
+                 bounds: tuple[int, int, int] | None = None) -> None:  # fmt: skip
+        if kind not in ("count", *VALUE_FUNCS):
             raise ValueError(kind)
-        if kind == "hist" and key is None:
-            raise ValueError("a histogram needs a key")
+        if (kind == "count") != (value is None) or (kind == "lhist") != (bounds is not None):
+            raise ValueError(f"{kind} with value {value!r} and bounds {bounds!r}")
         self.kind = kind
-        self.key = key
+        self.keys = tuple(keys)
+        self.value = value
+        self.bounds = bounds
         self.by_event = by_event  # count with no key over several events: one row per event
-        self.counts: dict[MapKey, int] = {}
-        self.buckets: dict[int, int] = {}
+        self.counts: dict[MapKey, int] = {}  # count, sum, min, max
+        self.pairs: dict[MapKey, tuple[int, int]] = {}  # avg and stats: (count, total)
+        self.hists: dict[MapKey, dict[int, int]] = {}  # hist and lhist: bucket -> count
         self.skipped = 0
         self.total = 0
+        self._lock = threading.Lock()
+
+    @property
+    def buckets(self) -> dict[int, int]:
+        """The buckets of a histogram without a key."""
+        return self.hists.get(None, {})
+
+    def _key(self, te: TraceEvent | None, hit: EventHit, stack: Stack | None) -> MapKey:
+        if len(self.keys) > 1:
+            return KeyParts(hit_key(hit, k, stack) for k in self.keys)
+        if self.keys:
+            return hit_key(hit, self.keys[0], stack)
+        if self.by_event:
+            return te.definition.event if te is not None else hit.event
+        return None
 
     def add(self, te: TraceEvent | None, hit: EventHit, stack: Stack | None = None) -> None:
-        self.total += 1
-        if self.kind == "hist":
-            assert self.key is not None
-            value = numeric_value(hit, self.key)
-            if value is None:
+        key = self._key(te, hit, stack)
+        value = None if self.value is None else numeric_value(hit, self.value)
+        with self._lock:
+            self.total += 1
+            if self.kind == "count":
+                self.counts[key] = self.counts.get(key, 0) + 1
+            elif value is None:
                 self.skipped += 1
-                return
-            i = log2_bucket(value)
-            self.buckets[i] = self.buckets.get(i, 0) + 1
-            return
-        if self.key is not None:
-            k: MapKey = hit_key(hit, self.key, stack)
-        elif self.by_event:
-            k = te.definition.event if te is not None else hit.event
+            else:
+                self._fold(key, value)
+
+    def _fold(self, key: MapKey, value: int) -> None:
+        kind = self.kind
+        if kind == "sum":
+            self.counts[key] = self.counts.get(key, 0) + value
+        elif kind in ("min", "max"):
+            old = self.counts.get(key)
+            self.counts[key] = value if old is None else (min if kind == "min" else max)(old, value)
+        elif kind in ("avg", "stats"):
+            n, total = self.pairs.get(key, (0, 0))
+            self.pairs[key] = (n + 1, total + value)
         else:
-            k = None
-        self.counts[k] = self.counts.get(k, 0) + 1
+            hist = self.hists.setdefault(key, {})
+            i = log2_bucket(value) if self.bounds is None else lhist_bucket(value, *self.bounds)
+            hist[i] = hist.get(i, 0) + 1
 
     def add_counts(self, counts: dict[str | int, int]) -> None:
         """Hits counted in the guest: ``count`` by formatted key, ``hist`` by bucket index."""
-        for k, n in counts.items():
-            if self.kind == "hist":
-                assert isinstance(k, int)
-                self.buckets[k] = self.buckets.get(k, 0) + n
-            else:
-                key: MapKey = strip_quotes(k) if isinstance(k, str) else k
-                self.counts[key] = self.counts.get(key, 0) + n
-            self.total += n
+        with self._lock:
+            for k, n in counts.items():
+                if self.kind == "hist":
+                    assert isinstance(k, int)
+                    hist = self.hists.setdefault(None, {})
+                    hist[k] = hist.get(k, 0) + n
+                else:
+                    key: MapKey = strip_quotes(k) if isinstance(k, str) else k
+                    self.counts[key] = self.counts.get(key, 0) + n
+                self.total += n
 
     def add_values(self, values: Sequence[int]) -> None:
-        """Bucket plain integers (tests and the Python API)."""
-        for i, n in hist_buckets(values).items():
-            self.buckets[i] = self.buckets.get(i, 0) + n
-        self.total += len(values)
+        """Fold plain integers in, without a key (tests and the Python API)."""
+        with self._lock:
+            for v in values:
+                self._fold(None, v)
+            self.total += len(values)
+
+    @property
+    def name(self) -> str:
+        """The map's name: ``@`` for a count, ``@VALUE`` for a function of a value (``@count = hist(count)``)."""
+        return "" if self.value is None else key_name(self.value)
 
     def render(self) -> str:
-        if self.kind == "hist":
-            assert self.key is not None
-            if not self.buckets:
+        """The map as bpftrace prints it; "" when it is empty."""
+        with self._lock:
+            return self._render()
+
+    def take(self) -> str:
+        """Render and clear, in one step (bpftrace's ``print(@); clear(@)`` of an interval probe)."""
+        with self._lock:
+            text = self._render()
+            self.counts, self.pairs, self.hists = {}, {}, {}
+            return text
+
+    def _render(self) -> str:
+        if self.kind in ("hist", "lhist"):
+            hists = {k: dict(v) for k, v in self.hists.items() if v}
+            if not hists:
                 return ""
-            return render_hist_map(key_name(self.key), {None: dict(self.buckets)})
-        return render_counts("", dict(self.counts))  # a copy: a hit still in flight may add a key
+            if self.bounds is not None:
+                return render_lhist_map(self.name, hists, *self.bounds)
+            return render_hist_map(self.name, hists)
+        if self.kind == "stats":
+            return render_stats(self.name, dict(self.pairs))
+        if self.kind == "avg":
+            return render_counts(self.name, {k: c_div(total, n) for k, (n, total) in self.pairs.items()})
+        return render_counts(self.name, dict(self.counts))  # a copy: a hit still in flight may add a key

@@ -26,7 +26,8 @@ from qprobe.funcs import Probeability, is_glob, render_funcs
 from . import inspect_cmds as insp
 from .collect import Aggregation, Stack, Tap
 from .output import Output
-from .parse import Collect, ShellUsageError, is_definition, parse_collect, split_command
+from .parse import Call, Collect, ShellUsageError, is_definition, parse_collect, split_call, split_command
+from .printf import HitFormat, parse_printf
 from .render import render_table, stack_frames
 
 if TYPE_CHECKING:
@@ -52,8 +53,32 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "blacklist": ("blacklist", "what cannot be probed (debugfs kprobes/blacklist)"),
     "show": ("show [EVENT...] [for SECONDS | run CMD]", "print hits live as ftrace lines until Ctrl-C"),
     "stats": ("stats", "hits, nmissed and hits/s per event and probe"),
-    "count": ("count [EVENT...] [by KEY] [for SECONDS | run CMD]", "count hits like bpftrace's @[key] = count()"),
-    "hist": ("hist EVENT by KEY [for SECONDS | run CMD]", "log2 histogram of a numeric key, like hist()"),
+    "format": (
+        'format EVENT... ["FMT", VALUE, ...]',
+        "how show prints the events' hits: bpftrace's printf "
+        "($comm $pid $cpu $event $func $ts $addr, argument names); no FMT: ftrace lines again",
+    ),
+    "count": (
+        "count [EVENT...] [by KEY[, KEY...]] [every S] [for S | run CMD]",
+        "count hits like bpftrace's @[key] = count()",
+    ),
+    "sum()": ("sum(VALUE) [EVENT...] [by KEY, ...] [every S] [for S | run CMD]", "@[key] = sum(value)"),
+    "avg()": ("avg(VALUE) [EVENT...] [by KEY, ...] [every S] [for S | run CMD]", "@[key] = avg(value)"),
+    "min()": ("min(VALUE) [EVENT...] [by KEY, ...] [every S] [for S | run CMD]", "@[key] = min(value)"),
+    "max()": ("max(VALUE) [EVENT...] [by KEY, ...] [every S] [for S | run CMD]", "@[key] = max(value)"),
+    "stats()": (
+        "stats(VALUE) [EVENT...] [by KEY, ...] [every S] [for S | run CMD]",
+        "@[key] = stats(value): count, average, total",
+    ),
+    "hist()": (
+        "hist(VALUE) [EVENT...] [by KEY, ...] [every S] [for S | run CMD]",
+        "log2 histogram of a numeric value, like hist()",
+    ),
+    "hist": ("hist EVENT by VALUE [every S] [for S | run CMD]", "the same as hist(VALUE) EVENT"),
+    "lhist()": (
+        "lhist(VALUE, MIN, MAX, STEP) [EVENT...] [by KEY, ...] [every S] [for S | run CMD]",
+        "linear histogram, like lhist()",
+    ),
     "funcs": ("funcs [GLOB...]", "kernel functions matching, and why qprobe cannot probe the ones it cannot"),
     "sym": ("sym NAME|GLOB", "a symbol's address, size and type"),
     "addr": ("addr ADDR", "the symbol+offset of an address"),
@@ -65,10 +90,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "py": ("py", "a Python REPL with `target` and `qprobe` bound (Ctrl-D returns)"),
     "load": ("load FILE.py", "run a file of Python API handlers with `target` in its globals"),
     "gdb": ("gdb CMD", "a gdb command (static ones on vmlinux without a live gdb transport)"),
+    "clear": ("clear", "clear the screen"),
     "help": ("help [CMD]", "this list, or one command's usage"),
     "quit": ("quit", "remove every probe and leave (also Ctrl-D)"),
 }
-KEY_HELP = "KEY: an argument name, $comm, $pid, $cpu or $stack"
+KEY_HELP = (
+    "KEY: an argument name, $comm, $pid, $cpu or $stack, several joined by commas (by $comm, fd); VALUE: a "
+    "numeric argument, $pid or $cpu. Integer register arguments, $comm, $pid and $cpu come from the records "
+    "the guest writes at each hit (one integer register argument alone is counted in guest RAM); $stack and "
+    "arguments read from memory stop the vCPU at each hit for the host to compute"
+)
 ALIASES = {"exit": "quit", "q": "quit", "?": "help", "ls": "list"}
 
 
@@ -86,12 +117,14 @@ class Shell:
         self.loaded: dict[str, dict[str, object]] = {}  # load FILE -> its globals
         self.interact: Callable[..., None] | None = None  # code.interact, replaceable in tests
         self.probeability: Probeability | None = None  # the function list, built on first use
+        self.formats: dict[str, HitFormat] = {}  # event name -> how `show` prints its hits
         self.handlers: dict[str, Callable[[str], None]] = {
             "enable": self.cmd_enable, "disable": self.cmd_disable, "list": self.cmd_list,
             "events": self.cmd_events, "enabled": self.cmd_enabled, "optimization": self.cmd_optimization,
             "blacklist": self.cmd_blacklist, "show": self.cmd_show, "stats": self.cmd_stats,
             "count": self.cmd_count, "hist": self.cmd_hist, "run": self.cmd_run, "help": self.cmd_help,
-            "quit": self.cmd_quit, "funcs": self.cmd_funcs,
+            "quit": self.cmd_quit, "funcs": self.cmd_funcs, "format": self.cmd_format,
+            "clear": self.cmd_clear,
             "sym": lambda rest: insp.cmd_sym(self, rest), "addr": lambda rest: insp.cmd_addr(self, rest),
             "x": lambda rest: insp.cmd_x(self, rest), "regs": lambda rest: insp.cmd_regs(self, rest),
             "bt": lambda rest: insp.cmd_bt(self, rest), "py": lambda rest: insp.cmd_py(self, rest),
@@ -118,6 +151,10 @@ class Shell:
     def _execute(self, line: str) -> None:
         if is_definition(line):
             self.definition(line.strip())
+            return
+        call = split_call(line)
+        if call is not None:
+            self.call(*call)
             return
         cmd, rest = split_command(line)
         if not cmd:
@@ -294,8 +331,13 @@ class Shell:
                     hit = hits.get_nowait()
                 except queue.Empty:
                     return
-                self.out.line(hit.line())
+                fmt = formats.get(hit.event)
+                if fmt is None:
+                    self.out.line(hit.line())
+                else:
+                    self.out.write(fmt(hit))
 
+        formats = {te.definition.event: self.formats[te.name] for te in events if te.name in self.formats}
         if spec.seconds is None and spec.command is None:
             self.note(f"showing {', '.join(te.name for te in events)}; Ctrl-C to stop")
         with Tap(events, lambda te, hit, stack: hits.put(hit)):
@@ -303,52 +345,111 @@ class Shell:
         drain()
         self._report_run(result)
 
+    def cmd_format(self, rest: str) -> None:
+        quote = rest.find('"')
+        names, text = (rest[:quote].split(), rest[quote:]) if quote >= 0 else (rest.split(), "")
+        if not names:
+            raise ShellUsageError('usage: format EVENT... ["FMT", VALUE, ...]')
+        events = self.select(names)
+        if not text:
+            for te in events:
+                self.formats.pop(te.name, None)
+            self.note(f"{', '.join(te.name for te in events)}: ftrace lines")
+            return
+        fmt = parse_printf(text)
+        for te in events:
+            self._check_names_of(fmt.names(), te)
+        for te in events:
+            self.formats[te.name] = fmt
+        self.note(f"{', '.join(te.name for te in events)}: printf {text}")
+
+    def _check_names_of(self, names: Sequence[str], te: TraceEvent) -> None:
+        have = [a.name for a in te.definition.args]
+        for name in names:
+            if name not in have:
+                raise ShellUsageError(f"{te.name} has no argument {name!r} ({', '.join(have) or 'no arguments'})")
+
     def cmd_count(self, rest: str) -> None:
         spec = parse_collect(rest, verb="count")
         events = self.select(spec.events)
-        agg = Aggregation("count", spec.key, by_event=spec.key is None and len(events) > 1)
-        self._aggregate("count", spec, events, agg)
+        agg = Aggregation("count", spec.keys, by_event=not spec.keys and len(events) > 1)
+        self._aggregate(spec, events, agg)
 
     def cmd_hist(self, rest: str) -> None:
+        """``hist EVENT by VALUE``: a histogram of VALUE (the form before ``hist(VALUE)``)."""
         spec = parse_collect(rest, verb="hist", need_key=True)
-        if spec.key in ("$comm", "$stack"):
-            raise ShellUsageError(f"hist needs a numeric key, not {spec.key} (try: count EVENT by {spec.key})")
-        if len(spec.events) != 1:
-            raise ShellUsageError("usage: hist EVENT by KEY [for SECONDS | run CMD]")
+        if len(spec.events) != 1 or len(spec.keys) != 1:
+            raise ShellUsageError("usage: hist EVENT by VALUE, or hist(VALUE) [EVENT...] [by KEY, ...]")
+        value = spec.keys[0]
+        if value in ("$comm", "$stack"):
+            raise ShellUsageError(f"hist needs a numeric value, not {value} (try: count EVENT by {value})")
+        spec.keys = ()
         events = self.select(spec.events)
-        self._aggregate("hist", spec, events, Aggregation("hist", spec.key))
+        self._check_names(value, events)
+        self._aggregate(spec, events, Aggregation("hist", value=value))
 
-    def _aggregate(self, verb: str, spec: Collect, events: list[TraceEvent], agg: Aggregation) -> None:
-        unwind = None
-        if spec.key == "$stack":
-            unwind = self.unwinder()
-        elif spec.key is not None and not spec.key.startswith("$"):
-            for te in events:
-                names = [a.name for a in te.definition.args]
-                if spec.key not in names:
-                    have = ", ".join(names) if names else "no arguments"
-                    raise ShellUsageError(f"{te.name} has no argument {spec.key!r} ({have}); {KEY_HELP}")
-        # One event keyed by an integer argument from a register: counted in the guest's tables, waking nobody.
-        in_guest = len(events) == 1 and spec.key is not None and events[0].count_in_guest(spec.key, verb == "hist")
+    def call(self, call: Call, rest: str) -> None:
+        """``sum(VALUE) [EVENT...] [by KEY, ...]`` and the other map functions of a value."""
+        spec = parse_collect(rest, verb=call.func)
+        events = self.select(spec.events)
+        self._check_names(call.value, events)
+        self._aggregate(spec, events, Aggregation(call.func, spec.keys, call.value, bounds=call.bounds))
+
+    def _check_names(self, name: str, events: list[TraceEvent]) -> None:
+        if name.startswith("$"):
+            return
+        for te in events:
+            names = [a.name for a in te.definition.args]
+            if name not in names:
+                have = ", ".join(names) if names else "no arguments"
+                raise ShellUsageError(f"{te.name} has no argument {name!r} ({have}); `help count` lists the keys")
+
+    def _in_guest(self, spec: Collect, events: list[TraceEvent], agg: Aggregation) -> bool:
+        """One event counted by an integer register argument (or its log2 bucket): in the guest's tables."""
+        if spec.every is not None or len(events) != 1:  # printing and clearing needs the hits as they come
+            return False
+        if agg.kind == "count" and len(agg.keys) == 1:
+            return events[0].count_in_guest(agg.keys[0], False)
+        if agg.kind == "hist" and not agg.keys and agg.value is not None:
+            return events[0].count_in_guest(agg.value, True)
+        return False
+
+    def _aggregate(self, spec: Collect, events: list[TraceEvent], agg: Aggregation) -> None:
+        unwind = self.unwinder() if "$stack" in spec.keys else None
+        for key in spec.keys:
+            self._check_names(key, events)
+        in_guest = self._in_guest(spec, events, agg)
         missed_before = sum(te.nmissed for te in events)
+        every = spec.every
+        due = [time.monotonic() + every] if every is not None else []
+
+        def poll() -> None:  # every S: print the map and clear it, as an interval probe's print(@); clear(@)
+            if due and time.monotonic() >= due[0]:
+                due[0] += every or 0
+                text = agg.take()
+                if text:
+                    self.out.write(text)
+                    self.out.flush()
+
         try:
             with Tap(events, agg.add, unwind):
                 if spec.seconds is None and spec.command is None:
                     # Said once every hit is counted, so that a Ctrl-C from then on ends the count, not its set-up.
-                    what = ", ".join(te.name for te in events) + (f" by {spec.key}" if spec.key else "")
-                    self.note(f"{'counting' if verb == 'count' else 'histogram of'} {what}; Ctrl-C to stop")
-                result = self._watch(spec, lambda: None)
+                    what = ", ".join(te.name for te in events) + (f" by {', '.join(spec.keys)}" if spec.keys else "")
+                    value = f"{agg.kind}({agg.value}) of " if agg.value is not None else "counting "
+                    self.note(f"{value}{what}{f' every {every:g} s' if every else ''}; Ctrl-C to stop")
+                result = self._watch(spec, poll)
         finally:
             if in_guest:
                 agg.add_counts(events[0].stop_counting_in_guest())
         self._report_run(result)
-        text = agg.render()
+        text = agg.take()
         if text:
             self.out.write(text)
-        else:
+        elif every is None:
             self.note("no hits")
         if agg.skipped:
-            self.note(f"({agg.skipped} of {agg.total} values of {spec.key} were not numbers)")
+            self.note(f"({agg.skipped} of {agg.total} values of {agg.value} were not numbers)")
         missed = sum(te.nmissed for te in events) - missed_before
         if missed:
             # Hits the guest made but nobody counted: records dropped on a full ring, or hits missed while
@@ -448,18 +549,23 @@ class Shell:
             name = ALIASES.get(rest, rest)
             name = "p" if is_definition(name) and name.startswith("p") else name
             name = "r" if is_definition(name) and name.startswith("r") else name
+            if name not in COMMANDS and f"{name}()" in COMMANDS:
+                name = f"{name}()"
             if name not in COMMANDS:
                 raise ShellUsageError(f"no command {rest!r}; `help` lists them")
             usage, summary = COMMANDS[name]
             self.out.parts((usage, "header"))
             self.out.line(f"  {summary}")
-            if name in ("count", "hist"):
+            if name in ("count", "hist") or name.endswith("()"):
                 self.out.line(f"  {KEY_HELP}")
             return
         width = max(len(u) for u, _ in COMMANDS.values())
         for usage, summary in COMMANDS.values():
             self.out.parts((f"{usage:<{width}}  ", "header"), (summary, "note"))
         self.note(f"{KEY_HELP}.  Ctrl-C stops a command; Ctrl-D leaves, removing every probe.")
+
+    def cmd_clear(self, rest: str) -> None:
+        self.out.console.clear()  # rich writes the terminal's clear sequence only to a terminal
 
     def cmd_quit(self, rest: str) -> None:
         self.done = True

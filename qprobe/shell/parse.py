@@ -59,20 +59,66 @@ def parse_seconds(text: str) -> float:
 
 @dataclass
 class Collect:
-    """What ``count``/``hist``/``show`` collect and for how long.
+    """What ``count``/``hist``/``show``... collect and for how long.
 
-    ``events`` are patterns (names or globs); ``key`` is None for a plain count;
-    ``seconds`` None and ``command`` None mean until Ctrl-C.
+    ``events`` are patterns (names or globs); ``keys`` the parts of the map key (none
+    for one total); ``seconds`` None and ``command`` None mean until Ctrl-C; ``every``
+    prints and clears the map every so many seconds.
     """
 
     events: list[str] = field(default_factory=list)
-    key: str | None = None
+    keys: tuple[str, ...] = ()
     seconds: float | None = None
     command: str | None = None
+    every: float | None = None
+
+    @property
+    def key(self) -> str | None:
+        """The key when it has one part, else None."""
+        return self.keys[0] if len(self.keys) == 1 else None
+
+
+# bpftrace's map functions the shell has; those in VALUE_FUNCS take the value to aggregate.
+VALUE_FUNCS = ("sum", "avg", "min", "max", "stats", "hist", "lhist")
+
+
+@dataclass(frozen=True)
+class Call:
+    """``sum(count)``, ``lhist(count, 0, 4096, 512)``: a map function, its value and lhist's bounds."""
+
+    func: str
+    value: str
+    bounds: tuple[int, int, int] | None = None  # lhist's min, max, step
+
+
+def split_call(line: str) -> tuple[Call, str] | None:
+    """``(Call, rest of the line)`` for a line starting ``FUNC(VALUE[, ...])``, else None."""
+    m = re.match(r"\s*(\w+)\(([^)]*)\)(.*)$", line, re.S)
+    if m is None or m.group(1) not in VALUE_FUNCS:
+        return None
+    func, args = m.group(1), [a.strip() for a in m.group(2).split(",")]
+    value = _check_key(args[0], func) if args[0] else ""
+    if not value or value == "$stack" or value == "$comm":
+        raise ShellUsageError(f"{func}() takes a numeric value: an argument name, $pid or $cpu")
+    if func == "lhist":
+        if len(args) != 4:
+            raise ShellUsageError("usage: lhist(VALUE, MIN, MAX, STEP) [EVENT...] [by KEY, ...]")
+        lo, hi, step = (parse_int(a, what) for a, what in zip(args[1:], ("MIN", "MAX", "STEP"), strict=True))
+        if step <= 0 or hi <= lo:
+            raise ShellUsageError("lhist: STEP must be positive and MAX above MIN")
+        if (hi - lo) // step > LHIST_MAX_BUCKETS:
+            raise ShellUsageError(f"lhist: at most {LHIST_MAX_BUCKETS} buckets ((MAX - MIN) / STEP)")
+        return Call(func, value, (lo, hi, step)), m.group(3).strip()
+    if len(args) != 1:
+        raise ShellUsageError(f"{func}() takes one value")
+    return Call(func, value), m.group(3).strip()
+
+
+LHIST_MAX_BUCKETS = 1000  # bpftrace's limit on (max - min) / step
 
 
 def parse_collect(rest: str, *, verb: str, need_key: bool = False, allow_key: bool = True) -> Collect:
-    """``[EVENT...] [by KEY] [for SECONDS] [run CMD...]`` (``run`` takes the rest of the line)."""
+    """``[EVENT...] [by KEY[, KEY...]] [every S] [for SECONDS] [run CMD...]`` (``run`` takes the rest)."""
     spec = Collect()
     words = rest.split()
     i = 0
@@ -84,26 +130,35 @@ def parse_collect(rest: str, *, verb: str, need_key: bool = False, allow_key: bo
                 raise ShellUsageError(f"{verb}: run needs a guest command")
             spec.command = command
             break
-        if w in ("by", "for"):
+        if w in ("by", "for", "every"):
             if i + 1 >= len(words):
                 raise ShellUsageError(f"{verb}: {w} needs {'a KEY' if w == 'by' else 'SECONDS'}")
             if w == "by":
                 if not allow_key:
                     raise ShellUsageError(f"{verb} takes no 'by KEY'")
-                if spec.key is not None:
+                if spec.keys:
                     raise ShellUsageError(f"{verb}: one 'by KEY' only")
-                spec.key = _check_key(words[i + 1], verb)
+                # by $comm, fd  /  by $comm,fd  /  by $comm ,fd: the key runs on while commas join its words
+                text = words[i + 1]
+                i += 2
+                while i < len(words) and (text.endswith(",") or words[i].startswith(",")):
+                    text += words[i]
+                    i += 1
+                spec.keys = tuple(_check_key(part.strip(), verb) for part in text.split(","))
+                continue
+            if w == "every":
+                spec.every = parse_seconds(words[i + 1])
             else:
                 spec.seconds = parse_seconds(words[i + 1])
             i += 2
             continue
-        if spec.key is not None or spec.seconds is not None:
+        if spec.keys or spec.seconds is not None or spec.every is not None:
             raise ShellUsageError(f"{verb}: unexpected {w!r} (events come first: {verb} EVENT by KEY for SECONDS)")
         spec.events.append(w)
         i += 1
     if spec.seconds is not None and spec.command is not None:
         raise ShellUsageError(f"{verb}: give 'for SECONDS' or 'run CMD', not both")
-    if need_key and spec.key is None:
+    if need_key and not spec.keys:
         raise ShellUsageError(f"usage: {verb} EVENT by KEY [for SECONDS | run CMD]")
     return spec
 
@@ -119,6 +174,8 @@ def _rest_after(rest: str, index: int) -> str:
 
 
 def _check_key(key: str, verb: str) -> str:
+    if not key:
+        raise ShellUsageError(f"{verb}: an empty key part (by KEY, KEY...)")
     if key.startswith("$"):
         if key not in SPECIAL_KEYS:
             raise ShellUsageError(f"{verb}: unknown key {key!r}: an argument name, {', '.join(SPECIAL_KEYS)}")

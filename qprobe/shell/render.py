@@ -19,7 +19,14 @@ if TYPE_CHECKING:
 HIST_BAR_WIDTH = 52  # bpftrace's max_width
 STACK_INDENT = 8  # bpftrace prints kstack frames indented by 8 spaces
 
-MapKey = str | int | tuple[str, ...] | None
+
+class KeyParts(tuple):  # type: ignore[type-arg]
+    """A key of several parts (``by $comm, fd``), printed ``@[cat, 3]`` as bpftrace prints a tuple key."""
+
+    __slots__ = ()
+
+
+MapKey = str | int | tuple[str, ...] | KeyParts | None
 
 
 # -- log2 histograms ---------------------------------------------------------------
@@ -104,6 +111,8 @@ def format_key(key: MapKey) -> str:
     """How bpftrace prints a map key: strings bare, a stack as indented frames, tuples with ``, ``."""
     if key is None:
         return ""
+    if isinstance(key, KeyParts):
+        return ", ".join(format_key(part) for part in key)
     if isinstance(key, tuple):
         return "\n" + "".join(f"{' ' * STACK_INDENT}{frame}\n" for frame in key)
     return str(key)
@@ -127,6 +136,72 @@ def _sort_key(key: MapKey) -> tuple[int, int, str]:
 def render_counts(name: str, counts: Mapping[MapKey, int]) -> str:
     """``@name[key]: value`` lines sorted by value; a key of None prints as ``@name: value``."""
     return "".join(f"@{name}{_key_suffix(k)}: {v}\n" for k, v in sort_counts(counts))
+
+
+def render_stats(name: str, stats: Mapping[MapKey, tuple[int, int]]) -> str:
+    """bpftrace's ``stats()`` map: ``@name[key]: count N, average A, total T``, sorted by total, smallest first."""
+    rows = sorted(stats.items(), key=lambda kv: (kv[1][1], _sort_key(kv[0])))
+    return "".join(f"@{name}{_key_suffix(k)}: count {n}, average {c_div(total, n)}, total {total}\n"
+                   for k, (n, total) in rows)  # fmt: skip
+
+
+def c_div(a: int, b: int) -> int:
+    """C's integer division (truncating toward zero), as bpftrace's avg() and stats() divide; 0 for b == 0."""
+    if b == 0:
+        return 0
+    q = abs(a) // abs(b)
+    return q if (a < 0) == (b < 0) else -q
+
+
+# -- linear histograms --------------------------------------------------------------------
+def lhist_bucket(value: int, lo: int, hi: int, step: int) -> int:
+    """bpftrace's lhist() index: 0 below ``lo``, ``(hi - lo) // step + 1`` above ``hi``, else ``(v - lo) // step + 1``.
+
+    (So a ``(hi - lo)`` that ``step`` does not divide puts the top of the last range in the ``[hi, ...)`` row.)
+    """
+    if value < lo:
+        return 0
+    if value > hi:
+        return (hi - lo) // step + 1
+    return (value - lo) // step + 1
+
+
+def lhist_index_label(number: int) -> str:
+    """``0``, ``1M`` for whole mebi, ``1K`` for whole kibi, else the number (``lhist_index_label``)."""
+    if number == 0:
+        return "0"
+    if number % (1 << 20) == 0:
+        return f"{number >> 20}M"
+    if number % 1024 == 0:
+        return f"{number >> 10}K"
+    return str(number)
+
+
+def render_lhist(buckets: Mapping[int, int], lo: int, hi: int, step: int) -> str:
+    """bpftrace's ``lhist_to_str``: rows from the first to the last non-empty bucket, "" when empty."""
+    used = [i for i, n in buckets.items() if n > 0]
+    if not used:
+        return ""
+    top = max(buckets.values())
+    last = (hi - lo) // step + 1
+    rows = []
+    for i in range(min(used), max(used) + 1):
+        if i == 0:
+            label = f"(..., {lhist_index_label(lo)})"
+        elif i == last:
+            label = f"[{lhist_index_label(hi)}, ...)"
+        else:
+            label = f"[{lhist_index_label((i - 1) * step + lo)}, {lhist_index_label(i * step + lo)})"
+        n = buckets.get(i, 0)
+        rows.append(f"{label:<16}{n:>8} |{'@' * bar_width(n, top):<{HIST_BAR_WIDTH}}|\n")
+    return "".join(rows)
+
+
+def render_lhist_map(name: str, hists: Mapping[MapKey, Mapping[int, int]], lo: int, hi: int, step: int) -> str:
+    """As ``render_hist_map``, with linear buckets."""
+    order = sorted(hists, key=lambda k: (sum(hists[k].values()), format_key(k)))
+    elems = [f"@{name}{_key_suffix(k)}: \n{render_lhist(hists[k], lo, hi, step)}" for k in order]
+    return "\n".join(elems) + "\n"
 
 
 def strip_quotes(text: str) -> str:

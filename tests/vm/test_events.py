@@ -103,7 +103,7 @@ def test_cli_trace_filter_keeps_matching_hits_and_counts_the_rest() -> None:
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     hits, summary = rows[:-1], rows[-1]["summary"]["rd"]
-    assert len(hits) == 4 and all(h["args"]["count"] == "128" and h["comm"] == "workload" for h in hits)
+    assert len(hits) == 4 and all(h["args"]["count"] == 128 and h["comm"] == "workload" for h in hits)
     assert summary["hits"] == 4 and summary["filtered"] >= 6 and summary["nmissed"] == 0
 
 

@@ -235,3 +235,37 @@ def test_stack_counts_and_bt(target: qprobe.Target, shell: tuple[Shell, io.Strin
     # drgn's trace: a C function with its file:line, or entry code as symbol+offset/size.
     frame_line = r"#\d+ +(?:\w+ \(\S+\.[chS]:\d+(?::\d+)?\)|\w+\+0x[0-9a-f]+/0x[0-9a-f]+(?: \(\S+\))?)"
     assert frames and all(re.fullmatch(f"{frame_line}|vCPU 0 is in user mode.*", f) for f in frames), frames
+
+
+def test_bpftrace_maps_on_what_the_workload_did(target: qprobe.Target, shell: tuple[Shell, io.StringIO]) -> None:
+    """sum, stats, lhist and max by keys of several parts, against the reads the workload made (read N SIZE:
+    N reads of SIZE bytes from /dev/zero), and `every` printing and clearing while the guest runs."""
+    sh, out = shell
+    assert do(sh, out, "p:rd ksys_read fd=%di:s32 count=%dx:u64").startswith("added kprobes/rd")
+    text = do(sh, out, "sum(count) rd by $comm, fd run workload read 5 3000")
+    pid = workload_pid(text)
+    fd = 3  # the workload's first open file (stdin, stdout, stderr before it)
+    assert f"@count[workload, {fd}]: 15000" in text.splitlines(), text
+    text = do(sh, out, "stats(count) rd by $comm, $pid run workload read 4 100")
+    assert f"@count[workload, {workload_pid(text)}]: count 4, average 100, total 400" in text.splitlines(), text
+    text = do(sh, out, "lhist(count, 0, 4096, 1024) rd by $comm run workload read 3 1500; workload read 2 5000")
+    rows = text.splitlines()
+    at = rows.index("@count[workload]: ")
+    assert rows[at + 1].split() == ["[1K,", "2K)", "3", "|" + "@" * 52 + "|"], rows
+    assert rows[at + 2 : at + 4] == [f"{'[2K, 3K)':<16}{0:>8} |{' ' * 52}|", f"{'[3K, 4K)':<16}{0:>8} |{' ' * 52}|"]
+    assert rows[at + 4].split()[:3] == ["[4K,", "...)", "2"], rows
+    assert pid > 0
+    # every S prints the map and clears it: the workload's hits, spread over the prints, add up to what it did.
+    text = do(sh, out, "count rd by $comm every 0.2 run workload read 3 10; sleep 1; workload read 4 10")
+    printed = [int(line.split(": ")[1]) for line in text.splitlines() if line.startswith("@[workload]: ")]
+    assert sum(printed) == 7 and len(printed) >= 2, text
+    # format: how show prints an event's hits, bpftrace's printf.
+    assert do(sh, out, r'format rd "%s:%d:%5d|\n", $comm, fd, count').startswith("kprobes/rd: printf ")
+    lines = do(sh, out, "show rd run workload read 2 77").splitlines()
+    assert [x for x in lines if x.startswith("workload:")] == ["workload:3:   77|"] * 2, lines
+    assert do(sh, out, "format rd").startswith("kprobes/rd: ftrace lines")
+
+
+def workload_pid(text: str) -> int:
+    line = next(x for x in text.splitlines() if x.startswith("workload "))
+    return int(dict(p.split("=", 1) for p in line.split()[1:] if "=" in p)["pid"])

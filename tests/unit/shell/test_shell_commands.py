@@ -155,9 +155,9 @@ def test_hist_by_argument() -> None:
     got = run(shell, out, "hist rd by count run workload read 5 3000")
     assert got[2:] == ["@count: ", f"{'[2K, 4K)':<16}{5:>8} |{'@' * 52}|", ""]
     assert run(shell, out, "hist rd by size for 1") == [
-        "error: kprobes/rd has no argument 'size' (count); KEY: an argument name, $comm, $pid, $cpu or $stack"
+        "error: kprobes/rd has no argument 'size' (count); `help count` lists the keys"
     ]
-    assert run(shell, out, "hist rd by $comm")[0].startswith("error: hist needs a numeric key")
+    assert run(shell, out, "hist rd by $comm")[0].startswith("error: hist needs a numeric value")
 
 
 class _Frame:
@@ -193,7 +193,7 @@ def test_stack_key_counts_stacks_unwound_in_the_handler() -> None:
 
     _shell, t, _out = make_shell()
     te = t.add_event("p:gp __x64_sys_getppid")
-    agg = Aggregation("count", "$stack")
+    agg = Aggregation("count", ("$stack",))
     calls: list[str] = []
     te.probe.pre_handler = lambda kp, regs: calls.append("orig")  # type: ignore[union-attr]
     with Tap([te], agg.add, lambda regs: (f"frame{regs}",)):
@@ -299,8 +299,9 @@ def test_gdb_live_commands_need_the_transport() -> None:
 def test_help_and_quit() -> None:
     shell, _t, out = make_shell()
     text = run(shell, out, "help")
-    assert any(line.startswith("count [EVENT...] [by KEY]") for line in text)
-    assert run(shell, out, "help hist")[0] == "hist EVENT by KEY [for SECONDS | run CMD]"
+    assert any(line.startswith("count [EVENT...] [by KEY[, KEY...]]") for line in text)
+    assert run(shell, out, "help hist")[0] == "hist EVENT by VALUE [every S] [for S | run CMD]"
+    assert run(shell, out, "help lhist")[0].startswith("lhist(VALUE, MIN, MAX, STEP) [EVENT...]")
     assert run(shell, out, "help p:foo")[0].startswith("p[:[GRP/]EVENT]")
     run(shell, out, "quit")
     assert shell.done

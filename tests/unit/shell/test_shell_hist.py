@@ -102,7 +102,7 @@ def test_hist_aggregation_skips_values_that_are_not_numbers() -> None:
 
     t = FakeTarget()
     te = t.add_event("p:rd vfs_read count=%dx:u64 name=+0(%si):string")
-    agg = Aggregation("hist", "count")
+    agg = Aggregation("hist", value="count")
     for v in ("4096", "0x1000", "(fault)", "-3", "0"):
         t.fire(te, count=v, name='"x"')
         agg.add(te, te.hits[-1])
@@ -112,4 +112,4 @@ def test_hist_aggregation_skips_values_that_are_not_numbers() -> None:
 
 def test_aggregation_rejects_a_hist_without_key() -> None:
     with pytest.raises(ValueError):
-        Aggregation("hist", None)
+        Aggregation("hist")

@@ -34,11 +34,11 @@ def test_not_definitions(line: str) -> None:
 
 
 def test_collect_clauses() -> None:
-    assert parse_collect("gp by $comm", verb="count") == Collect(["gp"], "$comm")
+    assert parse_collect("gp by $comm", verb="count") == Collect(["gp"], ("$comm",))
     assert parse_collect("", verb="count") == Collect()
-    assert parse_collect("a b for 2.5", verb="show", allow_key=False) == Collect(["a", "b"], None, 2.5)
+    assert parse_collect("a b for 2.5", verb="show", allow_key=False) == Collect(["a", "b"], (), 2.5)
     assert parse_collect("rd by count run workload read  5 3000", verb="hist") == Collect(
-        ["rd"], "count", None, "workload read  5 3000"
+        ["rd"], ("count",), None, "workload read  5 3000"
     )
     # `run` takes the rest of the line, including words that are keywords elsewhere.
     assert parse_collect("gp run echo by for run", verb="count").command == "echo by for run"

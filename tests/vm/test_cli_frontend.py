@@ -1,0 +1,86 @@
+"""The command line as bpftrace users drive it: -c (--run), printf (--format), JSON numbers, boot --detach.
+
+Expected values come from what the guest workload does (``workload read N SIZE``: N
+reads of SIZE bytes; ``workload getppid N``: N getppid calls) and from the shell's
+own semantics (a compound command runs in the subshell that ``--run`` forks).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import IMAGE
+
+pytestmark = pytest.mark.vm
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _qprobe(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "qprobe.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)  # fmt: skip
+
+
+def test_run_is_bpftrace_c_the_commands_processes_its_pid_and_its_exit_status() -> None:
+    # The subshell --run forks is $cpid; it forks each workload, so none of their getppid calls is its own.
+    cmd = "workload getppid 3; workload getppid 2; exit 3"
+    out = _qprobe("trace", "--image", IMAGE, "--json", "--run", cmd, "--filter", "common_pid != $cpid",
+                  "p:gp __x64_sys_getppid", "p:other __x64_sys_getppid")  # fmt: skip
+    assert out.returncode == 3, out.stderr  # the command's exit status
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    hits, summary = rows[:-1], rows[-1]["summary"]
+    assert len(hits) == 10 and {h["comm"] for h in hits} == {"workload"}, hits
+    assert len({h["pid"] for h in hits}) == 2  # two workload processes
+    assert summary["gp"]["hits"] == 5 and summary["gp"]["nmissed"] == 0, summary
+    assert "mode=getppid n=3" in out.stderr and "mode=getppid n=2" in out.stderr
+    out = _qprobe("trace", "--image", IMAGE, "--run", cmd, "--filter", "common_pid == $cpid", "p:gp __x64_sys_getppid")
+    assert out.returncode == 3 and out.stdout.splitlines() == ["# gp: hits=0 nmissed=0 lost=0 others=0 filtered=5"], (
+        out.stdout
+    )
+
+
+def test_format_prints_each_hit_with_printf_and_json_numbers_are_numbers() -> None:
+    out = _qprobe("trace", "--image", IMAGE, "--run", "workload read 3 100", "--format",
+                  r'"%s read %d bytes from fd %d\n", $comm, count, fd',
+                  "p:rd ksys_read fd=%di:s32 count=%dx:u64")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[:3] == ["workload read 100 bytes from fd 3"] * 3, lines
+    assert lines[3].startswith("# rd: hits=3 "), lines
+    out = _qprobe("trace", "--image", IMAGE, "--json", "--run", "workload read 2 4096",
+                  "p:rd ksys_read fd=%di:s32 count=%dx:x64 comm=$comm:string")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    hits = [json.loads(line) for line in out.stdout.splitlines()][:-1]
+    assert [h["args"] for h in hits] == [{"fd": 3, "count": 4096, "comm": '"workload"'}] * 2, hits
+    bad = _qprobe("trace", "--format", '"%d %d\\n", count', "p:rd ksys_read count=%dx:u64")
+    assert bad.returncode == 2 and bad.stderr.splitlines() == [
+        "qprobe: error: printf: the format has 2 conversions and 1 values follow it"
+    ]
+
+
+def test_boot_detach_returns_and_the_vm_serves_attach_until_killed() -> None:
+    out = _qprobe("boot", "--image", IMAGE, "--detach", timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    sock = next(x.split("qprobe attach ", 1)[1] for x in lines if x.startswith("attach with:"))
+    owner = int(lines[-1].rsplit(" ", 1)[1])
+    assert lines[-1] == f"the VM runs in the background; stop it with:  kill {owner}"
+    try:
+        listed = _qprobe("list", "--attach", sock)
+        assert listed.returncode == 0 and listed.stdout == "", listed.stderr
+        assert "no probes are armed" in listed.stderr
+        armed = _qprobe("list", "--attach", sock, "p:vfs vfs_rea?")
+        assert armed.returncode == 0 and "vfs_read+0x0" in armed.stdout, armed.stderr
+    finally:
+        os.kill(owner, signal.SIGTERM)
+    deadline = time.monotonic() + 60  # a bound on waiting, not an assertion on speed
+    while Path(sock.removeprefix("unix:")).exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not Path(sock.removeprefix("unix:")).exists(), "the VM outlived its owner's SIGTERM"

@@ -305,7 +305,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
                     result = target.run(args.run, timeout=args.timeout)
                 finally:
                     tree.close()
-                sys.stderr.write(result.output + ("\n" if result.output else ""))
+                if result.output:
+                    sys.stderr.write(result.output.removesuffix("\n") + "\n")
                 status = result.status  # the command's own, as bpftrace -c passes it through
             elif args.duration:
                 time.sleep(args.duration)

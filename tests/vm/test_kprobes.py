@@ -216,6 +216,7 @@ def test_arguments_by_position_and_by_name(target: qprobe.Target, guard: dict[in
     assert kp.nfaults == 0
 
 
+@pytest.mark.qprobe_needs_config("KPROBE_EVENTS")  # the guest's own kprobe event shares the site
 def test_never_writes_a_site_the_guests_own_ftrace_uses(target: qprobe.Target, guard: dict[int, bytes]) -> None:
     """With the guest's own probe on ksys_lseek's __fentry__ site, qprobe's probe there goes after it."""
     tracing = "/sys/kernel/tracing"

@@ -347,7 +347,12 @@ def _say_booting(args: argparse.Namespace) -> None:
 def cmd_list(args: argparse.Namespace) -> int:
     """Arm the given events (if any) and print the probe list as debugfs's kprobes/list does, with reasons."""
     from qprobe.fetch import ProbeEvent, parse_event
+    from qprobe.shell.parse import is_definition
 
+    for text in args.events:
+        if not is_definition(text):  # `qprobe list 'vfs_*'`, as bpftrace -l and perf probe -F list functions
+            raise QprobeError(f"list arms EVENT definitions and lists the probes; to find functions: "
+                              f"qprobe funcs {text!r}")  # fmt: skip
     _check_symbols(args, [ev for ev in map(parse_event, args.events) if isinstance(ev, ProbeEvent)])
     _say_booting(args)
     with _boot(args) as target:

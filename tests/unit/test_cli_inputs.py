@@ -63,6 +63,8 @@ CASES = [
     (["trace", "--attach", "unix:/nonexistent", "p:a vfs_read"], ["no such socket /nonexistent"]),
     (["attach", "/etc/hostname"], ["/etc/hostname is not a socket"]),
     (["images", "--fetch"], ["--fetch", "expected at least one argument"]),
+    (["list", "vfs_*"], ["to find functions: qprobe funcs 'vfs_*'"]),
+    (["list", "pci_*"], ["to find functions: qprobe funcs 'pci_*'"]),
 ]
 
 

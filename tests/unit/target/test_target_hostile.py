@@ -21,7 +21,7 @@ from qprobe.target.rsp import parse_stop_reply
 
 @pytest.fixture(autouse=True)
 def quick_first_reply(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gdbremote, "FIRST_REPLY_TIMEOUT", 0.5)
+    monkeypatch.setattr(gdbremote, "FIRST_REPLY_TIMEOUT", 2.0)  # not less: a stub thread may start late under load
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def test_a_hostile_stub_gets_a_one_line_error_in_bounded_time(stub: int, request
                 gdb.read_memory(0x1000, 16)
     finally:
         gdb.conn.close()
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 30  # a guard against a hang, not a speed target
     assert "\n" not in str(e.value)
 
 

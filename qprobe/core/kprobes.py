@@ -234,18 +234,34 @@ class KprobeManager:
             self.optimize_later([addr])
 
     def register_kprobes(self, kps: Iterable[Kprobe]) -> None:
-        """All or nothing: on an error, the ones already registered are unregistered."""
-        done: list[Kprobe] = []
-        try:
-            for kp in kps:
-                self.register_kprobe(kp, optimize=False)
-                done.append(kp)
-        except BaseException:
-            for kp in reversed(done):
-                self.unregister_kprobe(kp)
-            raise
-        # One grace period and one VM stop place every jump (the kernel's batched optimizer).
-        self.optimize_later([kp.resolved for kp in done])
+        """All or nothing: on an error, the ones already registered are unregistered.
+
+        Every int3 goes in during one VM stop, journaled as one batch; then one
+        grace period and one more stop place every jump (the kernel's batched
+        optimizer).
+        """
+        todo = list(kps)
+        for kp in todo:
+            if kp.registered:
+                raise InvalidProbe(f"{kp.where()} is already registered (EINVAL)")
+        for kp in todo:
+            kp.at = self.kprobe_addr(kp)
+        addrs = [kp.at + 5 if self.ftrace_site(kp.at) else kp.at for kp in todo]
+
+        def register_all() -> None:
+            done: list[Kprobe] = []
+            with self.machine.journal.batch():
+                try:
+                    for kp, addr in zip(todo, addrs, strict=True):
+                        self._register(kp, addr)
+                        done.append(kp)
+                except BaseException:
+                    for kp in reversed(done):
+                        self._unregister(kp)
+                    raise
+
+        self.machine.call(register_all)
+        self.optimize_later(addrs)
 
     def unregister_kprobe(self, kp: Kprobe) -> None:
         if not kp.registered:
@@ -256,9 +272,17 @@ class KprobeManager:
             self.optimize_later([addr])
 
     def unregister_kprobes(self, kps: Iterable[Kprobe]) -> None:
-        for kp in list(kps):
-            if kp.registered:
-                self.unregister_kprobe(kp)
+        """Every registered one of ``kps`` in one VM stop, journaled as one batch."""
+        todo = [kp for kp in kps if kp.registered]
+
+        def unregister_all() -> None:
+            with self.machine.journal.batch():
+                for kp in todo:
+                    self._unregister(kp)
+
+        self.machine.call(unregister_all)
+        # Points that other probes still share may be optimizable now.
+        self.optimize_later(sorted({kp.resolved for kp in todo if kp.resolved in self.points}))
 
     def _unregister(self, kp: Kprobe) -> None:
         addr = kp.resolved

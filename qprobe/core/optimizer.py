@@ -287,9 +287,9 @@ class Optimizer:
         the int3 while every vCPU is stopped (``unoptimize``), and the detour
         is quarantined instead of freed after a quiescent period.
         """
-        if not self.enabled:
-            return
         queued = list(addrs)
+        if not self.enabled or not queued:
+            return
         self.machine.call(lambda: self._enqueue(queued))
         try:
             self.kprobe_optimizer(queued)
@@ -328,19 +328,20 @@ class Optimizer:
     def _optimize_queued(self) -> list[int]:
         """Optimize what has been queued a grace period; the list keeps what a later attempt may still optimize."""
         now, grace = time.monotonic(), max(OPTIMIZE_DELAY, RESUME_GRACE)
-        for a, since in list(self.optimizing_list.items()):
-            if now - since < grace:
-                continue  # queued by another caller since: its own grace period is not over
-            point = self.kp.points.get(a)
-            if (
-                point is None
-                or point.opt is not None
-                or not point.armed
-                or self.optimize(point)
-                or point.not_optimized is None
-                or not self.transient(point.not_optimized)
-            ):
-                del self.optimizing_list[a]
+        with self.machine.journal.batch():  # every jump of the round journaled in one write
+            for a, since in list(self.optimizing_list.items()):
+                if now - since < grace:
+                    continue  # queued by another caller since: its own grace period is not over
+                point = self.kp.points.get(a)
+                if (
+                    point is None
+                    or point.opt is not None
+                    or not point.armed
+                    or self.optimize(point)
+                    or point.not_optimized is None
+                    or not self.transient(point.not_optimized)
+                ):
+                    del self.optimizing_list[a]
         return list(self.optimizing_list)
 
     # -- optimizing (stop loop) -------------------------------------------------------

@@ -14,10 +14,12 @@ the guest's text, waiting to oops it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import threading
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -82,6 +84,7 @@ class Journal:
         # log beside the snapshot instead of rewriting it; a snapshot save folds the log in.
         self.log_path = self.path.with_suffix(".log")
         self._log: int | None = None
+        self._batched = 0  # depth of batch() contexts
         # The stop loop and the doorbell thread (kretprobe return addresses) both record patches.
         self._lock = threading.Lock()
 
@@ -178,12 +181,31 @@ class Journal:
             self._append(f"-{phys}")
 
     def record(self, patch: Patch) -> None:
+        if self._batched:
+            self.record_often(patch)
+            return
         self.patches[patch.phys] = patch
         self._save()
 
     def forget(self, phys: int) -> None:
-        if self.patches.pop(phys, None) is not None:
+        if self._batched:
+            self.forget_often(phys)
+        elif self.patches.pop(phys, None) is not None:
             self._save()
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Many patches at once (a batch of probes): one appended line each, one snapshot at the end.
+
+        A snapshot per patch made registering N probes O(N**2) in JSON (minutes for a thousand).
+        """
+        self._batched += 1
+        try:
+            yield
+        finally:
+            self._batched -= 1
+            if not self._batched:
+                self._save()
 
     def clear(self) -> None:
         self.patches.clear()

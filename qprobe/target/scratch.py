@@ -90,6 +90,11 @@ class ScratchArea:
     def mapped(self) -> bool:
         return self._pmd is not None
 
+    @property
+    def used(self) -> int:
+        """Bytes handed out and not freed."""
+        return sum(self._used.values())
+
     def contains(self, addr: int) -> bool:
         return self.mapped and self.base <= addr < self.base + SIZE
 

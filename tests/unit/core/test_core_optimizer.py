@@ -6,6 +6,7 @@ scripted QEMU 7.2 gdbstub's (tests/unit/target), their stacks a flat fake memory
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Iterator, Mapping
@@ -142,7 +143,8 @@ def rig() -> Iterator[Rig]:
     gdb.handshake()
     mem = FakeMem()
     mem.fill(FN, CODE)
-    table = Table(SimpleNamespace(gdb=gdb, mem=mem, vcpus=gdb.threads(), call=lambda fn: fn()))
+    table = Table(SimpleNamespace(gdb=gdb, mem=mem, vcpus=gdb.threads(), call=lambda fn: fn(),
+                                  journal=SimpleNamespace(batch=contextlib.nullcontext)))  # fmt: skip
     opt = Optimizer(table, None, None)  # type: ignore[arg-type]
     opt.enabled = True  # as with a doorbell and shared RAM; no detour is built here
     r = Rig(stub, table, opt, mem)

@@ -152,13 +152,13 @@ class Target:
                 self.machine.data_writer = phys
             if isinstance(phys, _StubPhys):
                 phys.machine = self.machine
-            scratch_phys = memmap_reservation(self.cmdline)
-            if scratch_phys is None:
+            reservation = memmap_reservation(self.cmdline)
+            if reservation is None:
                 raise TargetError(
                     "the kernel was not booted with a memmap=2M$ADDR reservation, which qprobe needs for "
                     "its scratch area: add e.g. memmap=2M$0x1e000000 to the kernel command line"
                 )
-            self.scratch = ScratchArea(self.machine, scratch_phys, self.symbols.address("_end"))
+            self.scratch = ScratchArea(self.machine, reservation[0], self.symbols.address("_end"), reservation[1])
             self.kprobes = KprobeManager(self.machine, self.kernel, self.scratch, self.arch,
                                          phys if isinstance(phys, SharedRam) else None,
                                          str(doorbell) if doorbell else None,

@@ -6,6 +6,7 @@ Speed is checked here, with a report, never by timed assertions in tests.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import re
 import shutil
@@ -274,7 +275,7 @@ def _rss_mb() -> float:
     return 0.0
 
 
-def _reached_functions(target: qprobe.Target, cmd: str) -> list[str]:
+def reached_functions(target: qprobe.Target, cmd: str) -> list[str]:
     """Functions ``cmd`` reaches, most called first: the guest's function tracer over its traceable functions.
 
     The tracer covers exactly ``available_filter_functions``; one run of the
@@ -338,7 +339,7 @@ def _guest_refuses(target: qprobe.Target, names: list[str]) -> list[str]:
 def _scale(target: qprobe.Target, args: argparse.Namespace) -> list[ScaleRow]:
     """The issue's scale rows: N counting probes, N with a Python handler, the guest's N kprobe events."""
     _name, _func, cmd, _fast, _slow = WORKLOADS[0]
-    names = _optimizable(target, _reached_functions(target, cmd.format(n=1)), max(SCALE))
+    names = _optimizable(target, reached_functions(target, cmd.format(n=1)), max(SCALE))
     rows: list[ScaleRow] = []
     scratch = target.kprobes.scratch
     for n in SCALE:
@@ -494,6 +495,8 @@ def run_bench(args: argparse.Namespace) -> int:
     rows: list[tuple[str, str | Row]] = []
     t0 = time.perf_counter()
     with qprobe.boot(args.image, smp=args.smp, memory=args.memory) as target:
+        # -accel kvm wherever /dev/kvm works on a CPU with VMX/SVM (QemuProcess decides), else TCG.
+        accel = target.qemu.accel if target.qemu is not None else "?"
         rows.append(("boot to guest shell (cached image)", f"{target.timings['boot']:.2f} s"))
         rows.append(("boot + attach (symbols, KASLR, journal)", f"{time.perf_counter() - t0:.2f} s"))
         vmlinux = target.symbols.path
@@ -525,8 +528,8 @@ def run_bench(args: argparse.Namespace) -> int:
         scale = _scale(target, args)
     gdb_rows = _gdb_rows(args)
     report = [
-        f"qprobe bench: {platform.node()}, {platform.machine()}, image {args.image}, smp {args.smp}, "
-        f"memory {args.memory}, {time.strftime('%Y-%m-%d %H:%M')}",
+        f"qprobe bench: {platform.node()}, {platform.machine()}, {os.cpu_count()} CPUs, -accel {accel}, "
+        f"image {args.image}, smp {args.smp}, memory {args.memory}, {time.strftime('%Y-%m-%d %H:%M')}",
         "",
         "| measurement | result |",
         "|---|---|",

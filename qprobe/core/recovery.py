@@ -41,12 +41,13 @@ class _Recovery:
         self.int3s = {p.virt: p for p in patches if p.what == "int3"}
         self.retaddrs = {p.virt: int.from_bytes(p.old, "little") for p in patches if p.what == "retaddr"}
         self.trampoline = next((int.from_bytes(p.new, "little") for p in patches if p.what == "retaddr"), None)
-        pmd = next((p for p in patches if p.what == "pmd"), None)
-        self.scratch = pmd.virt if pmd else None
+        pmds = sorted(p.virt for p in patches if p.what == "pmd")  # 2 MiB each, contiguous
+        self.scratch = pmds[0] if pmds else None
+        self.scratch_size = len(pmds) * SCRATCH_SIZE
         self.guest = self.guest_instances()
 
     def in_scratch(self, rip: int) -> bool:
-        return self.scratch is not None and self.scratch <= rip < self.scratch + SCRATCH_SIZE
+        return self.scratch is not None and self.scratch <= rip < self.scratch + self.scratch_size
 
     def guest_instances(self) -> dict[int, tuple[int, int]]:
         """Kretprobe instances taken in guest RAM: stack slot -> (trampoline, real return address)."""

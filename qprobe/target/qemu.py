@@ -31,9 +31,17 @@ from pathlib import Path
 from qprobe.errors import TargetError, TargetGone
 from qprobe.target.scratch import SIZE as SCRATCH_SIZE  # reserved with memmap= so the kernel never uses it
 
+<<<<<<< HEAD
 # The isa-debugcon port whose writes are the optimized probes' doorbell: qprobe.core.optimizer
 # hands it to the architecture's mailbox stub, which rings it with an ``out``.
 DOORBELL_PORT = 0x5E0
+=======
+# Reserved with memmap= so the kernel never uses it; qprobe maps it as the
+# scratch area (see qprobe.target.scratch), 2 MiB (one PMD) at a time as it fills.
+SCRATCH_SIZE = 8 << 20
+SCRATCH_ALIGN = 2 << 20
+DOORBELL_PORT = 0x5E0  # must match qprobe.core.optimizer.DOORBELL_PORT
+>>>>>>> b70b99c (The scratch area grows 2 MiB at a time into the rest of its reservation (qprobe's QEMU reserves 8 MiB) instead of refusing when 2 MiB are full; a VM test registers a thousand probes in one batch, counts ksys_lseek exactly and finds the text as it was; docs: where an o hit's time goes, the scale section and what moves under KVM)
 RUN_PREFIX = "qprobe-run-"
 SHM_ROOT = Path("/dev/shm")
 SHM_PREFIX = "qprobe-"
@@ -58,14 +66,14 @@ def parse_memory(memory: str | int) -> int:
 
 
 def scratch_phys(ram: int) -> int:
-    """Physical base of the scratch area: 2 MiB-aligned, 32 MiB below the top of low RAM.
+    """Physical base of the scratch area: 2 MiB-aligned, 32 MiB below the top of low RAM (it ends below the top).
 
     Below 3 GiB so that it is in the first RAM block of the ``pc`` machine.
     """
     top = min(ram, 3 << 30)
     if top < (128 << 20):
         raise TargetError(f"guest memory {ram >> 20} MiB is too small: qprobe needs at least 128M")
-    return (top - (32 << 20)) & ~(SCRATCH_SIZE - 1)
+    return (top - (32 << 20)) & ~(SCRATCH_ALIGN - 1)
 
 
 def kvm_usable() -> bool:

@@ -24,30 +24,51 @@ _PMD_FLAGS = 0x1E3  # present, writable, accessed, dirty, 2 MiB page, global; NX
 _ADDR = 0x000F_FFFF_FFFF_F000
 
 
-def memmap_reservation(cmdline: str) -> int | None:
-    """The physical base of a ``memmap=2M$ADDR`` reservation on the kernel command line."""
-    m = re.search(r"memmap=(?:2M|2048K|0x200000)\$(0x[0-9a-fA-F]+|\d+)([KMG]?)", cmdline)
-    if not m:
-        return None
-    # The kernel's memparse() suffixes.
-    return int(m.group(1), 0) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2)]
+_MEMMAP = re.compile(r"memmap=(0x[0-9a-fA-F]+|\d+)([KMG]?)\$(0x[0-9a-fA-F]+|\d+)([KMG]?)")
+
+
+def _memparse(number: str, suffix: str) -> int:
+    """The kernel's memparse(): a number with an optional K/M/G suffix."""
+    return int(number, 0) << {"": 0, "K": 10, "M": 20, "G": 30}[suffix]
+
+
+def memmap_reservation(cmdline: str) -> tuple[int, int] | None:
+    """(physical base, size) of the ``memmap=SIZE$ADDR`` reservation for the scratch area.
+
+    The last one on the command line whose size is a whole number of 2 MiB pages.
+    """
+    found = None
+    for m in _MEMMAP.finditer(cmdline):
+        size = _memparse(m.group(1), m.group(2))
+        if size and not size % SIZE:
+            found = _memparse(m.group(3), m.group(4)), size
+    return found
 
 
 class ScratchArea:
-    """Maps the reserved RAM and hands out slots in it (first fit, 16-byte granules)."""
+    """Maps the reserved RAM and hands out slots in it (first fit, 16-byte granules).
+
+    The first 2 MiB are mapped by ``map``; when they are full, ``alloc`` maps
+    the next 2 MiB of the reservation into the next PMD slot (slots for the
+    whole reservation are chosen together, so the area stays one contiguous
+    range, virtually and physically).
+    """
 
     GRANULE = 16
 
-    def __init__(self, machine: Machine, phys: int, image_end: int | None = None) -> None:
-        if phys & (SIZE - 1):
-            raise TargetError(f"scratch area {phys:#x} is not 2 MiB aligned")
+    def __init__(self, machine: Machine, phys: int, image_end: int | None = None, size: int = SIZE) -> None:
+        if phys & (SIZE - 1) or size <= 0 or size % SIZE:
+            raise TargetError(f"scratch area {phys:#x}+{size:#x} is not 2 MiB aligned in whole 2 MiB pages")
         self.machine = machine
         self.phys = phys
+        self.size = size  # reserved; mapped as needed, 2 MiB at a time
         # Without KASLR the module area starts 512 MiB into this PUD: take the first
         # free slot just above the kernel image rather than the last one.
         self.image_end = image_end
         self.base = 0
-        self._pmd: Patch | None = None
+        self._pmd_table = 0
+        self._slots: list[int] = []  # PMD indexes chosen for the area, in address order
+        self._pmds: list[Patch] = []  # the ones installed
         self._free: list[tuple[int, int]] = []  # (offset, size), sorted
         self._used: dict[int, int] = {}
 
@@ -62,33 +83,63 @@ class ScratchArea:
         order = range(511, -1, -1)
         if self.image_end is not None:
             order = range(((self.image_end - KERNEL_IMAGE_BASE) >> 21) + 1, 512)
+        want = self.size // SIZE
+
+        def free_run(index: int) -> int:
+            n = 0
+            while n < want and index + n < 512:
+                if int.from_bytes(mem.phys.read_phys(pmd_table + (index + n) * 8, 8), "little"):
+                    break
+                n += 1
+            return n
+
+        best = (0, 0)
         for index in order:
-            entry = int.from_bytes(mem.phys.read_phys(pmd_table + index * 8, 8), "little")
-            if entry == 0:
+            run = free_run(index)
+            if run > best[0]:
+                best = (run, index)
+            if run == want:
                 break
-        else:
+        if not best[0]:
             raise TargetError("no free 2 MiB slot in the kernel image's page table for the scratch area")
+        run, index = best
+        self._pmd_table = pmd_table
+        self._slots = list(range(index, index + run))
         self.base = KERNEL_IMAGE_BASE + index * SIZE
-        new = (self.phys | _PMD_FLAGS).to_bytes(8, "little")
-        p = Patch(pmd_table + index * 8, self.base, bytes(8), new, "pmd")
-        self.machine.journal.record(p)
-        self.machine.write_phys(p.phys, new)
-        self._pmd = p
-        self._free = [(0, SIZE)]
+        self._free = []
+        self._grow()
         try:
             self.machine.mem.virt_to_phys(self.base)
         except MemoryFault:
             raise TargetError("the scratch area mapping did not take effect") from None
         return self.base
 
+    def _grow(self) -> bool:
+        """Map the next 2 MiB of the reservation (stop-loop thread); False when all of it is mapped."""
+        n = len(self._pmds)
+        if n >= len(self._slots):
+            return False
+        virt = self.base + n * SIZE
+        new = ((self.phys + n * SIZE) | _PMD_FLAGS).to_bytes(8, "little")
+        p = Patch(self._pmd_table + self._slots[n] * 8, virt, bytes(8), new, "pmd")
+        self.machine.journal.record(p)
+        self.machine.write_phys(p.phys, new)
+        self._pmds.append(p)
+        self._release(n * SIZE, SIZE)
+        return True
+
+    @property
+    def mapped_size(self) -> int:
+        return len(self._pmds) * SIZE
+
     def unmap(self) -> None:
-        if self._pmd is not None:
-            self.machine.unpatch(self._pmd)
-            self._pmd = None
+        for p in reversed(self._pmds):
+            self.machine.unpatch(p)
+        self._pmds = []
 
     @property
     def mapped(self) -> bool:
-        return self._pmd is not None
+        return bool(self._pmds)
 
     @property
     def used(self) -> int:
@@ -96,24 +147,29 @@ class ScratchArea:
         return sum(self._used.values())
 
     def contains(self, addr: int) -> bool:
-        return self.mapped and self.base <= addr < self.base + SIZE
+        return self.mapped and self.base <= addr < self.base + self.mapped_size
 
     def alloc(self, size: int, align: int = GRANULE) -> int:
         if size <= 0:
             raise ValueError(f"internal: scratch allocation of {size} bytes")
         size = -(-size // self.GRANULE) * self.GRANULE
-        for i, (off, n) in enumerate(self._free):
-            start = -(-off // align) * align
-            if start + size <= off + n:
-                pieces = [(o, m) for o, m in ((off, start - off), (start + size, off + n - start - size)) if m]
-                self._free[i : i + 1] = pieces
-                self._used[start] = size
-                return self.base + start
-        raise ScratchFull(f"the {SIZE >> 20} MiB scratch area is full ({len(self._used)} slots in use)")
+        while True:
+            for i, (off, n) in enumerate(self._free):
+                start = -(-off // align) * align
+                if start + size <= off + n:
+                    pieces = [(o, m) for o, m in ((off, start - off), (start + size, off + n - start - size)) if m]
+                    self._free[i : i + 1] = pieces
+                    self._used[start] = size
+                    return self.base + start
+            if not self._grow():
+                raise ScratchFull(f"the {self.mapped_size >> 20} MiB scratch area is full "
+                                  f"({len(self._used)} slots in use)")  # fmt: skip
 
     def free(self, addr: int) -> None:
         off = addr - self.base
-        size = self._used.pop(off)
+        self._release(off, self._used.pop(off))
+
+    def _release(self, off: int, size: int) -> None:
         self._free.append((off, size))
         self._free.sort()
         merged: list[tuple[int, int]] = []
@@ -125,11 +181,11 @@ class ScratchArea:
         self._free = merged
 
     def phys_of(self, addr: int) -> int:
-        """The guest-physical address of ``addr`` in the area (one 2 MiB mapping: a fixed offset)."""
+        """The guest-physical address of ``addr`` in the area (contiguous both ways: a fixed offset)."""
         return self.phys + addr - self.base
 
     def write(self, addr: int, data: bytes) -> None:
         """Write code into the area through the stub (so stale translations are dropped)."""
-        if not (self.contains(addr) and addr + len(data) <= self.base + SIZE):
+        if not (self.contains(addr) and addr + len(data) <= self.base + self.mapped_size):
             raise TargetError(f"internal: {addr:#x} is outside the scratch area")
         self.machine.write_phys(self.phys_of(addr), data)

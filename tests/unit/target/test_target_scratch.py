@@ -19,32 +19,34 @@ SCRATCH_PHYS = 0x1E00_0000
 
 
 @pytest.mark.parametrize(
-    ("cmdline", "phys"),
+    ("cmdline", "found"),
     [
-        ("BOOT_IMAGE=/vmlinuz root=/dev/vda console=ttyS0 memmap=2M$0x1e000000 quiet", 0x1E00_0000),
-        ("memmap=2M$0x1e000000", 0x1E00_0000),
-        ("memmap=2M$0x1E000000 nokaslr", 0x1E00_0000),
-        ("memmap=2048K$0x3dc00000", 0x3DC0_0000),
-        ("memmap=0x200000$0x3dc00000", 0x3DC0_0000),
-        ("memmap=2M$503316480", 503316480),
-        ("memmap=4M$0x1e000000 memmap=2M$0x20000000", 0x2000_0000),  # the 2M one
+        ("BOOT_IMAGE=/vmlinuz root=/dev/vda console=ttyS0 memmap=2M$0x1e000000 quiet", (0x1E00_0000, M2)),
+        ("memmap=2M$0x1e000000", (0x1E00_0000, M2)),
+        ("memmap=2M$0x1E000000 nokaslr", (0x1E00_0000, M2)),
+        ("memmap=2048K$0x3dc00000", (0x3DC0_0000, M2)),
+        ("memmap=0x200000$0x3dc00000", (0x3DC0_0000, M2)),
+        ("memmap=2M$503316480", (503316480, M2)),
+        ("memmap=8M$0x1e000000", (0x1E00_0000, 4 * M2)),  # qprobe's own: grown 2 MiB at a time
+        ("memmap=4M$0x1e000000 memmap=2M$0x20000000", (0x2000_0000, M2)),  # the last one
+        ("memmap=2M$0x1e000000 memmap=1M$0x20000000", (0x1E00_0000, M2)),  # not whole 2 MiB pages
         ("root=/dev/vda console=ttyS0", None),
         ("", None),
-        ("memmap=4M$0x1e000000", None),
+        ("memmap=3M$0x1e000000", None),
         ("memmap=2M#0x1e000000", None),  # '#' is ACPI data, not a reservation
         ("memmap=2M!0x1e000000", None),  # '!' is persistent memory
         ("memmap=2M@0x1e000000", None),  # '@' is usable RAM
     ],
 )
-def test_memmap_reservation(cmdline: str, phys: int | None) -> None:
-    assert memmap_reservation(cmdline) == phys
+def test_memmap_reservation(cmdline: str, found: tuple[int, int] | None) -> None:
+    assert memmap_reservation(cmdline) == found
 
 
 @pytest.mark.parametrize(("cmdline", "phys"), [("memmap=2M$480M", 480 << 20), ("memmap=2M$1G", 1 << 30)])
 def test_memmap_reservation_with_a_suffixed_address(cmdline: str, phys: int) -> None:
     # The kernel parses the address with memparse(), which takes K/M/G;
     # "480M" is read as 480 (and then rejected as unaligned, far from the cause).
-    assert memmap_reservation(cmdline) == phys
+    assert memmap_reservation(cmdline) == (phys, M2)
 
 
 # -- a machine on fake page tables ------------------------------------------------------------
@@ -120,6 +122,40 @@ def test_map_installs_one_pmd_in_the_highest_free_slot(levels: int) -> None:
     assert (pa, size) == (SCRATCH_PHYS + 0x12345, M2)
     assert area.mapped and area.contains(base) and area.contains(base + SIZE - 1)
     assert not area.contains(base - 1) and not area.contains(base + SIZE)
+
+
+def test_a_full_area_maps_the_next_2_mib_of_its_reservation() -> None:
+    m = FakeMachine()
+    area = ScratchArea(m, SCRATCH_PHYS, size=3 * M2)  # type: ignore[arg-type]
+    base = area.map()
+    # Slots for the whole reservation are chosen at once, in address order, below the top.
+    assert base == KERNEL_IMAGE_BASE + 509 * M2 and area.mapped_size == M2
+    first = area.alloc(M2 - 4096)
+    assert first == base and not area.contains(base + M2)
+    grown = area.alloc(8192)  # does not fit in the first 2 MiB: the next one is mapped
+    assert area.mapped_size == 2 * M2 and area.contains(grown) and grown + 8192 <= base + 2 * M2
+    entry = int.from_bytes(m.ram.read_phys(m.pmd_table() + 510 * 8, 8), "little")
+    assert entry & ~0xFFF == SCRATCH_PHYS + M2
+    pa, _, _ = translate(m.mem.read_u64_phys, m.mem.pgd, grown, 4)
+    assert pa == area.phys_of(grown) == SCRATCH_PHYS + (grown - base)
+    area.alloc(M2)
+    with pytest.raises(ScratchFull, match="the 6 MiB scratch area is full"):
+        area.alloc(M2)
+    assert area.mapped_size == 3 * M2
+    area.unmap()
+    assert all(m.ram.read_phys(m.pmd_table() + i * 8, 8) == bytes(8) for i in (509, 510, 511))
+
+
+def test_the_areas_slots_are_one_free_run() -> None:
+    m = FakeMachine()
+    m.ram.write_u64(m.pmd_table() + 510 * 8, 0x2)  # taken: 511 alone is too short for 4
+    area = ScratchArea(m, SCRATCH_PHYS, size=4 * M2)  # type: ignore[arg-type]
+    assert area.map() == KERNEL_IMAGE_BASE + 506 * M2
+    for _ in range(4):
+        area.alloc(M2)
+    with pytest.raises(ScratchFull):
+        area.alloc(16)
+    assert m.ram.read_phys(m.pmd_table() + 510 * 8, 8) == (2).to_bytes(8, "little")
 
 
 def test_map_skips_used_slots() -> None:

@@ -1,0 +1,49 @@
+"""A thousand probes at once: one batch in, counts exact, one batch out, kernel text as it was."""
+
+from __future__ import annotations
+
+import pytest
+
+import qprobe
+from qprobe import Kprobe
+from qprobe.bench import reached_functions
+from qprobe.funcs import Probeability
+
+from .conftest import workload_result
+
+pytestmark = pytest.mark.vm
+
+N = 1000
+
+
+def test_a_thousand_probes_count_exactly_and_leave_the_text_as_it_was(target: qprobe.Target) -> None:
+    # Functions the guest reaches (its function tracer, over its own traceable functions), so that the
+    # probes are hit; ksys_lseek among them, whose calls the workload counts.
+    names = reached_functions(target, "workload lseek 10 >/dev/null; cat /proc/version >/dev/null; ls / >/dev/null")
+    prob = Probeability.of_target(target)
+    names = [n for n in names if prob.reason(n) is None and n != "ksys_lseek"]
+    assert len(names) >= 3 * N // 2, f"the workload reached only {len(names)} probeable functions"
+    kps = [Kprobe(symbol_name=n) for n in names[: 3 * N // 2]] + [Kprobe(symbol_name="ksys_lseek")]
+    before = target.text_snapshot({target.symbols.address(kp.symbol_name) for kp in kps if kp.symbol_name})
+    target.register_kprobes(kps)
+    try:
+        # Keep N of the jump-optimized ones (ksys_lseek included): an int3 on a hot function would stop
+        # the VM on every call.
+        points = target.kprobes.points
+        fast = [kp for kp in kps if points[kp.resolved].opt is not None]
+        assert kps[-1] in fast and len(fast) >= N
+        keep = [kps[-1], *[kp for kp in fast if kp is not kps[-1]][: N - 1]]
+        target.unregister_kprobes([kp for kp in kps if kp not in keep])
+        assert len(target.kprobes.points) == N and all(kp.registered for kp in keep)
+        assert target.list_probes().count("[OPTIMIZED]") == N
+        hits_before = {id(kp): kp.nhit for kp in keep}
+        res = workload_result(target.run("workload lseek 1000", timeout=600).check().output)
+    finally:
+        target.unregister_kprobes(kps)
+    assert int(res["n"]) == 1000 and int(res["errors"]) == 0
+    assert kps[-1].nhit - hits_before[id(kps[-1])] == 1000 and kps[-1].nmissed == 0
+    # The workload's fork, exec and exit reach many of the others: their counters moved too.
+    assert sum(kp.nhit > hits_before[id(kp)] for kp in keep) > N // 10
+    assert not target.kprobes.points
+    assert target.text_snapshot(before) == before
+    assert not target.oopses()

@@ -296,16 +296,35 @@ def reached_functions(target: qprobe.Target, cmd: str) -> list[str]:
     return [line.split()[1] for line in out.splitlines() if len(line.split()) == 2 and line.split()[0].isdigit()]
 
 
+def probeable_entries(target: qprobe.Target, names: list[str]) -> list[str]:
+    """The names whose entry qprobe would arm: the kernel's checks on the name, then on the address armed.
+
+    A probe on a function's ``__fentry__`` site is armed on the next instruction,
+    which can be a site the kernel rewrites (a jump label) although the entry is not.
+    """
+    from qprobe.funcs import Probeability
+
+    prob, km = Probeability.of_target(target), target.kprobes
+    out = []
+    for name in names:
+        if prob.reason(name) is not None:
+            continue
+        try:
+            at = km.kprobe_addr(qprobe.Kprobe(symbol_name=name))
+            km.check_kprobe_address_safe(at + 5 if km.ftrace_site(at) else at)
+        except qprobe.QprobeError:
+            continue
+        out.append(name)
+    return out
+
+
 def _optimizable(target: qprobe.Target, names: list[str], want: int) -> list[str]:
     """Up to ``want`` of ``names`` that the guest's kprobe_events accepts and qprobe jump-optimizes.
 
     Found by defining each as a guest kprobe event once (then removing it) and
     registering the accepted ones with qprobe once, in one batch.
     """
-    from qprobe.funcs import Probeability
-
-    prob = Probeability.of_target(target)
-    candidates = [name for name in names if prob.reason(name) is None]
+    candidates = probeable_entries(target, names)
     refused = set(_guest_refuses(target, candidates))
     kps = [qprobe.Kprobe(symbol_name=name) for name in candidates if name not in refused]
     target.register_kprobes(kps)

@@ -29,19 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qprobe.errors import TargetError, TargetGone
-from qprobe.target.scratch import SIZE as SCRATCH_SIZE  # reserved with memmap= so the kernel never uses it
+from qprobe.target.scratch import SIZE as SCRATCH_ALIGN
 
-<<<<<<< HEAD
-# The isa-debugcon port whose writes are the optimized probes' doorbell: qprobe.core.optimizer
-# hands it to the architecture's mailbox stub, which rings it with an ``out``.
-DOORBELL_PORT = 0x5E0
-=======
 # Reserved with memmap= so the kernel never uses it; qprobe maps it as the
 # scratch area (see qprobe.target.scratch), 2 MiB (one PMD) at a time as it fills.
 SCRATCH_SIZE = 8 << 20
-SCRATCH_ALIGN = 2 << 20
-DOORBELL_PORT = 0x5E0  # must match qprobe.core.optimizer.DOORBELL_PORT
->>>>>>> b70b99c (The scratch area grows 2 MiB at a time into the rest of its reservation (qprobe's QEMU reserves 8 MiB) instead of refusing when 2 MiB are full; a VM test registers a thousand probes in one batch, counts ksys_lseek exactly and finds the text as it was; docs: where an o hit's time goes, the scale section and what moves under KVM)
+# The isa-debugcon port whose writes are the optimized probes' doorbell: qprobe.core.optimizer
+# hands it to the architecture's mailbox stub, which rings it with an ``out``.
+DOORBELL_PORT = 0x5E0
 RUN_PREFIX = "qprobe-run-"
 SHM_ROOT = Path("/dev/shm")
 SHM_PREFIX = "qprobe-"

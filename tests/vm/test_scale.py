@@ -6,8 +6,7 @@ import pytest
 
 import qprobe
 from qprobe import Kprobe
-from qprobe.bench import reached_functions
-from qprobe.funcs import Probeability
+from qprobe.bench import probeable_entries, reached_functions
 
 from .conftest import workload_result
 
@@ -20,8 +19,7 @@ def test_a_thousand_probes_count_exactly_and_leave_the_text_as_it_was(target: qp
     # Functions the guest reaches (its function tracer, over its own traceable functions), so that the
     # probes are hit; ksys_lseek among them, whose calls the workload counts.
     names = reached_functions(target, "workload lseek 10 >/dev/null; cat /proc/version >/dev/null; ls / >/dev/null")
-    prob = Probeability.of_target(target)
-    names = [n for n in names if prob.reason(n) is None and n != "ksys_lseek"]
+    names = [n for n in probeable_entries(target, names) if n != "ksys_lseek"]
     assert len(names) >= 3 * N // 2, f"the workload reached only {len(names)} probeable functions"
     kps = [Kprobe(symbol_name=n) for n in names[: 3 * N // 2]] + [Kprobe(symbol_name="ksys_lseek")]
     before = target.text_snapshot({target.symbols.address(kp.symbol_name) for kp in kps if kp.symbol_name})

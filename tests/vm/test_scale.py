@@ -18,10 +18,14 @@ N = 1000
 def test_a_thousand_probes_count_exactly_and_leave_the_text_as_it_was(target: qprobe.Target) -> None:
     # Functions the guest reaches (its function tracer, over its own traceable functions), so that the
     # probes are hit; ksys_lseek among them, whose calls the workload counts.
-    names = reached_functions(target, "workload lseek 10 >/dev/null; cat /proc/version >/dev/null; ls / >/dev/null")
+    names = reached_functions(
+        target,
+        "workload lseek 10 >/dev/null; cat /proc/version >/dev/null; ls -l /proc/self/ "
+        ">/dev/null; cat /proc/self/maps /proc/meminfo >/dev/null; sh -c 'sleep 0'",
+    )
     names = [n for n in probeable_entries(target, names) if n != "ksys_lseek"]
-    assert len(names) >= 3 * N // 2, f"the workload reached only {len(names)} probeable functions"
-    kps = [Kprobe(symbol_name=n) for n in names[: 3 * N // 2]] + [Kprobe(symbol_name="ksys_lseek")]
+    assert len(names) >= N, f"the workload reached only {len(names)} probeable functions"
+    kps = [Kprobe(symbol_name=n) for n in names[: 2 * N]] + [Kprobe(symbol_name="ksys_lseek")]
     before = target.text_snapshot({target.symbols.address(kp.symbol_name) for kp in kps if kp.symbol_name})
     target.register_kprobes(kps)
     try:

@@ -18,7 +18,8 @@ import qprobe
 from qprobe.events import add_event, remove_event
 from qprobe.images import get_image, module_file
 from qprobe.pytest_plugin import qprobe_scope
-from tests.vm.guest_oracle import guest_verdicts, qprobe_verdicts
+
+from .guest_oracle import guest_verdicts, qprobe_verdicts
 
 pytestmark = [pytest.mark.vm, pytest.mark.qprobe_needs_symbol("do_init_module", "free_module")]
 

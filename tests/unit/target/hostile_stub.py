@@ -38,7 +38,6 @@ class HostileStub(QemuStub):
             "packet-tiny": b"PacketSize=10;qXfer:features:read+;multiprocess+",
             "packet-garbage": b"PacketSize=zz;qXfer:features:read+;multiprocess+",
         }.get(case)
-        super().__init__(supported=supported, sock=sock)
         xml = {
             "xfer-self": '<target><xi:include href="target.xml"/></target>',
             "xfer-cycle": '<target><xi:include href="a.xml"/></target>',
@@ -48,10 +47,12 @@ class HostileStub(QemuStub):
             "reg-name": '<target><reg name="" bitsize="64"/></target>',
             "reg-flood": "<target>" + "".join(f'<reg name="r{i}" bitsize="64"/>' for i in range(600)) + "</target>",
         }.get(case)
+        annexes = {"a.xml": b'<feature><xi:include href="b.xml"/></feature>',
+                   "b.xml": b'<feature><xi:include href="a.xml"/></feature>'}  # fmt: skip
         if xml is not None:
-            self.annexes["target.xml"] = xml.encode()
-        self.annexes["a.xml"] = b'<feature><xi:include href="b.xml"/></feature>'
-        self.annexes["b.xml"] = b'<feature><xi:include href="a.xml"/></feature>'
+            annexes["target.xml"] = xml.encode()
+        # The annexes go in before the stub's thread starts serving (it may be asked at once).
+        super().__init__(supported=supported, sock=sock, annexes=annexes)
 
     def _answer(self, p: bytes) -> bytes | object:
         case = self.case

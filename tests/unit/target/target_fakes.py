@@ -166,7 +166,8 @@ class QemuStub:
 
     def __init__(self, nvcpus: int = 2, packet_size: int = 0x1000, *, unsolicited_stop: bool = True,
                  xfer_max: int = 2045, xfer_splits: dict[str, list[int]] | None = None,
-                 supported: bytes | None = None, sock: socket.socket | None = None) -> None:  # fmt: skip
+                 supported: bytes | None = None, sock: socket.socket | None = None,
+                 annexes: dict[str, bytes] | None = None) -> None:  # fmt: skip
         # On a socketpair (``client`` is qprobe's end), or on an accepted connection ``sock``.
         self.client: socket.socket | None
         if sock is None:
@@ -182,7 +183,9 @@ class QemuStub:
         self.supported = supported or (
             b"PacketSize=%x;qXfer:features:read+;ReverseStep+;ReverseContinue+;multiprocess+" % packet_size
         )
-        self.annexes = {"target.xml": TARGET_XML.encode(), "i386-64bit.xml": I386_64BIT_XML.encode()}
+        # Set before the serving thread starts: a client may ask for them at once.
+        self.annexes = {"target.xml": TARGET_XML.encode(), "i386-64bit.xml": I386_64BIT_XML.encode(),
+                        **(annexes or {})}  # fmt: skip
         self.xfer_max = xfer_max
         self.xfer_splits = xfer_splits or {}
         self.memory: dict[int, int] = {}  # byte address -> value (whatever m/M address space is in use)

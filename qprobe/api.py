@@ -44,15 +44,15 @@ from qprobe.kernel.symbols import Symbols
 from qprobe.kernel.tracefs import ftrace_locations, probe_dialect, trace_event_names
 from qprobe.modnotify import ModuleNotifier
 from qprobe.paths import cache_dir, read_private, write_private
-from qprobe.target.connection import Connection, parse_address
-from qprobe.target.console import Console, RunResult
-from qprobe.target.gdbmi import GdbMiRemote
-from qprobe.target.gdbremote import GdbRemote
-from qprobe.target.journal import Journal
-from qprobe.target.machine import Machine
-from qprobe.target.memory import GuestMemory, MemoryFault, PhysReader, SharedRam, kernel_pgd, paging_levels
-from qprobe.target.qemu import SHM_PREFIX, SHM_ROOT, QemuConfig, QemuProcess, parse_memory
-from qprobe.target.scratch import ScratchArea, memmap_reservation
+from qprobe.vmm.connection import Connection, parse_address
+from qprobe.vmm.console import Console, RunResult
+from qprobe.vmm.gdbmi import GdbMiRemote
+from qprobe.vmm.gdbremote import GdbRemote
+from qprobe.vmm.journal import Journal
+from qprobe.vmm.machine import Machine
+from qprobe.vmm.memory import GuestMemory, MemoryFault, PhysReader, SharedRam, kernel_pgd, paging_levels
+from qprobe.vmm.qemu import SHM_PREFIX, SHM_ROOT, QemuConfig, QemuProcess, parse_memory
+from qprobe.vmm.scratch import ScratchArea, memmap_reservation
 
 if TYPE_CHECKING:
     from qprobe.events import EventHit, TraceEvent, Wildcard

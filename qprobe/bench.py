@@ -176,8 +176,8 @@ def _guest_kprobe_events(target: qprobe.Target, name: str, func: str, cmd: str, 
 def _gdb_rows(args: argparse.Namespace) -> list[Row]:
     """GDB 13 on the gdbstub of a second, qprobe-free VM: a Python ``gdb.Breakpoint.stop()`` reading one register."""
     from qprobe.images import get_image
-    from qprobe.target.console import READY, Console
-    from qprobe.target.qemu import QemuConfig, QemuProcess, parse_memory
+    from qprobe.vmm.console import READY, Console
+    from qprobe.vmm.qemu import QemuConfig, QemuProcess, parse_memory
 
     if shutil.which("gdb") is None:
         return []

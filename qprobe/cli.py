@@ -50,7 +50,7 @@ def _number(kind: type[int] | type[float], lo: float, hi: float) -> Callable[[st
 
 
 def _memory(text: str) -> str:
-    from qprobe.target.qemu import parse_memory
+    from qprobe.vmm.qemu import parse_memory
 
     try:
         size = parse_memory(text)

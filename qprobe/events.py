@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from qprobe.core.kretprobe import KretprobeManager
     from qprobe.kernel.program import KernelData, Task
     from qprobe.kernel.symbols import Symbols
-    from qprobe.target.memory import GuestMemory
+    from qprobe.vmm.memory import GuestMemory
 
 log = logging.getLogger("qprobe.events")
 

@@ -34,7 +34,7 @@ from qprobe.kernel.modules import loaded_modules, read_module
 
 if TYPE_CHECKING:
     from qprobe.events import EventTarget, TraceEvent
-    from qprobe.target.machine import Machine
+    from qprobe.vmm.machine import Machine
 
     class NotifierTarget(EventTarget, Protocol):
         """What the notifier uses of a target (qprobe.api.Target): the events' view, and the stop loop."""

@@ -444,7 +444,7 @@ _MARKER = re.compile(r"^@@qp-(?:begin|end)-[0-9a-f]+@@\d*$")
 def guest_console(text: str, lines: int) -> str:
     """The last ``lines`` lines the guest printed, without qprobe's own: the begin/end markers framing each
     ``target.run`` command (and the blank line each brings) and the boot's ready marker."""
-    from qprobe.target.console import READY
+    from qprobe.vmm.console import READY
 
     out: list[str] = []
     for line in text.splitlines():

@@ -31,8 +31,8 @@ from qprobe.core.regs import PtRegs
 from qprobe.errors import ProbeError
 from qprobe.kernel.features import find_watch_site, int3_entry
 from qprobe.kernel.program import KernelData
-from qprobe.target.gdbremote import WATCH_READ
-from qprobe.target.machine import Machine
+from qprobe.vmm.gdbremote import WATCH_READ
+from qprobe.vmm.machine import Machine
 
 log = logging.getLogger("qprobe.kprobes")
 MAX_STEP_RETRIES = 1 << 16

@@ -23,7 +23,7 @@ from qprobe.core.dispatch import Trampoline
 from qprobe.core.handlers import Handlers
 from qprobe.core.point import ProbePoint
 from qprobe.core.regs import PtRegs
-from qprobe.target.memory import SharedRam
+from qprobe.vmm.memory import SharedRam
 
 log = logging.getLogger("qprobe.optimizer")
 

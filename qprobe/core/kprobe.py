@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from qprobe.arch import Pool
     from qprobe.core.regs import PtRegs
     from qprobe.kernel.program import Task
-    from qprobe.target.journal import Patch
+    from qprobe.vmm.journal import Patch
 
 PreHandler = Callable[["Kprobe", Any], int | None]
 PostHandler = Callable[["Kprobe", Any], None]

@@ -36,11 +36,11 @@ from qprobe.errors import (
 )
 from qprobe.kernel.program import KernelData
 from qprobe.kernel.reserved import ReservedText
-from qprobe.target.machine import Machine
-from qprobe.target.scratch import ScratchArea
+from qprobe.vmm.machine import Machine
+from qprobe.vmm.scratch import ScratchArea
 
 if TYPE_CHECKING:
-    from qprobe.target.memory import SharedRam
+    from qprobe.vmm.memory import SharedRam
 
 log = logging.getLogger("qprobe.kprobes")
 

@@ -39,8 +39,8 @@ from qprobe.core.point import Optimized, ProbePoint
 from qprobe.core.pools import ReturnPools, page_round
 from qprobe.errors import QprobeError, SymbolError
 from qprobe.kernel.features import thread_size
-from qprobe.target.memory import SharedRam
-from qprobe.target.qemu import DOORBELL_PORT
+from qprobe.vmm.memory import SharedRam
+from qprobe.vmm.qemu import DOORBELL_PORT
 
 if TYPE_CHECKING:
     from qprobe.core.dispatch import Trampoline
@@ -49,8 +49,8 @@ if TYPE_CHECKING:
     from qprobe.kernel.program import KernelData
     from qprobe.kernel.reserved import ReservedText
     from qprobe.kernel.symbols import Symbols
-    from qprobe.target.machine import Machine
-    from qprobe.target.scratch import ScratchArea
+    from qprobe.vmm.machine import Machine
+    from qprobe.vmm.scratch import ScratchArea
 
 log = logging.getLogger("qprobe.optimizer")
 

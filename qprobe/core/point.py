@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from qprobe.arch import Prepared
 from qprobe.core.kprobe import Kprobe
-from qprobe.target.journal import Patch
+from qprobe.vmm.journal import Patch
 
 
 class KprobeStatus(enum.Enum):

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from qprobe.arch import Arch, Pool, ReturnLayout
 from qprobe.core.kprobe import Kretprobe
 from qprobe.errors import QprobeError
-from qprobe.target.machine import Machine
-from qprobe.target.memory import SharedRam
-from qprobe.target.scratch import ScratchArea
+from qprobe.vmm.machine import Machine
+from qprobe.vmm.memory import SharedRam
+from qprobe.vmm.scratch import ScratchArea
 
 MAX_INSTANCES = 2048  # kretprobe instances in guest RAM, shared by every return probe's pool
 MAX_OWNERS = 256  # return probes with a pool at once: one return counter each

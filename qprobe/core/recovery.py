@@ -19,9 +19,9 @@ from qprobe.arch import Arch, Resume, ResumeKind, TrapHook
 from qprobe.errors import QprobeError
 from qprobe.kernel.features import find_watch_site, int3_entry, int3_path
 from qprobe.kernel.program import KernelData
-from qprobe.target.gdbremote import GdbRemote
-from qprobe.target.journal import Journal, JournalError, Patch
-from qprobe.target.scratch import SIZE as SCRATCH_SIZE
+from qprobe.vmm.gdbremote import GdbRemote
+from qprobe.vmm.journal import Journal, JournalError, Patch
+from qprobe.vmm.scratch import SIZE as SCRATCH_SIZE
 
 log = logging.getLogger("qprobe.recovery")
 GRACE = 0.1

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from qprobe.errors import SymbolError
-from qprobe.target.memory import GuestMemory
+from qprobe.vmm.memory import GuestMemory
 
 if TYPE_CHECKING:
     from qprobe.arch import RegisterLayout

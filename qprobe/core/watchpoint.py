@@ -16,8 +16,8 @@ from qprobe.core.handlers import Handlers
 from qprobe.core.regs import PtRegs
 from qprobe.errors import InvalidProbe, ProbeError
 from qprobe.kernel.symbols import Symbols
-from qprobe.target.gdbremote import WATCH_ACCESS, WATCH_READ, WATCH_WRITE
-from qprobe.target.machine import Machine
+from qprobe.vmm.gdbremote import WATCH_ACCESS, WATCH_READ, WATCH_WRITE
+from qprobe.vmm.machine import Machine
 
 KINDS = {"w": WATCH_WRITE, "r": WATCH_READ, "rw": WATCH_ACCESS}
 

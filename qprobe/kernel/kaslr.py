@@ -14,7 +14,7 @@ import re
 
 from qprobe.errors import VmlinuxMismatch
 from qprobe.kernel.symbols import Symbols
-from qprobe.target.memory import GuestMemory, MemoryFault
+from qprobe.vmm.memory import GuestMemory, MemoryFault
 
 ALIGN = 0x200000
 WINDOW = 1 << 30

@@ -32,7 +32,7 @@ import drgn
 
 from qprobe.arch.x86_64.ptregs import PT_GPRS, PT_NAME, PT_NAMES
 from qprobe.errors import SymbolError
-from qprobe.target.memory import GuestMemory, MemoryFault
+from qprobe.vmm.memory import GuestMemory, MemoryFault
 
 if TYPE_CHECKING:
     from qprobe.kernel.symbols import Symbols

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from qprobe.api import Target
     from qprobe.core.regs import PtRegs
     from qprobe.events import EventHit, TraceEvent
-    from qprobe.target.console import RunResult
+    from qprobe.vmm.console import RunResult
 
 log = logging.getLogger("qprobe.shell")
 RUN_TIMEOUT = 3600.0

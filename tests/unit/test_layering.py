@@ -15,7 +15,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "qprobe"
 
 # Top to bottom; a module may import its own layer and the layers below it.  The guide's order is
-# front ends -> api -> events -> core -> kernel -> target -> arch -> errors; what the code also needs:
+# front ends -> api -> events -> core -> kernel -> vmm -> arch -> errors; what the code also needs:
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # The package's __init__ re-exports the API, so it sits with the front ends.
     ("front ends", ("qprobe", "qprobe.cli", "qprobe.shell", "qprobe.pytest_plugin", "qprobe.bench", "qprobe.demo")),
@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("qprobe.core",)),
     ("kernel", ("qprobe.kernel",)),
     # images build and cache what a target boots; api and the CLI use them, nothing below does.
-    ("target", ("qprobe.target", "qprobe.images")),
+    ("vmm", ("qprobe.vmm", "qprobe.images")),
     ("arch", ("qprobe.arch",)),
     # The kprobe_events language: pure functions over text and a FetchContext protocol.
     ("fetch", ("qprobe.fetch",)),

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from qprobe.paths import UnsafeCache, cache_dir, read_private, write_private
-from qprobe.target.journal import Journal, Patch
+from qprobe.vmm.journal import Journal, Patch
 
 INT3 = Patch(0x1000, 0xFFFF_FFFF_8100_1000, b"\x55", b"\xcc", "int3")
 

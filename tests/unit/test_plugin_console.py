@@ -6,7 +6,7 @@ from qprobe.pytest_plugin import guest_console
 
 
 def test_markers_and_their_blank_lines_are_left_out() -> None:
-    # What Console.run's printf framing leaves on the console around a command's output (target/console.py).
+    # What Console.run's printf framing leaves on the console around a command's output (vmm/console.py).
     text = (
         "[    2.75] Run /init as init process\n\nQPROBE-READY\n"
         "\n@@qp-begin-dc485e724ff8@@\nworkload mode=lseek n=4 pid=97\n\n@@qp-end-dc485e724ff8@@0\n"

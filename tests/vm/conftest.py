@@ -17,8 +17,8 @@ import pytest
 import qprobe
 from qprobe.images import get_image
 from qprobe.pytest_plugin import QprobeReset, qprobe_scope, register_if_missing, selected_images
-from qprobe.target.console import READY, Console
-from qprobe.target.qemu import QemuConfig, QemuProcess
+from qprobe.vmm.console import READY, Console
+from qprobe.vmm.qemu import QemuConfig, QemuProcess
 
 # The image of tests that boot through the CLI or by hand: the first --qprobe-image.
 IMAGE = os.environ.get("QPROBE_TEST_IMAGE", "debian-cloud")

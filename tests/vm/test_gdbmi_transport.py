@@ -1,4 +1,4 @@
-"""The gdb/MI transport (qprobe.target.gdbmi) against the real default image under QEMU 7.2.
+"""The gdb/MI transport (qprobe.vmm.gdbmi) against the real default image under QEMU 7.2.
 
 It must be a drop-in for the RSP client: the same answers on the same stopped
 VM, and a whole Target (stop loop, kprobes) running over it.  QEMU's gdbstub
@@ -21,11 +21,11 @@ import qprobe.api
 from qprobe.errors import TargetError
 from qprobe.images import get_image
 from qprobe.paths import cache_dir
-from qprobe.target.connection import Connection
-from qprobe.target.console import Console
-from qprobe.target.gdbmi import GdbMiRemote
-from qprobe.target.gdbremote import GdbRemote
-from qprobe.target.qemu import QemuProcess
+from qprobe.vmm.connection import Connection
+from qprobe.vmm.console import Console
+from qprobe.vmm.gdbmi import GdbMiRemote
+from qprobe.vmm.gdbremote import GdbRemote
+from qprobe.vmm.qemu import QemuProcess
 
 from .conftest import IMAGE, bare_qemu, workload_result
 

@@ -17,7 +17,7 @@ import qprobe
 import qprobe.kernel.symbols
 from qprobe.errors import QprobeError, TargetError, TargetGone, VmlinuxMismatch
 from qprobe.images import get_image
-from qprobe.target.qemu import QemuConfig, QemuProcess
+from qprobe.vmm.qemu import QemuConfig, QemuProcess
 
 from .conftest import IMAGE, bare_qemu
 

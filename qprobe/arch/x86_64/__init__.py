@@ -5,7 +5,7 @@ emulate, boost, opt); ``ptregs`` defines ``struct pt_regs`` once; detour,
 retdetour, guestagg and guestfilter generate the code optimized probes run in
 the guest (the mailbox stub rings QEMU's isa-debugcon port); int3hook finds
 where the host hears of a guest int3.  All of it works on bytes and register
-values: the host's I/O with QEMU is qprobe.target's.  Names follow
+values: the host's I/O with QEMU is qprobe.vmm's.  Names follow
 arch/x86/kernel/kprobes/{core,opt}.c.
 """
 

@@ -1,4 +1,4 @@
-"""The trap path (qprobe.core.dispatch) against the scripted QEMU 7.2 gdbstub of tests/unit/target.
+"""The trap path (qprobe.core.dispatch) against the scripted QEMU 7.2 gdbstub of tests/unit/vmm.
 
 A vCPU is put on the #BP entry with a hardware exception frame on its stack,
 as the guest's int3 leaves it; the dispatcher is handed the stop and every
@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import pytest
-from target_fakes import QemuStub, g_offsets
+from vmm_fakes import QemuStub, g_offsets
 
 from qprobe.arch.x86_64.arch import X86_64
 from qprobe.arch.x86_64.ptregs import PT_REGS_ORDER
@@ -23,8 +23,8 @@ from qprobe.core.handlers import Handlers
 from qprobe.core.kprobe import Kprobe
 from qprobe.core.point import KprobeStatus, ProbePoint
 from qprobe.core.regs import PtRegs
-from qprobe.target.connection import Connection
-from qprobe.target.gdbremote import GdbRemote
+from qprobe.vmm.connection import Connection
+from qprobe.vmm.gdbremote import GdbRemote
 
 ARCH = X86_64()
 ENTRY = 0xFFFF_FFFF_81C0_0BA0  # asm_exc_int3

@@ -1,7 +1,7 @@
 """The optimizer's decisions (qprobe.core.optimizer): which detour a point gets and when it may take the jump.
 
 The function's bytes are decoded by the real x86_64 arch; the vCPUs are the
-scripted QEMU 7.2 gdbstub's (tests/unit/target), their stacks a flat fake memory.
+scripted QEMU 7.2 gdbstub's (tests/unit/vmm), their stacks a flat fake memory.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
-from target_fakes import QemuStub
+from vmm_fakes import QemuStub
 
 from qprobe.arch.x86_64.arch import X86_64
 from qprobe.arch.x86_64.guestagg import KeySpec
@@ -25,8 +25,8 @@ from qprobe.core.kprobe import Kprobe, Kretprobe
 from qprobe.core.optimizer import RESUME_GRACE, Optimizer, detour_kind
 from qprobe.core.point import ProbePoint
 from qprobe.core.regs import PtRegs
-from qprobe.target.connection import Connection
-from qprobe.target.gdbremote import GdbRemote
+from qprobe.vmm.connection import Connection
+from qprobe.vmm.gdbremote import GdbRemote
 
 ARCH = X86_64()
 FN = 0xFFFF_FFFF_8120_0000

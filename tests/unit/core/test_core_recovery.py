@@ -1,7 +1,7 @@
 """Recovery (qprobe.core.recovery) of a guest an earlier qprobe left with probes armed, on the scripted gdbstub.
 
 The journal is a real one (in a private cache directory); the vCPUs, guest
-memory and the stub's replies are tests/unit/target's QEMU 7.2 fake.
+memory and the stub's replies are tests/unit/vmm's QEMU 7.2 fake.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from target_fakes import QemuStub, g_offsets
+from vmm_fakes import QemuStub, g_offsets
 
 from qprobe.arch.x86_64 import detour, retdetour
 from qprobe.arch.x86_64.arch import X86_64
 from qprobe.core.recovery import _Recovery, recover
-from qprobe.target.connection import Connection
-from qprobe.target.gdbremote import GdbRemote
-from qprobe.target.journal import Journal, JournalError, Patch
+from qprobe.vmm.connection import Connection
+from qprobe.vmm.gdbremote import GdbRemote
+from qprobe.vmm.journal import Journal, JournalError, Patch
 
 ARCH = X86_64()
 ENTRY = 0xFFFF_FFFF_81C0_0BA0  # asm_exc_int3

@@ -10,7 +10,7 @@ import pytest
 from qprobe.errors import SymbolError, VmlinuxMismatch
 from qprobe.kernel.kaslr import ALIGN, WINDOW, detect_slide
 from qprobe.kernel.symbols import Section, Symbols
-from qprobe.target.memory import MemoryFault
+from qprobe.vmm.memory import MemoryFault
 
 TEXT = 0xFFFF_FFFF_8100_0000
 RODATA = 0xFFFF_FFFF_8200_0000

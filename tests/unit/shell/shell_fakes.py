@@ -12,7 +12,7 @@ from qprobe.events import EventHit, TraceEvent
 from qprobe.fetch import ProbeEvent, format_event, parse_event
 from qprobe.kernel.symbols import Section, Symbols
 from qprobe.shell import Shell
-from qprobe.target.console import RunResult
+from qprobe.vmm.console import RunResult
 
 TEXT = 0xFFFFFFFF81000000
 BANNER = TEXT + 0x1000000

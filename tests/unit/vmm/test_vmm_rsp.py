@@ -8,10 +8,10 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from target_fakes import csum, esc, pkt
+from vmm_fakes import csum, esc, pkt
 
 from qprobe.errors import ProtocolError, TargetError
-from qprobe.target.rsp import (
+from qprobe.vmm.rsp import (
     MAX_PACKET,
     Ack,
     Event,

@@ -1,7 +1,7 @@
 """The gdb/MI transport's parsing, from raw MI lines as gdb 13 printed them against QEMU 7.2.
 
 pygdbmi turns each line into a dict; these tables check what qprobe makes of
-those dicts (qprobe.target.gdbmi's pure functions), and that anything
+those dicts (qprobe.vmm.gdbmi's pure functions), and that anything
 unexpected is refused rather than guessed at.  The last tests drive a real gdb
 process (no VM) to check the token matching of MiChannel.
 """
@@ -16,7 +16,7 @@ import pytest
 from pygdbmi.gdbmiparser import parse_response
 
 from qprobe.errors import ProtocolError, TargetError, TargetGone
-from qprobe.target.gdbmi import (
+from qprobe.vmm.gdbmi import (
     GDB_SIGNALS,
     GdbMiRemote,
     MiChannel,
@@ -34,8 +34,8 @@ from qprobe.target.gdbmi import (
     result_payload,
     stream_text,
 )
-from qprobe.target.gdbremote import RegDesc
-from qprobe.target.rsp import StopReply, parse_stop_reply
+from qprobe.vmm.gdbremote import RegDesc
+from qprobe.vmm.rsp import StopReply, parse_stop_reply
 
 
 def mi(line: str) -> dict[str, Any]:

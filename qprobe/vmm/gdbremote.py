@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass
 
 from qprobe.errors import GuestTimeout, ProtocolError, TargetError
-from qprobe.target.connection import Connection
-from qprobe.target.rsp import StopReply, hex_to_bytes, normalize_thread, parse_stop_reply
+from qprobe.vmm.connection import Connection
+from qprobe.vmm.rsp import StopReply, hex_to_bytes, normalize_thread, parse_stop_reply
 
 _TAG = re.compile(r"<(xi:include|reg)\b([^>]*)>")
 _COMMENT = re.compile(r"<!--.*?-->", re.S)

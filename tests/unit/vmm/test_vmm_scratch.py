@@ -5,12 +5,12 @@ from __future__ import annotations
 import random
 
 import pytest
-from target_fakes import ACCESSED, DIRTY, GLOBAL, NX, PS, RW, US, P, PageTables, PhysRam
+from vmm_fakes import ACCESSED, DIRTY, GLOBAL, NX, PS, RW, US, P, PageTables, PhysRam
 
 from qprobe.errors import ScratchFull, TargetError
-from qprobe.target.journal import Patch
-from qprobe.target.memory import GuestMemory, MemoryFault, translate
-from qprobe.target.scratch import KERNEL_IMAGE_BASE, SIZE, ScratchArea, memmap_reservation
+from qprobe.vmm.journal import Patch
+from qprobe.vmm.memory import GuestMemory, MemoryFault, translate
+from qprobe.vmm.scratch import KERNEL_IMAGE_BASE, SIZE, ScratchArea, memmap_reservation
 
 M2 = 2 << 20
 SCRATCH_PHYS = 0x1E00_0000

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qprobe.errors import TargetError, TargetGone
-from qprobe.target.scratch import SIZE as SCRATCH_ALIGN
+from qprobe.vmm.scratch import SIZE as SCRATCH_ALIGN
 
 # Reserved with memmap= so the kernel never uses it; qprobe maps it as the
-# scratch area (see qprobe.target.scratch), 2 MiB (one PMD) at a time as it fills.
+# scratch area (see qprobe.vmm.scratch), 2 MiB (one PMD) at a time as it fills.
 SCRATCH_SIZE = 8 << 20
 # The isa-debugcon port whose writes are the optimized probes' doorbell: qprobe.core.optimizer
 # hands it to the architecture's mailbox stub, which rings it with an ``out``.
@@ -234,7 +234,7 @@ class QemuProcess:
             raise
 
     def _start_janitor(self) -> None:
-        """The process that cleans up after us if we die (see qprobe.target.janitor)."""
+        """The process that cleans up after us if we die (see qprobe.vmm.janitor)."""
         read_end, self._janitor_pipe = os.pipe()
         script = Path(__file__).with_name("janitor.py")
         try:

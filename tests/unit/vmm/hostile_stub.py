@@ -1,4 +1,4 @@
-"""A hostile or broken gdbstub on TCP: QEMU 7.2's behaviour (target_fakes.QemuStub) with one thing wrong.
+"""A hostile or broken gdbstub on TCP: QEMU 7.2's behaviour (vmm_fakes.QemuStub) with one thing wrong.
 
 Each case is something a peer could send that must neither hang nor crash
 qprobe: endless stop replies, endless thread lists, endless or looping
@@ -15,7 +15,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-from target_fakes import QemuStub, pkt
+from vmm_fakes import QemuStub, pkt
 
 
 def _counter() -> Callable[[], int]:

@@ -11,10 +11,10 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from target_fakes import pkt
+from vmm_fakes import pkt
 
 from qprobe.errors import GuestTimeout, ProtocolError, TargetError, TargetGone
-from qprobe.target.connection import Connection
+from qprobe.vmm.connection import Connection
 
 
 @pytest.fixture

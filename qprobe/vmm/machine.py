@@ -17,10 +17,10 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from qprobe.errors import ProtocolError, QprobeError, TargetError, TargetGone
-from qprobe.target.gdbremote import GdbRemote
-from qprobe.target.journal import Journal, Patch
-from qprobe.target.memory import GuestMemory, SharedRam
-from qprobe.target.rsp import StopReply
+from qprobe.vmm.gdbremote import GdbRemote
+from qprobe.vmm.journal import Journal, Patch
+from qprobe.vmm.memory import GuestMemory, SharedRam
+from qprobe.vmm.rsp import StopReply
 
 T = TypeVar("T")
 StopHandler = Callable[[str, dict[str, int]], None]

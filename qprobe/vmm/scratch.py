@@ -14,9 +14,9 @@ from __future__ import annotations
 import re
 
 from qprobe.errors import ScratchFull, TargetError
-from qprobe.target.journal import Patch
-from qprobe.target.machine import Machine
-from qprobe.target.memory import MemoryFault, walk
+from qprobe.vmm.journal import Patch
+from qprobe.vmm.machine import Machine
+from qprobe.vmm.memory import MemoryFault, walk
 
 SIZE = 2 << 20
 KERNEL_IMAGE_BASE = 0xFFFF_FFFF_8000_0000

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from target_fakes import (
+from vmm_fakes import (
     GLOBAL,
     NX,
     PAGE,
@@ -22,7 +22,7 @@ from target_fakes import (
 )
 
 from qprobe.errors import TargetError
-from qprobe.target.memory import (
+from qprobe.vmm.memory import (
     LOW_RAM_LIMIT,
     GuestMemory,
     MemoryFault,

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from qprobe.target import console as console_mod
-from qprobe.target.console import Console
+from qprobe.vmm import console as console_mod
+from qprobe.vmm.console import Console
 
 
 @pytest.fixture

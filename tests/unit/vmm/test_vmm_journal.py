@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from qprobe.errors import QprobeError
-from qprobe.target import journal as journal_mod
-from qprobe.target.journal import Journal, JournalError, Patch
+from qprobe.vmm import journal as journal_mod
+from qprobe.vmm.journal import Journal, JournalError, Patch
 
 INT3 = Patch(0x0200_1234, 0xFFFF_FFFF_8100_1234, b"\x55", b"\xcc", "int3", slot=0xFFFF_FFFF_BFE0_0040)
 PMD = Patch(0x0010_3FF8, 0xFFFF_FFFF_BFE0_0000, bytes(8), (0x1E00_0000 | 0x1E3).to_bytes(8, "little"), "pmd")

@@ -47,8 +47,8 @@ from pygdbmi.gdbcontroller import GdbController
 from pygdbmi.IoManager import IoManager
 
 from qprobe.errors import GuestTimeout, ProtocolError, TargetError, TargetGone
-from qprobe.target.gdbremote import BREAK_HW, BREAK_SW, WATCH_ACCESS, WATCH_READ, WATCH_WRITE, RegDesc
-from qprobe.target.rsp import StopReply
+from qprobe.vmm.gdbremote import BREAK_HW, BREAK_SW, WATCH_ACCESS, WATCH_READ, WATCH_WRITE, RegDesc
+from qprobe.vmm.rsp import StopReply
 
 MiRecord = dict[str, Any]
 GDB_COMMAND = ("--nx", "--quiet", "--interpreter=mi3")

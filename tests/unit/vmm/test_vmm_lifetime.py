@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 
 from qprobe.errors import TargetError
-from qprobe.target import qemu as qemu_mod
-from qprobe.target.qemu import QemuConfig, QemuProcess, sweep_stale
+from qprobe.vmm import qemu as qemu_mod
+from qprobe.vmm.qemu import QemuConfig, QemuProcess, sweep_stale
 
 ROOT = Path(__file__).resolve().parents[3]
-JANITOR = ROOT / "qprobe" / "target" / "janitor.py"
+JANITOR = ROOT / "qprobe" / "vmm" / "janitor.py"
 
 
 def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
@@ -70,7 +70,7 @@ def private_roots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path
 OWNER = textwrap.dedent("""
     import sys, tempfile, time
     from pathlib import Path
-    from qprobe.target import qemu
+    from qprobe.vmm import qemu
     tempfile.tempdir = sys.argv[1]
     qemu.SHM_ROOT = Path(sys.argv[2])
     q = qemu.QemuProcess(qemu.QemuConfig(kernel=Path(sys.argv[3])), qemu_binary=sys.argv[4],

@@ -6,7 +6,7 @@ import re
 from collections.abc import Iterator
 
 import pytest
-from target_fakes import (
+from vmm_fakes import (
     CLOSE,
     G_SIZE,
     I386_64BIT_XML,
@@ -21,9 +21,9 @@ from target_fakes import (
 )
 
 from qprobe.errors import GuestTimeout, ProtocolError, TargetError, TargetGone
-from qprobe.target.connection import Connection
-from qprobe.target.gdbremote import BREAK_HW, BREAK_SW, WATCH_ACCESS, GdbRemote, RegDesc
-from qprobe.target.rsp import StopReply
+from qprobe.vmm.connection import Connection
+from qprobe.vmm.gdbremote import BREAK_HW, BREAK_SW, WATCH_ACCESS, GdbRemote, RegDesc
+from qprobe.vmm.rsp import StopReply
 
 KTEXT = 0xFFFF_FFFF_8100_0000
 
@@ -68,7 +68,7 @@ def test_handshake_survives_the_unsolicited_stop(stub: QemuStub) -> None:
     assert stub.requests[-1] == b"?"
 
 
-def test_target_description_is_read_in_two_chunks_across_a_comment(stub: QemuStub, gdb: GdbRemote) -> None:
+def test_vmm_description_is_read_in_two_chunks_across_a_comment(stub: QemuStub, gdb: GdbRemote) -> None:
     xfers = stub.sent(b"qXfer:features:read:")
     assert xfers == [
         b"qXfer:features:read:target.xml:0,f00",

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from qprobe.errors import GuestTimeout, ProtocolError, TargetError, TargetGone
-from qprobe.target.rsp import Nak, Notification, Packet, PacketParser, frame
+from qprobe.vmm.rsp import Nak, Notification, Packet, PacketParser, frame
 
 _POLL = 0.1
 

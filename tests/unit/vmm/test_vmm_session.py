@@ -15,8 +15,8 @@ import pytest
 
 import qprobe
 from qprobe.errors import TargetError
-from qprobe.target.connection import Connection, claim
-from qprobe.target.qemu import SHM_PREFIX, SHM_ROOT
+from qprobe.vmm.connection import Connection, claim
+from qprobe.vmm.qemu import SHM_PREFIX, SHM_ROOT
 
 RAM_SIZE = 1 << 20
 

@@ -12,11 +12,11 @@ from hostile_stub import CASES, serve
 
 from qprobe import cli
 from qprobe.errors import ProtocolError, QprobeError
-from qprobe.target import gdbremote
-from qprobe.target.connection import Connection
-from qprobe.target.gdbremote import GdbRemote
-from qprobe.target.machine import Machine
-from qprobe.target.rsp import parse_stop_reply
+from qprobe.vmm import gdbremote
+from qprobe.vmm.connection import Connection
+from qprobe.vmm.gdbremote import GdbRemote
+from qprobe.vmm.machine import Machine
+from qprobe.vmm.rsp import parse_stop_reply
 
 
 @pytest.fixture(autouse=True)

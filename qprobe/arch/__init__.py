@@ -24,8 +24,10 @@ libdrgn/platform.h plays the same part):
 3. Traps: ``decode_trap`` reads where a stop came from (the exception frame,
    or the pt_regs the kernel's breakpoint handler was given) and
    ``resume_registers`` writes a :class:`Resume` back as gdbstub registers.
-4. The blacklist: ``arch_populate_kprobe_blacklist`` (the entry code, the
-   functions ``arch_kretprobe_blacklist`` names).
+4. The blacklist: ``arch_populate_kprobe_blacklist`` (the entry code's
+   sections, and the thunks every trap-path return or indirect branch may run
+   through, refused on a kernel without CONFIG_KPROBES), the functions
+   ``arch_kretprobe_blacklist`` names.
 5. Jump optimization, optional (``optimizes`` False: every probe stays a
    breakpoint): ``arch_check_optimized_kprobe`` (can_optimize),
    ``arch_prepare_optimized_kprobe`` (relocate the displaced instructions,
@@ -41,6 +43,7 @@ libdrgn/platform.h plays the same part):
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -105,6 +108,16 @@ class RegisterLayout:
     ip: str = "ip"  # pt_regs names of the instruction pointer, stack pointer and flags
     sp: str = "sp"
     flags: str = "flags"
+
+
+@dataclass(frozen=True)
+class ArchBlacklist:
+    """What the architecture adds to the kernel's kprobe blacklist (``arch_populate_kprobe_blacklist``)."""
+
+    sections: tuple[tuple[str, str, str], ...]  # (start symbol, end symbol, name), e.g. the entry code
+    # Functions by name that a kernel without CONFIG_KPROBES cannot list (it has no _kprobe_blacklist)
+    # but that the trap path runs through: return and indirect-branch thunks and the like.
+    thunks: re.Pattern[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -237,7 +250,7 @@ class Arch(Protocol):
     def percpu_base(self, regs: Mapping[str, int]) -> int: ...
 
     # -- the blacklist -------------------------------------------------------------------
-    def arch_populate_kprobe_blacklist(self) -> list[tuple[str, str, str]]: ...
+    def arch_populate_kprobe_blacklist(self) -> ArchBlacklist: ...
     def arch_kretprobe_blacklist(self) -> frozenset[str]: ...
 
     # -- jump optimization -----------------------------------------------------------------
@@ -285,6 +298,7 @@ class Arch(Protocol):
 
 __all__ = [
     "Arch",
+    "ArchBlacklist",
     "DetourParams",
     "MailboxRequest",
     "Memory",

@@ -1,20 +1,20 @@
 """Code qprobe must never probe, as the kernel's kprobe blacklist plus our own needs.
 
-The architecture's entry code (x86's .entry.text: the #BP entry and
-everything the CPU runs before the host sees the trap, added by
-``arch_populate_kprobe_blacklist``) would recurse; .noinstr.text runs where
-instrumentation is unsafe; .kprobes.text and the ``_kprobe_blacklist``
-entries (NOKPROBE_SYMBOL) are what the kernel itself refuses.  The entries
-are read from vmlinux: ``_kprobe_blacklist`` is init data, freed after boot.
+The architecture's entry code (added by ``arch_populate_kprobe_blacklist``:
+the breakpoint entry and everything the CPU runs before the host sees the
+trap) would recurse; .noinstr.text runs where instrumentation is unsafe;
+.kprobes.text and the ``_kprobe_blacklist`` entries (NOKPROBE_SYMBOL) are
+what the kernel itself refuses.  The entries are read from vmlinux:
+``_kprobe_blacklist`` is init data, freed after boot.
 
 A kernel built without CONFIG_KPROBES has no ``_kprobe_blacklist`` (the
 NOKPROBE_SYMBOL macro expands to nothing) and an empty .kprobes.text.  The
 refused set is then derived from what such a kernel still marks as not to be
 instrumented: the entry, .noinstr.text and irq/softirq entry sections (the
-int3 entry and ``exc_int3``/``poke_int3_handler`` live there), and the
-return/indirect-branch thunks and untraining sequences, which every ``ret``
-or indirect call of the trap path may run through.  Functions that a
-CONFIG_KPROBES build of the same source would list by NOKPROBE_SYMBOL
+breakpoint entry and its handlers live there), and the functions the
+architecture names as ``thunks`` (return and indirect-branch thunks, which
+every ``ret`` or indirect call of the trap path may run through).  Functions
+that a CONFIG_KPROBES build of the same source would list by NOKPROBE_SYMBOL
 cannot be known there and stay probeable.
 
 On any kernel, ``__cfi_``/``__pfx_`` symbols are refused: the CFI preamble
@@ -25,11 +25,11 @@ de02f2ac5d8c, v6.5: ``is_cfi_preamble_symbol`` in check_kprobe_address_safe).
 from __future__ import annotations
 
 import bisect
-import re
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+from qprobe.arch import ArchBlacklist
 from qprobe.kernel.symbols import Symbols
 
 # What kernel/kprobes.c's populate_kprobe_blacklist() adds for every architecture.
@@ -40,15 +40,6 @@ _SECTIONS = (
     ("__softirqentry_text_start", "__softirqentry_text_end", ".softirqentry.text"),
 )
 
-
-# Thunks by the names arch/x86/lib/retpoline.S and arch/x86/entry/thunk_64.S
-# give them (the thunk sections have no start/end symbols on every config):
-# the return thunks (__x86_return_thunk, call_depth_/its_/srso_/retbleed_
-# return_thunk), the retpolines (__x86_indirect_{,call_,jump_,its_}thunk_*),
-# the untraining sequences and the THUNK-macro wrappers the kernel marks
-# NOKPROBE (preempt_schedule{,_notrace}_thunk, warn_thunk_thunk).
-_THUNK = re.compile(r"__x86_return_thunk|\w+_return_thunk|__x86_indirect_\w*thunk_\w+|\w*untrain_ret"
-                    r"|srso_\w*safe_ret\w*|preempt_schedule\w*_thunk|warn_thunk_thunk")  # fmt: skip
 _PREAMBLE = ("__cfi_", "__pfx_")
 
 
@@ -63,32 +54,44 @@ class BlacklistEntry:
         return f"0x{self.start:016x}-0x{self.end:016x}\t{self.name}"
 
 
+def _listed(symbols: Symbols) -> list[BlacklistEntry]:
+    """The functions of vmlinux's ``_kprobe_blacklist`` (NOKPROBE_SYMBOL), at their running addresses."""
+    lo, hi = symbols.address("__start_kprobe_blacklist"), symbols.address("__stop_kprobe_blacklist")
+    entries = []
+    for (link,) in struct.iter_unpack("<Q", symbols.file_bytes(lo, hi - lo)):
+        fn = symbols.function(link + symbols.slide)
+        if fn is not None:
+            entries.append(BlacklistEntry(fn.addr, fn.addr + fn.size, fn.name))
+    return entries
+
+
+def _derived(symbols: Symbols, arch: ArchBlacklist) -> list[BlacklistEntry]:
+    """Without CONFIG_KPROBES: the functions the architecture names as thunks."""
+    thunks = arch.thunks
+    if thunks is None:
+        return []
+    entries = []
+    for name in symbols.names():
+        fn = symbols.lookup(name) if thunks.fullmatch(name) else None
+        if fn is not None and symbols.is_text(fn.addr):
+            # A size-0 label (assembler thunks often have one) covers up to the next symbol.
+            size = fn.size or symbols.kallsyms_size(fn)
+            entries.append(BlacklistEntry(fn.addr, fn.addr + size, fn.name))
+    return entries
+
+
 class Blacklist:
-    def __init__(self, symbols: Symbols, arch_sections: Iterable[tuple[str, str, str]] = ()) -> None:
-        """``arch_sections``: (start symbol, end symbol, name) of the architecture's own additions."""
+    def __init__(self, symbols: Symbols, arch: ArchBlacklist) -> None:
+        """``arch``: the architecture's own additions (``arch_populate_kprobe_blacklist``)."""
         self._symbols = symbols
         self.sections = [
             BlacklistEntry(symbols.address(start), symbols.address(end), name)
-            for start, end, name in (*arch_sections, *_SECTIONS)
+            for start, end, name in (*arch.sections, *_SECTIONS)
             if start in symbols and end in symbols and symbols.address(end) > symbols.address(start)
         ]
         # CONFIG_KPROBES: the kernel's own list; without it, derived (see the module's docstring).
         self.derived = "__start_kprobe_blacklist" not in symbols
-        entries: list[BlacklistEntry] = []
-        if self.derived:
-            for name in symbols.names():
-                fn = symbols.lookup(name) if _THUNK.fullmatch(name) else None
-                if fn is not None and symbols.is_text(fn.addr):
-                    # A size-0 label (assembler thunks often have one) covers up to the next symbol.
-                    size = fn.size or symbols.kallsyms_size(fn)
-                    entries.append(BlacklistEntry(fn.addr, fn.addr + size, fn.name))
-        else:
-            lo, hi = symbols.address("__start_kprobe_blacklist"), symbols.address("__stop_kprobe_blacklist")
-            raw = symbols.file_bytes(lo, hi - lo)
-            for (link,) in struct.iter_unpack("<Q", raw):
-                fn = symbols.function(link + symbols.slide)
-                if fn is not None:
-                    entries.append(BlacklistEntry(fn.addr, fn.addr + fn.size, fn.name))
+        entries = _derived(symbols, arch) if self.derived else _listed(symbols)
         # Function entries do not overlap one another, so a bisect finds the one.
         self.functions = sorted(set(entries), key=lambda e: e.start)
         self._starts = [e.start for e in self.functions]

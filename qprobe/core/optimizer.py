@@ -379,7 +379,7 @@ class Optimizer:
             return "out-of-line code returns into the region"
         if any(now - t < RESUME_GRACE for t in back):
             return f"{TRANSIENT[2]} returning into the region ran {RESUME_GRACE} s ago or less"
-        if (point.addr & 0xFFF) + 5 > 0x1000:
+        if (point.addr & 0xFFF) + self.arch.jump_size > 0x1000:
             return "the jump would cross a page"
         for tid in self.machine.vcpus:
             regs = self.machine.gdb.read_registers(tid)

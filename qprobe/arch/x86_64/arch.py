@@ -7,10 +7,12 @@ the modules it names.
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Callable, Mapping
 
 from qprobe.arch import (
+    ArchBlacklist,
     DetourParams,
     MailboxRequest,
     Memory,
@@ -65,6 +67,14 @@ KRETPROBE_BLACKLIST = frozenset({
     "emergency_restart", "__stack_chk_fail", "__ubsan_handle_builtin_unreachable", "start_kernel",
     "cpu_startup_entry", "do_task_dead", "__do_sys_exit", "__do_sys_exit_group", "usercopy_abort",
 })  # fmt: skip
+
+# Thunks by the names arch/x86/lib/retpoline.S and arch/x86/entry/thunk_64.S give them (the thunk
+# sections have no start/end symbols on every config): the return thunks (__x86_return_thunk,
+# call_depth_/its_/srso_/retbleed_return_thunk), the retpolines (__x86_indirect_{,call_,jump_,its_}
+# thunk_*), the untraining sequences and the THUNK-macro wrappers the kernel marks NOKPROBE
+# (preempt_schedule{,_notrace}_thunk, warn_thunk_thunk).
+THUNKS = re.compile(r"__x86_return_thunk|\w+_return_thunk|__x86_indirect_\w*thunk_\w+|\w*untrain_ret"
+                    r"|srso_\w*safe_ret\w*|preempt_schedule\w*_thunk|warn_thunk_thunk")  # fmt: skip
 
 
 class X86_64:
@@ -176,9 +186,9 @@ class X86_64:
         return regs["gs_base"]
 
     # -- the blacklist -------------------------------------------------------------------
-    def arch_populate_kprobe_blacklist(self) -> list[tuple[str, str, str]]:
-        """The entry code, which runs before the trap reaches a handler (x86's own addition)."""
-        return [("__entry_text_start", "__entry_text_end", ".entry.text")]
+    def arch_populate_kprobe_blacklist(self) -> ArchBlacklist:
+        """.entry.text, which runs before the trap reaches a handler (x86's own addition), and the thunks."""
+        return ArchBlacklist((("__entry_text_start", "__entry_text_end", ".entry.text"),), THUNKS)
 
     def arch_kretprobe_blacklist(self) -> frozenset[str]:
         return KRETPROBE_BLACKLIST
@@ -338,4 +348,4 @@ class X86_64:
         return out
 
 
-__all__ = ["KRETPROBE_BLACKLIST", "X86_64"]
+__all__ = ["KRETPROBE_BLACKLIST", "THUNKS", "X86_64"]

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from qprobe.arch import ArchBlacklist
 from qprobe.arch.x86_64.arch import X86_64
 from qprobe.core.blacklist import Blacklist, BlacklistEntry
 from qprobe.errors import SymbolError
 from qprobe.kernel.symbols import Section, Symbol, Symbols
 
-ARCH_SECTIONS = X86_64().arch_populate_kprobe_blacklist()
+ARCH = X86_64().arch_populate_kprobe_blacklist()
 
 SLIDE = 0x1E0_0000
 T = 0xFFFF_FFFF_8100_0000  # link-time text base
@@ -87,7 +88,7 @@ def running(name: str) -> tuple[int, int]:
 
 @pytest.fixture
 def blacklist() -> Blacklist:
-    return Blacklist(FakeSymbols(), ARCH_SECTIONS)  # type: ignore[arg-type]
+    return Blacklist(FakeSymbols(), ARCH)  # type: ignore[arg-type]
 
 
 def test_sections(blacklist: Blacklist) -> None:
@@ -100,7 +101,7 @@ def test_sections(blacklist: Blacklist) -> None:
 
 def test_functions_are_deduplicated_sorted_and_slid() -> None:
     syms = FakeSymbols()
-    bl = Blacklist(syms, ARCH_SECTIONS)  # type: ignore[arg-type]
+    bl = Blacklist(syms, ARCH)  # type: ignore[arg-type]
     assert [(e.name, e.start, e.end) for e in bl.functions] == [
         ("do_int3", *running("do_int3")),
         ("kprobe_handler", *running("kprobe_handler")),
@@ -143,14 +144,14 @@ def test_debugfs_format() -> None:
 
 
 def test_no_slide() -> None:
-    bl = Blacklist(FakeSymbols(slide=0), ARCH_SECTIONS)  # type: ignore[arg-type]
+    bl = Blacklist(FakeSymbols(slide=0), ARCH)  # type: ignore[arg-type]
     assert bl.lookup(FUNCS["notify_die"][0]) is not None
     assert bl.lookup(FUNCS["notify_die"][0] + SLIDE) is None
 
 
 def test_empty_blacklist_array() -> None:
     names = {**LINK_SYMBOLS, "__stop_kprobe_blacklist": LINK_SYMBOLS["__start_kprobe_blacklist"]}
-    bl = Blacklist(FakeSymbols(names=names), ARCH_SECTIONS)  # type: ignore[arg-type]
+    bl = Blacklist(FakeSymbols(names=names), ARCH)  # type: ignore[arg-type]
     assert bl.functions == [] and len(bl) == 3
     assert bl.lookup(running("do_int3")[0]) is None
 
@@ -168,7 +169,7 @@ def test_with_real_symbols(tmp_path: Path) -> None:
     ]
     syms = Symbols(vmlinux, "00" * 20, rows, sections)
     syms.slide = SLIDE
-    bl = Blacklist(syms, ARCH_SECTIONS)
+    bl = Blacklist(syms, ARCH)
     assert [e.name for e in bl.functions] == ["do_int3", "kprobe_handler", "notify_die", "exc_int3_helper"]
     hit = bl.lookup(running("kprobe_handler")[0] + 1)
     assert hit is not None and hit.name == "kprobe_handler"
@@ -198,7 +199,7 @@ def test_without_config_kprobes_the_set_is_derived(tmp_path: Path) -> None:
     (tmp_path / "vmlinux").write_bytes(b"\0" * 0x3000)
     syms = Symbols(tmp_path / "vmlinux", "00" * 20, rows, sections)
     syms.slide = SLIDE
-    bl = Blacklist(syms, ARCH_SECTIONS)
+    bl = Blacklist(syms, ARCH)
     assert bl.derived
     assert [e.name for e in bl.sections] == [".entry.text", ".noinstr.text"]
     assert [(e.name, e.end - e.start) for e in bl.functions] == [
@@ -209,7 +210,9 @@ def test_without_config_kprobes_the_set_is_derived(tmp_path: Path) -> None:
     ]
     assert bl.lookup(T + 0x30_0010 + SLIDE).name == "__x86_return_thunk"  # type: ignore[union-attr]
     assert bl.lookup(T + 0x30_0100 + SLIDE) is None and bl.lookup(T + 0x20_0000 + SLIDE) is None
-    assert not Blacklist(FakeSymbols(), ARCH_SECTIONS).derived  # type: ignore[arg-type]
+    assert not Blacklist(FakeSymbols(), ARCH).derived  # type: ignore[arg-type]
+    # The thunks are the architecture's to name: with none named, no function is refused by name.
+    assert Blacklist(syms, ArchBlacklist(ARCH.sections)).functions == []
 
 
 def test_cfi_preamble_and_padding_are_refused(tmp_path: Path) -> None:
@@ -225,7 +228,7 @@ def test_cfi_preamble_and_padding_are_refused(tmp_path: Path) -> None:
     ]
     syms = Symbols(tmp_path / "vmlinux", "00" * 20, rows, sections)
     syms.slide = SLIDE
-    bl = Blacklist(syms, ARCH_SECTIONS)
+    bl = Blacklist(syms, ARCH)
     assert bl.lookup(T + 0x1F_FFF8 + SLIDE).name == "__pfx_vfs_read"  # type: ignore[union-attr]
     assert bl.lookup(T + 0x20_0100 + SLIDE).name == "__cfi_vfs_write"  # type: ignore[union-attr]
     assert bl.lookup(T + 0x20_0000 + SLIDE) is None and bl.lookup(T + 0x20_0110 + SLIDE) is None

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import drgn
 
+from qprobe.arch import Arch
 from qprobe.arch.x86_64.arch import X86_64
 from qprobe.core.kprobe import Kprobe, Kretprobe
 from qprobe.core.kprobes import KprobeManager
@@ -62,6 +63,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("qprobe")
 SESSION_FILE = "session.json"
 TRANSPORTS = ("rsp", "gdb")
+
+
+def arch_of(symbols: Symbols) -> Arch:
+    """The architecture of the kernel ``symbols`` were read from (Symbols refuses any vmlinux but x86_64's)."""
+    return X86_64()
 
 
 def open_stub(transport: str, address: str, alive: Callable[[], bool] | None = None) -> GdbRemote | GdbMiRemote:
@@ -144,7 +150,7 @@ class Target:
             self.cmdline = self._read_cmdline()
             self.journal = Journal(vm_identity(self.symbols, self.slide, self.mem))
             self.kernel = KernelData(self.symbols, self.mem)
-            self.arch = X86_64()  # the only architecture qprobe drives so far
+            self.arch = arch_of(self.symbols)
             self.recovered = recover(self.gdb, self.kernel, self.arch, self.journal)
             self.machine = Machine(self.gdb, self.mem, self.journal)
             self.machine.exit_hint = self._exit_hint

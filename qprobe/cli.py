@@ -86,19 +86,22 @@ def _host_probeability(args: argparse.Namespace) -> Probeability | None:
 
     A VM to attach to has its vmlinux named by ``--vmlinux`` (or found once attached).
     """
+    from qprobe.api import arch_of
     from qprobe.funcs import Probeability
     from qprobe.images import get_image
     from qprobe.kernel.symbols import Symbols
 
     vmlinux = getattr(args, "vmlinux", None)
     if vmlinux:
-        return Probeability.of(Symbols.load(vmlinux))
+        symbols = Symbols.load(vmlinux)
+        return Probeability.of(symbols, arch_of(symbols))
     if getattr(args, "attach", None) is not None:
         return None
     _check_image(args)
     _files(getattr(args, "file", []))  # every other input is checked before the image is fetched
     img = get_image(args.image)
-    return Probeability.of(Symbols.load(img.vmlinux, img.system_map))
+    symbols = Symbols.load(img.vmlinux, img.system_map)
+    return Probeability.of(symbols, arch_of(symbols))
 
 
 def _check_symbols(args: argparse.Namespace, events: list[ProbeEvent]) -> None:

@@ -19,14 +19,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from qprobe.arch.x86_64.detour import FRAME_REGS
-from qprobe.arch.x86_64.guestagg import KeySpec
-from qprobe.arch.x86_64.guestfilter import GPRS
-from qprobe.arch.x86_64.guestfilter import And as GAnd
-from qprobe.arch.x86_64.guestfilter import Not as GNot
-from qprobe.arch.x86_64.guestfilter import Or as GOr
-from qprobe.arch.x86_64.guestfilter import Pred as GPred
-from qprobe.arch.x86_64.ptregs import ARG_REGS
+from qprobe.arch import Arch, RegisterLayout
+from qprobe.arch.inguest import And as GAnd
+from qprobe.arch.inguest import GuestFilter, KeySpec
+from qprobe.arch.inguest import Not as GNot
+from qprobe.arch.inguest import Or as GOr
+from qprobe.arch.inguest import Pred as GPred
 from qprobe.core.kprobe import Kprobe, Kretprobe, KretprobeInstance
 from qprobe.core.regs import PtRegs
 from qprobe.errors import (
@@ -63,8 +61,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("qprobe.events")
 
-IF_FLAG = 0x200
-
 
 class ModuleWatch(Protocol):
     """The target's following of module loads (qprobe.modnotify.ModuleNotifier), as events start it."""
@@ -77,6 +73,7 @@ class ModuleWatch(Protocol):
 class EventTarget(Protocol):
     """What events use of a target: qprobe.api.Target's public API (and the probe tables it holds)."""
 
+    arch: Arch
     symbols: Symbols
     kernel: KernelData
     mem: GuestMemory
@@ -298,7 +295,7 @@ class TraceEvent:
             symbol=self.target.symbols.symbolize(ip),
             func=None if func is None else self.target.symbols.symbolize(func),
             args={a.name: a.format_value(v) for a, v in zip(self.definition.args, values, strict=True)},
-            body=body, irqs_off=not regs.flags & IF_FLAG, numbers=self.numbers,
+            body=body, irqs_off=not regs.flags & self.target.arch.registers.irq_flag, numbers=self.numbers,
         )  # fmt: skip
         if self.filter is not None and not self.filter(
             {**hit.args, "common_pid": hit.pid, "pid": hit.pid, "comm": hit.comm, "cpu": hit.cpu}
@@ -332,7 +329,8 @@ class TraceEvent:
         reach ``callback`` as usual; ``stop_counting_in_guest`` returns the rest.
         """
         kp = self.probe
-        spec = guest_key(self.definition, key, hist) if self.filter is None and isinstance(kp, Kprobe) else None
+        layout = self.target.arch.registers
+        spec = guest_key(self.definition, key, hist, layout) if self.filter is None and isinstance(kp, Kprobe) else None
         if spec is None or not isinstance(kp, Kprobe) or self.target.kprobes.optimizer is None:
             return False
         self.guest_key_arg = key
@@ -342,7 +340,7 @@ class TraceEvent:
     def stop_counting_in_guest(self) -> dict[str | int, int]:
         """End ``count_in_guest``: the hits counted in the guest, by formatted key (by bucket for a histogram)."""
         kp, kprobes = self.probe, self.target.kprobes
-        if not isinstance(kp, Kprobe) or not isinstance(kp.guest_key, KeySpec) or kprobes.optimizer is None:
+        if not isinstance(kp, Kprobe) or kp.guest_key is None or kprobes.optimizer is None:
             return {}
         spec, opt = kp.guest_key, kprobes.optimizer
         raw: dict[int, int] = {}
@@ -358,10 +356,12 @@ class TraceEvent:
         if spec.hist:
             return dict(raw)
         a = next(a for a in self.definition.args if a.name == self.guest_key_arg)
+        layout = self.target.arch.registers
+        general = [layout.gdb_name[r] for r in layout.general]
+        rest = {layout.gdb_name[r]: 0 for r in (layout.ip, layout.sp, layout.flags)}
         out: dict[str | int, int] = {}
         for value, n in raw.items():
-            regs = kprobes.make_regs({**dict.fromkeys(FRAME_REGS, value), "rip": 0, "rsp": 0, "eflags": 0},
-                                     kprobes.machine.vcpus[0])  # fmt: skip
+            regs = kprobes.make_regs({**dict.fromkeys(general, value), **rest}, kprobes.machine.vcpus[0])
             text = a.format_value(a.evaluate(_HostContext(self.target, regs, None)))
             out[text] = out.get(text, 0) + n
         return out
@@ -378,19 +378,19 @@ class TraceEvent:
         self._record(regs, ri.ret_addr, func, regs.ax)
 
 
-def _register_only(node: Node) -> bool:
+def _register_only(node: Node, layout: RegisterLayout) -> bool:
     """Whether a fetch argument's value is in the registers at the hit (no memory read)."""
     match node:
         case Reg() | StackPointer() | Imm() | ImmString() | Comm():
             return True
         case Arg(n):
-            return n <= len(ARG_REGS)  # the seventh and later are on the stack
+            return n <= len(layout.arg_regs)  # the later ones are on the stack
         case SymbolAddr(_, _, offset):
             return offset is not None
     return False
 
 
-def in_guest(ev: ProbeEvent) -> bool:
+def in_guest(ev: ProbeEvent, layout: RegisterLayout) -> bool:
     """Can an optimized probe record this event in the guest (a register snapshot), waking nobody?
 
     Only when every fetch argument comes from the registers (or is $comm, which the
@@ -400,31 +400,31 @@ def in_guest(ev: ProbeEvent) -> bool:
     def ok(a: FetchArg) -> bool:
         if a.type.string:  # a string is read from memory, except these two
             return isinstance(a.expr, Comm | ImmString)
-        return _register_only(a.expr) and not a.type.array
+        return _register_only(a.expr, layout) and not a.type.array
 
     return not ev.is_return and all(ok(a) for a in ev.args)
 
 
-def _arg_register(a: FetchArg) -> str | None:
+def _arg_register(a: FetchArg, layout: RegisterLayout) -> str | None:
     """The general-purpose register (a pt_regs name) an argument is taken from as it is, if it is one."""
     match a.expr:
-        case Reg(name) if name in GPRS:
+        case Reg(name) if name in layout.general:
             return name
-        case Arg(n) if n <= len(ARG_REGS):
-            return ARG_REGS[n - 1]
+        case Arg(n) if n <= len(layout.arg_regs):
+            return layout.arg_regs[n - 1]
     return None
 
 
-def guest_key(ev: ProbeEvent, name: str, hist: bool) -> KeySpec | None:
+def guest_key(ev: ProbeEvent, name: str, hist: bool, layout: RegisterLayout) -> KeySpec | None:
     """``count``/``hist`` by argument ``name`` as a key the detour can compute, or None if only the host can.
 
     The argument must be an integer taken from a register as it is; a histogram also needs
     a numeric type (u/s/x), since the host buckets the number its text shows.
     """
     a = next((a for a in ev.args if a.name == name), None)
-    if a is None or not in_guest(ev):
+    if a is None or not in_guest(ev, layout):
         return None
-    t, reg = a.type, _arg_register(a)
+    t, reg = a.type, _arg_register(a, layout)
     if reg is None or t.string or t.array or t.bitfield or t.size not in (1, 2, 4, 8):
         return None
     if hist and not (t.name[:1] in ("u", "s", "x") and t.name[1:].isdigit()):
@@ -432,7 +432,7 @@ def guest_key(ev: ProbeEvent, name: str, hist: bool) -> KeySpec | None:
     return KeySpec(reg, t.size * 8, t.signed, hist)
 
 
-def guest_filter(ev: ProbeEvent, flt: EventFilter) -> object | None:
+def guest_filter(ev: ProbeEvent, flt: EventFilter, layout: RegisterLayout) -> GuestFilter | None:
     """The filter as register compares an optimized probe's detour can run, or None if it needs the host.
 
     Every predicate must compare a 64- or 32-bit integer argument taken from a
@@ -440,13 +440,12 @@ def guest_filter(ev: ProbeEvent, flt: EventFilter) -> object | None:
     cpu) and strings are only known on the host.
     """
     args = {a.name: a for a in ev.args}
-    register = _arg_register
 
-    def convert(node: object) -> object | None:
+    def convert(node: object) -> GuestFilter | None:
         match node:
             case FPred(field, op, int() as const) if field in args:
                 a = args[field]
-                t, reg = a.type, register(a)
+                t, reg = a.type, _arg_register(a, layout)
                 if reg is None or t.string or t.array or t.bitfield or t.symbol or t.size not in (4, 8):
                     return None
                 bits = t.size * 8
@@ -454,15 +453,16 @@ def guest_filter(ev: ProbeEvent, flt: EventFilter) -> object | None:
                 return GPred(reg, bits, t.signed, op, const) if lo <= const <= hi else None
             case FAnd(parts) | FOr(parts):
                 sub = [convert(p) for p in parts]
-                if any(x is None for x in sub):
+                kept = [x for x in sub if x is not None]
+                if len(kept) < len(sub):
                     return None
-                return GAnd(tuple(sub)) if isinstance(node, FAnd) else GOr(tuple(sub))
+                return GAnd(tuple(kept)) if isinstance(node, FAnd) else GOr(tuple(kept))
             case FNot(inner):
                 sub = convert(inner)
                 return None if sub is None else GNot(sub)
         return None
 
-    return convert(flt.tree) if in_guest(ev) else None
+    return convert(flt.tree) if in_guest(ev, layout) else None
 
 
 def event_filter(ev: ProbeEvent, text: str) -> EventFilter:
@@ -660,12 +660,13 @@ def _make_probe(te: TraceEvent) -> None:
         return
     kp = Kprobe(symbol_name=ev.symbol, addr=ev.addr if ev.symbol is None else None, offset=ev.offset,
                 pre_handler=te._kprobe_hit)  # fmt: skip
-    if in_guest(ev):
+    layout = te.target.arch.registers
+    if in_guest(ev, layout):
         te.in_guest = True
         kp.recorder = te._guest_record
         if te.filter is not None:
             # Rejected in the detour, before the ring; the host filter still runs (the int3 path).
-            kp.guest_filter = guest_filter(ev, te.filter)
+            kp.guest_filter = guest_filter(ev, te.filter, layout)
     te.probe = kp
 
 

@@ -7,7 +7,7 @@ text freed after boot, a function ftrace cannot trace (``within_notrace_func``),
 the kprobe blacklist (``within_kprobe_blacklist``) and run-time-patched sites
 (``check_kprobe_address_safe``).  Each check is the one the core uses when it
 registers a probe; this module only puts them in one place so that the host
-can answer before a VM is booted (``Probeability.of(symbols)``), and a running
+can answer before a VM is booted (``Probeability.of(symbols, arch)``), and a running
 target with its own tables (``Probeability.of_target``).
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from qprobe.arch.x86_64.arch import X86_64
+from qprobe.arch import Arch
 from qprobe.core.blacklist import Blacklist
 from qprobe.errors import FetchArgError, SymbolError
 from qprobe.fetch import messages as M
@@ -97,11 +97,11 @@ class Probeability:
         self._copies: dict[str, int] = {}  # function name -> how many functions (distinct addresses) have it
 
     @classmethod
-    def of(cls, symbols: Symbols) -> Probeability:
+    def of(cls, symbols: Symbols, arch: Arch) -> Probeability:
         """From the vmlinux file alone, before anything boots (reserved sites as the file has them)."""
         # The BUG table's entry size needs the kernel's types; a function's entry is never a BUG site.
         reserved = ReservedText(symbols, symbols.file_bytes, None)
-        blacklist = Blacklist(symbols, X86_64().arch_populate_kprobe_blacklist())
+        blacklist = Blacklist(symbols, arch.arch_populate_kprobe_blacklist())
         return cls(symbols, blacklist, ftrace_locations(symbols), reserved, probe_dialect(symbols))
 
     @classmethod

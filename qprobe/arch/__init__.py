@@ -48,6 +48,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from qprobe.arch.inguest import GuestFilter, KeySpec
+
 
 class ResumeKind(enum.Enum):
     """How a trapped vCPU goes on (``setup_singlestep``'s three cases, plus "done")."""
@@ -105,6 +107,8 @@ class RegisterLayout:
     gdb_name: Mapping[str, str]  # pt_regs name -> gdbstub register name
     arg_regs: tuple[str, ...]  # pt_regs names of the integer argument registers, in order
     defaults: Mapping[str, int]  # fields a detour's frame lacks, with their kernel-mode values
+    general: tuple[str, ...]  # pt_regs names of the general registers (a detour's filter or key may read them)
+    irq_flag: int  # the flags bit set while interrupts are enabled
     ip: str = "ip"  # pt_regs names of the instruction pointer, stack pointer and flags
     sp: str = "sp"
     flags: str = "flags"
@@ -163,8 +167,8 @@ class DetourParams:
     stub: int = 0  # the mailbox or record stub it calls
     tables: int = 0  # "keyed": CPU 0's table
     cpu_number: int = 0  # "keyed": per-CPU offset of cpu_number
-    guest_filter: object | None = None
-    guest_key: object | None = None
+    guest_filter: GuestFilter | None = None
+    guest_key: KeySpec | None = None
     returns: ReturnLayout | None = None  # "retentry"
     pool: Pool | None = None
 

@@ -14,6 +14,7 @@ from qprobe.errors import InvalidProbe
 
 if TYPE_CHECKING:
     from qprobe.arch import Pool
+    from qprobe.arch.inguest import GuestFilter, KeySpec
     from qprobe.core.regs import PtRegs
     from qprobe.kernel.program import Task
     from qprobe.vmm.journal import Patch
@@ -73,13 +74,13 @@ class Kprobe:
         # qprobe.core.optimizer.detour_kind).  Set by kprobe_events definitions; pre_handler still runs
         # on the int3 path, and must compute the same thing.
         self.recorder: Callable[[GuestRecord], None] | None = None
-        # With a recorder: a filter the detour runs first (qprobe.arch.x86_64.guestfilter's tree); the hits
+        # With a recorder: a filter the detour runs first (register compares, qprobe.arch.inguest); the hits
         # it rejects are counted in nhit and nfiltered and never recorded.
-        self.guest_filter: object | None = None
+        self.guest_filter: GuestFilter | None = None
         self.nfiltered = 0
-        # Instead of records: count hits by a key the detour computes from a register (the arch layer's
-        # KeySpec), in per-CPU tables in guest RAM that the front end reads (the shell's count/hist).
-        self.guest_key: object | None = None
+        # Instead of records: count hits by a key the detour computes from a register (a KeySpec),
+        # in per-CPU tables in guest RAM that the front end reads (the shell's count/hist).
+        self.guest_key: KeySpec | None = None
         self.kretprobe: Kretprobe | None = None  # the return probe whose entry this is
         self.errors: list[str] = []
         self.registered = False

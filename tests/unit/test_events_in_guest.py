@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from qprobe.arch.x86_64.arch import X86_64
 from qprobe.events import in_guest
 from qprobe.fetch import ProbeEvent, parse_event
 
@@ -28,4 +29,4 @@ from qprobe.fetch import ProbeEvent, parse_event
 def test_in_guest(definition: str, expected: bool) -> None:
     ev = parse_event(definition, symbol_exists=lambda name: True)
     assert isinstance(ev, ProbeEvent)
-    assert in_guest(ev) is expected
+    assert in_guest(ev, X86_64.registers) is expected

@@ -46,6 +46,7 @@ from qprobe.arch.x86_64.ptregs import (
     KERNEL_DS,
     PT_GPRS,
     PT_REGS_SIZE,
+    X86_EFLAGS_IF,
     X86_EFLAGS_RF,
     X86_EFLAGS_TF,
     parse_hw_frame,
@@ -84,7 +85,8 @@ class X86_64:
     breakpoint = bytes([INT3_INSN_OPCODE])
     slot_size = 32  # MAX_INSN_SIZE (16) + a 5-byte jmp back, rounded up
     jump_size = JMP32_INSN_SIZE
-    registers = RegisterLayout(GDB_NAME, ARG_REGS, {"cs": KERNEL_CS, "ss": KERNEL_DS})
+    registers = RegisterLayout(GDB_NAME, ARG_REGS, {"cs": KERNEL_CS, "ss": KERNEL_DS}, guestfilter.GPRS,
+                               X86_EFLAGS_IF)  # fmt: skip
 
     mailbox_size = detour.MAILBOX_SIZE
     ring_header_size = detour.RING_HEADER
@@ -221,11 +223,13 @@ class X86_64:
         if p.kind == "count":
             return lambda at, rel: (detour.build_count_detour(at, p.counter, rel, p.resume), detour.COUNT_HEAD)
         if p.kind == "filtered":
-            return lambda at, rel: guestfilter.build_filtered_detour(at, p.guest_filter, p.probe_id, p.stub,
+            tree = p.guest_filter
+            assert tree is not None
+            return lambda at, rel: guestfilter.build_filtered_detour(at, tree, p.probe_id, p.stub,
                                                                      p.counter, rel, p.resume)  # fmt: skip
         if p.kind == "keyed":
             spec = p.guest_key
-            assert isinstance(spec, guestagg.KeySpec)
+            assert spec is not None
             return lambda at, rel: guestagg.build_keyed_detour(at, spec, p.tables, p.cpu_number, p.counter, p.lost,
                                                                rel, p.resume)  # fmt: skip
         if p.kind == "retentry":

@@ -15,10 +15,9 @@ a slot is taken once its count is non-zero (the key is stored first).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from iced_x86 import Code, Instruction, Register
 
+from qprobe.arch.inguest import KeySpec
 from qprobe.arch.x86_64.detour import _mem, _r, encode_detour, locked_inc, restore_regs, save_regs, simm32
 
 TABLE_SHIFT = 9
@@ -27,16 +26,6 @@ SLOT_SIZE = 16
 TABLE_SIZE = TABLE_ENTRIES * SLOT_SIZE  # per CPU
 MAX_PROBE = 32  # slots tried before a hit counts as lost
 GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: the top bits of key * 2^64/phi
-
-
-@dataclass(frozen=True)
-class KeySpec:
-    """The key: register ``reg`` (a pt_regs name) read as a ``bits``-wide integer, or its log2 bucket."""
-
-    reg: str
-    bits: int  # 8, 16, 32 or 64
-    signed: bool
-    hist: bool  # the key is bpftrace's hist() bucket of the value: 0 negative, 1 zero, 2 + floor(log2 v)
 
 
 def key_value(spec: KeySpec, raw: int) -> int:

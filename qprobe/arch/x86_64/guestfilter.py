@@ -19,12 +19,12 @@ the relocated code) runs.  Encoded with iced-x86's BlockEncoder.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from iced_x86 import Code, Instruction, Register
 
+from qprobe.arch.inguest import And, GuestFilter, Not, Or, Pred
 from qprobe.arch.x86_64.detour import _mem, _r, encode_detour
 
+# The registers a filter may compare (pt_regs names): RegisterLayout.general.
 GPRS = ("ax", "bx", "cx", "dx", "si", "di", "bp", "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15")
 _R64 = {name: "r" + name for name in GPRS[:7]}  # pt_regs' "ax" is rax
 # op -> (signed jcc, unsigned jcc) taken when the predicate holds
@@ -34,30 +34,6 @@ _JCC = {
     ">": (Code.JG_REL32_64, Code.JA_REL32_64), ">=": (Code.JGE_REL32_64, Code.JAE_REL32_64),
     "&": (Code.JNE_REL32_64, Code.JNE_REL32_64),
 }  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Pred:
-    reg: str  # a pt_regs name from GPRS
-    bits: int  # 64 or 32: the low half for 32
-    signed: bool
-    op: str  # == != < <= > >= &
-    const: int  # within the field's range
-
-
-@dataclass(frozen=True)
-class And:
-    parts: tuple[object, ...]
-
-
-@dataclass(frozen=True)
-class Or:
-    parts: tuple[object, ...]
-
-
-@dataclass(frozen=True)
-class Not:
-    inner: object
 
 
 class _Compiler:
@@ -74,7 +50,7 @@ class _Compiler:
         nop.ip = label
         self.code.append(nop)
 
-    def cond(self, node: object, true: int, false: int) -> None:
+    def cond(self, node: GuestFilter, true: int, false: int) -> None:
         match node:
             case Pred():
                 self.pred(node, true, false)
@@ -117,7 +93,7 @@ class _Compiler:
 
 
 def build_filtered_detour(
-    address: int, tree: object, probe_id: int, stub: int, filtered: int, relocated: bytes, resume: int
+    address: int, tree: GuestFilter, probe_id: int, stub: int, filtered: int, relocated: bytes, resume: int
 ) -> tuple[bytes, int]:
     """The detour at ``address`` and the offset where its relocated code starts (right after CONT's nop).
 

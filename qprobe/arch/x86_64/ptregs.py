@@ -34,6 +34,7 @@ FRAME_OFFSET = 8 * PT_REGS_ORDER.index("rip")  # where the hardware frame starts
 # The x86_64 calling convention's integer argument registers (pt_regs names), in order.
 ARG_REGS = ("di", "si", "dx", "cx", "r8", "r9")
 X86_EFLAGS_TF = 1 << 8  # trap flag (single-step)
+X86_EFLAGS_IF = 1 << 9  # interrupts enabled
 X86_EFLAGS_RF = 1 << 16  # resume flag (suppresses an instruction breakpoint once)
 KERNEL_CS, KERNEL_DS = 0x10, 0x18  # GDT_ENTRY_KERNEL_CS * 8, GDT_ENTRY_KERNEL_DS * 8
 
@@ -93,6 +94,7 @@ __all__ = [
     "STUB_FRAME_ID",
     "STUB_FRAME_RET",
     "STUB_FRAME_SIZE",
+    "X86_EFLAGS_IF",
     "X86_EFLAGS_RF",
     "X86_EFLAGS_TF",
     "parse_hw_frame",

@@ -6,6 +6,7 @@ import io
 import re
 from pathlib import Path
 
+from qprobe.arch.x86_64.arch import X86_64
 from qprobe.core.kprobe import Kprobe
 from qprobe.errors import ProbeError, TargetError
 from qprobe.events import EventHit, TraceEvent
@@ -46,6 +47,7 @@ class FakeTarget:
     """What the shell uses of qprobe.api.Target; ``run("workload getppid N")`` fires N hits of every event."""
 
     vcpus = 2
+    arch = X86_64()
 
     def __init__(self) -> None:
         sections = [Section(".text", TEXT, 0x2000, 0x1000, True), Section(".rodata", BANNER, 0x1000, 0x3000, False)]

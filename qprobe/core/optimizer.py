@@ -6,7 +6,7 @@ Its hits never stop the VM: a Python handler runs on the doorbell server's
 thread (qprobe.core.doorbell), and probes that need no Python handler at the
 hit do not wake the host at all (see ``detour_kind``): their detour counts in
 guest RAM, or records the registers into a per-CPU ring that this module's
-collector thread drains.  A return probe's instances live in guest RAM too
+collector thread drains (qprobe.core.records).  A return probe's instances live in guest RAM too
 (qprobe.core.pools).
 
 The checks before optimizing are the kernel's (``can_optimize``: whole
@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import drgn
 
-from qprobe.arch import Arch, DetourParams, PercpuLayout, RingEntry
+from qprobe.arch import Arch, DetourParams, PercpuLayout
 from qprobe.core.doorbell import Doorbell
-from qprobe.core.kprobe import GuestRecord
 from qprobe.core.point import Optimized, ProbePoint
 from qprobe.core.pools import ReturnPools, page_round
+from qprobe.core.records import RECORDING, RecordRings
 from qprobe.errors import QprobeError, SymbolError
 from qprobe.kernel.features import thread_size
 from qprobe.vmm.memory import SharedRam
@@ -55,7 +55,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("qprobe.optimizer")
 
 MAX_OPTIMIZED = 4096  # probe ids: one nmissed counter each
-RECORDING = ("record", "filtered")  # detour kinds that write the rings
 COLLECT_INTERVAL = 0.02  # seconds between drains of the rings and folds of the in-guest counters
 # Reasons that hold only at the moment of the attempt (their texts start with these).
 TRANSIENT = ("vCPU", "a context interrupted on vCPU", "a boosted copy")
@@ -149,15 +148,8 @@ class Optimizer:
         self._missed_seen: dict[int, int] = {}
         self._counted_seen: dict[int, int] = {}
         self._lost_seen: dict[int, int] = {}
-        self.record_stub = 0
-        self.rings = 0  # ring headers (RING_HEADER per CPU), then the entries
         self.lost = 0  # per probe id: records dropped on a full ring
-        self._tails: list[int] = []
-        self.ring_errors = 0  # ring entries or heads that failed validation (a guest scribbling)
-        self.late_records = 0  # records of a probe unoptimized while a vCPU was inside its record stub
-        self._retired: dict[int, ProbePoint] = {}
-        self._tsc_hz = 0.0
-        self._tsc_offset: float | None = None
+        self._retired: set[int] = set()  # ids of points unoptimized lately (their records may still arrive)
         self._fold_lock = threading.Lock()
         self._collector: threading.Thread | None = None
         self._thread_size = 0  # the kernel's THREAD_SIZE, once looked up
@@ -166,11 +158,14 @@ class Optimizer:
         # Without shared RAM nothing below runs: probes stay int3s.
         self.returns: ReturnPools | None = None  # kretprobe instances in guest RAM
         self.doorbell: Doorbell | None = None
+        self.records: RecordRings | None = None  # the record rings, drained by the collector
         if ram is not None:
             self.returns = ReturnPools(self.arch, self.machine, kprobes.scratch, ram,
                                        lambda: kprobes.kernel.current_task_offset, self._stub)  # fmt: skip
             self.doorbell = Doorbell(self.arch, self.machine.vcpus, ram, kprobes.handlers, kprobes.make_regs,
                                      self.by_id.get, kprobes.trampolines, self.errors)  # fmt: skip
+            self.records = RecordRings(self.arch, self.machine, kprobes.scratch, ram, kprobes.kernel, kprobes.symbols,
+                                       kprobes.handlers, self.by_id, self._retired)  # fmt: skip
 
     @property
     def served(self) -> int:
@@ -209,28 +204,6 @@ class Optimizer:
     def _stub(self) -> int:
         self._ensure_stub()
         return self.stub
-
-    def _ensure_rings(self) -> None:
-        """The per-CPU record rings and their stub, on first use (64 KiB of scratch per CPU)."""
-        if self.record_stub:
-            return
-        scratch, syms, arch = self.kp.scratch, self.kp.symbols, self.arch
-        ncpus = len(self.machine.vcpus)
-        size = arch.ring_header_size * ncpus + arch.ring_entries * arch.ring_entry_size * ncpus
-        self.rings = scratch.alloc(page_round(size), align=4096)
-        self._zero(self.rings, size)
-        self._tails = [0] * ncpus
-        _cur, pid_off, _tgid, comm_off = self.kp.kernel.offsets
-        percpu = self._percpu()
-
-        def code(at: int) -> bytes:
-            return arch.build_record_stub(self.rings, ncpus, self.lost, percpu, pid_off, comm_off, at)
-
-        stub = scratch.alloc(len(code(scratch.base)), align=64)
-        scratch.write(stub, code(stub))
-        self.record_stub = stub
-        if "tsc_khz" in syms:
-            self._tsc_hz = int.from_bytes(self.machine.mem.read(syms.address("tsc_khz"), 4), "little") * 1000.0
 
     def _percpu(self) -> PercpuLayout:
         kernel = self.kp.kernel
@@ -446,7 +419,7 @@ class Optimizer:
         size = point.opt_size
         region = self.kp.original(point.addr, size)
         probe_id = self._free_ids.pop()
-        self._retired.pop(probe_id, None)
+        self._retired.discard(probe_id)
         params = self._detour_params(point, probe_id, point.addr + size)
         scratch = self.kp.scratch
         detour, code, continue_addr = self.arch.arch_prepare_optimized_kprobe(params, region, point.addr,
@@ -468,11 +441,12 @@ class Optimizer:
         """What ``point``'s detour needs: its kind, counters, stub, and a "keyed" detour's tables (allocated here)."""
         kind = detour_kind(point)
         counter, missed, lost = (array + probe_id * 8 for array in (self.counters, self.missed, self.lost))
+        stub = self.stub
         if kind in RECORDING:
-            self._ensure_rings()
+            assert self.records is not None
+            stub = self.records.ensure(self.lost, self._percpu(), self._zero)
         first = point.probes[0]
-        params = DetourParams(kind, probe_id, resume, counter, missed, lost,
-                              stub=self.record_stub if kind in RECORDING else self.stub)  # fmt: skip
+        params = DetourParams(kind, probe_id, resume, counter, missed, lost, stub=stub)
         if kind == "filtered":
             return dataclasses.replace(params, guest_filter=first.guest_filter)
         if kind == "keyed":
@@ -497,7 +471,7 @@ class Optimizer:
         point.opt = None
         self.by_id.pop(opt.probe_id, None)
         # A vCPU stopped inside the record stub publishes after this: recognise its id a while longer.
-        self._retired[opt.probe_id] = point
+        self._retired.add(opt.probe_id)
         self._free_ids.insert(0, opt.probe_id)
         # A vCPU or an interrupted context may still be in the detour: never reuse it (nor its tables).
         self.kp.quarantine(opt.detour)
@@ -522,11 +496,11 @@ class Optimizer:
     def sync_missed(self, point: ProbePoint, opt: Optimized | None = None) -> None:
         """Fold the guest's counters of an optimized probe (nmissed; in-guest hits, records) into its probes."""
         opt = opt or point.opt
-        if opt is None or self.ram is None:
+        if opt is None or self.records is None:
             return
         with self._fold_lock:
             if opt.kind in RECORDING:
-                self._drain_rings()  # the records before the counts that follow them
+                self.records.drain()  # the records before the counts that follow them
             self._fold(point, opt)
 
     def _fold(self, point: ProbePoint, opt: Optimized) -> None:
@@ -554,10 +528,10 @@ class Optimizer:
 
     def sync_all(self) -> None:
         """Drain the rings once and fold every in-guest counter now (RAM reads, no VM stop)."""
-        if self.ram is None:
+        if self.records is None:
             return
         with self._fold_lock:
-            self._drain_rings()
+            self.records.drain()
             for point in list(self.by_id.values()):
                 opt = point.opt
                 if opt is not None and opt.kind != "mailbox":
@@ -574,59 +548,5 @@ class Optimizer:
                 self.errors.append(f"collector: {exc}")
             time.sleep(COLLECT_INTERVAL)
 
-    def _drain_rings(self) -> None:
-        """Deliver every record in the rings, oldest first across CPUs (call with _fold_lock held).
 
-        Everything read from a ring is validated before use: a head that went
-        backwards or past a full ring, an entry whose CPU is not its ring's or
-        whose probe id is not a recording probe; each failure is counted in
-        ``ring_errors`` and skipped.
-        """
-        if not self.record_stub or self.ram is None:
-            return
-        ram, scratch, arch = self.ram, self.kp.scratch, self.arch
-        ncpus = len(self._tails)
-        batch: list[tuple[ProbePoint, RingEntry]] = []
-        for cpu in range(ncpus):
-            hdr = scratch.phys_of(self.rings + cpu * arch.ring_header_size)
-            head, tail = ram.read_u64_phys(hdr + arch.ring_head), self._tails[cpu]
-            if head == tail:
-                continue
-            if not 0 < head - tail <= arch.ring_entries:
-                self.ring_errors += 1
-            else:
-                base = scratch.phys_of(self.rings + arch.ring_header_size * ncpus
-                                       + cpu * arch.ring_entries * arch.ring_entry_size)  # fmt: skip
-                for seq in range(tail, head):
-                    raw = ram.read_phys(base + (seq % arch.ring_entries) * arch.ring_entry_size,
-                                        arch.ring_entry_read_size)  # fmt: skip
-                    entry = arch.parse_ring_entry(raw)
-                    point = self.by_id.get(entry.probe_id)
-                    if point is None and entry.probe_id in self._retired:
-                        self.late_records += 1
-                        continue
-                    if point is None or point.opt is None or point.opt.kind not in RECORDING or entry.cpu != cpu:
-                        self.ring_errors += 1
-                        continue
-                    batch.append((point, entry))
-            self._tails[cpu] = head
-            ram.write_u64_phys(hdr + arch.ring_tail, head)
-        if not batch:
-            return
-        batch.sort(key=lambda b: b[1].tsc)
-        now = time.monotonic()
-        if self._tsc_offset is None or not self._tsc_hz:
-            self._tsc_offset = now - batch[-1][1].tsc / self._tsc_hz if self._tsc_hz else 0.0
-        for point, entry in batch:
-            values = {**entry.values, "rip": point.addr}
-            when = min(now, entry.tsc / self._tsc_hz + self._tsc_offset) if self._tsc_hz else now
-            rec = GuestRecord(values, entry.cpu, entry.pid, entry.comm, entry.task, when)
-            for kp in point.probes:
-                if kp.disabled:
-                    continue
-                kp.nhit += 1
-                if kp.recorder is not None:
-                    self.kp.handlers.call(kp, "recorder", kp.recorder, rec)
-
-
-__all__ = ["GuestRecord", "Optimizer", "detour_kind"]
+__all__ = ["Optimizer", "detour_kind"]

@@ -149,7 +149,7 @@ def test_register_only_event_is_recorded_in_the_guest_as_the_stop_path_would(
         deadline = time.monotonic() + 5
         while seek.nhit + seek.nmissed < 300 and time.monotonic() < deadline:  # drained every 20 ms
             time.sleep(0.02)
-        assert opt.served == served and opt.ring_errors == 0
+        assert opt.served == served and opt.records is not None and opt.records.ring_errors == 0
         in_guest = list(seek.hits)
         target.set_kprobes_optimization(False)  # the same event, now an int3 and a Python handler
         res2 = workload_result(target.run("workload lseek 3").check().output)
@@ -176,7 +176,8 @@ def test_a_guest_scribbling_over_the_rings_gives_counted_errors(target: qprobe.T
     from qprobe.arch.x86_64.detour import ENTRY_SIZE, R_HEAD, RING_ENTRIES, RING_HEADER
 
     opt = target.kprobes.optimizer
-    assert opt is not None and opt.ram is not None
+    assert opt is not None and opt.ram is not None and opt.records is not None
+    rings = opt.records
     seek = target.add_event("p:myseek ksys_lseek off=%si:s64")
     try:
         target.run("workload lseek 5").check()
@@ -184,20 +185,20 @@ def test_a_guest_scribbling_over_the_rings_gives_counted_errors(target: qprobe.T
         while seek.nhit < 5 and time.monotonic() < deadline:
             time.sleep(0.02)
         scratch, ncpus = target.kprobes.scratch, len(target.machine.vcpus)
-        errors = opt.ring_errors
+        errors = rings.ring_errors
         # A head far past the tail (as if the guest wrote it): refused, counted, resynchronised.
-        head0 = scratch.phys_of(opt.rings) + R_HEAD
+        head0 = scratch.phys_of(rings.rings) + R_HEAD
         opt.ram.write_u64_phys(head0, opt.ram.read_u64_phys(head0) + 10 * RING_ENTRIES)
         # An entry with a probe id nobody has and a CPU that is not its ring's, published on CPU 1's ring.
         head1 = head0 + RING_HEADER
         n = opt.ram.read_u64_phys(head1)
-        entry = opt.rings + RING_HEADER * ncpus + (RING_ENTRIES + n % RING_ENTRIES) * ENTRY_SIZE
+        entry = rings.rings + RING_HEADER * ncpus + (RING_ENTRIES + n % RING_ENTRIES) * ENTRY_SIZE
         opt.ram.write_phys(scratch.phys_of(entry), bytes(range(256)) * (ENTRY_SIZE // 256))
         opt.ram.write_u64_phys(head1, n + 1)
         deadline = time.monotonic() + 5
-        while opt.ring_errors < errors + 2 and time.monotonic() < deadline:
+        while rings.ring_errors < errors + 2 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert opt.ring_errors == errors + 2
+        assert rings.ring_errors == errors + 2
         target.run("workload lseek 3").check()  # and records flow on
         deadline = time.monotonic() + 5
         while seek.nhit < 8 and time.monotonic() < deadline:

@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 from vmm_fakes import QemuStub
 
+from qprobe.arch.inguest import KeySpec
 from qprobe.arch.x86_64.arch import X86_64
-from qprobe.arch.x86_64.guestagg import KeySpec
 from qprobe.core import optimizer as optimizer_mod
 from qprobe.core.dispatch import Trampoline
 from qprobe.core.handlers import Handlers

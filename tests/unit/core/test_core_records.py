@@ -1,0 +1,137 @@
+"""The record rings (qprobe.core.records): validated, drained oldest first, delivered to the recorders.
+
+The rings are laid out by the real x86_64 arch in a flat fake of guest RAM;
+the entries are written as the record stub writes them (its frame, then
+the TSC, CPU and pid, comm, task and sp at the arch's offsets).
+"""
+
+from __future__ import annotations
+
+import struct
+from types import SimpleNamespace
+
+from qprobe.arch.x86_64 import detour
+from qprobe.arch.x86_64.arch import X86_64
+from qprobe.arch.x86_64.ptregs import STUB_FRAME_GPRS, STUB_FRAME_ID
+from qprobe.core.handlers import Handlers
+from qprobe.core.kprobe import GuestRecord, Kprobe
+from qprobe.core.point import Optimized, ProbePoint
+from qprobe.core.records import RecordRings
+
+ARCH = X86_64()
+SCRATCH = 0xFFFF_FFFF_C000_0000
+PROBE = 0xFFFF_FFFF_8120_0004
+
+
+class FakeRam:
+    """Guest RAM at physical 0 upward; the scratch area maps to it one to one."""
+
+    def __init__(self) -> None:
+        self.data = bytearray(0x80000)
+
+    def read_phys(self, phys: int, size: int) -> bytes:
+        return bytes(self.data[phys : phys + size])
+
+    def write_phys(self, phys: int, data: bytes) -> None:
+        self.data[phys : phys + len(data)] = data
+
+    def read_u64_phys(self, phys: int) -> int:
+        return int.from_bytes(self.read_phys(phys, 8), "little")
+
+    def write_u64_phys(self, phys: int, value: int) -> None:
+        self.write_phys(phys, value.to_bytes(8, "little"))
+
+
+class FakeScratch:
+    base = SCRATCH
+
+    def __init__(self, ram: FakeRam) -> None:
+        self.ram, self.next = ram, SCRATCH
+
+    def alloc(self, size: int, align: int = 16) -> int:
+        at = -(-self.next // align) * align
+        self.next = at + size
+        return at
+
+    def phys_of(self, addr: int) -> int:
+        return addr - SCRATCH
+
+    def write(self, addr: int, data: bytes) -> None:
+        self.ram.write_phys(self.phys_of(addr), data)
+
+
+def rings(by_id: dict[int, ProbePoint], retired: set[int]) -> tuple[RecordRings, FakeRam]:
+    ram = FakeRam()
+    scratch = FakeScratch(ram)
+    machine = SimpleNamespace(vcpus=["1.1", "1.2"])
+    kernel = SimpleNamespace(offsets=(0x20C00, 0x5A0, 0x5A4, 0x740))
+    rr = RecordRings(ARCH, machine, scratch, ram, kernel, set(), Handlers(), by_id, retired)  # type: ignore[arg-type]
+    percpu = SimpleNamespace(cpu_number=0x20C08, this_cpu_off=0x20C10, current_task=0x20C00)
+    rr.ensure(SCRATCH + 0x70000, percpu, lambda addr, size: ram.write_phys(scratch.phys_of(addr), bytes(size)))  # type: ignore[arg-type]
+    return rr, ram
+
+
+def publish(
+    rr: RecordRings, ram: FakeRam, cpu: int, probe_id: int, tsc: int, di: int, ring_cpu: int | None = None
+) -> None:
+    """An entry on ``ring_cpu``'s ring (its own CPU's unless told) that says it is from ``cpu``."""
+    ring_cpu = cpu if ring_cpu is None else ring_cpu
+    hdr = rr.scratch.phys_of(rr.rings + ring_cpu * ARCH.ring_header_size)
+    head = ram.read_u64_phys(hdr + ARCH.ring_head)
+    raw = bytearray(ARCH.ring_entry_size)
+    struct.pack_into("<Q", raw, 8 * STUB_FRAME_GPRS.index("rdi"), di)
+    struct.pack_into("<Q", raw, STUB_FRAME_ID, probe_id)
+    struct.pack_into("<QQ", raw, detour.E_TSC, tsc, (100 + cpu) << 32 | cpu)
+    raw[detour.E_COMM : detour.E_COMM + 16] = b"workload".ljust(16, b"\0")
+    struct.pack_into("<QQ", raw, detour.E_TASK, 0xFFFF_8880_0100_0000, 0xFFFF_C900_0000_3F00)
+    base = rr.rings + ARCH.ring_header_size * 2 + ring_cpu * ARCH.ring_entries * ARCH.ring_entry_size
+    ram.write_phys(rr.scratch.phys_of(base + (head % ARCH.ring_entries) * ARCH.ring_entry_size), bytes(raw))
+    ram.write_u64_phys(hdr + ARCH.ring_head, head + 1)
+
+
+def recording_point(kind: str = "record") -> tuple[ProbePoint, list[GuestRecord]]:
+    got: list[GuestRecord] = []
+    kp = Kprobe(addr=PROBE)
+    kp.recorder = got.append
+    point = ProbePoint(PROBE, "f+0x4", None, [kp])  # type: ignore[arg-type]
+    point.opt = Optimized(7, SCRATCH + 0x1000, 8, None, SCRATCH + 0x100A, kind, 0)  # type: ignore[arg-type]
+    return point, got
+
+
+def test_records_reach_the_recorder_oldest_first_across_cpus_with_the_probe_s_ip() -> None:
+    point, got = recording_point()
+    rr, ram = rings({7: point}, set())
+    publish(rr, ram, 1, 7, tsc=300, di=3)
+    publish(rr, ram, 0, 7, tsc=100, di=1)
+    publish(rr, ram, 1, 7, tsc=200, di=2)
+    rr.drain()
+    assert [(r.values["rdi"], r.cpu, r.pid, r.comm) for r in got] == [(1, 0, 100, "workload"), (2, 1, 101, "workload"),
+                                                                        (3, 1, 101, "workload")]  # fmt: skip
+    assert all(r.values["rip"] == PROBE for r in got) and point.probes[0].nhit == 3
+    assert rr.ring_errors == 0
+    rr.drain()  # the tails moved: nothing twice
+    assert len(got) == 3
+
+
+def test_garbage_in_a_ring_is_counted_and_skipped_and_records_flow_on() -> None:
+    point, got = recording_point()
+    rr, ram = rings({7: point}, {9})
+    hdr0 = rr.scratch.phys_of(rr.rings)
+    ram.write_u64_phys(hdr0 + ARCH.ring_head, 10 * ARCH.ring_entries)  # a head far past a full ring
+    publish(rr, ram, 0, 7, tsc=1, di=1, ring_cpu=1)  # from CPU 0, on CPU 1's ring
+    publish(rr, ram, 1, 8, tsc=2, di=2)  # a probe id nobody has
+    publish(rr, ram, 1, 9, tsc=3, di=3)  # a probe unoptimized lately: late, not an error
+    rr.drain()
+    assert (rr.ring_errors, rr.late_records, got) == (3, 1, [])
+    assert ram.read_u64_phys(hdr0 + ARCH.ring_tail) == 10 * ARCH.ring_entries  # resynchronised
+    publish(rr, ram, 1, 7, tsc=4, di=4)
+    rr.drain()
+    assert [r.values["rdi"] for r in got] == [4]
+
+
+def test_a_point_that_no_longer_records_gets_no_records() -> None:
+    point, got = recording_point("count")
+    rr, ram = rings({7: point}, set())
+    publish(rr, ram, 0, 7, tsc=1, di=1)
+    rr.drain()
+    assert got == [] and rr.ring_errors == 1 and point.probes[0].nhit == 0

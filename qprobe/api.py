@@ -40,7 +40,7 @@ from qprobe.core.watchpoint import Watchpoint, Watchpoints
 from qprobe.errors import ProbeError, QprobeError, SymbolError, TargetError, TargetGone
 from qprobe.kernel.features import fully_preemptible, has_pti
 from qprobe.kernel.kaslr import detect_slide
-from qprobe.kernel.program import KernelData, Task
+from qprobe.kernel.program import KernelData, Stack, Task
 from qprobe.kernel.symbols import Symbols
 from qprobe.kernel.tracefs import ftrace_locations, probe_dialect, trace_event_names
 from qprobe.modnotify import ModuleNotifier
@@ -250,6 +250,31 @@ class Target:
     @property
     def vcpus(self) -> int:
         return len(self.machine.vcpus)
+
+    def stack_trace(self, vcpu: int = 0) -> tuple[dict[str, int], Stack | None]:
+        """A vCPU's registers and, when it is in the kernel, its kernel stack (None in user mode).
+
+        Read with every vCPU stopped, so that the stack does not change under the unwinder.
+        """
+        tid = self.machine.vcpus[vcpu]
+
+        def unwind() -> tuple[dict[str, int], Stack | None]:
+            values = self.gdb.read_registers(tid)
+            if self.arch.user_mode(values):
+                return values, None
+            return values, self.kprobes.make_regs(values, tid).stack_trace()
+
+        return self.machine.call(unwind)
+
+    def gdb_command(self, command: str) -> str | None:
+        """A gdb CLI command on the live gdbstub and what it printed; None unless the transport is gdb's.
+
+        gdb may only talk to the stub while the VM is stopped: it runs on the stop loop.
+        """
+        gdb = self.gdb
+        if not isinstance(gdb, GdbMiRemote):
+            return None
+        return self.machine.call(lambda: gdb.console(command))
 
     # -- kprobes API (names as in <linux/kprobes.h>) -------------------------------------
     def register_kprobe(self, kp: Kprobe) -> None:

@@ -18,7 +18,7 @@ import fnmatch
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from qprobe.arch import Arch
 from qprobe.core.blacklist import Blacklist
@@ -29,9 +29,6 @@ from qprobe.fetch.kstrto import split_args
 from qprobe.kernel.reserved import ReservedText
 from qprobe.kernel.symbols import Symbols
 from qprobe.kernel.tracefs import ftrace_locations, probe_dialect, within_notrace_func
-
-if TYPE_CHECKING:
-    from qprobe.core.kprobes import KprobeManager
 
 __all__ = [
     "Func",
@@ -46,11 +43,20 @@ __all__ = [
 ]
 
 
+class ProbeTables(Protocol):
+    """What of_target reads of a running target's probe table (qprobe.core.kprobes.KprobeManager)."""
+
+    blacklist: Blacklist
+
+    @property
+    def reserved(self) -> ReservedText | None: ...
+
+
 class RunningTarget(Protocol):
     """What of_target reads of a running target (qprobe.api.Target)."""
 
     symbols: Symbols
-    kprobes: KprobeManager
+    kprobes: ProbeTables
 
     @property
     def ftrace_locations(self) -> list[int]: ...

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TextIO
 
+from qprobe.core.kprobe import Kretprobe
 from qprobe.errors import FetchArgError, ProbeError, QprobeError
 from qprobe.fetch import DeleteEvent, parse_event
 from qprobe.fetch import messages as M
@@ -31,10 +32,11 @@ from .printf import HitFormat, parse_printf
 from .render import render_table, stack_frames
 
 if TYPE_CHECKING:
-    from qprobe.api import Target
     from qprobe.core.regs import PtRegs
     from qprobe.events import EventHit, TraceEvent
     from qprobe.vmm.console import RunResult
+
+    from .target import ShellTarget
 
 log = logging.getLogger("qprobe.shell")
 RUN_TIMEOUT = 3600.0
@@ -106,7 +108,7 @@ ALIASES = {"exit": "quit", "q": "quit", "?": "help", "ls": "list"}
 class Shell:
     """Commands on one target.  ``execute`` never raises for a user error; ``done`` is set by ``quit``."""
 
-    def __init__(self, target: Target, out: TextIO | None = None, *, color: bool | None = None,
+    def __init__(self, target: ShellTarget, out: TextIO | None = None, *, color: bool | None = None,
                  interactive: bool = False, prompt: str = "qprobe> ") -> None:  # fmt: skip
         self.target = target
         self.out = Output(out, color)
@@ -249,10 +251,10 @@ class Shell:
             probe = te.probe
             if probe is None:
                 continue
-            if hasattr(probe, "kp"):  # a Kretprobe
-                (self.target.enable_kretprobe if on else self.target.disable_kretprobe)(probe)  # type: ignore[arg-type]
+            if isinstance(probe, Kretprobe):
+                (self.target.enable_kretprobe if on else self.target.disable_kretprobe)(probe)
             else:
-                (self.target.enable_kprobe if on else self.target.disable_kprobe)(probe)  # type: ignore[arg-type]
+                (self.target.enable_kprobe if on else self.target.disable_kprobe)(probe)
             self.note(f"{te.name} {'enabled' if on else 'disabled'}")
 
     def cmd_enable(self, rest: str) -> None:
@@ -277,13 +279,9 @@ class Shell:
         self.target.set_kprobes_enabled(rest == "1")
 
     def cmd_optimization(self, rest: str) -> None:
-        setter = getattr(self.target, "set_kprobes_optimization", None)
-        if setter is None:
-            self.out.line("jump optimization is not available in this build")
-            return
         if rest not in ("0", "1"):
             raise ShellUsageError("usage: optimization 0|1")
-        setter(rest == "1")
+        self.target.set_kprobes_optimization(rest == "1")
 
     def cmd_blacklist(self, rest: str) -> None:
         for line in self.target.blacklist():
@@ -304,7 +302,7 @@ class Shell:
         for name, te in list(self.target.events.items()):
             probe = te.probe
             if probe is not None:
-                mine.add(id(getattr(probe, "kp", probe)))
+                mine.add(id(probe.kp if isinstance(probe, Kretprobe) else probe))
             since = self.armed.setdefault(name, now)
             rows.append((name, te.nhit, te.nmissed, te.lost, _rate(te.nhit, now - since)))
         for point in list(self.target.kprobes.points.values()):
@@ -518,7 +516,7 @@ class Shell:
 
     def interrupt_guest(self) -> None:
         """Ctrl-C the guest's foreground command (the console is its controlling tty)."""
-        console = getattr(self.target, "console", None)
+        console = self.target.console
         if console is not None:
             try:
                 console.write("\x03")

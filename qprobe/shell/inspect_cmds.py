@@ -16,14 +16,13 @@ from .parse import ShellUsageError, parse_int
 from .render import hexdump, render_registers
 
 if TYPE_CHECKING:
-    from qprobe.api import Target
-    from qprobe.kernel.program import Stack
+    from .target import ShellTarget
 
 
 class ShellContext(Protocol):
     """What these commands use of the shell they run in (qprobe.shell.core.Shell)."""
 
-    target: Target
+    target: ShellTarget
     out: Output
     loaded: dict[str, dict[str, object]]  # load FILE -> its globals
     interact: Callable[..., None] | None  # code.interact, replaceable in tests
@@ -49,7 +48,7 @@ def cmd_sym(shell: ShellContext, rest: str) -> None:
         if len(names) > MAX_LISTED:
             shell.note(f"... and {len(names) - MAX_LISTED} more")
         return
-    if rest not in symbols and rest in getattr(symbols, "percpu", {}):
+    if rest not in symbols and rest in symbols.percpu:
         shell.out.parts((rest, "key"), (f"  per-CPU offset {symbols.percpu[rest]:#x}", None))
         return
     _print_symbol(shell, rest)
@@ -120,17 +119,7 @@ def cmd_regs(shell: ShellContext, rest: str) -> None:
 
 def cmd_bt(shell: ShellContext, rest: str) -> None:
     cpu = _vcpu(shell, rest, "bt")
-    target = shell.target
-    tid = target.machine.vcpus[cpu]
-
-    def unwind() -> tuple[dict[str, int], Stack | None]:
-        # With every vCPU stopped, so that the stack does not change under the unwinder.
-        values = target.gdb.read_registers(tid)
-        if values.get("cs", 0) & 3:
-            return values, None
-        return values, target.kprobes.make_regs(values, tid).stack_trace()
-
-    values, stack = target.machine.call(unwind)
+    values, stack = shell.target.stack_trace(cpu)
     if stack is None:
         shell.note(f"vCPU {cpu} is in user mode (rip {values.get('rip', 0):#x}): no kernel stack")
         return
@@ -143,7 +132,7 @@ def cmd_drgn(shell: ShellContext, rest: str) -> None:
     drgn_session(shell.target)
 
 
-def drgn_session(target: Target) -> None:
+def drgn_session(target: ShellTarget) -> None:
     """drgn's interactive mode on the live guest (probes stay armed): ``prog`` and ``target`` bound."""
     import drgn.cli
 
@@ -214,14 +203,10 @@ def _probe_ids(shell: ShellContext) -> set[int]:
 def cmd_gdb(shell: ShellContext, rest: str) -> None:
     if not rest:
         raise ShellUsageError("usage: gdb CMD")
-    transport = getattr(shell.target, "gdb", None)
-    console = getattr(transport, "console", None)
-    if callable(console):
-        machine = getattr(shell.target, "machine", None)
-        # gdb may only talk to the stub while the VM is stopped: on the stop loop.
-        out = machine.call(lambda: console(rest)) if machine is not None else console(rest)
+    out = shell.target.gdb_command(rest)
+    if out is not None:
         if out:
-            shell.out.write(out if str(out).endswith("\n") else f"{out}\n")
+            shell.out.write(out if out.endswith("\n") else f"{out}\n")
         return
     if not gdbcmd.is_static(rest):
         raise ShellUsageError(gdbcmd.LIVE_HINT)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from prompt_toolkit.completion import CompleteEvent, Completion
     from prompt_toolkit.document import Document
 
-    from qprobe.api import Target
+    from .target import ShellTarget
 
 PROMPT = "qprobe> "
 MAX_COMPLETIONS = 300
@@ -122,7 +122,7 @@ def history_path() -> Path:
     return cache_dir() / "shell_history"
 
 
-def run_shell(target: Target, shell: Shell | None = None, *, banner: bool = True) -> int:
+def run_shell(target: ShellTarget, shell: Shell | None = None, *, banner: bool = True) -> int:
     """Read lines until ``quit`` or Ctrl-D; the caller closes the target (removing every probe)."""
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     shell = shell or Shell(target, interactive=interactive, prompt=PROMPT)

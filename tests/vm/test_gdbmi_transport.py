@@ -187,15 +187,17 @@ def test_kprobe_counts_hits_over_each_transport(vm: QemuProcess, transport: str,
             gdb = t.gdb
             assert isinstance(gdb, GdbMiRemote)
             entry = t.symbols.address("asm_exc_int3")
-            assert "rip" in t.machine.call(lambda: gdb.console("info registers rip"))
+            assert "rip" in (t.gdb_command("info registers rip") or "")
             # With the slide, gdb's symbols are the running kernel's: the raw command sees real names,
             # and with the DWARF (through the index cache the shell's static gdb shares) real lines.
             t.machine.call(lambda: gdb.load_symbols(t.symbols.path, t.slide))
-            assert "asm_exc_int3" in t.machine.call(lambda: gdb.console(f"info symbol {entry:#x}"))
+            assert "asm_exc_int3" in (t.gdb_command(f"info symbol {entry:#x}") or "")
             index = cache_dir("gdb-index")
             t.machine.call(lambda: gdb.load_symbols(t.symbols.path, t.slide, index_dir=index), timeout=900)
-            line = t.machine.call(lambda: gdb.console("info line vfs_read"))
+            line = t.gdb_command("info line vfs_read") or ""
             assert f"{t.symbols.address('vfs_read'):#x} <vfs_read>" in line, line
+        else:
+            assert t.gdb_command("info registers rip") is None  # no gdb behind the rsp transport
         assert t.oopses() == [], t.console.tail(60) if t.console else ""
     if transport == "gdb":
         # gdb detaches with ``D;1``; QEMU 7.2 refuses a bare ``D`` once multiprocess+ is negotiated.

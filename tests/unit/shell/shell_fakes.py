@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import io
 import re
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
+import drgn
+
+from qprobe.arch import ArchBlacklist
 from qprobe.arch.x86_64.arch import X86_64
-from qprobe.core.kprobe import Kprobe
+from qprobe.core.blacklist import Blacklist
+from qprobe.core.kprobe import Kprobe, Kretprobe
+from qprobe.core.point import ProbePoint
 from qprobe.errors import ProbeError, TargetError
-from qprobe.events import EventHit, TraceEvent
+from qprobe.events import EventHit, TraceEvent, Wildcard
 from qprobe.fetch import ProbeEvent, format_event, parse_event
+from qprobe.fetch.dialect import Dialect
+from qprobe.kernel.program import Stack
 from qprobe.kernel.symbols import Section, Symbols
 from qprobe.shell import Shell
 from qprobe.vmm.console import RunResult
@@ -29,10 +38,12 @@ SYMS = [
 
 
 class FakeProbes:
-    def __init__(self) -> None:
+    def __init__(self, symbols: Symbols) -> None:
         self.enabled = True
-        self.points: dict[int, object] = {}
+        self.points: dict[int, ProbePoint] = {}
         self.optimizer = None  # no jump optimization: every hit reaches the host
+        self.blacklist = Blacklist(symbols, ArchBlacklist(()))  # the fake symbols list nothing
+        self.reserved = None
 
 
 class FakeConsole:
@@ -53,9 +64,13 @@ class FakeTarget:
         sections = [Section(".text", TEXT, 0x2000, 0x1000, True), Section(".rodata", BANNER, 0x1000, 0x3000, False)]
         self.symbols = Symbols(Path("/nonexistent/vmlinux"), "00" * 20, SYMS, sections)
         self.events: dict[str, TraceEvent] = {}
-        self.kprobes = FakeProbes()
-        self.console = FakeConsole()
+        self.kprobes = FakeProbes(self.symbols)
+        self.kernel = SimpleNamespace(read_task=lambda gs_base: SimpleNamespace(comm="swapper/0", pid=0))
+        self.console: FakeConsole | None = FakeConsole()
         self.slide = 0
+        self.optimizable = True  # False: as when attached to a QEMU qprobe did not start
+        self.optimization_calls: list[bool] = []
+        self.gdb_console: Callable[[str], str] | None = None  # the gdb transport's CLI, when there is one
         self.memory = {BANNER: b"Linux version 6.1.0-56-cloud-amd64 (debian-kernel@lists.debian.org)\x00"}
         self.enabled_calls: list[bool] = []
         self.ran: list[str] = []
@@ -69,10 +84,14 @@ class FakeTarget:
         self.events[te.name] = te
         return te
 
-    def remove_event(self, te: TraceEvent) -> None:
-        if te.name not in self.events:
+    def add_events(self, definition: str, callback: object = None, filter: str | None = None) -> Wildcard:
+        raise ProbeError("the shell's fake target arms no wildcard events")
+
+    def remove_event(self, te: TraceEvent | str) -> None:
+        name = te if isinstance(te, str) else te.name
+        if name not in self.events:
             raise ProbeError("no such event")
-        del self.events[te.name]
+        del self.events[name]
 
     def fire(self, te: TraceEvent, comm: str = "workload", pid: int = 42, cpu: int = 0, **args: str) -> None:
         hit = EventHit(
@@ -104,6 +123,29 @@ class FakeTarget:
     def disable_kprobe(self, kp: Kprobe) -> None:
         kp.flags |= 2
 
+    def enable_kretprobe(self, rp: Kretprobe) -> None:
+        self.enable_kprobe(rp.kp)
+
+    def disable_kretprobe(self, rp: Kretprobe) -> None:
+        self.disable_kprobe(rp.kp)
+
+    def set_kprobes_optimization(self, on: bool) -> None:
+        if on and not self.optimizable:
+            raise TargetError("jump optimization needs qprobe's own QEMU (a doorbell device and shared RAM)")
+        self.optimization_calls.append(on)
+
+    @property
+    def ftrace_locations(self) -> list[int]:
+        return []
+
+    @property
+    def dialect(self) -> Dialect:
+        return Dialect()
+
+    @property
+    def prog(self) -> drgn.Program:
+        return drgn.Program()  # nothing loaded: no kernel behind the fake
+
     def blacklist(self) -> list[str]:
         return ["0xffffffff81e00000-0xffffffff81e00040\tasm_exc_int3"]
 
@@ -116,6 +158,12 @@ class FakeTarget:
 
     def registers(self, vcpu: int = 0) -> dict[str, int]:
         return {"rax": 1, "rbx": (1 << 64) - 2, "rip": TEXT + 0x1010, "eflags": 0x246, "cs": 0x33, "rsp": 0x7FFC0}
+
+    def stack_trace(self, vcpu: int = 0) -> tuple[dict[str, int], Stack | None]:
+        return self.registers(vcpu), None  # in user mode: no kernel stack
+
+    def gdb_command(self, command: str) -> str | None:
+        return None if self.gdb_console is None else self.gdb_console(command)
 
     def run(self, command: str, timeout: float = 60.0) -> RunResult:
         self.ran.append(command)

@@ -1,6 +1,25 @@
 """The core's unit tests drive a real GdbRemote against tests/unit/vmm's scripted QEMU gdbstub."""
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vmm"))
+
+from vmm_fakes import QemuStub
+
+from qprobe.vmm.connection import Connection
+from qprobe.vmm.gdbremote import GdbRemote
+
+
+@pytest.fixture
+def stub_gdb() -> Iterator[tuple[QemuStub, GdbRemote]]:
+    """The scripted QEMU 7.2 gdbstub and a GdbRemote past its handshake; afterwards the stub saw no error."""
+    stub = QemuStub()
+    gdb = GdbRemote(Connection(stub.client, name="fake"))
+    gdb.handshake()
+    yield stub, gdb
+    stub.close()
+    assert not stub.errors, stub.errors

@@ -10,23 +10,21 @@ x86_64 arch; only the probe table and guest memory are small fakes.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import pytest
+from core_fakes import ARCH, FlatMem, flat_regs
 from vmm_fakes import QemuStub, g_offsets
 
-from qprobe.arch.x86_64.arch import X86_64
 from qprobe.arch.x86_64.ptregs import PT_REGS_ORDER
 from qprobe.core.dispatch import Dispatcher, Trampoline
 from qprobe.core.handlers import Handlers
 from qprobe.core.kprobe import Kprobe
 from qprobe.core.point import KprobeStatus, ProbePoint
 from qprobe.core.regs import PtRegs
-from qprobe.vmm.connection import Connection
 from qprobe.vmm.gdbremote import GdbRemote
 
-ARCH = X86_64()
 ENTRY = 0xFFFF_FFFF_81C0_0BA0  # asm_exc_int3
 PROBE = 0xFFFF_FFFF_8120_0000
 SLOT = 0xFFFF_FFFF_A000_0000
@@ -49,33 +47,8 @@ class FakeKernel:
     symbols: FakeSymbols = field(default_factory=FakeSymbols)
 
 
-class FakeMem:
-    """Guest memory as one flat address space (virtual = physical)."""
-
-    pgd = 0
-
-    def pgd_of(self, cr3: int) -> int:
-        return self.pgd
-
-    def __init__(self) -> None:
-        self.bytes: dict[int, int] = {}
-
-    def fill(self, addr: int, data: bytes) -> None:
-        for i, b in enumerate(data):
-            self.bytes[addr + i] = b
-
-    def read(self, addr: int, size: int, pgd: int | None = None) -> bytes:
-        return bytes(self.bytes.get(addr + i, 0) for i in range(size))
-
-    def read_u64(self, addr: int) -> int:
-        return int.from_bytes(self.read(addr, 8), "little")
-
-    def virt_to_phys(self, addr: int, pgd: int | None = None) -> int:
-        return addr
-
-
 class FakeMachine:
-    def __init__(self, gdb: GdbRemote, mem: FakeMem) -> None:
+    def __init__(self, gdb: GdbRemote, mem: FlatMem) -> None:
         self.gdb, self.mem = gdb, mem
         self.vcpus = gdb.threads()
         self.stop_handlers: dict[int, object] = {}
@@ -98,7 +71,7 @@ class Table:
         self.boost = boost
 
     def make_regs(self, values: Mapping[str, int], tid: str) -> PtRegs:
-        return PtRegs(dict(values), tid, 0, self.machine.mem, layout=ARCH.registers)  # type: ignore[arg-type]
+        return flat_regs(values, tid, self.machine.mem)
 
     def may_boost(self, point: ProbePoint, active: list[Kprobe]) -> bool:
         return self.boost and not any(kp.post_handler for kp in active)
@@ -115,7 +88,7 @@ class Table:
 class Rig:
     stub: QemuStub
     gdb: GdbRemote
-    mem: FakeMem
+    mem: FlatMem
     table: Table
     dispatcher: Dispatcher
     handlers: Handlers
@@ -139,18 +112,14 @@ class Rig:
 
 
 @pytest.fixture(params=[False, True], ids=["single-step", "boost"])
-def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
-    stub = QemuStub()
-    gdb = GdbRemote(Connection(stub.client, name="fake"))
-    gdb.handshake()
-    mem = FakeMem()
+def rig(request: pytest.FixtureRequest, stub_gdb: tuple[QemuStub, GdbRemote]) -> Rig:
+    stub, gdb = stub_gdb
+    mem = FlatMem()
     machine = FakeMachine(gdb, mem)
     table = Table(machine, boost=request.param)
     handlers = Handlers()
     dispatcher = Dispatcher(machine, FakeKernel(), ARCH, table, handlers)  # type: ignore[arg-type]
-    yield Rig(stub, gdb, mem, table, dispatcher, handlers)
-    stub.close()
-    assert not stub.errors, stub.errors
+    return Rig(stub, gdb, mem, table, dispatcher, handlers)
 
 
 def test_a_hit_runs_the_pre_handler_on_the_state_before_the_int3(rig: Rig) -> None:

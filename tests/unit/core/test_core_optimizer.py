@@ -9,15 +9,15 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
+from core_fakes import ARCH, FlatMem, flat_regs
 from vmm_fakes import QemuStub
 
 from qprobe.arch.inguest import KeySpec
-from qprobe.arch.x86_64.arch import X86_64
 from qprobe.core import optimizer as optimizer_mod
 from qprobe.core.dispatch import Trampoline
 from qprobe.core.handlers import Handlers
@@ -25,10 +25,8 @@ from qprobe.core.kprobe import Kprobe, Kretprobe
 from qprobe.core.optimizer import RESUME_GRACE, Optimizer, detour_kind
 from qprobe.core.point import ProbePoint
 from qprobe.core.regs import PtRegs
-from qprobe.vmm.connection import Connection
 from qprobe.vmm.gdbremote import GdbRemote
 
-ARCH = X86_64()
 FN = 0xFFFF_FFFF_8120_0000
 # push rbp; mov rbp, rsp; push rbx; push r12; mov eax, 1; pop r12; pop rbx; pop rbp; ret
 CODE = bytes.fromhex("554889e5534154b801000000415c5b5dc3")
@@ -37,23 +35,6 @@ REGION = 8
 TASK_STACK = 0xFFFF_C900_0001_0000
 THREAD_SIZE = 0x4000
 GS_BASE = 0xFFFF_8880_1F00_0000
-
-
-class FakeMem:
-    pgd = 0
-
-    def pgd_of(self, cr3: int) -> int:
-        return self.pgd
-
-    def __init__(self) -> None:
-        self.bytes: dict[int, int] = {}
-
-    def fill(self, addr: int, data: bytes) -> None:
-        for i, b in enumerate(data):
-            self.bytes[addr + i] = b
-
-    def read(self, addr: int, size: int, pgd: int | None = None) -> bytes:
-        return bytes(self.bytes.get(addr + i, 0) for i in range(size))
 
 
 class FakeKernel:
@@ -108,7 +89,7 @@ class Table:
         pass
 
     def make_regs(self, values: Mapping[str, int], tid: str) -> PtRegs:
-        return PtRegs(dict(values), tid, 0, self.machine.mem, layout=ARCH.registers)  # type: ignore[arg-type]
+        return flat_regs(values, tid, self.machine.mem)
 
     def arriving(self, regs: Mapping[str, int]) -> int | None:
         return self.trapping
@@ -119,7 +100,7 @@ class Rig:
     stub: QemuStub
     table: Table
     opt: Optimizer
-    mem: FakeMem
+    mem: FlatMem
     point: ProbePoint = field(init=False)
 
     def __post_init__(self) -> None:
@@ -137,11 +118,9 @@ class Rig:
 
 
 @pytest.fixture
-def rig() -> Iterator[Rig]:
-    stub = QemuStub()
-    gdb = GdbRemote(Connection(stub.client, name="fake"))
-    gdb.handshake()
-    mem = FakeMem()
+def rig(stub_gdb: tuple[QemuStub, GdbRemote]) -> Rig:
+    stub, gdb = stub_gdb
+    mem = FlatMem()
     mem.fill(FN, CODE)
     table = Table(SimpleNamespace(gdb=gdb, mem=mem, vcpus=gdb.threads(), call=lambda fn: fn(),
                                   journal=SimpleNamespace(batch=contextlib.nullcontext)))  # fmt: skip
@@ -150,9 +129,7 @@ def rig() -> Iterator[Rig]:
     r = Rig(stub, table, opt, mem)
     for i in range(len(stub.vcpus)):
         r.vcpu(i, rip=FN + 0x1000)
-    yield r
-    stub.close()
-    assert not stub.errors, stub.errors
+    return r
 
 
 def recorder(rec: object) -> None:

@@ -7,7 +7,6 @@ memory and the stub's replies are tests/unit/vmm's QEMU 7.2 fake.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,7 +17,6 @@ from vmm_fakes import QemuStub, g_offsets
 from qprobe.arch.x86_64 import detour, retdetour
 from qprobe.arch.x86_64.arch import X86_64
 from qprobe.core.recovery import _Recovery, recover
-from qprobe.vmm.connection import Connection
 from qprobe.vmm.gdbremote import GdbRemote
 from qprobe.vmm.journal import Journal, JournalError, Patch
 
@@ -79,19 +77,15 @@ class Rig:
 
 
 @pytest.fixture
-def rig(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Rig]:
+def rig(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stub_gdb: tuple[QemuStub, GdbRemote]) -> Rig:
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
     monkeypatch.setenv("QPROBE_CACHE", str(cache))
-    stub = QemuStub()
-    gdb = GdbRemote(Connection(stub.client, name="fake"))
-    gdb.handshake()
+    stub, gdb = stub_gdb
     kernel = SimpleNamespace(symbols=FakeSymbols(), mem=FakeMem(stub))
     for i in range(len(stub.vcpus)):
         stub.vcpus[i].set("rip", 0xFFFF_FFFF_8100_0000)
-    yield Rig(stub, gdb, kernel, Journal("test-vm"))
-    stub.close()
-    assert not stub.errors, stub.errors
+    return Rig(stub, gdb, kernel, Journal("test-vm"))
 
 
 def int3_patch() -> Patch:

@@ -332,15 +332,14 @@ class X86_64:
 
     def parse_ring_entry(self, raw: bytes) -> RingEntry:
         values, _ret, probe_id = parse_stub_frame(raw)
-        cpu_pid, task, sp, tsc = (int.from_bytes(raw[o : o + 8], "little")
-                                  for o in (detour.E_CPU_PID, detour.E_TASK, detour.E_SP, detour.E_TSC))  # fmt: skip
+        cpu_pid, task, tsc = (int.from_bytes(raw[o : o + 8], "little")
+                              for o in (detour.E_CPU_PID, detour.E_TASK, detour.E_TSC))  # fmt: skip
         pid = cpu_pid >> 32
         comm = raw[detour.E_COMM : detour.E_COMM + 16].split(b"\0")[0].decode(errors="replace")
-        values.update(rsp=sp)
-        return RingEntry(probe_id, cpu_pid & 0xFFFFFFFF, pid - (1 << 32) if pid >> 31 else pid, comm, task, tsc, sp,
-                         values)  # fmt: skip
+        return RingEntry(probe_id, cpu_pid & 0xFFFFFFFF, pid - (1 << 32) if pid >> 31 else pid, comm, task, tsc,
+                         values["rsp"], values)  # fmt: skip
 
-    ring_entry_read_size = detour.E_SP + 8
+    ring_entry_read_size = detour.E_TASK + 8
 
     def parse_keyed_table(self, raw: bytes) -> dict[int, int]:
         """key -> count over one or more CPUs' keyed tables."""

@@ -18,11 +18,15 @@ normal hit, anything else when a pre_handler changed ``regs.ip`` to skip the
 instruction.  Interrupts stay disabled while the mailbox is in use; a probe
 hit on a CPU whose mailbox is busy (an NMI) only counts ``nmissed``.
 
-Frame layout (offsets from rsp after the pushes), mirrored by the host::
+The stub's frame is a ``struct pt_regs`` (qprobe.arch.x86_64.ptregs), laid
+out as the kernel's optprobe trampoline lays out its own: ``push rsp;
+pushfq``, room for cs, ip and orig_ax, the general registers in pt_regs
+order; the sp slot is then moved past the detour's two pushes to the probed
+context's rsp.  ss is not saved: that word is the return into the detour
+that ``call stub`` pushed, and the probe id follows it::
 
-    0 r15  8 r14  16 r13  24 r12  32 r11  40 r10  48 r9  56 r8  64 rdi  72 rsi
-    80 rbp  88 rbx  96 rdx  104 rcx  112 rax  120 flags  128 return into detour
-    136 probe id  144 = the probed context's rsp
+    0 r15 .. 112 di   120 orig_ax  128 ip  136 cs (none of the three written)
+    144 flags  152 sp  160 return into detour  168 probe id  176 = the context's rsp
 """
 
 from __future__ import annotations
@@ -32,11 +36,19 @@ from dataclasses import dataclass
 from iced_x86 import BlockEncoder, Code, Instruction, MemoryOperand, Register, RepPrefixKind
 
 from qprobe.arch.x86_64.boost import synthesize_relcall, synthesize_reljump
-from qprobe.arch.x86_64.ptregs import STUB_FRAME_FLAGS, STUB_FRAME_GPRS, STUB_FRAME_ID, STUB_FRAME_RET, STUB_FRAME_SIZE
+from qprobe.arch.x86_64.ptregs import (
+    PT_GPRS,
+    STUB_FRAME_FLAGS,
+    STUB_FRAME_ID,
+    STUB_FRAME_RET,
+    STUB_FRAME_SIZE,
+    STUB_FRAME_SP,
+)
 
 # The frame's layout is defined with pt_regs in qprobe.arch.x86_64.ptregs.
-FRAME_REGS = STUB_FRAME_GPRS
+FRAME_REGS = PT_GPRS  # the general registers, in the frame's (pt_regs') order
 FRAME_FLAGS = STUB_FRAME_FLAGS
+FRAME_SP = STUB_FRAME_SP
 FRAME_RET = STUB_FRAME_RET
 FRAME_ID = STUB_FRAME_ID
 FRAME_SIZE = STUB_FRAME_SIZE  # the probed context's rsp is frame + FRAME_SIZE
@@ -44,13 +56,14 @@ FRAME_SIZE = STUB_FRAME_SIZE  # the probed context's rsp is frame + FRAME_SIZE
 # Mailbox layout (one per CPU, MAILBOX_SIZE bytes)
 MB_STATE, MB_BUSY, MB_FRAME, MB_CR3, MB_PERCPU, MB_CURRENT, MB_FINAL_IP, MB_FINAL_SP = (
     0x00, 0x08, 0x18, 0x20, 0x28, 0x30, 0x38, 0x40)  # fmt: skip
-MB_REGS = 0x80  # 18 qwords copied from the frame
+MB_REGS = 0x80  # the frame, copied (FRAME_SIZE bytes)
 MAILBOX_SHIFT = 9
 MAILBOX_SIZE = 1 << MAILBOX_SHIFT
 STATE_IDLE, STATE_REQUEST, STATE_DONE = 0, 1, 2
 DETOUR_HEAD = 10  # push imm32 (5) + call rel32 (5)
 
-_PUSHED = tuple(reversed(STUB_FRAME_GPRS))  # pushed in this order, they lie in the frame's
+_PUSHED = tuple(reversed(PT_GPRS))  # pushed in this order, they lie in pt_regs'
+_SKIPPED = FRAME_FLAGS - 8 * len(PT_GPRS)  # orig_ax, ip and cs: between the registers and flags
 
 
 @dataclass(frozen=True)
@@ -103,6 +116,32 @@ def restore_regs(*names: str, label: int = 0) -> list[Instruction]:
     return out
 
 
+def save_pt_regs() -> list[Instruction]:
+    """A stub's prologue: its frame, a struct pt_regs, at rsp; interrupts off, the direction flag clear.
+
+    Entered by ``push id; call stub``: ``push rsp`` stores the sp slot (the stub's rsp, which the
+    last instruction moves past the two pushes to the probed context's), ``pushfq`` the flags.
+    """
+    c = Instruction
+    return [
+        c.create_reg(Code.PUSH_R64, Register.RSP),
+        c.create(Code.PUSHFQ),
+        c.create(Code.CLI),
+        c.create(Code.CLD),
+        c.create_reg_mem(Code.LEA_R64_M, Register.RSP, _mem("rsp", -_SKIPPED)),
+        *(c.create_reg(Code.PUSH_R64, _r(n)) for n in _PUSHED),
+        c.create_mem_i32(Code.ADD_RM64_IMM8, _mem("rsp", FRAME_SP), FRAME_SIZE - FRAME_RET),
+    ]
+
+
+def restore_pt_regs(label: int) -> list[Instruction]:
+    """The registers and flags back from the frame (``label`` names the first); rsp is left at the sp slot."""
+    c = Instruction
+    pops = [c.create_reg(Code.POP_R64, _r(n)) for n in reversed(_PUSHED)]
+    pops[0].ip = label
+    return [*pops, c.create_reg_mem(Code.LEA_R64_M, Register.RSP, _mem("rsp", _SKIPPED)), c.create(Code.POPFQ)]
+
+
 def encode_detour(head: list[Instruction], address: int, relocated: bytes, resume: int) -> tuple[bytes, int]:
     """``head`` encoded at ``address``, then the relocated instructions and ``jmp resume``; and the head's length."""
     enc = BlockEncoder(64)
@@ -115,8 +154,7 @@ def build_stub(p: StubParams, address: int) -> bytes:
     """The shared stub, encoded for ``address``."""
     spin, missed, restore = 1, 2, 3  # labels (BlockEncoder resolves branches by ip)
     c = Instruction
-    code = [c.create(Code.PUSHFQ), c.create(Code.CLI), c.create(Code.CLD)]
-    code += [c.create_reg(Code.PUSH_R64, _r(n)) for n in _PUSHED]
+    code = save_pt_regs()
     code += [
         c.create_reg_mem(Code.MOV_R32_RM32, Register.EAX, _mem(disp=p.cpu_number, seg="gs")),
         c.create_reg_i32(Code.SHL_RM32_IMM8, Register.EAX, MAILBOX_SHIFT),
@@ -153,12 +191,12 @@ def build_stub(p: StubParams, address: int) -> bytes:
         c.create_reg_u32(Code.MOV_R32_IMM32, Register.ECX, FRAME_RET // 8),
         c.create_movsq(64, Register.NONE, RepPrefixKind.REPE),
         # Resume at FINAL_IP with rsp = FINAL_SP: store the ip just below the new
-        # stack pointer and point the frame's return slot at it for `pop rsp; ret`.
+        # stack pointer and point the frame's sp slot at it for `pop rsp; ret`.
         c.create_reg_mem(Code.MOV_R64_RM64, Register.RCX, _mem("rbx", MB_FINAL_SP)),
         c.create_reg_mem(Code.MOV_R64_RM64, Register.RAX, _mem("rbx", MB_FINAL_IP)),
         c.create_reg_i32(Code.SUB_RM64_IMM8, Register.RCX, 8),
         c.create_mem_reg(Code.MOV_RM64_R64, _mem("rcx"), Register.RAX),
-        c.create_mem_reg(Code.MOV_RM64_R64, _mem("rsp", FRAME_RET), Register.RCX),
+        c.create_mem_reg(Code.MOV_RM64_R64, _mem("rsp", FRAME_SP), Register.RCX),
         c.create_mem_i32(Code.MOV_RM64_IMM32, _mem("rbx", MB_STATE), STATE_IDLE),
         c.create_mem_i32(Code.MOV_RM64_IMM32, _mem("rbx", MB_BUSY), 0),
         c.create_branch(Code.JMP_REL32_64, restore),
@@ -174,11 +212,9 @@ def build_stub(p: StubParams, address: int) -> bytes:
         c.create_reg_mem(Code.MOV_R64_RM64, Register.RAX, _mem("rsp", FRAME_RET)),
         c.create_mem_reg(Code.MOV_RM64_R64, _mem("rsp", FRAME_ID), Register.RAX),
         c.create_reg_mem(Code.LEA_R64_M, Register.RAX, _mem("rsp", FRAME_ID)),
-        c.create_mem_reg(Code.MOV_RM64_R64, _mem("rsp", FRAME_RET), Register.RAX),
+        c.create_mem_reg(Code.MOV_RM64_R64, _mem("rsp", FRAME_SP), Register.RAX),
     ]
-    pops = [c.create_reg(Code.POP_R64, _r(n)) for n in reversed(_PUSHED)]
-    pops[0].ip = restore
-    code += [*pops, c.create(Code.POPFQ), c.create_reg(Code.POP_R64, Register.RSP), c.create(Code.RETNQ)]
+    code += [*restore_pt_regs(restore), c.create_reg(Code.POP_R64, Register.RSP), c.create(Code.RETNQ)]
     enc = BlockEncoder(64)
     enc.add_many(code)
     return bytes(enc.encode(address))
@@ -219,8 +255,9 @@ ENTRY_SHIFT = 8
 ENTRY_SIZE = 1 << ENTRY_SHIFT
 RING_HEADER = 64  # per CPU: head (written by the guest), tail (by the host)
 R_HEAD, R_TAIL = 0x00, 0x08
-# An entry: the stub's frame (18 qwords, the probe id last), then what the host cannot read later.
-E_TSC, E_CPU_PID, E_COMM, E_TASK, E_SP = 144, 152, 160, 176, 184
+# An entry: the stub's frame (a pt_regs, the probe id after it), then what the host cannot read later.
+E_TSC, E_CPU_PID, E_COMM, E_TASK = FRAME_SIZE, FRAME_SIZE + 8, FRAME_SIZE + 16, FRAME_SIZE + 32
+assert E_TASK + 8 <= ENTRY_SIZE and MB_REGS + FRAME_SIZE <= MAILBOX_SIZE
 
 
 @dataclass(frozen=True)
@@ -243,8 +280,7 @@ def build_record_stub(p: RecordParams, address: int) -> bytes:
     """
     full, done = 1, 2
     c = Instruction
-    code = [c.create(Code.PUSHFQ), c.create(Code.CLI), c.create(Code.CLD)]
-    code += [c.create_reg(Code.PUSH_R64, _r(n)) for n in _PUSHED]
+    code = save_pt_regs()
     code += [
         c.create_reg_mem(Code.MOV_R32_RM32, Register.R8D, _mem(disp=p.cpu_number, seg="gs")),
         c.create_reg_reg(Code.MOV_R32_RM32, Register.EAX, Register.R8D),
@@ -268,8 +304,6 @@ def build_record_stub(p: RecordParams, address: int) -> bytes:
         c.create_reg_i32(Code.SHL_RM64_IMM8, Register.RDX, 32),
         c.create_reg_reg(Code.OR_R64_RM64, Register.RAX, Register.RDX),
         c.create_mem_reg(Code.MOV_RM64_R64, _mem("rdi", E_TSC), Register.RAX),
-        c.create_reg_mem(Code.LEA_R64_M, Register.RAX, _mem("rsp", FRAME_SIZE)),
-        c.create_mem_reg(Code.MOV_RM64_R64, _mem("rdi", E_SP), Register.RAX),
         c.create_reg_mem(Code.MOV_R64_RM64, Register.RAX, _mem(disp=p.current_task, seg="gs")),
         c.create_mem_reg(Code.MOV_RM64_R64, _mem("rdi", E_TASK), Register.RAX),
         c.create_reg_mem(Code.MOV_R32_RM32, Register.ECX, _mem("rax", p.pid_offset)),
@@ -289,9 +323,9 @@ def build_record_stub(p: RecordParams, address: int) -> bytes:
     inc = c.create_mem(Code.INC_RM64, _mem(None, p.lost, "rax", 8))
     inc.has_lock_prefix = True
     code += [lost, inc]
-    pops = [c.create_reg(Code.POP_R64, _r(n)) for n in reversed(_PUSHED)]
-    pops[0].ip = done
-    code += [*pops, c.create(Code.POPFQ), c.create_i32(Code.RETNQ_IMM16, 8)]
+    # Past the sp slot without touching the flags just restored, then to the continue label.
+    code += [*restore_pt_regs(done), c.create_reg_mem(Code.LEA_R64_M, Register.RSP, _mem("rsp", 8)),
+             c.create_i32(Code.RETNQ_IMM16, 8)]  # fmt: skip
     enc = BlockEncoder(64)
     enc.add_many(code)
     return bytes(enc.encode(address))

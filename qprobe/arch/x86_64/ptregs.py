@@ -3,10 +3,12 @@
 The layout is arch/x86/include/asm/ptrace.h's (the ptrace ABI: it never
 moves).  Each field has its pt_regs name (what handlers and kprobe_events
 use: ``regs.ax``, ``%di``) and the gdbstub's name for the register (``rax``,
-``rdi``, what QEMU's ``g`` packet and qprobe's register dicts use).  Readers
-of a pt_regs in guest memory (the #BP handler's frame, a hardware exception
-frame, the optimized stub's frame in a mailbox or a record ring) go through
-:func:`parse_pt_regs`, :func:`parse_hw_frame` and :func:`parse_stub_frame`.
+``rdi``, what QEMU's ``g`` packet and qprobe's register dicts use).  A
+pt_regs in guest memory is read by :func:`parse_pt_regs`, whoever wrote it:
+the #BP handler's frame, or an optimized probe's stub, whose frame in a
+mailbox or a record ring is a pt_regs too (:func:`parse_stub_frame` adds the
+two words after it); the hardware exception frame is its tail
+(:func:`parse_hw_frame`).
 """
 
 from __future__ import annotations
@@ -38,16 +40,18 @@ X86_EFLAGS_IF = 1 << 9  # interrupts enabled
 X86_EFLAGS_RF = 1 << 16  # resume flag (suppresses an instruction breakpoint once)
 KERNEL_CS, KERNEL_DS = 0x10, 0x18  # GDT_ENTRY_KERNEL_CS * 8, GDT_ENTRY_KERNEL_DS * 8
 
-# The optimized-probe stub's frame (qprobe.arch.x86_64.detour): the general registers as its
-# pushes leave them, then flags, the return into the detour and the probe id.  Its own order
-# (not pt_regs') because the stubs push in this order; the words are named from pt_regs above.
-STUB_FRAME_GPRS = ("r15", "r14", "r13", "r12", "r11", "r10", "r9", "r8", "rdi", "rsi", "rbp", "rbx", "rdx", "rcx",
-                   "rax")  # fmt: skip
-assert sorted(STUB_FRAME_GPRS) == sorted(PT_GPRS)
-STUB_FRAME_FLAGS = 8 * len(STUB_FRAME_GPRS)
-STUB_FRAME_RET = STUB_FRAME_FLAGS + 8
-STUB_FRAME_ID = STUB_FRAME_RET + 8
+# The optimized-probe stub's frame (qprobe.arch.x86_64.detour) is a struct pt_regs, as the
+# kernel's optprobe trampoline builds one: the general registers, orig_ax, ip and cs (not
+# written: the host knows the probe's ip and a kernel-mode cs), flags and the probed context's
+# sp.  Like the kernel's trampoline it does not save ss: that word is the return into the detour
+# its ``call`` pushed, and the probe id its ``push`` left follows the pt_regs.
+STUB_FRAME_FLAGS = 8 * PT_REGS_ORDER.index("eflags")
+STUB_FRAME_SP = 8 * PT_REGS_ORDER.index("rsp")
+STUB_FRAME_RET = 8 * PT_REGS_ORDER.index("ss")
+STUB_FRAME_ID = PT_REGS_SIZE
 STUB_FRAME_SIZE = STUB_FRAME_ID + 8  # the probed context's rsp is frame + STUB_FRAME_SIZE
+# What a stub's frame holds of the probed context (gdb names): its general registers, flags and sp.
+STUB_FRAME_REGS = (*PT_GPRS, "eflags", "rsp")
 
 
 def parse_pt_regs(raw: bytes) -> dict[str, int]:
@@ -61,18 +65,15 @@ def parse_hw_frame(raw: bytes) -> dict[str, int]:
 
 
 def parse_stub_frame(raw: bytes) -> tuple[dict[str, int], int, int]:
-    """An optimized stub's frame: (registers by gdb name with ``eflags``, return into the detour, probe id)."""
-    words = struct.unpack(f"<{STUB_FRAME_SIZE // 8}Q", raw[:STUB_FRAME_SIZE])
-    values = dict(zip(STUB_FRAME_GPRS, words, strict=False))
-    values["eflags"] = words[STUB_FRAME_FLAGS // 8]
-    return values, words[STUB_FRAME_RET // 8], words[STUB_FRAME_ID // 8]
+    """An optimized stub's frame: (the context's registers by gdb name, return into the detour, probe id)."""
+    pt = parse_pt_regs(raw)
+    (probe_id,) = struct.unpack_from("<Q", raw, STUB_FRAME_ID)
+    return {name: pt[name] for name in STUB_FRAME_REGS}, pt["ss"], probe_id
 
 
 def stub_frame_offset(gdb_name: str) -> int | None:
-    """Where register ``gdb_name`` lives in a stub frame (None: not saved there)."""
-    if gdb_name == "eflags":
-        return STUB_FRAME_FLAGS
-    return 8 * STUB_FRAME_GPRS.index(gdb_name) if gdb_name in STUB_FRAME_GPRS else None
+    """Where the stub reloads register ``gdb_name`` from (None: not there; sp and ip are the stub's exit's)."""
+    return 8 * PT_REGS_ORDER.index(gdb_name) if gdb_name in STUB_FRAME_REGS and gdb_name != "rsp" else None
 
 
 __all__ = [
@@ -90,10 +91,11 @@ __all__ = [
     "PT_REGS_ORDER",
     "PT_REGS_SIZE",
     "STUB_FRAME_FLAGS",
-    "STUB_FRAME_GPRS",
     "STUB_FRAME_ID",
+    "STUB_FRAME_REGS",
     "STUB_FRAME_RET",
     "STUB_FRAME_SIZE",
+    "STUB_FRAME_SP",
     "X86_EFLAGS_IF",
     "X86_EFLAGS_RF",
     "X86_EFLAGS_TF",

@@ -2,7 +2,7 @@
 
 The rings are laid out by the real x86_64 arch in a flat fake of guest RAM;
 the entries are written as the record stub writes them (its frame, then
-the TSC, CPU and pid, comm, task and sp at the arch's offsets).
+the TSC, CPU and pid, comm and task at the arch's offsets).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 from qprobe.arch.x86_64 import detour
 from qprobe.arch.x86_64.arch import X86_64
-from qprobe.arch.x86_64.ptregs import STUB_FRAME_GPRS, STUB_FRAME_ID
+from qprobe.arch.x86_64.ptregs import PT_REGS_ORDER, STUB_FRAME_ID
 from qprobe.core.handlers import Handlers
 from qprobe.core.kprobe import GuestRecord, Kprobe
 from qprobe.core.point import Optimized, ProbePoint
@@ -79,11 +79,11 @@ def publish(
     hdr = rr.scratch.phys_of(rr.rings + ring_cpu * ARCH.ring_header_size)
     head = ram.read_u64_phys(hdr + ARCH.ring_head)
     raw = bytearray(ARCH.ring_entry_size)
-    struct.pack_into("<Q", raw, 8 * STUB_FRAME_GPRS.index("rdi"), di)
+    struct.pack_into("<Q", raw, 8 * PT_REGS_ORDER.index("rdi"), di)
     struct.pack_into("<Q", raw, STUB_FRAME_ID, probe_id)
     struct.pack_into("<QQ", raw, detour.E_TSC, tsc, (100 + cpu) << 32 | cpu)
     raw[detour.E_COMM : detour.E_COMM + 16] = b"workload".ljust(16, b"\0")
-    struct.pack_into("<QQ", raw, detour.E_TASK, 0xFFFF_8880_0100_0000, 0xFFFF_C900_0000_3F00)
+    struct.pack_into("<Q", raw, detour.E_TASK, 0xFFFF_8880_0100_0000)
     base = rr.rings + ARCH.ring_header_size * 2 + ring_cpu * ARCH.ring_entries * ARCH.ring_entry_size
     ram.write_phys(rr.scratch.phys_of(base + (head % ARCH.ring_entries) * ARCH.ring_entry_size), bytes(raw))
     ram.write_u64_phys(hdr + ARCH.ring_head, head + 1)

@@ -20,7 +20,6 @@ from qprobe.arch.x86_64.detour import (  # noqa: E402
     DETOUR_HEAD,
     E_COMM,
     E_CPU_PID,
-    E_SP,
     E_TASK,
     E_TSC,
     ENTRY_SIZE,
@@ -33,6 +32,7 @@ from qprobe.arch.x86_64.detour import (  # noqa: E402
     build_detour,
     build_record_stub,
 )
+from qprobe.arch.x86_64.ptregs import parse_pt_regs, parse_stub_frame  # noqa: E402
 
 # Low addresses (unicorn cannot run in the upper half); they still fit the sign-extended disp32 forms.
 STUB, DETOUR, RESUME = 0x10000000, 0x11000000, 0x12000000
@@ -85,13 +85,16 @@ def test_record_stub_writes_the_entry_the_host_reads_and_preserves_everything(re
     header = RINGS + RING_HEADER * CPU
     assert struct.unpack("<Q", uc.mem_read(header + R_HEAD, 8))[0] == 1
     entry = bytes(uc.mem_read(RINGS + RING_HEADER * NCPUS + CPU * RING_ENTRIES * ENTRY_SIZE, ENTRY_SIZE))
-    words = struct.unpack(f"<{E_SP // 8 + 1}Q", entry[: E_SP + 8])
-    assert dict(zip(FRAME_REGS, words, strict=False)) == regs
-    assert words[15] & 0xFFF == FLAGS  # the flags at the probe
-    assert words[16] == DETOUR + DETOUR_HEAD and words[17] == PROBE_ID  # continue label, probe id
-    assert words[E_CPU_PID // 8] == CPU | PID << 32 and words[E_TASK // 8] == TASK
-    assert entry[E_COMM : E_COMM + 8] == b"workload" and words[E_SP // 8] == STACK
-    assert words[E_TSC // 8] != 0
+    # The frame is a struct pt_regs: the registers, flags and stack pointer at the probe.
+    pt = parse_pt_regs(entry)
+    assert {name: pt[name] for name in FRAME_REGS} == regs
+    assert pt["eflags"] & 0xFFF == FLAGS and pt["rsp"] == STACK
+    values, ret, probe_id = parse_stub_frame(entry)
+    assert values == {**regs, "eflags": pt["eflags"], "rsp": STACK}
+    assert ret == DETOUR + DETOUR_HEAD and probe_id == PROBE_ID  # continue label, probe id
+    cpu_pid, tsc, task = (struct.unpack_from("<Q", entry, off)[0] for off in (E_CPU_PID, E_TSC, E_TASK))
+    assert cpu_pid == CPU | PID << 32 and task == TASK and tsc != 0
+    assert entry[E_COMM : E_COMM + 8] == b"workload"
     assert struct.unpack("<Q", uc.mem_read(LOST + PROBE_ID * 8, 8))[0] == 0
 
 
@@ -198,5 +201,52 @@ def test_filtered_detour_records_exactly_what_the_filter_accepts(data: st.DataOb
     expected = evaluate(tree, {g: regs["r" + g if not g.startswith("r") else g] for g in GPRS})
     assert (recorded, rejected) == ((1, 0) if expected else (0, 1))
     if expected:  # the stub returns to the nop just before the relocated code
-        entry = bytes(uc.mem_read(RINGS + RING_HEADER * NCPUS + CPU * RING_ENTRIES * ENTRY_SIZE, 144))
-        assert struct.unpack("<18Q", entry)[16] == DETOUR + relocated_at - 1
+        entry = bytes(uc.mem_read(RINGS + RING_HEADER * NCPUS + CPU * RING_ENTRIES * ENTRY_SIZE, ENTRY_SIZE))
+        assert parse_stub_frame(entry)[1] == DETOUR + relocated_at - 1
+
+
+# -- the mailbox stub: the host reads a pt_regs and says where the vCPU goes on -------------------
+from qprobe.arch.x86_64.arch import X86_64  # noqa: E402
+from qprobe.arch.x86_64.detour import MAILBOX_SIZE, StubParams, build_stub  # noqa: E402
+
+MAILBOXES, THIS_CPU_OFF, PORT = 0x52000000, 0x300, 0xE9
+SKIPPED = 0x13000000  # where a handler that changed ip sends the vCPU
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["continue", "skip the function"])
+def test_mailbox_stub_hands_the_host_the_probed_context_and_resumes_where_it_says(skip: bool) -> None:
+    uc = machine()
+    uc.mem_map(MAILBOXES, 0x100000)
+    uc.mem_map(SKIPPED, 0x1000)
+    uc.mem_write(SKIPPED, b"\xf4")
+    uc.mem_write(PERCPU + THIS_CPU_OFF, PERCPU.to_bytes(8, "little"))
+    params = StubParams(MAILBOXES, LOST, CPU_NUMBER, THIS_CPU_OFF, CURRENT_TASK, PORT)
+    uc.mem_write(STUB, build_stub(params, STUB))
+    uc.mem_write(DETOUR, build_detour(DETOUR, PROBE_ID, STUB, NOP5, RESUME))
+    arch, box = X86_64(), MAILBOXES + CPU * MAILBOX_SIZE
+    seen = []
+
+    def doorbell(uc: unicorn.Uc, port: int, size: int, value: int, data: object) -> None:
+        """The host's side, as qprobe.core.doorbell does it: read the request, answer, publish DONE."""
+        req = arch.read_mailbox(lambda off, n: bytes(uc.mem_read(box + off, n)))
+        assert req is not None and port == PORT and value == CPU
+        seen.append(req)
+        final_ip = SKIPPED if skip else req.continue_addr
+        for off, data_ in arch.mailbox_answer({"rax": 0x5A5A, "eflags": FLAGS ^ 0x1}, final_ip, req.final_sp):
+            uc.mem_write(box + off, data_)
+
+    uc.hook_add(unicorn.UC_HOOK_INSN, doorbell, None, 1, 0, X.UC_X86_INS_OUT)
+    regs = {name: 0x3000 + i for i, name in enumerate(FRAME_REGS)}
+    for name, value in regs.items():
+        uc.reg_write(UC[name], value)
+    uc.reg_write(X.UC_X86_REG_RSP, STACK)
+    uc.reg_write(X.UC_X86_REG_EFLAGS, FLAGS)
+    uc.emu_start(DETOUR, SKIPPED if skip else RESUME, count=10_000)
+    (req,) = seen
+    assert req.probe_id == PROBE_ID and req.continue_addr == DETOUR + DETOUR_HEAD and req.final_sp == STACK
+    assert {name: req.values[name] for name in FRAME_REGS} == regs and req.values["rsp"] == STACK
+    assert req.values["eflags"] & 0xFFF == FLAGS and req.values["gs_base"] == PERCPU
+    assert uc.reg_read(X.UC_X86_REG_RIP) == (SKIPPED if skip else RESUME) and uc.reg_read(X.UC_X86_REG_RSP) == STACK
+    assert {name: uc.reg_read(UC[name]) for name in FRAME_REGS} == {**regs, "rax": 0x5A5A}
+    assert uc.reg_read(X.UC_X86_REG_EFLAGS) & 0xFFF == FLAGS ^ 0x1
+    assert struct.unpack("<2Q", uc.mem_read(box, 16)) == (0, 0)  # idle and not busy again

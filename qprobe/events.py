@@ -182,7 +182,7 @@ class _HostContext:
         return self.regs.sp
 
     def retval(self) -> int:
-        return self.regs.ax if self._retval is None else self._retval
+        return self.regs.return_value() if self._retval is None else self._retval
 
     def comm(self) -> str:
         return self._comm if self._comm is not None else self.target.current_task(self.regs).comm
@@ -375,7 +375,7 @@ class TraceEvent:
 
     def _kretprobe_hit(self, ri: KretprobeInstance, regs: PtRegs) -> None:
         func = self.probe.kp.at  # type: ignore[union-attr]
-        self._record(regs, ri.ret_addr, func, regs.ax)
+        self._record(regs, ri.ret_addr, func, regs.return_value())
 
 
 def _register_only(node: Node, layout: RegisterLayout) -> bool:

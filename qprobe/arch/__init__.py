@@ -109,6 +109,9 @@ class RegisterLayout:
     defaults: Mapping[str, int]  # fields a detour's frame lacks, with their kernel-mode values
     general: tuple[str, ...]  # pt_regs names of the general registers (a detour's filter or key may read them)
     irq_flag: int  # the flags bit set while interrupts are enabled
+    page_table: str  # gdbstub name of the register holding the running task's page-table root
+    percpu_base: str  # gdbstub name of the register holding the CPU's per-CPU base in kernel mode
+    retval: str  # pt_regs name of the register a function returns its value in
     ip: str = "ip"  # pt_regs names of the instruction pointer, stack pointer and flags
     sp: str = "sp"
     flags: str = "flags"

@@ -49,10 +49,12 @@ class PtRegs:
         init(self, "_symbols", symbols)
         init(self, "_kernel", kernel)
         # Reads use the interrupted task's page tables, so user pointers work too.
-        init(self, "_pgd", mem.pgd_of(values["cr3"]) if "cr3" in values else mem.pgd)
+        root = values.get(layout.page_table)
+        init(self, "_pgd", mem.pgd if root is None else mem.pgd_of(root))
         init(self, "tid", tid)
         init(self, "vcpu", vcpu)
-        init(self, "gs_base", values.get("gs_base", 0))  # the per-CPU base while in kernel mode
+        # The per-CPU base while in kernel mode (named as the kernel layer names it: x86's GS base).
+        init(self, "gs_base", values.get(layout.percpu_base, 0))
         # Maps a value read from a stack slot to the real return address (kretprobe trampolines).
         init(self, "fix_return", fix_return)
 
@@ -148,6 +150,10 @@ class PtRegs:
             raise ValueError(f"{fn.name} has no parameter {name!r} (it has {', '.join(params) or 'none'})")
         return params.index(name) + 1
 
+    def return_value(self) -> int:
+        """The register a function returns its value in, by the architecture's calling convention."""
+        return self._values[self._layout.retval]
+
     def stack(self, n: int = 0) -> int:
         """``$stackN``: the n-th u64 on the stack."""
         return self.read_u64(self._values["sp"] + 8 * n)
@@ -173,8 +179,8 @@ class PtRegs:
 
 
 def regs_return_value(regs: PtRegs) -> int:
-    """The function's return value at a return probe (``ax``), as the kernel's helper."""
-    return regs.ax
+    """The function's return value at a return probe (x86's ``ax``), as the kernel's helper."""
+    return regs.return_value()
 
 
 def regs_get_kernel_argument(regs: PtRegs, n: int) -> int:

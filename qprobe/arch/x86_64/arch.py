@@ -85,8 +85,9 @@ class X86_64:
     breakpoint = bytes([INT3_INSN_OPCODE])
     slot_size = 32  # MAX_INSN_SIZE (16) + a 5-byte jmp back, rounded up
     jump_size = JMP32_INSN_SIZE
-    registers = RegisterLayout(GDB_NAME, ARG_REGS, {"cs": KERNEL_CS, "ss": KERNEL_DS}, guestfilter.GPRS,
-                               X86_EFLAGS_IF)  # fmt: skip
+    registers = RegisterLayout(GDB_NAME, ARG_REGS, {"cs": KERNEL_CS, "ss": KERNEL_DS}, general=guestfilter.GPRS,
+                               irq_flag=X86_EFLAGS_IF, page_table="cr3", percpu_base="gs_base",
+                               retval="ax")  # fmt: skip
 
     mailbox_size = detour.MAILBOX_SIZE
     ring_header_size = detour.RING_HEADER

@@ -99,6 +99,11 @@ def test_gs_base_is_kept_for_per_cpu_reads() -> None:
     assert without.gs_base == 0
 
 
+def test_the_return_value_is_the_layout_s_register() -> None:
+    regs, _ = make()
+    assert regs.return_value() == regs_return_value(regs) == GDB_VALUES["rax"]
+
+
 def test_missing_register_is_attribute_error() -> None:
     regs, _ = make({"rip": 1, "rsp": SP})
     with pytest.raises(AttributeError):

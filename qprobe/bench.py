@@ -356,7 +356,7 @@ def _guest_refuses(target: qprobe.Target, names: list[str]) -> list[str]:
 
 
 def _scale(target: qprobe.Target, args: argparse.Namespace) -> list[ScaleRow]:
-    """The issue's scale rows: N counting probes, N with a Python handler, the guest's N kprobe events."""
+    """The scale rows: N counting probes, N with a Python handler, the guest's N kprobe events."""
     _name, _func, cmd, _fast, _slow = WORKLOADS[0]
     names = _optimizable(target, reached_functions(target, cmd.format(n=1)), max(SCALE))
     rows: list[ScaleRow] = []

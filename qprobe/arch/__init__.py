@@ -15,11 +15,14 @@ libdrgn/platform.h plays the same part):
    gdbstub's names, argument registers, flag bits), and a
    :class:`RegisterLayout` built from it for handlers' ``regs``.
 2. Instructions: ``arch_prepare_kprobe`` decodes the probed instruction and
-   decides whether it is single-stepped out of line, emulated on the host or
+   decides whether it runs out of line, is emulated on the host or is
    boosted (runs out of line followed by a jump back); ``arch_setup_resume``
-   turns that decision into one :class:`Resume`; ``arch_resume_singlestep``
-   maps the ip back after a step; ``arch_fault_frame`` finds a step's
-   exception frame.  ``breakpoint`` is the trap instruction
+   turns that decision into one :class:`Resume`.  Out of line, the copy is
+   followed by the trap instruction (Linux's int3 single-step, since 5.14)
+   and ``arch_resume_trap_step`` maps the ip back at that second trap; the
+   copies whose faults the guest must see at the original address are
+   single-stepped by the host instead (``arch_resume_singlestep`` maps the
+   ip back after the step, ``arch_fault_frame`` finds its exception frame).  ``breakpoint`` is the trap instruction
    ``arch_arm_kprobe`` writes (int3; ``brk`` on arm64).
 3. Traps: ``decode_trap`` reads where a stop came from (the exception frame,
    or the pt_regs the kernel's breakpoint handler was given) and
@@ -55,7 +58,10 @@ class ResumeKind(enum.Enum):
     """How a trapped vCPU goes on (``setup_singlestep``'s three cases, plus "done")."""
 
     CONTINUE = "continue"  # at ``ip``, with nothing left for the host to do
-    STEP = "step"  # single-step the out-of-line copy at ``ip``, then the host comes back
+    STEP = "step"  # the host single-steps the out-of-line copy at ``ip`` through the gdbstub, then goes on
+    # Run the copy at ``ip`` with interrupts off: the trap instruction after it brings the vCPU back
+    # through the same hook, and the host finishes the hit then (the kernel's int3 single-step).
+    TRAP_STEP = "trap-step"
     BOOST = "boost"  # run the copy at ``ip`` freely: it jumps back to ``jump_back`` on its own
 
 
@@ -216,6 +222,8 @@ class Prepared(Protocol):
     copy: bytes
     emulate: str | None
     boostable: bool
+    # Why the copy is single-stepped by the host rather than run to a trap after it (None: it is not).
+    step_reason: str | None
 
     @property
     def length(self) -> int: ...
@@ -242,7 +250,13 @@ class Arch(Protocol):
         self, code: bytes, addr: int, slot: int, where: str, exception_table: object
     ) -> Prepared: ...
     def arch_slot_code(self, prep: Prepared) -> bytes: ...
-    def arch_setup_resume(self, prep: Prepared, regs: object, mem: Memory, may_boost: bool) -> Resume: ...
+    def arch_setup_resume(
+        self, prep: Prepared, regs: object, mem: Memory, may_boost: bool, may_trap_step: bool
+    ) -> Resume: ...
+    def is_trap_step_start(self, prep: Prepared, ip: int) -> bool: ...
+    def is_trap_step_end(self, prep: Prepared, addr: int) -> bool: ...
+    def arch_resume_trap_step(self, prep: Prepared, regs: object) -> None: ...
+    def arch_slot_resume(self, slot: int, addr: int, ip: int, flags: int) -> tuple[int, int] | None: ...
     def step_left_slot(self, prep: Prepared, ip: int) -> bool: ...
     def arch_resume_singlestep(self, prep: Prepared, regs: object, mem: Memory) -> None: ...
     def arch_fault_frame(self, prep: Prepared, sp: int, read_u64: Callable[[int], int]) -> tuple[int, int] | None: ...

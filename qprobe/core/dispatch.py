@@ -10,10 +10,13 @@ same way, as ``kprobe_int3_handler`` does in the kernel:
 3. ``_handle``: a kretprobe trampoline, a probe removed since the trap, a
    re-entered vCPU (only ``nmissed`` counts), or the probe's pre_handlers
    (``Handlers.pre``, the one place handlers run), then
-   ``arch.arch_setup_resume`` decides: emulated, boosted or single-stepped.
-4. ``apply``: the one place a vCPU's registers are written to resume it.  A
-   single-step comes back here once, for the post_handlers and the ip mapped
-   back from the slot (``_after_singlestep``).
+   ``arch.arch_setup_resume`` decides: emulated, boosted, run out of line to
+   the breakpoint after the copy (a trap-step), or single-stepped.
+4. ``apply``: the one place a vCPU's registers are written to resume it.
+   A trap-step's second trap comes back through the hook (``_after_trap_step``,
+   the kernel's resume_singlestep() and kprobe_post_process()); a host
+   single-step comes back here at once (``_after_singlestep``): the
+   post_handlers, and the ip mapped back from the slot.
 """
 
 from __future__ import annotations
@@ -122,7 +125,14 @@ class Dispatcher:
         for tid in self.machine.vcpus:
             regs = self.machine.gdb.read_registers(tid)
             ip = self.arch.ip(regs)
-            if ip == self.int3_entry and not self.watch_refs:
+            point = self.ctlblk[tid].point
+            if point is not None and self.arch.is_trap_step_start(point.prep, ip):
+                regs = self._step(tid, ip)  # the copy, not run yet: up to its int3
+                ip = self.arch.ip(regs)
+            if point is not None and self.arch.is_trap_step_end(point.prep, ip):
+                # At the int3 after the copy: finish the hit as its trap would have.
+                self.apply(tid, self._after_trap_step(tid, Trap(ip, self.arch.sp(regs), self.arch.flags(regs), regs)))
+            elif ip == self.int3_entry and not self.watch_refs:
                 self.on_entry_stop(tid, regs)
             elif self.watch_refs and ip in self.watch_safe:
                 self.on_watch_stop(tid, regs)
@@ -139,7 +149,7 @@ class Dispatcher:
     def on_entry_stop(self, tid: str, regs: dict[str, int]) -> None:
         """The breakpoint hook: the vCPU stopped on the #BP entry, the exception frame at its sp."""
         trap = self.arch.decode_trap(TrapHook.ENTRY, regs, self.machine.mem.read)
-        if not self._ours(trap):
+        if not self._ours(tid, trap):
             # Somebody else's int3: the guest's own #BP handler has it.  A gdb breakpoint sits on
             # the entry; stepping executes its first instruction.
             self.passed_through += 1
@@ -157,7 +167,7 @@ class Dispatcher:
         if self.arch.ip(regs) not in self.watch_safe:
             return
         trap = self.arch.decode_trap(TrapHook.WATCH, regs, self.machine.mem.read)
-        if self._ours(trap):
+        if self._ours(tid, trap):
             self._dispatch(tid, trap)
 
     def lost_traps(self, handled: str | None) -> None:
@@ -178,10 +188,12 @@ class Dispatcher:
             if self.arch.ip(regs) in self.watch_safe:
                 self.on_watch_stop(tid, regs)
 
-    def _ours(self, trap: Trap) -> bool:
+    def _ours(self, tid: str, trap: Trap) -> bool:
         """Whether the trap is one of our int3s (or was, and the vCPU executed it before we removed it)."""
         if trap.user:
             return False
+        if self._trap_step_end(tid, trap.addr):
+            return True
         reg = self.registry
         point = reg.points.get(trap.addr)
         return trap.addr in reg.trampolines or (point is not None and point.armed) or (
@@ -193,10 +205,19 @@ class Dispatcher:
         self.ntraps += 1
         self._run(tid, trap)
 
+    def _trap_step_end(self, tid: str, addr: int) -> bool:
+        """Whether a trap at ``addr`` on ``tid`` is the second trap of the trap-step it is part way into."""
+        point = self.ctlblk[tid].point
+        return point is not None and self.arch.is_trap_step_end(point.prep, addr)
+
     def _run(self, tid: str, trap: Trap) -> None:
         """Handle one decoded trap and resume the vCPU (twice for a single-step: into the slot, and back)."""
         ctl = self.ctlblk[tid]
-        reentered = ctl.status is not KprobeStatus.IDLE
+        if self._trap_step_end(tid, trap.addr):
+            self.apply(tid, self._after_trap_step(tid, trap), trap.restore)
+            return
+        status = ctl.status
+        reentered = status is not KprobeStatus.IDLE
         ctl.status = KprobeStatus.HIT_ACTIVE
         try:
             point, active, resume = self._handle(tid, trap, reentered)
@@ -206,9 +227,15 @@ class Dispatcher:
                 final = self._after_singlestep(point, tid, after, active)
                 if final is not None:
                     self.apply(tid, final)
+            elif resume.kind is ResumeKind.TRAP_STEP:
+                # The kernel's KPROBE_HIT_SS: the vCPU runs the copy; its int3 comes back to _after_trap_step.
+                assert point is not None and not reentered
+                ctl.point, ctl.active = point, active
         finally:
-            if not reentered:
-                ctl.status = KprobeStatus.IDLE
+            if reentered:
+                ctl.status = status  # the outer hit still owns the vCPU
+            else:
+                ctl.status = KprobeStatus.HIT_SS if ctl.point is not None else KprobeStatus.IDLE
 
     def _handle(self, tid: str, trap: Trap, reentered: bool) -> tuple[ProbePoint | None, list[Kprobe], Resume]:
         """What the trap at ``trap.addr`` does: (its probe point, the probes whose handlers ran, the resume)."""
@@ -225,15 +252,16 @@ class Dispatcher:
             return None, [], Resume(ResumeKind.CONTINUE, trap.addr, trap.sp, trap.flags)
         pt = self._regs(tid, trap)
         if reentered:
-            # A hit while this vCPU is handling a probe: counted as missed, its instruction still runs.
+            # A hit while this vCPU is handling a probe (an NMI inside a trap-stepped copy, say): counted
+            # as missed, its instruction still runs, stepped by the host so the outer hit keeps the slot.
             for kp in point.probes:
                 kp.nmissed += 1
-            return point, [], self._setup(point, pt, [])
+            return point, [], self._setup(point, pt, [], trap_step=False)
         active = point.active()
         if self.handlers.pre(active, pt):
             # A pre_handler changed ip and asked to skip the instruction.
             return point, active, Resume(ResumeKind.CONTINUE, pt.ip, pt.sp, pt.flags, pt.dirty())
-        return point, active, self._setup(point, pt, active)
+        return point, active, self._setup(point, pt, active, trap_step=True)
 
     def _regs(self, tid: str, trap: Trap) -> PtRegs:
         """The handlers' pt_regs: the state exactly as before the breakpoint."""
@@ -243,17 +271,44 @@ class Dispatcher:
         pt.set_quietly("flags", trap.flags)
         return pt
 
-    def _setup(self, point: ProbePoint, pt: PtRegs, active: list[Kprobe]) -> Resume:
-        """setup_singlestep: the arch decides from the prepared instruction (emulate, boost or step)."""
+    def _setup(self, point: ProbePoint, pt: PtRegs, active: list[Kprobe], trap_step: bool) -> Resume:
+        """setup_singlestep: the arch decides from the prepared instruction (emulate, boost, trap-step or step)."""
         resume = self.arch.arch_setup_resume(point.prep, pt, _TaskMemory(self.machine, pt),
-                                             self.registry.may_boost(point, active))  # fmt: skip
+                                             self.registry.may_boost(point, active), trap_step)  # fmt: skip
         if resume.kind is ResumeKind.CONTINUE:  # emulated on the host: the instruction has run
             self.handlers.post(active, pt)
             return Resume(ResumeKind.CONTINUE, pt.ip, pt.sp, pt.flags, pt.dirty())
         if resume.kind is ResumeKind.BOOST:
             point.boosted += 1
             self.registry.resume_targets[resume.jump_back] = time.monotonic()
+        elif resume.kind is ResumeKind.TRAP_STEP:
+            point.trap_stepped += 1
         return resume
+
+    def _after_trap_step(self, tid: str, trap: Trap) -> Resume:
+        """The int3 after a trap-stepped copy: ip and IF back in the text, the post_handlers, the resume.
+
+        The kernel's resume_singlestep() and kprobe_post_process().  Probes
+        unregistered since the first trap get no post_handler call.
+        """
+        ctl = self.ctlblk[tid]
+        point, active = ctl.point, ctl.active
+        assert point is not None
+        ctl.status, ctl.point, ctl.active = KprobeStatus.IDLE, None, []
+        post = self._regs(tid, trap)
+        self.arch.arch_resume_trap_step(point.prep, post)
+        post.mark_clean()
+        self.handlers.post([kp for kp in active if kp.registered], post)
+        return Resume(ResumeKind.CONTINUE, post.ip, post.sp, post.flags, post.dirty())
+
+    def trap_step_returns(self) -> dict[str, int]:
+        """vCPU -> the text address it goes back to, for every vCPU part way into a trap-step."""
+        return {tid: ctl.point.addr + ctl.point.prep.length for tid, ctl in self.ctlblk.items()
+                if ctl.point is not None}  # fmt: skip
+
+    def in_slot(self, point: ProbePoint) -> bool:
+        """Whether a vCPU is part way into a trap-step of ``point`` (its slot must stay)."""
+        return any(ctl.point is point for ctl in self.ctlblk.values())
 
     def _after_singlestep(self, point: ProbePoint, tid: str, after: dict[str, int],
                           active: list[Kprobe]) -> Resume | None:  # fmt: skip
@@ -286,18 +341,22 @@ class Dispatcher:
 
         Returns the registers after a single-step (empty otherwise).
         """
-        gdb = self.machine.gdb
-        gdb.write_registers(tid, {**(restore or {}), **self.arch.resume_registers(resume)})
+        self.machine.gdb.write_registers(tid, {**(restore or {}), **self.arch.resume_registers(resume)})
         if resume.kind is not ResumeKind.STEP:
             return {}
+        return self._step(tid, resume.ip)
+
+    def _step(self, tid: str, ip: int) -> dict[str, int]:
+        """Single-step the instruction at ``ip`` through the gdbstub; the registers after it."""
+        gdb = self.machine.gdb
         for _ in range(MAX_STEP_RETRIES):
             gdb.step(tid)
             after = gdb.read_registers(tid)
             # QEMU with MTTCG sometimes reports a step that executed nothing, and a
             # rep-prefixed instruction stops after each iteration: step again.
-            if self.arch.ip(after) != resume.ip:
+            if self.arch.ip(after) != ip:
                 return after
-        raise ProbeError(f"single-step at {resume.ip:#x} never left the slot")
+        raise ProbeError(f"single-step at {ip:#x} never left the slot")
 
 
 class _TaskMemory:

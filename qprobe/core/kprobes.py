@@ -295,7 +295,7 @@ class KprobeManager:
             if point.opt is not None:
                 self.optimizer.unoptimize(point)
             del self.points[addr]
-            if point.boosted:
+            if point.boosted or self.dispatcher.in_slot(point):
                 self._quarantine.append(point.prep.slot_addr)
             else:
                 self.scratch.free(point.prep.slot_addr)
@@ -368,6 +368,8 @@ class KprobeManager:
                 self.drain()
 
         def unmap() -> None:
+            if self.dispatcher.hooked:
+                self.drain()  # a vCPU part way into a trap-step finishes it before any is stepped out
             self.evacuate()
             self.optimizer.close()
             self.trampolines.clear()
@@ -411,12 +413,18 @@ class KprobeManager:
     def arriving(self, regs: Mapping[str, int]) -> int | None:
         return self.dispatcher.arriving(regs)
 
+    def trap_step_returns(self) -> dict[str, int]:
+        return self.dispatcher.trap_step_returns()
+
     def may_boost(self, point: ProbePoint, active: list[Kprobe]) -> bool:
         """Whether a hit may run the copy freely (the arch still decides whether the instruction can).
 
         Not on a fully preemptible kernel (see __init__), not with a post_handler
         to run after the instruction, and not while the point waits to be
-        optimized: the jump back would land inside the jump.
+        optimized: the jump back would land inside the jump.  Those hits run
+        the copy to the int3 after it (a trap-step) where it can: with
+        interrupts off, nothing preempts the task there, and the optimizer
+        waits for the vCPU to be back (``trap_step_returns``).
         """
         return self.boost and not point.optimizing and not any(kp.post_handler for kp in active)
 
@@ -460,6 +468,8 @@ class KprobeManager:
                     flags += "[OPTIMIZED]"
                 elif point.not_optimized is not None and point.armed:
                     flags += f"  (not optimized: {point.not_optimized})"
+                if point.opt is None and point.prep.step_reason is not None and point.armed:
+                    flags += f"  (single-stepped through the gdbstub: {point.prep.step_reason})"
                 kind = "r" if kp.kretprobe is not None else "k"
                 at, where = addr, point.where
                 if kp.at != addr:  # moved off an __fentry__ site: listed where asked, as the kernel's [FTRACE]

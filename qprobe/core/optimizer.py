@@ -117,6 +117,7 @@ class ProbeTable(Protocol):
     def quarantine(self, addr: int) -> None: ...
     def make_regs(self, values: Mapping[str, int], tid: str) -> PtRegs: ...
     def arriving(self, regs: Mapping[str, int]) -> int | None: ...
+    def trap_step_returns(self) -> dict[str, int]: ...
 
 
 class Optimizer:
@@ -354,6 +355,9 @@ class Optimizer:
             return f"{TRANSIENT[2]} returning into the region ran {RESUME_GRACE} s ago or less"
         if (point.addr & 0xFFF) + self.arch.jump_size > 0x1000:
             return "the jump would cross a page"
+        for tid, back in self.kp.trap_step_returns().items():
+            if point.addr < back < end:
+                return f"{TRANSIENT[0]} {tid} is running a copy out of line that returns inside the region"
         for tid in self.machine.vcpus:
             regs = self.machine.gdb.read_registers(tid)
             if point.addr < self.arch.ip(regs) < end:

@@ -19,13 +19,16 @@ class KprobeStatus(enum.Enum):
 
     IDLE = 0
     HIT_ACTIVE = 1
+    HIT_SS = 2  # running a probe's copy out of line; the trap after it finishes the hit
 
 
 @dataclass
 class KprobeCtlblk:
-    """Per-vCPU state (the kernel's per-CPU kprobe_ctlblk)."""
+    """Per-vCPU state (the kernel's per-CPU kprobe_ctlblk); ``point`` and ``active`` while HIT_SS."""
 
     status: KprobeStatus = KprobeStatus.IDLE
+    point: ProbePoint | None = None  # the kernel's current_kprobe
+    active: list[Kprobe] = field(default_factory=list)  # the probes whose post_handlers run at the second trap
 
 
 @dataclass
@@ -51,6 +54,7 @@ class ProbePoint:
     probes: list[Kprobe] = field(default_factory=list)
     int3: Patch | None = None
     boosted: int = 0  # hits that ran the copy freely with a jmp back instead of a single-step
+    trap_stepped: int = 0  # hits whose copy ran out of line to the int3 after it
     opt: Optimized | None = None  # set while jump-optimized
     opt_size: int = 0
     not_optimized: str | None = None  # why the last attempt to optimize it failed

@@ -3,7 +3,8 @@
 Everything qprobe wrote is in the journal; what the journal cannot say is
 where the vCPUs were when it died.  A vCPU may be trapped on one of our
 int3s (stopped on the #BP entry), returning through the kretprobe
-trampoline, inside a boosted slot, or spinning in the optimized-probe stub
+trampoline, inside a slot (boosted, or between a trap-step's two int3s),
+or spinning in the optimized-probe stub
 for an answer that will never come.  Each is moved to where it would have
 been without qprobe (or answered and stepped out), the text and return
 addresses are restored, the VM runs for a grace period with nothing of ours
@@ -45,6 +46,15 @@ class _Recovery:
         self.scratch = pmds[0] if pmds else None
         self.scratch_size = len(pmds) * SCRATCH_SIZE
         self.guest = self.guest_instances()
+
+    def from_slot(self, ip: int, flags: int) -> tuple[int, int] | None:
+        """(ip, flags) in the text for a vCPU at ``ip`` in one of our slots (see ``arch_slot_resume``)."""
+        for p in self.int3s.values():
+            if p.slot:
+                back = self.arch.arch_slot_resume(p.slot, p.virt, ip, flags)
+                if back is not None:
+                    return back
+        return None
 
     def in_scratch(self, rip: int) -> bool:
         return self.scratch is not None and self.scratch <= rip < self.scratch + self.scratch_size
@@ -92,8 +102,11 @@ class _Recovery:
             regs = self.gdb.read_registers(tid)
         if arch.ip(regs) in self.watch_safe:
             trap = arch.decode_trap(TrapHook.WATCH, regs, self.mem.read)
-            if not trap.user and trap.addr in self.int3s:
-                back = Resume(ResumeKind.CONTINUE, trap.addr, trap.sp, trap.flags, trap.restore)
+            slot = None if trap.user else self.from_slot(trap.addr, trap.flags)
+            if not trap.user and (trap.addr in self.int3s or slot is not None):
+                # On the int3 itself, or on the one after a trap-step's copy: the copy ran, so on past it.
+                ip, flags = slot or (trap.addr, trap.flags)
+                back = Resume(ResumeKind.CONTINUE, ip, trap.sp, flags, trap.restore)
                 self.gdb.write_registers(tid, arch.resume_registers(back))
                 return self.gdb.read_registers(tid)
         return regs
@@ -106,9 +119,10 @@ class _Recovery:
         rip, sp = arch.ip(regs), arch.sp(regs)
         if rip == self.entry:
             trap = arch.decode_trap(TrapHook.ENTRY, regs, self.mem.read)
-            if trap.addr in self.int3s:
-                self.gdb.write_registers(tid, arch.resume_registers(Resume(ResumeKind.CONTINUE, trap.addr, trap.sp,
-                                                                           trap.flags)))  # fmt: skip
+            slot = self.from_slot(trap.addr, trap.flags)
+            if trap.addr in self.int3s or slot is not None:
+                ip, flags = slot or (trap.addr, trap.flags)
+                self.gdb.write_registers(tid, arch.resume_registers(Resume(ResumeKind.CONTINUE, ip, trap.sp, flags)))
             elif trap.addr == self.trampoline and trap.sp - 8 in self.retaddrs:
                 back = Resume(ResumeKind.CONTINUE, self.retaddrs[trap.sp - 8], trap.sp, trap.flags)
                 self.gdb.write_registers(tid, arch.resume_registers(back))
@@ -117,10 +131,10 @@ class _Recovery:
         elif self.guest.get(sp - 8, (None,))[0] == rip:  # about to enter its instance's trampoline
             self.gdb.write_registers(tid, arch.resume_registers(Resume(ResumeKind.CONTINUE, self.guest[sp - 8][1])))
         else:
-            for p in self.int3s.values():
-                if p.slot and p.slot <= rip < p.slot + arch.slot_size:
-                    self.gdb.write_registers(tid, arch.resume_registers(Resume(ResumeKind.CONTINUE,
-                                                                               p.virt + rip - p.slot)))  # fmt: skip
+            slot = self.from_slot(rip, arch.flags(regs))
+            if slot is not None:
+                ip, flags = slot
+                self.gdb.write_registers(tid, arch.resume_registers(Resume(ResumeKind.CONTINUE, ip, flags=flags)))
 
     def answer_mailbox(self, cpu: int) -> None:
         """Release a vCPU waiting in the stub: resume at its detour's continue label."""

@@ -30,12 +30,17 @@ from qprobe.arch.x86_64.boost import INT3_INSN_OPCODE, JMP32_INSN_SIZE, synthesi
 from qprobe.arch.x86_64.decode import check_boundary, decode_all
 from qprobe.arch.x86_64.emulate import emulate
 from qprobe.arch.x86_64.insn import (
+    SLOT_SIZE,
+    TRAP_COPY,
+    X86_EFLAGS_IF,
     PreparedInsn,
     arch_adjust_kprobe_addr,
     copy_instruction,
     is_endbr,
     prepare_kprobe,
     resume_singlestep,
+    resume_trap_step,
+    trap_copy_start,
 )
 from qprobe.arch.x86_64.opt import can_optimize
 from qprobe.arch.x86_64.ptregs import (
@@ -83,7 +88,7 @@ class X86_64:
 
     name = "x86_64"
     breakpoint = bytes([INT3_INSN_OPCODE])
-    slot_size = 32  # MAX_INSN_SIZE (16) + a 5-byte jmp back, rounded up
+    slot_size = SLOT_SIZE  # the copy and a jmp back, then the two int3-terminated copies (insn.SLOT_SIZE)
     jump_size = JMP32_INSN_SIZE
     registers = RegisterLayout(GDB_NAME, ARG_REGS, {"cs": KERNEL_CS, "ss": KERNEL_DS}, general=guestfilter.GPRS,
                                irq_flag=X86_EFLAGS_IF, page_table="cr3", percpu_base="gs_base",
@@ -115,11 +120,12 @@ class X86_64:
         return prepare_kprobe(code, addr, slot, where=where, exception_table=exception_table)  # type: ignore[arg-type]
 
     def arch_slot_code(self, prep: PreparedInsn) -> bytes:  # type: ignore[override]
-        """What goes in the slot: the copy, followed by a jump back if it may be boosted."""
-        return prep.boosted_copy() if prep.boostable else prep.copy
+        """The slot: the copy (with a jump back if it may be boosted), then the int3-terminated copies."""
+        return prep.slot_code()
 
-    def arch_setup_resume(self, prep: PreparedInsn, regs: object, mem: Memory, may_boost: bool) -> Resume:  # type: ignore[override]
-        """setup_singlestep(): emulate on the host, boost, or single-step the copy."""
+    def arch_setup_resume(self, prep: PreparedInsn, regs: object, mem: Memory, may_boost: bool,  # type: ignore[override]
+                          may_trap_step: bool) -> Resume:  # fmt: skip
+        """setup_singlestep(): emulate on the host, boost, or run the copy out of line (to an int3, or stepped)."""
         pt = regs
         if prep.emulate is not None:
             emulate(prep, pt, mem)  # type: ignore[arg-type]
@@ -129,9 +135,45 @@ class X86_64:
             # just runs it: one VM stop per hit instead of two.
             return Resume(ResumeKind.BOOST, prep.slot_addr, pt.sp, pt.flags, pt.dirty(),  # type: ignore[attr-defined]
                           jump_back=prep.addr + prep.insn.length)  # fmt: skip
-        # The gdbstub steps the copy; TF and RF stay clear so that the guest sees neither.
+        if prep.if_modifier:
+            emulate(prep, pt, mem, "ifmodifier")  # type: ignore[arg-type]
+            return Resume(ResumeKind.CONTINUE, pt.ip, pt.sp, pt.flags, pt.dirty())  # type: ignore[attr-defined]
         flags = pt.flags & ~(X86_EFLAGS_TF | X86_EFLAGS_RF)  # type: ignore[attr-defined]
+        if may_trap_step and prep.trap_copies:
+            # The int3 single-step (Linux 5.14+): the copy runs with interrupts off, as the kernel's
+            # does, so that nothing can preempt or migrate the task before its int3 traps back; the
+            # copy chosen says whether IF goes back on then.
+            start = prep.slot_addr + TRAP_COPY[bool(flags & X86_EFLAGS_IF)]
+            return Resume(ResumeKind.TRAP_STEP, start, pt.sp, flags & ~X86_EFLAGS_IF, pt.dirty())  # type: ignore[attr-defined]
+        # The gdbstub steps the copy; TF and RF stay clear so that the guest sees neither.
         return Resume(ResumeKind.STEP, prep.slot_addr, pt.sp, flags, pt.dirty())  # type: ignore[attr-defined]
+
+    def is_trap_step_start(self, prep: PreparedInsn, ip: int) -> bool:  # type: ignore[override]
+        """Whether ``ip`` is where a trap-step's copy starts (the vCPU has not run it yet)."""
+        return trap_copy_start(prep, ip) == ip
+
+    def is_trap_step_end(self, prep: PreparedInsn, addr: int) -> bool:  # type: ignore[override]
+        """Whether ``addr`` is the int3 after one of the copies a trap-step runs."""
+        start = trap_copy_start(prep, addr)
+        return start is not None and addr == start + prep.insn.length
+
+    def arch_resume_trap_step(self, prep: PreparedInsn, regs: object) -> None:  # type: ignore[override]
+        resume_trap_step(prep, regs)  # type: ignore[arg-type]
+
+    def arch_slot_resume(self, slot: int, addr: int, ip: int, flags: int) -> tuple[int, int] | None:
+        """(ip, flags) in the text for a vCPU at ``ip`` in the slot at ``slot`` of the probe at ``addr``.
+
+        For recovery, which knows the slot but not the instruction: every copy
+        in the slot is at the same offset from its start as ``ip`` from the
+        probed address, and the second int3-terminated copy runs for a
+        context whose interrupts were on.
+        """
+        off = ip - slot
+        if not 0 <= off < SLOT_SIZE:
+            return None
+        starts = (0, *TRAP_COPY)
+        start = max(s for s in starts if s <= off)
+        return addr + off - start, flags | (X86_EFLAGS_IF if start == TRAP_COPY[1] else 0)
 
     def step_left_slot(self, prep: PreparedInsn, ip: int) -> bool:  # type: ignore[override]
         """Whether a step that should end in the slot ended elsewhere (the copy faulted)."""

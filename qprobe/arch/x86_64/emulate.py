@@ -22,6 +22,7 @@ from qprobe.arch.x86_64.decode import Insn
 __all__ = [
     "LOOP_KINDS",
     "X86_EFLAGS_CF",
+    "X86_EFLAGS_IF",
     "X86_EFLAGS_OF",
     "X86_EFLAGS_PF",
     "X86_EFLAGS_SF",
@@ -31,6 +32,7 @@ __all__ = [
     "Regs",
     "emulate",
     "jcc_taken",
+    "kprobe_emulate_ifmodifiers",
 ]
 
 
@@ -46,6 +48,7 @@ X86_EFLAGS_CF = 1 << 0
 X86_EFLAGS_PF = 1 << 2
 X86_EFLAGS_ZF = 1 << 6
 X86_EFLAGS_SF = 1 << 7
+X86_EFLAGS_IF = 1 << 9
 X86_EFLAGS_OF = 1 << 11
 _MASK64 = (1 << 64) - 1
 _MASK32 = (1 << 32) - 1
@@ -208,6 +211,26 @@ def kprobe_emulate_ret(prep: Emulated, regs: Regs, mem: Memory) -> None:
     int3_emulate_jmp(regs, ip)
 
 
+def kprobe_emulate_ifmodifiers(prep: Emulated, regs: Regs, mem: Memory) -> None:
+    """cli, sti, pushfq, popfq (Linux 6.1's kprobe_emulate_ifmodifiers), in place of the int3 single-step.
+
+    The int3 single-step runs the copy with interrupts off, so these would
+    see or leave the wrong IF there.
+    """
+    code = prep.insn.code
+    if code == Code.CLI:
+        regs.flags &= ~X86_EFLAGS_IF
+    elif code == Code.STI:
+        regs.flags |= X86_EFLAGS_IF
+    elif code == Code.PUSHFQ:
+        int3_emulate_push(regs, mem, regs.flags)
+    elif code == Code.POPFQ:
+        regs.flags = int3_emulate_pop(regs, mem)
+    else:
+        raise ValueError(f"{prep.insn.text!r} does not modify IF")
+    regs.ip = _next_ip(prep)
+
+
 def _indirect_target(prep: Emulated, regs: Regs, mem: Memory) -> int:
     """Value of the FF /2 or FF /4 operand, read before anything is pushed."""
     instr = prep.insn.instr
@@ -239,11 +262,13 @@ _EMULATORS = {
     "ret": kprobe_emulate_ret,
     "call_indirect": kprobe_emulate_call_indirect,
     "jmp_indirect": kprobe_emulate_jmp_indirect,
+    "ifmodifier": kprobe_emulate_ifmodifiers,
 }
 
 
-def emulate(prep: Emulated, regs: Regs, mem: Memory) -> None:
-    """Perform ``prep``'s instruction on ``regs``/``mem`` (its ``emulate_op``)."""
-    if prep.emulate is None:
+def emulate(prep: Emulated, regs: Regs, mem: Memory, kind: str | None = None) -> None:
+    """Perform ``prep``'s instruction on ``regs``/``mem`` (its ``emulate_op``, or the emulator ``kind``)."""
+    kind = kind or prep.emulate
+    if kind is None:
         raise ValueError(f"{prep.insn.text!r} is single-stepped, not emulated")
-    _EMULATORS[prep.emulate](prep, regs, mem)
+    _EMULATORS[kind](prep, regs, mem)

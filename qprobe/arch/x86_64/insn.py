@@ -8,9 +8,18 @@ so the copy still reaches the same absolute address.
 
 Function names follow arch/x86/kernel/kprobes/core.c (Linux 6.1) so the two
 can be read side by side. Differences from the kernel are deliberate and
-commented where they are made; the main one is that qprobe single-steps
-through QEMU's gdbstub rather than with an int3 after the copy, so
-instructions that modify IF (cli/sti/pushf/popf) need no emulation here.
+commented where they are made.
+
+The copy runs as the kernel's has since Linux 5.14 ("x86/kprobes: Use int3
+instead of debug trap for single-step"): followed by an int3 in the slot,
+with interrupts off, so the second trap finishes the hit
+(:func:`resume_trap_step`, the kernel's resume_singlestep()), and the
+instructions that change IF are emulated (:data:`IF_MODIFIERS`).  Unlike
+the kernel, a copy that may fault into an exception-table fixup is
+single-stepped through QEMU's gdbstub instead: the kernel's
+kprobe_fault_handler() moves such a fault back to the probed address, which
+qprobe can only do when it sees the fault, at the end of a step
+(:func:`trap_step_reason`).
 """
 
 from __future__ import annotations
@@ -42,10 +51,13 @@ from qprobe.errors import CannotProbe, DisplacementOverflow, ProbeBusy, ProbeErr
 
 __all__ = [
     "CALL_INSN_OPCODE",
+    "IF_MODIFIERS",
     "INT3_INSN_OPCODE",
     "JMP32_INSN_OPCODE",
     "JMP32_INSN_SIZE",
     "MAX_INSN_SIZE",
+    "SLOT_SIZE",
+    "TRAP_COPY",
     "ExceptionTable",
     "PreparedInsn",
     "StepOutsideSlot",
@@ -61,13 +73,29 @@ __all__ = [
     "prepare_emulation",
     "prepare_kprobe",
     "resume_singlestep",
+    "resume_trap_step",
     "search_exception_tables",
     "synthesize_relcall",
     "synthesize_reljump",
+    "trap_step_reason",
 ]
 
 _MASK64 = (1 << 64) - 1
 X86_EFLAGS_TF = 1 << 8
+X86_EFLAGS_IF = 1 << 9
+
+# A slot: the copy (and the boosted jump back) at 0; at TRAP_COPY[0] and TRAP_COPY[1] the copy
+# relocated there followed by an int3, run with interrupts off, for a context that had them off
+# and on (which of the two the second trap comes from says what to give back to IF).
+SLOT_SIZE = 64
+TRAP_COPY = (32, 48)
+assert SLOT_SIZE - TRAP_COPY[1] == TRAP_COPY[1] - TRAP_COPY[0] >= MAX_INSN_SIZE  # a copy and its int3 fit
+assert TRAP_COPY[0] >= MAX_INSN_SIZE + JMP32_INSN_SIZE  # so do the boosted copy and its jump
+
+# Linux 6.1's prepare_emulation(): "IF modifiers must be emulated since it will enable interrupt
+# while int3 single stepping" (kprobe_emulate_ifmodifiers).  The 64-bit forms only: the kernel
+# pushes and pops 8 bytes whatever the operand size.
+IF_MODIFIERS = frozenset({Code.CLI, Code.STI, Code.PUSHFQ, Code.POPFQ})
 
 
 class StepOutsideSlot(ProbeError):
@@ -148,12 +176,11 @@ def prepare_emulation(insn: Insn, where: str | None = None) -> str | None:
     """Name of the host emulation for ``insn``, or None to single-step it.
 
     Linux 6.1's prepare_emulation(), minus the IF modifiers (cli/sti/pushf/
-    popf): the kernel emulates those because its int3-based single-step would
-    run them with interrupts re-enabled. qprobe steps with the gdbstub, which
-    does not use the guest's TF flag either, so the flags they push or pop are
-    genuine and they are single-stepped like anything else. (Under KVM the
-    step does set the real TF; resume_singlestep() clears it from a pushf,
-    given the memory, as the dispatcher gives it.)
+    popf): like the kernel, qprobe boosts those when it may and emulates them
+    only in place of the int3 single-step (``PreparedInsn.if_modifier``); a
+    reentered hit steps them with the gdbstub, whose flags are genuine.
+    (Under KVM that step does set the real TF; resume_singlestep() clears it
+    from a pushf, given the memory, as the dispatcher gives it.)
     Raises CannotProbe for forms that are neither.
     """
     instr = insn.instr
@@ -226,9 +253,13 @@ def copy_instruction(insn: Insn, slot_addr: int, where: str | None = None) -> by
 class PreparedInsn:
     """A probed instruction ready to be executed out of line or emulated.
 
-    ``copy`` is written at ``slot_addr`` and single-stepped; it is empty when
-    ``emulate`` names the host emulation instead. ``boostable`` says the copy
-    may also run freely followed by a jump back (see :meth:`boosted_copy`).
+    ``copy`` is written at ``slot_addr`` (single-stepped by the host, or
+    boosted: run freely followed by a jump back, see :meth:`boosted_copy`);
+    it is empty when ``emulate`` names the host emulation instead.
+    ``trap_copies`` are the copy relocated to the slot's two ``TRAP_COPY``
+    places, each followed by an int3 (empty when ``step_reason`` says why
+    the host must single-step it instead).  ``if_modifier``: a cli, sti,
+    pushf or popf, emulated (``"ifmodifier"``) where it is not boosted.
     """
 
     addr: int
@@ -238,6 +269,9 @@ class PreparedInsn:
     emulate: str | None
     boostable: bool
     in_exception_table: bool = False
+    step_reason: str | None = None
+    trap_copies: tuple[bytes, ...] = ()
+    if_modifier: bool = False
 
     @property
     def opcode(self) -> int:
@@ -254,6 +288,33 @@ class PreparedInsn:
         if not self.boostable:
             raise CannotProbe(_msg(self.insn, "is not boostable"))
         return self.copy + synthesize_reljump(self.slot_addr + len(self.copy), self.addr + self.insn.length)
+
+    def slot_code(self) -> bytes:
+        """The whole slot: the copy (boosted if it may be) at 0, the int3-terminated copies at ``TRAP_COPY``."""
+        code = bytearray([INT3_INSN_OPCODE]) * SLOT_SIZE
+        first = self.boosted_copy() if self.boostable else self.copy
+        code[: len(first)] = first
+        for off, trap_copy in zip(TRAP_COPY, self.trap_copies, strict=False):
+            code[off : off + len(trap_copy)] = trap_copy
+        return bytes(code)
+
+
+def trap_step_reason(insn: Insn, in_exception_table: bool) -> str | None:
+    """Why the copy of ``insn`` cannot run to an int3 after it (so the host single-steps it), or None.
+
+    A fault in a copy that runs freely is taken with ip in the slot, where
+    the kernel's exception table has no fixup: the kernel's own
+    kprobe_fault_handler() moves ip back to the probed address first, and
+    qprobe sees the fault only when it steps the copy itself.  Every kernel
+    access to user memory is such an instruction (``_ASM_EXTABLE_UA``).
+    """
+    if in_exception_table:
+        return "it has an exception-table entry (a fault must be fixed up at the probed address)"
+    if insn.flow_control == FlowControl.INDIRECT_BRANCH:
+        return "it jumps through memory, so no int3 after it would run"
+    if insn.code in (Code.PUSHFW, Code.POPFW):
+        return "it pushes or pops 16-bit flags, which the kernel's IF emulation does not cover"
+    return None
 
 
 def prepare_kprobe(
@@ -303,14 +364,24 @@ def prepare_kprobe(
             synthesize_reljump(slot_addr + insn.length, addr + insn.length)
         except DisplacementOverflow:
             boostable = False
-    return PreparedInsn(addr, insn, copy, slot_addr, None, boostable, in_table)
+    if_modifier = insn.code in IF_MODIFIERS
+    step_reason = trap_step_reason(insn, in_table)
+    trap_copies: tuple[bytes, ...] = ()
+    if step_reason is None and not if_modifier:
+        try:
+            trap_copies = tuple(copy_instruction(insn, slot_addr + off, where) + bytes([INT3_INSN_OPCODE])
+                                for off in TRAP_COPY)  # fmt: skip
+        except DisplacementOverflow:
+            step_reason = "its rip-relative operand is out of reach of the slot's int3-terminated copies"
+    return PreparedInsn(addr, insn, copy, slot_addr, None, boostable, in_table, step_reason, trap_copies, if_modifier)
 
 
 class StepRegs(Protocol):
-    """What resume_singlestep() touches: ip, and sp when fixing up a pushf."""
+    """What resume_singlestep() touches: ip, and sp when fixing up a pushf; resume_trap_step() ip and flags."""
 
     ip: int
     sp: int
+    flags: int
 
 
 def resume_singlestep(prep: PreparedInsn, regs: StepRegs, mem: Memory | None = None) -> None:
@@ -339,6 +410,33 @@ def resume_singlestep(prep: PreparedInsn, regs: StepRegs, mem: Memory | None = N
         if pushed & X86_EFLAGS_TF:
             mem.write(regs.sp, (pushed & ~X86_EFLAGS_TF).to_bytes(size, "little"))
     regs.ip = (prep.addr + (ip - prep.slot_addr)) & _MASK64
+
+
+def trap_copy_start(prep: PreparedInsn, ip: int) -> int | None:
+    """The start of the int3-terminated copy that ``ip`` lies in (from its start to its int3), or None."""
+    if not prep.trap_copies:
+        return None
+    for off in TRAP_COPY:
+        start = prep.slot_addr + off
+        if start <= ip <= start + prep.insn.length:
+            return start
+    return None
+
+
+def resume_trap_step(prep: PreparedInsn, regs: StepRegs) -> None:
+    """Linux's resume_singlestep() at the second trap: ip back in the text, IF as it was.
+
+    ``regs.ip`` is the int3's address after the copy (the trap's address):
+    it becomes the same offset past the probed instruction.  The copy ran with
+    interrupts off; the copy at ``TRAP_COPY[1]`` is the one run for a context
+    that had them on.
+    """
+    start = trap_copy_start(prep, regs.ip)
+    if start is None or regs.ip != start + prep.insn.length:
+        raise StepOutsideSlot(f"'{prep.insn.text}' trapped back at {regs.ip:#x}, not after its copy in the slot")
+    regs.ip = (prep.addr + prep.insn.length) & _MASK64
+    if start == prep.slot_addr + TRAP_COPY[1]:
+        regs.flags |= X86_EFLAGS_IF
 
 
 _ENDBR64 = bytes.fromhex("f30f1efa")

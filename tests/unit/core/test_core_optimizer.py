@@ -78,6 +78,7 @@ class Table:
         self.resume_targets: dict[int, float] = {}
         self.reserved = SimpleNamespace(conflict=lambda lo, hi: None)
         self.trapping: int | None = None
+        self.stepping: dict[str, int] = {}
 
     def original(self, addr: int, size: int) -> bytes:
         return self.machine.mem.read(addr, size)
@@ -93,6 +94,9 @@ class Table:
 
     def arriving(self, regs: Mapping[str, int]) -> int | None:
         return self.trapping
+
+    def trap_step_returns(self) -> dict[str, int]:
+        return self.stepping
 
 
 @dataclass
@@ -198,11 +202,12 @@ def test_what_keeps_a_point_an_int3(rig: Rig, change: object, reason: str) -> No
     [
         (lambda r: r.vcpu(1, rip=PROBE + 3), "vCPU"),
         (lambda r: setattr(r.table, "trapping", PROBE + 1), "vCPU"),
+        (lambda r: r.table.stepping.update({"p1.2": PROBE + 1}), "vCPU"),
         (lambda r: r.table.resume_targets.update({PROBE + 3: time.monotonic()}), "a boosted copy"),
         (lambda r: r.mem.fill(TASK_STACK + 0x100, (PROBE + 3).to_bytes(8, "little")), "a context interrupted"),
         (lambda r: r.mem.fill(TASK_STACK + 0x3F10, (PROBE + 7).to_bytes(8, "little")), "a context interrupted"),
     ],
-    ids=["vCPU inside", "trap arriving", "boosted copy just now", "task stack", "running stack"],
+    ids=["vCPU inside", "trap arriving", "trap-step returning", "boosted copy just now", "task stack", "running stack"],
 )  # fmt: skip
 def test_what_only_delays_the_jump(rig: Rig, change: object, start: str) -> None:
     change(rig)  # type: ignore[operator]

@@ -6,13 +6,16 @@ from dataclasses import dataclass
 
 import pytest
 
+from qprobe.arch.x86_64.arch import X86_64
 from qprobe.arch.x86_64.decode import decode_one
 from qprobe.arch.x86_64.insn import (
+    TRAP_COPY,
     PreparedInsn,
     StepOutsideSlot,
     arch_adjust_kprobe_addr,
     prepare_kprobe,
     resume_singlestep,
+    resume_trap_step,
 )
 from qprobe.errors import CannotProbe, DisplacementOverflow, ProbeBusy
 
@@ -132,10 +135,77 @@ def test_memory_indirect_jmp_is_single_stepped_with_fixup() -> None:
 
 
 @pytest.mark.parametrize("hexcode", ["9c", "9d", "fa", "fb", "4889e5", "f3a4", "0f31"])
-def test_ordinary_and_if_modifying_instructions_are_single_stepped(hexcode: str) -> None:
+def test_ordinary_and_if_modifying_instructions_are_copied(hexcode: str) -> None:
     p = prep(hexcode)
     assert p.emulate is None
     assert p.copy == bytes.fromhex(hexcode)
+    # cli/sti/pushfq/popfq are emulated where they are not boosted; the others run to an int3 after them.
+    assert p.if_modifier == (hexcode in ("9c", "9d", "fa", "fb"))
+    assert p.trap_copies == (() if p.if_modifier else (p.copy + b"\xcc",) * 2)
+    assert p.step_reason is None
+
+
+@pytest.mark.parametrize(
+    ("hexcode", "table", "reason"),
+    [
+        ("8b07", {ADDR}, "exception-table entry"),  # mov eax,[rdi]: a user access with a fixup
+        ("ff2500100000", None, "jumps through memory"),  # jmp [rip+0x1000]: no int3 after it runs
+        ("669c", None, "16-bit flags"),  # pushfw
+    ],
+)
+def test_what_the_host_still_single_steps_and_why(hexcode: str, table: set[int] | None, reason: str) -> None:
+    p = prep(hexcode, exception_table=table)
+    assert p.step_reason is not None and reason in p.step_reason
+    assert p.trap_copies == () and not p.if_modifier
+
+
+def test_the_slot_holds_the_boosted_copy_and_the_two_int3_terminated_copies() -> None:
+    p = prep("488b0500100000")  # mov rax,[rip+0x1000]: relocated separately for each place
+    code = p.slot_code()
+    assert len(code) == X86_64.slot_size == 64
+    assert code[:12] == p.boosted_copy() and set(code[12:32]) == {0xCC}
+    for off in TRAP_COPY:
+        copy = decode_one(code[off : off + 7], SLOT + off)
+        assert copy.memory_target == ADDR + 7 + 0x1000 and copy.length == 7
+        assert code[off + 7] == 0xCC and set(code[off + 8 : off + 16]) == {0xCC}
+
+
+def test_a_step_only_instruction_leaves_the_trap_copies_as_int3s() -> None:
+    code = prep("8b07", exception_table={ADDR}).slot_code()
+    assert code[:2] == bytes.fromhex("8b07") and set(code[2:]) == {0xCC}
+
+
+@dataclass
+class IPFlags:
+    ip: int
+    sp: int = 0
+    flags: int = 0x46
+
+
+@pytest.mark.parametrize(("off", "flags"), [(TRAP_COPY[0], 0x46), (TRAP_COPY[1], 0x246)])
+def test_the_second_trap_maps_ip_back_and_gives_if_back_to_the_context_that_had_it(off: int, flags: int) -> None:
+    p = prep("4889e5")  # mov rbp,rsp
+    regs = IPFlags(SLOT + off + 3)  # the int3 after the copy
+    resume_trap_step(p, regs)
+    assert (regs.ip, regs.flags) == (ADDR + 3, flags)
+    arch = X86_64()
+    assert arch.is_trap_step_end(p, SLOT + off + 3) and arch.is_trap_step_start(p, SLOT + off)
+    assert not arch.is_trap_step_end(p, SLOT + off) and not arch.is_trap_step_end(p, SLOT + 3)
+
+
+def test_a_second_trap_anywhere_else_is_reported() -> None:
+    with pytest.raises(StepOutsideSlot):
+        resume_trap_step(prep("4889e5"), IPFlags(SLOT + TRAP_COPY[0] + 1))
+
+
+@pytest.mark.parametrize(
+    ("ip_off", "flags", "expected"),
+    [(0, 0x46, (ADDR, 0x46)), (3, 0x46, (ADDR + 3, 0x46)), (TRAP_COPY[0] + 3, 0x46, (ADDR + 3, 0x46)),
+     (TRAP_COPY[1], 0x46, (ADDR, 0x246)), (TRAP_COPY[1] + 3, 0x46, (ADDR + 3, 0x246)), (64, 0x46, None)],
+)  # fmt: skip
+def test_recovery_maps_any_place_in_a_slot_back_to_the_text(ip_off: int, flags: int,
+                                                            expected: tuple[int, int] | None) -> None:  # fmt: skip
+    assert X86_64().arch_slot_resume(SLOT, ADDR, SLOT + ip_off, flags) == expected
 
 
 def test_int3_already_there_is_busy() -> None:

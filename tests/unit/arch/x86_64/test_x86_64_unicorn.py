@@ -21,7 +21,7 @@ from hypothesis import strategies as st  # noqa: E402
 from unicorn import x86_const as X  # noqa: E402
 
 from qprobe.arch.x86_64.emulate import emulate  # noqa: E402
-from qprobe.arch.x86_64.insn import prepare_kprobe, resume_singlestep  # noqa: E402
+from qprobe.arch.x86_64.insn import TRAP_COPY, prepare_kprobe, resume_singlestep, resume_trap_step  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fakes_x86_64 import FakeMem, FakeRegs  # noqa: E402
@@ -136,6 +136,41 @@ def test_relocated_copy_computes_the_same_randomly(form: str, addr: int, disp: i
     assume(PAGE <= target < (1 << 47) - 2 * PAGE and -(1 << 31) <= target - (slot + length) < (1 << 31))
     assume(abs(target - addr) > 2 * PAGE and abs(target - slot) > 2 * PAGE)
     check_relocation(form, addr, disp, slot)
+
+
+IF = 0x200
+
+
+@pytest.mark.parametrize("off", TRAP_COPY)
+@pytest.mark.parametrize("form", [*RIP_FORMS, "55", "5b", "4801d8", "f3a4", "480fc1c3"])
+def test_the_int3_terminated_copy_runs_to_its_int3_and_resumes_the_same(form: str, off: int) -> None:
+    """The whole slot runs from the trap copy (interrupts off) and stops at its int3; the result is the original's."""
+    raw = bytes.fromhex(form.format(disp=(0x1000).to_bytes(4, "little").hex()))
+    slot = ADDR - 0x3000_0000
+    prep = prepare_kprobe(raw + b"\x90" * 16, ADDR, slot)
+    before = FakeRegs(ax=5, bx=0x10, cx=3, si=STACK - 0x80, di=STACK - 0x40, sp=STACK, flags=0x2 | IF * (off > 32))
+    results = []
+    for code, at in ((raw, ADDR), (prep.slot_code(), slot)):
+        m = Machine()
+        m.write(STACK - 0x100, bytes(range(256)) * 2)
+        if prep.insn.memory_target is not None:
+            m.write(prep.insn.memory_target & ~7, DATA_VALUE.to_bytes(8, "little") * 2)
+        regs = FakeRegs(**vars(before))
+        start = at if at == ADDR else at + off
+        if at != ADDR:
+            regs.flags &= ~IF
+        m.write(at, code)
+        for name, uc_reg in UC_REGS.items():
+            if name != "ip":
+                m.uc.reg_write(uc_reg, getattr(regs, name))
+        end = start + len(raw)
+        m.uc.emu_start(start, end)  # the copy may be a rep string: run until its int3
+        out = FakeRegs(**{name: m.uc.reg_read(uc_reg) for name, uc_reg in UC_REGS.items()})
+        if at != ADDR:
+            assert m.read(end, 1) == b"\xcc"
+            resume_trap_step(prep, out)
+        results.append((out, m.read(STACK - 0x100, 0x200)))
+    assert results[0] == results[1]
 
 
 # --- emulation ----------------------------------------------------------------

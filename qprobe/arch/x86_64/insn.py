@@ -274,6 +274,10 @@ class PreparedInsn:
     if_modifier: bool = False
 
     @property
+    def length(self) -> int:
+        return self.insn.length
+
+    @property
     def opcode(self) -> int:
         """The original first byte, which int3 replaces (Linux's ``kp->opcode``)."""
         return self.insn.raw[0]

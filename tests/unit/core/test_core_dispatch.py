@@ -158,11 +158,12 @@ def test_a_post_handler_sees_the_state_the_copy_left_at_the_second_trap(rig: Rig
     tid = rig.dispatcher.machine.vcpus[0]
     rig.dispatcher.on_entry_stop(tid, rig.trap())
     assert rig.reg("rip") == SLOT + 48 and not after and not rig.stub.sent(b"vCont;s")
+    assert rig.dispatcher.trap_step_returns() == {tid: PROBE + 1}  # what the optimizer waits for
     # The copy ran (sp moved, rax as it left it, IF still off) and its int3 trapped.
     rig.dispatcher.on_entry_stop(tid, rig.trap(SLOT + 48 + 1, rax=9, flags=0x46, sp=CONTEXT_SP - 8))
     assert after == [(PROBE + 1, CONTEXT_SP - 8, 0x46 | IF, 9)]
     assert rig.reg("rip") == PROBE + 1 and rig.reg("rsp") == CONTEXT_SP - 8 and rig.reg("eflags") == 0x46 | IF
-    assert rig.dispatcher.ctlblk[tid].status is KprobeStatus.IDLE and rig.dispatcher.ctlblk[tid].point is None
+    assert rig.dispatcher.ctlblk[tid].status is KprobeStatus.IDLE and rig.dispatcher.trap_step_returns() == {}
     assert kp.nhit == 1 and rig.dispatcher.ntraps == 2 and rig.dispatcher.passed_through == 0
 
 

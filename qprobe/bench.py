@@ -106,11 +106,11 @@ def _probe_matrix(target: qprobe.Target, args: argparse.Namespace) -> list[tuple
         rows.append(("", Row(name, "unprobed", "", n_fast, 0, base * n_fast, base)))
         rows.append(("", _guest_kprobe_events(target, name, func, cmd, n_fast)))
         variants = (
-            ("k", "kprobe: int3, single-step, Python handler", False, False, "k"),
+            ("k", "kprobe: int3, copy run to a second int3, Python handler", False, False, "k"),
             ("b", "kprobe: int3, boosted, Python handler", True, False, "k"),
             ("o", "kprobe: jump-optimized, Python handler through the mailbox, no VM stop", True, True, "k"),
             ("f", "kprobe: jump-optimized, in-guest count, nobody woken", True, True, "f"),
-            ("r", "kretprobe: int3, single-step, Python handler", False, False, "r"),
+            ("r", "kretprobe: int3, copy run to a second int3, Python handler", False, False, "r"),
             ("rb", "kretprobe: int3, boosted, Python handler", True, False, "r"),
             ("ro", "kretprobe: jump-optimized, guest instance, Python handler at the return", True, True, "r"),
             ("rf", "kretprobe: jump-optimized, instance and return count in the guest, nobody woken", True, True, "rf"),

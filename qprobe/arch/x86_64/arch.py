@@ -32,7 +32,6 @@ from qprobe.arch.x86_64.emulate import emulate
 from qprobe.arch.x86_64.insn import (
     SLOT_SIZE,
     TRAP_COPY,
-    X86_EFLAGS_IF,
     PreparedInsn,
     arch_adjust_kprobe_addr,
     copy_instruction,

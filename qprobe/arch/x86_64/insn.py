@@ -47,6 +47,7 @@ from qprobe.arch.x86_64.boost import (
 )
 from qprobe.arch.x86_64.decode import Insn, decode_one, recover_bytes, skip_prefixes
 from qprobe.arch.x86_64.emulate import LOOP_KINDS, Memory, emulate
+from qprobe.arch.x86_64.ptregs import X86_EFLAGS_IF, X86_EFLAGS_TF
 from qprobe.errors import CannotProbe, DisplacementOverflow, ProbeBusy, ProbeError
 
 __all__ = [
@@ -81,8 +82,6 @@ __all__ = [
 ]
 
 _MASK64 = (1 << 64) - 1
-X86_EFLAGS_TF = 1 << 8
-X86_EFLAGS_IF = 1 << 9
 
 # A slot: the copy (and the boosted jump back) at 0; at TRAP_COPY[0] and TRAP_COPY[1] the copy
 # relocated there followed by an int3, run with interrupts off, for a context that had them off

@@ -37,7 +37,7 @@ from qprobe.core.doorbell import Doorbell
 from qprobe.core.point import Optimized, ProbePoint
 from qprobe.core.pools import ReturnPools, page_round
 from qprobe.core.records import RECORDING, RecordRings
-from qprobe.errors import QprobeError, SymbolError
+from qprobe.errors import QprobeError, SymbolError, TargetGone
 from qprobe.kernel.features import thread_size
 from qprobe.vmm.memory import SharedRam
 from qprobe.vmm.qemu import DOORBELL_PORT
@@ -62,7 +62,8 @@ TRANSIENT = ("vCPU", "a context interrupted on vCPU", "a boosted copy")
 # (the same grace KprobeManager.remove_all gives before unmapping).
 RESUME_GRACE = 0.1
 OPTIMIZE_DELAY = 0.05  # seconds the VM runs between arming the int3 and placing the jump
-OPTIMIZE_RETRIES = 5  # attempts for a probe a vCPU was passing through at the moment of optimizing
+OPTIMIZE_RETRIES = 5  # attempts before register returns, for a probe a vCPU was passing through
+OPTIMIZE_MAX_DELAY = 1.0  # seconds between the optimizer thread's later attempts, at most
 
 
 def detour_kind(point: ProbePoint) -> str:
@@ -153,6 +154,8 @@ class Optimizer:
         self._retired: set[int] = set()  # ids of points unoptimized lately (their records may still arrive)
         self._fold_lock = threading.Lock()
         self._collector: threading.Thread | None = None
+        self._optimizer: threading.Thread | None = None  # later rounds of the optimizing list
+        self._kick = threading.Event()
         self._thread_size = 0  # the kernel's THREAD_SIZE, once looked up
         self.errors: list[str] = []  # what went wrong off the stop loop (doorbell, collector)
         self._stop = False
@@ -233,7 +236,10 @@ class Optimizer:
             self._collector.start()
 
     def close(self) -> None:
+        """Stop the threads (on the stop loop, from KprobeManager.remove_all, or on any thread)."""
         self._stop = True
+        self.optimizing_list.clear()
+        self._kick.set()  # the optimizer thread is not joined: it may be waiting for this very stop loop
         if self.doorbell is not None:
             self.doorbell.close()
         if self._collector is not None:
@@ -265,10 +271,7 @@ class Optimizer:
         if not self.enabled or not queued:
             return
         self.machine.call(lambda: self._enqueue(queued))
-        try:
-            self.kprobe_optimizer(queued)
-        finally:
-            self.machine.call(lambda: self._dequeue(queued))
+        self.kprobe_optimizer(queued)
 
     def kprobe_optimizer(self, mine: list[int]) -> None:
         """Work the optimizing list in steps, as kernel/kprobes.c's kprobe_optimizer() does, until ``mine`` is done."""
@@ -284,6 +287,36 @@ class Optimizer:
             # Step 4: a vCPU inside a region (or a context interrupted there) only delays its
             # jump: the optimizer runs again after a short delay (the kernel's kick_kprobe_optimizer).
             time.sleep(OPTIMIZE_DELAY)
+        # Step 5: what is still held up stays queued, a plain int3 meanwhile, and the optimizer
+        # thread works the list later, less often each round, until it is empty: kprobe_optimizer()
+        # kicks itself again while its optimizing_list is not empty (kernel/kprobes.c).
+        self._kick_optimizer()
+
+    def _kick_optimizer(self) -> None:
+        if self._optimizer is None:
+            self._optimizer = threading.Thread(target=self._optimizer_loop, name="qprobe-optimizer", daemon=True)
+            self._optimizer.start()
+        self._kick.set()
+
+    def _optimizer_loop(self) -> None:
+        """The optimizer thread: a round every ``delay`` s while the list holds points, else asleep until kicked."""
+        delay = OPTIMIZE_DELAY
+        while not self._stop:
+            # Read off the stop loop: a stale answer costs one round or one kick's wait.
+            if self._kick.wait(delay if self.optimizing_list else None):
+                self._kick.clear()
+                delay = OPTIMIZE_DELAY  # newly queued: their own grace period first
+                continue
+            if self._stop:
+                return
+            try:
+                left = self.machine.call(self._optimize_queued)
+            except TargetGone:
+                return
+            except QprobeError as exc:
+                self.errors.append(f"optimizer: {exc}")
+                left = list(self.optimizing_list)
+            delay = min(max(delay, OPTIMIZE_DELAY) * 2, OPTIMIZE_MAX_DELAY) if left else OPTIMIZE_DELAY
 
     def _enqueue(self, addrs: list[int]) -> None:
         for a in addrs:
@@ -291,13 +324,6 @@ class Optimizer:
             if point is not None:
                 point.optimizing = True
                 self.optimizing_list.setdefault(a, time.monotonic())
-
-    def _dequeue(self, addrs: list[int]) -> None:
-        for a in addrs:
-            point = self.kp.points.get(a)
-            if point is not None:
-                point.optimizing = False
-            self.optimizing_list.pop(a, None)
 
     def _optimize_queued(self) -> list[int]:
         """Optimize what has been queued a grace period; the list keeps what a later attempt may still optimize."""
@@ -316,6 +342,8 @@ class Optimizer:
                     or not self.transient(point.not_optimized)
                 ):
                     del self.optimizing_list[a]
+                    if point is not None:
+                        point.optimizing = False  # boosted again, if it stays an int3
         return list(self.optimizing_list)
 
     # -- optimizing (stop loop) -------------------------------------------------------
@@ -358,6 +386,10 @@ class Optimizer:
         for tid, back in self.kp.trap_step_returns().items():
             if point.addr < back < end:
                 return f"{TRANSIENT[0]} {tid} is running a copy out of line that returns inside the region"
+        try:
+            stack_size = self._thread_size = self._thread_size or thread_size(self.kp.kernel)
+        except SymbolError as exc:  # a missing fact, not a moment's obstacle
+            return f"interrupted contexts cannot be found: {exc}"
         for tid in self.machine.vcpus:
             regs = self.machine.gdb.read_registers(tid)
             if point.addr < self.arch.ip(regs) < end:
@@ -366,12 +398,12 @@ class Optimizer:
             trapped = self.kp.arriving(regs)
             if trapped is not None and point.addr < trapped < end:
                 return f"{TRANSIENT[0]} {tid} is trapping on an int3 inside the region"
-            if self._interrupted_inside(regs, point.addr, end):
+            if self._interrupted_inside(regs, point.addr, end, stack_size):
                 return f"{TRANSIENT[1]} {tid} would return inside the region"
         point.opt_size = size
         return None
 
-    def _interrupted_inside(self, regs: dict[str, int], start: int, end: int) -> bool:
+    def _interrupted_inside(self, regs: dict[str, int], start: int, end: int, stack_size: int) -> bool:
         """Could an interrupted context on this vCPU return into (start, end)?
 
         An interrupt taken inside the region leaves its return address in a
@@ -383,9 +415,8 @@ class Optimizer:
         if self.arch.user_mode(regs):
             return False  # user mode: no kernel context is interrupted on this vCPU
         mem, sp = self.machine.mem, self.arch.sp(regs)
+        stacks = [(sp & ~7, (sp | (stack_size - 1)) + 1)]
         try:
-            stack_size = self._thread_size = self._thread_size or thread_size(self.kp.kernel)
-            stacks = [(sp & ~7, (sp | (stack_size - 1)) + 1)]
             base = self.kp.kernel.current(self.arch.percpu_base(regs)).stack.value_()
             stacks.append((base, base + stack_size))
         except (QprobeError, drgn.FaultError):

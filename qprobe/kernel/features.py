@@ -7,6 +7,8 @@ the detection necessary, as drgn's helpers do.
 
 from __future__ import annotations
 
+import drgn
+
 from qprobe.arch.x86_64.int3hook import watch_site
 from qprobe.errors import QprobeError, SymbolError
 from qprobe.kernel.program import KernelData
@@ -18,6 +20,8 @@ _INT3_ENTRIES = ("asm_exc_int3", "int3")
 # What a vCPU runs from the #BP entry up to the read poke_int3_handler makes of the text_poke_bp
 # descriptor (the watchpoint hook's site); the names of 5.8 and later.
 _INT3_PATH = ("asm_exc_int3", "error_entry", "exc_int3", "poke_int3_handler")
+# The init task's stack in the linker script (include/asm-generic/vmlinux.lds.h), 6.10's names first.
+_INIT_STACK_SPANS = (("__start_init_stack", "__end_init_stack"), ("__start_init_task", "__end_init_task"))
 
 
 def int3_entry(symbols: Symbols) -> int:
@@ -57,18 +61,23 @@ def find_watch_site(kernel: KernelData) -> tuple[int, frozenset[int]] | None:
 def thread_size(kernel: KernelData) -> int:
     """THREAD_SIZE: the size of a task's kernel stack (and of an IRQ stack), which KASAN doubles.
 
-    ``union thread_union`` is exactly one stack in every kernel (include/linux/sched.h);
-    without debug info, the linker script's ``__start_init_task``/``__end_init_task`` span one
-    (6.1 has them, 6.12 does not).  Raises SymbolError if neither is there.
+    From the debug info, ``init_stack``: ``unsigned long init_stack[THREAD_SIZE / sizeof(long)]``
+    in include/linux/sched/task.h since Linux 4.16 (``union thread_union`` is no answer: 6.12's
+    DWARF has no such type, nothing that is compiled uses it).  Without debug info, the span of
+    the linker script's init stack: ``__start_init_stack``/``__end_init_stack`` since Linux 6.10
+    ("x86: Rename __{start,end}_init_task to __{start,end}_init_stack"), ``__start_init_task``/
+    ``__end_init_task`` before.  Raises SymbolError if none of them is there.
     """
     try:
-        return kernel.prog.type("union thread_union").size
-    except (QprobeError, LookupError):
+        return drgn.sizeof(kernel.prog.variable("init_stack"))
+    except (QprobeError, LookupError, ValueError):
         pass
     symbols = kernel.symbols
-    if "__start_init_task" in symbols and "__end_init_task" in symbols:
-        return symbols.address("__end_init_task") - symbols.address("__start_init_task")
-    raise SymbolError("the size of a kernel stack is unknown: no debug info and no __start_init_task")
+    for start, end in _INIT_STACK_SPANS:
+        if start in symbols and end in symbols:
+            return symbols.address(end) - symbols.address(start)
+    raise SymbolError("the size of a kernel stack is unknown: no debug info for init_stack and no "
+                      "__start_init_stack or __start_init_task")  # fmt: skip
 
 
 def preemptible(symbols: Symbols) -> bool:

@@ -9,10 +9,11 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+import drgn
 import pytest
 from core_fakes import ARCH, FlatMem, flat_regs
 from vmm_fakes import QemuStub
@@ -41,9 +42,18 @@ class FakeKernel:
     """Per-CPU offsets, ``current`` and the stack size, as qprobe.kernel.program.KernelData gives them."""
 
     current_task_offset = 0x20C00
+    symbols: frozenset[str] = frozenset()  # no linker-script symbols: THREAD_SIZE comes from the debug info
 
     def __init__(self) -> None:
-        self.prog = SimpleNamespace(type=lambda name: SimpleNamespace(size=THREAD_SIZE))
+        # THREAD_SIZE as qprobe.kernel.features.thread_size finds it: sizeof(init_stack).
+        self.prog = drgn.Program(drgn.Platform(drgn.Architecture.X86_64, drgn.PlatformFlags.IS_64_BIT
+                                               | drgn.PlatformFlags.IS_LITTLE_ENDIAN))  # fmt: skip
+        stack = self.prog.array_type(self.prog.int_type("unsigned long", 8, False), THREAD_SIZE // 8)
+
+        def find(prog: drgn.Program, name: str | None, flags: object, filename: str | None) -> drgn.Object:
+            return drgn.Object(prog, stack, address=0xFFFF_FFFF_82C0_0000) if name == "init_stack" else None  # type: ignore[return-value]
+
+        self.prog.register_object_finder("fake", find, enable_index=0)
 
     def percpu_offset(self, name: str) -> int:
         return {"cpu_number": 0x20C08, "this_cpu_off": 0x20C10, "current_task": 0x20C00}[name]
@@ -122,7 +132,7 @@ class Rig:
 
 
 @pytest.fixture
-def rig(stub_gdb: tuple[QemuStub, GdbRemote]) -> Rig:
+def rig(stub_gdb: tuple[QemuStub, GdbRemote]) -> Iterator[Rig]:
     stub, gdb = stub_gdb
     mem = FlatMem()
     mem.fill(FN, CODE)
@@ -133,7 +143,8 @@ def rig(stub_gdb: tuple[QemuStub, GdbRemote]) -> Rig:
     r = Rig(stub, table, opt, mem)
     for i in range(len(stub.vcpus)):
         r.vcpu(i, rip=FN + 0x1000)
-    return r
+    yield r
+    opt.close()
 
 
 def recorder(rec: object) -> None:
@@ -220,6 +231,14 @@ def test_a_boosted_copy_stops_delaying_after_the_grace_period(rig: Rig) -> None:
     assert rig.opt.why_not(rig.point) is None
 
 
+def test_a_kernel_whose_stack_size_is_unknown_keeps_its_int3s_and_says_why(rig: Rig) -> None:
+    """No init_stack in the debug info, no init stack span: a missing fact, not retried (6.12 was one for a while)."""
+    rig.table.kernel.prog = drgn.Program(rig.table.kernel.prog.platform)
+    why = rig.opt.why_not(rig.point)
+    assert why is not None and why.startswith("interrupted contexts cannot be found: the size of a kernel stack")
+    assert not rig.opt.transient(why)
+
+
 def test_a_return_address_at_the_regions_start_or_end_is_harmless(rig: Rig) -> None:
     for at, value in ((TASK_STACK + 0x100, PROBE), (TASK_STACK + 0x108, PROBE + REGION)):
         rig.mem.fill(at, value.to_bytes(8, "little"))
@@ -256,9 +275,10 @@ def test_why_not_kept_sends_a_point_back_when_its_handlers_change(rig: Rig) -> N
     [
         (["vCPU p1.02 is inside the region", "a boosted copy returning into the region ran 0.1 s ago or less"], 3),
         (["a probe there has a post_handler"], 1),  # not a moment's obstacle: dropped from the queue
-        (["vCPU p1.02 is inside the region"] * 9, optimizer_mod.OPTIMIZE_RETRIES),
+        # Still held up after the rounds before register returns: the optimizer thread's later rounds.
+        (["vCPU p1.02 is inside the region"] * 9, 10),
     ],
-    ids=["delayed twice", "refused", "never leaves"],
+    ids=["delayed twice", "refused", "later rounds"],
 )
 def test_the_optimizer_works_its_queue_in_rounds(rig: Rig, monkeypatch: pytest.MonkeyPatch, reasons: list[str],
                                                  attempts: int) -> None:  # fmt: skip
@@ -275,6 +295,11 @@ def test_the_optimizer_works_its_queue_in_rounds(rig: Rig, monkeypatch: pytest.M
 
     monkeypatch.setattr(rig.opt, "optimize", optimize)
     rig.opt.optimize_later([PROBE])
+    if attempts > optimizer_mod.OPTIMIZE_RETRIES:
+        assert len(tried) >= optimizer_mod.OPTIMIZE_RETRIES  # register returned; the point stays queued
+        deadline = time.monotonic() + 10
+        while rig.opt.optimizing_list and time.monotonic() < deadline:
+            time.sleep(0.01)
     assert len(tried) == attempts
     assert all(flag and queue == [PROBE] for flag, queue in tried)  # queued, and stepped rather than boosted
     assert not rig.point.optimizing and not rig.opt.optimizing_list

@@ -543,12 +543,13 @@ def run_bench(args: argparse.Namespace) -> int:
         shared = _time(lambda: target.read(addr, 64), 3000)
         rows.append(("shared-RAM read, 64 bytes (page walk included, VM running)", f"{shared * 1e6:.1f} µs"))
 
-        rows += _probe_matrix(target, args)
-        scale = _scale(target, args)
-    gdb_rows = _gdb_rows(args)
+        rows += _probe_matrix(target, args) if "probes" in args.sections else []
+        scale = _scale(target, args) if "scale" in args.sections else []
+    gdb_rows = _gdb_rows(args) if "gdb" in args.sections else []
     report = [
         f"qprobe bench: {platform.node()}, {platform.machine()}, {os.cpu_count()} CPUs, -accel {accel}, "
-        f"image {args.image}, smp {args.smp}, memory {args.memory}, {time.strftime('%Y-%m-%d %H:%M')}",
+        f"image {args.image}, smp {args.smp}, memory {args.memory}, {time.strftime('%Y-%m-%d %H:%M')}, "
+        f"sections {','.join(args.sections)}, {time.perf_counter() - t0:.0f} s",
         "",
         "| measurement | result |",
         "|---|---|",

@@ -49,6 +49,17 @@ def _number(kind: type[int] | type[float], lo: float, hi: float) -> Callable[[st
     return parse
 
 
+BENCH_SECTIONS = ("probes", "scale", "gdb")  # qprobe bench's parts: the probe-cost matrix, scale, the GDB rows
+
+
+def _sections(text: str) -> tuple[str, ...]:
+    parts = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = [p for p in parts if p not in BENCH_SECTIONS]
+    if bad or not parts:
+        raise argparse.ArgumentTypeError(f"{text!r}: sections are {', '.join(BENCH_SECTIONS)}")
+    return parts
+
+
 def _memory(text: str) -> str:
     from qprobe.vmm.qemu import parse_memory
 
@@ -549,6 +560,9 @@ def build_parser() -> argparse.ArgumentParser:
     _target_options(p, attach=False)
     p.add_argument("--hits", type=_number(int, 1, 10**9), default=2000, help="probe hits to time (default 2000)")
     p.add_argument("--output", type=Path, help="also write the report (markdown) to this file")
+    p.add_argument("--sections", type=_sections, default=BENCH_SECTIONS,
+                   help="comma-separated parts to run: probes (the cost matrix), scale, gdb (default all three); "
+                        "the boot and round-trip rows always run")  # fmt: skip
     p.set_defaults(func=cmd_bench)
     return parser
 

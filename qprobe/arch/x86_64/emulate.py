@@ -18,15 +18,17 @@ from typing import Protocol
 from iced_x86 import Code, OpKind, Register
 
 from qprobe.arch.x86_64.decode import Insn
+from qprobe.arch.x86_64.ptregs import (
+    X86_EFLAGS_CF,
+    X86_EFLAGS_IF,
+    X86_EFLAGS_OF,
+    X86_EFLAGS_PF,
+    X86_EFLAGS_SF,
+    X86_EFLAGS_ZF,
+)
 
 __all__ = [
     "LOOP_KINDS",
-    "X86_EFLAGS_CF",
-    "X86_EFLAGS_IF",
-    "X86_EFLAGS_OF",
-    "X86_EFLAGS_PF",
-    "X86_EFLAGS_SF",
-    "X86_EFLAGS_ZF",
     "Emulated",
     "Memory",
     "Regs",
@@ -44,12 +46,6 @@ class Emulated(Protocol):
     emulate: str | None
 
 
-X86_EFLAGS_CF = 1 << 0
-X86_EFLAGS_PF = 1 << 2
-X86_EFLAGS_ZF = 1 << 6
-X86_EFLAGS_SF = 1 << 7
-X86_EFLAGS_IF = 1 << 9
-X86_EFLAGS_OF = 1 << 11
 _MASK64 = (1 << 64) - 1
 _MASK32 = (1 << 32) - 1
 

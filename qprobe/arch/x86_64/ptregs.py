@@ -35,8 +35,14 @@ FRAME_OFFSET = 8 * PT_REGS_ORDER.index("rip")  # where the hardware frame starts
 
 # The x86_64 calling convention's integer argument registers (pt_regs names), in order.
 ARG_REGS = ("di", "si", "dx", "cx", "r8", "r9")
+# The flags' bits (arch/x86/include/uapi/asm/processor-flags.h).
+X86_EFLAGS_CF = 1 << 0  # carry
+X86_EFLAGS_PF = 1 << 2  # parity
+X86_EFLAGS_ZF = 1 << 6  # zero
+X86_EFLAGS_SF = 1 << 7  # sign
 X86_EFLAGS_TF = 1 << 8  # trap flag (single-step)
 X86_EFLAGS_IF = 1 << 9  # interrupts enabled
+X86_EFLAGS_OF = 1 << 11  # overflow
 X86_EFLAGS_RF = 1 << 16  # resume flag (suppresses an instruction breakpoint once)
 KERNEL_CS, KERNEL_DS = 0x10, 0x18  # GDT_ENTRY_KERNEL_CS * 8, GDT_ENTRY_KERNEL_DS * 8
 
@@ -96,9 +102,14 @@ __all__ = [
     "STUB_FRAME_RET",
     "STUB_FRAME_SIZE",
     "STUB_FRAME_SP",
+    "X86_EFLAGS_CF",
     "X86_EFLAGS_IF",
+    "X86_EFLAGS_OF",
+    "X86_EFLAGS_PF",
     "X86_EFLAGS_RF",
+    "X86_EFLAGS_SF",
     "X86_EFLAGS_TF",
+    "X86_EFLAGS_ZF",
     "parse_hw_frame",
     "parse_pt_regs",
     "parse_stub_frame",

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from qprobe.events import EventHit, TraceEvent
     from qprobe.fetch import ProbeEvent
     from qprobe.funcs import Probeability
+    from qprobe.kernel.symbols import Symbols
     from qprobe.proctree import ProcessTree
 
 
@@ -92,27 +93,56 @@ def _check_image(args: argparse.Namespace) -> None:
         raise QprobeError(f"unknown image {args.image!r}; see `qprobe images`")
 
 
-def _host_probeability(args: argparse.Namespace) -> Probeability | None:
-    """The kernel's probe refusals from the vmlinux on the host, without booting; None if it is not known here.
+def _host_symbols(args: argparse.Namespace) -> Symbols | None:
+    """The vmlinux on the host, without booting; None if it is not known here.
 
     A VM to attach to has its vmlinux named by ``--vmlinux`` (or found once attached).
     """
-    from qprobe.api import arch_of
-    from qprobe.funcs import Probeability
     from qprobe.images import get_image
     from qprobe.kernel.symbols import Symbols
 
     vmlinux = getattr(args, "vmlinux", None)
     if vmlinux:
-        symbols = Symbols.load(vmlinux)
-        return Probeability.of(symbols, arch_of(symbols))
+        return Symbols.load(vmlinux)
     if getattr(args, "attach", None) is not None:
         return None
     _check_image(args)
     _files(getattr(args, "file", []))  # every other input is checked before the image is fetched
     img = get_image(args.image)
-    symbols = Symbols.load(img.vmlinux, img.system_map)
-    return Probeability.of(symbols, arch_of(symbols))
+    return Symbols.load(img.vmlinux, img.system_map)
+
+
+def _host_probeability(args: argparse.Namespace) -> Probeability | None:
+    """The kernel's probe refusals from the vmlinux on the host, without booting; None if it is not known here."""
+    from qprobe.api import arch_of
+    from qprobe.funcs import Probeability
+
+    symbols = _host_symbols(args)
+    return None if symbols is None else Probeability.of(symbols, arch_of(symbols))
+
+
+def _perf_definitions(args: argparse.Namespace) -> None:
+    """``perf ...`` EVENTs (perf probe's language) become the kprobe_events lines perf would write, shown.
+
+    They are resolved from vmlinux's DWARF on the host, before anything boots.
+    """
+    from qprobe.kernel.perfprobe import is_perf_definition, perf_to_kprobe
+
+    texts = [t for t in args.events if is_perf_definition(t)]
+    if not texts:
+        return
+    symbols = _host_symbols(args)
+    if symbols is None:
+        raise QprobeError("a perf definition is resolved from vmlinux's debug information: give --vmlinux")
+    found = iter(perf_to_kprobe(texts, symbols))
+    out = []
+    for text in args.events:
+        if is_perf_definition(text):
+            text = next(found).definition
+            if not args.quiet:  # as `perf probe -v` says what it writes to kprobe_events
+                print(f"qprobe: writing event: {text}", file=sys.stderr, flush=True)
+        out.append(text)
+    args.events = out
 
 
 def _check_symbols(args: argparse.Namespace, events: list[ProbeEvent]) -> None:
@@ -256,6 +286,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     import collections
     import json
 
+    _perf_definitions(args)
     lock = threading.Lock()
     fmt = None
     if args.format is not None:
@@ -363,6 +394,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     from qprobe.fetch import ProbeEvent, parse_event
     from qprobe.shell.parse import is_definition
 
+    _perf_definitions(args)
     for text in args.events:
         if not is_definition(text):  # `qprobe list 'vfs_*'`, as bpftrace -l and perf probe -F list functions
             raise QprobeError(f"list arms EVENT definitions and lists the probes; to find functions: "
@@ -515,7 +547,8 @@ def build_parser() -> argparse.ArgumentParser:
         "events",
         nargs="+",
         metavar="EVENT",
-        help="kprobe_events syntax: 'p:myread vfs_read count=%%dx:u64', 'r:ret ksys_read ret=$retval'",
+        help="kprobe_events syntax: 'p:myread vfs_read count=%%dx:u64', 'r:ret ksys_read ret=$retval'; "
+        "or perf probe's after the word perf: 'perf vfs_read:23 ret file->f_pos', 'perf fs/read_write.c:473 ret'",
     )
     p.set_defaults(func=cmd_trace)
 
@@ -524,7 +557,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="arm EVENTs and print the probe list (debugfs kprobes/list format, with why a probe is not optimized)",
     )
     _target_options(p)
-    p.add_argument("events", nargs="*", metavar="EVENT", help="kprobe_events definitions to arm first")
+    p.add_argument(
+        "events",
+        nargs="*",
+        metavar="EVENT",
+        help="kprobe_events definitions to arm first (or 'perf DEF' in perf probe's language)",
+    )
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("funcs", help="kernel functions matching GLOBs and whether each can be probed (no boot)")

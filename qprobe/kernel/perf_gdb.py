@@ -7,7 +7,6 @@ of JSON; variable *locations* are not in gdb's Python API and come from
 ``info scope`` instead.
 """
 
-# ruff: noqa: ANN001, ANN201
 import json
 
 import gdb  # type: ignore[import-not-found]
@@ -85,7 +84,7 @@ def qp_access(var, pc, fields) -> None:
     sym = gdb.lookup_symbol(var, block)[0] if block is not None else None
     if sym is None:
         sym = gdb.lookup_static_symbol(var) or gdb.lookup_global_symbol(var)
-    if sym is None or not sym.is_variable and not sym.is_argument:
+    if sym is None or (not sym.is_variable and not sym.is_argument):
         _say({"error": "notfound"})
         return
     t = _real(sym.type)
@@ -130,4 +129,4 @@ def qp_access(var, pc, fields) -> None:
         t, path = _real(found[1]), f"{path}{op}{what}"
     info = _type_info(t)
     info["bitfield"] = bits
-    _say({"steps": steps, "type": info, "global": sym.addr_class == gdb.SYMBOL_LOC_STATIC})
+    _say({"steps": steps, "type": info, "global": sym.addr_class == gdb.SYMBOL_LOC_STATIC, "argument": sym.is_argument})

@@ -320,7 +320,7 @@ def fetch_type(info: dict[str, Any], cast: str | None, hex_types: bool, var: str
         return cast, False
     if info.get("bitfield"):
         raise PerfProbeError(f"{var} is a bitfield, which qprobe's perf translation does not fetch")
-    if cast == "x" and hex_types or cast in ("s", "u"):
+    if (cast == "x" and hex_types) or cast in ("s", "u"):
         prefix = cast
     else:
         prefix = "s" if info["signed"] else "x" if hex_types else "u"
@@ -452,7 +452,7 @@ def _arg_text(arg: PerfArg, probe: PerfProbe, dwarf: Dwarf, addr: int, span: tup
         if entry is None:
             raise PerfProbeError(f"{arg.var}: no such variable at {_where(probe)}")
         desc = location_at(entry, addr)
-        if desc is None and addr == span[0]:
+        if desc is None and addr == span[0] and found["argument"]:
             desc = first_covered(entry, *span)
         if desc is None:
             raise PerfProbeError(f"{arg.var} is optimized out at {_where(probe)} (its location list does not cover "

@@ -46,6 +46,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "p": ("p[:[GRP/]EVENT] SYMBOL[+OFFS]|ADDR [NAME=FETCHARG[:TYPE]]...", "add a kprobe event (kprobe_events syntax)"),
     "r": ("r[MAXACTIVE][:[GRP/]EVENT] SYMBOL [NAME=FETCHARG[:TYPE]]...", "add a return probe event ($retval)"),
     "-:": ("-:[GRP/]EVENT", "remove an event"),
+    "perf": (
+        "perf [EVENT=]FUNC[:RLN|+OFFS|%return]|SRC:ALN [VAR[->F|.F|[N]][:TYPE]]...",
+        "add an event in perf probe's language, variables resolved from vmlinux's DWARF",
+    ),
     "enable": ("enable EVENT...", "arm events (globs allowed)"),
     "disable": ("disable EVENT...", "disarm events, keeping them"),
     "list": ("list", "probes as debugfs kprobes/list shows them"),
@@ -126,7 +130,7 @@ class Shell:
             "blacklist": self.cmd_blacklist, "show": self.cmd_show, "stats": self.cmd_stats,
             "count": self.cmd_count, "hist": self.cmd_hist, "run": self.cmd_run, "help": self.cmd_help,
             "quit": self.cmd_quit, "funcs": self.cmd_funcs, "format": self.cmd_format,
-            "clear": self.cmd_clear,
+            "clear": self.cmd_clear, "perf": self.cmd_perf,
             "sym": lambda rest: insp.cmd_sym(self, rest), "addr": lambda rest: insp.cmd_addr(self, rest),
             "x": lambda rest: insp.cmd_x(self, rest), "regs": lambda rest: insp.cmd_regs(self, rest),
             "bt": lambda rest: insp.cmd_bt(self, rest), "py": lambda rest: insp.cmd_py(self, rest),
@@ -293,6 +297,14 @@ class Shell:
         text, summary, _ = render_funcs(self.probeability, rest.split())
         self.out.write(text)
         self.note(summary)
+
+    def cmd_perf(self, rest: str) -> None:
+        """A perf probe definition: resolved on the host, shown as ``perf probe -v`` shows it, then added."""
+        from qprobe.kernel.perfprobe import perf_to_kprobe
+
+        (found,) = perf_to_kprobe([f"perf {rest}"], self.target.symbols)
+        self.note(f"writing event: {found.definition}")
+        self.definition(found.definition)
 
     # -- statistics -------------------------------------------------------------------------------
     def cmd_stats(self, rest: str) -> None:

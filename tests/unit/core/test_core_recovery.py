@@ -108,6 +108,21 @@ def test_a_trapped_vcpu_and_one_in_a_boosted_slot_go_back_to_the_text(rig: Rig) 
     assert not journal.path.exists()
 
 
+def test_vcpus_part_way_into_a_trap_step_go_on_past_the_instruction_with_their_if_back(rig: Rig) -> None:
+    rig.stub.fill(PROBE_PHYS, b"\xcc")
+    # vCPU 0 ran the copy for a context with interrupts on (slot + 48) and took the int3 after it.
+    rig.stub.fill(STACK, struct.pack("<5Q", SLOT + 48 + 1 + 1, 0x10, FLAGS & ~0x200, CONTEXT_SP - 8, 0x18))
+    rig.stub.vcpus[0].set("rip", ENTRY)
+    rig.stub.vcpus[0].set("rsp", STACK)
+    # vCPU 1 is about to run the copy for a context with interrupts off (slot + 32).
+    rig.stub.vcpus[1].set("rip", SLOT + 32)
+    rig.stub.vcpus[1].set("eflags", 0x46)
+    journal = rig.left(int3_patch())
+    assert recover(rig.gdb, rig.kernel, ARCH, journal) == 1  # type: ignore[arg-type]
+    assert (rig.reg("rip", 0), rig.reg("rsp", 0), rig.reg("eflags", 0)) == (PROBE + 1, CONTEXT_SP - 8, FLAGS)
+    assert (rig.reg("rip", 1), rig.reg("eflags", 1)) == (PROBE, 0x46)
+
+
 def test_a_return_into_the_trampoline_goes_to_the_real_return_address(rig: Rig) -> None:
     tramp, slot, real = SCRATCH + 0x100, CONTEXT_SP - 8, 0xFFFF_FFFF_8130_0042
     rig.stub.fill(slot, tramp.to_bytes(8, "little"))

@@ -83,9 +83,10 @@ FAST_RUNS = 3
 def _paired(target: qprobe.Target, cmd: str, on: Callable[[], None], off: Callable[[], None]) -> tuple[float, float]:
     """Medians of (probed, unprobed) seconds of ``cmd``, each probed run right after an unprobed one.
 
-    The fast rows add a few percent at most, less than the guest's speed drifts
-    over a minute; pairing every probed run with an unprobed one just before it
-    (the probe disabled: its text is the original) measures the difference, not the drift.
+    The fast rows add a few percent at most, and a stop-based row's short
+    fork-heavy run little more, both less than the guest's speed drifts over a
+    minute; pairing every probed run with an unprobed one just before it (the
+    probe disabled: its text is the original) measures the difference, not the drift.
     """
     probed, unprobed = [], []
     for _ in range(FAST_RUNS):
@@ -130,17 +131,14 @@ def _probe_matrix(target: qprobe.Target, args: argparse.Namespace) -> list[tuple
             else:
                 probe = qprobe.Kprobe(symbol_name=func, pre_handler=(lambda kp, regs: regs.di) if kind == "k" else None)
                 target.register_kprobe(probe)
-            runs = FAST_RUNS if optimize else 1  # the median of a few: the fast rows are short and noisy
+            runs = FAST_RUNS  # the median of a few paired runs: every row is short and noisy
             try:
-                if optimize:
-                    if isinstance(probe, qprobe.Kretprobe):
-                        on, off = partial(target.enable_kretprobe, probe), partial(target.disable_kretprobe, probe)
-                    else:
-                        on, off = partial(target.enable_kprobe, probe), partial(target.disable_kprobe, probe)
-                    seconds, row_base = _paired(target, cmd.format(n=n), on, off)
-                    row_base /= n
+                if isinstance(probe, qprobe.Kretprobe):
+                    on, off = partial(target.enable_kretprobe, probe), partial(target.disable_kretprobe, probe)
                 else:
-                    seconds, row_base = _guest_seconds(target, cmd.format(n=n)), base
+                    on, off = partial(target.enable_kprobe, probe), partial(target.disable_kprobe, probe)
+                seconds, row_base = _paired(target, cmd.format(n=n), on, off)
+                row_base /= n
             finally:
                 if isinstance(probe, qprobe.Kretprobe):
                     target.unregister_kretprobe(probe)

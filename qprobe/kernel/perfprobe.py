@@ -439,9 +439,9 @@ def _arg_text(arg: PerfArg, probe: PerfProbe, dwarf: Dwarf, addr: int, span: tup
     shown = arg.text.split("=", 1)[-1].partition(":")[0]
     found = dwarf.access(arg.var, addr, arg.fields)
     if found.get("error") == "notfound":
-        raise PerfProbeError(f"{arg.var}: no such variable at {_where(probe)}")
+        raise PerfProbeError(f"{_where(probe)}: no variable {arg.var} here")
     if "error" in found:
-        raise PerfProbeError(f"{shown}: {found['error']}")
+        raise PerfProbeError(f"{_where(probe)}: {shown}: {found['error']}")
     if found["global"]:
         loc = Location(f"@{arg.var}", 0)
     else:
@@ -450,17 +450,17 @@ def _arg_text(arg: PerfArg, probe: PerfProbe, dwarf: Dwarf, addr: int, span: tup
             scope = {**parse_scope(dwarf.scope(span[0])), **scope}  # the function's outermost block
         entry = scope.get(arg.var)
         if entry is None:
-            raise PerfProbeError(f"{arg.var}: no such variable at {_where(probe)}")
+            raise PerfProbeError(f"{_where(probe)}: no variable {arg.var} here")
         desc = location_at(entry, addr)
         if desc is None and addr == span[0] and found["argument"]:
             desc = first_covered(entry, *span)
         if desc is None:
-            raise PerfProbeError(f"{arg.var} is optimized out at {_where(probe)} (its location list does not cover "
+            raise PerfProbeError(f"{_where(probe)}: {arg.var} is optimized out here (its location list does not cover "
                                  f"{addr:#x})")  # fmt: skip
         try:
             loc = parse_location(desc, arg.var)
         except PerfProbeError as exc:
-            raise PerfProbeError(f"{exc} at {_where(probe)}") from None
+            raise PerfProbeError(f"{_where(probe)}: {exc}") from None
     steps = [(op, int(off)) for op, off in found["steps"]]
     typ, deref = fetch_type(found["type"], arg.type, hex_types, shown)
     if deref:

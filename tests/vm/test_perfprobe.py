@@ -99,16 +99,18 @@ def test_unfetchable_variables_are_one_line_errors(target: qprobe.Target,
     sh, out = shell
     # Line 461 (ret = rw_verify_area(...)) is before ret has a location: its location list starts at +0x72.
     text = do(sh, out, "perf vfs_read:11 ret")
-    assert text.startswith("error: ret is optimized out at vfs_read:11 ") and text.count("\n") == 1, text
+    assert text.startswith("error: vfs_read:11: ret is optimized out here ") and text.count("\n") == 1, text
     # count at line 473 is min(count, MAX_RW_COUNT) computed from its entry value: a DWARF expression.
     text = do(sh, out, "perf vfs_read:23 count")
-    assert text.startswith("error: count is computed here (DW_OP_entry_value") and text.count("\n") == 1, text
-    assert do(sh, out, "perf vfs_read:23 nosuch") == "error: nosuch: no such variable at vfs_read:23\n"
-    assert do(sh, out, "perf vfs_read:23 file->f_poss") == "error: file->f_poss: struct file has no member f_poss\n"
+    assert text.startswith("error: vfs_read:23: count is computed here (DW_OP_entry_value"), text
+    assert text.count("\n") == 1
+    assert do(sh, out, "perf vfs_read:23 nosuch") == "error: vfs_read:23: no variable nosuch here\n"
+    text = do(sh, out, "perf vfs_read:23 file->f_poss")
+    assert text == "error: vfs_read:23: file->f_poss: struct file has no member f_poss\n"
     assert not target.events
 
 
 def test_cli_refuses_an_unknown_variable_before_booting() -> None:
     out = subprocess.run([sys.executable, "-m", "qprobe.cli", "trace", "--image", IMAGE, "perf vfs_read nosuch"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
-    assert out.returncode == 2 and out.stderr == "qprobe: error: nosuch: no such variable at vfs_read\n", out.stderr
+    assert out.returncode == 2 and out.stderr == "qprobe: error: vfs_read: no variable nosuch here\n", out.stderr

@@ -230,13 +230,13 @@ def test_translation() -> None:
 @pytest.mark.parametrize(
     ("text", "words"),
     [
-        ("perf vfs_read:1 ret", "ret is optimized out at vfs_read:1"),
-        ("perf vfs_read:23 nosuch", "nosuch: no such variable at vfs_read:23"),
+        ("perf vfs_read:1 ret", "vfs_read:1: ret is optimized out here"),
+        ("perf vfs_read:23 nosuch", "vfs_read:23: no variable nosuch here"),
         ("perf vfs_read:18 ret", "no code for line 468"),
         ("perf vfs_raed", "no function vfs_raed"),
         ("perf vfs_read;ret*", "source text"),
         ("perf vfs_read+900", "past the end"),
-        ("perf vfs_read:23 gone", "gone is optimized out"),
+        ("perf vfs_read:23 gone", "vfs_read:23: gone is optimized out"),
     ],
 )
 def test_translation_errors(text: str, words: str) -> None:

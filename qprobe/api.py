@@ -38,6 +38,7 @@ from qprobe.core.recovery import recover
 from qprobe.core.regs import PtRegs
 from qprobe.core.watchpoint import Watchpoint, Watchpoints
 from qprobe.errors import ProbeError, QprobeError, SymbolError, TargetError, TargetGone
+from qprobe.kernel.clock import NSEC_PER_SEC, StopClock, TraceClock
 from qprobe.kernel.features import fully_preemptible, has_pti
 from qprobe.kernel.kaslr import detect_slide
 from qprobe.kernel.program import KernelData, Stack, Task
@@ -45,6 +46,7 @@ from qprobe.kernel.symbols import Symbols
 from qprobe.kernel.tracefs import ftrace_locations, probe_dialect, trace_event_names
 from qprobe.modnotify import ModuleNotifier
 from qprobe.paths import cache_dir, read_private, write_private
+from qprobe.timeline import Timeline
 from qprobe.vmm.connection import Connection, parse_address
 from qprobe.vmm.console import Console, RunResult
 from qprobe.vmm.gdbmi import GdbMiRemote
@@ -107,7 +109,10 @@ class Target:
         self.qemu = qemu
         self.image: Image | None = None  # set by boot(); None when attached to a foreign QEMU
         self.events: dict[str, TraceEvent] = {}
-        self.t0 = time.monotonic()  # trace timestamps count from here
+        self.t0 = time.monotonic()  # event timestamps count from here when the guest's clock cannot be read
+        self.timeline = Timeline()
+        self.clock_note: str | None = None  # why event timestamps are the host's, once that is found
+        self._guest_clock: bool | None = None
         self.address = gdb_address
         self.timings: dict[str, float] = {}
         self.console: Console | None = None
@@ -235,6 +240,7 @@ class Target:
         this when the command is done, so counts read right after it are exact.
         """
         self.kprobes.optimizer.sync_all()
+        self.timeline.flush()
 
     def read(self, addr: int | str, size: int) -> bytes:
         """Kernel virtual memory, read from shared RAM without stopping the VM."""
@@ -358,6 +364,29 @@ class Target:
         """The task a handler interrupted, as drgn's ``struct task_struct *`` (``current.comm.string_()``)."""
         return self.kernel.current(regs.gs_base)
 
+    def start_clock(self) -> None:
+        """Find how event hits are timed, once, before the first event is armed (one VM stop at most)."""
+        if self._guest_clock is not None:
+            return
+        self.trace_clock, self.stop_clock = TraceClock(self.kernel), StopClock(self.kernel, self.machine)
+        self.clock_note = self.trace_clock.unavailable() or self.stop_clock.unavailable()
+        if self.clock_note:
+            log.warning("event timestamps are seconds since qprobe attached: %s", self.clock_note)
+        self._guest_clock = self.clock_note is None
+
+    def hit_time(self, regs: PtRegs) -> float:
+        """When a hit happened, in seconds on the guest's trace clock: what its own trace prints for it.
+
+        The TSC comes from the hit itself where the guest read it (a detour's mailbox or
+        ring entry), else from the VM stop it is handled in.  Seconds since qprobe attached
+        if this guest's clock cannot be read (``clock_note`` says why).
+        """
+        if self._guest_clock:
+            tsc = regs.tsc if regs.tsc is not None else self.stop_clock.tsc()
+            if tsc is not None:
+                return self.trace_clock.ns(tsc, regs.vcpu) / NSEC_PER_SEC
+        return time.monotonic() - self.t0
+
     def current_task(self, regs: PtRegs) -> Task:
         """A snapshot of the task a handler interrupted: pid, tgid and comm as Python values."""
         return self.kernel.read_task(gs_base=regs.gs_base)
@@ -395,6 +424,7 @@ class Target:
         """
         from qprobe.events import add_event
 
+        self.start_clock()
         return add_event(self, definition, callback, filter)  # in self.events, or appended to its event there
 
     def add_events(
@@ -406,6 +436,7 @@ class Target:
         """
         from qprobe.events import add_events
 
+        self.start_clock()
         return add_events(self, definition, callback, filter)
 
     def remove_event(self, event: TraceEvent | str) -> None:
@@ -419,6 +450,7 @@ class Target:
                 raise ProbeError(f"no such event {name!r} (ENOENT)")
             event = matches[0]
         first = self.events.get(event.name)
+        self.timeline.flush()
         remove_event(self, event)  # the event's every probe if it is the first, else that one
         if first is event:
             del self.events[event.name]
@@ -477,6 +509,7 @@ class Target:
         except QprobeError as exc:
             log.warning("could not remove every probe: %s", exc)
         finally:
+            self.timeline.close()
             # Whatever happened above, QEMU (if ours) is stopped and nothing is leaked.
             self._teardown()
 

@@ -14,7 +14,6 @@ import collections
 import functools
 import logging
 import re
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -57,6 +56,7 @@ if TYPE_CHECKING:
     from qprobe.core.kretprobe import KretprobeManager
     from qprobe.kernel.program import KernelData, Task
     from qprobe.kernel.symbols import Symbols
+    from qprobe.timeline import Timeline
     from qprobe.vmm.memory import GuestMemory
 
 log = logging.getLogger("qprobe.events")
@@ -80,7 +80,7 @@ class EventTarget(Protocol):
     kprobes: KprobeManager
     kretprobes: KretprobeManager
     events: dict[str, TraceEvent]
-    t0: float  # trace timestamps count from here
+    timeline: Timeline
 
     @property
     def modules(self) -> ModuleWatch: ...
@@ -92,6 +92,7 @@ class EventTarget(Protocol):
     @property
     def trace_events(self) -> frozenset[tuple[str, str]]: ...
     def current_task(self, regs: PtRegs) -> Task: ...
+    def hit_time(self, regs: PtRegs) -> float: ...
     def add_event(self, definition: str, callback: Callable[[EventHit], None] | None = None,
                   filter: str | None = None) -> TraceEvent: ...  # fmt: skip
     def register_kprobe(self, kp: Kprobe) -> None: ...
@@ -111,7 +112,7 @@ class EventHit:
     cpu: int
     pid: int
     comm: str
-    ts: float  # seconds since qprobe attached (host clock; the guest's clock is not read)
+    ts: float  # seconds on the guest's trace clock, as its own trace prints them (Target.hit_time)
     addr: int
     symbol: str
     args: dict[str, str]
@@ -267,7 +268,7 @@ class TraceEvent:
 
     def _record(
         self, regs: PtRegs, ip: int, func: int | None, retval: int | None,
-        task: tuple[int, str] | None = None, ts: float | None = None,
+        task: tuple[int, str] | None = None,
     ) -> None:  # fmt: skip
         """One hit at ``ip`` (a kprobe's address, or a return probe's real return address in ``func``).
 
@@ -291,7 +292,7 @@ class TraceEvent:
         pid, comm = task
         hit = EventHit(
             event=self.definition.event, cpu=regs.vcpu, pid=pid, comm=comm,
-            ts=(time.monotonic() if ts is None else ts) - self.target.t0, addr=ip,
+            ts=self.target.hit_time(regs), addr=ip,
             symbol=self.target.symbols.symbolize(ip),
             func=None if func is None else self.target.symbols.symbolize(func),
             args={a.name: a.format_value(v) for a, v in zip(self.definition.args, values, strict=True)},
@@ -303,6 +304,10 @@ class TraceEvent:
             self.host_filtered += 1
             return
         self.nhit += 1
+        self.target.timeline.push(hit.ts, lambda: self._deliver(hit))
+
+    def _deliver(self, hit: EventHit) -> None:
+        """Keep ``hit`` and call back, in the guest's order of hits across every event (qprobe.timeline)."""
         if len(self.hits) >= self.keep:
             self.hits.popleft()
             self.evicted += 1
@@ -371,7 +376,7 @@ class TraceEvent:
         kprobes = self.target.kprobes
         regs = kprobes.make_regs(rec.values, kprobes.machine.vcpus[rec.cpu])
         assert isinstance(self.probe, Kprobe)
-        self._record(regs, self.probe.at, None, None, task=(rec.pid, rec.comm), ts=rec.time)
+        self._record(regs, self.probe.at, None, None, task=(rec.pid, rec.comm))
 
     def _kretprobe_hit(self, ri: KretprobeInstance, regs: PtRegs) -> None:
         func = self.probe.kp.at  # type: ignore[union-attr]

@@ -138,7 +138,7 @@ class RecordRings:
         layout = self.arch.registers
         ip = layout.gdb_name[layout.ip]
         for point, entry in batch:
-            values = {**entry.values, ip: point.addr}
+            values = {**entry.values, ip: point.addr, "tsc": entry.tsc}
             when = min(now, entry.tsc / self._tsc_hz + self._tsc_offset) if self._tsc_hz else now
             rec = GuestRecord(values, entry.cpu, entry.pid, entry.comm, entry.task, when)
             for kp in point.probes:

@@ -30,7 +30,7 @@ class PtRegs:
     """
 
     __slots__ = ("_dirty", "_kernel", "_layout", "_mem", "_pgd", "_symbols", "_values", "fix_return", "gs_base",
-                 "tid", "vcpu")  # fmt: skip
+                 "tid", "tsc", "vcpu")  # fmt: skip
 
     def __init__(self, values: dict[str, int], tid: str, vcpu: int, mem: GuestMemory,
                  symbols: Symbols | None = None, kernel: KernelData | None = None,
@@ -55,6 +55,8 @@ class PtRegs:
         init(self, "vcpu", vcpu)
         # The per-CPU base while in kernel mode (named as the kernel layer names it: x86's GS base).
         init(self, "gs_base", values.get(layout.percpu_base, 0))
+        # The guest's TSC at the hit where the guest read it (a detour's mailbox or ring entry), else None.
+        init(self, "tsc", values.get("tsc"))
         # Maps a value read from a stack slot to the real return address (kretprobe trampolines).
         init(self, "fix_return", fix_return)
 

@@ -22,7 +22,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("api", ("qprobe.api",)),
     # funcs answers "can this function be probed" for kprobe_events definitions and `qprobe funcs`;
     # modnotify re-registers module events as their module loads.
-    ("events", ("qprobe.events", "qprobe.funcs", "qprobe.modnotify")),
+    # timeline hands events' hits on in the guest's order.
+    ("events", ("qprobe.events", "qprobe.funcs", "qprobe.modnotify", "qprobe.timeline")),
     ("core", ("qprobe.core",)),
     ("kernel", ("qprobe.kernel",)),
     # images build and cache what a target boots; api and the CLI use them, nothing below does.

@@ -54,8 +54,8 @@ FRAME_ID = STUB_FRAME_ID
 FRAME_SIZE = STUB_FRAME_SIZE  # the probed context's rsp is frame + FRAME_SIZE
 
 # Mailbox layout (one per CPU, MAILBOX_SIZE bytes)
-MB_STATE, MB_BUSY, MB_FRAME, MB_CR3, MB_PERCPU, MB_CURRENT, MB_FINAL_IP, MB_FINAL_SP = (
-    0x00, 0x08, 0x18, 0x20, 0x28, 0x30, 0x38, 0x40)  # fmt: skip
+MB_STATE, MB_BUSY, MB_FRAME, MB_CR3, MB_PERCPU, MB_CURRENT, MB_FINAL_IP, MB_FINAL_SP, MB_TSC = (
+    0x00, 0x08, 0x18, 0x20, 0x28, 0x30, 0x38, 0x40, 0x48)  # fmt: skip
 MB_REGS = 0x80  # the frame, copied (FRAME_SIZE bytes)
 MAILBOX_SHIFT = 9
 MAILBOX_SIZE = 1 << MAILBOX_SHIFT
@@ -169,6 +169,11 @@ def build_stub(p: StubParams, address: int) -> bytes:
         c.create_mem_reg(Code.MOV_RM64_R64, _mem("rbx", MB_PERCPU), Register.RAX),
         c.create_reg_mem(Code.MOV_R64_RM64, Register.RAX, _mem(disp=p.current_task, seg="gs")),
         c.create_mem_reg(Code.MOV_RM64_R64, _mem("rbx", MB_CURRENT), Register.RAX),
+        # When the hit happened, on the clock the guest's own trace reads (rax and rdx are saved).
+        c.create(Code.RDTSC),
+        c.create_reg_i32(Code.SHL_RM64_IMM8, Register.RDX, 32),
+        c.create_reg_reg(Code.OR_R64_RM64, Register.RAX, Register.RDX),
+        c.create_mem_reg(Code.MOV_RM64_R64, _mem("rbx", MB_TSC), Register.RAX),
         c.create_reg_reg(Code.MOV_R64_RM64, Register.RSI, Register.RSP),
         c.create_reg_mem(Code.LEA_R64_M, Register.RDI, _mem("rbx", MB_REGS)),
         c.create_reg_u32(Code.MOV_R32_IMM32, Register.ECX, FRAME_SIZE // 8),

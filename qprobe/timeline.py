@@ -1,0 +1,93 @@
+"""Event hits from every path, handed on in the order they happened in the guest.
+
+A hit reaches the host by one of three paths: at a VM stop (at once), through an
+optimized probe's mailbox (at once), or in a record ring the collector drains every
+few milliseconds (late).  Each carries its time on the guest's trace clock, so a
+hit is held back until nothing earlier can still arrive: until a hit ``WINDOW``
+seconds of guest time newer has been seen, or for ``HOLD`` seconds of host time,
+whichever comes first (perf's ordered events work the same way).  ``flush`` hands
+on everything at once, when the caller knows all paths are drained.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger("qprobe.timeline")
+
+WINDOW = 0.1  # seconds of guest time: longer than a record waits in its ring
+HOLD = 0.15  # seconds of host time a hit is held at most
+TICK = 0.05  # how often held hits are looked at while nothing new arrives
+
+
+class Timeline:
+    """A reorder buffer keyed by guest time; ``deliver`` callables run in that order, one at a time."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, float, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._newest = float("-inf")
+        self._lock = threading.Lock()  # the heap
+        self._delivering = threading.RLock()  # one deliverer at a time, so the order holds
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.errors: list[str] = []  # what delivering raised (a user's callback): counted, never lost silently
+
+    def push(self, ts: float, deliver: Callable[[], None]) -> None:
+        """Hold ``deliver`` (a hit at guest time ``ts``) until its turn."""
+        with self._lock:
+            heapq.heappush(self._heap, (ts, next(self._seq), time.monotonic(), deliver))
+            self._newest = max(self._newest, ts)
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._tick, name="qprobe-timeline", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+        self._release(all_=False)
+
+    def flush(self) -> None:
+        """Hand on every held hit now."""
+        self._release(all_=True)
+
+    def close(self) -> None:
+        self.flush()
+        with self._lock:
+            self._closed = True
+            self._wake.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(1.0)
+
+    def _due(self, all_: bool) -> Callable[[], None] | None:
+        with self._lock:
+            if not self._heap:
+                return None
+            ts, _, held_since, deliver = self._heap[0]
+            if all_ or ts <= self._newest - WINDOW or time.monotonic() - held_since >= HOLD:
+                heapq.heappop(self._heap)
+                return deliver
+            return None
+
+    def _release(self, all_: bool) -> None:
+        with self._delivering:
+            while (deliver := self._due(all_)) is not None:
+                try:
+                    deliver()
+                except Exception as exc:  # a user's callback: reported, and the hits after it still go out
+                    self.errors.append(f"{type(exc).__name__}: {exc}")
+                    log.warning("event callback failed: %s: %s", type(exc).__name__, exc)
+
+    def _tick(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                self._wake.wait(TICK if self._heap else None)
+            self._release(all_=False)
+
+
+__all__ = ["HOLD", "WINDOW", "Timeline"]

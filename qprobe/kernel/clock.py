@@ -201,9 +201,12 @@ class StopClock:
         return int.from_bytes(self.kernel.mem.read(self.kernel.symbols.address("tsc_khz"), 4), "little") / 1e6
 
     def tsc(self) -> int | None:
-        """The guest's TSC now (call with the VM stopped, on the stop loop's thread), or None if unknown."""
+        """The guest's TSC now, or None if unknown (in a stop's handler, the TSC of that stop)."""
         if not self._pairs or self._hpet is None:
             return None
+        return self.machine.call(self._tsc_stopped)  # inline on the stop loop's thread; else one stop
+
+    def _tsc_stopped(self) -> int:
         now = self._hpet_ns()
         tsc0, v0 = self._pairs[-1]
         if now - v0 > RECALIBRATE_NS:

@@ -1,15 +1,20 @@
-"""The guest's trace clock: what ftrace's default "local" clock reads for a given TSC value.
+"""The guest's trace clock: what ftrace would stamp an event with, for a given TSC value.
 
-ftrace stamps an event with ``trace_clock_local()``, that is ``sched_clock()``, which
-on x86 with a usable TSC is ``native_sched_clock()``: ``cycles_2_ns(rdtsc())`` with
-the per-CPU ``cyc2ns`` scale (arch/x86/kernel/tsc.c, the latch-protected pair of
-scales since Linux 4.16's "x86/tsc: Use seqcount_latch() for cyc2ns").  Reading the
-same scale from the guest turns the TSC that qprobe's in-guest records carry into
-the very timestamp the guest's own trace would have printed for them.
+ftrace stamps events with the clock its top-level instance is set to (``trace_clock``):
+``local`` is ``sched_clock()``, which on x86 with a usable TSC is ``native_sched_clock()``:
+``cycles_2_ns(rdtsc())`` with the per-CPU ``cyc2ns`` scale (arch/x86/kernel/tsc.c, a
+latch-protected pair of scales since Linux 4.16's "x86/tsc: Use seqcount_latch() for
+cyc2ns").  A kernel that finds its sched_clock unstable (a TCG guest's TSCs are never
+synchronized) makes ``global`` the default (kernel/trace/trace.c, "Unstable clock detected,
+switching default tracing clock"): ``sched_clock_cpu()``, the per-CPU clock that
+kernel/sched/clock.c keeps within a tick of the time of day.  Reading the same state
+from the guest turns the TSC that a hit carries into the timestamp the guest's own
+trace would have printed for it.
 """
 
 from __future__ import annotations
 
+import struct
 import threading
 from typing import TYPE_CHECKING
 
@@ -25,6 +30,7 @@ if TYPE_CHECKING:
     from qprobe.vmm.machine import Machine
 
 NSEC_PER_SEC = 1_000_000_000
+U64 = (1 << 64) - 1
 # HPET registers (IA-PC HPET specification 1.0a, 2.3): capabilities (the period in fs in
 # the high half), configuration (bit 0 enables the counter) and the main counter.
 HPET_CAP, HPET_CFG, HPET_COUNTER, HPET_ENABLE = 0x000, 0x010, 0x0F0, 1
@@ -38,9 +44,14 @@ class TraceClock:
     def __init__(self, kernel: KernelData) -> None:
         self.kernel = kernel
         self._lock = threading.Lock()
-        self._scales: dict[int, tuple[int, int, int]] = {}  # cpu -> (mul, shift, offset)
+        self._seq_addrs: dict[int, tuple[int, int, int]] = {}  # cpu -> (&seq, &data[0], sizeof data[0])
+        self._scales: dict[int, tuple[int, tuple[int, int, int]]] = {}  # cpu -> (seq, (mul, shift, offset))
         self._why_not: str | None = None
         self._checked = False
+        self.name = "local"  # the guest's trace clock
+        self._scd: tuple[int, int, int] | None = None  # per-CPU sched_clock_data: (address, tick_raw, tick_gtod)
+        self._addrs = (0, 0, 0)  # __sched_clock_stable's count, __sched_clock_offset, __gtod_offset
+        self._percpu: list[int] = []  # __per_cpu_offset
 
     def unavailable(self) -> str | None:
         """Why the guest's trace clock cannot be computed on the host, or None when it can."""
@@ -79,34 +90,81 @@ class TraceClock:
         if native and target != native:
             name = self.kernel.symbols.symbolize(target)
             return f"this kernel's sched_clock is {name}, not the TSC's native_sched_clock"
+        return self._check_trace_clock(prog)
+
+    def _check_trace_clock(self, prog: drgn.Program) -> str | None:
+        """Which clock the guest's trace uses; None if qprobe can compute it (local, or global/perf)."""
+        try:
+            tr = prog["global_trace"]
+            self.name = prog["trace_clocks"][tr.clock_id].name.string_().decode()
+        except (KeyError, LookupError, drgn.FaultError):
+            return None  # no ftrace: sched_clock is the kernel's own notion of event time
+        if self.name == "local":
+            return None
+        if self.name not in ("global", "perf"):
+            return f"the guest's trace clock is {self.name!r}; qprobe computes 'local', 'global' and 'perf'"
+        try:
+            scd = prog["sched_clock_data"]
+            self._scd = (scd.address_, drgn.offsetof(scd.type_, "tick_raw"), drgn.offsetof(scd.type_, "tick_gtod"))
+            self._addrs = (prog["__sched_clock_stable"].key.enabled.address_, prog["__sched_clock_offset"].address_,
+                           prog["__gtod_offset"].address_)  # fmt: skip
+            self._percpu = [prog["__per_cpu_offset"][cpu].value_() for cpu in range(len(prog["__per_cpu_offset"]))]
+        except (KeyError, LookupError, drgn.FaultError):
+            self.name = "local"  # !CONFIG_HAVE_UNSTABLE_SCHED_CLOCK: sched_clock_cpu() is sched_clock()
         return None
 
-    def refresh(self) -> None:
-        """Forget the scales read so far: the kernel rescales after refining the TSC's frequency."""
-        with self._lock:
-            self._scales.clear()
+    def _cpu_clock(self, sched_ns: int, cpu: int) -> int:
+        """sched_clock_cpu(cpu) at the moment sched_clock() read ``sched_ns`` (kernel/sched/clock.c)."""
+        mem = self.kernel.mem
+
+        def u64(addr: int) -> int:
+            return int.from_bytes(mem.read(addr, 8), "little")
+
+        stable, sched_offset, gtod_offset = self._addrs
+        if int.from_bytes(mem.read(stable, 4), "little"):
+            return (sched_ns + u64(sched_offset)) & U64
+        assert self._scd is not None
+        base, raw_off, gtod_off = self._scd
+        scd = base + self._percpu[cpu]
+        tick_raw, tick_gtod = u64(scd + raw_off), u64(scd + gtod_off)
+        # sched_clock_local(): the time of day at the CPU's last tick plus sched_clock's advance since.
+        # The host reads the tick after the hit (a record waits in its ring a few ms); the advance is
+        # then negative, which the kernel's clamp never sees and which keeps the sum right.
+        return (tick_gtod + u64(gtod_offset) + sched_ns - tick_raw) & U64
 
     def _scale(self, cpu: int) -> tuple[int, int, int]:
-        scale = self._scales.get(cpu)
-        if scale is None:
+        """The scale ``cpu`` uses now: read again whenever the latch's sequence moved.
+
+        The kernel rescales after it refines its first, rough TSC calibration (a second
+        or so into boot, set_cyc2ns_scale keeps the clock continuous by a new offset).
+        """
+        where = self._seq_addrs.get(cpu)
+        if where is None:
             try:
                 c = per_cpu(self.kernel.prog["cyc2ns"], cpu)
                 try:
-                    seq = c.seq.seqcount.sequence.value_()
+                    seq = c.seq.seqcount.sequence
                 except (AttributeError, LookupError):
-                    seq = c.seq.sequence.value_()  # a plain seqcount before seqcount_latch_t (Linux 5.10)
-                d = c.data[seq & 1]
-                scale = (d.cyc2ns_mul.value_(), d.cyc2ns_shift.value_(), d.cyc2ns_offset.value_())
+                    seq = c.seq.sequence  # a plain seqcount before seqcount_latch_t (Linux 5.10)
+                where = (seq.address_, c.data[0].address_, c.data.type_.type.size)
             except (drgn.FaultError, LookupError, AttributeError) as exc:
-                raise SymbolError(f"cannot read the guest's cyc2ns scale of CPU {cpu}: {exc}") from None
-            with self._lock:
-                self._scales[cpu] = scale
-        return scale
+                raise SymbolError(f"cannot find the guest's cyc2ns scale of CPU {cpu}: {exc}") from None
+            self._seq_addrs[cpu] = where
+        seq_addr, data, size = where
+        seq = int.from_bytes(self.kernel.mem.read(seq_addr, 4), "little")
+        cached = self._scales.get(cpu)
+        if cached is not None and cached[0] == seq:
+            return cached[1]
+        # struct cyc2ns_data { u32 cyc2ns_mul; u32 cyc2ns_shift; u64 cyc2ns_offset; }
+        mul, shift, offset = struct.unpack_from("<IIQ", self.kernel.mem.read(data + (seq & 1) * size, 16))
+        self._scales[cpu] = (seq, (mul, shift, offset))
+        return mul, shift, offset
 
     def ns(self, tsc: int, cpu: int) -> int:
-        """cycles_2_ns(tsc) on ``cpu``: nanoseconds on the guest's trace clock."""
+        """Nanoseconds on the guest's trace clock for the TSC value ``tsc`` read on ``cpu``."""
         mul, shift, offset = self._scale(cpu)
-        return (offset + ((tsc * mul) >> shift)) & ((1 << 64) - 1)
+        sched_ns = (offset + ((tsc * mul) >> shift)) & U64  # cycles_2_ns()
+        return sched_ns if self.name == "local" else self._cpu_clock(sched_ns, cpu)
 
 
 class StopClock:

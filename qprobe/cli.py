@@ -331,7 +331,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
     _say_booting(args)
     status = 0
     with _boot(args) as target:
-        events = [te for text in args.events for te in _arm(target, text, show, None if cpid_filter else flt)]
+
+        def in_order(hit: EventHit) -> None:  # printed in the guest's order of hits, whatever their path
+            target.timeline.push(hit.ts, lambda: show(hit))
+
+        events = [te for text in args.events for te in _arm(target, text, in_order, None if cpid_filter else flt)]
 
         def on_root(cpid: int) -> None:
             if cpid_filter:

@@ -304,16 +304,16 @@ class TraceEvent:
             self.host_filtered += 1
             return
         self.nhit += 1
-        self.target.timeline.push(hit.ts, lambda: self._deliver(hit))
+        self.target.timeline.push(hit.ts, lambda: self._keep(hit))
+        if self.callback is not None:
+            self.callback(hit)  # at the hit, like a kernel handler; printers order through the timeline
 
-    def _deliver(self, hit: EventHit) -> None:
-        """Keep ``hit`` and call back, in the guest's order of hits across every event (qprobe.timeline)."""
+    def _keep(self, hit: EventHit) -> None:
+        """Keep ``hit`` in ``hits``, in the guest's order of hits across every event (qprobe.timeline)."""
         if len(self.hits) >= self.keep:
             self.hits.popleft()
             self.evicted += 1
         self.hits.append(hit)
-        if self.callback is not None:
-            self.callback(hit)
 
     def _kprobe_hit(self, kp: Kprobe, regs: PtRegs) -> int:
         self._record(regs, kp.at, None, None)

@@ -76,6 +76,7 @@ class Dispatcher:
         self.watch_int3 = True
         self.watch_refs, self.watch_safe = 0, frozenset[int]()
         self.passed_through = 0
+        self.stale_int3 = 0  # traps on int3s already gone from the text, run again after a step
         self.ntraps = 0  # int3 traps dispatched (each one a VM stop)
 
     # -- the hook -------------------------------------------------------------------------
@@ -161,14 +162,32 @@ class Dispatcher:
         """The watchpoint hook: the vCPU is inside poke_int3_handler, the trap's pt_regs in hand.
 
         Any other read of the watched word (text_poke_bp's own) and any int3
-        not ours just continue, untouched.  For ours, every register goes back
-        to the trapped context's with the resume.
+        not ours that is still in the text just continue, untouched.  For ours,
+        every register goes back to the trapped context's with the resume; an
+        int3 already gone from the text is run again as it is now.
         """
         if self.arch.ip(regs) not in self.watch_safe:
             return
         trap = self.arch.decode_trap(TrapHook.WATCH, regs, self.machine.mem.read)
-        if self._ours(tid, trap):
+        if self._ours(tid, trap, removed=False):
             self._dispatch(tid, trap)
+        elif not trap.user and self.machine.mem.read(trap.addr, len(self.arch.breakpoint)) != self.arch.breakpoint:
+            self._stale_int3(tid, trap)
+
+    def _stale_int3(self, tid: str, trap: Trap) -> None:
+        """An int3 the text no longer holds (ours, removed, or the guest's): run what it holds now.
+
+        The kernel's kprobe_int3_handler backs up over an int3 removed after it ran and
+        re-executes the address.  QEMU 7.2 with MTTCG sometimes goes on executing a
+        translated block that still holds an int3 the guest's text_poke_bp has replaced:
+        backing up then re-executes that int3, forever (measured: a guest toggling its own
+        trace events wedged so within minutes, with no probe of qprobe's in it at all; see
+        docs/reliability.md).  qprobe backs up too, then single-steps: a step is a debug
+        stop, and QEMU throws its translated code away on those (not on a watchpoint's).
+        """
+        self.stale_int3 += 1
+        self.apply(tid, Resume(ResumeKind.CONTINUE, trap.addr, trap.sp, trap.flags), trap.restore)
+        self.machine.gdb.step(tid)
 
     def lost_traps(self, handled: str | None) -> None:
         """Handle the traps of vCPUs that wait right after the watched read without a stop of their own.
@@ -188,8 +207,8 @@ class Dispatcher:
             if self.arch.ip(regs) in self.watch_safe:
                 self.on_watch_stop(tid, regs)
 
-    def _ours(self, tid: str, trap: Trap) -> bool:
-        """Whether the trap is one of our int3s (or was, and the vCPU executed it before we removed it)."""
+    def _ours(self, tid: str, trap: Trap, removed: bool = True) -> bool:
+        """Whether the trap is one of our int3s (or, with ``removed``, was when the vCPU executed it)."""
         if trap.user:
             return False
         if self._trap_step_end(tid, trap.addr):
@@ -197,7 +216,8 @@ class Dispatcher:
         reg = self.registry
         point = reg.points.get(trap.addr)
         return trap.addr in reg.trampolines or (point is not None and point.armed) or (
-            trap.addr in reg.touched
+            removed
+            and trap.addr in reg.touched
             and self.machine.mem.read(trap.addr, len(self.arch.breakpoint)) != self.arch.breakpoint)  # fmt: skip
 
     # -- 2. and 3. decode, handle -------------------------------------------------------------------

@@ -52,6 +52,7 @@ class TraceClock:
         self._scd: tuple[int, int, int] | None = None  # per-CPU sched_clock_data: (address, tick_raw, tick_gtod)
         self._addrs = (0, 0, 0)  # __sched_clock_stable's count, __sched_clock_offset, __gtod_offset
         self._percpu: list[int] = []  # __per_cpu_offset
+        self._last: dict[int, tuple[int, int]] = {}  # cpu -> the newest (tsc, ns) converted
 
     def unavailable(self) -> str | None:
         """Why the guest's trace clock cannot be computed on the host, or None when it can."""
@@ -164,7 +165,18 @@ class TraceClock:
         """Nanoseconds on the guest's trace clock for the TSC value ``tsc`` read on ``cpu``."""
         mul, shift, offset = self._scale(cpu)
         sched_ns = (offset + ((tsc * mul) >> shift)) & U64  # cycles_2_ns()
-        return sched_ns if self.name == "local" else self._cpu_clock(sched_ns, cpu)
+        if self.name == "local":
+            return sched_ns
+        value = self._cpu_clock(sched_ns, cpu)
+        with self._lock:
+            # sched_clock_local() never goes back on a CPU (its clamp to scd->clock), though the
+            # tick it is based on moves under the host's conversions: neither do these.
+            last = self._last.get(cpu)
+            if last is not None and tsc >= last[0]:
+                value = max(value, last[1])
+            if last is None or tsc >= last[0]:
+                self._last[cpu] = (tsc, value)
+        return value
 
 
 class StopClock:

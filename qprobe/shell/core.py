@@ -350,8 +350,10 @@ class Shell:
         formats = {te.definition.event: self.formats[te.name] for te in events if te.name in self.formats}
         if spec.seconds is None and spec.command is None:
             self.note(f"showing {', '.join(te.name for te in events)}; Ctrl-C to stop")
-        with Tap(events, lambda te, hit, stack: hits.put(hit)):
+        timeline = self.target.timeline  # lines come out in the guest's order of hits, whatever their path
+        with Tap(events, lambda te, hit, stack: timeline.push(hit.ts, lambda: hits.put(hit))):
             result = self._watch(spec, drain)
+        timeline.flush()
         drain()
         self._report_run(result)
 

@@ -22,6 +22,7 @@ from qprobe.fetch.dialect import Dialect
 from qprobe.kernel.program import Stack
 from qprobe.kernel.symbols import Section, Symbols
 from qprobe.shell import Shell
+from qprobe.timeline import Timeline
 from qprobe.vmm.console import RunResult
 
 TEXT = 0xFFFFFFFF81000000
@@ -64,6 +65,7 @@ class FakeTarget:
         sections = [Section(".text", TEXT, 0x2000, 0x1000, True), Section(".rodata", BANNER, 0x1000, 0x3000, False)]
         self.symbols = Symbols(Path("/nonexistent/vmlinux"), "00" * 20, SYMS, sections)
         self.events: dict[str, TraceEvent] = {}
+        self.timeline = Timeline()
         self.kprobes = FakeProbes(self.symbols)
         self.kernel = SimpleNamespace(read_task=lambda gs_base: SimpleNamespace(comm="swapper/0", pid=0))
         self.console: FakeConsole | None = FakeConsole()

@@ -1,0 +1,59 @@
+"""An int3 that is not qprobe's and is gone from the text by the time its trap is seen."""
+
+from __future__ import annotations
+
+import pytest
+
+import qprobe
+from qprobe.vmm.memory import SharedRam
+
+from .conftest import workload_result
+
+pytestmark = pytest.mark.vm
+
+
+def test_a_stale_foreign_int3_runs_the_text_as_it_is_now(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    """QEMU 7.2 can keep executing a stale translation of an int3 the guest already patched away.
+
+    Made here on purpose: an int3 is written into ksys_lseek through the gdbstub (QEMU
+    translates it), and when its trap reaches qprobe's hook the original byte is put back
+    through guest RAM, which QEMU's translated code does not see.  The kernel's own #BP
+    handler would back up into the stale int3 forever; qprobe backs up and steps, which
+    makes QEMU translate the text again.  The workload then runs to the end.
+    """
+    kprobes = target.kprobes
+    hook = qprobe.Kprobe(symbol_name="do_sys_openat2")  # any probe: it puts the int3 hook in place
+    target.register_kprobe(hook)
+    probe = qprobe.Kprobe(symbol_name="ksys_lseek")  # where qprobe would probe: an instruction boundary
+    target.register_kprobe(probe)
+    site = probe.at
+    target.unregister_kprobe(probe)
+    ram = kprobes.machine.data_writer
+    if not kprobes.watch_refs or not isinstance(ram, SharedRam):
+        target.unregister_kprobe(hook)
+        pytest.skip("needs the watchpoint hook and shared guest RAM")
+    original = target.read(site, 1)
+    phys = target.mem.virt_to_phys(site)
+    handler = kprobes.machine.watch_handlers[kprobes.watch_refs]
+    forged = []
+
+    def forge_the_stale_translation(tid: str, regs: dict[str, int]) -> None:
+        if target.mem.read(site, 1) == b"\xcc":
+            ram.write_phys(phys, original)  # behind QEMU's back: its translation keeps the int3
+            forged.append(tid)
+        handler(tid, regs)
+
+    before = kprobes.dispatcher.stale_int3
+    kprobes.machine.watch_handlers[kprobes.watch_refs] = forge_the_stale_translation
+    try:
+        kprobes.machine.call(lambda: kprobes.machine.gdb.write_memory(site, b"\xcc"))
+        res = workload_result(target.run("workload lseek 3", timeout=60).check().output)
+    finally:
+        kprobes.machine.watch_handlers[kprobes.watch_refs] = handler
+        if target.read(site, 1) != original:
+            kprobes.machine.call(lambda: kprobes.machine.gdb.write_memory(site, original))
+        target.unregister_kprobe(hook)
+    assert forged, "the int3 never trapped"
+    assert res["ret"] == "3" and res["errors"] == "0"
+    assert kprobes.dispatcher.stale_int3 - before == len(forged) == 1
+    assert target.oopses() == []

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import struct
 import threading
+import time
 from typing import TYPE_CHECKING
 
 import drgn
@@ -34,7 +35,8 @@ U64 = (1 << 64) - 1
 # HPET registers (IA-PC HPET specification 1.0a, 2.3): capabilities (the period in fs in
 # the high half), configuration (bit 0 enables the counter) and the main counter.
 HPET_CAP, HPET_CFG, HPET_COUNTER, HPET_ENABLE = 0x000, 0x010, 0x0F0, 1
-RECALIBRATE_NS = 5 * NSEC_PER_SEC  # of guest time between two (TSC, HPET) pairs
+RECALIBRATE_NS = 10 * NSEC_PER_SEC  # of guest time between two (TSC, HPET) pairs
+RATE_BASELINE = 0.3  # seconds between the first two pairs: the rate to 1e-7 with a 10-ns HPET tick
 CALIBRATE_WAIT = 5.0  # seconds the first pair may take (sched_clock runs on every tick)
 
 
@@ -187,8 +189,8 @@ class StopClock:
     so TSC = a + b * HPET-time throughout.  The HPET's main counter counts that virtual
     clock and the gdbstub reads it as device memory; (a, b) come from pairs taken at a
     hardware breakpoint right after the ``rdtsc`` in ``native_sched_clock``, where
-    ``edx:eax`` hold the TSC of that very stop.  The guest's refined ``tsc_khz`` is the
-    rate until a second pair gives a measured one.
+    ``edx:eax`` hold the TSC of that very stop: the rate from the first pair and the
+    newest, the offset from the newest (taken again every ten seconds of guest time).
     """
 
     def __init__(self, kernel: KernelData, machine: Machine) -> None:
@@ -202,15 +204,20 @@ class StopClock:
         self._site = 0
 
     def unavailable(self) -> str | None:
-        """Why the guest's TSC at a stop cannot be known, or None; takes the first pair (one stop) once."""
-        if self._why_not is None and not self._pairs:
-            self._why_not = self._prepare()
-            if self._why_not is None:
-                self.machine.call(self._arm)
-                if not self._got.wait(CALIBRATE_WAIT):
-                    self.machine.call(self._disarm)
-                    self._why_not = "no vCPU ran native_sched_clock's rdtsc to calibrate the clock against"
+        """Why the guest's TSC at a stop cannot be known, or None; takes two pairs (two stops) once."""
+        if self._why_not is None and len(self._pairs) < 2:
+            self._why_not = self._prepare() or self._pair() or self._pair(after=RATE_BASELINE)
         return self._why_not
+
+    def _pair(self, after: float = 0.0) -> str | None:
+        """Take one (TSC, HPET) pair, ``after`` seconds from now; why not, if none came."""
+        time.sleep(after)
+        self._got.clear()
+        self.machine.call(self._arm)
+        if not self._got.wait(CALIBRATE_WAIT):
+            self.machine.call(self._disarm)
+            return "no vCPU ran native_sched_clock's rdtsc to calibrate the clock against"
+        return None
 
     def _prepare(self) -> str | None:
         symbols, mem = self.kernel.symbols, self.kernel.mem
@@ -258,21 +265,19 @@ class StopClock:
 
     def _on_rdtsc(self, thread: str, regs: dict[str, int]) -> None:
         tsc = (regs["rdx"] & 0xFFFFFFFF) << 32 | regs["rax"] & 0xFFFFFFFF
-        self._pairs = [*self._pairs[-1:], (tsc, self._hpet_ns())]
+        # The first pair and the newest: the rate over the longest baseline, the offset from the newest.
+        self._pairs = [*self._pairs[:1], (tsc, self._hpet_ns())]
         self._disarm()
         self._got.set()
 
     def _rate(self) -> float:
-        """TSC ticks per nanosecond of the guest's virtual time."""
-        if len(self._pairs) == 2:
-            (t0, v0), (t1, v1) = self._pairs
-            if v1 - v0 >= NSEC_PER_SEC // 2:
-                return (t1 - t0) / (v1 - v0)
-        return int.from_bytes(self.kernel.mem.read(self.kernel.symbols.address("tsc_khz"), 4), "little") / 1e6
+        """TSC ticks per nanosecond of the guest's virtual time (both run off the host's clocks)."""
+        (t0, v0), (t1, v1) = self._pairs[0], self._pairs[-1]
+        return (t1 - t0) / (v1 - v0)
 
     def tsc(self) -> int | None:
         """The guest's TSC now, or None if unknown (in a stop's handler, the TSC of that stop)."""
-        if not self._pairs or self._hpet is None:
+        if len(self._pairs) < 2 or self._hpet is None:
             return None
         return self.machine.call(self._tsc_stopped)  # inline on the stop loop's thread; else one stop
 

@@ -17,11 +17,11 @@ TRACING = "/sys/kernel/tracing"
 
 
 def _nested(target: qprobe.Target) -> tuple[list[tuple[str, int, float]], int]:
-    """ksys_read > vfs_read > its return, as three events; (every hit as delivered, the workload's pid)."""
+    """ksys_read > vfs_read > its return, as three events; (every hit as printed, the workload's pid)."""
     seen: list[tuple[str, int, float]] = []
 
-    def note(hit: EventHit) -> None:
-        seen.append((hit.event, hit.pid, hit.ts))
+    def note(hit: EventHit) -> None:  # as qprobe trace prints: through the target's timeline
+        target.timeline.push(hit.ts, lambda: seen.append((hit.event, hit.pid, hit.ts)))
 
     ks = target.add_event("p:ks ksys_read", note)
     vr = target.add_event("p:vr vfs_read count=%dx", note)

@@ -113,6 +113,7 @@ class Target:
         self.timeline = Timeline()
         self.clock_note: str | None = None  # why event timestamps are the host's, once that is found
         self._guest_clock: bool | None = None
+        self._exact_tsc = self._stop_tsc = 0  # the newest TSC a hit carried; the last one given a VM stop
         self.address = gdb_address
         self.timings: dict[str, float] = {}
         self.console: Console | None = None
@@ -378,11 +379,20 @@ class Target:
         """When a hit happened, in seconds on the guest's trace clock: what its own trace prints for it.
 
         The TSC comes from the hit itself where the guest read it (a detour's mailbox or
-        ring entry), else from the VM stop it is handled in.  Seconds since qprobe attached
-        if this guest's clock cannot be read (``clock_note`` says why).
+        ring entry, exact), else from the VM stop it is handled in (qprobe.kernel.clock.StopClock:
+        to within the time QEMU takes to stop, some tens to hundreds of microseconds).  Seconds
+        since qprobe attached if this guest's clock cannot be read (``clock_note`` says why).
         """
         if self._guest_clock:
-            tsc = regs.tsc if regs.tsc is not None else self.stop_clock.tsc()
+            tsc = regs.tsc
+            if tsc is not None:
+                self._exact_tsc = max(self._exact_tsc, tsc)
+            else:
+                # A stop's TSC comes from the HPET, good to the stop's latency; but every TSC the guest
+                # has recorded so far is older than this stop, and stops reach the host in their order.
+                tsc = self.stop_clock.tsc()
+                if tsc is not None:
+                    tsc = self._stop_tsc = max(tsc, self._exact_tsc + 1, self._stop_tsc + 1)
             if tsc is not None:
                 return self.trace_clock.ns(tsc, regs.vcpu) / NSEC_PER_SEC
         return time.monotonic() - self.t0

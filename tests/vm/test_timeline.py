@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
 import qprobe
-from qprobe.events import EventHit
+from qprobe.events import EventHit, TraceEvent
 
 from .conftest import workload_result
 
@@ -27,12 +28,23 @@ def _nested(target: qprobe.Target) -> tuple[list[tuple[str, int, float]], int]:
     vr = target.add_event("p:vr vfs_read count=%dx", note)
     vrr = target.add_event("r:vrr vfs_read ret=$retval", note)
     vr.use_host_handler(True)  # through a mailbox (or a stop) while ks is recorded in the guest
+    if target.kprobes_optimization:  # every hit on a path that carries the guest's own TSC
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(_optimized(target, te) for te in (ks, vr, vrr)):
+            time.sleep(0.1)
     try:
         res = workload_result(target.run("workload read 20 64").check().output)
     finally:
         for te in (ks, vr, vrr):
             target.remove_event(te)
     return seen, int(res["pid"])
+
+
+def _optimized(target: qprobe.Target, te: TraceEvent) -> bool:
+    probe = te.probe
+    kp = probe.kp if isinstance(probe, qprobe.Kretprobe) else probe
+    point = target.kprobes.points.get(kp.resolved) if kp is not None else None
+    return point is not None and point.opt is not None
 
 
 def _check_nesting(seen: list[tuple[str, int, float]], pid: int) -> None:
@@ -83,5 +95,7 @@ def test_timestamps_are_the_guests_trace_clock(target: qprobe.Target, optimized:
     ours = [h.ts for h in ev.hits]
     assert len(ours) == len(guest) == 6, trace
     for q, g in zip(ours, guest, strict=True):
-        # The guest prints microseconds; between the two stamps the guest runs a few hundred instructions.
-        assert 0 <= g - q < 0.002, (ours, guest)
+        # The guest prints microseconds and stamps a few hundred instructions after qprobe's probe.  A
+        # detour carries its own TSC: exact.  A VM stop's is the HPET's at the stop, which QEMU takes
+        # tens to hundreds of microseconds to make after the trap (on this two-core host under load).
+        assert (0 <= g - q < 0.0005) if optimized else abs(g - q) < 0.002, (ours, guest)

@@ -36,7 +36,9 @@ U64 = (1 << 64) - 1
 # the high half), configuration (bit 0 enables the counter) and the main counter.
 HPET_CAP, HPET_CFG, HPET_COUNTER, HPET_ENABLE = 0x000, 0x010, 0x0F0, 1
 RECALIBRATE_NS = 10 * NSEC_PER_SEC  # of guest time between two (TSC, HPET) pairs
-RATE_BASELINE = 0.3  # seconds between the first two pairs: the rate to 1e-7 with a 10-ns HPET tick
+RATE_BASELINE = 0.5  # seconds between the first two rounds of pairs, for the rate
+ROUND = 3  # pairs per round: the least late one anchors
+LATE_NS = 200_000  # a later anchor is kept if its pair came no later than this after the model's time
 CALIBRATE_WAIT = 5.0  # seconds the first pair may take (sched_clock runs on every tick)
 
 
@@ -189,14 +191,19 @@ class StopClock:
     so TSC = a + b * HPET-time throughout.  The HPET's main counter counts that virtual
     clock and the gdbstub reads it as device memory; (a, b) come from pairs taken at a
     hardware breakpoint right after the ``rdtsc`` in ``native_sched_clock``, where
-    ``edx:eax`` hold the TSC of that very stop: the rate from the first pair and the
+    ``edx:eax`` hold the TSC of that very stop: the rate from the first anchor and the
     newest, the offset from the newest (taken again every ten seconds of guest time).
+    QEMU stops the VM some time after the trap, so a stop's time is good to that latency
+    (tens to hundreds of microseconds on a loaded two-core host), never earlier than the trap.
     """
 
     def __init__(self, kernel: KernelData, machine: Machine) -> None:
         self.kernel = kernel
         self.machine = machine
-        self._pairs: list[tuple[int, int]] = []  # (tsc, hpet ns), newest last
+        self._first: tuple[int, int] | None = None  # (tsc, hpet ns): the rate's start
+        self._last: tuple[int, int] | None = None  # the offset's anchor, newest
+        self._taken: list[tuple[int, int]] = []  # pairs of the round being taken
+        self._rounding = False
         self._armed = 0  # the breakpoint's address while it waits for a vCPU
         self._got = threading.Event()
         self._hpet: tuple[int, int] | None = None  # (physical base, period in fs)
@@ -204,20 +211,37 @@ class StopClock:
         self._site = 0
 
     def unavailable(self) -> str | None:
-        """Why the guest's TSC at a stop cannot be known, or None; takes two pairs (two stops) once."""
-        if self._why_not is None and len(self._pairs) < 2:
-            self._why_not = self._prepare() or self._pair() or self._pair(after=RATE_BASELINE)
+        """Why the guest's TSC at a stop cannot be known, or None; calibrates (a few stops) once."""
+        if self._why_not is None and self._last is None:
+            self._why_not = self._prepare() or self._round()
+            if self._why_not is None:
+                self._first = self._last
+                self._why_not = self._round(after=RATE_BASELINE)
         return self._why_not
 
-    def _pair(self, after: float = 0.0) -> str | None:
-        """Take one (TSC, HPET) pair, ``after`` seconds from now; why not, if none came."""
+    def _round(self, after: float = 0.0) -> str | None:
+        """Take ROUND pairs, ``after`` seconds from now, and anchor on the least late; why not, if none came.
+
+        A pair's HPET time is read when QEMU has stopped, some time after the ``rdtsc``: the
+        pair that implies the largest TSC for a given HPET time waited least.
+        """
         time.sleep(after)
-        self._got.clear()
-        self.machine.call(self._arm)
-        if not self._got.wait(CALIBRATE_WAIT):
-            self.machine.call(self._disarm)
-            return "no vCPU ran native_sched_clock's rdtsc to calibrate the clock against"
+        self._taken, self._rounding = [], True
+        try:
+            for _ in range(ROUND):
+                self._got.clear()
+                self.machine.call(self._arm)
+                if not self._got.wait(CALIBRATE_WAIT):
+                    self.machine.call(self._disarm)
+                    return "no vCPU ran native_sched_clock's rdtsc to calibrate the clock against"
+        finally:
+            self._rounding = False
+        rough = self._khz() / 1e6
+        self._last = max(self._taken, key=lambda p: p[0] - rough * p[1])
         return None
+
+    def _khz(self) -> int:
+        return int.from_bytes(self.kernel.mem.read(self.kernel.symbols.address("tsc_khz"), 4), "little")
 
     def _prepare(self) -> str | None:
         symbols, mem = self.kernel.symbols, self.kernel.mem
@@ -265,28 +289,39 @@ class StopClock:
 
     def _on_rdtsc(self, thread: str, regs: dict[str, int]) -> None:
         tsc = (regs["rdx"] & 0xFFFFFFFF) << 32 | regs["rax"] & 0xFFFFFFFF
-        # The first pair and the newest: the rate over the longest baseline, the offset from the newest.
-        self._pairs = [*self._pairs[:1], (tsc, self._hpet_ns())]
+        pair = (tsc, self._hpet_ns())
         self._disarm()
+        if not self._rounding:
+            # A fresh anchor between rounds: kept unless it came later than the model allows.
+            if tsc >= self._predict(pair[1]) - self._rate() * LATE_NS:
+                self._last = pair
+        else:
+            self._taken.append(pair)
         self._got.set()
 
     def _rate(self) -> float:
         """TSC ticks per nanosecond of the guest's virtual time (both run off the host's clocks)."""
-        (t0, v0), (t1, v1) = self._pairs[0], self._pairs[-1]
-        return (t1 - t0) / (v1 - v0)
+        assert self._first is not None and self._last is not None
+        (t0, v0), (t1, v1) = self._first, self._last
+        return (t1 - t0) / (v1 - v0) if v1 - v0 > 0 else self._khz() / 1e6
+
+    def _predict(self, hpet_ns: int) -> int:
+        assert self._last is not None
+        tsc0, v0 = self._last
+        return tsc0 + round((hpet_ns - v0) * self._rate())
 
     def tsc(self) -> int | None:
         """The guest's TSC now, or None if unknown (in a stop's handler, the TSC of that stop)."""
-        if len(self._pairs) < 2 or self._hpet is None:
+        if self._first is None or self._last is None or self._hpet is None:
             return None
         return self.machine.call(self._tsc_stopped)  # inline on the stop loop's thread; else one stop
 
     def _tsc_stopped(self) -> int:
         now = self._hpet_ns()
-        tsc0, v0 = self._pairs[-1]
-        if now - v0 > RECALIBRATE_NS:
-            self._arm()  # a fresh pair at the next sched_clock; this stop still uses the last one
-        return tsc0 + round((now - v0) * self._rate())
+        assert self._last is not None
+        if now - self._last[1] > RECALIBRATE_NS:
+            self._arm()  # a fresh anchor at the next sched_clock; this stop still uses the last one
+        return self._predict(now)
 
 
 __all__ = ["NSEC_PER_SEC", "StopClock", "TraceClock"]

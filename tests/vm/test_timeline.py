@@ -95,7 +95,8 @@ def test_timestamps_are_the_guests_trace_clock(target: qprobe.Target, optimized:
     ours = [h.ts for h in ev.hits]
     assert len(ours) == len(guest) == 6, trace
     for q, g in zip(ours, guest, strict=True):
-        # The guest prints microseconds and stamps a few hundred instructions after qprobe's probe.  A
-        # detour carries its own TSC: exact.  A VM stop's is the HPET's at the stop, which QEMU takes
-        # tens to hundreds of microseconds to make after the trap (on this two-core host under load).
-        assert (0 <= g - q < 0.0005) if optimized else abs(g - q) < 0.002, (ours, guest)
+        # The guest prints microseconds and stamps a few hundred instructions after qprobe's probe.
+        # A detour carries its own TSC; the guest's "global" clock (its default under TCG) may stand
+        # still at its last tick + 4 ms when a tick is late, so it can print an earlier time.  A VM
+        # stop's time is the HPET's when QEMU has stopped, some time after the trap.
+        assert abs(g - q) < (0.001 if optimized else 0.005), (ours, guest)

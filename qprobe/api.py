@@ -114,6 +114,7 @@ class Target:
         self.clock_note: str | None = None  # why event timestamps are the host's, once that is found
         self._guest_clock: bool | None = None
         self._exact_tsc = self._stop_tsc = 0  # the newest TSC a hit carried; the last one given a VM stop
+        self._tsc_hz = 1.0
         self.address = gdb_address
         self.timings: dict[str, float] = {}
         self.console: Console | None = None
@@ -374,14 +375,19 @@ class Target:
         if self.clock_note:
             log.warning("event timestamps are seconds since qprobe attached: %s", self.clock_note)
         self._guest_clock = self.clock_note is None
+        if self._guest_clock:
+            self._tsc_hz = self.stop_clock.rate() * NSEC_PER_SEC
 
-    def hit_time(self, regs: PtRegs) -> float:
-        """When a hit happened, in seconds on the guest's trace clock: what its own trace prints for it.
+    def hit_time(self, regs: PtRegs) -> tuple[float, float]:
+        """When a hit happened: (seconds on the guest's trace clock, the hit's place among all hits).
 
-        The TSC comes from the hit itself where the guest read it (a detour's mailbox or
-        ring entry, exact), else from the VM stop it is handled in (qprobe.kernel.clock.StopClock:
-        to within the time QEMU takes to stop, some tens to hundreds of microseconds).  Seconds
-        since qprobe attached if this guest's clock cannot be read (``clock_note`` says why).
+        The first is what the guest's own trace prints for it.  The TSC comes from the hit
+        itself where the guest read it (a detour's mailbox or ring entry, exact), else from
+        the VM stop it is handled in (qprobe.kernel.clock.StopClock: to within the time QEMU
+        takes to stop, some tens to hundreds of microseconds).  The place is the TSC in
+        seconds: one counter for every vCPU under QEMU, so hits sort by it exactly, where the
+        trace clock (a tick-based clock under TCG) can step between two conversions.  Seconds
+        since qprobe attached, for both, if this guest's clock cannot be read (``clock_note``).
         """
         if self._guest_clock:
             tsc = regs.tsc
@@ -394,8 +400,9 @@ class Target:
                 if tsc is not None:
                     tsc = self._stop_tsc = max(tsc, self._exact_tsc + 1, self._stop_tsc + 1)
             if tsc is not None:
-                return self.trace_clock.ns(tsc, regs.vcpu) / NSEC_PER_SEC
-        return time.monotonic() - self.t0
+                return self.trace_clock.ns(tsc, regs.vcpu) / NSEC_PER_SEC, tsc / self._tsc_hz
+        host = time.monotonic() - self.t0
+        return host, host
 
     def current_task(self, regs: PtRegs) -> Task:
         """A snapshot of the task a handler interrupted: pid, tgid and comm as Python values."""

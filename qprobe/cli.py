@@ -333,7 +333,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     with _boot(args) as target:
 
         def in_order(hit: EventHit) -> None:  # printed in the guest's order of hits, whatever their path
-            target.timeline.push(hit.ts, lambda: show(hit))
+            target.timeline.push(hit.order, lambda: show(hit))
 
         events = [te for text in args.events for te in _arm(target, text, in_order, None if cpid_filter else flt)]
 

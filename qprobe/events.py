@@ -92,7 +92,7 @@ class EventTarget(Protocol):
     @property
     def trace_events(self) -> frozenset[tuple[str, str]]: ...
     def current_task(self, regs: PtRegs) -> Task: ...
-    def hit_time(self, regs: PtRegs) -> float: ...
+    def hit_time(self, regs: PtRegs) -> tuple[float, float]: ...
     def add_event(self, definition: str, callback: Callable[[EventHit], None] | None = None,
                   filter: str | None = None) -> TraceEvent: ...  # fmt: skip
     def register_kprobe(self, kp: Kprobe) -> None: ...
@@ -120,6 +120,7 @@ class EventHit:
     irqs_off: bool = False
     func: str | None = None  # a return probe's function (addr and symbol are then the return site)
     numbers: frozenset[str] = frozenset()  # the arguments that are integers (JSON gives them as numbers)
+    order: float = 0.0  # where the hit goes among all others (Target.hit_time): push it so to the timeline
 
     def line(self) -> str:
         """The line ftrace's ``trace`` file would show."""
@@ -290,9 +291,10 @@ class TraceEvent:
             # Without the kernel's types (a vmlinux without DWARF) the task is unknown: ftrace's "<...>".
             task = (current.pid, current.comm) if current is not None else (-1, "<...>")
         pid, comm = task
+        ts, order = self.target.hit_time(regs)
         hit = EventHit(
             event=self.definition.event, cpu=regs.vcpu, pid=pid, comm=comm,
-            ts=self.target.hit_time(regs), addr=ip,
+            ts=ts, order=order, addr=ip,
             symbol=self.target.symbols.symbolize(ip),
             func=None if func is None else self.target.symbols.symbolize(func),
             args={a.name: a.format_value(v) for a, v in zip(self.definition.args, values, strict=True)},
@@ -304,7 +306,7 @@ class TraceEvent:
             self.host_filtered += 1
             return
         self.nhit += 1
-        self.target.timeline.push(hit.ts, lambda: self._keep(hit))
+        self.target.timeline.push(hit.order, lambda: self._keep(hit))
         if self.callback is not None:
             self.callback(hit)  # at the hit, like a kernel handler; printers order through the timeline
 

@@ -56,7 +56,7 @@ class TraceClock:
         self._scd: tuple[int, int, int] | None = None  # per-CPU sched_clock_data: (address, tick_raw, tick_gtod)
         self._addrs = (0, 0, 0)  # __sched_clock_stable's count, __sched_clock_offset, __gtod_offset
         self._percpu: list[int] = []  # __per_cpu_offset
-        self._last: dict[int, tuple[int, int]] = {}  # cpu -> the newest (tsc, ns) converted
+        self._last: dict[int, tuple[int, int]] = {}  # cpu (-1: all) -> the newest (tsc, ns) converted
 
     def unavailable(self) -> str | None:
         """Why the guest's trace clock cannot be computed on the host, or None when it can."""
@@ -172,14 +172,16 @@ class TraceClock:
         if self.name == "local":
             return sched_ns
         value = self._cpu_clock(sched_ns, cpu)
+        # sched_clock_local() never goes back on a CPU (its clamp to scd->clock) and trace_clock_global()
+        # never goes back at all (its prev_time), though the tick they start from moves under the host's
+        # conversions: neither do these, for a later TSC.
+        key = -1 if self.name == "global" else cpu
         with self._lock:
-            # sched_clock_local() never goes back on a CPU (its clamp to scd->clock), though the
-            # tick it is based on moves under the host's conversions: neither do these.
-            last = self._last.get(cpu)
+            last = self._last.get(key)
             if last is not None and tsc >= last[0]:
                 value = max(value, last[1])
             if last is None or tsc >= last[0]:
-                self._last[cpu] = (tsc, value)
+                self._last[key] = (tsc, value)
         return value
 
 
@@ -293,13 +295,13 @@ class StopClock:
         self._disarm()
         if not self._rounding:
             # A fresh anchor between rounds: kept unless it came later than the model allows.
-            if tsc >= self._predict(pair[1]) - self._rate() * LATE_NS:
+            if tsc >= self._predict(pair[1]) - self.rate() * LATE_NS:
                 self._last = pair
         else:
             self._taken.append(pair)
         self._got.set()
 
-    def _rate(self) -> float:
+    def rate(self) -> float:
         """TSC ticks per nanosecond of the guest's virtual time (both run off the host's clocks)."""
         assert self._first is not None and self._last is not None
         (t0, v0), (t1, v1) = self._first, self._last
@@ -308,7 +310,7 @@ class StopClock:
     def _predict(self, hpet_ns: int) -> int:
         assert self._last is not None
         tsc0, v0 = self._last
-        return tsc0 + round((hpet_ns - v0) * self._rate())
+        return tsc0 + round((hpet_ns - v0) * self.rate())
 
     def tsc(self) -> int | None:
         """The guest's TSC now, or None if unknown (in a stop's handler, the TSC of that stop)."""

@@ -351,7 +351,7 @@ class Shell:
         if spec.seconds is None and spec.command is None:
             self.note(f"showing {', '.join(te.name for te in events)}; Ctrl-C to stop")
         timeline = self.target.timeline  # lines come out in the guest's order of hits, whatever their path
-        with Tap(events, lambda te, hit, stack: timeline.push(hit.ts, lambda: hits.put(hit))):
+        with Tap(events, lambda te, hit, stack: timeline.push(hit.order, lambda: hits.put(hit))):
             result = self._watch(spec, drain)
         timeline.flush()
         drain()

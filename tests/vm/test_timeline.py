@@ -22,7 +22,7 @@ def _nested(target: qprobe.Target) -> tuple[list[tuple[str, int, float]], int]:
     seen: list[tuple[str, int, float]] = []
 
     def note(hit: EventHit) -> None:  # as qprobe trace prints: through the target's timeline
-        target.timeline.push(hit.ts, lambda: seen.append((hit.event, hit.pid, hit.ts)))
+        target.timeline.push(hit.order, lambda: seen.append((hit.event, hit.pid, hit.ts)))
 
     ks = target.add_event("p:ks ksys_read", note)
     vr = target.add_event("p:vr vfs_read count=%dx", note)

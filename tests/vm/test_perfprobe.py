@@ -94,6 +94,20 @@ def test_a_source_line_and_a_local_give_the_guests_values(target: qprobe.Target,
     assert _our_bodies(target, "vfs_read") == [body.split(" f_pos=")[0] for body in guest]
 
 
+def test_parameters_at_the_function_entry_give_the_guests_values(target: qprobe.Target,
+                                                                 shell: tuple[Shell, io.StringIO]) -> None:  # fmt: skip
+    """perf probe's own example, 'vfs_read count file->f_pos': at the entry the parameters are in the
+    calling convention's registers (count in %rdx, file in %rdi: their location lists start there), count is
+    size_t (unsigned: x64 on a kernel whose README lists x types) and f_pos at offset 0x68."""
+    sh, out = shell
+    guest = _guest_bodies(target, "vfs_read count=%dx:x64 f_pos=+104(%di):s64")
+    values = [re.findall(r"count=(\S+) f_pos=(-?\d+)", body) for body in guest]
+    assert values == [[(f"{SIZE:#x}", str(i * SIZE))] for i in range(READS)], guest
+    text = do(sh, out, "perf vfs_read count file->f_pos")
+    assert text.splitlines()[0] == "writing event: p:probe/vfs_read vfs_read count=%dx:x64 f_pos=+104(%di):s64", text
+    assert _our_bodies(target, "vfs_read") == guest
+
+
 def test_unfetchable_variables_are_one_line_errors(target: qprobe.Target,
                                                       shell: tuple[Shell, io.StringIO]) -> None:  # fmt: skip
     sh, out = shell

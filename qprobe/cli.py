@@ -134,6 +134,14 @@ def _perf_definitions(args: argparse.Namespace) -> None:
     symbols = _host_symbols(args)
     if symbols is None:
         raise QprobeError("a perf definition is resolved from vmlinux's debug information: give --vmlinux")
+    from qprobe.api import arch_of
+    from qprobe.funcs import Probeability, unknown_symbol
+    from qprobe.kernel.perfprobe import parse_perf_probe
+
+    for text in texts:  # a typo gets the closest names, as a kprobe_events definition's does
+        name = parse_perf_probe(text).function
+        if name is not None and name not in symbols:
+            raise unknown_symbol(symbols, name, Probeability.of(symbols, arch_of(symbols)).functions())
     found = iter(perf_to_kprobe(texts, symbols))
     out = []
     for text in args.events:

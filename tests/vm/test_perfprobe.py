@@ -124,7 +124,10 @@ def test_unfetchable_variables_are_one_line_errors(target: qprobe.Target,
     assert not target.events
 
 
-def test_cli_refuses_an_unknown_variable_before_booting() -> None:
+def test_cli_refuses_an_unknown_variable_or_function_before_booting() -> None:
     out = subprocess.run([sys.executable, "-m", "qprobe.cli", "trace", "--image", IMAGE, "perf vfs_read nosuch"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
     assert out.returncode == 2 and out.stderr == "qprobe: error: vfs_read: no variable nosuch here\n", out.stderr
+    out = subprocess.run([sys.executable, "-m", "qprobe.cli", "trace", "--image", IMAGE, "perf vfs_raed count"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    assert out.returncode == 2 and "no symbol 'vfs_raed'" in out.stderr and "did you mean vfs_read" in out.stderr

@@ -9,6 +9,7 @@ plugin's ``qprobe_reset``.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 from collections.abc import Callable, Iterator
 
@@ -17,6 +18,7 @@ import pytest
 import qprobe
 from qprobe.images import get_image
 from qprobe.pytest_plugin import QprobeReset, qprobe_scope, register_if_missing, selected_images
+from qprobe.shell import Shell
 from qprobe.vmm.console import READY, Console
 from qprobe.vmm.qemu import QemuConfig, QemuProcess
 
@@ -86,3 +88,11 @@ def guard(target: qprobe.Target, qprobe_reset: QprobeReset) -> dict[int, bytes]:
     qprobe_reset.strict = True
     return qprobe_reset.watch("ksys_lseek", "__x64_sys_getppid", "__x64_sys_lseek", "vfs_read", "ksys_read",
                               "vfs_write")  # fmt: skip
+
+
+def shell_do(sh: Shell, out: io.StringIO, line: str) -> str:
+    """What one shell line prints (``out`` is the shell's output, emptied first)."""
+    out.seek(0)
+    out.truncate()
+    sh.execute(line)
+    return out.getvalue()

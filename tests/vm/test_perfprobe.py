@@ -25,6 +25,7 @@ import qprobe
 from qprobe.shell import Shell
 
 from .conftest import IMAGE, workload_result
+from .conftest import shell_do as do
 from .guest_oracle import TRACING
 
 pytestmark = [pytest.mark.vm, pytest.mark.qprobe_needs_config("KPROBE_EVENTS")]
@@ -46,13 +47,6 @@ def shell(target: qprobe.Target, guard: dict[int, bytes]) -> Iterator[tuple[Shel
     finally:
         for te in list(target.events.values()):
             target.remove_event(te)
-
-
-def do(sh: Shell, out: io.StringIO, line: str) -> str:
-    out.seek(0)
-    out.truncate()
-    sh.execute(line)
-    return out.getvalue()
 
 
 def _guest_bodies(target: qprobe.Target, definition: str) -> list[str]:

@@ -18,6 +18,7 @@ import qprobe
 from qprobe.shell import Shell
 
 from .conftest import IMAGE
+from .conftest import shell_do as do
 
 pytestmark = pytest.mark.vm
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,13 +94,6 @@ def shell(target: qprobe.Target, guard: dict[int, bytes]) -> Iterator[tuple[Shel
     finally:
         for te in list(target.events.values()):
             target.remove_event(te)
-
-
-def do(sh: Shell, out: io.StringIO, line: str) -> str:
-    out.seek(0)
-    out.truncate()
-    sh.execute(line)
-    return out.getvalue()
 
 
 def test_shell_session(target: qprobe.Target, shell: tuple[Shell, io.StringIO]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 import time
 
@@ -53,8 +54,10 @@ def _check_nesting(seen: list[tuple[str, int, float]], pid: int) -> None:
     text = " ".join(mine)
     assert text.count("ks vr vrr") >= 20, text
     assert re.fullmatch(r"((ks )?vr vrr ?)+", text + " "), text
+    # Printed stamps follow the order to within the guest's own clock's step: its "global" clock is
+    # its last tick plus sched_clock's advance, and the host converts a ring record after newer ticks.
     stamps = [ts for _, _, ts in seen]
-    assert stamps == sorted(stamps)
+    assert all(later >= earlier - 1e-5 for earlier, later in itertools.pairwise(stamps)), stamps
 
 
 def test_entry_and_return_of_nested_functions_come_out_in_order(target: qprobe.Target) -> None:

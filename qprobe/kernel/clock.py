@@ -14,7 +14,6 @@ trace would have printed for it.
 
 from __future__ import annotations
 
-import struct
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -48,7 +47,7 @@ class TraceClock:
     def __init__(self, kernel: KernelData) -> None:
         self.kernel = kernel
         self._lock = threading.Lock()
-        self._seq_addrs: dict[int, tuple[int, int, int]] = {}  # cpu -> (&seq, &data[0], sizeof data[0])
+        self._seq_addrs: dict[int, tuple[int, int, int, drgn.Type]] = {}  # cpu -> (&seq, its size, &data[0], its type)
         self._scales: dict[int, tuple[int, tuple[int, int, int]]] = {}  # cpu -> (seq, (mul, shift, offset))
         self._why_not: str | None = None
         self._checked = False
@@ -151,19 +150,23 @@ class TraceClock:
                     seq = c.seq.seqcount.sequence
                 except (AttributeError, LookupError):
                     seq = c.seq.sequence  # a plain seqcount before seqcount_latch_t (Linux 5.10)
-                where = (seq.address_, c.data[0].address_, c.data.type_.type.size)
+                where = (seq.address_, seq.type_.size, c.data[0].address_, c.data.type_.type)
             except (drgn.FaultError, LookupError, AttributeError) as exc:
                 raise SymbolError(f"cannot find the guest's cyc2ns scale of CPU {cpu}: {exc}") from None
             self._seq_addrs[cpu] = where
-        seq_addr, data, size = where
-        seq = int.from_bytes(self.kernel.mem.read(seq_addr, 4), "little")
+        seq_addr, seq_size, data, data_type = where
+        seq = int.from_bytes(self.kernel.mem.read(seq_addr, seq_size), "little")
         cached = self._scales.get(cpu)
         if cached is not None and cached[0] == seq:
             return cached[1]
-        # struct cyc2ns_data { u32 cyc2ns_mul; u32 cyc2ns_shift; u64 cyc2ns_offset; }
-        mul, shift, offset = struct.unpack_from("<IIQ", self.kernel.mem.read(data + (seq & 1) * size, 16))
-        self._scales[cpu] = (seq, (mul, shift, offset))
-        return mul, shift, offset
+        # A rescale is rare: the scale is read through its type, the layout the kernel at hand has.
+        try:
+            d = drgn.Object(self.kernel.prog, data_type, address=data + (seq & 1) * data_type.size)
+            scale = (d.cyc2ns_mul.value_(), d.cyc2ns_shift.value_(), d.cyc2ns_offset.value_())
+        except (drgn.FaultError, LookupError, AttributeError) as exc:
+            raise SymbolError(f"cannot read the guest's cyc2ns scale of CPU {cpu}: {exc}") from None
+        self._scales[cpu] = (seq, scale)
+        return scale
 
     def ns(self, tsc: int, cpu: int) -> int:
         """Nanoseconds on the guest's trace clock for the TSC value ``tsc`` read on ``cpu``."""

@@ -37,7 +37,7 @@ from qprobe.core.kretprobe import KretprobeManager
 from qprobe.core.recovery import recover
 from qprobe.core.regs import PtRegs
 from qprobe.core.watchpoint import Watchpoint, Watchpoints
-from qprobe.errors import ProbeError, QprobeError, SymbolError, TargetError, TargetGone
+from qprobe.errors import BootPanic, GuestPanicked, ProbeError, QprobeError, SymbolError, TargetError, TargetGone
 from qprobe.kernel.clock import NSEC_PER_SEC, StopClock, TraceClock
 from qprobe.kernel.features import fully_preemptible, has_pti
 from qprobe.kernel.kaslr import detect_slide
@@ -128,7 +128,10 @@ class Target:
             if console is not None:
                 self.console = Console(console, console_log, alive)
                 if qemu is not None:
-                    self.console.wait_for("QPROBE-READY", boot_timeout)
+                    try:
+                        self.console.wait_for("QPROBE-READY", boot_timeout)
+                    except GuestPanicked as exc:
+                        raise BootPanic(str(exc)) from None
                     self.timings["boot"] = time.monotonic() - t0
             self.gdb = open_stub(transport, gdb_address, alive)
             self.gdb.handshake()
@@ -623,6 +626,18 @@ def boot(image: str = "debian-cloud", smp: int = 2, memory: str | int = "512M",
         kernel=img.kernel, initrd=img.initrd, disk=img.disk, disk_interface=img.disk_interface,
         cmdline=" ".join(x for x in (img.cmdline, cmdline) if x), smp=smp, memory=parse_memory(memory), accel=accel,
     )  # fmt: skip
+    try:
+        return _boot_once(img, config, boot_timeout, transport, keepable)
+    except BootPanic as exc:
+        # QEMU 7.2's multi-threaded TCG can run a stale translation of an int3 the kernel's own
+        # text_poke_bp() already replaced, and the kernel oopses on it (docs/reliability.md): a
+        # panic before qprobe attached is the emulator's, and a second boot is what a user would do.
+        kept = "".join(f" ({note})" for note in getattr(exc, "__notes__", []))
+        log.warning("%s%s; booting %s again", exc, kept, img.name)
+    return _boot_once(img, config, boot_timeout, transport, keepable)
+
+
+def _boot_once(img: Image, config: QemuConfig, boot_timeout: float, transport: str, keepable: bool) -> Target:
     qemu = QemuProcess(config, keepable=keepable)
     try:
         qemu.wait_for_sockets()

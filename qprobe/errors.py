@@ -19,6 +19,14 @@ class TargetGone(TargetError):
     """QEMU exited or the connection to it closed."""
 
 
+class GuestPanicked(TargetGone):
+    """The VM ended and its console shows the guest kernel's panic."""
+
+
+class BootPanic(GuestPanicked):
+    """The guest kernel panicked while booting, before qprobe attached: nothing of qprobe's was in it."""
+
+
 class ProtocolError(TargetError):
     """The GDB remote protocol peer sent something malformed or unexpected."""
 

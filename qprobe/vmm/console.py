@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from qprobe.errors import GuestTimeout, TargetError, TargetGone
+from qprobe.errors import GuestPanicked, GuestTimeout, TargetError, TargetGone
 
 READY = "QPROBE-READY"
 # What is kept in memory of a console that may print forever (a guest in a WARNING loop): the last
@@ -115,6 +115,13 @@ class Console:
         with self._cond:
             return list(self._oopses)
 
+    def _panic_line(self) -> str | None:
+        """The kernel's "Kernel panic" line, if it printed one (caller holds the condition)."""
+        m = re.search(r"Kernel panic[^\r\n]*", self._text)
+        if m:
+            return m.group(0).strip()[:120]
+        return next((line.strip()[:120] for line in self._oopses if "Kernel panic" in line), None)
+
     def wait_for(self, pattern: str, timeout: float, start: int = 0) -> int:
         """Wait until ``pattern`` (a regex) appears after offset ``start``; returns the match end.
 
@@ -128,6 +135,10 @@ class Console:
                 if m:
                     return m.end() + self._base
                 if self._closed or not self._alive():
+                    self._cond.wait_for(lambda: self._closed, 1.0)  # QEMU's last words may still be in flight
+                    panic = self._panic_line()
+                    if panic is not None:
+                        raise GuestPanicked(f"the guest kernel panicked while qprobe waited for {pattern!r}: {panic}")
                     raise TargetGone(f"the guest console closed while waiting for {pattern!r}")
                 left = deadline - time.monotonic()
                 if left <= 0:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from qprobe.errors import GuestPanicked, TargetGone
 from qprobe.vmm import console as console_mod
 from qprobe.vmm.console import Console
 
@@ -57,3 +58,21 @@ def test_a_line_split_across_reads_is_one_oops_line(guest: tuple[Console, socket
     console.wait_for(r"next\n", 5)
     assert console.oopses() == ["[ 1.0] BUG: split in two"]
     assert re.search(r"BUG: split in two", console.text)
+
+
+def test_a_console_that_closes_after_a_panic_says_so(guest: tuple[Console, socket.socket]) -> None:
+    console, far = guest
+    far.sendall(b"[ 1.5] Oops: int3: 0000 [#1] PREEMPT SMP NOPTI\n")
+    far.sendall(b"[ 1.5] Kernel panic - not syncing: Fatal exception in interrupt\n[ 3.1] Shutting down cpus\n")
+    far.close()
+    with pytest.raises(GuestPanicked, match=r"waited for 'QPROBE-READY': Kernel panic - not syncing: Fatal exception"):
+        console.wait_for("QPROBE-READY", 5)
+
+
+def test_a_console_that_closes_without_a_panic_is_gone(guest: tuple[Console, socket.socket]) -> None:
+    console, far = guest
+    far.sendall(b"reboot: Power down\n")
+    far.close()
+    with pytest.raises(TargetGone) as info:
+        console.wait_for("QPROBE-READY", 5)
+    assert not isinstance(info.value, GuestPanicked)

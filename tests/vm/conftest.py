@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -88,6 +89,19 @@ def guard(target: qprobe.Target, qprobe_reset: QprobeReset) -> dict[int, bytes]:
     qprobe_reset.strict = True
     return qprobe_reset.watch("ksys_lseek", "__x64_sys_getppid", "__x64_sys_lseek", "vfs_read", "ksys_read",
                               "vfs_write")  # fmt: skip
+
+
+def wait_for_optimizer(target: qprobe.Target, timeout: float = 60.0) -> None:
+    """Wait while points are still queued for their jump (the ftrace selftests' wait_for_kprobe_optimizer).
+
+    A point a vCPU was passing through stays an int3 after register returns; the optimizer's thread
+    places its jump later, as the kernel's kprobe_optimizer kicks itself again.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(
+        p.opt is None and p.optimizing for p in list(target.kprobes.points.values())
+    ):
+        time.sleep(0.1)
 
 
 def shell_do(sh: Shell, out: io.StringIO, line: str) -> str:

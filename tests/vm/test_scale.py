@@ -8,7 +8,7 @@ import qprobe
 from qprobe import Kprobe
 from qprobe.bench import probeable_entries, reached_functions
 
-from .conftest import workload_result
+from .conftest import wait_for_optimizer, workload_result
 
 pytestmark = pytest.mark.vm
 
@@ -31,6 +31,7 @@ def test_a_thousand_probes_count_exactly_and_leave_the_text_as_it_was(target: qp
     try:
         # Keep N of the jump-optimized ones (ksys_lseek included): an int3 on a hot function would stop
         # the VM on every call.
+        wait_for_optimizer(target)
         points = target.kprobes.points
         fast = [kp for kp in kps[:-1] if points[kp.resolved].opt is not None]
         assert points[kps[-1].resolved].opt is not None and len(fast) >= N - 1

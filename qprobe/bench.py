@@ -15,13 +15,24 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Protocol
 
 import qprobe
+from qprobe.errors import GuestPanicked, GuestTimeout, TargetGone
 from qprobe.kernel import symbols as symbols_mod
+from qprobe.vmm.console import READY, Console, RunResult
+from qprobe.vmm.qemu import QemuConfig, QemuProcess, parse_memory
+
+
+class Shell(Protocol):
+    """A guest shell: qprobe's target or the console of a VM without qprobe."""
+
+    def run(self, command: str, timeout: float = 60.0) -> RunResult: ...
 
 
 def _time(fn, repeat: int) -> float:  # type: ignore[no-untyped-def]
@@ -31,7 +42,7 @@ def _time(fn, repeat: int) -> float:  # type: ignore[no-untyped-def]
     return (time.perf_counter() - t) / repeat
 
 
-def _guest_seconds(target: qprobe.Target, cmd: str) -> float:
+def _guest_seconds(target: Shell, cmd: str) -> float:
     t = time.perf_counter()
     target.run(cmd, timeout=1800).check()
     return time.perf_counter() - t
@@ -171,23 +182,33 @@ def _guest_kprobe_events(target: qprobe.Target, name: str, func: str, cmd: str, 
                seconds, row_base / n)  # fmt: skip
 
 
-def _gdb_rows(args: argparse.Namespace) -> list[Row]:
-    """GDB 13 on the gdbstub of a second, qprobe-free VM: a Python ``gdb.Breakpoint.stop()`` reading one register."""
+@contextmanager
+def _plain_vm(args: argparse.Namespace, tcg_thread: str = "") -> Iterator[tuple[QemuProcess, Console]]:
+    """A second VM of the same image with nothing attached to its gdbstub, and its console's shell."""
     from qprobe.images import get_image
-    from qprobe.vmm.console import READY, Console
-    from qprobe.vmm.qemu import QemuConfig, QemuProcess, parse_memory
 
-    if shutil.which("gdb") is None:
-        return []
     img = get_image(args.image, fetch=False)
     qemu = QemuProcess(QemuConfig(kernel=img.kernel, initrd=img.initrd, disk=img.disk,
                                   disk_interface=img.disk_interface, cmdline=img.cmdline, smp=args.smp,
-                                  memory=parse_memory(args.memory)))  # fmt: skip
-    rows = []
+                                  memory=parse_memory(args.memory), tcg_thread=tcg_thread))  # fmt: skip
     try:
         qemu.wait_for_sockets()
         console = Console(qemu.console_path, alive=qemu.alive)
-        console.wait_for(READY, 120)
+        try:
+            console.wait_for(READY, 120)
+            yield qemu, console
+        finally:
+            console.close()
+    finally:
+        qemu.terminate()
+
+
+def _gdb_rows(args: argparse.Namespace) -> list[Row]:
+    """GDB 13 on the gdbstub of a second, qprobe-free VM: a Python ``gdb.Breakpoint.stop()`` reading one register."""
+    if shutil.which("gdb") is None:
+        return []
+    rows = []
+    with _plain_vm(args) as (qemu, console):
         for name, func, cmd, _fast, slow in WORKLOADS:
             n = max(slow * args.hits // 2000, 5)
 
@@ -214,9 +235,6 @@ def _gdb_rows(args: argparse.Namespace) -> list[Row]:
             hits = int(next(x.split()[1] for x in out.splitlines() if x.startswith("QPROBE-GDB-HITS")))
             rows.append(Row(name, "gdb", "GDB 13, Python gdb.Breakpoint.stop() reading one register", n, hits,
                             seconds, base))  # fmt: skip
-        console.close()
-    finally:
-        qemu.terminate()
     return rows
 
 
@@ -257,8 +275,11 @@ class ScaleRow:
     hits: int
     rss_mb: float | None = None
     scratch_kb: float | None = None
+    failed: str | None = None  # why the row has no figures (the guest panicked, say)
 
     def line(self) -> str:
+        if self.failed is not None:
+            return f"| {self.n} | {self.what}: {self.failed} | - | - | - | - | - | - |"
         rss = f"{self.rss_mb:.0f}" if self.rss_mb is not None else "-"
         scratch = f"{self.scratch_kb:,.0f}" if self.scratch_kb is not None else "-"
         return (f"| {self.n} | {self.what} | {self.register_s:.2f} | {self.unregister_s:.2f} | "
@@ -332,7 +353,7 @@ def _optimizable(target: qprobe.Target, names: list[str], want: int) -> list[str
     return [name for name in good if name is not None][:want]
 
 
-def _write_guest_defs(target: qprobe.Target, names: list[str]) -> None:
+def _write_guest_defs(target: Shell, names: list[str]) -> None:
     """/tmp/qpdefs in the guest: one ``p:qpscale/pN NAME`` line per name (sent in pieces a console line holds)."""
     target.run("rm -f /tmp/qpdefs").check()
     for i in range(0, len(names), 50):
@@ -353,8 +374,8 @@ def _guest_refuses(target: qprobe.Target, names: list[str]) -> list[str]:
     return [line.split()[1] for line in out.splitlines() if line.startswith("REFUSED ")]
 
 
-def _scale(target: qprobe.Target, args: argparse.Namespace) -> list[ScaleRow]:
-    """The scale rows: N counting probes, N with a Python handler, the guest's N kprobe events."""
+def _scale(target: qprobe.Target, args: argparse.Namespace) -> tuple[list[ScaleRow], list[str]]:
+    """qprobe's scale rows (N counting probes, N with a Python handler), and the functions they used."""
     _name, _func, cmd, _fast, _slow = WORKLOADS[0]
     names = _optimizable(target, reached_functions(target, cmd.format(n=1)), max(SCALE))
     rows: list[ScaleRow] = []
@@ -380,7 +401,38 @@ def _scale(target: qprobe.Target, args: argparse.Namespace) -> list[ScaleRow]:
             unregister = time.perf_counter() - t
             rows.append(ScaleRow(n, f"{what} ({optimized} optimized)", register, unregister, seconds / base,
                                  sum(kp.nhit for kp in kps), rss, scratch_kb))  # fmt: skip
-        rows.append(_guest_scale(target, names[:n], cmd.format(n=SCALE_ITERATIONS)))
+    return rows, names
+
+
+# The reference VM's TCG runs both vCPUs on one host thread.  With QEMU 7.2's default (one thread per
+# vCPU), a guest with nothing attached to its gdbstub panicked ("BUG: kernel NULL pointer dereference",
+# RIP 0, from do_idle) or wedged while its ftrace patched thousands of call sites with text_poke_bp;
+# with one thread it did not (docs/reliability.md).  Its slowdown is against its own unprobed runs.
+REFERENCE_TCG_THREAD = "single"
+
+
+def _guest_scale_rows(args: argparse.Namespace, names: list[str], accel: str) -> list[ScaleRow]:
+    """The guest's own kprobe_events with qprobe's functions, per N, in a second VM without qprobe."""
+    thread = REFERENCE_TCG_THREAD if accel == "tcg" else ""
+    what = (f"the guest's kprobe_events (second VM, no qprobe, -accel {accel}{f',thread={thread}' if thread else ''}; "
+            "definitions, then the group enabled)")  # fmt: skip
+    loop = WORKLOADS[0][2].format(n=SCALE_ITERATIONS)
+    rows: list[ScaleRow] = []
+    with _plain_vm(args, thread) as (_qemu, console):
+        console.run(f"[ -e {TRACEFS}/trace ] || mount -t tracefs nodev {TRACEFS}").check()
+        for n in SCALE:
+            if n > len(names):
+                break
+            try:
+                rows.append(_guest_scale(console, names[:n], loop, what))
+            except (GuestPanicked, TargetGone):
+                lines = [re.sub(r"^\[[ \d.]+\] ", "", line.strip()) for line in console.oopses()]
+                said = [line for line in lines if line.startswith(("BUG:", "Kernel panic"))][:2]
+                rows.append(ScaleRow(n, what, 0, 0, 0, 0, failed=f"guest panicked ({'; '.join(said) or 'no oops'})"))
+                break
+            except GuestTimeout:
+                rows.append(ScaleRow(n, what, 0, 0, 0, 0, failed="the guest shell stopped answering"))
+                break
     return rows
 
 
@@ -388,7 +440,7 @@ def _noop(kp: qprobe.Kprobe, regs: qprobe.PtRegs) -> None:
     return None
 
 
-def _guest_scale(target: qprobe.Target, names: list[str], loop: str) -> ScaleRow:
+def _guest_scale(target: Shell, names: list[str], loop: str, what: str) -> ScaleRow:
     """The guest's own kprobe_events with the same functions: definitions written, then the group enabled."""
     t = TRACEFS
     _write_guest_defs(target, names)
@@ -404,8 +456,7 @@ def _guest_scale(target: qprobe.Target, names: list[str], loop: str) -> ScaleRow
     target.run(f"echo 0 > {t}/events/qpscale/enable && sed 's/^p:\\([^ ]*\\) .*/-:\\1/' /tmp/qpdefs "
                f">> {t}/kprobe_events", timeout=600).check()  # fmt: skip
     unregister = time.perf_counter() - start
-    return ScaleRow(len(names), "the guest's kprobe_events (definitions, then the group enabled)", register,
-                    unregister, seconds / base, hits)  # fmt: skip
+    return ScaleRow(len(names), what, register, unregister, seconds / base, hits)
 
 
 def _cost(row: Row) -> float:
@@ -490,7 +541,7 @@ def _targets(rows: list[Row]) -> list[str]:
 def _scale_targets(rows: list[ScaleRow]) -> list[str]:
     out = []
     count = next((r for r in rows if r.n == 1000 and r.what.startswith("qprobe, in-guest")), None)
-    guest = next((r for r in rows if r.n == 1000 and r.what.startswith("the guest")), None)
+    guest = next((r for r in rows if r.n == 1000 and r.what.startswith("the guest") and r.failed is None), None)
 
     def check(label: str, ok: bool | None, detail: str) -> None:
         out.append(f"- {'met' if ok else 'NOT met' if ok is not None else 'not measured'}: {label} ({detail})")
@@ -542,7 +593,9 @@ def run_bench(args: argparse.Namespace) -> int:
         rows.append(("shared-RAM read, 64 bytes (page walk included, VM running)", f"{shared * 1e6:.1f} µs"))
 
         rows += _probe_matrix(target, args) if "probes" in args.sections else []
-        scale = _scale(target, args) if "scale" in args.sections else []
+        scale, scale_names = _scale(target, args) if "scale" in args.sections else ([], [])
+    if scale_names:
+        scale = sorted(scale + _guest_scale_rows(args, scale_names, accel), key=lambda row: row.n)
     gdb_rows = _gdb_rows(args) if "gdb" in args.sections else []
     report = [
         f"qprobe bench: {platform.node()}, {platform.machine()}, {os.cpu_count()} CPUs, -accel {accel}, "

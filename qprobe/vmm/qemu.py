@@ -181,6 +181,8 @@ class QemuConfig:
     smp: int = 2
     memory: int = 512 << 20
     accel: str = "auto"  # "tcg", "kvm" or "auto" (kvm:tcg when /dev/kvm works)
+    # TCG's thread= option: "single" runs every vCPU on one host thread (no concurrent translated code), "" the default
+    tcg_thread: str = ""
     extra_args: list[str] = field(default_factory=list)
 
 
@@ -197,6 +199,8 @@ class QemuProcess:
             raise TargetError(f"bad -smp {config.smp}: at least one vCPU")
         if config.disk_interface not in ("nvme", "virtio"):
             raise TargetError(f"unknown disk interface {config.disk_interface!r}: nvme or virtio")
+        if config.tcg_thread not in ("", "single", "multi"):
+            raise TargetError(f"unknown TCG thread mode {config.tcg_thread!r}: single or multi")
         for what, path in (("kernel", config.kernel), ("initrd", config.initrd), ("disk", config.disk)):
             if path is not None and not Path(path).is_file():
                 raise TargetError(f"{what} file {path} does not exist")
@@ -292,8 +296,9 @@ class QemuProcess:
                 c.cmdline,
             ]
         ).strip()
+        tcg = f"tcg,thread={c.tcg_thread}" if c.tcg_thread else "tcg"
         args = [
-            *(["-accel", "kvm", "-accel", "tcg"] if self.accel == "kvm" else ["-accel", "tcg"]),
+            *(["-accel", "kvm", "-accel", tcg] if self.accel == "kvm" else ["-accel", tcg]),
             "-machine", "pc,memory-backend=pc.ram",
             "-object", f"memory-backend-file,id=pc.ram,size={mem},mem-path={self.ram_path},share=on",
             "-m", f"{mem >> 20}M",

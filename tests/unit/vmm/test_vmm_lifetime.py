@@ -148,6 +148,22 @@ def test_terminate_stops_qemu_and_the_janitor(tmp_path: Path, fake_qemu: Path,
     q.terminate()  # twice is harmless
 
 
+def test_tcg_thread_mode_reaches_the_command_line(tmp_path: Path, fake_qemu: Path,
+                                                  private_roots: tuple[Path, Path]) -> None:  # fmt: skip
+    kernel = tmp_path / "bzImage"
+    kernel.write_bytes(b"")
+    q = QemuProcess(QemuConfig(kernel=kernel, accel="tcg", tcg_thread="single"), qemu_binary=str(fake_qemu))
+    try:
+        assert q.argv[q.argv.index("-accel") + 1] == "tcg,thread=single"
+    finally:
+        q.terminate(timeout=1.0)
+    q = QemuProcess(QemuConfig(kernel=kernel, accel="tcg"), qemu_binary=str(fake_qemu))
+    try:
+        assert q.argv[q.argv.index("-accel") + 1] == "tcg"
+    finally:
+        q.terminate(timeout=1.0)
+
+
 # -- bad settings leave nothing behind ---------------------------------------------------------
 
 
@@ -157,6 +173,7 @@ def test_terminate_stops_qemu_and_the_janitor(tmp_path: Path, fake_qemu: Path,
         ({"disk_interface": "scsi"}, "unknown disk interface"),
         ({"memory": 64 << 20}, "too small"),
         ({"smp": 0}, "at least one vCPU"),
+        ({"tcg_thread": "one"}, "unknown TCG thread mode"),
     ],
 )
 def test_bad_settings_leave_no_directory(tmp_path: Path, fake_qemu: Path, private_roots: tuple[Path, Path],

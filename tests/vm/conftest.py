@@ -9,15 +9,20 @@ plugin's ``qprobe_reset``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
+import itertools
 import os
+import re
+import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import pytest
 
 import qprobe
-from qprobe.images import get_image
+from qprobe.images import Image, get_image
 from qprobe.pytest_plugin import QprobeReset, qprobe_scope, register_if_missing, selected_images
 from qprobe.shell import Shell
 from qprobe.vmm.console import READY, Console
@@ -68,7 +73,9 @@ def fake_return(value: int) -> Callable[[qprobe.Kprobe, qprobe.PtRegs], int]:
 
 def workload_result(output: str) -> dict[str, str]:
     """The ``key=value`` summary line the guest workload prints."""
-    line = next(x for x in output.splitlines() if x.startswith("workload "))
+    line = next((x for x in output.splitlines() if x.startswith("workload ")), None)
+    if line is None:
+        pytest.fail(f"the guest workload printed no summary line; its output was {output!r}")
     return dict(part.split("=", 1) for part in line.split()[1:] if "=" in part)
 
 
@@ -110,3 +117,68 @@ def shell_do(sh: Shell, out: io.StringIO, line: str) -> str:
     out.truncate()
     sh.execute(line)
     return out.getvalue()
+
+
+@functools.cache
+def _elf_symbols(vmlinux: Path) -> dict[str, list[tuple[int, int]]]:
+    """name -> [(link-time address, size)] of a vmlinux file's text symbols, as binutils' nm reads them."""
+    out = subprocess.run(["nm", "-S", "--defined-only", str(vmlinux)], capture_output=True, text=True, check=True)
+    syms: dict[str, list[tuple[int, int]]] = {}
+    for line in out.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 4 and parts[2] in "tT":
+            syms.setdefault(parts[3], []).append((int(parts[0], 16), int(parts[1], 16)))
+    return syms
+
+
+def _elf_function(vmlinux: Path, name: str) -> tuple[int, int]:
+    rows = _elf_symbols(vmlinux).get(name, [])
+    if len(rows) != 1:
+        pytest.fail(f"{vmlinux.name}: {len(rows)} symbols named {name}, need exactly one")
+    return rows[0]
+
+
+_INSN = re.compile(r"^\s*([0-9a-f]+):\t(\S+)\s*(.*)$")
+
+
+@functools.cache
+def branches_to(vmlinux: Path, caller: str, callee: str) -> tuple[list[int], list[int]]:
+    """Offsets in ``caller`` after each direct call of ``callee``, and of each jump (a tail call) to it."""
+    start, size = _elf_function(vmlinux, caller)
+    target = _elf_function(vmlinux, callee)[0]
+    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", f"--start-address={start:#x}",
+                          f"--stop-address={start + size:#x}", str(vmlinux)],
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    insns = [(int(m[1], 16), m[2], m[3]) for m in map(_INSN.match, out.stdout.splitlines()) if m]
+    calls, jumps = [], []
+    for i, (_, mnemonic, operands) in enumerate(insns):
+        if operands.split(" ")[0] != f"{target:x}":
+            continue
+        after = insns[i + 1][0] if i + 1 < len(insns) else start + size
+        if mnemonic.startswith("call"):
+            calls.append(after - start)
+        elif mnemonic.startswith("j"):
+            jumps.append(after - start)
+    return calls, jumps
+
+
+def frames_above(image: Image, path: Sequence[str]) -> list[tuple[str, frozenset[str]]]:
+    """The frames above the last function of a call path while it runs, innermost first.
+
+    ``path`` names functions from the outermost down, each calling the next
+    directly. What the compiler made of each call is read from the image's
+    vmlinux with binutils, not with qprobe: a call leaves the caller on the stack
+    with its return site ``caller+0xoff`` (the instruction after the call); a
+    jump to the callee (a tail call, which a kernel built with frame pointers
+    has none of: -fno-optimize-sibling-calls) leaves nothing, and the callee
+    returns into the caller's caller. Each frame is ``(function, return sites)``.
+    """
+    frames = []
+    for caller, callee in itertools.pairwise(path):
+        calls, jumps = branches_to(image.vmlinux, caller, callee)
+        if bool(calls) == bool(jumps):
+            pytest.fail(f"{image.name}: {caller} has {len(calls)} direct calls and {len(jumps)} jumps to {callee}; "
+                        "its call path cannot be told from its text")  # fmt: skip
+        if calls:
+            frames.append((caller, frozenset(f"{caller}+{off:#x}" for off in calls)))
+    return frames[::-1]

@@ -39,7 +39,7 @@ from qprobe.core.regs import PtRegs
 from qprobe.core.watchpoint import Watchpoint, Watchpoints
 from qprobe.errors import BootPanic, GuestPanicked, ProbeError, QprobeError, SymbolError, TargetError, TargetGone
 from qprobe.kernel.clock import NSEC_PER_SEC, StopClock, TraceClock
-from qprobe.kernel.features import fully_preemptible, has_pti
+from qprobe.kernel.features import fully_preemptible, has_pti, thread_size
 from qprobe.kernel.kaslr import detect_slide
 from qprobe.kernel.program import KernelData, Stack, Task
 from qprobe.kernel.symbols import Symbols
@@ -414,7 +414,11 @@ class Target:
     @functools.cached_property
     def dialect(self) -> Dialect:
         """What this kernel's kprobe_events accepts beyond 6.1.0's and how it words errors (from vmlinux)."""
-        return probe_dialect(self.symbols)
+        try:
+            stack = thread_size(self.kernel)
+        except QprobeError:
+            stack = None  # $stackN and $argN are refused, naming the unknown THREAD_SIZE
+        return probe_dialect(self.symbols, stack)
 
     @functools.cached_property
     def ftrace_locations(self) -> list[int]:

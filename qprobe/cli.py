@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from qprobe.api import Target
     from qprobe.events import EventHit, TraceEvent
     from qprobe.fetch import ProbeEvent
+    from qprobe.fetch.dialect import Dialect
     from qprobe.funcs import Probeability
     from qprobe.kernel.symbols import Symbols
     from qprobe.proctree import ProcessTree
@@ -112,6 +113,16 @@ def _host_symbols(args: argparse.Namespace) -> Symbols | None:
     return Symbols.load(img.vmlinux, img.system_map)
 
 
+def _host_dialect(args: argparse.Namespace) -> Dialect:
+    """The kprobe_events language of the vmlinux on the host (6.1.0's when it is not known here)."""
+    from qprobe.fetch.dialect import BASE
+    from qprobe.kernel.features import init_stack_span
+    from qprobe.kernel.tracefs import probe_dialect
+
+    symbols = _host_symbols(args)
+    return BASE if symbols is None else probe_dialect(symbols, init_stack_span(symbols))
+
+
 def _host_probeability(args: argparse.Namespace) -> Probeability | None:
     """The kernel's probe refusals from the vmlinux on the host, without booting; None if it is not known here."""
     from qprobe.api import arch_of
@@ -174,7 +185,7 @@ def _arm(target: Target, text: str, callback: Callable[[EventHit], None] | None 
     from qprobe.fetch import ProbeEvent, parse_event
     from qprobe.funcs import is_glob
 
-    ev = parse_event(text)
+    ev = parse_event(text, dialect=target.dialect)
     if not (isinstance(ev, ProbeEvent) and ev.symbol is not None and is_glob(ev.symbol)):
         return [target.add_event(text, callback, flt)]
     found = target.add_events(text, callback, flt)
@@ -324,10 +335,12 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
     from qprobe.events import event_filter
     from qprobe.fetch import ProbeEvent, parse_event
+    from qprobe.fetch.dialect import BASE
 
     parsed = []
+    dialect = _host_dialect(args) if args.events else BASE  # the language of the kernel that will run them
     for text in args.events:  # syntax errors (of the events and of the filter) before anything boots
-        ev = parse_event(text)
+        ev = parse_event(text, dialect=dialect)
         if isinstance(ev, ProbeEvent):
             parsed.append(ev)
             if flt:

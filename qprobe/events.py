@@ -40,7 +40,7 @@ from qprobe.fetch import messages as M
 from qprobe.fetch.args import FetchArg, Value
 from qprobe.fetch.context import U64_MASK, task_size_max
 from qprobe.fetch.dialect import Dialect
-from qprobe.fetch.expr import Arg, Comm, Imm, ImmString, Node, Reg, StackPointer, SymbolAddr
+from qprobe.fetch.expr import Arg, Comm, Deref, Imm, ImmString, Node, Reg, StackPointer, SymbolAddr
 from qprobe.fetch.filter import And as FAnd
 from qprobe.fetch.filter import EventFilter
 from qprobe.fetch.filter import Not as FNot
@@ -150,9 +150,10 @@ class _HostContext:
     """The FetchContext of one hit: a stopped vCPU's registers and memory."""
 
     def __init__(self, target: EventTarget, regs: PtRegs, retval: int | None, comm: str | None = None,
-                 ip: int | None = None) -> None:  # fmt: skip
+                 ip: int | None = None, entry: dict[int, int] | None = None) -> None:  # fmt: skip
         self.target = target
         self.regs = regs
+        self._entry = entry  # a return probe's arguments, as its entry saw them
         self._retval = retval
         self._comm = comm
         self._ip = ip
@@ -190,6 +191,8 @@ class _HostContext:
         return self._comm if self._comm is not None else self.target.current_task(self.regs).comm
 
     def arg(self, n: int) -> int:
+        if self._entry is not None:
+            return self._entry[n]
         return self.regs.arg(n)
 
     def symbol_address(self, name: str) -> int:
@@ -269,7 +272,7 @@ class TraceEvent:
 
     def _record(
         self, regs: PtRegs, ip: int, func: int | None, retval: int | None,
-        task: tuple[int, str] | None = None,
+        task: tuple[int, str] | None = None, entry: dict[int, int] | None = None,
     ) -> None:  # fmt: skip
         """One hit at ``ip`` (a kprobe's address, or a return probe's real return address in ``func``).
 
@@ -278,7 +281,7 @@ class TraceEvent:
         real return address in a return probe.
         """
         ctx = _HostContext(self.target, regs, retval, None if task is None else task[1],
-                           ip=ip + 1 if func is None else ip)  # fmt: skip
+                           ip=ip + 1 if func is None else ip, entry=entry)  # fmt: skip
         # -1 as the int3 entry and the kretprobe trampoline leave it; 0 in a probe the kernel would run
         # from ftrace (one qprobe moved off an __fentry__ site), whose pt_regs come from ftrace_regs_caller.
         probe = self.probe if isinstance(self.probe, Kprobe) else None
@@ -380,9 +383,21 @@ class TraceEvent:
         assert isinstance(self.probe, Kprobe)
         self._record(regs, self.probe.at, None, None, task=(rec.pid, rec.comm))
 
+    def _kretprobe_entry(self, ri: KretprobeInstance, regs: PtRegs) -> int:
+        """``store_trace_entry_data``: the arguments a return probe's ``$argN`` fetch, saved at the entry."""
+        for i, n in enumerate(entry_args(self.definition)):
+            try:
+                value = regs.arg(n)
+            except QprobeError:
+                value = 0  # regs_get_kernel_argument: 0 where the stack slot cannot be read
+            ri.data[8 * i : 8 * i + 8] = (value & U64_MASK).to_bytes(8, "little")
+        return 0
+
     def _kretprobe_hit(self, ri: KretprobeInstance, regs: PtRegs) -> None:
         func = self.probe.kp.at  # type: ignore[union-attr]
-        self._record(regs, ri.ret_addr, func, regs.return_value())
+        saved = {n: int.from_bytes(ri.data[8 * i : 8 * i + 8], "little")
+                 for i, n in enumerate(entry_args(self.definition))}  # fmt: skip
+        self._record(regs, ri.ret_addr, func, regs.return_value(), entry=saved)
 
 
 def _register_only(node: Node, layout: RegisterLayout) -> bool:
@@ -395,6 +410,18 @@ def _register_only(node: Node, layout: RegisterLayout) -> bool:
         case SymbolAddr(_, _, offset):
             return offset is not None
     return False
+
+
+def entry_args(ev: ProbeEvent) -> list[int]:
+    """The argument numbers a return probe's ``$argN`` (or BTF parameter) fetches, in order, each once."""
+    out: list[int] = []
+    for a in ev.args:
+        node = a.expr
+        while isinstance(node, Deref):
+            node = node.inner
+        if isinstance(node, Arg) and node.n not in out:
+            out.append(node.n)
+    return out
 
 
 def in_guest(ev: ProbeEvent, layout: RegisterLayout) -> bool:
@@ -662,8 +689,10 @@ def _make_probe(te: TraceEvent) -> None:
     """The event's kprobe or kretprobe, not yet registered."""
     ev = te.definition
     if ev.is_return:
+        saved = entry_args(ev)  # fetched at the entry, as the kernel's trace_kprobe_entry_handler does
         te.probe = Kretprobe(symbol_name=ev.symbol, addr=ev.addr if ev.symbol is None else None, offset=ev.offset,
-                             maxactive=ev.maxactive, handler=te._kretprobe_hit)  # fmt: skip
+                             maxactive=ev.maxactive, handler=te._kretprobe_hit, data_size=8 * len(saved),
+                             entry_handler=te._kretprobe_entry if saved else None)  # fmt: skip
         return
     kp = Kprobe(symbol_name=ev.symbol, addr=ev.addr if ev.symbol is None else None, offset=ev.offset,
                 pre_handler=te._kprobe_hit)  # fmt: skip

@@ -14,7 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from . import messages as M
+from .btf import fetch_type_name, is_char_array, is_char_ptr
 from .context import FAULT, U64_MASK, Fault, FetchContext, MemoryFault, SymbolValue, read_string, read_uint
+from .dialect import BASE, Dialect
 from .expr import (
     Arg,
     ArgError,
@@ -161,6 +163,8 @@ class FetchArg:
         if isinstance(value, SymbolValue):
             return value.text
         mask = (1 << t.bits) - 1
+        if t.char:
+            return f"'{chr(value & mask)}'"
         if t.hex or t.symbol:
             return f"0x{value & mask:x}"
         if t.signed:
@@ -170,12 +174,13 @@ class FetchArg:
 
 
 def parse_fetch_arg(
-    text: str, index: int, flags: int, previous: list[FetchArg], types: frozenset[str] = frozenset()
+    text: str, index: int, flags: int, previous: list[FetchArg], dialect: Dialect = BASE, func: str | None = None
 ) -> FetchArg:
     """``traceprobe_parse_probe_arg`` for the ``index``-th (0-based) argument.
 
-    ``types`` names the optional fetch types the kernel accepts (``symstr``).
-    Raises ArgError with an offset inside ``text``.
+    ``dialect`` is what the kernel accepts beyond 6.1.0 (``symstr``, BTF
+    variables...); ``func`` the probed symbol, whose BTF prototype names the
+    parameters.  Raises ArgError with an offset inside ``text``.
     """
     eq = text.find("=")
     if eq >= 0:
@@ -186,15 +191,18 @@ def parse_fetch_arg(
         name, body, offset = text[:eq], text[eq + 1 :], eq + 1
     else:
         name, body, offset = f"arg{index + 1}", text, 0
+        if dialect.btf_args:  # generate_probe_arg_name: the argument itself, if it makes a name (a BTF variable)
+            head = text.split(":", 1)[0]
+            name = head if is_good_name(head) else name
     if not is_good_name(name):
         raise ArgError(0, M.BAD_ARG_NAME)
     if name in RESERVED_FIELD_NAMES or any(a.name == name for a in previous):
         raise ArgError(0, M.USED_ARG_NAME)
-    ftype, expr = _parse_body(body, flags, offset, types)
+    ftype, expr = _parse_body(body, flags, offset, dialect, func)
     return FetchArg(name, body, ftype, expr)
 
 
-def _parse_body(body: str, flags: int, offset: int, types: frozenset[str]) -> tuple[FetchType, Node]:
+def _parse_body(body: str, flags: int, offset: int, dialect: Dialect, func: str | None) -> tuple[FetchType, Node]:
     """``traceprobe_parse_probe_arg_body``: expression, type, store checks."""
     if len(body) > M.MAX_ARGSTR_LEN:
         raise ArgError(offset, M.ARG_TOO_LONG)
@@ -224,17 +232,34 @@ def _parse_body(body: str, flags: int, offset: int, types: frozenset[str]) -> tu
     base: FetchType | None
     if arg in ("$comm", "$COMM") or arg.startswith('\\"'):
         if count or (spec is not None and spec != "string"):
-            # The kernel returns -EINVAL here without logging anything.
+            if dialect.has(M.NEED_STRING_TYPE):
+                raise ArgError(type_offs, M.NEED_STRING_TYPE)
+            # 6.1.0 returns -EINVAL here without logging anything.
             raise ArgError(type_offs, M.BAD_TYPE, logged=False)
         base = STRING
     else:
-        base = find_fetch_type(spec, types)
+        base = find_fetch_type(spec, dialect.types)
     if base is None:
         raise ArgError(type_offs, M.BAD_TYPE)
     full_spec = body[colon + 1 :] if colon >= 0 else None
 
-    code = Code()
+    code = Code(dialect, offset, func)
     expr = parse_probe_arg(arg, flags, offset, code)
+    if dialect.meta_args:
+        # The 6.5+ parser keeps the offset in its context, where a dereference left it: the errors
+        # found after the expression are reported from there.
+        offset = code.offset
+        type_offs = offset + tpos
+    if code.last_type is not None:  # a BTF variable: its type, unless one is given
+        if spec is None:
+            base = find_fetch_type(fetch_type_name(code.last_type), dialect.types)
+            assert base is not None
+        elif "string" in spec:  # check_prepare_btf_string_fetch
+            if is_char_ptr(code.last_type):
+                code.advance(offset)
+                expr = Deref(expr, 0, user=spec.startswith("u"))
+            elif not is_char_array(code.last_type):
+                raise ArgError(offset, M.BAD_TYPE4STR)
 
     # Store stage: strings need memory, an immediate or $comm; others ST_*.
     if base.name == "symstr":

@@ -3,46 +3,97 @@
 Stable kernels take backports (Debian's 6.1.192 has ``:symstr`` and spells
 "Invalid $-variable specified", which 6.1.0 misspelt), so the version number
 does not say what a kernel's parser does.  A :class:`Dialect` holds what the
-running kernel itself says: the fetch types its tracefs ``README`` lists and
-the texts of its ``trace_probe_err_text`` table.  ``qprobe.kernel.tracefs``
-reads both from vmlinux; without them (:data:`BASE`) the parser is 6.1.0's.
+running kernel itself says: the fetch types and fetch arguments its tracefs
+``README`` lists, and the texts of its ``trace_probe_err_text`` table (a text
+is there exactly when the parser has the check that logs it).
+``qprobe.kernel.tracefs`` reads both from vmlinux; without them (:data:`BASE`)
+the parser is 6.1.0's.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from . import messages as M
+from .btf import Btf, FuncProto
 
 # Fetch types that are not in 6.1.0 and that a kernel's README may list.
-OPTIONAL_TYPES = ("symstr",)
+OPTIONAL_TYPES = ("symstr", "char")
+
+# Texts a later kernel reworded beyond what a close match finds: 6.1.0's text -> the later one
+# (6.12's trace_probe.h has BAD_MAXACT_TYPE where 6.1.0 has MAXACT_NO_KPROBE).
+REWORDED = {M.MAXACT_NO_KPROBE: M.BAD_MAXACT_TYPE}
 
 
 @dataclass(frozen=True)
 class Dialect:
-    """``types``: optional fetch types the kernel accepts; ``messages``: its error texts (None: 6.1.0's)."""
+    """What a kernel's kprobe_events parser does beyond 6.1.0's.
+
+    ``types``: optional fetch types the kernel accepts; ``messages``: its error
+    texts (None: 6.1.0's); ``thread_size``: its THREAD_SIZE, which bounds
+    ``$stackN`` and ``$argN`` (None: unknown, so those are refused);
+    ``btf_args``: its README lists ``<argname>`` (CONFIG_PROBE_EVENTS_BTF_ARGS:
+    function parameters by name, and ``$argN`` named after them);
+    ``return_args``: its README says return probes take ``$arg<N>``;
+    ``dentry_args``: its README lists the ``%pd/%pD`` types;
+    ``btf``: its BTF (None: it has none).
+    """
 
     types: frozenset[str] = frozenset()
     messages: frozenset[str] | None = None
+    thread_size: int | None = None
+    btf_args: bool = False
+    return_args: bool = False
+    dentry_args: bool = False
+    btf: Btf | None = field(default=None, compare=False)
+
+    def proto(self, func: str | None) -> FuncProto | None:
+        """``query_btf_context``: the prototype of the probed function, if BTF arguments can use it."""
+        if not self.btf_args or func is None or self.btf is None:
+            return None
+        return self.btf.proto(func)
 
     def has(self, text: str) -> bool:
         """Whether the kernel's error table has this text (so it has the check that logs it)."""
         return self.messages is not None and text in self.messages
 
+    @property
+    def meta_args(self) -> bool:
+        """The parser of Linux 6.5 on ("tracing/probes: Support function parameters if BTF is available").
+
+        It checks every bare ``$arg...`` word before any argument is parsed
+        (``traceprobe_expand_meta_args``), takes a word starting with a letter
+        as a BTF variable, and keeps the parse offset in its parse context,
+        where a dereference leaves it after its opening brace.  Known by the
+        error text that series added, which a kernel without BTF has too.
+        """
+        return self.has(M.NOFENTRY_ARGS)
+
+    @property
+    def param_max_stack(self) -> int | None:
+        """``PARAM_MAX_STACK`` (trace_probe.c): THREAD_SIZE / sizeof(unsigned long)."""
+        return None if self.thread_size is None else self.thread_size // 8
+
     def message(self, text: str) -> str:
         """The kernel's wording of one of qprobe's (6.1.0) error texts.
 
         A text the kernel's table lacks is matched to the table's closest one
-        (the later wording of the same error, such as a typo fix); a text with
-        no close match (one of qprobe's own) is kept.
+        (the later wording of the same error, such as a typo fix) or to its
+        known rewording; a text with no match (one of qprobe's own) is kept.
         """
         if self.messages is None or text in self.messages:
             return text
+        if REWORDED.get(text) in self.messages:
+            return REWORDED[text]
         close = difflib.get_close_matches(text, self.messages, n=1, cutoff=0.9)
         return close[0] if close else text
 
 
-BASE = Dialect()
+# Without a kernel (a syntax check before anything boots): 6.1.0's language, with its x86_64
+# THREAD_SIZE (16 KiB without KASAN).  A Target's Dialect has the running kernel's.
+BASE = Dialect(thread_size=16384)
 
 
 def readme_types(readme: str) -> frozenset[str]:
@@ -62,8 +113,33 @@ def readme_types(readme: str) -> frozenset[str]:
     return frozenset(out)
 
 
-def dialect_of(readme: str | None, messages: list[str] | None) -> Dialect:
-    """The Dialect of a kernel from its README text and its error-text table (either may be unknown)."""
+def readme_btf_args(readme: str) -> bool:
+    """``<argname>[->field...]`` among the fetch arguments: CONFIG_PROBE_EVENTS_BTF_ARGS (Linux 6.5 on)."""
+    return re.search(r"^\s*<argname>", readme, re.M) is not None
+
+
+def readme_return_args(readme: str) -> bool:
+    """ "kernel return probes support: $retval, $arg<N>, $comm" (Linux 6.10's entry arguments in return probes)."""
+    m = re.search(r"return probes support:(.*)$", readme, re.M)
+    return m is not None and "$arg<N>" in m.group(1)
+
+
+def readme_dentry_args(readme: str) -> bool:
+    """``%pd/%pD`` among the types (6.12's README): a dentry's or a file's name, as a string."""
+    m = re.search(r"^\s*type:(.*?)(?:<type>|^\s*\w+:)", readme, re.M | re.S)
+    return m is not None and "%pd/%pD" in m.group(1)
+
+
+def dialect_of(readme: str | None, messages: list[str] | None, thread_size: int | None = None,
+               btf: Btf | None = None) -> Dialect:  # fmt: skip
+    """The Dialect of a kernel from its README text, error-text table, THREAD_SIZE and BTF (any may be unknown)."""
     types = readme_types(readme) if readme else frozenset()
-    return Dialect(frozenset(t for t in OPTIONAL_TYPES if t in types),
-                   frozenset(messages) if messages else None)  # fmt: skip
+    return Dialect(
+        types=frozenset(t for t in OPTIONAL_TYPES if t in types),
+        messages=frozenset(messages) if messages else None,
+        thread_size=thread_size,
+        btf_args=bool(readme) and readme_btf_args(readme or ""),
+        return_args=bool(readme) and readme_return_args(readme or ""),
+        dentry_args=bool(readme) and readme_dentry_args(readme or ""),
+        btf=btf,
+    )

@@ -13,8 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import messages as M
+from .btf import CType
 from .context import REGISTERS, U64_MASK, FetchContext, read_uint
-from .kstrto import isdigit, kstrtol, kstrtoul, to_s32
+from .dialect import BASE, Dialect
+from .kstrto import isalpha, isdigit, kstrtol, kstrtoul, to_s32
 
 # TPARG_FL_* from trace_probe.h
 FL_RETURN = 1
@@ -114,12 +116,21 @@ Node = Reg | Stack | StackPointer | RetVal | Comm | Arg | Imm | ImmString | Symb
 
 
 class Code:
-    """Index of the kernel's fetch_insn cursor, to enforce FETCH_INSN_MAX."""
+    """The parse of one argument body: the kernel's fetch_insn cursor and parse context.
+
+    ``idx`` enforces FETCH_INSN_MAX.  ``offset`` is the context's offset as a
+    6.5+ parser leaves it (a dereference moves it past its brace);
+    ``last_type`` is the BTF type of the last BTF variable (``ctx->last_type``).
+    """
 
     END = M.FETCH_INSN_MAX - 1
 
-    def __init__(self) -> None:
+    def __init__(self, dialect: Dialect = BASE, offset: int = 0, func: str | None = None) -> None:
         self.idx = 0
+        self.dialect = dialect
+        self.offset = offset
+        self.func = func  # ctx->funcname: the probed symbol (None for an address)
+        self.last_type: CType | None = None
 
     def advance(self, offs: int) -> None:
         """``if (++code == end)``: one more instruction, or too many."""
@@ -136,12 +147,23 @@ def split_symbol_offset(spec: str) -> tuple[str, int | None]:
     return spec[:cut], kstrtol(spec[cut:], 0)
 
 
-def _parse_vars(var: str, flags: int, offs: int) -> Node:
+def _stack_bound(code: Code, offs: int) -> int:
+    bound = code.dialect.param_max_stack
+    if bound is None:
+        raise ArgError(offs, "qprobe: the kernel's THREAD_SIZE is unknown, which bounds $stackN and $argN",
+                       logged=False)  # fmt: skip
+    return bound
+
+
+def _parse_vars(var: str, flags: int, offs: int, code: Code) -> Node:
     """``parse_probe_vars``: the text after ``$``."""
-    if var == "retval":
-        if flags & FL_RETURN:
-            return RetVal()
-        raise ArgError(offs, M.RETVAL_ON_PROBE)
+    dialect = code.dialect
+    if var == "retval" or (dialect.meta_args and var.startswith("retval")):
+        if not flags & FL_RETURN:
+            raise ArgError(offs, M.RETVAL_ON_PROBE)
+        if dialect.btf_args:
+            return _parse_btf_arg("$" + var, flags, offs, code)
+        return RetVal()
     if var.startswith("stack"):
         rest = var[5:]
         if rest == "":
@@ -150,20 +172,70 @@ def _parse_vars(var: str, flags: int, offs: int) -> Node:
             n = kstrtoul(rest, 10)
             if n is None:
                 raise ArgError(offs, M.BAD_VAR)
-            if (flags & FL_KERNEL) and n > M.PARAM_MAX_STACK:
+            if (flags & FL_KERNEL) and n > _stack_bound(code, offs):
                 raise ArgError(offs, M.BAD_STACK_NUM)
             return Stack(n)
         raise ArgError(offs, M.BAD_VAR)
     if var in ("comm", "COMM"):
         return Comm()
+    if dialect.meta_args and var.startswith("arg"):
+        # 6.5 on: the number is checked first, then the place (entry, or exit where the
+        # kernel fetches the argument at entry for the return probe, Linux 6.10).
+        n = kstrtoul(var[3:], 10)
+        if n is None:
+            raise ArgError(offs, M.BAD_VAR)
+        if n == 0 or n > _stack_bound(code, offs):
+            raise ArgError(offs, M.BAD_ARG_NUM)
+        if is_function_entry(flags) or (is_function_return(flags) and dialect.return_args):
+            return Arg(n)
+        raise ArgError(offs, M.NOFENTRY_ARGS)
     if (flags & FL_MASK) == (FL_KERNEL | FL_FENTRY) and var.startswith("arg"):
         n = kstrtoul(var[3:], 10)
         if n is None:
             raise ArgError(offs, M.BAD_VAR)
-        if n == 0 or n > M.PARAM_MAX_STACK:
+        if n == 0 or n > _stack_bound(code, offs):
             raise ArgError(offs, M.BAD_ARG_NUM)
         return Arg(n)
     raise ArgError(offs, M.BAD_VAR)
+
+
+def is_function_entry(flags: int) -> bool:
+    """``tparg_is_function_entry``."""
+    return (flags & FL_MASK) == (FL_KERNEL | FL_FENTRY)
+
+
+def is_function_return(flags: int) -> bool:
+    """``tparg_is_function_return``."""
+    return (flags & FL_MASK) == (FL_KERNEL | FL_RETURN)
+
+
+def _parse_btf_arg(varname: str, flags: int, offs: int, code: Code) -> Node:
+    """``parse_btf_arg``: a parameter of the probed function by name, or ``$retval``, typed by BTF."""
+    if code.func is None:
+        raise ArgError(offs, M.BAD_FETCH_ARG, logged=False)  # -EINVAL, nothing logged
+    cut = min((i for i in (varname.find("."), varname.find("-")) if i >= 0), default=-1)
+    if cut >= 0:
+        if varname[cut] == "-" and varname[cut + 1 : cut + 2] != ">":
+            raise ArgError(offs + cut, M.BAD_HYPHEN)
+        if varname[cut] == ".":
+            raise ArgError(offs + cut + 1, M.NOSUP_DAT_ARG)
+        # Fields through BTF structure types, which qprobe does not read yet.
+        raise ArgError(offs, "qprobe: BTF structure fields ('->') are not supported", logged=False)
+    proto = code.dialect.proto(code.func)
+    if flags & FL_RETURN and varname == "$retval":
+        if proto is None:
+            return RetVal()
+        if proto.ret is None:
+            raise ArgError(offs, M.NO_RETVAL)
+        code.last_type = proto.ret
+        return RetVal()
+    if proto is None or not proto.params:
+        raise ArgError(offs, M.NO_BTF_ENTRY)
+    for i, (name, ctype) in enumerate(proto.params):
+        if name == varname:
+            code.last_type = ctype
+            return Arg(i + 1)  # at the exit, the value the entry saw (FETCH_OP_EDATA)
+    raise ArgError(offs, M.NO_BTFARG)
 
 
 def _str_to_immediate(text: str) -> int | None:
@@ -199,9 +271,11 @@ def _parse_deref(arg: str, flags: int, offs: int, code: Code) -> Node:
     if close < 0:
         raise ArgError(offs + len(rest), M.DEREF_OPEN_BRACE)
     inner = parse_probe_arg(rest[:close], flags, offs, code)
+    code.offset = offs  # ctx->offset = cur_offs: the outermost dereference sets it last
     if isinstance(inner, Comm | ImmString):
         raise ArgError(offs, M.COMM_CANT_DEREF)
     code.advance(offs)
+    code.last_type = None
     return Deref(inner, to_s32(offset), user)
 
 
@@ -209,7 +283,7 @@ def parse_probe_arg(arg: str, flags: int, offs: int, code: Code) -> Node:
     """``parse_probe_arg``: one expression (no name, no type) at ``offs``."""
     head = arg[:1]
     if head == "$":
-        return _parse_vars(arg[1:], flags, offs)
+        return _parse_vars(arg[1:], flags, offs, code)
     if head == "%":
         if arg[1:] not in REGISTERS:
             raise ArgError(offs, M.BAD_REG_NAME)
@@ -243,6 +317,10 @@ def parse_probe_arg(arg: str, flags: int, offs: int, code: Code) -> Node:
         if value is None:
             raise ArgError(offs + 1, M.BAD_IMM)
         return Imm(value)
+    if code.dialect.meta_args and (isalpha(head) or head == "_"):  # a BTF variable (Linux 6.5 on)
+        if not (is_function_entry(flags) or is_function_return(flags)) or not code.dialect.btf_args:
+            raise ArgError(offs, M.NOSUP_BTFARG)
+        return _parse_btf_arg(arg, flags, offs, code)
     raise ArgError(offs, M.BAD_FETCH_ARG)
 
 

@@ -5,7 +5,7 @@ kernel/trace/trace_probe.c of Linux 6.1 (x86_64): the default type is
 ``x64``, ``symbol`` is an alias of ``u64`` printed with ``%pS``, ``x*`` types
 print as ``0x%x`` without zero padding, and a bitfield is stored in an
 unsigned container of 8/16/32/64 bits.  6.1.0 has no ``symstr``, ``char`` or
-BTF types; ``symstr`` is accepted where the kernel's Dialect says so.
+BTF types; ``symstr`` and ``char`` are accepted where the kernel's Dialect says so.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ class FetchType:
     string: bool = False
     user: bool = False  # "ustring"
     symbol: bool = False
+    char: bool = False  # printed as '%c'
     fmttype: str = ""
     bitfield: Bitfield | None = None
     array: int = 0
@@ -97,10 +98,13 @@ BASIC_TYPES: dict[str, FetchType] = {
     "x64": _int("x64", 8, hex_=True),
     "symbol": FetchType("symbol", 8, False, symbol=True, fmttype="u64"),
 }
-# Not in 6.1.0 (Linux 6.2, "tracing/probes: Add symstr type for dynamic events", and stable backports):
-# the value is printed as a string holding its %pS text.  Accepted when the kernel's Dialect lists it.
+# Not in 6.1.0, accepted when the kernel's Dialect lists them: symstr (Linux 6.2, "tracing/probes: Add
+# symstr type for dynamic events", and stable backports), the value printed as a string holding its %pS
+# text; char (in 6.12's probe_fetch_types: ASSIGN_FETCH_TYPE_ALIAS(char, u8, u8, 0)), a u8 printed
+# as '%c'.
 OPTIONAL_FETCH_TYPES: dict[str, FetchType] = {
     "symstr": FetchType("symstr", 4, True, string=True, symbol=True, fmttype="__data_loc char[]"),
+    "char": FetchType("char", 1, False, char=True, fmttype="u8"),
 }
 DEFAULT_FETCH_TYPE = "x64"  # x##BITS_PER_LONG
 STRING = BASIC_TYPES["string"]

@@ -1,4 +1,4 @@
-"""Error texts and limits of the kernel's probe-event parser (Linux 6.1).
+"""Error texts and limits of the kernel's probe-event parser (Linux 6.1, and later ones' new texts).
 
 The texts are copied from the ``ERRORS`` list in kernel/trace/trace_probe.h so
 that a user sees exactly what ``/sys/kernel/tracing/error_log`` would show for
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 # --- kernel/trace/trace_probe.h, ERRORS (the kprobe-relevant subset) -------
 MAXACT_NO_KPROBE = "Maxactive is not for kprobe"
+BAD_MAXACT_TYPE = "Maxactive is only for function exit"  # its later wording
 BAD_MAXACT = "Invalid maxactive number"
 MAXACT_TOO_BIG = "Maxactive is too big"
 BAD_PROBE_ADDR = "Invalid probed address or symbol"
@@ -58,6 +59,18 @@ DIFF_PROBE_TYPE = "Probe type is different from existing probe"
 DIFF_ARG_TYPE = "Argument type or name is different from existing probe"
 SAME_PROBE = "There is already the exact same probe event"
 NON_UNIQ_SYMBOL = "The symbol is not unique"
+# Later kernels' (6.12's trace_probe.h): BTF arguments, $arg* and the $comm type check.
+NO_RETVAL = "This function returns 'void' type"
+NOSUP_BTFARG = "BTF is not available or not supported"
+NO_BTFARG = "This variable is not found at this probe point"
+NO_BTF_ENTRY = "No BTF entry for this probe point"
+NOFENTRY_ARGS = "$arg* can be used only on function entry or exit"
+DOUBLE_ARGS = "$arg* can be used only once in the parameters"
+ARGS_2LONG = "$arg* failed because the argument list is too long"
+NOSUP_DAT_ARG = "Non pointer structure/union argument is not supported."
+BAD_HYPHEN = "Failed to parse single hyphen. Forgot '>'?"
+BAD_TYPE4STR = "This type does not fit for string."
+NEED_STRING_TYPE = "$comm and immediate-string only accepts string type"
 
 # --- qprobe's own texts: the kernel returns -EINVAL and logs nothing -------
 NOT_A_PROBE = "Not a kprobe definition (expected p, r or -)"
@@ -76,7 +89,6 @@ MAX_EVENT_NAME_LEN = 64
 MAX_STRING_SIZE = 4096  # PATH_MAX, including the terminating NUL
 FETCH_INSN_MAX = 16
 KRETPROBE_MAXACTIVE_MAX = 4096
-THREAD_SIZE = 16384  # x86_64 without KASAN
-PARAM_MAX_STACK = THREAD_SIZE // 8
+MAX_BTF_ARGS_LEN = 128  # the buffer $argN and $arg* are expanded into (trace_probe.h, Linux 6.5 on)
 UINT_MAX = 0xFFFF_FFFF
 KPROBE_EVENT_SYSTEM = "kprobes"

@@ -116,6 +116,8 @@ _PRINT_FORMATS = {
     "symbol": "%pS",
     "string": '\\"%s\\"',
     "ustring": '\\"%s\\"',
+    "symstr": '\\"%s\\"',
+    "char": "'%c'",
 }
 
 

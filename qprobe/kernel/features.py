@@ -72,12 +72,19 @@ def thread_size(kernel: KernelData) -> int:
         return drgn.sizeof(kernel.prog.variable("init_stack"))
     except (QprobeError, LookupError, ValueError):
         pass
-    symbols = kernel.symbols
+    size = init_stack_span(kernel.symbols)
+    if size is not None:
+        return size
+    raise SymbolError("the size of a kernel stack is unknown: no debug info for init_stack and no "
+                      "__start_init_stack or __start_init_task")  # fmt: skip
+
+
+def init_stack_span(symbols: Symbols) -> int | None:
+    """THREAD_SIZE from the linker script's init stack alone (no debug info needed), or None."""
     for start, end in _INIT_STACK_SPANS:
         if start in symbols and end in symbols:
             return symbols.address(end) - symbols.address(start)
-    raise SymbolError("the size of a kernel stack is unknown: no debug info for init_stack and no "
-                      "__start_init_stack or __start_init_task")  # fmt: skip
+    return None
 
 
 def preemptible(symbols: Symbols) -> bool:
@@ -99,7 +106,8 @@ def fully_preemptible(symbols: Symbols, cmdline: str) -> bool:
     return preemptible(symbols) and "__cond_resched" not in symbols
 
 
-__all__ = ["find_watch_site", "fully_preemptible", "int3_entry", "int3_path", "preemptible", "thread_size"]
+__all__ = ["find_watch_site", "fully_preemptible", "init_stack_span", "int3_entry", "int3_path", "preemptible",
+           "thread_size"]  # fmt: skip
 
 
 def has_pti(symbols: Symbols) -> bool:

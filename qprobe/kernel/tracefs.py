@@ -11,6 +11,7 @@ data, read through drgn.
 from __future__ import annotations
 
 import bisect
+import functools
 import struct
 from collections.abc import Sequence
 
@@ -18,7 +19,9 @@ import drgn
 from drgn.helpers.linux.list import list_for_each_entry
 
 from qprobe.errors import QprobeError
+from qprobe.fetch.btf import FuncProto
 from qprobe.fetch.dialect import Dialect, dialect_of
+from qprobe.kernel.btf import KernelBtf
 from qprobe.kernel.symbols import Symbols
 
 _MAX_TEXT = 256  # longest error text read; the kernel's are under 80 characters
@@ -60,9 +63,26 @@ def error_texts(symbols: Symbols) -> list[str] | None:
         return None
 
 
-def probe_dialect(symbols: Symbols) -> Dialect:
-    """The kprobe_events Dialect of the kernel ``symbols`` describes."""
-    return dialect_of(readme(symbols), error_texts(symbols))
+class _LazyBtf:
+    """The kernel's BTF, read from vmlinux the first time the parser asks for it."""
+
+    def __init__(self, symbols: Symbols) -> None:
+        self._symbols = symbols
+
+    @functools.cached_property
+    def _btf(self) -> KernelBtf | None:
+        return KernelBtf.of(self._symbols)
+
+    def proto(self, func: str) -> FuncProto | None:
+        return None if self._btf is None else self._btf.proto(func)
+
+    def offsetof(self, struct: str, path: str) -> int | None:
+        return None if self._btf is None else self._btf.offsetof(struct, path)
+
+
+def probe_dialect(symbols: Symbols, thread_size: int | None = None) -> Dialect:
+    """The kprobe_events Dialect of the kernel ``symbols`` describes, with its THREAD_SIZE if known."""
+    return dialect_of(readme(symbols), error_texts(symbols), thread_size, _LazyBtf(symbols))
 
 
 def trace_event_names(prog: drgn.Program) -> frozenset[tuple[str, str]]:

@@ -194,7 +194,7 @@ class Shell:
     # -- events ----------------------------------------------------------------------------------
     def definition(self, text: str) -> None:
         """``p:...``/``r:...`` adds an event, ``-:...`` removes events, as a write to kprobe_events."""
-        ev = parse_event(text)  # the syntax; the target's add_event checks the symbols and suggests names
+        ev = parse_event(text, dialect=self.target.dialect)  # the syntax; add_event checks symbols, suggests names
         if isinstance(ev, DeleteEvent):
             gone = [te for te in list(self.target.events.values()) if ev.matches(te.definition)]
             if not gone:

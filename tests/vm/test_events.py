@@ -53,6 +53,28 @@ def test_fetch_args_registers_memory_strings_and_retval(target: qprobe.Target, g
     assert not target.events
 
 
+def test_btf_parameter_names_and_entry_arguments_in_return_probes(target: qprobe.Target) -> None:
+    """Where the kernel's README lists them: ``$argN`` named and typed by BTF, and fetched at the entry
+    for a return probe (lseek(fd, i, SEEK_SET) for i = 1..4 returns i)."""
+    dialect = target.dialect
+    if not (dialect.btf_args and dialect.return_args):
+        pytest.skip("this kernel's kprobe_events has no BTF arguments or no $argN in return probes")
+    entry = target.add_event("p:bseek ksys_lseek $arg*")
+    ret = target.add_event("r:rseek ksys_lseek $arg2 wh=$arg3 ret=$retval")
+    try:
+        res = workload_result(target.run("workload lseek 4").check().output)
+    finally:
+        target.remove_event(entry)
+        target.remove_event(ret)
+    assert entry.listing() == "p:kprobes/bseek ksys_lseek fd=fd offset=offset whence=whence"
+    mine = [h for h in entry.hits if h.pid == int(res["pid"])]
+    # unsigned int fd, off_t offset, unsigned int whence: u32, s64, u32 from BTF, printed in decimal.
+    assert [h.args for h in mine] == [{"fd": res["fd"], "offset": str(i), "whence": "0"} for i in range(1, 5)]
+    assert [h.args for h in ret.hits if h.pid == int(res["pid"])] == [
+        {"offset": str(i), "wh": "0x0", "ret": str(i)} for i in range(1, 5)
+    ]
+
+
 def test_bad_definitions_point_at_the_column_and_change_nothing(target: qprobe.Target) -> None:
     before = dict(target.journal.patches)
     for text, at in (("p:ev ksys_lseek x=%zz", "%zz"), ("r:ev ksys_lseek+8 x=$retval", "ksys_lseek+8"),

@@ -1,0 +1,170 @@
+"""Function prototypes from the kernel's own BTF, as its kprobe_events parser finds them.
+
+A kernel built with CONFIG_DEBUG_INFO_BTF carries its BTF in vmlinux's
+``.BTF`` section (``__start_BTF``..``__stop_BTF`` at run time).  The probe
+parser's ``btf_find_func_proto`` (kernel/trace/trace_btf.c) takes the first
+``BTF_KIND_FUNC`` of the name and its ``FUNC_PROTO``: the parameters' names
+and types.  This reads the same section from the vmlinux file on the host;
+the format is include/uapi/linux/btf.h's.  Modules' BTF is not read, so a
+module function has no prototype here (its BTF arguments are refused as on
+a kernel without BTF).
+"""
+
+from __future__ import annotations
+
+import struct
+
+from qprobe.errors import QprobeError
+from qprobe.fetch.btf import CType, FuncProto
+from qprobe.kernel.symbols import Symbols
+
+BTF_MAGIC = 0xEB9F
+# BTF_KIND_* (include/uapi/linux/btf.h)
+INT, PTR, ARRAY, STRUCT, UNION, ENUM, FWD, TYPEDEF, VOLATILE, CONST, RESTRICT = range(1, 12)
+FUNC, FUNC_PROTO, VAR, DATASEC, FLOAT, DECL_TAG, TYPE_TAG, ENUM64 = range(12, 20)
+MODIFIERS = frozenset({TYPEDEF, VOLATILE, CONST, RESTRICT, TYPE_TAG})
+BTF_INT_SIGNED = 1
+
+
+def _extra(kind: int, vlen: int) -> int:
+    """Bytes that follow a type's 12-byte ``struct btf_type``."""
+    if kind in (INT, VAR, DECL_TAG):
+        return 4
+    if kind == ARRAY:
+        return 12
+    if kind in (STRUCT, UNION, DATASEC, ENUM64):
+        return 12 * vlen
+    if kind in (ENUM, FUNC_PROTO):
+        return 8 * vlen
+    return 0
+
+
+class KernelBtf:
+    """The types of one BTF blob, by id, and its functions by name."""
+
+    def __init__(self, data: bytes) -> None:
+        magic, _version, _flags, hdr_len, type_off, type_len, str_off, str_len = struct.unpack_from("<HBBIIIII", data)
+        if magic != BTF_MAGIC:
+            raise QprobeError(f"not BTF (magic {magic:#x})")
+        types = data[hdr_len + type_off : hdr_len + type_off + type_len]
+        self._strings = data[hdr_len + str_off : hdr_len + str_off + str_len]
+        self._types: list[tuple[int, int, int, int]] = [(0, 0, 0, 0)]  # id 0 is void
+        self._extra_at: list[int] = [0]
+        self._kflag: list[bool] = [False]
+        self._funcs: dict[str, int] = {}
+        self._structs: dict[str, int] = {}
+        pos = 0
+        while pos + 12 <= len(types):
+            name_off, info, size_type = struct.unpack_from("<III", types, pos)
+            kind, vlen = (info >> 24) & 0x1F, info & 0xFFFF
+            self._types.append((kind, name_off, size_type, vlen))
+            self._extra_at.append(pos + 12)
+            self._kflag.append(bool(info >> 31))
+            if kind == FUNC:
+                self._funcs.setdefault(self._name(name_off), len(self._types) - 1)
+            elif kind == STRUCT and name_off:
+                self._structs.setdefault(self._name(name_off), len(self._types) - 1)
+            pos += 12 + _extra(kind, vlen)
+        self._data = types
+
+    @classmethod
+    def of(cls, symbols: Symbols) -> KernelBtf | None:
+        """The BTF of the vmlinux ``symbols`` describes, or None if it has none."""
+        if "__start_BTF" not in symbols or "__stop_BTF" not in symbols:
+            return None
+        start = symbols.address("__start_BTF")
+        try:
+            return cls(symbols.file_bytes(start, symbols.address("__stop_BTF") - start))
+        except (QprobeError, struct.error):
+            return None
+
+    def _name(self, off: int) -> str:
+        end = self._strings.find(b"\0", off)
+        return self._strings[off : end if end >= 0 else len(self._strings)].decode("utf-8", "replace")
+
+    def _skip(self, tid: int) -> int:
+        """``btf_type_skip_modifiers``: the id behind typedefs and qualifiers."""
+        for _ in range(64):  # a loop would be a broken BTF
+            if tid >= len(self._types) or self._types[tid][0] not in MODIFIERS:
+                break
+            tid = self._types[tid][2]
+        return tid
+
+    def ctype(self, tid: int, depth: int = 1) -> CType:
+        """The type ``tid`` with modifiers skipped; a pointer's or array's target to ``depth`` levels."""
+        tid = self._skip(tid)
+        if tid == 0 or tid >= len(self._types):
+            return CType("void")
+        kind, _name, size_type, _vlen = self._types[tid]
+        if kind == INT:
+            (enc,) = struct.unpack_from("<I", self._data, self._extra_at[tid])
+            return CType("int", bits=enc & 0xFF, signed=bool((enc >> 24) & BTF_INT_SIGNED))
+        if kind == ENUM:
+            return CType("enum")
+        if kind == ENUM64:
+            return CType("enum64")
+        if kind in (PTR, ARRAY):
+            target = size_type if kind == PTR else struct.unpack_from("<I", self._data, self._extra_at[tid])[0]
+            return CType("ptr" if kind == PTR else "array", target=self.ctype(target, depth - 1) if depth else None)
+        return CType("other")
+
+    def proto(self, func: str) -> FuncProto | None:
+        """``btf_find_func_proto`` + ``btf_get_func_param``: the function's parameters and return type."""
+        fid = self._funcs.get(func)
+        if fid is None:
+            return None
+        pid = self._types[fid][2]
+        if pid >= len(self._types) or self._types[pid][0] != FUNC_PROTO:
+            return None
+        _kind, _name, ret, vlen = self._types[pid]
+        at = self._extra_at[pid]
+        params = []
+        for i in range(vlen):
+            name_off, tid = struct.unpack_from("<II", self._data, at + 8 * i)
+            params.append((self._name(name_off), self.ctype(tid)))
+        return FuncProto(tuple(params), None if ret == 0 else self.ctype(ret))
+
+    def _members(self, tid: int) -> list[tuple[str, int, int]]:
+        """(name, type id, bit offset) of a struct's or union's members (``__btf_member_bit_offset``)."""
+        vlen = self._types[tid][3]
+        at = self._extra_at[tid]
+        kflag = self._kflag[tid]
+        out = []
+        for i in range(vlen):
+            name_off, mtype, offset = struct.unpack_from("<III", self._data, at + 12 * i)
+            out.append((self._name(name_off) if name_off else "", mtype, offset & 0xFFFFFF if kflag else offset))
+        return out
+
+    def member(self, tid: int, name: str) -> tuple[int, int] | None:
+        """``btf_find_struct_member``: (bit offset, type id) of ``name`` in the struct or union ``tid``.
+
+        Named members first, then those of anonymous members, the last one met first (its stack).
+        """
+        tid = self._skip(tid)
+        if tid >= len(self._types) or self._types[tid][0] not in (STRUCT, UNION):
+            return None
+        stack: list[tuple[int, int]] = []
+        base = 0
+        while True:
+            for mname, mtype, offset in self._members(tid):
+                if not mname:
+                    inner = self._skip(mtype)
+                    if self._types[inner][0] in (STRUCT, UNION) and len(stack) < 16:  # BTF_ANON_STACK_MAX
+                        stack.append((inner, base + offset))
+                elif mname == name:
+                    return base + offset, mtype
+            if not stack:
+                return None
+            tid, base = stack.pop()
+
+    def offsetof(self, struct_name: str, path: str) -> int | None:
+        """offsetof(struct ``struct_name``, ``path``) in bytes (``d_name.name``), or None if BTF lacks it."""
+        tid = self._structs.get(struct_name)
+        bits = 0
+        for name in path.split("."):
+            found = None if tid is None else self.member(tid, name)
+            if found is None:
+                return None
+            offset, tid = found
+            bits += offset
+        return bits // 8

@@ -1,0 +1,105 @@
+"""KernelBtf on a BTF blob laid out by hand as include/uapi/linux/btf.h describes it.
+
+The blob describes, in C::
+
+    typedef unsigned char u8;
+    struct qstr { union { struct { unsigned int hash; unsigned int len; }; unsigned long hash_len; };
+                  const u8 *name; };
+    struct dentry { int d_flags; int d_seq; struct qstr d_name; };
+    long f(const u8 *name, struct dentry *d, enum e how);
+    void g(void);
+
+so the expected prototypes and offsets are C's (x86_64 sizes), not qprobe's.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from qprobe.errors import QprobeError
+from qprobe.fetch.btf import CType, FuncProto
+from qprobe.kernel.btf import (
+    CONST,
+    ENUM,
+    FUNC,
+    FUNC_PROTO,
+    INT,
+    PTR,
+    STRUCT,
+    TYPEDEF,
+    UNION,
+    KernelBtf,
+)
+
+
+class Blob:
+    def __init__(self) -> None:
+        self.strings = b"\0"
+        self.types = b""
+
+    def name(self, text: str) -> int:
+        if not text:
+            return 0
+        off = len(self.strings)
+        self.strings += text.encode() + b"\0"
+        return off
+
+    def add(self, name: str, kind: int, vlen: int, size_type: int, extra: bytes = b"", kflag: bool = False) -> None:
+        info = (kind << 24) | vlen | (1 << 31 if kflag else 0)
+        self.types += struct.pack("<III", self.name(name), info, size_type) + extra
+
+    def build(self) -> bytes:
+        hdr = struct.pack("<HBBIIIII", 0xEB9F, 1, 0, 24, 0, len(self.types), len(self.types), len(self.strings))
+        return hdr + self.types + self.strings
+
+
+def blob() -> bytes:
+    b = Blob()
+    b.add("unsigned char", INT, 0, 1, struct.pack("<I", 8))  # 1: bits 8, unsigned
+    b.add("u8", TYPEDEF, 0, 1)  # 2
+    b.add("", CONST, 0, 2)  # 3: const u8
+    b.add("", PTR, 0, 3)  # 4: const u8 *
+    b.add("unsigned int", INT, 0, 4, struct.pack("<I", 32))  # 5
+    b.add("unsigned long", INT, 0, 8, struct.pack("<I", 64))  # 6
+    b.add("", STRUCT, 2, 8, struct.pack("<III", b.name("hash"), 5, 0) + struct.pack("<III", b.name("len"), 5, 32))
+    b.add("", UNION, 2, 8, struct.pack("<III", 0, 7, 0) + struct.pack("<III", b.name("hash_len"), 6, 0))  # 8
+    b.add("qstr", STRUCT, 2, 16, struct.pack("<III", 0, 8, 0) + struct.pack("<III", b.name("name"), 4, 64))  # 9
+    b.add("int", INT, 0, 4, struct.pack("<I", (1 << 24) | 32))  # 10: signed
+    b.add("dentry", STRUCT, 3, 24, struct.pack("<III", b.name("d_flags"), 10, 0)
+          + struct.pack("<III", b.name("d_seq"), 10, 32) + struct.pack("<III", b.name("d_name"), 9, 64))  # fmt: skip
+    b.add("", PTR, 0, 11)  # 12: struct dentry *
+    b.add("e", ENUM, 1, 4, struct.pack("<Ii", b.name("E0"), 0))  # 13
+    b.add("long", INT, 0, 8, struct.pack("<I", (1 << 24) | 64))  # 14
+    b.add("", FUNC_PROTO, 3, 14, struct.pack("<II", b.name("name"), 4) + struct.pack("<II", b.name("d"), 12)
+          + struct.pack("<II", b.name("how"), 13))  # fmt: skip
+    b.add("f", FUNC, 0, 15)  # 16
+    b.add("", FUNC_PROTO, 0, 0)  # 17: void (void)
+    b.add("g", FUNC, 0, 17)  # 18
+    return b.build()
+
+
+def test_function_prototypes() -> None:
+    btf = KernelBtf(blob())
+    u8 = CType("int", 8, False)
+    assert btf.proto("f") == FuncProto(
+        (("name", CType("ptr", target=u8)), ("d", CType("ptr", target=CType("other"))), ("how", CType("enum"))),
+        CType("int", 64, True),
+    )
+    assert btf.proto("g") == FuncProto((), None)
+    assert btf.proto("dentry") is None and btf.proto("nosuch") is None
+
+
+def test_offsets_through_anonymous_members() -> None:
+    btf = KernelBtf(blob())
+    assert btf.offsetof("dentry", "d_name.name") == 16  # 8 (d_name) + 8 (name after the 8-byte union)
+    assert btf.offsetof("dentry", "d_name.len") == 12  # in the anonymous struct of the anonymous union
+    assert btf.offsetof("qstr", "hash_len") == 0
+    assert btf.offsetof("dentry", "d_name.nosuch") is None
+    assert btf.offsetof("file", "f_path") is None
+
+
+def test_not_btf() -> None:
+    with pytest.raises(QprobeError):
+        KernelBtf(b"\0" * 32)

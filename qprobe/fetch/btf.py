@@ -20,16 +20,27 @@ from typing import Protocol
 class CType:
     """A BTF type with typedefs and qualifiers skipped (``btf_type_skip_modifiers``).
 
-    ``kind`` is ``int``, ``enum``, ``enum64``, ``ptr``, ``array``, ``void`` or
-    ``other``; ``bits`` and ``signed`` describe an ``int`` (``BTF_INT_BITS``,
-    ``BTF_INT_SIGNED``); ``target`` is what a pointer points to or an array
-    holds, itself without a target (the parser looks one level down only).
+    ``kind`` is ``int``, ``enum``, ``enum64``, ``ptr``, ``array``, ``struct``,
+    ``union``, ``void`` or ``other``; ``bits`` and ``signed`` describe an ``int``
+    (``BTF_INT_BITS``, ``BTF_INT_SIGNED``); ``target`` is what a pointer points
+    to or an array holds, itself without a target (the parser looks one level
+    down only); ``tid`` is a struct's or union's BTF id, to look up its members.
     """
 
     kind: str
     bits: int = 0
     signed: bool = False
     target: CType | None = None
+    tid: int = 0
+
+
+@dataclass(frozen=True)
+class Member:
+    """A struct or union member: its bit offset (anonymous members' included), bitfield width (0: none), type."""
+
+    bit_offset: int
+    bitfield: int
+    type: CType
 
 
 @dataclass(frozen=True)
@@ -49,6 +60,10 @@ class Btf(Protocol):
 
     def offsetof(self, struct: str, path: str) -> int | None:
         """offsetof(struct ``struct``, ``path``) in bytes (``f_path.dentry``), or None."""
+        ...
+
+    def member(self, parent: CType, name: str) -> Member | None:
+        """``btf_find_struct_member``: the member ``name`` of the struct or union ``parent``, or None."""
         ...
 
 

@@ -209,33 +209,85 @@ def is_function_return(flags: int) -> bool:
     return (flags & FL_MASK) == (FL_KERNEL | FL_RETURN)
 
 
+def _split_field(name: str, offs: int) -> tuple[str, str | None, bool]:
+    """``split_next_field``: (the name, what follows ``.`` or ``->`` or None, whether it was ``->``)."""
+    cut = min((i for i in (name.find("."), name.find("-")) if i >= 0), default=-1)
+    if cut < 0:
+        return name, None, False
+    if name[cut] == ".":
+        return name[:cut], name[cut + 1 :], False
+    if name[cut + 1 : cut + 2] != ">":
+        raise ArgError(offs + cut, M.BAD_HYPHEN)
+    return name[:cut], name[cut + 2 :], True
+
+
 def _parse_btf_arg(varname: str, flags: int, offs: int, code: Code) -> Node:
-    """``parse_btf_arg``: a parameter of the probed function by name, or ``$retval``, typed by BTF."""
+    """``parse_btf_arg``: a parameter of the probed function by name, or ``$retval``, typed by BTF.
+
+    ``->field`` (and ``.field`` inside a structure) follows pointers to structures
+    as the kernel's ``parse_btf_field`` does.  A parameter in a return probe is
+    the value the entry saw (``FETCH_OP_EDATA``).
+    """
     if code.func is None:
         raise ArgError(offs, M.BAD_FETCH_ARG, logged=False)  # -EINVAL, nothing logged
-    cut = min((i for i in (varname.find("."), varname.find("-")) if i >= 0), default=-1)
-    if cut >= 0:
-        if varname[cut] == "-" and varname[cut + 1 : cut + 2] != ">":
-            raise ArgError(offs + cut, M.BAD_HYPHEN)
-        if varname[cut] == ".":
-            raise ArgError(offs + cut + 1, M.NOSUP_DAT_ARG)
-        # Fields through BTF structure types, which qprobe does not read yet.
-        raise ArgError(offs, "qprobe: BTF structure fields ('->') are not supported", logged=False)
+    var, field, is_ptr = _split_field(varname, offs)
+    field_at = offs + len(varname) - len(field) if field is not None else offs
+    if field is not None and not is_ptr:
+        raise ArgError(field_at, M.NOSUP_DAT_ARG)
     proto = code.dialect.proto(code.func)
-    if flags & FL_RETURN and varname == "$retval":
+    node: Node
+    if flags & FL_RETURN and var == "$retval":
         if proto is None:
+            if field is not None:
+                raise ArgError(field_at, M.NO_BTF_ENTRY)
             return RetVal()
         if proto.ret is None:
             raise ArgError(offs, M.NO_RETVAL)
-        code.last_type = proto.ret
-        return RetVal()
-    if proto is None or not proto.params:
-        raise ArgError(offs, M.NO_BTF_ENTRY)
-    for i, (name, ctype) in enumerate(proto.params):
-        if name == varname:
-            code.last_type = ctype
-            return Arg(i + 1)  # at the exit, the value the entry saw (FETCH_OP_EDATA)
-    raise ArgError(offs, M.NO_BTFARG)
+        node, ctype = RetVal(), proto.ret
+    else:
+        if proto is None or not proto.params:
+            raise ArgError(offs, M.NO_BTF_ENTRY)
+        found = next(((i, t) for i, (name, t) in enumerate(proto.params) if name == var), None)
+        if found is None:
+            raise ArgError(offs, M.NO_BTFARG)
+        node, ctype = Arg(found[0] + 1), found[1]
+    code.last_type = ctype
+    return node if field is None else _parse_btf_field(field, ctype, node, field_at, code)
+
+
+def _parse_btf_field(field: str, ctype: CType, node: Node, offs: int, code: Code) -> Node:
+    """``parse_btf_field``: one dereference per ``->``, at the members' summed offset."""
+    btf = code.dialect.btf
+    assert btf is not None  # a prototype came from it
+    rest: str | None = field
+    while rest is not None:
+        if ctype.kind != "ptr":
+            raise ArgError(offs, M.NO_PTR_STRCT)
+        if ctype.target is None:
+            raise ArgError(offs, M.BAD_BTF_TID)
+        ctype = ctype.target
+        bits, width = 0, 0
+        while rest is not None:
+            name, after, is_ptr = _split_field(rest, offs)
+            if ctype.kind not in ("struct", "union"):
+                raise ArgError(offs, M.BAD_BTF_TID)
+            member = btf.member(ctype, name)
+            if member is None:
+                raise ArgError(offs, M.NO_BTF_FIELD)
+            bits += member.bit_offset
+            width, ctype = member.bitfield, member.type
+            if after is not None:
+                offs += len(rest) - len(after)
+            rest = after
+            if is_ptr:
+                break
+        code.advance(offs)
+        node = Deref(node, bits // 8)
+        if bits % 8 or width % 8 or (ctype.kind == "int" and ctype.bits not in (8, 16, 32, 64)):
+            # parse_btf_bitfield extracts it in a 64-bit container over the stored value.
+            raise ArgError(offs, "qprobe: BTF bitfield members are not supported", logged=False)
+        code.last_type = ctype
+    return node
 
 
 def _str_to_immediate(text: str) -> int | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import struct
 
 from qprobe.errors import QprobeError
-from qprobe.fetch.btf import CType, FuncProto
+from qprobe.fetch.btf import CType, FuncProto, Member
 from qprobe.kernel.symbols import Symbols
 
 BTF_MAGIC = 0xEB9F
@@ -103,6 +103,8 @@ class KernelBtf:
             return CType("enum")
         if kind == ENUM64:
             return CType("enum64")
+        if kind in (STRUCT, UNION):
+            return CType("struct" if kind == STRUCT else "union", tid=tid)
         if kind in (PTR, ARRAY):
             target = size_type if kind == PTR else struct.unpack_from("<I", self._data, self._extra_at[tid])[0]
             return CType("ptr" if kind == PTR else "array", target=self.ctype(target, depth - 1) if depth else None)
@@ -124,19 +126,24 @@ class KernelBtf:
             params.append((self._name(name_off), self.ctype(tid)))
         return FuncProto(tuple(params), None if ret == 0 else self.ctype(ret))
 
-    def _members(self, tid: int) -> list[tuple[str, int, int]]:
-        """(name, type id, bit offset) of a struct's or union's members (``__btf_member_bit_offset``)."""
+    def _members(self, tid: int) -> list[tuple[str, int, int, int]]:
+        """(name, type id, bit offset, bitfield width) of a struct's or union's members.
+
+        With the type's kflag the offset word holds both (``BTF_MEMBER_BIT_OFFSET``,
+        ``BTF_MEMBER_BITFIELD_SIZE``); without it, the bit offset alone.
+        """
         vlen = self._types[tid][3]
         at = self._extra_at[tid]
         kflag = self._kflag[tid]
         out = []
         for i in range(vlen):
             name_off, mtype, offset = struct.unpack_from("<III", self._data, at + 12 * i)
-            out.append((self._name(name_off) if name_off else "", mtype, offset & 0xFFFFFF if kflag else offset))
+            bits = (offset & 0xFFFFFF, offset >> 24) if kflag else (offset, 0)
+            out.append((self._name(name_off) if name_off else "", mtype, *bits))
         return out
 
-    def member(self, tid: int, name: str) -> tuple[int, int] | None:
-        """``btf_find_struct_member``: (bit offset, type id) of ``name`` in the struct or union ``tid``.
+    def _find(self, tid: int, name: str) -> tuple[int, int, int] | None:
+        """``btf_find_struct_member``: (bit offset, bitfield width, type id) of ``name`` in struct/union ``tid``.
 
         Named members first, then those of anonymous members, the last one met first (its stack).
         """
@@ -146,25 +153,30 @@ class KernelBtf:
         stack: list[tuple[int, int]] = []
         base = 0
         while True:
-            for mname, mtype, offset in self._members(tid):
+            for mname, mtype, offset, width in self._members(tid):
                 if not mname:
                     inner = self._skip(mtype)
                     if self._types[inner][0] in (STRUCT, UNION) and len(stack) < 16:  # BTF_ANON_STACK_MAX
                         stack.append((inner, base + offset))
                 elif mname == name:
-                    return base + offset, mtype
+                    return base + offset, width, mtype
             if not stack:
                 return None
             tid, base = stack.pop()
+
+    def member(self, parent: CType, name: str) -> Member | None:
+        """The member ``name`` of the struct or union ``parent`` (a CType this BTF made)."""
+        found = self._find(parent.tid, name) if parent.kind in ("struct", "union") else None
+        return None if found is None else Member(found[0], found[1], self.ctype(found[2]))
 
     def offsetof(self, struct_name: str, path: str) -> int | None:
         """offsetof(struct ``struct_name``, ``path``) in bytes (``d_name.name``), or None if BTF lacks it."""
         tid = self._structs.get(struct_name)
         bits = 0
         for name in path.split("."):
-            found = None if tid is None else self.member(tid, name)
+            found = None if tid is None else self._find(tid, name)
             if found is None:
                 return None
-            offset, tid = found
-            bits += offset
+            bits += found[0]
+            tid = found[2]
         return bits // 8

@@ -19,7 +19,7 @@ import drgn
 from drgn.helpers.linux.list import list_for_each_entry
 
 from qprobe.errors import QprobeError
-from qprobe.fetch.btf import FuncProto
+from qprobe.fetch.btf import CType, FuncProto, Member
 from qprobe.fetch.dialect import Dialect, dialect_of
 from qprobe.kernel.btf import KernelBtf
 from qprobe.kernel.symbols import Symbols
@@ -78,6 +78,9 @@ class _LazyBtf:
 
     def offsetof(self, struct: str, path: str) -> int | None:
         return None if self._btf is None else self._btf.offsetof(struct, path)
+
+    def member(self, parent: CType, name: str) -> Member | None:
+        return None if self._btf is None else self._btf.member(parent, name)
 
 
 def probe_dialect(symbols: Symbols, thread_size: int | None = None) -> Dialect:

@@ -21,7 +21,7 @@ from qprobe.errors import FetchArgError
 from qprobe.events import entry_args
 from qprobe.fetch import Deref, ProbeEvent, check_append, format_event, parse_event, print_fmt
 from qprobe.fetch import messages as M
-from qprobe.fetch.btf import CType, FuncProto
+from qprobe.fetch.btf import CType, FuncProto, Member
 from qprobe.fetch.dialect import BASE, Dialect, dialect_of
 from qprobe.fetch.expr import Arg, RetVal
 
@@ -106,17 +106,29 @@ ERRORS_612 = {
     "NO_PTR_STRCT": "This is not a pointer to union/structure.",
     "NOSUP_DAT_ARG": "Non pointer structure/union argument is not supported.",
     "BAD_HYPHEN": "Failed to parse single hyphen. Forgot '>'?",
+    "NO_BTF_FIELD": "This field is not found.",
+    "BAD_BTF_TID": "Failed to get BTF type info.",
     "BAD_TYPE4STR": "This type does not fit for string.",
     "NEED_STRING_TYPE": "$comm and immediate-string only accepts string type",
 }
 
 # The 6.12 declarations, x86_64 with -funsigned-char (char is an unsigned 8-bit BTF integer).
-_PTR_STRUCT = CType("ptr", target=CType("other"))
+# struct file and struct dentry: a made-up layout (the parser only copies offsets), ids 1 and 2.
+FILE, DENTRY = CType("struct", tid=1), CType("struct", tid=2)
+_PTR_STRUCT = CType("ptr", target=CType("struct", tid=3))
+MEMBERS = {
+    (1, "f_pos"): Member(0x68 * 8, 0, CType("int", 64, signed=True)),
+    (1, "f_path"): Member(0x40 * 8, 0, CType("struct", tid=4)),
+    (4, "dentry"): Member(0x8 * 8, 0, CType("ptr", target=DENTRY)),
+    (2, "d_name"): Member(0x20 * 8, 0, CType("struct", tid=5)),
+    (5, "name"): Member(0x8 * 8, 0, CType("ptr", target=CType("int", 8))),
+    (2, "d_flags"): Member(0, 3, CType("int", 32)),
+}
 PROTOS = {
     # ssize_t vfs_read(struct file *file, char __user *buf, size_t count, loff_t *pos)
     "vfs_read": FuncProto(
         (
-            ("file", _PTR_STRUCT),
+            ("file", CType("ptr", target=FILE)),
             ("buf", CType("ptr", target=CType("int", 8))),
             ("count", CType("int", 64)),
             ("pos", CType("ptr", target=CType("int", 64, signed=True))),
@@ -144,6 +156,9 @@ class FakeBtf:
 
     def offsetof(self, struct: str, path: str) -> int | None:
         return {("dentry", "d_name.name"): 0x28, ("file", "f_path.dentry"): 0x48}.get((struct, path))
+
+    def member(self, parent: CType, name: str) -> Member | None:
+        return MEMBERS.get((parent.tid, name))
 
 
 D612 = dialect_of(README_612, list(ERRORS_612.values()), 16384, FakeBtf())
@@ -401,3 +416,37 @@ def test_dentry_names_need_the_layout() -> None:
         parse_event("p vfs_read $arg1:%pD", dialect=Dialect(thread_size=16384, dentry_args=True))
     assert not info.value.logged
     assert error("p vfs_read a=%di:%pd", BASE) == (M.BAD_TYPE, 17)
+
+
+def test_btf_fields_follow_pointers_to_structures() -> None:
+    """add_remove_btfarg.tc's forms (s->object_size, $retval->name:string, p->se.group_node.next->prev)
+    on vfs_read's file: each '->' is one dereference at the summed offsets of the members it names."""
+    ev = parse("r vfs_read pos=file->f_pos file->f_path.dentry->d_name.name:string $retval")
+    assert format_event(ev) == ("r:kprobes/r_vfs_read_0 vfs_read pos=file->f_pos "
+                                "arg2=file->f_path.dentry->d_name.name:string arg3=$retval")  # fmt: skip
+    assert ev.args[0].expr == Deref(Arg(1), 0x68) and ev.args[0].type.name == "s64"
+    # f_path.dentry is one dereference (0x40 + 0x8), d_name.name another (0x20 + 0x8), then the char *.
+    assert ev.args[1].expr == Deref(Deref(Deref(Arg(1), 0x48), 0x28), 0)
+    assert ev.args[1].type.name == "string"
+    assert entry_args(ev) == [1]
+
+
+@pytest.mark.parametrize(
+    ("text", "err", "column"),
+    [
+        ("p vfs_read file->nosuch", "NO_BTF_FIELD", 17),
+        ("p vfs_read count->x", "NO_PTR_STRCT", 18),
+        ("p vfs_read file->f_pos->x", "NO_PTR_STRCT", 24),
+        ("p vfs_read file->f_path.nosuch", "NO_BTF_FIELD", 24),
+        ("p vfs_read file->f_pos-x", "BAD_HYPHEN", 22),
+        ("r kfree $retval->x", "NO_RETVAL", 8),
+    ],
+)  # fmt: skip
+def test_btf_field_errors(text: str, err: str, column: int) -> None:
+    assert error(text) == (ERRORS_612[err], column)
+
+
+def test_btf_bitfield_members_are_refused() -> None:
+    with pytest.raises(FetchArgError, match="bitfield") as info:
+        parse_event("p vfs_read file->f_path.dentry->d_flags", symbol_exists=exists, dialect=D612)
+    assert not info.value.logged

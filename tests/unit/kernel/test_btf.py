@@ -19,7 +19,7 @@ import struct
 import pytest
 
 from qprobe.errors import QprobeError
-from qprobe.fetch.btf import CType, FuncProto
+from qprobe.fetch.btf import CType, FuncProto, Member
 from qprobe.kernel.btf import (
     CONST,
     ENUM,
@@ -84,7 +84,11 @@ def test_function_prototypes() -> None:
     btf = KernelBtf(blob())
     u8 = CType("int", 8, False)
     assert btf.proto("f") == FuncProto(
-        (("name", CType("ptr", target=u8)), ("d", CType("ptr", target=CType("other"))), ("how", CType("enum"))),
+        (
+            ("name", CType("ptr", target=u8)),
+            ("d", CType("ptr", target=CType("struct", tid=11))),
+            ("how", CType("enum")),
+        ),
         CType("int", 64, True),
     )
     assert btf.proto("g") == FuncProto((), None)
@@ -98,6 +102,17 @@ def test_offsets_through_anonymous_members() -> None:
     assert btf.offsetof("qstr", "hash_len") == 0
     assert btf.offsetof("dentry", "d_name.nosuch") is None
     assert btf.offsetof("file", "f_path") is None
+
+
+def test_members_as_the_parser_walks_them() -> None:
+    btf = KernelBtf(blob())
+    dentry = CType("struct", tid=11)
+    d_name = btf.member(dentry, "d_name")
+    assert d_name == Member(64, 0, CType("struct", tid=9))
+    assert btf.member(d_name.type, "name") == Member(64, 0, CType("ptr", target=CType("int", 8, False)))
+    assert btf.member(d_name.type, "len") == Member(32, 0, CType("int", 32, False))
+    assert btf.member(dentry, "name") is None  # only through d_name
+    assert btf.member(CType("int", 32), "x") is None
 
 
 def test_not_btf() -> None:

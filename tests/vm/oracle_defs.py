@@ -51,6 +51,22 @@ SELFTEST_ERRORS = (
 )  # fmt: skip
 
 
+# Later kernels' language (Linux 6.12's selftests: kprobe_syntax_errors.tc's BTF part,
+# add_remove_btfarg.tc, kprobe_args_vfs.tc, kprobe_args_char.tc, kretprobe_entry_arg.tc):
+# every one is refused by a kernel without it, with that kernel's error.
+BTF_LINES = (
+    f"p {FUNC} file", f"p {FUNC} file->f_pos", f"p {FUNC} file->f_path.dentry->d_name.name:string",
+    f"p {FUNC} $arg*", f"p {FUNC} $arg2:string", f"p {FUNC} buf:ustring", f"p {FUNC} count:string",
+    f"p {FUNC} nosuch", f"p {FUNC} file->nosuch", f"p {FUNC} file.f_pos", f"p {FUNC} file-f_pos",
+    f"p {FUNC} count->x", f"p {FUNC} $arg* $arg*", f"p {FUNC} $arg1 file", f"p {FUNC} a=$arg1:%pD",
+    f"p {FUNC} $arg1:%pD", "p dput $arg1:%pd", "p dput d=$arg1:%pd", f"p {FUNC}+4 file", f"p {FUNC}+4 $arg*",
+    "p kfree $arg1", "p kfree $arg10", "r kfree $retval", "p ksys_sync $arg1", "p ksys_sync $arg*",
+    f"p {FUNC} %di:char", f"p {FUNC} +0(%si):char[4]", f"r {RFUNC} $retval->x", f"r {RFUNC} fd",
+    f"r {RFUNC} $arg*", f"r {RFUNC} $retval", f"r {RFUNC} a=$arg2:s32 $arg3", f"p {FUNC} $retval",
+    f"p {FUNC} args=$arg*", f"p {FUNC} +0($arg*)", f"p {FUNC} $arg1x", f"p {FUNC} $arg",
+)  # fmt: skip
+
+
 def _single(line: str) -> list[str]:
     return [line]
 
@@ -66,6 +82,7 @@ def cases(seed: int = 61, generated: int = 120) -> list[list[str]]:
     out += [_single(f"p {FUNC} {v}") for v in VARS]
     out += [_single(f"r {RFUNC} {v}") for v in VARS]
     out += [_single(f"p {RFUNC}+4 {v}") for v in ("$arg1", "$retval", "$stack")]
+    out += [_single(x) for x in BTF_LINES]
     # Dereference depth and offsets.
     for depth, off in itertools.product((1, 2, 3), ("+0", "-8", "+0x44", "+u0", "+8")):
         expr = "%di"

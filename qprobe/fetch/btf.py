@@ -12,7 +12,7 @@ prototypes from vmlinux.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -25,6 +25,11 @@ class CType:
     (``BTF_INT_BITS``, ``BTF_INT_SIGNED``); ``target`` is what a pointer points
     to or an array holds, itself without a target (the parser looks one level
     down only); ``tid`` is a struct's or union's BTF id, to look up its members.
+    ``overlay`` is the type whose id is this type's ``size``/``type`` word (one
+    union in ``struct btf_type``): a pointer's target, and for other kinds the
+    type ``btf_type_is_char_ptr`` reads anyway, since 6.12 does not check that
+    the type is a pointer (so an 8-byte integer is a char pointer where BTF id 8
+    is ``const unsigned char``, as in Debian's 6.12).
     """
 
     kind: str
@@ -32,6 +37,7 @@ class CType:
     signed: bool = False
     target: CType | None = None
     tid: int = 0
+    overlay: CType | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -90,8 +96,8 @@ def _is_uchar(t: CType | None) -> bool:
 
 
 def is_char_ptr(t: CType) -> bool:
-    """``btf_type_is_char_ptr``: a pointer to an unsigned 8-bit integer (x86 builds with -funsigned-char)."""
-    return t.kind == "ptr" and _is_uchar(t.target)
+    """``btf_type_is_char_ptr``: ``type->type`` names an unsigned 8-bit integer (x86 builds with -funsigned-char)."""
+    return _is_uchar(t.overlay if t.kind != "ptr" else t.target)
 
 
 def is_char_array(t: CType) -> bool:

@@ -91,24 +91,29 @@ class KernelBtf:
         return tid
 
     def ctype(self, tid: int, depth: int = 1) -> CType:
-        """The type ``tid`` with modifiers skipped; a pointer's or array's target to ``depth`` levels."""
+        """The type ``tid`` with modifiers skipped; a pointer's or array's target to ``depth`` levels.
+
+        Every kind but a pointer also gets its ``overlay``: the type its size word names as an id.
+        """
         tid = self._skip(tid)
         if tid == 0 or tid >= len(self._types):
             return CType("void")
         kind, _name, size_type, _vlen = self._types[tid]
+        overlay = self.ctype(size_type, 0) if depth and kind != PTR else None
         if kind == INT:
             (enc,) = struct.unpack_from("<I", self._data, self._extra_at[tid])
-            return CType("int", bits=enc & 0xFF, signed=bool((enc >> 24) & BTF_INT_SIGNED))
+            return CType("int", bits=enc & 0xFF, signed=bool((enc >> 24) & BTF_INT_SIGNED), overlay=overlay)
         if kind == ENUM:
-            return CType("enum")
+            return CType("enum", overlay=overlay)
         if kind == ENUM64:
-            return CType("enum64")
+            return CType("enum64", overlay=overlay)
         if kind in (STRUCT, UNION):
-            return CType("struct" if kind == STRUCT else "union", tid=tid)
+            return CType("struct" if kind == STRUCT else "union", tid=tid, overlay=overlay)
         if kind in (PTR, ARRAY):
             target = size_type if kind == PTR else struct.unpack_from("<I", self._data, self._extra_at[tid])[0]
-            return CType("ptr" if kind == PTR else "array", target=self.ctype(target, depth - 1) if depth else None)
-        return CType("other")
+            return CType("ptr" if kind == PTR else "array", target=self.ctype(target, depth - 1) if depth else None,
+                          overlay=overlay)  # fmt: skip
+        return CType("other", overlay=overlay)
 
     def proto(self, func: str) -> FuncProto | None:
         """``btf_find_func_proto`` + ``btf_get_func_param``: the function's parameters and return type."""

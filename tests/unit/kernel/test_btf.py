@@ -19,7 +19,7 @@ import struct
 import pytest
 
 from qprobe.errors import QprobeError
-from qprobe.fetch.btf import CType, FuncProto, Member
+from qprobe.fetch.btf import CType, FuncProto, Member, is_char_ptr
 from qprobe.kernel.btf import (
     CONST,
     ENUM,
@@ -113,6 +113,16 @@ def test_members_as_the_parser_walks_them() -> None:
     assert btf.member(d_name.type, "len") == Member(32, 0, CType("int", 32, False))
     assert btf.member(dentry, "name") is None  # only through d_name
     assert btf.member(CType("int", 32), "x") is None
+
+
+def test_char_pointers_as_btf_type_is_char_ptr_finds_them() -> None:
+    """It reads ``type->type`` of any kind: the pointer's target, or an integer's size taken as an id."""
+    btf = KernelBtf(blob())
+    name_type = btf.proto("f").params[0][1]  # type: ignore[union-attr]
+    assert is_char_ptr(name_type)
+    assert is_char_ptr(btf.ctype(1))  # unsigned char: size 1, and id 1 is unsigned char
+    assert not is_char_ptr(btf.ctype(5))  # unsigned int: size 4, and id 4 is a pointer
+    assert not is_char_ptr(btf.ctype(12))  # struct dentry *
 
 
 def test_not_btf() -> None:

@@ -8,10 +8,12 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEBS   := qemu-system-x86 busybox-static cpio gdb e2fsprogs gcc libc6-dev tmux \
           make flex bison bc libelf-dev xz-utils
 # The tests every image runs: kprobes, kretprobes, optimized and in-guest probes, events,
-# stack traces, typed data, recovery, the instruction-boundary sweep, probes at an ENDBR entry.
+# stack traces, typed data, recovery, the instruction-boundary sweep, probes at an ENDBR entry,
+# and the guest kernel's own verdicts on kprobe_events definitions.
 VM_CORE := tests/vm/test_kprobes.py tests/vm/test_kretprobes.py tests/vm/test_optimized.py \
            tests/vm/test_events.py tests/vm/test_stacktrace.py tests/vm/test_drgn.py \
-           tests/vm/test_typed.py tests/vm/test_recovery.py tests/vm/test_kprobes_sweep.py tests/vm/test_ibt.py
+           tests/vm/test_typed.py tests/vm/test_recovery.py tests/vm/test_kprobes_sweep.py tests/vm/test_ibt.py \
+           tests/vm/test_oracle.py
 # debian-cloud-6.12: IBT, return and call-depth thunks, ORC; minimal-6.12: built here from
 # linux-source-6.12 (scripts/build-minimal-kernel.sh, 3.5-7 min on 2 cores), no kprobes, no ftrace.
 IMAGES_612 := debian-cloud-6.12 minimal-6.12

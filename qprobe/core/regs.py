@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from qprobe.errors import SymbolError
 from qprobe.vmm.memory import GuestMemory
@@ -22,6 +22,18 @@ if TYPE_CHECKING:
 _MASK = (1 << 64) - 1
 
 
+def _register(name: str) -> property:
+    """A read of register ``name``: a class attribute, so it skips ``__getattr__``'s failed lookup first."""
+
+    def get(self: PtRegs) -> int:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(f"pt_regs has no register {name!r}") from None
+
+    return property(get)
+
+
 class PtRegs:
     """A vCPU's registers at a probe hit.
 
@@ -31,10 +43,15 @@ class PtRegs:
 
     __slots__ = ("_dirty", "_kernel", "_layout", "_mem", "_pgd", "_symbols", "_values", "fix_return", "gs_base",
                  "tid", "tsc", "vcpu")  # fmt: skip
+    # The layout whose registers are class attributes (one per architecture, added on first use: a
+    # read through __getattr__ costs a failed lookup first, several times a plain attribute's, on every hit).
+    _read_for: ClassVar[RegisterLayout | None] = None
 
     def __init__(self, values: dict[str, int], tid: str, vcpu: int, mem: GuestMemory,
                  symbols: Symbols | None = None, kernel: KernelData | None = None,
                  fix_return: Callable[[int, int], int] | None = None, *, layout: RegisterLayout) -> None:  # fmt: skip
+        if PtRegs._read_for is not layout:
+            PtRegs._add_reads(layout)
         regs = {pt: values[g] for pt, g in layout.gdb_name.items() if g in values}
         # A detour's frame has no segment registers; probed code runs in kernel mode, where they
         # have the values the layout gives (what the kernel's own probes record, ftrace-based ones too).
@@ -59,6 +76,13 @@ class PtRegs:
         init(self, "tsc", values.get("tsc"))
         # Maps a value read from a stack slot to the real return address (kretprobe trampolines).
         init(self, "fix_return", fix_return)
+
+    @classmethod
+    def _add_reads(cls, layout: RegisterLayout) -> None:
+        for name in layout.gdb_name:
+            if name not in cls.__dict__:
+                setattr(cls, name, _register(name))
+        cls._read_for = layout
 
     def __getattr__(self, name: str) -> int:
         if name.startswith("_"):  # during copy/pickle _values does not exist yet

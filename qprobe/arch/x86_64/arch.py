@@ -356,7 +356,7 @@ class X86_64:
             return None
         raw = read(0, _MAILBOX.size)  # the header words and the frame, in one read
         box = _MAILBOX.unpack(raw)
-        values, continue_addr, probe_id = parse_stub_frame(raw[detour.MB_REGS :])
+        values, continue_addr, probe_id = parse_stub_frame(raw, detour.MB_REGS)
         frame = box[detour.MB_FRAME // 8]
         values.update(rsp=frame + detour.FRAME_SIZE, cr3=box[detour.MB_CR3 // 8], gs_base=box[detour.MB_PERCPU // 8],
                       tsc=box[detour.MB_TSC // 8])  # fmt: skip

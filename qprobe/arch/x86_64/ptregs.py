@@ -13,6 +13,7 @@ two words after it); the hardware exception frame is its tail
 
 from __future__ import annotations
 
+import operator
 import struct
 
 # (pt_regs name, gdb name) in memory order; the last five are the hardware exception frame.
@@ -60,9 +61,17 @@ STUB_FRAME_SIZE = STUB_FRAME_ID + 8  # the probed context's rsp is frame + STUB_
 STUB_FRAME_REGS = (*PT_GPRS, "eflags", "rsp")
 
 
+# Parsed on every optimized hit and every ring record: the formats are compiled once, and a stub
+# frame's registers are picked from the words by index rather than through a dict of all of them.
+_PT_REGS = struct.Struct(f"<{len(PT_REGS_ORDER)}Q")
+_STUB_FRAME = struct.Struct(f"<{STUB_FRAME_SIZE // 8}Q")
+_STUB_FRAME_PICK = operator.itemgetter(*(PT_REGS_ORDER.index(g) for g in STUB_FRAME_REGS))
+_STUB_FRAME_RET_WORD, _STUB_FRAME_ID_WORD = STUB_FRAME_RET // 8, STUB_FRAME_ID // 8
+
+
 def parse_pt_regs(raw: bytes) -> dict[str, int]:
     """A struct pt_regs read from guest memory, by field (gdb's register names)."""
-    return dict(zip(PT_REGS_ORDER, struct.unpack(f"<{len(PT_REGS_ORDER)}Q", raw[:PT_REGS_SIZE]), strict=True))
+    return dict(zip(PT_REGS_ORDER, _PT_REGS.unpack_from(raw), strict=True))
 
 
 def parse_hw_frame(raw: bytes) -> dict[str, int]:
@@ -70,11 +79,12 @@ def parse_hw_frame(raw: bytes) -> dict[str, int]:
     return dict(zip(HW_FRAME, struct.unpack(f"<{len(HW_FRAME)}Q", raw[:HW_FRAME_SIZE]), strict=True))
 
 
-def parse_stub_frame(raw: bytes) -> tuple[dict[str, int], int, int]:
-    """An optimized stub's frame: (the context's registers by gdb name, return into the detour, probe id)."""
-    pt = parse_pt_regs(raw)
-    (probe_id,) = struct.unpack_from("<Q", raw, STUB_FRAME_ID)
-    return {name: pt[name] for name in STUB_FRAME_REGS}, pt["ss"], probe_id
+def parse_stub_frame(raw: bytes, offset: int = 0) -> tuple[dict[str, int], int, int]:
+    """An optimized stub's frame at ``offset`` in ``raw``: (the context's registers by gdb name, return into
+    the detour, probe id)."""
+    words = _STUB_FRAME.unpack_from(raw, offset)
+    values = dict(zip(STUB_FRAME_REGS, _STUB_FRAME_PICK(words), strict=True))
+    return values, words[_STUB_FRAME_RET_WORD], words[_STUB_FRAME_ID_WORD]
 
 
 def stub_frame_offset(gdb_name: str) -> int | None:

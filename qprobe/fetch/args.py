@@ -34,7 +34,7 @@ from .expr import (
     parse_probe_arg,
     symbol_refs,
 )
-from .ftypes import STRING, FetchType, find_fetch_type, parse_bitfield
+from .ftypes import STRING, Bitfield, FetchType, find_fetch_type, parse_bitfield
 from .kstrto import is_good_name, kstrtouint
 
 RESERVED_FIELD_NAMES = frozenset(
@@ -286,6 +286,12 @@ def _parse_body(body: str, flags: int, offset: int, dialect: Dialect, func: str 
         if bitfield is None or code.idx + 1 == Code.END:
             raise ArgError(type_offs, M.BAD_BITFIELD)
         code.idx += 1
+    elif spec is None and code.last_type is not None and code.btf_bitfield is not None:
+        # parse_btf_bitfield: a BTF bitfield member, extracted in a 64-bit container over the stored value.
+        if code.idx + 1 == Code.END:
+            raise ArgError(offset, M.TOO_MANY_OPS)
+        code.idx += 1
+        bitfield = Bitfield(*code.btf_bitfield, 64)
     if count:
         if not store_is_mem:
             raise ArgError(type_offs, M.BAD_STRING)

@@ -120,7 +120,8 @@ class Code:
 
     ``idx`` enforces FETCH_INSN_MAX.  ``offset`` is the context's offset as a
     6.5+ parser leaves it (a dereference moves it past its brace);
-    ``last_type`` is the BTF type of the last BTF variable (``ctx->last_type``).
+    ``last_type`` is the BTF type of the last BTF variable (``ctx->last_type``)
+    and ``btf_bitfield`` its bitfield, if it is a member that needs one.
     """
 
     END = M.FETCH_INSN_MAX - 1
@@ -131,6 +132,7 @@ class Code:
         self.offset = offset
         self.func = func  # ctx->funcname: the probed symbol (None for an address)
         self.last_type: CType | None = None
+        self.btf_bitfield: tuple[int, int] | None = None  # ctx->last_bitsize, ctx->last_bitoffs
 
     def advance(self, offs: int) -> None:
         """``if (++code == end)``: one more instruction, or too many."""
@@ -251,7 +253,7 @@ def _parse_btf_arg(varname: str, flags: int, offs: int, code: Code) -> Node:
         if found is None:
             raise ArgError(offs, M.NO_BTFARG)
         node, ctype = Arg(found[0] + 1), found[1]
-    code.last_type = ctype
+    code.last_type, code.btf_bitfield = ctype, None
     return node if field is None else _parse_btf_field(field, ctype, node, field_at, code)
 
 
@@ -283,9 +285,11 @@ def _parse_btf_field(field: str, ctype: CType, node: Node, offs: int, code: Code
                 break
         code.advance(offs)
         node = Deref(node, bits // 8)
-        if bits % 8 or width % 8 or (ctype.kind == "int" and ctype.bits not in (8, 16, 32, 64)):
-            # parse_btf_bitfield extracts it in a 64-bit container over the stored value.
-            raise ArgError(offs, "qprobe: BTF bitfield members are not supported", logged=False)
+        if ctype.kind == "int" and ctype.bits not in (8, 16, 32, 64):
+            # A bitfield in the integer type itself (BTF_INT_OFFSET), which BTF from pahole does not use.
+            raise ArgError(offs, "qprobe: BTF integers of odd widths are not supported", logged=False)
+        # (width, bit offset) of a bitfield member that does not fill whole bytes from a byte boundary.
+        code.btf_bitfield = (width, bits % 8) if width % 8 or bits % 8 else None
         code.last_type = ctype
     return node
 

@@ -64,6 +64,7 @@ BTF_LINES = (
     f"p {FUNC} %di:char", f"p {FUNC} +0(%si):char[4]", f"r {RFUNC} $retval->x", f"r {RFUNC} fd",
     f"r {RFUNC} $arg*", f"r {RFUNC} $retval", f"r {RFUNC} a=$arg2:s32 $arg3", f"p {FUNC} $retval",
     f"p {FUNC} args=$arg*", f"p {FUNC} +0($arg*)", f"p {FUNC} $arg1x", f"p {FUNC} $arg",
+    "p wake_up_new_task p->sched_reset_on_fork", "p wake_up_new_task b=p->sched_remote_wakeup:u8",
 )  # fmt: skip
 
 

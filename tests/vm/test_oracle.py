@@ -78,7 +78,12 @@ HIT_DEFINITIONS = {
                  "sp=$stack flags=%flags:x16",
     # Where the kernel has BTF arguments: names, BTF types, fields and a file's name.
     "btf": "vfs_read $arg1 count pos=file->f_pos mode=file->f_mode name=$arg1:%pD c=+0($arg2):char",
+    # task_struct's one-bit members (sched_reset_on_fork, ...), extracted as parse_btf_bitfield does.
+    "bitfield": "wake_up_new_task pid=p->pid a=p->sched_reset_on_fork b=p->sched_contributes_to_load "
+                "c=p->sched_remote_wakeup",
 }  # fmt: skip
+# The workload each definition's function sees, N calls by the workload's own process.
+HIT_WORKLOADS = {"bitfield": "workload fork 3"}
 
 
 @guest_ftrace
@@ -86,14 +91,14 @@ HIT_DEFINITIONS = {
 @pytest.mark.parametrize("kind", sorted(HIT_DEFINITIONS))
 def test_every_field_of_every_hit_equals_the_guest_trace(target: qprobe.Target, kind: str) -> None:
     body = HIT_DEFINITIONS[kind]
-    if kind == "btf" and not (target.dialect.btf_args and target.dialect.dentry_args):
+    if kind in ("btf", "bitfield") and not (target.dialect.btf_args and target.dialect.dentry_args):
         pytest.skip("this kernel's kprobe_events has no BTF arguments or no %pD")
     te = target.add_event(f"p:qhit {body}")
     assert te.in_guest == (kind == "registers")
     try:
         target.run(f"echo 'p:ghit {body}' >> {TRACING}/kprobe_events && echo > {TRACING}/trace && "
                    f"echo 1 > {TRACING}/events/kprobes/ghit/enable").check()  # fmt: skip
-        res = workload_result(target.run("workload read 5 64").check().output)
+        res = workload_result(target.run(HIT_WORKLOADS.get(kind, "workload read 5 64")).check().output)
         target.run(f"echo 0 > {TRACING}/events/kprobes/ghit/enable").check()
         pid = int(res["pid"])
         guest = [h for h in _guest_hits(target, "ghit") if h[1] == pid]  # before removing: that clears the buffer

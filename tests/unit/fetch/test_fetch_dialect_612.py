@@ -15,11 +15,11 @@ from __future__ import annotations
 import re
 
 import pytest
-from fetch_fakes import symbol_exists
+from fetch_fakes import FakeContext, symbol_exists
 
 from qprobe.errors import FetchArgError
 from qprobe.events import entry_args
-from qprobe.fetch import Deref, ProbeEvent, check_append, format_event, parse_event, print_fmt
+from qprobe.fetch import Bitfield, Deref, ProbeEvent, check_append, format_event, parse_event, print_fmt
 from qprobe.fetch import messages as M
 from qprobe.fetch.btf import CType, FuncProto, Member
 from qprobe.fetch.dialect import BASE, Dialect, dialect_of
@@ -123,6 +123,8 @@ MEMBERS = {
     (2, "d_name"): Member(0x20 * 8, 0, CType("struct", tid=5)),
     (5, "name"): Member(0x8 * 8, 0, CType("ptr", target=CType("int", 8))),
     (2, "d_flags"): Member(0, 3, CType("int", 32)),
+    (2, "d_lock_bit"): Member(9 * 8 + 5, 2, CType("int", 32)),
+    (2, "d_odd"): Member(0, 0, CType("int", 24)),
 }
 PROTOS = {
     # ssize_t vfs_read(struct file *file, char __user *buf, size_t count, loff_t *pos)
@@ -447,7 +449,24 @@ def test_btf_field_errors(text: str, err: str, column: int) -> None:
     assert error(text) == (ERRORS_612[err], column)
 
 
-def test_btf_bitfield_members_are_refused() -> None:
-    with pytest.raises(FetchArgError, match="bitfield") as info:
-        parse_event("p vfs_read file->f_path.dentry->d_flags", symbol_exists=exists, dialect=D612)
+def test_btf_bitfield_members_are_extracted_as_parse_btf_bitfield_does() -> None:
+    """lshift = 64 - (bitsize + bitoffs), rshift = 64 - bitsize on the value the member's type stored;
+    the load is at the byte the bit offset falls in."""
+    ev = parse(
+        "p vfs_read file->f_path.dentry->d_flags file->f_path.dentry->d_lock_bit d=file->f_path.dentry->d_flags:u8"
+    )
+    low, mid, typed = ev.args
+    assert low.expr == Deref(Deref(Arg(1), 0x48), 0) and low.type.name == "u32"
+    assert low.type.bitfield == Bitfield(3, 0, 64)
+    assert mid.expr == Deref(Deref(Arg(1), 0x48), 0x9) and mid.type.bitfield == Bitfield(2, 5, 64)
+    assert typed.type.bitfield is None  # a type given: no extraction (finalize_fetch_insn)
+    file, dentry = 0xFFFF_8880_0000_1000, 0xFFFF_8880_0000_2000
+    memory = {file + 0x48: dentry.to_bytes(8, "little"), dentry: bytes([0b1101, *[0] * 8, 0b1010_0000, 0, 0, 0])}
+    ctx = FakeContext(regs={"di": file}, memory=memory)
+    assert [a.format(a.evaluate(ctx)) for a in ev.args] == ["arg1=5", "arg2=1", "d=13"]
+
+
+def test_btf_integers_of_odd_widths_are_refused() -> None:
+    with pytest.raises(FetchArgError, match="odd widths") as info:
+        parse_event("p vfs_read file->f_path.dentry->d_odd", symbol_exists=exists, dialect=D612)
     assert not info.value.logged

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Protocol
 
 import qprobe
-from qprobe.errors import GuestPanicked, GuestTimeout, TargetGone
+from qprobe.errors import GuestPanicked, GuestTimeout, TargetError, TargetGone
 from qprobe.kernel import symbols as symbols_mod
 from qprobe.vmm.console import READY, Console, RunResult
 from qprobe.vmm.qemu import QemuConfig, QemuProcess, parse_memory
@@ -279,7 +279,8 @@ class ScaleRow:
 
     def line(self) -> str:
         if self.failed is not None:
-            return f"| {self.n} | {self.what}: {self.failed} | - | - | - | - | - | - |"
+            failed = self.failed.replace("|", "\\|")
+            return f"| {self.n} | {self.what}: {failed} | - | - | - | - | - | - |"
         rss = f"{self.rss_mb:.0f}" if self.rss_mb is not None else "-"
         scratch = f"{self.scratch_kb:,.0f}" if self.scratch_kb is not None else "-"
         return (f"| {self.n} | {self.what} | {self.register_s:.2f} | {self.unregister_s:.2f} | "
@@ -451,6 +452,10 @@ def _guest_scale_rows(args: argparse.Namespace, names: list[str], accel: str) ->
                 break
             except GuestTimeout:
                 rows.append(ScaleRow(n, what, 0, 0, 0, 0, failed="the guest shell stopped answering"))
+                break
+            except TargetError as exc:  # a tracefs write the guest refused: its own words, and the kernel's
+                said = console.run("dmesg | tail -n 3", timeout=60).output.replace("\n", " / ")
+                rows.append(ScaleRow(n, what, 0, 0, 0, 0, failed=f"{exc}; dmesg: {said}"[-600:]))
                 break
     return rows
 

@@ -113,14 +113,17 @@ def _host_symbols(args: argparse.Namespace) -> Symbols | None:
     return Symbols.load(img.vmlinux, img.system_map)
 
 
-def _host_dialect(args: argparse.Namespace) -> Dialect:
-    """The kprobe_events language of the vmlinux on the host (6.1.0's when it is not known here)."""
-    from qprobe.fetch.dialect import BASE
+def _host_dialect(args: argparse.Namespace) -> Dialect | None:
+    """The kprobe_events language of the vmlinux on the host; None if it is not known here.
+
+    Without it (a VM to attach to, no --vmlinux) definitions are checked once attached,
+    in the running kernel's language, not before in another one's.
+    """
     from qprobe.kernel.features import init_stack_span
     from qprobe.kernel.tracefs import probe_dialect
 
     symbols = _host_symbols(args)
-    return BASE if symbols is None else probe_dialect(symbols, init_stack_span(symbols))
+    return None if symbols is None else probe_dialect(symbols, init_stack_span(symbols))
 
 
 def _host_probeability(args: argparse.Namespace) -> Probeability | None:
@@ -335,11 +338,10 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
     from qprobe.events import event_filter
     from qprobe.fetch import ProbeEvent, parse_event
-    from qprobe.fetch.dialect import BASE
 
     parsed = []
-    dialect = _host_dialect(args) if args.events else BASE  # the language of the kernel that will run them
-    for text in args.events:  # syntax errors (of the events and of the filter) before anything boots
+    dialect = _host_dialect(args) if args.events else None  # the language of the kernel that will run them
+    for text in args.events if dialect is not None else ():  # syntax errors (events, filter) before booting
         ev = parse_event(text, dialect=dialect)
         if isinstance(ev, ProbeEvent):
             parsed.append(ev)
@@ -424,7 +426,10 @@ def cmd_list(args: argparse.Namespace) -> int:
         if not is_definition(text):  # `qprobe list 'vfs_*'`, as bpftrace -l and perf probe -F list functions
             raise QprobeError(f"list arms EVENT definitions and lists the probes; to find functions: "
                               f"qprobe funcs {text!r}")  # fmt: skip
-    _check_symbols(args, [ev for ev in map(parse_event, args.events) if isinstance(ev, ProbeEvent)])
+    dialect = _host_dialect(args) if args.events else None
+    if dialect is not None:
+        parsed = [parse_event(text, dialect=dialect) for text in args.events]
+        _check_symbols(args, [ev for ev in parsed if isinstance(ev, ProbeEvent)])
     _say_booting(args)
     with _boot(args) as target:
         events = [te for text in args.events for te in _arm(target, text)]

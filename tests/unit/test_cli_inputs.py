@@ -42,6 +42,9 @@ CASES = [
     (["trace", "q:a vfs_read"], ["Not a kprobe definition"]),
     (["trace", "r:a vfs_read+8"], ["Retprobe address must be an function entry"]),
     (["trace", "p:a vfs_read s=+0(%si):strung"], ["Unknown type is specified"]),
+    # In the image's kernel's language: 6.1's has no BTF arguments (6.12's would take these).
+    (["trace", "p:a vfs_read file"], ["Invalid fetch argument"]),
+    (["list", "r:a ksys_lseek $arg1"], ["Invalid $-variable specified"]),
     (["trace", "--filter", "nope == 1", "p:a vfs_read c=%dx"], ["Field not found"]),
     (["trace", "--filter", "c ~ 1", "p:a vfs_read c=%dx"], ["Illegal operation for field type"]),
     (["trace", "--filter", "c == x", "p:a vfs_read c=%dx"], ["Illegal integer value"]),

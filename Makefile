@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEBS   := qemu-system-x86 busybox-static cpio gdb e2fsprogs gcc libc6-dev tmux \
-          make flex bison bc libelf-dev xz-utils
+          make flex bison bc libelf-dev xz-utils binutils
 # The tests every image runs: kprobes, kretprobes, optimized and in-guest probes, events,
 # stack traces, typed data, recovery, the instruction-boundary sweep, probes at an ENDBR entry,
 # and the guest kernel's own verdicts on kprobe_events definitions.

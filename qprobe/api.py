@@ -161,7 +161,8 @@ class Target:
             self.journal = Journal(vm_identity(self.symbols, self.slide, self.mem))
             self.kernel = KernelData(self.symbols, self.mem)
             self.arch = arch_of(self.symbols)
-            self.recovered = recover(self.gdb, self.kernel, self.arch, self.journal)
+            self.recovered = recover(self.gdb, self.kernel, self.arch, self.journal,
+                                     fully_preemptible(self.symbols, self.cmdline))  # fmt: skip
             self.machine = Machine(self.gdb, self.mem, self.journal)
             self.machine.exit_hint = self._exit_hint
             if isinstance(phys, SharedRam) and phys.writable:

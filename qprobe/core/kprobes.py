@@ -43,6 +43,8 @@ if TYPE_CHECKING:
     from qprobe.vmm.memory import SharedRam
 
 log = logging.getLogger("qprobe.kprobes")
+# Seconds remove_all waits, on a fully preemptible kernel, for tasks preempted in the scratch area to leave it.
+PREEMPTED_WAIT = 10.0
 
 
 class KprobeManager:
@@ -76,8 +78,11 @@ class KprobeManager:
         # interrupted context inside the slot.  Without forced preemption that context
         # resumes as soon as the interrupt returns, which the grace period in
         # remove_all() covers; a fully preemptible kernel could sleep there, so it is
-        # not boosted (the kernel waits for an RCU-tasks grace period instead).
+        # not boosted (the kernel waits for an RCU-tasks grace period instead).  Jump
+        # optimization is on there: it looks for such contexts before placing a jump and
+        # before unmapping (Optimizer.preempted_in, qprobe.kernel.preempted).
         self.boost = not fully_preemptible
+        self.fully_preemptible = fully_preemptible
         self._quarantine: list[int] = []  # boosted slots and detours, never reused while the area is mapped
         # Where code in the scratch area jumps back into kernel text (boosted slots, detours), for as
         # long as the area is mapped: a vCPU or an interrupted context may still be on its way there.
@@ -381,7 +386,33 @@ class KprobeManager:
         self.machine.call(disarm)
         if self._quarantine and self.scratch.mapped:
             time.sleep(grace)
+        if self.fully_preemptible:
+            self._wait_preempted_out(grace)
         self.machine.call(unmap)
+
+    def _wait_preempted_out(self, grace: float) -> None:
+        """On a fully preemptible kernel, let every context that could resume in the scratch area leave it.
+
+        A task preempted in a detour sleeps with its ip there for as long as
+        the scheduler likes; the area goes only once no task's stack points
+        into it (the kernel frees its instruction slots after an RCU-tasks
+        grace period).  Past ``PREEMPTED_WAIT`` the area stays mapped, with
+        the undo journal for a later attach to unmap it.
+        """
+        deadline = time.monotonic() + PREEMPTED_WAIT
+        scratch = self.scratch
+
+        def held_in_scratch() -> str | None:
+            return self.optimizer.preempted_in(scratch.base, scratch.base + scratch.mapped_size)
+
+        while scratch.mapped:
+            held = self.machine.call(held_in_scratch)
+            if held is None:
+                return
+            if time.monotonic() > deadline:
+                self.optimizer.close()
+                raise ProbeError(f"qprobe's scratch area stays mapped: after {PREEMPTED_WAIT:g} s {held}")
+            time.sleep(grace)
 
     def evacuate(self) -> None:
         """Step every vCPU whose ip is inside the scratch area until it is out (stop loop)."""

@@ -15,8 +15,10 @@ the exception table, every displaced instruction relocatable), plus: no
 vCPU is inside the region, no other probe lies in it, the probe has no
 post_handler, and the probe was armed with an int3 for a grace period first
 (the kernel's optimizer delay), so that a context interrupted inside the
-region has left it.  Like boosting, it is off on fully preemptible kernels,
-where an interrupted context could sleep inside a detour.
+region has left it.  On a fully preemptible kernel a context can also sleep
+inside the region: there the jump waits, as the kernel's waits for an
+RCU-tasks grace period, until no sleeping task's stack points into it
+(qprobe.kernel.preempted).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from qprobe.core.pools import ReturnPools, page_round
 from qprobe.core.records import RECORDING, RecordRings
 from qprobe.errors import QprobeError, SymbolError, TargetGone
 from qprobe.kernel.features import thread_size
+from qprobe.kernel.preempted import first_inside, preempted_words
 from qprobe.vmm.memory import SharedRam
 from qprobe.vmm.qemu import DOORBELL_PORT
 
@@ -57,7 +60,7 @@ log = logging.getLogger("qprobe.optimizer")
 MAX_OPTIMIZED = 4096  # probe ids: one nmissed counter each
 COLLECT_INTERVAL = 0.02  # seconds between drains of the rings and folds of the in-guest counters
 # Reasons that hold only at the moment of the attempt (their texts start with these).
-TRANSIENT = ("vCPU", "a context interrupted on vCPU", "a boosted copy")
+TRANSIENT = ("vCPU", "a context interrupted on vCPU", "a boosted copy", "a preempted task")
 # Seconds after its last entry that a boosted copy may still hold a context interrupted inside it
 # (the same grace KprobeManager.remove_all gives before unmapping).
 RESUME_GRACE = 0.1
@@ -110,6 +113,7 @@ class ProbeTable(Protocol):
     trampolines: dict[int, Trampoline]
     resume_targets: dict[int, float]
     boost: bool
+    fully_preemptible: bool
 
     @property
     def reserved(self) -> ReservedText: ...
@@ -135,7 +139,7 @@ class Optimizer:
         self.ram = ram
         self.doorbell_path = doorbell
         self.available = bool(ram is not None and ram.writable and doorbell)
-        self.enabled = self.available and kprobes.boost  # debug.kprobes_optimization
+        self.enabled = self.available  # debug.kprobes_optimization
         self.by_id: dict[int, ProbePoint] = {}
         # Addresses waiting for their jump, with when they were queued (the kernel's optimizing_list);
         # changed on the stop loop only.
@@ -157,6 +161,8 @@ class Optimizer:
         self._optimizer: threading.Thread | None = None  # later rounds of the optimizing list
         self._kick = threading.Event()
         self._thread_size = 0  # the kernel's THREAD_SIZE, once looked up
+        # Fully preemptible kernels: the sleeping tasks' live stack words, read once per VM stop that needs them.
+        self._preempted: list[int] | None = None
         self.errors: list[str] = []  # what went wrong off the stop loop (doorbell, collector)
         self._stop = False
         # Without shared RAM nothing below runs: probes stay int3s.
@@ -328,6 +334,7 @@ class Optimizer:
     def _optimize_queued(self) -> list[int]:
         """Optimize what has been queued a grace period; the list keeps what a later attempt may still optimize."""
         now, grace = time.monotonic(), max(OPTIMIZE_DELAY, RESUME_GRACE)
+        self._preempted = None  # the tasks have run since the last round
         with self.machine.journal.batch():  # every jump of the round journaled in one write
             for a, since in list(self.optimizing_list.items()):
                 if now - since < grace:
@@ -400,7 +407,38 @@ class Optimizer:
                 return f"{TRANSIENT[0]} {tid} is trapping on an int3 inside the region"
             if self._interrupted_inside(regs, point.addr, end, stack_size):
                 return f"{TRANSIENT[1]} {tid} would return inside the region"
+        if self.kp.fully_preemptible:
+            try:
+                if self._preempted is None:
+                    self._preempted = preempted_words(self.kp.kernel, stack_size)
+            except QprobeError as exc:
+                return f"{TRANSIENT[3]} cannot be ruled out inside the region: {exc}"
+            hit = first_inside(self._preempted, point.addr + 1, end)
+            if hit is not None:
+                return f"{TRANSIENT[3]}'s stack holds {hit:#x}, inside the region"
         point.opt_size = size
+        return None
+
+    def preempted_in(self, lo: int, hi: int) -> str | None:
+        """On a fully preemptible kernel, what could still resume in [lo, hi) (stop loop), or None.
+
+        Before code there is given up: a vCPU, a context interrupted on one,
+        or a sleeping task whose stack holds an address there.
+        """
+        try:
+            stack_size = self._thread_size = self._thread_size or thread_size(self.kp.kernel)
+            words = preempted_words(self.kp.kernel, stack_size)
+        except QprobeError as exc:
+            return f"the tasks' stacks cannot be read: {exc}"
+        hit = first_inside(words, lo, hi)
+        if hit is not None:
+            return f"{TRANSIENT[3]}'s stack holds {hit:#x}"
+        for tid in self.machine.vcpus:
+            regs = self.machine.gdb.read_registers(tid)
+            if lo <= self.arch.ip(regs) < hi:
+                return f"vCPU {tid} is at {self.arch.ip(regs):#x}"
+            if self._interrupted_inside(regs, lo - 1, hi, stack_size):
+                return f"{TRANSIENT[1]} {tid} would return there"
         return None
 
     def _interrupted_inside(self, regs: dict[str, int], start: int, end: int, stack_size: int) -> bool:

@@ -8,7 +8,9 @@ or spinning in the optimized-probe stub
 for an answer that will never come.  Each is moved to where it would have
 been without qprobe (or answered and stepped out), the text and return
 addresses are restored, the VM runs for a grace period with nothing of ours
-left to enter, and only then is the scratch area unmapped.
+left to enter, and only then is the scratch area unmapped (on a fully
+preemptible kernel, once no sleeping task's stack points into it either:
+qprobe.kernel.preempted).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import time
 
 from qprobe.arch import Arch, Resume, ResumeKind, TrapHook
 from qprobe.errors import QprobeError
-from qprobe.kernel.features import find_watch_site, int3_entry, int3_path
+from qprobe.kernel.features import find_watch_site, int3_entry, int3_path, thread_size
+from qprobe.kernel.preempted import first_inside, preempted_words
 from qprobe.kernel.program import KernelData
 from qprobe.vmm.gdbremote import GdbRemote
 from qprobe.vmm.journal import Journal, JournalError, Patch
@@ -26,6 +29,7 @@ from qprobe.vmm.scratch import SIZE as SCRATCH_SIZE
 
 log = logging.getLogger("qprobe.recovery")
 GRACE = 0.1
+PREEMPTED_WAIT = 10.0  # seconds, on a fully preemptible kernel, for tasks preempted in the area to leave it
 
 
 class _Recovery:
@@ -33,6 +37,7 @@ class _Recovery:
                  meta: dict[str, int]) -> None:  # fmt: skip
         symbols = kernel.symbols
         self.gdb, self.mem, self.arch, self.meta = gdb, kernel.mem, arch, meta
+        self.kernel = kernel
         self.entry = int3_entry(symbols)
         # With the watchpoint hook a trap is taken back from poke_int3_handler (see Dispatcher.install);
         # a vCPU on its way there from the #BP entry is stepped up to it.
@@ -152,6 +157,20 @@ class _Recovery:
         for off, data in self.arch.mailbox_answer({}, cont, req.final_sp):
             self.gdb.write_memory(mb + off, data)
 
+    def preempted_inside(self, last: bool) -> int | None:
+        """An address in the area on a sleeping task's stack (it could resume there), or None.
+
+        Raises QprobeError on the ``last`` try: the area then stays mapped, and so does the journal.
+        """
+        if self.scratch is None:
+            return None
+        words = preempted_words(self.kernel, thread_size(self.kernel))
+        hit = first_inside(words, self.scratch, self.scratch + self.scratch_size)
+        if hit is not None and last:
+            raise QprobeError(f"a preempted task's stack still holds {hit:#x}, inside qprobe's scratch area: "
+                              f"it stays mapped after {PREEMPTED_WAIT:g} s")  # fmt: skip
+        return hit
+
     def evacuate(self, tid: str, cpu: int) -> None:
         for _ in range(100_000):
             rip = self.arch.ip(self.gdb.read_registers(tid))
@@ -186,7 +205,7 @@ def check_journal_matches(gdb: GdbRemote, journal: Journal, patches: list[Patch]
             )
 
 
-def recover(gdb: GdbRemote, kernel: KernelData, arch: Arch, journal: Journal) -> int:
+def recover(gdb: GdbRemote, kernel: KernelData, arch: Arch, journal: Journal, fully_preemptible: bool = False) -> int:
     """Undo an earlier qprobe's patches in this guest; returns how many were restored."""
     patches = journal.load()
     if not patches:
@@ -208,12 +227,17 @@ def recover(gdb: GdbRemote, kernel: KernelData, arch: Arch, journal: Journal) ->
         for cpu, tid in enumerate(vcpus):
             r.evacuate(tid, cpu)
         # Let contexts interrupted inside the area return to the kernel text first.
-        gdb.cont()
-        time.sleep(GRACE)
-        gdb.interrupt()
-        gdb.wait_stop()
-        for cpu, tid in enumerate(vcpus):
-            r.evacuate(tid, cpu)
+        deadline = time.monotonic() + PREEMPTED_WAIT
+        while True:
+            gdb.cont()
+            time.sleep(GRACE)
+            gdb.interrupt()
+            gdb.wait_stop()
+            for cpu, tid in enumerate(vcpus):
+                r.evacuate(tid, cpu)
+            held = r.preempted_inside(time.monotonic() > deadline) if fully_preemptible else None
+            if held is None:
+                break
         gdb.set_physical(True)
         for p in pmd:
             if gdb.read_memory(p.phys, len(p.new)) == p.new:

@@ -75,6 +75,7 @@ class Table:
 
     arch = ARCH
     boost = True
+    fully_preemptible = False
 
     def __init__(self, machine: SimpleNamespace) -> None:
         self.machine = machine
@@ -224,6 +225,28 @@ def test_what_only_delays_the_jump(rig: Rig, change: object, start: str) -> None
     change(rig)  # type: ignore[operator]
     why = rig.opt.why_not(rig.point)
     assert why is not None and why.startswith(start) and rig.opt.transient(why)
+
+
+def test_a_task_preempted_inside_the_region_delays_the_jump_on_a_fully_preemptible_kernel(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stacks = [PROBE - 1, PROBE, PROBE + REGION, 2**64 - 1]  # around the region only
+    reads: list[int] = []
+
+    def preempted_words(kernel: object, stack_size: int) -> list[int]:
+        reads.append(stack_size)
+        return sorted(stacks)
+
+    monkeypatch.setattr(optimizer_mod, "preempted_words", preempted_words)
+    assert rig.opt.why_not(rig.point) is None and reads == []  # not fully preemptible: no look at the tasks
+    rig.table.fully_preemptible = True
+    assert rig.opt.why_not(rig.point) is None and reads == [THREAD_SIZE]
+    stacks.append(PROBE + 3)  # a saved ip in the displaced instructions
+    rig.opt._preempted = None  # a new VM stop
+    why = rig.opt.why_not(rig.point)
+    assert why == f"a preempted task's stack holds {PROBE + 3:#x}, inside the region" and rig.opt.transient(why)
+    assert rig.opt.preempted_in(PROBE + 3, PROBE + 4) == f"a preempted task's stack holds {PROBE + 3:#x}"
+    assert rig.opt.preempted_in(PROBE + 4, PROBE + REGION) is None
 
 
 def test_a_boosted_copy_stops_delaying_after_the_grace_period(rig: Rig) -> None:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
+from drgn.helpers.linux.pid import find_task
 
 import qprobe
 from qprobe import Kprobe, Kretprobe, regs_return_value
 from qprobe.arch.x86_64.decode import decode_all
+from qprobe.kernel.features import thread_size
+from qprobe.kernel.preempted import preempted_words
 
 from .conftest import fake_return, workload_result
 
@@ -19,6 +23,28 @@ def _optimized(target: qprobe.Target, kp: Kprobe) -> bool:
     """Whether the probe is jump-optimized, from its line in the list (at the address the kernel would have)."""
     line = next(x for x in target.list_probes().splitlines() if x.split()[0] == f"{kp.at:016x}")
     return "[OPTIMIZED]" in line
+
+
+def test_a_sleeping_task_s_returns_are_among_the_words_the_jump_waits_for(target: qprobe.Target) -> None:
+    """On a fully preemptible kernel a jump waits while a sleeping task's live stack points into its region
+    (qprobe.kernel.preempted): every return address drgn unwinds from a sleeping task is among those words."""
+    if not target.kprobes.fully_preemptible:
+        pytest.skip(f"{target.image.name}: not fully preemptible (no jump waits for a sleeping task there)")
+    out = target.run("sleep 4 >/dev/null 2>&1 & echo pid=$!").check().output
+    pid = int(re.search(r"pid=(\d+)", out).group(1))  # type: ignore[union-attr]
+
+    def look() -> tuple[list[int], list[int]]:
+        task = find_task(target.prog, pid)
+        returns = [frame.pc for frame in target.prog.stack_trace(task)]
+        return returns, preempted_words(target.kernel, thread_size(target.kernel))
+
+    try:
+        returns, words = target.machine.call(look)
+        names = [target.symbols.symbolize(pc) for pc in returns]
+        assert any("nanosleep" in n for n in names), names
+        assert set(returns) <= set(words), [n for pc, n in zip(returns, names, strict=True) if pc not in words]
+    finally:
+        target.run(f"while [ -e /proc/{pid} ]; do sleep 0.2; done", timeout=30).check()
 
 
 def test_optimized_probe_counts_exactly_without_stops(target: qprobe.Target, guard: dict[int, bytes]) -> None:

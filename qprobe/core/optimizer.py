@@ -112,7 +112,6 @@ class ProbeTable(Protocol):
     points: dict[int, ProbePoint]
     trampolines: dict[int, Trampoline]
     resume_targets: dict[int, float]
-    boost: bool
     fully_preemptible: bool
 
     @property

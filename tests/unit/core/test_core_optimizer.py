@@ -74,7 +74,6 @@ class Table:
     """The probe table as the optimizer reads it (qprobe.core.optimizer.ProbeTable)."""
 
     arch = ARCH
-    boost = True
     fully_preemptible = False
 
     def __init__(self, machine: SimpleNamespace) -> None:

@@ -164,7 +164,14 @@ class _Recovery:
         """
         if self.scratch is None:
             return None
-        words = preempted_words(self.kernel, thread_size(self.kernel))
+        try:
+            words = preempted_words(self.kernel, thread_size(self.kernel))
+        except QprobeError as exc:
+            if last:
+                raise QprobeError(
+                    f"qprobe's scratch area stays mapped: the tasks' stacks cannot be read: {exc}"
+                ) from None
+            return self.scratch  # cannot tell yet
         hit = first_inside(words, self.scratch, self.scratch + self.scratch_size)
         if hit is not None and last:
             raise QprobeError(f"a preempted task's stack still holds {hit:#x}, inside qprobe's scratch area: "

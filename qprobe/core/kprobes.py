@@ -77,11 +77,12 @@ class KprobeManager:
         # Boosting lets a vCPU run the slot copy freely; an interrupt there leaves an
         # interrupted context inside the slot.  Without forced preemption that context
         # resumes as soon as the interrupt returns, which the grace period in
-        # remove_all() covers; a fully preemptible kernel could sleep there, so it is
-        # not boosted (the kernel waits for an RCU-tasks grace period instead).  Jump
-        # optimization is on there: it looks for such contexts before placing a jump and
-        # before unmapping (Optimizer.preempted_in, qprobe.kernel.preempted).
-        self.boost = not fully_preemptible
+        # remove_all() covers; on a fully preemptible kernel it could sleep there, so
+        # the slots (never reused while the area is mapped) outlive every sleeping task
+        # whose stack points into the area, and a jump whose region a boosted copy returns
+        # into waits for the same (Optimizer.preempted_in and why_not, qprobe.kernel.preempted),
+        # where the kernel waits for an RCU-tasks grace period.
+        self.boost = True
         self.fully_preemptible = fully_preemptible
         self._quarantine: list[int] = []  # boosted slots and detours, never reused while the area is mapped
         # Where code in the scratch area jumps back into kernel text (boosted slots, detours), for as
@@ -450,9 +451,8 @@ class KprobeManager:
     def may_boost(self, point: ProbePoint, active: list[Kprobe]) -> bool:
         """Whether a hit may run the copy freely (the arch still decides whether the instruction can).
 
-        Not on a fully preemptible kernel (see __init__), not with a post_handler
-        to run after the instruction, and not while the point waits to be
-        optimized: the jump back would land inside the jump.  Those hits run
+        Not with a post_handler to run after the instruction, and not while
+        the point waits to be optimized: the jump back would land inside the jump.  Those hits run
         the copy to the int3 after it (a trap-step) where it can: with
         interrupts off, nothing preempts the task there, and the optimizer
         waits for the vCPU to be back (``trap_step_returns``).

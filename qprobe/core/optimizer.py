@@ -415,6 +415,12 @@ class Optimizer:
             hit = first_inside(self._preempted, point.addr + 1, end)
             if hit is not None:
                 return f"{TRANSIENT[3]}'s stack holds {hit:#x}, inside the region"
+            # A task preempted in a boosted copy jumps back into the region when it runs again.
+            scratch = self.kp.scratch
+            if any(point.addr < a < end for a in self.kp.resume_targets) and scratch.mapped:
+                hit = first_inside(self._preempted, scratch.base, scratch.base + scratch.mapped_size)
+                if hit is not None:
+                    return f"{TRANSIENT[3]}'s stack holds {hit:#x}, in out-of-line code that returns into the region"
         point.opt_size = size
         return None
 

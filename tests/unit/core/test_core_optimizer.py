@@ -248,6 +248,26 @@ def test_a_task_preempted_inside_the_region_delays_the_jump_on_a_fully_preemptib
     assert rig.opt.preempted_in(PROBE + 4, PROBE + REGION) is None
 
 
+def test_a_task_preempted_in_a_boosted_copy_returning_into_the_region_delays_the_jump(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base, size = 0xFFFF_FFFF_C000_0000, 0x20_0000
+    rig.table.scratch = SimpleNamespace(mapped=True, base=base, mapped_size=size)  # type: ignore[assignment]
+    rig.table.fully_preemptible = True
+    stacks = [base - 8, base + size]
+    monkeypatch.setattr(optimizer_mod, "preempted_words", lambda kernel, stack_size: sorted(stacks))
+    rig.table.resume_targets[PROBE + 3] = time.monotonic() - RESUME_GRACE - 0.01  # a boosted copy returns there
+    assert rig.opt.why_not(rig.point) is None
+    stacks.append(base + 0x40)  # a task preempted in a slot
+    rig.opt._preempted = None
+    why = rig.opt.why_not(rig.point)
+    assert why is not None and why.startswith(f"a preempted task's stack holds {base + 0x40:#x}")
+    assert rig.opt.transient(why)
+    rig.table.resume_targets.clear()  # no out-of-line code returns into this region: the slot's task does not matter
+    rig.opt._preempted = None
+    assert rig.opt.why_not(rig.point) is None
+
+
 def test_a_boosted_copy_stops_delaying_after_the_grace_period(rig: Rig) -> None:
     rig.table.resume_targets[PROBE + 3] = time.monotonic() - RESUME_GRACE - 0.01
     assert rig.opt.why_not(rig.point) is None

@@ -34,6 +34,7 @@ from qprobe.errors import (
     QprobeError,
     SymbolError,
 )
+from qprobe.kernel.preempted import PREEMPTED_WAIT
 from qprobe.kernel.program import KernelData
 from qprobe.kernel.reserved import ReservedText
 from qprobe.vmm.machine import Machine
@@ -43,8 +44,6 @@ if TYPE_CHECKING:
     from qprobe.vmm.memory import SharedRam
 
 log = logging.getLogger("qprobe.kprobes")
-# Seconds remove_all waits, on a fully preemptible kernel, for tasks preempted in the scratch area to leave it.
-PREEMPTED_WAIT = 10.0
 
 
 class KprobeManager:

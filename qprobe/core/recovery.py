@@ -21,7 +21,7 @@ import time
 from qprobe.arch import Arch, Resume, ResumeKind, TrapHook
 from qprobe.errors import QprobeError
 from qprobe.kernel.features import find_watch_site, int3_entry, int3_path, thread_size
-from qprobe.kernel.preempted import first_inside, preempted_words
+from qprobe.kernel.preempted import PREEMPTED_WAIT, first_inside, preempted_words
 from qprobe.kernel.program import KernelData
 from qprobe.vmm.gdbremote import GdbRemote
 from qprobe.vmm.journal import Journal, JournalError, Patch
@@ -29,7 +29,6 @@ from qprobe.vmm.scratch import SIZE as SCRATCH_SIZE
 
 log = logging.getLogger("qprobe.recovery")
 GRACE = 0.1
-PREEMPTED_WAIT = 10.0  # seconds, on a fully preemptible kernel, for tasks preempted in the area to leave it
 
 
 class _Recovery:

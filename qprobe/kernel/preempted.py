@@ -28,6 +28,10 @@ from drgn.helpers.linux.pid import for_each_task
 from qprobe.errors import QprobeError
 from qprobe.kernel.program import KernelData
 
+# Seconds qprobe waits, when it gives up its scratch area (remove_all, recovery), for tasks preempted
+# in the area to leave it; past that the area stays mapped, with the undo journal.
+PREEMPTED_WAIT = 10.0
+
 
 def live_span(stack: int, sp: int, size: int) -> tuple[int, int]:
     """[lo, hi) of a sleeping task's stack that is in use: from its saved sp, or the whole stack if sp is elsewhere."""
@@ -80,4 +84,4 @@ def preempted_words(kernel: KernelData, stack_size: int) -> list[int]:
     return sorted(words)
 
 
-__all__ = ["first_inside", "live_span", "preempted_words", "running_tasks", "words_of"]
+__all__ = ["PREEMPTED_WAIT", "first_inside", "live_span", "preempted_words", "running_tasks", "words_of"]

@@ -6,7 +6,7 @@ pt_regs of the interrupt that preempted it) and the return addresses of its
 callers stay on its kernel stack.  Before placing a jump over instructions,
 and before giving up code a context may still be in, the kernel waits for
 an RCU-tasks grace period: ``synchronize_rcu_tasks()`` in kprobe_optimizer()
-(kernel/kprobes.c, step 2 as of Linux 6.1; since Linux 4.12, a30b85df7d59
+(kernel/kprobes.c, step 2 as of Linux 6.1; since commit a30b85df7d59,
 "kprobes: Use synchronize_rcu_tasks() for optprobe with CONFIG_PREEMPT=y"),
 i.e. until every task has passed through a voluntary context switch.  The
 host sees all of guest RAM with the VM stopped, so it looks instead: every

@@ -615,10 +615,13 @@ def _close_all() -> None:
 # -- constructors ------------------------------------------------------------------------
 def boot(image: str = "debian-cloud", smp: int = 2, memory: str | int = "512M",
          files: dict[str, str | Path] | None = None, accel: str = "auto", cmdline: str = "",
-         boot_timeout: float = 60.0, transport: str = "rsp", keepable: bool = False) -> Target:  # fmt: skip
+         boot_timeout: float = 60.0, transport: str = "rsp", keepable: bool = False,
+         tcg_thread: str = "") -> Target:  # fmt: skip
     """Boot an image (fetched and built on first use) and attach to it.
 
     ``transport``: "rsp" (qprobe's own client) or "gdb" (a real gdb through GDB/MI).
+    ``tcg_thread``: TCG's ``thread=`` mode, "single" (every vCPU on one host thread) or "multi";
+    "" leaves QEMU's default (one thread per vCPU).
     The VM dies with this process; ``keepable=True`` lets ``target.qemu.keep()``
     leave it running afterwards (the pytest plugin's ``--qprobe-keep``).
     """
@@ -630,6 +633,7 @@ def boot(image: str = "debian-cloud", smp: int = 2, memory: str | int = "512M",
     config = QemuConfig(
         kernel=img.kernel, initrd=img.initrd, disk=img.disk, disk_interface=img.disk_interface,
         cmdline=" ".join(x for x in (img.cmdline, cmdline) if x), smp=smp, memory=parse_memory(memory), accel=accel,
+        tcg_thread=tcg_thread,
     )  # fmt: skip
     try:
         return _boot_once(img, config, boot_timeout, transport, keepable)

@@ -23,7 +23,8 @@ Fixtures
                        printed an oops, BUG, WARNING or panic.  Request it to
                        adjust those checks (``.watch(...)``, ``.strict``).
     ``qprobe_boot_kwargs``  extra ``qprobe.boot()`` arguments (``files=``,
-                       ``memory=``, ``cmdline=``): override it in a conftest.py.
+                       ``memory=``, ``cmdline=``, ``tcg_thread=``): override it
+                       in a conftest.py or a test module.
 
 Markers
     ``@pytest.mark.qprobe_needs_symbol("name", ...)``  skip on images whose vmlinux lacks a symbol.
@@ -244,8 +245,9 @@ def qprobe_image(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope=qprobe_scope)
 def qprobe_boot_kwargs() -> dict[str, Any]:
-    """Extra keyword arguments for ``qprobe.boot()``; override in a conftest.py, e.g.
-    ``{"files": {"/bin/mytest": "build/mytest"}}`` to add a program to the guest."""
+    """Extra keyword arguments for ``qprobe.boot()``; override in a conftest.py or a test module, e.g.
+    ``{"files": {"/bin/mytest": "build/mytest"}}`` to add a program to the guest, or
+    ``{"tcg_thread": "single"}`` to run every vCPU on one TCG thread."""
     return {}
 
 

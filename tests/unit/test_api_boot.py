@@ -58,3 +58,11 @@ def test_a_panic_after_attach_is_not_retried(image: None, monkeypatch: pytest.Mo
     with pytest.raises(GuestPanicked):
         api.boot("fake")
     assert attempts.calls == 1
+
+
+def test_the_tcg_thread_mode_reaches_qemus_config(image: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    configs = []
+    monkeypatch.setattr(api, "_boot_once", lambda img, config, *rest: configs.append(config) or "the target")
+    assert api.boot("fake", tcg_thread="single") == "the target"
+    assert api.boot("fake") == "the target"
+    assert [c.tcg_thread for c in configs] == ["single", ""]

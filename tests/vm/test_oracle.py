@@ -12,30 +12,37 @@ the workload makes.  Counts: ``kprobe_profile`` and ``nhit`` agree.
 from __future__ import annotations
 
 import collections
-import os
 import random
 import re
+from typing import Any
 
 import iced_x86
 import pytest
 
 import qprobe
 from qprobe import Kprobe
-from qprobe.pytest_plugin import QprobeReset
+from qprobe.pytest_plugin import QprobeReset, qprobe_scope
 
 from .conftest import workload_result
 from .guest_oracle import TRACING, guest_verdicts, qprobe_verdicts
 from .oracle_defs import cases
 
 pytestmark = [pytest.mark.vm, pytest.mark.qprobe_needs_config("KPROBE_EVENTS")]
-# Tests that enable the guest's own ftrace-based events beside qprobe's probes.  In 1 of 3 full runs one
-# of them wedged the guest (soft lockup in __ftrace_event_enable_disable; see docs/reliability.md), which
-# takes the module's VM with it: they run when asked for, not in `make test`.
-guest_ftrace = pytest.mark.skipif(
-    os.environ.get("QPROBE_GUEST_FTRACE") != "1",
-    reason="enables the guest's ftrace events beside qprobe's probes, which can wedge the guest "
-    "(docs/reliability.md); set QPROBE_GUEST_FTRACE=1 (make test-guest-ftrace)",
-)
+
+
+@pytest.fixture(scope=qprobe_scope)
+def qprobe_boot_kwargs() -> dict[str, Any]:
+    """This module's VM runs both vCPUs on one TCG thread.
+
+    The hit, count and coexistence tests enable the guest's own ftrace-based events, which the guest
+    patches in with text_poke_bp.  Under QEMU 7.2's multi-threaded TCG a vCPU can keep running a stale
+    translation of an int3 that text_poke_bp already replaced and loop in the kernel's int3 handler
+    with interrupts off: a soft lockup in __ftrace_event_enable_disable, with or without qprobe
+    attached (docs/reliability.md).  With one TCG thread no vCPU runs translated code while the other
+    rewrites it.  The verdict tests share the VM: one boot per image, not two.
+    """
+    return {"tcg_thread": "single"}
+
 
 # "  <comm>-<pid> [cpu] flags ts: event: body"; the comm may hold spaces and dashes.
 TRACE_LINE = re.compile(
@@ -86,7 +93,6 @@ HIT_DEFINITIONS = {
 HIT_WORKLOADS = {"bitfield": "workload fork 3"}
 
 
-@guest_ftrace
 @pytest.mark.qprobe_needs_config("FUNCTION_TRACER")
 @pytest.mark.parametrize("kind", sorted(HIT_DEFINITIONS))
 def test_every_field_of_every_hit_equals_the_guest_trace(target: qprobe.Target, kind: str) -> None:
@@ -110,7 +116,6 @@ def test_every_field_of_every_hit_equals_the_guest_trace(target: qprobe.Target, 
     assert ours == guest
 
 
-@guest_ftrace
 @pytest.mark.qprobe_needs_config("FUNCTION_TRACER")
 @pytest.mark.parametrize("qprobe_first", [True, False], ids=["qprobe-first", "guest-first"])
 def test_coexists_with_the_guests_ftrace_on_the_same_function(
@@ -208,7 +213,6 @@ def _callees(target: qprobe.Target, func: str, depth: int) -> list[str]:
     return seen
 
 
-@guest_ftrace
 @pytest.mark.qprobe_needs_config("FUNCTION_TRACER")
 def test_hit_counts_equal_the_guest_trace_on_the_functions_a_workload_reaches(target: qprobe.Target) -> None:
     """The lseek path's functions, probed by the guest and by qprobe (in-guest records, host handlers and

@@ -5,8 +5,10 @@ breakpoint on the #BP entry, or a read watchpoint inside the kernel's #BP
 handler where it has the trap's pt_regs in hand.  Every stop then goes the
 same way, as ``kprobe_int3_handler`` does in the kernel:
 
-1. ``on_stop``: the stop loop's callback; somebody else's trap passes through.
-2. ``arch.decode_trap``: the trapped context, as before the breakpoint ran.
+1. ``on_entry_stop`` or ``on_watch_stop``: the stop loop's callback for the
+   hook; somebody else's trap passes through.
+2. ``arch.decode_trap`` (called there): the trapped context, as before the
+   breakpoint ran.
 3. ``_handle``: a kretprobe trampoline, a probe removed since the trap, a
    re-entered vCPU (only ``nmissed`` counts), or the probe's pre_handlers
    (``Handlers.pre``, the one place handlers run), then
@@ -146,7 +148,7 @@ class Dispatcher:
             return None
         return self.arch.decode_trap(TrapHook.ENTRY, regs, self.machine.mem.read).addr
 
-    # -- 1. the stop ------------------------------------------------------------------------------
+    # -- 1. and 2. the stop, decoded --------------------------------------------------------------
     def on_entry_stop(self, tid: str, regs: dict[str, int]) -> None:
         """The breakpoint hook: the vCPU stopped on the #BP entry, the exception frame at its sp."""
         trap = self.arch.decode_trap(TrapHook.ENTRY, regs, self.machine.mem.read)
@@ -220,7 +222,7 @@ class Dispatcher:
             and trap.addr in reg.touched
             and self.machine.mem.read(trap.addr, len(self.arch.breakpoint)) != self.arch.breakpoint)  # fmt: skip
 
-    # -- 2. and 3. decode, handle -------------------------------------------------------------------
+    # -- 3. handle --------------------------------------------------------------------------------
     def _dispatch(self, tid: str, trap: Trap) -> None:
         self.ntraps += 1
         self._run(tid, trap)

@@ -492,8 +492,7 @@ def cmd_shell(args: argparse.Namespace) -> int:
     from qprobe.shell import run_shell
 
     _check_image(args)
-    if getattr(args, "attach", None) is None and not args.quiet:
-        print(f"qprobe: booting {args.image} ({args.smp} vCPUs)...", file=sys.stderr, flush=True)
+    _say_booting(args)
     with _boot(args) as target:
         return run_shell(target)
 
@@ -503,8 +502,7 @@ def cmd_drgn(args: argparse.Namespace) -> int:
     from qprobe.shell.inspect_cmds import drgn_session
 
     _check_image(args)
-    if getattr(args, "attach", None) is None and not args.quiet:
-        print(f"qprobe: booting {args.image} ({args.smp} vCPUs)...", file=sys.stderr, flush=True)
+    _say_booting(args)
     with _boot(args) as target:
         for definition in args.events:
             target.add_event(definition)

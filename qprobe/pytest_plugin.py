@@ -24,7 +24,9 @@ Fixtures
                        adjust those checks (``.watch(...)``, ``.strict``).
     ``qprobe_boot_kwargs``  extra ``qprobe.boot()`` arguments (``files=``,
                        ``memory=``, ``cmdline=``, ``tcg_thread=``): override it
-                       in a conftest.py or a test module.
+                       in a conftest.py or a test module.  A VM that outlives a
+                       module (``--qprobe-scope session``) keeps the arguments
+                       of the first test that booted it.
 
 Markers
     ``@pytest.mark.qprobe_needs_symbol("name", ...)``  skip on images whose vmlinux lacks a symbol.

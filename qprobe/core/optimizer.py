@@ -159,7 +159,7 @@ class Optimizer:
         self._collector: threading.Thread | None = None
         self._optimizer: threading.Thread | None = None  # later rounds of the optimizing list
         self._kick = threading.Event()
-        self._thread_size = 0  # the kernel's THREAD_SIZE, once looked up
+        self._thread_size = 0  # the kernel's THREAD_SIZE, once looked up (stack_size)
         # Fully preemptible kernels: the sleeping tasks' live stack words, read once per VM stop that needs them.
         self._preempted: list[int] | None = None
         self.errors: list[str] = []  # what went wrong off the stop loop (doorbell, collector)
@@ -353,6 +353,13 @@ class Optimizer:
         return list(self.optimizing_list)
 
     # -- optimizing (stop loop) -------------------------------------------------------
+    @property
+    def stack_size(self) -> int:
+        """The kernel's THREAD_SIZE, looked up once (SymbolError where the kernel does not tell)."""
+        if not self._thread_size:
+            self._thread_size = thread_size(self.kp.kernel)
+        return self._thread_size
+
     def why_not(self, point: ProbePoint) -> str | None:
         """None if ``point`` can be optimized now, else the reason."""
         if not self.enabled:
@@ -393,19 +400,12 @@ class Optimizer:
             if point.addr < back < end:
                 return f"{TRANSIENT[0]} {tid} is running a copy out of line that returns inside the region"
         try:
-            stack_size = self._thread_size = self._thread_size or thread_size(self.kp.kernel)
+            stack_size = self.stack_size
         except SymbolError as exc:  # a missing fact, not a moment's obstacle
             return f"interrupted contexts cannot be found: {exc}"
-        for tid in self.machine.vcpus:
-            regs = self.machine.gdb.read_registers(tid)
-            if point.addr < self.arch.ip(regs) < end:
-                return f"{TRANSIENT[0]} {tid} is inside the region"
-            # A trap still to be dispatched: if its probe is gone it resumes at the int3's address.
-            trapped = self.kp.arriving(regs)
-            if trapped is not None and point.addr < trapped < end:
-                return f"{TRANSIENT[0]} {tid} is trapping on an int3 inside the region"
-            if self._interrupted_inside(regs, point.addr, end, stack_size):
-                return f"{TRANSIENT[1]} {tid} would return inside the region"
+        held = self._held_on_vcpus(point.addr + 1, end, stack_size, "inside the region", trapping=True)
+        if held is not None:
+            return held
         if self.kp.fully_preemptible:
             try:
                 if self._preempted is None:
@@ -431,19 +431,30 @@ class Optimizer:
         or a sleeping task whose stack holds an address there.
         """
         try:
-            stack_size = self._thread_size = self._thread_size or thread_size(self.kp.kernel)
+            stack_size = self.stack_size
             words = preempted_words(self.kp.kernel, stack_size)
         except QprobeError as exc:
             return f"the tasks' stacks cannot be read: {exc}"
         hit = first_inside(words, lo, hi)
         if hit is not None:
             return f"{TRANSIENT[3]}'s stack holds {hit:#x}"
+        return self._held_on_vcpus(lo, hi, stack_size, f"inside [{lo:#x}, {hi:#x})")
+
+    def _held_on_vcpus(self, lo: int, hi: int, stack_size: int, where: str, trapping: bool = False) -> str | None:
+        """What on a vCPU could still run code in [lo, hi) (stop loop), or None.
+
+        Its ip; with ``trapping``, a trap still to be dispatched (if its probe
+        is gone it resumes at the int3's address); a context interrupted on it.
+        """
         for tid in self.machine.vcpus:
             regs = self.machine.gdb.read_registers(tid)
             if lo <= self.arch.ip(regs) < hi:
-                return f"vCPU {tid} is at {self.arch.ip(regs):#x}"
+                return f"{TRANSIENT[0]} {tid} is {where}"
+            trapped = self.kp.arriving(regs) if trapping else None
+            if trapped is not None and lo <= trapped < hi:
+                return f"{TRANSIENT[0]} {tid} is trapping on an int3 {where}"
             if self._interrupted_inside(regs, lo - 1, hi, stack_size):
-                return f"{TRANSIENT[1]} {tid} would return there"
+                return f"{TRANSIENT[1]} {tid} would return {where}"
         return None
 
     def _interrupted_inside(self, regs: dict[str, int], start: int, end: int, stack_size: int) -> bool:

@@ -34,7 +34,7 @@ from qprobe.errors import (
     QprobeError,
     SymbolError,
 )
-from qprobe.kernel.preempted import PREEMPTED_WAIT
+from qprobe.kernel.preempted import PREEMPTED_WAIT, wait_preempted_out
 from qprobe.kernel.program import KernelData
 from qprobe.kernel.reserved import ReservedText
 from qprobe.vmm.machine import Machine
@@ -399,20 +399,16 @@ class KprobeManager:
         grace period).  Past ``PREEMPTED_WAIT`` the area stays mapped, with
         the undo journal for a later attach to unmap it.
         """
-        deadline = time.monotonic() + PREEMPTED_WAIT
         scratch = self.scratch
 
         def held_in_scratch() -> str | None:
             return self.optimizer.preempted_in(scratch.base, scratch.base + scratch.mapped_size)
 
-        while scratch.mapped:
-            held = self.machine.call(held_in_scratch)
-            if held is None:
-                return
-            if time.monotonic() > deadline:
-                self.optimizer.close()
-                raise ProbeError(f"qprobe's scratch area stays mapped: after {PREEMPTED_WAIT:g} s {held}")
-            time.sleep(grace)
+        held = wait_preempted_out(lambda: self.machine.call(held_in_scratch) if scratch.mapped else None,
+                                  lambda: time.sleep(grace))  # fmt: skip
+        if held is not None:
+            self.optimizer.close()
+            raise ProbeError(f"qprobe's scratch area stays mapped: after {PREEMPTED_WAIT:g} s {held}")
 
     def evacuate(self) -> None:
         """Step every vCPU whose ip is inside the scratch area until it is out (stop loop)."""

@@ -21,7 +21,7 @@ import time
 from qprobe.arch import Arch, Resume, ResumeKind, TrapHook
 from qprobe.errors import QprobeError
 from qprobe.kernel.features import find_watch_site, int3_entry, int3_path, thread_size
-from qprobe.kernel.preempted import PREEMPTED_WAIT, first_inside, preempted_words
+from qprobe.kernel.preempted import PREEMPTED_WAIT, first_inside, preempted_words, wait_preempted_out
 from qprobe.kernel.program import KernelData
 from qprobe.vmm.gdbremote import GdbRemote
 from qprobe.vmm.journal import Journal, JournalError, Patch
@@ -156,26 +156,26 @@ class _Recovery:
         for off, data in self.arch.mailbox_answer({}, cont, req.final_sp):
             self.gdb.write_memory(mb + off, data)
 
-    def preempted_inside(self, last: bool) -> int | None:
-        """An address in the area on a sleeping task's stack (it could resume there), or None.
-
-        Raises QprobeError on the ``last`` try: the area then stays mapped, and so does the journal.
-        """
+    def preempted_inside(self) -> str | None:
+        """What could still resume in the area: a sleeping task whose stack points into it; or None."""
         if self.scratch is None:
             return None
         try:
             words = preempted_words(self.kernel, thread_size(self.kernel))
         except QprobeError as exc:
-            if last:
-                raise QprobeError(
-                    f"qprobe's scratch area stays mapped: the tasks' stacks cannot be read: {exc}"
-                ) from None
-            return self.scratch  # cannot tell yet
+            return f"the tasks' stacks cannot be read: {exc}"  # cannot tell yet
         hit = first_inside(words, self.scratch, self.scratch + self.scratch_size)
-        if hit is not None and last:
-            raise QprobeError(f"a preempted task's stack still holds {hit:#x}, inside qprobe's scratch area: "
-                              f"it stays mapped after {PREEMPTED_WAIT:g} s")  # fmt: skip
-        return hit
+        return None if hit is None else f"a preempted task's stack holds {hit:#x}"
+
+    def let_run(self, vcpus: list[str]) -> None:
+        """Run the guest a moment: contexts interrupted (or preempted) inside the area return to the kernel
+        text; then step out the vCPUs still in it."""
+        self.gdb.cont()
+        time.sleep(GRACE)
+        self.gdb.interrupt()
+        self.gdb.wait_stop()
+        for cpu, tid in enumerate(vcpus):
+            self.evacuate(tid, cpu)
 
     def evacuate(self, tid: str, cpu: int) -> None:
         for _ in range(100_000):
@@ -232,18 +232,10 @@ def recover(gdb: GdbRemote, kernel: KernelData, arch: Arch, journal: Journal, fu
     if pmd:
         for cpu, tid in enumerate(vcpus):
             r.evacuate(tid, cpu)
-        # Let contexts interrupted inside the area return to the kernel text first.
-        deadline = time.monotonic() + PREEMPTED_WAIT
-        while True:
-            gdb.cont()
-            time.sleep(GRACE)
-            gdb.interrupt()
-            gdb.wait_stop()
-            for cpu, tid in enumerate(vcpus):
-                r.evacuate(tid, cpu)
-            held = r.preempted_inside(time.monotonic() > deadline) if fully_preemptible else None
-            if held is None:
-                break
+        r.let_run(vcpus)
+        held = wait_preempted_out(r.preempted_inside, lambda: r.let_run(vcpus)) if fully_preemptible else None
+        if held is not None:
+            raise QprobeError(f"qprobe's scratch area stays mapped: after {PREEMPTED_WAIT:g} s {held}")
         gdb.set_physical(True)
         for p in pmd:
             if gdb.read_memory(p.phys, len(p.new)) == p.new:

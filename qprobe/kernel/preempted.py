@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import bisect
 import struct
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import drgn
 from drgn.helpers.linux.cpumask import for_each_online_cpu
@@ -31,6 +32,21 @@ from qprobe.kernel.program import KernelData
 # Seconds qprobe waits, when it gives up its scratch area (remove_all, recovery), for tasks preempted
 # in the area to leave it; past that the area stays mapped, with the undo journal.
 PREEMPTED_WAIT = 10.0
+
+
+def wait_preempted_out(held: Callable[[], str | None], let_run: Callable[[], None]) -> str | None:
+    """Before an area is given up: until ``held()`` (VM stopped) finds nothing that could resume there,
+    ``let_run()`` lets the guest run so that preempted tasks get the CPU and leave it.
+
+    None once nothing is held; else what still was after ``PREEMPTED_WAIT``
+    seconds, and the caller keeps the area mapped, with the undo journal.
+    """
+    deadline = time.monotonic() + PREEMPTED_WAIT
+    while (now := held()) is not None:
+        if time.monotonic() > deadline:
+            return now
+        let_run()
+    return None
 
 
 def live_span(stack: int, sp: int, size: int) -> tuple[int, int]:
@@ -84,4 +100,12 @@ def preempted_words(kernel: KernelData, stack_size: int) -> list[int]:
     return sorted(words)
 
 
-__all__ = ["PREEMPTED_WAIT", "first_inside", "live_span", "preempted_words", "running_tasks", "words_of"]
+__all__ = [
+    "PREEMPTED_WAIT",
+    "first_inside",
+    "live_span",
+    "preempted_words",
+    "running_tasks",
+    "wait_preempted_out",
+    "words_of",
+]

@@ -6,6 +6,7 @@ import struct
 
 import pytest
 
+from qprobe.kernel import preempted
 from qprobe.kernel.preempted import first_inside, live_span, words_of
 
 STACK = 0xFFFF_C900_0001_0000
@@ -52,3 +53,27 @@ def test_the_live_part_of_a_sleeping_tasks_stack_starts_at_its_saved_sp() -> Non
 def test_stack_bytes_become_little_endian_words() -> None:
     data = struct.pack("<3Q", START + 3, 0, 2**64 - 1) + b"\x01\x02"
     assert words_of(data) == [START + 3, 0, 2**64 - 1]
+
+
+def test_an_area_is_given_up_once_nothing_holds_it_and_kept_past_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """wait_preempted_out, as remove_all and recovery use it: look (VM stopped), let the guest run, look again."""
+    clock = [0.0]
+    monkeypatch.setattr(preempted.time, "monotonic", lambda: clock[0])
+    calls: list[str] = []
+
+    def run() -> None:
+        calls.append("run")
+        clock[0] += 4.0
+
+    answers = iter(["a preempted task's stack holds 0x1", "a preempted task's stack holds 0x2", None])
+
+    def look() -> str | None:
+        calls.append("look")
+        return next(answers)
+
+    assert preempted.wait_preempted_out(look, run) is None
+    assert calls == ["look", "run", "look", "run", "look"]  # the guest runs only between looks that found something
+    clock[0] = 0.0
+    still = "a preempted task's stack holds 0x3"
+    assert preempted.wait_preempted_out(lambda: still, run) == still
+    assert clock[0] > preempted.PREEMPTED_WAIT

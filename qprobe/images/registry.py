@@ -269,6 +269,13 @@ def _base_key(path: Path) -> bytes:
     return f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()
 
 
+def _extra_file(base: Path, kind: str, files: Mapping[str, str | Path]) -> tuple[dict[PurePosixPath, Path], Path]:
+    """The checked files, and the cache file that holds ``base`` with them added (``KIND-DIGEST.img``)."""
+    checked, key = _files_key(files)
+    digest = hashlib.sha256(_base_key(base) + key.encode()).hexdigest()[:16]
+    return checked, cache.subdir("extra") / f"{kind}-{digest}.img"
+
+
 def initrd_with_files(image: Image, files: Mapping[str, str | Path]) -> Path:
     """The image's initrd with host files added at guest paths (cached file).
 
@@ -278,10 +285,7 @@ def initrd_with_files(image: Image, files: Mapping[str, str | Path]) -> Path:
     """
     if image.initrd is None:
         raise ImageError(f"image {image.name!r} boots from a disk: use with_files() or disk_with_files()")
-    checked, key = _files_key(files)
-    directory = cache.subdir("extra")
-    digest = hashlib.sha256(_base_key(image.initrd) + key.encode()).hexdigest()[:16]
-    dest = directory / f"initrd-{digest}.img"
+    checked, dest = _extra_file(image.initrd, "initrd", files)
     if dest.is_file():
         cache.touch(dest)
         return dest
@@ -290,7 +294,7 @@ def initrd_with_files(image: Image, files: Mapping[str, str | Path]) -> Path:
         shutil.copyfileobj(src, out, 1 << 20)
         out.write(b"\0" * (-out.tell() % 4))
         out.write(extra)
-    cache.prune(directory, "initrd-*.img", keep=_KEEP_EXTRA, protect=[dest])
+    cache.prune(dest.parent, "initrd-*.img", keep=_KEEP_EXTRA, protect=[dest])
     return dest
 
 
@@ -334,10 +338,7 @@ def disk_with_files(image: Image, files: Mapping[str, str | Path]) -> Path:
     """
     if image.disk is None:
         raise ImageError(f"image {image.name!r} has no disk: use initrd_with_files()")
-    checked, key = _files_key(files)
-    directory = cache.subdir("extra")
-    digest = hashlib.sha256(_base_key(image.disk) + key.encode()).hexdigest()[:16]
-    dest = directory / f"disk-{digest}.img"
+    checked, dest = _extra_file(image.disk, "disk", files)
     if dest.is_file():
         cache.touch(dest)
         return dest
@@ -367,7 +368,7 @@ def disk_with_files(image: Image, files: Mapping[str, str | Path]) -> Path:
         if proc.returncode != 0 or failed:
             detail = failed[0] if failed else proc.stderr.strip()
             raise ImageError(f"debugfs could not write files into a copy of {image.disk}: {detail}")
-    cache.prune(directory, "disk-*.img", keep=_KEEP_EXTRA, protect=[dest])
+    cache.prune(dest.parent, "disk-*.img", keep=_KEEP_EXTRA, protect=[dest])
     return dest
 
 

@@ -23,10 +23,10 @@ from iced_x86 import Code, Instruction, Register
 
 from qprobe.arch.inguest import And, GuestFilter, Not, Or, Pred
 from qprobe.arch.x86_64.detour import _mem, _r, encode_detour
+from qprobe.arch.x86_64.ptregs import GDB_NAME, PT_GPRS, PT_NAME
 
 # The registers a filter may compare (pt_regs names): RegisterLayout.general.
-GPRS = ("ax", "bx", "cx", "dx", "si", "di", "bp", "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15")
-_R64 = {name: "r" + name for name in GPRS[:7]}  # pt_regs' "ax" is rax
+GPRS = tuple(PT_NAME[g] for g in PT_GPRS)
 # op -> (signed jcc, unsigned jcc) taken when the predicate holds
 _JCC = {
     "==": (Code.JE_REL32_64, Code.JE_REL32_64), "!=": (Code.JNE_REL32_64, Code.JNE_REL32_64),
@@ -79,7 +79,7 @@ class _Compiler:
         elif p.reg == "dx":
             self.code.append(c.create_reg_mem(Code.MOV_R64_RM64, Register.RAX, _mem("rsp", 0)))
         else:
-            self.code.append(c.create_reg_reg(Code.MOV_R64_RM64, Register.RAX, _r(_R64.get(p.reg, p.reg))))
+            self.code.append(c.create_reg_reg(Code.MOV_R64_RM64, Register.RAX, _r(GDB_NAME.get(p.reg, p.reg))))
         const = p.const & ((1 << p.bits) - 1)
         self.code.append(c.create_reg_u64(Code.MOV_R64_IMM64, Register.RDX, const))
         if p.op == "&":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 
 from qprobe.arch import Arch, Resume, ResumeKind, TrapHook
 from qprobe.errors import QprobeError
@@ -110,8 +111,7 @@ class _Recovery:
             if not trap.user and (trap.addr in self.int3s or slot is not None):
                 # On the int3 itself, or on the one after a trap-step's copy: the copy ran, so on past it.
                 ip, flags = slot or (trap.addr, trap.flags)
-                back = Resume(ResumeKind.CONTINUE, ip, trap.sp, flags, trap.restore)
-                self.gdb.write_registers(tid, arch.resume_registers(back))
+                self.resume_at(tid, ip, trap.sp, flags, trap.restore)
                 return self.gdb.read_registers(tid)
         return regs
 
@@ -126,19 +126,25 @@ class _Recovery:
             slot = self.from_slot(trap.addr, trap.flags)
             if trap.addr in self.int3s or slot is not None:
                 ip, flags = slot or (trap.addr, trap.flags)
-                self.gdb.write_registers(tid, arch.resume_registers(Resume(ResumeKind.CONTINUE, ip, trap.sp, flags)))
+                self.resume_at(tid, ip, trap.sp, flags)
             elif trap.addr == self.trampoline and trap.sp - 8 in self.retaddrs:
-                back = Resume(ResumeKind.CONTINUE, self.retaddrs[trap.sp - 8], trap.sp, trap.flags)
-                self.gdb.write_registers(tid, arch.resume_registers(back))
+                self.resume_at(tid, self.retaddrs[trap.sp - 8], trap.sp, trap.flags)
         elif rip == self.trampoline and sp - 8 in self.retaddrs:
-            self.gdb.write_registers(tid, arch.resume_registers(Resume(ResumeKind.CONTINUE, self.retaddrs[sp - 8])))
+            self.resume_at(tid, self.retaddrs[sp - 8])
         elif self.guest.get(sp - 8, (None,))[0] == rip:  # about to enter its instance's trampoline
-            self.gdb.write_registers(tid, arch.resume_registers(Resume(ResumeKind.CONTINUE, self.guest[sp - 8][1])))
+            self.resume_at(tid, self.guest[sp - 8][1])
         else:
             slot = self.from_slot(rip, arch.flags(regs))
             if slot is not None:
                 ip, flags = slot
-                self.gdb.write_registers(tid, arch.resume_registers(Resume(ResumeKind.CONTINUE, ip, flags=flags)))
+                self.resume_at(tid, ip, flags=flags)
+
+    def resume_at(self, tid: str, ip: int, sp: int | None = None, flags: int | None = None,
+                  restore: Mapping[str, int] | None = None) -> None:  # fmt: skip
+        """Send a vCPU on at ``ip``: the one place recovery writes a vCPU's registers."""
+        self.gdb.write_registers(
+            tid, self.arch.resume_registers(Resume(ResumeKind.CONTINUE, ip, sp, flags, restore or {}))
+        )
 
     def answer_mailbox(self, cpu: int) -> None:
         """Release a vCPU waiting in the stub: resume at its detour's continue label."""

@@ -19,6 +19,9 @@ from iced_x86 import Code, OpKind, Register
 
 from qprobe.arch.x86_64.decode import Insn
 from qprobe.arch.x86_64.ptregs import (
+    GDB_NAME,
+    PT_GPRS,
+    PT_NAMES,
     X86_EFLAGS_CF,
     X86_EFLAGS_IF,
     X86_EFLAGS_OF,
@@ -81,18 +84,8 @@ class Memory(Protocol):
     def write(self, addr: int, data: bytes) -> None: ...
 
 
-#: iced register -> pt_regs-style attribute name (Linux's addrmode_regoffs).
-_REG_ATTR: dict[int, str] = {
-    Register.RAX: "ax",
-    Register.RCX: "cx",
-    Register.RDX: "dx",
-    Register.RBX: "bx",
-    Register.RSP: "sp",
-    Register.RBP: "bp",
-    Register.RSI: "si",
-    Register.RDI: "di",
-    **{getattr(Register, f"R{n}"): f"r{n}" for n in range(8, 16)},
-}
+#: iced register -> pt_regs field (Linux's addrmode_regoffs): the general registers and sp, named in ptregs.
+_REG_ATTR: dict[int, str] = {getattr(Register, GDB_NAME[pt].upper()): pt for pt in (*PT_NAMES[: len(PT_GPRS)], "sp")}
 
 
 #: Code -> (Linux's ainsn.loop.type: 0 loopne, 1 loope, 2 loop, 3 jcxz; address size).

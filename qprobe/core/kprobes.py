@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from qprobe.arch import Arch
@@ -37,6 +38,7 @@ from qprobe.errors import (
 from qprobe.kernel.preempted import PREEMPTED_WAIT, wait_preempted_out
 from qprobe.kernel.program import KernelData
 from qprobe.kernel.reserved import ReservedText
+from qprobe.vmm.journal import Patch
 from qprobe.vmm.machine import Machine
 from qprobe.vmm.scratch import ScratchArea
 
@@ -69,6 +71,9 @@ class KprobeManager:
         self.vcpu_index = {tid: i for i, tid in enumerate(machine.vcpus)}
         self.enabled = True  # debugfs kprobes/enabled
         self.touched: set[int] = set()  # every address we ever put an int3 at
+        # address -> original byte under every int3 and jump of a point (what ``patched`` returns), kept
+        # as they are placed and removed: rebuilding it per call made a batch of N probes O(N**2).
+        self._text: dict[int, int] = {}
         # int3s in the scratch area that are not probes: the kretprobe trampoline.
         self.trampolines: dict[int, Trampoline] = {}
         self.kernel = kernel  # the kernel's data through drgn
@@ -160,18 +165,29 @@ class KprobeManager:
             bug_entry = None  # no debug info: BUG sites are not known
         return ReservedText(self.symbols, lambda a, n: self.machine.mem.read(a, n), bug_entry)
 
-    def patched(self) -> dict[int, int]:
-        """address -> original byte of everything we changed in kernel text."""
-        out = {a: p.int3.old[0] for a, p in self.points.items() if p.int3 is not None}
-        for p in self.points.values():
-            if p.opt is not None:
-                out.update({p.addr + i: b for i, b in enumerate(p.opt.jmp.old)})
-        return out
+    def patched(self) -> Mapping[int, int]:
+        """address -> original byte of everything we changed in kernel text (a live, read-only view)."""
+        return MappingProxyType(self._text)
+
+    def patch_text(self, addr: int, data: bytes, what: str, slot: int = 0) -> Patch:
+        """An int3 or a jump of a point written into kernel text (stop loop), its old bytes noted."""
+        p = self.machine.patch(addr, data, what, slot)
+        self._text.update(zip(range(addr, addr + len(p.old)), p.old, strict=True))
+        return p
+
+    def unpatch_text(self, p: Patch) -> None:
+        """``patch_text`` undone."""
+        self.machine.unpatch(p)
+        for a in range(p.virt, p.virt + len(p.old)):
+            del self._text[a]
 
     def original(self, addr: int, size: int) -> bytes:
         """Kernel text as it was before qprobe touched it."""
-        patched = self.patched()
-        return bytes(patched.get(addr + i, b) for i, b in enumerate(self.machine.mem.read(addr, size)))
+        text = self._text
+        code = self.machine.mem.read(addr, size)
+        if not any(a in text for a in range(addr, addr + size)):
+            return code
+        return bytes(text.get(addr + i, b) for i, b in enumerate(code))
 
     def quarantine(self, addr: int) -> None:
         self._quarantine.append(addr)
@@ -348,9 +364,9 @@ class KprobeManager:
         if want and not point.armed:
             self.dispatcher.install()
             self.touched.add(point.addr)
-            point.int3 = self.machine.patch(point.addr, self.arch.breakpoint, "int3", point.prep.slot_addr)
+            point.int3 = self.patch_text(point.addr, self.arch.breakpoint, "int3", point.prep.slot_addr)
         elif not want and point.int3 is not None:
-            self.machine.unpatch(point.int3)
+            self.unpatch_text(point.int3)
             point.int3 = None
 
     def drain(self) -> None:

@@ -23,6 +23,7 @@ RCU-tasks grace period, until no sleeping task's stack points into it
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import math
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
     from qprobe.kernel.program import KernelData
     from qprobe.kernel.reserved import ReservedText
     from qprobe.kernel.symbols import Symbols
+    from qprobe.vmm.journal import Patch
     from qprobe.vmm.machine import Machine
     from qprobe.vmm.scratch import ScratchArea
 
@@ -117,11 +119,39 @@ class ProbeTable(Protocol):
     @property
     def reserved(self) -> ReservedText: ...
     def original(self, addr: int, size: int) -> bytes: ...
-    def patched(self) -> dict[int, int]: ...
+    def patched(self) -> Mapping[int, int]: ...
+    def patch_text(self, addr: int, data: bytes, what: str, slot: int = 0) -> Patch: ...
+    def unpatch_text(self, p: Patch) -> None: ...
     def quarantine(self, addr: int) -> None: ...
     def make_regs(self, values: Mapping[str, int], tid: str) -> PtRegs: ...
     def arriving(self, regs: Mapping[str, int]) -> int | None: ...
     def trap_step_returns(self) -> dict[str, int]: ...
+
+
+@dataclasses.dataclass
+class VcpuView:
+    """One vCPU as the jump checks see it during one VM stop (nothing moves until the VM runs again)."""
+
+    tid: str
+    ip: int
+    trapped: int | None  # a trap still to be dispatched: the int3's address (KprobeManager.arriving)
+    # Every word of its running stack and its task's stack, sorted (an interrupted context's return
+    # address is among them); None when they cannot be read, empty in user mode.
+    words: list[int] | None
+
+
+@dataclasses.dataclass
+class RoundView:
+    """What every point's jump check reads in one optimizer round, read once for the round.
+
+    A round checks every queued point in one VM stop; reading the vCPUs'
+    registers and stacks (two gdbstub round trips and 32 KiB of RAM per vCPU)
+    for each point made a round over 1,000 points take seconds.
+    """
+
+    vcpus: list[VcpuView] | None  # None until first needed
+    points: list[int]  # the probe table's addresses, sorted
+    resume_targets: list[int]  # KprobeManager.resume_targets' addresses, sorted (kept so as jumps are placed)
 
 
 class Optimizer:
@@ -162,6 +192,7 @@ class Optimizer:
         self._thread_size = 0  # the kernel's THREAD_SIZE, once looked up (stack_size)
         # Fully preemptible kernels: the sleeping tasks' live stack words, read once per VM stop that needs them.
         self._preempted: list[int] | None = None
+        self._round: RoundView | None = None  # while a round runs (_optimize_queued)
         self.errors: list[str] = []  # what went wrong off the stop loop (doorbell, collector)
         self._stop = False
         # Without shared RAM nothing below runs: probes stay int3s.
@@ -334,23 +365,31 @@ class Optimizer:
         """Optimize what has been queued a grace period; the list keeps what a later attempt may still optimize."""
         now, grace = time.monotonic(), max(OPTIMIZE_DELAY, RESUME_GRACE)
         self._preempted = None  # the tasks have run since the last round
+        self._round = RoundView(None, sorted(self.kp.points), sorted(self.kp.resume_targets))
         with self.machine.journal.batch():  # every jump of the round journaled in one write
-            for a, since in list(self.optimizing_list.items()):
-                if now - since < grace:
-                    continue  # queued by another caller since: its own grace period is not over
-                point = self.kp.points.get(a)
-                if (
-                    point is None
-                    or point.opt is not None
-                    or not point.armed
-                    or self.optimize(point)
-                    or point.not_optimized is None
-                    or not self.transient(point.not_optimized)
-                ):
-                    del self.optimizing_list[a]
-                    if point is not None:
-                        point.optimizing = False  # boosted again, if it stays an int3
+            try:
+                self._optimize_round(now, grace)
+            finally:
+                self._round = None
         return list(self.optimizing_list)
+
+    def _optimize_round(self, now: float, grace: float) -> None:
+        """One round's attempts, in the VM stop of ``_optimize_queued``."""
+        for a, since in list(self.optimizing_list.items()):
+            if now - since < grace:
+                continue  # queued by another caller since: its own grace period is not over
+            point = self.kp.points.get(a)
+            if (
+                point is None
+                or point.opt is not None
+                or not point.armed
+                or self.optimize(point)
+                or point.not_optimized is None
+                or not self.transient(point.not_optimized)
+            ):
+                del self.optimizing_list[a]
+                if point is not None:
+                    point.optimizing = False  # boosted again, if it stays an int3
 
     # -- optimizing (stop loop) -------------------------------------------------------
     @property
@@ -385,10 +424,13 @@ class Optimizer:
         reserved = self.kp.reserved.conflict(point.addr + 1, end - 1)
         if reserved is not None:  # copy_optimized_instructions' *_text_reserved checks
             return f"the displaced instructions hold {reserved}"
-        if any(point.addr < a < end for a in self.kp.points):
+        view = self._round or RoundView(None, sorted(self.kp.points), sorted(self.kp.resume_targets))
+        if first_inside(view.points, point.addr + 1, end) is not None:
             return "another probe lies in the region"
         now = time.monotonic()
-        back = [t for a, t in self.kp.resume_targets.items() if point.addr < a < end]
+        targets = view.resume_targets
+        i, j = bisect.bisect_right(targets, point.addr), bisect.bisect_left(targets, end)
+        back = [self.kp.resume_targets[a] for a in targets[i:j]]
         if any(t == math.inf for t in back):
             # A detour (perhaps already removed) jumps back there.
             return "out-of-line code returns into the region"
@@ -403,7 +445,9 @@ class Optimizer:
             stack_size = self.stack_size
         except SymbolError as exc:  # a missing fact, not a moment's obstacle
             return f"interrupted contexts cannot be found: {exc}"
-        held = self._held_on_vcpus(point.addr + 1, end, stack_size, "inside the region", trapping=True)
+        if view.vcpus is None:
+            view.vcpus = self._vcpu_views(stack_size)
+        held = self._held_on_vcpus(view.vcpus, point.addr + 1, end, "inside the region", trapping=True)
         if held is not None:
             return held
         if self.kp.fully_preemptible:
@@ -438,51 +482,59 @@ class Optimizer:
         hit = first_inside(words, lo, hi)
         if hit is not None:
             return f"{TRANSIENT[3]}'s stack holds {hit:#x}"
-        return self._held_on_vcpus(lo, hi, stack_size, f"inside [{lo:#x}, {hi:#x})")
+        return self._held_on_vcpus(self._vcpu_views(stack_size), lo, hi, f"inside [{lo:#x}, {hi:#x})")
 
-    def _held_on_vcpus(self, lo: int, hi: int, stack_size: int, where: str, trapping: bool = False) -> str | None:
+    def _held_on_vcpus(self, vcpus: list[VcpuView], lo: int, hi: int, where: str,
+                       trapping: bool = False) -> str | None:  # fmt: skip
         """What on a vCPU could still run code in [lo, hi) (stop loop), or None.
 
         Its ip; with ``trapping``, a trap still to be dispatched (if its probe
         is gone it resumes at the int3's address); a context interrupted on it.
         """
-        for tid in self.machine.vcpus:
-            regs = self.machine.gdb.read_registers(tid)
-            if lo <= self.arch.ip(regs) < hi:
-                return f"{TRANSIENT[0]} {tid} is {where}"
-            trapped = self.kp.arriving(regs) if trapping else None
-            if trapped is not None and lo <= trapped < hi:
-                return f"{TRANSIENT[0]} {tid} is trapping on an int3 {where}"
-            if self._interrupted_inside(regs, lo - 1, hi, stack_size):
-                return f"{TRANSIENT[1]} {tid} would return {where}"
+        for vcpu in vcpus:
+            if lo <= vcpu.ip < hi:
+                return f"{TRANSIENT[0]} {vcpu.tid} is {where}"
+            if trapping and vcpu.trapped is not None and lo <= vcpu.trapped < hi:
+                return f"{TRANSIENT[0]} {vcpu.tid} is trapping on an int3 {where}"
+            if vcpu.words is None or first_inside(vcpu.words, lo, hi) is not None:
+                return f"{TRANSIENT[1]} {vcpu.tid} would return {where}"
         return None
 
-    def _interrupted_inside(self, regs: dict[str, int], start: int, end: int, stack_size: int) -> bool:
-        """Could an interrupted context on this vCPU return into (start, end)?
+    def _vcpu_views(self, stack_size: int) -> list[VcpuView]:
+        """Every vCPU as the checks see it in this VM stop: registers and stacks read once."""
+        out = []
+        for tid in self.machine.vcpus:
+            regs = self.machine.gdb.read_registers(tid)
+            out.append(VcpuView(tid, self.arch.ip(regs), self.kp.arriving(regs), self._stack_words(regs, stack_size)))
+        return out
+
+    def _stack_words(self, regs: dict[str, int], stack_size: int) -> list[int] | None:
+        """Where an interrupted context on this vCPU could return to: its stacks' words, sorted.
 
         An interrupt taken inside the region leaves its return address in a
         pt_regs frame: on the task's stack, or on the IRQ stack the vCPU runs on
         now.  The kernel waits for an RCU-tasks grace period instead; we look:
         every qword of the running stack and of the current task's stack that
         points strictly inside the region counts (a false match only delays).
+        None: the stacks cannot be read (do not optimize now).
         """
         if self.arch.user_mode(regs):
-            return False  # user mode: no kernel context is interrupted on this vCPU
+            return []  # user mode: no kernel context is interrupted on this vCPU
         mem, sp = self.machine.mem, self.arch.sp(regs)
         stacks = [(sp & ~7, (sp | (stack_size - 1)) + 1)]
         try:
             base = self.kp.kernel.current(self.arch.percpu_base(regs)).stack.value_()
             stacks.append((base, base + stack_size))
         except (QprobeError, drgn.FaultError):
-            return True  # cannot tell: do not optimize now
+            return None
+        words: list[int] = []
         for lo, hi in stacks:
             try:
                 data = mem.read(lo, hi - lo)
             except QprobeError:
-                return True
-            if any(start < v < end for v in struct.unpack(f"<{len(data) // 8}Q", data)):
-                return True
-        return False
+                return None
+            words += struct.unpack(f"<{len(data) // 8}Q", data)
+        return sorted(words)
 
     def why_not_kept(self, point: ProbePoint) -> str | None:
         """Why an optimized point must go back to an int3 (a post_handler arrived, the knob is off)."""
@@ -518,11 +570,13 @@ class Optimizer:
             seen[probe_id] = self._read_counter(array, probe_id)
         # Swap the int3 for the jump while every vCPU is stopped.
         assert point.int3 is not None
-        self.machine.unpatch(point.int3)
+        self.kp.unpatch_text(point.int3)
         point.int3 = None
-        jmp = self.machine.patch(point.addr, self.arch.arch_optimize_kprobes(point.addr, detour), "optjmp", detour)
+        jmp = self.kp.patch_text(point.addr, self.arch.arch_optimize_kprobes(point.addr, detour), "optjmp", detour)
         point.opt = Optimized(probe_id, detour, size, jmp, continue_addr, params.kind, params.tables)
         self.kp.resume_targets[point.addr + size] = math.inf
+        if self._round is not None:
+            bisect.insort(self._round.resume_targets, point.addr + size)
         self.by_id[probe_id] = point
         return True
 
@@ -556,7 +610,7 @@ class Optimizer:
             return
         # Counters folded and records delivered while the point is still what they belong to.
         self.sync_missed(point, opt)
-        self.machine.unpatch(opt.jmp)
+        self.kp.unpatch_text(opt.jmp)
         point.opt = None
         self.by_id.pop(opt.probe_id, None)
         # A vCPU stopped inside the record stub publishes after this: recognise its id a while longer.

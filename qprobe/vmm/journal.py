@@ -85,6 +85,7 @@ class Journal:
         self.log_path = self.path.with_suffix(".log")
         self._log: int | None = None
         self._batched = 0  # depth of batch() contexts
+        self._batch_changed = False  # a patch recorded or forgotten since the outermost batch began
         # The stop loop and the doorbell thread (kretprobe return addresses) both record patches.
         self._lock = threading.Lock()
 
@@ -182,6 +183,7 @@ class Journal:
 
     def record(self, patch: Patch) -> None:
         if self._batched:
+            self._batch_changed = True
             self.record_often(patch)
             return
         self.patches[patch.phys] = patch
@@ -189,6 +191,7 @@ class Journal:
 
     def forget(self, phys: int) -> None:
         if self._batched:
+            self._batch_changed = True
             self.forget_often(phys)
         elif self.patches.pop(phys, None) is not None:
             self._save()
@@ -198,13 +201,16 @@ class Journal:
         """Many patches at once (a batch of probes): one appended line each, one snapshot at the end.
 
         A snapshot per patch made registering N probes O(N**2) in JSON (minutes for a thousand).
+        A batch that changed nothing (an optimizer round that placed no jump) writes nothing.
         """
+        if not self._batched:
+            self._batch_changed = False
         self._batched += 1
         try:
             yield
         finally:
             self._batched -= 1
-            if not self._batched:
+            if not self._batched and self._batch_changed:
                 self._save()
 
     def clear(self) -> None:

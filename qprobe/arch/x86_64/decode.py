@@ -178,10 +178,16 @@ def recover_bytes(code: bytes, start: int, patched: Mapping[int, int] | None) ->
     if not patched:
         return code
     buf = bytearray(code)
-    for addr, orig in patched.items():
-        off = addr - start
-        if 0 <= off < len(buf):
-            buf[off] = orig
+    if len(patched) < len(buf):
+        for addr, orig in patched.items():
+            off = addr - start
+            if 0 <= off < len(buf):
+                buf[off] = orig
+    else:  # a thousand probes' bytes against one function's: look up the function's addresses instead
+        for off in range(len(buf)):
+            orig = patched.get(start + off)
+            if orig is not None:
+                buf[off] = orig
     return bytes(buf)
 
 

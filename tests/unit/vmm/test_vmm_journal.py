@@ -244,3 +244,17 @@ def test_a_new_session_never_appends_to_an_old_log(cache: Path) -> None:
     later = Journal("id")  # recovery ran and found nothing to restore (say, the stack had moved on)
     later.record_often(new)
     assert Journal("id").load() == [new]
+
+
+def test_a_batch_that_changed_nothing_writes_nothing(cache: Path) -> None:
+    j = Journal("id")
+    with j.batch():
+        j.record(INT3)
+    assert Journal("id").load() == [INT3]
+    j.path.unlink()  # a marker: only a save writes the file again
+    with j.batch():  # an optimizer round that placed no jump
+        pass
+    assert not j.path.exists()
+    with j.batch():
+        j.forget(INT3.phys)
+    assert j.path.exists() and Journal("id").load() == []

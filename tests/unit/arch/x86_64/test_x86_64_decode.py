@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from qprobe.arch.x86_64.decode import check_boundary, decode_all, decode_one, skip_prefixes
+from qprobe.arch.x86_64.decode import check_boundary, decode_all, decode_one, recover_bytes, skip_prefixes
 from qprobe.errors import CannotProbe, NotInstructionBoundary
 
 START = 0xFFFFFFFF81234000
@@ -133,3 +133,13 @@ def test_check_boundary_invalid_before_addr() -> None:
 )
 def test_skip_prefixes(hexcode: str, offset: int) -> None:
     assert skip_prefixes(bytes.fromhex(hexcode)) == offset
+
+
+def test_recover_bytes_reads_the_same_from_a_few_patches_or_from_many() -> None:
+    start = 0xFFFF_FFFF_8100_0000
+    code = bytes([0xCC, 0x89, 0xE5, 0xCC])
+    mine = {start: 0x55, start + 3: 0xC3}
+    far = {start + 0x1000 + i: 0x90 for i in range(10)}  # other functions' int3s: more than the function's bytes
+    assert recover_bytes(code, start, mine) == bytes([0x55, 0x89, 0xE5, 0xC3])
+    assert recover_bytes(code, start, {**mine, **far}) == bytes([0x55, 0x89, 0xE5, 0xC3])
+    assert recover_bytes(code, start, far) == code

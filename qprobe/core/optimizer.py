@@ -43,7 +43,7 @@ from qprobe.core.records import RECORDING, RecordRings
 from qprobe.errors import QprobeError, SymbolError, TargetGone
 from qprobe.kernel.features import thread_size
 from qprobe.kernel.preempted import first_inside, preempted_words
-from qprobe.vmm.memory import SharedRam
+from qprobe.vmm.memory import MemoryFault, SharedRam
 from qprobe.vmm.qemu import DOORBELL_PORT
 
 if TYPE_CHECKING:
@@ -528,9 +528,19 @@ class Optimizer:
         except (QprobeError, drgn.FaultError):
             return None
         words: list[int] = []
-        for lo, hi in stacks:
+        for i, (lo, hi) in enumerate(stacks):  # the running stack first
             try:
                 data = mem.read(lo, hi - lo)
+            except MemoryFault as exc:
+                # The running stack ends at a guard page before its THREAD_SIZE boundary: an IRQ
+                # stack, vmapped page-aligned with a guard page after it (6.1's map_irq_stack in
+                # arch/x86/kernel/irq_64.c).  Its live part is all below the guard.
+                if not (i == 0 and lo < exc.addr < hi):
+                    return None
+                try:
+                    data = mem.read(lo, exc.addr - lo)
+                except QprobeError:
+                    return None
             except QprobeError:
                 return None
             words += struct.unpack(f"<{len(data) // 8}Q", data)

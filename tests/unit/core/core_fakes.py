@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 from qprobe.arch.x86_64.arch import X86_64
 from qprobe.core.regs import PtRegs
+from qprobe.vmm.memory import MemoryFault
 
 ARCH = X86_64()
 
@@ -17,6 +18,7 @@ class FlatMem:
 
     def __init__(self) -> None:
         self.bytes: dict[int, int] = {}
+        self.unmapped: set[int] = set()  # page addresses whose reads fault (guard pages)
 
     def pgd_of(self, cr3: int) -> int:
         return self.pgd
@@ -26,6 +28,9 @@ class FlatMem:
             self.bytes[addr + i] = b
 
     def read(self, addr: int, size: int, pgd: int | None = None) -> bytes:
+        for page in range(addr & ~0xFFF, addr + size, 0x1000):
+            if page in self.unmapped:
+                raise MemoryFault(max(page, addr))
         return bytes(self.bytes.get(addr + i, 0) for i in range(size))
 
     def read_u64(self, addr: int) -> int:

@@ -287,6 +287,21 @@ def test_a_return_address_at_the_regions_start_or_end_is_harmless(rig: Rig) -> N
     assert rig.opt.why_not(rig.point) is None
 
 
+def test_a_vcpu_on_an_irq_stack_that_ends_at_a_guard_page_is_read_up_to_it(rig: Rig) -> None:
+    """6.1's IRQ stacks are vmapped page-aligned: the THREAD_SIZE boundary above sp can lie past their guard page."""
+    irq_top = 0xFFFF_C900_0030_1000
+    rig.mem.unmapped.add(irq_top)
+    for i in range(len(rig.stub.vcpus)):
+        rig.vcpu(i, rsp=irq_top - 0x180)
+    assert rig.opt.why_not(rig.point) is None
+    rig.mem.fill(irq_top - 0x10, (PROBE + 3).to_bytes(8, "little"))  # an interrupted context's ip, on the IRQ stack
+    why = rig.opt.why_not(rig.point)
+    assert why is not None and why.startswith("a context interrupted") and rig.opt.transient(why)
+    rig.mem.unmapped.add(irq_top - 0x1000)  # the page sp is on: nothing can be read
+    why = rig.opt.why_not(rig.point)
+    assert why is not None and why.startswith("a context interrupted") and rig.opt.transient(why)
+
+
 def test_a_vcpu_in_user_mode_holds_no_kernel_context(rig: Rig) -> None:
     rig.mem.fill(TASK_STACK + 0x100, (PROBE + 3).to_bytes(8, "little"))
     for i in range(len(rig.stub.vcpus)):

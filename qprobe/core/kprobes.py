@@ -175,6 +175,12 @@ class KprobeManager:
         self._text.update(zip(range(addr, addr + len(p.old)), p.old, strict=True))
         return p
 
+    def repatch_text(self, p: Patch, data: bytes, what: str, slot: int = 0) -> Patch:
+        """An int3 of a point swapped for its jump in one write (stop loop)."""
+        new = self.machine.repatch(p, data, what, slot)
+        self._text.update(zip(range(new.virt, new.virt + len(new.old)), new.old, strict=True))
+        return new
+
     def unpatch_text(self, p: Patch) -> None:
         """``patch_text`` undone."""
         self.machine.unpatch(p)
@@ -269,9 +275,9 @@ class KprobeManager:
             kp.at = self.kprobe_addr(kp)
         addrs = [kp.at + 5 if self.ftrace_site(kp.at) else kp.at for kp in todo]
 
-        def register_all() -> None:
+        def register_all() -> bool:
             done: list[Kprobe] = []
-            with self.machine.journal.batch():
+            with self.machine.journal.batch(), self.scratch.combined():
                 try:
                     for kp, addr in zip(todo, addrs, strict=True):
                         self._register(kp, addr)
@@ -280,9 +286,10 @@ class KprobeManager:
                     for kp in reversed(done):
                         self._unregister(kp)
                     raise
+            return self.optimizer.enqueue(addrs)  # in the same stop
 
-        self.machine.call(register_all)
-        self.optimize_later(addrs)
+        if self.machine.call(register_all):
+            self.optimizer.kprobe_optimizer(addrs)
 
     def unregister_kprobe(self, kp: Kprobe) -> None:
         if not kp.registered:

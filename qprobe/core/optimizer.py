@@ -121,6 +121,7 @@ class ProbeTable(Protocol):
     def original(self, addr: int, size: int) -> bytes: ...
     def patched(self) -> Mapping[int, int]: ...
     def patch_text(self, addr: int, data: bytes, what: str, slot: int = 0) -> Patch: ...
+    def repatch_text(self, p: Patch, data: bytes, what: str, slot: int = 0) -> Patch: ...
     def unpatch_text(self, p: Patch) -> None: ...
     def quarantine(self, addr: int) -> None: ...
     def make_regs(self, values: Mapping[str, int], tid: str) -> PtRegs: ...
@@ -304,14 +305,12 @@ class Optimizer:
         is quarantined instead of freed after a quiescent period.
         """
         queued = list(addrs)
-        if not self.enabled or not queued:
-            return
-        self.machine.call(lambda: self._enqueue(queued))
-        self.kprobe_optimizer(queued)
+        if self.enabled and queued and self.machine.call(lambda: self.enqueue(queued)):
+            self.kprobe_optimizer(queued)
 
     def kprobe_optimizer(self, mine: list[int]) -> None:
         """Work the optimizing list in steps, as kernel/kprobes.c's kprobe_optimizer() does, until ``mine`` is done."""
-        # Step 1: the queued points are int3s whose hits are single-stepped, not boosted (_enqueue).
+        # Step 1: the queued points are int3s whose hits are single-stepped, not boosted (enqueue).
         # Step 2: a grace period, so that no context is left inside one of their boosted copies on
         # its way back into a region (the kernel's synchronize_rcu_tasks()).
         time.sleep(max(OPTIMIZE_DELAY, RESUME_GRACE))
@@ -354,19 +353,24 @@ class Optimizer:
                 left = list(self.optimizing_list)
             delay = min(max(delay, OPTIMIZE_DELAY) * 2, OPTIMIZE_MAX_DELAY) if left else OPTIMIZE_DELAY
 
-    def _enqueue(self, addrs: list[int]) -> None:
+    def enqueue(self, addrs: list[int]) -> bool:
+        """optimize_kprobe(): queue points for the jump (stop loop); False if nothing is (the knob is off)."""
+        if not self.enabled or not addrs:
+            return False
         for a in addrs:
             point = self.kp.points.get(a)
             if point is not None:
                 point.optimizing = True
                 self.optimizing_list.setdefault(a, time.monotonic())
+        return True
 
     def _optimize_queued(self) -> list[int]:
         """Optimize what has been queued a grace period; the list keeps what a later attempt may still optimize."""
         now, grace = time.monotonic(), max(OPTIMIZE_DELAY, RESUME_GRACE)
         self._preempted = None  # the tasks have run since the last round
         self._round = RoundView(None, sorted(self.kp.points), sorted(self.kp.resume_targets))
-        with self.machine.journal.batch():  # every jump of the round journaled in one write
+        # Every jump of the round journaled in one write, the detours written in as few as can be.
+        with self.machine.journal.batch(), self.kp.scratch.combined():
             try:
                 self._optimize_round(now, grace)
             finally:
@@ -580,9 +584,8 @@ class Optimizer:
             seen[probe_id] = self._read_counter(array, probe_id)
         # Swap the int3 for the jump while every vCPU is stopped.
         assert point.int3 is not None
-        self.kp.unpatch_text(point.int3)
+        jmp = self.kp.repatch_text(point.int3, self.arch.arch_optimize_kprobes(point.addr, detour), "optjmp", detour)
         point.int3 = None
-        jmp = self.kp.patch_text(point.addr, self.arch.arch_optimize_kprobes(point.addr, detour), "optjmp", detour)
         point.opt = Optimized(probe_id, detour, size, jmp, continue_addr, params.kind, params.tables)
         self.kp.resume_targets[point.addr + size] = math.inf
         if self._round is not None:

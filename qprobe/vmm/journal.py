@@ -20,7 +20,7 @@ import os
 import re
 import threading
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from qprobe.errors import TargetError
@@ -44,9 +44,9 @@ class Patch:
     slot: int = 0  # for an int3: where its instruction's copy runs out of line
 
     def to_json(self) -> dict[str, object]:
-        d = asdict(self)
-        d["old"], d["new"] = self.old.hex(), self.new.hex()
-        return d
+        # Not dataclasses.asdict: its deep copy was most of a journal write for a thousand patches.
+        return {"phys": self.phys, "virt": self.virt, "old": self.old.hex(), "new": self.new.hex(),
+                "what": self.what, "slot": self.slot}  # fmt: skip
 
     @classmethod
     def from_json(cls, d: object) -> Patch:

@@ -193,6 +193,21 @@ class Machine:
         self.write_phys(phys, data)
         return p
 
+    def repatch(self, p: Patch, data: bytes, what: str, slot: int = 0) -> Patch:
+        """Replace live patch ``p`` by ``data`` at the same address, at least as long, in one write.
+
+        The new patch's old bytes are ``p``'s, then what lay after it (an int3 swapped for a jump).
+        """
+        if len(data) < len(p.old) or (p.phys & 0xFFF) + len(data) > 0x1000:
+            raise TargetError(f"internal: repatch at {p.virt:#x} shorter than its patch or crossing a page")
+        for watcher in self.patch_watchers:
+            watcher(p.virt)
+        old = p.old + self.mem.read(p.virt + len(p.old), len(data) - len(p.old))
+        new = Patch(p.phys, p.virt, old, data, what, slot)
+        self.journal.record(new)  # the same physical address: it takes p's place
+        self.write_phys(p.phys, data)
+        return new
+
     def patch_data(self, virt: int, data: bytes, what: str) -> Patch:
         """Journal, then write data (never code) from any thread: through the shared RAM file if we can."""
         if self.data_writer is None:

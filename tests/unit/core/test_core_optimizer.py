@@ -81,7 +81,7 @@ class Table:
         self.kernel = FakeKernel()
         self.symbols = SimpleNamespace(function=lambda addr: Fn() if FN <= addr < FN + len(CODE) else None,
                                        exception_table=lambda: None)  # fmt: skip
-        self.scratch = None
+        self.scratch = SimpleNamespace(combined=contextlib.nullcontext)  # no writes reach it here
         self.handlers = Handlers()
         self.points: dict[int, ProbePoint] = {}
         self.trampolines: dict[int, Trampoline] = {}

@@ -342,3 +342,22 @@ def test_allocator_against_a_model(seed: int) -> None:
     for off in list(live):
         area.free(area.base + off)
     assert area.alloc(SIZE) == area.base
+
+
+def test_combined_writes_go_out_at_the_end_adjacent_ones_as_one_in_order() -> None:
+    m, area = mapped()
+    a, b, c = (area.alloc(16) for _ in range(3))
+    assert b == a + 16 and c == b + 16
+    m.log.clear()
+    with area.combined():
+        area.write(a, b"\x01" * 16)
+        area.write(b, b"\x02" * 16)
+        area.write(a, b"\x03" * 4)  # not adjacent: a run of its own, after the first
+        with area.combined():  # nested: the outer one sends
+            area.write(a + 4, b"\x04" * 4)
+        assert m.log == []
+    phys = SCRATCH_PHYS + a - area.base
+    assert m.log == [("write", (phys, b"\x01" * 16 + b"\x02" * 16)), ("write", (phys, b"\x03" * 4 + b"\x04" * 4))]
+    assert m.ram.read_phys(phys, 16) == b"\x03" * 4 + b"\x04" * 4 + b"\x01" * 8
+    area.write(c, b"\x05")  # outside: at once
+    assert m.log[-1] == ("write", (phys + 32, b"\x05"))

@@ -166,7 +166,11 @@ class KprobeManager:
         return ReservedText(self.symbols, lambda a, n: self.machine.mem.read(a, n), bug_entry)
 
     def patched(self) -> Mapping[int, int]:
-        """address -> original byte of everything we changed in kernel text (a live, read-only view)."""
+        """address -> original byte of everything we changed in kernel text.
+
+        A live read-only view, changed on the stop loop: another thread that iterates it while
+        probes come and go takes a copy on the stop loop (``machine.call``).
+        """
         return MappingProxyType(self._text)
 
     def patch_text(self, addr: int, data: bytes, what: str, slot: int = 0) -> Patch:

@@ -38,6 +38,7 @@ from qprobe.core.recovery import recover
 from qprobe.core.regs import PtRegs
 from qprobe.core.watchpoint import Watchpoint, Watchpoints
 from qprobe.errors import BootPanic, GuestPanicked, ProbeError, QprobeError, SymbolError, TargetError, TargetGone
+from qprobe.kernel.btf import module_btfs
 from qprobe.kernel.clock import NSEC_PER_SEC, StopClock, TraceClock
 from qprobe.kernel.features import fully_preemptible, has_pti, thread_size
 from qprobe.kernel.kaslr import detect_slide
@@ -419,7 +420,7 @@ class Target:
             stack = thread_size(self.kernel)
         except QprobeError:
             stack = None  # $stackN and $argN are refused, naming the unknown THREAD_SIZE
-        return probe_dialect(self.symbols, stack)
+        return probe_dialect(self.symbols, stack, lambda: module_btfs(self.kernel.prog))
 
     @functools.cached_property
     def ftrace_locations(self) -> list[int]:

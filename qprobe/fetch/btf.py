@@ -24,7 +24,8 @@ class CType:
     ``union``, ``void`` or ``other``; ``bits`` and ``signed`` describe an ``int``
     (``BTF_INT_BITS``, ``BTF_INT_SIGNED``); ``target`` is what a pointer points
     to or an array holds, itself without a target (the parser looks one level
-    down only); ``tid`` is a struct's or union's BTF id, to look up its members.
+    down only); ``tid`` is a struct's or union's BTF id, to look up its members
+    in ``btf``, the BTF that made the type (vmlinux's or a module's: their ids overlap).
     ``overlay`` is the type whose id is this type's ``size``/``type`` word (one
     union in ``struct btf_type``): a pointer's target, and for other kinds the
     type ``btf_type_is_char_ptr`` reads anyway, since 6.12 does not check that
@@ -38,6 +39,7 @@ class CType:
     target: CType | None = None
     tid: int = 0
     overlay: CType | None = field(default=None, compare=False)
+    btf: Btf | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -5,14 +5,18 @@ A kernel built with CONFIG_DEBUG_INFO_BTF carries its BTF in vmlinux's
 parser's ``btf_find_func_proto`` (kernel/trace/trace_btf.c) takes the first
 ``BTF_KIND_FUNC`` of the name and its ``FUNC_PROTO``: the parameters' names
 and types.  This reads the same section from the vmlinux file on the host;
-the format is include/uapi/linux/btf.h's.  Modules' BTF is not read, so a
-module function has no prototype here (its BTF arguments are refused as on
-a kernel without BTF).
+the format is include/uapi/linux/btf.h's.  A function that vmlinux's BTF
+lacks is looked up in the loaded modules' BTF, as ``bpf_find_btf_id`` does
+after vmlinux; that BTF is read from the guest (``module_btfs``), since the
+kernel keeps its own parsed copy of each module's ``.BTF``.
 """
 
 from __future__ import annotations
 
 import struct
+
+import drgn
+from drgn.helpers.linux.list import list_for_each_entry
 
 from qprobe.errors import QprobeError
 from qprobe.fetch.btf import CType, FuncProto, Member
@@ -40,20 +44,33 @@ def _extra(kind: int, vlen: int) -> int:
 
 
 class KernelBtf:
-    """The types of one BTF blob, by id, and its functions by name."""
+    """The types of one BTF blob, by id, and its functions by name.
 
-    def __init__(self, data: bytes) -> None:
+    A module's BTF is split BTF on top of vmlinux's (``base``): its type ids
+    continue after the base's last one and its string offsets after the base's
+    string section, so both sections are read as the base's followed by the
+    module's.  ``proto`` finds only the blob's own functions.
+    """
+
+    def __init__(self, data: bytes, base: KernelBtf | None = None) -> None:
         magic, _version, _flags, hdr_len, type_off, type_len, str_off, str_len = struct.unpack_from("<HBBIIIII", data)
         if magic != BTF_MAGIC:
             raise QprobeError(f"not BTF (magic {magic:#x})")
         types = data[hdr_len + type_off : hdr_len + type_off + type_len]
-        self._strings = data[hdr_len + str_off : hdr_len + str_off + str_len]
+        strings = data[hdr_len + str_off : hdr_len + str_off + str_len]
         self._types: list[tuple[int, int, int, int]] = [(0, 0, 0, 0)]  # id 0 is void
         self._extra_at: list[int] = [0]
         self._kflag: list[bool] = [False]
         self._funcs: dict[str, int] = {}
         self._structs: dict[str, int] = {}
-        pos = 0
+        shift = 0
+        if base is not None:
+            self._types, self._extra_at, self._kflag = list(base._types), list(base._extra_at), list(base._kflag)
+            self._structs = dict(base._structs)
+            shift = len(base._data)
+            types, strings = base._data + types, base._strings + strings
+        self._data, self._strings = types, strings
+        pos = shift
         while pos + 12 <= len(types):
             name_off, info, size_type = struct.unpack_from("<III", types, pos)
             kind, vlen = (info >> 24) & 0x1F, info & 0xFFFF
@@ -65,7 +82,6 @@ class KernelBtf:
             elif kind == STRUCT and name_off:
                 self._structs.setdefault(self._name(name_off), len(self._types) - 1)
             pos += 12 + _extra(kind, vlen)
-        self._data = types
 
     @classmethod
     def of(cls, symbols: Symbols) -> KernelBtf | None:
@@ -108,7 +124,7 @@ class KernelBtf:
         if kind == ENUM64:
             return CType("enum64", overlay=overlay)
         if kind in (STRUCT, UNION):
-            return CType("struct" if kind == STRUCT else "union", tid=tid, overlay=overlay)
+            return CType("struct" if kind == STRUCT else "union", tid=tid, overlay=overlay, btf=self)
         if kind in (PTR, ARRAY):
             target = size_type if kind == PTR else struct.unpack_from("<I", self._data, self._extra_at[tid])[0]
             return CType("ptr" if kind == PTR else "array", target=self.ctype(target, depth - 1) if depth else None,
@@ -185,3 +201,21 @@ class KernelBtf:
             bits += found[0]
             tid = found[2]
         return bits // 8
+
+
+def module_btfs(prog: drgn.Program) -> list[tuple[int, bytes]]:
+    """(address of its ``struct btf``, raw BTF) of every loaded module that has BTF, in load order.
+
+    Since Linux 5.11 (36e68442d1af, "bpf: Load and verify kernel module BTFs") the kernel
+    parses a module's ``.BTF`` section as it loads it and keeps a copy in a ``struct btf`` on
+    the ``btf_modules`` list (newest first); the section itself is freed with the load image.
+    A kernel without CONFIG_DEBUG_INFO_BTF_MODULES, or a vmlinux whose debug info lacks the
+    list, gives none.
+    """
+    try:
+        head = prog.object("btf_modules")
+        entries = list(list_for_each_entry("struct btf_module", head.address_of_(), "list"))
+        blobs = [(e.btf.value_(), prog.read(e.btf.data.value_(), e.btf.data_size.value_())) for e in entries]
+    except (LookupError, drgn.FaultError):
+        return []
+    return blobs[::-1]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import functools
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import drgn
 from drgn.helpers.linux.list import list_for_each_entry
@@ -64,28 +64,58 @@ def error_texts(symbols: Symbols) -> list[str] | None:
 
 
 class _LazyBtf:
-    """The kernel's BTF, read from vmlinux the first time the parser asks for it."""
+    """The kernel's BTF, read from vmlinux the first time the parser asks for it, then the modules'.
 
-    def __init__(self, symbols: Symbols) -> None:
+    ``modules`` lists the loaded modules' BTF blobs (``qprobe.kernel.btf.module_btfs`` over the
+    live guest); each is parsed once, by the address of the kernel's copy.
+    """
+
+    def __init__(self, symbols: Symbols, modules: Callable[[], list[tuple[int, bytes]]] | None) -> None:
         self._symbols = symbols
+        self._modules = modules
+        self._parsed: dict[int, KernelBtf | None] = {}
 
     @functools.cached_property
     def _btf(self) -> KernelBtf | None:
         return KernelBtf.of(self._symbols)
 
+    def _module_btf(self, address: int, data: bytes) -> KernelBtf | None:
+        if address not in self._parsed:
+            try:
+                self._parsed[address] = KernelBtf(data, base=self._btf)
+            except (QprobeError, struct.error):
+                self._parsed[address] = None
+        return self._parsed[address]
+
     def proto(self, func: str) -> FuncProto | None:
-        return None if self._btf is None else self._btf.proto(func)
+        """``bpf_find_btf_id``: vmlinux's BTF first, then each loaded module's."""
+        if self._btf is None:
+            return None
+        found = self._btf.proto(func)
+        if found is not None or self._modules is None:
+            return found
+        for address, data in self._modules():
+            btf = self._module_btf(address, data)
+            found = None if btf is None else btf.proto(func)
+            if found is not None:
+                return found
+        return None
 
     def offsetof(self, struct: str, path: str) -> int | None:
         return None if self._btf is None else self._btf.offsetof(struct, path)
 
     def member(self, parent: CType, name: str) -> Member | None:
-        return None if self._btf is None else self._btf.member(parent, name)
+        btf = parent.btf or self._btf
+        return None if btf is None else btf.member(parent, name)
 
 
-def probe_dialect(symbols: Symbols, thread_size: int | None = None) -> Dialect:
-    """The kprobe_events Dialect of the kernel ``symbols`` describes, with its THREAD_SIZE if known."""
-    return dialect_of(readme(symbols), error_texts(symbols), thread_size, _LazyBtf(symbols))
+def probe_dialect(symbols: Symbols, thread_size: int | None = None,
+                  modules: Callable[[], list[tuple[int, bytes]]] | None = None) -> Dialect:  # fmt: skip
+    """The kprobe_events Dialect of the kernel ``symbols`` describes, with its THREAD_SIZE if known.
+
+    ``modules`` gives the loaded modules' BTF (none before a guest is attached).
+    """
+    return dialect_of(readme(symbols), error_texts(symbols), thread_size, _LazyBtf(symbols, modules))
 
 
 def trace_event_names(prog: drgn.Program) -> frozenset[tuple[str, str]]:

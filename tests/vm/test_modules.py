@@ -90,6 +90,10 @@ def test_loaded_module_verdicts_values_and_text(qprobe_target: qprobe.Target) ->
         cases = [[f"p:a {MODULE}:nosuch"], [f"p:b {MODULE}:bm_status_read+1"], [f"p:c {MODULE}:bm_status_read+4"],
                  [f"p:d {MODULE}:bm_status_read"], ["p:e bm_status_read"], [f"r:f {MODULE}:bm_status_read"],
                  ["p:g nosuchmodule:nosuch"]]  # fmt: skip
+        if target.dialect.btf_args:  # names and types from the module's own BTF (6.12's bpf_find_btf_id)
+            cases += [[f"p:h {MODULE}:bm_status_read $arg*"], ["p:i bm_status_read nbytes buf"],
+                      [f"r:j {MODULE}:bm_status_read nbytes $retval"], ["p:k bm_status_read file->f_flags"],
+                      ["p:l bm_status_read nosuch"], ["p:m bm_status_read file->nosuch"]]  # fmt: skip
         kernel, ours = guest_verdicts(target, cases), qprobe_verdicts(target, cases)
         differ = [f"{c[0]}: kernel {k[0]} {k[0].listing}, qprobe {q[0]} {q[0].listing}"
                   for c, k, q in zip(cases, kernel, ours, strict=True) if k[0] != q[0]]  # fmt: skip
@@ -106,6 +110,13 @@ def test_loaded_module_verdicts_values_and_text(qprobe_target: qprobe.Target) ->
         # The struct file dd opened: O_RDONLY, and the O_LARGEFILE a 64-bit kernel adds to every open.
         assert [v["fl"] for v in values] == ["0x8000"] * 3
         remove_event(target, te)
+        if target.dialect.btf_args:
+            te = add_event(target, "p:named bm_status_read nbytes fl=file->f_flags:x32")
+            values.clear()
+            te.callback = lambda hit: values.append(dict(hit.args))
+            _read(target, [5, 6])
+            assert values == [{"nbytes": "5", "fl": "0x8000"}, {"nbytes": "6", "fl": "0x8000"}]
+            remove_event(target, te)
         target.events.clear()
         assert target.read(start, 64) == before
     finally:

@@ -35,14 +35,15 @@ from qprobe.kernel.btf import (
 
 
 class Blob:
-    def __init__(self) -> None:
+    def __init__(self, str_base: int = 0) -> None:
         self.strings = b"\0"
         self.types = b""
+        self.str_base = str_base  # a split BTF's names are offsets past its base's strings
 
     def name(self, text: str) -> int:
         if not text:
             return 0
-        off = len(self.strings)
+        off = self.str_base + len(self.strings)
         self.strings += text.encode() + b"\0"
         return off
 
@@ -128,3 +129,32 @@ def test_char_pointers_as_btf_type_is_char_ptr_finds_them() -> None:
 def test_not_btf() -> None:
     with pytest.raises(QprobeError):
         KernelBtf(b"\0" * 32)
+
+
+def module_blob(base: bytes) -> bytes:
+    """A module's split BTF over ``blob()``: ``struct m { struct dentry *d; int n; }; int h(struct m *mp, u8 c);``.
+
+    Its ids start after the base's last (18) and its string offsets after the base's strings.
+    """
+    b = Blob(str_base=struct.unpack_from("<I", base, 20)[0])
+    b.add("m", STRUCT, 2, 16, struct.pack("<III", b.name("d"), 12, 0) + struct.pack("<III", b.name("n"), 10, 64))  # 19
+    b.add("", PTR, 0, 19)  # 20: struct m *
+    b.add("", FUNC_PROTO, 2, 10, struct.pack("<II", b.name("mp"), 20) + struct.pack("<II", b.name("c"), 2))  # 21
+    b.add("h", FUNC, 0, 21)  # 22
+    return b.build()
+
+
+def test_a_modules_split_btf_over_vmlinux() -> None:
+    base = KernelBtf(blob())
+    mod = KernelBtf(module_blob(blob()), base=base)
+    proto = mod.proto("h")
+    assert proto == FuncProto(
+        (("mp", CType("ptr", target=CType("struct", tid=19))), ("c", CType("int", 8, False))), CType("int", 32, True)
+    )
+    assert mod.proto("f") is None and base.proto("h") is None  # each finds its own functions only
+    m = mod.ctype(19)
+    assert m.btf is mod and base.ctype(11).btf is base
+    d = mod.member(m, "d")
+    assert d == Member(0, 0, CType("ptr", target=CType("struct", tid=11)))
+    assert mod.member(CType("struct", tid=11), "d_seq") == Member(32, 0, CType("int", 32, True))  # a base type
+    assert mod.offsetof("m", "n") == 8 and mod.offsetof("dentry", "d_name.name") == 16

@@ -8,7 +8,9 @@ and its ``lib/modules/<release>`` tree kept next to the kernel in the cache.
 
 from __future__ import annotations
 
+import gzip
 import json
+import lzma
 import shutil
 import subprocess
 import tarfile
@@ -77,11 +79,28 @@ def modules_tree(kernel_dir: Path, reporter: Reporter) -> Path:
     return dest
 
 
+# Compressed modules (CONFIG_MODULE_COMPRESS_*: Debian's 6.12 packages ship .ko.xz), which
+# busybox insmod cannot load: they are decompressed next to the tree once.
+_DECOMPRESS = {".xz": lzma.decompress, ".gz": gzip.decompress}
+
+
 def module_file(image: Image, name: str, reporter: Reporter | None = None) -> Path:
     """The ``.ko`` of module ``name`` (``-`` and ``_`` alike, as modprobe takes them) of ``image``'s kernel."""
     tree = modules_tree(image.kernel.parent, reporter or Reporter(enabled=False))
     wanted = {f"{name.replace('-', '_')}.ko", f"{name.replace('_', '-')}.ko"}
-    found = sorted(p for p in tree.rglob("*.ko") if p.name in wanted)
+    found = sorted(p for p in tree.rglob("*.ko*") if p.name in wanted or (p.stem in wanted and p.suffix in _DECOMPRESS))
     if not found:
         raise ImageError(f"{image.name}: its kernel has no module {name} (a built-in or a missing driver)")
-    return found[0]
+    if found[0].suffix == ".ko":
+        return found[0]
+    out = tree.parent / "modules-decompressed" / found[0].stem
+    if not out.exists():
+        out.parent.mkdir(exist_ok=True)
+        try:
+            data = _DECOMPRESS[found[0].suffix](found[0].read_bytes())
+        except (lzma.LZMAError, OSError, EOFError) as exc:
+            raise ImageError(f"cannot decompress {found[0]}: {exc}") from None
+        tmp = out.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(out)
+    return out

@@ -52,8 +52,9 @@ def test_module_probe_pending_loaded_gone_and_back(qprobe_target: qprobe.Target)
     target = qprobe_target
     assert MODULE not in target.run("cat /proc/modules").output
     # Before the module exists both sides accept MOD:SYM and keep the probe pending,
-    # including one whose offset turns out not to be an entry (refused only on load).
-    defs = [f"p:qm {MODULE}:bm_status_read n=%dx:u64", f"r:qr {MODULE}:bm_status_read+4"]
+    # including one whose offset turns out not to be an entry (refused only on load): +1 is inside
+    # the first instruction, the __fentry__ call or an IBT kernel's ENDBR64 (after which +4 is the entry).
+    defs = [f"p:qm {MODULE}:bm_status_read n=%dx:u64", f"r:qr {MODULE}:bm_status_read+1"]
     assert [str(case[0]) for case in guest_verdicts(target, [[d] for d in defs])] == ["OK", "OK"]
     seen: list[int] = []
     te = add_event(target, defs[0], callback=lambda hit: seen.append(int(hit.args["n"])))

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.vm
 N = 1000
 
 
+@pytest.mark.qprobe_needs_config("FUNCTION_TRACER")  # the functions the guest reaches, from its function tracer
 def test_a_thousand_probes_count_exactly_and_leave_the_text_as_it_was(target: qprobe.Target) -> None:
     # Functions the guest reaches (its function tracer, over its own traceable functions), so that the
     # probes are hit; ksys_lseek among them, whose calls the workload counts.

@@ -75,6 +75,7 @@ def test_in_order_when_every_hit_is_a_vm_stop(target: qprobe.Target) -> None:
 
 
 @pytest.mark.parametrize("optimized", [True, False], ids=["optimized", "vm-stop"])
+@pytest.mark.qprobe_needs_config("TRACING")  # the guest's own trace clock, read through tracefs
 def test_timestamps_are_the_guests_trace_clock(target: qprobe.Target, optimized: bool) -> None:
     """A write to trace_marker, stamped by qprobe's probe and by the guest's own trace, carries one time.
 

@@ -194,7 +194,12 @@ class ScratchArea:
             raise TargetError(f"internal: {addr:#x} is outside the scratch area")
         if self._runs is None:
             self.machine.write_phys(self.phys_of(addr), data)
-        elif self._runs and self._runs[-1][0] + len(self._runs[-1][1]) == addr:
+            return
+        size = self._used.get(addr - self.base, 0)
+        if len(data) < size:
+            # The rest of the allocation goes along as it is, so that the next one's write joins this run.
+            data = data + self.machine.mem.read(addr + len(data), size - len(data))
+        if self._runs and self._runs[-1][0] + len(self._runs[-1][1]) == addr:
             self._runs[-1][1].extend(data)
         else:
             self._runs.append((addr, bytearray(data)))
@@ -205,7 +210,10 @@ class ScratchArea:
 
         A batch of a thousand probes writes a slot or a detour each, one after
         the other in the area: a gdbstub round trip apiece was a tenth of a
-        second per thousand.  Order is kept: a run only grows at its end.
+        second per thousand.  Order is kept: a run only grows at its end.  A
+        write at an allocation's start carries the rest of the allocation's
+        bytes as they are (nobody else's), so that allocations made one after
+        the other make one run.
         """
         if self._runs is not None:
             yield

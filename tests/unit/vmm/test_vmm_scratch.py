@@ -348,16 +348,18 @@ def test_combined_writes_go_out_at_the_end_adjacent_ones_as_one_in_order() -> No
     m, area = mapped()
     a, b, c = (area.alloc(16) for _ in range(3))
     assert b == a + 16 and c == b + 16
+    phys = SCRATCH_PHYS + a - area.base
+    m.ram.write(phys, bytes(range(0x40, 0x70)))  # what the three allocations hold now
     m.log.clear()
     with area.combined():
-        area.write(a, b"\x01" * 16)
+        area.write(a, b"\x01" * 10)  # the allocation's other 6 bytes go along, as they are
         area.write(b, b"\x02" * 16)
-        area.write(a, b"\x03" * 4)  # not adjacent: a run of its own, after the first
+        area.write(a + 2, b"\x03" * 4)  # not an allocation's start, nor adjacent: a run of its own, after
         with area.combined():  # nested: the outer one sends
-            area.write(a + 4, b"\x04" * 4)
+            area.write(a + 6, b"\x04" * 4)
         assert m.log == []
-    phys = SCRATCH_PHYS + a - area.base
-    assert m.log == [("write", (phys, b"\x01" * 16 + b"\x02" * 16)), ("write", (phys, b"\x03" * 4 + b"\x04" * 4))]
-    assert m.ram.read_phys(phys, 16) == b"\x03" * 4 + b"\x04" * 4 + b"\x01" * 8
-    area.write(c, b"\x05")  # outside: at once
+    first = b"\x01" * 10 + bytes(range(0x4A, 0x50)) + b"\x02" * 16
+    assert m.log == [("write", (phys, first)), ("write", (phys + 2, b"\x03" * 4 + b"\x04" * 4))]
+    assert m.ram.read_phys(phys, 48) == b"\x01" * 2 + b"\x03" * 4 + b"\x04" * 4 + first[10:] + bytes(range(0x60, 0x70))
+    area.write(c, b"\x05")  # outside: at once, as it is
     assert m.log[-1] == ("write", (phys + 32, b"\x05"))

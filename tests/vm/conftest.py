@@ -16,7 +16,7 @@ import os
 import re
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, KeysView, Sequence
 from pathlib import Path
 
 import pytest
@@ -160,6 +160,40 @@ def branches_to(vmlinux: Path, caller: str, callee: str) -> tuple[list[int], lis
         elif mnemonic.startswith("j"):
             jumps.append(after - start)
     return calls, jumps
+
+
+@functools.cache
+def disassemble(vmlinux: Path, name: str) -> list[tuple[int, str, str]]:
+    """(offset, mnemonic, operands) of each instruction of a vmlinux file's function, as binutils' objdump reads it."""
+    start, size = _elf_function(vmlinux, name)
+    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", f"--start-address={start:#x}",
+                          f"--stop-address={start + size:#x}", str(vmlinux)],
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    return [(int(m[1], 16) - start, m[2], m[3]) for m in map(_INSN.match, out.stdout.splitlines()) if m]
+
+
+def vmlinux_of(target: qprobe.Target) -> Path:
+    """The vmlinux file of the image a target booted (the first --qprobe-image when it has none)."""
+    return (target.image or get_image(IMAGE, fetch=False)).vmlinux
+
+
+def text_symbols(vmlinux: Path) -> KeysView[str]:
+    """Names of a vmlinux file's text symbols, as binutils' nm reads them."""
+    return _elf_symbols(vmlinux).keys()
+
+
+def entry_offset(vmlinux: Path, name: str) -> int:
+    """Where the kernel puts a probe on a function's entry: past an ``endbr64`` on a kernel built with IBT
+    (arch_adjust_kprobe_addr, Linux 5.18's "x86/ibt,kprobes: Cure sym+0 equals fentry woes"), else at +0."""
+    insns = disassemble(vmlinux, name)
+    return insns[1][0] if insns[0][1] == "endbr64" else 0
+
+
+def has_fentry_call(vmlinux: Path, name: str) -> bool:
+    """Whether a function calls ``__fentry__``, the site ftrace manages; a kernel built with
+    CONFIG_KPROBE_EVENTS_ON_NOTRACE=n refuses kprobe events on a function without one."""
+    return any(mnemonic.startswith("call") and operands.endswith("<__fentry__>")
+               for _, mnemonic, operands in disassemble(vmlinux, name))  # fmt: skip
 
 
 def frames_above(image: Image, path: Sequence[str]) -> list[tuple[str, frozenset[str]]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import IMAGE
+from qprobe.images import get_image
+
+from .conftest import IMAGE, entry_offset
 
 pytestmark = pytest.mark.vm
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,7 +83,8 @@ def test_boot_detach_returns_and_the_vm_serves_attach_until_killed() -> None:
         assert listed.returncode == 0 and listed.stdout == "", listed.stderr
         assert "no probes are armed" in listed.stderr
         armed = _qprobe("list", "--attach", sock, "p:vfs vfs_rea?")
-        assert armed.returncode == 0 and "vfs_read+0x0" in armed.stdout, armed.stderr
+        entry = entry_offset(get_image(IMAGE, fetch=False).vmlinux, "vfs_read")
+        assert armed.returncode == 0 and re.search(rf"  vfs_read\+{entry:#x}\b", armed.stdout), armed.stderr
     finally:
         os.kill(owner, signal.SIGTERM)
     deadline = time.monotonic() + 60  # a bound on waiting, not an assertion on speed

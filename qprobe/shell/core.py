@@ -500,6 +500,8 @@ class Shell:
                 result = self.target.run(spec.command, timeout=RUN_TIMEOUT)
             except KeyboardInterrupt:
                 self.interrupt_guest()
+                # run() drains the record rings when the command ends; an interrupted one did not.
+                self.target.sync()
                 self.out.line("")
                 self.note("interrupted: sent ^C to the guest command")
             except QprobeError as exc:
@@ -519,6 +521,7 @@ class Shell:
                 time.sleep(left)
         except KeyboardInterrupt:
             self.out.line("")
+        self.target.sync()  # the hits still in the guest's record rings, as of the Ctrl-C
         poll()
         return None
 

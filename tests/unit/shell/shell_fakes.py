@@ -76,6 +76,7 @@ class FakeTarget:
         self.memory = {BANNER: b"Linux version 6.1.0-56-cloud-amd64 (debian-kernel@lists.debian.org)\x00"}
         self.enabled_calls: list[bool] = []
         self.ran: list[str] = []
+        self.unsynced: list[TraceEvent] = []
 
     # events
     def add_event(self, definition: str, callback: object = None) -> TraceEvent:
@@ -167,8 +168,17 @@ class FakeTarget:
     def gdb_command(self, command: str) -> str | None:
         return None if self.gdb_console is None else self.gdb_console(command)
 
+    def sync(self) -> None:
+        """Hits the guest made that reach the host only when it drains the record rings (``unsynced``)."""
+        pending, self.unsynced = self.unsynced, []
+        for te in pending:
+            self.fire(te)
+
     def run(self, command: str, timeout: float = 60.0) -> RunResult:
         self.ran.append(command)
+        if command.startswith("interrupted "):  # Ctrl-C while it runs, its last hits still in the guest's ring
+            self.unsynced += [te for te in self.events.values() for _ in range(int(command.split()[1]))]
+            raise KeyboardInterrupt
         m = re.fullmatch(r"workload (\w+) (\d+)(?: (\d+))?(?: lose (\d+))?", command)
         if m is None:
             return RunResult(command, f"sh: {command.split()[0]}: not found", 127)

@@ -134,6 +134,15 @@ def test_count_over_a_guest_command() -> None:
     assert t.events["kprobes/gp"].callback is None  # the tap is gone
 
 
+def test_a_count_over_an_interrupted_command_gets_the_hits_still_in_the_guest() -> None:
+    """Ctrl-C in the guest command: the record rings are drained before the map prints, as run() does."""
+    shell, t, out = make_shell()
+    run(shell, out, "p:gp __x64_sys_getppid")
+    got = run(shell, out, "count gp by $comm run interrupted 4")
+    assert got == ["", "interrupted: sent ^C to the guest command", "@[workload]: 4"]
+    assert t.console is not None and t.console.written[-1] == "\x03"
+
+
 def test_count_prints_what_it_lost() -> None:
     """Hits dropped on a full record ring are in nmissed: the result says how many it is short."""
     shell, _t, out = make_shell()

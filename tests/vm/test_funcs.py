@@ -54,6 +54,7 @@ def test_a_bad_symbol_is_refused_on_the_host_before_any_boot(
         assert all(w in err for w in words), err
 
 
+@pytest.mark.qprobe_needs_config("KPROBE_EVENTS")  # the guest's own verdicts
 def test_funcs_says_what_the_guest_kernel_accepts(target: qprobe.Target) -> None:
     """Each function `qprobe funcs` lists as probeable is one the guest's kprobe_events takes, and no other."""
     out = _qprobe("funcs", "--image", IMAGE, "vfs_*", "ksys_*", "*_notrace*", "finish_task_switch*")

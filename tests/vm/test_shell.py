@@ -17,7 +17,7 @@ import pytest
 import qprobe
 from qprobe.shell import Shell
 
-from .conftest import IMAGE
+from .conftest import IMAGE, disassemble, entry_offset, vmlinux_of
 from .conftest import shell_do as do
 
 pytestmark = pytest.mark.vm
@@ -113,13 +113,16 @@ def test_shell_session(target: qprobe.Target, shell: tuple[Shell, io.StringIO]) 
     assert "@count: " in text.splitlines()
     assert re.search(r"^\[2K, 4K\)\s+5 \|@+ *\|$", text, re.M), text
 
+    # Where the guest kernel would put each probe: past an ENDBR on a kernel built with IBT.
+    vmlinux = vmlinux_of(target)
+    gp_at, rd_at = entry_offset(vmlinux, "__x64_sys_getppid"), entry_offset(vmlinux, "ksys_read")
     listing = do(sh, out, "list")
-    assert re.search(r"^[0-9a-f]{16}  k  __x64_sys_getppid\+0x0", listing, re.M), listing
-    assert re.search(r"^[0-9a-f]{16}  k  ksys_read\+0x0", listing, re.M), listing
+    assert re.search(rf"^[0-9a-f]{{16}}  k  __x64_sys_getppid\+{gp_at:#x}\b", listing, re.M), listing
+    assert re.search(rf"^[0-9a-f]{{16}}  k  ksys_read\+{rd_at:#x}\b", listing, re.M), listing
     assert do(sh, out, "events") == "p:kprobes/gp __x64_sys_getppid\np:kprobes/rd ksys_read count=%dx:u64\n"
 
     lines = do(sh, out, "show gp run workload getppid 2").splitlines()
-    hits = [line for line in lines if ": gp: (__x64_sys_getppid+0x0/" in line]
+    hits = [line for line in lines if f": gp: (__x64_sys_getppid+{gp_at:#x}/" in line]
     assert len(hits) == 2 and all(line.lstrip().startswith("workload-") for line in hits), lines
 
     assert do(sh, out, "-:gp").startswith("removed kprobes/gp (")
@@ -139,9 +142,15 @@ def test_bad_definition_gets_a_caret_and_the_shell_goes_on(target: qprobe.Target
     before = dict(target.journal.patches)
     assert do(sh, out, "p:bad vfs_read x=%zz") == "p:bad vfs_read x=%zz\n" + " " * 17 + "^ Invalid register name\n"
     # Refused when registering: the kernel's text under a caret, qprobe's reason after it.
+    # The boundaries either side of vfs_read+3, as binutils decodes the image's vmlinux (+0x5 after a
+    # call to __fentry__; +0x4 after an ENDBR on a kernel built with IBT).
+    vmlinux = vmlinux_of(target)
+    below = max(off for off, *_ in disassemble(vmlinux, "vfs_read") if off <= 3)
+    above = min(off for off, *_ in disassemble(vmlinux, "vfs_read") if off > 3)
+    assert below != 3
     assert do(sh, out, "p:bad vfs_read+3") == (
         "p:bad vfs_read+3\n      ^ Probe point is not an instruction boundary: "
-        "vfs_read+0x3 is not an instruction boundary (nearest: +0x0 and +0x5)\n"
+        f"vfs_read+0x3 is not an instruction boundary (nearest: +{below:#x} and +{above:#x})\n"
     )
     assert target.journal.patches == before and not target.events and not sh.done
     assert do(sh, out, "r:rr ksys_read ret=$retval:s64").startswith("added kprobes/rr  (return probe")

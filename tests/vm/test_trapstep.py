@@ -27,18 +27,21 @@ from qprobe import Kprobe
 from qprobe.arch.x86_64.decode import Insn, decode_all
 from qprobe.errors import ProbeError
 
-from .conftest import workload_result
+from .conftest import entry_offset, vmlinux_of, workload_result
 
 pytestmark = pytest.mark.vm
 N = 5
 REGS = ("ax", "bx", "cx", "dx", "si", "di", "bp", "sp", "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15", "ip",
         "flags")  # fmt: skip
 IF = 0x200
-# function -> (workload, exact entry count or None, least entry count); others call the inexact ones too
+# function -> (workload, exact entry count or None, least entry count); others call the inexact ones too.
+# A function the image's kernel lacks is skipped, naming the image: Linux 6.12's struct fd rework made
+# fdget_pos the out-of-line function in place of 6.1's __fdget_pos.
 FUNCS = {
     "ksys_lseek": (f"workload lseek {N}", N, N),
     "__x64_sys_lseek": (f"workload lseek {N}", N, N),
     "__fdget_pos": (f"workload lseek {N}", None, N),
+    "fdget_pos": (f"workload lseek {N}", None, N),
     "vfs_read": (f"workload read {N} 64", None, N),
     "ksys_read": (f"workload read {N} 64", None, N),
     "_raw_spin_lock_irqsave": (f"workload getppid {N}", None, 1),  # pushfq; pop; cli
@@ -79,12 +82,17 @@ def all_boundaries(target: qprobe.Target, request: pytest.FixtureRequest) -> Ite
     for insn in decode_all(before, sym.addr):
         if target.kprobes.ftrace_site(insn.addr):
             continue  # the __fentry__ site: a probe there is armed on the next instruction, which has its own
+        if insn.addr == sym.addr and entry_offset(vmlinux_of(target), request.param) > 0:
+            # An ENDBR entry (boot may have sealed it into a nop): the kernel moves a probe there past it
+            # (arch_adjust_kprobe_addr), onto the __fentry__ site and so to the next instruction too.
+            continue
         kp = Kprobe(addr=insn.addr, pre_handler=pre, post_handler=post)
         try:
             target.register_kprobe(kp)
         except ProbeError as exc:
             assert insn.mnemonic in ("int3", "ud2", "nop") or "cannot probe" in str(exc) or "is reserved" in str(exc)
             continue
+        assert kp.resolved == insn.addr, f"a probe at {insn.addr:#x} was armed at {kp.resolved:#x}"
         probes.append((kp, insn))
     try:
         yield probes, events
@@ -94,7 +102,9 @@ def all_boundaries(target: qprobe.Target, request: pytest.FixtureRequest) -> Ite
     assert target.oopses() == [], target.console.tail(60)  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("all_boundaries", list(FUNCS), indirect=True)
+@pytest.mark.parametrize(
+    "all_boundaries", [pytest.param(f, marks=pytest.mark.qprobe_needs_symbol(f)) for f in FUNCS], indirect=True
+)
 def test_the_post_handler_sees_the_state_after_the_instruction(target: qprobe.Target, all_boundaries: tuple,
                                                                request: pytest.FixtureRequest) -> None:  # fmt: skip
     func = request.node.callspec.params["all_boundaries"]
@@ -190,7 +200,13 @@ def test_a_fault_in_a_stepped_copy_reaches_the_fault_handler(target: qprobe.Targ
     res = workload_result(out)
     assert int(res["errors"]) == 0 and int(res["bytes"]) == SIZE  # read, the fault fixed up
 
-    assert listing.count("single-stepped through the gdbstub: it has an exception-table entry") == len(sites)
+    # A call there is emulated, as the kernel's kprobes emulate every call: its one memory access is the
+    # push onto the kernel stack, and the user accesses are the callee's own (6.12's copy_user_generic()
+    # is an inline `rep movsb` that boot's alternatives make a call of rep_movs_alternative on a CPU
+    # without FSRM). Every other instruction there is stepped.
+    stepped = {a for a, text in sites if text.split()[0] != "call"}
+    noted = "single-stepped through the gdbstub: it has an exception-table entry"
+    assert {int(line.split()[0], 16) for line in listing.splitlines() if noted in line} == stepped, listing
     assert faults and all("faulted" in e for _, e in faults), faults
     for kp in probes:
         a = kp.resolved

@@ -11,7 +11,6 @@ the workload makes.  Counts: ``kprobe_profile`` and ``nhit`` agree.
 
 from __future__ import annotations
 
-import collections
 import random
 import re
 from typing import Any
@@ -48,6 +47,9 @@ def qprobe_boot_kwargs() -> dict[str, Any]:
 TRACE_LINE = re.compile(
     r"^\s*(?P<comm>.+)-(?P<pid>\d+)\s+\[(?P<cpu>\d+)\]\s+\S+\s+[\d.]+: (?P<event>\w+): (?P<body>.*)$"
 )
+
+# TRACE_LINE for the guest's sed -E, its event name the one group.
+GUEST_TRACE_LINE = r"^ *.+-[0-9]+ +\[[0-9]+\] +[^ ]+ +[0-9.]+: ([A-Za-z0-9_]+): .*$"
 
 
 def test_verdicts_and_listings_equal_the_guest_kernels(target: qprobe.Target) -> None:
@@ -242,7 +244,18 @@ def test_hit_counts_equal_the_guest_trace_on_the_functions_a_workload_reaches(ta
         missing = [d for d in guest_defs if f"/{d.split()[0][2:]} " not in listing]  # refused by the guest
         target.run("workload lseek 300").check()
         target.run(f"echo 0 > {TRACING}/events/kprobes/enable").check()
-        trace = target.run(f"cat {TRACING}/trace").check().output
+        # Counted in the guest: thousands of trace lines (a PREEMPT_RT kernel's spinlocks call
+        # __rcu_read_lock, which two levels below ksys_lseek reach on 6.12) through the serial console
+        # storm an RT guest's threaded 8250 interrupt ("irq 4: nobody cared", with a Call Trace), and
+        # a kernel message printed meanwhile splits a line of the trace, which then goes uncounted.
+        trace = (
+            target.run(
+                f"grep entries-written {TRACING}/trace; "
+                f"sed -nE 's/{GUEST_TRACE_LINE}/\\1/p' {TRACING}/trace | sort | uniq -c"
+            )
+            .check()
+            .output
+        )
         profile = target.run(f"cat {TRACING}/kprobe_profile").check().output
     finally:
         for te in ours.values():
@@ -251,7 +264,7 @@ def test_hit_counts_equal_the_guest_trace_on_the_functions_a_workload_reaches(ta
     assert not missing, listing
     written = re.search(r"entries-in-buffer/entries-written: (\d+)/(\d+)", trace)
     assert written and written[1] == written[2], "the guest's trace buffer overran"
-    guest_counts = collections.Counter(m["event"] for line in trace.splitlines() if (m := TRACE_LINE.match(line)))
+    guest_counts = {m[2]: int(m[1]) for line in trace.splitlines() if (m := re.fullmatch(r"\s*(\d+) (\w+)", line))}
     # The guest misses a hit its own probe handling causes (rcu_read_lock in its event code, say): a
     # reentered kprobe only counts nmissed there.  qprobe, outside, sees those calls too.
     reentered = {f.split()[0] for f in profile.splitlines() if len(f.split()) == 3 and f.split()[2] != "0"}

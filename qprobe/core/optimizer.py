@@ -525,7 +525,12 @@ class Optimizer:
         if self.arch.user_mode(regs):
             return []  # user mode: no kernel context is interrupted on this vCPU
         mem, sp = self.machine.mem, self.arch.sp(regs)
-        stacks = [(sp & ~7, (sp | (stack_size - 1)) + 1)]
+        # The running stack up to its first unmapped page, at most a stack's size above sp: a task's
+        # stack is THREAD_SIZE-aligned, but an IRQ stack is vmapped only page-aligned (6.1's
+        # map_irq_stack in arch/x86/kernel/irq_64.c), so its top can lie past sp's THREAD_SIZE boundary.
+        # Both are vmapped with a guard page after them; without VMAP_STACK the words read past a
+        # task stack's top are extra matches, which only delay.
+        stacks = [(sp & ~7, (sp & ~7) + stack_size)]
         try:
             base = self.kp.kernel.current(self.arch.percpu_base(regs)).stack.value_()
             stacks.append((base, base + stack_size))
@@ -536,9 +541,7 @@ class Optimizer:
             try:
                 data = mem.read(lo, hi - lo)
             except MemoryFault as exc:
-                # The running stack ends at a guard page before its THREAD_SIZE boundary: an IRQ
-                # stack, vmapped page-aligned with a guard page after it (6.1's map_irq_stack in
-                # arch/x86/kernel/irq_64.c).  Its live part is all below the guard.
+                # The running stack ends at its guard page: its live part is all below it.
                 if not (i == 0 and lo < exc.addr < hi):
                     return None
                 try:

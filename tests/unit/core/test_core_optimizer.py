@@ -302,6 +302,18 @@ def test_a_vcpu_on_an_irq_stack_that_ends_at_a_guard_page_is_read_up_to_it(rig: 
     assert why is not None and why.startswith("a context interrupted") and rig.opt.transient(why)
 
 
+def test_an_irq_stack_is_read_past_the_thread_size_boundary_above_sp(rig: Rig) -> None:
+    """Only page-aligned: its older frames, near its top, lie above the THREAD_SIZE boundary above sp."""
+    irq_top = 0xFFFF_C900_0030_6000  # 16 KiB from 0x...302000: not THREAD_SIZE-aligned
+    rig.mem.unmapped.add(irq_top)
+    for i in range(len(rig.stub.vcpus)):
+        rig.vcpu(i, rsp=0xFFFF_C900_0030_2F00)  # its THREAD_SIZE boundary is 0x...304000
+    assert rig.opt.why_not(rig.point) is None
+    rig.mem.fill(irq_top - 0x40, (PROBE + 3).to_bytes(8, "little"))  # a caller inside the region, 2 pages up
+    why = rig.opt.why_not(rig.point)
+    assert why is not None and why.startswith("a context interrupted") and rig.opt.transient(why)
+
+
 def test_a_vcpu_in_user_mode_holds_no_kernel_context(rig: Rig) -> None:
     rig.mem.fill(TASK_STACK + 0x100, (PROBE + 3).to_bytes(8, "little"))
     for i in range(len(rig.stub.vcpus)):

@@ -197,8 +197,16 @@ class ScratchArea:
             return
         size = self._used.get(addr - self.base, 0)
         if len(data) < size:
-            # The rest of the allocation goes along as it is, so that the next one's write joins this run.
-            data = data + self.machine.mem.read(addr + len(data), size - len(data))
+            # The rest of the allocation goes along as it is, so that the next one's write joins this run:
+            # as the guest has it, with the writes still held back here laid over it (this run goes out
+            # after them, and must not put back what they replace).
+            start = addr + len(data)
+            rest = bytearray(self.machine.mem.read(start, size - len(data)))
+            for run_addr, run in self._runs:
+                lo, hi = max(run_addr, start), min(run_addr + len(run), addr + size)
+                if lo < hi:
+                    rest[lo - start : hi - start] = run[lo - run_addr : hi - run_addr]
+            data = data + bytes(rest)
         if self._runs and self._runs[-1][0] + len(self._runs[-1][1]) == addr:
             self._runs[-1][1].extend(data)
         else:

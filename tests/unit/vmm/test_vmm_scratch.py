@@ -363,3 +363,15 @@ def test_combined_writes_go_out_at_the_end_adjacent_ones_as_one_in_order() -> No
     assert m.ram.read_phys(phys, 48) == b"\x01" * 2 + b"\x03" * 4 + b"\x04" * 4 + first[10:] + bytes(range(0x60, 0x70))
     area.write(c, b"\x05")  # outside: at once, as it is
     assert m.log[-1] == ("write", (phys + 32, b"\x05"))
+
+
+def test_a_combined_write_does_not_put_back_what_a_held_write_replaces() -> None:
+    """The rest of an allocation that a write at its start carries is the guest's bytes under the held writes."""
+    m, area = mapped()
+    a = area.alloc(16)
+    phys = SCRATCH_PHYS + a - area.base
+    m.ram.write(phys, bytes(range(0x40, 0x50)))
+    with area.combined():
+        area.write(a + 8, b"\x07" * 4)  # e.g. a pool's header, written before the allocation's start
+        area.write(a, b"\x01" * 4)  # carries bytes 4..16 along: they must hold the 0x07s
+    assert m.ram.read_phys(phys, 16) == b"\x01" * 4 + bytes(range(0x44, 0x48)) + b"\x07" * 4 + bytes(range(0x4C, 0x50))

@@ -521,7 +521,7 @@ class Shell:
                 time.sleep(left)
         except KeyboardInterrupt:
             self.out.line("")
-        self.target.sync()  # the hits still in the guest's record rings, as of the Ctrl-C
+        self.target.sync()  # the hits still in the guest's record rings when the count ends (time up or Ctrl-C)
         poll()
         return None
 

@@ -47,7 +47,7 @@ from qprobe.kernel.symbols import Symbols
 from qprobe.kernel.tracefs import ftrace_locations, probe_dialect, trace_event_names
 from qprobe.modnotify import ModuleNotifier
 from qprobe.paths import cache_dir, read_private, write_private
-from qprobe.timeline import Timeline
+from qprobe.timeline import Timeline, TscOrder
 from qprobe.vmm.connection import Connection, parse_address
 from qprobe.vmm.console import Console, RunResult
 from qprobe.vmm.gdbmi import GdbMiRemote
@@ -114,7 +114,7 @@ class Target:
         self.timeline = Timeline()
         self.clock_note: str | None = None  # why event timestamps are the host's, once that is found
         self._guest_clock: bool | None = None
-        self._exact_tsc = self._stop_tsc = 0  # the newest TSC a hit carried; the last one given a VM stop
+        self._tsc_order = TscOrder()
         self._tsc_hz = 1.0
         self.address = gdb_address
         self.timings: dict[str, float] = {}
@@ -383,7 +383,7 @@ class Target:
         if self._guest_clock:
             self._tsc_hz = self.stop_clock.rate() * NSEC_PER_SEC
 
-    def hit_time(self, regs: PtRegs) -> tuple[float, float]:
+    def hit_time(self, regs: PtRegs, recorded: bool = False) -> tuple[float, float]:
         """When a hit happened: (seconds on the guest's trace clock, the hit's place among all hits).
 
         The first is what the guest's own trace prints for it.  The TSC comes from the hit
@@ -391,19 +391,19 @@ class Target:
         the VM stop it is handled in (qprobe.kernel.clock.StopClock: to within the time QEMU
         takes to stop, some tens to hundreds of microseconds).  The place is the TSC in
         seconds: one counter for every vCPU under QEMU, so hits sort by it exactly, where the
-        trace clock (a tick-based clock under TCG) can step between two conversions.  Seconds
-        since qprobe attached, for both, if this guest's clock cannot be read (``clock_note``).
+        trace clock (a tick-based clock under TCG) can step between two conversions; a stop's
+        estimate is kept in the order the host handled the hits (qprobe.timeline.TscOrder),
+        which ``recorded`` (the hit came late, from a ring record) tells it.  Seconds since
+        qprobe attached, for both, if this guest's clock cannot be read (``clock_note``).
         """
         if self._guest_clock:
             tsc = regs.tsc
             if tsc is not None:
-                self._exact_tsc = max(self._exact_tsc, tsc)
+                tsc = self._tsc_order.exact(tsc, regs.vcpu, at_once=not recorded)
             else:
-                # A stop's TSC comes from the HPET, good to the stop's latency; but every TSC the guest
-                # has recorded so far is older than this stop, and stops reach the host in their order.
-                tsc = self.stop_clock.tsc()
+                tsc = self.stop_clock.tsc()  # from the HPET, good to the stop's latency
                 if tsc is not None:
-                    tsc = self._stop_tsc = max(tsc, self._exact_tsc + 1, self._stop_tsc + 1)
+                    tsc = self._tsc_order.stop(tsc, regs.vcpu)
             if tsc is not None:
                 return self.trace_clock.ns(tsc, regs.vcpu) / NSEC_PER_SEC, tsc / self._tsc_hz
         host = time.monotonic() - self.t0

@@ -92,7 +92,7 @@ class EventTarget(Protocol):
     @property
     def trace_events(self) -> frozenset[tuple[str, str]]: ...
     def current_task(self, regs: PtRegs) -> Task: ...
-    def hit_time(self, regs: PtRegs) -> tuple[float, float]: ...
+    def hit_time(self, regs: PtRegs, recorded: bool = False) -> tuple[float, float]: ...
     def add_event(self, definition: str, callback: Callable[[EventHit], None] | None = None,
                   filter: str | None = None) -> TraceEvent: ...  # fmt: skip
     def register_kprobe(self, kp: Kprobe) -> None: ...
@@ -294,7 +294,7 @@ class TraceEvent:
             # Without the kernel's types (a vmlinux without DWARF) the task is unknown: ftrace's "<...>".
             task = (current.pid, current.comm) if current is not None else (-1, "<...>")
         pid, comm = task
-        ts, order = self.target.hit_time(regs)
+        ts, order = self.target.hit_time(regs, recorded=task is not None)  # only a ring record brings its task
         hit = EventHit(
             event=self.definition.event, cpu=regs.vcpu, pid=pid, comm=comm,
             ts=ts, order=order, addr=ip,

@@ -25,6 +25,36 @@ HOLD = 0.15  # seconds of host time a hit is held at most
 TICK = 0.05  # how often held hits are looked at while nothing new arrives
 
 
+class TscOrder:
+    """The TSC that places each hit among the others, consistent with the order the host handled them in.
+
+    A hit the guest timed itself (a detour's mailbox, a ring record) carries its exact TSC.
+    A VM stop's TSC is an estimate (qprobe.kernel.clock.StopClock), good to the stop's
+    latency and the clock model's error, which can put it after hits that came later.  Two
+    facts fix the order where it can be known: stops reach the host in the order they
+    happened, after every hit already seen; and a hit handled at once (a stop or a mailbox)
+    on a vCPU happened after every stop already handled on that vCPU, whose vCPU was held
+    until the host let it go.  A ring record reaches the host late, so it keeps its own TSC.
+    """
+
+    def __init__(self) -> None:
+        self._exact = 0  # the newest TSC a hit carried
+        self._stop = 0  # the last TSC given to a VM stop
+        self._stops: dict[int, int] = {}  # vCPU -> the TSC given to the last stop handled on it
+
+    def exact(self, tsc: int, vcpu: int, at_once: bool) -> int:
+        """The TSC to place a hit that carries ``tsc``; ``at_once``: it came through a mailbox, not a ring."""
+        if at_once:
+            tsc = max(tsc, self._stops.get(vcpu, -1) + 1)
+        self._exact = max(self._exact, tsc)
+        return tsc
+
+    def stop(self, estimate: int, vcpu: int) -> int:
+        """The TSC to place a VM stop's hit whose TSC is ``estimate``."""
+        self._stop = self._stops[vcpu] = max(estimate, self._exact + 1, self._stop + 1)
+        return self._stop
+
+
 class Timeline:
     """A reorder buffer keyed by guest time; ``deliver`` callables run in that order, one at a time."""
 
@@ -90,4 +120,4 @@ class Timeline:
             self._release(all_=False)
 
 
-__all__ = ["HOLD", "WINDOW", "Timeline"]
+__all__ = ["HOLD", "WINDOW", "Timeline", "TscOrder"]

@@ -280,6 +280,7 @@ class TraceEvent:
         (the int3 has run; its optimized and ftrace-based probes set the same) and the
         real return address in a return probe.
         """
+        recorded = task is not None  # only a ring record brings its task
         ctx = _HostContext(self.target, regs, retval, None if task is None else task[1],
                            ip=ip + 1 if func is None else ip, entry=entry)  # fmt: skip
         # -1 as the int3 entry and the kretprobe trampoline leave it; 0 in a probe the kernel would run
@@ -294,7 +295,7 @@ class TraceEvent:
             # Without the kernel's types (a vmlinux without DWARF) the task is unknown: ftrace's "<...>".
             task = (current.pid, current.comm) if current is not None else (-1, "<...>")
         pid, comm = task
-        ts, order = self.target.hit_time(regs, recorded=task is not None)  # only a ring record brings its task
+        ts, order = self.target.hit_time(regs, recorded=recorded)
         hit = EventHit(
             event=self.definition.event, cpu=regs.vcpu, pid=pid, comm=comm,
             ts=ts, order=order, addr=ip,

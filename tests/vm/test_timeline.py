@@ -98,9 +98,15 @@ def test_timestamps_are_the_guests_trace_clock(target: qprobe.Target, optimized:
     guest = [float(m.group(1)) for m in re.finditer(rf" (\d+\.\d+): tracing_mark_write: {mark}", trace)]
     ours = [h.ts for h in ev.hits]
     assert len(ours) == len(guest) == 6, trace
-    for q, g in zip(ours, guest, strict=True):
-        # The guest prints microseconds and stamps a few hundred instructions after qprobe's probe.
-        # A detour carries its own TSC; the guest's "global" clock (its default under TCG) may stand
-        # still at its last tick + 4 ms when a tick is late, so it can print an earlier time.  A VM
-        # stop's time is the HPET's when QEMU has stopped, some time after the trap.
-        assert abs(g - q) < (0.001 if optimized else 0.005), (ours, guest)
+    # The guest prints microseconds and stamps a few hundred instructions after qprobe's probe.  A
+    # detour carries its own TSC; a VM stop's time is the HPET's when QEMU has stopped, some time after
+    # the trap.  The guest's "global" clock (its default under TCG) is the TSC's time clamped to its
+    # CPU's ticks: it never runs more than a tick past that CPU's last one nor backward
+    # (sched_clock_local), nor behind the last stamp any CPU took (trace_clock_global).  So one stamp
+    # can be up to a tick off the TSC's time either way (seen: the first marker after an idle spell
+    # printed 3.6 ms late), while most are within microseconds of it.
+    assert target.image is not None
+    tick = 1 / int(target.image.config_option("HZ") or 0)
+    near = 0.001 if optimized else 0.005
+    off = sorted(abs(g - q) for q, g in zip(ours, guest, strict=True))
+    assert off[-1] < tick + near and off[len(off) // 2] < near, (ours, guest)

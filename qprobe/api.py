@@ -382,6 +382,7 @@ class Target:
         self._guest_clock = self.clock_note is None
         if self._guest_clock:
             self._tsc_hz = self.stop_clock.rate() * NSEC_PER_SEC
+            self.timeline.monotone = self.trace_clock.name == "global"
 
     def hit_time(self, regs: PtRegs, recorded: bool = False) -> tuple[float, float]:
         """When a hit happened: (seconds on the guest's trace clock, the hit's place among all hits).

@@ -310,7 +310,7 @@ class TraceEvent:
             self.host_filtered += 1
             return
         self.nhit += 1
-        self.target.timeline.push(hit.order, lambda: self._keep(hit))
+        self.target.timeline.push(hit.order, lambda: self._keep(hit), hit)  # its time, as the guest's clock prints
         if self.callback is not None:
             self.callback(hit)  # at the hit, like a kernel handler; printers order through the timeline
 

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 log = logging.getLogger("qprobe.timeline")
 
@@ -55,11 +56,17 @@ class TscOrder:
         return self._stop
 
 
+class Stamped(Protocol):
+    """A hit with its printed time, which the timeline may move forward (``Timeline.monotone``)."""
+
+    ts: float
+
+
 class Timeline:
     """A reorder buffer keyed by guest time; ``deliver`` callables run in that order, one at a time."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, float, Callable[[], None]]] = []
+        self._heap: list[tuple[float, int, float, Callable[[], None], Stamped | None]] = []
         self._seq = itertools.count()
         self._newest = float("-inf")
         self._lock = threading.Lock()  # the heap
@@ -68,11 +75,16 @@ class Timeline:
         self._thread: threading.Thread | None = None
         self._closed = False
         self.errors: list[str] = []  # what delivering raised (a user's callback): counted, never lost silently
+        # Printed times never go back in the order hits go out, as under the guest's "global" trace
+        # clock: trace_clock_global() stamps no earlier than the last stamp any CPU took (its prev_time),
+        # where the CPUs' own clocks (a tick apart at most) disagree.  Set by whoever knows the clock.
+        self.monotone = False
+        self._last_stamp = float("-inf")
 
-    def push(self, ts: float, deliver: Callable[[], None]) -> None:
-        """Hold ``deliver`` (a hit at guest time ``ts``) until its turn."""
+    def push(self, ts: float, deliver: Callable[[], None], stamped: Stamped | None = None) -> None:
+        """Hold ``deliver`` (a hit at guest time ``ts``) until its turn; ``stamped``: the hit, whose time it prints."""
         with self._lock:
-            heapq.heappush(self._heap, (ts, next(self._seq), time.monotonic(), deliver))
+            heapq.heappush(self._heap, (ts, next(self._seq), time.monotonic(), deliver, stamped))
             self._newest = max(self._newest, ts)
             if self._thread is None and not self._closed:
                 self._thread = threading.Thread(target=self._tick, name="qprobe-timeline", daemon=True)
@@ -96,9 +108,11 @@ class Timeline:
         with self._lock:
             if not self._heap:
                 return None
-            ts, _, held_since, deliver = self._heap[0]
+            ts, _, held_since, deliver, stamped = self._heap[0]
             if all_ or ts <= self._newest - WINDOW or time.monotonic() - held_since >= HOLD:
                 heapq.heappop(self._heap)
+                if stamped is not None and self.monotone:
+                    stamped.ts = self._last_stamp = max(stamped.ts, self._last_stamp)
                 return deliver
             return None
 
@@ -120,4 +134,4 @@ class Timeline:
             self._release(all_=False)
 
 
-__all__ = ["HOLD", "WINDOW", "Timeline", "TscOrder"]
+__all__ = ["HOLD", "WINDOW", "Stamped", "Timeline", "TscOrder"]

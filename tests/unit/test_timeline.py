@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import pytest
 
@@ -88,3 +89,32 @@ def test_a_stop_goes_after_every_hit_already_seen_and_after_the_last_stop() -> N
     assert order.stop(1_500, vcpu=0) == 2_001  # the ring record was taken before the stop reached the host
     assert order.stop(1_800, vcpu=1) == 2_002  # stops reach the host in their order
     assert order.stop(9_000, vcpu=0) == 9_000
+
+
+@dataclass
+class _Hit:
+    ts: float
+
+
+def test_printed_times_never_go_back_in_order_under_a_global_clock() -> None:
+    # A ring record drained late (order 1.0) was converted on a CPU whose clock ran ahead of the
+    # other's: the guest's trace_clock_global() would have stamped the hit after it no earlier.
+    tl = Timeline()
+    tl.monotone = True
+    early, late = _Hit(5.0750), _Hit(5.0740)
+    out: list[float] = []
+    tl.push(2.0, lambda: out.append(late.ts), late)
+    tl.push(1.0, lambda: out.append(early.ts), early)
+    tl.flush()
+    assert out == [5.0750, 5.0750] and late.ts == 5.0750
+    tl.close()
+
+
+def test_printed_times_are_left_alone_under_a_per_cpu_clock() -> None:
+    tl = Timeline()
+    early, late = _Hit(5.0750), _Hit(5.0740)
+    tl.push(2.0, lambda: None, late)
+    tl.push(1.0, lambda: None, early)
+    tl.flush()
+    assert late.ts == 5.0740
+    tl.close()

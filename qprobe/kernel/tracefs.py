@@ -63,29 +63,34 @@ def error_texts(symbols: Symbols) -> list[str] | None:
         return None
 
 
+# The loaded modules' BTF blobs, (address of the kernel's struct btf, raw BTF) each: qprobe.kernel.btf.module_btfs.
+ModuleBtfs = Callable[[], list[tuple[int, bytes]]]
+
+
 class _LazyBtf:
     """The kernel's BTF, read from vmlinux the first time the parser asks for it, then the modules'.
 
-    ``modules`` lists the loaded modules' BTF blobs (``qprobe.kernel.btf.module_btfs`` over the
-    live guest); each is parsed once, by the address of the kernel's copy.
+    ``modules`` lists the loaded modules' BTF blobs over the live guest; each is parsed once,
+    keyed by its address and its bytes (a module that unloads frees its ``struct btf``, and
+    the next module's may get the same address).
     """
 
-    def __init__(self, symbols: Symbols, modules: Callable[[], list[tuple[int, bytes]]] | None) -> None:
+    def __init__(self, symbols: Symbols, modules: ModuleBtfs | None) -> None:
         self._symbols = symbols
         self._modules = modules
-        self._parsed: dict[int, KernelBtf | None] = {}
+        self._parsed: dict[tuple[int, bytes], KernelBtf | None] = {}
 
     @functools.cached_property
     def _btf(self) -> KernelBtf | None:
         return KernelBtf.of(self._symbols)
 
-    def _module_btf(self, address: int, data: bytes) -> KernelBtf | None:
-        if address not in self._parsed:
+    def _module_btf(self, key: tuple[int, bytes]) -> KernelBtf | None:
+        if key not in self._parsed:
             try:
-                self._parsed[address] = KernelBtf(data, base=self._btf)
+                self._parsed[key] = KernelBtf(key[1], base=self._btf)
             except (QprobeError, struct.error):
-                self._parsed[address] = None
-        return self._parsed[address]
+                self._parsed[key] = None
+        return self._parsed[key]
 
     def proto(self, func: str) -> FuncProto | None:
         """``bpf_find_btf_id``: vmlinux's BTF first, then each loaded module's."""
@@ -94,8 +99,11 @@ class _LazyBtf:
         found = self._btf.proto(func)
         if found is not None or self._modules is None:
             return found
-        for address, data in self._modules():
-            btf = self._module_btf(address, data)
+        loaded = self._modules()
+        for key in set(self._parsed) - set(loaded):
+            del self._parsed[key]  # unloaded since
+        for key in loaded:
+            btf = self._module_btf(key)
             found = None if btf is None else btf.proto(func)
             if found is not None:
                 return found
@@ -109,8 +117,7 @@ class _LazyBtf:
         return None if btf is None else btf.member(parent, name)
 
 
-def probe_dialect(symbols: Symbols, thread_size: int | None = None,
-                  modules: Callable[[], list[tuple[int, bytes]]] | None = None) -> Dialect:  # fmt: skip
+def probe_dialect(symbols: Symbols, thread_size: int | None = None, modules: ModuleBtfs | None = None) -> Dialect:
     """The kprobe_events Dialect of the kernel ``symbols`` describes, with its THREAD_SIZE if known.
 
     ``modules`` gives the loaded modules' BTF (none before a guest is attached).

@@ -32,6 +32,8 @@ from qprobe.kernel.btf import (
     UNION,
     KernelBtf,
 )
+from qprobe.kernel.symbols import Symbols
+from qprobe.kernel.tracefs import _LazyBtf
 
 
 class Blob:
@@ -131,7 +133,7 @@ def test_not_btf() -> None:
         KernelBtf(b"\0" * 32)
 
 
-def module_blob(base: bytes) -> bytes:
+def module_blob(base: bytes, func: str = "h") -> bytes:
     """A module's split BTF over ``blob()``: ``struct m { struct dentry *d; int n; }; int h(struct m *mp, u8 c);``.
 
     Its ids start after the base's last (18) and its string offsets after the base's strings.
@@ -140,7 +142,7 @@ def module_blob(base: bytes) -> bytes:
     b.add("m", STRUCT, 2, 16, struct.pack("<III", b.name("d"), 12, 0) + struct.pack("<III", b.name("n"), 10, 64))  # 19
     b.add("", PTR, 0, 19)  # 20: struct m *
     b.add("", FUNC_PROTO, 2, 10, struct.pack("<II", b.name("mp"), 20) + struct.pack("<II", b.name("c"), 2))  # 21
-    b.add("h", FUNC, 0, 21)  # 22
+    b.add(func, FUNC, 0, 21)  # 22
     return b.build()
 
 
@@ -158,3 +160,13 @@ def test_a_modules_split_btf_over_vmlinux() -> None:
     assert d == Member(0, 0, CType("ptr", target=CType("struct", tid=11)))
     assert mod.member(CType("struct", tid=11), "d_seq") == Member(32, 0, CType("int", 32, True))  # a base type
     assert mod.offsetof("m", "n") == 8 and mod.offsetof("dentry", "d_name.name") == 16
+
+
+def test_a_modules_btf_is_looked_up_by_its_address_and_its_bytes() -> None:
+    # A module unloads and the next one's struct btf gets the same address: its functions, not the old ones.
+    loaded = [(0xFFFF888001000000, module_blob(blob(), "mod_open"))]
+    lazy = _LazyBtf(Symbols.__new__(Symbols), lambda: loaded)
+    lazy.__dict__["_btf"] = KernelBtf(blob())  # vmlinux's, as _LazyBtf reads it from the file
+    assert lazy.proto("mod_open") is not None and lazy.proto("mod_read") is None
+    loaded = [(0xFFFF888001000000, module_blob(blob(), "mod_read"))]
+    assert lazy.proto("mod_open") is None and lazy.proto("mod_read") is not None

@@ -141,16 +141,16 @@ def test_bad_definition_gets_a_caret_and_the_shell_goes_on(target: qprobe.Target
     sh, out = shell
     before = dict(target.journal.patches)
     assert do(sh, out, "p:bad vfs_read x=%zz") == "p:bad vfs_read x=%zz\n" + " " * 17 + "^ Invalid register name\n"
-    # Refused when registering: the kernel's text under a caret, qprobe's reason after it.
-    # The boundaries either side of vfs_read+3, as binutils decodes the image's vmlinux (+0x5 after a
-    # call to __fentry__; +0x4 after an ENDBR on a kernel built with IBT).
-    vmlinux = vmlinux_of(target)
-    below = max(off for off, *_ in disassemble(vmlinux, "vfs_read") if off <= 3)
-    above = min(off for off, *_ in disassemble(vmlinux, "vfs_read") if off > 3)
-    assert below != 3
-    assert do(sh, out, "p:bad vfs_read+3") == (
-        "p:bad vfs_read+3\n      ^ Probe point is not an instruction boundary: "
-        f"vfs_read+0x3 is not an instruction boundary (nearest: +{below:#x} and +{above:#x})\n"
+    # Refused when registering: the kernel's text under a caret, qprobe's reason after it.  An offset
+    # from +3 on inside an instruction, as binutils decodes the image's vmlinux (+3 inside a call to
+    # __fentry__ or an ENDBR; a kernel with neither can have a boundary there), and the boundaries
+    # either side of it.
+    offsets = [off for off, *_ in disassemble(vmlinux_of(target), "vfs_read")]
+    inside = next(off for off in range(3, offsets[-1]) if off not in offsets)
+    below, above = max(off for off in offsets if off < inside), min(off for off in offsets if off > inside)
+    assert do(sh, out, f"p:bad vfs_read+{inside}") == (
+        f"p:bad vfs_read+{inside}\n      ^ Probe point is not an instruction boundary: "
+        f"vfs_read+{inside:#x} is not an instruction boundary (nearest: +{below:#x} and +{above:#x})\n"
     )
     assert target.journal.patches == before and not target.events and not sh.done
     assert do(sh, out, "r:rr ksys_read ret=$retval:s64").startswith("added kprobes/rr  (return probe")
@@ -158,14 +158,22 @@ def test_bad_definition_gets_a_caret_and_the_shell_goes_on(target: qprobe.Target
     assert do(sh, out, "-:rr") == "removed kprobes/rr (3 hits)\n"
 
 
-def _ctrl_c_when(ready: Callable[[], object], timeout: float = 300.0) -> threading.Thread:
-    """SIGINT to the main thread (as Ctrl-C would) as soon as ``ready()`` holds; started, to be joined."""
+def _ctrl_c_when(ready: Callable[[], object]) -> threading.Thread:
+    """SIGINT to the main thread (as Ctrl-C would) as soon as ``ready()`` holds; started, to be joined.
+
+    Sent even when ``ready()`` fails, so the command it is meant to stop ends and the test fails
+    rather than waits for ever.  Python's own SIGINT handler is put back first: a run started in
+    the background of a non-interactive shell inherits SIGINT ignored.
+    """
     main = threading.main_thread().ident
     assert main is not None
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def wait_then_interrupt() -> None:
-        ready()
-        signal.pthread_kill(main, signal.SIGINT)
+        try:
+            ready()
+        finally:
+            signal.pthread_kill(main, signal.SIGINT)
 
     thread = threading.Thread(target=wait_then_interrupt)
     thread.start()

@@ -9,7 +9,9 @@ runs them (``qprobe shell < script``).
 from __future__ import annotations
 
 import bisect
+import signal
 import sys
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -134,6 +136,10 @@ def run_shell(target: ShellTarget, shell: Shell | None = None, *, banner: bool =
                 break
         return 0
     shell.prompt = PROMPT
+    # Ctrl-C stops a command, as the banner says, even where the shell was started with SIGINT
+    # ignored (``cmd &`` from a script, nohup): an interactive shell takes it back, as bash does.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     from prompt_toolkit import PromptSession
     from prompt_toolkit.auto_suggest import AutoSuggestFromHistory
     from prompt_toolkit.history import FileHistory

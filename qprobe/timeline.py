@@ -34,8 +34,8 @@ class TscOrder:
     latency and the clock model's error, which can put it after hits that came later.  Two
     facts fix the order where it can be known: stops reach the host in the order they
     happened, after every hit already seen; and a hit handled at once (a stop or a mailbox)
-    on a vCPU happened after every stop already handled on that vCPU, whose vCPU was held
-    until the host let it go.  A ring record reaches the host late, so it keeps its own TSC.
+    on a vCPU happened after every stop already handled on that vCPU (the host held the vCPU
+    until it had handled the stop).  A ring record reaches the host late, so it keeps its own TSC.
     """
 
     def __init__(self) -> None:

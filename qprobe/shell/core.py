@@ -348,11 +348,10 @@ class Shell:
                     self.out.write(fmt(hit))
 
         formats = {te.definition.event: self.formats[te.name] for te in events if te.name in self.formats}
-        if spec.seconds is None and spec.command is None:
-            self.note(f"showing {', '.join(te.name for te in events)}; Ctrl-C to stop")
+        ready = f"showing {', '.join(te.name for te in events)}; Ctrl-C to stop"
         timeline = self.target.timeline  # lines come out in the guest's order of hits, whatever their path
         with Tap(events, lambda te, hit, stack: timeline.push(hit.order, lambda: hits.put(hit))):
-            result = self._watch(spec, drain)
+            result = self._watch(spec, drain, ready)
         timeline.flush()
         drain()
         self._report_run(result)
@@ -445,12 +444,11 @@ class Shell:
 
         try:
             with Tap(events, agg.add, unwind):
-                if spec.seconds is None and spec.command is None:
-                    # Said once every hit is counted, so that a Ctrl-C from then on ends the count, not its set-up.
-                    what = ", ".join(te.name for te in events) + (f" by {', '.join(spec.keys)}" if spec.keys else "")
-                    value = f"{agg.kind}({agg.value}) of " if agg.value is not None else "counting "
-                    self.note(f"{value}{what}{f' every {every:g} s' if every else ''}; Ctrl-C to stop")
-                result = self._watch(spec, poll)
+                # Said (in _watch) once every hit is counted and a Ctrl-C ends the count, not its set-up.
+                what = ", ".join(te.name for te in events) + (f" by {', '.join(spec.keys)}" if spec.keys else "")
+                value = f"{agg.kind}({agg.value}) of " if agg.value is not None else "counting "
+                ready = f"{value}{what}{f' every {every:g} s' if every else ''}; Ctrl-C to stop"
+                result = self._watch(spec, poll, ready)
         finally:
             if in_guest:
                 agg.add_counts(events[0].stop_counting_in_guest())
@@ -478,9 +476,11 @@ class Shell:
 
         return unwind
 
-    def _watch(self, spec: Collect, poll: Callable[[], None]) -> RunResult | QprobeError | None:
+    def _watch(self, spec: Collect, poll: Callable[[], None], ready: str) -> RunResult | QprobeError | None:
         """Until Ctrl-C, for ``spec.seconds``, or while ``spec.command`` runs in the guest.
 
+        A watch until Ctrl-C prints ``ready`` (which says so) once a Ctrl-C ends the watch:
+        one typed as soon as it shows must not interrupt the set-up before it instead.
         ``poll`` (printing hits, for ``show``) runs every 0.1 s.  The guest command
         runs on this thread, so that Ctrl-C interrupts its wait and frees the console
         at once (and is passed on to the guest); ``poll`` then runs on a helper thread.
@@ -513,6 +513,8 @@ class Shell:
             return result
         deadline = None if spec.seconds is None else time.monotonic() + spec.seconds
         try:
+            if deadline is None:
+                self.note(ready)
             while True:
                 poll()
                 left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())

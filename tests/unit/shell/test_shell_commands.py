@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from types import SimpleNamespace
 
 import pytest
@@ -141,6 +142,29 @@ def test_a_count_over_an_interrupted_command_gets_the_hits_still_in_the_guest() 
     got = run(shell, out, "count gp by $comm run interrupted 4")
     assert got == ["", "interrupted: sent ^C to the guest command", "@[workload]: 4"]
     assert t.console is not None and t.console.written[-1] == "\x03"
+
+
+class _CtrlCWhenShown(io.StringIO):
+    """Output where Ctrl-C is typed the moment the line saying to type it shows."""
+
+    typed = False
+
+    def write(self, s: str) -> int:
+        n = super().write(s)
+        if "Ctrl-C to stop" in s and not self.typed:
+            self.typed = True
+            raise KeyboardInterrupt
+        return n
+
+
+def test_a_ctrl_c_as_soon_as_the_count_says_so_ends_the_count() -> None:
+    t = FakeTarget()
+    out = _CtrlCWhenShown()
+    shell = Shell(t, out=out)  # type: ignore[arg-type]
+    shell.execute("p:gp __x64_sys_getppid")
+    shell.execute("count gp by $comm")
+    assert out.typed and lines(out)[-3:] == ["counting kprobes/gp by $comm; Ctrl-C to stop", "", "no hits"]
+    assert t.events["kprobes/gp"].callback is None  # the tap is gone
 
 
 def test_count_prints_what_it_lost() -> None:

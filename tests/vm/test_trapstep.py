@@ -26,6 +26,7 @@ from iced_x86 import OpKind, Register
 import qprobe
 from qprobe import Kprobe
 from qprobe.arch.x86_64.decode import Insn, decode_all
+from qprobe.arch.x86_64.ptregs import PT_NAME
 from qprobe.errors import ProbeError
 
 from .conftest import entry_offset, vmlinux_of, workload_result
@@ -67,8 +68,7 @@ def _indirect(insn: Insn, before: dict[str, int], target: qprobe.Target) -> int:
     i = insn.instr
 
     def reg(r: int) -> int:
-        name = _REGISTER_NAMES[r].lower()  # "RAX" -> ax, "R8" -> r8, as REGS names them
-        return before[name[1:] if name[1:] in REGS and not name[1:].isdigit() else name]
+        return before[PT_NAME[_REGISTER_NAMES[r].lower()]]  # iced's RAX is gdb's rax, pt_regs' ax
 
     if i.op0_kind == OpKind.REGISTER:
         return reg(i.op0_register)

@@ -49,7 +49,7 @@ from qprobe.modnotify import ModuleNotifier
 from qprobe.paths import cache_dir, read_private, write_private
 from qprobe.timeline import Timeline, TscOrder
 from qprobe.vmm.connection import Connection, parse_address
-from qprobe.vmm.console import Console, RunResult
+from qprobe.vmm.console import Console, GuestShell, RunResult, open_shell
 from qprobe.vmm.gdbmi import GdbMiRemote
 from qprobe.vmm.gdbremote import GdbRemote
 from qprobe.vmm.journal import Journal
@@ -104,8 +104,8 @@ class Target:
     """A running guest kernel under qprobe's control."""
 
     def __init__(self, gdb_address: str, vmlinux: str | Path, *, ram: Path | None = None, ram_size: int = 0,
-                 console: Path | None = None, qemu: QemuProcess | None = None, console_log: Path | None = None,
-                 boot_timeout: float = 60.0, doorbell: Path | None = None,
+                 console: Path | None = None, qemu: QemuProcess | None = None,
+                 boot_timeout: float = 60.0, doorbell: Path | None = None, shell: Path | None = None,
                  system_map: Path | None = None, transport: str = "rsp") -> None:  # fmt: skip
         self.qemu = qemu
         self.image: Image | None = None  # set by boot(); None when attached to a foreign QEMU
@@ -118,7 +118,8 @@ class Target:
         self._tsc_hz = 1.0
         self.address = gdb_address
         self.timings: dict[str, float] = {}
-        self.console: Console | None = None
+        self.console: Console | None = None  # the kernel's console: its log, and the oopses in it
+        self.guest_shell: GuestShell | None = None  # the shell run() talks to (its own port, or the console)
         self._closed = False
         alive = qemu.alive if qemu is not None else None
         try:
@@ -127,12 +128,13 @@ class Target:
             loader = threading.Thread(target=_load_into, args=(vmlinux, symbols_box, system_map), daemon=True)
             loader.start()
             if console is not None:
-                self.console = Console(console, console_log, alive)
+                self.console = Console(console, alive)
+                try:
+                    # A VM qprobe did not boot has its shell ready already: no boot to wait for.
+                    self.guest_shell = open_shell(self.console, shell, alive, boot_timeout if qemu else None)
+                except GuestPanicked as exc:
+                    raise BootPanic(str(exc)) from None
                 if qemu is not None:
-                    try:
-                        self.console.wait_for("QPROBE-READY", boot_timeout)
-                    except GuestPanicked as exc:
-                        raise BootPanic(str(exc)) from None
                     self.timings["boot"] = time.monotonic() - t0
             self.gdb = open_stub(transport, gdb_address, alive)
             self.gdb.handshake()
@@ -228,12 +230,16 @@ class Target:
 
     # -- guest interaction -----------------------------------------------------------
     def run(self, command: str, timeout: float = 60.0) -> RunResult:
-        """Run a shell command in the guest (over the serial console)."""
-        if self.console is None:
-            raise TargetError("this target has no guest console (attach with console=PATH)")
+        """Run a shell command in the guest; its output is exactly what it wrote (stdout and stderr).
+
+        The guest's shell has a serial port of its own when qprobe booted the VM; the kernel's log goes to
+        the console (``console``, ``oopses()``), never into a command's output.
+        """
+        if self.guest_shell is None:
+            raise TargetError("this target has no guest shell (attach with console=PATH)")
         self.machine.check_alive()
         try:
-            result = self.console.run(command, timeout)
+            result = self.guest_shell.run(command, timeout)
         except TargetGone:
             self.machine.check_alive(wait=2.0)  # the stop loop knows why QEMU went
             raise
@@ -253,7 +259,13 @@ class Target:
         """Kernel virtual memory, read from shared RAM without stopping the VM."""
         return self.mem.read(self.symbols.resolve(addr) if isinstance(addr, str) else addr, size)
 
+    def interrupt_guest(self) -> None:
+        """Ctrl-C the guest shell's foreground command (as ``run`` started it)."""
+        if self.guest_shell is not None:
+            self.guest_shell.interrupt()
+
     def oopses(self) -> list[str]:
+        """The kernel's oops, BUG, WARNING and panic lines on its console since qprobe connected."""
         return self.console.oopses() if self.console else []
 
     def registers(self, vcpu: int = 0) -> dict[str, int]:
@@ -549,6 +561,8 @@ class Target:
                 self.gdb.detach()
             except QprobeError:
                 pass
+        if self.guest_shell is not None and self.guest_shell.port is not self.console:
+            self.guest_shell.close()
         if self.console is not None:
             self.console.close()
         if self.qemu is not None:
@@ -652,7 +666,8 @@ def _boot_once(img: Image, config: QemuConfig, boot_timeout: float, transport: s
     qemu = QemuProcess(config, keepable=keepable)
     try:
         qemu.wait_for_sockets()
-        session = {"gdb": str(qemu.gdb_path), "console": str(qemu.console_path), "ram": str(qemu.ram_path),
+        session = {"gdb": str(qemu.gdb_path), "console": str(qemu.console_path), "shell": str(qemu.shell_path),
+                   "ram": str(qemu.ram_path),
                    "ram_size": config.memory, "vmlinux": str(img.vmlinux), "image": img.name,
                    "console_log": str(qemu.console_log), "pid": qemu.proc.pid,
                    "doorbell": str(qemu.doorbell_path)}  # fmt: skip
@@ -663,7 +678,7 @@ def _boot_once(img: Image, config: QemuConfig, boot_timeout: float, transport: s
         qemu.terminate()
         raise
     target = Target(f"unix:{qemu.gdb_path}", img.vmlinux, ram=qemu.ram_path, ram_size=config.memory,
-                    console=qemu.console_path, qemu=qemu, console_log=qemu.console_log,
+                    console=qemu.console_path, shell=qemu.shell_path, qemu=qemu,
                     boot_timeout=boot_timeout, doorbell=qemu.doorbell_path, system_map=img.system_map,
                     transport=transport)  # fmt: skip
     target.image = img
@@ -677,6 +692,7 @@ def attach(
     ram: str | Path | None = None,
     ram_size: int | str = 0,
     console: str | Path | None = None,
+    shell: str | Path | None = None,
     allow_remote: bool = False,
     system_map: str | Path | None = None,
     transport: str = "rsp",
@@ -685,8 +701,11 @@ def attach(
 
     ``transport``: "rsp" (qprobe's own client) or "gdb" (a real gdb through GDB/MI).
 
-    For a QEMU started by ``qprobe boot``, the run directory's session file
-    supplies vmlinux, the shared RAM file and the console.
+    ``console`` is the socket of the guest's console (the kernel's log), ``shell`` that of the serial
+    port the guest's shell runs on when it has one of its own (qprobe's /init puts it on ttyS1 given
+    ``qprobe.shell=ttyS1``); without ``shell``, commands go to the shell on the console, where kernel
+    messages can land in their output.  For a QEMU started by ``qprobe boot``, the run directory's
+    session file supplies vmlinux, the shared RAM file, the console and the shell.
     """
     addr = address
     doorbell: str | None = None
@@ -709,13 +728,14 @@ def attach(
             ram = ram or str(session["ram"])
             ram_size = ram_size or int(session["ram_size"])  # type: ignore[call-overload]
             console = console or str(session["console"])
+            shell = shell or str(session["shell"])
             doorbell = str(session["doorbell"])
     if vmlinux is None:
         raise TargetError("attach needs the running kernel's vmlinux (vmlinux=PATH / --vmlinux PATH)")
     ram_path = Path(ram) if ram else None
     size = parse_memory(ram_size) if ram_size else (ram_path.stat().st_size if ram_path else 0)
     return Target(addr, vmlinux, ram=ram_path, ram_size=size, console=Path(console) if console else None,
-                  doorbell=Path(doorbell) if doorbell else None,
+                  shell=Path(shell) if shell else None, doorbell=Path(doorbell) if doorbell else None,
                   system_map=Path(system_map) if system_map else None, transport=transport)  # fmt: skip
 
 
@@ -744,10 +764,10 @@ def read_session(sock: Path) -> dict[str, object] | None:
         raise bad("not JSON") from None
     if not isinstance(data, dict):
         raise bad("not a JSON object")
-    text = ("gdb", "console", "ram", "vmlinux", "doorbell", "console_log")
+    text = ("gdb", "console", "shell", "ram", "vmlinux", "doorbell", "console_log")
     if not all(isinstance(data.get(k), str) for k in text) or type(data.get("ram_size")) is not int:
         raise bad(f"it needs strings {', '.join(text)} and a number ram_size")
-    for key in ("gdb", "console", "doorbell", "console_log"):
+    for key in ("gdb", "console", "shell", "doorbell", "console_log"):
         try:
             beside = os.path.samefile(Path(data[key]).parent, sock.parent)
         except OSError:

@@ -25,12 +25,12 @@ from typing import Protocol
 import qprobe
 from qprobe.errors import GuestPanicked, GuestTimeout, TargetError, TargetGone
 from qprobe.kernel import symbols as symbols_mod
-from qprobe.vmm.console import READY, Console, RunResult
+from qprobe.vmm.console import Console, GuestShell, RunResult, open_shell
 from qprobe.vmm.qemu import QemuConfig, QemuProcess, parse_memory
 
 
 class Shell(Protocol):
-    """A guest shell: qprobe's target or the console of a VM without qprobe."""
+    """A guest shell: qprobe's target or the shell of a VM without qprobe."""
 
     def run(self, command: str, timeout: float = 60.0) -> RunResult: ...
 
@@ -183,8 +183,8 @@ def _guest_kprobe_events(target: qprobe.Target, name: str, func: str, cmd: str, 
 
 
 @contextmanager
-def _plain_vm(args: argparse.Namespace, tcg_thread: str = "") -> Iterator[tuple[QemuProcess, Console]]:
-    """A second VM of the same image with nothing attached to its gdbstub, and its console's shell."""
+def _plain_vm(args: argparse.Namespace, tcg_thread: str = "") -> Iterator[tuple[QemuProcess, GuestShell]]:
+    """A second VM of the same image with nothing attached to its gdbstub, and its guest shell."""
     from qprobe.images import get_image
 
     img = get_image(args.image, fetch=False)
@@ -195,8 +195,11 @@ def _plain_vm(args: argparse.Namespace, tcg_thread: str = "") -> Iterator[tuple[
         qemu.wait_for_sockets()
         console = Console(qemu.console_path, alive=qemu.alive)
         try:
-            console.wait_for(READY, 120)
-            yield qemu, console
+            shell = open_shell(console, qemu.shell_path, qemu.alive, 120)
+            try:
+                yield qemu, shell
+            finally:
+                shell.close()
         finally:
             console.close()
     finally:
@@ -446,7 +449,8 @@ def _guest_scale_rows(args: argparse.Namespace, names: list[str], accel: str) ->
             try:
                 rows.append(_guest_scale(console, names[:n], loop, what))
             except (GuestPanicked, TargetGone):
-                lines = [re.sub(r"^\[[ \d.]+\] ", "", line.strip()) for line in console.oopses()]
+                oopses = console.console.oopses() if console.console else []
+                lines = [re.sub(r"^\[[ \d.]+\] ", "", line.strip()) for line in oopses]
                 said = [line for line in lines if line.startswith(("BUG:", "Kernel panic"))][:2]
                 rows.append(ScaleRow(n, what, 0, 0, 0, 0, failed=f"guest panicked ({'; '.join(said) or 'no oops'})"))
                 break

@@ -235,9 +235,12 @@ def _booted(args: argparse.Namespace, target: Target) -> list[str]:
     lines = [f"booted {args.image} in {target.timings.get('boot', 0):.1f} s "
              f"(kernel slide {target.slide:#x}, {target.vcpus} vCPUs)",
              f"attach with:  qprobe attach unix:{qemu.gdb_path}",
-             f"console log:  {qemu.console_log}"]  # fmt: skip
-    # Release the gdbstub (it takes one client) so other qprobe processes can attach.
+             f"console log:  {qemu.console_log}",
+             f"shell log:    {qemu.shell_log}"]  # fmt: skip
+    # Release the gdbstub and the serial ports (each takes one client) so other qprobe processes can attach.
     target.machine.close(detach=True)
+    if target.guest_shell is not None and target.guest_shell.port is not target.console:
+        target.guest_shell.close()
     if target.console is not None:
         target.console.close()
     return lines

@@ -33,10 +33,11 @@ Markers
     ``@pytest.mark.qprobe_needs_config("CONFIG_X")``   skip on images whose config does not set X;
     ``@pytest.mark.qprobe_needs_config("PREEMPT_RT", "y")``  ... or sets it to another value.
 
-A failing test's report carries the tail of the guest console, the oops
-lines and the probes that were registered; ``--qprobe-keep`` leaves the VM of
-a failing test running (probes removed, gdbstub released) and prints how to
-``qprobe attach`` to it; the module's later tests on that image are skipped.
+A failing test's report carries the tail of the guest console (the kernel's
+log), the tail of the guest shell (the commands' output), the oops lines and
+the probes that were registered; ``--qprobe-keep`` leaves the VM of a failing
+test running (probes removed, gdbstub released) and prints how to ``qprobe
+attach`` to it; the module's later tests on that image are skipped.
 """
 
 from __future__ import annotations
@@ -433,9 +434,11 @@ class QprobeReset:
             if text.strip():
                 out.append((f"qprobe: {title} ({image})", text.rstrip("\n")))
 
-        if t.console is not None:
-            add(f"guest console, last {CONSOLE_TAIL} lines",
-                lambda: guest_console(t.console.text, CONSOLE_TAIL))  # type: ignore[union-attr]  # fmt: skip
+        console, shell = t.console, t.guest_shell
+        if console is not None:
+            add(f"guest console, last {CONSOLE_TAIL} lines", lambda: guest_console(console.text, CONSOLE_TAIL))
+        if shell is not None and shell.port is not console:
+            add(f"guest shell, last {CONSOLE_TAIL} lines", lambda: guest_console(shell.port.text, CONSOLE_TAIL))
         add("kernel oops lines since boot", lambda: "\n".join(t.oopses()))
         add("probes registered", t.list_probes, quiet=True)  # asks the VM: nothing to say if it is gone
         add("handler exceptions", lambda: "\n".join(t.kprobes.handler_errors[self.handler_errors_seen :]))
@@ -523,6 +526,7 @@ def _keep(config: pytest.Config, vm: _Vm, item: pytest.Item, report: pytest.Test
         f"  attach with:  qprobe attach unix:{qemu.gdb_path}",
         f"  (Python:      qprobe.attach('unix:{qemu.gdb_path}'))",
         f"  console log:  {qemu.console_log}",
+        f"  shell log:    {qemu.shell_log}",
         f"  stop it with: kill {qemu.proc.pid}; rm -rf {qemu.rundir} {qemu.shmdir}",
     ])  # fmt: skip
     config.stash[_KEPT].append(text)

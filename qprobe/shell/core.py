@@ -534,13 +534,11 @@ class Shell:
             self._print_run(result)
 
     def interrupt_guest(self) -> None:
-        """Ctrl-C the guest's foreground command (the console is its controlling tty)."""
-        console = self.target.console
-        if console is not None:
-            try:
-                console.write("\x03")
-            except QprobeError:
-                pass
+        """Ctrl-C the guest's foreground command (the guest shell's port is its controlling tty)."""
+        try:
+            self.target.interrupt_guest()
+        except QprobeError:
+            pass
 
     # -- the guest ---------------------------------------------------------------------------------
     def cmd_run(self, rest: str) -> None:

@@ -29,12 +29,6 @@ class ShellProbes(ProbeTables, Protocol):
     points: dict[int, ProbePoint]
 
 
-class GuestConsole(Protocol):
-    """The guest's serial console: the shell sends ^C to the guest's foreground command through it."""
-
-    def write(self, data: str) -> None: ...
-
-
 @runtime_checkable
 class ShellTarget(RunningTarget, Protocol):
     """Everything the shell's commands ask of a target."""
@@ -42,7 +36,6 @@ class ShellTarget(RunningTarget, Protocol):
     kprobes: ShellProbes
     kernel: KernelData
     events: dict[str, TraceEvent]
-    console: GuestConsole | None
     slide: int
 
     @property
@@ -54,6 +47,7 @@ class ShellTarget(RunningTarget, Protocol):
     def add_events(self, definition: str, callback: Callable[[EventHit], None] | None = None,
                    filter: str | None = None) -> Wildcard: ...  # fmt: skip
     def remove_event(self, event: TraceEvent | str) -> None: ...
+    def interrupt_guest(self) -> None: ...
     def enable_kprobe(self, kp: Kprobe) -> None: ...
     def disable_kprobe(self, kp: Kprobe) -> None: ...
     def enable_kretprobe(self, rp: Kretprobe) -> None: ...
@@ -70,4 +64,4 @@ class ShellTarget(RunningTarget, Protocol):
     def sync(self) -> None: ...
 
 
-__all__ = ["GuestConsole", "ShellProbes", "ShellTarget"]
+__all__ = ["ShellProbes", "ShellTarget"]

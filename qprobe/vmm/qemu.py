@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qprobe.errors import TargetError, TargetGone
+from qprobe.vmm.console import SHELL_CMDLINE
 from qprobe.vmm.scratch import SIZE as SCRATCH_ALIGN
 
 # Reserved with memmap= so the kernel never uses it; qprobe maps it as the
@@ -223,6 +224,8 @@ class QemuProcess:
             self.qmp_path = self.rundir / "qmp.sock"
             self.console_path = self.rundir / "console.sock"
             self.console_log = self.rundir / "console.log"
+            self.shell_path = self.rundir / "shell.sock"
+            self.shell_log = self.rundir / "shell.log"
             self.doorbell_path = self.rundir / "doorbell.sock"
             self.argv = [binary, *self._args()]
             # PR_SET_PDEATHSIG fires when the forking *thread* ends: only the main thread lives as long
@@ -290,6 +293,9 @@ class QemuProcess:
         append = " ".join(
             [
                 "console=ttyS0,115200",
+                # The guest's shell on a serial port of its own (ttyS1), so that a command's output never
+                # holds a kernel message (scripts/guest/init reads this).
+                SHELL_CMDLINE,
                 # Keep the scratch area away from the kernel (KASLR honours memmap= too).
                 f"memmap={SCRATCH_SIZE >> 20}M${self.scratch_phys:#x}",
                 "panic=-1",
@@ -311,6 +317,8 @@ class QemuProcess:
             "-mon", "chardev=qmp0,mode=control",
             "-chardev", f"socket,id=con0,path={self.console_path},server=on,wait=off,logfile={self.console_log}",
             "-serial", "chardev:con0",
+            "-chardev", f"socket,id=sh0,path={self.shell_path},server=on,wait=off,logfile={self.shell_log}",
+            "-serial", "chardev:sh0",
             # The optimized probes' doorbell: an `out` to this port arrives on the socket.
             "-chardev", f"socket,id=bell0,path={self.doorbell_path},server=on,wait=off",
             "-device", f"isa-debugcon,iobase={DOORBELL_PORT:#x},chardev=bell0",
@@ -338,7 +346,7 @@ class QemuProcess:
 
     def wait_for_sockets(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
-        paths = (self.gdb_path, self.console_path, self.qmp_path, self.ram_path, self.doorbell_path)
+        paths = (self.gdb_path, self.console_path, self.shell_path, self.qmp_path, self.ram_path, self.doorbell_path)
         while not all(p.exists() for p in paths):
             if not self.alive():
                 raise TargetGone(f"QEMU exited at start-up: {self.stderr_tail() or 'no message'}")

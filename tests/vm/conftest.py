@@ -25,7 +25,7 @@ import qprobe
 from qprobe.images import Image, get_image
 from qprobe.pytest_plugin import QprobeReset, qprobe_scope, register_if_missing, selected_images
 from qprobe.shell import Shell
-from qprobe.vmm.console import READY, Console
+from qprobe.vmm.console import Console, open_shell
 from qprobe.vmm.qemu import QemuConfig, QemuProcess
 
 # The image of tests that boot through the CLI or by hand: the first --qprobe-image.
@@ -51,7 +51,7 @@ def bare_qemu(image: str | None = None, timeout: float = 180.0) -> Iterator[Qemu
         q.wait_for_sockets()
         console = Console(q.console_path, alive=q.alive)
         try:
-            console.wait_for(READY, timeout)
+            open_shell(console, q.shell_path, q.alive, timeout).close()
         finally:
             console.close()
         yield q

@@ -21,10 +21,6 @@ from qprobe.errors import FetchArgError, QprobeError
 
 TRACING = "/sys/kernel/tracing"
 CHUNK = 700  # base64 characters per console command (the tty line limit is 4095)
-# A kernel message on the console, interleaved with the shell's output where the image's
-# console loglevel lets warnings through (debian-rt prints trace_kprobe's "This probe might be
-# able to register after target module is loaded" there): it is not part of the listing.
-PRINTK = re.compile(r"^\[\s*\d+\.\d+\] ")
 
 _SCRIPT = r"""T=%(tracing)s
 while IFS= read -r line; do
@@ -95,10 +91,10 @@ def guest_verdicts(target: qprobe.Target, cases: Sequence[Sequence[str]]) -> lis
             body: list[str] = []
             i += 1
             while i < len(out) and out[i].strip() != "@@END":
-                body.append(out[i].rstrip("\r"))
+                body.append(out[i])
                 i += 1
             if tag == "@@OK":
-                result[-1].append(Verdict(True, listing=tuple(x for x in body if x.strip() and not PRINTK.match(x))))
+                result[-1].append(Verdict(True, listing=tuple(x for x in body if x.strip())))
             else:
                 message, column = _parse_error_log(body)
                 result[-1].append(Verdict(False, message, column))

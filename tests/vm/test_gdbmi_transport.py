@@ -22,7 +22,7 @@ from qprobe.errors import TargetError
 from qprobe.images import get_image
 from qprobe.paths import cache_dir
 from qprobe.vmm.connection import Connection
-from qprobe.vmm.console import Console
+from qprobe.vmm.console import Console, open_shell
 from qprobe.vmm.gdbmi import GdbMiRemote
 from qprobe.vmm.gdbremote import GdbRemote
 from qprobe.vmm.qemu import QemuProcess
@@ -73,9 +73,11 @@ def _samples(gdb: GdbRemote | GdbMiRemote, plan: list[tuple[str, str, int, int]]
 def _guest_answers(vm: QemuProcess) -> bool:
     """True if the guest shell answers: the VM runs (a detach must leave it running)."""
     console = Console(vm.console_path, alive=vm.alive)
+    shell = open_shell(console, vm.shell_path, vm.alive, None)
     try:
-        return console.run("echo alive", timeout=60).output.strip() == "alive"
+        return shell.run("echo alive", timeout=60).output.strip() == "alive"
     finally:
+        shell.close()
         console.close()
 
 
@@ -151,7 +153,7 @@ def _gdb_transport(opened: tuple[str, Callable[[], bool] | None]) -> GdbMiRemote
 def _attach(vm: QemuProcess) -> qprobe.Target:
     img = get_image(IMAGE, fetch=False)
     return qprobe.attach(f"unix:{vm.gdb_path}", img.vmlinux, ram=vm.ram_path, ram_size=vm.config.memory,
-                         console=vm.console_path)  # fmt: skip
+                         console=vm.console_path, shell=vm.shell_path)  # fmt: skip
 
 
 def _guest_seconds(t: qprobe.Target, command: str) -> float:

@@ -245,9 +245,8 @@ def test_hit_counts_equal_the_guest_trace_on_the_functions_a_workload_reaches(ta
         target.run("workload lseek 300").check()
         target.run(f"echo 0 > {TRACING}/events/kprobes/enable").check()
         # Counted in the guest: thousands of trace lines (a PREEMPT_RT kernel's spinlocks call
-        # __rcu_read_lock, which two levels below ksys_lseek reach on 6.12) through the serial console
-        # storm an RT guest's threaded 8250 interrupt ("irq 4: nobody cared", with a Call Trace), and
-        # a kernel message printed meanwhile splits a line of the trace, which then goes uncounted.
+        # __rcu_read_lock, which two levels below ksys_lseek reach on 6.12) through a serial port
+        # storm an RT guest's threaded 8250 interrupt ("nobody cared", with a Call Trace).
         trace = (
             target.run(
                 f"grep entries-written {TRACING}/trace; "

@@ -36,6 +36,15 @@ def test_the_guest_prints_a_bug_line(qprobe_target):
     qprobe_target.run("echo 'BUG: planted by test_plugin_checks' > /dev/kmsg").check()
 
 
+def test_the_guest_warns_while_a_command_runs(qprobe_target):
+    # The kernel's log and the command's output go to two serial ports: the warning is still seen.
+    out = qprobe_target.run(
+        "(sleep 0.2; echo 'WARNING: CPU: 0 PID: 1 at planted/by/test_plugin_checks.c:1' > /dev/kmsg) & "
+        "for i in 1 2 3 4 5 6 7 8; do echo step $i; sleep 0.1; done; wait"
+    ).check()
+    assert out.output == "".join(f"step {i}\\n" for i in range(1, 9))
+
+
 def test_a_probe_left_registered_under_strict(qprobe_target, qprobe_reset):
     qprobe_reset.strict = True
     qprobe_target.register_kprobe(Kprobe(symbol_name="ksys_lseek"))
@@ -79,12 +88,20 @@ def test_each_check_of_the_plugin_fails_a_test(tmp_path: Path) -> None:
     assert outcomes == {
         "test_text_changed_behind_qprobes_back": "ERROR",
         "test_the_guest_prints_a_bug_line": "FAILED",
+        "test_the_guest_warns_while_a_command_runs": "FAILED",
         "test_a_probe_left_registered_under_strict": "ERROR",
         "test_a_snapshot_that_fails": "ERROR",
         "test_a_clean_test_passes": "PASSED",
     }, text
     assert re.search(r"kernel text of __x64_sys_kcmp changed at offset\(s\) 0x[0-9a-f]+: __x64_sys_kcmp\+", text), text
     assert "the guest kernel reported:" in text and "BUG: planted by test_plugin_checks" in text, text
+    assert "WARNING: CPU: 0 PID: 1 at planted/by/test_plugin_checks.c:1" in text, text
+    # The failure report: the kernel's log in the console's section, the commands' output in the shell's.
+    consoles = re.findall(r"qprobe: guest console, last \d+ lines \(\S+\) -+\n(.*?)\n-", text, re.S)
+    shells = re.findall(r"qprobe: guest shell, last \d+ lines \(\S+\) -+\n(.*?)\n-", text, re.S)
+    assert any("WARNING: CPU: 0 PID: 1 at planted" in c for c in consoles), text
+    assert any("step 8" in c for c in shells), text
+    assert not any("step " in c for c in consoles) and not any("WARNING" in c for c in shells), text
     assert "the test left probes registered (removed now):" in text and "ksys_lseek+0x0" in text, text
     assert "could not snapshot the kernel text qprobe patched, so it was not checked: " in text, text
     assert "RuntimeError: no text today" in text, text

@@ -181,11 +181,11 @@ def _ctrl_c_when(ready: Callable[[], object]) -> threading.Thread:
 
 
 def _guest_printed(target: qprobe.Target, pattern: str) -> Callable[[], object]:
-    """Waits until the guest console shows ``pattern`` after what it shows now."""
-    console = target.console
-    assert console is not None
-    start = console.end
-    return lambda: console.wait_for(pattern, 300, start)
+    """Waits until the guest shell's port shows ``pattern`` after what it shows now."""
+    shell = target.guest_shell
+    assert shell is not None
+    start = shell.port.end
+    return lambda: shell.port.wait_for(pattern, 300, start)
 
 
 def test_ctrl_c_stops_a_count_and_a_guest_command_not_the_shell(target: qprobe.Target,

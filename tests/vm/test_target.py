@@ -58,7 +58,7 @@ def test_nothing_listens_on_the_network_and_the_run_files_are_private(target: qp
     for directory in (q.rundir, q.shmdir):
         st = directory.lstat()
         assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
-    for sock in (q.gdb_path, q.qmp_path, q.console_path, q.doorbell_path):
+    for sock in (q.gdb_path, q.qmp_path, q.console_path, q.shell_path, q.doorbell_path):
         assert stat.S_ISSOCK(sock.lstat().st_mode) and sock.parent == q.rundir
     assert q.ram_path.parent == q.shmdir
     assert stat.S_IMODE((q.rundir / "session.json").stat().st_mode) == 0o600
@@ -87,9 +87,9 @@ def test_symbols_match_proc_kallsyms(target: qprobe.Target) -> None:
     pattern = "|".join(names)
     out = target.run(f"grep -E ' ({pattern})$' /proc/kallsyms").check().output
     seen = {}
-    # A kernel message on the console may come between the lines (6.12 reports its TSC calibration
-    # a second after boot): only kallsyms' own lines count, and every name must be among them.
-    for m in filter(None, (KALLSYMS_LINE.fullmatch(line.strip()) for line in out.splitlines())):
+    for line in out.splitlines():
+        m = KALLSYMS_LINE.fullmatch(line)
+        assert m is not None, line
         seen.setdefault(m[3], int(m[1], 16))
     assert set(seen) == set(names)
     for name, addr in seen.items():
@@ -175,7 +175,7 @@ def test_guest_reboot_ends_the_session_with_a_message() -> None:
     with qprobe.boot(IMAGE) as t:
         kp = qprobe.Kprobe(symbol_name="ksys_lseek")
         t.register_kprobe(kp)
-        t.console.write("reboot -f\n")  # type: ignore[union-attr]
+        t.guest_shell.write("reboot -f\n")  # type: ignore[union-attr]
         deadline = time.monotonic() + 60
         while t.machine.alive and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -195,7 +195,7 @@ def test_stripped_vmlinux_with_system_map(tmp_path: Path, monkeypatch: pytest.Mo
         with pytest.raises(qprobe.SymbolError, match=r"System\.map"):
             qprobe.kernel.symbols.Symbols.load(stripped)
         with qprobe.attach(f"unix:{q.gdb_path}", stripped, ram=q.ram_path, ram_size=q.config.memory,
-                           console=q.console_path, system_map=img.system_map) as t:  # fmt: skip
+                           console=q.console_path, shell=q.shell_path, system_map=img.system_map) as t:  # fmt: skip
             out = t.run("grep -w ksys_lseek /proc/kallsyms").check().output
             assert t.symbols.address("ksys_lseek") == int(out.split()[0], 16)
             kp = qprobe.Kprobe(symbol_name="ksys_lseek")

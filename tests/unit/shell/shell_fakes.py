@@ -47,14 +47,6 @@ class FakeProbes:
         self.reserved = None
 
 
-class FakeConsole:
-    def __init__(self) -> None:
-        self.written: list[str] = []
-
-    def write(self, data: str) -> None:
-        self.written.append(data)
-
-
 class FakeTarget:
     """What the shell uses of qprobe.api.Target; ``run("workload getppid N")`` fires N hits of every event."""
 
@@ -68,7 +60,7 @@ class FakeTarget:
         self.timeline = Timeline()
         self.kprobes = FakeProbes(self.symbols)
         self.kernel = SimpleNamespace(read_task=lambda gs_base: SimpleNamespace(comm="swapper/0", pid=0))
-        self.console: FakeConsole | None = FakeConsole()
+        self.interrupts = 0  # Ctrl-Cs sent to the guest's foreground command
         self.slide = 0
         self.optimizable = True  # False: as when attached to a QEMU qprobe did not start
         self.optimization_calls: list[bool] = []
@@ -89,6 +81,9 @@ class FakeTarget:
 
     def add_events(self, definition: str, callback: object = None, filter: str | None = None) -> Wildcard:
         raise ProbeError("the shell's fake target arms no wildcard events")
+
+    def interrupt_guest(self) -> None:
+        self.interrupts += 1
 
     def remove_event(self, te: TraceEvent | str) -> None:
         name = te if isinstance(te, str) else te.name

@@ -141,7 +141,7 @@ def test_a_count_over_an_interrupted_command_gets_the_hits_still_in_the_guest() 
     run(shell, out, "p:gp __x64_sys_getppid")
     got = run(shell, out, "count gp by $comm run interrupted 4")
     assert got == ["", "interrupted: sent ^C to the guest command", "@[workload]: 4"]
-    assert t.console is not None and t.console.written[-1] == "\x03"
+    assert t.interrupts == 1
 
 
 class _CtrlCWhenShown(io.StringIO):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,3 +77,90 @@ def test_a_console_that_closes_without_a_panic_is_gone(guest: tuple[Console, soc
     with pytest.raises(TargetGone) as info:
         console.wait_for("QPROBE-READY", 5)
     assert not isinstance(info.value, GuestPanicked)
+
+
+class FakeGuest:
+    """Both of a booted VM's serial ports, each a socket whose far end the test writes as the guest would."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.listeners: dict[str, socket.socket] = {}
+        self.far: dict[str, socket.socket] = {}
+        for name in ("console", "shell"):
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(str(tmp_path / f"{name}.sock"))
+            listener.listen()
+            self.listeners[name] = listener
+        self.console = self._connect("console", lambda: Console(tmp_path / "console.sock"))
+
+    def _connect(self, name: str, make):  # type: ignore[no-untyped-def]
+        accepted: list[socket.socket] = []
+        thread = threading.Thread(target=lambda: accepted.append(self.listeners[name].accept()[0]))
+        thread.start()
+        made = make()
+        thread.join()
+        self.far[name] = accepted[0]
+        return made
+
+    def answer(self, command_line: bytes, output: bytes, status: int) -> None:
+        """Answer one GuestShell.run command as the guest's shell does: the markers around the output."""
+        token = re.search(rb"printf '\\n@@qp-begin-%s@@\\n' ([0-9a-f]+);", command_line)
+        assert token is not None
+        t = token.group(1)
+        data = b"\n@@qp-begin-" + t + b"@@\n" + output + b"\n@@qp-end-" + t + b"@@%d\n" % status
+        # In two reads, split inside the output's first multi-byte character if it has one.
+        cut = next((i + 1 for i, b in enumerate(data) if b >= 0x80), len(data) // 2)
+        self.far["shell"].sendall(data[:cut])
+        time.sleep(0.05)
+        self.far["shell"].sendall(data[cut:])
+
+    def close(self) -> None:
+        for s in (*self.far.values(), *self.listeners.values()):
+            s.close()
+        self.console.close()
+
+
+@pytest.fixture
+def vm(tmp_path: Path) -> Iterator[FakeGuest]:
+    guest = FakeGuest(tmp_path)
+    yield guest
+    guest.close()
+
+
+def _run_answered(vm: FakeGuest, shell: console_mod.GuestShell, output: bytes, status: int) -> console_mod.RunResult:
+    """shell.run("cmd") with the guest answering ``output`` and ``status`` while the kernel logs on the console."""
+    result: list[console_mod.RunResult] = []
+    thread = threading.Thread(target=lambda: result.append(shell.run("cmd", timeout=5)))
+    thread.start()
+    command_line = b""
+    while not command_line.endswith(b"\n"):
+        command_line += vm.far["shell"].recv(4096)
+    vm.far["console"].sendall(b"[    1.234567] tsc: Refined TSC clocksource calibration: 2445.425 MHz\r\n")
+    vm.answer(command_line, output, status)
+    thread.join(5)
+    return result[0]
+
+
+def test_a_commands_output_is_what_it_wrote_whatever_the_kernel_logs(vm: FakeGuest, tmp_path: Path) -> None:
+    shell = vm._connect("shell", lambda: console_mod.open_shell(vm.console, tmp_path / "shell.sock", None, None))
+    # Bytes as the command wrote them: a carriage return kept, a character split across two reads whole.
+    output = "6.12.117\r\nsplit é here".encode()
+    got = _run_answered(vm, shell, output, 3)
+    assert got.output == output.decode() and got.status == 3
+    vm.console.wait_for("Refined TSC", 5)
+    assert "Refined TSC" not in shell.port.text and "@@qp-" not in vm.console.text
+
+
+def test_a_shell_that_says_ready_on_the_console_is_read_there(vm: FakeGuest, tmp_path: Path) -> None:
+    """A root filesystem whose /init ignores qprobe.shell= puts its shell on the console."""
+    vm.far["console"].sendall(b"[    2.0] Run /init as init process\r\nQPROBE-READY\n")
+    shell = vm._connect("shell", lambda: console_mod.open_shell(vm.console, tmp_path / "shell.sock", None, 5))
+    assert shell.port is vm.console
+
+
+def test_a_panic_while_the_shell_waits_is_reported_from_the_console(vm: FakeGuest, tmp_path: Path) -> None:
+    shell = vm._connect("shell", lambda: console_mod.open_shell(vm.console, tmp_path / "shell.sock", None, None))
+    vm.far["console"].sendall(b"[ 1.5] Kernel panic - not syncing: Fatal exception\r\n")
+    vm.far["console"].close()
+    vm.far["shell"].close()
+    with pytest.raises(GuestPanicked, match=r"waited for 'QPROBE-READY': Kernel panic - not syncing: Fatal"):
+        shell.wait_ready(5)

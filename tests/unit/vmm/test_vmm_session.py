@@ -31,9 +31,10 @@ def run(tmp_path: Path) -> Iterator[tuple[Path, dict[str, object]]]:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(rundir / "gdb.sock"))
     listener.listen()
-    for name in ("console.sock", "doorbell.sock", "console.log"):
+    for name in ("console.sock", "shell.sock", "doorbell.sock", "console.log"):
         (rundir / name).write_text("")
-    session = {"gdb": str(rundir / "gdb.sock"), "console": str(rundir / "console.sock"), "ram": str(shm / "ram"),
+    session = {"gdb": str(rundir / "gdb.sock"), "console": str(rundir / "console.sock"),
+               "shell": str(rundir / "shell.sock"), "ram": str(shm / "ram"),
                "ram_size": RAM_SIZE, "vmlinux": "/nonexistent/vmlinux", "image": "test", "pid": 1,
                "console_log": str(rundir / "console.log"), "doorbell": str(rundir / "doorbell.sock")}  # fmt: skip
     write(rundir, session)

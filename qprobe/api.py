@@ -66,6 +66,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("qprobe")
 SESSION_FILE = "session.json"
 TRANSPORTS = ("rsp", "gdb")
+# How often Target.wait looks whether the VM is still there.
+LIVENESS_POLL = 0.2
 
 
 def arch_of(symbols: Symbols) -> Arch:
@@ -245,6 +247,19 @@ class Target:
             raise
         self.sync()
         return result
+
+    def wait(self, seconds: float | None = None) -> None:
+        """Sleep while the VM runs: ``seconds`` (None: until interrupted), or until it is gone (TargetGone).
+
+        A VM that dies (QEMU killed, a panic with panic=-1, a reboot) is noticed within LIVENESS_POLL.
+        """
+        deadline = None if seconds is None else time.monotonic() + seconds
+        while True:
+            self.machine.check_alive()
+            left = LIVENESS_POLL if deadline is None else min(LIVENESS_POLL, deadline - time.monotonic())
+            if left <= 0:
+                return
+            time.sleep(left)
 
     def sync(self) -> None:
         """Bring ``nhit``/``nmissed`` and event records up to date with what the guest did so far.
@@ -480,21 +495,47 @@ class Target:
 
     def remove_event(self, event: TraceEvent | str) -> None:
         """Disarm an event given as returned by add_event, as ``GRP/EVENT``, ``EVENT`` or ``-:EVENT``."""
-        from qprobe.events import remove_event
+        self.remove_events([event])
 
-        if isinstance(event, str):
-            name = event.removeprefix("-:")
-            matches = [te for key, te in self.events.items() if key == name or key.split("/")[1] == name]
-            if not matches:
-                raise ProbeError(f"no such event {name!r} (ENOENT)")
-            event = matches[0]
-        first = self.events.get(event.name)
+    def remove_events(self, events: Iterable[TraceEvent | str]) -> None:
+        """Disarm events, every entry probe of them in one VM stop (as ``add_events`` armed them).
+
+        An event removes the probes appended to it too; one already removed (with the event it was
+        appended to, say) is left alone.
+        """
+        from qprobe.events import remove_events
+
+        todo: list[TraceEvent] = []
+        for event in events:
+            if isinstance(event, str):
+                name = event.removeprefix("-:")
+                matches = [te for key, te in self.events.items() if key == name or key.split("/")[1] == name]
+                if not matches:
+                    raise ProbeError(f"no such event {name!r} (ENOENT)")
+                event = matches[0]
+            if all(te is not event for te in todo):
+                todo.append(event)
+        firsts = {id(te) for te in todo if self.events.get(te.name) is te}
+
+        def removed_alone(te: TraceEvent) -> bool:  # appended to an event that stays
+            first = self._appended_to(te)
+            return first is not None and id(first) not in firsts
+
+        live = [te for te in todo if id(te) in firsts or removed_alone(te)]
         self.timeline.flush()
-        remove_event(self, event)  # the event's every probe if it is the first, else that one
-        if first is event:
-            del self.events[event.name]
-        elif first is not None and event in first.appended:
-            first.appended.remove(event)
+        remove_events(self, live)  # each first's every probe, an appended one's own
+        for te in live:
+            if id(te) in firsts:
+                del self.events[te.name]
+            else:
+                first = self._appended_to(te)
+                assert first is not None
+                first.appended.remove(te)
+
+    def _appended_to(self, te: TraceEvent) -> TraceEvent | None:
+        """The registered event ``te`` was appended to (the kernel's append rule), if any."""
+        first = self.events.get(te.name)
+        return first if first is not None and te in first.appended else None
 
     def set_kprobes_enabled(self, on: bool) -> None:
         """debugfs ``kprobes/enabled``."""

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from qprobe import __version__
-from qprobe.errors import FetchArgError, QprobeError
+from qprobe.errors import FetchArgError, QprobeError, TargetGone
 
 if TYPE_CHECKING:
     from qprobe.api import Target
@@ -327,6 +327,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
     flt = args.filter.replace("$cpid", "0") if cpid_filter else args.filter
     shown: collections.Counter[str] = collections.Counter()
     tree: ProcessTree | None = None
+    from qprobe.fetch import terminal_safe
+
+    # Guest text (a process name, a fetched string) reaches a terminal with its control characters shown;
+    # the user's own --format keeps its escapes (a colour, say).
+    tty = sys.stdout.isatty()
 
     def show(hit: EventHit) -> None:
         if tree is not None and hit.pid not in tree:
@@ -334,10 +339,10 @@ def cmd_trace(args: argparse.Namespace) -> int:
         with lock:
             shown[hit.event] += 1
             if fmt is not None:
-                sys.stdout.write(fmt(hit))
+                sys.stdout.write(fmt(hit.escaped() if tty else hit))
                 sys.stdout.flush()
             else:
-                print(json.dumps(hit.as_json()) if args.json else hit.line(), flush=True)
+                print(json.dumps(hit.as_json()) if args.json else (hit.escaped() if tty else hit).line(), flush=True)
 
     from qprobe.events import event_filter
     from qprobe.fetch import ProbeEvent, parse_event
@@ -381,29 +386,36 @@ def cmd_trace(args: argparse.Namespace) -> int:
                 finally:
                     tree.close()
                 if result.output:
-                    sys.stderr.write(result.output.removesuffix("\n") + "\n")
+                    out = result.output.removesuffix("\n") + "\n"
+                    sys.stderr.write(terminal_safe(out) if sys.stderr.isatty() else out)
                 status = result.status  # the command's own, as bpftrace -c passes it through
             elif args.duration:
-                time.sleep(args.duration)
+                target.wait(args.duration)
             else:
                 print(f"qprobe: tracing {len(events)} event(s); Ctrl-C to stop", file=sys.stderr, flush=True)
-                while True:
-                    time.sleep(3600)
+                target.wait()
         except KeyboardInterrupt:
             status = 130
         finally:
+            try:
+                target.remove_events(events)
+            except TargetGone:
+                pass  # a VM that is gone holds no probes; the summary still says what was seen, then the error
+            # One row an event (its trace shows one event name), the counts of probes appended to it added in.
+            summary: dict[str, dict[str, int]] = {}
             for te in events:
-                target.remove_event(te)
-            summary = {te.definition.event: {"hits": te.nhit, "nmissed": te.nmissed, "lost": te.lost}
-                       for te in events}  # fmt: skip
+                row = summary.setdefault(te.definition.event, {"hits": 0, "nmissed": 0, "lost": 0})
+                row["hits"] += te.nhit
+                row["nmissed"] += te.nmissed
+                row["lost"] += te.lost
+                if args.filter:
+                    row["filtered"] = row.get("filtered", 0) + te.filtered
             if tree is not None:
-                for te in events:  # hits counts the command's; the other processes' are said apart
-                    row = summary[te.definition.event]
-                    row["others"] = row["hits"] - shown[te.definition.event]
-                    row["hits"] = shown[te.definition.event]
-            if args.filter:
-                for te in events:
-                    summary[te.definition.event]["filtered"] = te.filtered
+                for name, row in summary.items():  # hits counts the command's; the other processes' are said apart
+                    row["others"] = row["hits"] - shown[name]
+                    row["hits"] = shown[name]
+                    if "filtered" in row:
+                        row["filtered"] = row.pop("filtered")  # printed last, as before
             with lock:
                 if args.json:
                     print(json.dumps({"summary": summary}), flush=True)
@@ -439,8 +451,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         try:
             listing = target.list_probes()
         finally:
-            for te in events:
-                target.remove_event(te)
+            target.remove_events(events)
     if not listing:
         # debugfs's list is empty then; a user who typed `qprobe list` wants to know why nothing came.
         print("qprobe: no probes are armed (list shows the EVENTs given to it: qprobe list 'p:rd vfs_read')",

@@ -58,7 +58,6 @@ def run_demo(args: argparse.Namespace) -> int:
             for cmd, what in SHELL_HINTS:
                 print(f"  {cmd:<{width}}   {what}")
             run_shell(target, shell)
-        for te in list(target.events.values()):
-            target.remove_event(te)
+        target.remove_events(list(target.events.values()))
         print(f"probes removed; totals: opens={opens.nhit} getppid={getppid.nhit}; kernel text restored")
     return 0

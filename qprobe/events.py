@@ -11,6 +11,7 @@ tracing directory: the guest needs no CONFIG_KPROBE_EVENTS.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import logging
 import re
@@ -35,7 +36,16 @@ from qprobe.errors import (
     QprobeError,
     SymbolError,
 )
-from qprobe.fetch import MemoryFault, ProbeEvent, SymbolInfo, check_append, format_event, format_hit, parse_event
+from qprobe.fetch import (
+    MemoryFault,
+    ProbeEvent,
+    SymbolInfo,
+    check_append,
+    format_event,
+    format_hit,
+    parse_event,
+    terminal_safe,
+)
 from qprobe.fetch import messages as M
 from qprobe.fetch.args import FetchArg, Value
 from qprobe.fetch.context import U64_MASK, task_size_max
@@ -120,12 +130,19 @@ class EventHit:
     irqs_off: bool = False
     func: str | None = None  # a return probe's function (addr and symbol are then the return site)
     numbers: frozenset[str] = frozenset()  # the arguments that are integers (JSON gives them as numbers)
+    strings: frozenset[str] = frozenset()  # the string arguments (JSON gives them without ftrace's quotes)
     order: float = 0.0  # where the hit goes among all others (Target.hit_time): push it so to the timeline
 
     def line(self) -> str:
         """The line ftrace's ``trace`` file would show."""
         flags = ("d" if self.irqs_off else ".") + "...."
         return f"{self.comm:>16}-{self.pid:<7} [{self.cpu:03d}] {flags} {self.ts:12.6f}: {self.event}: {self.body}"
+
+    def escaped(self) -> EventHit:
+        """The hit with the control characters of its guest text (the process name, the arguments' text)
+        shown as ``\\xNN``: printed to a terminal, a name the guest chose must not act on it."""
+        return dataclasses.replace(self, comm=terminal_safe(self.comm), body=terminal_safe(self.body),
+                                   args={name: terminal_safe(text) for name, text in self.args.items()})  # fmt: skip
 
     def as_json(self) -> dict[str, object]:
         """The hit as JSON; a return probe's ``addr``/``symbol`` are its return site, ``func`` its function."""
@@ -134,8 +151,14 @@ class EventHit:
                                   "symbol": self.symbol}  # fmt: skip
         if self.func is not None:
             out["func"] = self.func
-        out["args"] = {name: _json_number(text) if name in self.numbers else text for name, text in self.args.items()}
+        out["args"] = {name: _json_number(text) if name in self.numbers else _json_string(text) if name in self.strings
+                       else text for name, text in self.args.items()}  # fmt: skip
         return out
+
+
+def _json_string(text: str) -> str:
+    """A string argument as ftrace prints it (``"workload"``: no escaping inside) as the string; a fault stays text."""
+    return text[1:-1] if len(text) >= 2 and text[0] == text[-1] == '"' else text
 
 
 def _json_number(text: str) -> int | str:
@@ -236,6 +259,11 @@ class TraceEvent:
         return frozenset(a.name for a in self.definition.args
                          if not (a.type.string or a.type.symbol or a.type.array))  # fmt: skip
 
+    @functools.cached_property
+    def strings(self) -> frozenset[str]:
+        """The arguments whose values are strings (``string``, ``ustring``, ``symstr``, ``$comm``)."""
+        return frozenset(a.name for a in self.definition.args if a.type.string and not a.type.array)
+
     def probes(self) -> list[TraceEvent]:
         """This definition and every one appended to the event, in the order they were added."""
         return [self, *self.appended]
@@ -303,6 +331,7 @@ class TraceEvent:
             func=None if func is None else self.target.symbols.symbolize(func),
             args={a.name: a.format_value(v) for a, v in zip(self.definition.args, values, strict=True)},
             body=body, irqs_off=not regs.flags & self.target.arch.registers.irq_flag, numbers=self.numbers,
+            strings=self.strings,
         )  # fmt: skip
         if self.filter is not None and not self.filter(
             {**hit.args, "common_pid": hit.pid, "pid": hit.pid, "comm": hit.comm, "cpu": hit.cpu}
@@ -732,10 +761,13 @@ def _register_batch(target: EventTarget, events: list[TraceEvent]) -> None:
         raise
 
 
-def remove_event(target: EventTarget, te: TraceEvent) -> None:
-    """Disarm every probe of the event (the first definition and those appended to it)."""
-    for one in te.probes():
+def remove_events(target: EventTarget, events: Iterable[TraceEvent]) -> None:
+    """Disarm every probe of the events (each one's first definition and those appended to it).
+
+    The entry probes go in one batch, as ``add_events`` armed them: one VM stop for any number.
+    """
+    ones = [one for te in events for one in te.probes()]
+    target.unregister_kprobes([one.probe for one in ones if isinstance(one.probe, Kprobe)])
+    for one in ones:
         if isinstance(one.probe, Kretprobe):
             target.unregister_kretprobe(one.probe)
-        elif one.probe is not None:
-            target.unregister_kprobe(one.probe)

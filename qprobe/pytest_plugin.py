@@ -370,11 +370,13 @@ class QprobeReset:
         t = self.target
         t.modules.stop()  # its own two probes are not the test's
         left = [line for line in t.list_probes().splitlines() if line.strip()]
+        armed = []
         for key, te in list(t.events.items()):
             if te.probe is not None and te.probe.registered:
-                t.remove_event(te)
+                armed.append(te)
             else:
                 t.events.pop(key, None)
+        t.remove_events(armed)
         t.unregister_kretprobes(list(t.kretprobes.registered))
         for point in list(t.kprobes.points.values()):
             t.unregister_kprobes(list(point.probes))

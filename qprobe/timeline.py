@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from qprobe.core.errorlog import ErrorLog
+
 log = logging.getLogger("qprobe.timeline")
 
 WINDOW = 0.1  # seconds of guest time: longer than a record waits in its ring
@@ -74,7 +76,8 @@ class Timeline:
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._closed = False
-        self.errors: list[str] = []  # what delivering raised (a user's callback): counted, never lost silently
+        # What delivering raised (a user's callback): counted, never lost silently, kept and warned within bounds.
+        self.errors = ErrorLog(log)
         # Printed times never go back in the order hits go out, as under the guest's "global" trace
         # clock: trace_clock_global() stamps no earlier than the last stamp any CPU took (its prev_time),
         # where the CPUs' own clocks (a tick apart at most) disagree.  Set by whoever knows the clock.
@@ -122,8 +125,7 @@ class Timeline:
                 try:
                     deliver()
                 except Exception as exc:  # a user's callback: reported, and the hits after it still go out
-                    self.errors.append(f"{type(exc).__name__}: {exc}")
-                    log.warning("event callback failed: %s: %s", type(exc).__name__, exc)
+                    self.errors.add(f"event callback failed: {type(exc).__name__}: {exc}")
 
     def _tick(self) -> None:
         while True:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from qprobe.arch import Arch
 from qprobe.core.dispatch import Trampoline
+from qprobe.core.errorlog import ErrorLog
 from qprobe.core.handlers import Handlers
 from qprobe.core.point import ProbePoint
 from qprobe.core.regs import PtRegs
@@ -33,7 +34,7 @@ class Doorbell:
 
     def __init__(self, arch: Arch, vcpus: list[str], ram: SharedRam, handlers: Handlers,
                  make_regs: Callable[[Mapping[str, int], str], PtRegs], point_of: Callable[[int], ProbePoint | None],
-                 trampolines: dict[int, Trampoline], errors: list[str]) -> None:  # fmt: skip
+                 trampolines: dict[int, Trampoline], errors: ErrorLog) -> None:  # fmt: skip
         self.arch = arch
         self.vcpus = vcpus
         self.ram = ram
@@ -86,8 +87,7 @@ class Doorbell:
             try:
                 self.serve(cpu)
             except Exception as exc:
-                self.errors.append(f"{type(exc).__name__}: {exc}")
-                log.warning("doorbell for CPU %d: %s", cpu, exc)
+                self.errors.add(f"doorbell for CPU {cpu}: {type(exc).__name__}: {exc}")
 
     def serve(self, cpu: int) -> None:
         """Answer one mailbox: run the handlers of its probe and release the vCPU."""
@@ -119,7 +119,7 @@ class Doorbell:
                 final_sp = pt.sp
                 dirty = pt.dirty()
             except Exception as exc:  # never leave the vCPU spinning: it resumes as if unprobed
-                self.errors.append(f"{point.where}: {type(exc).__name__}: {exc}")
+                self.errors.add(f"{point.where}: {type(exc).__name__}: {exc}")
                 final_ip, final_sp, dirty = req.continue_addr, req.final_sp, {}
         *answer, (state, done) = self.arch.mailbox_answer(dirty, final_ip, final_sp)
         for off, data in answer:

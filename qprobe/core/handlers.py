@@ -16,6 +16,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from qprobe.core.errorlog import ErrorLog
 from qprobe.core.kprobe import Kprobe
 from qprobe.core.regs import PtRegs
 
@@ -37,7 +38,9 @@ class Handlers:
     def __init__(self) -> None:
         # User handlers never run concurrently (the stop loop and the doorbell thread both call them).
         self.lock = threading.RLock()
-        self.errors: list[str] = []  # every failure's line, for the session's report
+        # The session's report: the first MAX_HANDLER_ERRORS failures, all counted, warnings rate-limited
+        # (a handler that raises on every hit of a hot probe must not flood stderr).
+        self.errors = ErrorLog(log, keep=MAX_HANDLER_ERRORS)
 
     def pre(self, active: list[Kprobe], pt: PtRegs) -> bool:
         """aggr_pre_handler: every enabled probe's pre_handler; True to skip the probed instruction."""
@@ -83,9 +86,7 @@ class Handlers:
         line = f"{what} raised {type(exc).__name__}: {exc}"
         if len(owner.errors) < MAX_ERRORS:
             owner.errors.append(line)
-        if len(self.errors) < MAX_HANDLER_ERRORS:
-            self.errors.append(line)
-        log.warning("%s\n%s", line, "".join(traceback.format_exception(exc)[-3:]))
+        self.errors.add(line, "".join(traceback.format_exception(exc)[-3:]).rstrip("\n"))
         if isinstance(owner, Kprobe) and pt is not None:
             self.fault(owner, pt, exc)
 

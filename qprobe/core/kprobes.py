@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from qprobe.arch import Arch
 from qprobe.core.blacklist import Blacklist
 from qprobe.core.dispatch import Dispatcher, Trampoline
+from qprobe.core.errorlog import ErrorLog
 from qprobe.core.handlers import Handlers
 from qprobe.core.kprobe import KPROBE_FLAG_DISABLED, Kprobe
 from qprobe.core.optimizer import Optimizer
@@ -485,7 +486,7 @@ class KprobeManager:
         return self.handlers.pre(active, pt)
 
     @property
-    def handler_errors(self) -> list[str]:
+    def handler_errors(self) -> ErrorLog:
         return self.handlers.errors
 
     @property

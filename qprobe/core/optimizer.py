@@ -37,6 +37,7 @@ import drgn
 
 from qprobe.arch import Arch, DetourParams, PercpuLayout
 from qprobe.core.doorbell import Doorbell
+from qprobe.core.errorlog import ErrorLog
 from qprobe.core.point import Optimized, ProbePoint
 from qprobe.core.pools import ReturnPools, page_round
 from qprobe.core.records import RECORDING, RecordRings
@@ -194,7 +195,9 @@ class Optimizer:
         # Fully preemptible kernels: the sleeping tasks' live stack words, read once per VM stop that needs them.
         self._preempted: list[int] | None = None
         self._round: RoundView | None = None  # while a round runs (_optimize_queued)
-        self.errors: list[str] = []  # what went wrong off the stop loop (doorbell, collector)
+        # What went wrong off the stop loop (doorbell, collector): a guest can send requests that fail as
+        # often as it likes, so the lines kept and the warnings printed are bounded.
+        self.errors = ErrorLog(log)
         self._stop = False
         # Without shared RAM nothing below runs: probes stay int3s.
         self.returns: ReturnPools | None = None  # kretprobe instances in guest RAM
@@ -349,7 +352,7 @@ class Optimizer:
             except TargetGone:
                 return
             except QprobeError as exc:
-                self.errors.append(f"optimizer: {exc}")
+                self.errors.add(f"optimizer: {exc}")
                 left = list(self.optimizing_list)
             delay = min(max(delay, OPTIMIZE_DELAY) * 2, OPTIMIZE_MAX_DELAY) if left else OPTIMIZE_DELAY
 
@@ -704,7 +707,7 @@ class Optimizer:
             try:
                 self.sync_all()
             except QprobeError as exc:
-                self.errors.append(f"collector: {exc}")
+                self.errors.add(f"collector: {exc}")
             time.sleep(COLLECT_INTERVAL)
 
 

@@ -13,7 +13,7 @@ from .context import FAULT, REGISTERS, Fault, FetchContext, MemoryFault, SymbolV
 from .event import DeleteEvent, ProbeEvent, check_append, parse_event, parse_events
 from .expr import Arg, Comm, Deref, Imm, ImmString, Node, Reg, RetVal, Stack, StackPointer, SymbolAddr
 from .ftypes import Bitfield, FetchType
-from .output import SymbolInfo, format_event, format_hit, print_fmt, print_ip_sym, sprint_symbol
+from .output import SymbolInfo, format_event, format_hit, print_fmt, print_ip_sym, sprint_symbol, terminal_safe
 
 __all__ = [
     "FAULT",
@@ -48,4 +48,5 @@ __all__ = [
     "print_fmt",
     "print_ip_sym",
     "sprint_symbol",
+    "terminal_safe",
 ]

@@ -137,3 +137,13 @@ def print_fmt(ev: ProbeEvent) -> str:
         names = [f"{a.name}[{j}]" for j in range(a.type.array)] if a.type.array else [a.name]
         out += [f", __get_str({n})" if a.type.string else f", REC->{n}" for n in names]
     return "".join(out)
+
+
+# Control characters a terminal would act on (C0 but tab and newline, DEL, C1), as \xNN: a process name
+# or a string the guest fetched must not retitle, clear or move the user's terminal (ps does the same).
+_TERMINAL_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c not in (0x09, 0x0A)}
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` with the control characters a terminal would act on shown as ``\\xNN``."""
+    return text.translate(_TERMINAL_ESCAPES)

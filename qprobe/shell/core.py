@@ -199,8 +199,8 @@ class Shell:
             gone = [te for te in list(self.target.events.values()) if ev.matches(te.definition)]
             if not gone:
                 raise ProbeError(f"no event matches {text.split()[0]!r} (ENOENT)")
+            self.target.remove_events(gone)
             for te in gone:
-                self.target.remove_event(te)
                 self.armed.pop(te.name, None)
                 self.note(f"removed {te.name} ({te.nhit} hits)")
             return
@@ -345,7 +345,7 @@ class Shell:
                 if fmt is None:
                     self.out.line(hit.line())
                 else:
-                    self.out.write(fmt(hit))
+                    self.out.write(fmt(hit.escaped() if self.out.terminal else hit), escaped=True)
 
         formats = {te.definition.event: self.formats[te.name] for te in events if te.name in self.formats}
         ready = f"showing {', '.join(te.name for te in events)}; Ctrl-C to stop"

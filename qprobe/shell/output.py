@@ -8,6 +8,8 @@ from typing import TextIO
 from rich.console import Console
 from rich.text import Text
 
+from qprobe.fetch import terminal_safe
+
 STYLES = {
     "error": "bold red",
     "caret": "bold red",
@@ -36,10 +38,23 @@ class Output:
     def color(self) -> bool:
         return self.console.color_system is not None and self.console.is_terminal
 
-    def write(self, text: str, style: str | None = None) -> None:
-        """``text`` as is (it carries its own newlines), in a named style."""
+    @property
+    def terminal(self) -> bool:
+        return self.console.is_terminal
+
+    def _safe(self, text: str) -> str:
+        """On a terminal, guest text's control characters shown as ``\\xNN`` (they would act on it)."""
+        return terminal_safe(text) if self.console.is_terminal else text
+
+    def write(self, text: str, style: str | None = None, *, escaped: bool = False) -> None:
+        """``text`` as is (it carries its own newlines), in a named style.
+
+        On a terminal its control characters are shown as ``\\xNN``, unless it is ``escaped`` already
+        (a printf line: the user's own escapes act, the guest's text in it was escaped before).
+        """
         if not text:
             return
+        text = text if escaped else self._safe(text)
         self.console.print(Text(text, style=STYLES.get(style or "", style or "")), end="")
 
     def line(self, text: str = "", style: str | None = None) -> None:
@@ -49,7 +64,7 @@ class Output:
         """One line of differently styled pieces."""
         text = Text()
         for piece, style in pieces:
-            text.append(piece, style=STYLES.get(style or "", style or ""))
+            text.append(self._safe(piece), style=STYLES.get(style or "", style or ""))
         text.append("\n")
         self.console.print(text, end="")
 

@@ -7,7 +7,7 @@ by tests/unit/shell/test_shell_target.py), so the shell needs no fallbacks.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from qprobe.funcs import ProbeTables, RunningTarget
@@ -46,7 +46,7 @@ class ShellTarget(RunningTarget, Protocol):
                   filter: str | None = None) -> TraceEvent: ...  # fmt: skip
     def add_events(self, definition: str, callback: Callable[[EventHit], None] | None = None,
                    filter: str | None = None) -> Wildcard: ...  # fmt: skip
-    def remove_event(self, event: TraceEvent | str) -> None: ...
+    def remove_events(self, events: Iterable[TraceEvent | str]) -> None: ...
     def interrupt_guest(self) -> None: ...
     def enable_kprobe(self, kp: Kprobe) -> None: ...
     def disable_kprobe(self, kp: Kprobe) -> None: ...

@@ -58,7 +58,7 @@ def test_a_failing_callback_is_reported_and_the_rest_still_go_out() -> None:
     tl.push(2.0, lambda: out.append("after"))
     tl.flush()
     assert out == ["after"]
-    assert tl.errors == ["ValueError: user code"]
+    assert tl.errors.lines == ["event callback failed: ValueError: user code"]
     tl.close()
 
 

@@ -64,11 +64,64 @@ def test_format_prints_each_hit_with_printf_and_json_numbers_are_numbers() -> No
     assert out.returncode == 0, out.stderr
     hits = [json.loads(line) for line in out.stdout.splitlines()][:-1]
     ours = [h["args"] for h in hits if h["comm"] == "workload"]
-    assert ours == [{"fd": 3, "count": 4096, "comm": '"workload"'}] * 2, hits
+    assert ours == [{"fd": 3, "count": 4096, "comm": "workload"}] * 2, hits
     bad = _qprobe("trace", "--format", '"%d %d\\n", count', "p:rd ksys_read count=%dx:u64")
     assert bad.returncode == 2 and bad.stderr.splitlines() == [
         "qprobe: error: printf: the format has 2 conversions and 1 values follow it"
     ]
+
+
+def test_an_event_with_an_appended_probe_is_traced_and_removed_once() -> None:
+    # The kernel's append rule: a second definition of the same event adds a probe to it.  One lseek
+    # passes through both functions (ksys_lseek calls vfs_llseek).
+    out = _qprobe("trace", "--image", IMAGE, "--json", "--run", "workload lseek 1", "p:x ksys_lseek", "p:x vfs_llseek")
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    hits, summary = rows[:-1], rows[-1]["summary"]
+    ours = [h for h in hits if h["comm"] == "workload"]
+    assert [h["symbol"].split("+")[0] for h in ours] == ["ksys_lseek", "vfs_llseek"], hits
+    assert summary == {"x": {"hits": len(hits), "nmissed": 0, "lost": 0, "others": summary["x"]["others"]}}, summary
+    assert "error" not in out.stderr, out.stderr
+
+
+def _child_qemu(parent: int, deadline: float) -> int:
+    """The pid of the QEMU process ``parent`` started (waiting for it up to ``deadline``)."""
+    while time.monotonic() < deadline:
+        for proc in Path("/proc").glob("[0-9]*"):
+            try:
+                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                cmdline = (proc / "cmdline").read_bytes()
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == parent and b"qemu-system" in cmdline:
+                return int(proc.name)
+        time.sleep(0.2)
+    raise AssertionError(f"process {parent} started no QEMU")
+
+
+def test_trace_ends_when_its_vm_dies() -> None:
+    """QEMU killed under a `trace` until Ctrl-C: one error line, a non-zero exit, no RAM file left behind."""
+    proc = subprocess.Popen([sys.executable, "-m", "qprobe.cli", "trace", "--image", IMAGE, "p:l ksys_lseek"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        qemu = _child_qemu(proc.pid, time.monotonic() + 300)
+        ram = next(a.split("mem-path=")[1].split(",")[0] for a in Path(f"/proc/{qemu}/cmdline").read_text().split("\0")
+                   if "mem-path=" in a)  # fmt: skip
+        while "Ctrl-C to stop" not in proc.stderr.readline():
+            assert proc.poll() is None, "trace ended before it was tracing"
+        os.kill(qemu, signal.SIGKILL)
+        # A bound on waiting, not on speed: before qprobe noticed a dead VM, trace slept until Ctrl-C.
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    errors = [line for line in stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("qprobe: error: the VM is gone"), stderr
+    assert stdout.splitlines()[-1].startswith("# l: hits="), stdout
+    assert not Path(ram).exists() and not Path(ram).parent.exists()
 
 
 def test_boot_detach_returns_and_the_vm_serves_attach_until_killed() -> None:

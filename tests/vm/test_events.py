@@ -311,3 +311,25 @@ def test_shell_count_is_exact_or_says_what_it_lost(target: qprobe.Target, guard:
     counted = sum(int(line.rsplit(":", 1)[1]) for line in text.splitlines() if line.startswith("@[workload]"))
     lost = sum(int(line.split(":")[1]) for line in text.splitlines() if line.startswith("@lost:"))
     assert counted + lost >= n and counted <= n, text[-500:]
+
+
+def test_wildcard_events_are_removed_in_one_vm_stop(target: qprobe.Target, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Removing N events costs what arming them did: one VM stop for every entry probe, not one each."""
+    found = target.add_events("p:qpwild vfs_*")
+    assert len(found.events) > 20, found.refused
+    target.run("workload lseek 2").check()
+    stops = 0
+    call = target.machine.call
+
+    def counted(fn, timeout=60.0):  # type: ignore[no-untyped-def]
+        nonlocal stops
+        stops += 1
+        return call(fn, timeout)
+
+    monkeypatch.setattr(target.machine, "call", counted)
+    target.remove_events(found.events)
+    monkeypatch.undo()
+    assert stops == 1, f"{stops} VM stops to remove {len(found.events)} events"
+    assert not any(name.startswith("qpwild/") for name in target.events)
+    assert all(not te.probe.registered for te in found.events if te.probe is not None)
+    assert "vfs_" not in target.list_probes()

@@ -85,6 +85,10 @@ class FakeTarget:
     def interrupt_guest(self) -> None:
         self.interrupts += 1
 
+    def remove_events(self, events: list[TraceEvent]) -> None:
+        for te in events:
+            self.remove_event(te)
+
     def remove_event(self, te: TraceEvent | str) -> None:
         name = te if isinstance(te, str) else te.name
         if name not in self.events:

@@ -52,9 +52,10 @@ from qprobe.vmm.connection import Connection, parse_address
 from qprobe.vmm.console import Console, GuestShell, RunResult, open_shell
 from qprobe.vmm.gdbmi import GdbMiRemote
 from qprobe.vmm.gdbremote import GdbRemote
-from qprobe.vmm.journal import Journal
+from qprobe.vmm.journal import Journal, sweep_journals
 from qprobe.vmm.machine import Machine
 from qprobe.vmm.memory import GuestMemory, MemoryFault, PhysReader, SharedRam, kernel_pgd, paging_levels
+from qprobe.vmm.peer import listener_pid, process_identity
 from qprobe.vmm.qemu import SHM_PREFIX, SHM_ROOT, QemuConfig, QemuProcess, parse_memory
 from qprobe.vmm.scratch import ScratchArea, memmap_reservation
 
@@ -163,7 +164,14 @@ class Target:
                 self.gdb.load_symbols(self.symbols.path, self.slide, index_dir=cache_dir("gdb-index"))
                 self.timings["gdb symbols"] = time.monotonic() - t
             self.cmdline = self._read_cmdline()
-            self.journal = Journal(vm_identity(self.symbols, self.slide, self.mem))
+            sweep_journals()  # those of VMs that are gone
+            qemu_pid = self.qemu.proc.pid if self.qemu is not None else listener_pid(parse_address(gdb_address))
+            self.journal = Journal(
+                vm_identity(self.symbols, self.slide, self.mem),
+                process_identity(qemu_pid) if qemu_pid is not None else None,
+            )
+            if self.qemu is not None:
+                self.qemu.remove_with_vm(self.journal.files())  # by the janitor, should this process be killed
             self.kernel = KernelData(self.symbols, self.mem)
             self.arch = arch_of(self.symbols)
             self.recovered = recover(self.gdb, self.kernel, self.arch, self.journal,
@@ -608,6 +616,9 @@ class Target:
             self.console.close()
         if self.qemu is not None:
             self.qemu.terminate()
+            journal = getattr(self, "journal", None)
+            if journal is not None:
+                journal.clear()  # of no use once its VM is gone
 
 
 def vm_identity(symbols: Symbols, slide: int, mem: GuestMemory) -> str:

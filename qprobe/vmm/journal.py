@@ -10,6 +10,11 @@ same VM find the same journal, and another boot of the same kernel (another
 slide, another boot-time random canary) finds none.  A journal that cannot
 be read is an error, never an empty journal: what it lists may still be in
 the guest's text, waiting to oops it.
+
+A journal is of use only while its VM runs, so it names its QEMU process as
+(pid, start time) where that is known, and goes when the VM does: qprobe
+removes it when it stops its own QEMU (the janitor does, if qprobe was
+killed), and every start removes those whose QEMU no longer runs.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from qprobe.errors import TargetError
+from qprobe.errors import QprobeError, TargetError
 from qprobe.paths import cache_dir, open_nofollow, read_private
+from qprobe.vmm.peer import still_running
 
 MAX_PATCH = 64  # bytes of one patch: an int3 is 1, a jump 5, a page-table entry or return address 8
 U64 = 1 << 64
@@ -73,10 +79,11 @@ def _refuse_constant(name: str) -> object:
 class Journal:
     """Live patches of one VM, named by ``identity`` (what tells this boot of this VM from any other)."""
 
-    def __init__(self, identity: str) -> None:
+    def __init__(self, identity: str, qemu: tuple[int, int] | None = None) -> None:
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", identity)[-160:]
         self.path = cache_dir("journal") / f"{safe}.json"
         self.identity = identity
+        self.qemu = qemu  # the VM's QEMU as (pid, start time), when known: the sweep's test of whether it runs
         self.patches: dict[int, Patch] = {}
         self.meta: dict[str, int] = {}  # where the scratch area's stub and mailboxes are
         self.left_meta: dict[str, int] = {}
@@ -153,6 +160,8 @@ class Journal:
         tmp = self.path.with_suffix(".tmp")
         payload = {"identity": self.identity, "meta": self.meta,
                    "patches": [p.to_json() for p in list(self.patches.values())]}  # fmt: skip
+        if self.qemu is not None:
+            payload["qemu"] = list(self.qemu)
         fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         # No fsync: the journal must survive the death of this process (the page
         # cache does that), not a host power cut, and it is rewritten per patch.
@@ -213,6 +222,10 @@ class Journal:
             if not self._batched and self._batch_changed:
                 self._save()
 
+    def files(self) -> list[Path]:
+        """Every file this journal may have on disk."""
+        return [self.path, self.log_path, self.path.with_suffix(".tmp")]
+
     def clear(self) -> None:
         self.patches.clear()
         self.meta.clear()
@@ -222,3 +235,25 @@ class Journal:
                 self._log = None
         Path(self.path).unlink(missing_ok=True)
         self.log_path.unlink(missing_ok=True)
+
+
+def sweep_journals() -> list[Path]:
+    """Remove the journals (and their logs) whose QEMU no longer runs; returns what was removed.
+
+    A journal that names no QEMU (one written for a VM whose process could not be found) is left alone.
+    """
+    removed = []
+    for path in cache_dir("journal").glob("*.json"):
+        try:
+            raw = read_private(path)
+            qemu = json.loads(raw, parse_constant=_refuse_constant).get("qemu") if raw is not None else None
+        except (QprobeError, ValueError, AttributeError, RecursionError):
+            continue  # unreadable: load() says so to whoever attaches to its VM
+        if not (isinstance(qemu, list) and len(qemu) == 2 and all(type(v) is int for v in qemu)):
+            continue
+        if still_running((qemu[0], qemu[1])):
+            continue
+        for stale in (path, path.with_suffix(".log"), path.with_suffix(".tmp")):
+            stale.unlink(missing_ok=True)
+        removed.append(path)
+    return removed

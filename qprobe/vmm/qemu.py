@@ -274,9 +274,14 @@ class QemuProcess:
                 self._janitor.wait()
             self._janitor = None
 
+    def remove_with_vm(self, files: list[Path]) -> None:
+        """Files the janitor removes with the run directory, should this process die first."""
+        if self._janitor_pipe is not None:
+            os.write(self._janitor_pipe, b"".join(b"rm:" + os.fsencode(f) + b"\0" for f in files))
+
     def keep(self) -> None:
         """Hand the VM over: it runs on after this process ends (``keepable`` VMs only)."""
-        self._stop_janitor(b"keep")
+        self._stop_janitor(b"keep\0")
         for fd in self._locks:
             os.close(fd)
         self._locks.clear()

@@ -1,5 +1,6 @@
 """A VM never outlives the qprobe that started it: `qprobe trace` and `qprobe shell` ended by a closed
-terminal (SIGHUP) or by SIGKILL leave no QEMU, no janitor, no RAM file in /dev/shm and no run directory."""
+terminal (SIGHUP) or by SIGKILL leave no QEMU, no janitor, no RAM file in /dev/shm, no run directory and
+no undo journal (of no use once its VM is gone)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from qprobe.paths import cache_dir
 
 from .conftest import IMAGE
 
@@ -62,14 +65,23 @@ def _wait_until(cond: Callable[[], bool], timeout: float) -> bool:
     return cond()
 
 
-def _assert_nothing_left(qemu: int, rundir: Path, shmdir: Path) -> None:
+def _journals() -> set[Path]:
+    """The undo journals (and their logs) in qprobe's cache."""
+    return {p for p in cache_dir("journal").iterdir() if p.suffix in (".json", ".log")}
+
+
+def _assert_nothing_left(qemu: int, rundir: Path, shmdir: Path, journals: set[Path]) -> None:
+    """Nothing of the VM is left; ``journals`` were there before it booted."""
+
     def clean() -> bool:
-        return not Path(f"/proc/{qemu}").exists() and not rundir.exists() and not shmdir.exists()
+        return (not Path(f"/proc/{qemu}").exists() and not rundir.exists() and not shmdir.exists()
+                and _journals() <= journals)  # fmt: skip
 
     try:
         assert _wait_until(clean, 60), (
             f"left behind: qemu {'running' if Path(f'/proc/{qemu}').exists() else 'gone'}, "
-            f"run directory {rundir.exists()}, RAM directory {shmdir.exists()}"
+            f"run directory {rundir.exists()}, RAM directory {shmdir.exists()}, "
+            f"journals {sorted(_journals() - journals)}"
         )
         assert _mentioning(rundir) == [] and _mentioning(shmdir) == []
     finally:
@@ -86,6 +98,7 @@ def _env() -> dict[str, str]:
 
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGKILL], ids=["SIGHUP", "SIGKILL"])
 def test_trace_ended_by_a_signal_leaves_nothing(sig: signal.Signals) -> None:
+    journals = _journals()
     proc = subprocess.Popen(
         [sys.executable, "-m", "qprobe.cli", "trace", "--image", IMAGE, "p:gp __x64_sys_getppid"],
         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -102,7 +115,7 @@ def test_trace_ended_by_a_signal_leaves_nothing(sig: signal.Signals) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    _assert_nothing_left(qemu, rundir, shmdir)
+    _assert_nothing_left(qemu, rundir, shmdir, journals)
     if sig == signal.SIGHUP:
         assert proc.returncode == 128 + signal.SIGHUP
         assert "# gp: hits=" in out, out  # it unwound: the summary was printed
@@ -113,6 +126,7 @@ def test_trace_ended_by_a_signal_leaves_nothing(sig: signal.Signals) -> None:
 @pytest.mark.parametrize("how", ["terminal closed", "SIGKILL"])
 def test_shell_ended_by_its_terminal_or_sigkill_leaves_nothing(how: str) -> None:
     pexpect = pytest.importorskip("pexpect")
+    journals = _journals()
     child = pexpect.spawn(sys.executable, ["-m", "qprobe.cli", "shell", "--image", IMAGE], cwd=str(ROOT),
                           env=_env(), encoding="utf-8", timeout=120, dimensions=(50, 200))  # fmt: skip
     try:
@@ -131,4 +145,4 @@ def test_shell_ended_by_its_terminal_or_sigkill_leaves_nothing(how: str) -> None
     finally:
         if child.isalive():
             child.kill(signal.SIGKILL)
-    _assert_nothing_left(qemu, rundir, shmdir)
+    _assert_nothing_left(qemu, rundir, shmdir, journals)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -258,3 +259,24 @@ def test_a_batch_that_changed_nothing_writes_nothing(cache: Path) -> None:
     with j.batch():
         j.forget(INT3.phys)
     assert j.path.exists() and Journal("id").load() == []
+
+
+def test_journals_of_vms_that_are_gone_are_swept(cache: Path) -> None:
+    """A journal names its QEMU as (pid, start time); a start removes those whose QEMU no longer runs."""
+    from qprobe.vmm.peer import process_identity
+
+    child = subprocess.Popen(["true"])
+    child.wait()  # reaped: its pid names no process now (or, reused, another start time)
+    alive = Journal("vm-alive", process_identity(os.getpid()))
+    dead = Journal("vm-dead", (child.pid, 1))
+    unknown = Journal("vm-unknown")
+    for j in (alive, dead, unknown):
+        j.record(INT3)
+    with dead.batch():
+        dead.record(PMD)  # a log beside the snapshot
+    dead._append("+{}")  # and one that is still open
+    assert dead.log_path.exists()
+    assert journal_mod.sweep_journals() == [dead.path]
+    assert alive.path.exists() and unknown.path.exists()
+    assert not dead.path.exists() and not dead.log_path.exists()
+    assert json.loads(alive.path.read_text())["qemu"] == list(process_identity(os.getpid()) or ())

@@ -77,6 +77,8 @@ OWNER = textwrap.dedent("""
                          keepable=sys.argv[5] == "keepable")
     if sys.argv[6] == "keep":
         q.keep()
+    if sys.argv[6] == "journal":
+        q.remove_with_vm([Path(p) for p in sys.argv[7:]])
     print(q.proc.pid, q.rundir, q.shmdir, flush=True)
     time.sleep(1000)
 """)
@@ -104,6 +106,20 @@ def test_sigkill_of_the_owner_stops_qemu_and_removes_its_files(tmp_path: Path, f
     owner.wait()
     assert wait_until(lambda: gone(pid)), "the VM outlived its owner"
     assert wait_until(lambda: not rundir.exists() and not shmdir.exists()), "files left behind"
+
+
+def test_sigkill_of_the_owner_removes_the_journal_of_its_vm(tmp_path: Path, fake_qemu: Path,
+                                                             private_roots: tuple[Path, Path]) -> None:  # fmt: skip
+    """An undo journal is of no use once its VM is gone: the janitor removes what the owner named."""
+    journal, log = tmp_path / "vm.json", tmp_path / "vm.log"
+    journal.write_text("{}")
+    log.write_text("=vm\n")
+    owner, pid, rundir, _ = start_owner(tmp_path, private_roots, fake_qemu, "owned", "journal", str(journal),
+                                        str(log), str(tmp_path / "vm.tmp"))  # fmt: skip
+    owner.kill()
+    owner.wait()
+    assert wait_until(lambda: gone(pid) and not rundir.exists())
+    assert wait_until(lambda: not journal.exists() and not log.exists()), "the journal outlived its VM"
 
 
 def test_pdeathsig_alone_stops_qemu(tmp_path: Path, fake_qemu: Path, private_roots: tuple[Path, Path]) -> None:

@@ -609,7 +609,9 @@ def add_event(
         _register(target, te)
     except (ProbeError, SymbolError) as exc:
         ev, symbols = te.definition, target.symbols
-        if (isinstance(exc, NotKernelText) and ev.symbol is None and symbols.containing(ev.addr or 0) is None) or (
+        # Address 0 is no address at all: _kprobe_addr's "!symbol_name && !addr" is -EINVAL, not -ENOENT.
+        unknown_addr = ev.symbol is None and bool(ev.addr) and symbols.containing(ev.addr or 0) is None
+        if (isinstance(exc, NotKernelText) and unknown_addr) or (
             isinstance(exc, SymbolError) and ev.symbol is not None and ev.symbol.split(":")[0] not in symbols.modules
         ):
             # A symbol or address kallsyms does not know is -ENOENT, which the kernel takes for a

@@ -150,6 +150,9 @@ def parse_event(
     ``symbol_count(name)`` is how many kallsyms entries have that name.
     """
     line = _strip_line(text)
+    raw = text[:-1] if text.endswith("\n") else text
+    if len(raw.encode()) > M.WRITE_BUFSIZE - 2:
+        raise FetchArgError(M.LINE_TOO_LONG, text, M.WRITE_BUFSIZE - 2, logged=False)
     cmd = _Command(text, line, dialect)
     if line.startswith("-"):
         return _parse_delete(cmd)
@@ -265,6 +268,10 @@ def _parse_probe(
         words = _expand_meta_args(cmd, words, flags, symbol)
     if cmd.dialect.dentry_args:
         words = [_expand_dentry_arg(cmd, w) if w.endswith((":%pd", ":%pD")) else w for w in words]
+    if len(words) > M.MAX_TRACE_ARGS and cmd.dialect.meta_args:
+        # Linux 6.5 on counts the arguments (after $arg* made more of them) before it parses one: -E2BIG,
+        # logged from 6.15.  Before, the parser took the first MAX_TRACE_ARGS and ignored the rest.
+        raise cmd.error(2, 0, M.TOO_MANY_ARGS, logged=cmd.dialect.has(M.TOO_MANY_ARGS))
     args: list[FetchArg] = []
     for i, word in enumerate(words[: M.MAX_TRACE_ARGS]):
         try:

@@ -74,6 +74,10 @@ BAD_BTF_TID = "Failed to get BTF type info."
 BAD_HYPHEN = "Failed to parse single hyphen. Forgot '>'?"
 BAD_TYPE4STR = "This type does not fit for string."
 NEED_STRING_TYPE = "$comm and immediate-string only accepts string type"
+# Logged from Linux 6.15 ("tracing: probe-events: Log error for exceeding the number of arguments");
+# from 6.5 the kernel refuses with -E2BIG and logs nothing, before that it ignores the arguments after
+# MAX_TRACE_ARGS.
+TOO_MANY_ARGS = "Too many arguments are specified"
 
 # --- qprobe's own texts: the kernel returns -EINVAL and logs nothing -------
 NOT_A_PROBE = "Not a kprobe definition (expected p, r or -)"
@@ -81,7 +85,12 @@ NO_PROBE_POINT = "No probe point is specified"
 UPROBE_SYNTAX = "This is an uprobe definition, not a kprobe one"
 BAD_DELETE = "Invalid delete command (expected -:[GRP/][EVENT])"
 EMPTY_COMMAND = "Empty probe definition"
-UNLOGGED = frozenset({NOT_A_PROBE, NO_PROBE_POINT, UPROBE_SYNTAX, BAD_DELETE, EMPTY_COMMAND})
+# trace_parse_run_command's pr_warn (kernel/trace/trace.c): a line of a write to kprobe_events must fit its
+# WRITE_BUFSIZE (4096) buffer with its newline and NUL.  WRITE_BUFSIZE is a #define no kernel data holds;
+# it has been 4096 since the command parser was shared (Linux 4.17, "tracing: Add trace_parse_run_command").
+WRITE_BUFSIZE = 4096
+LINE_TOO_LONG = f"Line length is too long: Should be less than {WRITE_BUFSIZE - 2}"
+UNLOGGED = frozenset({NOT_A_PROBE, NO_PROBE_POINT, UPROBE_SYNTAX, BAD_DELETE, EMPTY_COMMAND, LINE_TOO_LONG})
 
 # --- limits (trace_probe.h, trace.h, trace_kprobe.c; x86_64 values) --------
 MAX_TRACE_ARGS = 128

@@ -68,6 +68,22 @@ BTF_LINES = (
 )  # fmt: skip
 
 
+def _padded(head: str, length: int) -> str:
+    """``head`` with a comment making the line ``length`` bytes long (the kernel's line limit counts them)."""
+    return head + " #" + "c" * (length - len(head) - 2)
+
+
+# The kernel's limits: address 0 (no address: -EINVAL), MAX_TRACE_ARGS (6.1 ignores the arguments past it,
+# 6.5 on refuses the definition), the line a write to kprobe_events holds (WRITE_BUFSIZE - 2 bytes).
+LIMITS = (
+    "p:z0 0", "p:z1 0x0", "r:z2 0",
+    f"p:a128 {FUNC} " + " ".join(f"a{i}=%di" for i in range(128)),
+    f"p:a129 {FUNC} " + " ".join(f"a{i}=%di" for i in range(129)),
+    f"p:a129bad {FUNC} " + " ".join(f"a{i}=%di" for i in range(128)) + " x=%ex",
+    _padded(f"p:long {FUNC}", 4094), _padded(f"p:toolong {FUNC}", 4095), _padded(f"p:waytoolong {FUNC}", 10_000),
+)  # fmt: skip
+
+
 def _single(line: str) -> list[str]:
     return [line]
 
@@ -77,6 +93,7 @@ def cases(seed: int = 61, generated: int = 120) -> list[list[str]]:
     out: list[list[str]] = []
     out += [_single(f"p {FUNC} {a}") for a in SELFTEST_GOOD + SELFTEST_BAD]
     out += [_single(x) for x in SELFTEST_ERRORS]
+    out += [_single(x) for x in LIMITS]
     out += [_single(f"p {FUNC} %{r}") for r in REGS + BAD_REGS]
     out += [_single(f"p {FUNC} +0(%di):{t}") for t in TYPES]
     out += [_single(f"p {FUNC} %si:{t}") for t in TYPES]

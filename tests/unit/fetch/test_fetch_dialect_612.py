@@ -470,3 +470,31 @@ def test_btf_integers_of_odd_widths_are_refused() -> None:
     with pytest.raises(FetchArgError, match="odd widths") as info:
         parse_event("p vfs_read file->f_path.dentry->d_odd", symbol_exists=exists, dialect=D612)
     assert not info.value.logged
+
+
+def _args(n: int, last: str = "%di") -> str:
+    return "p vfs_read " + " ".join(f"a{i}={last if i == n - 1 else '%di'}" for i in range(n))
+
+
+def test_more_arguments_than_max_trace_args() -> None:
+    """6.1 takes the first MAX_TRACE_ARGS and ignores the rest; 6.5 on refuses (-E2BIG, logged from 6.15)."""
+    ev = parse_event(_args(129, "%ex"), symbol_exists=exists, dialect=BASE)
+    assert isinstance(ev, ProbeEvent) and len(ev.args) == M.MAX_TRACE_ARGS
+    assert isinstance(parse_event(_args(128), symbol_exists=exists, dialect=D612), ProbeEvent)
+    for text in (_args(129), _args(129, "%ex")):
+        with pytest.raises(FetchArgError) as info:
+            parse_event(text, symbol_exists=exists, dialect=D612)
+        assert (info.value.reason, info.value.logged) == (M.TOO_MANY_ARGS, False)
+    logs_it = dialect_of(README_612, [*ERRORS_612.values(), M.TOO_MANY_ARGS], 16384, FakeBtf())
+    assert error(_args(129), logs_it) == (M.TOO_MANY_ARGS, len("p vfs_read "))
+
+
+@pytest.mark.parametrize("dialect", [BASE, D612], ids=["6.1", "6.12"])
+def test_a_line_longer_than_a_kprobe_events_write_holds(dialect: Dialect) -> None:
+    """trace_parse_run_command: WRITE_BUFSIZE - 2 bytes a line (comments count), or -EINVAL and a pr_warn."""
+    head = "p:long vfs_read #"
+    assert isinstance(parse_event(head + "é" * ((4094 - len(head)) // 2), symbol_exists=exists, dialect=dialect),
+                      ProbeEvent)  # fmt: skip
+    with pytest.raises(FetchArgError) as info:
+        parse_event(head + "c" * (4095 - len(head)) + "\n", symbol_exists=exists, dialect=dialect)
+    assert info.value.reason == M.LINE_TOO_LONG and not info.value.logged

@@ -226,14 +226,47 @@ class Symbols:
         """The size kallsyms gives ``sym``: the distance to the next symbol's address (not the ELF size).
 
         ``kallsyms_lookup_size_offset`` has no sizes, so ``%pS`` prints ``func+off/SIZE``
-        with the padding up to the next symbol included.
+        with the padding up to the next symbol included: the next of kallsyms' own symbols,
+        which are not all of the ELF's (scripts/kallsyms.c leaves some out, so a data symbol's
+        size can run far past its ELF neighbour).  They are read from vmlinux's kallsyms tables.
         """
         mod = self.module_of(sym.addr)
         if mod is not None:
             after = mod.next_symbol(sym.addr)
             return after - sym.addr if after is not None else sym.size
-        i = bisect.bisect_right(self._addrs, sym.addr - self.slide)
-        return self._addrs[i] + self.slide - sym.addr if i < len(self._addrs) else sym.size
+        link = sym.addr - self.slide
+        table = self._kallsyms_addrs
+        if table:
+            i = bisect.bisect_right(table, link)
+            if i < len(table) and table[i - 1] == link:
+                return table[i] - link
+        i = bisect.bisect_right(self._addrs, link)
+        return self._addrs[i] - link if i < len(self._addrs) else sym.size
+
+    @functools.cached_property
+    def _kallsyms_addrs(self) -> list[int]:
+        """The link-time addresses kallsyms holds, sorted (empty where vmlinux's tables cannot be read).
+
+        ``kallsyms_offsets[]`` are relative to ``kallsyms_relative_base`` (CONFIG_KALLSYMS_BASE_RELATIVE, the
+        only form from Linux 6.11); with CONFIG_KALLSYMS_ABSOLUTE_PERCPU (x86_64 SMP until Linux 6.15) a
+        kernel address is stored negative, as ``base - 1 - offset``, and only per-CPU ones positive.
+        Without the relative form they are ``kallsyms_addresses[]``.
+        """
+        try:
+            count = struct.unpack("<I", self.file_bytes(self.address("kallsyms_num_syms"), 4))[0]
+            if "kallsyms_addresses" in self._by_name:
+                raw = self.file_bytes(self.address("kallsyms_addresses"), 8 * count)
+                addrs = list(struct.unpack(f"<{count}Q", raw))
+            else:
+                offsets = struct.unpack(f"<{count}i", self.file_bytes(self.address("kallsyms_offsets"), 4 * count))
+                base = struct.unpack("<Q", self.file_bytes(self.address("kallsyms_relative_base"), 8))[0]
+                if any(o < 0 for o in offsets):
+                    addrs = [o if o >= 0 else base - 1 - o for o in offsets]
+                else:
+                    addrs = [base + o for o in offsets]
+        except (SymbolError, struct.error):
+            return []
+        return sorted(a for a in addrs if a >= LINK_BASE & ~0xFFFFFFF)
 
     def function(self, addr: int) -> Symbol | None:
         sym = self.containing(addr)

@@ -265,3 +265,22 @@ def test_sleeping_task_matches_proc_pid_stack_through_a_kretprobe(target: qprobe
     assert isinstance(seen[pid][0], drgn.StackFrame)
     source = seen[pid][0].source()[0]
     assert source == "kernel/time/hrtimer.c" or source.endswith("/kernel/time/hrtimer.c"), source
+
+
+def test_symbol_sizes_are_kallsyms_own(target: qprobe.Target) -> None:
+    """``sym+off/SIZE`` (``:symbol``, ``%pS``): SIZE is the distance to the next address /proc/kallsyms lists,
+    for data as for functions (the ELF has symbols kallsyms leaves out: linux_banner's ELF neighbour is not
+    kallsyms' on Debian's 6.1)."""
+    names = ("linux_banner", "jiffies", "init_task", "_sdata", "vfs_read", "ksys_lseek", "schedule")
+    target.run("awk '{print $1}' /proc/kallsyms | sort -u > /tmp/kaddrs").check()
+    te = target.add_event("p:qpsym ksys_lseek")
+    try:
+        for name in names:
+            sym = target.symbols.lookup(name)
+            script = f"awk -v a={sym.addr:016x} '$1 > a {{print; exit}}' /tmp/kaddrs"
+            size = int(target.run(script).check().output, 16) - sym.addr
+            assert target.symbols.kallsyms_size(sym) == size, name
+            # As a :symbol argument prints it (names with an alias at their address print that one).
+            assert te.symbolize(sym.addr).endswith(f"+0x0/{size:#x}"), name
+    finally:
+        target.remove_event(te)

@@ -97,7 +97,8 @@ def _check_image(args: argparse.Namespace) -> None:
 def _host_symbols(args: argparse.Namespace) -> Symbols | None:
     """The vmlinux on the host, without booting; None if it is not known here.
 
-    A VM to attach to has its vmlinux named by ``--vmlinux`` (or found once attached).
+    A VM to attach to has its vmlinux named by ``--vmlinux``, or by the session file a VM that
+    ``qprobe boot`` started keeps beside its gdbstub (else it is found once attached).
     """
     from qprobe.images import get_image
     from qprobe.kernel.symbols import Symbols
@@ -106,7 +107,12 @@ def _host_symbols(args: argparse.Namespace) -> Symbols | None:
     if vmlinux:
         return Symbols.load(vmlinux)
     if getattr(args, "attach", None) is not None:
-        return None
+        from qprobe.api import read_session
+        from qprobe.vmm.connection import parse_address
+
+        where = parse_address(args.attach)
+        session = read_session(Path(where)) if isinstance(where, str) and Path(where).exists() else None
+        return Symbols.load(str(session["vmlinux"])) if session is not None else None
     _check_image(args)
     _files(getattr(args, "file", []))  # every other input is checked before the image is fetched
     img = get_image(args.image)

@@ -16,6 +16,7 @@ ENDBR-prefixed function also has its entry at +4: pass ``on_func_entry``).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -125,6 +126,10 @@ class _Command:
         return FetchArgError(self.dialect.message(message), self.text, self.column(index, offset), logged=logged)
 
 
+# What perf probe takes as its first word: [EVENT=]FUNC[@SRC][:RLN|+OFFS|%return|;PTN] or SRC:ALN.
+_PERF_PLACE = re.compile(r"(?:[A-Za-z_]\w*=)?[A-Za-z_][\w.]+(?:@[\w./-]+)?(?:[:+%;]\S*)?")
+
+
 def _strip_line(text: str) -> str:
     line = text[:-1] if text.endswith("\n") else text
     if "\n" in line:
@@ -160,6 +165,9 @@ def parse_event(
         raise FetchArgError(M.EMPTY_COMMAND, text, 0, logged=False)
     head = cmd.argv[0]
     if head[0] not in "pr":
+        if _PERF_PLACE.fullmatch(head):  # `vfs_read count`: perf probe's language, typed without its word
+            raise FetchArgError(f"{M.NOT_A_PROBE}; in perf probe's language write: perf {line.strip()}", text, 0,
+                                logged=False)  # fmt: skip
         raise cmd.error(0, 0, M.NOT_A_PROBE)
     if len(cmd.argv) < 2:
         raise cmd.error(1, 0, M.NO_PROBE_POINT)

@@ -163,3 +163,18 @@ def test_parse_events_skips_blank_and_comment_lines() -> None:
     assert [type(e).__name__ for e in events] == ["ProbeEvent", "DeleteEvent", "ProbeEvent"]
     with pytest.raises(FetchArgError):
         parse_event("p vfs_read\np do_exit")
+
+
+@pytest.mark.parametrize("text", ["vfs_read count", "vfs_read:0 file", "do_sys_open%return", "ev=vfs_read +0(%di)"])
+def test_perf_probe_syntax_without_its_word_says_how_to_write_it(text: str) -> None:
+    with pytest.raises(FetchArgError) as info:
+        parse_event(text)
+    assert info.value.reason == f"{M.NOT_A_PROBE}; in perf probe's language write: perf {text}"
+    assert not info.value.logged
+
+
+@pytest.mark.parametrize("text", ["q vfs_read", "1abc", "%di"])
+def test_a_typo_is_not_taken_for_perf_syntax(text: str) -> None:
+    with pytest.raises(FetchArgError) as info:
+        parse_event(text)
+    assert info.value.reason == M.NOT_A_PROBE

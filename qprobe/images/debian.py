@@ -79,7 +79,7 @@ def _abi_key(abi: str) -> tuple[int, ...]:
 def _apt(*args: str) -> subprocess.CompletedProcess[str]:
     if shutil.which(args[0]) is None:
         raise ImageError(f"{args[0]} not found: Debian images need a Debian host with apt; or define a user image")
-    return subprocess.run(list(args), capture_output=True, text=True, check=False)
+    return subprocess.run(list(args), capture_output=True, encoding="utf-8", errors="replace", check=False)
 
 
 def _show(package: str) -> dict[str, str] | None:
@@ -183,7 +183,8 @@ def download(package: str, version: str, size: int, debs: Path, reporter: Report
                 cwd=tmp,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                text=True,
+                encoding="utf-8",
+                errors="replace",
             )
             out: list[str] = []
             reader = threading.Thread(target=lambda: out.append(proc.communicate()[1]), daemon=True)

@@ -123,7 +123,8 @@ def _build_workload(src: Path, dest: Path) -> None:
         proc = subprocess.run(
             [gcc, "-static", "-O2", "-Wall", "-o", str(tmp), str(src)],
             capture_output=True,
-            text=True,
+            encoding="utf-8",
+            errors="replace",
             check=False,
         )
         if proc.returncode != 0:
@@ -134,7 +135,9 @@ def _build_workload(src: Path, dest: Path) -> None:
 
 def _applets(busybox: Path) -> list[str]:
     """Applet paths ("bin/sh", "sbin/poweroff", ...) the busybox binary provides."""
-    proc = subprocess.run([str(busybox), "--list-full"], capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [str(busybox), "--list-full"], capture_output=True, encoding="utf-8", errors="replace", check=False
+    )
     if proc.returncode != 0 or not proc.stdout.strip():
         raise ImageError(f"{busybox} --list-full failed: is it a busybox binary?")
     return [line.strip() for line in proc.stdout.splitlines() if "/" in line.strip()]
@@ -230,7 +233,8 @@ def build_disk(reporter: Reporter, files: GuestFiles | None = None) -> Path:
             proc = subprocess.run(
                 [mke2fs, *args, "-d", str(tree), str(tmp), f"{size_kib}k"],
                 capture_output=True,
-                text=True,
+                encoding="utf-8",
+                errors="replace",
                 check=False,
             )
             if proc.returncode != 0:

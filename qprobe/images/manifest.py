@@ -216,6 +216,10 @@ def load_manifest(path: Path, *, required: bool) -> dict[str, ImageSpec]:
         raise ImageError(f"image manifest {path} not found; set QPROBE_MANIFEST to its location") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ImageError(f"image manifest {path} is not valid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:  # tomllib decodes the file as UTF-8 before it parses
+        raise ImageError(f"image manifest {path} is not UTF-8 (byte {exc.start}): TOML files are UTF-8") from None
+    except RecursionError:
+        raise ImageError(f"image manifest {path} nests arrays or tables too deep to read") from None
     except OSError as exc:
         raise ImageError(f"cannot read image manifest {path}: {exc.strerror}") from exc
     unknown = sorted(set(data) - {"images"})

@@ -303,7 +303,9 @@ def _e2fs(tool: str, *args: str, stdin: str | None = None) -> subprocess.Complet
     path = shutil.which(tool) or shutil.which(tool, path="/sbin:/usr/sbin")
     if path is None:
         raise ImageError(f"{tool} not found: install e2fsprogs")
-    return subprocess.run([path, *args], input=stdin, capture_output=True, text=True, check=False)
+    return subprocess.run(
+        [path, *args], input=stdin, capture_output=True, encoding="utf-8", errors="replace", check=False
+    )
 
 
 def _make_room(disk: Path, need: int) -> None:

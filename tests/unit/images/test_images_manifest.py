@@ -184,3 +184,19 @@ def test_a_malformed_manifest_under_the_pytest_plugin_is_one_line(tmp_path: Path
         text = out.stdout + out.stderr
         assert out.returncode != 0 and "INTERNALERROR" not in text and "Traceback" not in text, text
         assert f"image manifest {broken} is not valid TOML" in text, text
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        (b'[images.x]\nkernel = "\xff\xfe"\n', "is not UTF-8 (byte 21): TOML files are UTF-8"),
+        (b"a = " + b"[" * 10_000 + b"]" * 10_000 + b"\n", "nests arrays or tables too deep to read"),
+    ],
+    ids=["not-utf8", "deep"],
+)
+def test_a_manifest_tomllib_cannot_read_is_one_line(tmp_path: Path, content: bytes, said: str) -> None:
+    path = tmp_path / "images.toml"
+    path.write_bytes(content)
+    with pytest.raises(ImageError) as info:
+        load_manifest(path, required=False)
+    assert str(info.value) == f"image manifest {path} {said}"

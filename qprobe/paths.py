@@ -71,6 +71,21 @@ def cache_dir(*parts: str) -> Path:
     return path
 
 
+def check_owned(path: Path, st: os.stat_result | None = None) -> None:
+    """Refuse a cache entry that is a symbolic link or belongs to another user (``st``: its lstat, if known).
+
+    The cache directory is the user's alone, so such an entry was planted by someone who could write there
+    (root, or the cache's owner before it): what it holds is not to be trusted.
+    """
+    if st is None:
+        st = path.lstat()
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeCache(f"{path} is a symbolic link; qprobe does not follow links in its cache")
+    if st.st_uid != os.getuid():
+        raise UnsafeCache(f"{path} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}): qprobe does not "
+                          "trust it; delete it")  # fmt: skip
+
+
 def open_nofollow(path: Path, flags: int, mode: int = 0o600) -> int:
     """``os.open`` that refuses a symlink at ``path`` with a one-line error."""
     try:
@@ -93,6 +108,7 @@ def read_private(path: Path) -> bytes | None:
         raise UnsafeCache(f"cannot read {path}: {exc.strerror}") from None
     try:
         with os.fdopen(fd, "rb") as f:
+            check_owned(path, os.fstat(f.fileno()))
             return f.read()
     except OSError as exc:
         raise UnsafeCache(f"cannot read {path}: {exc.strerror}") from None

@@ -26,6 +26,7 @@ from qprobe.images.debian import KernelFiles
 from qprobe.images.image import check_config, check_kernel, check_vmlinux
 from qprobe.images.manifest import ImageSpec
 from qprobe.images.progress import Reporter
+from qprobe.paths import check_owned
 
 __all__ = ["build_kernel", "build_state", "built_kernel", "script_path"]
 
@@ -72,6 +73,9 @@ def _files(directory: Path) -> KernelFiles | None:
     )
     if not all(p.is_file() for p in (files.vmlinuz, files.config, files.vmlinux, files.system_map)):
         return None
+    # What qprobe boots and trusts is read from the cache itself, never through a link planted there.
+    for path in (directory, stamp, files.vmlinuz, files.config, files.vmlinux, files.system_map):
+        check_owned(path)
     return files
 
 

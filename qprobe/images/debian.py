@@ -35,6 +35,7 @@ from qprobe.images import cache
 from qprobe.images.image import check_config, check_kernel, check_vmlinux
 from qprobe.images.manifest import ABI_PATTERN, abi_in_series
 from qprobe.images.progress import Reporter, human
+from qprobe.paths import check_owned
 
 __all__ = ["DebianKernel", "KernelFiles", "cached_kernel", "fetch_kernel", "kernel_state"]
 
@@ -286,6 +287,9 @@ def _files(directory: Path, release: str) -> KernelFiles | None:
         p.exists() for p in (files.vmlinuz, files.config, files.vmlinux, files.system_map)
     ):
         return None
+    # What qprobe boots and trusts is read from the cache itself, never through a link planted there.
+    for path in (directory, stamp, files.vmlinuz, files.config, files.vmlinux, files.system_map):
+        check_owned(path)
     try:
         version = json.loads(stamp.read_text()).get("version", "")
     except (OSError, ValueError):

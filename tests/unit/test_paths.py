@@ -98,3 +98,40 @@ def test_the_journal_never_writes_through_a_planted_link(cache: Path, tmp_path: 
         else:
             j.record(INT3)
     assert victim.read_text() == "the user's file"
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user needs root")
+def test_a_symbol_cache_or_journal_owned_by_someone_else_is_refused(cache: Path) -> None:
+    """Planted by whoever could write there before: its data is not used, and the user is told."""
+    table = cache_dir("symbols") / "0123.json"
+    write_private(table, b"{}")
+    os.chown(table, 65534, 65534)
+    with pytest.raises(UnsafeCache, match="belongs to uid 65534, not to you") as e:
+        read_private(table)
+    assert "\n" not in str(e.value)
+    journal = Journal("vm-x")
+    journal.record(INT3)
+    os.chown(journal.path, 65534, 65534)
+    with pytest.raises(UnsafeCache, match="belongs to uid 65534"):
+        Journal("vm-x").load()
+
+
+def test_a_cached_kernel_is_never_read_through_a_link(cache: Path, tmp_path: Path) -> None:
+    """The release directory and each kernel file: a link planted in the cache is refused, not followed."""
+    from qprobe.images import debian
+
+    real = tmp_path / "elsewhere" / "6.1.0-99-cloud-amd64"
+    real.mkdir(parents=True)
+    for name in ("vmlinuz", "config", "vmlinux", "System.map"):
+        (real / f"{name}-6.1.0-99-cloud-amd64").write_bytes(b"x")
+    (real / debian._STAMP).write_text('{"version": "6.1.999-1"}')
+    kernels = cache_dir("kernels")
+    (kernels / real.name).symlink_to(real)
+    with pytest.raises(UnsafeCache, match="symbolic link"):
+        debian.cached_kernel("cloud-amd64")
+    (kernels / real.name).unlink()
+    (kernels / real.name).mkdir()
+    for f in real.iterdir():
+        (kernels / real.name / f.name).symlink_to(f)
+    with pytest.raises(UnsafeCache, match="symbolic link"):
+        debian.cached_kernel("cloud-amd64")

@@ -100,9 +100,14 @@ class Tap:
 
 
 def hit_key(hit: EventHit, key: str, stack: Stack | None) -> MapKey:
-    """The value of ``key`` (an argument name or ``$comm``/``$pid``/``$cpu``/``$stack``) at one hit."""
+    """The value of ``key`` (an argument name or ``$comm``/``$pid``/``$cpu``/``$func``/``$event``/``$stack``)
+    at one hit."""
     if key == "$comm":
         return hit.comm
+    if key == "$event":
+        return hit.event
+    if key == "$func":  # bpftrace's func: the probed function (a return hit's addr is in its caller)
+        return hit.func if hit.func is not None else hit.symbol.split("+", 1)[0]
     if key == "$pid":
         return hit.pid
     if key == "$cpu":
@@ -187,7 +192,7 @@ class Aggregation:
             i = log2_bucket(value) if self.bounds is None else lhist_bucket(value, *self.bounds)
             hist[i] = hist.get(i, 0) + 1
 
-    def add_counts(self, counts: dict[str | int, int]) -> None:
+    def add_counts(self, counts: dict[str | int, int] | dict[MapKey, int]) -> None:
         """Hits counted in the guest: ``count`` by formatted key, ``hist`` by bucket index."""
         with self._lock:
             for k, n in counts.items():

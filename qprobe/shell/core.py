@@ -27,9 +27,18 @@ from qprobe.funcs import Probeability, is_glob, render_funcs
 from . import inspect_cmds as insp
 from .collect import Aggregation, Stack, Tap
 from .output import Output
-from .parse import Call, Collect, ShellUsageError, is_definition, parse_collect, split_call, split_command
+from .parse import (
+    EVENT_KEYS,
+    Call,
+    Collect,
+    ShellUsageError,
+    is_definition,
+    parse_collect,
+    split_call,
+    split_command,
+)
 from .printf import HitFormat, parse_printf
-from .render import render_table, stack_frames
+from .render import MapKey, render_table, stack_frames
 
 if TYPE_CHECKING:
     from qprobe.core.regs import PtRegs
@@ -101,10 +110,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "quit": ("quit", "remove every probe and leave (also Ctrl-D)"),
 }
 KEY_HELP = (
-    "KEY: an argument name, $comm, $pid, $cpu or $stack, several joined by commas (by $comm, fd); VALUE: a "
-    "numeric argument, $pid or $cpu. Integer register arguments, $comm, $pid and $cpu come from the records "
-    "the guest writes at each hit (one integer register argument alone is counted in guest RAM); $stack and "
-    "arguments read from memory stop the vCPU at each hit for the host to compute"
+    "KEY: an argument name, $comm, $pid, $cpu, $func, $event or $stack, several joined by commas (by $comm, "
+    "fd); VALUE: a numeric argument, $pid or $cpu. A count with no key, or by $func or $event alone, is each "
+    "probe's own hit count, kept in the guest as the kernel keeps kprobe_profile's: exact, never lost. Integer "
+    "register arguments, $comm, $pid and $cpu come from the records the guest writes at each hit (one integer "
+    "register argument alone is counted in guest RAM); $stack and arguments read from memory stop the vCPU at "
+    "each hit for the host to compute"
 )
 ALIASES = {"exit": "quit", "q": "quit", "?": "help", "ls": "list"}
 
@@ -425,10 +436,47 @@ class Shell:
             return events[0].count_in_guest(agg.value, True)
         return False
 
+    def _per_event(self, spec: Collect, events: list[TraceEvent], agg: Aggregation) -> bool:
+        """A count with no key, or by ``$event``/``$func`` alone, of entry probes without a filter: each probe's
+        own hit count (``nhit``, counted in the guest as the kernel counts kprobe_profile's), never hits
+        carried through the record rings."""
+        return (agg.kind == "count" and spec.every is None and set(agg.keys) <= set(EVENT_KEYS)
+                and len(agg.keys) <= 1
+                and all(te.filter is None and not isinstance(one.probe, Kretprobe)
+                        for te in events for one in te.probes()))  # fmt: skip
+
+    def _event_key(self, te: TraceEvent, key: str | None, several: bool) -> MapKey:
+        """The map key of every hit of ``te`` (one of its probes) for a count by ``key`` (None: no key)."""
+        if key == "$func":
+            ev = te.definition
+            return ev.symbol.rsplit(":", 1)[-1] if ev.symbol else self.target.symbols.symbolize(ev.addr or 0)
+        return te.definition.event if key == "$event" or several else None
+
+    def _aggregate_per_event(self, spec: Collect, events: list[TraceEvent], agg: Aggregation) -> None:
+        key = agg.keys[0] if agg.keys else None
+        probes = [one for te in events for one in te.probes()]
+        before = [one.probe.nhit if one.probe is not None else 0 for one in probes]
+        what = ", ".join(te.name for te in events) + (f" by {key}" if key else "")
+        result = self._watch(spec, lambda: None, f"counting {what}; Ctrl-C to stop")
+        counts: dict[MapKey, int] = {}
+        for one, n in zip(probes, before, strict=True):
+            k = self._event_key(one, key, len(events) > 1)
+            counts[k] = counts.get(k, 0) + (one.probe.nhit if one.probe is not None else 0) - n
+        agg.add_counts({k: n for k, n in counts.items() if n})
+        self._report_run(result)
+        text = agg.take()
+        if text:
+            self.out.write(text)
+        else:
+            self.note("no hits")
+
     def _aggregate(self, spec: Collect, events: list[TraceEvent], agg: Aggregation) -> None:
         unwind = self.unwinder() if "$stack" in spec.keys else None
         for key in spec.keys:
             self._check_names(key, events)
+        if self._per_event(spec, events, agg):
+            self._aggregate_per_event(spec, events, agg)
+            return
         in_guest = self._in_guest(spec, events, agg)
         missed_before = sum(te.nmissed for te in events)
         every = spec.every

@@ -108,6 +108,8 @@ class FakeTarget:
             body="(__x64_sys_getppid+0x0/0x40)",
         )
         te.nhit += 1
+        if te.probe is not None:  # the probe's own count, which the guest keeps for every hit
+            te.probe.nhit += 1
         te.hits.append(hit)
         if te.callback is not None:
             te.callback(hit)
@@ -187,6 +189,7 @@ class FakeTarget:
                 self.fire(te, count=str(int(m.group(3) or 0) or i))
             if m.group(4) and te.probe is not None:  # hits the guest made that no record reached (a full ring)
                 te.probe.nmissed += int(m.group(4))
+                te.probe.nhit += int(m.group(4))
         return RunResult(command, f"workload mode={m.group(1)} n={n} pid=42 ret=1 errors=0", 0)
 
 

@@ -70,7 +70,10 @@ def test_errors_are_one_line() -> None:
         ("enabled 2", "error: usage: enabled [0|1]"),
         ("hist", "error: usage: hist EVENT by KEY [for SECONDS | run CMD]"),
         ("count gp by", "error: count: by needs a KEY"),
-        ("count gp by $foo", "error: count: unknown key '$foo': an argument name, $comm, $pid, $cpu, $stack"),
+        (
+            "count gp by $foo",
+            "error: count: unknown key '$foo': an argument name, $comm, $pid, $cpu, $func, $event, $stack",
+        ),
         ("count", "error: no events yet: add one, e.g.  p:myread vfs_read count=%dx:u64"),
         ("show for soon", "error: a duration is SECONDS (5, 0.5, 100ms, 2m), not 'soon'"),
         ("sym no_such_symbol", "error: unknown symbol 'no_such_symbol' in vmlinux"),
@@ -354,3 +357,19 @@ def test_definitions_are_recognised(line: str) -> None:
     from qprobe.shell.parse import is_definition
 
     assert is_definition(line)
+
+
+def test_counts_by_func_and_event_are_each_probes_own_count() -> None:
+    """``count`` with no key, by $func or by $event alone: the probes' nhit, which the guest keeps for every
+    hit, so hits whose records never reached the host (a full ring) are counted too; by $comm, $func the
+    records' keys are joined."""
+    shell, _t, out = make_shell()
+    run(shell, out, "p:a vfs_read")
+    run(shell, out, "p:b vfs_write")
+    assert run(shell, out, "count a run workload read 5 0 lose 7")[-1] == "@: 12"
+    assert run(shell, out, "count by $func run workload read 3")[-2:] == ["@[vfs_read]: 3", "@[vfs_write]: 3"]
+    assert run(shell, out, "count a b by $event run workload read 2")[-2:] == ["@[a]: 2", "@[b]: 2"]
+    assert run(shell, out, "count by $comm, $event run workload read 1")[-2:] == [
+        "@[workload, a]: 1",
+        "@[workload, b]: 1",
+    ]

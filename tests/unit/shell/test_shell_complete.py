@@ -46,7 +46,7 @@ def test_candidates() -> None:
     assert candidates(shell, idx, "sym __x64") == ["__x64_sys_getppid"]
     assert candidates(shell, idx, "count ") == ["gp", "rd"]
     assert candidates(shell, idx, "count rd ") == ["gp", "by", "for", "run"]
-    assert candidates(shell, idx, "hist rd by ") == ["count", "$comm", "$pid", "$cpu", "$stack"]
+    assert candidates(shell, idx, "hist rd by ") == ["count", "$comm", "$pid", "$cpu", "$func", "$event", "$stack"]
     assert candidates(shell, idx, "count gp by $c") == ["$comm", "$cpu"]
     assert candidates(shell, idx, "-:") == ["-:gp", "-:rd"]
     assert candidates(shell, idx, "regs ") == ["0", "1"]

@@ -568,7 +568,7 @@ class Shell:
                 left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
                 if left <= 0:
                     break
-                time.sleep(left)
+                self.target.wait(left)  # a VM that dies ends the watch at once
         except KeyboardInterrupt:
             self.out.line("")
         self.target.sync()  # the hits still in the guest's record rings when the count ends (time up or Ctrl-C)

@@ -16,6 +16,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from qprobe.errors import QprobeError
+
 from .core import ALIASES, COMMANDS, Shell
 from .parse import SPECIAL_KEYS, is_definition
 
@@ -150,7 +152,20 @@ def run_shell(target: ShellTarget, shell: Shell | None = None, *, banner: bool =
     )  # fmt: skip
     if banner:
         shell.note("qprobe shell: `help` lists commands, Tab completes, Ctrl-C stops a command, Ctrl-D quits")
-    while not shell.done:
+    gone: list[QprobeError] = []
+
+    def watch() -> None:
+        """A VM that dies while the prompt waits for a line ends the shell at once, not at the next command."""
+        try:
+            target.wait()
+        except QprobeError as exc:
+            gone.append(exc)
+            app, loop = session.app, session.app.loop
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(lambda: app.exit(exception=EOFError) if app.is_running else None)
+
+    threading.Thread(target=watch, name="qprobe-shell-liveness", daemon=True).start()
+    while not shell.done and not gone:
         try:
             line = session.prompt(PROMPT)
         except KeyboardInterrupt:
@@ -161,4 +176,6 @@ def run_shell(target: ShellTarget, shell: Shell | None = None, *, banner: bool =
             shell.execute(line)
         except KeyboardInterrupt:  # a second Ctrl-C while a command was cleaning up
             shell.note("interrupted")
+    if gone:
+        raise gone[0]
     return 0

@@ -146,3 +146,27 @@ def test_shell_ended_by_its_terminal_or_sigkill_leaves_nothing(how: str) -> None
         if child.isalive():
             child.kill(signal.SIGKILL)
     _assert_nothing_left(qemu, rundir, shmdir, journals)
+
+
+def test_the_shell_ends_when_its_vm_dies() -> None:
+    """QEMU killed while the shell waits at its prompt: one error line at once, a non-zero exit, nothing left."""
+    pexpect = pytest.importorskip("pexpect")
+    journals = _journals()
+    child = pexpect.spawn(sys.executable, ["-m", "qprobe.cli", "shell", "--image", IMAGE], cwd=str(ROOT),
+                          env=_env(), encoding="utf-8", timeout=120, dimensions=(50, 200))  # fmt: skip
+    try:
+        child.expect_exact("qprobe>", timeout=BOOT_TIMEOUT)
+        qemu, rundir, shmdir = _qemu_of(child.pid)
+        child.sendline("p:gp __x64_sys_getppid")
+        child.expect_exact("added kprobes/gp")
+        child.expect_exact("qprobe>")
+        os.kill(qemu, signal.SIGKILL)
+        # A bound on waiting, not on speed: before, the shell sat at its prompt until the next command.
+        child.expect_exact("qprobe: error: the VM is gone", timeout=60)
+        child.expect(pexpect.EOF, timeout=60)
+        child.close()
+    finally:
+        if child.isalive():
+            child.kill(signal.SIGKILL)
+    assert child.exitstatus == 2
+    _assert_nothing_left(qemu, rundir, shmdir, journals)

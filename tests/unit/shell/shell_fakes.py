@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -84,6 +85,9 @@ class FakeTarget:
 
     def interrupt_guest(self) -> None:
         self.interrupts += 1
+
+    def wait(self, seconds: float | None = None) -> None:
+        time.sleep(seconds or 0)
 
     def remove_events(self, events: list[TraceEvent]) -> None:
         for te in events:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TextIO
 
-from qprobe.core.kprobe import Kretprobe
+from qprobe.core.kprobe import Kprobe, Kretprobe
 from qprobe.errors import FetchArgError, ProbeError, QprobeError
 from qprobe.fetch import DeleteEvent, parse_event
 from qprobe.fetch import messages as M
@@ -438,8 +438,8 @@ class Shell:
 
     def _per_event(self, spec: Collect, events: list[TraceEvent], agg: Aggregation) -> bool:
         """A count with no key, or by ``$event``/``$func`` alone, of entry probes without a filter: each probe's
-        own hit count (``nhit``, counted in the guest as the kernel counts kprobe_profile's), never hits
-        carried through the record rings."""
+        own hit count (kept in the guest as the kernel keeps kprobe_profile's; a record dropped on a full ring
+        is still a hit), never hits carried through the record rings."""
         return (agg.kind == "count" and spec.every is None and set(agg.keys) <= set(EVENT_KEYS)
                 and len(agg.keys) <= 1
                 and all(te.filter is None and not isinstance(one.probe, Kretprobe)
@@ -455,13 +455,18 @@ class Shell:
     def _aggregate_per_event(self, spec: Collect, events: list[TraceEvent], agg: Aggregation) -> None:
         key = agg.keys[0] if agg.keys else None
         probes = [one for te in events for one in te.probes()]
-        before = [one.probe.nhit if one.probe is not None else 0 for one in probes]
+
+        def hits(one: TraceEvent) -> int:  # delivered, and recorded in the guest but dropped on a full ring
+            kp = one.probe
+            return kp.nhit + kp.nlost if isinstance(kp, Kprobe) else 0
+
+        before = [hits(one) for one in probes]
         what = ", ".join(te.name for te in events) + (f" by {key}" if key else "")
         result = self._watch(spec, lambda: None, f"counting {what}; Ctrl-C to stop")
         counts: dict[MapKey, int] = {}
         for one, n in zip(probes, before, strict=True):
             k = self._event_key(one, key, len(events) > 1)
-            counts[k] = counts.get(k, 0) + (one.probe.nhit if one.probe is not None else 0) - n
+            counts[k] = counts.get(k, 0) + hits(one) - n
         agg.add_counts({k: n for k, n in counts.items() if n})
         self._report_run(result)
         text = agg.take()

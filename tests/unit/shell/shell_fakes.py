@@ -193,7 +193,7 @@ class FakeTarget:
                 self.fire(te, count=str(int(m.group(3) or 0) or i))
             if m.group(4) and te.probe is not None:  # hits the guest made that no record reached (a full ring)
                 te.probe.nmissed += int(m.group(4))
-                te.probe.nhit += int(m.group(4))
+                te.probe.nlost += int(m.group(4))
         return RunResult(command, f"workload mode={m.group(1)} n={n} pid=42 ret=1 errors=0", 0)
 
 

@@ -282,6 +282,28 @@ class Target:
         """Kernel virtual memory, read from shared RAM without stopping the VM."""
         return self.mem.read(self.symbols.resolve(addr) if isinstance(addr, str) else addr, size)
 
+    @property
+    def records_lossy(self) -> bool:
+        """What a full record ring does with a hit: make the hitting vCPU wait until the host has drained it
+        (False, the default: no trace line lost), or drop the record and count it lost (True, as perf's and
+        bpftrace's rings do)."""
+        records = self.kprobes.optimizer.records
+        return records is not None and records.lossy
+
+    @records_lossy.setter
+    def records_lossy(self, on: bool) -> None:
+        records = self.kprobes.optimizer.records
+        if records is None:
+            if on:
+                raise TargetError("records go through guest rings only on qprobe's own QEMU (shared RAM)")
+            return
+        records.set_lossy(on)
+
+    def record_waits(self) -> int:
+        """Hits that found their CPU's record ring full and waited for the host to drain it."""
+        records = self.kprobes.optimizer.records
+        return records.waits() if records is not None and records.stub else 0
+
     def interrupt_guest(self) -> None:
         """Ctrl-C the guest shell's foreground command (as ``run`` started it)."""
         if self.guest_shell is not None:

@@ -372,6 +372,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
         def in_order(hit: EventHit) -> None:  # printed in the guest's order of hits, whatever their path
             target.timeline.push(hit.order, lambda: show(hit))
 
+        if args.lossy:
+            target.records_lossy = True
         events = [te for text in args.events for te in _arm(target, text, in_order, None if cpid_filter else flt)]
 
         def on_root(cpid: int) -> None:
@@ -422,12 +424,17 @@ def cmd_trace(args: argparse.Namespace) -> int:
                     row["hits"] = shown[name]
                     if "filtered" in row:
                         row["filtered"] = row.pop("filtered")  # printed last, as before
+            waited = target.record_waits() if target.machine.alive else 0
             with lock:
                 if args.json:
-                    print(json.dumps({"summary": summary}), flush=True)
+                    rings = {"records": {"waited": waited}} if waited else {}
+                    print(json.dumps({"summary": summary, **rings}), flush=True)
                 else:
                     for name, row in summary.items():
                         print(f"# {name}: " + " ".join(f"{k}={v}" for k, v in row.items()))
+                    if waited:
+                        # Nothing was lost for it: these hits' vCPUs waited for qprobe to drain a full ring.
+                        print(f"# records: waited={waited}")
     return status
 
 
@@ -582,6 +589,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--timeout", type=_number(float, 0.001, 1e7), default=600, help="limit for --run (default 600 s)")
     p.add_argument("--json", action="store_true", help="one JSON object per hit and a final summary object")
+    p.add_argument("--lossy", action="store_true",
+                   help="drop a hit's record when its CPU's ring is full and count it lost, as perf and bpftrace "
+                   "do (default: the hitting vCPU waits for qprobe to drain the ring, so no line is lost)")  # fmt: skip
     p.add_argument("--format", metavar="PRINTF",
                    help="print each hit with bpftrace's printf arguments: '\"%%-16s %%d\\n\", $comm, count' "
                    "($comm $pid $cpu $event $func $ts $addr or argument names)")  # fmt: skip

@@ -288,8 +288,11 @@ class Arch(Protocol):
     ring_header_size: int
     ring_entries: int
     ring_entry_size: int
-    ring_head: int  # offsets in a ring header
+    ring_head: int  # offsets in a ring header: the guest's head, the host's tail,
     ring_tail: int
+    ring_waits: int  # the guest's count of records that waited for a full ring to drain,
+    ring_lossy: int  # the host's switch that drops them instead
+    drain_doorbell: int  # the doorbell byte a waiting record rings (not a CPU number)
     instance_size: int
     keyed_table_size: int  # per CPU
     trampoline_id: int  # the probe id a kretprobe return reports through the mailbox
@@ -298,7 +301,7 @@ class Arch(Protocol):
         self, mailboxes: int, missed: int, percpu: PercpuLayout, port: int, address: int
     ) -> bytes: ...
     def build_record_stub(self, rings: int, ncpus: int, lost: int, percpu: PercpuLayout, pid_offset: int,
-                          comm_offset: int, address: int) -> bytes: ...  # fmt: skip
+                          comm_offset: int, port: int, address: int) -> bytes: ...  # fmt: skip
     def return_layout(self, instances: int, count: int, trampolines: int, returns: int, stub: int,
                       current_task: int) -> ReturnLayout: ...  # fmt: skip
     def build_return_trampolines(self, layout: ReturnLayout) -> bytes: ...

@@ -34,7 +34,8 @@ class Doorbell:
 
     def __init__(self, arch: Arch, vcpus: list[str], ram: SharedRam, handlers: Handlers,
                  make_regs: Callable[[Mapping[str, int], str], PtRegs], point_of: Callable[[int], ProbePoint | None],
-                 trampolines: dict[int, Trampoline], errors: ErrorLog) -> None:  # fmt: skip
+                 trampolines: dict[int, Trampoline], errors: ErrorLog,
+                 drain: Callable[[], None]) -> None:  # fmt: skip
         self.arch = arch
         self.vcpus = vcpus
         self.ram = ram
@@ -43,6 +44,7 @@ class Doorbell:
         self.point_of = point_of  # an optimized probe's point by its probe id
         self.trampolines = trampolines
         self.errors = errors  # shared with the optimizer: what went wrong off the stop loop
+        self.drain = drain  # asks the collector to drain the record rings now
         self.served = 0
         self._mailbox_phys: list[int] = []  # each CPU's mailbox in guest RAM
         self._sock: socket.socket | None = None
@@ -84,6 +86,9 @@ class Doorbell:
 
     def _answer_all(self, cpus: Iterable[int]) -> None:
         for cpu in cpus:
+            if cpu == self.arch.drain_doorbell:  # a record waits on a full ring
+                self.drain()
+                continue
             try:
                 self.serve(cpu)
             except Exception as exc:

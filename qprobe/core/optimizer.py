@@ -199,6 +199,7 @@ class Optimizer:
         # often as it likes, so the lines kept and the warnings printed are bounded.
         self.errors = ErrorLog(log)
         self._stop = False
+        self._drain_now = threading.Event()  # a record waits on a full ring: drain before the interval is up
         # Without shared RAM nothing below runs: probes stay int3s.
         self.returns: ReturnPools | None = None  # kretprobe instances in guest RAM
         self.doorbell: Doorbell | None = None
@@ -207,7 +208,7 @@ class Optimizer:
             self.returns = ReturnPools(self.arch, self.machine, kprobes.scratch, ram,
                                        lambda: kprobes.kernel.current_task_offset, self._stub)  # fmt: skip
             self.doorbell = Doorbell(self.arch, self.machine.vcpus, ram, kprobes.handlers, kprobes.make_regs,
-                                     self.by_id.get, kprobes.trampolines, self.errors)  # fmt: skip
+                                     self.by_id.get, kprobes.trampolines, self.errors, self._drain_now.set)  # fmt: skip
             self.records = RecordRings(self.arch, self.machine, kprobes.scratch, ram, kprobes.kernel, kprobes.symbols,
                                        kprobes.handlers, self.by_id, self._retired)  # fmt: skip
 
@@ -280,6 +281,7 @@ class Optimizer:
         self._stop = True
         self.optimizing_list.clear()
         self._kick.set()  # the optimizer thread is not joined: it may be waiting for this very stop loop
+        self._drain_now.set()
         if self.doorbell is not None:
             self.doorbell.close()
         if self._collector is not None:
@@ -606,7 +608,7 @@ class Optimizer:
         stub = self.stub
         if kind in RECORDING:
             assert self.records is not None
-            stub = self.records.ensure(self.lost, self._percpu(), self._zero)
+            stub = self.records.ensure(self.lost, self._percpu(), self._zero, DOORBELL_PORT)
         first = point.probes[0]
         params = DetourParams(kind, probe_id, resume, counter, missed, lost, stub=stub)
         if kind == "filtered":
@@ -708,7 +710,8 @@ class Optimizer:
                 self.sync_all()
             except QprobeError as exc:
                 self.errors.add(f"collector: {exc}")
-            time.sleep(COLLECT_INTERVAL)
+            self._drain_now.wait(COLLECT_INTERVAL)
+            self._drain_now.clear()
 
 
 __all__ = ["Optimizer", "detour_kind"]

@@ -57,11 +57,25 @@ class RecordRings:
         self.late_records = 0  # records of a probe unoptimized while a vCPU was inside its record stub
         self._tsc_hz = 0.0
         self._tsc_offset: float | None = None
+        self.lossy = False  # a full ring drops its records (counted as lost) instead of making them wait
 
-    def ensure(self, lost: int, percpu: PercpuLayout, zero: Callable[[int, int], None]) -> int:
+    def _header(self, cpu: int) -> int:
+        return self.scratch.phys_of(self.rings + cpu * self.arch.ring_header_size)
+
+    def set_lossy(self, on: bool) -> None:
+        """Drop records on a full ring (perf's and bpftrace's way) instead of making the hitting vCPU wait."""
+        self.lossy = on
+        for cpu in range(len(self._tails)):
+            self.ram.write_u64_phys(self._header(cpu) + self.arch.ring_lossy, int(on))
+
+    def waits(self) -> int:
+        """Records that found their ring full and waited for the host to drain it (every CPU's)."""
+        return sum(self.ram.read_u64_phys(self._header(cpu) + self.arch.ring_waits) for cpu in range(len(self._tails)))
+
+    def ensure(self, lost: int, percpu: PercpuLayout, zero: Callable[[int, int], None], port: int) -> int:
         """The record stub's address; the rings and the stub on first use (64 KiB of scratch per CPU).
 
-        ``lost`` is the u64 array, by probe id, of records dropped on a full ring.
+        ``lost`` is the u64 array, by probe id, of records dropped on a full ring; ``port`` the doorbell's.
         """
         if self.stub:
             return self.stub
@@ -71,10 +85,12 @@ class RecordRings:
         self.rings = scratch.alloc(page_round(size), align=4096)  # written by the guest: apart from code
         zero(self.rings, size)
         self._tails = [0] * ncpus
+        if self.lossy:
+            self.set_lossy(True)
         _cur, pid_off, _tgid, comm_off = self.kernel.offsets
 
         def code(at: int) -> bytes:
-            return arch.build_record_stub(self.rings, ncpus, lost, percpu, pid_off, comm_off, at)
+            return arch.build_record_stub(self.rings, ncpus, lost, percpu, pid_off, comm_off, port, at)
 
         stub = scratch.alloc(len(code(scratch.base)), align=64)
         scratch.write(stub, code(stub))
@@ -103,7 +119,7 @@ class RecordRings:
         """The valid entries of ``cpu``'s ring since the last drain; the ring's tail moves past them all."""
         ram, scratch, arch = self.ram, self.scratch, self.arch
         ncpus = len(self._tails)
-        hdr = scratch.phys_of(self.rings + cpu * arch.ring_header_size)
+        hdr = self._header(cpu)
         head, tail = ram.read_u64_phys(hdr + arch.ring_head), self._tails[cpu]
         if head == tail:
             return []

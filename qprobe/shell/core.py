@@ -339,6 +339,10 @@ class Shell:
             self.note("no events or probes")
             return
         self.out.write(render_table(("EVENT", "HITS", "NMISSED", "LOST", "HITS/S"), rows))
+        waited = self.target.record_waits()
+        if waited:
+            self.note(f"{waited} hits found their CPU's record ring full and waited for qprobe to drain it "
+                      "(none was lost for it)")  # fmt: skip
 
     # -- watching -------------------------------------------------------------------------------------
     def cmd_show(self, rest: str) -> None:

@@ -98,6 +98,8 @@ class X86_64:
     ring_entries = detour.RING_ENTRIES
     ring_entry_size = detour.ENTRY_SIZE
     ring_head, ring_tail = detour.R_HEAD, detour.R_TAIL
+    ring_waits, ring_lossy = detour.R_WAITS, detour.R_LOSSY
+    drain_doorbell = detour.DRAIN_DOORBELL
     instance_size = retdetour.INSTANCE_SIZE
     keyed_table_size = guestagg.TABLE_SIZE
     trampoline_id = retdetour.TRAMPOLINE_ID
@@ -298,9 +300,9 @@ class X86_64:
         return detour.build_stub(params, address)
 
     def build_record_stub(self, rings: int, ncpus: int, lost: int, percpu: PercpuLayout, pid_offset: int,
-                          comm_offset: int, address: int) -> bytes:  # fmt: skip
+                          comm_offset: int, port: int, address: int) -> bytes:  # fmt: skip
         params = detour.RecordParams(rings, rings + detour.RING_HEADER * ncpus, lost, percpu.cpu_number,
-                                     percpu.current_task, pid_offset, comm_offset)  # fmt: skip
+                                     percpu.current_task, pid_offset, comm_offset, port)  # fmt: skip
         return detour.build_record_stub(params, address)
 
     def return_layout(self, instances: int, count: int, trampolines: int, returns: int, stub: int,

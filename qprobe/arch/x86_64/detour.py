@@ -259,7 +259,14 @@ RING_ENTRIES = 1 << RING_SHIFT
 ENTRY_SHIFT = 8
 ENTRY_SIZE = 1 << ENTRY_SHIFT
 RING_HEADER = 64  # per CPU: head (written by the guest), tail (by the host)
-R_HEAD, R_TAIL = 0x00, 0x08
+# head and waits are the guest's to write, tail and lossy the host's: waits counts the records that found
+# the ring full and waited for the host to drain it; lossy (non-zero) drops them instead, counted as lost.
+R_HEAD, R_TAIL, R_WAITS, R_LOSSY = 0x00, 0x08, 0x10, 0x18
+# A full ring's record waits at most this many pause loops (a second or two under TCG) for the host, then
+# is dropped as lost: a guest whose host is gone is slowed, never hung.
+SPIN_LIMIT = 1 << 24
+# The doorbell byte that asks the host to drain the rings now (a CPU number is a mailbox's).
+DRAIN_DOORBELL = 0xFF
 # An entry: the stub's frame (a pt_regs, the probe id after it), then what the host cannot read later.
 E_TSC, E_CPU_PID, E_COMM, E_TASK = FRAME_SIZE, FRAME_SIZE + 8, FRAME_SIZE + 16, FRAME_SIZE + 32
 assert E_TASK + 8 <= ENTRY_SIZE and MB_REGS + FRAME_SIZE <= MAILBOX_SIZE
@@ -274,29 +281,65 @@ class RecordParams:
     current_task: int  # per-CPU offset of current_task
     pid_offset: int  # offsetof(struct task_struct, pid)
     comm_offset: int  # offsetof(struct task_struct, comm)
+    port: int  # the isa-debugcon I/O port: DRAIN_DOORBELL there asks the host to drain now
 
 
 def build_record_stub(p: RecordParams, address: int) -> bytes:
-    """The shared record stub: snapshot the registers into this CPU's ring and return; nobody waits.
+    """The shared record stub: snapshot the registers into this CPU's ring and return.
 
     Called like the mailbox stub (``push id; call stub``), it leaves through
-    ``ret 8`` to the detour's continue label.  A full ring counts the record
-    as lost for its probe.
+    ``ret 8`` to the detour's continue label.  A full ring makes the record
+    wait (interrupts off, as the whole stub runs) until the host has drained
+    it, ringing the doorbell once to ask for that at once; the ring's
+    ``waits`` counts such records.  With the ring's ``lossy`` set, or after
+    SPIN_LIMIT pause loops, the record is dropped instead and counted as lost
+    for its probe.  The hit's time is read before any wait.
     """
-    full, done = 1, 2
+    full, done, check, space, spin = 1, 2, 3, 4, 5
     c = Instruction
     code = save_pt_regs()
     code += [
+        c.create(Code.RDTSC),
+        c.create_reg_i32(Code.SHL_RM64_IMM8, Register.RDX, 32),
+        c.create_reg_reg(Code.OR_R64_RM64, Register.RAX, Register.RDX),
+        c.create_reg_reg(Code.MOV_R64_RM64, Register.R11, Register.RAX),
         c.create_reg_mem(Code.MOV_R32_RM32, Register.R8D, _mem(disp=p.cpu_number, seg="gs")),
         c.create_reg_reg(Code.MOV_R32_RM32, Register.EAX, Register.R8D),
         c.create_reg_i32(Code.SHL_RM32_IMM8, Register.EAX, 6),
         c.create_reg_mem(Code.LEA_R64_M, Register.RBX, _mem("rax", p.headers)),
-        c.create_reg_mem(Code.MOV_R64_RM64, Register.RAX, _mem("rbx", R_HEAD)),
+        c.create_reg_u32(Code.MOV_R32_IMM32, Register.R10D, SPIN_LIMIT),
+        c.create_reg_reg(Code.XOR_R32_RM32, Register.R12D, Register.R12D),  # the doorbell not rung yet
+    ]
+    head = c.create_reg_mem(Code.MOV_R64_RM64, Register.RAX, _mem("rbx", R_HEAD))
+    head.ip = check
+    code += [
+        head,
         c.create_reg_reg(Code.MOV_R64_RM64, Register.RCX, Register.RAX),
         c.create_reg_mem(Code.SUB_R64_RM64, Register.RCX, _mem("rbx", R_TAIL)),
         c.create_reg_i32(Code.CMP_RM64_IMM32, Register.RCX, RING_ENTRIES),
-        c.create_branch(Code.JAE_REL32_64, full),
-        c.create_reg_i32(Code.AND_RM32_IMM32, Register.EAX, RING_ENTRIES - 1),
+        c.create_branch(Code.JB_REL32_64, space),
+        c.create_mem_i32(Code.CMP_RM64_IMM8, _mem("rbx", R_LOSSY), 0),
+        c.create_branch(Code.JNE_REL32_64, full),
+        c.create_reg_reg(Code.TEST_RM32_R32, Register.R12D, Register.R12D),
+        c.create_branch(Code.JNE_REL32_64, spin),
+        c.create_mem(Code.INC_RM64, _mem("rbx", R_WAITS)),
+        c.create_reg_u32(Code.MOV_R32_IMM32, Register.R12D, 1),
+        c.create_reg_u32(Code.MOV_R32_IMM32, Register.EAX, DRAIN_DOORBELL),
+        c.create_reg_u32(Code.MOV_R32_IMM32, Register.EDX, p.port),
+        c.create_reg_reg(Code.OUT_DX_AL, Register.DX, Register.AL),
+    ]
+    pause = c.create(Code.PAUSE)
+    pause.ip = spin
+    code += [
+        pause,
+        c.create_reg(Code.DEC_RM64, Register.R10),
+        c.create_branch(Code.JE_REL32_64, full),
+        c.create_branch(Code.JMP_REL32_64, check),
+    ]
+    slot = c.create_reg_i32(Code.AND_RM32_IMM32, Register.EAX, RING_ENTRIES - 1)
+    slot.ip = space
+    code += [
+        slot,
         c.create_reg_i32(Code.SHL_RM32_IMM8, Register.EAX, ENTRY_SHIFT),
         c.create_reg_reg(Code.MOV_R32_RM32, Register.R9D, Register.R8D),
         c.create_reg_i32(Code.SHL_RM64_IMM8, Register.R9, RING_SHIFT + ENTRY_SHIFT),
@@ -305,10 +348,7 @@ def build_record_stub(p: RecordParams, address: int) -> bytes:
         c.create_reg_u32(Code.MOV_R32_IMM32, Register.ECX, FRAME_SIZE // 8),
         c.create_movsq(64, Register.NONE, RepPrefixKind.REPE),
         c.create_reg_mem(Code.LEA_R64_M, Register.RDI, _mem("rdi", -FRAME_SIZE)),
-        c.create(Code.RDTSC),
-        c.create_reg_i32(Code.SHL_RM64_IMM8, Register.RDX, 32),
-        c.create_reg_reg(Code.OR_R64_RM64, Register.RAX, Register.RDX),
-        c.create_mem_reg(Code.MOV_RM64_R64, _mem("rdi", E_TSC), Register.RAX),
+        c.create_mem_reg(Code.MOV_RM64_R64, _mem("rdi", E_TSC), Register.R11),
         c.create_reg_mem(Code.MOV_R64_RM64, Register.RAX, _mem(disp=p.current_task, seg="gs")),
         c.create_mem_reg(Code.MOV_RM64_R64, _mem("rdi", E_TASK), Register.RAX),
         c.create_reg_mem(Code.MOV_R32_RM32, Register.ECX, _mem("rax", p.pid_offset)),

@@ -67,7 +67,7 @@ def rings(by_id: dict[int, ProbePoint], retired: set[int]) -> tuple[RecordRings,
     kernel = SimpleNamespace(offsets=(0x20C00, 0x5A0, 0x5A4, 0x740))
     rr = RecordRings(ARCH, machine, scratch, ram, kernel, set(), Handlers(), by_id, retired)  # type: ignore[arg-type]
     percpu = SimpleNamespace(cpu_number=0x20C08, this_cpu_off=0x20C10, current_task=0x20C00)
-    rr.ensure(SCRATCH + 0x70000, percpu, lambda addr, size: ram.write_phys(scratch.phys_of(addr), bytes(size)))  # type: ignore[arg-type]
+    rr.ensure(SCRATCH + 0x70000, percpu, lambda addr, size: ram.write_phys(scratch.phys_of(addr), bytes(size)), 0xE9)  # type: ignore[arg-type]
     return rr, ram
 
 
@@ -135,3 +135,17 @@ def test_a_point_that_no_longer_records_gets_no_records() -> None:
     publish(rr, ram, 0, 7, tsc=1, di=1)
     rr.drain()
     assert got == [] and rr.ring_errors == 1 and point.probes[0].nhit == 0
+
+
+def test_lossy_is_set_in_every_cpus_ring_and_waits_are_summed() -> None:
+    """The host's switch and the guest's count of records that waited for a full ring, per CPU."""
+    rr, ram = rings({}, set())
+    headers = [rr.scratch.phys_of(rr.rings + cpu * ARCH.ring_header_size) for cpu in (0, 1)]
+    assert not rr.lossy and rr.waits() == 0
+    rr.set_lossy(True)
+    assert [ram.read_u64_phys(h + ARCH.ring_lossy) for h in headers] == [1, 1]
+    ram.write_u64_phys(headers[0] + ARCH.ring_waits, 3)  # as the record stub counts them
+    ram.write_u64_phys(headers[1] + ARCH.ring_waits, 4)
+    assert rr.waits() == 7
+    rr.set_lossy(False)
+    assert [ram.read_u64_phys(h + ARCH.ring_lossy) for h in headers] == [0, 0]

@@ -86,6 +86,9 @@ class FakeTarget:
     def interrupt_guest(self) -> None:
         self.interrupts += 1
 
+    def record_waits(self) -> int:
+        return 0
+
     def wait(self, seconds: float | None = None) -> None:
         time.sleep(seconds or 0)
 

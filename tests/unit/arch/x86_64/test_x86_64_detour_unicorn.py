@@ -16,8 +16,10 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from unicorn import x86_const as X  # noqa: E402
 
+from qprobe.arch.x86_64 import detour  # noqa: E402
 from qprobe.arch.x86_64.detour import (  # noqa: E402
     DETOUR_HEAD,
+    DRAIN_DOORBELL,
     E_COMM,
     E_CPU_PID,
     E_TASK,
@@ -25,6 +27,9 @@ from qprobe.arch.x86_64.detour import (  # noqa: E402
     ENTRY_SIZE,
     FRAME_REGS,
     R_HEAD,
+    R_LOSSY,
+    R_TAIL,
+    R_WAITS,
     RING_ENTRIES,
     RING_HEADER,
     RecordParams,
@@ -58,12 +63,12 @@ def machine() -> unicorn.Uc:
     return uc
 
 
-def run(uc: unicorn.Uc, regs: dict[str, int], flags: int = FLAGS) -> dict[str, int]:
+def run(uc: unicorn.Uc, regs: dict[str, int], flags: int = FLAGS, count: int = 10_000) -> dict[str, int]:
     for name, value in regs.items():
         uc.reg_write(UC[name], value)
     uc.reg_write(X.UC_X86_REG_RSP, STACK)
     uc.reg_write(X.UC_X86_REG_EFLAGS, flags)
-    uc.emu_start(DETOUR, RESUME, count=10_000)
+    uc.emu_start(DETOUR, RESUME, count=count)
     out = {name: uc.reg_read(UC[name]) for name in FRAME_REGS}
     assert uc.reg_read(X.UC_X86_REG_RIP) == RESUME
     assert uc.reg_read(X.UC_X86_REG_RSP) == STACK
@@ -71,7 +76,9 @@ def run(uc: unicorn.Uc, regs: dict[str, int], flags: int = FLAGS) -> dict[str, i
     return out
 
 
-PARAMS = RecordParams(RINGS, RINGS + RING_HEADER * NCPUS, LOST, CPU_NUMBER, CURRENT_TASK, PID_OFF, COMM_OFF)
+RECORD_PORT = 0x504
+PARAMS = RecordParams(RINGS, RINGS + RING_HEADER * NCPUS, LOST, CPU_NUMBER, CURRENT_TASK, PID_OFF, COMM_OFF,
+                      RECORD_PORT)  # fmt: skip
 REGS = st.fixed_dictionaries({name: st.integers(0, 2**64 - 1) for name in FRAME_REGS})
 
 
@@ -98,16 +105,70 @@ def test_record_stub_writes_the_entry_the_host_reads_and_preserves_everything(re
     assert struct.unpack("<Q", uc.mem_read(LOST + PROBE_ID * 8, 8))[0] == 0
 
 
-def test_a_full_ring_counts_the_record_as_lost_and_changes_nothing_else() -> None:
+def _u64(uc: unicorn.Uc, addr: int) -> int:
+    return int(struct.unpack("<Q", uc.mem_read(addr, 8))[0])
+
+
+def _doorbell(uc: unicorn.Uc, rung: list[tuple[int, int]], on_ring: object = None) -> None:
+    """Record every ``out`` (port, byte); ``on_ring()`` runs after each, as the host's drain would."""
+
+    def out(uc: unicorn.Uc, port: int, size: int, value: int, _data: object) -> None:
+        rung.append((port, value & 0xFF))
+        if callable(on_ring):
+            on_ring()
+
+    uc.hook_add(unicorn.UC_HOOK_INSN, out, None, 1, 0, X.UC_X86_INS_OUT)
+
+
+def test_a_full_lossy_ring_counts_the_record_as_lost_and_changes_nothing_else() -> None:
     uc = machine()
     uc.mem_write(STUB, build_record_stub(PARAMS, STUB))
     uc.mem_write(DETOUR, build_detour(DETOUR, PROBE_ID, STUB, NOP5, RESUME))
     header = RINGS + RING_HEADER * CPU
     uc.mem_write(header + R_HEAD, RING_ENTRIES.to_bytes(8, "little"))  # the host has consumed nothing
+    uc.mem_write(header + R_LOSSY, (1).to_bytes(8, "little"))
+    rung: list[tuple[int, int]] = []
+    _doorbell(uc, rung)
     regs = {name: 0x1000 + i for i, name in enumerate(FRAME_REGS)}
     assert run(uc, regs) == regs
-    assert struct.unpack("<Q", uc.mem_read(header + R_HEAD, 8))[0] == RING_ENTRIES
-    assert struct.unpack("<Q", uc.mem_read(LOST + PROBE_ID * 8, 8))[0] == 1
+    assert _u64(uc, header + R_HEAD) == RING_ENTRIES and _u64(uc, header + R_WAITS) == 0 and not rung
+    assert _u64(uc, LOST + PROBE_ID * 8) == 1
+
+
+def test_a_full_ring_makes_the_record_wait_for_the_host_and_loses_nothing() -> None:
+    """The record rings the doorbell once, spins until the host has moved the tail, then is written."""
+    uc = machine()
+    uc.mem_write(STUB, build_record_stub(PARAMS, STUB))
+    uc.mem_write(DETOUR, build_detour(DETOUR, PROBE_ID, STUB, NOP5, RESUME))
+    header = RINGS + RING_HEADER * CPU
+    uc.mem_write(header + R_HEAD, RING_ENTRIES.to_bytes(8, "little"))
+    rung: list[tuple[int, int]] = []
+    # The host drains everything when the doorbell rings (its collector, woken by the byte).
+    _doorbell(uc, rung, lambda: uc.mem_write(header + R_TAIL, RING_ENTRIES.to_bytes(8, "little")))
+    regs = {name: 0x2000 + i for i, name in enumerate(FRAME_REGS)}
+    assert run(uc, regs, count=100_000) == regs
+    assert rung == [(RECORD_PORT, DRAIN_DOORBELL)]
+    assert _u64(uc, header + R_HEAD) == RING_ENTRIES + 1 and _u64(uc, header + R_WAITS) == 1
+    assert _u64(uc, LOST + PROBE_ID * 8) == 0
+    entry = bytes(uc.mem_read(RINGS + RING_HEADER * NCPUS + CPU * RING_ENTRIES * ENTRY_SIZE, ENTRY_SIZE))
+    values, _ret, probe_id = parse_stub_frame(entry)  # slot 256 % 256: the first, drained
+    assert probe_id == PROBE_ID and {name: values[name] for name in FRAME_REGS} == regs
+
+
+def test_a_record_whose_host_never_drains_is_lost_after_its_spins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A guest whose qprobe is gone is slowed by SPIN_LIMIT pause loops a record, never hung."""
+    monkeypatch.setattr(detour, "SPIN_LIMIT", 50)
+    uc = machine()
+    uc.mem_write(STUB, build_record_stub(PARAMS, STUB))
+    uc.mem_write(DETOUR, build_detour(DETOUR, PROBE_ID, STUB, NOP5, RESUME))
+    header = RINGS + RING_HEADER * CPU
+    uc.mem_write(header + R_HEAD, RING_ENTRIES.to_bytes(8, "little"))
+    rung: list[tuple[int, int]] = []
+    _doorbell(uc, rung)
+    regs = {name: 0x3000 + i for i, name in enumerate(FRAME_REGS)}
+    assert run(uc, regs, count=100_000) == regs
+    assert rung == [(RECORD_PORT, DRAIN_DOORBELL)] and _u64(uc, header + R_WAITS) == 1
+    assert _u64(uc, header + R_HEAD) == RING_ENTRIES and _u64(uc, LOST + PROBE_ID * 8) == 1
 
 
 # Every combination of the arithmetic flags (CF PF AF ZF SF OF), with IF and the reserved bit set.

@@ -14,6 +14,7 @@ import signal
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ from typing import Protocol
 
 import qprobe
 from qprobe.errors import GuestPanicked, GuestTimeout, TargetError, TargetGone
+from qprobe.events import EventHit
 from qprobe.kernel import symbols as symbols_mod
 from qprobe.vmm.console import Console, GuestShell, RunResult, open_shell
 from qprobe.vmm.qemu import QemuConfig, QemuProcess, parse_memory
@@ -490,6 +492,75 @@ def _guest_scale(target: Shell, names: list[str], loop: str, what: str) -> Scale
     return ScaleRow(len(names), what, register, unregister, seconds / base, hits)
 
 
+TRACE_READS = 20_000  # reads of one byte: a hot loop whose every hit is a trace line
+
+
+def _trace_lines(target: qprobe.Target) -> list[tuple[str, str]]:
+    """Trace lines through the record rings to a pipe, as ``qprobe trace ... | consumer`` has them, and the
+    guest's own kprobe_events writing the same hits into its ftrace ring."""
+    cmd = f"workload read {TRACE_READS} 1"
+    read_end, write_end = os.pipe()
+    lines = [0]
+
+    def consume() -> None:
+        with os.fdopen(read_end, "rb") as pipe:
+            for _ in pipe:
+                lines[0] += 1
+
+    reader = threading.Thread(target=consume, daemon=True)
+    reader.start()
+    out = os.fdopen(write_end, "w", buffering=1)
+    rows: list[tuple[str, str]] = []
+    for lossy in (False, True):
+        target.records_lossy = lossy
+        waits_before, start_lines = target.record_waits(), lines[0]
+        by_pid: dict[int, int] = {}
+
+        def show(hit: EventHit, by_pid: dict[int, int] = by_pid) -> None:
+            by_pid[hit.pid] = by_pid.get(hit.pid, 0) + 1
+            print(hit.line(), file=out)
+
+        te = target.add_event("p:qpbench/rd ksys_read fd=%di:s32 count=%dx:u64", show)
+        try:
+            t = time.perf_counter()
+            said = target.run(cmd, timeout=1800).check().output
+            target.timeline.flush()
+            seconds = time.perf_counter() - t
+            m = re.search(r"\bpid=(\d+)", said)
+            mine = by_pid.get(int(m.group(1)), 0) if m else 0
+        finally:
+            target.remove_event(te)
+        delivered = lines[0] - start_lines
+        waits = target.record_waits() - waits_before
+        mode = "lossy (--lossy: drop on a full ring)" if lossy else "default (a full ring makes the vCPU wait)"
+        rows.append((f"trace lines to a pipe, {mode}: `{cmd}`",
+                     f"{delivered} lines ({mine} of the command's {TRACE_READS} reads, {te.lost} lost, "
+                     f"{waits} waits) in {seconds:.2f} s: {delivered / seconds:,.0f} lines/s"))  # fmt: skip
+    target.records_lossy = False
+    out.close()
+    reader.join(10)
+    arch = target.arch
+    rows.append(("largest burst held without waiting (record ring, per vCPU)",
+                 f"{arch.ring_entries} records ({arch.ring_entries * arch.ring_entry_size // 1024} KiB)"))  # fmt: skip
+    # The guest's own: the same definition in its kprobe_events, its ftrace ring (buffer_size_kb per CPU).
+    target.run(f"mountpoint -q {TRACEFS} || mount -t tracefs nodev {TRACEFS}; echo > {TRACEFS}/trace; "
+               f"echo 'p:qpbench ksys_read fd=%di:s32 count=%dx:u64' > {TRACEFS}/kprobe_events && "
+               f"echo 1 > {TRACEFS}/events/kprobes/qpbench/enable").check()  # fmt: skip
+    try:
+        t = time.perf_counter()
+        target.run(cmd, timeout=1800).check()
+        seconds = time.perf_counter() - t
+        said = target.run(f"echo 0 > {TRACEFS}/events/kprobes/qpbench/enable; grep -c qpbench: {TRACEFS}/trace; "
+                          f"cat {TRACEFS}/buffer_size_kb").check().output.split()  # fmt: skip
+    finally:
+        target.run(f"echo 0 > {TRACEFS}/events/kprobes/qpbench/enable; "
+                   f"echo '-:qpbench' >> {TRACEFS}/kprobe_events").check()  # fmt: skip
+    rows.append((f"the guest's own kprobe_events, same definition: `{cmd}`",
+                 f"{int(said[0])} lines in its ftrace ring ({said[1]} KiB per CPU) in {seconds:.2f} s: "
+                 f"{int(said[0]) / seconds:,.0f} lines/s"))  # fmt: skip
+    return rows
+
+
 def _cost(row: Row) -> float:
     """µs added per hit for comparing rows: a negative figure (the guest measured faster) is noise, 0."""
     return max(row.added_us, 0.0)
@@ -624,6 +695,7 @@ def run_bench(args: argparse.Namespace) -> int:
         rows.append(("shared-RAM read, 64 bytes (page walk included, VM running)", f"{shared * 1e6:.1f} µs"))
 
         rows += _probe_matrix(target, args) if "probes" in args.sections else []
+        rows += _trace_lines(target) if "trace" in args.sections else []
         scale, scale_names = _scale(target, args) if "scale" in args.sections else ([], [])
     if scale_names:
         scale = sorted(scale + _guest_scale_rows(args, scale_names, accel), key=lambda row: row.n)

@@ -51,7 +51,8 @@ def _number(kind: type[int] | type[float], lo: float, hi: float) -> Callable[[st
     return parse
 
 
-BENCH_SECTIONS = ("probes", "scale", "gdb")  # qprobe bench's parts: the probe-cost matrix, scale, the GDB rows
+# qprobe bench's parts: the probe-cost matrix, trace lines through the record rings, scale, the GDB rows
+BENCH_SECTIONS = ("probes", "trace", "scale", "gdb")
 
 
 def _sections(text: str) -> tuple[str, ...]:

@@ -51,7 +51,7 @@ CASES = [
     (["list", "--smp", "100"], ["--smp", "outside 1..64"]),
     (["boot", "--memory", "0"], ["--memory", "outside"]),
     (["bench", "--hits", "0"], ["--hits", "outside 1..1000000000"]),
-    (["bench", "--sections", "probes,kvm"], ["--sections", "sections are probes, scale, gdb"]),
+    (["bench", "--sections", "probes,kvm"], ["--sections", "sections are probes, trace, scale, gdb"]),
     (["shell", "--image", "nope"], ["unknown image 'nope'"]),
     (["attach", "10.1.2.3:1234"], ["refusing to attach to non-local 10.1.2.3"]),
     (["attach", ""], ["empty gdbstub address"]),

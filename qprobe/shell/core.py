@@ -68,6 +68,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "blacklist": ("blacklist", "what cannot be probed (debugfs kprobes/blacklist)"),
     "show": ("show [EVENT...] [for SECONDS | run CMD]", "print hits live as ftrace lines until Ctrl-C"),
     "stats": ("stats", "hits, nmissed and hits/s per event and probe"),
+    "filter": (
+        "filter EVENT... [EXPR | 0]",
+        "an ftrace event filter ('count >= 4096 && comm == \"cat\"', as events/*/filter takes it): hits it "
+        "rejects are only counted; 0 removes it, no EXPR shows it",
+    ),
     "format": (
         'format EVENT... ["FMT", VALUE, ...]',
         "how show prints the events' hits: bpftrace's printf "
@@ -140,7 +145,7 @@ class Shell:
             "events": self.cmd_events, "enabled": self.cmd_enabled, "optimization": self.cmd_optimization,
             "blacklist": self.cmd_blacklist, "show": self.cmd_show, "stats": self.cmd_stats,
             "count": self.cmd_count, "hist": self.cmd_hist, "run": self.cmd_run, "help": self.cmd_help,
-            "quit": self.cmd_quit, "funcs": self.cmd_funcs, "format": self.cmd_format,
+            "quit": self.cmd_quit, "funcs": self.cmd_funcs, "format": self.cmd_format, "filter": self.cmd_filter,
             "clear": self.cmd_clear, "perf": self.cmd_perf,
             "sym": lambda rest: insp.cmd_sym(self, rest), "addr": lambda rest: insp.cmd_addr(self, rest),
             "x": lambda rest: insp.cmd_x(self, rest), "regs": lambda rest: insp.cmd_regs(self, rest),
@@ -271,6 +276,37 @@ class Shell:
             else:
                 (self.target.enable_kprobe if on else self.target.disable_kprobe)(probe)
             self.note(f"{te.name} {'enabled' if on else 'disabled'}")
+
+    def cmd_filter(self, rest: str) -> None:
+        """ftrace's ``events/GRP/EVENT/filter``: set (``EXPR``), clear (``0``) or show (nothing) a filter."""
+        words = rest.split()
+        names: list[str] = []
+        for w in words:  # the events, then the expression (which may start with a name, so: known events only)
+            if self._is_event(w):
+                names.append(w)
+            else:
+                break
+        if not names:
+            raise ShellUsageError("usage: filter EVENT... [EXPR | 0]")
+        text = rest.split(None, len(names))[len(names)] if len(words) > len(names) else ""
+        events = self.select(names)
+        if not text:
+            for te in events:
+                self.out.line(f"{te.name}: {te.filter.text if te.filter is not None else 'none'}")
+            return
+        from qprobe.events import event_filter
+
+        for te in events:
+            for one in te.probes():  # the probes appended to the event too: it is one event
+                one.filter = None if text.strip() == "0" else event_filter(one.definition, text)
+            self.note(f"{te.name}: {'no filter' if te.filter is None else 'filter ' + te.filter.text}")
+
+    def _is_event(self, word: str) -> bool:
+        try:
+            self.select([word])
+        except ProbeError:
+            return False
+        return True
 
     def cmd_enable(self, rest: str) -> None:
         self._set_event(rest, True)

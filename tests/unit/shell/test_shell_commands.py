@@ -373,3 +373,18 @@ def test_counts_by_func_and_event_are_each_probes_own_count() -> None:
         "@[workload, a]: 1",
         "@[workload, b]: 1",
     ]
+
+
+def test_filter_sets_shows_and_clears_an_events_filter() -> None:
+    shell, t, out = make_shell()
+    run(shell, out, "p:rd vfs_read count=%dx:u64")
+    assert run(shell, out, "filter rd count >= 4096 && comm == \"cat\"") == [
+        'kprobes/rd: filter count >= 4096 && comm == "cat"'
+    ]
+    assert run(shell, out, "filter rd") == ['kprobes/rd: count >= 4096 && comm == "cat"']
+    te = t.events["kprobes/rd"]
+    assert te.filter is not None and te.filter({"count": "4096", "comm": '"cat"'})
+    assert not te.filter({"count": "4096", "comm": '"dd"'})
+    assert run(shell, out, "filter rd 0") == ["kprobes/rd: no filter"] and te.filter is None
+    assert run(shell, out, "filter rd nosuch > 1") == ["nosuch > 1", "^ Field not found"] and te.filter is None
+    assert run(shell, out, "filter") == ["error: usage: filter EVENT... [EXPR | 0]"]

@@ -365,6 +365,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
             missing = [n for n in (fmt.names() if fmt else ()) if n not in {a.name for a in ev.args}]
             if missing:
                 raise QprobeError(f"--format names {missing[0]!r}, which {text!r} does not fetch")
+            if fmt is not None:
+                fmt.check_types(ev.integer_args)
     _check_symbols(args, parsed)
     _say_booting(args)
     status = 0

@@ -255,9 +255,8 @@ class TraceEvent:
 
     @functools.cached_property
     def numbers(self) -> frozenset[str]:
-        """The arguments whose values are integers (not strings, symbols, arrays or bitfields' text)."""
-        return frozenset(a.name for a in self.definition.args
-                         if not (a.type.string or a.type.symbol or a.type.array))  # fmt: skip
+        """The arguments whose values are integers (JSON gives them as numbers)."""
+        return self.definition.integer_args
 
     @functools.cached_property
     def strings(self) -> frozenset[str]:

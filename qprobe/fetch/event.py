@@ -62,6 +62,11 @@ class ProbeEvent:
     text: str = ""
 
     @property
+    def integer_args(self) -> frozenset[str]:
+        """The arguments whose values are integers (not strings, symbols, arrays or bitfields' text)."""
+        return frozenset(a.name for a in self.args if not (a.type.string or a.type.symbol or a.type.array))
+
+    @property
     def is_return(self) -> bool:
         """True for a kretprobe (``r`` or ``%return``)."""
         return self.kind == "r"

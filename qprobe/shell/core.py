@@ -421,6 +421,7 @@ class Shell:
         fmt = parse_printf(text)
         for te in events:
             self._check_names_of(fmt.names(), te)
+            fmt.check_types(te.numbers)
         for te in events:
             self.formats[te.name] = fmt
         self.note(f"{', '.join(te.name for te in events)}: printf {text}")

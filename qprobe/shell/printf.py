@@ -12,6 +12,7 @@ ignored, as Python's integers have no width).  Errors are one line, at parse tim
 from __future__ import annotations
 
 import re
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,7 @@ __all__ = ["HitFormat", "PrintfError", "parse_printf"]
 _CONVERSION = re.compile(r"%(?P<spec>[-+ #0]*\d*(?:\.\d+)?)(?:hh|h|ll|l|z|j|t)?(?P<conv>[diouxXcsp%])")
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\", '"': '"', "r": "\r", "0": "\0", "e": "\x1b"}
 SPECIALS = ("$comm", "$pid", "$cpu", "$event", "$func", "$ts", "$addr")
+NUMERIC_SPECIALS = ("$pid", "$cpu", "$addr")
 
 
 class PrintfError(QprobeError):
@@ -44,6 +46,15 @@ class HitFormat:
     def names(self) -> tuple[str, ...]:
         """The event arguments the values name (the ``$`` ones are every hit's)."""
         return tuple(v for v in self.values if not v.startswith("$"))
+
+    def check_types(self, numeric: Container[str]) -> None:
+        """Refuse a number's conversion (``%d %u %x %c %p``...) of a string: ``numeric`` are the event's
+        integer arguments; ``$pid $cpu $addr`` are numbers, ``$comm $event $func $ts`` text.  ``%s`` takes both."""
+        convs = (c for _l, _s, c in self.pieces if c and c != "%")
+        for conv, value in zip(convs, self.values, strict=True):
+            if conv != "s" and value not in NUMERIC_SPECIALS and value not in numeric:
+                what = "text" if value.startswith("$") else "not an integer argument"
+                raise PrintfError(f"printf: %{conv} takes a number, and {value} is {what} (use %s)")
 
     def __call__(self, hit: EventHit) -> str:
         out = []

@@ -378,7 +378,7 @@ def test_counts_by_func_and_event_are_each_probes_own_count() -> None:
 def test_filter_sets_shows_and_clears_an_events_filter() -> None:
     shell, t, out = make_shell()
     run(shell, out, "p:rd vfs_read count=%dx:u64")
-    assert run(shell, out, "filter rd count >= 4096 && comm == \"cat\"") == [
+    assert run(shell, out, 'filter rd count >= 4096 && comm == "cat"') == [
         'kprobes/rd: filter count >= 4096 && comm == "cat"'
     ]
     assert run(shell, out, "filter rd") == ['kprobes/rd: count >= 4096 && comm == "cat"']
@@ -388,3 +388,17 @@ def test_filter_sets_shows_and_clears_an_events_filter() -> None:
     assert run(shell, out, "filter rd 0") == ["kprobes/rd: no filter"] and te.filter is None
     assert run(shell, out, "filter rd nosuch > 1") == ["nosuch > 1", "^ Field not found"] and te.filter is None
     assert run(shell, out, "filter") == ["error: usage: filter EVENT... [EXPR | 0]"]
+
+
+def test_format_refuses_a_numbers_conversion_of_text() -> None:
+    shell, _t, out = make_shell()
+    run(shell, out, "p:rd vfs_read count=%dx:u64 name=+0(%si):string")
+    assert run(shell, out, 'format rd "%d\\n", $comm') == [
+        "error: printf: %d takes a number, and $comm is text (use %s)"
+    ]
+    assert run(shell, out, 'format rd "%x\\n", name') == [
+        "error: printf: %x takes a number, and name is not an integer argument (use %s)"
+    ]
+    assert run(shell, out, 'format rd "%s %d %u %s\\n", $comm, count, $pid, name') == [
+        'kprobes/rd: printf "%s %d %u %s\\n", $comm, count, $pid, name'
+    ]

@@ -38,6 +38,8 @@ log), the tail of the guest shell (the commands' output), the oops lines and
 the probes that were registered; ``--qprobe-keep`` leaves the VM of a failing
 test running (probes removed, gdbstub released) and prints how to ``qprobe
 attach`` to it; the module's later tests on that image are skipped.
+``--qprobe-no-skip`` makes every skip a failure that names its reason (for CI
+that must run every test on every image).
 """
 
 from __future__ import annotations
@@ -94,6 +96,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="how long one VM lives: one per test module by default")  # fmt: skip
     group.addoption("--qprobe-keep", action="store_true", default=False,
                     help="leave a failing test's VM running (probes removed); print how to attach to it")  # fmt: skip
+    group.addoption("--qprobe-no-skip", action="store_true", default=False,
+                    help="a skipped test fails, with its reason (CI that must run everything: an image "
+                         "without a symbol or config a test needs is then an error)")  # fmt: skip
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -569,6 +574,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if report.skipped and item.stash.get(_OUR_SKIP, False) and isinstance(report.longrepr, tuple):
         filename, line = item.reportinfo()[:2]
         report.longrepr = (str(filename), (line or 0) + 1, report.longrepr[2])
+    if report.skipped and not hasattr(report, "wasxfail") and item.config.getoption("qprobe_no_skip", False):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped, and --qprobe-no-skip makes a skip a failure: {reason}"
     reset = item.stash.get(_RESET, None)
     if report.failed and reset is not None:
         report.sections.extend(reset.sections())

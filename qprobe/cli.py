@@ -341,7 +341,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     tty = sys.stdout.isatty()
 
     def show(hit: EventHit) -> None:
-        if tree is not None and hit.pid not in tree:
+        if tree is not None and not tree.owns(hit):
             return
         with lock:
             shown[hit.event] += 1

@@ -8,6 +8,15 @@ hands a new task to the scheduler, ``wake_up_new_task(struct task_struct *p)``
 processes and threads alike), by a kprobe event that fetches ``p->pid``.
 The event's handler runs while the parent is stopped at the call, before
 the child can run, so a child is a member before its first hit.
+
+The subshell itself is the launcher until it execs the command (the shell
+execs a subshell's last command in place): what it does before that (a read
+of the guest shell's, say) is not the command's.  Its hits count from its
+exec on, as bpftrace's ``-c`` child counts from the command's first
+instruction; every process it forks counts from its start.  The exec is
+seen where the kernel begins it, ``begin_new_exec`` (Linux 5.9's rename of
+``flush_old_exec``, called in the exec'ing task), placed among the hits by
+its time.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = ["ProcessTree"]
 
 FORK_FUNCTION = "wake_up_new_task"
+EXEC_FUNCTIONS = ("begin_new_exec", "flush_old_exec")  # Linux 5.9 renamed flush_old_exec
 
 
 class ProcessTree:
@@ -36,7 +46,8 @@ class ProcessTree:
         self.target = target
         self.on_root = on_root
         self.cpid: int | None = None
-        self.members: set[int] = set()
+        self.members: set[int] = set()  # forked by the command's process or its descendants
+        self.exec_order: float | None = None  # when the root exec'd the command (a hit's order)
         self._lock = threading.Lock()
         try:
             pid_offset = offsetof(target.prog.type("struct task_struct"), "pid")
@@ -47,6 +58,13 @@ class ProcessTree:
         self.event: TraceEvent = target.add_event(
             f"p:qprobe_cpid/fork {FORK_FUNCTION} child=+{pid_offset}(%di):s32", self._fork
         )
+        exec_function = next((f for f in EXEC_FUNCTIONS if f in target.symbols), None)
+        if exec_function is None:
+            target.remove_event(self.event)
+            raise QprobeError(
+                f"cannot follow the command's processes: the kernel has none of {', '.join(EXEC_FUNCTIONS)}"
+            )
+        self.exec_event: TraceEvent = target.add_event(f"p:qprobe_cpid/exec {exec_function}", self._exec)
 
     def _fork(self, hit: EventHit) -> None:
         parent, child = hit.pid, int(hit.args["child"])
@@ -59,8 +77,17 @@ class ProcessTree:
         if child == self.cpid and self.on_root is not None:
             self.on_root(child)
 
-    def __contains__(self, pid: int) -> bool:
-        return pid in self.members
+    def _exec(self, hit: EventHit) -> None:
+        with self._lock:
+            if hit.pid == self.cpid and self.exec_order is None:
+                self.exec_order = hit.order
+
+    def owns(self, hit: EventHit) -> bool:
+        """Whether ``hit`` is the command's: of a process it forked, or of its own process once it exec'd."""
+        with self._lock:
+            if hit.pid != self.cpid:
+                return hit.pid in self.members
+            return self.exec_order is not None and hit.order >= self.exec_order
 
     def close(self) -> None:
-        self.target.remove_event(self.event)
+        self.target.remove_events([self.event, self.exec_event])

@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 import qprobe
 from qprobe import Kprobe
 from qprobe.bench import probeable_entries, reached_functions
+from qprobe.pytest_plugin import qprobe_scope
 
 from .conftest import wait_for_optimizer, workload_result
 
 pytestmark = pytest.mark.vm
 
 N = 1000
+
+
+@pytest.fixture(scope=qprobe_scope)
+def qprobe_boot_kwargs() -> dict[str, Any]:
+    """This module's VM runs both vCPUs on one TCG thread: the guest's function tracer patches tens of
+    thousands of sites through text_poke_bp, and under QEMU 7.2's multi-threaded TCG a vCPU can keep running
+    a stale translation of one of its int3s with interrupts off while the other waits in the IPI (a soft
+    lockup in smp_call_function_many_cond, seen in a make test run; docs/reliability.md)."""
+    return {"tcg_thread": "single"}
 
 
 @pytest.mark.qprobe_needs_config("FUNCTION_TRACER")  # the functions the guest reaches, from its function tracer

@@ -341,7 +341,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
     tty = sys.stdout.isatty()
 
     def show(hit: EventHit) -> None:
-        if tree is not None and not tree.owns(hit):
+        # With --run only the command's hits; those before its process tree is followed (the guest shell
+        # reading the line that asks for its pid) are not.
+        if args.run and (tree is None or not tree.owns(hit)):
             return
         with lock:
             shown[hit.event] += 1

@@ -241,9 +241,9 @@ class TraceEvent:
     target: EventTarget
     definition: ProbeEvent
     callback: Callable[[EventHit], None] | None = None
-    keep: int = 100_000  # hits kept in ``hits``; older ones are counted in ``lost``
+    keep: int = 100_000  # hits kept in ``hits``; older ones fall out, counted in ``evicted``
     hits: collections.deque[EventHit] = field(default_factory=collections.deque)
-    evicted: int = 0  # hits that fell out of ``hits``
+    evicted: int = 0  # hits delivered (to the callback too) that fell out of ``hits`` since
     nhit: int = 0
     probe: Kprobe | Kretprobe | None = None
     errors: list[str] = field(default_factory=list)
@@ -282,9 +282,12 @@ class TraceEvent:
 
     @property
     def lost(self) -> int:
-        """Records lost: evicted from ``hits``, or dropped in the guest on a full ring (those are in nmissed too)."""
-        return self.evicted + (self.probe.kp.nlost if isinstance(self.probe, Kretprobe) else
-                               self.probe.nlost if self.probe is not None else 0)  # fmt: skip
+        """Hits whose records never reached the host: dropped in the guest on a full ring (a lossy one, or one
+        the host stopped draining), counted in nmissed too.  A hit delivered and later fallen out of ``hits``
+        is not lost but ``evicted``."""
+        if isinstance(self.probe, Kretprobe):
+            return self.probe.kp.nlost
+        return self.probe.nlost if self.probe is not None else 0
 
     def listing(self) -> str:
         """The lines ``cat kprobe_events`` shows for the event, one per probe."""

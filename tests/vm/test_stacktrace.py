@@ -17,6 +17,7 @@ import pytest
 
 import qprobe
 from qprobe import Kprobe, Kretprobe
+from qprobe.events import EventHit
 
 from .conftest import workload_result
 
@@ -273,14 +274,20 @@ def test_symbol_sizes_are_kallsyms_own(target: qprobe.Target) -> None:
     kallsyms' on Debian's 6.1)."""
     names = ("linux_banner", "jiffies", "init_task", "_sdata", "vfs_read", "ksys_lseek", "schedule")
     target.run("awk '{print $1}' /proc/kallsyms | sort -u > /tmp/kaddrs").check()
-    te = target.add_event("p:qpsym ksys_lseek")
+    sizes = []
+    for name in names:
+        sym = target.symbols.lookup(name)
+        script = f"awk -v a={sym.addr:016x} '$1 > a {{print; exit}}' /tmp/kaddrs"
+        sizes.append(int(target.run(script).check().output, 16) - sym.addr)
+        assert target.symbols.kallsyms_size(sym) == sizes[-1], name
+    # As a :symbol argument prints them (a name with an alias at its address may print as the alias).
+    args = " ".join(f"a{i}=\\{target.symbols.address(n):#x}:symbol" for i, n in enumerate(names))
+    hits: list[EventHit] = []
+    te = target.add_event(f"p:qpsym ksys_lseek {args}", hits.append)
     try:
-        for name in names:
-            sym = target.symbols.lookup(name)
-            script = f"awk -v a={sym.addr:016x} '$1 > a {{print; exit}}' /tmp/kaddrs"
-            size = int(target.run(script).check().output, 16) - sym.addr
-            assert target.symbols.kallsyms_size(sym) == size, name
-            # As a :symbol argument prints it (names with an alias at their address print that one).
-            assert te.symbolize(sym.addr).endswith(f"+0x0/{size:#x}"), name
+        target.run("workload lseek 1").check()
     finally:
         target.remove_event(te)
+    assert hits
+    for i, (name, size) in enumerate(zip(names, sizes, strict=True)):
+        assert hits[-1].args[f"a{i}"].endswith(f"+0x0/{size:#x}"), (name, hits[-1].args)

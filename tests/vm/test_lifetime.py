@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pexpect
 import pytest
 
 from qprobe.paths import cache_dir
@@ -123,18 +124,27 @@ def test_trace_ended_by_a_signal_leaves_nothing(sig: signal.Signals) -> None:
         assert proc.returncode == -signal.SIGKILL
 
 
-@pytest.mark.parametrize("how", ["terminal closed", "SIGKILL"])
-def test_shell_ended_by_its_terminal_or_sigkill_leaves_nothing(how: str) -> None:
-    pexpect = pytest.importorskip("pexpect")
-    journals = _journals()
+def _shell_with_a_probe() -> pexpect.spawn:
+    """``qprobe shell`` in a pty, booted, with one event added and its prompt back."""
     child = pexpect.spawn(sys.executable, ["-m", "qprobe.cli", "shell", "--image", IMAGE], cwd=str(ROOT),
                           env=_env(), encoding="utf-8", timeout=120, dimensions=(50, 200))  # fmt: skip
     try:
         child.expect_exact("qprobe>", timeout=BOOT_TIMEOUT)
-        qemu, rundir, shmdir = _qemu_of(child.pid)
         child.sendline("p:gp __x64_sys_getppid")
         child.expect_exact("added kprobes/gp")
         child.expect_exact("qprobe>")
+    except BaseException:
+        child.kill(signal.SIGKILL)
+        raise
+    return child
+
+
+@pytest.mark.parametrize("how", ["terminal closed", "SIGKILL"])
+def test_shell_ended_by_its_terminal_or_sigkill_leaves_nothing(how: str) -> None:
+    journals = _journals()
+    child = _shell_with_a_probe()
+    try:
+        qemu, rundir, shmdir = _qemu_of(child.pid)
         if how == "SIGKILL":
             child.kill(signal.SIGKILL)
         else:
@@ -150,16 +160,10 @@ def test_shell_ended_by_its_terminal_or_sigkill_leaves_nothing(how: str) -> None
 
 def test_the_shell_ends_when_its_vm_dies() -> None:
     """QEMU killed while the shell waits at its prompt: one error line at once, a non-zero exit, nothing left."""
-    pexpect = pytest.importorskip("pexpect")
     journals = _journals()
-    child = pexpect.spawn(sys.executable, ["-m", "qprobe.cli", "shell", "--image", IMAGE], cwd=str(ROOT),
-                          env=_env(), encoding="utf-8", timeout=120, dimensions=(50, 200))  # fmt: skip
+    child = _shell_with_a_probe()
     try:
-        child.expect_exact("qprobe>", timeout=BOOT_TIMEOUT)
         qemu, rundir, shmdir = _qemu_of(child.pid)
-        child.sendline("p:gp __x64_sys_getppid")
-        child.expect_exact("added kprobes/gp")
-        child.expect_exact("qprobe>")
         os.kill(qemu, signal.SIGKILL)
         # A bound on waiting, not on speed: before, the shell sat at its prompt until the next command.
         child.expect_exact("qprobe: error: the VM is gone", timeout=60)

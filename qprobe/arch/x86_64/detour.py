@@ -116,6 +116,15 @@ def restore_regs(*names: str, label: int = 0) -> list[Instruction]:
     return out
 
 
+def _ring_then_spin(port: int, spin: int) -> list[Instruction]:
+    """``out`` AL to the doorbell ``port``, then the ``pause`` that heads a wait loop (labelled ``spin``)."""
+    c = Instruction
+    pause = c.create(Code.PAUSE)
+    pause.ip = spin
+    return [c.create_reg_u32(Code.MOV_R32_IMM32, Register.EDX, port),
+            c.create_reg_reg(Code.OUT_DX_AL, Register.DX, Register.AL), pause]  # fmt: skip
+
+
 def save_pt_regs() -> list[Instruction]:
     """A stub's prologue: its frame, a struct pt_regs, at rsp; interrupts off, the direction flag clear.
 
@@ -181,13 +190,7 @@ def build_stub(p: StubParams, address: int) -> bytes:
         # The request is published last; x86 stores are not reordered with older stores.
         c.create_mem_i32(Code.MOV_RM64_IMM32, _mem("rbx", MB_STATE), STATE_REQUEST),
         c.create_reg_mem(Code.MOV_R32_RM32, Register.EAX, _mem(disp=p.cpu_number, seg="gs")),
-        c.create_reg_u32(Code.MOV_R32_IMM32, Register.EDX, p.port),
-        c.create_reg_reg(Code.OUT_DX_AL, Register.DX, Register.AL),
-    ]
-    pause = c.create(Code.PAUSE)
-    pause.ip = spin
-    code += [
-        pause,
+        *_ring_then_spin(p.port, spin),
         c.create_mem_i32(Code.CMP_RM64_IMM8, _mem("rbx", MB_STATE), STATE_DONE),
         c.create_branch(Code.JNE_REL32_64, spin),
         # Registers and flags back from the mailbox: the handlers may have changed them.
@@ -325,13 +328,7 @@ def build_record_stub(p: RecordParams, address: int) -> bytes:
         c.create_mem(Code.INC_RM64, _mem("rbx", R_WAITS)),
         c.create_reg_u32(Code.MOV_R32_IMM32, Register.R12D, 1),
         c.create_reg_u32(Code.MOV_R32_IMM32, Register.EAX, DRAIN_DOORBELL),
-        c.create_reg_u32(Code.MOV_R32_IMM32, Register.EDX, p.port),
-        c.create_reg_reg(Code.OUT_DX_AL, Register.DX, Register.AL),
-    ]
-    pause = c.create(Code.PAUSE)
-    pause.ip = spin
-    code += [
-        pause,
+        *_ring_then_spin(p.port, spin),
         c.create_reg(Code.DEC_RM64, Register.R10),
         c.create_branch(Code.JE_REL32_64, full),
         c.create_branch(Code.JMP_REL32_64, check),

@@ -120,12 +120,19 @@ def _doorbell(uc: unicorn.Uc, rung: list[tuple[int, int]], on_ring: object = Non
     uc.hook_add(unicorn.UC_HOOK_INSN, out, None, 1, 0, X.UC_X86_INS_OUT)
 
 
-def test_a_full_lossy_ring_counts_the_record_as_lost_and_changes_nothing_else() -> None:
+def _full_ring() -> tuple[unicorn.Uc, int]:
+    """A machine with the record stub and a detour to it, and CPU's ring header (its ring full: the host
+    has consumed nothing)."""
     uc = machine()
     uc.mem_write(STUB, build_record_stub(PARAMS, STUB))
     uc.mem_write(DETOUR, build_detour(DETOUR, PROBE_ID, STUB, NOP5, RESUME))
     header = RINGS + RING_HEADER * CPU
-    uc.mem_write(header + R_HEAD, RING_ENTRIES.to_bytes(8, "little"))  # the host has consumed nothing
+    uc.mem_write(header + R_HEAD, RING_ENTRIES.to_bytes(8, "little"))
+    return uc, header
+
+
+def test_a_full_lossy_ring_counts_the_record_as_lost_and_changes_nothing_else() -> None:
+    uc, header = _full_ring()
     uc.mem_write(header + R_LOSSY, (1).to_bytes(8, "little"))
     rung: list[tuple[int, int]] = []
     _doorbell(uc, rung)
@@ -137,11 +144,7 @@ def test_a_full_lossy_ring_counts_the_record_as_lost_and_changes_nothing_else() 
 
 def test_a_full_ring_makes_the_record_wait_for_the_host_and_loses_nothing() -> None:
     """The record rings the doorbell once, spins until the host has moved the tail, then is written."""
-    uc = machine()
-    uc.mem_write(STUB, build_record_stub(PARAMS, STUB))
-    uc.mem_write(DETOUR, build_detour(DETOUR, PROBE_ID, STUB, NOP5, RESUME))
-    header = RINGS + RING_HEADER * CPU
-    uc.mem_write(header + R_HEAD, RING_ENTRIES.to_bytes(8, "little"))
+    uc, header = _full_ring()
     rung: list[tuple[int, int]] = []
     # The host drains everything when the doorbell rings (its collector, woken by the byte).
     _doorbell(uc, rung, lambda: uc.mem_write(header + R_TAIL, RING_ENTRIES.to_bytes(8, "little")))
@@ -158,11 +161,7 @@ def test_a_full_ring_makes_the_record_wait_for_the_host_and_loses_nothing() -> N
 def test_a_record_whose_host_never_drains_is_lost_after_its_spins(monkeypatch: pytest.MonkeyPatch) -> None:
     """A guest whose qprobe is gone is slowed by SPIN_LIMIT pause loops a record, never hung."""
     monkeypatch.setattr(detour, "SPIN_LIMIT", 50)
-    uc = machine()
-    uc.mem_write(STUB, build_record_stub(PARAMS, STUB))
-    uc.mem_write(DETOUR, build_detour(DETOUR, PROBE_ID, STUB, NOP5, RESUME))
-    header = RINGS + RING_HEADER * CPU
-    uc.mem_write(header + R_HEAD, RING_ENTRIES.to_bytes(8, "little"))
+    uc, header = _full_ring()
     rung: list[tuple[int, int]] = []
     _doorbell(uc, rung)
     regs = {name: 0x3000 + i for i, name in enumerate(FRAME_REGS)}

@@ -302,7 +302,14 @@ class Target:
     def record_waits(self) -> int:
         """Hits that found their CPU's record ring full and waited for the host to drain it."""
         records = self.kprobes.optimizer.records
-        return records.waits() if records is not None and records.stub else 0
+        return records.waits() if records is not None else 0
+
+    def release_serial_ports(self) -> None:
+        """Close the console and the guest shell's port (each of QEMU's takes one client at a time)."""
+        if self.guest_shell is not None and self.guest_shell.port is not self.console:
+            self.guest_shell.close()
+        if self.console is not None:
+            self.console.close()
 
     def interrupt_guest(self) -> None:
         """Ctrl-C the guest shell's foreground command (as ``run`` started it)."""
@@ -535,7 +542,7 @@ class Target:
         """
         from qprobe.events import remove_events
 
-        todo: list[TraceEvent] = []
+        by_id: dict[int, TraceEvent] = {}  # each event once, in the order given
         for event in events:
             if isinstance(event, str):
                 name = event.removeprefix("-:")
@@ -543,8 +550,8 @@ class Target:
                 if not matches:
                     raise ProbeError(f"no such event {name!r} (ENOENT)")
                 event = matches[0]
-            if all(te is not event for te in todo):
-                todo.append(event)
+            by_id.setdefault(id(event), event)
+        todo = list(by_id.values())
         firsts = {id(te) for te in todo if self.events.get(te.name) is te}
 
         def removed_alone(te: TraceEvent) -> bool:  # appended to an event that stays
@@ -632,10 +639,7 @@ class Target:
                 self.gdb.detach()
             except QprobeError:
                 pass
-        if self.guest_shell is not None and self.guest_shell.port is not self.console:
-            self.guest_shell.close()
-        if self.console is not None:
-            self.console.close()
+        self.release_serial_ports()
         if self.qemu is not None:
             self.qemu.terminate()
             journal = getattr(self, "journal", None)

@@ -246,10 +246,7 @@ def _booted(args: argparse.Namespace, target: Target) -> list[str]:
              f"shell log:    {qemu.shell_log}"]  # fmt: skip
     # Release the gdbstub and the serial ports (each takes one client) so other qprobe processes can attach.
     target.machine.close(detach=True)
-    if target.guest_shell is not None and target.guest_shell.port is not target.console:
-        target.guest_shell.close()
-    if target.console is not None:
-        target.console.close()
+    target.release_serial_ports()
     return lines
 
 
@@ -415,20 +412,18 @@ def cmd_trace(args: argparse.Namespace) -> int:
             except TargetGone:
                 pass  # a VM that is gone holds no probes; the summary still says what was seen, then the error
             # One row an event (its trace shows one event name), the counts of probes appended to it added in.
-            summary: dict[str, dict[str, int]] = {}
+            totals: dict[str, collections.Counter[str]] = {}
             for te in events:
-                row = summary.setdefault(te.definition.event, {"hits": 0, "nmissed": 0, "lost": 0})
-                row["hits"] += te.nhit
-                row["nmissed"] += te.nmissed
-                row["lost"] += te.lost
+                totals.setdefault(te.definition.event, collections.Counter()).update(
+                    hits=te.nhit, nmissed=te.nmissed, lost=te.lost, filtered=te.filtered)  # fmt: skip
+            summary: dict[str, dict[str, int]] = {}
+            for name, t in totals.items():
+                row = {"hits": t["hits"], "nmissed": t["nmissed"], "lost": t["lost"]}
+                if tree is not None:  # hits counts the command's; the other processes' are said apart
+                    row.update(hits=shown[name], others=t["hits"] - shown[name])
                 if args.filter:
-                    row["filtered"] = row.get("filtered", 0) + te.filtered
-            if tree is not None:
-                for name, row in summary.items():  # hits counts the command's; the other processes' are said apart
-                    row["others"] = row["hits"] - shown[name]
-                    row["hits"] = shown[name]
-                    if "filtered" in row:
-                        row["filtered"] = row.pop("filtered")  # printed last, as before
+                    row["filtered"] = t["filtered"]
+                summary[name] = row
             waited = target.record_waits() if target.machine.alive else 0
             with lock:
                 if args.json:

@@ -138,6 +138,11 @@ class EventHit:
         flags = ("d" if self.irqs_off else ".") + "...."
         return f"{self.comm:>16}-{self.pid:<7} [{self.cpu:03d}] {flags} {self.ts:12.6f}: {self.event}: {self.body}"
 
+    @property
+    def function(self) -> str:
+        """The probed function's name (bpftrace's ``func``): a return hit's ``addr`` is in its caller."""
+        return (self.func or self.symbol).split("+", 1)[0]
+
     def escaped(self) -> EventHit:
         """The hit with the control characters of its guest text (the process name, the arguments' text)
         shown as ``\\xNN``: printed to a terminal, a name the guest chose must not act on it."""
@@ -260,8 +265,8 @@ class TraceEvent:
 
     @functools.cached_property
     def strings(self) -> frozenset[str]:
-        """The arguments whose values are strings (``string``, ``ustring``, ``symstr``, ``$comm``)."""
-        return frozenset(a.name for a in self.definition.args if a.type.string and not a.type.array)
+        """The arguments whose values are strings (JSON gives them without ftrace's quotes)."""
+        return self.definition.string_args
 
     def probes(self) -> list[TraceEvent]:
         """This definition and every one appended to the event, in the order they were added."""

@@ -10,8 +10,8 @@ The event's handler runs while the parent is stopped at the call, before
 the child can run, so a child is a member before its first hit.
 
 The subshell itself is the launcher until it execs the command (the shell
-execs a subshell's last command in place): what it does before that (a read
-of the guest shell's, say) is not the command's.  Its hits count from its
+execs a subshell's last command in place): what it does before that (the
+redirections ``run`` wraps the command in) is not the command's.  Its hits count from its
 exec on, as bpftrace's ``-c`` child counts from the command's first
 instruction; every process it forks counts from its start.  The exec is
 seen where the kernel begins it, ``begin_new_exec`` (Linux 5.9's rename of

@@ -67,6 +67,11 @@ class ProbeEvent:
         return frozenset(a.name for a in self.args if not (a.type.string or a.type.symbol or a.type.array))
 
     @property
+    def string_args(self) -> frozenset[str]:
+        """The arguments whose values are strings (``string``, ``ustring``, ``symstr``, ``$comm``)."""
+        return frozenset(a.name for a in self.args if a.type.string and not a.type.array)
+
+    @property
     def is_return(self) -> bool:
         """True for a kretprobe (``r`` or ``%return``)."""
         return self.kind == "r"

@@ -106,8 +106,8 @@ def hit_key(hit: EventHit, key: str, stack: Stack | None) -> MapKey:
         return hit.comm
     if key == "$event":
         return hit.event
-    if key == "$func":  # bpftrace's func: the probed function (a return hit's addr is in its caller)
-        return hit.func if hit.func is not None else hit.symbol.split("+", 1)[0]
+    if key == "$func":
+        return hit.function
     if key == "$pid":
         return hit.pid
     if key == "$cpu":

@@ -124,7 +124,7 @@ def _value(hit: EventHit, name: str) -> str | int:
         case "$event":
             return hit.event
         case "$func":
-            return (hit.func or hit.symbol).split("+", 1)[0]
+            return hit.function
         case "$ts":
             return f"{hit.ts:.6f}"
         case "$addr":

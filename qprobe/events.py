@@ -15,13 +15,13 @@ import dataclasses
 import functools
 import logging
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from qprobe.arch import Arch, RegisterLayout
 from qprobe.arch.inguest import And as GAnd
-from qprobe.arch.inguest import GuestFilter, KeySpec
+from qprobe.arch.inguest import GuestFilter, KeyPart, KeySpec, MapSlot
 from qprobe.arch.inguest import Not as GNot
 from qprobe.arch.inguest import Or as GOr
 from qprobe.arch.inguest import Pred as GPred
@@ -255,7 +255,7 @@ class TraceEvent:
     filter: EventFilter | None = None
     in_guest: bool = False  # recorded by an optimized probe's detour when it can be (see in_guest())
     host_filtered: int = 0  # hits the filter rejected on the host (the rest were rejected in the guest)
-    guest_key_arg: str | None = None  # the argument count_in_guest counts by
+    guest_map: tuple[tuple[str, ...], str | None, bool] | None = None  # count_in_guest's keys, value, hist
     appended: list[TraceEvent] = field(default_factory=list)  # later probes of the same event
 
     @functools.cached_property
@@ -367,51 +367,81 @@ class TraceEvent:
             self.probe.recorder = None if on else self._guest_record
             self.target.kprobes.resync(self.probe)
 
-    def count_in_guest(self, key: str, hist: bool = False) -> bool:
-        """Count hits by argument ``key`` (or its hist() bucket) in guest RAM instead of recording them.
+    def count_in_guest(self, keys: Sequence[str], value: str | None = None, hist: bool = False) -> bool:
+        """Fold hits into a map in guest RAM instead of recording them: counted by ``keys``, and
+        ``value``'s sum, min and max kept (its hist() bucket the key's last part with ``hist``).
 
-        For an event recorded in the guest, with no filter, whose key is an integer
-        taken from a register; otherwise returns False and changes nothing.  Hits
-        the host still sees (before the jump is placed, or while it cannot be)
-        reach ``callback`` as usual; ``stop_counting_in_guest`` returns the rest.
+        For an event recorded in the guest, with no filter, whose key parts are ``$comm``,
+        ``$pid``, ``$cpu``, ``$func``, ``$event`` or integers taken from registers, and whose
+        value is such an integer; otherwise returns False and changes nothing.  Hits the host
+        still sees (before the jump is placed, or while it cannot be) reach ``callback`` as
+        usual; ``stop_counting_in_guest`` returns the rest.
         """
         kp = self.probe
         layout = self.target.arch.registers
-        spec = guest_key(self.definition, key, hist, layout) if self.filter is None and isinstance(kp, Kprobe) else None
+        spec = guest_key(self.definition, keys, value, hist, layout) if self.filter is None else None
         if spec is None or not isinstance(kp, Kprobe) or self.target.kprobes.optimizer is None:
             return False
-        self.guest_key_arg = key
+        self.guest_map = (tuple(keys), value, hist)
         self.target.kprobes.resync(kp, lambda: setattr(kp, "guest_key", spec))
         return True
 
-    def stop_counting_in_guest(self) -> dict[str | int, int]:
-        """End ``count_in_guest``: the hits counted in the guest, by formatted key (by bucket for a histogram)."""
+    def stop_counting_in_guest(self) -> dict[tuple[str | int, ...], MapSlot]:
+        """End ``count_in_guest``: the hits folded in the guest, by key (its parts as the host formats them,
+        the hist() bucket last with ``hist``)."""
         kp, kprobes = self.probe, self.target.kprobes
-        if not isinstance(kp, Kprobe) or kp.guest_key is None or kprobes.optimizer is None:
+        if not isinstance(kp, Kprobe) or kp.guest_key is None or kprobes.optimizer is None or self.guest_map is None:
             return {}
         spec, opt = kp.guest_key, kprobes.optimizer
-        raw: dict[int, int] = {}
+        raw: dict[tuple[int, ...], MapSlot] = {}
 
         def take() -> None:  # in the stop that puts the recording detour back: no hit is lost in between
             point = kprobes.points.get(kp.resolved)
             if point is not None:
-                raw.update(opt.keyed_counts(point))
+                raw.update(opt.keyed_counts(point, spec))
             kp.guest_key = None
 
         kprobes.resync(kp, take)
-        self.nhit += sum(raw.values())
-        if spec.hist:
-            return dict(raw)
-        a = next(a for a in self.definition.args if a.name == self.guest_key_arg)
+        self.nhit += sum(slot.count for slot in raw.values())
+        keys, _value, hist = self.guest_map
+        self.guest_map = None
+        args = {a.name: a for a in self.definition.args}
         layout = self.target.arch.registers
         general = [layout.gdb_name[r] for r in layout.general]
         rest = {layout.gdb_name[r]: 0 for r in (layout.ip, layout.sp, layout.flags)}
-        out: dict[str | int, int] = {}
-        for value, n in raw.items():
-            regs = kprobes.make_regs({**dict.fromkeys(general, value), **rest}, kprobes.machine.vcpus[0])
-            text = a.format_value(a.evaluate(_HostContext(self.target, regs, None)))
-            out[text] = out.get(text, 0) + n
+
+        def formatted(name: str, word: int) -> str:  # the argument's text, as a hit with that register shows it
+            regs = kprobes.make_regs({**dict.fromkeys(general, word), **rest}, kprobes.machine.vcpus[0])
+            return args[name].format_value(args[name].evaluate(_HostContext(self.target, regs, None)))
+
+        out: dict[tuple[str | int, ...], MapSlot] = {}
+        for words, slot in raw.items():
+            it = iter(words)
+            parts: list[str | int] = []
+            for name in (*keys, *(("$hist",) if hist else ())):
+                if name in ("$func", "$event"):
+                    parts.append(self.function_name if name == "$func" else self.definition.event)
+                elif name == "$comm":
+                    parts.append((next(it).to_bytes(8, "little") + next(it).to_bytes(8, "little"))
+                                 .split(b"\0")[0].decode(errors="replace"))  # fmt: skip
+                elif name == "$pid":
+                    pid = next(it)
+                    parts.append(pid - (1 << 32) if pid >> 31 else pid)
+                elif name in ("$cpu", "$hist"):
+                    parts.append(next(it))
+                else:
+                    parts.append(formatted(name, next(it)))
+            key = tuple(parts)
+            old = out.get(key)
+            out[key] = slot if old is None else old.merge(slot)
         return out
+
+    @property
+    def function_name(self) -> str:
+        """``$func`` of every hit of this event: the probed function's name, as ``EventHit.function`` gives it."""
+        kp = self.probe.kp if isinstance(self.probe, Kretprobe) else self.probe
+        assert kp is not None, "an event is armed before it is hit"
+        return self.target.symbols.symbolize(kp.at).split("+", 1)[0]
 
     def _guest_record(self, rec: GuestRecord) -> None:
         """The same hit, recorded in the guest by an optimized probe's detour and drained from its ring."""
@@ -486,21 +516,46 @@ def _arg_register(a: FetchArg, layout: RegisterLayout) -> str | None:
     return None
 
 
-def guest_key(ev: ProbeEvent, name: str, hist: bool, layout: RegisterLayout) -> KeySpec | None:
-    """``count``/``hist`` by argument ``name`` as a key the detour can compute, or None if only the host can.
+GUEST_KEYS = {"$comm": KeyPart("comm"), "$pid": KeyPart("pid"), "$cpu": KeyPart("cpu")}
 
-    The argument must be an integer taken from a register as it is; a histogram also needs
-    a numeric type (u/s/x), since the host buckets the number its text shows.
+
+def guest_key(ev: ProbeEvent, keys: Sequence[str], value: str | None, hist: bool,
+              layout: RegisterLayout) -> KeySpec | None:  # fmt: skip
+    """A map by ``keys`` of ``value`` as a key the detour can compute, or None if only the host can.
+
+    A key part is ``$comm``, ``$pid``, ``$cpu``, ``$func`` or ``$event`` (the last two the same for
+    every hit: the host adds them) or an integer argument taken from a register as it is; the value
+    such an argument of a numeric type (u/s/x), since the host folds the number its text shows.
     """
-    a = next((a for a in ev.args if a.name == name), None)
-    if a is None or not in_guest(ev, layout):
+    if not in_guest(ev, layout) or (hist and value is None):
         return None
-    t, reg = a.type, _arg_register(a, layout)
-    if reg is None or t.string or t.array or t.bitfield or t.size not in (1, 2, 4, 8):
+    args = {a.name: a for a in ev.args}
+
+    def register(name: str, numeric: bool) -> KeyPart | None:
+        a = args.get(name)
+        if a is None:
+            return None
+        t, reg = a.type, _arg_register(a, layout)
+        if reg is None or t.string or t.array or t.bitfield or t.size not in (1, 2, 4, 8):
+            return None
+        if numeric and not (t.name[:1] in ("u", "s", "x") and t.name[1:].isdigit()):
+            return None
+        return KeyPart("reg", reg, t.size * 8, t.signed)
+
+    parts: list[KeyPart] = []
+    for name in keys:
+        if name in ("$func", "$event"):
+            continue
+        part = GUEST_KEYS.get(name) or register(name, False)
+        if part is None:
+            return None
+        parts.append(part)
+    folded = register(value, True) if value is not None else None
+    if value is not None and folded is None:
         return None
-    if hist and not (t.name[:1] in ("u", "s", "x") and t.name[1:].isdigit()):
-        return None
-    return KeySpec(reg, t.size * 8, t.signed, hist)
+    if hist and folded is not None:
+        return KeySpec((*parts, dataclasses.replace(folded, kind="hist")))
+    return KeySpec(tuple(parts), folded)
 
 
 def guest_filter(ev: ProbeEvent, flt: EventFilter, layout: RegisterLayout) -> GuestFilter | None:

@@ -51,7 +51,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from qprobe.arch.inguest import GuestFilter, KeySpec
+from qprobe.arch.inguest import GuestFilter, KeySpec, MapSlot
 
 
 class ResumeKind(enum.Enum):
@@ -176,6 +176,7 @@ class DetourParams:
     stub: int = 0  # the mailbox or record stub it calls
     tables: int = 0  # "keyed": CPU 0's table
     cpu_number: int = 0  # "keyed": per-CPU offset of cpu_number
+    task: tuple[int, int, int] = (0, 0, 0)  # "keyed": per-CPU offset of current_task, offsetof task_struct pid, comm
     guest_filter: GuestFilter | None = None
     guest_key: KeySpec | None = None
     returns: ReturnLayout | None = None  # "retentry"
@@ -294,7 +295,6 @@ class Arch(Protocol):
     ring_lossy: int  # the host's switch that drops them instead
     drain_doorbell: int  # the doorbell byte a waiting record rings (not a CPU number)
     instance_size: int
-    keyed_table_size: int  # per CPU
     trampoline_id: int  # the probe id a kretprobe return reports through the mailbox
 
     def build_mailbox_stub(
@@ -317,7 +317,8 @@ class Arch(Protocol):
     ring_entry_read_size: int  # bytes of an entry parse_ring_entry needs
 
     def parse_ring_entry(self, raw: bytes) -> RingEntry: ...
-    def parse_keyed_table(self, raw: bytes) -> dict[int, int]: ...
+    def guest_map_size(self, spec: KeySpec) -> int: ...  # one CPU's table of a "keyed" detour, in bytes
+    def parse_guest_map(self, spec: KeySpec, raw: bytes) -> dict[tuple[int, ...], MapSlot]: ...
 
 
 __all__ = [

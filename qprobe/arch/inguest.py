@@ -1,8 +1,8 @@
 """What an optimized probe's detour computes in the guest, said without an architecture.
 
 qprobe.events turns an event's ftrace filter into a tree of register
-compares (:class:`Pred`, :class:`And`, :class:`Or`, :class:`Not`) and a
-``count``/``hist`` key into a :class:`KeySpec`; the core hands them to the
+compares (:class:`Pred`, :class:`And`, :class:`Or`, :class:`Not`), and a
+map the shell aggregates into (its key's parts and value) into a :class:`KeySpec`; the core hands them to the
 architecture in :class:`qprobe.arch.DetourParams`, and the architecture
 compiles them into the detour (x86_64: ``guestfilter.py``, ``guestagg.py``).
 Registers are named as in pt_regs, from the layout's ``general`` registers
@@ -43,14 +43,63 @@ class Not:
 GuestFilter = Pred | And | Or | Not
 
 
+KEY_KINDS = ("reg", "hist", "cpu", "pid", "comm")
+
+
+@dataclass(frozen=True)
+class KeyPart:
+    """One part of an in-guest map's key, computed by the detour at the hit.
+
+    ``reg``: register ``reg`` (a pt_regs name) read as a ``bits``-wide integer; ``hist``: bpftrace's
+    hist() bucket of that integer (0 negative, 1 zero, 2 + floor(log2 v)); ``cpu``: the CPU's
+    number; ``pid``: the running task's pid (task_struct.pid, ftrace's common_pid); ``comm``: its
+    16-byte name, which takes two words of the key.
+    """
+
+    kind: str
+    reg: str = ""
+    bits: int = 64  # 8, 16, 32 or 64
+    signed: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in KEY_KINDS:
+            raise ValueError(f"key part {self.kind!r}")
+
+    @property
+    def words(self) -> int:
+        return 2 if self.kind == "comm" else 1
+
+
 @dataclass(frozen=True)
 class KeySpec:
-    """The key: register ``reg`` (a pt_regs name) read as a ``bits``-wide integer, or its log2 bucket."""
+    """An in-guest map: its key's parts, and the integer whose sum, min and max each slot keeps.
 
-    reg: str
-    bits: int  # 8, 16, 32 or 64
-    signed: bool
-    hist: bool  # the key is bpftrace's hist() bucket of the value: 0 negative, 1 zero, 2 + floor(log2 v)
+    Every slot counts its hits; with a ``value`` (a ``reg`` part) it also keeps that value's
+    64-bit wrapping sum and its min and max, compared signed or not as the value's type is.
+    """
+
+    parts: tuple[KeyPart, ...]
+    value: KeyPart | None = None
+
+    @property
+    def words(self) -> int:
+        return sum(p.words for p in self.parts)
 
 
-__all__ = ["And", "GuestFilter", "KeySpec", "Not", "Or", "Pred"]
+@dataclass(frozen=True)
+class MapSlot:
+    """One key's entry of an in-guest map, summed over the CPUs; ``total``, ``min`` and ``max`` are the
+    value's, as its type reads them."""
+
+    count: int
+    total: int = 0
+    min: int = 0
+    max: int = 0
+
+    def merge(self, other: MapSlot) -> MapSlot:
+        """The same key's slot on two CPUs, as one."""
+        return MapSlot(self.count + other.count, self.total + other.total, min(self.min, other.min),
+                       max(self.max, other.max))  # fmt: skip
+
+
+__all__ = ["KEY_KINDS", "And", "GuestFilter", "KeyPart", "KeySpec", "MapSlot", "Not", "Or", "Pred"]

@@ -78,8 +78,8 @@ class Kprobe:
         # it rejects are counted in nhit and nfiltered and never recorded.
         self.guest_filter: GuestFilter | None = None
         self.nfiltered = 0
-        # Instead of records: count hits by a key the detour computes from a register (a KeySpec),
-        # in per-CPU tables in guest RAM that the front end reads (the shell's count/hist).
+        # Instead of records: fold hits into a map (a KeySpec: key and value the detour computes),
+        # per-CPU tables in guest RAM that the front end reads (the shell's and trace's aggregations).
         self.guest_key: KeySpec | None = None
         self.kretprobe: Kretprobe | None = None  # the return probe whose entry this is
         self.errors: list[str] = []

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Protocol
 import drgn
 
 from qprobe.arch import Arch, DetourParams, PercpuLayout
+from qprobe.arch.inguest import KeySpec, MapSlot
 from qprobe.core.doorbell import Doorbell
 from qprobe.core.errorlog import ErrorLog
 from qprobe.core.point import Optimized, ProbePoint
@@ -84,8 +85,8 @@ def detour_kind(point: ProbePoint) -> str:
     (one probe at the point, whose filter only reads registers).  "retentry" is
     a kretprobe's entry alone at its point, with no entry_handler and a pool of
     instances in guest RAM: the detour takes the instance and replaces the return
-    address itself (qprobe.arch.x86_64.retdetour).  "keyed" counts the hit by a key
-    computed from a register in a per-CPU table (one probe with a ``guest_key``).
+    address itself (qprobe.arch.x86_64.retdetour).  "keyed" folds the hit into a map
+    in a per-CPU table, by a key computed at the hit (one probe with a ``guest_key``).
     """
     rp = point.probes[0].kretprobe if len(point.probes) == 1 else None
     if rp is not None and rp.entry_handler is None and rp.pool is not None:
@@ -255,15 +256,13 @@ class Optimizer:
         return PercpuLayout(kernel.percpu_offset("cpu_number"), kernel.percpu_offset("this_cpu_off"),
                             kernel.current_task_offset)  # fmt: skip
 
-    def keyed_counts(self, point: ProbePoint) -> dict[int, int]:
-        """A "keyed" point's counts so far, key -> hits, summed over the CPUs' tables (RAM reads, no stop)."""
+    def keyed_counts(self, point: ProbePoint, spec: KeySpec) -> dict[tuple[int, ...], MapSlot]:
+        """A "keyed" point's map so far (its probe's ``spec``), summed over the CPUs' tables (RAM reads, no stop)."""
         opt = point.opt
         if opt is None or opt.kind != "keyed" or self.ram is None:
             return {}
-        raw = self.ram.read_phys(
-            self.kp.scratch.phys_of(opt.tables), self.arch.keyed_table_size * len(self.machine.vcpus)
-        )
-        return self.arch.parse_keyed_table(raw)
+        size = self.arch.guest_map_size(spec) * len(self.machine.vcpus)
+        return self.arch.parse_guest_map(spec, self.ram.read_phys(self.kp.scratch.phys_of(opt.tables), size))
 
     def _zero(self, addr: int, size: int) -> None:
         assert self.ram is not None
@@ -614,10 +613,13 @@ class Optimizer:
         if kind == "filtered":
             return dataclasses.replace(params, guest_filter=first.guest_filter)
         if kind == "keyed":
-            table_bytes = self.arch.keyed_table_size * len(self.machine.vcpus)
+            spec = first.guest_key
+            assert spec is not None
+            table_bytes = self.arch.guest_map_size(spec) * len(self.machine.vcpus)
             tables = self.kp.scratch.alloc(table_bytes, align=4096)  # written by the guest: apart from code
             self._zero(tables, table_bytes)
-            return dataclasses.replace(params, guest_key=first.guest_key, tables=tables,
+            current, pid, _tgid, comm = self.kp.kernel.offsets
+            return dataclasses.replace(params, guest_key=spec, tables=tables, task=(current, pid, comm),
                                        cpu_number=self.kp.kernel.percpu_offset("cpu_number"))  # fmt: skip
         if kind == "retentry":
             assert first.kretprobe is not None and first.kretprobe.pool is not None

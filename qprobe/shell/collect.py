@@ -9,7 +9,7 @@ Everything it installs is put back on exit, also on Ctrl-C.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +31,7 @@ from .render import (
 )
 
 if TYPE_CHECKING:
+    from qprobe.arch.inguest import MapSlot
     from qprobe.core.regs import PtRegs
     from qprobe.events import EventHit, TraceEvent
 
@@ -192,18 +193,42 @@ class Aggregation:
             i = log2_bucket(value) if self.bounds is None else lhist_bucket(value, *self.bounds)
             hist[i] = hist.get(i, 0) + 1
 
-    def add_counts(self, counts: dict[str | int, int] | dict[MapKey, int]) -> None:
-        """Hits counted in the guest: ``count`` by formatted key, ``hist`` by bucket index."""
+    def add_counts(self, counts: dict[MapKey, int]) -> None:
+        """Hits counted without the host seeing them, by key (a ``count``'s)."""
         with self._lock:
-            for k, n in counts.items():
-                if self.kind == "hist":
-                    assert isinstance(k, int)
-                    hist = self.hists.setdefault(None, {})
-                    hist[k] = hist.get(k, 0) + n
-                else:
-                    key: MapKey = strip_quotes(k) if isinstance(k, str) else k
-                    self.counts[key] = self.counts.get(key, 0) + n
+            for key, n in counts.items():
+                self.counts[key] = self.counts.get(key, 0) + n
                 self.total += n
+
+    def add_slots(self, slots: Mapping[tuple[str | int, ...], MapSlot]) -> None:
+        """Hits folded into a map in the guest (``TraceEvent.stop_counting_in_guest``): by the parts of
+        their key, a histogram's bucket last; each slot's count, and its value's sum, min and max."""
+        with self._lock:
+            for parts, slot in slots.items():
+                bucket = None
+                if self.kind == "hist":
+                    *rest, last = parts
+                    parts, bucket = tuple(rest), int(last)
+                clean = tuple(strip_quotes(p) if isinstance(p, str) else p for p in parts)
+                key: MapKey = None if not clean else clean[0] if len(clean) == 1 else KeyParts(clean)
+                self.total += slot.count
+                if bucket is not None:
+                    hist = self.hists.setdefault(key, {})
+                    hist[bucket] = hist.get(bucket, 0) + slot.count
+                elif self.kind == "count":
+                    self.counts[key] = self.counts.get(key, 0) + slot.count
+                elif self.kind == "sum":
+                    self.counts[key] = self.counts.get(key, 0) + slot.total
+                elif self.kind in ("min", "max"):
+                    pick = min if self.kind == "min" else max
+                    old = self.counts.get(key)
+                    mine = slot.min if self.kind == "min" else slot.max
+                    self.counts[key] = mine if old is None else pick(old, mine)
+                elif self.kind in ("avg", "stats"):
+                    n, total = self.pairs.get(key, (0, 0))
+                    self.pairs[key] = (n + slot.count, total + slot.total)
+                else:
+                    raise ValueError(f"{self.kind} is not folded in the guest")
 
     def add_values(self, values: Sequence[int]) -> None:
         """Fold plain integers in, without a key (tests and the Python API)."""

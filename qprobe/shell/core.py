@@ -468,14 +468,10 @@ class Shell:
                 raise ShellUsageError(f"{te.name} has no argument {name!r} ({have}); `help count` lists the keys")
 
     def _in_guest(self, spec: Collect, events: list[TraceEvent], agg: Aggregation) -> bool:
-        """One event counted by an integer register argument (or its log2 bucket): in the guest's tables."""
-        if spec.every is not None or len(events) != 1:  # printing and clearing needs the hits as they come
+        """One event folded into a map in the guest's tables, when its detour can compute the key and value."""
+        if spec.every is not None or len(events) != 1 or agg.kind == "lhist":  # `every` prints the hits as they come
             return False
-        if agg.kind == "count" and len(agg.keys) == 1:
-            return events[0].count_in_guest(agg.keys[0], False)
-        if agg.kind == "hist" and not agg.keys and agg.value is not None:
-            return events[0].count_in_guest(agg.value, True)
-        return False
+        return events[0].count_in_guest(agg.keys, agg.value, agg.kind == "hist")
 
     def _per_event(self, spec: Collect, events: list[TraceEvent], agg: Aggregation) -> bool:
         """A count with no key, or by ``$event``/``$func`` alone, of entry probes without a filter: each probe's
@@ -489,8 +485,7 @@ class Shell:
     def _event_key(self, te: TraceEvent, key: str | None, several: bool) -> MapKey:
         """The map key of every hit of ``te`` (one of its probes) for a count by ``key`` (None: no key)."""
         if key == "$func":
-            ev = te.definition
-            return ev.symbol.rsplit(":", 1)[-1] if ev.symbol else self.target.symbols.symbolize(ev.addr or 0)
+            return te.function_name
         return te.definition.event if key == "$event" or several else None
 
     def _aggregate_per_event(self, spec: Collect, events: list[TraceEvent], agg: Aggregation) -> None:
@@ -545,7 +540,7 @@ class Shell:
                 result = self._watch(spec, poll, ready)
         finally:
             if in_guest:
-                agg.add_counts(events[0].stop_counting_in_guest())
+                agg.add_slots(events[0].stop_counting_in_guest())
         self._report_run(result)
         text = agg.take()
         if text:

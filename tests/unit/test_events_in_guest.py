@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from qprobe.arch.inguest import KeyPart, KeySpec
 from qprobe.arch.x86_64.arch import X86_64
-from qprobe.events import in_guest
+from qprobe.events import guest_key, in_guest
 from qprobe.fetch import ProbeEvent, parse_event
 
 
@@ -43,3 +44,25 @@ def test_json_gives_strings_as_strings_and_integers_as_numbers() -> None:
     hit = EventHit("a", 0, 42, "work\"load", 1.0, 0x1000, "vfs_read+0x0", args, "", numbers=te.numbers,
                    strings=te.strings)  # fmt: skip
     assert hit.as_json()["args"] == {"who": 'work"load', "fd": -3, "c": 16, "s": "(fault)"}
+
+
+@pytest.mark.parametrize(
+    ("definition", "keys", "value", "hist", "expected"),
+    [
+        ("p:a ksys_read fd=%di:s32 count=%dx:u64", ("$comm",), None, False, KeySpec((KeyPart("comm"),))),
+        ("p:a ksys_read fd=%di:s32 count=%dx:u64", ("$func", "$comm", "$pid", "$cpu"), "count", False,
+         KeySpec((KeyPart("comm"), KeyPart("pid"), KeyPart("cpu")), KeyPart("reg", "dx", 64))),
+        ("p:a ksys_read fd=%di:s32 count=%dx:u64", ("fd",), "count", True,
+         KeySpec((KeyPart("reg", "di", 32, True), KeyPart("hist", "dx", 64)))),
+        ("p:a ksys_read fd=%di:s32 count=%dx:u64", ("$stack",), None, False, None),  # unwound on the host
+        ("p:a ksys_read fd=%di:s32 name=+0(%si):string", ("name",), None, False, None),  # read from memory
+        ("p:a ksys_read fd=%di:s32 c=%dx:u64 w=$comm", ("w",), None, False, None),  # a string argument
+        ("p:a ksys_read fd=%di:s32 c=%dx:symbol", ("fd",), "c", False, None),  # the value is not a number
+        ("p:a ksys_read fd=%di:s32 c=+8(%dx):u64", ("fd",), None, False, None),  # the event reads memory
+    ],
+)  # fmt: skip
+def test_what_a_detour_can_fold(definition: str, keys: tuple[str, ...], value: str | None, hist: bool,
+                                expected: KeySpec | None) -> None:  # fmt: skip
+    ev = parse_event(definition, symbol_exists=lambda name: True)
+    assert isinstance(ev, ProbeEvent)
+    assert guest_key(ev, keys, value, hist, X86_64.registers) == expected

@@ -25,6 +25,7 @@ from qprobe.arch import (
     Trap,
     TrapHook,
 )
+from qprobe.arch.inguest import KeySpec, MapSlot
 from qprobe.arch.x86_64 import detour, guestagg, guestfilter, retdetour
 from qprobe.arch.x86_64.boost import INT3_INSN_OPCODE, JMP32_INSN_SIZE, synthesize_reljump
 from qprobe.arch.x86_64.decode import check_boundary, decode_all
@@ -101,7 +102,6 @@ class X86_64:
     ring_waits, ring_lossy = detour.R_WAITS, detour.R_LOSSY
     drain_doorbell = detour.DRAIN_DOORBELL
     instance_size = retdetour.INSTANCE_SIZE
-    keyed_table_size = guestagg.TABLE_SIZE
     trampoline_id = retdetour.TRAMPOLINE_ID
 
     # -- instructions (core.c) -------------------------------------------------------------
@@ -274,8 +274,8 @@ class X86_64:
         if p.kind == "keyed":
             spec = p.guest_key
             assert spec is not None
-            return lambda at, rel: guestagg.build_keyed_detour(at, spec, p.tables, p.cpu_number, p.counter, p.lost,
-                                                               rel, p.resume)  # fmt: skip
+            return lambda at, rel: guestagg.build_keyed_detour(at, spec, p.tables, p.cpu_number, p.task, p.counter,
+                                                               p.lost, rel, p.resume)  # fmt: skip
         if p.kind == "retentry":
             ret, pool = p.returns, p.pool
             assert isinstance(ret, retdetour.RetParams) and pool is not None
@@ -386,14 +386,12 @@ class X86_64:
 
     ring_entry_read_size = detour.E_TASK + 8
 
-    def parse_keyed_table(self, raw: bytes) -> dict[int, int]:
-        """key -> count over one or more CPUs' keyed tables."""
-        out: dict[int, int] = {}
-        for i in range(len(raw) // guestagg.SLOT_SIZE):
-            key, count = struct.unpack_from("<2Q", raw, i * guestagg.SLOT_SIZE)
-            if count:
-                out[key] = out.get(key, 0) + count
-        return out
+    def guest_map_size(self, spec: KeySpec) -> int:
+        return guestagg.table_size(spec)
+
+    def parse_guest_map(self, spec: KeySpec, raw: bytes) -> dict[tuple[int, ...], MapSlot]:
+        """Key words -> slot over one or more CPUs' tables of a "keyed" detour."""
+        return guestagg.parse_tables(spec, raw)
 
 
 __all__ = ["KRETPROBE_BLACKLIST", "THUNKS", "X86_64"]

@@ -18,7 +18,7 @@ import pytest
 from core_fakes import ARCH, FlatMem, flat_regs
 from vmm_fakes import QemuStub
 
-from qprobe.arch.inguest import KeySpec
+from qprobe.arch.inguest import KeyPart, KeySpec
 from qprobe.core import optimizer as optimizer_mod
 from qprobe.core.dispatch import Trampoline
 from qprobe.core.handlers import Handlers
@@ -161,7 +161,7 @@ def recorder(rec: object) -> None:
         (lambda: [_with(Kprobe(addr=PROBE), recorder=recorder, guest_filter=object())], "filtered"),
         (lambda: [_with(Kprobe(addr=PROBE), recorder=recorder), _with(Kprobe(addr=PROBE), recorder=recorder,
                                                                        guest_filter=object())], "record"),
-        (lambda: [_with(Kprobe(addr=PROBE), guest_key=KeySpec("di", 64, False, False))], "keyed"),
+        (lambda: [_with(Kprobe(addr=PROBE), guest_key=KeySpec((KeyPart("reg", "di"),)))], "keyed"),
         (lambda: [_with(Kretprobe(addr=PROBE).kp)], "count"),  # no pool in guest RAM
         (lambda: [_pooled(Kretprobe(addr=PROBE))], "retentry"),
         (lambda: [_pooled(Kretprobe(addr=PROBE, entry_handler=lambda ri, regs: 0))], "count"),

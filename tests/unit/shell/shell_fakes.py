@@ -77,6 +77,7 @@ class FakeTarget:
         assert isinstance(ev, ProbeEvent)
         te = TraceEvent(self, ev, callback)  # type: ignore[arg-type]
         te.probe = Kprobe(symbol_name=ev.symbol or "vfs_read", offset=ev.offset)
+        te.probe.at = te.probe.resolved = self.symbols.address(te.probe.symbol_name) + ev.offset  # as registered
         self.events[te.name] = te
         return te
 

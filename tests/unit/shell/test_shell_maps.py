@@ -111,3 +111,23 @@ def test_shell_sum_and_stats_over_a_guest_command() -> None:
     out.truncate()
     shell.execute("max(size) rd")
     assert out.getvalue() == "error: kprobes/rd has no argument 'size' (count); `help count` lists the keys\n"
+
+
+@pytest.mark.parametrize("kind", ["count", "sum", "min", "max", "avg", "stats", "hist"])
+def test_a_map_folded_in_the_guest_prints_as_the_same_hits_folded_on_the_host(kind: str) -> None:
+    """The guest's slots (count, sum, min, max by key; a histogram's bucket the key's last part) give the map
+    the host's own folding of those hits gives."""
+    from qprobe.arch.inguest import MapSlot
+    from qprobe.shell.render import log2_bucket
+
+    values = [("cat", "3", 10), ("cat", "3", -7), ("ls", "4", 5), ("cat", "5", 1), ("cat", "3", 0)]
+    value = None if kind == "count" else "count"
+    host, guest = Aggregation(kind, ("$comm", "fd"), value), Aggregation(kind, ("$comm", "fd"), value)
+    slots: dict[tuple[str | int, ...], MapSlot] = {}
+    for comm, fd, count in values:
+        host.add(None, hit(comm, fd=fd, count=str(count)))
+        key: tuple[str | int, ...] = (comm, fd, log2_bucket(count)) if kind == "hist" else (comm, fd)
+        one = MapSlot(1, count, count, count)
+        slots[key] = slots[key].merge(one) if key in slots else one
+    guest.add_slots(slots)
+    assert guest.render() == host.render() and guest.total == host.total == len(values)

@@ -1,8 +1,9 @@
-"""Keyed counts computed in the guest, run on a real x86 CPU model (unicorn).
+"""In-guest maps, run on a real x86 CPU model (unicorn).
 
-The table the detour leaves must be exactly the Python model's counts
-(``key_value`` of each hit's register), every register and flag must come
-back, and a hit that finds no slot is counted as lost.
+The table the detour leaves must be exactly the Python model's map (each
+hit's key words from ``part_words``, its count and its value's sum, min and
+max), every register and flag must come back, and a hit that finds no slot is
+counted as lost.
 """
 
 from __future__ import annotations
@@ -17,22 +18,25 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from unicorn import x86_const as X  # noqa: E402
 
+from qprobe.arch.inguest import KeyPart, KeySpec, MapSlot  # noqa: E402
 from qprobe.arch.x86_64.detour import FRAME_REGS  # noqa: E402
 from qprobe.arch.x86_64.guestagg import (  # noqa: E402
     MAX_PROBE,
-    SLOT_SIZE,
     TABLE_ENTRIES,
-    TABLE_SIZE,
-    KeySpec,
     build_keyed_detour,
-    key_value,
+    parse_tables,
+    part_words,
     slot_index,
+    slot_words,
+    table_size,
+    typed,
 )
 from qprobe.arch.x86_64.guestfilter import GPRS  # noqa: E402
 from qprobe.shell.render import log2_bucket  # noqa: E402
 
 DETOUR, RESUME, PERCPU, TABLES, COUNTERS, STACK = 0x11000000, 0x12000000, 0x20000000, 0x40000000, 0x51000000, 0x60008000
-CPU_NUMBER, CPU, NCPUS = 0x100, 1, 2
+TASK = 0x70000000
+CPU_NUMBER, CURRENT, PID_OFF, COMM_OFF, CPU, NCPUS = 0x100, 0x108, 0x9A4, 0xB78, 1, 2
 HITS, LOST = COUNTERS, COUNTERS + 8
 NOP5 = bytes.fromhex("0f1f440000")
 UC = {name: getattr(X, f"UC_X86_REG_{name.upper()}") for name in FRAME_REGS}
@@ -41,18 +45,22 @@ ARITH_FLAGS = st.sets(st.sampled_from([0x1, 0x4, 0x10, 0x40, 0x80, 0x800])).map(
 
 def machine(spec: KeySpec) -> unicorn.Uc:
     uc = unicorn.Uc(unicorn.UC_ARCH_X86, unicorn.UC_MODE_64)
-    for base in (DETOUR, RESUME, PERCPU, TABLES, COUNTERS):
+    for base in (DETOUR, RESUME, PERCPU, TABLES, COUNTERS, TASK):
         uc.mem_map(base, 0x100000)
     uc.mem_map(STACK - 0x8000, 0x10000)
     uc.mem_write(RESUME, b"\xf4")
     uc.msr_write(0xC0000101, PERCPU)  # GS base
     uc.mem_write(PERCPU + CPU_NUMBER, CPU.to_bytes(4, "little"))
-    code, _ = build_keyed_detour(DETOUR, spec, TABLES, CPU_NUMBER, HITS, LOST, NOP5, RESUME)
+    uc.mem_write(PERCPU + CURRENT, TASK.to_bytes(8, "little"))
+    code, _ = build_keyed_detour(DETOUR, spec, TABLES, CPU_NUMBER, (CURRENT, PID_OFF, COMM_OFF), HITS, LOST, NOP5,
+                                 RESUME)  # fmt: skip
     uc.mem_write(DETOUR, code)
     return uc
 
 
-def hit(uc: unicorn.Uc, regs: dict[str, int], flags: int) -> None:
+def hit(uc: unicorn.Uc, regs: dict[str, int], flags: int, pid: int = 1, comm: bytes = b"init") -> None:
+    uc.mem_write(TASK + PID_OFF, (pid & 0xFFFFFFFF).to_bytes(4, "little"))
+    uc.mem_write(TASK + COMM_OFF, comm[:16].ljust(16, b"\0"))
     for name, value in regs.items():
         uc.reg_write(UC[name], value)
     uc.reg_write(X.UC_X86_REG_RSP, STACK)
@@ -63,53 +71,88 @@ def hit(uc: unicorn.Uc, regs: dict[str, int], flags: int) -> None:
     assert {name: uc.reg_read(UC[name]) for name in FRAME_REGS} == regs
 
 
-def table(uc: unicorn.Uc, cpu: int = CPU) -> Counter[int]:
-    raw = bytes(uc.mem_read(TABLES + cpu * TABLE_SIZE, TABLE_SIZE))
-    out: Counter[int] = Counter()
-    for i in range(TABLE_ENTRIES):
-        key, count = struct.unpack_from("<2Q", raw, i * SLOT_SIZE)
-        if count:
-            assert key not in out, "a key in two slots"
-            out[key] = count
+def table(uc: unicorn.Uc, spec: KeySpec, cpu: int = CPU) -> dict[tuple[int, ...], MapSlot]:
+    size = table_size(spec)
+    raw = bytes(uc.mem_read(TABLES + cpu * size, size))
+    n = slot_words(spec) * 8
+    keys = [raw[i * n : i * n + spec.words * 8] for i in range(TABLE_ENTRIES) if any(raw[i * n + spec.words * 8 :][:8])]
+    assert len(keys) == len(set(keys)), "a key in two slots"
+    return parse_tables(spec, raw)
+
+
+def model(spec: KeySpec, hits: list[tuple[dict[str, int], int, bytes]]) -> dict[tuple[int, ...], MapSlot]:
+    out: dict[tuple[int, ...], MapSlot] = {}
+    for regs, pid, comm in hits:
+        words: tuple[int, ...] = ()
+        for part in spec.parts:
+            raw = regs.get("r" + part.reg if not part.reg.startswith("r") else part.reg, 0) if part.reg else 0
+            words += part_words(part, raw, cpu=CPU, pid=pid, comm=comm)
+        v = spec.value
+        value = 0 if v is None else typed(v, regs["r" + v.reg if not v.reg.startswith("r") else v.reg])
+        one = MapSlot(1, value, value, value) if v is not None else MapSlot(1)
+        out[words] = one if words not in out else out[words].merge(one)
+    if spec.value is not None:  # the guest's sum wraps at 64 bits, read as the value's type
+        out = {k: MapSlot(s.count, typed(KeyPart("reg", signed=spec.value.signed), s.total), s.min, s.max)
+               for k, s in out.items()}  # fmt: skip
     return out
 
 
-SPECS = st.builds(KeySpec, st.sampled_from(GPRS), st.sampled_from([8, 16, 32, 64]), st.booleans(), st.booleans())
+REG_PARTS = st.builds(lambda kind, reg, bits, signed: KeyPart(kind, reg, bits, signed),
+                      st.sampled_from(["reg", "hist"]), st.sampled_from(GPRS), st.sampled_from([8, 16, 32, 64]),
+                      st.booleans())  # fmt: skip
+PARTS = st.one_of(REG_PARTS, st.sampled_from([KeyPart("cpu"), KeyPart("pid"), KeyPart("comm")]))
+VALUE_PARTS = st.builds(lambda reg, bits, signed: KeyPart("reg", reg, bits, signed), st.sampled_from(GPRS),
+                        st.sampled_from([8, 16, 32, 64]), st.booleans())  # fmt: skip
+SPECS = st.builds(lambda parts, value: KeySpec(tuple(parts), value), st.lists(PARTS, max_size=3),
+                  st.one_of(st.none(), VALUE_PARTS))  # fmt: skip
 VALUES = st.one_of(st.integers(0, 2**64 - 1), st.integers(0, 40), st.integers(2**64 - 40, 2**64 - 1),
                    st.sampled_from([0, 1, 2, 3, 0x80, 0xFF, 0x8000, 0x7FFFFFFF, 0x80000000, 2**63]))  # fmt: skip
+TASKS = st.tuples(st.integers(0, 2**31 - 1), st.sampled_from([b"workload", b"sh", b"kworker/0:1H-kb", b""]))
 
 
-@settings(max_examples=60, deadline=None)
-@given(SPECS, st.lists(VALUES, min_size=1, max_size=12), ARITH_FLAGS, st.integers(0, 2**64 - 1))
-def test_the_table_holds_the_model_s_counts(spec: KeySpec, values: list[int], flags: int, other: int) -> None:
+@settings(max_examples=80, deadline=None)
+@given(SPECS, st.lists(st.tuples(VALUES, VALUES, TASKS), min_size=1, max_size=12), ARITH_FLAGS)
+def test_the_table_holds_the_model_s_map(spec: KeySpec, hits: list[tuple[int, int, tuple[int, bytes]]],
+                                         flags: int) -> None:  # fmt: skip
     uc = machine(spec)
-    reg = "r" + spec.reg if not spec.reg.startswith("r") else spec.reg
-    for v in values:
-        hit(uc, {name: (v if name == reg else other) for name in FRAME_REGS}, flags)
-    assert table(uc) == Counter(key_value(spec, v) for v in values)
-    assert table(uc, cpu=0) == Counter()  # another CPU's table is not touched
-    assert struct.unpack("<2Q", uc.mem_read(HITS, 16)) == (len(values), 0)
+    done = []
+    for i, (a, b, (pid, comm)) in enumerate(hits):
+        regs = {name: (a if (j + i) % 2 else b) for j, name in enumerate(FRAME_REGS)}
+        hit(uc, regs, flags, pid, comm)
+        done.append((regs, pid, comm))
+    assert table(uc, spec) == model(spec, done)
+    assert table(uc, spec, cpu=0) == {}  # another CPU's table is not touched
+    assert struct.unpack("<2Q", uc.mem_read(HITS, 16)) == (len(hits), 0)
 
 
 def test_the_histogram_key_is_bpftrace_s_bucket() -> None:
     for bits in (8, 16, 32, 64):
         for signed in (False, True):
-            spec = KeySpec("di", bits, signed, hist=True)
+            part = KeyPart("hist", "di", bits, signed)
             for v in (0, 1, 2, 3, 4, 100, (1 << bits) - 1, 1 << (bits - 1)):
-                typed = v - (1 << bits) if signed and v >> (bits - 1) else v
-                assert key_value(spec, v) == log2_bucket(typed)
+                value = v - (1 << bits) if signed and v >> (bits - 1) else v
+                assert part_words(part, v) == (log2_bucket(value),)
 
 
 def test_a_hit_with_no_free_slot_within_reach_is_lost() -> None:
-    spec = KeySpec("di", 64, False, hist=False)
+    spec = KeySpec((KeyPart("reg", "di"),))
     uc = machine(spec)
     key = 12345
     # Fill the MAX_PROBE slots from the key's hash on with other keys.
-    first = slot_index(key)
-    for n in range(MAX_PROBE):
-        slot = TABLES + CPU * TABLE_SIZE + ((first + n) % TABLE_ENTRIES) * SLOT_SIZE
-        uc.mem_write(slot, struct.pack("<2Q", 10_000 + n, 1))
+    first, n = slot_index((key,)), slot_words(spec) * 8
+    for i in range(MAX_PROBE):
+        slot = TABLES + CPU * table_size(spec) + ((first + i) % TABLE_ENTRIES) * n
+        uc.mem_write(slot, struct.pack("<2Q", 10_000 + i, 1))
     regs = {name: 0 for name in FRAME_REGS} | {"rdi": key}
     hit(uc, regs, 0x202)
-    assert key not in table(uc)
+    assert (key,) not in table(uc, spec)
     assert struct.unpack("<2Q", uc.mem_read(HITS, 16)) == (1, 1)
+
+
+def test_a_map_without_key_keeps_one_slot() -> None:
+    spec = KeySpec((), KeyPart("reg", "si", 32, True))
+    uc = machine(spec)
+    for v in (5, -7, 3):
+        hit(uc, {name: 0 for name in FRAME_REGS} | {"rsi": v & (2**64 - 1)}, 0x202)
+    assert table(uc, spec) == {(): MapSlot(3, 1, -7, 5)}
+    assert Counter(table(uc, spec, cpu=0)) == Counter()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import json
 import signal
@@ -271,10 +272,11 @@ def test_cli_list_shows_the_probes_and_why_one_is_not_optimized() -> None:
 
 
 def test_keyed_counts_run_in_the_guest(target: qprobe.Target, guard: dict[int, bytes]) -> None:
-    """count/hist by a register argument: per-CPU tables in guest RAM, nobody woken, exact per key."""
+    """Maps in guest RAM (per-CPU tables, nobody woken), exact per key: by a register argument, its hist()
+    bucket, and by $comm, $pid, $cpu and $func with a value's sum, min and max."""
     te = target.add_event("p:seek ksys_lseek fd=%di:s32 off=%si:x64 whence=%dx:u32")
     try:
-        assert te.count_in_guest("off")
+        assert te.count_in_guest(["off"])
         point = target.kprobes.points[te.probe.resolved]  # type: ignore[union-attr]
         assert point.opt is not None and point.opt.kind == "keyed"
         served, traps, recorded = target.kprobes.optimizer.served, target.kprobes.ntraps, len(te.hits)  # type: ignore[union-attr]
@@ -283,18 +285,30 @@ def test_keyed_counts_run_in_the_guest(target: qprobe.Target, guard: dict[int, b
         counts = te.stop_counting_in_guest()
         assert len(te.hits) == recorded  # counted, not recorded
         # The keys as the event formats them (x64: hex), each offset once.
-        assert counts == {hex(i): 1 for i in range(1, 301)}
-        assert te.count_in_guest("off", hist=True)
+        assert {k: s.count for k, s in counts.items()} == {(hex(i),): 1 for i in range(1, 301)}
+        assert te.count_in_guest([], "off", hist=True)
         target.run("workload lseek 300", timeout=300).check()
         buckets = te.stop_counting_in_guest()
-        assert buckets == dict(collections.Counter(log2_bucket(i) for i in range(1, 301)))
+        assert {k: s.count for k, s in buckets.items()} == {
+            (b,): n for b, n in collections.Counter(log2_bucket(i) for i in range(1, 301)).items()
+        }
+        # The task's name and pid, the CPU and the function, with the offsets' sum, min and max.
+        assert te.count_in_guest(["$func", "$comm", "$pid", "$cpu"], "off")
+        res = workload_result(target.run("workload lseek 200", timeout=300).check().output)
+        folded = te.stop_counting_in_guest()
+        mine = [(k, s) for k, s in folded.items() if k[1] == "workload"]
+        assert {k[:3] for k, _ in mine} == {("ksys_lseek", "workload", int(res["pid"]))}, folded
+        assert all(0 <= k[3] < len(target.machine.vcpus) for k, _ in mine)  # a row per vCPU it ran on
+        slot = functools.reduce(lambda a, b: a.merge(b), (s for _, s in mine))
+        assert (slot.count, slot.total, slot.min, slot.max) == (200, sum(range(1, 201)), 1, 200)
         # Back to recording: the next hits are records again.
         assert target.kprobes.points[te.probe.resolved].opt.kind == "record"  # type: ignore[union-attr]
         target.run("workload lseek 2").check()
         assert [h.args["off"] for h in list(te.hits)[-2:]] == ["0x1", "0x2"]
     finally:
         target.remove_event(te)
-    assert te.probe.nhit == 602 and te.nhit == 602 and te.probe.nmissed == 0  # type: ignore[union-attr]
+    assert te.probe.nhit == te.nhit == 802 + sum(s.count for k, s in folded.items() if k[1] != "workload")  # type: ignore[union-attr]
+    assert te.probe.nmissed == 0  # type: ignore[union-attr]
 
 
 def test_shell_count_is_exact_or_says_what_it_lost(target: qprobe.Target, guard: dict[int, bytes]) -> None:

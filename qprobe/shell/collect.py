@@ -13,9 +13,9 @@ from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from qprobe.core.kprobe import Kretprobe
+from qprobe.core.kprobe import Kprobe, Kretprobe
 
-from .parse import NUMERIC_SPECIAL_KEYS, VALUE_FUNCS, key_name
+from .parse import EVENT_KEYS, NUMERIC_SPECIAL_KEYS, VALUE_FUNCS, key_name
 from .render import (
     KeyParts,
     MapKey,
@@ -27,6 +27,7 @@ from .render import (
     render_hist_map,
     render_lhist_map,
     render_stats,
+    stack_frames,
     strip_quotes,
 )
 
@@ -267,3 +268,103 @@ class Aggregation:
         if self.kind == "avg":
             return render_counts(self.name, {k: c_div(total, n) for k, (n, total) in self.pairs.items()})
         return render_counts(self.name, dict(self.counts))  # a copy: a hit still in flight may add a key
+
+
+class Collector:
+    """One aggregation over ``events`` for as long as a ``with`` block lasts (the shell's count, trace's maps).
+
+    Folded where it can be exact without the host seeing each hit: a count with no key, or by
+    ``$func``/``$event`` alone, of entry probes without a filter is each probe's own hit count
+    (kept in guest RAM as the kernel keeps kprobe_profile's; a record dropped on a full ring is
+    still a hit); one event whose key and value the detour can compute is folded in guest RAM
+    (``TraceEvent.count_in_guest``).  Anything else, and every hit when ``owns`` picks the hits
+    (``--run``'s process tree), comes through a :class:`Tap`.  ``every`` (seconds) means the map
+    is printed and cleared as hits come, so they all come through the tap.
+    """
+
+    def __init__(self, events: Sequence[TraceEvent], agg: Aggregation, *, every: float | None = None,
+                 owns: Callable[[EventHit], bool] | None = None) -> None:  # fmt: skip
+        self.events = list(events)
+        self.agg = agg
+        self.owns = owns
+        self.unwind = stack_unwinder() if "$stack" in agg.keys else None
+        self.per_event = owns is None and every is None and per_event_count(self.events, agg)
+        self._before: list[int] = []
+        self._tap: Tap | None = None
+        self.in_guest = False
+        self._every = every
+        self._missed = 0
+
+    def _uncounted(self) -> int:
+        # A per-probe count holds the records dropped on a full ring (nmissed counts those too).
+        return sum(te.nmissed - (te.lost if self.per_event else 0) for te in self.events)
+
+    def __enter__(self) -> Collector:
+        self._missed = self._uncounted()
+        if self.per_event:
+            self._before = [_probe_hits(one) for te in self.events for one in te.probes()]
+            return self
+        agg, owns = self.agg, self.owns
+
+        def sink(te: TraceEvent, hit: EventHit, stack: Stack | None) -> None:
+            if owns is None or owns(hit):
+                agg.add(te, hit, stack)
+
+        self._tap = Tap(self.events, sink, self.unwind).__enter__()
+        # Printing and clearing every S needs the hits as they come; lhist's buckets are the host's.
+        if owns is None and self._every is None and len(self.events) == 1 and agg.kind != "lhist":
+            self.in_guest = self.events[0].count_in_guest(agg.keys, agg.value, agg.kind == "hist")
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        if self.per_event:
+            key = self.agg.keys[0] if self.agg.keys else None
+            probes = [one for te in self.events for one in te.probes()]
+            counts: dict[MapKey, int] = {}
+            for one, n in zip(probes, self._before, strict=True):
+                k = _event_key(one, key, len(self.events) > 1)
+                counts[k] = counts.get(k, 0) + _probe_hits(one) - n
+            self.agg.add_counts({k: n for k, n in counts.items() if n})
+        else:
+            assert self._tap is not None
+            try:
+                self._tap.__exit__(et, ev, tb)
+            finally:
+                if self.in_guest:
+                    self.agg.add_slots(self.events[0].stop_counting_in_guest())
+        self._missed = self._uncounted() - self._missed
+
+    @property
+    def missed(self) -> int:
+        """Hits the guest made but nobody counted while the block ran (read after it): records dropped on a
+        full lossy ring, or hits missed while the same vCPU was already in a probe."""
+        return self._missed
+
+
+def stack_unwinder() -> Callable[[PtRegs], Stack]:
+    """``$stack``: the kernel stack at a hit (drgn's), frames as bpftrace prints them."""
+
+    def unwind(regs: PtRegs) -> Stack:
+        return stack_frames(regs.stack_trace())
+
+    return unwind
+
+
+def per_event_count(events: Sequence[TraceEvent], agg: Aggregation) -> bool:
+    """A count with no key, or by ``$event``/``$func`` alone, of entry probes without a filter."""
+    return (agg.kind == "count" and set(agg.keys) <= set(EVENT_KEYS) and len(agg.keys) <= 1
+            and all(te.filter is None and not isinstance(one.probe, Kretprobe)
+                    for te in events for one in te.probes()))  # fmt: skip
+
+
+def _probe_hits(one: TraceEvent) -> int:
+    """Delivered, and recorded in the guest but dropped on a full ring."""
+    kp = one.probe
+    return kp.nhit + kp.nlost if isinstance(kp, Kprobe) else 0
+
+
+def _event_key(te: TraceEvent, key: str | None, several: bool) -> MapKey:
+    """The map key of every hit of ``te`` (one of its probes) for a count by ``key`` (None: no key)."""
+    if key == "$func":
+        return te.function_name
+    return te.definition.event if key == "$event" or several else None

@@ -18,17 +18,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TextIO
 
-from qprobe.core.kprobe import Kprobe, Kretprobe
+from qprobe.core.kprobe import Kretprobe
 from qprobe.errors import FetchArgError, ProbeError, QprobeError
 from qprobe.fetch import DeleteEvent, parse_event
 from qprobe.fetch import messages as M
 from qprobe.funcs import Probeability, is_glob, render_funcs
 
 from . import inspect_cmds as insp
-from .collect import Aggregation, Stack, Tap
+from .collect import Aggregation, Collector, Tap
 from .output import Output
 from .parse import (
-    EVENT_KEYS,
     Call,
     Collect,
     ShellUsageError,
@@ -38,10 +37,9 @@ from .parse import (
     split_command,
 )
 from .printf import HitFormat, parse_printf
-from .render import MapKey, render_table, stack_frames
+from .render import render_table
 
 if TYPE_CHECKING:
-    from qprobe.core.regs import PtRegs
     from qprobe.events import EventHit, TraceEvent
     from qprobe.vmm.console import RunResult
 
@@ -467,59 +465,9 @@ class Shell:
                 have = ", ".join(names) if names else "no arguments"
                 raise ShellUsageError(f"{te.name} has no argument {name!r} ({have}); `help count` lists the keys")
 
-    def _in_guest(self, spec: Collect, events: list[TraceEvent], agg: Aggregation) -> bool:
-        """One event folded into a map in the guest's tables, when its detour can compute the key and value."""
-        if spec.every is not None or len(events) != 1 or agg.kind == "lhist":  # `every` prints the hits as they come
-            return False
-        return events[0].count_in_guest(agg.keys, agg.value, agg.kind == "hist")
-
-    def _per_event(self, spec: Collect, events: list[TraceEvent], agg: Aggregation) -> bool:
-        """A count with no key, or by ``$event``/``$func`` alone, of entry probes without a filter: each probe's
-        own hit count (kept in the guest as the kernel keeps kprobe_profile's; a record dropped on a full ring
-        is still a hit), never hits carried through the record rings."""
-        return (agg.kind == "count" and spec.every is None and set(agg.keys) <= set(EVENT_KEYS)
-                and len(agg.keys) <= 1
-                and all(te.filter is None and not isinstance(one.probe, Kretprobe)
-                        for te in events for one in te.probes()))  # fmt: skip
-
-    def _event_key(self, te: TraceEvent, key: str | None, several: bool) -> MapKey:
-        """The map key of every hit of ``te`` (one of its probes) for a count by ``key`` (None: no key)."""
-        if key == "$func":
-            return te.function_name
-        return te.definition.event if key == "$event" or several else None
-
-    def _aggregate_per_event(self, spec: Collect, events: list[TraceEvent], agg: Aggregation) -> None:
-        key = agg.keys[0] if agg.keys else None
-        probes = [one for te in events for one in te.probes()]
-
-        def hits(one: TraceEvent) -> int:  # delivered, and recorded in the guest but dropped on a full ring
-            kp = one.probe
-            return kp.nhit + kp.nlost if isinstance(kp, Kprobe) else 0
-
-        before = [hits(one) for one in probes]
-        what = ", ".join(te.name for te in events) + (f" by {key}" if key else "")
-        result = self._watch(spec, lambda: None, f"counting {what}; Ctrl-C to stop")
-        counts: dict[MapKey, int] = {}
-        for one, n in zip(probes, before, strict=True):
-            k = self._event_key(one, key, len(events) > 1)
-            counts[k] = counts.get(k, 0) + hits(one) - n
-        agg.add_counts({k: n for k, n in counts.items() if n})
-        self._report_run(result)
-        text = agg.take()
-        if text:
-            self.out.write(text)
-        else:
-            self.note("no hits")
-
     def _aggregate(self, spec: Collect, events: list[TraceEvent], agg: Aggregation) -> None:
-        unwind = self.unwinder() if "$stack" in spec.keys else None
         for key in spec.keys:
             self._check_names(key, events)
-        if self._per_event(spec, events, agg):
-            self._aggregate_per_event(spec, events, agg)
-            return
-        in_guest = self._in_guest(spec, events, agg)
-        missed_before = sum(te.nmissed for te in events)
         every = spec.every
         due = [time.monotonic() + every] if every is not None else []
 
@@ -531,16 +479,13 @@ class Shell:
                     self.out.write(text)
                     self.out.flush()
 
-        try:
-            with Tap(events, agg.add, unwind):
-                # Said (in _watch) once every hit is counted and a Ctrl-C ends the count, not its set-up.
-                what = ", ".join(te.name for te in events) + (f" by {', '.join(spec.keys)}" if spec.keys else "")
-                value = f"{agg.kind}({agg.value}) of " if agg.value is not None else "counting "
-                ready = f"{value}{what}{f' every {every:g} s' if every else ''}; Ctrl-C to stop"
-                result = self._watch(spec, poll, ready)
-        finally:
-            if in_guest:
-                agg.add_slots(events[0].stop_counting_in_guest())
+        collector = Collector(events, agg, every=every)
+        with collector:
+            # Said (in _watch) once every hit is counted and a Ctrl-C ends the count, not its set-up.
+            what = ", ".join(te.name for te in events) + (f" by {', '.join(spec.keys)}" if spec.keys else "")
+            value = f"{agg.kind}({agg.value}) of " if agg.value is not None else "counting "
+            ready = f"{value}{what}{f' every {every:g} s' if every else ''}; Ctrl-C to stop"
+            result = self._watch(spec, poll, ready)
         self._report_run(result)
         text = agg.take()
         if text:
@@ -549,21 +494,12 @@ class Shell:
             self.note("no hits")
         if agg.skipped:
             self.note(f"({agg.skipped} of {agg.total} values of {agg.value} were not numbers)")
-        missed = sum(te.nmissed for te in events) - missed_before
-        if missed:
-            # Hits the guest made but nobody counted: records dropped on a full ring, or hits missed while
-            # the same vCPU was already in a probe.  The counts above are short by that many.
-            self.out.write(f"@lost: {missed}\n")
-            self.note(f"{missed} hits were lost (full record rings or missed probes): the counts above miss them")
-
-    @staticmethod
-    def unwinder() -> Callable[[PtRegs], Stack]:
-        """``$stack``: the kernel stack at a hit (drgn's), frames as bpftrace prints them."""
-
-        def unwind(regs: PtRegs) -> Stack:
-            return stack_frames(regs.stack_trace())
-
-        return unwind
+        if collector.missed:
+            # Hits the guest made but nobody counted: records dropped on a full lossy ring, or hits missed
+            # while the same vCPU was already in a probe.  The counts above are short by that many.
+            self.out.write(f"@lost: {collector.missed}\n")
+            self.note(f"{collector.missed} hits were lost (full record rings or missed probes): "
+                      "the counts above miss them")  # fmt: skip
 
     def _watch(self, spec: Collect, poll: Callable[[], None], ready: str) -> RunResult | QprobeError | None:
         """Until Ctrl-C, for ``spec.seconds``, or while ``spec.command`` runs in the guest.

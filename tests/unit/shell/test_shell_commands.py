@@ -10,6 +10,7 @@ from shell_fakes import BANNER, FakeTarget, make_shell
 
 from qprobe.errors import TargetError
 from qprobe.shell import Shell
+from qprobe.shell.collect import stack_unwinder
 
 
 def lines(out) -> list[str]:  # type: ignore[no-untyped-def]
@@ -211,7 +212,6 @@ class _Frame:
 
 
 def test_stack_key_is_bpftrace_s_kstack_of_the_hit() -> None:
-    shell, _t, _out = make_shell()
     frames = [_Frame(0xFFFF_FFFF_8130_0000, ("__x64_sys_getppid", 0xFFFF_FFFF_8130_0000)),
               _Frame(0xFFFF_FFFF_8100_105B, ("do_syscall_64", 0xFFFF_FFFF_8100_1000), inline=True),
               _Frame(0xFFFF_FFFF_8100_105B, ("do_syscall_64", 0xFFFF_FFFF_8100_1000)),
@@ -222,7 +222,7 @@ def test_stack_key_is_bpftrace_s_kstack_of_the_hit() -> None:
             return frames
 
     # Real frames only (an inlined call has no return address of its own), decimal offsets.
-    assert shell.unwinder()(Regs()) == ("__x64_sys_getppid+0", "do_syscall_64+91", "0xffffffffc0001234")  # type: ignore[arg-type]
+    assert stack_unwinder()(Regs()) == ("__x64_sys_getppid+0", "do_syscall_64+91", "0xffffffffc0001234")  # type: ignore[arg-type]
 
 
 def test_stack_key_counts_stacks_unwound_in_the_handler() -> None:

@@ -324,6 +324,13 @@ def cmd_trace(args: argparse.Namespace) -> int:
         if args.json:
             raise QprobeError("--format and --json: choose one")
         fmt = parse_printf(args.format)
+    agg, every = None, None
+    if args.map is not None:
+        from qprobe.shell.collect import parse_map
+
+        if args.json or args.format is not None:
+            raise QprobeError("--map prints a map instead of lines: not with --json or --format")
+        agg, every = parse_map(args.map)
     cpid_filter = args.filter is not None and "$cpid" in args.filter
     if cpid_filter and not args.run:
         raise QprobeError("$cpid is the pid of --run's command: give --run CMD")
@@ -366,6 +373,10 @@ def cmd_trace(args: argparse.Namespace) -> int:
                 raise QprobeError(f"--format names {missing[0]!r}, which {text!r} does not fetch")
             if fmt is not None:
                 fmt.check_types(ev.integer_args)
+    if agg is not None:
+        from qprobe.shell.collect import check_map_names
+
+        check_map_names(agg, parsed)
     _check_symbols(args, parsed)
     _say_booting(args)
     status = 0
@@ -376,14 +387,40 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
         if args.lossy:
             target.records_lossy = True
-        events = [te for text in args.events for te in _arm(target, text, in_order, None if cpid_filter else flt)]
+        lines = in_order if agg is None else None
+        events = [te for text in args.events for te in _arm(target, text, lines, None if cpid_filter else flt)]
 
         def on_root(cpid: int) -> None:
             if cpid_filter:
                 for te in events:
                     te.filter = event_filter(te.definition, args.filter.replace("$cpid", str(cpid)))
 
+        def owns(hit: EventHit) -> bool:  # with --run, the map holds the command's hits only
+            if tree is None or not tree.owns(hit):
+                return False
+            with lock:
+                shown[hit.event] += 1
+            return True
+
+        collector = None
+        printed = threading.Event()  # set when the map's interval printing ends
+        if agg is not None:
+            from qprobe.shell.collect import Collector
+
+            collector = Collector(events, agg, every=every, owns=owns if args.run else None)
+
+            def print_every(seconds: float) -> None:  # bpftrace's interval probe: print(@); clear(@)
+                while not printed.wait(seconds):
+                    text = agg.take()
+                    with lock:
+                        sys.stdout.write(text)
+                        sys.stdout.flush()
+
+            if every is not None:
+                threading.Thread(target=print_every, args=(every,), name="qprobe-map", daemon=True).start()
         try:
+            if collector is not None:
+                collector.__enter__()
             if args.run:
                 from qprobe.proctree import ProcessTree
 
@@ -407,10 +444,16 @@ def cmd_trace(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             status = 130
         finally:
+            printed.set()
             try:
+                if collector is not None:
+                    collector.__exit__(None, None, None)
                 target.remove_events(events)
             except TargetGone:
                 pass  # a VM that is gone holds no probes; the summary still says what was seen, then the error
+            if agg is not None:
+                with lock:
+                    sys.stdout.write(agg.take())
             # One row an event (its trace shows one event name), the counts of probes appended to it added in.
             totals: dict[str, collections.Counter[str]] = {}
             for te in events:
@@ -595,6 +638,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", metavar="PRINTF",
                    help="print each hit with bpftrace's printf arguments: '\"%%-16s %%d\\n\", $comm, count' "
                    "($comm $pid $cpu $event $func $ts $addr or argument names)")  # fmt: skip
+    p.add_argument("--map", metavar="AGG",
+                   help="instead of lines, one bpftrace map over every event, printed at the end (or every S): "
+                   "'count by $comm', 'sum(count) by $comm, $pid', 'hist(count)', 'lhist(count, 0, 4096, 512)', "
+                   "'count by $func every 1'; keys $comm $pid $cpu $func $event $stack or argument names")  # fmt: skip
     p.add_argument(
         "--filter",
         metavar="EXPR",

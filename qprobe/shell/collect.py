@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from qprobe.core.kprobe import Kprobe, Kretprobe
 
-from .parse import EVENT_KEYS, NUMERIC_SPECIAL_KEYS, VALUE_FUNCS, key_name
+from .parse import EVENT_KEYS, NUMERIC_SPECIAL_KEYS, VALUE_FUNCS, ShellUsageError, key_name, parse_collect, split_call
 from .render import (
     KeyParts,
     MapKey,
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from qprobe.arch.inguest import MapSlot
     from qprobe.core.regs import PtRegs
     from qprobe.events import EventHit, TraceEvent
+    from qprobe.fetch import ProbeEvent
 
 Stack = tuple[str, ...]
 HitSink = Callable[["TraceEvent", "EventHit", "Stack | None"], None]
@@ -368,3 +369,33 @@ def _event_key(te: TraceEvent, key: str | None, several: bool) -> MapKey:
     if key == "$func":
         return te.function_name
     return te.definition.event if key == "$event" or several else None
+
+
+def parse_map(text: str) -> tuple[Aggregation, float | None]:
+    """``count [by KEY, ...]`` or ``FUNC(VALUE) [by KEY, ...]``, optionally ``every S``: one map over every
+    event (``qprobe trace --map``), and its interval."""
+    call = split_call(text)
+    words = text.split()
+    if call is None and (not words or words[0] != "count"):
+        raise ShellUsageError(f"--map: expected count [by KEY, ...] or FUNC(VALUE) [by KEY, ...] "
+                              f"(FUNC: {' '.join(VALUE_FUNCS)}), not {text!r}")  # fmt: skip
+    verb = call[0].func if call is not None else "count"
+    spec = parse_collect(call[1] if call is not None else text.split(None, 1)[1] if len(words) > 1 else "", verb=verb)
+    if spec.events or spec.command is not None or spec.seconds is not None:
+        raise ShellUsageError(f"--map: {verb} [by KEY, ...] [every S] only: the events are trace's definitions, "
+                              "and --run or --duration say for how long")  # fmt: skip
+    if call is None:
+        return Aggregation("count", spec.keys), spec.every
+    return Aggregation(call[0].func, spec.keys, call[0].value, bounds=call[0].bounds), spec.every
+
+
+def check_map_names(agg: Aggregation, definitions: Sequence[ProbeEvent]) -> None:
+    """Every argument the map names is fetched by every definition; ShellUsageError names one that is not."""
+    for name in (*agg.keys, *((agg.value,) if agg.value is not None else ())):
+        if name.startswith("$"):
+            continue
+        for ev in definitions:
+            names = [a.name for a in ev.args]
+            if name not in names:
+                have = ", ".join(names) if names else "no arguments"
+                raise ShellUsageError(f"{ev.event} has no argument {name!r} ({have})")

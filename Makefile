@@ -60,7 +60,7 @@ vm: image
 	$(BIN)/pytest -q tests/vm
 
 # Every test on debian-cloud, then the VM core on debian-cloud-6.12 (about 10 minutes here) and on
-# minimal-6.12 (its build about 3.5 minutes, its core about 5.5; see the README's matrix).
+# minimal-6.12 (its build about 3.5 minutes, its core about 5.5; see docs/reliability.md's matrix).
 test: image
 	$(BIN)/ruff check qprobe tests examples scripts
 	$(BIN)/ruff format --check qprobe tests examples scripts

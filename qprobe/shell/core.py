@@ -115,10 +115,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 KEY_HELP = (
     "KEY: an argument name, $comm, $pid, $cpu, $func, $event or $stack, several joined by commas (by $comm, "
     "fd); VALUE: a numeric argument, $pid or $cpu. A count with no key, or by $func or $event alone, is each "
-    "probe's own hit count, kept in the guest as the kernel keeps kprobe_profile's: exact, never lost. Integer "
-    "register arguments, $comm, $pid and $cpu come from the records the guest writes at each hit (one integer "
-    "register argument alone is counted in guest RAM); $stack and arguments read from memory stop the vCPU at "
-    "each hit for the host to compute"
+    "probe's own hit count, kept in the guest as the kernel keeps kprobe_profile's: exact, never lost. A map of one "
+    "event keyed by $comm, $pid, $cpu, $func, $event and integer register arguments, of an integer register "
+    "value, is folded in guest RAM at each hit; other maps come from the records the guest writes at each hit; "
+    "$stack and arguments read from memory stop the vCPU at each hit for the host to compute"
 )
 ALIASES = {"exit": "quit", "q": "quit", "?": "help", "ls": "list"}
 

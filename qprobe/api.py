@@ -506,20 +506,29 @@ class Target:
             return frozenset()
 
     def add_event(
-        self, definition: str, callback: Callable[[EventHit], None] | None = None, filter: str | None = None
+        self,
+        definition: str,
+        callback: Callable[[EventHit], None] | None = None,
+        filter: str | None = None,
+        anywhere: bool = False,
     ) -> TraceEvent:
         """Arm a kprobe_events definition (``p:ev vfs_read count=%dx``); hits go to ``callback`` and ``.hits``.
 
         ``filter`` is an ftrace event filter (``count > 100 && comm == "cat"``): hits it rejects are
-        only counted (``.filtered``).
+        only counted (``.filtered``).  ``anywhere`` arms it with a stub breakpoint, which also reaches
+        the kernel's blacklist (``Kprobe(anywhere=True)``).
         """
         from qprobe.events import add_event
 
         self.start_clock()
-        return add_event(self, definition, callback, filter)  # in self.events, or appended to its event there
+        return add_event(self, definition, callback, filter, anywhere)  # in self.events, or appended to its event
 
     def add_events(
-        self, definition: str, callback: Callable[[EventHit], None] | None = None, filter: str | None = None
+        self,
+        definition: str,
+        callback: Callable[[EventHit], None] | None = None,
+        filter: str | None = None,
+        anywhere: bool = False,
     ) -> Wildcard:
         """Arm a definition on a glob (``p:vfs vfs_* fd=%di``): one event per function that can be probed.
 
@@ -528,7 +537,7 @@ class Target:
         from qprobe.events import add_events
 
         self.start_clock()
-        return add_events(self, definition, callback, filter)
+        return add_events(self, definition, callback, filter, anywhere)
 
     def remove_event(self, event: TraceEvent | str) -> None:
         """Disarm an event given as returned by add_event, as ``GRP/EVENT``, ``EVENT`` or ``-:EVENT``."""

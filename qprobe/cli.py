@@ -182,6 +182,7 @@ def _check_symbols(args: argparse.Namespace, events: list[ProbeEvent]) -> None:
     prob = _host_probeability(args) if named else None
     if prob is None:
         return
+    prob.anywhere = getattr(args, "anywhere", False)
     for ev in named:
         try:
             check_probe_symbol(prob, ev.symbol or "", ev.offset)
@@ -190,15 +191,15 @@ def _check_symbols(args: argparse.Namespace, events: list[ProbeEvent]) -> None:
 
 
 def _arm(target: Target, text: str, callback: Callable[[EventHit], None] | None = None,
-         flt: str | None = None) -> list[TraceEvent]:  # fmt: skip
+         flt: str | None = None, anywhere: bool = False) -> list[TraceEvent]:  # fmt: skip
     """One definition's events: one, or one per function its glob matches (the refused ones said on stderr)."""
     from qprobe.fetch import ProbeEvent, parse_event
     from qprobe.funcs import is_glob
 
     ev = parse_event(text, dialect=target.dialect)
     if not (isinstance(ev, ProbeEvent) and ev.symbol is not None and is_glob(ev.symbol)):
-        return [target.add_event(text, callback, flt)]
-    found = target.add_events(text, callback, flt)
+        return [target.add_event(text, callback, flt, anywhere)]
+    found = target.add_events(text, callback, flt, anywhere)
     refused = "".join(f"\n  {name}: {why}" for name, why in found.refused.items())
     print(f"qprobe: {found.pattern}: {len(found.events)} probes, {len(found.refused)} refused{refused}",
           file=sys.stderr, flush=True)  # fmt: skip
@@ -388,7 +389,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
         if args.lossy:
             target.records_lossy = True
         lines = in_order if agg is None else None
-        events = [te for text in args.events for te in _arm(target, text, lines, None if cpid_filter else flt)]
+        events = [te for text in args.events
+                  for te in _arm(target, text, lines, None if cpid_filter else flt, args.anywhere)]  # fmt: skip
 
         def on_root(cpid: int) -> None:
             if cpid_filter:
@@ -503,7 +505,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         _check_symbols(args, [ev for ev in parsed if isinstance(ev, ProbeEvent)])
     _say_booting(args)
     with _boot(args) as target:
-        events = [te for text in args.events for te in _arm(target, text)]
+        events = [te for text in args.events for te in _arm(target, text, anywhere=args.anywhere)]
         try:
             listing = target.list_probes()
         finally:
@@ -632,6 +634,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--timeout", type=_number(float, 0.001, 1e7), default=600, help="limit for --run (default 600 s)")
     p.add_argument("--json", action="store_true", help="one JSON object per hit and a final summary object")
+    p.add_argument("--anywhere", action="store_true",
+                   help="arm the probes with QEMU's own breakpoints, writing nothing into the guest: also on the "
+                   "kernel's blacklist (entry text, noinstr, the int3/NMI paths) and notrace functions; two VM "
+                   "stops a hit, no return probes")  # fmt: skip
     p.add_argument("--lossy", action="store_true",
                    help="drop a hit's record when its CPU's ring is full and count it lost, as perf and bpftrace "
                    "do (default: the hitting vCPU waits for qprobe to drain the ring, so no line is lost)")  # fmt: skip
@@ -662,6 +668,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="arm EVENTs and print the probe list (debugfs kprobes/list format, with why a probe is not optimized)",
     )
     _target_options(p)
+    p.add_argument("--anywhere", action="store_true",
+                   help="arm the probes with QEMU's own breakpoints, writing nothing into the guest: also on the "
+                   "kernel's blacklist (entry text, noinstr, the int3/NMI paths) and notrace functions; two VM "
+                   "stops a hit, no return probes")  # fmt: skip
     p.add_argument(
         "events",
         nargs="*",

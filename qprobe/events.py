@@ -658,15 +658,20 @@ def _registration_error(ev: ProbeEvent, exc: ProbeError | SymbolError, dialect: 
 
 
 def add_event(
-    target: EventTarget, text: str, callback: Callable[[EventHit], None] | None = None, filter: str | None = None
+    target: EventTarget,
+    text: str,
+    callback: Callable[[EventHit], None] | None = None,
+    filter: str | None = None,
+    anywhere: bool = False,
 ) -> TraceEvent:
     """Parse a kprobe_events definition and arm it; raises FetchArgError naming the problem.
 
     Refusals are the kernel's (its texts and carets, ``error_log`` style), including
-    those it makes when it adds the probe to its event table or registers it.
+    those it makes when it adds the probe to its event table or registers it;
+    ``anywhere`` arms it with a stub breakpoint (``Kprobe(anywhere=True)``).
     """
     _follow_modules(target, text)
-    te, first = _prepare(target, text, callback, filter, target.symbols.count)
+    te, first = _prepare(target, text, callback, filter, target.symbols.count, anywhere)
     try:
         _register(target, te)
     except (ProbeError, SymbolError) as exc:
@@ -704,7 +709,11 @@ MAX_WILDCARD = 1000  # probes one glob may arm: more is almost always a pattern 
 
 
 def add_events(
-    target: EventTarget, text: str, callback: Callable[[EventHit], None] | None = None, filter: str | None = None
+    target: EventTarget,
+    text: str,
+    callback: Callable[[EventHit], None] | None = None,
+    filter: str | None = None,
+    anywhere: bool = False,
 ) -> Wildcard:
     """A definition whose probe point is a glob (``p:vfs vfs_* fd=%di``): every match that can be probed, at once.
 
@@ -714,7 +723,9 @@ def add_events(
     """
     words = split_args(text.split("#", 1)[0])
     pattern = re.match(r"[^+%]*", words[1][1] if len(words) > 1 else "").group(0)  # type: ignore[union-attr]
-    found = check_probe_symbol(Probeability.of_target(target), pattern)
+    prob = Probeability.of_target(target)
+    prob.anywhere = anywhere
+    found = check_probe_symbol(prob, pattern)
     if not found:
         raise FetchArgError("not a wildcard: use add_event()", text, words[1][0] if len(words) > 1 else 0)
     refused = {f.name: f.reason for f in found if f.reason is not None}
@@ -725,7 +736,7 @@ def add_events(
     prepared: list[TraceEvent] = []
     for func, definition in definitions:
         try:
-            te, first = _prepare(target, definition, callback, filter, lambda _name: 1)  # found unique above
+            te, first = _prepare(target, definition, callback, filter, lambda _name: 1, anywhere)  # unique above
         except FetchArgError as exc:
             refused[func] = exc.explained
             continue
@@ -753,7 +764,7 @@ def add_events(
 
 def _prepare(
     target: EventTarget, text: str, callback: Callable[[EventHit], None] | None, filter: str | None,
-    symbol_count: Callable[[str], int],
+    symbol_count: Callable[[str], int], anywhere: bool,
 ) -> tuple[TraceEvent, TraceEvent | None]:  # fmt: skip
     """The parsed, checked, unregistered event, and the existing event it would join (or None)."""
     symbols, dialect = target.symbols, target.dialect
@@ -771,15 +782,18 @@ def _prepare(
     if first is None and (ev.group, ev.event) in target.trace_events:
         raise FetchArgError(dialect.message(M.EVENT_EXIST), text, 0)
     te = TraceEvent(target, ev, callback, filter=None if filter is None else event_filter(ev, filter))
-    if ev.symbol is not None and ev.symbol in symbols and within_notrace_func(symbols, target.ftrace_locations,
-                                                     symbols.address(ev.symbol) + ev.offset):  # fmt: skip
+    if ev.is_return and anywhere:
+        raise FetchArgError("a return probe puts its trampoline's address on the stack, a guest write: "
+                            "not anywhere", text, 0, logged=False)  # fmt: skip
+    if not anywhere and ev.symbol is not None and ev.symbol in symbols and within_notrace_func(
+            symbols, target.ftrace_locations, symbols.address(ev.symbol) + ev.offset):  # fmt: skip
         # __register_trace_kprobe: "Could not probe notrace function", -EINVAL.
         raise _registration_error(ev, InvalidProbe(f"{ev.symbol} is a notrace function (EINVAL)"), dialect)
-    _make_probe(te)
+    _make_probe(te, anywhere)
     return te, first
 
 
-def _make_probe(te: TraceEvent) -> None:
+def _make_probe(te: TraceEvent, anywhere: bool) -> None:
     """The event's kprobe or kretprobe, not yet registered."""
     ev = te.definition
     if ev.is_return:
@@ -789,9 +803,9 @@ def _make_probe(te: TraceEvent) -> None:
                              entry_handler=te._kretprobe_entry if saved else None)  # fmt: skip
         return
     kp = Kprobe(symbol_name=ev.symbol, addr=ev.addr if ev.symbol is None else None, offset=ev.offset,
-                pre_handler=te._kprobe_hit)  # fmt: skip
+                pre_handler=te._kprobe_hit, anywhere=anywhere)  # fmt: skip
     layout = te.target.arch.registers
-    if in_guest(ev, layout):
+    if in_guest(ev, layout) and not anywhere:  # a stub breakpoint is never jump-optimized
         te.in_guest = True
         kp.recorder = te._guest_record
         if te.filter is not None:

@@ -93,6 +93,9 @@ class Probeability:
 
     def __init__(self, symbols: Symbols, blacklist: Blacklist, locations: list[int],
                  reserved: ReservedText | None, dialect: Dialect) -> None:  # fmt: skip
+        # With stub breakpoints (qprobe.core.anywhere) nothing is written into the text, so what the kernel
+        # refuses for its own int3 (notrace, the blacklist, sites it rewrites) is probed too.
+        self.anywhere = False
         self.symbols = symbols
         # Kernels with validate_probe_symbol refuse a shared name; older ones probe the first of them.
         self.unique_names = dialect.has(M.NON_UNIQ_SYMBOL)
@@ -141,7 +144,21 @@ class Probeability:
         if not symbols.is_text(addr):
             section = symbols.section_at(addr)
             return f"in {section.name if section else 'no section'}, not kernel text after boot"
-        if within_notrace_func(symbols, self.locations, addr):
+        return None if self.anywhere else self._kprobes_refusal(addr)
+
+    def anywhere_only(self, name: str) -> bool:
+        """Whether ``name``'s entry is refused only for the kernel's int3, and a stub breakpoint takes it."""
+        if self.anywhere or name not in self.symbols or self.reason(name) is None:
+            return False
+        self.anywhere = True
+        try:
+            return self.reason(name) is None
+        finally:
+            self.anywhere = False
+
+    def _kprobes_refusal(self, addr: int) -> str | None:
+        """What the kernel's kprobes refuse at ``addr`` for their int3, which a stub breakpoint does not write."""
+        if within_notrace_func(self.symbols, self.locations, addr):
             return "notrace: no __fentry__ site, the kernel refuses kprobe events there"
         bad = self.blacklist.lookup(addr)
         if bad is not None:
@@ -229,7 +246,8 @@ def render_funcs(prob: Probeability, patterns: Sequence[str]) -> tuple[str, str,
     """
     found = prob.match(patterns or ["*"])
     width = max((len(f.name) for f in found if not f.probeable), default=0)
-    lines = [f.name if f.probeable else f"{f.name:<{width}}  cannot probe: {f.reason}" for f in found]
+    lines = [f.name if f.probeable else f"{f.name:<{width}}  cannot probe: {f.reason}"
+             + (" (--anywhere: a stub breakpoint)" if prob.anywhere_only(f.name) else "") for f in found]  # fmt: skip
     what = " ".join(repr(p) for p in patterns) if patterns else "any name"
     missing = [p for p in patterns if not is_glob(p) and p not in prob.symbols]
     hints = "".join(f"; no function {p!r}{did_you_mean(prob.functions(), p)}" for p in missing)

@@ -130,7 +130,7 @@ class Dispatcher:
             ip = self.arch.ip(regs)
             point = self.ctlblk[tid].point
             if point is not None and self.arch.is_trap_step_start(point.prep, ip):
-                regs = self._step(tid, ip)  # the copy, not run yet: up to its int3
+                regs = self.step(tid, ip)  # the copy, not run yet: up to its int3
                 ip = self.arch.ip(regs)
             if point is not None and self.arch.is_trap_step_end(point.prep, ip):
                 # At the int3 after the copy: finish the hit as its trap would have.
@@ -366,9 +366,9 @@ class Dispatcher:
         self.machine.gdb.write_registers(tid, {**(restore or {}), **self.arch.resume_registers(resume)})
         if resume.kind is not ResumeKind.STEP:
             return {}
-        return self._step(tid, resume.ip)
+        return self.step(tid, resume.ip)
 
-    def _step(self, tid: str, ip: int) -> dict[str, int]:
+    def step(self, tid: str, ip: int) -> dict[str, int]:
         """Single-step the instruction at ``ip`` through the gdbstub; the registers after it."""
         gdb = self.machine.gdb
         for _ in range(MAX_STEP_RETRIES):

@@ -36,6 +36,9 @@ class Kprobe:
     a ``pre_handler`` that returns non-zero after changing ``regs.ip`` skips
     the probed instruction, as in the kernel.  ``fault_handler(kp, regs, exc)``
     hears about a fault in the out-of-line step or an exception in a handler.
+    ``anywhere`` arms it with a breakpoint of QEMU's gdbstub instead of an int3
+    in the text, which also reaches what the kernel's kprobes refuse (its
+    blacklist, entry text, text it rewrites at run time), at two VM stops a hit.
     """
 
     def __init__(
@@ -47,6 +50,7 @@ class Kprobe:
         post_handler: PostHandler | None = None,
         fault_handler: FaultHandler | None = None,
         disabled: bool = False,
+        anywhere: bool = False,
     ) -> None:
         if symbol_name is not None and addr is not None:
             raise InvalidProbe("give symbol_name or addr, not both (EINVAL)")
@@ -65,6 +69,9 @@ class Kprobe:
         self.post_handler = post_handler
         self.fault_handler = fault_handler
         self.flags = KPROBE_FLAG_DISABLED if disabled else 0
+        # Armed with a gdbstub breakpoint instead of an int3 (qprobe.core.anywhere): nothing written into
+        # the guest, so the kernel's blacklist and run-time-patched sites can be probed too.
+        self.anywhere = anywhere
         self.nhit = 0
         self.nmissed = 0
         self.nfaults = 0

@@ -20,6 +20,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from qprobe.arch import Arch
+from qprobe.core.anywhere import StubProbes
 from qprobe.core.blacklist import Blacklist
 from qprobe.core.dispatch import Dispatcher, Trampoline
 from qprobe.core.errorlog import ErrorLog
@@ -96,6 +97,7 @@ class KprobeManager:
         self.resume_targets: dict[int, float] = {}
         self.handlers = Handlers()
         self.dispatcher = Dispatcher(machine, kernel, arch, self, self.handlers)
+        self.stubs = StubProbes(machine, arch, self.handlers, self.make_regs, self.dispatcher.step)
         # Map a trampoline address found in a stack slot to the real return address (kretprobes
         # register theirs); a handler's stack trace sees through them.
         self.return_fixers: list[Callable[[int, int], int]] = []
@@ -147,7 +149,8 @@ class KprobeManager:
             raise NotKernelText(f"{where} ({addr:#x}) is not in kernel text")
         bad = self.blacklist.lookup(addr)
         if bad is not None:
-            raise Blacklisted(f"{where} is blacklisted ({bad.name}): probing it would break the trap path")
+            raise Blacklisted(f"{where} is blacklisted ({bad.name}): probing it would break the trap path "
+                              "(Kprobe(anywhere=True) probes it with a stub breakpoint)")  # fmt: skip
         reserved = self.reserved.conflict(addr, addr)
         if reserved is not None:
             raise InvalidProbe(f"{where} is reserved ({reserved}): the kernel rewrites it at run time (EINVAL)")
@@ -212,16 +215,31 @@ class KprobeManager:
         if kp.registered:
             raise InvalidProbe(f"{kp.where()} is already registered (EINVAL)")
         kp.at = self.kprobe_addr(kp)
-        addr = kp.at + 5 if self.ftrace_site(kp.at) else kp.at
+        addr = self._arming_address(kp)
         self.machine.call(lambda: self._register(kp, addr))
         if optimize:
             self.optimize_later([addr])
+
+    def _arming_address(self, kp: Kprobe) -> int:
+        """Where a probe is armed: past an ``__fentry__`` site, which is the guest's ftrace's (not for a stub
+        breakpoint, which writes nothing there)."""
+        return kp.at + 5 if not kp.anywhere and self.ftrace_site(kp.at) else kp.at
+
+    def addresses(self) -> list[int]:
+        """Every probed address, int3 or stub breakpoint, sorted (a jump must displace none of them)."""
+        return sorted([*self.points, *self.stubs.points])
 
     def optimize_later(self, addrs: Iterable[int]) -> None:
         """The kernel's delayed optimizer: int3 first, a grace period, then the jump (Optimizer.kprobe_optimizer)."""
         self.optimizer.optimize_later(addrs)
 
     def _register(self, kp: Kprobe, addr: int) -> None:
+        if kp.anywhere:
+            self._register_anywhere(kp, addr)
+            return
+        if addr in self.stubs.points:
+            raise InvalidProbe(f"{self.symbols.symbolize(addr)} has a probe anywhere=True: probe it so too "
+                               "(EBUSY)")  # fmt: skip
         point = self.points.get(addr)
         for other in self._regions(addr):
             self.optimizer.unoptimize(other)
@@ -247,6 +265,26 @@ class KprobeManager:
         kp.addr = addr if kp.symbol_name is None else kp.addr
         kp.resolved = addr
         self._sync(point)
+
+    def _register_anywhere(self, kp: Kprobe, addr: int) -> None:
+        """A stub breakpoint: any instruction boundary of kernel text, the blacklist and reserved sites too."""
+        where = self.symbols.symbolize(addr)
+        if not self.symbols.is_text(addr):
+            raise NotKernelText(f"{where} ({addr:#x}) is not in kernel text")
+        # Entry text is assembler: its labels (entry_SYSCALL_64) are not sized functions, and reach as kallsyms'
+        # symbols do, to the next symbol.
+        sym = self.symbols.containing(addr)
+        end = sym.addr + sym.size if sym is not None and sym.size else self.symbols.next_symbol(addr)
+        if sym is None or end is None:
+            raise NotKernelText(f"{addr:#x} is not inside a known kernel symbol")
+        self.arch.check_boundary(self.original(sym.addr, end - sym.addr), sym.addr, addr, self.patched(), sym.name)
+        if addr in self.points or self._regions(addr):
+            raise InvalidProbe(f"{where} has an int3 or a jump of a probe: probe it with anywhere=False too "
+                               "(EBUSY)")  # fmt: skip
+        self.stubs.register(kp, addr, where)
+        kp.registered = True
+        kp.addr = addr if kp.symbol_name is None else kp.addr
+        kp.resolved = addr
 
     def resync(self, kp: Kprobe, change: Callable[[], None] | None = None) -> None:
         """Re-arm a registered probe's point as its handlers, recorder or guest key now need.
@@ -278,7 +316,7 @@ class KprobeManager:
                 raise InvalidProbe(f"{kp.where()} is already registered (EINVAL)")
         for kp in todo:
             kp.at = self.kprobe_addr(kp)
-        addrs = [kp.at + 5 if self.ftrace_site(kp.at) else kp.at for kp in todo]
+        addrs = [self._arming_address(kp) for kp in todo]
 
         def register_all() -> bool:
             done: list[Kprobe] = []
@@ -318,6 +356,10 @@ class KprobeManager:
         self.optimize_later(sorted({kp.resolved for kp in todo if kp.resolved in self.points}))
 
     def _unregister(self, kp: Kprobe) -> None:
+        if kp.anywhere:
+            self.stubs.unregister(kp)
+            kp.registered = False
+            return
         addr = kp.resolved
         point = self.points[addr]
         self.optimizer.sync_missed(point)
@@ -348,10 +390,11 @@ class KprobeManager:
 
         def change() -> None:
             kp.flags = (kp.flags | KPROBE_FLAG_DISABLED) if disabled else (kp.flags & ~KPROBE_FLAG_DISABLED)
-            self._sync(self.points[kp.resolved])
+            if not kp.anywhere:  # a stub breakpoint stays; its hit runs only the enabled probes' handlers
+                self._sync(self.points[kp.resolved])
 
         self.machine.call(change)
-        if not disabled:
+        if not disabled and not kp.anywhere:
             self.optimize_later([kp.resolved])  # as the kernel's arm_kprobe: int3 first, then the jump
 
     def set_enabled(self, on: bool) -> None:
@@ -394,6 +437,7 @@ class KprobeManager:
         """
 
         def disarm() -> None:
+            self.stubs.remove_all()
             for point in list(self.points.values()):
                 for kp in list(point.probes):
                     self._unregister(kp)
@@ -512,6 +556,10 @@ class KprobeManager:
             for point in self.points.values():
                 self.optimizer.sync_missed(point)
         lines = []
+        for addr in sorted(self.stubs.points):  # the kernel's list has no such probe: its own flag
+            stub = self.stubs.points[addr]
+            for kp in stub.probes:
+                lines.append(f"{addr:016x}  k  {stub.where}    [ANYWHERE]" + ("[DISABLED]" if kp.disabled else ""))
         for addr in sorted(self.points):
             point = self.points[addr]
             for kp in point.probes:

@@ -127,6 +127,7 @@ class ProbeTable(Protocol):
     def unpatch_text(self, p: Patch) -> None: ...
     def quarantine(self, addr: int) -> None: ...
     def make_regs(self, values: Mapping[str, int], tid: str) -> PtRegs: ...
+    def addresses(self) -> list[int]: ...
     def arriving(self, regs: Mapping[str, int]) -> int | None: ...
     def trap_step_returns(self) -> dict[str, int]: ...
 
@@ -372,7 +373,7 @@ class Optimizer:
         """Optimize what has been queued a grace period; the list keeps what a later attempt may still optimize."""
         now, grace = time.monotonic(), max(OPTIMIZE_DELAY, RESUME_GRACE)
         self._preempted = None  # the tasks have run since the last round
-        self._round = RoundView(None, sorted(self.kp.points), sorted(self.kp.resume_targets))
+        self._round = RoundView(None, self.kp.addresses(), sorted(self.kp.resume_targets))
         # Every jump of the round journaled in one write, the detours written in as few as can be.
         with self.machine.journal.batch(), self.kp.scratch.combined():
             try:
@@ -432,7 +433,7 @@ class Optimizer:
         reserved = self.kp.reserved.conflict(point.addr + 1, end - 1)
         if reserved is not None:  # copy_optimized_instructions' *_text_reserved checks
             return f"the displaced instructions hold {reserved}"
-        view = self._round or RoundView(None, sorted(self.kp.points), sorted(self.kp.resume_targets))
+        view = self._round or RoundView(None, self.kp.addresses(), sorted(self.kp.resume_targets))
         if first_inside(view.points, point.addr + 1, end) is not None:
             return "another probe lies in the region"
         now = time.monotonic()

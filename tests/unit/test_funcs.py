@@ -55,6 +55,20 @@ def test_reasons_follow_the_kernels_checks(prob: Probeability) -> None:
     assert prob.reason("vfs_blocked") == "blacklisted (vfs_blocked)"
 
 
+def test_anywhere_lifts_only_the_refusals_of_the_kernel_s_int3(prob: Probeability) -> None:
+    """A stub breakpoint writes nothing: notrace and the blacklist stop refusing; init text, a name two
+    functions share and a name not in the table still do."""
+    assert prob.anywhere_only("vfs_blocked") and prob.anywhere_only("vfs_notrace")
+    assert not prob.anywhere_only("vfs_read") and not prob.anywhere_only("start_kernel")
+    prob.anywhere = True
+    try:
+        assert prob.reason("vfs_blocked") is None and prob.reason("vfs_notrace") is None
+        assert prob.reason("start_kernel") == "in .init.text, not kernel text after boot"
+        assert prob.reason("shared") == "not unique: 2 functions share the name (probe one by address)"
+    finally:
+        prob.anywhere = False
+
+
 def test_a_kernel_without_the_uniqueness_check_probes_a_shared_name(prob: Probeability) -> None:
     older = Probeability(prob.symbols, prob.blacklist, prob.locations, None, Dialect())
     assert older.reason("shared") is None
@@ -94,8 +108,9 @@ def test_check_probe_symbol_is_one_line_naming_the_problem(prob: Probeability) -
 def test_render_funcs_lists_probeable_names_bare_and_refusals_with_why(prob: Probeability) -> None:
     text, summary, n = render_funcs(prob, ["vfs_*", "ksys_raed"])
     assert text.splitlines() == [
-        "vfs_blocked  cannot probe: blacklisted (vfs_blocked)",
-        "vfs_notrace  cannot probe: notrace: no __fentry__ site, the kernel refuses kprobe events there",
+        "vfs_blocked  cannot probe: blacklisted (vfs_blocked) (--anywhere: a stub breakpoint)",
+        "vfs_notrace  cannot probe: notrace: no __fentry__ site, the kernel refuses kprobe events there "
+        "(--anywhere: a stub breakpoint)",
         "vfs_read",
         "vfs_write",
     ]

@@ -229,7 +229,11 @@ class X86_64:
         return bool(regs["cs"] & 3)
 
     def percpu_base(self, regs: Mapping[str, int]) -> int:
-        return regs["gs_base"]
+        """The kernel's per-CPU base: GS's, except between a kernel entry from user mode and its ``swapgs``
+        (entry text, where only a stub breakpoint can stop), where GS is still the user's and the kernel's
+        waits in KERNEL_GS_BASE.  The kernel's is a kernel address, the user's never is."""
+        gs = regs["gs_base"]
+        return gs if gs >> 63 else regs.get("k_gs_base", gs)
 
     # -- the blacklist -------------------------------------------------------------------
     def arch_populate_kprobe_blacklist(self) -> ArchBlacklist:

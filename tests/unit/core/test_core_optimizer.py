@@ -99,6 +99,9 @@ class Table:
     def quarantine(self, addr: int) -> None:
         pass
 
+    def addresses(self) -> list[int]:
+        return sorted(self.points)
+
     def make_regs(self, values: Mapping[str, int], tid: str) -> PtRegs:
         return flat_regs(values, tid, self.machine.mem)
 

@@ -1,0 +1,112 @@
+"""Probes anywhere in kernel text, on the gdbstub's own breakpoints: nothing is written into the guest.
+
+The kernel refuses probes on its blacklist (``NOKPROBE_SYMBOL``, ``noinstr`` and
+entry text, the int3, debug and NMI paths) because its handlers run in the guest,
+on an int3 they would re-enter.  A stub breakpoint traps nothing in the guest: QEMU
+stops the VM with the vCPU on the probed instruction, the handlers run on the
+host, and the vCPU single-steps the instruction where it is (QEMU's single-step
+passes over its own breakpoints), so the probe works in any context: before
+``swapgs`` on a system call's entry, in an NMI, in the #BP handler itself.  Every
+hit is a VM stop and a step (two stops), so it costs what the int3 path's slowest
+hit does, never less; there is no optimization.
+
+The breakpoints are gdb's hardware kind (``Z1``): under TCG QEMU checks them as it
+translates and writes nothing (as for ``Z0``, without a limit); under KVM they are
+debug registers, four of them, where ``Z0`` would write an int3 into the text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from qprobe.arch import Arch
+from qprobe.core.handlers import Handlers
+from qprobe.core.kprobe import Kprobe
+from qprobe.core.regs import PtRegs
+from qprobe.errors import InvalidProbe, TargetError
+from qprobe.vmm.gdbremote import BREAK_HW
+from qprobe.vmm.machine import Machine
+
+
+@dataclass
+class StubPoint:
+    """One address with a stub breakpoint, and the probes on it (the kernel's aggregate probe)."""
+
+    addr: int
+    where: str
+    probes: list[Kprobe] = field(default_factory=list)
+    steps: int = 0  # hits whose instruction was stepped in place
+
+
+class StubProbes:
+    """The probes armed with stub breakpoints; every method runs on the stop loop."""
+
+    def __init__(self, machine: Machine, arch: Arch, handlers: Handlers,
+                 make_regs: Callable[[Mapping[str, int], str], PtRegs],
+                 step: Callable[[str, int], dict[str, int]]) -> None:  # fmt: skip
+        """``step(tid, ip)`` single-steps a vCPU's instruction at ``ip`` and gives the registers after it."""
+        self.machine = machine
+        self.arch = arch
+        self.handlers = handlers
+        self.make_regs = make_regs
+        self.step = step
+        self.points: dict[int, StubPoint] = {}
+
+    def register(self, kp: Kprobe, addr: int, where: str) -> None:
+        point = self.points.get(addr)
+        if point is None:
+            if addr in self.machine.stop_handlers:
+                # The int3 hook's breakpoint (or the clock's): qprobe's own stops there mean something else.
+                raise InvalidProbe(f"{where} is where qprobe hears of its own traps: it cannot be probed, "
+                                   "even anywhere (EINVAL)")  # fmt: skip
+            try:
+                self.machine.gdb.insert_breakpoint(addr, BREAK_HW)
+            except TargetError as exc:
+                raise InvalidProbe(f"{where}: the gdbstub refused a breakpoint there ({exc}); under KVM "
+                                   "there are four") from None  # fmt: skip
+            self.machine.stop_handlers[addr] = self._hit
+            point = self.points[addr] = StubPoint(addr, where)
+        point.probes.append(kp)
+
+    def unregister(self, kp: Kprobe) -> None:
+        point = self.points[kp.resolved]
+        point.probes.remove(kp)
+        if not point.probes:
+            del self.points[point.addr]
+            self.machine.stop_handlers.pop(point.addr, None)
+            self.machine.gdb.remove_breakpoint(point.addr, BREAK_HW)
+
+    def remove_all(self) -> None:
+        for point in list(self.points.values()):
+            for kp in list(point.probes):
+                self.unregister(kp)
+                kp.registered = False
+
+    def _hit(self, tid: str, regs: dict[str, int]) -> None:
+        """The VM stopped on a probed instruction: the handlers, then the instruction run in place."""
+        point = self.points.get(self.arch.ip(regs))
+        if point is None:
+            return
+        active = [kp for kp in point.probes if not kp.disabled]
+        # Before swapgs on a kernel entry the per-CPU base is in the other GS register: the handlers'
+        # current task and per-CPU reads need the kernel's.
+        pt = self.make_regs({**regs, self.arch.registers.percpu_base: self.arch.percpu_base(regs)}, tid)
+        if self.handlers.pre(active, pt):  # a pre_handler moved ip and asked to skip the instruction
+            self._write(tid, pt)
+            return
+        self._write(tid, pt)
+        after = self.step(tid, pt.ip)
+        point.steps += 1
+        post = self.make_regs({**after, self.arch.registers.percpu_base: self.arch.percpu_base(after)}, tid)
+        post.mark_clean()
+        self.handlers.post(active, post)
+        self._write(tid, post)
+
+    def _write(self, tid: str, pt: PtRegs) -> None:
+        changed = pt.dirty()
+        if changed:
+            self.machine.gdb.write_registers(tid, changed)
+
+
+__all__ = ["StubPoint", "StubProbes"]

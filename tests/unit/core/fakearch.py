@@ -18,6 +18,8 @@ op    name       what it does
 0x01  NOP        nothing; probes emulate it on the host
 0x02  ADDI imm   r0 += imm16; runs out of line, may be boosted
 0x03  LDR        r1 = [sp]; runs out of line, single-stepped by the host
+0x04  RET        pc = [sp]; sp += 8 (cannot be probed)
+0x05  JMPL       pc = the u64 after it (cannot be probed)
 0x06  BTI        a function's landing pad (probes go past it, as ENDBR)
 0xBB  BRK        the breakpoint: an exception to ENTRY
 0x00  (invalid)  cannot be probed
@@ -48,6 +50,7 @@ from qprobe.arch import (
     Trap,
     TrapHook,
 )
+from qprobe.core.kprobes import KprobeManager
 from qprobe.errors import InvalidProbe, ProbeError, ProtocolError, SymbolError
 from qprobe.kernel.symbols import Symbol
 from qprobe.vmm.journal import Patch
@@ -55,7 +58,7 @@ from qprobe.vmm.machine import Machine
 from qprobe.vmm.memory import MemoryFault
 from qprobe.vmm.rsp import StopReply
 
-NOP, ADDI, LDR, BTI, BRK_OP = 0x01, 0x02, 0x03, 0x06, 0xBB
+NOP, ADDI, LDR, RET, JMPL, BTI, BRK_OP = 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0xBB
 BRK = bytes([BRK_OP, 0, 0, 0])
 IRQ = 0x80  # the flags bit set while interrupts are enabled
 USER = 0x01  # the flags bit set in user mode
@@ -112,7 +115,9 @@ class Toy:
 
     name = "toy"
     breakpoint = BRK
-    slot_size = 16
+    slot_size = 32
+    # A slot: the boosted copy [copy, JMPL, its target], then the trap-stepped one [copy, BRK].
+    STEP_COPY = 16
     jump_size = 8
     registers = RegisterLayout(
         gdb_name={"ip": "pc", "sp": "sp", "flags": "psr", "r0": "r0", "r1": "r1", "r2": "r2", "r3": "r3"},
@@ -147,7 +152,8 @@ class Toy:
         return ToyPrepared(addr, slot, bytes(code[:4]), emulate, op == ADDI, step)
 
     def arch_slot_code(self, prep: Prepared) -> bytes:
-        return prep.copy + BRK
+        boosted = prep.copy + insn(JMPL) + (prep.addr + 4).to_bytes(8, "little")
+        return boosted + prep.copy + BRK
 
     def arch_setup_resume(self, prep: Prepared, regs: Any, mem: Memory, may_boost: bool,
                           may_trap_step: bool) -> Resume:  # fmt: skip
@@ -157,27 +163,28 @@ class Toy:
         if may_boost and prep.boostable:
             return Resume(ResumeKind.BOOST, prep.slot_addr, jump_back=prep.addr + 4)
         if may_trap_step and prep.step_reason is None:
-            return Resume(ResumeKind.TRAP_STEP, prep.slot_addr, flags=regs.flags & ~IRQ)
-        return Resume(ResumeKind.STEP, prep.slot_addr)
+            return Resume(ResumeKind.TRAP_STEP, prep.slot_addr + self.STEP_COPY, flags=regs.flags & ~IRQ)
+        return Resume(ResumeKind.STEP, prep.slot_addr + self.STEP_COPY)
 
     def is_trap_step_start(self, prep: Prepared, ip: int) -> bool:
-        return ip == prep.slot_addr
+        return ip == prep.slot_addr + self.STEP_COPY
 
     def is_trap_step_end(self, prep: Prepared, addr: int) -> bool:
-        return addr == prep.slot_addr + 4
+        return addr == prep.slot_addr + self.STEP_COPY + 4
 
     def arch_resume_trap_step(self, prep: Prepared, regs: Any) -> None:
         regs.set_quietly("ip", prep.addr + 4)
         regs.set_quietly("flags", regs.flags | IRQ)
 
     def arch_slot_resume(self, slot: int, addr: int, ip: int, flags: int) -> tuple[int, int] | None:
-        return (addr + ip - slot, flags | IRQ) if slot <= ip <= slot + 4 else None
+        copy = slot + self.STEP_COPY
+        return (addr + ip - copy, flags | IRQ) if copy <= ip <= copy + 4 else None
 
     def step_left_slot(self, prep: Prepared, ip: int) -> bool:
-        return ip != prep.slot_addr + 4
+        return ip != prep.slot_addr + self.STEP_COPY + 4
 
     def arch_resume_singlestep(self, prep: Prepared, regs: Any, mem: Memory) -> None:
-        regs.set_quietly("ip", regs.ip - prep.slot_addr + prep.addr)
+        regs.set_quietly("ip", regs.ip - prep.slot_addr - self.STEP_COPY + prep.addr)
 
     def arch_fault_frame(self, prep: Prepared, sp: int,
                          read_u64: Callable[[int], int]) -> tuple[int, int] | None:  # fmt: skip
@@ -432,6 +439,12 @@ class ToyCpu:
             regs["r0"] = (regs["r0"] + imm) & ((1 << 64) - 1)
         elif op == LDR:
             regs["r1"] = self.mem.read_u64(regs["sp"])
+        elif op == JMPL:
+            regs["pc"] = self.mem.read_u64(pc + 4)
+            return
+        elif op == RET:
+            regs["pc"], regs["sp"] = self.mem.read_u64(regs["sp"]), regs["sp"] + 8
+            return
         elif op not in (NOP, BTI):
             raise AssertionError(f"toy vCPU {tid} executed {op:#x} at {pc:#x}")
         regs["pc"] = pc + 4
@@ -453,11 +466,10 @@ class ToyCpu:
 
 
 class ToyJournal:
-    """The undo journal: what it holds, by physical address."""
+    """The undo journal: what it holds, by physical address (as qprobe.vmm.journal.Journal, in memory)."""
 
     def __init__(self) -> None:
         self.patches: dict[int, Patch] = {}
-        self.often: dict[int, Patch] = {}
         self.meta: dict[str, int] = {}
         self.batches = 0
 
@@ -465,13 +477,10 @@ class ToyJournal:
         self.patches[patch.phys] = patch
 
     def forget(self, phys: int) -> None:
-        del self.patches[phys]
+        self.patches.pop(phys, None)
 
-    def record_often(self, patch: Patch) -> None:
-        self.often[patch.phys] = patch
-
-    def forget_often(self, phys: int) -> None:
-        self.often.pop(phys, None)
+    record_often = record
+    forget_often = forget
 
     def set_meta(self, **values: int) -> None:
         self.meta.update(values)
@@ -673,4 +682,39 @@ class ToyTarget:
         return self.cpu.regs[tid]
 
 
-__all__ = ["Toy", "ToyCpu", "ToyMachine", "ToyMemory", "ToyScratch", "ToySymbols", "ToyTarget", "insn"]
+class Rig:
+    """A toy target with a KprobeManager on it, the functions the tests probe, and a way to run its vCPUs."""
+
+    def __init__(self) -> None:
+        self.t = ToyTarget()
+        self.fn = self.t.function("toy_fn", insn(BTI), insn(NOP), insn(ADDI, 5), insn(LDR), insn(NOP))
+        self.other = self.t.function("toy_other", insn(ADDI, 7), insn(NOP))
+        self.bad = self.t.function("toy_bad", bytes(4), insn(NOP))
+        self.load = self.t.function("toy_load", insn(LDR), insn(NOP))
+        self.t.symbols.add("toy_entry", insn(NOP) * 4, at=ENTRY)  # inside the entry-text section
+        self.t.mem.write(ENTRY, insn(NOP) * 4)
+        self.km = KprobeManager(self.t.machine, self.t.kernel, self.t.scratch, Toy())  # type: ignore[arg-type]
+        self.km.dispatcher.watch_int3 = False  # no bp_desc in the toy kernel: the entry breakpoint
+        self.text = bytes(self.t.mem.ram[:0x10000])
+
+    def text_unchanged(self) -> bool:
+        return bytes(self.t.mem.ram[:0x10000]) == self.text
+
+    def at(self, addr: int) -> bytes:
+        return self.t.mem.read(addr, 4)
+
+    def run(self, tid: str, pc: int, **regs: int) -> None:
+        """Put ``tid`` at ``pc`` and execute until it has left the probed instruction (or is not trapped)."""
+        cpu = self.t.regs(tid)
+        cpu.update(pc=pc, psr=IRQ, **regs)
+        self.step(tid)
+
+    def step(self, tid: str) -> None:
+        """Execute one instruction of ``tid``; a breakpoint goes to the dispatcher as the stop loop sends it."""
+        self.t.cpu.execute(tid)
+        regs = self.t.regs(tid)
+        if regs["pc"] == ENTRY:
+            self.km.dispatcher.on_entry_stop(tid, dict(regs))
+
+
+__all__ = ["Rig", "Toy", "ToyCpu", "ToyMachine", "ToyMemory", "ToyScratch", "ToySymbols", "ToyTarget", "insn"]

@@ -11,50 +11,14 @@ from __future__ import annotations
 import inspect
 
 import pytest
-from fakearch import ADDI, BRK, BTI, ENTRY, IRQ, LDR, NOP, STACK, STACK_SIZE, Toy, ToyTarget, insn
+from fakearch import ADDI, BRK, BTI, ENTRY, IRQ, JMPL, NOP, STACK, STACK_SIZE, Rig, Toy, insn
 
 from qprobe.arch import Arch
 from qprobe.core.kprobe import Kprobe
-from qprobe.core.kprobes import KprobeManager
 from qprobe.core.point import KprobeStatus
 from qprobe.errors import Blacklisted, InvalidProbe, NotKernelText, ProbeError, SymbolError
 
 A, B = "p1.1", "p1.2"  # the two vCPUs
-
-
-class Rig:
-    """A toy target with a KprobeManager on it, and the functions the tests probe."""
-
-    def __init__(self) -> None:
-        self.t = ToyTarget()
-        self.fn = self.t.function("toy_fn", insn(BTI), insn(NOP), insn(ADDI, 5), insn(LDR), insn(NOP))
-        self.other = self.t.function("toy_other", insn(ADDI, 7), insn(NOP))
-        self.bad = self.t.function("toy_bad", bytes(4), insn(NOP))
-        self.load = self.t.function("toy_load", insn(LDR), insn(NOP))
-        self.t.symbols.add("toy_entry", insn(NOP) * 4, at=ENTRY)  # inside the entry-text section
-        self.t.mem.write(ENTRY, insn(NOP) * 4)
-        self.km = KprobeManager(self.t.machine, self.t.kernel, self.t.scratch, Toy())  # type: ignore[arg-type]
-        self.km.dispatcher.watch_int3 = False  # no bp_desc in the toy kernel: the entry breakpoint
-        self.text = bytes(self.t.mem.ram[:0x10000])
-
-    def text_unchanged(self) -> bool:
-        return bytes(self.t.mem.ram[:0x10000]) == self.text
-
-    def at(self, addr: int) -> bytes:
-        return self.t.mem.read(addr, 4)
-
-    def run(self, tid: str, pc: int, **regs: int) -> None:
-        """Put ``tid`` at ``pc`` and execute until it has left the probed instruction (or is not trapped)."""
-        cpu = self.t.regs(tid)
-        cpu.update(pc=pc, psr=IRQ, **regs)
-        self.step(tid)
-
-    def step(self, tid: str) -> None:
-        """Execute one instruction of ``tid``; a breakpoint goes to the dispatcher as the stop loop sends it."""
-        self.t.cpu.execute(tid)
-        regs = self.t.regs(tid)
-        if regs["pc"] == ENTRY:
-            self.km.dispatcher.on_entry_stop(tid, dict(regs))
 
 
 @pytest.fixture
@@ -82,7 +46,10 @@ def test_register_writes_the_breakpoint_and_unregister_puts_the_text_back(rig: R
     assert (patch.virt, patch.old, patch.new) == (addr, insn(ADDI, 5), BRK)
     assert rig.t.cpu.breakpoints == [(ENTRY, 0, 1)]  # the trap hook
     slot = rig.km.points[addr].prep.slot_addr
-    assert rig.t.mem.read(slot, 8) == insn(ADDI, 5) + BRK  # the out-of-line copy
+    # The out-of-line copies: boosted (a jump back after it), and trap-stepped (a breakpoint after it).
+    assert (
+        rig.t.mem.read(slot, 24) == insn(ADDI, 5) + insn(JMPL) + (addr + 4).to_bytes(8, "little") + insn(ADDI, 5) + BRK
+    )
     assert rig.km.list_probes() == f"{addr:016x}  k  toy_fn+0x8\n"
 
     rig.km.unregister_kprobe(kp)
@@ -214,7 +181,7 @@ def test_a_trap_stepped_hit_runs_the_copy_out_of_line_then_the_post_handler(rig:
     rig.run(A, addr, r0=10)
     point = rig.km.points[addr]
     regs = rig.t.regs(A)
-    assert regs["pc"] == point.prep.slot_addr and not regs["psr"] & IRQ  # the copy, interrupts off
+    assert regs["pc"] == point.prep.slot_addr + Toy.STEP_COPY and not regs["psr"] & IRQ  # the copy, interrupts off
     assert rig.km.dispatcher.ctlblk[A].status is KprobeStatus.HIT_SS
     assert rig.km.trap_step_returns() == {A: addr + 4}
     rig.step(A)  # the copy: r0 += 5
@@ -233,6 +200,9 @@ def test_a_boostable_hit_without_post_handler_is_boosted(rig: Rig) -> None:
     point = rig.km.points[rig.other]
     assert rig.t.regs(A)["pc"] == point.prep.slot_addr
     assert point.boosted == 1
+    rig.step(A)
+    rig.step(A)  # the copy and its jump back
+    assert (rig.t.regs(A)["pc"], rig.t.regs(A)["r0"]) == (rig.other + 4, 7)
     assert set(rig.km.resume_targets) == {rig.other + 4}  # where the copy jumps back to
     assert rig.km.dispatcher.ctlblk[A].status is KprobeStatus.IDLE
 
@@ -244,7 +214,7 @@ def test_a_host_single_stepped_hit_resumes_after_the_original_instruction(rig: R
     sp = STACK + STACK_SIZE - 0x40
     rig.t.mem.write(sp, (0x1234).to_bytes(8, "little"))
     rig.run(A, rig.fn + 12, sp=sp)
-    slot = rig.km.points[rig.fn + 12].prep.slot_addr
+    slot = rig.km.points[rig.fn + 12].prep.slot_addr + Toy.STEP_COPY
     assert rig.t.cpu.steps == [(A, slot)]
     assert post == [(rig.fn + 16, 0x1234)]
     assert (rig.t.regs(A)["pc"], rig.t.regs(A)["r1"]) == (rig.fn + 16, 0x1234)
@@ -276,7 +246,8 @@ def test_a_hit_while_the_vcpu_handles_a_probe_is_missed_and_its_instruction_stil
     # Say an interrupt on A runs toy_load before the copy: its hit is a re-entry.
     rig.run(A, rig.load, r1=0)
     assert (inner.nhit, inner.nmissed, calls) == (0, 1, [])
-    assert rig.t.cpu.steps == [(A, rig.km.points[rig.load].prep.slot_addr)]  # its own copy, not the busy slot
+    # Its own copy, stepped by the host: not run to a breakpoint, which the outer hit's trap-step would take as its own.
+    assert rig.t.cpu.steps == [(A, rig.km.points[rig.load].prep.slot_addr + Toy.STEP_COPY)]
     assert (rig.t.regs(A)["pc"], rig.t.regs(A)["r1"]) == (rig.load + 4, 0xABC)  # and it ran
     assert rig.km.dispatcher.ctlblk[A].status is KprobeStatus.HIT_SS  # the outer hit still owns A
     # The other vCPU is not re-entered: its hit counts.

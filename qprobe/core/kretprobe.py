@@ -69,6 +69,8 @@ class KretprobeManager:
     # -- registration ------------------------------------------------------------
     def register_kretprobe(self, rp: Kretprobe) -> None:
         kp = rp.kp
+        if kp.registered:  # before anything below resets its instances
+            raise InvalidProbe(f"{kp.where()} is already registered (EINVAL)")
         addr = self.kprobes.kprobe_addr(kp)
         fn = self.symbols.function(addr)
         name = fn.name if fn else ""

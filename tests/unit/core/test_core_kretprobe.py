@@ -172,3 +172,16 @@ def test_default_maxactive_is_the_kernels(calls: Calls, preemptible: bool, defau
     rp = Kretprobe("toy_callee")
     calls.rpm.register_kretprobe(rp)
     assert len(rp.free) == default
+
+
+def test_registering_a_registered_return_probe_is_einval_and_leaves_its_calls_alone(calls: Calls) -> None:
+    returns: list[int] = []
+    rp = Kretprobe("toy_callee", handler=lambda ri, regs: returns.append(ri.ret_addr), maxactive=2)
+    calls.rpm.register_kretprobe(rp)
+    calls.enter(A, slot(0), CALLER, task=1)
+    with pytest.raises(InvalidProbe, match="already registered"):
+        calls.rpm.register_kretprobe(rp)
+    assert (len(rp.live), len(rp.free)) == (1, 1)  # still maxactive instances in all
+    assert calls.leave(A) == CALLER
+    assert returns == [CALLER]  # the call in flight still returns through the handler
+    assert (rp.registered, len(rp.free)) == (True, 2)

@@ -321,3 +321,22 @@ def test_remove_all_unregisters_everything_and_unmaps_the_scratch_area(rig: Rig)
     assert rig.text_unchanged()
     assert [kp.registered for kp in kps] == [False] * 3
     assert (rig.t.scratch.mapped, rig.t.cpu.breakpoints, rig.km.resume_targets) == (False, [], {})
+
+
+def test_unregistering_while_a_vcpu_is_inside_the_copy_lets_it_finish_and_keeps_the_slot(rig: Rig) -> None:
+    post: list[int] = []
+    kp = Kprobe("toy_fn", offset=8, post_handler=lambda kp, regs: post.append(regs.ip))
+    keep = Kprobe("toy_other")  # keeps the hook installed
+    rig.km.register_kprobes([kp, keep])
+    rig.run(A, rig.fn + 8, r0=0)  # A trap-steps the copy
+    slot = rig.km.points[rig.fn + 8].prep.slot_addr
+    rig.km.unregister_kprobe(kp)
+    assert slot in rig.t.scratch.allocs  # not freed: A still runs there
+    again = Kprobe("toy_fn", offset=4)
+    rig.km.register_kprobe(again)
+    assert rig.km.points[rig.fn + 4].prep.slot_addr != slot  # so not reused
+    rig.step(A)
+    rig.step(A)  # the copy's breakpoint: the hit is finished, its probe gone
+    assert (rig.t.regs(A)["pc"], rig.t.regs(A)["r0"]) == (rig.fn + 12, 5)
+    assert post == []  # unregistered since the first trap: no post_handler (the kernel's kprobe_post_process)
+    assert rig.km.dispatcher.ctlblk[A].status is KprobeStatus.IDLE

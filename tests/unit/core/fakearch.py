@@ -96,7 +96,7 @@ class ToyPrepared:
         return self.copy
 
 
-@dataclass(frozen=True)
+@dataclass
 class ToyReturnLayout:
     instances: int
     count: int
@@ -683,7 +683,10 @@ class ToyTarget:
 
 
 class Rig:
-    """A toy target with a KprobeManager on it, the functions the tests probe, and a way to run its vCPUs."""
+    """A toy target with a KprobeManager on it, the functions the tests probe, and a way to run its vCPUs.
+
+    The toy kernel has no ``bp_desc``, so the dispatcher hooks traps with a breakpoint on ENTRY.
+    """
 
     def __init__(self) -> None:
         self.t = ToyTarget()
@@ -694,17 +697,16 @@ class Rig:
         self.t.symbols.add("toy_entry", insn(NOP) * 4, at=ENTRY)  # inside the entry-text section
         self.t.mem.write(ENTRY, insn(NOP) * 4)
         self.km = KprobeManager(self.t.machine, self.t.kernel, self.t.scratch, Toy())  # type: ignore[arg-type]
-        self.km.dispatcher.watch_int3 = False  # no bp_desc in the toy kernel: the entry breakpoint
-        self.text = bytes(self.t.mem.ram[:0x10000])
+        self.text = bytes(self.t.mem.ram[TEXT_PHYS : TEXT_PHYS + TEXT_SIZE])
 
     def text_unchanged(self) -> bool:
-        return bytes(self.t.mem.ram[:0x10000]) == self.text
+        return bytes(self.t.mem.ram[TEXT_PHYS : TEXT_PHYS + TEXT_SIZE]) == self.text
 
     def at(self, addr: int) -> bytes:
         return self.t.mem.read(addr, 4)
 
     def run(self, tid: str, pc: int, **regs: int) -> None:
-        """Put ``tid`` at ``pc`` and execute until it has left the probed instruction (or is not trapped)."""
+        """Put ``tid`` at ``pc`` with interrupts on and ``regs`` set, and execute one instruction (``step``)."""
         cpu = self.t.regs(tid)
         cpu.update(pc=pc, psr=IRQ, **regs)
         self.step(tid)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from fakearch import ADDI, BTI, ENTRY, IRQ, NOP, RET, STACK, Rig, insn
+from fakearch import ADDI, BTI, ENTRY, IRQ, NOP, RET, STACK, TEXT_PHYS, TEXT_SIZE, Rig, insn
 
 from qprobe.core.kprobe import Kretprobe, KretprobeInstance
 from qprobe.core.kretprobe import KretprobeManager
@@ -28,7 +28,7 @@ class Calls(Rig):
         self.callee = self.t.function("toy_callee", insn(BTI), insn(ADDI, 1), insn(NOP), insn(RET))
         self.t.function("toy_noreturn", insn(NOP), insn(NOP))
         self.rpm = KretprobeManager(self.km)
-        self.text = bytes(self.t.mem.ram[:0x10000])
+        self.text = bytes(self.t.mem.ram[TEXT_PHYS : TEXT_PHYS + TEXT_SIZE])
 
     def enter(self, tid: str, sp: int, ret: int, task: int) -> None:
         """``tid`` (running task ``task``) calls toy_callee from ``ret``: up to its RET."""

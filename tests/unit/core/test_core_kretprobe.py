@@ -185,3 +185,16 @@ def test_registering_a_registered_return_probe_is_einval_and_leaves_its_calls_al
     assert calls.leave(A) == CALLER
     assert returns == [CALLER]  # the call in flight still returns through the handler
     assert (rp.registered, len(rp.free)) == (True, 2)
+
+
+def test_an_entry_whose_stack_cannot_be_read_keeps_its_instance(calls: Calls) -> None:
+    rp = Kretprobe("toy_callee", maxactive=1)
+    calls.rpm.register_kretprobe(rp)
+    calls.run(A, calls.callee, sp=0xFFFF_9000_0000_0000)  # BTI: its sp is not mapped
+    calls.step(A)  # the entry's breakpoint: the return address cannot be read
+    assert (rp.nhit, rp.kp.nfaults, len(rp.live)) == (1, 1, 0)
+    assert "MemoryFault" in rp.kp.errors[0]
+    assert len(rp.free) == 1  # the instance is not lost: the next call is probed
+    calls.enter(B, slot(1), CALLER, task=2)
+    assert (rp.nmissed, len(rp.live)) == (0, 1)
+    assert calls.leave(B) == CALLER

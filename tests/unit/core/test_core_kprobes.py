@@ -340,3 +340,19 @@ def test_unregistering_while_a_vcpu_is_inside_the_copy_lets_it_finish_and_keeps_
     assert (rig.t.regs(A)["pc"], rig.t.regs(A)["r0"]) == (rig.fn + 12, 5)
     assert post == []  # unregistered since the first trap: no post_handler (the kernel's kprobe_post_process)
     assert rig.km.dispatcher.ctlblk[A].status is KprobeStatus.IDLE
+
+
+def test_a_probe_given_twice_to_register_kprobes_is_einval_and_nothing_is_registered(rig: Rig) -> None:
+    kp, other = Kprobe("toy_fn", offset=4), Kprobe("toy_other")
+    with pytest.raises(InvalidProbe, match="already registered"):
+        rig.km.register_kprobes([other, kp, kp])
+    assert (kp.registered, other.registered, rig.km.points) == (False, False, {})
+    assert rig.text_unchanged()
+
+
+def test_a_probe_given_twice_to_unregister_kprobes_is_unregistered_once(rig: Rig) -> None:
+    kp, other = Kprobe("toy_fn", offset=4), Kprobe("toy_other")
+    rig.km.register_kprobes([kp, other])
+    rig.km.unregister_kprobes([kp, other, kp])
+    assert (kp.registered, other.registered, rig.km.points) == (False, False, {})
+    assert rig.text_unchanged()

@@ -59,7 +59,7 @@ _SESSION_COMMANDS = frozenset({"quit", "q", "kill", "k", "detach", "disconnect",
 
 
 class GdbMiRemote:
-    """``GdbRemote``'s interface through a gdb process.  A single thread must own an instance.
+    """The gdb transport (``GdbTransport``) through a gdb process.  A single thread must own an instance.
 
     ``address`` is what ``Connection.open`` takes (``unix:PATH``, ``PATH`` or
     ``HOST:PORT``).  ``vmlinux``, when given, is loaded with ``load_symbols``
@@ -72,7 +72,6 @@ class GdbMiRemote:
         self.address = address
         self.conn = MiChannel(gdb, alive, address)
         self.regs: dict[str, RegDesc] = {}
-        self.packet_size = 0x1000  # gdb splits packets itself; kept for interface parity
         self.running = False
         self._target = gdb_address(address)
         self._connect_timeout = connect_timeout
@@ -228,9 +227,6 @@ class GdbMiRemote:
                                     f"reading the registers of vCPU {tid}")  # fmt: skip
         return parse_register_values(payload, self._read_set)
 
-    def write_register(self, tid: str, name: str, value: int) -> None:
-        self.write_registers(tid, {name: value})
-
     def write_registers(self, tid: str, values: dict[str, int]) -> None:
         """One C comma expression (``$rip=..,$rsp=..``): one MI command per call, one ``P`` packet per register.
 
@@ -250,10 +246,6 @@ class GdbMiRemote:
         self.conn.command(f"-data-evaluate-expression --thread {gid} --frame 0 {expr}", what)
 
     # -- memory ----------------------------------------------------------------------------
-    @property
-    def chunk(self) -> int:
-        return (self.packet_size - 32) // 2
-
     def set_physical(self, on: bool) -> None:
         """``Qqemu.PhyMemMode``: m/M take guest-physical addresses.
 

@@ -4,8 +4,8 @@
 gdbstub itself; ``GdbMiRemote`` (qprobe.vmm.gdbmi) drives a real gdb through
 GDB/MI.  The stop loop, the recovery of a crashed session and the target's
 set-up hold a :class:`GdbTransport` and cannot tell them apart.  These are
-exactly the methods they call; a transport may offer more (gdb's console), for
-a caller that asks for it by type.  A single thread must own a transport.
+exactly the methods they (and the tests comparing the two) call; a transport
+may offer more (gdb's console), for a caller that asks for it by type.  A single thread must own a transport.
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ class GdbTransport(Protocol):
 
     def threads(self) -> list[str]:
         """The vCPUs' thread ids, in vCPU order."""
+        ...
+
+    def select(self, tid: str) -> None:
+        """Make ``tid`` the vCPU whose page tables the following virtual memory accesses go through."""
         ...
 
     def read_registers(self, tid: str) -> dict[str, int]: ...

@@ -58,6 +58,7 @@ from qprobe.vmm.memory import GuestMemory, MemoryFault, PhysReader, SharedRam, k
 from qprobe.vmm.peer import listener_pid, process_identity
 from qprobe.vmm.qemu import SHM_PREFIX, SHM_ROOT, QemuConfig, QemuProcess, parse_memory
 from qprobe.vmm.scratch import ScratchArea, memmap_reservation
+from qprobe.vmm.transport import GdbTransport
 
 if TYPE_CHECKING:
     from qprobe.events import EventHit, TraceEvent, Wildcard
@@ -76,7 +77,7 @@ def arch_of(symbols: Symbols) -> Arch:
     return X86_64()
 
 
-def open_stub(transport: str, address: str, alive: Callable[[], bool] | None = None) -> GdbRemote | GdbMiRemote:
+def open_stub(transport: str, address: str, alive: Callable[[], bool] | None = None) -> GdbTransport:
     """The gdbstub client: qprobe's own RSP client, or a real gdb driven through GDB/MI (same interface)."""
     if transport == "rsp":
         return GdbRemote(Connection.open(address, alive))
@@ -88,7 +89,7 @@ def open_stub(transport: str, address: str, alive: Callable[[], bool] | None = N
 class _StubPhys:
     """Physical reads through the stub, for a QEMU whose RAM we cannot map."""
 
-    def __init__(self, gdb: GdbRemote | GdbMiRemote) -> None:
+    def __init__(self, gdb: GdbTransport) -> None:
         self.gdb = gdb
         self.machine: Machine | None = None
 

@@ -234,6 +234,8 @@ class KprobeManager:
         self.optimizer.optimize_later(addrs)
 
     def _register(self, kp: Kprobe, addr: int) -> None:
+        if kp.registered:  # given twice in one batch: the kernel's check_kprobe_rereg
+            raise InvalidProbe(f"{kp.where()} is already registered (EINVAL)")
         if kp.anywhere:
             self._register_anywhere(kp, addr)
             return
@@ -349,7 +351,8 @@ class KprobeManager:
         def unregister_all() -> None:
             with self.machine.journal.batch():
                 for kp in todo:
-                    self._unregister(kp)
+                    if kp.registered:  # not when given twice
+                        self._unregister(kp)
 
         self.machine.call(unregister_all)
         # Points that other probes still share may be optimizable now.

@@ -69,6 +69,8 @@ class KretprobeManager:
     # -- registration ------------------------------------------------------------
     def register_kretprobe(self, rp: Kretprobe) -> None:
         kp = rp.kp
+        if kp.registered:  # before anything below resets its instances
+            raise InvalidProbe(f"{kp.where()} is already registered (EINVAL)")
         addr = self.kprobes.kprobe_addr(kp)
         fn = self.symbols.function(addr)
         name = fn.name if fn else ""
@@ -182,15 +184,19 @@ class KretprobeManager:
             rp.nmissed += 1
             return 0
         ri = rp.free.pop()
-        ri.stack_slot = regs.sp
-        ri.ret_addr = regs.read_u64(regs.sp)
-        ri.task = self.kprobes.kernel.snapshot(gs_base=regs.gs_base)
-        if rp.entry_handler is not None:
-            what = f"entry_handler of kretprobe {rp.kp.where()}"
-            if self.kprobes.handlers.call(rp, what, rp.entry_handler, ri, regs):
-                self._release(ri, restore=False)
-                return 0
-        ri.patch = self.machine.patch_data(regs.sp, self.trampoline.to_bytes(8, "little"), "retaddr")
+        try:
+            ri.stack_slot = regs.sp
+            ri.ret_addr = regs.read_u64(regs.sp)
+            ri.task = self.kprobes.kernel.snapshot(gs_base=regs.gs_base)
+            if rp.entry_handler is not None:
+                what = f"entry_handler of kretprobe {rp.kp.where()}"
+                if self.kprobes.handlers.call(rp, what, rp.entry_handler, ri, regs):
+                    self._release(ri, restore=False)
+                    return 0
+            ri.patch = self.machine.patch_data(regs.sp, self.trampoline.to_bytes(8, "little"), "retaddr")
+        except BaseException:  # a stack that cannot be read or written: the call goes unprobed, the instance back
+            self._release(ri, restore=False)
+            raise
         rp.live[ri.stack_slot] = ri
         self.by_slot[ri.stack_slot] = ri
         return 0

@@ -24,16 +24,16 @@ from qprobe.errors import QprobeError
 from qprobe.kernel.features import find_watch_site, int3_entry, int3_path, thread_size
 from qprobe.kernel.preempted import PREEMPTED_WAIT, first_inside, preempted_words, wait_preempted_out
 from qprobe.kernel.program import KernelData
-from qprobe.vmm.gdbremote import GdbRemote
 from qprobe.vmm.journal import Journal, JournalError, Patch
 from qprobe.vmm.scratch import SIZE as SCRATCH_SIZE
+from qprobe.vmm.transport import GdbTransport
 
 log = logging.getLogger("qprobe.recovery")
 GRACE = 0.1
 
 
 class _Recovery:
-    def __init__(self, gdb: GdbRemote, kernel: KernelData, arch: Arch, patches: list[Patch],
+    def __init__(self, gdb: GdbTransport, kernel: KernelData, arch: Arch, patches: list[Patch],
                  meta: dict[str, int]) -> None:  # fmt: skip
         symbols = kernel.symbols
         self.gdb, self.mem, self.arch, self.meta = gdb, kernel.mem, arch, meta
@@ -196,7 +196,7 @@ class _Recovery:
         raise RuntimeError(f"vCPU {tid} did not leave the scratch area")
 
 
-def check_journal_matches(gdb: GdbRemote, journal: Journal, patches: list[Patch]) -> None:
+def check_journal_matches(gdb: GdbTransport, journal: Journal, patches: list[Patch]) -> None:
     """Refuse, before anything is written, a journal whose bytes the guest does not hold.
 
     Every place the journal lists must hold qprobe's bytes or the original
@@ -217,7 +217,8 @@ def check_journal_matches(gdb: GdbRemote, journal: Journal, patches: list[Patch]
             )
 
 
-def recover(gdb: GdbRemote, kernel: KernelData, arch: Arch, journal: Journal, fully_preemptible: bool = False) -> int:
+def recover(gdb: GdbTransport, kernel: KernelData, arch: Arch, journal: Journal,
+            fully_preemptible: bool = False) -> int:  # fmt: skip
     """Undo an earlier qprobe's patches in this guest; returns how many were restored."""
     patches = journal.load()
     if not patches:

@@ -2,9 +2,9 @@
 
 These are QEMU's gdbstub watchpoints (``Z2``/``Z3``/``Z4``), not the x86 debug
 registers: there is no limit of four, and the guest cannot see or disturb
-them.  Under TCG QEMU reports the hit after the accessing instruction ran,
-so ``regs.ip`` is the instruction after the access, as with a hardware
-data breakpoint.
+them; but one per address, as the stop reply names only the address.  Under
+TCG QEMU reports the hit after the accessing instruction ran, so ``regs.ip``
+is the instruction after the access, as with a hardware data breakpoint.
 """
 
 from __future__ import annotations
@@ -83,6 +83,10 @@ class Watchpoints:
                 self.machine.gdb.write_registers(tid, pt.dirty())
 
         def arm() -> None:
+            # QEMU's stop reply names the watched address only, so one handler per address: a second
+            # watchpoint there (or on the int3 hook's own) would silently take the first one's hits.
+            if addr in self.machine.watch_handlers:
+                raise ProbeError(f"{addr:#x} is already watched (EBUSY): one watchpoint per address")
             self.machine.gdb.insert_breakpoint(addr, KINDS[wp.kind], wp.length)
             self.machine.watch_handlers[addr] = hit
 
@@ -90,6 +94,9 @@ class Watchpoints:
         wp.resolved, wp.registered = addr, True
 
     def unregister_watchpoint(self, wp: Watchpoint) -> None:
+        if not wp.registered:
+            raise InvalidProbe(f"{wp!r} is not registered")
+
         def disarm() -> None:
             self.machine.gdb.remove_breakpoint(wp.resolved, KINDS[wp.kind], wp.length)
             self.machine.watch_handlers.pop(wp.resolved, None)

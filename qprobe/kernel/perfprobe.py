@@ -483,7 +483,8 @@ class GdbDwarf:
     """
 
     def __init__(self, vmlinux: str | Path, index_dir: str | Path) -> None:
-        from qprobe.vmm.gdbmi import MiChannel, mi_quote
+        from qprobe.vmm.gdbmi_channel import MiChannel
+        from qprobe.vmm.gdbmi_parse import mi_quote
 
         self._quote = mi_quote
         self.conn = MiChannel(name="vmlinux")
@@ -499,7 +500,7 @@ class GdbDwarf:
 
     def cli(self, command: str, timeout: float = 120.0) -> str:
         from qprobe.errors import TargetError
-        from qprobe.vmm.gdbmi import result_payload
+        from qprobe.vmm.gdbmi_parse import result_payload
 
         record = self.conn.result(self.conn.send(f"-interpreter-exec console {self._quote(command)}"), command,
                                   timeout)  # fmt: skip

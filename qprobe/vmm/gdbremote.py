@@ -311,6 +311,9 @@ class GdbRemote:
         self._hg = None
         return parse_stop_reply(payload)
 
+    def close(self) -> None:
+        self.conn.close()
+
     def detach(self) -> None:
         """``D``: the VM runs on without us."""
         try:

@@ -17,10 +17,10 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from qprobe.errors import ProtocolError, QprobeError, TargetError, TargetGone
-from qprobe.vmm.gdbremote import GdbRemote
 from qprobe.vmm.journal import Journal, Patch
 from qprobe.vmm.memory import GuestMemory, SharedRam
 from qprobe.vmm.rsp import StopReply
+from qprobe.vmm.transport import GdbTransport
 
 T = TypeVar("T")
 StopHandler = Callable[[str, dict[str, int]], None]
@@ -30,7 +30,7 @@ SIGTRAP = 5
 class Machine:
     """The stop loop and guarded writes.  ``call`` is the only way in from other threads."""
 
-    def __init__(self, gdb: GdbRemote, mem: GuestMemory, journal: Journal) -> None:
+    def __init__(self, gdb: GdbTransport, mem: GuestMemory, journal: Journal) -> None:
         self.gdb = gdb
         self.mem = mem
         self.journal = journal
@@ -177,7 +177,7 @@ class Machine:
             except QprobeError:
                 pass
         else:
-            self.gdb.conn.close()
+            self.gdb.close()
 
     # -- guarded writes (stop-loop thread only) --------------------------------
     def patch(self, virt: int, data: bytes, what: str, slot: int = 0) -> Patch:

@@ -26,6 +26,7 @@ from qprobe.vmm.console import Console, open_shell
 from qprobe.vmm.gdbmi import GdbMiRemote
 from qprobe.vmm.gdbremote import GdbRemote
 from qprobe.vmm.qemu import QemuProcess
+from qprobe.vmm.transport import GdbTransport
 
 from .conftest import IMAGE, bare_qemu, workload_result
 
@@ -53,7 +54,7 @@ def _report(capsys: pytest.CaptureFixture[str], line: str) -> None:
 Sample = tuple[str, object]
 
 
-def _samples(gdb: GdbRemote | GdbMiRemote, plan: list[tuple[str, str, int, int]]) -> list[Sample]:
+def _samples(gdb: GdbTransport, plan: list[tuple[str, str, int, int]]) -> list[Sample]:
     """Run a plan of reads; a failed read is a result too (both transports must fail alike)."""
     out: list[Sample] = []
     for op, tid, addr, size in plan:

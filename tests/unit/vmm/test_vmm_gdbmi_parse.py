@@ -1,7 +1,7 @@
 """The gdb/MI transport's parsing, from raw MI lines as gdb 13 printed them against QEMU 7.2.
 
 pygdbmi turns each line into a dict; these tables check what qprobe makes of
-those dicts (qprobe.vmm.gdbmi's pure functions), and that anything
+those dicts (qprobe.vmm.gdbmi_parse), and that anything
 unexpected is refused rather than guessed at.  The last tests drive a real gdb
 process (no VM) to check the token matching of MiChannel.
 """
@@ -16,10 +16,10 @@ import pytest
 from pygdbmi.gdbmiparser import parse_response
 
 from qprobe.errors import ProtocolError, TargetError, TargetGone
-from qprobe.vmm.gdbmi import (
+from qprobe.vmm.gdbmi import GdbMiRemote
+from qprobe.vmm.gdbmi_channel import MiChannel
+from qprobe.vmm.gdbmi_parse import (
     GDB_SIGNALS,
-    GdbMiRemote,
-    MiChannel,
     gdb_address,
     mi_quote,
     parse_breakpoint_number,

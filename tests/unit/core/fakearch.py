@@ -1,0 +1,727 @@
+"""A toy architecture and a toy target, to test the kprobes core without x86_64.
+
+``Toy`` implements qprobe.arch's ``Arch`` for a made-up ISA of fixed 4-byte
+instructions (as arm64's), whose breakpoint is 4 bytes too: nothing in the
+core may assume x86's one-byte int3 or its register names.  Its trap entry is
+arm64-like: the vCPU stops on the exception entry with the trapped pc in
+``elr`` and its flags in ``spsr``.
+
+``ToyCpu`` is the gdbstub client (qprobe.vmm.transport.GdbTransport) of
+vCPUs that really execute the toy ISA on a ``ToyMemory``: one bytearray of
+guest RAM, with kernel text, the scratch area and a stack mapped into it.
+``ToyMachine``, ``ToyScratch``, ``ToySymbols`` and ``ToyKernel`` are the
+rest of what the core's managers take.  Instructions:
+
+====  =========  =====================================================
+op    name       what it does
+====  =========  =====================================================
+0x01  NOP        nothing; probes emulate it on the host
+0x02  ADDI imm   r0 += imm16; runs out of line, may be boosted
+0x03  LDR        r1 = [sp]; runs out of line, single-stepped by the host
+0x04  RET        pc = [sp]; sp += 8 (cannot be probed)
+0x05  JMPL       pc = the u64 after it (cannot be probed)
+0x06  BTI        a function's landing pad (probes go past it, as ENDBR)
+0xBB  BRK        the breakpoint: an exception to ENTRY
+0x00  (invalid)  cannot be probed
+====  =========  =====================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from qprobe.arch import (
+    ArchBlacklist,
+    DetourParams,
+    MailboxRequest,
+    Memory,
+    PercpuLayout,
+    Prepared,
+    RegisterLayout,
+    Resume,
+    ResumeKind,
+    ReturnLayout,
+    RingEntry,
+    Trap,
+    TrapHook,
+)
+from qprobe.arch.inguest import KeySpec, MapSlot
+from qprobe.core.kprobes import KprobeManager
+from qprobe.errors import InvalidProbe, ProbeError, ProtocolError, SymbolError
+from qprobe.kernel.symbols import Symbol
+from qprobe.vmm.journal import Patch
+from qprobe.vmm.machine import Machine
+from qprobe.vmm.memory import MemoryFault
+from qprobe.vmm.rsp import StopReply
+
+NOP, ADDI, LDR, RET, JMPL, BTI, BRK_OP = 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0xBB
+BRK = bytes([BRK_OP, 0, 0, 0])
+IRQ = 0x80  # the flags bit set while interrupts are enabled
+USER = 0x01  # the flags bit set in user mode
+STATE_REQUEST, STATE_DONE = 1, 2  # a mailbox's state word
+
+# Guest virtual layout -> guest RAM.
+TEXT, TEXT_PHYS, TEXT_SIZE = 0xFFFF_8000_0000_0000, 0x0, 0x10000
+SCRATCH, SCRATCH_PHYS, SCRATCH_SIZE = 0xFFFF_A000_0000_0000, 0x20000, 0x40000
+STACK, STACK_PHYS, STACK_SIZE = 0xFFFF_C000_0000_0000, 0x80000, 0x10000
+RAM_SIZE = 0x100000
+ENTRY = TEXT + 0x100  # the breakpoint exception's entry (its symbol: int3_entry's name)
+
+
+def insn(op: int, imm: int = 0) -> bytes:
+    return bytes([op]) + (imm & 0xFFFFFF).to_bytes(3, "little")
+
+
+# -- the architecture -------------------------------------------------------------------
+
+
+@dataclass
+class ToyPrepared:
+    addr: int
+    slot_addr: int
+    copy: bytes
+    emulate: str | None
+    boostable: bool
+    step_reason: str | None
+
+    @property
+    def length(self) -> int:
+        return len(self.copy)
+
+    def boosted_copy(self) -> bytes:
+        return self.copy
+
+
+@dataclass
+class ToyReturnLayout:
+    instances: int
+    count: int
+    trampolines: int
+    returns: int
+
+    def trampoline(self, i: int) -> int:
+        return self.trampolines + 8 * i
+
+    def instance(self, i: int) -> int:
+        return self.instances + Toy.instance_size * i
+
+
+class Toy:
+    """The toy ISA's answers to everything the core asks (qprobe.arch.Arch)."""
+
+    name = "toy"
+    breakpoint = BRK
+    slot_size = 32
+    # A slot: the boosted copy [copy, JMPL, its target], then the trap-stepped one [copy, BRK].
+    STEP_COPY = 16
+    jump_size = 8
+    registers = RegisterLayout(
+        gdb_name={"ip": "pc", "sp": "sp", "flags": "psr", "r0": "r0", "r1": "r1", "r2": "r2", "r3": "r3"},
+        arg_regs=("r0", "r1", "r2", "r3"),
+        defaults={},
+        general=("r0", "r1", "r2", "r3"),
+        irq_flag=IRQ,
+        page_table="ttbr",
+        percpu_base="tpidr",
+        retval="r0",
+    )
+
+    # -- instructions ----------------------------------------------------------------------
+    def arch_adjust_kprobe_addr(self, func_code: bytes, func_start: int, offset: int) -> int:
+        return func_start + (self.entry_skip(func_code) if offset == 0 else offset)
+
+    def entry_skip(self, func_code: bytes) -> int:
+        return 4 if func_code[:1] == bytes([BTI]) else 0
+
+    def check_boundary(self, code: bytes, func_start: int, addr: int, patched: Mapping[int, int], name: str) -> None:
+        if (addr - func_start) % 4:
+            raise InvalidProbe(f"{name}+{addr - func_start:#x} is not on an instruction boundary (EILSEQ)")
+
+    def arch_prepare_kprobe(
+        self, code: bytes, addr: int, slot: int, where: str, exception_table: object
+    ) -> ToyPrepared:
+        op = code[0]
+        if op not in (NOP, ADDI, LDR, BTI):
+            raise InvalidProbe(f"{where}: cannot probe instruction {code[:4].hex()} (EINVAL)")
+        emulate = "nop" if op in (NOP, BTI) else None
+        step = "it reads the stack" if op == LDR else None
+        return ToyPrepared(addr, slot, bytes(code[:4]), emulate, op == ADDI, step)
+
+    def arch_slot_code(self, prep: Prepared) -> bytes:
+        boosted = prep.copy + insn(JMPL) + (prep.addr + 4).to_bytes(8, "little")
+        return boosted + prep.copy + BRK
+
+    def arch_setup_resume(self, prep: Prepared, regs: Any, mem: Memory, may_boost: bool,
+                          may_trap_step: bool) -> Resume:  # fmt: skip
+        if prep.emulate is not None:
+            regs.set_quietly("ip", prep.addr + 4)
+            return Resume(ResumeKind.CONTINUE, prep.addr + 4)
+        if may_boost and prep.boostable:
+            return Resume(ResumeKind.BOOST, prep.slot_addr, jump_back=prep.addr + 4)
+        if may_trap_step and prep.step_reason is None:
+            return Resume(ResumeKind.TRAP_STEP, prep.slot_addr + self.STEP_COPY, flags=regs.flags & ~IRQ)
+        return Resume(ResumeKind.STEP, prep.slot_addr + self.STEP_COPY)
+
+    def is_trap_step_start(self, prep: Prepared, ip: int) -> bool:
+        return ip == prep.slot_addr + self.STEP_COPY
+
+    def is_trap_step_end(self, prep: Prepared, addr: int) -> bool:
+        return addr == prep.slot_addr + self.STEP_COPY + 4
+
+    def arch_resume_trap_step(self, prep: Prepared, regs: Any) -> None:
+        regs.set_quietly("ip", prep.addr + 4)
+        regs.set_quietly("flags", regs.flags | IRQ)
+
+    def arch_slot_resume(self, slot: int, addr: int, ip: int, flags: int) -> tuple[int, int] | None:
+        copy = slot + self.STEP_COPY
+        return (addr + ip - copy, flags | IRQ) if copy <= ip <= copy + 4 else None
+
+    def step_left_slot(self, prep: Prepared, ip: int) -> bool:
+        return ip != prep.slot_addr + self.STEP_COPY + 4
+
+    def arch_resume_singlestep(self, prep: Prepared, regs: Any, mem: Memory) -> None:
+        regs.set_quietly("ip", regs.ip - prep.slot_addr - self.STEP_COPY + prep.addr)
+
+    def arch_fault_frame(self, prep: Prepared, sp: int,
+                         read_u64: Callable[[int], int]) -> tuple[int, int] | None:  # fmt: skip
+        return None
+
+    # -- traps ---------------------------------------------------------------------------
+    def decode_trap(self, hook: TrapHook, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> Trap:
+        addr, flags = regs["elr"], regs["spsr"]
+        return Trap(addr, regs["sp"], flags, {**regs, "pc": addr, "psr": flags}, user=bool(flags & USER))
+
+    def resume_registers(self, resume: Resume) -> dict[str, int]:
+        out = {"pc": resume.ip}
+        if resume.sp is not None:
+            out["sp"] = resume.sp
+        if resume.flags is not None:
+            out["psr"] = resume.flags
+        return {**out, **resume.changed}
+
+    def ip(self, regs: Mapping[str, int]) -> int:
+        return regs["pc"]
+
+    def sp(self, regs: Mapping[str, int]) -> int:
+        return regs["sp"]
+
+    def flags(self, regs: Mapping[str, int]) -> int:
+        return regs["psr"]
+
+    def user_mode(self, regs: Mapping[str, int]) -> bool:
+        return bool(regs["psr"] & USER)
+
+    def percpu_base(self, regs: Mapping[str, int]) -> int:
+        return regs.get("tpidr", 0)
+
+    # -- the blacklist ---------------------------------------------------------------------
+    def arch_populate_kprobe_blacklist(self) -> ArchBlacklist:
+        return ArchBlacklist(sections=(("__entry_text_start", "__entry_text_end", ".entry.text"),))
+
+    def arch_kretprobe_blacklist(self) -> frozenset[str]:
+        return frozenset({"toy_noreturn"})
+
+    # -- jump optimization: the toy has none -----------------------------------------------------
+    def arch_check_optimized_kprobe(self, func_code: bytes, func_start: int, addr: int, exception_table: object,
+                                    patched: Mapping[int, int], name: str) -> tuple[str | None, int]:  # fmt: skip
+        return "the toy architecture has no jump optimization", 0
+
+    def arch_prepare_optimized_kprobe(self, params: DetourParams, region: bytes, addr: int, near: int,
+                                      alloc: Callable[[int], int]) -> tuple[int, bytes, int]:  # fmt: skip
+        raise NotImplementedError("toy: no jump optimization")
+
+    def arch_optimize_kprobes(self, addr: int, detour: int) -> bytes:
+        raise NotImplementedError("toy: no jump optimization")
+
+    def arch_unoptimize_kprobes(self, jump: bytes, original: bytes) -> bytes:
+        return original
+
+    def arch_within_optimized_kprobe(self, addr: int, size: int, target: int) -> bool:
+        return addr < target < addr + size
+
+    # -- guest-RAM layouts: a mailbox, kretprobe instances ------------------------------------------
+    # A mailbox: u64 state, probe id, continue address, sp, r0, r1, then the answer's final ip and sp.
+    mailbox_size = 64
+    ring_header_size = 64
+    ring_entries = 16
+    ring_entry_size = 64
+    ring_head = 0
+    ring_tail = 8
+    ring_waits = 16
+    ring_lossy = 24
+    drain_doorbell = 0xFF
+    # An instance: u64 stack slot (0: free), return address, task, owner.
+    instance_size = 32
+    trampoline_id = 0
+    ring_entry_read_size = 64
+
+    def build_mailbox_stub(self, mailboxes: int, missed: int, percpu: PercpuLayout, port: int,
+                           address: int) -> bytes:  # fmt: skip
+        return BRK
+
+    def build_record_stub(self, rings: int, ncpus: int, lost: int, percpu: PercpuLayout, pid_offset: int,
+                          comm_offset: int, port: int, address: int) -> bytes:  # fmt: skip
+        return BRK
+
+    def return_layout(self, instances: int, count: int, trampolines: int, returns: int, stub: int,
+                      current_task: int) -> ToyReturnLayout:  # fmt: skip
+        return ToyReturnLayout(instances, count, trampolines, returns)
+
+    def build_return_trampolines(self, layout: ReturnLayout) -> bytes:
+        return (BRK + insn(NOP)) * layout.count + BRK + BRK
+
+    def return_int3s(self, layout: ReturnLayout) -> tuple[int, int]:
+        end = layout.trampolines + 8 * layout.count
+        return end, end + 4
+
+    def return_trampoline(self, address: int, stub: int) -> bytes:
+        return BRK
+
+    def new_instance(self, owner: int, mailbox: bool) -> bytes:
+        return struct.pack("<QQQQ", 0, 0, 0, owner | (mailbox << 32))
+
+    def parse_instances(self, raw: bytes) -> list[tuple[int, int, int, int]]:
+        out = []
+        for n, (slot, ret, task, _owner) in enumerate(struct.iter_unpack("<QQQQ", raw)):
+            if slot:
+                out.append((n, slot, ret, task))
+        return out
+
+    def instance_return_field(self, layout: ReturnLayout, i: int) -> int:
+        return layout.instance(i) + 8
+
+    def trampoline_index(self, layout: ReturnLayout, value: int) -> int | None:
+        off = value - layout.trampolines
+        return off // 8 if 0 <= off < 8 * layout.count and off % 8 == 0 else None
+
+    def read_mailbox(self, read: Callable[[int, int], bytes]) -> MailboxRequest | None:
+        state, probe_id, cont, sp, r0, r1 = struct.unpack("<6Q", read(0, 48))
+        if state != STATE_REQUEST:
+            return None
+        if probe_id > 0xFFFF:  # what a detour cannot have written: refused, as a hostile guest's
+            raise ProtocolError(f"mailbox names probe {probe_id:#x}")
+        return MailboxRequest(probe_id, {"r0": r0, "r1": r1, "sp": sp, "psr": IRQ}, cont, sp, sp)
+
+    def mailbox_answer(self, changed: Mapping[str, int], final_ip: int, final_sp: int) -> list[tuple[int, bytes]]:
+        writes = [(32 + 8 * ("r0", "r1").index(n), v.to_bytes(8, "little")) for n, v in changed.items()
+                  if n in ("r0", "r1")]  # fmt: skip
+        writes.append((48, struct.pack("<QQ", final_ip, final_sp)))
+        writes.append((0, STATE_DONE.to_bytes(8, "little")))
+        return writes
+
+    def parse_ring_entry(self, raw: bytes) -> RingEntry:
+        probe_id, cpu, pid, task, tsc, sp, r0, r1 = struct.unpack("<8Q", raw[:64])
+        return RingEntry(probe_id, cpu, pid, "", task, tsc, sp, {"r0": r0, "r1": r1, "sp": sp})
+
+    def guest_map_size(self, spec: KeySpec) -> int:
+        return 64 * (spec.words + 1) * 8
+
+    def parse_guest_map(self, spec: KeySpec, raw: bytes) -> dict[tuple[int, ...], MapSlot]:
+        n = spec.words + 1
+        rows = (struct.unpack_from(f"<{n}Q", raw, i * n * 8) for i in range(len(raw) // (n * 8)))
+        return {row[:-1]: MapSlot(row[-1]) for row in rows if row[-1]}
+
+
+# -- the target ---------------------------------------------------------------------------
+
+
+class ToyMemory:
+    """Guest RAM as one bytearray, and the virtual mappings of the toy kernel (GuestMemory and SharedRam)."""
+
+    pgd = 0
+    writable = True
+    REGIONS = ((TEXT, TEXT_SIZE, TEXT_PHYS), (SCRATCH, SCRATCH_SIZE, SCRATCH_PHYS), (STACK, STACK_SIZE, STACK_PHYS))
+
+    def __init__(self) -> None:
+        self.ram = bytearray(RAM_SIZE)
+
+    def pgd_of(self, root: int) -> int:
+        return 0
+
+    def virt_to_phys(self, addr: int, pgd: int | None = None) -> int:
+        for base, size, phys in self.REGIONS:
+            if base <= addr < base + size:
+                return phys + addr - base
+        raise MemoryFault(addr)
+
+    def read(self, addr: int, size: int, pgd: int | None = None) -> bytes:
+        phys = self.virt_to_phys(addr)
+        self.virt_to_phys(addr + size - 1)
+        return bytes(self.ram[phys : phys + size])
+
+    def read_u64(self, addr: int) -> int:
+        return int.from_bytes(self.read(addr, 8), "little")
+
+    def write(self, addr: int, data: bytes) -> None:
+        self.write_phys(self.virt_to_phys(addr), data)
+
+    def read_phys(self, phys: int, size: int) -> bytes:
+        if not 0 <= phys <= phys + size <= RAM_SIZE:
+            raise MemoryFault(phys, "outside guest RAM")
+        return bytes(self.ram[phys : phys + size])
+
+    def write_phys(self, phys: int, data: bytes) -> None:
+        if not 0 <= phys <= phys + len(data) <= RAM_SIZE:
+            raise MemoryFault(phys, "outside guest RAM")
+        self.ram[phys : phys + len(data)] = data
+
+    def read_u64_phys(self, phys: int) -> int:
+        return int.from_bytes(self.read_phys(phys, 8), "little")
+
+    def write_u64_phys(self, phys: int, value: int) -> None:
+        self.write_phys(phys, value.to_bytes(8, "little"))
+
+
+class ToyCpu:
+    """vCPUs executing the toy ISA, seen through the gdbstub interface (GdbTransport)."""
+
+    running = False
+
+    def __init__(self, mem: ToyMemory, ncpus: int = 2) -> None:
+        self.mem = mem
+        self.regs = {f"p1.{i + 1}": {"pc": TEXT, "sp": STACK + STACK_SIZE - 0x100, "psr": IRQ, "r0": 0, "r1": 0,
+                                     "r2": 0, "r3": 0, "elr": 0, "spsr": 0, "ttbr": 0, "tpidr": 0}
+                     for i in range(ncpus)}  # fmt: skip
+        self.breakpoints: list[tuple[int, int, int]] = []  # (addr, kind, length) as inserted
+        self.steps: list[tuple[str, int]] = []  # (vCPU, pc) of every step
+        self.written: list[tuple[str, dict[str, int]]] = []
+        self.phys = False
+
+    def handshake(self) -> StopReply:
+        return StopReply("T", 5, "p1.1", ())
+
+    def threads(self) -> list[str]:
+        return list(self.regs)
+
+    def read_registers(self, tid: str) -> dict[str, int]:
+        return dict(self.regs[tid])
+
+    def write_registers(self, tid: str, values: dict[str, int]) -> None:
+        self.written.append((tid, dict(values)))
+        self.regs[tid].update(values)
+
+    def set_physical(self, on: bool) -> None:
+        self.phys = on
+
+    def read_memory(self, addr: int, size: int) -> bytes:
+        return self.mem.read_phys(addr, size) if self.phys else self.mem.read(addr, size)
+
+    def write_memory(self, addr: int, data: bytes) -> None:
+        if self.phys:
+            self.mem.write_phys(addr, data)
+        else:
+            self.mem.write(addr, data)
+
+    def insert_breakpoint(self, addr: int, kind: int = 0, length: int = 1) -> None:
+        self.breakpoints.append((addr, kind, length))
+
+    def remove_breakpoint(self, addr: int, kind: int = 0, length: int = 1) -> None:
+        self.breakpoints.remove((addr, kind, length))  # ValueError for one never inserted, as the stub's E22
+
+    def cont(self) -> None:
+        raise AssertionError("the toy target never runs freely: tests drive each instruction")
+
+    def step(self, tid: str, timeout: float = 10.0) -> StopReply:
+        regs = self.regs[tid]
+        self.steps.append((tid, regs["pc"]))
+        self.execute(tid)
+        return StopReply("T", 5, tid, ())
+
+    def execute(self, tid: str) -> None:
+        """Run one instruction of ``tid`` (a breakpoint enters the exception at ENTRY)."""
+        regs = self.regs[tid]
+        pc = regs["pc"]
+        op, imm = self.mem.read(pc, 1)[0], int.from_bytes(self.mem.read(pc + 1, 3), "little")
+        if op == BRK_OP:
+            regs.update(elr=pc, spsr=regs["psr"], pc=ENTRY, psr=regs["psr"] & ~IRQ)
+            return
+        if op == ADDI:
+            regs["r0"] = (regs["r0"] + imm) & ((1 << 64) - 1)
+        elif op == LDR:
+            regs["r1"] = self.mem.read_u64(regs["sp"])
+        elif op == JMPL:
+            regs["pc"] = self.mem.read_u64(pc + 4)
+            return
+        elif op == RET:
+            regs["pc"], regs["sp"] = self.mem.read_u64(regs["sp"]), regs["sp"] + 8
+            return
+        elif op not in (NOP, BTI):
+            raise AssertionError(f"toy vCPU {tid} executed {op:#x} at {pc:#x}")
+        regs["pc"] = pc + 4
+
+    def interrupt(self) -> None:
+        pass
+
+    def wait_stop(self, timeout: float | None = 10.0) -> StopReply:
+        return StopReply("T", 2, "p1.1", ())
+
+    def poll_stop(self, timeout: float) -> StopReply | None:
+        return None
+
+    def detach(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class ToyJournal:
+    """The undo journal: what it holds, by physical address (as qprobe.vmm.journal.Journal, in memory)."""
+
+    def __init__(self) -> None:
+        self.patches: dict[int, Patch] = {}
+        self.meta: dict[str, int] = {}
+        self.batches = 0
+
+    def record(self, patch: Patch) -> None:
+        self.patches[patch.phys] = patch
+
+    def forget(self, phys: int) -> None:
+        self.patches.pop(phys, None)
+
+    record_often = record
+    forget_often = forget
+
+    def set_meta(self, **values: int) -> None:
+        self.meta.update(values)
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        self.batches += 1
+        yield
+
+
+class ToyMachine(Machine):
+    """Machine's guarded writes over the toy target, with no stop loop: ``call`` runs in the caller's thread."""
+
+    def __init__(self, cpu: ToyCpu, mem: ToyMemory) -> None:  # no thread: the test is the stop loop
+        self.gdb = cpu  # type: ignore[assignment]
+        self.mem = mem  # type: ignore[assignment]
+        self.journal = ToyJournal()  # type: ignore[assignment]
+        self.vcpus = cpu.threads()
+        self.stop_handlers = {}
+        self.watch_handlers = {}
+        self.after_stop = None
+        self.patch_watchers = []
+        self.data_writer = None
+
+    def call(self, fn: Callable[[], Any], timeout: float | None = 60.0) -> Any:
+        return fn()
+
+    def patch_data(self, virt: int, data: bytes, what: str) -> Patch:
+        p = Patch(self.mem.virt_to_phys(virt), virt, self.mem.read(virt, len(data)), data, what)
+        self.journal.record_often(p)
+        self.mem.write(virt, data)
+        return p
+
+    def write_phys(self, phys: int, data: bytes) -> None:
+        self.mem.write_phys(phys, data)
+
+
+class ToyScratch:
+    """The scratch area: first-fit allocations in [SCRATCH, SCRATCH + SCRATCH_SIZE), bounded."""
+
+    base = SCRATCH
+    GRANULE = 16
+
+    def __init__(self, machine: ToyMachine) -> None:
+        self.machine = machine
+        self.mapped = False
+        self.maps = 0
+        self.allocs: dict[int, int] = {}  # address -> size
+
+    def map(self) -> int:
+        self.mapped = True
+        self.maps += 1
+        return self.base
+
+    def unmap(self) -> None:
+        self.mapped = False
+        self.allocs.clear()
+
+    @property
+    def mapped_size(self) -> int:
+        return SCRATCH_SIZE
+
+    @property
+    def used(self) -> int:
+        return sum(self.allocs.values())
+
+    def contains(self, addr: int) -> bool:
+        return self.mapped and self.base <= addr < self.base + SCRATCH_SIZE
+
+    def alloc(self, size: int, align: int = GRANULE) -> int:
+        assert self.mapped, "alloc before map"
+        size = -(-size // self.GRANULE) * self.GRANULE
+        at = self.base
+        for start, length in sorted(self.allocs.items()):
+            at = -(-at // align) * align
+            if at + size <= start:
+                break
+            at = max(at, start + length)
+        at = -(-at // align) * align
+        if at + size > self.base + SCRATCH_SIZE:
+            raise ProbeError(f"qprobe's scratch area is full ({size} bytes wanted)")
+        self.allocs[at] = size
+        return at
+
+    def free(self, addr: int) -> None:
+        del self.allocs[addr]
+
+    def phys_of(self, addr: int) -> int:
+        return SCRATCH_PHYS + addr - self.base
+
+    def write(self, addr: int, data: bytes) -> None:
+        self.machine.write_phys(self.phys_of(addr), data)
+
+    @contextlib.contextmanager
+    def combined(self) -> Iterator[None]:
+        yield
+
+
+@dataclass
+class ToySymbols:
+    """The toy kernel's symbols: sized functions laid out in TEXT, and markers."""
+
+    functions: list[Symbol] = field(default_factory=list)
+    markers: dict[str, int] = field(default_factory=dict)
+    slide = 0
+
+    def add(self, name: str, code: bytes, at: int | None = None) -> int:
+        """A function of ``code`` at ``at`` (else after the last one), written into ``mem`` by ToyTarget."""
+        addr = at if at is not None else max((f.addr + f.size for f in self.functions), default=TEXT + 0x1000)
+        self.functions.append(Symbol(name, addr, len(code), "func"))
+        return addr
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.markers or any(f.name == name for f in self.functions)
+
+    def address(self, name: str) -> int:
+        if name in self.markers:
+            return self.markers[name]
+        return self.lookup(name).addr
+
+    def lookup(self, name: str) -> Symbol:
+        for f in self.functions:
+            if f.name == name:
+                return f
+        raise SymbolError(f"no symbol {name!r}")
+
+    def containing(self, addr: int) -> Symbol | None:
+        return next((f for f in self.functions if f.addr <= addr < f.addr + f.size), None)
+
+    def function(self, addr: int) -> Symbol | None:
+        return self.containing(addr)
+
+    def is_text(self, addr: int) -> bool:
+        return TEXT <= addr < TEXT + TEXT_SIZE
+
+    def symbolize(self, addr: int) -> str:
+        f = self.containing(addr)
+        return f"{f.name}+{addr - f.addr:#x}" if f else f"{addr:#x}"
+
+    def names(self) -> list[str]:
+        return [f.name for f in self.functions] + list(self.markers)
+
+    def kallsyms_size(self, sym: Symbol) -> int:
+        return sym.size
+
+    def fentry_site(self, addr: int, fentry: int) -> bool:
+        return False
+
+    def exception_table(self) -> None:
+        return None
+
+    def module_of(self, addr: int) -> None:
+        return None  # no modules: vmlinux only
+
+
+class _NoProgram:
+    def type(self, name: str) -> object:
+        raise LookupError(f"the toy kernel has no debug info ({name})")
+
+
+@dataclass
+class ToyKernel:
+    """KernelData as the core reads it: symbols, memory, no debug info, tasks by their per-CPU base."""
+
+    symbols: ToySymbols
+    mem: ToyMemory
+    prog: _NoProgram = field(default_factory=_NoProgram)
+    current_task_offset = 0x40
+
+    def snapshot(self, task: int = 0, gs_base: int = 0) -> Any:
+        return SimpleNamespace(task=task or 0x1000 + gs_base, gs_base=gs_base)
+
+    def type_offset(self, struct_name: str, member: str) -> int:
+        raise LookupError(f"the toy kernel has no debug info ({struct_name})")
+
+
+class ToyTarget:
+    """One toy guest: memory, vCPUs, machine, symbols (the #BP entry and an entry-text section) and scratch."""
+
+    def __init__(self, ncpus: int = 2) -> None:
+        self.mem = ToyMemory()
+        self.cpu = ToyCpu(self.mem, ncpus)
+        self.machine = ToyMachine(self.cpu, self.mem)
+        self.symbols = ToySymbols()
+        # The names kernel.features looks the #BP entry up by (x86's, until the trap-hook site is the arch's).
+        self.symbols.markers.update({"asm_exc_int3": ENTRY, "__entry_text_start": TEXT + 0x100,
+                                     "__entry_text_end": TEXT + 0x200})  # fmt: skip
+        self.kernel = ToyKernel(self.symbols, self.mem)
+        self.scratch = ToyScratch(self.machine)
+
+    def function(self, name: str, *code: bytes) -> int:
+        """Define a function of these instructions; its address."""
+        text = b"".join(code)
+        addr = self.symbols.add(name, text)
+        self.mem.write(addr, text)
+        return addr
+
+    def regs(self, tid: str) -> dict[str, int]:
+        return self.cpu.regs[tid]
+
+
+class Rig:
+    """A toy target with a KprobeManager on it, the functions the tests probe, and a way to run its vCPUs.
+
+    The toy kernel has no ``bp_desc``, so the dispatcher hooks traps with a breakpoint on ENTRY.
+    """
+
+    def __init__(self) -> None:
+        self.t = ToyTarget()
+        self.fn = self.t.function("toy_fn", insn(BTI), insn(NOP), insn(ADDI, 5), insn(LDR), insn(NOP))
+        self.other = self.t.function("toy_other", insn(ADDI, 7), insn(NOP))
+        self.bad = self.t.function("toy_bad", bytes(4), insn(NOP))
+        self.load = self.t.function("toy_load", insn(LDR), insn(NOP))
+        self.t.symbols.add("toy_entry", insn(NOP) * 4, at=ENTRY)  # inside the entry-text section
+        self.t.mem.write(ENTRY, insn(NOP) * 4)
+        self.km = KprobeManager(self.t.machine, self.t.kernel, self.t.scratch, Toy())  # type: ignore[arg-type]
+        self.text = bytes(self.t.mem.ram[TEXT_PHYS : TEXT_PHYS + TEXT_SIZE])
+
+    def text_unchanged(self) -> bool:
+        return bytes(self.t.mem.ram[TEXT_PHYS : TEXT_PHYS + TEXT_SIZE]) == self.text
+
+    def at(self, addr: int) -> bytes:
+        return self.t.mem.read(addr, 4)
+
+    def run(self, tid: str, pc: int, **regs: int) -> None:
+        """Put ``tid`` at ``pc`` with interrupts on and ``regs`` set, and execute one instruction (``step``)."""
+        cpu = self.t.regs(tid)
+        cpu.update(pc=pc, psr=IRQ, **regs)
+        self.step(tid)
+
+    def step(self, tid: str) -> None:
+        """Execute one instruction of ``tid``; a breakpoint goes to the dispatcher as the stop loop sends it."""
+        self.t.cpu.execute(tid)
+        regs = self.t.regs(tid)
+        if regs["pc"] == ENTRY:
+            self.km.dispatcher.on_entry_stop(tid, dict(regs))
+
+
+__all__ = ["Rig", "Toy", "ToyCpu", "ToyMachine", "ToyMemory", "ToyScratch", "ToySymbols", "ToyTarget", "insn"]

@@ -1,0 +1,200 @@
+"""Return probes held by the host (qprobe.core.kretprobe) on the toy architecture.
+
+A toy function is called by putting a return address on a toy stack and
+running the vCPU through it: the entry's breakpoint takes an instance and
+puts the trampoline's address in the stack slot, the function's RET goes to
+the trampoline, whose breakpoint pairs the return with its instance by that
+slot.  Tasks are told apart by their per-CPU base (``tpidr``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fakearch import ADDI, BTI, ENTRY, IRQ, NOP, RET, STACK, TEXT_PHYS, TEXT_SIZE, Rig, insn
+
+from qprobe.core.kprobe import Kretprobe, KretprobeInstance
+from qprobe.core.kretprobe import KretprobeManager
+from qprobe.errors import InvalidProbe, ProbeError
+
+A, B = "p1.1", "p1.2"
+CALLER = 0xFFFF_8000_0000_9000  # return addresses: in text, never executed here
+
+
+class Calls(Rig):
+    def __init__(self) -> None:
+        super().__init__()
+        self.callee = self.t.function("toy_callee", insn(BTI), insn(ADDI, 1), insn(NOP), insn(RET))
+        self.t.function("toy_noreturn", insn(NOP), insn(NOP))
+        self.rpm = KretprobeManager(self.km)
+        self.text = bytes(self.t.mem.ram[TEXT_PHYS : TEXT_PHYS + TEXT_SIZE])
+
+    def enter(self, tid: str, sp: int, ret: int, task: int) -> None:
+        """``tid`` (running task ``task``) calls toy_callee from ``ret``: up to its RET."""
+        self.t.mem.write(sp, ret.to_bytes(8, "little"))
+        self.run(tid, self.callee, sp=sp, tpidr=task, r0=0)
+        while self.t.mem.read(self.t.regs(tid)["pc"], 1)[0] != RET:
+            self.step(tid)
+
+    def leave(self, tid: str) -> int:
+        """``tid`` executes the RET (and the trampoline's breakpoint, if it returns there); where it goes on."""
+        self.step(tid)
+        if self.t.regs(tid)["pc"] == self.rpm.trampoline:
+            self.step(tid)
+        return self.t.regs(tid)["pc"]
+
+
+@pytest.fixture
+def calls() -> Calls:
+    return Calls()
+
+
+def slot(n: int) -> int:
+    return STACK + 0x1000 * (n + 1) - 8
+
+
+def test_a_return_runs_the_handler_with_the_return_value_and_goes_back_to_the_caller(calls: Calls) -> None:
+    seen: list[tuple[int, int, int, int]] = []
+
+    def handler(ri: KretprobeInstance, regs: Any) -> None:
+        seen.append((ri.ret_addr, ri.stack_slot, regs.r0, regs.ip))
+
+    rp = Kretprobe("toy_callee", handler=handler, maxactive=4)
+    calls.rpm.register_kretprobe(rp)
+    assert rp.kp.resolved == calls.callee + 4  # past the landing pad
+    calls.enter(A, slot(0), CALLER, task=1)
+    assert calls.t.mem.read_u64(slot(0)) == calls.rpm.trampoline  # the return address, swapped
+    assert (len(rp.live), len(rp.free)) == (1, 3)
+    assert calls.leave(A) == CALLER
+    assert seen == [(CALLER, slot(0), 1, calls.rpm.trampoline)]
+    assert (rp.nhit, rp.nreturns, rp.nmissed) == (1, 1, 0)
+    assert (len(rp.live), len(rp.free), calls.rpm.by_slot) == (0, 4, {})
+    # The stack patch is forgotten once consumed: the journal holds the entry's breakpoint only.
+    assert [p.what for p in calls.t.machine.journal.patches.values()] == ["int3"]
+
+
+def test_maxactive_bounds_the_calls_in_flight_and_the_rest_count_as_missed(calls: Calls) -> None:
+    returns: list[tuple[int, int]] = []
+    rp = Kretprobe("toy_callee", handler=lambda ri, regs: returns.append((ri.ret_addr, ri.task.gs_base)),
+                   maxactive=2)  # fmt: skip
+    calls.rpm.register_kretprobe(rp)
+    # Three tasks in the function at once (two vCPUs, one of them preempted): only two are probed.
+    calls.enter(A, slot(0), CALLER + 0, task=10)
+    calls.enter(B, slot(1), CALLER + 4, task=11)
+    calls.t.regs("p1.1").update(pc=calls.callee + 4)  # A switches to a third task, which calls it too
+    calls.enter(A, slot(2), CALLER + 8, task=12)
+    assert (rp.nhit, rp.nmissed, len(rp.live)) == (3, 1, 2)
+    assert calls.t.mem.read_u64(slot(2)) == CALLER + 8  # the missed call keeps its return address
+    assert calls.leave(A) == CALLER + 8
+    assert returns == []
+    # The others return out of order, each to its own caller with its own instance.
+    calls.t.regs(A).update(pc=calls.callee + 12, sp=slot(0))
+    assert calls.leave(B) == CALLER + 4
+    assert calls.leave(A) == CALLER + 0
+    assert returns == [(CALLER + 4, 11), (CALLER + 0, 10)]
+    assert (rp.nreturns, len(rp.free)) == (2, 2)
+
+
+def test_an_instance_whose_call_cannot_return_is_reclaimed_instead_of_missing(calls: Calls) -> None:
+    rp = Kretprobe("toy_callee", maxactive=1)
+    calls.rpm.register_kretprobe(rp)
+    calls.enter(A, slot(0), CALLER, task=1)
+    calls.t.mem.write(slot(0), bytes(8))  # the task exited inside the function: its stack is reused
+    calls.t.regs(A).update(pc=calls.callee + 4)
+    calls.enter(A, slot(1), CALLER + 4, task=2)
+    assert (rp.nhit, rp.nmissed, list(rp.live)) == (2, 0, [slot(1)])
+    assert calls.leave(A) == CALLER + 4
+
+
+def test_entry_handler_shares_data_with_the_handler_and_can_leave_a_call_unprobed(calls: Calls) -> None:
+    got: list[bytes] = []
+
+    def entry(ri: KretprobeInstance, regs: Any) -> int:
+        if regs.sp == slot(1):
+            return 1  # not this call
+        ri.data[:] = regs.sp.to_bytes(8, "little")
+        return 0
+
+    rp = Kretprobe("toy_callee", handler=lambda ri, regs: got.append(bytes(ri.data)), entry_handler=entry,
+                   maxactive=1, data_size=8)  # fmt: skip
+    calls.rpm.register_kretprobe(rp)
+    calls.enter(B, slot(1), CALLER + 4, task=2)
+    assert (len(rp.free), calls.t.mem.read_u64(slot(1))) == (1, CALLER + 4)  # the instance went back unused
+    assert calls.leave(B) == CALLER + 4
+    calls.enter(A, slot(0), CALLER, task=1)
+    assert calls.leave(A) == CALLER
+    assert got == [slot(0).to_bytes(8, "little")]
+    assert rp.free[0].data == bytearray(8)  # cleared for the next call
+
+
+def test_unregistering_puts_back_the_return_address_of_every_call_in_flight(calls: Calls) -> None:
+    rp = Kretprobe("toy_callee", handler=lambda ri, regs: pytest.fail("handler after unregister"))
+    calls.rpm.register_kretprobe(rp)
+    calls.enter(A, slot(0), CALLER, task=1)
+    assert calls.km.fix_return(slot(0), calls.rpm.trampoline) == CALLER  # what an unwinder sees meanwhile
+    calls.rpm.unregister_kretprobe(rp)
+    assert calls.t.mem.read_u64(slot(0)) == CALLER
+    assert calls.leave(A) == CALLER
+    assert (rp.registered, rp.live, calls.rpm.registered) == (False, {}, set())
+    assert calls.text_unchanged()
+
+
+def test_a_return_through_the_trampoline_with_no_instance_is_an_error(calls: Calls) -> None:
+    rp = Kretprobe("toy_callee")
+    calls.rpm.register_kretprobe(rp)
+    calls.t.regs(A).update(pc=calls.rpm.trampoline, sp=slot(3) + 8, psr=IRQ)
+    calls.t.cpu.execute(A)
+    assert calls.t.regs(A)["pc"] == ENTRY
+    with pytest.raises(ProbeError, match="no instance for stack slot"):
+        calls.km.dispatcher.on_entry_stop(A, dict(calls.t.regs(A)))
+
+
+@pytest.mark.parametrize(
+    ("where", "error", "words"),
+    [
+        ({"symbol_name": "toy_callee", "offset": 8}, InvalidProbe, "not a function entry"),
+        ({"symbol_name": "toy_noreturn"}, ProbeError, "does not return to its caller"),
+    ],
+)
+def test_refused_return_probes_leave_nothing_behind(calls: Calls, where: dict[str, Any], error: type,
+                                                    words: str) -> None:  # fmt: skip
+    rp = Kretprobe(**where)
+    with pytest.raises(error, match=words):
+        calls.rpm.register_kretprobe(rp)
+    assert (rp.registered, calls.km.points, calls.rpm.registered) == (False, {}, set())
+    assert calls.text_unchanged()
+
+
+@pytest.mark.parametrize(("preemptible", "default"), [(False, 2), (True, 10)])
+def test_default_maxactive_is_the_kernels(calls: Calls, preemptible: bool, default: int) -> None:
+    calls.rpm.preemptible = preemptible
+    rp = Kretprobe("toy_callee")
+    calls.rpm.register_kretprobe(rp)
+    assert len(rp.free) == default
+
+
+def test_registering_a_registered_return_probe_is_einval_and_leaves_its_calls_alone(calls: Calls) -> None:
+    returns: list[int] = []
+    rp = Kretprobe("toy_callee", handler=lambda ri, regs: returns.append(ri.ret_addr), maxactive=2)
+    calls.rpm.register_kretprobe(rp)
+    calls.enter(A, slot(0), CALLER, task=1)
+    with pytest.raises(InvalidProbe, match="already registered"):
+        calls.rpm.register_kretprobe(rp)
+    assert (len(rp.live), len(rp.free)) == (1, 1)  # still maxactive instances in all
+    assert calls.leave(A) == CALLER
+    assert returns == [CALLER]  # the call in flight still returns through the handler
+    assert (rp.registered, len(rp.free)) == (True, 2)
+
+
+def test_an_entry_whose_stack_cannot_be_read_keeps_its_instance(calls: Calls) -> None:
+    rp = Kretprobe("toy_callee", maxactive=1)
+    calls.rpm.register_kretprobe(rp)
+    calls.run(A, calls.callee, sp=0xFFFF_9000_0000_0000)  # BTI: its sp is not mapped
+    calls.step(A)  # the entry's breakpoint: the return address cannot be read
+    assert (rp.nhit, rp.kp.nfaults, len(rp.live)) == (1, 1, 0)
+    assert "MemoryFault" in rp.kp.errors[0]
+    assert len(rp.free) == 1  # the instance is not lost: the next call is probed
+    calls.enter(B, slot(1), CALLER, task=2)
+    assert (rp.nmissed, len(rp.live)) == (0, 1)
+    assert calls.leave(B) == CALLER

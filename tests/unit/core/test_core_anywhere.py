@@ -1,0 +1,78 @@
+"""Probes on the gdbstub's own breakpoints (qprobe.core.anywhere) on the toy architecture.
+
+Nothing is written into the text, the blacklist is no bar, a hit runs the
+handlers and then the instruction in place (a host single-step), and the
+breakpoint goes when its last probe does.
+"""
+
+from __future__ import annotations
+
+import pytest
+from fakearch import ADDI, ENTRY, NOP, Rig
+
+from qprobe.core.kprobe import Kprobe
+from qprobe.errors import Blacklisted, InvalidProbe
+from qprobe.vmm.gdbremote import BREAK_HW
+
+A = "p1.1"
+
+
+@pytest.fixture
+def rig() -> Rig:
+    return Rig()
+
+
+def _hit(rig: Rig, addr: int, **regs: int) -> dict[str, int]:
+    """The VM stopped with vCPU A on ``addr`` (a stub breakpoint there): what the stop loop does."""
+    cpu = rig.t.regs(A)
+    cpu.update(pc=addr, **regs)
+    rig.t.machine.stop_handlers[addr](A, dict(cpu))
+    return rig.t.regs(A)
+
+
+def test_a_blacklisted_instruction_is_probed_without_a_write(rig: Rig) -> None:
+    with pytest.raises(Blacklisted):
+        rig.km.register_kprobe(Kprobe(addr=ENTRY + 4))
+    seen: list[tuple[int, int]] = []
+    kp = Kprobe(addr=ENTRY + 4, anywhere=True, pre_handler=lambda k, regs: seen.append((regs.ip, regs.r0)) or 0,
+                post_handler=lambda k, regs: seen.append((regs.ip, regs.r0)))  # fmt: skip
+    rig.km.register_kprobe(kp)
+    assert rig.text_unchanged() and (ENTRY + 4, BREAK_HW, 1) in rig.t.cpu.breakpoints
+    assert "[ANYWHERE]" in rig.km.list_probes()
+    after = _hit(rig, ENTRY + 4, r0=1)
+    # The handler before the instruction, the instruction run where it is (a NOP), the post_handler after it.
+    assert seen == [(ENTRY + 4, 1), (ENTRY + 8, 1)] and after["pc"] == ENTRY + 8
+    assert kp.nhit == 1 and rig.t.cpu.steps == [(A, ENTRY + 4)]
+    rig.km.unregister_kprobe(kp)
+    assert rig.t.cpu.breakpoints == [] and ENTRY + 4 not in rig.t.machine.stop_handlers and rig.text_unchanged()
+
+
+def test_a_pre_handler_that_moves_ip_skips_the_instruction(rig: Rig) -> None:
+    addr = rig.fn + 8  # ADDI 5
+
+    def skip(kp: Kprobe, regs: object) -> int:
+        regs.ip += 4  # type: ignore[attr-defined]
+        return 1
+
+    rig.km.register_kprobe(Kprobe(addr=addr, anywhere=True, pre_handler=skip))
+    after = _hit(rig, addr, r0=10)
+    assert rig.t.mem.read(addr, 1)[0] == ADDI
+    assert after["pc"] == addr + 4 and after["r0"] == 10 and rig.t.cpu.steps == []  # the ADDI never ran
+
+
+def test_disabled_probes_still_step_and_an_int3_probe_cannot_share_the_address(rig: Rig) -> None:
+    addr = rig.fn + 4  # NOP
+    assert rig.t.mem.read(addr, 1)[0] == NOP
+    kp = Kprobe(addr=addr, anywhere=True, disabled=True)
+    rig.km.register_kprobe(kp)
+    after = _hit(rig, addr)
+    assert kp.nhit == 0 and after["pc"] == addr + 4  # the breakpoint must not stop the vCPU for ever
+    with pytest.raises(InvalidProbe, match="EBUSY"):
+        rig.km.register_kprobe(Kprobe(addr=addr))
+    rig.km.unregister_kprobe(kp)
+    plain = Kprobe(addr=addr)
+    rig.km.register_kprobe(plain)
+    with pytest.raises(InvalidProbe, match="EBUSY"):
+        rig.km.register_kprobe(Kprobe(addr=addr, anywhere=True))
+    rig.km.unregister_kprobe(plain)
+    assert rig.text_unchanged()

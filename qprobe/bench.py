@@ -563,14 +563,14 @@ def _trace_lines(target: qprobe.Target) -> list[tuple[str, str]]:
 
 
 # Several hundred events from one glob: the syscall entry points (451 on debian-cloud's 6.1).
-WILDCARD = "p:qpwild __x64_sys_*"
+WILDCARD = "__x64_sys_*"
 
 
 def _wildcard_teardown(target: qprobe.Target) -> tuple[int, float, float]:
     """(N, arming s, removal s) of one glob's N events, removed once the optimizer has placed their jumps
     (as in a ``qprobe trace`` left running before its Ctrl-C)."""
     t = time.perf_counter()
-    wild = target.add_events(WILDCARD)
+    wild = target.add_events(f"p:qpwild {WILDCARD}")
     arm = time.perf_counter() - t
     _wait_for_optimizer(target)
     t = time.perf_counter()
@@ -579,9 +579,9 @@ def _wildcard_teardown(target: qprobe.Target) -> tuple[int, float, float]:
 
 
 def _trace_ctrl_c(args: argparse.Namespace) -> tuple[int, float, int, int]:
-    """``qprobe trace WILDCARD`` in its own VM, one SIGINT once it is tracing: (N, seconds from the SIGINT to
+    """``qprobe trace 'p:sys WILDCARD'`` in its own VM, one SIGINT once it is tracing: (N, seconds from the SIGINT to
     its exit, its exit status, its summary's rows)."""
-    definition = WILDCARD.replace("qpwild", "sys")
+    definition = f"p:sys {WILDCARD}"
     argv = [sys.executable, "-m", "qprobe.cli", "trace", "--image", args.image, "--smp", str(args.smp),
             "--memory", args.memory, definition]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -612,13 +612,13 @@ def _teardown_rows(wild: tuple[int, float, float] | None, ctrl_c: tuple[int, flo
     targets: list[str] = []
     if wild is not None:
         n, arm, remove = wild
-        rows += [(f"arming {n} events of one glob (`{WILDCARD}`, `Target.add_events`)", f"{arm:.2f} s"),
+        rows += [(f"arming {n} events of one glob (`p:qpwild {WILDCARD}`, `Target.add_events`)", f"{arm:.2f} s"),
                  (f"removing those {n} events (`Target.remove_events`)", f"{remove:.2f} s")]  # fmt: skip
         targets.append(f"- {'met' if remove <= 2 * arm else 'NOT met'}: removing {n} events takes ≤ 2x arming "
                        f"them ({remove:.2f} s vs {arm:.2f} s)")  # fmt: skip
     if ctrl_c is not None:
         n, seconds, status, summary = ctrl_c
-        rows.append((f"`qprobe trace` with {n} events of `{WILDCARD}`: one SIGINT to its exit",
+        rows.append((f"`qprobe trace 'p:sys {WILDCARD}'` ({n} events): one SIGINT to its exit",
                      f"{seconds:.2f} s (exit {status}, {summary} summary rows)"))  # fmt: skip
         targets.append(f"- {'met' if seconds <= 3 else 'NOT met'}: Ctrl-C ends `qprobe trace` with {n} events "
                        f"armed within 3 s ({seconds:.2f} s)")  # fmt: skip

@@ -33,6 +33,10 @@ Markers
     ``@pytest.mark.qprobe_needs_config("CONFIG_X")``   skip on images whose config does not set X;
     ``@pytest.mark.qprobe_needs_config("PREEMPT_RT", "y")``  ... or sets it to another value.
 
+A test whose VM dies (QEMU killed, a panic) ends at once, wherever it waits,
+and fails with one line, ``qprobe: error: the VM is gone: ...``; the module's
+later tests on that image fail saying so.
+
 A failing test's report carries the tail of the guest console (the kernel's
 log), the tail of the guest shell (the commands' output), the oops lines and
 the probes that were registered; ``--qprobe-keep`` leaves the VM of a failing

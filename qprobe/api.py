@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import hashlib
 import json
@@ -22,9 +23,9 @@ import signal
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import TYPE_CHECKING
 
 import drgn
@@ -269,6 +270,54 @@ class Target:
             if left <= 0:
                 return
             time.sleep(left)
+
+    @contextlib.contextmanager
+    def interrupt_when_gone(self) -> Iterator[None]:
+        """Within the block, the VM's death raises GoneInterrupt in the main thread at once, wherever it waits.
+
+        For callers that wait on something other than the VM (a REPL's prompt, a test's sleep): the stop
+        loop sees QEMU go within a fraction of a second and sends this process's main thread a SIGINT,
+        which the handler set here turns into GoneInterrupt; any other SIGINT goes to the handler it
+        replaced.  Outside the main thread (where signals cannot be handled) the block runs as it is.
+        """
+        from qprobe.errors import GoneInterrupt
+
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        main = threading.main_thread().ident
+        assert main is not None
+        lock = threading.Lock()
+        state = {"active": True, "sent": False}
+
+        def on_gone() -> None:
+            with lock:
+                if state["active"]:
+                    state["sent"] = True
+                    signal.pthread_kill(main, signal.SIGINT)
+
+        def on_sigint(signum: int, frame: FrameType | None) -> None:
+            if state["sent"]:
+                state["sent"] = False  # raised once; the unwinding that follows is left alone
+                try:
+                    self.machine.check_alive()
+                except TargetGone as exc:
+                    raise GoneInterrupt(exc) from None
+            if callable(previous):
+                previous(signum, frame)
+            elif previous != signal.SIG_IGN:
+                raise KeyboardInterrupt
+
+        previous = signal.signal(signal.SIGINT, on_sigint)
+        self.machine.gone_watchers.append(on_gone)
+        try:
+            self.machine.check_alive()  # gone before the block: the watcher will not be called
+            yield
+        finally:
+            with lock:
+                state["active"] = False
+            self.machine.gone_watchers.remove(on_gone)
+            signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
 
     def sync(self) -> None:
         """Bring ``nhit``/``nmissed`` and event records up to date with what the guest did so far.

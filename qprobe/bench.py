@@ -13,6 +13,7 @@ import shutil
 import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -561,6 +562,69 @@ def _trace_lines(target: qprobe.Target) -> list[tuple[str, str]]:
     return rows
 
 
+# Several hundred events from one glob: the syscall entry points (451 on debian-cloud's 6.1).
+WILDCARD = "__x64_sys_*"
+
+
+def _wildcard_teardown(target: qprobe.Target) -> tuple[int, float, float]:
+    """(N, arming s, removal s) of one glob's N events, removed once the optimizer has placed their jumps
+    (as in a ``qprobe trace`` left running before its Ctrl-C)."""
+    t = time.perf_counter()
+    wild = target.add_events(f"p:qpwild {WILDCARD}")
+    arm = time.perf_counter() - t
+    _wait_for_optimizer(target)
+    t = time.perf_counter()
+    target.remove_events(wild.events)
+    return len(wild.events), arm, time.perf_counter() - t
+
+
+def _trace_ctrl_c(args: argparse.Namespace) -> tuple[int, float, int, int]:
+    """``qprobe trace 'p:sys WILDCARD'`` in its own VM, one SIGINT once it is tracing: (N, seconds from the SIGINT to
+    its exit, its exit status, its summary's rows)."""
+    definition = f"p:sys {WILDCARD}"
+    argv = [sys.executable, "-m", "qprobe.cli", "trace", "--image", args.image, "--smp", str(args.smp),
+            "--memory", args.memory, definition]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    try:
+        said = ""
+        while "Ctrl-C to stop" not in said:
+            said = proc.stderr.readline()
+            if not said and proc.poll() is not None:
+                raise TargetError(f"`qprobe trace {definition!r}` ended before it traced: {proc.stderr.read()[-300:]}")
+        n = int(re.search(r"tracing (\d+) event", said).group(1))  # type: ignore[union-attr]
+        time.sleep(2)  # running, as a trace is when someone presses Ctrl-C
+        t = time.perf_counter()
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=600)
+        seconds = time.perf_counter() - t
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return n, seconds, proc.returncode, sum(line.startswith("# ") for line in out.splitlines())
+
+
+def _teardown_rows(wild: tuple[int, float, float] | None, ctrl_c: tuple[int, float, int, int] | None
+                   ) -> tuple[list[tuple[str, str]], list[str]]:  # fmt: skip
+    """The wildcard's rows and their targets: removal within 2x the arming, Ctrl-C's exit within 3 s."""
+    rows: list[tuple[str, str]] = []
+    targets: list[str] = []
+    if wild is not None:
+        n, arm, remove = wild
+        rows += [(f"arming {n} events of one glob (`p:qpwild {WILDCARD}`, `Target.add_events`)", f"{arm:.2f} s"),
+                 (f"removing those {n} events (`Target.remove_events`)", f"{remove:.2f} s")]  # fmt: skip
+        targets.append(f"- {'met' if remove <= 2 * arm else 'NOT met'}: removing {n} events takes ≤ 2x arming "
+                       f"them ({remove:.2f} s vs {arm:.2f} s)")  # fmt: skip
+    if ctrl_c is not None:
+        n, seconds, status, summary = ctrl_c
+        rows.append((f"`qprobe trace 'p:sys {WILDCARD}'` ({n} events): one SIGINT to its exit",
+                     f"{seconds:.2f} s (exit {status}, {summary} summary rows)"))  # fmt: skip
+        targets.append(f"- {'met' if seconds <= 3 else 'NOT met'}: Ctrl-C ends `qprobe trace` with {n} events "
+                       f"armed within 3 s ({seconds:.2f} s)")  # fmt: skip
+    return rows, targets
+
+
 def _cost(row: Row) -> float:
     """µs added per hit for comparing rows: a negative figure (the guest measured faster) is noise, 0."""
     return max(row.added_us, 0.0)
@@ -696,9 +760,12 @@ def run_bench(args: argparse.Namespace) -> int:
 
         rows += _probe_matrix(target, args) if "probes" in args.sections else []
         rows += _trace_lines(target) if "trace" in args.sections else []
+        wild = _wildcard_teardown(target) if "trace" in args.sections else None
         scale, scale_names = _scale(target, args) if "scale" in args.sections else ([], [])
     if scale_names:
         scale = sorted(scale + _guest_scale_rows(args, scale_names, accel), key=lambda row: row.n)
+    teardown, teardown_targets = _teardown_rows(wild, _trace_ctrl_c(args) if "trace" in args.sections else None)
+    rows += teardown
     gdb_rows = _gdb_rows(args) if "gdb" in args.sections else []
     report = [
         f"qprobe bench: {platform.node()}, {platform.machine()}, {os.cpu_count()} CPUs, -accel {accel}, "
@@ -719,6 +786,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "",
         *_targets([v for _, v in rows if isinstance(v, Row)] + gdb_rows),
         *_scale_targets(scale),
+        *teardown_targets,
         "",
         f"Scale: N probes on distinct functions the fork-heavy loop reaches (hottest first; from the guest's "
         f"function tracer, those its kprobe_events accepts and qprobe optimizes); slowdown of {SCALE_ITERATIONS} "

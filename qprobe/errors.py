@@ -19,6 +19,18 @@ class TargetGone(TargetError):
     """QEMU exited or the connection to it closed."""
 
 
+class GoneInterrupt(SystemExit):
+    """The VM died while the main thread waited elsewhere (a prompt, a sleep, a test's loop).
+
+    Raised in the main thread at once, as Ctrl-C raises KeyboardInterrupt, by ``Target.interrupt_when_gone``;
+    a SystemExit, so that a REPL's or a test's own ``except Exception`` lets it through.  ``gone`` says why.
+    """
+
+    def __init__(self, gone: TargetGone) -> None:
+        super().__init__(str(gone))
+        self.gone = gone
+
+
 class GuestPanicked(TargetGone):
     """The VM ended and its console shows the guest kernel's panic."""
 

@@ -33,6 +33,10 @@ Markers
     ``@pytest.mark.qprobe_needs_config("CONFIG_X")``   skip on images whose config does not set X;
     ``@pytest.mark.qprobe_needs_config("PREEMPT_RT", "y")``  ... or sets it to another value.
 
+A test whose VM dies (QEMU killed, a panic) ends at once, wherever it waits,
+and fails with one line, ``qprobe: error: the VM is gone: ...``; the module's
+later tests on that image fail saying so.
+
 A failing test's report carries the tail of the guest console (the kernel's
 log), the tail of the guest shell (the commands' output), the oops lines and
 the probes that were registered; ``--qprobe-keep`` leaves the VM of a failing
@@ -313,6 +317,7 @@ class QprobeReset:
         self.module_text: dict[int, int] = {}  # snapshot start -> the struct module whose text it is
         self.oops_seen = len(self.target.oopses())
         self.handler_errors_seen = len(self.target.kprobes.handler_errors)
+        self.gone_said = False  # the test failed for the VM's death: teardown does not say it again
 
     # -- text snapshots ------------------------------------------------------------------
     def _pristine(self, start: int, size: int) -> bytes:
@@ -365,6 +370,19 @@ class QprobeReset:
             watchers.remove(self._before_patch)
 
     # -- checks ------------------------------------------------------------------------
+    def gone(self, exc: BaseException) -> str | None:
+        """Why the VM is gone, if ``exc`` (the test's) came of its end; said then as the test's failure."""
+        from qprobe.errors import GoneInterrupt, TargetGone
+
+        if not isinstance(exc, GoneInterrupt | TargetGone):
+            return None
+        try:
+            self.target.machine.check_alive(wait=2.0)  # the stop loop says why QEMU went
+        except TargetGone as why:
+            self.gone_said = True
+            return str(why)
+        return None
+
     def new_oopses(self) -> list[str]:
         lines = self.target.oopses()
         new, self.oops_seen = lines[self.oops_seen :], len(lines)
@@ -421,7 +439,8 @@ class QprobeReset:
             self._stop_watching()
         if not t.machine.alive or (t.qemu is not None and not t.qemu.alive()):
             self.vm.gone = f"the {self.vm.image} VM died during {self.item.nodeid}"
-            problems.append(self.vm.gone)
+            if not self.gone_said:
+                problems.append(self.vm.gone)
         oopses = self.new_oopses()
         if oopses:
             problems.append("the guest kernel reported:\n  " + "\n  ".join(oopses))
@@ -553,12 +572,23 @@ def _keep(config: pytest.Config, vm: _Vm, item: pytest.Item, report: pytest.Test
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     reset = item.stash.get(_RESET, None)
+    gone = None
     try:
-        result = yield
-    except BaseException:
-        if reset is not None:
-            reset.new_oopses()  # the failure's report lists them; no second error at teardown
-        raise
+        if reset is None:
+            result = yield
+        else:
+            # A VM that dies mid-test ends the test at once, wherever it waits (a sleep, a loop on a count).
+            with reset.target.interrupt_when_gone():
+                result = yield
+    except BaseException as exc:
+        if reset is None:
+            raise
+        reset.new_oopses()  # the failure's report lists them; no second error at teardown
+        gone = reset.gone(exc)
+        if gone is None:
+            raise
+    if gone is not None:  # one line, not the traceback of wherever the test happened to be
+        pytest.fail(f"qprobe: error: {gone}", pytrace=False)
     # An oops during a test that otherwise passed fails the test itself (not its teardown).
     if reset is not None:
         oopses = reset.new_oopses()

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from qprobe.errors import SymbolError, TargetError
+from qprobe.errors import GoneInterrupt, SymbolError, TargetError
 
 from . import gdbcmd
 from .output import Output
@@ -145,7 +145,11 @@ def drgn_session(target: ShellTarget) -> None:
         return f"{text}\n>>> target  # qprobe's Target: probes stay armed; Ctrl-D returns"
 
     try:
-        drgn.cli.run_interactive(prog, banner_func=banner, globals_func=more_globals)
+        # A VM that dies while drgn waits for a line (or runs one) ends the session at once.
+        with target.interrupt_when_gone():
+            drgn.cli.run_interactive(prog, banner_func=banner, globals_func=more_globals)
+    except GoneInterrupt as exc:
+        raise exc.gone from None
     except SystemExit:  # exit() or quit() typed in the REPL: back to the caller
         pass
 

@@ -48,6 +48,9 @@ class Machine:
         # snapshots the text around it); they must not raise.
         self.patch_watchers: list[Callable[[int], None]] = []
         self.handler_errors: list[str] = []
+        # Told, on the stop-loop thread, when the loop ends for good because the VM went (never on close());
+        # they must not raise.
+        self.gone_watchers: list[Callable[[], None]] = []
         self._requests: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._error: BaseException | None = None
         self._closing = False
@@ -107,6 +110,9 @@ class Machine:
             self._error = TargetGone(f"{exc} ({hint})") if hint else exc
         finally:
             self._fail_pending()
+        if self._error is not None:  # (close() returns from the loop above)
+            for watcher in list(self.gone_watchers):
+                watcher()
 
     def _dispatch(self, stop: StopReply) -> None:
         if stop.exited:

@@ -7,6 +7,7 @@ own semantics (a compound command runs in the subshell that ``--run`` forks).
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -18,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
+import qprobe
 from qprobe.images import get_image
+from qprobe.paths import cache_dir
 
 from .conftest import IMAGE, entry_offset
 
@@ -156,3 +159,55 @@ def test_trace_of_a_hot_loop_prints_every_hit_of_the_command() -> None:
     line_of_the_command = re.compile(r"workload-\d+ .* rd: \(ksys_read\+0x\w+/0x\w+\) fd=3 count=1$")
     assert sum(1 for line in lines if line_of_the_command.search(line)) == n
     assert f"mode=read n={n} " in out.stderr
+
+
+def _syscall_text(sock: str) -> tuple[dict[str, bytes], int]:
+    """The guest's text of every ``__x64_sys_*`` function, read from its memory through a fresh attach, and how
+    many leftover patches that attach found in its undo journal and restored."""
+    with qprobe.attach(sock) as t:
+        names = [n for n in t.symbols.names() if fnmatch.fnmatchcase(n, "__x64_sys_*") and t.symbols.count(n) == 1]
+        return {n: t.read(t.symbols.lookup(n).addr, t.symbols.lookup(n).size) for n in names}, t.recovered
+
+
+def test_one_ctrl_c_ends_a_trace_of_hundreds_of_wildcard_events() -> None:
+    """`qprobe trace 'p:sys __x64_sys_*'` (every syscall entry: several hundred events) on a running VM, then one
+    SIGINT: it exits by itself with a summary row per event, status 130, and the guest's text as it was."""
+    out = _qprobe("boot", "--image", IMAGE, "--detach", timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    sock = next(x.split("qprobe attach ", 1)[1] for x in lines if x.startswith("attach with:"))
+    owner = int(lines[-1].rsplit(" ", 1)[1])
+    try:
+        before, _ = _syscall_text(sock)
+        journals = set(cache_dir("journal").iterdir())
+        proc = subprocess.Popen([sys.executable, "-m", "qprobe.cli", "trace", "--attach", sock, "p:sys __x64_sys_*"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
+        try:
+            assert proc.stderr is not None
+            said = ""
+            while "Ctrl-C to stop" not in said:
+                said = proc.stderr.readline()
+                assert said or proc.poll() is None, "qprobe trace exited before it traced"
+            n = int(re.search(r"tracing (\d+) event", said).group(1))  # type: ignore[union-attr]
+            proc.send_signal(signal.SIGINT)
+            # A bound on waiting, not on speed (qprobe bench times it): one SIGINT must be enough.
+            stdout, stderr = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert n >= 400, said
+        assert proc.returncode == 130, stderr
+        rows = [line for line in stdout.splitlines() if line.startswith("# ")]
+        assert len(rows) == n and len({r.split(":")[0] for r in rows}) == n, stdout[-2000:]
+        assert all(re.fullmatch(r"# \S+: hits=\d+ nmissed=\d+ lost=\d+", r) for r in rows), rows[:5]
+        assert "Traceback" not in stderr and "error" not in stderr, stderr
+        assert set(cache_dir("journal").iterdir()) <= journals  # every patch undone: no journal left for the VM
+        after, recovered = _syscall_text(sock)
+        assert recovered == 0 and after == before
+    finally:
+        os.kill(owner, signal.SIGTERM)
+    deadline = time.monotonic() + 60  # a bound on waiting, not an assertion on speed
+    while Path(sock.removeprefix("unix:")).exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not Path(sock.removeprefix("unix:")).exists(), "the VM outlived its owner's SIGTERM"

@@ -174,3 +174,67 @@ def test_the_shell_ends_when_its_vm_dies() -> None:
             child.kill(signal.SIGKILL)
     assert child.exitstatus == 2
     _assert_nothing_left(qemu, rundir, shmdir, journals)
+
+
+def test_drgn_ends_when_its_vm_dies() -> None:
+    """QEMU killed while `qprobe drgn` waits at its prompt: one error line at once, a non-zero exit, nothing left."""
+    journals = _journals()
+    child = pexpect.spawn(sys.executable, ["-m", "qprobe.cli", "drgn", "--image", IMAGE, "p:gp __x64_sys_getppid"],
+                          cwd=str(ROOT), env=_env(), encoding="utf-8", timeout=120, dimensions=(50, 200))  # fmt: skip
+    try:
+        child.expect_exact(">>> ", timeout=BOOT_TIMEOUT)
+        qemu, rundir, shmdir = _qemu_of(child.pid)
+        os.kill(qemu, signal.SIGKILL)
+        # A bound on waiting, not on speed: before, drgn sat at its prompt (and the RAM file stayed) until Ctrl-D.
+        child.expect_exact("qprobe: error: the VM is gone", timeout=60)
+        child.expect(pexpect.EOF, timeout=60)
+        child.close()
+    finally:
+        if child.isalive():
+            child.kill(signal.SIGKILL)
+    assert child.exitstatus == 2
+    assert "Traceback" not in (child.before or ""), child.before
+    _assert_nothing_left(qemu, rundir, shmdir, journals)
+
+
+WAITING_TEST = """
+import time
+
+from qprobe import Kprobe
+
+
+def test_waits(qprobe_target):
+    qprobe_target.register_kprobe(Kprobe(symbol_name="__x64_sys_getppid"))
+    print("@@armed@@", flush=True)
+    time.sleep(3600)  # as a test waiting for the guest would: its VM's death must end the wait
+"""
+
+
+def test_a_plugin_test_ends_when_its_vm_dies(tmp_path: Path) -> None:
+    """QEMU killed under a test using qprobe_target: the test fails at once with one line, nothing is left."""
+    (tmp_path / "test_dies.py").write_text(WAITING_TEST)
+    journals = _journals()
+    argv = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "test_dies.py",
+            "--qprobe-image", IMAGE]  # fmt: skip
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    try:
+        deadline = time.monotonic() + BOOT_TIMEOUT
+        before = ""
+        while "@@armed@@" not in (line := proc.stdout.readline()):
+            before += line
+            assert proc.poll() is None and time.monotonic() < deadline, f"the test did not start:\n{before}"
+        qemu, rundir, shmdir = _qemu_of(proc.pid)
+        os.kill(qemu, signal.SIGKILL)
+        # A bound on waiting, not on speed: before, the test slept on with its VM dead.
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, out
+    assert re.search(r"^1 failed in ", out, re.M), out  # the test's failure, and no teardown error
+    failure = [line for line in out.splitlines() if line.startswith("qprobe: error:")]
+    assert len(failure) == 1 and failure[0].startswith("qprobe: error: the VM is gone"), out
+    assert "Traceback" not in out and "During handling" not in out, out
+    _assert_nothing_left(qemu, rundir, shmdir, journals)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import re
 import time
@@ -92,6 +93,9 @@ class FakeTarget:
 
     def wait(self, seconds: float | None = None) -> None:
         time.sleep(seconds or 0)
+
+    def interrupt_when_gone(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def remove_events(self, events: list[TraceEvent]) -> None:
         for te in events:

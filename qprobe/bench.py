@@ -123,6 +123,7 @@ def _probe_matrix(target: qprobe.Target, args: argparse.Namespace) -> list[tuple
         variants = (
             ("k", "kprobe: int3, copy run to a second int3, Python handler", False, False, "k"),
             ("b", "kprobe: int3, boosted, Python handler", True, False, "k"),
+            ("a", "kprobe anywhere: gdbstub breakpoint, stepped in place, Python handler", False, False, "a"),
             ("o", "kprobe: jump-optimized, Python handler through the mailbox, no VM stop", True, True, "k"),
             ("f", "kprobe: jump-optimized, in-guest count, nobody woken", True, True, "f"),
             ("r", "kretprobe: int3, copy run to a second int3, Python handler", False, False, "r"),
@@ -143,7 +144,8 @@ def _probe_matrix(target: qprobe.Target, args: argparse.Namespace) -> list[tuple
                 probe = qprobe.Kretprobe(symbol_name=func, handler=handler)
                 target.register_kretprobe(probe)
             else:
-                probe = qprobe.Kprobe(symbol_name=func, pre_handler=(lambda kp, regs: regs.di) if kind == "k" else None)
+                probe = qprobe.Kprobe(symbol_name=func, pre_handler=(lambda kp, regs: regs.di) if kind != "f" else None,
+                                      anywhere=kind == "a")  # fmt: skip
                 target.register_kprobe(probe)
             runs = FAST_RUNS  # the median of a few paired runs: every row is short and noisy
             try:

@@ -37,6 +37,7 @@ class StubPoint:
     where: str
     probes: list[Kprobe] = field(default_factory=list)
     steps: int = 0  # hits whose instruction was stepped in place
+    armed: bool = False  # its breakpoint is in the stub: some probe on it is enabled
 
 
 class StubProbes:
@@ -60,22 +61,35 @@ class StubProbes:
                 # The int3 hook's breakpoint (or the clock's): qprobe's own stops there mean something else.
                 raise InvalidProbe(f"{where} is where qprobe hears of its own traps: it cannot be probed, "
                                    "even anywhere (EINVAL)")  # fmt: skip
-            try:
-                self.machine.gdb.insert_breakpoint(addr, BREAK_HW)
-            except TargetError as exc:
-                raise InvalidProbe(f"{where}: the gdbstub refused a breakpoint there ({exc}); under KVM "
-                                   "there are four") from None  # fmt: skip
-            self.machine.stop_handlers[addr] = self._hit
-            point = self.points[addr] = StubPoint(addr, where)
+            point = StubPoint(addr, where)
         point.probes.append(kp)
+        try:
+            self.sync(point)
+        except TargetError as exc:
+            point.probes.remove(kp)
+            raise InvalidProbe(f"{where}: the gdbstub refused a breakpoint there ({exc}); under KVM "
+                               "there are four") from None  # fmt: skip
+        self.points[addr] = point
 
     def unregister(self, kp: Kprobe) -> None:
         point = self.points[kp.resolved]
         point.probes.remove(kp)
+        self.sync(point)
         if not point.probes:
             del self.points[point.addr]
+
+    def sync(self, point: StubPoint, enabled: bool = True) -> None:
+        """The breakpoint in the stub while some probe on it is enabled (and ``enabled``: debugfs kprobes/enabled),
+        out otherwise, so a disabled probe costs the guest nothing."""
+        want = enabled and any(not kp.disabled for kp in point.probes)
+        if want and not point.armed:
+            self.machine.gdb.insert_breakpoint(point.addr, BREAK_HW)
+            self.machine.stop_handlers[point.addr] = self._hit
+            point.armed = True
+        elif not want and point.armed:
             self.machine.stop_handlers.pop(point.addr, None)
             self.machine.gdb.remove_breakpoint(point.addr, BREAK_HW)
+            point.armed = False
 
     def remove_all(self) -> None:
         for point in list(self.points.values()):

@@ -393,7 +393,9 @@ class KprobeManager:
 
         def change() -> None:
             kp.flags = (kp.flags | KPROBE_FLAG_DISABLED) if disabled else (kp.flags & ~KPROBE_FLAG_DISABLED)
-            if not kp.anywhere:  # a stub breakpoint stays; its hit runs only the enabled probes' handlers
+            if kp.anywhere:
+                self.stubs.sync(self.stubs.points[kp.resolved], self.enabled)
+            else:
                 self._sync(self.points[kp.resolved])
 
         self.machine.call(change)
@@ -407,6 +409,8 @@ class KprobeManager:
             self.enabled = on
             for point in self.points.values():
                 self._sync(point)
+            for stub in self.stubs.points.values():
+                self.stubs.sync(stub, on)
 
         self.machine.call(change)
         if on:

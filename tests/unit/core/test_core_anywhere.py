@@ -30,6 +30,10 @@ def _hit(rig: Rig, addr: int, **regs: int) -> dict[str, int]:
     return rig.t.regs(A)
 
 
+def after_hit(rig: Rig, addr: int) -> int:
+    return _hit(rig, addr)["pc"]
+
+
 def test_a_blacklisted_instruction_is_probed_without_a_write(rig: Rig) -> None:
     with pytest.raises(Blacklisted):
         rig.km.register_kprobe(Kprobe(addr=ENTRY + 4))
@@ -60,13 +64,18 @@ def test_a_pre_handler_that_moves_ip_skips_the_instruction(rig: Rig) -> None:
     assert after["pc"] == addr + 4 and after["r0"] == 10 and rig.t.cpu.steps == []  # the ADDI never ran
 
 
-def test_disabled_probes_still_step_and_an_int3_probe_cannot_share_the_address(rig: Rig) -> None:
+def test_a_disabled_probe_has_no_breakpoint_and_an_int3_probe_cannot_share_the_address(rig: Rig) -> None:
     addr = rig.fn + 4  # NOP
     assert rig.t.mem.read(addr, 1)[0] == NOP
     kp = Kprobe(addr=addr, anywhere=True, disabled=True)
     rig.km.register_kprobe(kp)
-    after = _hit(rig, addr)
-    assert kp.nhit == 0 and after["pc"] == addr + 4  # the breakpoint must not stop the vCPU for ever
+    assert rig.t.cpu.breakpoints == [] and addr not in rig.t.machine.stop_handlers  # disabled: costs nothing
+    rig.km.enable_kprobe(kp)
+    assert after_hit(rig, addr) == addr + 4 and kp.nhit == 1
+    rig.km.set_enabled(False)
+    assert rig.t.cpu.breakpoints == []
+    rig.km.set_enabled(True)
+    assert rig.t.cpu.breakpoints == [(addr, BREAK_HW, 1)]
     with pytest.raises(InvalidProbe, match="EBUSY"):
         rig.km.register_kprobe(Kprobe(addr=addr))
     rig.km.unregister_kprobe(kp)

@@ -8,6 +8,8 @@ division), ``lhist_to_str`` and ``lhist_index_label``, and its lhist index
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from shell_fakes import make_shell
 
@@ -131,3 +133,28 @@ def test_a_map_folded_in_the_guest_prints_as_the_same_hits_folded_on_the_host(ki
         slots[key] = slots[key].merge(one) if key in slots else one
     guest.add_slots(slots)
     assert guest.render() == host.render() and guest.total == host.total == len(values)
+
+
+def test_trace_map_takes_the_shell_s_functions_and_keys_and_nothing_else() -> None:
+    from qprobe.fetch import ProbeEvent, parse_event
+    from qprobe.shell.collect import check_map_names, parse_map
+
+    agg, every = parse_map("sum(count) by $comm, $pid every 2")
+    assert (agg.kind, agg.keys, agg.value, every) == ("sum", ("$comm", "$pid"), "count", 2.0)
+    agg, every = parse_map("count")
+    assert (agg.kind, agg.keys, agg.value, every) == ("count", (), None, None)
+    agg, _ = parse_map("lhist(count, 0, 4096, 512) by $func")
+    assert agg.bounds == (0, 4096, 512) and agg.keys == ("$func",)
+    for bad, says in [
+        ("tally by $comm", "expected count [by KEY, ...] or FUNC(VALUE)"),
+        ("count rd by $comm", "the events are trace's definitions"),
+        ("count by $comm run workload", "the events are trace's definitions"),
+        ("sum($comm)", "takes a numeric value"),
+    ]:
+        with pytest.raises(ShellUsageError, match=re.escape(says)):
+            parse_map(bad)
+    ev = parse_event("p:rd ksys_read fd=%di:s32 count=%dx:u64", symbol_exists=lambda n: True)
+    assert isinstance(ev, ProbeEvent)
+    check_map_names(parse_map("sum(count) by fd, $comm")[0], [ev])
+    with pytest.raises(ShellUsageError, match=r"^rd has no argument 'size' \(fd, count\)$"):
+        check_map_names(parse_map("sum(size)")[0], [ev])

@@ -48,7 +48,7 @@ from qprobe.fetch import (
 )
 from qprobe.fetch import messages as M
 from qprobe.fetch.args import FetchArg, Value
-from qprobe.fetch.context import U64_MASK, task_size_max
+from qprobe.fetch.context import U64_MASK
 from qprobe.fetch.dialect import Dialect
 from qprobe.fetch.expr import Arg, Comm, Deref, Imm, ImmString, Node, Reg, StackPointer, SymbolAddr
 from qprobe.fetch.filter import And as FAnd
@@ -186,7 +186,7 @@ class _HostContext:
         self._comm = comm
         self._ip = ip
         self.orig_ax = U64_MASK
-        self.task_size_max = task_size_max(target.mem.levels)
+        self.task_size_max = target.mem.paging.task_size_max()
 
     def reg(self, name: str) -> int:
         if name == "orig_ax":

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -99,6 +99,22 @@ class Trap:
     user: bool = False
 
 
+# Addresses of instructions with an exception-table fixup: a set, or a test of one address.
+ExceptionTable = Container[int] | Callable[[int], bool]
+
+
+class Registers(Protocol):
+    """A trapped context's registers as the core hands them to the architecture (``qprobe.core.regs.PtRegs``).
+
+    Every pt_regs field of the architecture's :class:`RegisterLayout` reads and
+    writes as an attribute; ``dirty`` gives the changed ones by gdbstub name.
+    """
+
+    def __getattr__(self, name: str) -> int: ...
+    def __setattr__(self, name: str, value: int) -> None: ...
+    def dirty(self) -> dict[str, int]: ...
+
+
 class TrapHook(enum.Enum):
     """Where the host hears of a guest breakpoint: a breakpoint on the entry, or a watchpoint in its handler."""
 
@@ -118,9 +134,28 @@ class RegisterLayout:
     page_table: str  # gdbstub name of the register holding the running task's page-table root
     percpu_base: str  # gdbstub name of the register holding the CPU's per-CPU base in kernel mode
     retval: str  # pt_regs name of the register a function returns its value in
+    # pt_regs names of every field of struct pt_regs in memory order (what drgn's stack walk is given),
+    # and the ones the gdbstub's registers and the unwinder's frames hold (a subset of gdb_name).
+    pt_regs: tuple[str, ...] = ()
+    unwound: tuple[str, ...] = ()  # the frame registers a stack walk carries on from (gdb names)
+    # (gdbstub name, how it is shown: "int", "code" or "data" pointer, "flags", "hex") in the order the
+    # shell prints a vCPU's registers; the flags register's (mask, name) pairs.
+    display: tuple[tuple[str, str], ...] = ()
+    flag_bits: tuple[tuple[int, str], ...] = ()
+    plain: frozenset[str] = frozenset()  # gdbstub registers whose write has no effect beyond the value
     ip: str = "ip"  # pt_regs names of the instruction pointer, stack pointer and flags
     sp: str = "sp"
     flags: str = "flags"
+
+    @property
+    def pc(self) -> str:
+        """The gdbstub's name of the program counter."""
+        return self.gdb_name[self.ip]
+
+    @property
+    def pt_name(self) -> dict[str, str]:
+        """gdbstub name -> pt_regs name."""
+        return {g: pt for pt, g in self.gdb_name.items()}
 
 
 @dataclass(frozen=True)
@@ -131,6 +166,34 @@ class ArchBlacklist:
     # Functions by name that a kernel without CONFIG_KPROBES cannot list (it has no _kprobe_blacklist)
     # but that the trap path runs through: return and indirect-branch thunks and the like.
     thunks: re.Pattern[str] | None = None
+
+
+@dataclass(frozen=True)
+class TrapWatch:
+    """A data read the kernel's breakpoint handler makes for every kernel-mode trap, to watch instead of its entry.
+
+    The watched word is ``variable``'s ``member`` (of type ``type_name``), read
+    by ``handler``; the architecture's ``trap_watch_site`` says where a vCPU is
+    when QEMU reports that read, or that the read is not in the expected shape.
+    """
+
+    variable: str
+    type_name: str
+    member: str
+    handler: str
+
+
+@dataclass(frozen=True)
+class CycleCounter:
+    """The cycle counter the kernel's sched_clock reads, as the host calibrates its stop clock against it.
+
+    ``function`` reads it; ``after_read`` finds where the value just read is in
+    registers, and ``value`` reads it there.
+    """
+
+    function: str
+    after_read: Callable[[bytes, int], int | None]
+    value: Callable[[Mapping[str, int]], int]
 
 
 @dataclass(frozen=True)
@@ -207,6 +270,30 @@ class RingEntry:
     values: dict[str, int]  # gdbstub names, the ip not set (the host knows the probe's address)
 
 
+class PageTables(Protocol):
+    """The guest's page tables as the host walks them (``qprobe.vmm.memory``, the scratch area's mapping).
+
+    ``root`` turns a value of the page-table register (``RegisterLayout.page_table``)
+    into the physical root of the kernel's half; ``learn`` is told the kernel's
+    symbols once they are read (a build option may change the roots' shape).
+    The scratch area is mapped as ``large_page``-sized pages of kernel text in
+    the table ``large_page_table`` finds, within branch reach of ``image_base``.
+    """
+
+    levels: int
+    kernel_root_symbol: str  # the kernel's own page-table root (swapper_pg_dir or its name on this arch)
+    image_base: int  # the kernel image's virtual base
+    large_page: int
+
+    def learn(self, has_symbol: Callable[[str], bool]) -> None: ...
+    def root(self, value: int) -> int: ...
+    def walk(self, read_u64: Callable[[int], int], root: int, vaddr: int) -> list[tuple[int, int]]: ...
+    def translate(self, read_u64: Callable[[int], int], root: int, vaddr: int) -> tuple[int, int, int]: ...
+    def large_page_table(self, read_u64: Callable[[int], int], root: int) -> int: ...
+    def large_page_entry(self, phys: int) -> int: ...
+    def task_size_max(self) -> int: ...
+
+
 class Memory(Protocol):
     """Guest memory for the emulator and for fault fix-ups."""
 
@@ -235,10 +322,18 @@ class Arch(Protocol):
     """Everything the core asks of an architecture (see the checklist above)."""
 
     name: str
+    gdb_architecture: str  # what the gdbstub's target description names it (<architecture>)
     breakpoint: bytes  # the trap instruction arch_arm_kprobe writes
     slot_size: int  # bytes of scratch per out-of-line copy
     jump_size: int  # bytes an optimized probe's jump displaces at least
     registers: RegisterLayout
+    cycle_counter: CycleCounter | None  # None: stops are not timed against the guest's clock
+    drgn_architecture: str  # the name of drgn.Architecture's member for it
+
+    def page_tables(self, regs: Mapping[str, int]) -> PageTables: ...
+    def vmcoreinfo(self, address: Callable[[str], int], virt_to_phys: Callable[[int], int], levels: int) -> list[str]:
+        """The arch's VMCOREINFO lines drgn reads (its machine_kexec's), for a kernel that exports none."""
+        ...
 
     # -- instructions ------------------------------------------------------------------
     def arch_adjust_kprobe_addr(self, func_code: bytes, func_start: int, offset: int) -> int: ...
@@ -247,21 +342,28 @@ class Arch(Protocol):
         self, code: bytes, func_start: int, addr: int, patched: Mapping[int, int], name: str
     ) -> None: ...
     def arch_prepare_kprobe(
-        self, code: bytes, addr: int, slot: int, where: str, exception_table: object
+        self, code: bytes, addr: int, slot: int, where: str, exception_table: ExceptionTable | None
     ) -> Prepared: ...
     def arch_slot_code(self, prep: Prepared) -> bytes: ...
     def arch_setup_resume(
-        self, prep: Prepared, regs: object, mem: Memory, may_boost: bool, may_trap_step: bool
+        self, prep: Prepared, regs: Registers, mem: Memory, may_boost: bool, may_trap_step: bool
     ) -> Resume: ...
     def is_trap_step_start(self, prep: Prepared, ip: int) -> bool: ...
     def is_trap_step_end(self, prep: Prepared, addr: int) -> bool: ...
-    def arch_resume_trap_step(self, prep: Prepared, regs: object) -> None: ...
+    def arch_resume_trap_step(self, prep: Prepared, regs: Registers) -> None: ...
     def arch_slot_resume(self, slot: int, addr: int, ip: int, flags: int) -> tuple[int, int] | None: ...
     def step_left_slot(self, prep: Prepared, ip: int) -> bool: ...
-    def arch_resume_singlestep(self, prep: Prepared, regs: object, mem: Memory) -> None: ...
+    def arch_resume_singlestep(self, prep: Prepared, regs: Registers, mem: Memory) -> None: ...
     def arch_fault_frame(self, prep: Prepared, sp: int, read_u64: Callable[[int], int]) -> tuple[int, int] | None: ...
 
     # -- traps -------------------------------------------------------------------------
+    # Where a kernel-mode breakpoint trap enters the kernel (the first name the kernel has), the
+    # functions it runs through before the watched read, and that read (None: no watchpoint hook).
+    trap_entries: tuple[str, ...]
+    trap_path: tuple[str, ...]
+    trap_watch: TrapWatch | None
+
+    def trap_watch_site(self, code: bytes, address: int, watched: int) -> frozenset[int] | None: ...
     def decode_trap(self, hook: TrapHook, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> Trap: ...
     def resume_registers(self, resume: Resume) -> dict[str, int]: ...
     def ip(self, regs: Mapping[str, int]) -> int: ...
@@ -275,7 +377,8 @@ class Arch(Protocol):
     def arch_kretprobe_blacklist(self) -> frozenset[str]: ...
 
     # -- jump optimization -----------------------------------------------------------------
-    def arch_check_optimized_kprobe(self, func_code: bytes, func_start: int, addr: int, exception_table: object,
+    def arch_check_optimized_kprobe(self, func_code: bytes, func_start: int, addr: int,
+                                    exception_table: ExceptionTable | None,
                                     patched: Mapping[int, int], name: str) -> tuple[str | None, int]: ...  # fmt: skip
     def arch_prepare_optimized_kprobe(self, params: DetourParams, region: bytes, addr: int, near: int,
                                       alloc: Callable[[int], int]) -> tuple[int, bytes, int]: ...  # fmt: skip
@@ -323,17 +426,22 @@ class Arch(Protocol):
 __all__ = [
     "Arch",
     "ArchBlacklist",
+    "CycleCounter",
     "DetourParams",
+    "ExceptionTable",
     "MailboxRequest",
     "Memory",
+    "PageTables",
     "PercpuLayout",
     "Pool",
     "Prepared",
     "RegisterLayout",
+    "Registers",
     "Resume",
     "ResumeKind",
     "ReturnLayout",
     "RingEntry",
     "Trap",
     "TrapHook",
+    "TrapWatch",
 ]

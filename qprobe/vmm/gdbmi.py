@@ -169,6 +169,12 @@ def parse_thread_info(payload: Mapping[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
+def parse_architecture(text: str) -> str:
+    """gdb's architecture from ``show architecture`` (``... set to "auto" (currently "i386:x86-64").``)."""
+    m = re.search(r'currently "([\w:.+-]{1,64})"', text) or re.search(r'set to "([\w:.+-]{1,64})"', text)
+    return m[1] if m is not None and m[1] != "auto" else ""
+
+
 def parse_remote_registers(text: str) -> tuple[dict[str, RegDesc], dict[str, int]]:
     """``maint print remote-registers`` -> (the stub's register table, gdb's register numbers).
 
@@ -194,8 +200,6 @@ def parse_remote_registers(text: str) -> tuple[dict[str, RegDesc], dict[str, int
             raise ProtocolError(f"gdb lists register {name} twice")
         regs[name] = RegDesc(name, rnum, size * 8, goff)
         numbers[name] = nr
-    if "rip" not in regs or "cr3" not in regs:
-        raise ProtocolError("gdb's register table for the stub is not x86_64 with system registers (no rip/cr3)")
     return regs, numbers
 
 
@@ -557,6 +561,7 @@ class GdbMiRemote:
         self.address = address
         self.conn = MiChannel(gdb, alive, address)
         self.regs: dict[str, RegDesc] = {}
+        self.architecture = ""  # gdb's name of the target's architecture, from the stub's target description
         self.packet_size = 0x1000  # gdb splits packets itself; kept for interface parity
         self.running = False
         self._target = gdb_address(address)
@@ -574,7 +579,8 @@ class GdbMiRemote:
         try:
             for setting in ("mi-async on", "pagination off", "width 0", "height 0", "confirm off", "non-stop off"):
                 self.conn.command(f"-gdb-set {setting}")
-            for cli in ("set auto-load off", "set osabi none", "set architecture i386:x86-64",
+            # The architecture is the one the stub's target description names (gdb reads it on connecting).
+            for cli in ("set auto-load off", "set osabi none",
                         "set breakpoint always-inserted on", "set stack-cache off", "set code-cache off",
                         "set remotetimeout 20", "set print thread-events off",
                         f"set tcp connect-timeout {connect_timeout}"):  # fmt: skip
@@ -603,6 +609,7 @@ class GdbMiRemote:
         stopped = self.conn.next_stop(0)
         self._cli("set scheduler-locking step")  # refused before there is a target
         self.regs, self._numbers = parse_remote_registers(self._cli("maint print remote-registers"))
+        self.architecture = parse_architecture(self._cli("show architecture"))
         # What GdbRemote.read_registers returns: everything up to 64 bits wide.
         self._read_set = {self._numbers[d.name]: d.name for d in self.regs.values() if d.bitsize <= 64}
         self._read_args = " ".join(str(n) for n in self._read_set)

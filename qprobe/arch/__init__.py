@@ -217,10 +217,15 @@ class Pool:
 class ReturnLayout(Protocol):
     """Where a kretprobe's instances and their trampolines live in the scratch area."""
 
-    instances: int
-    count: int
-    trampolines: int
-    returns: int  # u64 per pool owner: returns counted in the guest
+    # Read-only, so that a frozen dataclass implements them.
+    @property
+    def instances(self) -> int: ...
+    @property
+    def count(self) -> int: ...
+    @property
+    def trampolines(self) -> int: ...
+    @property
+    def returns(self) -> int: ...  # u64 per pool owner: returns counted in the guest
 
     def trampoline(self, i: int) -> int: ...
     def instance(self, i: int) -> int: ...

@@ -144,11 +144,12 @@ class X86_64:
                                irq_flag=X86_EFLAGS_IF, page_table="cr3", percpu_base="gs_base",
                                retval="ax", pt_regs=PT_NAMES, unwound=(*PT_GPRS, "rip", "rsp"),
                                display=DISPLAY, flag_bits=FLAG_BITS, plain=PLAIN)  # fmt: skip
-    cycle_counter = TSC
+    # Annotated as Arch declares them: a protocol's attributes are settable, so their types must match.
+    cycle_counter: CycleCounter | None = TSC
     drgn_architecture = "X86_64"
-    trap_entries = TRAP_ENTRIES
-    trap_path = TRAP_PATH
-    trap_watch = TRAP_WATCH
+    trap_entries: tuple[str, ...] = TRAP_ENTRIES
+    trap_path: tuple[str, ...] = TRAP_PATH
+    trap_watch: TrapWatch | None = TRAP_WATCH
 
     mailbox_size = detour.MAILBOX_SIZE
     ring_header_size = detour.RING_HEADER

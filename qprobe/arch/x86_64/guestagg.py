@@ -15,10 +15,15 @@ a slot is taken once its count is non-zero (the key is stored first).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from iced_x86 import Code, Instruction, Register
 
 from qprobe.arch.inguest import KeySpec
 from qprobe.arch.x86_64.detour import _mem, _r, encode_detour, locked_inc, restore_regs, save_regs, simm32
+
+if TYPE_CHECKING:
+    from iced_x86._iced_x86_py import Register as RegisterKind
 
 TABLE_SHIFT = 9
 TABLE_ENTRIES = 1 << TABLE_SHIFT
@@ -50,7 +55,7 @@ _LOAD = {  # (bits, signed) -> how rax gets the value from a 64-bit register
 }  # fmt: skip
 
 
-def _sub_register(reg: str, bits: int) -> Register:
+def _sub_register(reg: str, bits: int) -> RegisterKind:
     """rdi -> edi/di/dil, r8 -> r8d/r8w/r8l (iced's name for r8b), rax -> eax/ax/al."""
     name = "r" + reg if not reg.startswith("r") else reg
     if bits == 64:

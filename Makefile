@@ -96,4 +96,4 @@ lint: venv
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .mypy_cache

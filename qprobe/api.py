@@ -503,7 +503,7 @@ class Target:
             stack = thread_size(self.kernel)
         except QprobeError:
             stack = None  # $stackN and $argN are refused, naming the unknown THREAD_SIZE
-        return probe_dialect(self.symbols, stack, lambda: module_btfs(self.kernel.prog))
+        return probe_dialect(self.symbols, self.arch.registers.pt_regs, stack, lambda: module_btfs(self.kernel.prog))
 
     @functools.cached_property
     def ftrace_locations(self) -> list[int]:

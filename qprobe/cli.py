@@ -126,11 +126,14 @@ def _host_dialect(args: argparse.Namespace) -> Dialect | None:
     Without it (a VM to attach to, no --vmlinux) definitions are checked once attached,
     in the running kernel's language, not before in another one's.
     """
+    from qprobe.api import vmlinux_arch
     from qprobe.kernel.features import init_stack_span
     from qprobe.kernel.tracefs import probe_dialect
 
     symbols = _host_symbols(args)
-    return None if symbols is None else probe_dialect(symbols, init_stack_span(symbols))
+    if symbols is None:
+        return None
+    return probe_dialect(symbols, vmlinux_arch(symbols).registers.pt_regs, init_stack_span(symbols))
 
 
 def _host_probeability(args: argparse.Namespace) -> Probeability | None:

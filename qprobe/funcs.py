@@ -108,7 +108,8 @@ class Probeability:
         # The BUG table's entry size needs the kernel's types; a function's entry is never a BUG site.
         reserved = ReservedText(symbols, symbols.file_bytes, None)
         blacklist = Blacklist(symbols, arch.arch_populate_kprobe_blacklist())
-        return cls(symbols, blacklist, ftrace_locations(symbols), reserved, probe_dialect(symbols))
+        dialect = probe_dialect(symbols, arch.registers.pt_regs)
+        return cls(symbols, blacklist, ftrace_locations(symbols), reserved, dialect)
 
     @classmethod
     def of_target(cls, target: RunningTarget) -> Probeability:

@@ -19,7 +19,8 @@ U64_MASK = (1 << 64) - 1
 PAGE_SIZE = 4096
 
 
-# pt_regs names x86's regs_query_register_offset() accepts (case-sensitive).
+# pt_regs names x86_64's regs_query_register_offset() accepts (case-sensitive): the language without a
+# kernel (dialect.BASE); a kernel's Dialect has its architecture's (qprobe.arch's RegisterLayout.pt_regs).
 REGISTERS: tuple[str, ...] = (
     "r15", "r14", "r13", "r12", "r11", "r10", "r9", "r8",
     "bx", "cx", "dx", "si", "di", "bp", "ax",

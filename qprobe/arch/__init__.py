@@ -134,10 +134,11 @@ class RegisterLayout:
     page_table: str  # gdbstub name of the register holding the running task's page-table root
     percpu_base: str  # gdbstub name of the register holding the CPU's per-CPU base in kernel mode
     retval: str  # pt_regs name of the register a function returns its value in
-    # pt_regs names of every field of struct pt_regs in memory order (what drgn's stack walk is given),
-    # and the ones the gdbstub's registers and the unwinder's frames hold (a subset of gdb_name).
+    stack_args: int  # at a function's entry, sp + this is its first argument on the stack (x86_64: 8)
+    # pt_regs names of every field of struct pt_regs in memory order (what drgn's stack walk is given,
+    # and the %REG names kprobe_events takes).
     pt_regs: tuple[str, ...] = ()
-    unwound: tuple[str, ...] = ()  # the frame registers a stack walk carries on from (gdb names)
+    unwound: tuple[str, ...] = ()  # gdbstub (and drgn) names of the registers a stack walk carries on from
     # (gdbstub name, how it is shown: "int", "code" or "data" pointer, "flags", "hex") in the order the
     # shell prints a vCPU's registers; the flags register's (mask, name) pairs.
     display: tuple[tuple[str, str], ...] = ()

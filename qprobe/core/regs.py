@@ -175,8 +175,7 @@ class PtRegs:
         args = self._layout.arg_regs
         if n <= len(args):
             return self._values[args[n - 1]]
-        # At entry [sp] is the return address; stack arguments follow it.
-        return self.read_u64(self._values["sp"] + 8 * (n - len(args)))
+        return self.read_u64(self._values["sp"] + self._layout.stack_args + 8 * (n - len(args) - 1))
 
     def _param_index(self, name: str) -> int:
         if self._symbols is None or self._kernel is None:

@@ -164,7 +164,7 @@ class KprobeManager:
             bug_entry = self.kernel.prog.type("struct bug_entry").size
         except (QprobeError, LookupError):
             bug_entry = None  # no debug info: BUG sites are not known
-        return ReservedText(self.symbols, lambda a, n: self.machine.mem.read(a, n), bug_entry)
+        return ReservedText(self.symbols, lambda a, n: self.machine.mem.read(a, n), bug_entry, self.arch)
 
     def patched(self) -> Mapping[int, int]:
         """address -> original byte of everything we changed in kernel text.

@@ -32,7 +32,7 @@ from qprobe.arch import (
     TrapWatch,
 )
 from qprobe.arch.x86_64 import detour, guestagg, guestfilter, retdetour
-from qprobe.arch.x86_64.boost import INT3_INSN_OPCODE, JMP32_INSN_SIZE, synthesize_reljump
+from qprobe.arch.x86_64.boost import CALL_INSN_SIZE, INT3_INSN_OPCODE, JMP32_INSN_SIZE, synthesize_reljump
 from qprobe.arch.x86_64.decode import check_boundary, decode_all
 from qprobe.arch.x86_64.emulate import Regs, emulate
 from qprobe.arch.x86_64.insn import (
@@ -309,7 +309,17 @@ class X86_64:
     def percpu_base(self, regs: Mapping[str, int]) -> int:
         return regs["gs_base"]
 
-    # -- the blacklist -------------------------------------------------------------------
+    # -- the blacklist and the text the kernel rewrites --------------------------------------
+    # A jump-label site is a 2- or 5-byte jump or NOP (x86 picks the size at build time since
+    # Linux 5.16, "x86/jump_label: Allow short NOPs"); a static-call site a 5-byte call or jump.
+    jump_label_probe = 2
+    jump_label_max = JMP32_INSN_SIZE
+    static_call_size = CALL_INSN_SIZE
+
+    def jump_label_size(self, code: bytes) -> int:
+        """2 for a ``jmp rel8`` or the 2-byte NOP the kernel writes instead, else 5."""
+        return 2 if code[:1] == b"\xeb" or code == b"\x66\x90" else JMP32_INSN_SIZE
+
     def arch_populate_kprobe_blacklist(self) -> ArchBlacklist:
         """.entry.text, which runs before the trap reaches a handler (x86's own addition), and the thunks."""
         return ArchBlacklist((("__entry_text_start", "__entry_text_end", ".entry.text"),), THUNKS)

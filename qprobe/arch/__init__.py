@@ -7,14 +7,20 @@ handed its :class:`Arch` object by ``qprobe.api``.  The neutral types both
 sides use (:class:`Resume`, :class:`Trap`, :class:`RegisterLayout`, ...) are
 defined here too.
 
-Checklist for a second architecture (arm64 is the obvious one), in the order
-the core needs the pieces (drgn's "to support a new architecture" list in
-libdrgn/platform.h plays the same part):
+The members, grouped in the order a second architecture needs them (drgn's
+"to support a new architecture" list in libdrgn/platform.h plays the same
+part); docs/porting.md is the step-by-step guide, with the test that proves
+each step:
 
-1. ``ptregs.py``: ``struct pt_regs`` once (field order, pt_regs names, the
-   gdbstub's names, argument registers, flag bits), and a
-   :class:`RegisterLayout` built from it for handlers' ``regs``.
-2. Instructions: ``arch_prepare_kprobe`` decodes the probed instruction and
+1. Identity: ``name``, ``gdb_architecture`` (how the gdbstub's target
+   description names it: qprobe.arch.select chooses by it), ``drgn_architecture``,
+   ``vmcoreinfo``.
+2. Registers: ``registers`` (a :class:`RegisterLayout`: pt_regs once, the
+   gdbstub's names, argument and return registers, what the shell prints)
+   and the ``ip``/``sp``/``flags``/``user_mode``/``percpu_base`` readers.
+3. Page tables: ``page_tables`` gives the :class:`PageTables` the host walks
+   guest memory with and maps the scratch area through.
+4. Instructions: ``arch_prepare_kprobe`` decodes the probed instruction and
    decides whether it runs out of line, is emulated on the host or is
    boosted (runs out of line followed by a jump back); ``arch_setup_resume``
    turns that decision into one :class:`Resume`.  Out of line, the copy is
@@ -22,25 +28,27 @@ libdrgn/platform.h plays the same part):
    and ``arch_resume_trap_step`` maps the ip back at that second trap; the
    copies whose faults the guest must see at the original address are
    single-stepped by the host instead (``arch_resume_singlestep`` maps the
-   ip back after the step, ``arch_fault_frame`` finds its exception frame).  ``breakpoint`` is the trap instruction
-   ``arch_arm_kprobe`` writes (int3; ``brk`` on arm64).
-3. Traps: ``decode_trap`` reads where a stop came from (the exception frame,
-   or the pt_regs the kernel's breakpoint handler was given) and
+   ip back after the step, ``arch_fault_frame`` finds its exception frame).
+   ``breakpoint`` is the trap instruction ``arch_arm_kprobe`` writes (int3;
+   ``brk`` on arm64).
+5. Traps: ``trap_entries``/``trap_path``/``trap_watch`` say where the host
+   hears of a breakpoint; ``decode_trap`` reads where a stop came from and
    ``resume_registers`` writes a :class:`Resume` back as gdbstub registers.
-4. The blacklist: ``arch_populate_kprobe_blacklist`` (the entry code's
-   sections, and the thunks every trap-path return or indirect branch may run
-   through, refused on a kernel without CONFIG_KPROBES), the functions
-   ``arch_kretprobe_blacklist`` names.
-5. Jump optimization, optional (``optimizes`` False: every probe stays a
-   breakpoint): ``arch_check_optimized_kprobe`` (can_optimize),
-   ``arch_prepare_optimized_kprobe`` (relocate the displaced instructions,
-   build the detour), ``arch_optimize_kprobes`` / ``arch_unoptimize_kprobes``
-   (the jump's bytes), ``arch_within_optimized_kprobe``; and the guest-RAM
-   layouts the core reads without stopping the VM: the mailbox stub and its
-   answer, the record rings, the per-CPU keyed tables, kretprobe instances
-   and their trampolines.
-6. Unit tests under tests/unit/arch/<name>/ that run the generated code
-   (the x86_64 ones use unicorn).
+6. The blacklist: ``arch_populate_kprobe_blacklist``,
+   ``arch_kretprobe_blacklist``, and the size of the sites the kernel
+   rewrites (``jump_label_size``, ``static_call_size``).
+7. Jump optimization, optional (``arch_check_optimized_kprobe`` may refuse
+   every address: every probe stays a breakpoint): ``arch_prepare_optimized_kprobe``,
+   ``arch_optimize_kprobes`` / ``arch_unoptimize_kprobes``,
+   ``arch_within_optimized_kprobe``; and the guest-RAM layouts the core
+   reads without stopping the VM: the mailbox stub and its answer, the
+   record rings, the per-CPU keyed tables, kretprobe instances and their
+   trampolines.
+8. ``cycle_counter``, optional: what the host times stops against.
+
+``make lint`` type-checks every implementation against this protocol
+(qprobe/arch/select.py), and tests/unit/test_layering.py keeps every other
+package from importing an architecture's.
 """
 
 from __future__ import annotations

@@ -214,7 +214,7 @@ class StopClock:
         self._hpet: tuple[int, int] | None = None  # (physical base, period in fs)
         self._why_not: str | None = None
         self._site = 0
-        self._counter: Callable[[Mapping[str, int]], int] = lambda regs: 0  # the value read, from the registers
+        self._counter: Callable[[Mapping[str, int]], int] | None = None  # the value read, from the registers
 
     def unavailable(self) -> str | None:
         """Why the guest's TSC at a stop cannot be known, or None; calibrates (a few stops) once."""
@@ -298,6 +298,7 @@ class StopClock:
             self._armed = 0
 
     def _on_read(self, thread: str, regs: dict[str, int]) -> None:
+        assert self._counter is not None  # armed only once _prepare found the read
         tsc = self._counter(regs)
         pair = (tsc, self._hpet_ns())
         self._disarm()

@@ -93,9 +93,6 @@ class X86PageTables:
     def root(self, value: int) -> int:
         return kernel_pgd(value, self.pti)
 
-    def walk(self, read_u64: Callable[[int], int], root: int, vaddr: int) -> list[tuple[int, int]]:
-        return walk(read_u64, root, vaddr, self.levels)
-
     def translate(self, read_u64: Callable[[int], int], root: int, vaddr: int) -> tuple[int, int, int]:
         return translate(read_u64, root, vaddr, self.levels)
 

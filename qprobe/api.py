@@ -154,7 +154,7 @@ class Target:
             self.gdb = open_stub(transport, gdb_address, alive)
             self.gdb.handshake()
             self.arch = arch_of(self.gdb)
-            if isinstance(self.gdb, GdbRemote):
+            if not isinstance(self.gdb, GdbMiRemote):  # gdb writes registers itself
                 self.gdb.allow_g(self.arch.registers.plain)
             vcpus = self.gdb.threads()
             regs0 = self.gdb.read_registers(vcpus[0])

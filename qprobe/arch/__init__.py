@@ -337,6 +337,7 @@ class Arch(Protocol):
     name: str
     gdb_architecture: str  # what the gdbstub's target description names it (<architecture>)
     breakpoint: bytes  # the trap instruction arch_arm_kprobe writes
+    kprobe_ip_offset: int  # a kprobe handler's regs->ip minus the probe's address (x86: 1, the int3 has run)
     slot_size: int  # bytes of scratch per out-of-line copy
     jump_size: int  # bytes an optimized probe's jump displaces at least
     registers: RegisterLayout

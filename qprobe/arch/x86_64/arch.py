@@ -138,6 +138,8 @@ class X86_64:
     name = "x86_64"
     gdb_architecture = "i386:x86-64"
     breakpoint = bytes([INT3_INSN_OPCODE])
+    # kprobe_int3_handler hands pre_handlers regs->ip past the int3 (arch/x86/kernel/kprobes/core.c).
+    kprobe_ip_offset = 1
     slot_size = SLOT_SIZE  # the copy and a jmp back, then the two int3-terminated copies (insn.SLOT_SIZE)
     jump_size = JMP32_INSN_SIZE
     registers = RegisterLayout(GDB_NAME, ARG_REGS, {"cs": KERNEL_CS, "ss": KERNEL_DS}, general=guestfilter.GPRS,

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import drgn
 
 from qprobe.arch import Arch
-from qprobe.arch.x86_64.arch import X86_64
+from qprobe.arch.select import arch_named, arch_of_machine
 from qprobe.core.kprobe import Kprobe, Kretprobe
 from qprobe.core.kprobes import KprobeManager
 from qprobe.core.kretprobe import KretprobeManager
@@ -41,10 +41,10 @@ from qprobe.core.watchpoint import Watchpoint, Watchpoints
 from qprobe.errors import BootPanic, GuestPanicked, ProbeError, QprobeError, SymbolError, TargetError, TargetGone
 from qprobe.kernel.btf import module_btfs
 from qprobe.kernel.clock import NSEC_PER_SEC, StopClock, TraceClock
-from qprobe.kernel.features import fully_preemptible, has_pti, thread_size
+from qprobe.kernel.features import fully_preemptible, thread_size
 from qprobe.kernel.kaslr import detect_slide
 from qprobe.kernel.program import KernelData, Stack, Task
-from qprobe.kernel.symbols import Symbols
+from qprobe.kernel.symbols import Symbols, elf_machine
 from qprobe.kernel.tracefs import ftrace_locations, probe_dialect, trace_event_names
 from qprobe.modnotify import ModuleNotifier
 from qprobe.paths import cache_dir, read_private, write_private
@@ -55,7 +55,7 @@ from qprobe.vmm.gdbmi import GdbMiRemote
 from qprobe.vmm.gdbremote import GdbRemote
 from qprobe.vmm.journal import Journal, sweep_journals
 from qprobe.vmm.machine import Machine
-from qprobe.vmm.memory import GuestMemory, MemoryFault, PhysReader, SharedRam, kernel_pgd, paging_levels
+from qprobe.vmm.memory import GuestMemory, MemoryFault, PhysReader, SharedRam
 from qprobe.vmm.peer import listener_pid, process_identity
 from qprobe.vmm.qemu import SHM_PREFIX, SHM_ROOT, QemuConfig, QemuProcess, parse_memory
 from qprobe.vmm.scratch import ScratchArea, memmap_reservation
@@ -73,9 +73,21 @@ TRANSPORTS = ("rsp", "gdb")
 LIVENESS_POLL = 0.2
 
 
-def arch_of(symbols: Symbols) -> Arch:
-    """The architecture of the kernel ``symbols`` were read from (Symbols refuses any vmlinux but x86_64's)."""
-    return X86_64()
+def arch_of(gdb: GdbRemote | GdbMiRemote) -> Arch:
+    """The target's architecture, by the name its gdbstub's target description gives it; its registers there."""
+    if not gdb.architecture:
+        raise TargetError("the gdbstub's target description names no architecture (<architecture>)")
+    arch = arch_named(gdb.architecture)
+    layout = arch.registers
+    missing = sorted({*layout.gdb_name.values(), layout.page_table, layout.percpu_base} - set(gdb.regs))
+    if missing:
+        raise TargetError(f"the gdbstub describes no {', '.join(missing)}: not an {arch.name} system target")
+    return arch
+
+
+def vmlinux_arch(symbols: Symbols) -> Arch:
+    """The architecture of the kernel ``symbols`` were read from, by its ELF machine."""
+    return arch_of_machine(elf_machine(symbols.path))
 
 
 def open_stub(transport: str, address: str, alive: Callable[[], bool] | None = None) -> GdbTransport:
@@ -143,22 +155,29 @@ class Target:
                     self.timings["boot"] = time.monotonic() - t0
             self.gdb = open_stub(transport, gdb_address, alive)
             self.gdb.handshake()
+            self.arch = arch_of(self.gdb)
+            if not isinstance(self.gdb, GdbMiRemote):  # gdb writes registers itself
+                self.gdb.allow_g(self.arch.registers.plain)
             vcpus = self.gdb.threads()
             regs0 = self.gdb.read_registers(vcpus[0])
             phys: PhysReader = SharedRam(ram, ram_size, writable=True) if ram is not None else _StubPhys(self.gdb)
-            self.mem = GuestMemory(phys, kernel_pgd(regs0["cr3"]), paging_levels(regs0["cr4"]))
+            paging = self.arch.page_tables(regs0)
+            root = regs0[self.arch.registers.page_table]
+            self.mem = GuestMemory(phys, paging.root(root), paging)
             loader.join()
             if isinstance(symbols_box[0], BaseException):
                 raise symbols_box[0]
             self.symbols: Symbols = symbols_box[0]
             self.timings["symbols"] = self._symbol_time
-            self.mem.pti = has_pti(self.symbols)
-            self.mem.pgd = self.mem.pgd_of(regs0["cr3"])
+            if vmlinux_arch(self.symbols).name != self.arch.name:
+                raise TargetError(f"{self.symbols.path.name} is not a vmlinux for {self.arch.name}")
+            paging.learn(self.symbols.__contains__)
+            self.mem.pgd = self.mem.pgd_of(root)
             self.slide = detect_slide(self.symbols, self.mem, self.console.text if self.console else "")
-            # vCPU 0's CR3 may be a user process's page tables (idle borrows the last mm): valid now,
-            # freed and reused once that process exits.  From here on walk the kernel's own PGD.
-            if "init_top_pgt" in self.symbols:
-                self.mem.pgd = self.mem.virt_to_phys(self.symbols.address("init_top_pgt"))
+            # vCPU 0's page tables may be a user process's (idle borrows the last mm): valid now,
+            # freed and reused once that process exits.  From here on walk the kernel's own.
+            if paging.kernel_root_symbol in self.symbols:
+                self.mem.pgd = self.mem.virt_to_phys(self.symbols.address(paging.kernel_root_symbol))
             if isinstance(self.gdb, GdbMiRemote):
                 # For the shell's raw ``gdb CMD``: symbols at the running kernel's addresses, DWARF through
                 # the index cache the shell's static gdb also uses (1 s once it holds this build, 20 s before).
@@ -174,11 +193,10 @@ class Target:
             )
             if self.qemu is not None:
                 self.qemu.remove_with_vm(self.journal.files())  # by the janitor, should this process be killed
-            self.kernel = KernelData(self.symbols, self.mem)
-            self.arch = arch_of(self.symbols)
+            self.kernel = KernelData(self.symbols, self.mem, self.arch)
             self.recovered = recover(self.gdb, self.kernel, self.arch, self.journal,
                                      fully_preemptible(self.symbols, self.cmdline))  # fmt: skip
-            self.machine = Machine(self.gdb, self.mem, self.journal)
+            self.machine = Machine(self.gdb, self.mem, self.journal, self.arch.registers.pc)
             self.machine.exit_hint = self._exit_hint
             if isinstance(phys, SharedRam) and phys.writable:
                 self.machine.data_writer = phys
@@ -535,7 +553,7 @@ class Target:
             stack = thread_size(self.kernel)
         except QprobeError:
             stack = None  # $stackN and $argN are refused, naming the unknown THREAD_SIZE
-        return probe_dialect(self.symbols, stack, lambda: module_btfs(self.kernel.prog))
+        return probe_dialect(self.symbols, self.arch.registers.pt_regs, stack, lambda: module_btfs(self.kernel.prog))
 
     @functools.cached_property
     def ftrace_locations(self) -> list[int]:

@@ -126,20 +126,23 @@ def _host_dialect(args: argparse.Namespace) -> Dialect | None:
     Without it (a VM to attach to, no --vmlinux) definitions are checked once attached,
     in the running kernel's language, not before in another one's.
     """
+    from qprobe.api import vmlinux_arch
     from qprobe.kernel.features import init_stack_span
     from qprobe.kernel.tracefs import probe_dialect
 
     symbols = _host_symbols(args)
-    return None if symbols is None else probe_dialect(symbols, init_stack_span(symbols))
+    if symbols is None:
+        return None
+    return probe_dialect(symbols, vmlinux_arch(symbols).registers.pt_regs, init_stack_span(symbols))
 
 
 def _host_probeability(args: argparse.Namespace) -> Probeability | None:
     """The kernel's probe refusals from the vmlinux on the host, without booting; None if it is not known here."""
-    from qprobe.api import arch_of
+    from qprobe.api import vmlinux_arch
     from qprobe.funcs import Probeability
 
     symbols = _host_symbols(args)
-    return None if symbols is None else Probeability.of(symbols, arch_of(symbols))
+    return None if symbols is None else Probeability.of(symbols, vmlinux_arch(symbols))
 
 
 def _perf_definitions(args: argparse.Namespace) -> None:
@@ -155,15 +158,15 @@ def _perf_definitions(args: argparse.Namespace) -> None:
     symbols = _host_symbols(args)
     if symbols is None:
         raise QprobeError("a perf definition is resolved from vmlinux's debug information: give --vmlinux")
-    from qprobe.api import arch_of
+    from qprobe.api import vmlinux_arch
     from qprobe.funcs import Probeability, unknown_symbol
     from qprobe.kernel.perfprobe import parse_perf_probe
 
     for text in texts:  # a typo gets the closest names, as a kprobe_events definition's does
         name = parse_perf_probe(text).function
         if name is not None and name not in symbols:
-            raise unknown_symbol(symbols, name, Probeability.of(symbols, arch_of(symbols)).functions())
-    found = iter(perf_to_kprobe(texts, symbols))
+            raise unknown_symbol(symbols, name, Probeability.of(symbols, vmlinux_arch(symbols)).functions())
+    found = iter(perf_to_kprobe(texts, symbols, vmlinux_arch(symbols)))
     out = []
     for text in args.events:
         if is_perf_definition(text):

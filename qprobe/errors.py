@@ -15,6 +15,14 @@ class TargetError(QprobeError):
     """QEMU, the gdbstub or the guest did not do what was asked."""
 
 
+class MemoryFault(TargetError):
+    """A guest virtual address is not mapped."""
+
+    def __init__(self, addr: int, why: str = "not mapped") -> None:
+        self.addr = addr
+        super().__init__(f"guest address {addr:#x} is {why}")
+
+
 class TargetGone(TargetError):
     """QEMU exited or the connection to it closed."""
 

@@ -48,7 +48,7 @@ from qprobe.fetch import (
 )
 from qprobe.fetch import messages as M
 from qprobe.fetch.args import FetchArg, Value
-from qprobe.fetch.context import U64_MASK, task_size_max
+from qprobe.fetch.context import U64_MASK
 from qprobe.fetch.dialect import Dialect
 from qprobe.fetch.expr import Arg, Comm, Deref, Imm, ImmString, Node, Reg, StackPointer, SymbolAddr
 from qprobe.fetch.filter import And as FAnd
@@ -186,7 +186,7 @@ class _HostContext:
         self._comm = comm
         self._ip = ip
         self.orig_ax = U64_MASK
-        self.task_size_max = task_size_max(target.mem.levels)
+        self.task_size_max = target.mem.paging.task_size_max()
 
     def reg(self, name: str) -> int:
         if name == "orig_ax":
@@ -311,13 +311,13 @@ class TraceEvent:
     ) -> None:  # fmt: skip
         """One hit at ``ip`` (a kprobe's address, or a return probe's real return address in ``func``).
 
-        ``%ip`` is what the kernel's handler sees: the probe's address + 1 in a kprobe
-        (the int3 has run; its optimized and ftrace-based probes set the same) and the
-        real return address in a return probe.
+        ``%ip`` is what the kernel's handler sees: in a kprobe the probe's address plus the
+        arch's ``kprobe_ip_offset`` (x86: + 1, the int3 has run; its optimized and ftrace-based
+        probes set the same), and the real return address in a return probe.
         """
         recorded = task is not None  # only a ring record brings its task
         ctx = _HostContext(self.target, regs, retval, None if task is None else task[1],
-                           ip=ip + 1 if func is None else ip, entry=entry)  # fmt: skip
+                           ip=ip + self.target.arch.kprobe_ip_offset if func is None else ip, entry=entry)  # fmt: skip
         # -1 as the int3 entry and the kretprobe trampoline leave it; 0 in a probe the kernel would run
         # from ftrace (one qprobe moved off an __fentry__ site), whose pt_regs come from ftrace_regs_caller.
         probe = self.probe if isinstance(self.probe, Kprobe) else None

@@ -109,9 +109,10 @@ class Probeability:
     def of(cls, symbols: Symbols, arch: Arch) -> Probeability:
         """From the vmlinux file alone, before anything boots (reserved sites as the file has them)."""
         # The BUG table's entry size needs the kernel's types; a function's entry is never a BUG site.
-        reserved = ReservedText(symbols, symbols.file_bytes, None)
+        reserved = ReservedText(symbols, symbols.file_bytes, None, arch)
         blacklist = Blacklist(symbols, arch.arch_populate_kprobe_blacklist())
-        return cls(symbols, blacklist, ftrace_locations(symbols), reserved, probe_dialect(symbols))
+        dialect = probe_dialect(symbols, arch.registers.pt_regs)
+        return cls(symbols, blacklist, ftrace_locations(symbols), reserved, dialect)
 
     @classmethod
     def of_target(cls, target: RunningTarget) -> Probeability:

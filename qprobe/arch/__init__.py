@@ -7,14 +7,20 @@ handed its :class:`Arch` object by ``qprobe.api``.  The neutral types both
 sides use (:class:`Resume`, :class:`Trap`, :class:`RegisterLayout`, ...) are
 defined here too.
 
-Checklist for a second architecture (arm64 is the obvious one), in the order
-the core needs the pieces (drgn's "to support a new architecture" list in
-libdrgn/platform.h plays the same part):
+The members, grouped in the order a second architecture needs them (drgn's
+"to support a new architecture" list in libdrgn/platform.h plays the same
+part); docs/porting.md is the step-by-step guide, with the test that proves
+each step:
 
-1. ``ptregs.py``: ``struct pt_regs`` once (field order, pt_regs names, the
-   gdbstub's names, argument registers, flag bits), and a
-   :class:`RegisterLayout` built from it for handlers' ``regs``.
-2. Instructions: ``arch_prepare_kprobe`` decodes the probed instruction and
+1. Identity: ``name``, ``gdb_architecture`` (how the gdbstub's target
+   description names it: qprobe.arch.select chooses by it), ``drgn_architecture``,
+   ``vmcoreinfo``.
+2. Registers: ``registers`` (a :class:`RegisterLayout`: pt_regs once, the
+   gdbstub's names, argument and return registers, what the shell prints)
+   and the ``ip``/``sp``/``flags``/``user_mode``/``percpu_base`` readers.
+3. Page tables: ``page_tables`` gives the :class:`PageTables` the host walks
+   guest memory with and maps the scratch area through.
+4. Instructions: ``arch_prepare_kprobe`` decodes the probed instruction and
    decides whether it runs out of line, is emulated on the host or is
    boosted (runs out of line followed by a jump back); ``arch_setup_resume``
    turns that decision into one :class:`Resume`.  Out of line, the copy is
@@ -22,32 +28,34 @@ libdrgn/platform.h plays the same part):
    and ``arch_resume_trap_step`` maps the ip back at that second trap; the
    copies whose faults the guest must see at the original address are
    single-stepped by the host instead (``arch_resume_singlestep`` maps the
-   ip back after the step, ``arch_fault_frame`` finds its exception frame).  ``breakpoint`` is the trap instruction
-   ``arch_arm_kprobe`` writes (int3; ``brk`` on arm64).
-3. Traps: ``decode_trap`` reads where a stop came from (the exception frame,
-   or the pt_regs the kernel's breakpoint handler was given) and
+   ip back after the step, ``arch_fault_frame`` finds its exception frame).
+   ``breakpoint`` is the trap instruction ``arch_arm_kprobe`` writes (int3;
+   ``brk`` on arm64).
+5. Traps: ``trap_entries``/``trap_path``/``trap_watch`` say where the host
+   hears of a breakpoint; ``decode_trap`` reads where a stop came from and
    ``resume_registers`` writes a :class:`Resume` back as gdbstub registers.
-4. The blacklist: ``arch_populate_kprobe_blacklist`` (the entry code's
-   sections, and the thunks every trap-path return or indirect branch may run
-   through, refused on a kernel without CONFIG_KPROBES), the functions
-   ``arch_kretprobe_blacklist`` names.
-5. Jump optimization, optional (``optimizes`` False: every probe stays a
-   breakpoint): ``arch_check_optimized_kprobe`` (can_optimize),
-   ``arch_prepare_optimized_kprobe`` (relocate the displaced instructions,
-   build the detour), ``arch_optimize_kprobes`` / ``arch_unoptimize_kprobes``
-   (the jump's bytes), ``arch_within_optimized_kprobe``; and the guest-RAM
-   layouts the core reads without stopping the VM: the mailbox stub and its
-   answer, the record rings, the per-CPU keyed tables, kretprobe instances
-   and their trampolines.
-6. Unit tests under tests/unit/arch/<name>/ that run the generated code
-   (the x86_64 ones use unicorn).
+6. The blacklist: ``arch_populate_kprobe_blacklist``,
+   ``arch_kretprobe_blacklist``, and the size of the sites the kernel
+   rewrites (``jump_label_size``, ``static_call_size``).
+7. Jump optimization, optional (``arch_check_optimized_kprobe`` may refuse
+   every address: every probe stays a breakpoint): ``arch_prepare_optimized_kprobe``,
+   ``arch_optimize_kprobes`` / ``arch_unoptimize_kprobes``,
+   ``arch_within_optimized_kprobe``; and the guest-RAM layouts the core
+   reads without stopping the VM: the mailbox stub and its answer, the
+   record rings, the per-CPU keyed tables, kretprobe instances and their
+   trampolines.
+8. ``cycle_counter``, optional: what the host times stops against.
+
+``make lint`` type-checks every implementation against this protocol
+(qprobe/arch/select.py), and tests/unit/test_layering.py keeps every other
+package from importing an architecture's.
 """
 
 from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -99,6 +107,22 @@ class Trap:
     user: bool = False
 
 
+# Addresses of instructions with an exception-table fixup: a set, or a test of one address.
+ExceptionTable = Container[int] | Callable[[int], bool]
+
+
+class Registers(Protocol):
+    """A trapped context's registers as the core hands them to the architecture (``qprobe.core.regs.PtRegs``).
+
+    Every pt_regs field of the architecture's :class:`RegisterLayout` reads and
+    writes as an attribute; ``dirty`` gives the changed ones by gdbstub name.
+    """
+
+    def __getattr__(self, name: str) -> int: ...
+    def __setattr__(self, name: str, value: int) -> None: ...
+    def dirty(self) -> dict[str, int]: ...
+
+
 class TrapHook(enum.Enum):
     """Where the host hears of a guest breakpoint: a breakpoint on the entry, or a watchpoint in its handler."""
 
@@ -118,9 +142,29 @@ class RegisterLayout:
     page_table: str  # gdbstub name of the register holding the running task's page-table root
     percpu_base: str  # gdbstub name of the register holding the CPU's per-CPU base in kernel mode
     retval: str  # pt_regs name of the register a function returns its value in
+    stack_args: int  # at a function's entry, sp + this is its first argument on the stack (x86_64: 8)
+    # pt_regs names of every field of struct pt_regs in memory order (what drgn's stack walk is given,
+    # and the %REG names kprobe_events takes).
+    pt_regs: tuple[str, ...] = ()
+    unwound: tuple[str, ...] = ()  # gdbstub (and drgn) names of the registers a stack walk carries on from
+    # (gdbstub name, how it is shown: "int", "code" or "data" pointer, "flags", "hex") in the order the
+    # shell prints a vCPU's registers; the flags register's (mask, name) pairs.
+    display: tuple[tuple[str, str], ...] = ()
+    flag_bits: tuple[tuple[int, str], ...] = ()
+    plain: frozenset[str] = frozenset()  # gdbstub registers whose write has no effect beyond the value
     ip: str = "ip"  # pt_regs names of the instruction pointer, stack pointer and flags
     sp: str = "sp"
     flags: str = "flags"
+
+    @property
+    def pc(self) -> str:
+        """The gdbstub's name of the program counter."""
+        return self.gdb_name[self.ip]
+
+    @property
+    def pt_name(self) -> dict[str, str]:
+        """gdbstub name -> pt_regs name."""
+        return {g: pt for pt, g in self.gdb_name.items()}
 
 
 @dataclass(frozen=True)
@@ -131,6 +175,34 @@ class ArchBlacklist:
     # Functions by name that a kernel without CONFIG_KPROBES cannot list (it has no _kprobe_blacklist)
     # but that the trap path runs through: return and indirect-branch thunks and the like.
     thunks: re.Pattern[str] | None = None
+
+
+@dataclass(frozen=True)
+class TrapWatch:
+    """A data read the kernel's breakpoint handler makes for every kernel-mode trap, to watch instead of its entry.
+
+    The watched word is ``variable``'s ``member`` (of type ``type_name``), read
+    by ``handler``; the architecture's ``trap_watch_site`` says where a vCPU is
+    when QEMU reports that read, or that the read is not in the expected shape.
+    """
+
+    variable: str
+    type_name: str
+    member: str
+    handler: str
+
+
+@dataclass(frozen=True)
+class CycleCounter:
+    """The cycle counter the kernel's sched_clock reads, as the host calibrates its stop clock against it.
+
+    ``function`` reads it; ``after_read`` finds where the value just read is in
+    registers, and ``value`` reads it there.
+    """
+
+    function: str
+    after_read: Callable[[bytes, int], int | None]
+    value: Callable[[Mapping[str, int]], int]
 
 
 @dataclass(frozen=True)
@@ -154,10 +226,15 @@ class Pool:
 class ReturnLayout(Protocol):
     """Where a kretprobe's instances and their trampolines live in the scratch area."""
 
-    instances: int
-    count: int
-    trampolines: int
-    returns: int  # u64 per pool owner: returns counted in the guest
+    # Read-only, so that a frozen dataclass implements them.
+    @property
+    def instances(self) -> int: ...
+    @property
+    def count(self) -> int: ...
+    @property
+    def trampolines(self) -> int: ...
+    @property
+    def returns(self) -> int: ...  # u64 per pool owner: returns counted in the guest
 
     def trampoline(self, i: int) -> int: ...
     def instance(self, i: int) -> int: ...
@@ -208,6 +285,29 @@ class RingEntry:
     values: dict[str, int]  # gdbstub names, the ip not set (the host knows the probe's address)
 
 
+class PageTables(Protocol):
+    """The guest's page tables as the host walks them (``qprobe.vmm.memory``, the scratch area's mapping).
+
+    ``root`` turns a value of the page-table register (``RegisterLayout.page_table``)
+    into the physical root of the kernel's half; ``learn`` is told the kernel's
+    symbols once they are read (a build option may change the roots' shape).
+    The scratch area is mapped as ``large_page``-sized pages of kernel text in
+    the table ``large_page_table`` finds, within branch reach of ``image_base``.
+    """
+
+    levels: int
+    kernel_root_symbol: str  # the kernel's own page-table root (swapper_pg_dir or its name on this arch)
+    image_base: int  # the kernel image's virtual base
+    large_page: int
+
+    def learn(self, has_symbol: Callable[[str], bool]) -> None: ...
+    def root(self, value: int) -> int: ...
+    def translate(self, read_u64: Callable[[int], int], root: int, vaddr: int) -> tuple[int, int, int]: ...
+    def large_page_table(self, read_u64: Callable[[int], int], root: int) -> int: ...
+    def large_page_entry(self, phys: int) -> int: ...
+    def task_size_max(self) -> int: ...
+
+
 class Memory(Protocol):
     """Guest memory for the emulator and for fault fix-ups."""
 
@@ -236,10 +336,19 @@ class Arch(Protocol):
     """Everything the core asks of an architecture (see the checklist above)."""
 
     name: str
+    gdb_architecture: str  # what the gdbstub's target description names it (<architecture>)
     breakpoint: bytes  # the trap instruction arch_arm_kprobe writes
+    kprobe_ip_offset: int  # a kprobe handler's regs->ip minus the probe's address (x86: 1, the int3 has run)
     slot_size: int  # bytes of scratch per out-of-line copy
     jump_size: int  # bytes an optimized probe's jump displaces at least
     registers: RegisterLayout
+    cycle_counter: CycleCounter | None  # None: stops are not timed against the guest's clock
+    drgn_architecture: str  # the name of drgn.Architecture's member for it
+
+    def page_tables(self, regs: Mapping[str, int]) -> PageTables: ...
+    def vmcoreinfo(self, address: Callable[[str], int], virt_to_phys: Callable[[int], int], levels: int) -> list[str]:
+        """The arch's VMCOREINFO lines drgn reads (its machine_kexec's), for a kernel that exports none."""
+        ...
 
     # -- instructions ------------------------------------------------------------------
     def arch_adjust_kprobe_addr(self, func_code: bytes, func_start: int, offset: int) -> int: ...
@@ -248,21 +357,28 @@ class Arch(Protocol):
         self, code: bytes, func_start: int, addr: int, patched: Mapping[int, int], name: str
     ) -> None: ...
     def arch_prepare_kprobe(
-        self, code: bytes, addr: int, slot: int, where: str, exception_table: object
+        self, code: bytes, addr: int, slot: int, where: str, exception_table: ExceptionTable | None
     ) -> Prepared: ...
     def arch_slot_code(self, prep: Prepared) -> bytes: ...
     def arch_setup_resume(
-        self, prep: Prepared, regs: object, mem: Memory, may_boost: bool, may_trap_step: bool
+        self, prep: Prepared, regs: Registers, mem: Memory, may_boost: bool, may_trap_step: bool
     ) -> Resume: ...
     def is_trap_step_start(self, prep: Prepared, ip: int) -> bool: ...
     def is_trap_step_end(self, prep: Prepared, addr: int) -> bool: ...
-    def arch_resume_trap_step(self, prep: Prepared, regs: object) -> None: ...
+    def arch_resume_trap_step(self, prep: Prepared, regs: Registers) -> None: ...
     def arch_slot_resume(self, slot: int, addr: int, ip: int, flags: int) -> tuple[int, int] | None: ...
     def step_left_slot(self, prep: Prepared, ip: int) -> bool: ...
-    def arch_resume_singlestep(self, prep: Prepared, regs: object, mem: Memory) -> None: ...
+    def arch_resume_singlestep(self, prep: Prepared, regs: Registers, mem: Memory) -> None: ...
     def arch_fault_frame(self, prep: Prepared, sp: int, read_u64: Callable[[int], int]) -> tuple[int, int] | None: ...
 
     # -- traps -------------------------------------------------------------------------
+    # Where a kernel-mode breakpoint trap enters the kernel (the first name the kernel has), the
+    # functions it runs through before the watched read, and that read (None: no watchpoint hook).
+    trap_entries: tuple[str, ...]
+    trap_path: tuple[str, ...]
+    trap_watch: TrapWatch | None
+
+    def trap_watch_site(self, code: bytes, address: int, watched: int) -> frozenset[int] | None: ...
     def decode_trap(self, hook: TrapHook, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> Trap: ...
     def resume_registers(self, resume: Resume) -> dict[str, int]: ...
     def ip(self, regs: Mapping[str, int]) -> int: ...
@@ -271,12 +387,18 @@ class Arch(Protocol):
     def user_mode(self, regs: Mapping[str, int]) -> bool: ...
     def percpu_base(self, regs: Mapping[str, int]) -> int: ...
 
-    # -- the blacklist -------------------------------------------------------------------
+    # -- the blacklist and the text the kernel rewrites --------------------------------------
+    jump_label_probe: int  # bytes of a jump-label site jump_label_size needs
+    jump_label_max: int  # the most bytes a jump-label site occupies
+    static_call_size: int  # bytes a static-call site occupies
+
+    def jump_label_size(self, code: bytes) -> int: ...
     def arch_populate_kprobe_blacklist(self) -> ArchBlacklist: ...
     def arch_kretprobe_blacklist(self) -> frozenset[str]: ...
 
     # -- jump optimization -----------------------------------------------------------------
-    def arch_check_optimized_kprobe(self, func_code: bytes, func_start: int, addr: int, exception_table: object,
+    def arch_check_optimized_kprobe(self, func_code: bytes, func_start: int, addr: int,
+                                    exception_table: ExceptionTable | None,
                                     patched: Mapping[int, int], name: str) -> tuple[str | None, int]: ...  # fmt: skip
     def arch_prepare_optimized_kprobe(self, params: DetourParams, region: bytes, addr: int, near: int,
                                       alloc: Callable[[int], int]) -> tuple[int, bytes, int]: ...  # fmt: skip
@@ -324,17 +446,22 @@ class Arch(Protocol):
 __all__ = [
     "Arch",
     "ArchBlacklist",
+    "CycleCounter",
     "DetourParams",
+    "ExceptionTable",
     "MailboxRequest",
     "Memory",
+    "PageTables",
     "PercpuLayout",
     "Pool",
     "Prepared",
     "RegisterLayout",
+    "Registers",
     "Resume",
     "ResumeKind",
     "ReturnLayout",
     "RingEntry",
     "Trap",
     "TrapHook",
+    "TrapWatch",
 ]

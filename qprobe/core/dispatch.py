@@ -34,7 +34,7 @@ from qprobe.core.kprobe import Kprobe
 from qprobe.core.point import KprobeCtlblk, KprobeStatus, ProbePoint
 from qprobe.core.regs import PtRegs
 from qprobe.errors import ProbeError
-from qprobe.kernel.features import find_watch_site, int3_entry
+from qprobe.kernel.features import find_watch_site, trap_entry
 from qprobe.kernel.program import KernelData
 from qprobe.vmm.gdbremote import WATCH_READ
 from qprobe.vmm.machine import Machine
@@ -70,11 +70,11 @@ class Dispatcher:
         self.registry = registry
         self.handlers = handlers
         self.ctlblk: dict[str, KprobeCtlblk] = {tid: KprobeCtlblk() for tid in machine.vcpus}
-        self.int3_entry = int3_entry(kernel.symbols)
+        self.int3_entry = trap_entry(kernel.symbols, arch)
         self.hooked = False
-        # The hook: a watchpoint in poke_int3_handler when found (watch_refs set), else a breakpoint
-        # on the #BP entry.  See qprobe.arch.x86_64.int3hook: a watchpoint stop costs the guest no
-        # re-translation, a breakpoint stop does.
+        # The hook: a watchpoint on the read the arch's breakpoint handler makes (x86: poke_int3_handler's)
+        # when found (watch_refs set), else a breakpoint on the entry.  A watchpoint stop costs the guest
+        # no re-translation, a breakpoint stop does (see the arch's trap_watch_site).
         self.watch_int3 = True
         self.watch_refs, self.watch_safe = 0, frozenset[int]()
         self.passed_through = 0
@@ -86,7 +86,7 @@ class Dispatcher:
         """Hear of every guest int3: a read watchpoint in the #BP handler if it can be found, else a breakpoint."""
         if self.hooked:
             return
-        site = find_watch_site(self.kernel) if self.watch_int3 else None
+        site = find_watch_site(self.kernel, self.arch) if self.watch_int3 else None
         if site is not None:
             self.watch_refs, self.watch_safe = site
             self.machine.gdb.insert_breakpoint(self.watch_refs, WATCH_READ, 4)

@@ -167,7 +167,7 @@ class KprobeManager:
             bug_entry = self.kernel.prog.type("struct bug_entry").size
         except (QprobeError, LookupError):
             bug_entry = None  # no debug info: BUG sites are not known
-        return ReservedText(self.symbols, lambda a, n: self.machine.mem.read(a, n), bug_entry)
+        return ReservedText(self.symbols, lambda a, n: self.machine.mem.read(a, n), bug_entry, self.arch)
 
     def patched(self) -> Mapping[int, int]:
         """address -> original byte of everything we changed in kernel text.
@@ -276,10 +276,10 @@ class KprobeManager:
         # Entry text is assembler: its labels (entry_SYSCALL_64) are not sized functions, and reach as kallsyms'
         # symbols do, to the next symbol.
         sym = self.symbols.containing(addr)
-        end = sym.addr + sym.size if sym is not None and sym.size else self.symbols.next_symbol(addr)
-        if sym is None or end is None:
+        if sym is None:
             raise NotKernelText(f"{addr:#x} is not inside a known kernel symbol")
-        self.arch.check_boundary(self.original(sym.addr, end - sym.addr), sym.addr, addr, self.patched(), sym.name)
+        size = sym.size or self.symbols.kallsyms_size(sym)
+        self.arch.check_boundary(self.original(sym.addr, size), sym.addr, addr, self.patched(), sym.name)
         if addr in self.points or self._regions(addr):
             raise InvalidProbe(f"{where} has an int3 or a jump of a probe: probe it with anywhere=False too "
                                "(EBUSY)")  # fmt: skip

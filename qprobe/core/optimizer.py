@@ -42,10 +42,10 @@ from qprobe.core.errorlog import ErrorLog
 from qprobe.core.point import Optimized, ProbePoint
 from qprobe.core.pools import ReturnPools, page_round
 from qprobe.core.records import RECORDING, RecordRings
-from qprobe.errors import QprobeError, SymbolError, TargetGone
+from qprobe.errors import MemoryFault, QprobeError, SymbolError, TargetGone
 from qprobe.kernel.features import thread_size
 from qprobe.kernel.preempted import first_inside, preempted_words
-from qprobe.vmm.memory import MemoryFault, SharedRam
+from qprobe.vmm.memory import SharedRam
 from qprobe.vmm.qemu import DOORBELL_PORT
 
 if TYPE_CHECKING:
@@ -439,11 +439,11 @@ class Optimizer:
         now = time.monotonic()
         targets = view.resume_targets
         i, j = bisect.bisect_right(targets, point.addr), bisect.bisect_left(targets, end)
-        back = [self.kp.resume_targets[a] for a in targets[i:j]]
-        if any(t == math.inf for t in back):
+        returned = [self.kp.resume_targets[a] for a in targets[i:j]]  # when something last jumped back there
+        if any(t == math.inf for t in returned):
             # A detour (perhaps already removed) jumps back there.
             return "out-of-line code returns into the region"
-        if any(now - t < RESUME_GRACE for t in back):
+        if any(now - t < RESUME_GRACE for t in returned):
             return f"{TRANSIENT[2]} returning into the region ran {RESUME_GRACE} s ago or less"
         if (point.addr & 0xFFF) + self.arch.jump_size > 0x1000:
             return "the jump would cross a page"

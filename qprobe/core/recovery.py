@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 from qprobe.arch import Arch, Resume, ResumeKind, TrapHook
 from qprobe.errors import QprobeError
-from qprobe.kernel.features import find_watch_site, int3_entry, int3_path, thread_size
+from qprobe.kernel.features import find_watch_site, thread_size, trap_entry, trap_path
 from qprobe.kernel.preempted import PREEMPTED_WAIT, first_inside, preempted_words, wait_preempted_out
 from qprobe.kernel.program import KernelData
 from qprobe.vmm.journal import Journal, JournalError, Patch
@@ -38,12 +38,12 @@ class _Recovery:
         symbols = kernel.symbols
         self.gdb, self.mem, self.arch, self.meta = gdb, kernel.mem, arch, meta
         self.kernel = kernel
-        self.entry = int3_entry(symbols)
+        self.entry = trap_entry(symbols, arch)
         # With the watchpoint hook a trap is taken back from poke_int3_handler (see Dispatcher.install);
         # a vCPU on its way there from the #BP entry is stepped up to it.
-        site = find_watch_site(kernel)
+        site = find_watch_site(kernel, arch)
         self.watch_safe = site[1] if site else frozenset()
-        self.on_the_way = int3_path(symbols)
+        self.on_the_way = trap_path(symbols, arch)
         self.int3s = {p.virt: p for p in patches if p.what == "int3"}
         self.retaddrs = {p.virt: int.from_bytes(p.old, "little") for p in patches if p.what == "retaddr"}
         self.trampoline = next((int.from_bytes(p.new, "little") for p in patches if p.what == "retaddr"), None)

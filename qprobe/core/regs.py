@@ -7,7 +7,6 @@ dispatcher writes exactly the dirty ones back before the vCPU resumes.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
@@ -46,6 +45,20 @@ class PtRegs:
     # The layout whose registers are class attributes (one per architecture, added on first use: a
     # read through __getattr__ costs a failed lookup first, several times a plain attribute's, on every hit).
     _read_for: ClassVar[RegisterLayout | None] = None
+    # The slots' types (set through object.__setattr__ in __init__; without these a type checker
+    # would take every attribute for a register, as __getattr__ answers).
+    _dirty: set[str]
+    _kernel: KernelData | None
+    _layout: RegisterLayout
+    _mem: GuestMemory
+    _pgd: int
+    _symbols: Symbols | None
+    _values: dict[str, int]
+    fix_return: Callable[[int, int], int] | None
+    gs_base: int
+    tid: str
+    tsc: int | None
+    vcpu: int
 
     def __init__(self, values: dict[str, int], tid: str, vcpu: int, mem: GuestMemory,
                  symbols: Symbols | None = None, kernel: KernelData | None = None,
@@ -132,10 +145,10 @@ class PtRegs:
         return self._mem.read(addr, size, self._pgd)
 
     def read_u64(self, addr: int) -> int:
-        return struct.unpack("<Q", self.read(addr, 8))[0]
+        return int.from_bytes(self.read(addr, 8), "little")
 
     def read_u32(self, addr: int) -> int:
-        return struct.unpack("<I", self.read(addr, 4))[0]
+        return int.from_bytes(self.read(addr, 4), "little")
 
     def read_string(self, addr: int, limit: int = 4096) -> str:
         out = bytearray()
@@ -162,8 +175,7 @@ class PtRegs:
         args = self._layout.arg_regs
         if n <= len(args):
             return self._values[args[n - 1]]
-        # At entry [sp] is the return address; stack arguments follow it.
-        return self.read_u64(self._values["sp"] + 8 * (n - len(args)))
+        return self.read_u64(self._values["sp"] + self._layout.stack_args + 8 * (n - len(args) - 1))
 
     def _param_index(self, name: str) -> int:
         if self._symbols is None or self._kernel is None:

@@ -19,17 +19,8 @@ U64_MASK = (1 << 64) - 1
 PAGE_SIZE = 4096
 
 
-def task_size_max(paging_levels: int) -> int:
-    """x86_64's ``TASK_SIZE_MAX``: ``(1 << __VIRTUAL_MASK_SHIFT) - PAGE_SIZE``.
-
-    The shift is 47 with 4-level paging and 56 with 5-level (LA57); since Linux
-    4.17 ("x86/mm: Make __VIRTUAL_MASK_SHIFT dynamic") one
-    kernel picks it at boot, so it is a fact of the running guest, not of the build.
-    """
-    return (1 << (56 if paging_levels == 5 else 47)) - PAGE_SIZE
-
-
-# pt_regs names x86's regs_query_register_offset() accepts (case-sensitive).
+# pt_regs names x86_64's regs_query_register_offset() accepts (case-sensitive): the language without a
+# kernel (dialect.BASE); a kernel's Dialect has its architecture's (qprobe.arch's RegisterLayout.pt_regs).
 REGISTERS: tuple[str, ...] = (
     "r15", "r14", "r13", "r12", "r11", "r10", "r9", "r8",
     "bx", "cx", "dx", "si", "di", "bp", "ax",
@@ -62,7 +53,7 @@ class FetchContext(Protocol):
     ``comm`` the current task's comm, ``symbol_address`` resolves ``@SYM``
     (KeyError if unknown) and ``symbolize`` formats an address like the
     kernel's ``%pS`` (``func+0x12/0x80`` or ``0xffff...``).  ``task_size_max``
-    is the running kernel's TASK_SIZE_MAX (see :func:`task_size_max`).
+    is the running kernel's TASK_SIZE_MAX (the architecture's ``PageTables.task_size_max``).
     """
 
     task_size_max: int

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from . import messages as M
 from .btf import Btf, FuncProto
+from .context import REGISTERS
 
 # Fetch types that are not in 6.1.0 and that a kernel's README may list.
 OPTIONAL_TYPES = ("symstr", "char")
@@ -38,7 +40,8 @@ class Dialect:
     function parameters by name, and ``$argN`` named after them);
     ``return_args``: its README says return probes take ``$arg<N>``;
     ``dentry_args``: its README lists the ``%pd/%pD`` types;
-    ``btf``: its BTF (None: it has none).
+    ``btf``: its BTF (None: it has none); ``registers``: the pt_regs names its
+    ``%REG`` takes (the architecture's, what regs_query_register_offset() knows).
     """
 
     types: frozenset[str] = frozenset()
@@ -48,6 +51,7 @@ class Dialect:
     return_args: bool = False
     dentry_args: bool = False
     btf: Btf | None = field(default=None, compare=False)
+    registers: frozenset[str] = frozenset(REGISTERS)
 
     def proto(self, func: str | None) -> FuncProto | None:
         """``query_btf_context``: the prototype of the probed function, if BTF arguments can use it."""
@@ -92,7 +96,7 @@ class Dialect:
 
 
 # Without a kernel (a syntax check before anything boots): 6.1.0's language, with its x86_64
-# THREAD_SIZE (16 KiB without KASAN).  A Target's Dialect has the running kernel's.
+# THREAD_SIZE (16 KiB without KASAN) and registers.  A Target's Dialect has the running kernel's.
 BASE = Dialect(thread_size=16384)
 
 
@@ -131,8 +135,11 @@ def readme_dentry_args(readme: str) -> bool:
 
 
 def dialect_of(readme: str | None, messages: list[str] | None, thread_size: int | None = None,
-               btf: Btf | None = None) -> Dialect:  # fmt: skip
-    """The Dialect of a kernel from its README text, error-text table, THREAD_SIZE and BTF (any may be unknown)."""
+               btf: Btf | None = None, registers: Collection[str] = REGISTERS) -> Dialect:  # fmt: skip
+    """The Dialect of a kernel from its README text, error-text table, THREAD_SIZE and BTF (any may be unknown).
+
+    ``registers`` are its architecture's pt_regs names (default: x86_64's, the language without a kernel).
+    """
     types = readme_types(readme) if readme else frozenset()
     return Dialect(
         types=frozenset(t for t in OPTIONAL_TYPES if t in types),
@@ -142,4 +149,5 @@ def dialect_of(readme: str | None, messages: list[str] | None, thread_size: int 
         return_args=bool(readme) and readme_return_args(readme or ""),
         dentry_args=bool(readme) and readme_dentry_args(readme or ""),
         btf=btf,
+        registers=frozenset(registers),
     )

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from . import messages as M
 from .btf import CType
-from .context import REGISTERS, U64_MASK, FetchContext, read_uint
+from .context import U64_MASK, FetchContext, read_uint
 from .dialect import BASE, Dialect
 from .kstrto import isalpha, isdigit, kstrtol, kstrtoul, to_s32
 
@@ -341,7 +341,7 @@ def parse_probe_arg(arg: str, flags: int, offs: int, code: Code) -> Node:
     if head == "$":
         return _parse_vars(arg[1:], flags, offs, code)
     if head == "%":
-        if arg[1:] not in REGISTERS:
+        if arg[1:] not in code.dialect.registers:
             raise ArgError(offs, M.BAD_REG_NAME)
         return Reg(arg[1:])
     if head == "@":

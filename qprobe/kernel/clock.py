@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import drgn
 from drgn.helpers.linux.percpu import per_cpu
 
-from qprobe.arch.x86_64.tsc import after_rdtsc
 from qprobe.errors import QprobeError, SymbolError
 from qprobe.kernel.program import KernelData
 from qprobe.vmm.gdbremote import BREAK_HW
@@ -214,6 +214,7 @@ class StopClock:
         self._hpet: tuple[int, int] | None = None  # (physical base, period in fs)
         self._why_not: str | None = None
         self._site = 0
+        self._counter: Callable[[Mapping[str, int]], int] | None = None  # the value read, from the registers
 
     def unavailable(self) -> str | None:
         """Why the guest's TSC at a stop cannot be known, or None; calibrates (a few stops) once."""
@@ -238,7 +239,7 @@ class StopClock:
                 self.machine.call(self._arm)
                 if not self._got.wait(CALIBRATE_WAIT):
                     self.machine.call(self._disarm)
-                    return "no vCPU ran native_sched_clock's rdtsc to calibrate the clock against"
+                    return "no vCPU read the cycle counter in sched_clock to calibrate the clock against"
         finally:
             self._rounding = False
         rough = self._khz() / 1e6
@@ -250,9 +251,12 @@ class StopClock:
 
     def _prepare(self) -> str | None:
         symbols, mem = self.kernel.symbols, self.kernel.mem
+        counter = self.kernel.arch.cycle_counter
+        if counter is None:
+            return f"qprobe cannot read {self.kernel.arch.name}'s cycle counter at a stop"
         # The HPET's address comes from the ACPI HPET table, kept in hpet_address (arch/x86/kernel/hpet.c).
-        if "hpet_address" not in symbols or "native_sched_clock" not in symbols:
-            return "this kernel has no hpet_address or native_sched_clock to time stops with"
+        if "hpet_address" not in symbols or counter.function not in symbols:
+            return f"this kernel has no hpet_address or {counter.function} to time stops with"
         base = int.from_bytes(mem.read(symbols.address("hpet_address"), 8), "little")
         if not base:
             return "the guest has no HPET to time stops with"
@@ -260,10 +264,11 @@ class StopClock:
         period = cap >> 32
         if not period or period == 0xFFFFFFFF or not cfg & HPET_ENABLE:
             return "the guest's HPET counter is not running"
-        fn = symbols.lookup("native_sched_clock")
-        site = after_rdtsc(mem.read(fn.addr, fn.size), fn.addr)
+        fn = symbols.lookup(counter.function)
+        site = counter.after_read(mem.read(fn.addr, fn.size), fn.addr)
         if site is None:
-            return "native_sched_clock has no rdtsc to calibrate the clock against"
+            return f"{counter.function} reads no cycle counter to calibrate the clock against"
+        self._counter = counter.value
         self._hpet, self._site = (base, period), site
         return None
 
@@ -283,7 +288,7 @@ class StopClock:
     def _arm(self) -> None:
         if not self._armed:
             self.machine.gdb.insert_breakpoint(self._site, BREAK_HW)
-            self.machine.stop_handlers[self._site] = self._on_rdtsc
+            self.machine.stop_handlers[self._site] = self._on_read
             self._armed = self._site
 
     def _disarm(self) -> None:
@@ -292,8 +297,9 @@ class StopClock:
             self.machine.gdb.remove_breakpoint(self._armed, BREAK_HW)
             self._armed = 0
 
-    def _on_rdtsc(self, thread: str, regs: dict[str, int]) -> None:
-        tsc = (regs["rdx"] & 0xFFFFFFFF) << 32 | regs["rax"] & 0xFFFFFFFF
+    def _on_read(self, thread: str, regs: dict[str, int]) -> None:
+        assert self._counter is not None  # armed only once _prepare found the read
+        tsc = self._counter(regs)
         pair = (tsc, self._hpet_ns())
         self._disarm()
         if not self._rounding:

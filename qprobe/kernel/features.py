@@ -9,53 +9,46 @@ from __future__ import annotations
 
 import drgn
 
-from qprobe.arch.x86_64.int3hook import watch_site
+from qprobe.arch import Arch
 from qprobe.errors import QprobeError, SymbolError
 from qprobe.kernel.program import KernelData
 from qprobe.kernel.symbols import Symbols
 
-# The #BP entry: asm_exc_int3 since Linux 5.8's IDTENTRY rework of the x86 entry code
-# ("x86/entry: Convert INT3 exception to IDTENTRY_RAW"); plain int3 before.
-_INT3_ENTRIES = ("asm_exc_int3", "int3")
-# What a vCPU runs from the #BP entry up to the read poke_int3_handler makes of the text_poke_bp
-# descriptor (the watchpoint hook's site); the names of 5.8 and later.
-_INT3_PATH = ("asm_exc_int3", "error_entry", "exc_int3", "poke_int3_handler")
 # The init task's stack in the linker script (include/asm-generic/vmlinux.lds.h), 6.10's names first.
 _INIT_STACK_SPANS = (("__start_init_stack", "__end_init_stack"), ("__start_init_task", "__end_init_task"))
 
 
-def int3_entry(symbols: Symbols) -> int:
-    """Where a breakpoint trap from kernel mode enters the kernel (the IDT's #BP handler)."""
-    for name in _INT3_ENTRIES:
+def trap_entry(symbols: Symbols, arch: Arch) -> int:
+    """Where a breakpoint trap from kernel mode enters the kernel (the first of the arch's entries it has)."""
+    for name in arch.trap_entries:
         if name in symbols:
             return symbols.address(name)
-    raise SymbolError(f"this kernel has no #BP entry qprobe knows ({' or '.join(_INT3_ENTRIES)})")
+    raise SymbolError(f"this kernel has no breakpoint entry qprobe knows ({' or '.join(arch.trap_entries)})")
 
 
-def int3_path(symbols: Symbols) -> list[tuple[int, int]]:
+def trap_path(symbols: Symbols, arch: Arch) -> list[tuple[int, int]]:
     """[start, end) of each function a trap passes through before the watchpoint hook hears of it."""
-    return [(f.addr, f.addr + f.size) for f in map(symbols.lookup, (n for n in _INT3_PATH if n in symbols))]
+    return [(f.addr, f.addr + f.size) for f in map(symbols.lookup, (n for n in arch.trap_path if n in symbols))]
 
 
-def find_watch_site(kernel: KernelData) -> tuple[int, frozenset[int]] | None:
-    """(address of bp_desc.refs, where a vCPU is when QEMU reports poke_int3_handler's read of it), or None.
+def find_watch_site(kernel: KernelData, arch: Arch) -> tuple[int, frozenset[int]] | None:
+    """(address of the watched word, where a vCPU is when QEMU reports the handler's read of it), or None.
 
-    ``bp_desc`` is text_poke_bp's descriptor with a ``refs`` count in the 6.1 and 6.12
-    kernels qprobe is tested on (arch/x86/kernel/alternative.c; older kernels reached it
-    through a pointer).  None (the breakpoint hook is used) if this kernel has no such read
-    in the shape qprobe.arch.x86_64.int3hook expects.
+    The word is the arch's ``trap_watch`` (x86: text_poke_bp's ``bp_desc.refs``).
+    None (the breakpoint hook is used) if the arch has none, or this kernel has no
+    such read in the shape the arch's ``trap_watch_site`` expects.
     """
-    symbols = kernel.symbols
-    if "bp_desc" not in symbols or "poke_int3_handler" not in symbols:
+    watch, symbols = arch.trap_watch, kernel.symbols
+    if watch is None or watch.variable not in symbols or watch.handler not in symbols:
         return None
     try:
-        refs = symbols.address("bp_desc") + kernel.type_offset("struct bp_patching_desc", "refs")
-        fn = symbols.lookup("poke_int3_handler")
+        word = symbols.address(watch.variable) + kernel.type_offset(watch.type_name, watch.member)
+        fn = symbols.lookup(watch.handler)
         code = kernel.mem.read(fn.addr, min(fn.size, 128))
     except QprobeError:
         return None
-    safe = watch_site(code, fn.addr, refs)
-    return None if safe is None else (refs, safe)
+    safe = arch.trap_watch_site(code, fn.addr, word)
+    return None if safe is None else (word, safe)
 
 
 def thread_size(kernel: KernelData) -> int:
@@ -106,17 +99,5 @@ def fully_preemptible(symbols: Symbols, cmdline: str) -> bool:
     return preemptible(symbols) and "__cond_resched" not in symbols
 
 
-__all__ = ["find_watch_site", "fully_preemptible", "init_stack_span", "int3_entry", "int3_path", "preemptible",
-           "thread_size"]  # fmt: skip
-
-
-def has_pti(symbols: Symbols) -> bool:
-    """Whether the kernel has page-table isolation compiled in, so its PGDs are 8 KiB pairs.
-
-    arch/x86/mm/pti.c (``pti_init``) is built only with CONFIG_MITIGATION_PAGE_TABLE_ISOLATION
-    (CONFIG_PAGE_TABLE_ISOLATION before Linux 6.9); with it ``PGD_ALLOCATION_ORDER`` is 1
-    (arch/x86/include/asm/pgalloc.h) even when PTI is off at run time, and CR3 bit 12 selects
-    the user copy. A small config without it (minimal-6.12) allocates single-page PGDs, and a
-    CR3 with bit 12 set is then just a PGD at an odd page.
-    """
-    return "pti_init" in symbols
+__all__ = ["find_watch_site", "fully_preemptible", "init_stack_span", "preemptible", "thread_size", "trap_entry",
+           "trap_path"]  # fmt: skip

@@ -31,12 +31,12 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from qprobe.arch.x86_64.ptregs import PT_NAME
+from qprobe.arch import Arch
 from qprobe.errors import QprobeError
 
 if TYPE_CHECKING:
@@ -265,20 +265,23 @@ def first_covered(entry: str | list[tuple[int, int, str]], start: int, end: int)
     return None
 
 
-def _reg(gdb_name: str, var: str) -> str:
-    if gdb_name not in PT_NAME:
+def _reg(gdb_name: str, var: str, pt_name: Mapping[str, str]) -> str:
+    if gdb_name not in pt_name:
         raise PerfProbeError(f"{var} is in ${gdb_name}, which kprobe_events cannot fetch")
-    return f"%{PT_NAME[gdb_name]}"
+    return f"%{pt_name[gdb_name]}"
 
 
-def parse_location(desc: str, var: str) -> Location:
-    """gdb's description of a location (``a variable in $rdx``...) as perf's fetch base."""
+def parse_location(desc: str, var: str, pt_name: Mapping[str, str]) -> Location:
+    """gdb's description of a location (``a variable in $rdx``...) as perf's fetch base.
+
+    ``pt_name`` maps gdb's register names to pt_regs names (the arch's ``RegisterLayout.pt_name``).
+    """
     if m := re.fullmatch(r"a variable in \$(\w+)", desc):
-        return Location(_reg(m.group(1), var))
+        return Location(_reg(m.group(1), var, pt_name))
     if m := re.fullmatch(r"a variable at offset (-?\d+) from base reg \$(\w+)", desc):
-        return Location(_reg(m.group(2), var), int(m.group(1)))
+        return Location(_reg(m.group(2), var, pt_name), int(m.group(1)))
     if m := re.fullmatch(r"a variable at frame base reg \$(\w+) offset (-?\d+)\+(-?\d+)", desc):
-        return Location(_reg(m.group(1), var), int(m.group(2)) + int(m.group(3)))
+        return Location(_reg(m.group(1), var, pt_name), int(m.group(2)) + int(m.group(3)))
     if m := re.fullmatch(r"static storage at address (0x[0-9a-f]+)", desc):
         return Location(f"@{var}", 0)
     if desc.startswith("optimized out"):
@@ -374,7 +377,8 @@ class Translation:
     offset: int
 
 
-def translate(probe: PerfProbe, dwarf: Dwarf, funcs: Functions, hex_types: bool) -> Translation:
+def translate(probe: PerfProbe, dwarf: Dwarf, funcs: Functions, hex_types: bool,
+              pt_name: Mapping[str, str]) -> Translation:  # fmt: skip
     """The kprobe_events definition perf probe would write for ``probe``."""
     where = probe.text.split(None, 1)[0] if not is_perf_definition(probe.text) else probe.text.split()[1]
     if probe.lazy is not None:
@@ -417,7 +421,7 @@ def translate(probe: PerfProbe, dwarf: Dwarf, funcs: Functions, hex_types: bool)
         span = funcs.function_range(func)
         size = span[1] if span else 0
     offset = addr - start
-    args = [_arg_text(arg, probe, dwarf, addr, (start, start + size), hex_types) for arg in probe.args]
+    args = [_arg_text(arg, probe, dwarf, addr, (start, start + size), hex_types, pt_name) for arg in probe.args]
     if probe.event:
         event = probe.event
     elif probe.function and probe.line is not None:
@@ -431,7 +435,7 @@ def translate(probe: PerfProbe, dwarf: Dwarf, funcs: Functions, hex_types: bool)
 
 
 def _arg_text(arg: PerfArg, probe: PerfProbe, dwarf: Dwarf, addr: int, span: tuple[int, int],
-              hex_types: bool) -> str:  # fmt: skip
+              hex_types: bool, pt_name: Mapping[str, str]) -> str:  # fmt: skip
     name = arg.event_name
     if not arg.is_c_var:  # $retval, $comm, %reg, @sym, +8(%di): kprobe_events' own, passed through as perf does
         text = arg.text.split("=", 1)[-1] if arg.name else arg.text
@@ -458,7 +462,7 @@ def _arg_text(arg: PerfArg, probe: PerfProbe, dwarf: Dwarf, addr: int, span: tup
             raise PerfProbeError(f"{_where(probe)}: {arg.var} is optimized out here (its location list does not cover "
                                  f"{addr:#x})")  # fmt: skip
         try:
-            loc = parse_location(desc, arg.var)
+            loc = parse_location(desc, arg.var, pt_name)
         except PerfProbeError as exc:
             raise PerfProbeError(f"{_where(probe)}: {exc}") from None
     steps = [(op, int(off)) for op, off in found["steps"]]
@@ -570,11 +574,11 @@ def hex_types(symbols: Symbols) -> bool:
     return "x8/16/32/64" in (readme(symbols) or "")
 
 
-def perf_to_kprobe(texts: Sequence[str], symbols: Symbols) -> list[Translation]:
+def perf_to_kprobe(texts: Sequence[str], symbols: Symbols, arch: Arch) -> list[Translation]:
     """Each perf probe definition in ``texts`` (``perf ...``) resolved from vmlinux's DWARF; one gdb for all."""
     from qprobe.paths import cache_dir
 
     probes = [parse_perf_probe(t) for t in texts]  # syntax errors before gdb starts
     hexa = hex_types(symbols)
     with GdbDwarf(symbols.path, cache_dir("gdb-index")) as dwarf:
-        return [translate(p, dwarf, SymbolFunctions(symbols), hexa) for p in probes]
+        return [translate(p, dwarf, SymbolFunctions(symbols), hexa, arch.registers.pt_name) for p in probes]

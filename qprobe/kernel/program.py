@@ -30,21 +30,17 @@ from typing import TYPE_CHECKING, overload
 
 import drgn
 
-from qprobe.arch.x86_64.ptregs import PT_GPRS, PT_NAME, PT_NAMES
+from qprobe.arch import Arch
 from qprobe.errors import SymbolError
 from qprobe.vmm.memory import GuestMemory, MemoryFault
 
 if TYPE_CHECKING:
     from qprobe.kernel.symbols import Symbols
 
-START_KERNEL_MAP = 0xFFFF_FFFF_8000_0000  # __START_KERNEL_map: the kernel image's virtual base
-_PT_REGS = struct.Struct(f"<{len(PT_NAMES)}Q")
-# drgn's DWARF register names for the frame registers that go back into a pt_regs.
-_DWARF_TO_PT = {g: PT_NAME[g] for g in (*PT_GPRS, "rip", "rsp")}
 _MASK = (1 << 64) - 1
 
 
-def vmcoreinfo(symbols: Symbols, mem: GuestMemory) -> bytes:
+def vmcoreinfo(symbols: Symbols, mem: GuestMemory, arch: Arch) -> bytes:
     """The guest's own VMCOREINFO text, or the same lines written from vmlinux and the slide."""
     if "vmcoreinfo_data" in symbols and "vmcoreinfo_size" in symbols:
         data = mem.read_u64(symbols.address("vmcoreinfo_data"))
@@ -53,39 +49,32 @@ def vmcoreinfo(symbols: Symbols, mem: GuestMemory) -> bytes:
             text = mem.read(data, size)
             if b"OSRELEASE=" in text and b"KERNELOFFSET=" in text:
                 return text
-    return synthetic_vmcoreinfo(symbols, mem)
+    return synthetic_vmcoreinfo(symbols, mem, arch)
 
 
-def synthetic_vmcoreinfo(symbols: Symbols, mem: GuestMemory) -> bytes:
-    """The VMCOREINFO lines drgn reads, as kernel/crash_core.c and arch/x86/kernel/machine_kexec_64.c write them."""
+def synthetic_vmcoreinfo(symbols: Symbols, mem: GuestMemory, arch: Arch) -> bytes:
+    """The VMCOREINFO lines drgn reads, as kernel/crash_core.c and the arch's machine_kexec write them."""
     sym = symbols.lookup("linux_banner")
     banner = symbols.file_bytes(sym.addr, sym.size)
     release = re.match(rb"Linux version (\S+)", banner)
     if release is None:
         raise SymbolError(f"{symbols.path.name}: linux_banner does not name a release: cannot describe the kernel")
-    # On x86_64 swapper_pg_dir is init_top_pgt (#define in pgtable_64.h), and phys_base is where the
-    # image was loaded minus where it was linked to load: __pa_symbol(x) = x - __START_KERNEL_map + phys_base.
-    pgd = symbols.address("init_top_pgt")
-    text = symbols.address("_text")
-    phys_base = mem.virt_to_phys(text) - (text - START_KERNEL_MAP)  # printed signed, as VMCOREINFO_NUMBER does
     lines = [
         f"OSRELEASE={release.group(1).decode()}",
         f"BUILD-ID={symbols.build_id}",
         "PAGESIZE=4096",
-        f"SYMBOL(swapper_pg_dir)={pgd:x}",
-        f"NUMBER(phys_base)={phys_base}",
-        f"NUMBER(pgtable_l5_enabled)={int(mem.levels == 5)}",
+        *arch.vmcoreinfo(symbols.address, mem.virt_to_phys, mem.levels),
         f"KERNELOFFSET={symbols.slide:x}",
     ]
     return ("\n".join(lines) + "\n").encode()
 
 
-def open_program(symbols: Symbols, mem: GuestMemory, info: bytes | None = None) -> drgn.Program:
+def open_program(symbols: Symbols, mem: GuestMemory, arch: Arch, info: bytes | None = None) -> drgn.Program:
     """A drgn Program over the live guest: physical memory through ``mem``'s reader, debug info from vmlinux.
 
     ``info`` is the VMCOREINFO text to describe the kernel with (default: ``vmcoreinfo()``'s).
     """
-    prog = drgn.Program(drgn.Platform(drgn.Architecture.X86_64, drgn.PlatformFlags.IS_64_BIT
+    prog = drgn.Program(drgn.Platform(drgn.Architecture[arch.drgn_architecture], drgn.PlatformFlags.IS_64_BIT
                                       | drgn.PlatformFlags.IS_LITTLE_ENDIAN))  # fmt: skip
     phys = mem.phys
 
@@ -97,7 +86,7 @@ def open_program(symbols: Symbols, mem: GuestMemory, info: bytes | None = None) 
 
     # The whole physical address space: the reader itself refuses what is not RAM (the PCI hole).
     prog.add_memory_segment(0, 1 << 52, read, physical=True)
-    prog.set_linux_kernel_custom(vmcoreinfo(symbols, mem) if info is None else info, True)
+    prog.set_linux_kernel_custom(vmcoreinfo(symbols, mem, arch) if info is None else info, True)
     try:
         prog.load_debug_info([str(symbols.path)])
     except drgn.MissingDebugInfoError:
@@ -182,9 +171,14 @@ class KernelData:
     vmlinux) and kept for the life of the target.
     """
 
-    def __init__(self, symbols: Symbols, mem: GuestMemory) -> None:
+    def __init__(self, symbols: Symbols, mem: GuestMemory, arch: Arch) -> None:
         self.symbols = symbols
         self.mem = mem
+        self.arch = arch
+        layout = arch.registers
+        self._pt_regs = struct.Struct(f"<{len(layout.pt_regs)}Q")
+        # drgn's DWARF register names (the gdbstub's) for the frame registers that go back into a pt_regs.
+        self._dwarf_to_pt = {g: layout.pt_name[g] for g in layout.unwound}
         self._lock = threading.Lock()
         self._prog: drgn.Program | None = None
         self._unusable: str | None = None  # why drgn cannot be used, found once
@@ -198,7 +192,7 @@ class KernelData:
                     raise SymbolError(self._unusable)
                 if self._prog is None:
                     try:
-                        self._prog = open_program(self.symbols, self.mem)
+                        self._prog = open_program(self.symbols, self.mem, self.arch)
                     except SymbolError as exc:
                         self._unusable = str(exc)
                         raise
@@ -299,7 +293,7 @@ class KernelData:
     # -- stacks ----------------------------------------------------------------------------
     def pt_regs(self, values: dict[str, int]) -> drgn.Object:
         """A ``struct pt_regs`` value holding pt_regs-named registers (absent ones are zero)."""
-        raw = _PT_REGS.pack(*(values.get(name, 0) & _MASK for name in PT_NAMES))
+        raw = self._pt_regs.pack(*(values.get(name, 0) & _MASK for name in self.arch.registers.pt_regs))
         return drgn.Object.from_bytes_(self.prog, "struct pt_regs", raw)
 
     def stack_trace(self, values: dict[str, int], fix_return: Callable[[int, int], int] | None = None,
@@ -322,7 +316,7 @@ class KernelData:
                 real = fix_return(frame.sp - 8, frame.pc) if fix_return is not None and not frame.is_inline else None
                 if real is not None and real != frame.pc:
                     # The trampoline took the place of the return address at sp - 8 (popped by the ret).
-                    resume = {_DWARF_TO_PT[k]: v for k, v in frame.registers().items() if k in _DWARF_TO_PT}
+                    resume = {self._dwarf_to_pt[k]: v for k, v in frame.registers().items() if k in self._dwarf_to_pt}
                     resume["ip"] = real
                     break
                 frames.append(frame)

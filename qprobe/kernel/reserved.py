@@ -4,7 +4,8 @@
 (``jump_label_text_reserved``), a static-call site (``static_call_text_reserved``)
 or a ``BUG()``/``WARN()`` instruction (``find_bug``), and x86's
 ``copy_optimized_instructions`` refuses a jump whose displaced bytes cover
-such a site.  The sites are read from vmlinux's own tables (relative
+such a site.  How many bytes a site occupies is the architecture's
+(``Arch.jump_label_size``, ``Arch.static_call_size``).  The sites are read from vmlinux's own tables (relative
 entries, so KASLR does not change them), a loaded module's from its
 ``struct module``; a table a kernel lacks reserves nothing.
 """
@@ -15,17 +16,15 @@ import bisect
 import struct
 from collections.abc import Callable, Sequence
 
+from qprobe.arch import Arch
 from qprobe.errors import QprobeError
 from qprobe.kernel.symbols import Symbols
 
 # struct jump_entry with CONFIG_HAVE_ARCH_JUMP_LABEL_RELATIVE (x86_64 since Linux 4.19): s32 code,
-# s32 target, long key.  A site is a 2- or 5-byte jump or NOP (x86 picks the size at build time
-# since Linux 5.16, "x86/jump_label: Allow short NOPs").
+# s32 target, long key.
 JUMP_ENTRY_SIZE = 16
-# struct static_call_site: s32 addr, s32 key.  A site is a 5-byte call or jump (CALL_INSN_SIZE).
+# struct static_call_site: s32 addr, s32 key.
 STATIC_CALL_SITE_SIZE = 8
-CALL_INSN_SIZE = 5
-_SHORT_JUMP_SITES = (b"\xeb", b"\x66\x90")  # jmp rel8, the 2-byte NOP the kernel writes instead
 
 
 def _relative_sites(symbols: Symbols, start: str, stop: str, entry: int) -> list[int]:
@@ -48,8 +47,10 @@ class ReservedText:
     None when unknown (then BUG instructions are not looked up).
     """
 
-    def __init__(self, symbols: Symbols, read: Callable[[int, int], bytes], bug_entry_size: int | None) -> None:
+    def __init__(self, symbols: Symbols, read: Callable[[int, int], bytes], bug_entry_size: int | None,
+                 arch: Arch) -> None:  # fmt: skip
         self._read = read
+        self._arch = arch
         self._symbols = symbols  # its loaded modules' sites are checked too
         self.jump_labels = _relative_sites(symbols, "__start___jump_table", "__stop___jump_table", JUMP_ENTRY_SIZE)
         self.static_calls = _relative_sites(
@@ -64,10 +65,10 @@ class ReservedText:
 
     def _jump_size(self, site: int) -> int:
         try:
-            code = self._read(site, 2)
+            code = self._read(site, self._arch.jump_label_probe)
         except QprobeError:
-            return 5
-        return 2 if code[:1] == _SHORT_JUMP_SITES[0] or code == _SHORT_JUMP_SITES[1] else 5
+            return self._arch.jump_label_max
+        return self._arch.jump_label_size(code)
 
     @staticmethod
     def _overlapping(sites: Sequence[int], start: int, end: int, longest: int) -> list[int]:
@@ -85,11 +86,12 @@ class ReservedText:
         jump_labels, static_calls = (
             (mod.jump_labels, mod.static_calls) if mod is not None else (self.jump_labels, self.static_calls)
         )
-        for site in self._overlapping(jump_labels, start, end, 5):
+        for site in self._overlapping(jump_labels, start, end, self._arch.jump_label_max):
             if site + self._jump_size(site) > start:
                 return f"a jump label at {site:#x}"
-        for site in self._overlapping(static_calls, start, end, CALL_INSN_SIZE):
-            if site + CALL_INSN_SIZE > start:
+        call = self._arch.static_call_size
+        for site in self._overlapping(static_calls, start, end, call):
+            if site + call > start:
                 return f"a static call at {site:#x}"
         if start in (mod.bugs if mod is not None else self.bugs):
             return "a BUG()/WARN() instruction"

@@ -433,12 +433,23 @@ def read_build_id(path: Path) -> str:
         raise SymbolError(f"{path} is truncated: its ELF headers are cut short") from None
 
 
+def elf_machine(path: Path) -> int:
+    """The ELF header's e_machine of a 64-bit little-endian ELF file (which architecture it is for)."""
+    try:
+        with open(path, "rb") as f:
+            ident = f.read(20)
+    except OSError as exc:
+        raise SymbolError(f"cannot read {path}: {exc.strerror}") from None
+    if len(ident) < 20 or ident[:4] != b"\x7fELF" or ident[4] != 2 or ident[5] != 1:
+        raise SymbolError(f"{path} is not a 64-bit little-endian ELF vmlinux")
+    return int(struct.unpack_from("<H", ident, 18)[0])
+
+
 def _read_build_id(path: Path) -> str:
     with open(path, "rb") as f:
         ident = f.read(64)
-        is_elf64 = len(ident) == 64 and ident[:4] == b"\x7fELF" and ident[4] == 2
-        if not is_elf64 or struct.unpack_from("<H", ident, 18)[0] != 62:  # EM_X86_64
-            raise SymbolError(f"{path} is not an x86_64 ELF vmlinux")
+        if len(ident) < 64 or ident[:4] != b"\x7fELF" or ident[4] != 2 or ident[5] != 1:
+            raise SymbolError(f"{path} is not a 64-bit little-endian ELF vmlinux")
         (shoff,) = struct.unpack_from("<Q", ident, 40)
         shentsize, shnum = struct.unpack_from("<HH", ident, 58)
         f.seek(shoff)

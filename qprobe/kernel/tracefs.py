@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import functools
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import drgn
 from drgn.helpers.linux.list import list_for_each_entry
@@ -117,12 +117,14 @@ class _LazyBtf:
         return None if btf is None else btf.member(parent, name)
 
 
-def probe_dialect(symbols: Symbols, thread_size: int | None = None, modules: ModuleBtfs | None = None) -> Dialect:
+def probe_dialect(symbols: Symbols, registers: Collection[str], thread_size: int | None = None,
+                  modules: ModuleBtfs | None = None) -> Dialect:  # fmt: skip
     """The kprobe_events Dialect of the kernel ``symbols`` describes, with its THREAD_SIZE if known.
 
-    ``modules`` gives the loaded modules' BTF (none before a guest is attached).
+    ``registers`` are its architecture's pt_regs names; ``modules`` gives the loaded
+    modules' BTF (none before a guest is attached).
     """
-    return dialect_of(readme(symbols), error_texts(symbols), thread_size, _LazyBtf(symbols, modules))
+    return dialect_of(readme(symbols), error_texts(symbols), thread_size, _LazyBtf(symbols, modules), registers)
 
 
 def trace_event_names(prog: drgn.Program) -> frozenset[tuple[str, str]]:

@@ -347,7 +347,7 @@ class Shell:
         """A perf probe definition: resolved on the host, shown as ``perf probe -v`` shows it, then added."""
         from qprobe.kernel.perfprobe import perf_to_kprobe
 
-        (found,) = perf_to_kprobe([f"perf {rest}"], self.target.symbols)
+        (found,) = perf_to_kprobe([f"perf {rest}"], self.target.symbols, self.target.arch)
         self.note(f"writing event: {found.definition}")
         self.definition(found.definition)
 

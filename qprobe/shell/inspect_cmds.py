@@ -106,22 +106,24 @@ def _vcpu(shell: ShellContext, rest: str, verb: str) -> int:
 def cmd_regs(shell: ShellContext, rest: str) -> None:
     cpu = _vcpu(shell, rest, "regs")
     regs = shell.target.registers(cpu)
-    shell.out.write(render_registers(regs, shell.target.symbols.symbolize))
-    if not regs.get("cs", 0) & 3 and "gs_base" in regs:
-        try:
-            task = shell.target.kernel.read_task(gs_base=regs["gs_base"])
-            shell.note(f"vCPU {cpu} in the kernel, current task {task.comm}-{task.pid}")
-        except Exception:  # a vCPU in early entry code may not have a usable per-CPU base yet
-            pass
-    elif regs.get("cs", 0) & 3:
+    arch = shell.target.arch
+    shell.out.write(render_registers(regs, arch.registers, shell.target.symbols.symbolize))
+    if arch.user_mode(regs):
         shell.note(f"vCPU {cpu} is in user mode")
+        return
+    try:
+        task = shell.target.kernel.read_task(gs_base=arch.percpu_base(regs))
+        shell.note(f"vCPU {cpu} in the kernel, current task {task.comm}-{task.pid}")
+    except Exception:  # a vCPU in early entry code may not have a usable per-CPU base yet
+        pass
 
 
 def cmd_bt(shell: ShellContext, rest: str) -> None:
     cpu = _vcpu(shell, rest, "bt")
     values, stack = shell.target.stack_trace(cpu)
     if stack is None:
-        shell.note(f"vCPU {cpu} is in user mode (rip {values.get('rip', 0):#x}): no kernel stack")
+        pc = shell.target.arch.registers.pc
+        shell.note(f"vCPU {cpu} is in user mode ({pc} {values.get(pc, 0):#x}): no kernel stack")
         return
     shell.out.write(f"{stack}\n")
 

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import drgn
 
+    from qprobe.arch import RegisterLayout
+
 HIST_BAR_WIDTH = 52  # bpftrace's max_width
 STACK_INDENT = 8  # bpftrace prints kstack frames indented by 8 spaces
 
@@ -248,33 +250,29 @@ def hexdump(addr: int, data: bytes, width: int = 16) -> str:
     return "".join(lines)
 
 
-GPRS = ("rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "rsp", "r8", "r9", "r10", "r11", "r12", "r13", "r14",
-        "r15", "rip", "eflags", "cs", "ss", "ds", "es", "fs", "gs", "fs_base", "gs_base", "k_gs_base",
-        "cr0", "cr2", "cr3", "cr4", "cr8", "efer")  # fmt: skip
-EFLAGS_BITS = ((0, "CF"), (2, "PF"), (4, "AF"), (6, "ZF"), (7, "SF"), (8, "TF"), (9, "IF"), (10, "DF"),
-               (11, "OF"), (14, "NT"), (16, "RF"), (17, "VM"), (18, "AC"), (19, "VIF"), (20, "VIP"),
-               (21, "ID"))  # fmt: skip
-
-
-def eflags_text(value: int) -> str:
-    """gdb's ``[ IF ZF ]``."""
-    names = [name for bit, name in EFLAGS_BITS if value >> bit & 1]
+def flags_text(value: int, bits: Sequence[tuple[int, str]]) -> str:
+    """gdb's ``[ IF ZF ]``: the names of the flags set, from the arch's (mask, name) pairs."""
+    names = [name for mask, name in bits if value & mask]
     return "[ " + " ".join(names) + " ]" if names else "[ ]"
 
 
-def render_registers(regs: Mapping[str, int], symbolize: object = None) -> str:
-    """gdb's ``info registers`` columns: name, hex, natural (signed, flags or ``<sym+off>``)."""
+def render_registers(regs: Mapping[str, int], layout: RegisterLayout, symbolize: object = None) -> str:
+    """gdb's ``info registers`` columns: name, hex, natural (signed, flags or ``<sym+off>``).
+
+    The registers and how each is shown come from the arch's ``RegisterLayout.display``
+    (the types its target description gives them: int, a code or data pointer, flags, or plain hex).
+    """
     lines = []
-    for name in GPRS:
+    for name, kind in layout.display:
         if name not in regs:
             continue
         v = regs[name]
-        if name == "eflags":
-            natural = eflags_text(v)
-        elif name in ("rip", "rsp", "rbp"):
-            where = symbolize(v) if callable(symbolize) and name == "rip" else None
+        if kind == "flags":
+            natural = flags_text(v, layout.flag_bits)
+        elif kind in ("code", "data"):
+            where = symbolize(v) if callable(symbolize) and kind == "code" else None
             natural = f"{v:#x} <{where}>" if where else f"{v:#x}"
-        elif name in ("fs_base", "gs_base", "k_gs_base") or name.startswith("cr") or name == "efer":
+        elif kind == "hex":
             natural = f"{v:#x}"
         else:
             natural = str(v - (1 << 64) if v >> 63 else v)

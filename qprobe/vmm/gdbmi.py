@@ -38,6 +38,7 @@ from qprobe.vmm.gdbmi_parse import (
     gdb_address,
     mi_quote,
     one_line,
+    parse_architecture,
     parse_breakpoint_number,
     parse_breakpoint_type,
     parse_maint_packet,
@@ -72,6 +73,7 @@ class GdbMiRemote:
         self.address = address
         self.conn = MiChannel(gdb, alive, address)
         self.regs: dict[str, RegDesc] = {}
+        self.architecture = ""  # gdb's name of the target's architecture, from the stub's target description
         self.running = False
         self._target = gdb_address(address)
         self._connect_timeout = connect_timeout
@@ -88,7 +90,8 @@ class GdbMiRemote:
         try:
             for setting in ("mi-async on", "pagination off", "width 0", "height 0", "confirm off", "non-stop off"):
                 self.conn.command(f"-gdb-set {setting}")
-            for cli in ("set auto-load off", "set osabi none", "set architecture i386:x86-64",
+            # The architecture is the one the stub's target description names (gdb reads it on connecting).
+            for cli in ("set auto-load off", "set osabi none",
                         "set breakpoint always-inserted on", "set stack-cache off", "set code-cache off",
                         "set remotetimeout 20", "set print thread-events off",
                         f"set tcp connect-timeout {connect_timeout}"):  # fmt: skip
@@ -117,6 +120,7 @@ class GdbMiRemote:
         stopped = self.conn.next_stop(0)
         self._cli("set scheduler-locking step")  # refused before there is a target
         self.regs, self._numbers = parse_remote_registers(self._cli("maint print remote-registers"))
+        self.architecture = parse_architecture(self._cli("show architecture"))
         # What GdbRemote.read_registers returns: everything up to 64 bits wide.
         self._read_set = {self._numbers[d.name]: d.name for d in self.regs.values() if d.bitsize <= 64}
         self._read_args = " ".join(str(n) for n in self._read_set)

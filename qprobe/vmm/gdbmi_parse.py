@@ -126,6 +126,12 @@ def parse_thread_info(payload: Mapping[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
+def parse_architecture(text: str) -> str:
+    """gdb's architecture from ``show architecture`` (``... set to "auto" (currently "i386:x86-64").``)."""
+    m = re.search(r'currently "([\w:.+-]{1,64})"', text) or re.search(r'set to "([\w:.+-]{1,64})"', text)
+    return m[1] if m is not None and m[1] != "auto" else ""
+
+
 def parse_remote_registers(text: str) -> tuple[dict[str, RegDesc], dict[str, int]]:
     """``maint print remote-registers`` -> (the stub's register table, gdb's register numbers).
 
@@ -151,8 +157,6 @@ def parse_remote_registers(text: str) -> tuple[dict[str, RegDesc], dict[str, int
             raise ProtocolError(f"gdb lists register {name} twice")
         regs[name] = RegDesc(name, rnum, size * 8, goff)
         numbers[name] = nr
-    if "rip" not in regs or "cr3" not in regs:
-        raise ProtocolError("gdb's register table for the stub is not x86_64 with system registers (no rip/cr3)")
     return regs, numbers
 
 

@@ -9,6 +9,7 @@ client that has read the XML: ``gdb_has_xml``).
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from qprobe.errors import GuestTimeout, ProtocolError, TargetError
@@ -17,6 +18,7 @@ from qprobe.vmm.rsp import StopReply, hex_to_bytes, normalize_thread, parse_stop
 
 _TAG = re.compile(r"<(xi:include|reg)\b([^>]*)>")
 _COMMENT = re.compile(r"<!--.*?-->", re.S)
+_ARCHITECTURE = re.compile(r"<architecture>\s*([\w:.+-]{1,64})\s*</architecture>")
 _ATTR = re.compile(r'(\w+)="([^"]*)"')
 BREAK_SW, BREAK_HW, WATCH_WRITE, WATCH_READ, WATCH_ACCESS = range(5)
 # Bounds on what a stub may send, so that a broken or hostile one cannot keep qprobe looping or
@@ -32,8 +34,6 @@ MAX_THREADS = 4096
 # negative and a write would silently write nothing.
 MIN_PACKET_SIZE = 0x40
 MAX_PACKET_SIZE = 1 << 20
-G_SAFE = frozenset(("rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "rsp", "r8", "r9", "r10", "r11", "r12", "r13",
-                    "r14", "r15", "rip", "eflags"))  # fmt: skip
 FIRST_REPLY_TIMEOUT = 10.0
 
 
@@ -56,6 +56,7 @@ class GdbRemote:
         self.conn = conn
         self.packet_size = 0x1000
         self.regs: dict[str, RegDesc] = {}
+        self.architecture = ""  # as the target description names it (<architecture>), "" if it does not
         self._g_size = 0
         self._g_prefix: list[RegDesc] = []
         self._hg: str | None = None
@@ -129,6 +130,9 @@ class GdbRemote:
             # QEMU's target.xml uses an unbound ``xi:`` prefix, which an XML
             # parser rejects; the tags we need are flat, so read them in order.
             text = _COMMENT.sub("", self._xfer(annex, budget))  # QEMU comments out cs_base..es_base
+            arch = _ARCHITECTURE.search(text)
+            if arch is not None:
+                self.architecture = arch[1]
             for tag, attrs in _TAG.findall(text):
                 attrib = dict(_ATTR.findall(attrs))
                 if tag == "xi:include":
@@ -144,15 +148,18 @@ class GdbRemote:
                     offset += bits // 8
 
         walk("target.xml")
-        if "rip" not in self.regs or "cr3" not in self.regs:
-            raise ProtocolError("the gdbstub's target description is not x86_64 (no rip/cr3)")
         self._g_size = offset
-        # The registers a ``G`` may carry: numbers 0, 1, ... in packet order, while they are ones
-        # whose write has no effect beyond the value (see write_registers).
+
+    def allow_g(self, plain: Collection[str]) -> None:
+        """Let a ``G`` carry the registers numbered 0, 1, ... in packet order while they are in ``plain``.
+
+        ``plain`` are the architecture's registers whose write has no effect beyond
+        the value (see write_registers); until this is called every write is a ``P``.
+        """
         by_num = sorted(self.regs.values(), key=lambda d: d.regnum)
         self._g_prefix = []
         for i, d in enumerate(by_num):
-            if d.regnum != i or d.name not in G_SAFE or d.offset != sum(x.size for x in by_num[:i]):
+            if d.regnum != i or d.name not in plain or d.offset != sum(x.size for x in by_num[:i]):
                 break
             self._g_prefix.append(d)
 
@@ -219,9 +226,9 @@ class GdbRemote:
         QEMU 7.2's ``G`` (handle_write_all_regs) writes registers from number 0
         on for as long as the packet's data lasts, so a prefix that ends at the
         highest register written replaces them in one round trip; the others in
-        the prefix get their current value back.  Only the general registers,
-        rip and eflags are ever in that prefix: writing a control register even
-        with its own value has effects (a TLB flush on CR0/CR3/CR4).
+        the prefix get their current value back.  Only the registers ``allow_g``
+        was given are ever in that prefix: writing a control register even with
+        its own value has effects (a TLB flush on x86's CR0/CR3/CR4).
         """
         descs = [self.regs[name] for name in values]
         top = max((d.regnum for d in descs), default=-1)

@@ -30,8 +30,9 @@ SIGTRAP = 5
 class Machine:
     """The stop loop and guarded writes.  ``call`` is the only way in from other threads."""
 
-    def __init__(self, gdb: GdbTransport, mem: GuestMemory, journal: Journal) -> None:
+    def __init__(self, gdb: GdbTransport, mem: GuestMemory, journal: Journal, pc: str) -> None:
         self.gdb = gdb
+        self.pc = pc  # the gdbstub's name of the program counter: stop_handlers are keyed by its value
         self.mem = mem
         self.journal = journal
         self.vcpus = gdb.threads()
@@ -136,7 +137,7 @@ class Machine:
                 if watcher is not None:
                     watcher(thread, regs)
                 return
-        handler = self.stop_handlers.get(regs["rip"])
+        handler = self.stop_handlers.get(regs[self.pc])
         if handler is not None:
             handler(thread, regs)
 

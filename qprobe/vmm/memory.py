@@ -1,4 +1,4 @@
-"""Guest memory: physical readers and our own x86_64 page-table walk.
+"""Guest memory: physical readers and our own walk of the guest's page tables (the architecture's).
 
 Reads go through the shared RAM file when we have it (no VM stop, no stub
 round trip) and through the stub's physical mode otherwise.  Code bytes are
@@ -15,21 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from qprobe.errors import TargetError
+from qprobe.arch import PageTables
+from qprobe.errors import MemoryFault
 
 PAGE = 4096
-_P, _PS = 0x1, 0x80
-_ADDR = 0x000F_FFFF_FFFF_F000
-_SHIFTS = (48, 39, 30, 21, 12)
 LOW_RAM_LIMIT = 3 << 30  # the pc machine puts RAM above this at 4 GiB
-
-
-class MemoryFault(TargetError):
-    """A guest virtual address is not mapped."""
-
-    def __init__(self, addr: int, why: str = "not mapped") -> None:
-        self.addr = addr
-        super().__init__(f"guest address {addr:#x} is {why}")
 
 
 class PhysReader(Protocol):
@@ -89,72 +79,38 @@ class SharedRam:
         self._map.close()
 
 
-def paging_levels(cr4: int) -> int:
-    """4, or 5 when CR4.LA57 is set (QEMU's ``-cpu max`` offers LA57 and Debian enables it)."""
-    return 5 if cr4 & (1 << 12) else 4
-
-
-def kernel_pgd(cr3: int, pti: bool = True) -> int:
-    """The kernel half's PGD from any CR3: PCID bits cleared and, on a kernel with PTI, the user-PGD bit.
-
-    With page-table isolation compiled in, every PGD is an 8 KiB pair whose second page is the
-    user copy (bit 12 of CR3 set while in user mode); without it a PGD is any single page and
-    bit 12 is part of its address.
-    """
-    return cr3 & _ADDR & ~(0x1000 if pti else 0)
-
-
-def walk(read_u64: Callable[[int], int], pgd: int, vaddr: int, levels: int = 4) -> list[tuple[int, int]]:
-    """The page-table path of ``vaddr``: (table physical address, entry) per level, top first.
-
-    Stops at the leaf or at the first non-present entry (which is included).
-    """
-    path = []
-    table = pgd
-    for shift in _SHIFTS[5 - levels :]:
-        entry = read_u64(table + ((vaddr >> shift) & 0x1FF) * 8)
-        path.append((table, entry))
-        if not entry & _P or shift == 12 or (shift in (30, 21) and entry & _PS):
-            break
-        table = entry & _ADDR
-    return path
-
-
-def translate(read_u64: Callable[[int], int], pgd: int, vaddr: int, levels: int = 4) -> tuple[int, int, int]:
-    """Walk 4- or 5-level page tables: (physical address, page size, leaf entry)."""
-    path = walk(read_u64, pgd, vaddr, levels)
-    entry = path[-1][1]
-    if not entry & _P:
-        raise MemoryFault(vaddr)
-    size = 1 << _SHIFTS[5 - levels + len(path) - 1]
-    base = entry & _ADDR & ~(size - 1)
-    return base | (vaddr & (size - 1)), size, entry
-
-
 class GuestMemory:
-    """Kernel virtual memory through a page-table walk over a physical reader."""
+    """Kernel virtual memory through a page-table walk over a physical reader.
 
-    def __init__(self, phys: PhysReader, pgd: int, levels: int = 4) -> None:
+    ``pgd`` is the root of the page tables walked (physical), ``paging`` the
+    architecture's walk of them.
+    """
+
+    def __init__(self, phys: PhysReader, pgd: int, paging: PageTables) -> None:
         self.phys = phys
         self.pgd = pgd
-        self.levels = levels  # 5 when the guest runs with LA57
-        self.pti = True  # PGDs are PTI's 8 KiB pairs (kernel_pgd); set once the kernel is known
+        self.paging = paging
         self.read_u64_phys: Callable[[int], int] = getattr(phys, "read_u64_phys", None) or (
             lambda pa: int.from_bytes(phys.read_phys(pa, 8), "little")
         )
 
-    def pgd_of(self, cr3: int) -> int:
-        """The kernel half's PGD of a vCPU whose CR3 is ``cr3``."""
-        return kernel_pgd(cr3, self.pti)
+    @property
+    def levels(self) -> int:
+        """The depth of the guest's page tables (drgn's VMCOREINFO says whether it is 5)."""
+        return self.paging.levels
+
+    def pgd_of(self, root: int) -> int:
+        """The kernel half's page-table root of a vCPU whose page-table register holds ``root``."""
+        return self.paging.root(root)
 
     def virt_to_phys(self, vaddr: int, pgd: int | None = None) -> int:
-        return translate(self.read_u64_phys, self.pgd if pgd is None else pgd, vaddr, self.levels)[0]
+        return self.paging.translate(self.read_u64_phys, self.pgd if pgd is None else pgd, vaddr)[0]
 
     def read(self, vaddr: int, size: int, pgd: int | None = None) -> bytes:
         out = bytearray()
         while len(out) < size:
             va = vaddr + len(out)
-            pa, page, _ = translate(self.read_u64_phys, self.pgd if pgd is None else pgd, va, self.levels)
+            pa, page, _ = self.paging.translate(self.read_u64_phys, self.pgd if pgd is None else pgd, va)
             n = min(size - len(out), page - (va & (page - 1)))
             out += self.phys.read_phys(pa, n)
         return bytes(out)

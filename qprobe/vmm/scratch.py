@@ -1,12 +1,12 @@
 """The scratch area: guest RAM the kernel was told not to use, mapped as kernel text.
 
 QEMU boots the kernel with ``memmap=2M$PHYS`` so the kernel (and KASLR)
-never touches that RAM.  qprobe maps it with one 2 MiB PMD entry into the
-page table that maps the kernel image (PML4[511] -> PUD[510], shared by every
-process's page tables), in a slot the image does not use, so that code there
-is within +/-2 GiB of kernel text (rel32 jumps and RIP-relative operands
-reach it) and every vCPU can execute it.  The entry is journaled like any
-other patch and removed on exit.
+never touches that RAM.  qprobe maps it with large-page entries (2 MiB: an
+x86 PMD entry) into the page table that maps the kernel image (the
+architecture's ``PageTables.large_page_table``; on x86_64 shared by every
+process's page tables), in slots the image does not use, so that code there
+is within branch reach of kernel text and every vCPU can execute it.  The
+entries are journaled like any other patch and removed on exit.
 """
 
 from __future__ import annotations
@@ -18,12 +18,9 @@ from collections.abc import Iterator
 from qprobe.errors import ScratchFull, TargetError
 from qprobe.vmm.journal import Patch
 from qprobe.vmm.machine import Machine
-from qprobe.vmm.memory import MemoryFault, walk
+from qprobe.vmm.memory import MemoryFault
 
 SIZE = 2 << 20
-KERNEL_IMAGE_BASE = 0xFFFF_FFFF_8000_0000
-_PMD_FLAGS = 0x1E3  # present, writable, accessed, dirty, 2 MiB page, global; NX clear
-_ADDR = 0x000F_FFFF_FFFF_F000
 
 
 _MEMMAP = re.compile(r"memmap=(0x[0-9a-fA-F]+|\d+)([KMG]?)\$(0x[0-9a-fA-F]+|\d+)([KMG]?)")
@@ -79,14 +76,16 @@ class ScratchArea:
     def map(self) -> int:
         """Install the PMD entry (stop-loop thread); returns the virtual base."""
         mem = self.machine.mem
-        path = walk(mem.read_u64_phys, mem.pgd, KERNEL_IMAGE_BASE, mem.levels)
-        pud_level = mem.levels - 3  # PML5? PML4, PUD, PMD, PTE
-        if len(path) <= pud_level + 1 or path[pud_level][1] & 0x80:
-            raise TargetError("the kernel image is not mapped through a PMD table")
-        pmd_table = path[pud_level][1] & _ADDR
+        paging = mem.paging
+        if paging.large_page != SIZE:
+            raise TargetError(
+                f"the scratch area is mapped in 2 MiB pages; this guest's large page is {paging.large_page}"
+            )
+        pmd_table = paging.large_page_table(mem.read_u64_phys, mem.pgd)
+        base = paging.image_base
         order = range(511, -1, -1)
         if self.image_end is not None:
-            order = range(((self.image_end - KERNEL_IMAGE_BASE) >> 21) + 1, 512)
+            order = range((self.image_end - base) // SIZE + 1, 512)
         want = self.size // SIZE
 
         def free_run(index: int) -> int:
@@ -109,7 +108,7 @@ class ScratchArea:
         run, index = best
         self._pmd_table = pmd_table
         self._slots = list(range(index, index + run))
-        self.base = KERNEL_IMAGE_BASE + index * SIZE
+        self.base = base + index * SIZE
         self._free = []
         self._grow()
         try:
@@ -124,7 +123,7 @@ class ScratchArea:
         if n >= len(self._slots):
             return False
         virt = self.base + n * SIZE
-        new = ((self.phys + n * SIZE) | _PMD_FLAGS).to_bytes(8, "little")
+        new = self.machine.mem.paging.large_page_entry(self.phys + n * SIZE).to_bytes(8, "little")
         p = Patch(self._pmd_table + self._slots[n] * 8, virt, bytes(8), new, "pmd")
         self.machine.journal.record(p)
         self.machine.write_phys(p.phys, new)

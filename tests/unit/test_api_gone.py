@@ -45,7 +45,7 @@ class _DyingStub:
 
 def _machine() -> tuple[Machine, _DyingStub]:
     stub = _DyingStub()
-    return Machine(cast(Any, stub), cast(Any, None), cast(Any, None)), stub
+    return Machine(cast(Any, stub), cast(Any, None), cast(Any, None), "rip"), stub
 
 
 def _target(machine: Machine) -> Target:

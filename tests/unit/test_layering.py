@@ -89,18 +89,46 @@ def test_imports_run_downward(name: str) -> None:
     )
 
 
-# The layers that see an architecture only through qprobe.arch's interface and its neutral modules.
-NEUTRAL = ("qprobe.core", "qprobe.events", "qprobe.funcs", "qprobe.modnotify")
-ARCH_NEUTRAL = ("qprobe.arch", "qprobe.arch.inguest")
+# The architecture's own packages (qprobe.arch.<name>) and the one module that names them all,
+# qprobe.arch.select (api.py, the composition root, asks it for an Arch by the target's architecture).
+# Everything else sees an architecture only through qprobe.arch's interface and its neutral modules.
+ARCH_PACKAGES = ("qprobe.arch.x86_64",)
+ARCH_CHOOSER = "qprobe.arch.select"
 
 
-@pytest.mark.parametrize("layer_name", NEUTRAL)
-def test_the_core_and_events_know_no_architecture(layer_name: str) -> None:
-    """core and events talk to an architecture only through the qprobe.arch interface (api.py hands it in)."""
-    for name in GRAPH:
-        if name == layer_name or name.startswith(layer_name + "."):
-            arch = sorted(m for m in GRAPH[name] if m.startswith("qprobe.arch.") and m not in ARCH_NEUTRAL)
-            assert not arch, f"{name} imports {', '.join(arch)}"
+def architecture_specific(name: str) -> bool:
+    """Whether module ``name`` belongs to one architecture (the chooser counts: it names them all)."""
+    return name == ARCH_CHOOSER or any(name == p or name.startswith(p + ".") for p in ARCH_PACKAGES)
+
+
+def test_every_architecture_package_is_listed() -> None:
+    """A new qprobe/arch/<name>/ package is architecture-specific without anyone remembering to say so."""
+    found = {".".join(path.relative_to(PACKAGE.parent).parts) for path in (PACKAGE / "arch").iterdir()
+             if path.is_dir() and (path / "__init__.py").exists()}  # fmt: skip
+    assert found == set(ARCH_PACKAGES)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in GRAPH if n.startswith("qprobe") and not architecture_specific(n)))
+def test_only_the_arch_packages_know_an_architecture(name: str) -> None:
+    """Every module outside qprobe/arch/<name>/ talks to an architecture only through qprobe.arch's interface.
+
+    The exception is api.py, which asks qprobe.arch.select for the target's Arch; it imports no
+    architecture's package itself.
+    """
+    allowed = {ARCH_CHOOSER} if name == "qprobe.api" else set()
+    arch = sorted(m for m in GRAPH[name] if architecture_specific(m) and m not in allowed)
+    assert not arch, f"{name} imports {', '.join(arch)}"
+
+
+def test_the_neutrality_check_sees_an_architecture_import(tmp_path: Path) -> None:
+    """kernel/ importing an arch package, or anything but api importing the chooser, is caught."""
+    assert architecture_specific("qprobe.arch.x86_64.tsc") and architecture_specific(ARCH_CHOOSER)
+    assert not architecture_specific("qprobe.arch") and not architecture_specific("qprobe.arch.inguest")
+    pkg = tmp_path / "qprobe"
+    (pkg / "kernel").mkdir(parents=True)
+    (pkg / "kernel" / "clock.py").write_text("from qprobe.arch.x86_64.tsc import after_rdtsc\n")
+    known = {"qprobe.kernel.clock": pkg / "kernel" / "clock.py", "qprobe.arch.x86_64.tsc": pkg / "tsc.py"}
+    assert imports("qprobe.kernel.clock", known["qprobe.kernel.clock"], known) == {"qprobe.arch.x86_64.tsc"}
 
 
 def test_no_import_circle() -> None:

@@ -200,12 +200,14 @@ def test_values_that_change_between_two_hits_are_read_fresh(target: qprobe.Targe
 
 def test_vmcoreinfo_written_from_vmlinux_agrees_with_the_guest_s(target: qprobe.Target) -> None:
     """What qprobe writes for a kernel without CONFIG_CRASH_CORE, against the lines this kernel wrote itself."""
-    guest = _fields(vmcoreinfo(target.symbols, target.mem))
-    ours = _fields(synthetic_vmcoreinfo(target.symbols, target.mem))
+    guest = _fields(vmcoreinfo(target.symbols, target.mem, target.arch))
+    ours = _fields(synthetic_vmcoreinfo(target.symbols, target.mem, target.arch))
     assert "OSRELEASE" in guest and "KERNELOFFSET" in guest
     assert {k: guest.get(k) for k in ours} == ours
     # And drgn works from it alone.
-    prog = open_program(target.symbols, target.mem, synthetic_vmcoreinfo(target.symbols, target.mem))
+    prog = open_program(
+        target.symbols, target.mem, target.arch, synthetic_vmcoreinfo(target.symbols, target.mem, target.arch)
+    )
     release = target.run("uname -r").check().output.strip()
     assert prog["init_uts_ns"].name.release.string_().decode() == release
     assert any(t.comm.string_() == b"sh" for t in for_each_task(prog))

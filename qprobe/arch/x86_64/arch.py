@@ -10,26 +10,32 @@ from __future__ import annotations
 import re
 import struct
 from collections.abc import Callable, Mapping
+from typing import cast
 
 from qprobe.arch import (
     ArchBlacklist,
+    CycleCounter,
     DetourParams,
+    ExceptionTable,
     MailboxRequest,
     Memory,
     PercpuLayout,
+    Prepared,
     RegisterLayout,
+    Registers,
     Resume,
     ResumeKind,
     ReturnLayout,
     RingEntry,
     Trap,
     TrapHook,
+    TrapWatch,
 )
 from qprobe.arch.inguest import KeySpec, MapSlot
 from qprobe.arch.x86_64 import detour, guestagg, guestfilter, retdetour
-from qprobe.arch.x86_64.boost import INT3_INSN_OPCODE, JMP32_INSN_SIZE, synthesize_reljump
+from qprobe.arch.x86_64.boost import CALL_INSN_SIZE, INT3_INSN_OPCODE, JMP32_INSN_SIZE, synthesize_reljump
 from qprobe.arch.x86_64.decode import check_boundary, decode_all
-from qprobe.arch.x86_64.emulate import emulate
+from qprobe.arch.x86_64.emulate import Regs, emulate
 from qprobe.arch.x86_64.insn import (
     SLOT_SIZE,
     TRAP_COPY,
@@ -42,7 +48,9 @@ from qprobe.arch.x86_64.insn import (
     resume_trap_step,
     trap_copy_start,
 )
+from qprobe.arch.x86_64.int3hook import watch_site
 from qprobe.arch.x86_64.opt import can_optimize
+from qprobe.arch.x86_64.paging import KERNEL_IMAGE_BASE, X86PageTables, page_tables
 from qprobe.arch.x86_64.ptregs import (
     ARG_REGS,
     GDB_NAME,
@@ -50,6 +58,7 @@ from qprobe.arch.x86_64.ptregs import (
     KERNEL_CS,
     KERNEL_DS,
     PT_GPRS,
+    PT_NAMES,
     PT_REGS_SIZE,
     X86_EFLAGS_IF,
     X86_EFLAGS_RF,
@@ -59,6 +68,7 @@ from qprobe.arch.x86_64.ptregs import (
     parse_stub_frame,
     stub_frame_offset,
 )
+from qprobe.arch.x86_64.tsc import after_rdtsc
 
 _MAILBOX = struct.Struct(f"<{(detour.MB_REGS + detour.FRAME_SIZE) // 8}Q")  # a mailbox up to the end of its frame
 _ANSWER = struct.Struct("<2Q")  # MB_FINAL_IP, MB_FINAL_SP: written in one go
@@ -83,16 +93,66 @@ THUNKS = re.compile(r"__x86_return_thunk|\w+_return_thunk|__x86_indirect_\w*thun
                     r"|srso_\w*safe_ret\w*|preempt_schedule\w*_thunk|warn_thunk_thunk")  # fmt: skip
 
 
+# The registers the shell prints for a vCPU, in QEMU's order (its target description's), each with
+# how gdb shows its type there: rip a code pointer, rsp and rbp data pointers, eflags by flag.
+DISPLAY = (*((g, "int") for g in ("rax", "rbx", "rcx", "rdx", "rsi", "rdi")), ("rbp", "data"), ("rsp", "data"),
+           *((f"r{n}", "int") for n in range(8, 16)), ("rip", "code"), ("eflags", "flags"),
+           *((g, "int") for g in ("cs", "ss", "ds", "es", "fs", "gs")),
+           *((g, "hex") for g in ("fs_base", "gs_base", "k_gs_base")),
+           *((g, "hex") for g in ("cr0", "cr2", "cr3", "cr4", "cr8", "efer")))  # fmt: skip
+# The flags gdb names in EFLAGS (gdb's i386_eflags type), as masks.
+FLAG_BITS = tuple((1 << bit, name) for bit, name in (
+    (0, "CF"), (2, "PF"), (4, "AF"), (6, "ZF"), (7, "SF"), (8, "TF"), (9, "IF"), (10, "DF"), (11, "OF"), (14, "NT"),
+    (16, "RF"), (17, "VM"), (18, "AC"), (19, "VIF"), (20, "VIP"), (21, "ID")))  # fmt: skip
+# The registers a write changes nothing else with: the general ones, rip and eflags.  Writing a
+# control register, even with its own value, has effects (a TLB flush on CR0/CR3/CR4).
+PLAIN = frozenset((*PT_GPRS, "rip", "eflags", "rsp"))
+# The #BP entry: asm_exc_int3 since Linux 5.8's IDTENTRY rework of the x86 entry code
+# ("x86/entry: Convert INT3 exception to IDTENTRY_RAW"); plain int3 before.
+TRAP_ENTRIES = ("asm_exc_int3", "int3")
+# What a vCPU runs from the #BP entry up to the read poke_int3_handler makes of the text_poke_bp
+# descriptor (the watchpoint hook's site); the names of 5.8 and later.
+TRAP_PATH = ("asm_exc_int3", "error_entry", "exc_int3", "poke_int3_handler")
+# ``bp_desc`` is text_poke_bp's descriptor with a ``refs`` count in the 6.1 and 6.12 kernels qprobe
+# is tested on (arch/x86/kernel/alternative.c; older kernels reached it through a pointer).
+TRAP_WATCH = TrapWatch("bp_desc", "struct bp_patching_desc", "refs", "poke_int3_handler")
+# native_sched_clock() is cycles_2_ns(rdtsc()) on a usable TSC (arch/x86/kernel/tsc.c); after its
+# rdtsc, edx:eax hold the counter just read.
+TSC = CycleCounter("native_sched_clock", after_rdtsc,
+                   lambda regs: (regs["rdx"] & 0xFFFFFFFF) << 32 | regs["rax"] & 0xFFFFFFFF)  # fmt: skip
+
+
+def _insn(prep: Prepared) -> PreparedInsn:
+    """The core hands back what arch_prepare_kprobe returned: a PreparedInsn."""
+    assert isinstance(prep, PreparedInsn)
+    return prep
+
+
+def _regs(regs: Registers) -> Regs:
+    """The core's registers answer every pt_regs field by name, as x86's emulator reads them."""
+    return cast(Regs, regs)
+
+
 class X86_64:
     """The x86_64 implementation of :class:`qprobe.arch.Arch`."""
 
     name = "x86_64"
+    gdb_architecture = "i386:x86-64"
     breakpoint = bytes([INT3_INSN_OPCODE])
+    # kprobe_int3_handler hands pre_handlers regs->ip past the int3 (arch/x86/kernel/kprobes/core.c).
+    kprobe_ip_offset = 1
     slot_size = SLOT_SIZE  # the copy and a jmp back, then the two int3-terminated copies (insn.SLOT_SIZE)
     jump_size = JMP32_INSN_SIZE
     registers = RegisterLayout(GDB_NAME, ARG_REGS, {"cs": KERNEL_CS, "ss": KERNEL_DS}, general=guestfilter.GPRS,
                                irq_flag=X86_EFLAGS_IF, page_table="cr3", percpu_base="gs_base",
-                               retval="ax")  # fmt: skip
+                               retval="ax", stack_args=8, pt_regs=PT_NAMES, unwound=(*PT_GPRS, "rip", "rsp"),
+                               display=DISPLAY, flag_bits=FLAG_BITS, plain=PLAIN)  # fmt: skip
+    # Annotated as Arch declares them: a protocol's attributes are settable, so their types must match.
+    cycle_counter: CycleCounter | None = TSC
+    drgn_architecture = "X86_64"
+    trap_entries: tuple[str, ...] = TRAP_ENTRIES
+    trap_path: tuple[str, ...] = TRAP_PATH
+    trap_watch: TrapWatch | None = TRAP_WATCH
 
     mailbox_size = detour.MAILBOX_SIZE
     ring_header_size = detour.RING_HEADER
@@ -103,6 +163,20 @@ class X86_64:
     drain_doorbell = detour.DRAIN_DOORBELL
     instance_size = retdetour.INSTANCE_SIZE
     trampoline_id = retdetour.TRAMPOLINE_ID
+
+    def page_tables(self, regs: Mapping[str, int]) -> X86PageTables:
+        return page_tables(regs)
+
+    def vmcoreinfo(self, address: Callable[[str], int], virt_to_phys: Callable[[int], int], levels: int) -> list[str]:
+        """arch/x86/kernel/machine_kexec_64.c's lines.
+
+        swapper_pg_dir is init_top_pgt (#define in pgtable_64.h), and phys_base is where the image
+        was loaded minus where it was linked to load: __pa_symbol(x) = x - __START_KERNEL_map + phys_base.
+        """
+        text = address("_text")
+        phys_base = virt_to_phys(text) - (text - KERNEL_IMAGE_BASE)  # printed signed, as VMCOREINFO_NUMBER does
+        return [f"SYMBOL(swapper_pg_dir)={address(X86PageTables.kernel_root_symbol):x}",
+                f"NUMBER(phys_base)={phys_base}", f"NUMBER(pgtable_l5_enabled)={int(levels == 5)}"]  # fmt: skip
 
     # -- instructions (core.c) -------------------------------------------------------------
     def arch_adjust_kprobe_addr(self, func_code: bytes, func_start: int, offset: int) -> int:
@@ -116,50 +190,51 @@ class X86_64:
         check_boundary(code, func_start, addr, patched=patched, name=name)
 
     def arch_prepare_kprobe(
-        self, code: bytes, addr: int, slot: int, where: str, exception_table: object
+        self, code: bytes, addr: int, slot: int, where: str, exception_table: ExceptionTable | None
     ) -> PreparedInsn:
-        return prepare_kprobe(code, addr, slot, where=where, exception_table=exception_table)  # type: ignore[arg-type]
+        return prepare_kprobe(code, addr, slot, where=where, exception_table=exception_table)
 
-    def arch_slot_code(self, prep: PreparedInsn) -> bytes:  # type: ignore[override]
+    def arch_slot_code(self, prep: Prepared) -> bytes:
         """The slot: the copy (with a jump back if it may be boosted), then the int3-terminated copies."""
-        return prep.slot_code()
+        return _insn(prep).slot_code()
 
-    def arch_setup_resume(self, prep: PreparedInsn, regs: object, mem: Memory, may_boost: bool,  # type: ignore[override]
+    def arch_setup_resume(self, prep: Prepared, regs: Registers, mem: Memory, may_boost: bool,
                           may_trap_step: bool) -> Resume:  # fmt: skip
         """setup_singlestep(): emulate on the host, boost, or run the copy out of line (to an int3, or stepped)."""
-        pt = regs
-        if prep.emulate is not None:
-            emulate(prep, pt, mem)  # type: ignore[arg-type]
-            return Resume(ResumeKind.CONTINUE, pt.ip, pt.sp, pt.flags, pt.dirty())  # type: ignore[attr-defined]
-        if may_boost and prep.boostable:
+        insn, pt = _insn(prep), _regs(regs)
+        if insn.emulate is not None:
+            emulate(insn, pt, mem)
+            return Resume(ResumeKind.CONTINUE, pt.ip, pt.sp, pt.flags, regs.dirty())
+        if may_boost and insn.boostable:
             # The kprobe-booster: the copy in the slot is followed by a jmp back, so the vCPU
             # just runs it: one VM stop per hit instead of two.
-            return Resume(ResumeKind.BOOST, prep.slot_addr, pt.sp, pt.flags, pt.dirty(),  # type: ignore[attr-defined]
-                          jump_back=prep.addr + prep.insn.length)  # fmt: skip
-        if prep.if_modifier:
-            emulate(prep, pt, mem, "ifmodifier")  # type: ignore[arg-type]
-            return Resume(ResumeKind.CONTINUE, pt.ip, pt.sp, pt.flags, pt.dirty())  # type: ignore[attr-defined]
-        flags = pt.flags & ~(X86_EFLAGS_TF | X86_EFLAGS_RF)  # type: ignore[attr-defined]
-        if may_trap_step and prep.trap_copies:
+            return Resume(ResumeKind.BOOST, insn.slot_addr, pt.sp, pt.flags, regs.dirty(),
+                          jump_back=insn.addr + insn.insn.length)  # fmt: skip
+        if insn.if_modifier:
+            emulate(insn, pt, mem, "ifmodifier")
+            return Resume(ResumeKind.CONTINUE, pt.ip, pt.sp, pt.flags, regs.dirty())
+        flags = pt.flags & ~(X86_EFLAGS_TF | X86_EFLAGS_RF)
+        if may_trap_step and insn.trap_copies:
             # The int3 single-step (Linux 5.14+): the copy runs with interrupts off, as the kernel's
             # does, so that nothing can preempt or migrate the task before its int3 traps back; the
             # copy chosen says whether IF goes back on then.
-            start = prep.slot_addr + TRAP_COPY[bool(flags & X86_EFLAGS_IF)]
-            return Resume(ResumeKind.TRAP_STEP, start, pt.sp, flags & ~X86_EFLAGS_IF, pt.dirty())  # type: ignore[attr-defined]
+            start = insn.slot_addr + TRAP_COPY[bool(flags & X86_EFLAGS_IF)]
+            return Resume(ResumeKind.TRAP_STEP, start, pt.sp, flags & ~X86_EFLAGS_IF, regs.dirty())
         # The gdbstub steps the copy; TF and RF stay clear so that the guest sees neither.
-        return Resume(ResumeKind.STEP, prep.slot_addr, pt.sp, flags, pt.dirty())  # type: ignore[attr-defined]
+        return Resume(ResumeKind.STEP, insn.slot_addr, pt.sp, flags, regs.dirty())
 
-    def is_trap_step_start(self, prep: PreparedInsn, ip: int) -> bool:  # type: ignore[override]
+    def is_trap_step_start(self, prep: Prepared, ip: int) -> bool:
         """Whether ``ip`` is where a trap-step's copy starts (the vCPU has not run it yet)."""
-        return trap_copy_start(prep, ip) == ip
+        return trap_copy_start(_insn(prep), ip) == ip
 
-    def is_trap_step_end(self, prep: PreparedInsn, addr: int) -> bool:  # type: ignore[override]
+    def is_trap_step_end(self, prep: Prepared, addr: int) -> bool:
         """Whether ``addr`` is the int3 after one of the copies a trap-step runs."""
-        start = trap_copy_start(prep, addr)
-        return start is not None and addr == start + prep.insn.length
+        insn = _insn(prep)
+        start = trap_copy_start(insn, addr)
+        return start is not None and addr == start + insn.insn.length
 
-    def arch_resume_trap_step(self, prep: PreparedInsn, regs: object) -> None:  # type: ignore[override]
-        resume_trap_step(prep, regs)  # type: ignore[arg-type]
+    def arch_resume_trap_step(self, prep: Prepared, regs: Registers) -> None:
+        resume_trap_step(_insn(prep), _regs(regs))
 
     def arch_slot_resume(self, slot: int, addr: int, ip: int, flags: int) -> tuple[int, int] | None:
         """(ip, flags) in the text for a vCPU at ``ip`` in the slot at ``slot`` of the probe at ``addr``.
@@ -176,14 +251,15 @@ class X86_64:
         start = max(s for s in starts if s <= off)
         return addr + off - start, flags | (X86_EFLAGS_IF if start == TRAP_COPY[1] else 0)
 
-    def step_left_slot(self, prep: PreparedInsn, ip: int) -> bool:  # type: ignore[override]
+    def step_left_slot(self, prep: Prepared, ip: int) -> bool:
         """Whether a step that should end in the slot ended elsewhere (the copy faulted)."""
-        return prep.resume_fixes_ip and not prep.slot_addr <= ip <= prep.slot_addr + len(prep.copy)
+        insn = _insn(prep)
+        return insn.resume_fixes_ip and not insn.slot_addr <= ip <= insn.slot_addr + len(insn.copy)
 
-    def arch_resume_singlestep(self, prep: PreparedInsn, regs: object, mem: Memory) -> None:  # type: ignore[override]
-        resume_singlestep(prep, regs, mem)  # type: ignore[arg-type]
+    def arch_resume_singlestep(self, prep: Prepared, regs: Registers, mem: Memory) -> None:
+        resume_singlestep(_insn(prep), _regs(regs), mem)
 
-    def arch_fault_frame(self, prep: PreparedInsn, sp: int, read_u64: Callable[[int], int]) -> tuple[int, int] | None:  # type: ignore[override]
+    def arch_fault_frame(self, prep: Prepared, sp: int, read_u64: Callable[[int], int]) -> tuple[int, int] | None:
         """Where the exception frame of a faulting copy holds its ip, and the ip it should hold.
 
         As kprobe_fault_handler does for KPROBE_HIT_SS: the frame's ip moves
@@ -198,6 +274,10 @@ class X86_64:
         return None
 
     # -- traps -------------------------------------------------------------------------------
+    def trap_watch_site(self, code: bytes, address: int, watched: int) -> frozenset[int] | None:
+        """Where a vCPU is when QEMU reports poke_int3_handler's read of ``watched`` (see int3hook)."""
+        return watch_site(code, address, watched)
+
     def decode_trap(self, hook: TrapHook, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> Trap:
         """The trapped context of a stop on the #BP entry or in poke_int3_handler (see int3hook)."""
         if hook is TrapHook.ENTRY:
@@ -235,7 +315,17 @@ class X86_64:
         gs = regs["gs_base"]
         return gs if gs >> 63 else regs.get("k_gs_base", gs)
 
-    # -- the blacklist -------------------------------------------------------------------
+    # -- the blacklist and the text the kernel rewrites --------------------------------------
+    # A jump-label site is a 2- or 5-byte jump or NOP (x86 picks the size at build time since
+    # Linux 5.16, "x86/jump_label: Allow short NOPs"); a static-call site a 5-byte call or jump.
+    jump_label_probe = 2
+    jump_label_max = JMP32_INSN_SIZE
+    static_call_size = CALL_INSN_SIZE
+
+    def jump_label_size(self, code: bytes) -> int:
+        """2 for a ``jmp rel8`` or the 2-byte NOP the kernel writes instead, else 5."""
+        return 2 if code[:1] == b"\xeb" or code == b"\x66\x90" else JMP32_INSN_SIZE
+
     def arch_populate_kprobe_blacklist(self) -> ArchBlacklist:
         """.entry.text, which runs before the trap reaches a handler (x86's own addition), and the thunks."""
         return ArchBlacklist((("__entry_text_start", "__entry_text_end", ".entry.text"),), THUNKS)
@@ -244,9 +334,10 @@ class X86_64:
         return KRETPROBE_BLACKLIST
 
     # -- jump optimization (opt.c) ----------------------------------------------------------
-    def arch_check_optimized_kprobe(self, func_code: bytes, func_start: int, addr: int, exception_table: object,
-                                    patched: Mapping[int, int], name: str) -> tuple[str | None, int]:  # fmt: skip
-        check = can_optimize(func_code, func_start, addr, exception_table, patched=patched, name=name)  # type: ignore[arg-type]
+    def arch_check_optimized_kprobe(self, func_code: bytes, func_start: int, addr: int,
+                                    exception_table: ExceptionTable | None, patched: Mapping[int, int],
+                                    name: str) -> tuple[str | None, int]:  # fmt: skip
+        check = can_optimize(func_code, func_start, addr, exception_table, patched=patched, name=name)
         return (None if check.ok else check.reason), check.size
 
     def arch_prepare_optimized_kprobe(self, params: DetourParams, region: bytes, addr: int, near: int,

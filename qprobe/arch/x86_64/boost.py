@@ -9,10 +9,9 @@ The same rules decide which instructions an optimized (jump) probe may copy.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container
-
 from iced_x86 import EncodingKind
 
+from qprobe.arch import ExceptionTable
 from qprobe.arch.x86_64.decode import Insn, skip_prefixes
 from qprobe.errors import DisplacementOverflow
 
@@ -38,9 +37,6 @@ CALL_INSN_OPCODE = 0xE8
 CALL_INSN_SIZE = 5
 MAX_INSN_SIZE = 16
 _MASK64 = (1 << 64) - 1
-
-#: Addresses of instructions with an exception-table entry, as a set or a predicate.
-ExceptionTable = Container[int] | Callable[[int], bool]
 
 
 def search_exception_tables(table: ExceptionTable | None, addr: int) -> bool:

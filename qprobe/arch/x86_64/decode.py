@@ -185,9 +185,9 @@ def recover_bytes(code: bytes, start: int, patched: Mapping[int, int] | None) ->
                 buf[off] = orig
     else:  # a thousand probes' bytes against one function's: look up the function's addresses instead
         for off in range(len(buf)):
-            orig = patched.get(start + off)
-            if orig is not None:
-                buf[off] = orig
+            was = patched.get(start + off)
+            if was is not None:
+                buf[off] = was
     return bytes(buf)
 
 

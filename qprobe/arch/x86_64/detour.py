@@ -32,8 +32,13 @@ that ``call stub`` pushed, and the probe id follows it::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from iced_x86 import BlockEncoder, Code, Instruction, MemoryOperand, Register, RepPrefixKind
+
+if TYPE_CHECKING:
+    # iced_x86.Register is a module of constants at run time; its members' type is this enum.
+    from iced_x86._iced_x86_py import Register as RegisterKind
 
 from qprobe.arch.x86_64.boost import synthesize_relcall, synthesize_reljump
 from qprobe.arch.x86_64.ptregs import (
@@ -76,8 +81,9 @@ class StubParams:
     port: int  # the isa-debugcon I/O port
 
 
-def _r(name: str) -> int:
-    return getattr(Register, name.upper())
+def _r(name: str) -> RegisterKind:
+    reg: RegisterKind = getattr(Register, name.upper())
+    return reg
 
 
 def _mem(

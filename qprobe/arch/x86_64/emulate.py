@@ -224,7 +224,8 @@ def _indirect_target(prep: Emulated, regs: Regs, mem: Memory) -> int:
     """Value of the FF /2 or FF /4 operand, read before anything is pushed."""
     instr = prep.insn.instr
     if instr.op0_kind == OpKind.REGISTER:
-        return getattr(regs, _REG_ATTR[instr.op0_register])
+        value: int = getattr(regs, _REG_ATTR[instr.op0_register])
+        return value
     # For [rip+disp] iced already made the displacement absolute (decoded at prep.addr).
     ea = instr.memory_displacement
     if instr.memory_base not in (Register.NONE, Register.RIP):

@@ -19,10 +19,14 @@ non-zero; the key is written first.
 from __future__ import annotations
 
 import struct
+from typing import TYPE_CHECKING
 
 from iced_x86 import Code, Instruction, MemoryOperand, Register
 
 from qprobe.arch.inguest import KeyPart, KeySpec, MapSlot
+
+if TYPE_CHECKING:
+    from iced_x86._iced_x86_py import Register as RegisterKind
 from qprobe.arch.x86_64.detour import _mem, _r, encode_detour, locked_inc, restore_regs, save_regs, simm32
 
 TABLE_SHIFT = 10
@@ -109,7 +113,7 @@ def _stack(word: int) -> MemoryOperand:
     return MemoryOperand(Register.RSP, Register.NONE, 1, word * 8, 1, False, Register.NONE)
 
 
-def _register(name: str) -> Register:
+def _register(name: str) -> RegisterKind:
     return _r("r" + name if not name.startswith("r") else name)
 
 

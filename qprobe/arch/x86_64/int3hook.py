@@ -17,7 +17,7 @@ stop the VM.
 
 from __future__ import annotations
 
-from iced_x86 import Decoder, InstructionInfoFactory, OpAccess, Register
+from iced_x86 import Decoder, Instruction, InstructionInfoFactory, OpAccess, Register
 
 MAX_INSNS = 12  # the read is in the handler's first few instructions
 
@@ -25,7 +25,7 @@ _WRITES = (OpAccess.WRITE, OpAccess.READ_WRITE, OpAccess.COND_WRITE, OpAccess.RE
 _RDI = (Register.RDI, Register.EDI, Register.DI, Register.DIL)
 
 
-def _writes_rdi(info: InstructionInfoFactory, insn: object) -> bool:
+def _writes_rdi(info: InstructionInfoFactory, insn: Instruction) -> bool:
     return any(u.register in _RDI and u.access in _WRITES for u in info.info(insn).used_registers())
 
 

@@ -10,6 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vmm"))
 
 from vmm_fakes import QemuStub
 
+from qprobe.arch.x86_64.arch import X86_64
 from qprobe.vmm.connection import Connection
 from qprobe.vmm.gdbremote import GdbRemote
 
@@ -20,6 +21,7 @@ def stub_gdb() -> Iterator[tuple[QemuStub, GdbRemote]]:
     stub = QemuStub()
     gdb = GdbRemote(Connection(stub.client, name="fake"))
     gdb.handshake()
+    gdb.allow_g(X86_64.registers.plain)
     yield stub, gdb
     stub.close()
     assert not stub.errors, stub.errors

@@ -129,7 +129,30 @@ class Toy:
         page_table="ttbr",
         percpu_base="tpidr",
         retval="r0",
+        stack_args=0,
     )
+    gdb_architecture = "toy"
+    drgn_architecture = "UNKNOWN"
+    kprobe_ip_offset = 0  # the trapped pc is the probe's own, as on arm64
+    cycle_counter = None
+    trap_entries = ("toy_brk_entry",)
+    trap_path: tuple[str, ...] = ()
+    trap_watch = None  # no watchpoint hook: the dispatcher breaks on the entry
+    jump_label_probe = 4
+    jump_label_max = 4
+    static_call_size = 4
+
+    def page_tables(self, regs: Mapping[str, int]) -> Any:
+        raise AssertionError("the toy target's memory is flat: nothing walks its page tables")
+
+    def vmcoreinfo(self, address: Callable[[str], int], virt_to_phys: Callable[[int], int], levels: int) -> list[str]:
+        return []
+
+    def trap_watch_site(self, code: bytes, address: int, watched: int) -> frozenset[int] | None:
+        return None
+
+    def jump_label_size(self, code: bytes) -> int:
+        return 4
 
     # -- instructions ----------------------------------------------------------------------
     def arch_adjust_kprobe_addr(self, func_code: bytes, func_start: int, offset: int) -> int:
@@ -504,6 +527,7 @@ class ToyMachine(Machine):
         self.mem = mem  # type: ignore[assignment]
         self.journal = ToyJournal()  # type: ignore[assignment]
         self.vcpus = cpu.threads()
+        self.pc = "pc"
         self.stop_handlers = {}
         self.watch_handlers = {}
         self.after_stop = None
@@ -671,7 +695,7 @@ class ToyTarget:
         self.machine = ToyMachine(self.cpu, self.mem)
         self.symbols = ToySymbols()
         # The names kernel.features looks the #BP entry up by (x86's, until the trap-hook site is the arch's).
-        self.symbols.markers.update({"asm_exc_int3": ENTRY, "__entry_text_start": TEXT + 0x100,
+        self.symbols.markers.update({"toy_brk_entry": ENTRY, "__entry_text_start": TEXT + 0x100,
                                      "__entry_text_end": TEXT + 0x200})  # fmt: skip
         self.kernel = ToyKernel(self.symbols, self.mem)
         self.scratch = ToyScratch(self.machine)

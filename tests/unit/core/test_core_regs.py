@@ -8,10 +8,11 @@ import struct
 import pytest
 
 from qprobe.arch.x86_64.arch import X86_64
+from qprobe.arch.x86_64.paging import kernel_pgd
 from qprobe.arch.x86_64.ptregs import ARG_REGS
 from qprobe.arch.x86_64.ptregs import GDB_NAME as PT_REGS
 from qprobe.core.regs import PtRegs, regs_get_kernel_argument, regs_return_value
-from qprobe.vmm.memory import MemoryFault, kernel_pgd
+from qprobe.vmm.memory import MemoryFault
 
 PAGE = 4096
 SP = 0xFFFF_C900_0001_3F00

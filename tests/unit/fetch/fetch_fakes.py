@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from qprobe.arch.x86_64.paging import X86PageTables
 from qprobe.fetch import MemoryFault, SymbolInfo, sprint_symbol
-from qprobe.fetch.context import task_size_max
 
 # x86_64 argument registers, in order (regs_get_kernel_argument).
 ARG_REGS = ("di", "si", "dx", "cx", "r8", "r9")
@@ -56,7 +56,7 @@ class FakeContext:
     task_comm: str = "bash"
     ret: int | None = None
     reads: list[tuple[int, int]] = field(default_factory=list)
-    task_size_max: int = task_size_max(4)
+    task_size_max: int = X86PageTables(4).task_size_max()
 
     @staticmethod
     def _read(regions: dict[int, bytes], addr: int, size: int) -> bytes:

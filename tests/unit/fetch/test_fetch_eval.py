@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from fetch_fakes import KALLSYMS, FakeContext, lookup, symbol_exists, u64
 
+from qprobe.arch.x86_64.paging import X86PageTables
 from qprobe.fetch import (
     FAULT,
     Bitfield,
@@ -19,7 +20,6 @@ from qprobe.fetch import (
     parse_event,
     print_fmt,
 )
-from qprobe.fetch.context import task_size_max
 
 KBUF = 0xFFFF_8880_0010_0000
 UBUF = 0x0000_7FFD_0000_0000
@@ -146,14 +146,16 @@ def test_five_level_paging_kernel_addresses() -> None:
     """With LA57 the direct map and slab start at 0xff11..., stacks at 0xff66...: kernel memory, readable."""
     slab, stack = 0xFF33_0FED_81A1_8C00, 0xFF66_0000_0001_3F00
     five = FakeContext(regs={"di": slab, "si": stack}, memory={slab: u64(0x1122), stack: u64(7)},
-                       task_size_max=task_size_max(5))  # fmt: skip
+                       task_size_max=X86PageTables(5).task_size_max())  # fmt: skip
     assert hit("p vfs_read +0(%di):x64 +0(%si):u64", five) == ["arg1=0x1122", "arg2=7"]
     # The same addresses are non-canonical with 4-level paging: the kernel refuses them.
     four = FakeContext(regs={"di": slab, "si": stack}, memory={slab: u64(0x1122), stack: u64(7)})
     assert hit("p vfs_read +0(%di):x64 +0(%si):u64", four) == ["arg1=(fault)", "arg2=(fault)"]
     # A 5-level user address (above 4-level's TASK_SIZE_MAX) is user memory there.
     high_user = 0x0000_7FFF_FFFF_F000 + 0x1000_0000
-    five_user = FakeContext(regs={"di": high_user}, user_memory={high_user: b"hi\0"}, task_size_max=task_size_max(5))
+    five_user = FakeContext(
+        regs={"di": high_user}, user_memory={high_user: b"hi\0"}, task_size_max=X86PageTables(5).task_size_max()
+    )
     assert hit("p vfs_read +0(%di):string +0(%di):u8", five_user) == ['arg1="hi"', "arg2=104"]
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from fetch_fakes import symbol_exists
 
 from qprobe.errors import FetchArgError
 from qprobe.fetch import DeleteEvent, ProbeEvent, format_event, parse_event, parse_events
 from qprobe.fetch import messages as M
+from qprobe.fetch.dialect import BASE
 from qprobe.fetch.kstrto import kstrtol, kstrtouint, kstrtoul, simple_strtoul, split_args
 
 
@@ -178,3 +181,13 @@ def test_a_typo_is_not_taken_for_perf_syntax(text: str) -> None:
     with pytest.raises(FetchArgError) as info:
         parse_event(text)
     assert info.value.reason == M.NOT_A_PROBE
+
+
+def test_register_names_are_the_dialect_s() -> None:
+    """%REG takes the architecture's pt_regs names: arm64's x0 on a kernel of its, not x86's di."""
+    arm64 = dataclasses.replace(BASE, registers=frozenset({*(f"regs[{n}]" for n in range(31)), "x0", "sp", "pc"}))
+    assert parse_event("p vfs_read %x0", symbol_exists=symbol_exists, dialect=arm64)
+    with pytest.raises(FetchArgError) as info:
+        parse_event("p vfs_read %di", symbol_exists=symbol_exists, dialect=arm64)
+    assert info.value.reason == M.BAD_REG_NAME
+    assert parse_event("p vfs_read %di", symbol_exists=symbol_exists)  # the language without a kernel: x86_64's

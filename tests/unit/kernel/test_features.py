@@ -5,6 +5,7 @@ from __future__ import annotations
 import drgn
 import pytest
 
+from qprobe.arch.x86_64.arch import X86_64
 from qprobe.errors import SymbolError
 from qprobe.kernel.features import thread_size
 from qprobe.kernel.program import KernelData
@@ -26,7 +27,7 @@ class SpanSymbols:
 
 
 def _without_debug_info(symbols: dict[str, int]) -> KernelData:
-    kernel = KernelData(SpanSymbols(symbols), None)  # type: ignore[arg-type]
+    kernel = KernelData(SpanSymbols(symbols), None, X86_64())  # type: ignore[arg-type]
     kernel._unusable = "vmlinux has no DWARF debug info that drgn can use"
     return kernel
 
@@ -41,7 +42,7 @@ def test_init_stack_from_the_debug_info() -> None:
         return drgn.Object(prog, stack, address=INIT_STACK) if name == "init_stack" else None  # type: ignore[return-value]
 
     prog.register_object_finder("fake", find, enable_index=0)
-    kernel = KernelData(SpanSymbols({}), None)  # type: ignore[arg-type]
+    kernel = KernelData(SpanSymbols({}), None, X86_64())  # type: ignore[arg-type]
     kernel._prog = prog
     assert thread_size(kernel) == 32 << 10
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from qprobe.arch.x86_64.arch import X86_64
 from qprobe.errors import SymbolError
 from qprobe.fetch import parse_event
 from qprobe.kernel.modules import ModuleText
@@ -83,7 +84,7 @@ def test_unloading_forgets_the_module(syms: Symbols) -> None:
 
 
 def test_reserved_sites_of_a_module(syms: Symbols) -> None:
-    reserved = ReservedText(syms, lambda a, n: b"\x0f\x1f\x44\x00\x00"[:n], bug_entry_size=None)
+    reserved = ReservedText(syms, lambda a, n: b"\x0f\x1f\x44\x00\x00"[:n], None, X86_64())
     assert reserved.conflict(M + 0x122, M + 0x122) == f"a jump label at {M + 0x120:#x}"
     assert reserved.conflict(M + 0x141, M + 0x141) == f"a static call at {M + 0x140:#x}"
     assert reserved.conflict(M + 0x150, M + 0x150) == "a BUG()/WARN() instruction"

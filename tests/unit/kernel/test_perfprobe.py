@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from qprobe.arch.x86_64.arch import X86_64
 from qprobe.kernel.perfprobe import (
     Location,
     PerfProbeError,
@@ -53,6 +54,8 @@ INDEX  LINE   ADDRESS            IS-STMT PROLOGUE-END
 1135   469    0xffffffff8134cda6
 1136   469    0xffffffff8134cdaf Y
 """
+
+PT_NAME = X86_64.registers.pt_name  # gdb's register names -> pt_regs names
 
 
 @pytest.mark.parametrize(
@@ -131,7 +134,7 @@ def test_scope_locations_at_an_address() -> None:
     ],
 )
 def test_locations(desc: str, loc: Location) -> None:
-    assert parse_location(desc, "jiffies" if "static" in desc else "v") == loc
+    assert parse_location(desc, "jiffies" if "static" in desc else "v", PT_NAME) == loc
 
 
 @pytest.mark.parametrize(
@@ -144,7 +147,7 @@ def test_locations(desc: str, loc: Location) -> None:
 )
 def test_unfetchable_locations(desc: str, words: str) -> None:
     with pytest.raises(PerfProbeError, match=words):
-        parse_location(desc, "v")
+        parse_location(desc, "v", PT_NAME)
 
 
 def test_fetch_text_as_perf_synthesizes_it() -> None:
@@ -216,7 +219,7 @@ class FakeFunctions:
 
 
 def _tr(text: str) -> str:
-    return translate(parse_perf_probe(text), FakeDwarf(), FakeFunctions(), True).definition
+    return translate(parse_perf_probe(text), FakeDwarf(), FakeFunctions(), True, PT_NAME).definition
 
 
 def test_translation() -> None:

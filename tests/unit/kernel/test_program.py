@@ -8,6 +8,7 @@ from pathlib import Path
 import drgn
 import pytest
 
+from qprobe.arch.x86_64.arch import X86_64
 from qprobe.errors import SymbolError
 from qprobe.kernel.program import KernelData, Stack, describe, synthetic_vmcoreinfo
 from qprobe.kernel.symbols import Symbol
@@ -46,7 +47,7 @@ class FakeMem:
 
 
 def test_synthetic_vmcoreinfo_has_the_lines_drgn_reads() -> None:
-    text = synthetic_vmcoreinfo(FakeSymbols(), FakeMem()).decode()  # type: ignore[arg-type]
+    text = synthetic_vmcoreinfo(FakeSymbols(), FakeMem(), X86_64()).decode()  # type: ignore[arg-type]
     assert text.endswith("\n")
     assert text.splitlines() == [
         "OSRELEASE=6.12.111+deb12-cloud-amd64",
@@ -69,7 +70,7 @@ def test_a_banner_without_a_release_is_one_line_error() -> None:
     symbols = FakeSymbols()
     symbols.banner = b"not a banner\0"
     with pytest.raises(SymbolError, match="linux_banner does not name a release"):
-        synthetic_vmcoreinfo(symbols, FakeMem())  # type: ignore[arg-type]
+        synthetic_vmcoreinfo(symbols, FakeMem(), X86_64())  # type: ignore[arg-type]
 
 
 # -- per-CPU variables: feature detection over drgn objects ------------------------------------------
@@ -90,7 +91,7 @@ def _kernel_with(objects: dict[str, tuple[str, int]], percpu: dict[str, int] | N
         return drgn.Object(prog, layouts[layout], address=address)
 
     prog.register_object_finder("fake", find, enable_index=0)
-    kernel = KernelData(FakeSymbols(percpu), None)  # type: ignore[arg-type]
+    kernel = KernelData(FakeSymbols(percpu), None, X86_64())  # type: ignore[arg-type]
     kernel._prog = prog
     return kernel
 
@@ -108,7 +109,7 @@ def test_pcpu_hot_members_from_6_2() -> None:
 
 
 def test_without_debug_info_the_symbol_table_s_per_cpu_variables_are_used() -> None:
-    kernel = KernelData(FakeSymbols({"cpu_number": 0x1FB90}), None)  # type: ignore[arg-type]
+    kernel = KernelData(FakeSymbols({"cpu_number": 0x1FB90}), None, X86_64())  # type: ignore[arg-type]
     kernel._unusable = "vmlinux has no DWARF debug info that drgn can use"
     assert kernel.percpu_offset("cpu_number") == 0x1FB90
     for _ in range(2):  # the same one line each time, found once
@@ -153,7 +154,7 @@ class Unwinder:
 
 
 def _kernel_over(unwind: Unwinder) -> KernelData:
-    kernel = KernelData(FakeSymbols(), None)  # type: ignore[arg-type]
+    kernel = KernelData(FakeSymbols(), None, X86_64())  # type: ignore[arg-type]
     kernel._prog = type("FakeProg", (), {"stack_trace": staticmethod(unwind)})()  # type: ignore[assignment]
     kernel.pt_regs = lambda values: values  # type: ignore[method-assign,assignment,return-value]
     return kernel

@@ -14,7 +14,7 @@ import pytest
 
 from qprobe.errors import SymbolError
 from qprobe.kernel import symbols as symbols_mod
-from qprobe.kernel.symbols import Section, Symbol, Symbols, read_build_id
+from qprobe.kernel.symbols import Section, Symbol, Symbols, elf_machine, read_build_id
 from qprobe.paths import UnsafeCache
 
 S = 0xFFFF_FFFF_8100_0000  # _text
@@ -306,13 +306,12 @@ def test_read_build_id(tmp_path: Path, sections: list[bytes]) -> None:
 @pytest.mark.parametrize(
     ("data", "words"),
     [
-        (b"not an elf file at all, but long enough to have a header" + bytes(16), "not an x86_64 ELF"),
-        (elf([note(b"GNU", 3, BUILD_ID)], machine=183), "not an x86_64 ELF"),
-        (elf([note(b"GNU", 3, BUILD_ID)], elf_class=1), "not an x86_64 ELF"),
+        (b"not an elf file at all, but long enough to have a header" + bytes(16), "not a 64-bit little-endian ELF"),
+        (elf([note(b"GNU", 3, BUILD_ID)], elf_class=1), "not a 64-bit little-endian ELF"),
         (elf([]), "no build-id note"),
         (elf([note(b"GNU", 1, bytes(16))]), "no build-id note"),
     ],
-    ids=["not-elf", "aarch64", "elf32", "no-notes", "no-build-id"],
+    ids=["not-elf", "elf32", "no-notes", "no-build-id"],
 )
 def test_read_build_id_errors(tmp_path: Path, data: bytes, words: str) -> None:
     path = tmp_path / "vmlinux"
@@ -439,3 +438,17 @@ def test_a_symlink_planted_as_the_cache_file_is_refused(cache: Path, tmp_path: P
     with pytest.raises(UnsafeCache, match="symbolic link"):
         Symbols.load(path)
     assert victim.read_text() == "the user's file"
+
+
+@pytest.mark.parametrize("machine", [62, 183])
+def test_elf_machine(tmp_path: Path, machine: int) -> None:
+    path = tmp_path / "vmlinux"
+    path.write_bytes(elf([note(b"GNU", 3, BUILD_ID)], machine=machine))
+    assert elf_machine(path) == machine
+
+
+def test_elf_machine_of_no_elf_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "vmlinux"
+    path.write_bytes(b"MZ")
+    with pytest.raises(SymbolError, match="not a 64-bit little-endian ELF"):
+        elf_machine(path)

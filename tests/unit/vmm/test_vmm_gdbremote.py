@@ -26,6 +26,9 @@ from qprobe.vmm.gdbremote import BREAK_HW, BREAK_SW, WATCH_ACCESS, GdbRemote, Re
 from qprobe.vmm.rsp import StopReply
 
 KTEXT = 0xFFFF_FFFF_8100_0000
+# The registers x86_64's Arch lets a G carry (qprobe.arch.x86_64.arch.PLAIN).
+PLAIN = frozenset(("rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "rsp", *(f"r{n}" for n in range(8, 16)), "rip",
+                   "eflags"))  # fmt: skip
 
 
 def connect(stub: QemuStub, handshake: bool = True) -> GdbRemote:
@@ -45,7 +48,9 @@ def stub() -> Iterator[QemuStub]:
 
 @pytest.fixture
 def gdb(stub: QemuStub) -> GdbRemote:
-    return connect(stub)
+    gdb = connect(stub)
+    gdb.allow_g(PLAIN)
+    return gdb
 
 
 def one_line(exc: BaseException) -> str:
@@ -155,10 +160,17 @@ def handshake_refused(stub: QemuStub, pattern: str) -> None:
         stub.close()
 
 
-def test_description_without_rip_or_cr3_is_refused() -> None:
+def test_the_description_s_architecture_is_reported(stub: QemuStub) -> None:
+    assert connect(stub).architecture == "i386:x86-64"
+
+
+def test_a_description_naming_no_architecture_reports_none() -> None:
     stub = QemuStub()
-    stub.annexes["i386-64bit.xml"] = b'<feature><reg name="eax" bitsize="32"/></feature>'
-    handshake_refused(stub, "not x86_64")
+    stub.annexes["target.xml"] = stub.annexes["target.xml"].replace(b"<architecture>i386:x86-64</architecture>", b"")
+    try:
+        assert connect(stub).architecture == ""
+    finally:
+        stub.close()
 
 
 @pytest.mark.parametrize("reply", [b"E00", b""])
@@ -312,6 +324,12 @@ def test_registers_are_not_remembered_across_a_resume(stub: QemuStub, gdb: GdbRe
     gdb.wait_stop()
     gdb.write_registers("p1.1", {"rax": 1, "rcx": 2, "rdx": 3})
     assert gdb.read_registers("p1.1")["rbx"] == 0x5678
+
+
+def test_without_allow_g_every_write_is_a_p(stub: QemuStub) -> None:
+    gdb = connect(stub)
+    gdb.write_registers("p1.1", {"rax": 1, "rcx": 2, "rdx": 3})
+    assert len(stub.sent(b"P")) == 3 and not stub.sent(b"G")
 
 
 def test_write_registers_beyond_the_general_ones_use_p(stub: QemuStub, gdb: GdbRemote) -> None:

@@ -21,17 +21,9 @@ from vmm_fakes import (
     PhysRamU64,
 )
 
+from qprobe.arch.x86_64.paging import X86PageTables, kernel_pgd, paging_levels, translate, walk
 from qprobe.errors import TargetError
-from qprobe.vmm.memory import (
-    LOW_RAM_LIMIT,
-    GuestMemory,
-    MemoryFault,
-    SharedRam,
-    kernel_pgd,
-    paging_levels,
-    translate,
-    walk,
-)
+from qprobe.vmm.memory import LOW_RAM_LIMIT, GuestMemory, MemoryFault, SharedRam
 
 M2, G1 = 2 << 20, 1 << 30
 KTEXT = 0xFFFF_FFFF_8100_0000
@@ -185,21 +177,21 @@ def test_high_entry_bits_are_not_address_bits() -> None:
 
 def test_read_across_4k_pages(paging: tuple[int, PhysRam, PageTables, int]) -> None:
     levels, ram, pt, _ = paging
-    mem = GuestMemory(ram, pt.root, levels)
+    mem = GuestMemory(ram, pt.root, X86PageTables(levels))
     assert mem.read(KTEXT + 0xFF8, 16) == b"ABCDEFGHIJKLMNOP"
     assert mem.read_u64(KTEXT + 0xFFC) == int.from_bytes(b"EFGHIJKL", "little")
 
 
 def test_read_from_a_4k_page_into_a_2m_page(paging: tuple[int, PhysRam, PageTables, int]) -> None:
     levels, ram, pt, _ = paging
-    mem = GuestMemory(ram, pt.root, levels)
+    mem = GuestMemory(ram, pt.root, X86PageTables(levels))
     assert mem.read(0xFFFF_FFFF_811F_FFFC, 8) == b"4k->2m<-"
     assert mem.read(0xFFFF_FFFF_813F_FFF0, 16) == b"end of the 2M pg"
 
 
 def test_read_within_a_1g_page(paging: tuple[int, PhysRam, PageTables, int]) -> None:
     levels, ram, pt, direct = paging
-    mem = GuestMemory(ram, pt.root, levels)
+    mem = GuestMemory(ram, pt.root, X86PageTables(levels))
     assert mem.read(direct + 0x1234_5678, 10) == b"direct map"
     assert mem.read(direct + G1 - 8, 8) == b"lastbyte"
     assert mem.virt_to_phys(direct + 0x1234_5678) == 0x5234_5678
@@ -207,7 +199,7 @@ def test_read_within_a_1g_page(paging: tuple[int, PhysRam, PageTables, int]) -> 
 
 def test_read_into_an_unmapped_page_faults_at_that_page(paging: tuple[int, PhysRam, PageTables, int]) -> None:
     levels, ram, pt, direct = paging
-    mem = GuestMemory(ram, pt.root, levels)
+    mem = GuestMemory(ram, pt.root, X86PageTables(levels))
     with pytest.raises(MemoryFault) as info:
         mem.read(KTEXT + 0x1FF0, 0x20)
     assert info.value.addr == KTEXT + 0x2000
@@ -218,7 +210,7 @@ def test_read_into_an_unmapped_page_faults_at_that_page(paging: tuple[int, PhysR
 
 def test_read_cstring(paging: tuple[int, PhysRam, PageTables, int]) -> None:
     levels, ram, pt, _ = paging
-    mem = GuestMemory(ram, pt.root, levels)
+    mem = GuestMemory(ram, pt.root, X86PageTables(levels))
     assert mem.read_cstring(KTEXT) == b"text-page-0"
     # A string that runs over a page boundary is read from both pages.
     ram.write(0x0200_0FFA, b"abcdef")
@@ -237,7 +229,7 @@ def test_explicit_pgd() -> None:
     ram, pt = build(4)
     other = PageTables(ram, 4, table_base=0x0080_0000)
     other.map(KTEXT, 0x0300_5000)
-    mem = GuestMemory(ram, pt.root)
+    mem = GuestMemory(ram, pt.root, X86PageTables())
     assert mem.read(KTEXT, 8) == b"text-pag"
     assert mem.read(KTEXT, 8, pgd=other.root) == b"IJKLMNOP"
     assert mem.virt_to_phys(KTEXT, other.root) == 0x0300_5000
@@ -246,7 +238,7 @@ def test_explicit_pgd() -> None:
 def test_fast_u64_reader_is_used_for_the_walk() -> None:
     ram = PhysRamU64()
     _, pt = build(4, ram)
-    mem = GuestMemory(ram, pt.root)
+    mem = GuestMemory(ram, pt.root, X86PageTables())
     ram.reads.clear()
     assert mem.read(KTEXT, 4) == b"text"
     assert ram.u64_reads == 4  # one entry per level
@@ -254,7 +246,7 @@ def test_fast_u64_reader_is_used_for_the_walk() -> None:
     plain = PhysRam()
     _, pt2 = build(4, plain)
     plain.reads.clear()
-    assert GuestMemory(plain, pt2.root).read(KTEXT, 4) == b"text"
+    assert GuestMemory(plain, pt2.root, X86PageTables()).read(KTEXT, 4) == b"text"
     assert [size for _, size in plain.reads] == [8, 8, 8, 8, 4]
 
 
@@ -296,8 +288,8 @@ def test_user_cr3_reaches_the_kernel_half() -> None:
     pt.map(KTEXT, 0x0200_0000)
     ram.write(0x0200_0000, b"kernel")
     with pytest.raises(MemoryFault):
-        GuestMemory(ram, user_pgd).read(KTEXT, 6)
-    mem = GuestMemory(ram, kernel_pgd(pt.root | PAGE | 0x801))
+        GuestMemory(ram, user_pgd, X86PageTables()).read(KTEXT, 6)
+    mem = GuestMemory(ram, kernel_pgd(pt.root | PAGE | 0x801), X86PageTables())
     assert mem.read(KTEXT, 6) == b"kernel"
 
 
@@ -415,7 +407,7 @@ def test_guest_memory_over_shared_ram(tmp_path: Path) -> None:
     marks = {pfn * PAGE: bytes(frame) for pfn, frame in fake.frames.items()}
     ram = SharedRam(sparse(tmp_path / "ram", size, marks), size)
     try:
-        mem = GuestMemory(ram, pt.root)
+        mem = GuestMemory(ram, pt.root, X86PageTables())
         assert mem.read(KTEXT + 0xFF8, 16) == b"ABCDEFGHIJKLMNOP"
         assert mem.read(DIRECT4 + 0x1234_5678, 10) == b"direct map"
     finally:

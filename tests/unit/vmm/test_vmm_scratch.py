@@ -7,10 +7,11 @@ import random
 import pytest
 from vmm_fakes import ACCESSED, DIRTY, GLOBAL, NX, PS, RW, US, P, PageTables, PhysRam
 
+from qprobe.arch.x86_64.paging import KERNEL_IMAGE_BASE, X86PageTables, translate
 from qprobe.errors import ScratchFull, TargetError
 from qprobe.vmm.journal import Patch
-from qprobe.vmm.memory import GuestMemory, MemoryFault, translate
-from qprobe.vmm.scratch import KERNEL_IMAGE_BASE, SIZE, ScratchArea, memmap_reservation
+from qprobe.vmm.memory import GuestMemory, MemoryFault
+from qprobe.vmm.scratch import SIZE, ScratchArea, memmap_reservation
 
 M2 = 2 << 20
 SCRATCH_PHYS = 0x1E00_0000
@@ -77,7 +78,7 @@ class FakeMachine:
             self.pt.map(KERNEL_IMAGE_BASE + i * M2, 0x0100_0000 + (i - 8) * M2, M2, P | RW | GLOBAL)
         if not image_pmds:
             self.pt.slot(KERNEL_IMAGE_BASE, 21)  # the PMD table exists but is empty
-        self.mem = GuestMemory(self.ram, self.pt.root, levels)
+        self.mem = GuestMemory(self.ram, self.pt.root, X86PageTables(levels))
         self.log: list[tuple[str, object]] = []
         self.journal = FakeJournal(self.log)
         self.effective = effective

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qprobe.vmm.memory import kernel_pgd
+from qprobe.arch.x86_64.paging import kernel_pgd
 
 REG_NAMES = ("ax", "bx", "cx", "dx", "si", "di", "bp", "sp", *(f"r{n}" for n in range(8, 16)), "ip", "flags")
 

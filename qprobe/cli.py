@@ -320,6 +320,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
     import json
 
     _perf_definitions(args)
+    # SIGINT is how a trace ends (Ctrl-C, bpftrace's and perf's way, and `kill -INT` from a script), also
+    # where it was started with SIGINT ignored (`qprobe trace ... &` from a non-interactive shell).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     lock = threading.Lock()
     fmt = None
     if args.format is not None:

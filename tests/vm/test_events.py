@@ -143,8 +143,10 @@ def test_cli_trace_bad_filter_points_at_the_column_before_booting() -> None:
 
 
 def test_sigint_during_a_trace_removes_probes_prints_the_summary_and_fails() -> None:
+    # Started with SIGINT ignored, as `qprobe trace ... &` from a script starts it: SIGINT still ends it.
     proc = subprocess.Popen([sys.executable, "-m", "qprobe.cli", "trace", "--image", IMAGE, "p:gp __x64_sys_getppid"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # fmt: skip
     try:
         assert proc.stderr is not None
         deadline = time.monotonic() + 300

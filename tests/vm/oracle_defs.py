@@ -51,6 +51,24 @@ SELFTEST_ERRORS = (
 )  # fmt: skip
 
 
+# The accepted arguments of the selftests' argument tables, for their values at FUNC: the guest's event and
+# qprobe's print the same value at each hit.  kprobe_args_syntax.tc's good arguments (SYMADDR: _sdata's
+# address); kprobe_args.tc's, kprobe_args_type.tc's (every width) and kprobe_args_symbol.tc's (the symbol
+# arguments over linux_proc_banner); kprobe_args_string.tc's, kprobe_args_user.tc's and kprobe_args_comm.tc's;
+# kprobe_args_char.tc's (Linux 6.5 on), with their registers and stack moved to FUNC's.
+SELFTEST_VALUES = {
+    "syntax": (*(a for a in SELFTEST_GOOD if a != "varname=%ax"), "@SYMADDR", "varname=%ax"),
+    "types": ("$stack", "$stack0", "+0($stack)",
+              *(f"$stack0:{t}{w}" for w in (64, 32, 16, 8) for t in ("s", "u", "x")),
+              *(f"$stack0:b4@4/{w}" for w in (64, 32, 16, 8)),
+              *(f"@linux_proc_banner:{t}{w}" for t in ("u", "s", "x") for w in (64, 32, 16, 8)),
+              "@linux_proc_banner:b8@4/32", "@linux_proc_banner:string"),
+    "strings": ("+0(%di):string", "+0($arg2):ustring", "+u0($arg2):string", "+0(%si):ustring", "+u0(%si):string",
+                "$comm", "$comm:string", "+0($stack):string"),
+    "char": ("%di:char", "+0(%si):char[4]"),
+}  # fmt: skip
+
+
 # Later kernels' language (Linux 6.12's selftests: kprobe_syntax_errors.tc's BTF part,
 # add_remove_btfarg.tc, kprobe_args_vfs.tc, kprobe_args_char.tc, kretprobe_entry_arg.tc):
 # every one is refused by a kernel without it, with that kernel's error.

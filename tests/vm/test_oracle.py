@@ -24,7 +24,7 @@ from qprobe.pytest_plugin import QprobeReset, qprobe_scope
 
 from .conftest import workload_result
 from .guest_oracle import TRACING, guest_verdicts, qprobe_verdicts
-from .oracle_defs import cases
+from .oracle_defs import FUNC, SELFTEST_VALUES, cases
 
 pytestmark = [pytest.mark.vm, pytest.mark.qprobe_needs_config("KPROBE_EVENTS")]
 
@@ -69,11 +69,18 @@ def test_verdicts_and_listings_equal_the_guest_kernels(target: qprobe.Target) ->
 
 
 def _guest_hits(target: qprobe.Target, event: str) -> list[tuple[str, int, int, str]]:
+    """The event's hits: (comm, pid, cpu, body); a string with newlines continues its hit's body on the next lines."""
     out = []
+    mine = False
     for line in target.run(f"cat {TRACING}/trace").check().output.splitlines():
         m = TRACE_LINE.match(line)
-        if m and m["event"] == event:
-            out.append((m["comm"].strip(), int(m["pid"]), int(m["cpu"]), m["body"]))
+        if m:
+            mine = m["event"] == event
+            if mine:
+                out.append((m["comm"].strip(), int(m["pid"]), int(m["cpu"]), m["body"]))
+        elif mine:
+            comm, pid, cpu, body = out[-1]
+            out[-1] = (comm, pid, cpu, f"{body}\n{line}")
     return out
 
 
@@ -95,18 +102,17 @@ HIT_DEFINITIONS = {
 HIT_WORKLOADS = {"bitfield": "workload fork 3"}
 
 
-@pytest.mark.qprobe_needs_config("FUNCTION_TRACER")
-@pytest.mark.parametrize("kind", sorted(HIT_DEFINITIONS))
-def test_every_field_of_every_hit_equals_the_guest_trace(target: qprobe.Target, kind: str) -> None:
-    body = HIT_DEFINITIONS[kind]
-    if kind in ("btf", "bitfield") and not (target.dialect.btf_args and target.dialect.dentry_args):
-        pytest.skip("this kernel's kprobe_events has no BTF arguments or no %pD")
+def _paired_hits(target: qprobe.Target, body: str, workload: str) -> tuple[list[Any], list[Any], int, bool]:
+    """The guest's ``ghit`` and qprobe's ``qhit`` with the same ``body``, each hit of the workload's process.
+
+    Both see the same calls of the workload in the same order, so hit i of one is hit i of the other.
+    Also returns whether qprobe's event is recorded in the guest.
+    """
     te = target.add_event(f"p:qhit {body}")
-    assert te.in_guest == (kind == "registers")
     try:
         target.run(f"echo 'p:ghit {body}' >> {TRACING}/kprobe_events && echo > {TRACING}/trace && "
                    f"echo 1 > {TRACING}/events/kprobes/ghit/enable").check()  # fmt: skip
-        res = workload_result(target.run(HIT_WORKLOADS.get(kind, "workload read 5 64")).check().output)
+        res = workload_result(target.run(workload).check().output)
         target.run(f"echo 0 > {TRACING}/events/kprobes/ghit/enable").check()
         pid = int(res["pid"])
         guest = [h for h in _guest_hits(target, "ghit") if h[1] == pid]  # before removing: that clears the buffer
@@ -114,8 +120,75 @@ def test_every_field_of_every_hit_equals_the_guest_trace(target: qprobe.Target, 
         target.remove_event(te)
         target.run(f"echo 0 > {TRACING}/events/kprobes/ghit/enable; echo '-:ghit' >> {TRACING}/kprobe_events")
     ours = [(h.comm, h.pid, h.cpu, h.body) for h in te.hits if h.pid == pid]
-    assert len(guest) == int(res["n"]), guest
+    return guest, ours, int(res["n"]), te.in_guest
+
+
+@pytest.mark.qprobe_needs_config("FUNCTION_TRACER")
+@pytest.mark.parametrize("kind", sorted(HIT_DEFINITIONS))
+def test_every_field_of_every_hit_equals_the_guest_trace(target: qprobe.Target, kind: str) -> None:
+    body = HIT_DEFINITIONS[kind]
+    if kind in ("btf", "bitfield") and not (target.dialect.btf_args and target.dialect.dentry_args):
+        pytest.skip("this kernel's kprobe_events has no BTF arguments or no %pD")
+    guest, ours, n, in_guest = _paired_hits(target, body, HIT_WORKLOADS.get(kind, "workload read 5 64"))
+    assert in_guest == (kind == "registers")
+    assert len(guest) == n, guest
     assert ours == guest
+
+
+# A dereference, OFFS(INNER), with no type or an integer one.
+DEREF = re.compile(r"(?P<fetch>[+-]u?\d+\((?P<inner>.*)\))(:[sux]\d+)?")
+
+
+def _deref_chain(arg: str) -> list[str]:
+    """The dereferences an integer argument makes, innermost first (``+0(+8(%di))``: ``+8(%di)``, ``+0(+8(%di))``)."""
+    m = DEREF.fullmatch(arg)
+    return [*_deref_chain(m["inner"]), m["fetch"]] if m else []
+
+
+@pytest.mark.qprobe_needs_config("FUNCTION_TRACER")
+@pytest.mark.parametrize("table", sorted(SELFTEST_VALUES))
+def test_every_good_argument_of_the_selftests_reads_what_the_guest_reads(target: qprobe.Target, table: str) -> None:
+    """Each accepted argument of the selftests' tables, at vfs_read: the same value as the guest's, hit by hit.
+
+    Where a dereference faults before the argument's store, the kernel stores nothing in its slot of the
+    record (process_fetch_insn returns early) and leaves a string's data_loc pointing at the record's free
+    area: the trace shows stale bytes of the ring buffer or of the per-CPU filter buffer, not a value read.
+    So each dereference an integer argument makes has a witness, the same fetch as ``:string``, whose last
+    read is the string store, which records "(fault)" when it fails (also for an empty user string: see
+    fetch/context.py's read_string).  A kernel value is compared where every read it rests on is witnessed;
+    a witness is compared (qprobe's "(fault)" against the kernel's) where the reads under it are.
+    """
+    if table == "char" and "char" not in target.dialect.types:
+        pytest.skip("this kernel's kprobe_events has no char type")
+    args = [a.replace("SYMADDR", f"{target.symbols.address('_sdata'):#x}") for a in SELFTEST_VALUES[table]]
+    chains = [_deref_chain(a) for a in args]
+    witnessed = list(dict.fromkeys(fetch for chain in chains for fetch in chain))
+    every = [*args, *(f"{fetch}:string" for fetch in witnessed)]
+    body = f"{FUNC} " + " ".join(f"v{i}={a}" if "=" not in a.split("(")[0] else a for i, a in enumerate(every))
+    guest, ours, n, _ = _paired_hits(target, body, "workload read 4 64")
+    assert len(guest) == n, guest
+    differ = []
+    for i, (g, o) in enumerate(zip(guest, ours, strict=True)):
+        kernel, qp = _fields(g[3]), _fields(_as_guest_prints(o[3]))
+        assert len(kernel) == len(qp) == len(every), (g, o)
+
+        def read(chain: list[str], kernel: list[str] = kernel) -> bool:
+            return all(kernel[len(args) + witnessed.index(fetch)] != "(fault)" for fetch in chain)
+
+        compared = [j for j, chain in enumerate(chains) if read(chain)]
+        compared += [len(args) + k for k, fetch in enumerate(witnessed) if read(_deref_chain(fetch)[:-1])]
+        differ += [f"hit {i}, {every[j]}: kernel {kernel[j]}, qprobe {qp[j]}" for j in compared if kernel[j] != qp[j]]
+    assert not differ, "\n".join([*differ, f"kernel: {guest[0][3]}", f"qprobe: {ours[0][3]}"])
+
+
+def _as_guest_prints(body: str) -> str:
+    """qprobe's text as the guest console's output decodes it: bytes that are not UTF-8 replaced."""
+    return body.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+def _fields(body: str) -> list[str]:
+    """A hit's argument values in order (``(vfs_read+0x0/0x...) v0=... v1="a b"``), without the names."""
+    return [m[1] for m in re.finditer(r' \w+=("[^"]*"|\S*)', body)]
 
 
 @pytest.mark.qprobe_needs_config("FUNCTION_TRACER")

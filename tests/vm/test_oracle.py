@@ -72,7 +72,8 @@ def _guest_hits(target: qprobe.Target, event: str) -> list[tuple[str, int, int, 
     """The event's hits: (comm, pid, cpu, body); a string with newlines continues its hit's body on the next lines."""
     out = []
     mine = False
-    for line in target.run(f"cat {TRACING}/trace").check().output.splitlines():
+    # Lines end at "\n" only: a string's bytes may hold the other characters splitlines() breaks at.
+    for line in target.run(f"cat {TRACING}/trace").check().output.removesuffix("\n").split("\n"):
         m = TRACE_LINE.match(line)
         if m:
             mine = m["event"] == event
@@ -135,14 +136,28 @@ def test_every_field_of_every_hit_equals_the_guest_trace(target: qprobe.Target, 
     assert ours == guest
 
 
-# A dereference, OFFS(INNER), with no type or an integer one.
-DEREF = re.compile(r"(?P<fetch>[+-]u?\d+\((?P<inner>.*)\))(:[sux]\d+)?")
+# A dereference, OFFS(INNER) or @SYM[+-OFFS] or @ADDR, with no type or an integer one.
+DEREF = re.compile(r"(?P<fetch>[+-]u?(0x[0-9a-f]+|\d+)\((?P<inner>.*)\)|@[^:]+)(:[sux]\d+)?")
 
 
 def _deref_chain(arg: str) -> list[str]:
     """The dereferences an integer argument makes, innermost first (``+0(+8(%di))``: ``+8(%di)``, ``+0(+8(%di))``)."""
     m = DEREF.fullmatch(arg)
-    return [*_deref_chain(m["inner"]), m["fetch"]] if m else []
+    if m is None:
+        return []
+    return [*(_deref_chain(m["inner"]) if m["inner"] else []), m["fetch"]]
+
+
+def _last_byte(fetch: str) -> str:
+    """The dereference ``fetch`` with 7 added to its address: where its 8-byte read ends."""
+    if m := re.fullmatch(r"(?P<sign>[+-])(?P<u>u?)(?P<off>0x[0-9a-f]+|\d+)\((?P<inner>.*)\)", fetch):
+        off = int(m["off"], 0) * (-1 if m["sign"] == "-" else 1) + 7
+        return f"{'+' if off >= 0 else '-'}{m['u']}{abs(off)}({m['inner']})"
+    if m := re.fullmatch(r"@(0x[0-9a-f]+)", fetch):
+        return f"@{int(m[1], 16) + 7:#x}"
+    m = re.fullmatch(r"@(?P<sym>[^+-]+)(?P<off>[+-]\d+)?", fetch)
+    assert m, fetch
+    return f"@{m['sym']}{int(m['off'] or 0) + 7:+d}"
 
 
 @pytest.mark.qprobe_needs_config("FUNCTION_TRACER")
@@ -153,30 +168,38 @@ def test_every_good_argument_of_the_selftests_reads_what_the_guest_reads(target:
     Where a dereference faults before the argument's store, the kernel stores nothing in its slot of the
     record (process_fetch_insn returns early) and leaves a string's data_loc pointing at the record's free
     area: the trace shows stale bytes of the ring buffer or of the per-CPU filter buffer, not a value read.
-    So each dereference an integer argument makes has a witness, the same fetch as ``:string``, whose last
-    read is the string store, which records "(fault)" when it fails (also for an empty user string: see
-    fetch/context.py's read_string).  A kernel value is compared where every read it rests on is witnessed;
-    a witness is compared (qprobe's "(fault)" against the kernel's) where the reads under it are.
+    So each dereference an integer argument makes has two witnesses, its first and its last byte read as
+    ``:string``, whose last read is the string store, which records "(fault)" when it fails (also for an empty
+    user string: see fetch/context.py's read_string).  A kernel value is compared where every read it rests on
+    is witnessed; a witness is compared (qprobe's "(fault)" against the kernel's) where the reads under it are.
     """
     if table == "char" and "char" not in target.dialect.types:
         pytest.skip("this kernel's kprobe_events has no char type")
-    args = [a.replace("SYMADDR", f"{target.symbols.address('_sdata'):#x}") for a in SELFTEST_VALUES[table]]
+    # Addresses from the guest's kallsyms (a per-CPU symbol's is its offset in every CPU's area).
+    kallsyms = target.run("grep -wE '_sdata|this_cpu_off' /proc/kallsyms").check().output.split()
+    facts = {"SYMADDR": "_sdata", "THIS_CPU_OFF": "this_cpu_off"}
+    facts = {key: "0x" + kallsyms[kallsyms.index(name) - 2] for key, name in facts.items()}
+    args = [re.sub("|".join(facts), lambda m: facts[m[0]], a) for a in SELFTEST_VALUES[table]]
     chains = [_deref_chain(a) for a in args]
     witnessed = list(dict.fromkeys(fetch for chain in chains for fetch in chain))
-    every = [*args, *(f"{fetch}:string" for fetch in witnessed)]
-    body = f"{FUNC} " + " ".join(f"v{i}={a}" if "=" not in a.split("(")[0] else a for i, a in enumerate(every))
-    guest, ours, n, _ = _paired_hits(target, body, "workload read 4 64")
+    witnesses = [w for fetch in witnessed for w in (f"{fetch}:string", f"{_last_byte(fetch)}:string")]
+    every = [*args, *witnesses]
+    named = [a.split("=", 1) if "=" in a.split("(")[0] else (f"v{i}", a) for i, a in enumerate(every)]
+    names = [name for name, _ in named]
+    body = f"{FUNC} " + " ".join(f"{name}={a}" for name, a in named)
+    guest, ours, n, _ = _paired_hits(target, body, "workload read 4 64 /tmp/oracle-read")
     assert len(guest) == n, guest
     differ = []
     for i, (g, o) in enumerate(zip(guest, ours, strict=True)):
-        kernel, qp = _fields(g[3]), _fields(_as_guest_prints(o[3]))
-        assert len(kernel) == len(qp) == len(every), (g, o)
+        kernel, qp = _fields(g[3], names), _fields(_as_guest_prints(o[3]), names)
 
         def read(chain: list[str], kernel: list[str] = kernel) -> bool:
-            return all(kernel[len(args) + witnessed.index(fetch)] != "(fault)" for fetch in chain)
+            at = [len(args) + 2 * witnessed.index(fetch) for fetch in chain]
+            return all(kernel[j] != "(fault)" and kernel[j + 1] != "(fault)" for j in at)
 
         compared = [j for j, chain in enumerate(chains) if read(chain)]
-        compared += [len(args) + k for k, fetch in enumerate(witnessed) if read(_deref_chain(fetch)[:-1])]
+        compared += [len(args) + 2 * k + last for k, fetch in enumerate(witnessed) for last in (0, 1)
+                     if read(_deref_chain(fetch)[:-1])]  # fmt: skip
         differ += [f"hit {i}, {every[j]}: kernel {kernel[j]}, qprobe {qp[j]}" for j in compared if kernel[j] != qp[j]]
     assert not differ, "\n".join([*differ, f"kernel: {guest[0][3]}", f"qprobe: {ours[0][3]}"])
 
@@ -186,9 +209,12 @@ def _as_guest_prints(body: str) -> str:
     return body.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
-def _fields(body: str) -> list[str]:
-    """A hit's argument values in order (``(vfs_read+0x0/0x...) v0=... v1="a b"``), without the names."""
-    return [m[1] for m in re.finditer(r' \w+=("[^"]*"|\S*)', body)]
+def _fields(body: str, names: list[str]) -> list[str]:
+    """A hit's argument values in order (``(vfs_read+0x0/0x...) v0=... v1="a b"``), found by their names."""
+    at: list[int] = []
+    for name in names:  # each searched past the one before: a string's bytes may hold " v1=" too
+        at.append(body.index(f" {name}=", at[-1] + 1 if at else 0))
+    return [body[i + len(name) + 2 : j] for i, name, j in zip(at, names, [*at[1:], len(body)], strict=True)]
 
 
 @pytest.mark.qprobe_needs_config("FUNCTION_TRACER")

@@ -155,8 +155,13 @@ def read_string(ctx: FetchContext, addr: int, user: bool) -> str | Fault:
     Memory is read a page at a time so a short string near the end of a
     mapping does not fault on bytes past its NUL; a page that faults is
     retried byte by byte, and a fault before the NUL gives FAULT, as the
-    kernel's strncpy_from_*_nofault does.  Bytes are decoded as UTF-8 with
-    surrogateescape so the exact bytes can be recovered.
+    kernel's strncpy_from_*_nofault does.  An empty string read from user
+    memory is FAULT too: strncpy_from_user_nofault (mm/maccess.c) counts the
+    NUL only of a non-empty string, so it returns 0 for one, and the kernel
+    records a zero-length string, which it prints as ``(fault)``
+    (strncpy_from_kernel_nofault counts the NUL: an empty kernel string is
+    ``""``).  Bytes are decoded as UTF-8 with surrogateescape so the exact
+    bytes can be recovered.
     """
     out = bytearray()
     addr &= U64_MASK
@@ -180,7 +185,7 @@ def read_string(ctx: FetchContext, addr: int, user: bool) -> str | Fault:
         nul = data.find(0)
         if nul >= 0:
             out += data[:nul]
-            return _decode(out)
+            return FAULT if user and not out else _decode(out)
         out += data
         addr = (addr + chunk) & U64_MASK
     return _decode(out[: MAX_STRING_SIZE - 1])

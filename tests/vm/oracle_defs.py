@@ -51,6 +51,36 @@ SELFTEST_ERRORS = (
 )  # fmt: skip
 
 
+# The accepted arguments of the selftests' argument tables, for their values at FUNC: the guest's event and
+# qprobe's print the same value at each hit.  kprobe_args_syntax.tc's good arguments (SYMADDR: _sdata's
+# address); kprobe_args.tc's, kprobe_args_type.tc's (every width) and kprobe_args_symbol.tc's (the symbol
+# arguments over linux_proc_banner); kprobe_args_string.tc's, kprobe_args_user.tc's and kprobe_args_comm.tc's;
+# kprobe_args_char.tc's (Linux 6.5 on), with their registers and stack moved to FUNC's.
+SELFTEST_VALUES = {
+    "syntax": (*(a for a in SELFTEST_GOOD if a != "varname=%ax"), "@SYMADDR", "varname=%ax"),
+    "types": ("$stack", "$stack0", "+0($stack)",
+              *(f"$stack0:{t}{w}" for w in (64, 32, 16, 8) for t in ("s", "u", "x")),
+              *(f"$stack0:b4@4/{w}" for w in (64, 32, 16, 8)),
+              *(f"@linux_proc_banner:{t}{w}" for t in ("u", "s", "x") for w in (64, 32, 16, 8)),
+              "@linux_proc_banner:b8@4/32", "@linux_proc_banner:string"),
+    "strings": ("+0(%di):string", "+0($arg2):ustring", "+u0($arg2):string", "+0(%si):ustring", "+u0(%si):string",
+                "$comm", "$comm:string", "+0($stack):string"),
+    "char": ("%di:char", "+0(%si):char[4]"),
+    # Not the selftests': one read in each kind of kernel mapping and across page and mapping boundaries.
+    # The per-CPU areas (cpu0's start; this_cpu_off in cpu0's and cpu1's, THIS_CPU_OFF its offset), the CPU
+    # entry area (its read-only IDT: Linux 4.15 on, at the area's base), the direct map (physical 0, across
+    # 4K, 1M and 2M boundaries, at 16M and 256M), the vmalloc and vmemmap areas, the vsyscall page (refused
+    # by copy_from_kernel_nofault_allowed since Linux 6.8), kernel text, the kernel stack (vmalloc'd: to its
+    # end and past), the user buffer read into (past its page) and slab objects through the file.
+    "regions": ("+0(@__per_cpu_offset)", "+THIS_CPU_OFF(@__per_cpu_offset)", "+THIS_CPU_OFF(@__per_cpu_offset+8)",
+                "@0xfffffe0000000000", "@0xfffffe0000000ffc", "+0(@page_offset_base)", "+0xffc(@page_offset_base)",
+                "+0xffffc(@page_offset_base)", "+0x1ffffc(@page_offset_base)", "+0x1000000(@page_offset_base)",
+                "+0x10000000(@page_offset_base)", "+0(@vmalloc_base)", "+0(@vmemmap_base)", "+0x40(@vmemmap_base)",
+                "@0xffffffffff600000", "@_stext", "+0(%sp)", "+0xff8(%sp)", "+0x3ffc(%sp)", "+0(%si)", "+u0(%si)",
+                "+0xffc(%si)", "+0(+0(%di))", "+0(+0x18(%di))", "+0(+0x28(%di))"),
+}  # fmt: skip
+
+
 # Later kernels' language (Linux 6.12's selftests: kprobe_syntax_errors.tc's BTF part,
 # add_remove_btfarg.tc, kprobe_args_vfs.tc, kprobe_args_char.tc, kretprobe_entry_arg.tc):
 # every one is refused by a kernel without it, with that kernel's error.

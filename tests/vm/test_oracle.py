@@ -24,7 +24,7 @@ from qprobe.pytest_plugin import QprobeReset, qprobe_scope
 
 from .conftest import workload_result
 from .guest_oracle import TRACING, guest_verdicts, qprobe_verdicts
-from .oracle_defs import cases
+from .oracle_defs import FUNC, SELFTEST_VALUES, cases
 
 pytestmark = [pytest.mark.vm, pytest.mark.qprobe_needs_config("KPROBE_EVENTS")]
 
@@ -69,11 +69,19 @@ def test_verdicts_and_listings_equal_the_guest_kernels(target: qprobe.Target) ->
 
 
 def _guest_hits(target: qprobe.Target, event: str) -> list[tuple[str, int, int, str]]:
+    """The event's hits: (comm, pid, cpu, body); a string with newlines continues its hit's body on the next lines."""
     out = []
-    for line in target.run(f"cat {TRACING}/trace").check().output.splitlines():
+    mine = False
+    # Lines end at "\n" only: a string's bytes may hold the other characters splitlines() breaks at.
+    for line in target.run(f"cat {TRACING}/trace").check().output.removesuffix("\n").split("\n"):
         m = TRACE_LINE.match(line)
-        if m and m["event"] == event:
-            out.append((m["comm"].strip(), int(m["pid"]), int(m["cpu"]), m["body"]))
+        if m:
+            mine = m["event"] == event
+            if mine:
+                out.append((m["comm"].strip(), int(m["pid"]), int(m["cpu"]), m["body"]))
+        elif mine:
+            comm, pid, cpu, body = out[-1]
+            out[-1] = (comm, pid, cpu, f"{body}\n{line}")
     return out
 
 
@@ -95,18 +103,17 @@ HIT_DEFINITIONS = {
 HIT_WORKLOADS = {"bitfield": "workload fork 3"}
 
 
-@pytest.mark.qprobe_needs_config("FUNCTION_TRACER")
-@pytest.mark.parametrize("kind", sorted(HIT_DEFINITIONS))
-def test_every_field_of_every_hit_equals_the_guest_trace(target: qprobe.Target, kind: str) -> None:
-    body = HIT_DEFINITIONS[kind]
-    if kind in ("btf", "bitfield") and not (target.dialect.btf_args and target.dialect.dentry_args):
-        pytest.skip("this kernel's kprobe_events has no BTF arguments or no %pD")
+def _paired_hits(target: qprobe.Target, body: str, workload: str) -> tuple[list[Any], list[Any], int, bool]:
+    """The guest's ``ghit`` and qprobe's ``qhit`` with the same ``body``, each hit of the workload's process.
+
+    Both see the same calls of the workload in the same order, so hit i of one is hit i of the other.
+    Also returns whether qprobe's event is recorded in the guest.
+    """
     te = target.add_event(f"p:qhit {body}")
-    assert te.in_guest == (kind == "registers")
     try:
         target.run(f"echo 'p:ghit {body}' >> {TRACING}/kprobe_events && echo > {TRACING}/trace && "
                    f"echo 1 > {TRACING}/events/kprobes/ghit/enable").check()  # fmt: skip
-        res = workload_result(target.run(HIT_WORKLOADS.get(kind, "workload read 5 64")).check().output)
+        res = workload_result(target.run(workload).check().output)
         target.run(f"echo 0 > {TRACING}/events/kprobes/ghit/enable").check()
         pid = int(res["pid"])
         guest = [h for h in _guest_hits(target, "ghit") if h[1] == pid]  # before removing: that clears the buffer
@@ -114,8 +121,100 @@ def test_every_field_of_every_hit_equals_the_guest_trace(target: qprobe.Target, 
         target.remove_event(te)
         target.run(f"echo 0 > {TRACING}/events/kprobes/ghit/enable; echo '-:ghit' >> {TRACING}/kprobe_events")
     ours = [(h.comm, h.pid, h.cpu, h.body) for h in te.hits if h.pid == pid]
-    assert len(guest) == int(res["n"]), guest
+    return guest, ours, int(res["n"]), te.in_guest
+
+
+@pytest.mark.qprobe_needs_config("FUNCTION_TRACER")
+@pytest.mark.parametrize("kind", sorted(HIT_DEFINITIONS))
+def test_every_field_of_every_hit_equals_the_guest_trace(target: qprobe.Target, kind: str) -> None:
+    body = HIT_DEFINITIONS[kind]
+    if kind in ("btf", "bitfield") and not (target.dialect.btf_args and target.dialect.dentry_args):
+        pytest.skip("this kernel's kprobe_events has no BTF arguments or no %pD")
+    guest, ours, n, in_guest = _paired_hits(target, body, HIT_WORKLOADS.get(kind, "workload read 5 64"))
+    assert in_guest == (kind == "registers")
+    assert len(guest) == n, guest
     assert ours == guest
+
+
+# A dereference, OFFS(INNER) or @SYM[+-OFFS] or @ADDR, with no type or an integer one.
+DEREF = re.compile(r"(?P<fetch>[+-]u?(0x[0-9a-f]+|\d+)\((?P<inner>.*)\)|@[^:]+)(:[sux]\d+)?")
+
+
+def _deref_chain(arg: str) -> list[str]:
+    """The dereferences an integer argument makes, innermost first (``+0(+8(%di))``: ``+8(%di)``, ``+0(+8(%di))``)."""
+    m = DEREF.fullmatch(arg)
+    if m is None:
+        return []
+    return [*(_deref_chain(m["inner"]) if m["inner"] else []), m["fetch"]]
+
+
+def _last_byte(fetch: str) -> str:
+    """The dereference ``fetch`` with 7 added to its address: where its 8-byte read ends."""
+    if m := re.fullmatch(r"(?P<sign>[+-])(?P<u>u?)(?P<off>0x[0-9a-f]+|\d+)\((?P<inner>.*)\)", fetch):
+        off = int(m["off"], 0) * (-1 if m["sign"] == "-" else 1) + 7
+        return f"{'+' if off >= 0 else '-'}{m['u']}{abs(off)}({m['inner']})"
+    if m := re.fullmatch(r"@(0x[0-9a-f]+)", fetch):
+        return f"@{int(m[1], 16) + 7:#x}"
+    m = re.fullmatch(r"@(?P<sym>[^+-]+)(?P<off>[+-]\d+)?", fetch)
+    assert m, fetch
+    return f"@{m['sym']}{int(m['off'] or 0) + 7:+d}"
+
+
+@pytest.mark.qprobe_needs_config("FUNCTION_TRACER")
+@pytest.mark.parametrize("table", sorted(SELFTEST_VALUES))
+def test_every_good_argument_of_the_selftests_reads_what_the_guest_reads(target: qprobe.Target, table: str) -> None:
+    """Each accepted argument of the selftests' tables, at vfs_read: the same value as the guest's, hit by hit.
+
+    Where a dereference faults before the argument's store, the kernel stores nothing in its slot of the
+    record (process_fetch_insn returns early) and leaves a string's data_loc pointing at the record's free
+    area: the trace shows stale bytes of the ring buffer or of the per-CPU filter buffer, not a value read.
+    So each dereference an integer argument makes has two witnesses, its first and its last byte read as
+    ``:string``, whose last read is the string store, which records "(fault)" when it fails (also for an empty
+    user string: see fetch/context.py's read_string).  A kernel value is compared where every read it rests on
+    is witnessed; a witness is compared (qprobe's "(fault)" against the kernel's) where the reads under it are.
+    """
+    if table == "char" and "char" not in target.dialect.types:
+        pytest.skip("this kernel's kprobe_events has no char type")
+    # Addresses from the guest's kallsyms (a per-CPU symbol's is its offset in every CPU's area).
+    kallsyms = target.run("grep -wE '_sdata|this_cpu_off' /proc/kallsyms").check().output.split()
+    facts = {"SYMADDR": "_sdata", "THIS_CPU_OFF": "this_cpu_off"}
+    facts = {key: "0x" + kallsyms[kallsyms.index(name) - 2] for key, name in facts.items()}
+    args = [re.sub("|".join(facts), lambda m: facts[m[0]], a) for a in SELFTEST_VALUES[table]]
+    chains = [_deref_chain(a) for a in args]
+    witnessed = list(dict.fromkeys(fetch for chain in chains for fetch in chain))
+    witnesses = [w for fetch in witnessed for w in (f"{fetch}:string", f"{_last_byte(fetch)}:string")]
+    every = [*args, *witnesses]
+    named = [a.split("=", 1) if "=" in a.split("(")[0] else (f"v{i}", a) for i, a in enumerate(every)]
+    names = [name for name, _ in named]
+    body = f"{FUNC} " + " ".join(f"{name}={a}" for name, a in named)
+    guest, ours, n, _ = _paired_hits(target, body, "workload read 4 64 /tmp/oracle-read")
+    assert len(guest) == n, guest
+    differ = []
+    for i, (g, o) in enumerate(zip(guest, ours, strict=True)):
+        kernel, qp = _fields(g[3], names), _fields(_as_guest_prints(o[3]), names)
+
+        def read(chain: list[str], kernel: list[str] = kernel) -> bool:
+            at = [len(args) + 2 * witnessed.index(fetch) for fetch in chain]
+            return all(kernel[j] != "(fault)" and kernel[j + 1] != "(fault)" for j in at)
+
+        compared = [j for j, chain in enumerate(chains) if read(chain)]
+        compared += [len(args) + 2 * k + last for k, fetch in enumerate(witnessed) for last in (0, 1)
+                     if read(_deref_chain(fetch)[:-1])]  # fmt: skip
+        differ += [f"hit {i}, {every[j]}: kernel {kernel[j]}, qprobe {qp[j]}" for j in compared if kernel[j] != qp[j]]
+    assert not differ, "\n".join([*differ, f"kernel: {guest[0][3]}", f"qprobe: {ours[0][3]}"])
+
+
+def _as_guest_prints(body: str) -> str:
+    """qprobe's text as the guest console's output decodes it: bytes that are not UTF-8 replaced."""
+    return body.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+def _fields(body: str, names: list[str]) -> list[str]:
+    """A hit's argument values in order (``(vfs_read+0x0/0x...) v0=... v1="a b"``), found by their names."""
+    at: list[int] = []
+    for name in names:  # each searched past the one before: a string's bytes may hold " v1=" too
+        at.append(body.index(f" {name}=", at[-1] + 1 if at else 0))
+    return [body[i + len(name) + 2 : j] for i, name, j in zip(at, names, [*at[1:], len(body)], strict=True)]
 
 
 @pytest.mark.qprobe_needs_config("FUNCTION_TRACER")

@@ -142,6 +142,14 @@ def test_kernel_and_user_address_spaces() -> None:
     # address faults (access_ok).
 
 
+def test_an_empty_user_string_is_recorded_as_a_fault() -> None:
+    """strncpy_from_user_nofault returns 0 for "" (strncpy_from_kernel_nofault 1): the kernel prints (fault)."""
+    ctx = FakeContext(regs={"di": UBUF, "si": KBUF}, memory={KBUF: b"\0"}, user_memory={UBUF: b"\0x\0"})
+    assert hit("p vfs_read +0(%di):ustring +0(%di):string +u0(%di):string +1(%di):ustring +0(%si):string", ctx) == [
+        "arg1=(fault)", "arg2=(fault)", "arg3=(fault)", 'arg4="x"', 'arg5=""'
+    ]  # fmt: skip
+
+
 def test_five_level_paging_kernel_addresses() -> None:
     """With LA57 the direct map and slab start at 0xff11..., stacks at 0xff66...: kernel memory, readable."""
     slab, stack = 0xFF33_0FED_81A1_8C00, 0xFF66_0000_0001_3F00

@@ -29,6 +29,9 @@ import functools
 import struct
 from typing import TYPE_CHECKING
 
+import drgn
+from drgn.helpers.linux.list import hlist_for_each_entry
+
 from qprobe.errors import QprobeError
 from qprobe.vmm.journal import Patch
 
@@ -61,6 +64,24 @@ class GuestBlacklist:
             return head, entry.size, entry.member("start_addr").offset, entry.member("end_addr").offset
         except (QprobeError, LookupError):
             return None  # no CONFIG_KPROBES (or no debug info): no guest kprobe can land on our jumps
+
+    def kprobes_in(self, start: int, end: int) -> list[int]:
+        """Addresses in [start, end) where the guest kernel has kprobes of its own (its ``kprobe_table``).
+
+        The table is the guest's answer where its text cannot tell: a kprobe it has already
+        jump-optimized holds a ``jmp`` there, not an int3.
+        """
+        try:
+            table = self.kernel.prog["kprobe_table"]
+            found = []
+            for i in range(table.type_.length or 0):
+                for kp in hlist_for_each_entry("struct kprobe", table[i].address_of_(), "hlist"):
+                    addr = kp.addr.value_()
+                    if start <= addr < end:
+                        found.append(addr)
+            return sorted(found)
+        except (QprobeError, LookupError, drgn.FaultError):
+            return []  # no CONFIG_KPROBES: the guest has no kprobes
 
     def add(self, start: int, end: int) -> int | None:
         """List [start, end) in the guest's blacklist: the entry, or None (no list, or module text)."""

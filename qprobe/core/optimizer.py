@@ -439,6 +439,9 @@ class Optimizer:
         view = self._round or RoundView(None, sorted(self.kp.points), sorted(self.kp.resume_targets))
         if first_inside(view.points, point.addr + 1, end) is not None:
             return "another probe lies in the region"
+        theirs = self.guest_blacklist.kprobes_in(point.addr + 1, end)
+        if theirs:
+            return f"the guest kernel's own kprobe at {self.kp.symbols.symbolize(theirs[0])} lies in the region"
         now = time.monotonic()
         targets = view.resume_targets
         i, j = bisect.bisect_right(targets, point.addr), bisect.bisect_left(targets, end)

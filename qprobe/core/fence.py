@@ -99,7 +99,9 @@ class GuestBlacklist:
         struct.pack_into("<QQ", body, 0, first, head)  # next, prev
         struct.pack_into("<Q", body, start_off, start)
         struct.pack_into("<Q", body, end_off, end)
-        self.scratch.write(entry, bytes(body))
+        # Data, not code: written at once, never held back with a batch's code (ScratchArea.combined),
+        # since the links read and written below and by the next add or remove must see it.
+        self.machine.write_phys(self.scratch.phys_of(entry), bytes(body))
         # list_add at the head, every vCPU stopped: the entry is complete before anything points to it.
         self._set(first + 8, entry)
         self._set(head, entry)

@@ -131,7 +131,8 @@ def test_funcs_knows_a_loaded_modules_functions_as_the_guest_does(qprobe_target:
     """``funcs`` lists a loaded module's functions as ``name [module]``; its verdicts against the guest's own list.
 
     available_filter_functions holds exactly the functions with an ``__fentry__`` site, the ones whose
-    kprobe events the kernel does not refuse as notrace (binfmt_misc has no blacklisted or shared names).
+    kprobe events the kernel does not refuse as notrace, but for GCC's parts (``bm_status_read.cold``):
+    within_notrace_func judges a suffixed symbol by its base.  binfmt_misc has no blacklisted or shared names.
     """
     target = qprobe_target
     _load(target)
@@ -145,7 +146,8 @@ def test_funcs_knows_a_loaded_modules_functions_as_the_guest_does(qprobe_target:
     finally:
         _unload(target)
     assert "bm_status_read" in guest
-    assert {f.name for f in found if f.probeable} == guest
+    copies = {f.name for f in found if "." in f.name and f.name.split(".", 1)[0] in guest}
+    assert {f.name for f in found if f.probeable} == guest | copies
     assert all((f.reason or "").startswith("notrace") for f in found if not f.probeable)
     assert text == f"bm_status_read [{MODULE}]\n"
     assert summary == "1 function matches 'bm_status_read': 1 can be probed, 0 cannot"

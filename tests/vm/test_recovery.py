@@ -89,7 +89,7 @@ def test_sigkill_with_probes_armed_then_attach_restores_text(booted: str) -> Non
         prober.wait()
     cli = subprocess.run([sys.executable, "-m", "qprobe.cli", "attach", booted], capture_output=True, text=True)
     assert cli.returncode == 0, cli.stderr
-    # A jump and an int3, the scratch-area mapping and the links of the guest's blacklist were left behind.
+    # The two probes (a jump or an int3 each), the scratch-area mapping and the blacklist links were left behind.
     assert f"restored {left} leftover patch(es)" in cli.stdout
     with qprobe.attach(booted) as t:
         assert t.recovered == 0

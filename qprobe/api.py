@@ -43,8 +43,9 @@ from qprobe.kernel.btf import module_btfs
 from qprobe.kernel.clock import NSEC_PER_SEC, StopClock, TraceClock
 from qprobe.kernel.features import fully_preemptible, thread_size
 from qprobe.kernel.kaslr import detect_slide
+from qprobe.kernel.modules import loaded_modules
 from qprobe.kernel.program import KernelData, Stack, Task
-from qprobe.kernel.symbols import Symbols, elf_machine
+from qprobe.kernel.symbols import ModuleText, Symbols, elf_machine
 from qprobe.kernel.tracefs import ftrace_locations, probe_dialect, trace_event_names
 from qprobe.modnotify import ModuleNotifier
 from qprobe.paths import cache_dir, read_private, write_private
@@ -564,6 +565,20 @@ class Target:
     def modules(self) -> ModuleNotifier:
         """The guest's loaded modules, followed from the first probe on one (``start()``)."""
         return ModuleNotifier(self)
+
+    def loaded_modules(self) -> list[ModuleText]:
+        """The guest's loaded modules now: as followed, or read from guest memory in one VM stop.
+
+        Empty for a kernel qprobe cannot read modules of (no debug info, no modules).
+        """
+        if self.modules.started:
+            return list(self.symbols.modules.values())
+        try:
+            prog = self.kernel.prog
+            return self.machine.call(lambda: loaded_modules(prog))
+        except (QprobeError, LookupError, drgn.FaultError) as exc:
+            log.debug("modules not read: %s", exc)
+            return []
 
     @functools.cached_property
     def trace_events(self) -> frozenset[tuple[str, str]]:

@@ -13,9 +13,11 @@ target with its own tables (``Probeability.of_target``).
 
 from __future__ import annotations
 
+import bisect
 import difflib
 import fnmatch
 import re
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -27,7 +29,7 @@ from qprobe.fetch import messages as M
 from qprobe.fetch.dialect import Dialect
 from qprobe.fetch.kstrto import split_args
 from qprobe.kernel.reserved import ReservedText
-from qprobe.kernel.symbols import Symbols
+from qprobe.kernel.symbols import ModuleText, Symbols
 from qprobe.kernel.tracefs import ftrace_locations, probe_dialect, within_notrace_func
 
 __all__ = [
@@ -62,6 +64,7 @@ class RunningTarget(Protocol):
     def ftrace_locations(self) -> list[int]: ...
     @property
     def dialect(self) -> Dialect: ...
+    def loaded_modules(self) -> list[ModuleText]: ...
 
 
 _GLOB = re.compile(r"[*?\[]")
@@ -82,21 +85,30 @@ class Func:
     addr: int
     size: int
     reason: str | None
+    module: str | None = None  # a loaded module's function
 
     @property
     def probeable(self) -> bool:
         return self.reason is None
+
+    @property
+    def label(self) -> str:
+        """The name as /proc/kallsyms and available_filter_functions list it: ``name [module]`` for a module's."""
+        return self.name if self.module is None else f"{self.name} [{self.module}]"
 
 
 class Probeability:
     """The refusals of one kernel's probe code, for function entries."""
 
     def __init__(self, symbols: Symbols, blacklist: Blacklist, locations: list[int],
-                 reserved: ReservedText | None, dialect: Dialect) -> None:  # fmt: skip
+                 reserved: ReservedText | None, dialect: Dialect,
+                 modules: Sequence[ModuleText] = ()) -> None:  # fmt: skip
         # With stub breakpoints (qprobe.core.anywhere) nothing is written into the text, so what the kernel
         # refuses for its own int3 (notrace, the blacklist, sites it rewrites) is probed too.
         self.anywhere = False
         self.symbols = symbols
+        self.modules = modules  # the running guest's loaded modules (none before a boot)
+        self._module_copies = Counter(s.name for m in modules for s in m.symbols if s.kind == "func")
         # Kernels with validate_probe_symbol refuse a shared name; older ones probe the first of them.
         self.unique_names = dialect.has(M.NON_UNIQ_SYMBOL)
         self.blacklist = blacklist
@@ -118,7 +130,7 @@ class Probeability:
     def of_target(cls, target: RunningTarget) -> Probeability:
         """With a running target's tables (its slide, its reserved sites as the text is now)."""
         return cls(target.symbols, target.kprobes.blacklist, target.ftrace_locations, target.kprobes.reserved,
-                   target.dialect)  # fmt: skip
+                   target.dialect, target.loaded_modules())  # fmt: skip
 
     def functions(self) -> list[str]:
         """Every function name of the symbol table, each once, sorted."""
@@ -139,6 +151,7 @@ class Probeability:
         self.functions()
         # Symbols.count scans the whole table; only a name two functions share needs its answer.
         count = symbols.count(name) if self.unique_names and self._copies.get(name, 1) > 1 else 1
+        count += self._module_copies.get(name, 0) if self.unique_names else 0  # kallsyms searches modules too
         if count > 1:
             return f"not unique: {count} functions share the name (probe one by address)"
         addr = symbols.address(name)
@@ -170,20 +183,67 @@ class Probeability:
                 return f"reserved ({site}): the kernel rewrites it at run time"
         return None
 
+    def module_reason(self, mod: ModuleText, name: str, addr: int) -> str | None:
+        """``reason`` for a loaded module's function (its own ``__mcount_loc``, its own symbols)."""
+        if self.unique_names:
+            self.functions()
+            count = self._module_copies[name] + self._copies.get(name, 0)
+            if count > 1:
+                return f"not unique: {count} functions share the name (probe MOD:SYM or one by address)"
+        if not mod.is_text(addr):
+            return "not in the module's core text (init text is freed after loading)"
+        if mod.ftrace_sites and self._module_notrace(mod, name, addr):
+            return "notrace: no __fentry__ site, the kernel refuses kprobe events there"
+        if self.reserved is not None:
+            site = self.reserved.conflict(addr, addr)
+            if site is not None:
+                return f"reserved ({site}): the kernel rewrites it at run time"
+        return None
+
+    @staticmethod
+    def _module_notrace(mod: ModuleText, name: str, addr: int) -> bool:
+        """within_notrace_func in a module: no ftrace site up to the next symbol; a GCC copy judged by its base."""
+
+        def notrace(a: int) -> bool:
+            end = mod.next_symbol(a) or a + 1
+            i = bisect.bisect_left(mod.ftrace_sites, a)
+            return not (i < len(mod.ftrace_sites) and mod.ftrace_sites[i] < end)
+
+        if not notrace(addr):
+            return False
+        base = mod.lookup(name.split(".", 1)[0]) if "." in name else []
+        return not base or notrace(base[0].addr)
+
+    def module_functions(self) -> list[tuple[ModuleText, str, int, int]]:
+        """(module, name, address, size) of every function of the loaded modules, in their order."""
+        return [(m, s.name, s.addr, s.size) for m in self.modules for s in m.symbols if s.kind == "func"]
+
     def match(self, patterns: Sequence[str]) -> list[Func]:
-        """The functions matching any of ``patterns`` (globs or names), sorted by name."""
+        """The functions matching any of ``patterns`` (globs or names), sorted by name: vmlinux's, then modules'."""
         names = self.functions()
         chosen: set[str] = set()
         for pat in patterns:
             if is_glob(pat):
                 chosen.update(fnmatch.filter(names, pat))
-            elif pat in self.symbols:
+            elif self._in_vmlinux(pat):
                 chosen.add(pat)
         out = []
         for name in sorted(chosen):
             sym = self.symbols.lookup(name)
             out.append(Func(name, sym.addr, sym.size, self.reason(name)))
-        return out
+        mods = []
+        for mod, name, addr, size in self.module_functions():
+            if any(fnmatch.fnmatchcase(name, pat) or pat == f"{mod.name}:{name}" for pat in patterns):
+                mods.append(Func(name, addr, size, self.module_reason(mod, name, addr), mod.name))
+        return out + sorted(mods, key=lambda f: (f.name, f.module or ""))
+
+    def _in_vmlinux(self, name: str) -> bool:
+        """Whether vmlinux has the symbol ``name`` (the symbol table also answers for modules it follows)."""
+        return name in self.symbols and self.symbols.module_of(self.symbols.lookup(name).addr) is None
+
+    def known(self, name: str) -> bool:
+        """Whether ``name`` (or ``MOD:NAME``) is a symbol of vmlinux or a function of a loaded module."""
+        return self._in_vmlinux(name) or any(name in (n, f"{m.name}:{n}") for m, n, _a, _s in self.module_functions())
 
 
 def suggest(names: Iterable[str], name: str, n: int = 3) -> list[str]:
@@ -246,11 +306,11 @@ def render_funcs(prob: Probeability, patterns: Sequence[str]) -> tuple[str, str,
     so the output pipes into other tools); one it cannot is followed by why.
     """
     found = prob.match(patterns or ["*"])
-    width = max((len(f.name) for f in found if not f.probeable), default=0)
-    lines = [f.name if f.probeable else f"{f.name:<{width}}  cannot probe: {f.reason}"
+    width = max((len(f.label) for f in found if not f.probeable), default=0)
+    lines = [f.label if f.probeable else f"{f.label:<{width}}  cannot probe: {f.reason}"
              + (" (--anywhere: a stub breakpoint)" if prob.anywhere_only(f.name) else "") for f in found]  # fmt: skip
     what = " ".join(repr(p) for p in patterns) if patterns else "any name"
-    missing = [p for p in patterns if not is_glob(p) and p not in prob.symbols]
+    missing = [p for p in patterns if not is_glob(p) and not prob.known(p)]
     hints = "".join(f"; no function {p!r}{did_you_mean(prob.functions(), p)}" for p in missing)
     if not found:
         return "", f"no function matches {what}{hints}", 0

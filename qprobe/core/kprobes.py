@@ -33,6 +33,7 @@ from qprobe.errors import (
     Blacklisted,
     InvalidProbe,
     NotKernelText,
+    ProbeBusy,
     ProbeError,
     QprobeError,
     SymbolError,
@@ -248,6 +249,9 @@ class KprobeManager:
             self._sync(other)
         if point is None:
             where, fn_start, code = self.check_kprobe_address_safe(addr)
+            if self.optimizer.guest_blacklist.kprobes_in(addr, addr + 1):
+                # Its int3 is refused below; a jump it has put there in place of the int3 is not seen in the text.
+                raise ProbeBusy(f"the guest kernel's own kprobe is already at {where}")
             self.arch.check_boundary(code, fn_start, addr, self.patched(), where.split("+")[0])
             if not self.scratch.mapped:
                 self.scratch.map()

@@ -39,6 +39,7 @@ from qprobe.arch import Arch, DetourParams, PercpuLayout
 from qprobe.arch.inguest import KeySpec, MapSlot
 from qprobe.core.doorbell import Doorbell
 from qprobe.core.errorlog import ErrorLog
+from qprobe.core.fence import GuestBlacklist
 from qprobe.core.point import Optimized, ProbePoint
 from qprobe.core.pools import ReturnPools, page_round
 from qprobe.core.records import RECORDING, RecordRings
@@ -174,6 +175,8 @@ class Optimizer:
         self.available = bool(ram is not None and ram.writable and doorbell)
         self.enabled = self.available  # debug.kprobes_optimization
         self.by_id: dict[int, ProbePoint] = {}
+        # The text under each jump, listed in the guest's own kprobe_blacklist (see qprobe.core.fence).
+        self.guest_blacklist = GuestBlacklist(self.machine, kprobes.kernel, kprobes.symbols, kprobes.scratch)
         # Addresses waiting for their jump, with when they were queued (the kernel's optimizing_list);
         # changed on the stop loop only.
         self.optimizing_list: dict[int, float] = {}
@@ -436,6 +439,9 @@ class Optimizer:
         view = self._round or RoundView(None, self.kp.addresses(), sorted(self.kp.resume_targets))
         if first_inside(view.points, point.addr + 1, end) is not None:
             return "another probe lies in the region"
+        theirs = self.guest_blacklist.kprobes_in(point.addr + 1, end)
+        if theirs:
+            return f"the guest kernel's own kprobe at {self.kp.symbols.symbolize(theirs[0])} lies in the region"
         now = time.monotonic()
         targets = view.resume_targets
         i, j = bisect.bisect_right(targets, point.addr), bisect.bisect_left(targets, end)
@@ -594,7 +600,8 @@ class Optimizer:
         assert point.int3 is not None
         jmp = self.kp.repatch_text(point.int3, self.arch.arch_optimize_kprobes(point.addr, detour), "optjmp", detour)
         point.int3 = None
-        point.opt = Optimized(probe_id, detour, size, jmp, continue_addr, params.kind, params.tables)
+        fence = self.guest_blacklist.add(point.addr, point.addr + size)
+        point.opt = Optimized(probe_id, detour, size, jmp, continue_addr, params.kind, params.tables, fence)
         self.kp.resume_targets[point.addr + size] = math.inf
         if self._round is not None:
             bisect.insort(self._round.resume_targets, point.addr + size)
@@ -635,6 +642,9 @@ class Optimizer:
         # Counters folded and records delivered while the point is still what they belong to.
         self.sync_missed(point, opt)
         self.kp.unpatch_text(opt.jmp)
+        if opt.fence is not None:
+            self.guest_blacklist.remove(opt.fence)
+            self.kp.quarantine(opt.fence)
         point.opt = None
         self.by_id.pop(opt.probe_id, None)
         # A vCPU stopped inside the record stub publishes after this: recognise its id a while longer.

@@ -42,6 +42,7 @@ class Optimized:
     continue_addr: int
     kind: str = "mailbox"  # see qprobe.core.optimizer.detour_kind
     tables: int = 0  # "keyed": CPU 0's table of keyed counts
+    fence: int | None = None  # its entry in the guest's kprobe_blacklist (qprobe.core.fence)
 
 
 @dataclass

@@ -11,7 +11,7 @@ from qprobe.errors import FetchArgError, SymbolError
 from qprobe.fetch import messages as M
 from qprobe.fetch.dialect import Dialect
 from qprobe.funcs import Probeability, check_probe_symbol, is_glob, render_funcs, suggest, wildcard_definitions
-from qprobe.kernel.symbols import Section, Symbols
+from qprobe.kernel.symbols import ModuleText, Section, Symbol, Symbols
 
 T = 0xFFFF_FFFF_8100_0000
 # name -> (link address, size); two static functions share "shared".
@@ -144,3 +144,32 @@ def test_a_wildcard_names_a_group_not_one_event() -> None:
     assert e.value.column == 2
     # Two functions whose names differ only by '.' and '_': the first keeps the event name.
     assert wildcard_definitions("p:g x*", ["x.a", "x_a"]) == [("x.a", "p:g/x_a x.a")]
+
+
+M0 = 0xFFFF_FFFF_C000_0000  # a module's text
+
+
+def _module() -> ModuleText:
+    syms = [Symbol("bm_status_read", M0 + 0x10, 0x30, "func"), Symbol("bm_notrace", M0 + 0x40, 0x10, "func"),
+            Symbol("bm_entry.part.0", M0 + 0x50, 0x10, "func"), Symbol("bm_entry", M0 + 0x60, 0x20, "func"),
+            Symbol("vfs_read", M0 + 0x80, 0x10, "func"), Symbol("bm_data", M0 + 0x90, 0x8, "object")]  # fmt: skip
+    # __fentry__ sites in bm_status_read and bm_entry only: bm_entry.part.0 is judged by bm_entry.
+    return ModuleText("binfmt_misc", M0 - 0x1000, ((M0, M0 + 0x100),), tuple(syms), (M0 + 0x14, M0 + 0x64, M0 + 0x84))
+
+
+def test_a_loaded_modules_functions_are_listed_with_their_module(prob: Probeability) -> None:
+    unique = Dialect(messages=frozenset({M.NON_UNIQ_SYMBOL}))
+    mod = Probeability(prob.symbols, prob.blacklist, prob.locations, None, unique, [_module()])
+    found = {f.label: f.reason for f in mod.match(["bm_*", "vfs_read"])}
+    assert found == {
+        "vfs_read": "not unique: 2 functions share the name (probe one by address)",
+        "bm_entry [binfmt_misc]": None,
+        "bm_entry.part.0 [binfmt_misc]": None,
+        "bm_notrace [binfmt_misc]": "notrace: no __fentry__ site, the kernel refuses kprobe events there",
+        "bm_status_read [binfmt_misc]": None,
+        "vfs_read [binfmt_misc]": "not unique: 2 functions share the name (probe MOD:SYM or one by address)",
+    }
+    text, summary, n = render_funcs(mod, ["bm_status_read"])
+    assert (text, summary, n) == ("bm_status_read [binfmt_misc]\n",
+                                  "1 function matches 'bm_status_read': 1 can be probed, 0 cannot", 1)  # fmt: skip
+    assert render_funcs(mod, ["binfmt_misc:bm_status_read"])[0] == "bm_status_read [binfmt_misc]\n"

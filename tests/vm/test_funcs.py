@@ -104,8 +104,8 @@ def test_shell_funcs(target: qprobe.Target) -> None:
     sh.execute(f"funcs vfs_rea? {glob}")
     width = max(len(n) for n in ["vfs_read", *notrace])
     # A notrace function is refused for the kernel's int3 only: a stub breakpoint (--anywhere) takes it.
-    rows = {"vfs_read": "vfs_read",
-            **{n: f"{n:<{width}}  cannot probe: {NOTRACE} (--anywhere: a stub breakpoint)" for n in notrace}}  # fmt: skip
+    refused = f"cannot probe: {NOTRACE} (--anywhere: a stub breakpoint)"
+    rows = {"vfs_read": "vfs_read", **{n: f"{n:<{width}}  {refused}" for n in notrace}}
     assert out.getvalue().splitlines() == [rows[n] for n in sorted(rows)] + [
         f"{len(rows)} functions match 'vfs_rea?' '{glob}': 1 can be probed, {len(notrace)} cannot"
     ]

@@ -16,10 +16,11 @@ import pytest
 
 import qprobe
 from qprobe.events import add_event, remove_events
+from qprobe.funcs import Probeability, render_funcs
 from qprobe.images import get_image, module_file
 from qprobe.pytest_plugin import qprobe_scope
 
-from .guest_oracle import guest_verdicts, qprobe_verdicts
+from .guest_oracle import TRACING, guest_verdicts, qprobe_verdicts
 
 pytestmark = [pytest.mark.vm, pytest.mark.qprobe_needs_symbol("do_init_module", "free_module")]
 
@@ -123,3 +124,30 @@ def test_loaded_module_verdicts_values_and_text(qprobe_target: qprobe.Target) ->
     finally:
         _unload(target)
     assert target.oopses() == []
+
+
+@pytest.mark.qprobe_needs_config("FUNCTION_TRACER")
+def test_funcs_knows_a_loaded_modules_functions_as_the_guest_does(qprobe_target: qprobe.Target) -> None:
+    """``funcs`` lists a loaded module's functions as ``name [module]``; its verdicts against the guest's own list.
+
+    available_filter_functions holds exactly the functions with an ``__fentry__`` site, the ones whose
+    kprobe events the kernel does not refuse as notrace, but for GCC's parts (``bm_status_read.cold``):
+    within_notrace_func judges a suffixed symbol by its base.  binfmt_misc has no blacklisted or shared names.
+    """
+    target = qprobe_target
+    _load(target)
+    try:
+        lines = target.run(f"grep ' \\[{MODULE}\\]$' {TRACING}/available_filter_functions").check().output
+        guest = {line.split()[0] for line in lines.splitlines()}
+        prob = Probeability.of_target(target)
+        names = sorted({name for mod, name, _a, _s in prob.module_functions() if mod.name == MODULE})
+        found = [f for f in prob.match(names) if f.module == MODULE]
+        text, summary, _ = render_funcs(prob, ["bm_status_read"])
+    finally:
+        _unload(target)
+    assert "bm_status_read" in guest
+    copies = {f.name for f in found if "." in f.name and f.name.split(".", 1)[0] in guest}
+    assert {f.name for f in found if f.probeable} == guest | copies
+    assert all((f.reason or "").startswith("notrace") for f in found if not f.probeable)
+    assert text == f"bm_status_read [{MODULE}]\n"
+    assert summary == "1 function matches 'bm_status_read': 1 can be probed, 0 cannot"

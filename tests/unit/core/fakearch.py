@@ -669,6 +669,9 @@ class _NoProgram:
     def type(self, name: str) -> object:
         raise LookupError(f"the toy kernel has no debug info ({name})")
 
+    def __getitem__(self, name: str) -> object:
+        raise LookupError(f"the toy kernel has no debug info ({name})")
+
 
 @dataclass
 class ToyKernel:

@@ -22,7 +22,7 @@ from qprobe.events import EventHit, TraceEvent, Wildcard
 from qprobe.fetch import ProbeEvent, format_event, parse_event
 from qprobe.fetch.dialect import Dialect
 from qprobe.kernel.program import Stack
-from qprobe.kernel.symbols import Section, Symbols
+from qprobe.kernel.symbols import ModuleText, Section, Symbols
 from qprobe.shell import Shell
 from qprobe.timeline import Timeline
 from qprobe.vmm.console import RunResult
@@ -157,6 +157,9 @@ class FakeTarget:
     @property
     def dialect(self) -> Dialect:
         return Dialect()
+
+    def loaded_modules(self) -> list[ModuleText]:
+        return []
 
     @property
     def prog(self) -> drgn.Program:

@@ -1,6 +1,6 @@
 """qprobe: Linux kprobes rebuilt outside the guest."""
 
-from qprobe.api import Target, attach, boot
+from qprobe.api import Target
 from qprobe.core.kprobe import Kprobe, Kretprobe, KretprobeInstance
 from qprobe.core.regs import PtRegs, regs_get_kernel_argument, regs_return_value
 from qprobe.core.watchpoint import Watchpoint
@@ -18,6 +18,7 @@ from qprobe.errors import (
     VmlinuxMismatch,
 )
 from qprobe.kernel.program import Stack, Task
+from qprobe.session import attach, boot
 
 __version__ = "0.1.0"
 

@@ -108,7 +108,7 @@ def _host_symbols(args: argparse.Namespace) -> Symbols | None:
     if vmlinux:
         return Symbols.load(vmlinux)
     if getattr(args, "attach", None) is not None:
-        from qprobe.api import read_session
+        from qprobe.session import read_session
         from qprobe.vmm.connection import parse_address
 
         where = parse_address(args.attach)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import qprobe
+import qprobe.session
 from qprobe.errors import TargetError
 from qprobe.vmm.connection import Connection, claim
 from qprobe.vmm.qemu import SHM_PREFIX, SHM_ROOT
@@ -51,7 +51,7 @@ def write(rundir: Path, session: dict[str, object] | str) -> None:
 
 def test_a_good_session_file_is_read(run: tuple[Path, dict[str, object]]) -> None:
     rundir, session = run
-    assert qprobe.api.read_session(rundir / "gdb.sock") == session
+    assert qprobe.session.read_session(rundir / "gdb.sock") == session
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from qprobe import api
+from qprobe import session
 from qprobe.errors import BootPanic, GuestPanicked
 from qprobe.images import Image
 
@@ -37,32 +37,32 @@ def test_a_panic_before_attach_boots_again_once(image: None, monkeypatch: pytest
                                                 caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
     panic = BootPanic("the guest kernel panicked while qprobe waited for 'QPROBE-READY': Kernel panic - x")
     attempts = _Attempts(panic, "the target")
-    monkeypatch.setattr(api, "_boot_once", attempts)
+    monkeypatch.setattr(session, "_boot_once", attempts)
     with caplog.at_level(logging.WARNING, logger="qprobe"):
-        assert api.boot("fake") == "the target"
+        assert session.boot("fake") == "the target"
     assert attempts.calls == 2
     assert "Kernel panic - x" in caplog.text and "booting fake again" in caplog.text
 
 
 def test_a_second_panic_is_reported(image: None, monkeypatch: pytest.MonkeyPatch) -> None:
     attempts = _Attempts(BootPanic("first"), BootPanic("second"))
-    monkeypatch.setattr(api, "_boot_once", attempts)
+    monkeypatch.setattr(session, "_boot_once", attempts)
     with pytest.raises(BootPanic, match="second"):
-        api.boot("fake")
+        session.boot("fake")
     assert attempts.calls == 2
 
 
 def test_a_panic_after_attach_is_not_retried(image: None, monkeypatch: pytest.MonkeyPatch) -> None:
     attempts = _Attempts(GuestPanicked("panicked with probes in it"), "unused")
-    monkeypatch.setattr(api, "_boot_once", attempts)
+    monkeypatch.setattr(session, "_boot_once", attempts)
     with pytest.raises(GuestPanicked):
-        api.boot("fake")
+        session.boot("fake")
     assert attempts.calls == 1
 
 
 def test_the_tcg_thread_mode_reaches_qemus_config(image: None, monkeypatch: pytest.MonkeyPatch) -> None:
     configs = []
-    monkeypatch.setattr(api, "_boot_once", lambda img, config, *rest: configs.append(config) or "the target")
-    assert api.boot("fake", tcg_thread="single") == "the target"
-    assert api.boot("fake") == "the target"
+    monkeypatch.setattr(session, "_boot_once", lambda img, config, *rest: configs.append(config) or "the target")
+    assert session.boot("fake", tcg_thread="single") == "the target"
+    assert session.boot("fake") == "the target"
     assert [c.tcg_thread for c in configs] == ["single", ""]

@@ -1,0 +1,199 @@
+"""How a Target comes to be: ``boot()`` starts QEMU on an image and attaches, ``attach()`` joins a running one.
+
+A QEMU qprobe starts writes a session file beside its gdbstub socket (``qprobe boot --detach``
+leaves it running), so a later ``attach`` to that socket finds the vmlinux, the shared RAM file,
+the console and the guest shell without being told; the file is checked before anything in it
+is used, since it names a file that is then mapped writable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from qprobe.api import SESSION_FILE, Target
+from qprobe.errors import BootPanic, TargetError
+from qprobe.paths import read_private
+from qprobe.vmm.connection import parse_address
+from qprobe.vmm.qemu import SHM_PREFIX, SHM_ROOT, QemuConfig, QemuProcess, parse_memory
+
+if TYPE_CHECKING:
+    from qprobe.images import Image
+
+log = logging.getLogger("qprobe")
+
+
+def boot(image: str = "debian-cloud", smp: int = 2, memory: str | int = "512M",
+         files: dict[str, str | Path] | None = None, accel: str = "auto", cmdline: str = "",
+         boot_timeout: float = 60.0, transport: str = "rsp", keepable: bool = False,
+         tcg_thread: str = "") -> Target:  # fmt: skip
+    """Boot an image (fetched and built on first use) and attach to it.
+
+    ``transport``: "rsp" (qprobe's own client) or "gdb" (a real gdb through GDB/MI).
+    ``tcg_thread``: TCG's ``thread=`` mode, "single" (every vCPU on one host thread) or "multi";
+    "" leaves QEMU's default (one thread per vCPU).
+    The VM dies with this process; ``keepable=True`` lets ``target.qemu.keep()``
+    leave it running afterwards (the pytest plugin's ``--qprobe-keep``).
+    """
+    from qprobe.images import get_image, with_files
+
+    img = get_image(image)
+    if files:
+        img = with_files(img, files)
+    config = QemuConfig(
+        kernel=img.kernel, initrd=img.initrd, disk=img.disk, disk_interface=img.disk_interface,
+        cmdline=" ".join(x for x in (img.cmdline, cmdline) if x), smp=smp, memory=parse_memory(memory), accel=accel,
+        tcg_thread=tcg_thread,
+    )  # fmt: skip
+    try:
+        return _boot_once(img, config, boot_timeout, transport, keepable)
+    except BootPanic as exc:
+        # QEMU 7.2's multi-threaded TCG can run a stale translation of an int3 the kernel's own
+        # text_poke_bp() already replaced, and the kernel oopses on it (docs/reliability.md): a
+        # panic before qprobe attached is the emulator's, and a second boot is what a user would do.
+        kept = "".join(f" ({note})" for note in getattr(exc, "__notes__", []))
+        log.warning("%s%s; booting %s again", exc, kept, img.name)
+    return _boot_once(img, config, boot_timeout, transport, keepable)
+
+
+def _boot_once(img: Image, config: QemuConfig, boot_timeout: float, transport: str, keepable: bool) -> Target:
+    qemu = QemuProcess(config, keepable=keepable)
+    try:
+        qemu.wait_for_sockets()
+        session = {"gdb": str(qemu.gdb_path), "console": str(qemu.console_path), "shell": str(qemu.shell_path),
+                   "ram": str(qemu.ram_path),
+                   "ram_size": config.memory, "vmlinux": str(img.vmlinux), "image": img.name,
+                   "console_log": str(qemu.console_log), "pid": qemu.proc.pid,
+                   "doorbell": str(qemu.doorbell_path)}  # fmt: skip
+        path = qemu.rundir / SESSION_FILE
+        path.write_text(json.dumps(session))
+        os.chmod(path, 0o600)
+    except BaseException:
+        qemu.terminate()
+        raise
+    target = Target(f"unix:{qemu.gdb_path}", img.vmlinux, ram=qemu.ram_path, ram_size=config.memory,
+                    console=qemu.console_path, shell=qemu.shell_path, qemu=qemu,
+                    boot_timeout=boot_timeout, doorbell=qemu.doorbell_path, system_map=img.system_map,
+                    transport=transport)  # fmt: skip
+    target.image = img
+    return target
+
+
+def attach(
+    address: str,
+    vmlinux: str | Path | None = None,
+    *,
+    ram: str | Path | None = None,
+    ram_size: int | str = 0,
+    console: str | Path | None = None,
+    shell: str | Path | None = None,
+    allow_remote: bool = False,
+    system_map: str | Path | None = None,
+    transport: str = "rsp",
+) -> Target:
+    """Attach to a running QEMU's gdbstub (``unix:PATH`` or ``HOST:PORT``).
+
+    ``transport``: "rsp" (qprobe's own client) or "gdb" (a real gdb through GDB/MI).
+
+    ``console`` is the socket of the guest's console (the kernel's log), ``shell`` that of the serial
+    port the guest's shell runs on when it has one of its own (qprobe's /init puts it on ttyS1 given
+    ``qprobe.shell=ttyS1``); without ``shell``, commands go to the shell on the console, where kernel
+    messages can land in their output.  For a QEMU started by ``qprobe boot``, the run directory's
+    session file supplies vmlinux, the shared RAM file, the console and the shell.
+    """
+    addr = address
+    doorbell: str | None = None
+    where = parse_address(addr)
+    if isinstance(where, tuple):
+        host = where[0]
+        if host not in ("127.0.0.1", "localhost", "::1") and not allow_remote:
+            raise TargetError(f"refusing to attach to non-local {host}: the gdbstub is unauthenticated "
+                              "(pass allow_remote=True / --allow-remote if you mean it)")  # fmt: skip
+        log.warning("attaching over TCP to %s: anyone who can reach that port controls the guest", addr)
+    else:
+        sock = Path(where)
+        if not sock.exists():
+            raise TargetError(f"no such socket {sock}: is the VM running? (`qprobe boot` prints its address)")
+        if not stat.S_ISSOCK(sock.stat().st_mode):
+            raise TargetError(f"{sock} is not a socket: give the gdbstub's socket (unix:PATH) or HOST:PORT")
+        session = read_session(sock)
+        if session is not None:
+            vmlinux = vmlinux or str(session["vmlinux"])
+            ram = ram or str(session["ram"])
+            ram_size = ram_size or int(session["ram_size"])  # type: ignore[call-overload]
+            console = console or str(session["console"])
+            shell = shell or str(session["shell"])
+            doorbell = str(session["doorbell"])
+    if vmlinux is None:
+        raise TargetError("attach needs the running kernel's vmlinux (vmlinux=PATH / --vmlinux PATH)")
+    ram_path = Path(ram) if ram else None
+    size = parse_memory(ram_size) if ram_size else (ram_path.stat().st_size if ram_path else 0)
+    return Target(addr, vmlinux, ram=ram_path, ram_size=size, console=Path(console) if console else None,
+                  shell=Path(shell) if shell else None, doorbell=Path(doorbell) if doorbell else None,
+                  system_map=Path(system_map) if system_map else None, transport=transport)  # fmt: skip
+
+
+def read_session(sock: Path) -> dict[str, object] | None:
+    """The session file `qprobe boot` wrote beside ``sock``, or None if there is none.
+
+    Checked before anything in it is used, since it names the RAM file that is
+    then mapped writable: a private file of this user's, in a private directory,
+    naming sockets beside ``sock`` and a RAM file of the size it says in a
+    private directory of this user's under /dev/shm.
+    """
+    path = sock.parent / SESSION_FILE
+
+    def bad(why: str) -> TargetError:
+        return TargetError(f"{path} is not a session file qprobe wrote ({why}): attach with --vmlinux instead")
+
+    raw = read_private(path)
+    if raw is None:
+        return None
+    # The directory as the user named it may be a link (their choice); what it leads to must be private.
+    if not _private(path, 0o600) or not _private(sock.parent.resolve(), 0o700):
+        raise bad("it or its directory is not private to you")
+    try:
+        data = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        raise bad("not JSON") from None
+    if not isinstance(data, dict):
+        raise bad("not a JSON object")
+    text = ("gdb", "console", "shell", "ram", "vmlinux", "doorbell", "console_log")
+    if not all(isinstance(data.get(k), str) for k in text) or type(data.get("ram_size")) is not int:
+        raise bad(f"it needs strings {', '.join(text)} and a number ram_size")
+    for key in ("gdb", "console", "shell", "doorbell", "console_log"):
+        try:
+            beside = os.path.samefile(Path(data[key]).parent, sock.parent)
+        except OSError:
+            beside = False
+        if not beside:
+            raise bad(f"its {key} is not beside {sock.name}")
+    ram = Path(data["ram"])
+    if not (ram.is_absolute() and ram.parent.parent == SHM_ROOT and ram.parent.name.startswith(SHM_PREFIX)):
+        raise bad(f"its RAM file {ram} is not one qprobe makes")
+    if not _private(ram, 0o777, size=data["ram_size"]) or not _private(ram.parent, 0o700):
+        raise bad(f"its RAM file {ram} is not yours, not private or not {data['ram_size']} bytes")
+    return data
+
+
+def _private(path: Path, mode: int, size: int | None = None) -> bool:
+    """``path`` is a file or directory of this user's (not a link), with no permission beyond ``mode``."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    kind_ok = stat.S_ISDIR(st.st_mode) if mode == 0o700 else stat.S_ISREG(st.st_mode)
+    # A RAM file may be readable by others (QEMU creates it 0644): its directory is what keeps them out.
+    perm_ok = mode == 0o777 or not stat.S_IMODE(st.st_mode) & ~mode
+    return kind_ok and perm_ok and st.st_uid == os.getuid() and (size is None or st.st_size == size)
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} in a session file")
+
+
+__all__ = ["attach", "boot", "read_session"]

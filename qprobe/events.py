@@ -20,11 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from qprobe.arch import Arch, RegisterLayout
-from qprobe.arch.inguest import And as GAnd
 from qprobe.arch.inguest import GuestFilter, KeyPart, KeySpec, MapSlot
-from qprobe.arch.inguest import Not as GNot
-from qprobe.arch.inguest import Or as GOr
-from qprobe.arch.inguest import Pred as GPred
 from qprobe.core.kprobe import Kprobe, Kretprobe, KretprobeInstance
 from qprobe.core.regs import PtRegs
 from qprobe.errors import (
@@ -51,11 +47,7 @@ from qprobe.fetch.args import FetchArg, Value
 from qprobe.fetch.context import U64_MASK
 from qprobe.fetch.dialect import Dialect
 from qprobe.fetch.expr import Arg, Comm, Deref, Imm, ImmString, Node, Reg, StackPointer, SymbolAddr
-from qprobe.fetch.filter import And as FAnd
-from qprobe.fetch.filter import EventFilter
-from qprobe.fetch.filter import Not as FNot
-from qprobe.fetch.filter import Or as FOr
-from qprobe.fetch.filter import Pred as FPred
+from qprobe.fetch.filter import EventFilter, GuestReg, Pred, bind
 from qprobe.fetch.kstrto import kstrtoul, split_args
 from qprobe.funcs import Probeability, check_probe_symbol, did_you_mean, is_glob, wildcard_definitions
 from qprobe.kernel.tracefs import within_notrace_func
@@ -559,7 +551,7 @@ def guest_key(ev: ProbeEvent, keys: Sequence[str], value: str | None, hist: bool
 
 
 def guest_filter(ev: ProbeEvent, flt: EventFilter, layout: RegisterLayout) -> GuestFilter | None:
-    """The filter as register compares an optimized probe's detour can run, or None if it needs the host.
+    """The filter bound to registers, for an optimized probe's detour to run, or None if it needs the host.
 
     Every predicate must compare a 64- or 32-bit integer argument taken from a
     register with a constant in that type's range; common fields (pid, comm,
@@ -567,28 +559,18 @@ def guest_filter(ev: ProbeEvent, flt: EventFilter, layout: RegisterLayout) -> Gu
     """
     args = {a.name: a for a in ev.args}
 
-    def convert(node: object) -> GuestFilter | None:
-        match node:
-            case FPred(field, op, int() as const) if field in args:
-                a = args[field]
-                t, reg = a.type, _arg_register(a, layout)
-                if reg is None or t.string or t.array or t.bitfield or t.symbol or t.size not in (4, 8):
-                    return None
-                bits = t.size * 8
-                lo, hi = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if t.signed else (0, (1 << bits) - 1)
-                return GPred(reg, bits, t.signed, op, const) if lo <= const <= hi else None
-            case FAnd(parts) | FOr(parts):
-                sub = [convert(p) for p in parts]
-                kept = [x for x in sub if x is not None]
-                if len(kept) < len(sub):
-                    return None
-                return GAnd(tuple(kept)) if isinstance(node, FAnd) else GOr(tuple(kept))
-            case FNot(inner):
-                sub = convert(inner)
-                return None if sub is None else GNot(sub)
-        return None
+    def where(p: Pred) -> GuestReg | None:
+        a = args.get(p.field)
+        if a is None or not isinstance(p.const, int):
+            return None
+        t, reg = a.type, _arg_register(a, layout)
+        if reg is None or t.string or t.array or t.bitfield or t.symbol or t.size not in (4, 8):
+            return None
+        bits = t.size * 8
+        lo, hi = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if t.signed else (0, (1 << bits) - 1)
+        return GuestReg(reg, bits, t.signed) if lo <= p.const <= hi else None
 
-    return convert(flt.tree) if in_guest(ev, layout) else None
+    return bind(flt.tree, where) if in_guest(ev, layout) else None
 
 
 def event_filter(ev: ProbeEvent, text: str) -> EventFilter:

@@ -1,46 +1,22 @@
 """What an optimized probe's detour computes in the guest, said without an architecture.
 
-qprobe.events turns an event's ftrace filter into a tree of register
-compares (:class:`Pred`, :class:`And`, :class:`Or`, :class:`Not`), and a
-map the shell aggregates into (its key's parts and value) into a :class:`KeySpec`; the core hands them to the
-architecture in :class:`qprobe.arch.DetourParams`, and the architecture
-compiles them into the detour (x86_64: ``guestfilter.py``, ``guestagg.py``).
-Registers are named as in pt_regs, from the layout's ``general`` registers
-(:class:`qprobe.arch.RegisterLayout`).
+qprobe.events binds an event's ftrace filter to registers (the tree
+qprobe.fetch.filter parses, each leaf given its :class:`~qprobe.fetch.filter.GuestReg`:
+a :data:`GuestFilter`), and turns a map the shell aggregates into (its key's parts
+and value) into a :class:`KeySpec`; the core hands them to the architecture in
+:class:`qprobe.arch.DetourParams`, and the architecture compiles them into the
+detour (x86_64: ``guestfilter.py``, ``guestagg.py``).  Registers are named as in
+pt_regs, from the layout's ``general`` registers (:class:`qprobe.arch.RegisterLayout`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qprobe.fetch.filter import Node
 
-@dataclass(frozen=True)
-class Pred:
-    """A register, as a 64- or 32-bit integer, compared with a constant."""
-
-    reg: str  # a pt_regs name from RegisterLayout.general
-    bits: int  # 64 or 32: the low half for 32
-    signed: bool
-    op: str  # == != < <= > >= &
-    const: int  # within the field's range
-
-
-@dataclass(frozen=True)
-class And:
-    parts: tuple[GuestFilter, ...]
-
-
-@dataclass(frozen=True)
-class Or:
-    parts: tuple[GuestFilter, ...]
-
-
-@dataclass(frozen=True)
-class Not:
-    inner: GuestFilter
-
-
-GuestFilter = Pred | And | Or | Not
+# A filter tree every leaf of which has its register (qprobe.fetch.filter.bind): the host's tree, bound.
+GuestFilter = Node
 
 
 KEY_KINDS = ("reg", "hist", "cpu", "pid", "comm")
@@ -102,4 +78,4 @@ class MapSlot:
                        max(self.max, other.max))  # fmt: skip
 
 
-__all__ = ["KEY_KINDS", "And", "GuestFilter", "KeyPart", "KeySpec", "MapSlot", "Not", "Or", "Pred"]
+__all__ = ["KEY_KINDS", "GuestFilter", "KeyPart", "KeySpec", "MapSlot"]

@@ -11,10 +11,20 @@ string fields with ``== !=`` and ``~`` (a glob: ``*``, ``?``, ``[...]``).
 The fields are the event's own arguments plus ftrace's common ones:
 ``common_pid`` (alias ``pid``), ``comm`` and ``cpu``.  The error texts are the
 kernel's (kernel/trace/trace_events_filter.c), with a caret under the column.
+
+The parsed tree (:class:`Pred`, :class:`And`, :class:`Or`, :class:`Not`) is
+compiled two ways.  The host tests a record with it (:func:`evaluator`); an
+optimized probe's detour tests registers with it, once :func:`bind` has given
+every leaf the register its field is in (:class:`GuestReg`), and the
+architecture compiles that bound tree (x86_64: ``qprobe.arch.x86_64.guestfilter``).
+The tree lives here, not in qprobe.arch, because fetch is the lower of the two
+layers that read it (tests/unit/test_layering.py): arch may import fetch, never
+the reverse.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import re
 from collections.abc import Callable, Mapping
@@ -42,8 +52,8 @@ MISSING_QUOTE = "Missing matching quote"
 EXPECT_DIGIT = "Expecting numeric field"
 EXPECT_STRING = "Expecting string field"
 NO_FILTER = "Meaningless filter expression"
-# Not the kernel's (its parser keeps an explicit stack): ours recurses, and so do the evaluator and the
-# in-guest compiler, so nesting is bounded well below Python's recursion limit.
+# Not the kernel's (its parser keeps an explicit stack): ours recurses, and so do the evaluator, bind and
+# the in-guest compiler, so nesting is bounded well below Python's recursion limit.
 MAX_DEPTH = 100
 TOO_DEEP = f"Nested too deeply (more than {MAX_DEPTH} levels of '(' and '!')"
 
@@ -51,12 +61,26 @@ Record = Mapping[str, str | int]  # field name -> formatted argument value, or a
 
 
 @dataclass(frozen=True)
+class GuestReg:
+    """Where an optimized probe's detour finds a numeric field: a register, as a 64- or 32-bit integer."""
+
+    reg: str  # a pt_regs name from qprobe.arch.RegisterLayout.general
+    bits: int  # 64 or 32: the low half for 32
+    signed: bool
+
+
+@dataclass(frozen=True)
 class Pred:
-    """``field op const``: const is an int for a numeric field, the text for a string field."""
+    """``field op const``: const is an int for a numeric field, the text for a string field.
+
+    ``at`` is None as parsed; :func:`bind` sets it where the guest can read the field, and then
+    ``const`` is within the range of ``at``'s type.
+    """
 
     field: str
     op: str
     const: int | str
+    at: GuestReg | None = None
 
 
 @dataclass(frozen=True)
@@ -129,7 +153,7 @@ class EventFilter:
         if self._i < len(self._toks):
             tok = self._toks[self._i]
             raise FetchArgError(TOO_MANY_CLOSE if tok.text == ")" else INVALID_OP, text, tok.col)
-        self._test = _compile(self.tree)
+        self._test = evaluator(self.tree)
 
     def __call__(self, record: Record) -> bool:
         return self._test(record)
@@ -208,21 +232,43 @@ class EventFilter:
         return Pred(name, op.text, const)
 
 
-def _compile(node: Node) -> Callable[[Record], bool]:
-    """The tree as a test of a record, short-circuit left to right."""
+def bind(node: Node, where: Callable[[Pred], GuestReg | None]) -> Node | None:
+    """The tree with every leaf's ``at`` set to ``where(leaf)``, or None if ``where`` has no register for one.
+
+    ``where`` answers None for a leaf the guest cannot test: a string or common field, a field not in
+    a register, or a constant outside the register's type.
+    """
+    match node:
+        case Pred():
+            at = where(node)
+            return None if at is None else dataclasses.replace(node, at=at)
+        case And(parts) | Or(parts):
+            bound = [bind(p, where) for p in parts]
+            kept = tuple(b for b in bound if b is not None)
+            if len(kept) < len(bound):
+                return None
+            return And(kept) if isinstance(node, And) else Or(kept)
+        case Not(inner):
+            sub = bind(inner, where)
+            return None if sub is None else Not(sub)
+    raise TypeError(f"not a filter node: {node!r}")
+
+
+def evaluator(node: Node) -> Callable[[Record], bool]:
+    """The tree as a test of a record, short-circuit left to right (a leaf's ``at`` plays no part)."""
     match node:
         case Pred(name, op, str() as const):
             return _string_test(name, op, const)
         case Pred(name, op, int() as const):
             return _numeric_test(name, op, const)
         case And(parts):
-            tests = [_compile(p) for p in parts]
+            tests = [evaluator(p) for p in parts]
             return lambda r: all(t(r) for t in tests)
         case Or(parts):
-            tests = [_compile(p) for p in parts]
+            tests = [evaluator(p) for p in parts]
             return lambda r: any(t(r) for t in tests)
         case Not(inner):
-            test = _compile(inner)
+            test = evaluator(inner)
             return lambda r: not test(r)
     raise TypeError(f"not a filter node: {node!r}")
 
@@ -260,4 +306,4 @@ def _numeric_test(name: str, op: str, const: int) -> Callable[[Record], bool]:
     return test
 
 
-__all__ = ["EventFilter"]
+__all__ = ["And", "EventFilter", "GuestReg", "Node", "Not", "Or", "Pred", "bind", "evaluator"]

@@ -6,8 +6,9 @@ import pytest
 
 from qprobe.arch.inguest import KeyPart, KeySpec
 from qprobe.arch.x86_64.arch import X86_64
-from qprobe.events import guest_key, in_guest
+from qprobe.events import event_filter, guest_filter, guest_key, in_guest
 from qprobe.fetch import ProbeEvent, parse_event
+from qprobe.fetch.filter import And, GuestReg, Not, Or, Pred
 
 
 @pytest.mark.parametrize(
@@ -66,3 +67,36 @@ def test_what_a_detour_can_fold(definition: str, keys: tuple[str, ...], value: s
     ev = parse_event(definition, symbol_exists=lambda name: True)
     assert isinstance(ev, ProbeEvent)
     assert guest_key(ev, keys, value, hist, X86_64.registers) == expected
+
+
+FILTERED = "p:a ksys_read fd=%di:s32 count=%dx:u64 who=$comm"
+
+
+def test_a_filter_on_registers_is_its_own_tree_bound() -> None:
+    """The detour's filter is the parsed tree itself, each leaf given the register and type it reads."""
+    ev = parse_event(FILTERED, symbol_exists=lambda name: True)
+    assert isinstance(ev, ProbeEvent)
+    flt = event_filter(ev, "fd == -1 || !(count > 4096 && count & 0x7)")
+    fd, count = GuestReg("di", 32, True), GuestReg("dx", 64, False)
+    assert flt.tree == Or((Pred("fd", "==", -1), Not(And((Pred("count", ">", 4096), Pred("count", "&", 7))))))
+    assert guest_filter(ev, flt, X86_64.registers) == Or(
+        (Pred("fd", "==", -1, fd), Not(And((Pred("count", ">", 4096, count), Pred("count", "&", 7, count)))))
+    )
+
+
+@pytest.mark.parametrize(
+    ("definition", "text"),
+    [
+        (FILTERED, "fd == 1 && who == sh"),  # a string: compared on the host
+        (FILTERED, "fd == 1 || pid == 1"),  # a common field: only the host knows it
+        (FILTERED, "fd == 0x80000000"),  # outside s32: the kernel's compare, not a register's
+        (FILTERED, "count == -1"),  # outside u64
+        ("p:a ksys_read fd=%di:s16", "fd == 1"),  # neither 32 nor 64 bits
+        ("p:a ksys_read fd=%di:s32 c=+8(%dx):u64", "fd == 1"),  # the event reads memory
+        ("p:a ksys_read fd=$arg7:s32", "fd == 1"),  # on the stack
+    ],
+)
+def test_a_filter_the_guest_cannot_test_stays_on_the_host(definition: str, text: str) -> None:
+    ev = parse_event(definition, symbol_exists=lambda name: True)
+    assert isinstance(ev, ProbeEvent)
+    assert guest_filter(ev, event_filter(ev, text), X86_64.registers) is None

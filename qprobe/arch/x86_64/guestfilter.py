@@ -1,8 +1,8 @@
 """An event filter compiled to x86 for a record detour: hits it rejects never reach the ring.
 
-The filter is a tree of predicates on registers (``Pred``: a 64- or 32-bit
-register compared with a constant), ``And``, ``Or`` and ``Not``, as
-qprobe.fetch.filter parses it and qprobe.events maps its fields to registers.
+The filter is the tree qprobe.fetch.filter parses (``Pred``, ``And``, ``Or``,
+``Not``), bound by qprobe.events: every ``Pred`` compares a field the guest
+has in a register (its ``at``: a 64- or 32-bit integer) with a constant.
 ``build_filtered_detour`` lays out::
 
         pushfq; push rax; push rdx
@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from iced_x86 import Code, Instruction, Register
 
-from qprobe.arch.inguest import And, GuestFilter, Not, Or, Pred
+from qprobe.arch.inguest import GuestFilter
 from qprobe.arch.x86_64.detour import _mem, _r, encode_detour
 from qprobe.arch.x86_64.ptregs import GDB_NAME, PT_GPRS, PT_NAME
+from qprobe.fetch.filter import And, GuestReg, Not, Or, Pred
 
 # The registers a filter may compare (pt_regs names): RegisterLayout.general.
 GPRS = tuple(PT_NAME[g] for g in PT_GPRS)
@@ -52,8 +53,8 @@ class _Compiler:
 
     def cond(self, node: GuestFilter, true: int, false: int) -> None:
         match node:
-            case Pred():
-                self.pred(node, true, false)
+            case Pred(op=op, const=int() as const, at=GuestReg() as at):
+                self.pred(at, op, const, true, false)
             case And(parts):
                 for part in parts[:-1]:
                     nxt = self.label()
@@ -68,27 +69,27 @@ class _Compiler:
                 self.cond(parts[-1], true, false)
             case Not(inner):
                 self.cond(inner, false, true)
-            case _:
-                raise TypeError(f"not a filter node: {node!r}")
+            case _:  # an unbound leaf: qprobe.events keeps such a filter on the host
+                raise TypeError(f"not a filter node the guest can test: {node!r}")
 
-    def pred(self, p: Pred, true: int, false: int) -> None:
+    def pred(self, at: GuestReg, op: str, const: int, true: int, false: int) -> None:
         c = Instruction
         # Stack: [rsp] = saved rdx, [rsp+8] = saved rax, [rsp+16] = flags.
-        if p.reg == "ax":
+        if at.reg == "ax":
             self.code.append(c.create_reg_mem(Code.MOV_R64_RM64, Register.RAX, _mem("rsp", 8)))
-        elif p.reg == "dx":
+        elif at.reg == "dx":
             self.code.append(c.create_reg_mem(Code.MOV_R64_RM64, Register.RAX, _mem("rsp", 0)))
         else:
-            self.code.append(c.create_reg_reg(Code.MOV_R64_RM64, Register.RAX, _r(GDB_NAME.get(p.reg, p.reg))))
-        const = p.const & ((1 << p.bits) - 1)
-        self.code.append(c.create_reg_u64(Code.MOV_R64_IMM64, Register.RDX, const))
-        if p.op == "&":
-            code = Code.TEST_RM64_R64 if p.bits == 64 else Code.TEST_RM32_R32
+            self.code.append(c.create_reg_reg(Code.MOV_R64_RM64, Register.RAX, _r(GDB_NAME.get(at.reg, at.reg))))
+        imm = const & ((1 << at.bits) - 1)
+        self.code.append(c.create_reg_u64(Code.MOV_R64_IMM64, Register.RDX, imm))
+        if op == "&":
+            code = Code.TEST_RM64_R64 if at.bits == 64 else Code.TEST_RM32_R32
         else:
-            code = Code.CMP_RM64_R64 if p.bits == 64 else Code.CMP_RM32_R32
-        a, d = (Register.RAX, Register.RDX) if p.bits == 64 else (Register.EAX, Register.EDX)
+            code = Code.CMP_RM64_R64 if at.bits == 64 else Code.CMP_RM32_R32
+        a, d = (Register.RAX, Register.RDX) if at.bits == 64 else (Register.EAX, Register.EDX)
         self.code.append(c.create_reg_reg(code, a, d))
-        self.code.append(c.create_branch(_JCC[p.op][0 if p.signed else 1], true))
+        self.code.append(c.create_branch(_JCC[op][0 if at.signed else 1], true))
         self.code.append(c.create_branch(Code.JMP_REL32_64, false))
 
 

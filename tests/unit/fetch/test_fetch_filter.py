@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from qprobe.errors import FetchArgError
 from qprobe.fetch import ProbeEvent, parse_event
-from qprobe.fetch.filter import EventFilter
+from qprobe.fetch.filter import And, EventFilter, GuestReg, Not, Pred, bind, evaluator
 
 NUMERIC = {"count", "fd", "flags"}
 STRINGS = {"path"}
@@ -22,34 +22,34 @@ HIT = {"count": "4096", "fd": "0x3", "flags": "0x8241", "path": '"/etc/passwd"',
        "common_pid": 77, "cpu": 1}  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("count == 4096", True),
-        ("count != 4096", False),
-        ("count > 4095 && count < 4097", True),
-        ("count >= 4097 || fd == 3", True),
-        ("count <= 4095", False),
-        ("fd == 0x3", True),
-        ("flags & 0x40", True),
-        ("flags & 0x10", False),
-        ("!(fd == 3)", False),
-        ("!fd == 4", True),
-        ('comm == "cat"', True),
-        ("comm == cat", True),
-        ("comm != 'cat'", False),
-        ('comm ~ "c*"', True),
-        ('comm ~ "?at"', True),
-        ('comm ~ "[bc]at"', True),
-        ('path ~ "*passwd"', True),
-        ('path == "/etc/passwd"', True),
-        ("common_pid == 77 && cpu == 1", True),
-        ("pid == 78", False),
-        ("(count == 1 || count == 4096) && (comm == cat)", True),
-        ("count == 1 || count == 2 && fd == 3", False),  # && binds tighter than ||
-        ("count == -1", False),
-    ],
-)
+EVALUATES = [
+    ("count == 4096", True),
+    ("count != 4096", False),
+    ("count > 4095 && count < 4097", True),
+    ("count >= 4097 || fd == 3", True),
+    ("count <= 4095", False),
+    ("fd == 0x3", True),
+    ("flags & 0x40", True),
+    ("flags & 0x10", False),
+    ("!(fd == 3)", False),
+    ("!fd == 4", True),
+    ('comm == "cat"', True),
+    ("comm == cat", True),
+    ("comm != 'cat'", False),
+    ('comm ~ "c*"', True),
+    ('comm ~ "?at"', True),
+    ('comm ~ "[bc]at"', True),
+    ('path ~ "*passwd"', True),
+    ('path == "/etc/passwd"', True),
+    ("common_pid == 77 && cpu == 1", True),
+    ("pid == 78", False),
+    ("(count == 1 || count == 4096) && (comm == cat)", True),
+    ("count == 1 || count == 2 && fd == 3", False),  # && binds tighter than ||
+    ("count == -1", False),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), EVALUATES)
 def test_filter_evaluates(text: str, expected: bool) -> None:
     assert flt(text)(HIT) is expected
 
@@ -145,3 +145,33 @@ def test_nesting_up_to_the_limit_evaluates() -> None:
     assert flt("(" * 100 + "count == 4096" + ")" * 100)(HIT) is True
     assert flt("!" * 100 + "count == 4096")(HIT) is True
     assert flt("!" * 99 + "count == 4096")(HIT) is False
+
+
+AT = GuestReg("dx", 64, False)
+
+
+def _count_in_a_register(p: Pred) -> GuestReg | None:
+    """A made-up binding: the argument ``count`` is in a register; nothing else is."""
+    return AT if p.field == "count" else None
+
+
+@pytest.mark.parametrize(("text", "expected"), EVALUATES)
+def test_a_bound_tree_evaluates_as_the_parsed_one(text: str, expected: bool) -> None:
+    """The host evaluates the guest's (bound) tree as it does the parsed one: a leaf's register plays no part."""
+    bound = bind(flt(text).tree, lambda p: AT)
+    assert bound is not None
+    assert evaluator(bound)(HIT) is expected
+
+
+def test_a_tree_binds_only_when_every_leaf_does() -> None:
+    tree = flt("count > 1 && !(count & 0x7)").tree
+    assert bind(tree, _count_in_a_register) == And((Pred("count", ">", 1, AT), Not(Pred("count", "&", 7, AT))))
+    assert bind(flt("count > 1 && fd == 3").tree, _count_in_a_register) is None
+    assert bind(flt("count > 1 || !(comm == cat)").tree, _count_in_a_register) is None
+
+
+def test_the_deepest_tree_binds() -> None:
+    """bind recurses as the parser does, so any tree the parser accepts binds."""
+    bound = bind(flt("!" * 100 + "count == 4096").tree, _count_in_a_register)
+    assert bound is not None
+    assert evaluator(bound)(HIT) is True

@@ -187,16 +187,15 @@ def test_count_detour_counts_and_preserves_everything(regs: dict[str, int], hits
 
 
 # -- a filter compiled into the record detour ---------------------------------------------------
-from qprobe.arch.x86_64.guestfilter import GPRS, And, Not, Or, Pred, build_filtered_detour  # noqa: E402
+from qprobe.arch.x86_64.guestfilter import GPRS, build_filtered_detour  # noqa: E402
+from qprobe.fetch.filter import And, GuestReg, Not, Or, Pred, evaluator  # noqa: E402
 
 
 def evaluate(node: object, regs: dict[str, int]) -> bool:
     """What the compiled code must decide: the filter's meaning, in Python (``regs`` are 64-bit values)."""
     match node:
-        case Pred(reg, bits, signed, op, const):
-            v = regs[reg] & ((1 << bits) - 1)
-            if signed and v >> (bits - 1):
-                v -= 1 << bits
+        case Pred(_, op, int() as const, GuestReg() as at):
+            v = typed(regs[at.reg], at)
             return {"==": v == const, "!=": v != const, "<": v < const, "<=": v <= const, ">": v > const,
                     ">=": v >= const, "&": bool(v & const)}[op]  # fmt: skip
         case And(parts):
@@ -208,12 +207,20 @@ def evaluate(node: object, regs: dict[str, int]) -> bool:
     raise TypeError(f"not a filter node: {node!r}")
 
 
+def typed(value: int, at: GuestReg) -> int:
+    """A 64-bit register's value as the field bound to it reads it."""
+    v = value & ((1 << at.bits) - 1)
+    return v - (1 << at.bits) if at.signed and v >> (at.bits - 1) else v
+
+
 def _pred(draw: st.DrawFn) -> Pred:
     bits, signed = draw(st.sampled_from([(64, False), (64, True), (32, False), (32, True)]))
     lo, hi = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
     const = draw(st.one_of(st.integers(lo, hi), st.sampled_from([lo, hi, 0, 1, -1 if signed else 2])))
     op = draw(st.sampled_from(["==", "!=", "<", "<=", ">", ">=", "&"]))
-    return Pred(draw(st.sampled_from(GPRS)), bits, signed, op, const)
+    at = GuestReg(draw(st.sampled_from(GPRS)), bits, signed)
+    # A field per register and type, so that a record can hold what every leaf reads.
+    return Pred(f"{at.reg}_{'s' if signed else 'u'}{bits}", op, const, at)
 
 
 @st.composite
@@ -227,18 +234,16 @@ def trees(draw: st.DrawFn, depth: int = 2) -> object:
     return And(parts) if kind == "and" else Or(parts)
 
 
+def leaves(n: object) -> list[Pred]:
+    if isinstance(n, Pred):
+        return [n]
+    return [p for child in getattr(n, "parts", ()) or ([n.inner] if isinstance(n, Not) else []) for p in leaves(child)]
+
+
 @st.composite
 def regs_near(draw: st.DrawFn, tree: object) -> dict[str, int]:
     """Register values, often equal to (or next to) the tree's constants so that every branch is taken."""
-    consts = []
-
-    def walk(n: object) -> None:
-        if isinstance(n, Pred):
-            consts.append(n.const)
-        for child in getattr(n, "parts", ()) or ([n.inner] if isinstance(n, Not) else []):
-            walk(child)
-
-    walk(tree)
+    consts = [p.const for p in leaves(tree)]
     value = st.one_of(st.integers(0, 2**64 - 1), st.sampled_from(consts).flatmap(
         lambda c: st.sampled_from([c - 1, c, c + 1]).map(lambda v: v % 2**64)))  # fmt: skip
     return {name: draw(value) for name in FRAME_REGS}
@@ -258,11 +263,23 @@ def test_filtered_detour_records_exactly_what_the_filter_accepts(data: st.DataOb
     assert run(uc, regs, flags) == regs
     recorded = struct.unpack("<Q", uc.mem_read(RINGS + RING_HEADER * CPU + R_HEAD, 8))[0]
     rejected = struct.unpack("<Q", uc.mem_read(filtered, 8))[0]
-    expected = evaluate(tree, {g: regs["r" + g if not g.startswith("r") else g] for g in GPRS})
+    by_pt_name = {g: regs["r" + g if not g.startswith("r") else g] for g in GPRS}
+    expected = evaluate(tree, by_pt_name)
     assert (recorded, rejected) == ((1, 0) if expected else (0, 1))
+    # The host's evaluator of the same tree decides the same, given the values the leaves' registers hold.
+    record = {p.field: typed(by_pt_name[p.at.reg], p.at) for p in leaves(tree) if p.at is not None}
+    assert evaluator(tree)(record) == expected
     if expected:  # the stub returns to the nop just before the relocated code
         entry = bytes(uc.mem_read(RINGS + RING_HEADER * NCPUS + CPU * RING_ENTRIES * ENTRY_SIZE, ENTRY_SIZE))
         assert parse_stub_frame(entry)[1] == DETOUR + relocated_at - 1
+
+
+@pytest.mark.parametrize("leaf", [Pred("fd", "==", 3), Pred("comm", "==", "sh", GuestReg("di", 64, False))])
+def test_a_leaf_the_guest_cannot_test_is_refused(leaf: Pred) -> None:
+    """An unbound leaf, or a string compare, has no code: the filter must stay on the host."""
+    tree = And((Pred("n", "==", 1, GuestReg("si", 64, False)), leaf))
+    with pytest.raises(TypeError, match="not a filter node the guest can test"):
+        build_filtered_detour(DETOUR, tree, PROBE_ID, STUB, COUNTERS, NOP5, RESUME)
 
 
 # -- the mailbox stub: the host reads a pt_regs and says where the vCPU goes on -------------------

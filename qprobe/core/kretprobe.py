@@ -143,7 +143,7 @@ class KretprobeManager:
     def _retire(self, rp: Kretprobe) -> None:
         """Put back the real return address of every call still in flight."""
         # A vCPU may already have returned into the trampoline: finish that first.
-        self.kprobes.drain()
+        self.kprobes.dispatcher.drain()
         for slot, ri in list(rp.live.items()):
             self._release(ri, restore=True)
             del rp.live[slot]

@@ -698,7 +698,7 @@ class Target:
             opt.queue.optimize_later(list(self.kprobes.points))
 
     def blacklist(self) -> list[str]:
-        return [str(e) for e in self.kprobes.blacklist]
+        return [str(e) for e in self.kprobes.sites.blacklist]
 
     def text_snapshot(self, addrs: Iterable[int], size: int = 64) -> dict[int, bytes]:
         return {a: self.mem.read(a, size) for a in addrs}

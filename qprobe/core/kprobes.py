@@ -11,7 +11,6 @@ traps themselves go through qprobe.core.dispatch; the architecture is the
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -19,26 +18,22 @@ from typing import TYPE_CHECKING
 
 from qprobe.arch import Arch
 from qprobe.core.anywhere import StubProbes
-from qprobe.core.blacklist import Blacklist
 from qprobe.core.dispatch import Dispatcher, Trampoline
 from qprobe.core.handlers import Handlers
 from qprobe.core.kprobe import KPROBE_FLAG_DISABLED, Kprobe
 from qprobe.core.optimizer import Optimizer
 from qprobe.core.point import ProbePoint
 from qprobe.core.regs import PtRegs
+from qprobe.core.sites import ProbeSites
 from qprobe.core.text import KernelText
 from qprobe.errors import (
-    Blacklisted,
     InvalidProbe,
     NotKernelText,
     ProbeBusy,
     ProbeError,
-    QprobeError,
-    SymbolError,
 )
 from qprobe.kernel.preempted import PREEMPTED_WAIT, wait_preempted_out
 from qprobe.kernel.program import KernelData
-from qprobe.kernel.reserved import ReservedText
 from qprobe.vmm.machine import Machine
 from qprobe.vmm.scratch import ScratchArea
 
@@ -64,25 +59,24 @@ class KprobeManager:
         """``ram`` and ``doorbell``: the shared RAM file and the doorbell socket jump optimization needs."""
         self.machine = machine
         self.arch = arch
-        self.symbols = symbols = kernel.symbols
+        self.symbols = kernel.symbols
         self.scratch = scratch
-        self.blacklist = Blacklist(symbols, arch.arch_populate_kprobe_blacklist())
         self.points: dict[int, ProbePoint] = {}
         self.vcpu_index = {tid: i for i, tid in enumerate(machine.vcpus)}
         self.enabled = True  # debugfs kprobes/enabled
         self.touched: set[int] = set()  # every address we ever put an int3 at
         self.text = KernelText(machine)  # the int3s and jumps of points, and the text under them
+        self.sites = ProbeSites(machine, kernel, arch, self.text)  # where a probe goes, and where it may not
         # int3s in the scratch area that are not probes: the kretprobe trampoline.
         self.trampolines: dict[int, Trampoline] = {}
         self.kernel = kernel  # the kernel's data through drgn
-        self._fentry = symbols.address("__fentry__") if "__fentry__" in symbols else None  # CONFIG_FUNCTION_TRACER
         # Boosting lets a vCPU run the slot copy freely; an interrupt there leaves an
         # interrupted context inside the slot.  Without forced preemption that context
         # resumes as soon as the interrupt returns, which the grace period in
         # remove_all() covers; on a fully preemptible kernel it could sleep there, so
         # the slots (never reused while the area is mapped) outlive every sleeping task
         # whose stack points into the area, and a jump whose region a boosted copy returns
-        # into waits for the same (Optimizer.preempted_in and why_not, qprobe.kernel.preempted),
+        # into waits for the same (JumpCheck.preempted_in and why_not, qprobe.kernel.preempted),
         # where the kernel waits for an RCU-tasks grace period.
         self.boost = True
         self.fully_preemptible = fully_preemptible
@@ -99,72 +93,6 @@ class KprobeManager:
         self.return_fixers: list[Callable[[int, int], int]] = []
         self.optimizer = Optimizer(self, ram, doorbell)
 
-    # -- resolving and checking (no guest writes) -----------------------------
-    def kprobe_addr(self, kp: Kprobe) -> int:
-        """``_kprobe_addr``: the address the kernel's kprobe would have (its ``kp->addr``).
-
-        ``sym+offset`` or ``addr+offset``, moved past an ``endbr64`` at a function's
-        entry as ``arch_adjust_kprobe_addr`` does on IBT kernels (an indirect call
-        must land on the ENDBR, so it stays in place).
-        """
-        if kp.symbol_name is not None:
-            try:
-                addr = self.symbols.address(kp.symbol_name) + kp.offset
-            except SymbolError:
-                raise SymbolError(f"unknown symbol {kp.symbol_name!r}: not in the kernel's symbol table") from None
-        else:
-            assert kp.addr is not None
-            addr = kp.addr + kp.offset
-        fn = self.symbols.function(addr)
-        if fn is not None:
-            addr = self.arch.arch_adjust_kprobe_addr(self.text.original(fn.addr, 4), fn.addr, addr - fn.addr)
-        return addr
-
-    def entry_skip(self, fn_addr: int) -> int:
-        """Bytes at a function's start that are not its entry for probes (an ENDBR on x86)."""
-        return self.arch.entry_skip(self.text.original(fn_addr, 4))
-
-    def ftrace_site(self, addr: int) -> bool:
-        """Whether ``addr`` is a ``call __fentry__`` site of vmlinux.
-
-        Those 5 bytes belong to the guest's ftrace: boot turns each into a NOP,
-        and its function tracer or its own kprobe_events on a function entry
-        (ftrace-based on x86) turn it back into a call, after checking that the
-        bytes are what ftrace left there (``ftrace_verify_code``; anything else
-        is an ``ftrace_bug`` that disables the guest's ftrace).  So qprobe never
-        writes there: a probe on such a site is armed on the next instruction,
-        where the registers are the same (a NOP ran in between), as the
-        kernel's own probes there run from ftrace with ``[FTRACE]`` in its list.
-        """
-        return self._fentry is not None and self.symbols.fentry_site(addr, self._fentry)
-
-    def check_kprobe_address_safe(self, addr: int) -> tuple[str, int, bytes]:
-        """(sym+off text, function start, function bytes) or a ProbeError saying why not."""
-        where = self.symbols.symbolize(addr)
-        if not self.symbols.is_text(addr):
-            raise NotKernelText(f"{where} ({addr:#x}) is not in kernel text")
-        bad = self.blacklist.lookup(addr)
-        if bad is not None:
-            raise Blacklisted(f"{where} is blacklisted ({bad.name}): probing it would break the trap path "
-                              "(Kprobe(anywhere=True) probes it with a stub breakpoint)")  # fmt: skip
-        reserved = self.reserved.conflict(addr, addr)
-        if reserved is not None:
-            raise InvalidProbe(f"{where} is reserved ({reserved}): the kernel rewrites it at run time (EINVAL)")
-        fn = self.symbols.function(addr)
-        if fn is None:
-            raise NotKernelText(f"{addr:#x} is not inside a known kernel function")
-        code = self.machine.mem.read(fn.addr, fn.size)
-        return where, fn.addr, code
-
-    @functools.cached_property
-    def reserved(self) -> ReservedText:
-        """Jump-label, static-call and BUG sites (check_kprobe_address_safe refuses them)."""
-        try:
-            bug_entry = self.kernel.prog.type("struct bug_entry").size
-        except (QprobeError, LookupError):
-            bug_entry = None  # no debug info: BUG sites are not known
-        return ReservedText(self.symbols, lambda a, n: self.machine.mem.read(a, n), bug_entry, self.arch)
-
     def quarantine(self, addr: int) -> None:
         self._quarantine.append(addr)
 
@@ -176,16 +104,11 @@ class KprobeManager:
     def register_kprobe(self, kp: Kprobe, optimize: bool = True) -> None:
         if kp.registered:
             raise InvalidProbe(f"{kp.where()} is already registered (EINVAL)")
-        kp.at = self.kprobe_addr(kp)
-        addr = self._arming_address(kp)
+        kp.at = self.sites.kprobe_addr(kp)
+        addr = self.sites.arming_address(kp)
         self.machine.call(lambda: self._register(kp, addr))
         if optimize:
             self.optimizer.queue.optimize_later([addr])
-
-    def _arming_address(self, kp: Kprobe) -> int:
-        """Where a probe is armed: past an ``__fentry__`` site, which is the guest's ftrace's (not for a stub
-        breakpoint, which writes nothing there)."""
-        return kp.at + 5 if not kp.anywhere and self.ftrace_site(kp.at) else kp.at
 
     def addresses(self) -> list[int]:
         """Every probed address, int3 or stub breakpoint, sorted (a jump must displace none of them)."""
@@ -205,7 +128,7 @@ class KprobeManager:
             self.optimizer.unoptimize(other)
             self._sync(other)
         if point is None:
-            where, fn_start, code = self.check_kprobe_address_safe(addr)
+            where, fn_start, code = self.sites.check_kprobe_address_safe(addr)
             if self.optimizer.guest_blacklist.kprobes_in(addr, addr + 1):
                 # Its int3 is refused below; a jump it has put there in place of the int3 is not seen in the text.
                 raise ProbeBusy(f"the guest kernel's own kprobe is already at {where}")
@@ -278,8 +201,8 @@ class KprobeManager:
             if kp.registered:
                 raise InvalidProbe(f"{kp.where()} is already registered (EINVAL)")
         for kp in todo:
-            kp.at = self.kprobe_addr(kp)
-        addrs = [self._arming_address(kp) for kp in todo]
+            kp.at = self.sites.kprobe_addr(kp)
+        addrs = [self.sites.arming_address(kp) for kp in todo]
 
         def register_all() -> bool:
             done: list[Kprobe] = []

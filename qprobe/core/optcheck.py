@@ -26,8 +26,8 @@ from qprobe.kernel.preempted import first_inside, preempted_words
 
 if TYPE_CHECKING:
     from qprobe.core.dispatch import Dispatcher
+    from qprobe.core.sites import ProbeSites
     from qprobe.kernel.program import KernelData
-    from qprobe.kernel.reserved import ReservedText
     from qprobe.kernel.symbols import Symbols
     from qprobe.vmm.machine import Machine
     from qprobe.vmm.scratch import ScratchArea
@@ -53,12 +53,11 @@ class JumpTable(Protocol):
     symbols: Symbols
     scratch: ScratchArea
     text: KernelText
+    sites: ProbeSites
     dispatcher: Dispatcher
     resume_targets: dict[int, float]
     fully_preemptible: bool
 
-    @property
-    def reserved(self) -> ReservedText: ...
     def addresses(self) -> list[int]: ...
 
 
@@ -130,7 +129,7 @@ class JumpCheck:
         if why is not None:
             return why
         end = point.addr + size
-        reserved = self.kp.reserved.conflict(point.addr + 1, end - 1)
+        reserved = self.kp.sites.reserved.conflict(point.addr + 1, end - 1)
         if reserved is not None:  # copy_optimized_instructions' *_text_reserved checks
             return f"the displaced instructions hold {reserved}"
         view = self.round or self._view()

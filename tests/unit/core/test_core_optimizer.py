@@ -87,7 +87,7 @@ class Table:
         self.points: dict[int, ProbePoint] = {}
         self.trampolines: dict[int, Trampoline] = {}
         self.resume_targets: dict[int, float] = {}
-        self.reserved = SimpleNamespace(conflict=lambda lo, hi: None)
+        self.sites = SimpleNamespace(reserved=SimpleNamespace(conflict=lambda lo, hi: None))
         self.trapping: int | None = None
         self.stepping: dict[str, int] = {}
         # The table answers for its kernel text (KernelText: original, patched) and its dispatcher

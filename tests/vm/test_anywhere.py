@@ -36,7 +36,7 @@ def _mine(te: qprobe.TraceEvent, pid: str) -> int:
 
 
 def test_system_call_entry_counts_each_call_before_swapgs(target: qprobe.Target, text: dict[str, bytes]) -> None:
-    with pytest.raises(FetchArgError, match="notrace function|blacklisted"):
+    with pytest.raises(FetchArgError, match=r"notrace function|blacklisted"):
         target.add_event("p:sc entry_SYSCALL_64")  # the kernel's int3 may not go there, nor qprobe's
     te = target.add_event("p:sc entry_SYSCALL_64", anywhere=True)
     try:

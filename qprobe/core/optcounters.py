@@ -61,9 +61,12 @@ class GuestCounters:
             self._collector = threading.Thread(target=self._collect_loop, name="qprobe-collector", daemon=True)
             self._collector.start()
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Tell the collector to end after its current pass (any thread)."""
         self._stop = True
         self.drain_now.set()
+
+    def join(self) -> None:
         if self._collector is not None:
             self._collector.join(2.0)
 

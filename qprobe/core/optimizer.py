@@ -5,9 +5,9 @@ scratch area, built by the architecture (``arch_prepare_optimized_kprobe``).
 Its hits never stop the VM: a Python handler runs on the doorbell server's
 thread (qprobe.core.doorbell), and probes that need no Python handler at the
 hit do not wake the host at all (see ``detour_kind``): their detour counts in
-guest RAM, or records the registers into a per-CPU ring that this module's
-collector thread drains (qprobe.core.records).  A return probe's instances live in guest RAM too
-(qprobe.core.pools).
+guest RAM, or records the registers into a per-CPU ring that the collector
+thread drains (qprobe.core.records, qprobe.core.optcounters).  A return
+probe's instances live in guest RAM too (qprobe.core.pools).
 
 The checks before optimizing are the kernel's (``can_optimize``: whole
 function decoded from running memory, no jump into the region, nothing in
@@ -18,7 +18,8 @@ post_handler, and the probe was armed with an int3 for a grace period first
 region has left it.  On a fully preemptible kernel a context can also sleep
 inside the region: there the jump waits, as the kernel's waits for an
 RCU-tasks grace period, until no sleeping task's stack points into it
-(qprobe.kernel.preempted).
+(qprobe.kernel.preempted).  Those checks are qprobe.core.optcheck's; the
+queue that retries them is qprobe.core.optqueue's.
 """
 
 from __future__ import annotations
@@ -96,7 +97,11 @@ class ProbeTable(JumpTable, Protocol):
 
 
 class Optimizer:
-    """Decides and places jumps (a queue worked in steps), owns the guest-RAM counters and record rings.
+    """Places and removes jumps; owns the stub, the probe ids, and the parts that work for them.
+
+    ``check`` says why a jump must wait, ``queue`` retries it in rounds,
+    ``counts`` folds the detours' counters, ``records`` and ``returns`` are
+    the record rings and the kretprobe pools in guest RAM.
 
     ``available`` is False without a doorbell socket or writable shared RAM
     (e.g. attached to a QEMU qprobe did not start); probes then stay int3s.
@@ -201,10 +206,12 @@ class Optimizer:
     def close(self) -> None:
         """Stop the threads (on the stop loop, from KprobeManager.remove_all, or on any thread)."""
         self.queue.close()
+        if self.counts is not None:
+            self.counts.stop()
         if self.doorbell is not None:
             self.doorbell.close()
         if self.counts is not None:
-            self.counts.close()
+            self.counts.join()
 
     def stub_missing(self) -> str | None:
         """Why the shared stub cannot be built (the kernel's per-CPU layout is unknown), or None."""

@@ -33,6 +33,7 @@ from qprobe.arch.select import arch_named, arch_of_machine
 from qprobe.core.kprobe import Kprobe, Kretprobe
 from qprobe.core.kprobes import KprobeManager
 from qprobe.core.kretprobe import KretprobeManager
+from qprobe.core.listing import list_probes
 from qprobe.core.recovery import recover
 from qprobe.core.regs import PtRegs
 from qprobe.core.watchpoint import Watchpoint, Watchpoints
@@ -671,8 +672,8 @@ class Target:
     def list_probes(self) -> str:
         """The debugfs kprobes/list format (nmissed of optimized probes synced when the VM is up)."""
         if not self.machine.alive:
-            return self.kprobes.list_probes(sync=False)
-        return self.machine.call(self.kprobes.list_probes)
+            return list_probes(self.kprobes, sync=False)
+        return self.machine.call(lambda: list_probes(self.kprobes))
 
     @property
     def kprobes_optimization(self) -> bool:
@@ -692,10 +693,10 @@ class Target:
 
         self.machine.call(change)
         if on:
-            self.kprobes.optimize_later(list(self.kprobes.points))
+            opt.queue.optimize_later(list(self.kprobes.points))
 
     def blacklist(self) -> list[str]:
-        return [str(e) for e in self.kprobes.blacklist]
+        return [str(e) for e in self.kprobes.sites.blacklist]
 
     def text_snapshot(self, addrs: Iterable[int], size: int = 64) -> dict[int, bytes]:
         return {a: self.mem.read(a, size) for a in addrs}

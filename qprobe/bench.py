@@ -332,14 +332,14 @@ def probeable_entries(target: qprobe.Target, names: list[str]) -> list[str]:
     """
     from qprobe.funcs import Probeability
 
-    prob, km = Probeability.of_target(target), target.kprobes
+    prob, sites = Probeability.of_target(target), target.kprobes.sites
     out = []
     for name in names:
         if prob.reason(name) is not None:
             continue
         try:
-            at = km.kprobe_addr(qprobe.Kprobe(symbol_name=name))
-            km.check_kprobe_address_safe(at + 5 if km.ftrace_site(at) else at)
+            at = sites.kprobe_addr(qprobe.Kprobe(symbol_name=name))
+            sites.check_kprobe_address_safe(at + 5 if sites.ftrace_site(at) else at)
         except qprobe.QprobeError:
             continue
         out.append(name)

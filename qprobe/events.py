@@ -588,7 +588,7 @@ def on_func_entry(target: EventTarget, symbol: str, offset: int) -> bool:
     """
     addr = target.symbols.address(symbol) + offset
     sym = target.symbols.containing(addr)
-    return sym is not None and addr - sym.addr in (0, target.kprobes.entry_skip(sym.addr))
+    return sym is not None and addr - sym.addr in (0, target.kprobes.sites.entry_skip(sym.addr))
 
 
 def _suggesting(target: EventTarget, exc: FetchArgError) -> FetchArgError:

@@ -45,13 +45,20 @@ __all__ = [
 ]
 
 
-class ProbeTables(Protocol):
-    """What of_target reads of a running target's probe table (qprobe.core.kprobes.KprobeManager)."""
+class Sites(Protocol):
+    """What of_target reads of where probes may go (qprobe.core.sites.ProbeSites)."""
 
     blacklist: Blacklist
 
     @property
     def reserved(self) -> ReservedText | None: ...
+
+
+class ProbeTables(Protocol):
+    """What of_target reads of a running target's probe table (qprobe.core.kprobes.KprobeManager)."""
+
+    @property
+    def sites(self) -> Sites: ...
 
 
 class RunningTarget(Protocol):
@@ -129,8 +136,9 @@ class Probeability:
     @classmethod
     def of_target(cls, target: RunningTarget) -> Probeability:
         """With a running target's tables (its slide, its reserved sites as the text is now)."""
-        return cls(target.symbols, target.kprobes.blacklist, target.ftrace_locations, target.kprobes.reserved,
-                   target.dialect, target.loaded_modules())  # fmt: skip
+        sites = target.kprobes.sites
+        return cls(target.symbols, sites.blacklist, target.ftrace_locations, sites.reserved, target.dialect,
+                   target.loaded_modules())  # fmt: skip
 
     def functions(self) -> list[str]:
         """Every function name of the symbol table, each once, sorted."""

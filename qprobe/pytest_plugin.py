@@ -316,7 +316,7 @@ class QprobeReset:
         self.snapshot_errors: list[str] = []  # text that could not be snapshotted, so cannot be checked
         self.module_text: dict[int, int] = {}  # snapshot start -> the struct module whose text it is
         self.oops_seen = len(self.target.oopses())
-        self.handler_errors_seen = len(self.target.kprobes.handler_errors)
+        self.handler_errors_seen = len(self.target.kprobes.handlers.errors)
         self.gone_said = False  # the test failed for the VM's death: teardown does not say it again
 
     # -- text snapshots ------------------------------------------------------------------
@@ -467,7 +467,7 @@ class QprobeReset:
             add(f"guest shell, last {CONSOLE_TAIL} lines", lambda: guest_console(shell.port.text, CONSOLE_TAIL))
         add("kernel oops lines since boot", lambda: "\n".join(t.oopses()))
         add("probes registered", t.list_probes, quiet=True)  # asks the VM: nothing to say if it is gone
-        add("handler exceptions", lambda: "\n".join(t.kprobes.handler_errors[self.handler_errors_seen :]))
+        add("handler exceptions", lambda: "\n".join(t.kprobes.handlers.errors[self.handler_errors_seen :]))
         return out
 
 

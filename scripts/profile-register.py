@@ -37,7 +37,7 @@ def main() -> int:
         opt = km.optimizer
         t0 = [0.0]
         log: list[str] = []
-        call, optimize_queued = machine.call, opt._optimize_queued
+        call, optimize_queued = machine.call, opt.queue._optimize_queued
 
         def timed_call(fn: Callable[[], Any], timeout: float | None = 60.0) -> Any:
             start = time.perf_counter()
@@ -48,7 +48,7 @@ def main() -> int:
                            f"{getattr(fn, '__name__', '?')} ({threading.current_thread().name})")  # fmt: skip
 
         def timed_round() -> list[int]:
-            start, queued = time.perf_counter(), len(opt.optimizing_list)
+            start, queued = time.perf_counter(), len(opt.queue.optimizing_list)
             left = optimize_queued()
             why = collections.Counter((km.points[a].not_optimized or "?")[:70] for a in left if a in km.points)
             log.append(f"  round at {start - t0[0]:6.3f} s, {time.perf_counter() - start:6.3f} s: {queued} queued, "
@@ -56,7 +56,7 @@ def main() -> int:
             return left
 
         machine.call = timed_call  # type: ignore[method-assign]
-        opt._optimize_queued = timed_round  # type: ignore[method-assign]
+        opt.queue._optimize_queued = timed_round  # type: ignore[method-assign]
         for batch in (1, 2):
             kps = [qprobe.Kprobe(symbol_name=name) for name in names]
             prof = cProfile.Profile()

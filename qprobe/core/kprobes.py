@@ -11,37 +11,29 @@ traps themselves go through qprobe.core.dispatch; the architecture is the
 
 from __future__ import annotations
 
-import functools
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from qprobe.arch import Arch
 from qprobe.core.anywhere import StubProbes
-from qprobe.core.blacklist import Blacklist
 from qprobe.core.dispatch import Dispatcher, Trampoline
-from qprobe.core.errorlog import ErrorLog
 from qprobe.core.handlers import Handlers
 from qprobe.core.kprobe import KPROBE_FLAG_DISABLED, Kprobe
 from qprobe.core.optimizer import Optimizer
 from qprobe.core.point import ProbePoint
 from qprobe.core.regs import PtRegs
+from qprobe.core.sites import ProbeSites
+from qprobe.core.text import KernelText
 from qprobe.errors import (
-    Blacklisted,
     InvalidProbe,
     NotKernelText,
     ProbeBusy,
     ProbeError,
-    QprobeError,
-    SymbolError,
 )
 from qprobe.kernel.preempted import PREEMPTED_WAIT, wait_preempted_out
 from qprobe.kernel.program import KernelData
-from qprobe.kernel.reserved import ReservedText
-from qprobe.vmm.journal import Patch
 from qprobe.vmm.machine import Machine
 from qprobe.vmm.scratch import ScratchArea
 
@@ -67,27 +59,24 @@ class KprobeManager:
         """``ram`` and ``doorbell``: the shared RAM file and the doorbell socket jump optimization needs."""
         self.machine = machine
         self.arch = arch
-        self.symbols = symbols = kernel.symbols
+        self.symbols = kernel.symbols
         self.scratch = scratch
-        self.blacklist = Blacklist(symbols, arch.arch_populate_kprobe_blacklist())
         self.points: dict[int, ProbePoint] = {}
         self.vcpu_index = {tid: i for i, tid in enumerate(machine.vcpus)}
         self.enabled = True  # debugfs kprobes/enabled
         self.touched: set[int] = set()  # every address we ever put an int3 at
-        # address -> original byte under every int3 and jump of a point (what ``patched`` returns), kept
-        # as they are placed and removed: rebuilding it per call made a batch of N probes O(N**2).
-        self._text: dict[int, int] = {}
+        self.text = KernelText(machine)  # the int3s and jumps of points, and the text under them
+        self.sites = ProbeSites(machine, kernel, arch, self.text)  # where a probe goes, and where it may not
         # int3s in the scratch area that are not probes: the kretprobe trampoline.
         self.trampolines: dict[int, Trampoline] = {}
         self.kernel = kernel  # the kernel's data through drgn
-        self._fentry = symbols.address("__fentry__") if "__fentry__" in symbols else None  # CONFIG_FUNCTION_TRACER
         # Boosting lets a vCPU run the slot copy freely; an interrupt there leaves an
         # interrupted context inside the slot.  Without forced preemption that context
         # resumes as soon as the interrupt returns, which the grace period in
         # remove_all() covers; on a fully preemptible kernel it could sleep there, so
         # the slots (never reused while the area is mapped) outlive every sleeping task
         # whose stack points into the area, and a jump whose region a boosted copy returns
-        # into waits for the same (Optimizer.preempted_in and why_not, qprobe.kernel.preempted),
+        # into waits for the same (JumpCheck.preempted_in and why_not, qprobe.kernel.preempted),
         # where the kernel waits for an RCU-tasks grace period.
         self.boost = True
         self.fully_preemptible = fully_preemptible
@@ -104,106 +93,6 @@ class KprobeManager:
         self.return_fixers: list[Callable[[int, int], int]] = []
         self.optimizer = Optimizer(self, ram, doorbell)
 
-    # -- resolving and checking (no guest writes) -----------------------------
-    def kprobe_addr(self, kp: Kprobe) -> int:
-        """``_kprobe_addr``: the address the kernel's kprobe would have (its ``kp->addr``).
-
-        ``sym+offset`` or ``addr+offset``, moved past an ``endbr64`` at a function's
-        entry as ``arch_adjust_kprobe_addr`` does on IBT kernels (an indirect call
-        must land on the ENDBR, so it stays in place).
-        """
-        if kp.symbol_name is not None:
-            try:
-                addr = self.symbols.address(kp.symbol_name) + kp.offset
-            except SymbolError:
-                raise SymbolError(f"unknown symbol {kp.symbol_name!r}: not in the kernel's symbol table") from None
-        else:
-            assert kp.addr is not None
-            addr = kp.addr + kp.offset
-        fn = self.symbols.function(addr)
-        if fn is not None:
-            addr = self.arch.arch_adjust_kprobe_addr(self.original(fn.addr, 4), fn.addr, addr - fn.addr)
-        return addr
-
-    def entry_skip(self, fn_addr: int) -> int:
-        """Bytes at a function's start that are not its entry for probes (an ENDBR on x86)."""
-        return self.arch.entry_skip(self.original(fn_addr, 4))
-
-    def ftrace_site(self, addr: int) -> bool:
-        """Whether ``addr`` is a ``call __fentry__`` site of vmlinux.
-
-        Those 5 bytes belong to the guest's ftrace: boot turns each into a NOP,
-        and its function tracer or its own kprobe_events on a function entry
-        (ftrace-based on x86) turn it back into a call, after checking that the
-        bytes are what ftrace left there (``ftrace_verify_code``; anything else
-        is an ``ftrace_bug`` that disables the guest's ftrace).  So qprobe never
-        writes there: a probe on such a site is armed on the next instruction,
-        where the registers are the same (a NOP ran in between), as the
-        kernel's own probes there run from ftrace with ``[FTRACE]`` in its list.
-        """
-        return self._fentry is not None and self.symbols.fentry_site(addr, self._fentry)
-
-    def check_kprobe_address_safe(self, addr: int) -> tuple[str, int, bytes]:
-        """(sym+off text, function start, function bytes) or a ProbeError saying why not."""
-        where = self.symbols.symbolize(addr)
-        if not self.symbols.is_text(addr):
-            raise NotKernelText(f"{where} ({addr:#x}) is not in kernel text")
-        bad = self.blacklist.lookup(addr)
-        if bad is not None:
-            raise Blacklisted(f"{where} is blacklisted ({bad.name}): probing it would break the trap path "
-                              "(Kprobe(anywhere=True) probes it with a stub breakpoint)")  # fmt: skip
-        reserved = self.reserved.conflict(addr, addr)
-        if reserved is not None:
-            raise InvalidProbe(f"{where} is reserved ({reserved}): the kernel rewrites it at run time (EINVAL)")
-        fn = self.symbols.function(addr)
-        if fn is None:
-            raise NotKernelText(f"{addr:#x} is not inside a known kernel function")
-        code = self.machine.mem.read(fn.addr, fn.size)
-        return where, fn.addr, code
-
-    @functools.cached_property
-    def reserved(self) -> ReservedText:
-        """Jump-label, static-call and BUG sites (check_kprobe_address_safe refuses them)."""
-        try:
-            bug_entry = self.kernel.prog.type("struct bug_entry").size
-        except (QprobeError, LookupError):
-            bug_entry = None  # no debug info: BUG sites are not known
-        return ReservedText(self.symbols, lambda a, n: self.machine.mem.read(a, n), bug_entry, self.arch)
-
-    def patched(self) -> Mapping[int, int]:
-        """address -> original byte of everything we changed in kernel text.
-
-        A live read-only view, changed on the stop loop: another thread that iterates it while
-        probes come and go takes a copy on the stop loop (``machine.call``).
-        """
-        return MappingProxyType(self._text)
-
-    def patch_text(self, addr: int, data: bytes, what: str, slot: int = 0) -> Patch:
-        """An int3 or a jump of a point written into kernel text (stop loop), its old bytes noted."""
-        p = self.machine.patch(addr, data, what, slot)
-        self._text.update(zip(range(addr, addr + len(p.old)), p.old, strict=True))
-        return p
-
-    def repatch_text(self, p: Patch, data: bytes, what: str, slot: int = 0) -> Patch:
-        """An int3 of a point swapped for its jump in one write (stop loop)."""
-        new = self.machine.repatch(p, data, what, slot)
-        self._text.update(zip(range(new.virt, new.virt + len(new.old)), new.old, strict=True))
-        return new
-
-    def unpatch_text(self, p: Patch) -> None:
-        """``patch_text`` undone."""
-        self.machine.unpatch(p)
-        for a in range(p.virt, p.virt + len(p.old)):
-            del self._text[a]
-
-    def original(self, addr: int, size: int) -> bytes:
-        """Kernel text as it was before qprobe touched it."""
-        text = self._text
-        code = self.machine.mem.read(addr, size)
-        if not any(a in text for a in range(addr, addr + size)):
-            return code
-        return bytes(text.get(addr + i, b) for i, b in enumerate(code))
-
     def quarantine(self, addr: int) -> None:
         self._quarantine.append(addr)
 
@@ -215,24 +104,15 @@ class KprobeManager:
     def register_kprobe(self, kp: Kprobe, optimize: bool = True) -> None:
         if kp.registered:
             raise InvalidProbe(f"{kp.where()} is already registered (EINVAL)")
-        kp.at = self.kprobe_addr(kp)
-        addr = self._arming_address(kp)
+        kp.at = self.sites.kprobe_addr(kp)
+        addr = self.sites.arming_address(kp)
         self.machine.call(lambda: self._register(kp, addr))
         if optimize:
-            self.optimize_later([addr])
-
-    def _arming_address(self, kp: Kprobe) -> int:
-        """Where a probe is armed: past an ``__fentry__`` site, which is the guest's ftrace's (not for a stub
-        breakpoint, which writes nothing there)."""
-        return kp.at + 5 if not kp.anywhere and self.ftrace_site(kp.at) else kp.at
+            self.optimizer.queue.optimize_later([addr])
 
     def addresses(self) -> list[int]:
         """Every probed address, int3 or stub breakpoint, sorted (a jump must displace none of them)."""
         return sorted([*self.points, *self.stubs.points])
-
-    def optimize_later(self, addrs: Iterable[int]) -> None:
-        """The kernel's delayed optimizer: int3 first, a grace period, then the jump (Optimizer.kprobe_optimizer)."""
-        self.optimizer.optimize_later(addrs)
 
     def _register(self, kp: Kprobe, addr: int) -> None:
         if kp.registered:  # given twice in one batch: the kernel's check_kprobe_rereg
@@ -248,16 +128,16 @@ class KprobeManager:
             self.optimizer.unoptimize(other)
             self._sync(other)
         if point is None:
-            where, fn_start, code = self.check_kprobe_address_safe(addr)
+            where, fn_start, code = self.sites.check_kprobe_address_safe(addr)
             if self.optimizer.guest_blacklist.kprobes_in(addr, addr + 1):
                 # Its int3 is refused below; a jump it has put there in place of the int3 is not seen in the text.
                 raise ProbeBusy(f"the guest kernel's own kprobe is already at {where}")
-            self.arch.check_boundary(code, fn_start, addr, self.patched(), where.split("+")[0])
+            self.arch.check_boundary(code, fn_start, addr, self.text.patched(), where.split("+")[0])
             if not self.scratch.mapped:
                 self.scratch.map()
             slot = self.scratch.alloc(self.arch.slot_size)
             try:
-                prep = self.arch.arch_prepare_kprobe(self.original(addr, 16), addr, slot, where,
+                prep = self.arch.arch_prepare_kprobe(self.text.original(addr, 16), addr, slot, where,
                                                      self.symbols.exception_table())  # fmt: skip
                 if prep.copy:
                     self.scratch.write(slot, self.arch.arch_slot_code(prep))
@@ -283,7 +163,7 @@ class KprobeManager:
         if sym is None:
             raise NotKernelText(f"{addr:#x} is not inside a known kernel symbol")
         size = sym.size or self.symbols.kallsyms_size(sym)
-        self.arch.check_boundary(self.original(sym.addr, size), sym.addr, addr, self.patched(), sym.name)
+        self.arch.check_boundary(self.text.original(sym.addr, size), sym.addr, addr, self.text.patched(), sym.name)
         if addr in self.points or self._regions(addr):
             raise InvalidProbe(f"{where} has an int3 or a jump of a probe: probe it with anywhere=False too "
                                "(EBUSY)")  # fmt: skip
@@ -307,7 +187,7 @@ class KprobeManager:
 
         self.machine.call(work)
         if kp.registered and addr in self.points:
-            self.optimize_later([addr])
+            self.optimizer.queue.optimize_later([addr])
 
     def register_kprobes(self, kps: Iterable[Kprobe]) -> None:
         """All or nothing: on an error, the ones already registered are unregistered.
@@ -321,8 +201,8 @@ class KprobeManager:
             if kp.registered:
                 raise InvalidProbe(f"{kp.where()} is already registered (EINVAL)")
         for kp in todo:
-            kp.at = self.kprobe_addr(kp)
-        addrs = [self._arming_address(kp) for kp in todo]
+            kp.at = self.sites.kprobe_addr(kp)
+        addrs = [self.sites.arming_address(kp) for kp in todo]
 
         def register_all() -> bool:
             done: list[Kprobe] = []
@@ -335,10 +215,10 @@ class KprobeManager:
                     for kp in reversed(done):
                         self._unregister(kp)
                     raise
-            return self.optimizer.enqueue(addrs)  # in the same stop
+            return self.optimizer.queue.enqueue(addrs)  # in the same stop
 
         if self.machine.call(register_all):
-            self.optimizer.kprobe_optimizer(addrs)
+            self.optimizer.queue.kprobe_optimizer(addrs)
 
     def unregister_kprobe(self, kp: Kprobe) -> None:
         if not kp.registered:
@@ -346,7 +226,7 @@ class KprobeManager:
         addr = kp.resolved
         self.machine.call(lambda: self._unregister(kp))
         if addr in self.points:  # the others there may be optimizable now
-            self.optimize_later([addr])
+            self.optimizer.queue.optimize_later([addr])
 
     def unregister_kprobes(self, kps: Iterable[Kprobe]) -> None:
         """Every registered one of ``kps`` in one VM stop, journaled as one batch."""
@@ -360,7 +240,7 @@ class KprobeManager:
 
         self.machine.call(unregister_all)
         # Points that other probes still share may be optimizable now.
-        self.optimize_later(sorted({kp.resolved for kp in todo if kp.resolved in self.points}))
+        self.optimizer.queue.optimize_later(sorted({kp.resolved for kp in todo if kp.resolved in self.points}))
 
     def _unregister(self, kp: Kprobe) -> None:
         if kp.anywhere:
@@ -404,7 +284,7 @@ class KprobeManager:
 
         self.machine.call(change)
         if not disabled and not kp.anywhere:
-            self.optimize_later([kp.resolved])  # as the kernel's arm_kprobe: int3 first, then the jump
+            self.optimizer.queue.optimize_later([kp.resolved])  # as the kernel's arm_kprobe: int3 first, then the jump
 
     def set_enabled(self, on: bool) -> None:
         """debugfs kprobes/enabled: arm or disarm everything, keeping each probe's own state."""
@@ -418,7 +298,7 @@ class KprobeManager:
 
         self.machine.call(change)
         if on:
-            self.optimize_later(list(self.points))
+            self.optimizer.queue.optimize_later(list(self.points))
 
     # -- arming (stop-loop thread) -----------------------------------------------
     def _sync(self, point: ProbePoint) -> None:
@@ -430,14 +310,10 @@ class KprobeManager:
         if want and not point.armed:
             self.dispatcher.install()
             self.touched.add(point.addr)
-            point.int3 = self.patch_text(point.addr, self.arch.breakpoint, "int3", point.prep.slot_addr)
+            point.int3 = self.text.patch(point.addr, self.arch.breakpoint, "int3", point.prep.slot_addr)
         elif not want and point.int3 is not None:
-            self.unpatch_text(point.int3)
+            self.text.unpatch(point.int3)
             point.int3 = None
-
-    def drain(self) -> None:
-        """Finish every hit a vCPU is part way into (see Dispatcher.drain)."""
-        self.dispatcher.drain()
 
     def remove_all(self, grace: float = 0.1) -> None:
         """Unregister every probe, then unmap the scratch area (exit path).
@@ -453,11 +329,11 @@ class KprobeManager:
                 for kp in list(point.probes):
                     self._unregister(kp)
             if self.dispatcher.hooked:
-                self.drain()
+                self.dispatcher.drain()
 
         def unmap() -> None:
             if self.dispatcher.hooked:
-                self.drain()  # a vCPU part way into a trap-step finishes it before any is stepped out
+                self.dispatcher.drain()  # a vCPU part way into a trap-step finishes it before any is stepped out
             self.evacuate()
             self.optimizer.close()
             self.trampolines.clear()
@@ -485,7 +361,7 @@ class KprobeManager:
         scratch = self.scratch
 
         def held_in_scratch() -> str | None:
-            return self.optimizer.preempted_in(scratch.base, scratch.base + scratch.mapped_size)
+            return self.optimizer.check.preempted_in(scratch.base, scratch.base + scratch.mapped_size)
 
         held = wait_preempted_out(lambda: self.machine.call(held_in_scratch) if scratch.mapped else None,
                                   lambda: time.sleep(grace))  # fmt: skip
@@ -520,12 +396,6 @@ class KprobeManager:
                 return real
         return value
 
-    def arriving(self, regs: Mapping[str, int]) -> int | None:
-        return self.dispatcher.arriving(regs)
-
-    def trap_step_returns(self) -> dict[str, int]:
-        return self.dispatcher.trap_step_returns()
-
     def may_boost(self, point: ProbePoint, active: list[Kprobe]) -> bool:
         """Whether a hit may run the copy freely (the arch still decides whether the instruction can).
 
@@ -536,56 +406,3 @@ class KprobeManager:
         waits for the vCPU to be back (``trap_step_returns``).
         """
         return self.boost and not point.optimizing and not any(kp.post_handler for kp in active)
-
-    def run_pre_handlers(self, active: list[Kprobe], pt: PtRegs) -> bool:
-        return self.handlers.pre(active, pt)
-
-    @property
-    def handler_errors(self) -> ErrorLog:
-        return self.handlers.errors
-
-    @property
-    def handler_lock(self) -> threading.RLock:
-        return self.handlers.lock
-
-    @property
-    def ntraps(self) -> int:
-        return self.dispatcher.ntraps
-
-    @property
-    def passed_through(self) -> int:
-        return self.dispatcher.passed_through
-
-    @property
-    def watch_refs(self) -> int:
-        return self.dispatcher.watch_refs
-
-    # -- listing -------------------------------------------------------------------
-    def list_probes(self, sync: bool = True) -> str:
-        """The debugfs kprobes/list format."""
-        if sync:
-            for point in self.points.values():
-                self.optimizer.sync_missed(point)
-        lines = []
-        for addr in sorted(self.stubs.points):  # the kernel's list has no such probe: its own flag
-            stub = self.stubs.points[addr]
-            for kp in stub.probes:
-                lines.append(f"{addr:016x}  k  {stub.where}    [ANYWHERE]" + ("[DISABLED]" if kp.disabled else ""))
-        for addr in sorted(self.points):
-            point = self.points[addr]
-            for kp in point.probes:
-                flags = ("[GONE]" if kp.gone else "") + ("[DISABLED]" if kp.disabled and not kp.gone else "")
-                if not self.enabled and not kp.disabled:
-                    flags += "[DISABLED]"
-                if point.opt is not None:
-                    flags += "[OPTIMIZED]"
-                elif point.not_optimized is not None and point.armed:
-                    flags += f"  (not optimized: {point.not_optimized})"
-                if point.opt is None and point.prep.step_reason is not None and point.armed:
-                    flags += f"  (single-stepped through the gdbstub: {point.prep.step_reason})"
-                kind = "r" if kp.kretprobe is not None else "k"
-                at, where = addr, point.where
-                if kp.at != addr:  # moved off an __fentry__ site: listed where asked, as the kernel's [FTRACE]
-                    at, where, flags = kp.at, self.symbols.symbolize(kp.at), "[FTRACE]" + flags
-                lines.append(f"{at:016x}  {kind}  {where}    {flags}".rstrip())
-        return "\n".join(lines) + ("\n" if lines else "")

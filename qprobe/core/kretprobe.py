@@ -71,13 +71,13 @@ class KretprobeManager:
         kp = rp.kp
         if kp.registered:  # before anything below resets its instances
             raise InvalidProbe(f"{kp.where()} is already registered (EINVAL)")
-        addr = self.kprobes.kprobe_addr(kp)
+        addr = self.kprobes.sites.kprobe_addr(kp)
         fn = self.symbols.function(addr)
         name = fn.name if fn else ""
         if name in self.kprobes.arch.arch_kretprobe_blacklist():
             raise ProbeError(f"cannot return-probe {name}: it does not return to its caller")
         # kprobe_on_func_entry: the address itself must be a function's entry (sym+SIZE is the next one's).
-        if fn is None or addr not in (fn.addr, fn.addr + self.kprobes.entry_skip(fn.addr)):
+        if fn is None or addr not in (fn.addr, fn.addr + self.kprobes.sites.entry_skip(fn.addr)):
             raise InvalidProbe(f"{kp.where()} is not a function entry (EINVAL)")
         n = rp.maxactive or self.default_maxactive()
         rp.free = [KretprobeInstance(rp, data=bytearray(rp.data_size)) for _ in range(n)]
@@ -143,7 +143,7 @@ class KretprobeManager:
     def _retire(self, rp: Kretprobe) -> None:
         """Put back the real return address of every call still in flight."""
         # A vCPU may already have returned into the trampoline: finish that first.
-        self.kprobes.drain()
+        self.kprobes.dispatcher.drain()
         for slot, ri in list(rp.live.items()):
             self._release(ri, restore=True)
             del rp.live[slot]

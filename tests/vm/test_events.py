@@ -281,9 +281,9 @@ def test_keyed_counts_run_in_the_guest(target: qprobe.Target, guard: dict[int, b
         assert te.count_in_guest(["off"])
         point = target.kprobes.points[te.probe.resolved]  # type: ignore[union-attr]
         assert point.opt is not None and point.opt.kind == "keyed"
-        served, traps, recorded = target.kprobes.optimizer.served, target.kprobes.ntraps, len(te.hits)  # type: ignore[union-attr]
+        served, traps, recorded = target.kprobes.optimizer.served, target.kprobes.dispatcher.ntraps, len(te.hits)  # type: ignore[union-attr]
         target.run("workload lseek 300", timeout=300).check()
-        assert target.kprobes.optimizer.served == served and target.kprobes.ntraps == traps  # type: ignore[union-attr]
+        assert target.kprobes.optimizer.served == served and target.kprobes.dispatcher.ntraps == traps  # type: ignore[union-attr]
         counts = te.stop_counting_in_guest()
         assert len(te.hits) == recorded  # counted, not recorded
         # The keys as the event formats them (x64: hex), each offset once.

@@ -29,12 +29,12 @@ def test_a_stale_foreign_int3_runs_the_text_as_it_is_now(target: qprobe.Target, 
     site = probe.resolved
     target.unregister_kprobe(probe)
     ram = kprobes.machine.data_writer
-    if not kprobes.watch_refs or not isinstance(ram, SharedRam):
+    if not kprobes.dispatcher.watch_refs or not isinstance(ram, SharedRam):
         target.unregister_kprobe(hook)
         pytest.skip("needs the watchpoint hook and shared guest RAM")
     original = target.read(site, 1)
     phys = target.mem.virt_to_phys(site)
-    handler = kprobes.machine.watch_handlers[kprobes.watch_refs]
+    handler = kprobes.machine.watch_handlers[kprobes.dispatcher.watch_refs]
     forged = []
 
     def forge_the_stale_translation(tid: str, regs: dict[str, int]) -> None:
@@ -45,14 +45,14 @@ def test_a_stale_foreign_int3_runs_the_text_as_it_is_now(target: qprobe.Target, 
 
     before = kprobes.dispatcher.stale_int3
     # Both ways a watched trap arrives: its own stop, and the look after any stop (a lost one).
-    kprobes.machine.watch_handlers[kprobes.watch_refs] = forge_the_stale_translation
+    kprobes.machine.watch_handlers[kprobes.dispatcher.watch_refs] = forge_the_stale_translation
     kprobes.dispatcher.on_watch_stop = forge_the_stale_translation  # type: ignore[method-assign]
     try:
         # Journaled as qprobe's own writes are, so it is undone even if the guest wedges here.
         int3 = kprobes.machine.call(lambda: kprobes.machine.patch(site, b"\xcc", "a foreign int3 (test)"))
         res = workload_result(target.run("workload lseek 3", timeout=60).check().output)
     finally:
-        kprobes.machine.watch_handlers[kprobes.watch_refs] = handler
+        kprobes.machine.watch_handlers[kprobes.dispatcher.watch_refs] = handler
         del kprobes.dispatcher.on_watch_stop
         kprobes.machine.call(lambda: kprobes.machine.unpatch(int3))
         target.unregister_kprobe(hook)

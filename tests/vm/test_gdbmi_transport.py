@@ -185,7 +185,7 @@ def test_kprobe_counts_hits_over_each_transport(vm: QemuProcess, transport: str,
             t.unregister_kprobe(kp)
         assert kp.nhit == HITS and kp.nmissed == 0 and kp.nfaults == 0
         assert t.read(sym.addr, sym.size) == text, "kernel text was not restored"
-        assert not t.kprobes.handler_errors, t.kprobes.handler_errors.lines
+        assert not t.kprobes.handlers.errors, t.kprobes.handlers.errors.lines
         if transport == "gdb":
             gdb = t.gdb
             assert isinstance(gdb, GdbMiRemote)

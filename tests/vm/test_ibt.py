@@ -62,7 +62,7 @@ def test_a_probe_at_an_endbr_entry_arms_after_it_and_no_jump_covers_it(
         listed = [x for x in target.list_probes().splitlines() if x.startswith(f"{entry:016x}  k  ")]
         assert len(listed) == 2 and all(x.split()[2] == f"{func}+0x4" for x in listed), listed
         # Armed there, or on the next instruction where that is the __fentry__ site the guest's ftrace owns.
-        armed = entry + 5 if target.kprobes.ftrace_site(entry) else entry
+        armed = entry + 5 if target.kprobes.sites.ftrace_site(entry) else entry
         assert by_name.resolved == by_addr.resolved == armed
         _settled(target, armed)
         point = target.kprobes.points[armed]

@@ -66,7 +66,8 @@ def test_the_int3_path_on_both_vcpus_at_once(target: qprobe.Target, guard: dict[
     target.kprobes.boost = boost
     try:
         target.register_kprobe(kp)
-        assert target.kprobes.watch_refs  # this kernel's #BP handler has the watched read: no breakpoint stops
+        # This kernel's #BP handler has the watched read: no breakpoint stops.
+        assert target.kprobes.dispatcher.watch_refs
         out = target.run("taskset -c 0 workload lseek 150 & taskset -c 1 workload lseek 150; wait",
                          timeout=600).check().output  # fmt: skip
         target.unregister_kprobe(kp)

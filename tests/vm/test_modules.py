@@ -73,7 +73,7 @@ def test_module_probe_pending_loaded_gone_and_back(qprobe_target: qprobe.Target)
     _unload(target)
     assert te.probe.gone and not te.probe.registered  # kill_kprobe: its count is kept
     assert MODULE not in target.symbols.modules
-    assert not [a for a in target.kprobes.patched() if module.is_text(a)], "a write left in freed module memory"
+    assert not [a for a in target.kprobes.text.patched() if module.is_text(a)], "a write left in freed module memory"
 
     _load(target)
     _read(target, [99])

@@ -204,10 +204,10 @@ def test_handlerless_kretprobe_counts_entries_and_returns_in_the_guest(target: q
     try:
         assert _optimized(target, rp.kp)
         assert target.kprobes.points[rp.kp.resolved].opt.kind == "retentry"  # type: ignore[union-attr]
-        served, stops = target.kprobes.optimizer.served, target.kprobes.ntraps  # type: ignore[union-attr]
+        served, stops = target.kprobes.optimizer.served, target.kprobes.dispatcher.ntraps  # type: ignore[union-attr]
         res = workload_result(target.run("workload lseek 20000", timeout=600).check().output)
         assert target.kprobes.optimizer.served == served  # type: ignore[union-attr]
-        assert target.kprobes.ntraps == stops
+        assert target.kprobes.dispatcher.ntraps == stops
         assert not target.kretprobes.live_instances(rp)
     finally:
         target.unregister_kretprobe(rp)

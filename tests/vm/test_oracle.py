@@ -268,7 +268,7 @@ def test_probe_on_an_fentry_site_is_listed_where_asked(target: qprobe.Target) ->
 
 def test_reserved_text_verdicts_equal_the_guest_kernels(target: qprobe.Target) -> None:
     """Jump-label sites, static-call sites and BUG/WARN instructions: refused as the kernel refuses them."""
-    reserved = target.kprobes.reserved
+    reserved = target.kprobes.sites.reserved
     cases = []
     for sites in (reserved.jump_labels, reserved.static_calls, sorted(reserved.bugs)):
         picked = 0
@@ -277,7 +277,7 @@ def test_reserved_text_verdicts_equal_the_guest_kernels(target: qprobe.Target) -
             if (
                 fn is None
                 or fn.addr == site
-                or target.kprobes.blacklist.lookup(site)
+                or target.kprobes.sites.blacklist.lookup(site)
                 or not target.symbols.is_text(site)
             ):
                 continue

@@ -38,7 +38,7 @@ def test_soak_256_probes_and_kretprobes(target: qprobe.Target, record_property: 
     chosen: list[str] = []
     for name in names:
         try:
-            target.kprobes.check_kprobe_address_safe(target.symbols.address(name))
+            target.kprobes.sites.check_kprobe_address_safe(target.symbols.address(name))
         except ProbeError:
             continue
         chosen.append(name)

@@ -102,7 +102,7 @@ def all_boundaries(target: qprobe.Target, request: pytest.FixtureRequest) -> Ite
 
     probes = []
     for insn in decode_all(before, sym.addr):
-        if target.kprobes.ftrace_site(insn.addr):
+        if target.kprobes.sites.ftrace_site(insn.addr):
             continue  # the __fentry__ site: a probe there is armed on the next instruction, which has its own
         if insn.addr == sym.addr and entry_offset(vmlinux_of(target), request.param) > 0:
             # An ENDBR entry (boot may have sealed it into a nop): the kernel moves a probe there past it

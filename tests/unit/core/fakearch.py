@@ -672,6 +672,9 @@ class _NoProgram:
     def __getitem__(self, name: str) -> object:
         raise LookupError(f"the toy kernel has no debug info ({name})")
 
+    def variable(self, name: str) -> object:
+        raise LookupError(f"the toy kernel has no debug info ({name})")
+
 
 @dataclass
 class ToyKernel:

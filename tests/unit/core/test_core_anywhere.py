@@ -11,6 +11,7 @@ import pytest
 from fakearch import ADDI, ENTRY, NOP, Rig
 
 from qprobe.core.kprobe import Kprobe
+from qprobe.core.listing import list_probes
 from qprobe.errors import Blacklisted, InvalidProbe
 from qprobe.vmm.gdbremote import BREAK_HW
 
@@ -42,7 +43,7 @@ def test_a_blacklisted_instruction_is_probed_without_a_write(rig: Rig) -> None:
                 post_handler=lambda k, regs: seen.append((regs.ip, regs.r0)))  # fmt: skip
     rig.km.register_kprobe(kp)
     assert rig.text_unchanged() and (ENTRY + 4, BREAK_HW, 1) in rig.t.cpu.breakpoints
-    assert "[ANYWHERE]" in rig.km.list_probes()
+    assert "[ANYWHERE]" in list_probes(rig.km)
     after = _hit(rig, ENTRY + 4, r0=1)
     # The handler before the instruction, the instruction run where it is (a NOP), the post_handler after it.
     assert seen == [(ENTRY + 4, 1), (ENTRY + 8, 1)] and after["pc"] == ENTRY + 8

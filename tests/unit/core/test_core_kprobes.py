@@ -15,6 +15,7 @@ from fakearch import ADDI, BRK, BTI, ENTRY, IRQ, JMPL, NOP, STACK, STACK_SIZE, R
 
 from qprobe.arch import Arch
 from qprobe.core.kprobe import Kprobe
+from qprobe.core.listing import list_probes
 from qprobe.core.point import KprobeStatus
 from qprobe.errors import Blacklisted, InvalidProbe, NotKernelText, ProbeError, SymbolError
 
@@ -41,7 +42,7 @@ def test_register_writes_the_breakpoint_and_unregister_puts_the_text_back(rig: R
     addr = rig.fn + 8
     assert (kp.registered, kp.resolved, kp.at) == (True, addr, addr)
     assert rig.at(addr) == BRK
-    assert rig.km.patched() == {addr + i: b for i, b in enumerate(insn(ADDI, 5))}
+    assert rig.km.text.patched() == {addr + i: b for i, b in enumerate(insn(ADDI, 5))}
     [patch] = rig.t.machine.journal.patches.values()
     assert (patch.virt, patch.old, patch.new) == (addr, insn(ADDI, 5), BRK)
     assert rig.t.cpu.breakpoints == [(ENTRY, 0, 1)]  # the trap hook
@@ -50,14 +51,14 @@ def test_register_writes_the_breakpoint_and_unregister_puts_the_text_back(rig: R
     assert (
         rig.t.mem.read(slot, 24) == insn(ADDI, 5) + insn(JMPL) + (addr + 4).to_bytes(8, "little") + insn(ADDI, 5) + BRK
     )
-    assert rig.km.list_probes() == f"{addr:016x}  k  toy_fn+0x8\n"
+    assert list_probes(rig.km) == f"{addr:016x}  k  toy_fn+0x8\n"
 
     rig.km.unregister_kprobe(kp)
     assert rig.text_unchanged()
     assert (kp.registered, rig.km.points, rig.t.machine.journal.patches) == (False, {}, {})
     assert rig.t.scratch.used == 0  # the slot went back
     assert rig.t.cpu.breakpoints == []  # and the hook, with the last probe
-    assert dict(rig.km.patched()) == {}
+    assert dict(rig.km.text.patched()) == {}
 
 
 def test_a_function_entry_probe_goes_past_its_landing_pad(rig: Rig) -> None:
@@ -137,7 +138,7 @@ def test_disabling_every_probe_of_a_point_disarms_it_and_enabling_one_arms_it(ri
     rig.km.disable_kprobe(one)
     assert rig.at(addr) == insn(NOP)
     assert rig.km.points[addr].probes == [one, two]  # still registered
-    assert rig.km.list_probes().count("[DISABLED]") == 2
+    assert list_probes(rig.km).count("[DISABLED]") == 2
     rig.km.enable_kprobe(two)
     assert rig.at(addr) == BRK
     rig.run(A, addr)
@@ -149,7 +150,7 @@ def test_kprobes_enabled_off_disarms_everything_and_keeps_each_probes_state(rig:
     rig.km.register_kprobes([on, off])
     rig.km.set_enabled(False)
     assert rig.text_unchanged()
-    assert rig.km.list_probes().count("[DISABLED]") == 2
+    assert list_probes(rig.km).count("[DISABLED]") == 2
     rig.km.set_enabled(True)
     assert (rig.at(rig.fn + 4), rig.at(rig.other)) == (BRK, insn(ADDI, 7))
     assert (on.disabled, off.disabled) == (False, True)
@@ -170,7 +171,7 @@ def test_an_emulated_hit_runs_every_pre_handler_once_with_the_regs_before_the_in
     assert [kp.nhit for kp in kps] == [1, 1]
     assert rig.t.regs(A)["pc"] == rig.fn + 8  # the NOP was emulated: the vCPU goes on after it
     assert rig.t.cpu.steps == []
-    assert rig.km.ntraps == 1
+    assert rig.km.dispatcher.ntraps == 1
 
 
 def test_a_trap_stepped_hit_runs_the_copy_out_of_line_then_the_post_handler(rig: Rig) -> None:
@@ -183,7 +184,7 @@ def test_a_trap_stepped_hit_runs_the_copy_out_of_line_then_the_post_handler(rig:
     regs = rig.t.regs(A)
     assert regs["pc"] == point.prep.slot_addr + Toy.STEP_COPY and not regs["psr"] & IRQ  # the copy, interrupts off
     assert rig.km.dispatcher.ctlblk[A].status is KprobeStatus.HIT_SS
-    assert rig.km.trap_step_returns() == {A: addr + 4}
+    assert rig.km.dispatcher.trap_step_returns() == {A: addr + 4}
     rig.step(A)  # the copy: r0 += 5
     assert post == []
     rig.step(A)  # the BRK after it: the second trap
@@ -275,7 +276,7 @@ def test_a_failing_pre_handler_is_counted_and_the_hit_goes_on(rig: Rig) -> None:
     rig.run(B, rig.fn + 4)
     assert (kp.nhit, kp.nfaults, faults) == (2, 2, ["bad handler"] * 2)
     assert kp.errors == ["pre_handler of toy_fn+0x4 raised ValueError: bad handler"] * 2
-    assert rig.km.handler_errors.count == 2
+    assert rig.km.handlers.errors.count == 2
     assert rig.t.regs(A)["pc"] == rig.t.regs(B)["pc"] == rig.fn + 8
 
 
@@ -297,8 +298,8 @@ def test_somebody_elses_breakpoint_passes_through(rig: Rig) -> None:
     rig.km.register_kprobe(Kprobe("toy_fn", offset=4))
     rig.t.mem.write(rig.fn + 16, BRK)  # the guest's own
     rig.run(A, rig.fn + 16)
-    assert rig.km.passed_through == 1
-    assert rig.km.ntraps == 0
+    assert rig.km.dispatcher.passed_through == 1
+    assert rig.km.dispatcher.ntraps == 0
     assert rig.t.cpu.steps == [(A, ENTRY)]  # stepped off the hook's breakpoint into the guest's handler
 
 

@@ -19,11 +19,12 @@ from core_fakes import ARCH, FlatMem, flat_regs
 from vmm_fakes import QemuStub
 
 from qprobe.arch.inguest import KeyPart, KeySpec
-from qprobe.core import optimizer as optimizer_mod
+from qprobe.core import optcheck, optqueue
 from qprobe.core.dispatch import Trampoline
 from qprobe.core.handlers import Handlers
 from qprobe.core.kprobe import Kprobe, Kretprobe
-from qprobe.core.optimizer import RESUME_GRACE, Optimizer, detour_kind
+from qprobe.core.optcheck import RESUME_GRACE, transient
+from qprobe.core.optimizer import Optimizer, detour_kind
 from qprobe.core.point import ProbePoint
 from qprobe.core.regs import PtRegs
 from qprobe.vmm.gdbremote import GdbRemote
@@ -86,9 +87,13 @@ class Table:
         self.points: dict[int, ProbePoint] = {}
         self.trampolines: dict[int, Trampoline] = {}
         self.resume_targets: dict[int, float] = {}
-        self.reserved = SimpleNamespace(conflict=lambda lo, hi: None)
+        self.sites = SimpleNamespace(reserved=SimpleNamespace(conflict=lambda lo, hi: None))
         self.trapping: int | None = None
         self.stepping: dict[str, int] = {}
+        # The table answers for its kernel text (KernelText: original, patched) and its dispatcher
+        # (Dispatcher: arriving, trap_step_returns) itself.
+        self.text = self
+        self.dispatcher = self
 
     def original(self, addr: int, size: int) -> bytes:
         return self.machine.mem.read(addr, size)
@@ -208,7 +213,7 @@ def test_a_plain_probe_may_take_the_jump_and_learns_its_region(rig: Rig) -> None
 def test_what_keeps_a_point_an_int3(rig: Rig, change: object, reason: str) -> None:
     change(rig)  # type: ignore[operator]
     why = rig.opt.why_not(rig.point)
-    assert why is not None and why.startswith(reason) and not rig.opt.transient(why)
+    assert why is not None and why.startswith(reason) and not transient(why)
 
 
 @pytest.mark.parametrize(
@@ -226,7 +231,7 @@ def test_what_keeps_a_point_an_int3(rig: Rig, change: object, reason: str) -> No
 def test_what_only_delays_the_jump(rig: Rig, change: object, start: str) -> None:
     change(rig)  # type: ignore[operator]
     why = rig.opt.why_not(rig.point)
-    assert why is not None and why.startswith(start) and rig.opt.transient(why)
+    assert why is not None and why.startswith(start) and transient(why)
 
 
 def test_a_task_preempted_inside_the_region_delays_the_jump_on_a_fully_preemptible_kernel(
@@ -239,16 +244,16 @@ def test_a_task_preempted_inside_the_region_delays_the_jump_on_a_fully_preemptib
         reads.append(stack_size)
         return sorted(stacks)
 
-    monkeypatch.setattr(optimizer_mod, "preempted_words", preempted_words)
+    monkeypatch.setattr(optcheck, "preempted_words", preempted_words)
     assert rig.opt.why_not(rig.point) is None and reads == []  # not fully preemptible: no look at the tasks
     rig.table.fully_preemptible = True
     assert rig.opt.why_not(rig.point) is None and reads == [THREAD_SIZE]
     stacks.append(PROBE + 3)  # a saved ip in the displaced instructions
-    rig.opt._preempted = None  # a new VM stop
+    rig.opt.check.preempted = None  # a new VM stop
     why = rig.opt.why_not(rig.point)
-    assert why == f"a preempted task's stack holds {PROBE + 3:#x}, inside the region" and rig.opt.transient(why)
-    assert rig.opt.preempted_in(PROBE + 3, PROBE + 4) == f"a preempted task's stack holds {PROBE + 3:#x}"
-    assert rig.opt.preempted_in(PROBE + 4, PROBE + REGION) is None
+    assert why == f"a preempted task's stack holds {PROBE + 3:#x}, inside the region" and transient(why)
+    assert rig.opt.check.preempted_in(PROBE + 3, PROBE + 4) == f"a preempted task's stack holds {PROBE + 3:#x}"
+    assert rig.opt.check.preempted_in(PROBE + 4, PROBE + REGION) is None
 
 
 def test_a_task_preempted_in_a_boosted_copy_returning_into_the_region_delays_the_jump(
@@ -258,16 +263,16 @@ def test_a_task_preempted_in_a_boosted_copy_returning_into_the_region_delays_the
     rig.table.scratch = SimpleNamespace(mapped=True, base=base, mapped_size=size)  # type: ignore[assignment]
     rig.table.fully_preemptible = True
     stacks = [base - 8, base + size]
-    monkeypatch.setattr(optimizer_mod, "preempted_words", lambda kernel, stack_size: sorted(stacks))
+    monkeypatch.setattr(optcheck, "preempted_words", lambda kernel, stack_size: sorted(stacks))
     rig.table.resume_targets[PROBE + 3] = time.monotonic() - RESUME_GRACE - 0.01  # a boosted copy returns there
     assert rig.opt.why_not(rig.point) is None
     stacks.append(base + 0x40)  # a task preempted in a slot
-    rig.opt._preempted = None
+    rig.opt.check.preempted = None
     why = rig.opt.why_not(rig.point)
     assert why is not None and why.startswith(f"a preempted task's stack holds {base + 0x40:#x}")
-    assert rig.opt.transient(why)
+    assert transient(why)
     rig.table.resume_targets.clear()  # no out-of-line code returns into this region: the slot's task does not matter
-    rig.opt._preempted = None
+    rig.opt.check.preempted = None
     assert rig.opt.why_not(rig.point) is None
 
 
@@ -281,7 +286,7 @@ def test_a_kernel_whose_stack_size_is_unknown_keeps_its_int3s_and_says_why(rig: 
     rig.table.kernel.prog = drgn.Program(rig.table.kernel.prog.platform)
     why = rig.opt.why_not(rig.point)
     assert why is not None and why.startswith("interrupted contexts cannot be found: the size of a kernel stack")
-    assert not rig.opt.transient(why)
+    assert not transient(why)
 
 
 def test_a_return_address_at_the_regions_start_or_end_is_harmless(rig: Rig) -> None:
@@ -299,10 +304,10 @@ def test_a_vcpu_on_an_irq_stack_that_ends_at_a_guard_page_is_read_up_to_it(rig: 
     assert rig.opt.why_not(rig.point) is None
     rig.mem.fill(irq_top - 0x10, (PROBE + 3).to_bytes(8, "little"))  # an interrupted context's ip, on the IRQ stack
     why = rig.opt.why_not(rig.point)
-    assert why is not None and why.startswith("a context interrupted") and rig.opt.transient(why)
+    assert why is not None and why.startswith("a context interrupted") and transient(why)
     rig.mem.unmapped.add(irq_top - 0x1000)  # the page sp is on: nothing can be read
     why = rig.opt.why_not(rig.point)
-    assert why is not None and why.startswith("a context interrupted") and rig.opt.transient(why)
+    assert why is not None and why.startswith("a context interrupted") and transient(why)
 
 
 def test_an_irq_stack_is_read_past_the_thread_size_boundary_above_sp(rig: Rig) -> None:
@@ -314,7 +319,7 @@ def test_an_irq_stack_is_read_past_the_thread_size_boundary_above_sp(rig: Rig) -
     assert rig.opt.why_not(rig.point) is None
     rig.mem.fill(irq_top - 0x40, (PROBE + 3).to_bytes(8, "little"))  # a caller inside the region, 2 pages up
     why = rig.opt.why_not(rig.point)
-    assert why is not None and why.startswith("a context interrupted") and rig.opt.transient(why)
+    assert why is not None and why.startswith("a context interrupted") and transient(why)
 
 
 def test_a_vcpu_in_user_mode_holds_no_kernel_context(rig: Rig) -> None:
@@ -354,31 +359,32 @@ def test_why_not_kept_sends_a_point_back_when_its_handlers_change(rig: Rig) -> N
 )
 def test_the_optimizer_works_its_queue_in_rounds(rig: Rig, monkeypatch: pytest.MonkeyPatch, reasons: list[str],
                                                  attempts: int) -> None:  # fmt: skip
-    monkeypatch.setattr(optimizer_mod, "OPTIMIZE_DELAY", 0.0)
-    monkeypatch.setattr(optimizer_mod, "RESUME_GRACE", 0.0)
+    monkeypatch.setattr(optqueue, "OPTIMIZE_DELAY", 0.0)
+    monkeypatch.setattr(optqueue, "RESUME_GRACE", 0.0)
+    monkeypatch.setattr(optcheck, "RESUME_GRACE", 0.0)
     tried: list[tuple[bool, list[int]]] = []
 
     def optimize(point: ProbePoint) -> bool:
-        tried.append((point.optimizing, list(rig.opt.optimizing_list)))
+        tried.append((point.optimizing, list(rig.opt.queue.optimizing_list)))
         if len(tried) <= len(reasons):
             point.not_optimized = reasons[len(tried) - 1]
             return False
         return True
 
-    monkeypatch.setattr(rig.opt, "optimize", optimize)
-    rig.opt.optimize_later([PROBE])
-    if attempts > optimizer_mod.OPTIMIZE_RETRIES:
-        assert len(tried) >= optimizer_mod.OPTIMIZE_RETRIES  # register returned; the point stays queued
+    monkeypatch.setattr(rig.opt.queue, "optimize", optimize)
+    rig.opt.queue.optimize_later([PROBE])
+    if attempts > optqueue.OPTIMIZE_RETRIES:
+        assert len(tried) >= optqueue.OPTIMIZE_RETRIES  # register returned; the point stays queued
         deadline = time.monotonic() + 10
-        while rig.opt.optimizing_list and time.monotonic() < deadline:
+        while rig.opt.queue.optimizing_list and time.monotonic() < deadline:
             time.sleep(0.01)
     assert len(tried) == attempts
     assert all(flag and queue == [PROBE] for flag, queue in tried)  # queued, and stepped rather than boosted
-    assert not rig.point.optimizing and not rig.opt.optimizing_list
+    assert not rig.point.optimizing and not rig.opt.queue.optimizing_list
 
 
 def test_the_optimizer_does_nothing_with_the_knob_off(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
     rig.opt.enabled = False
-    monkeypatch.setattr(rig.opt, "optimize", lambda point: pytest.fail("optimized with the knob off"))
-    rig.opt.optimize_later([PROBE])
+    monkeypatch.setattr(rig.opt.queue, "optimize", lambda point: pytest.fail("optimized with the knob off"))
+    rig.opt.queue.optimize_later([PROBE])
     assert not rig.point.optimizing

@@ -45,6 +45,11 @@ class FakeProbes:
         self.enabled = True
         self.points: dict[int, ProbePoint] = {}
         self.optimizer = None  # no jump optimization: every hit reaches the host
+        self.sites = FakeSites(symbols)
+
+
+class FakeSites:
+    def __init__(self, symbols: Symbols) -> None:
         self.blacklist = Blacklist(symbols, ArchBlacklist(()))  # the fake symbols list nothing
         self.reserved = None
 

@@ -9,6 +9,7 @@ import typing
 from shell_fakes import FakeTarget
 
 from qprobe.api import Target
+from qprobe.funcs import Sites
 from qprobe.shell.target import ShellProbes, ShellTarget
 
 
@@ -28,6 +29,7 @@ def test_the_fake_is_a_shell_target() -> None:
     fake = FakeTarget()
     assert isinstance(fake, ShellTarget)
     assert all(hasattr(fake.kprobes, name) for name in members(ShellProbes))
+    assert all(hasattr(fake.kprobes.sites, name) for name in members(Sites))
 
 
 def test_the_real_target_provides_every_member() -> None:
@@ -40,4 +42,5 @@ def test_the_real_target_provides_every_member() -> None:
     }  # fmt: skip
     missing = sorted(n for n in members(ShellTarget) if not hasattr(Target, n) and n not in assigned)
     assert not missing, f"qprobe.api.Target lacks {missing}"
-    assert {"enabled", "points", "blacklist", "reserved"} <= members(ShellProbes)
+    assert {"enabled", "points", "sites"} <= members(ShellProbes)
+    assert {"blacklist", "reserved"} <= members(Sites)

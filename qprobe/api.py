@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import hashlib
 import logging
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING
@@ -30,24 +29,20 @@ import drgn
 
 from qprobe.arch import Arch
 from qprobe.arch.select import arch_named, arch_of_machine
-from qprobe.core.kprobe import Kprobe, Kretprobe
 from qprobe.core.kprobes import KprobeManager
 from qprobe.core.kretprobe import KretprobeManager
-from qprobe.core.listing import list_probes
 from qprobe.core.recovery import recover
 from qprobe.core.regs import PtRegs
-from qprobe.core.watchpoint import Watchpoint, Watchpoints
-from qprobe.errors import BootPanic, GuestPanicked, ProbeError, QprobeError, SymbolError, TargetError, TargetGone
-from qprobe.kernel.btf import module_btfs
+from qprobe.core.watchpoint import Watchpoints
+from qprobe.errors import BootPanic, GuestPanicked, QprobeError, SymbolError, TargetError, TargetGone
+from qprobe.eventapi import EventAPI
 from qprobe.kernel.clock import NSEC_PER_SEC, StopClock, TraceClock
-from qprobe.kernel.features import fully_preemptible, thread_size
+from qprobe.kernel.features import fully_preemptible
 from qprobe.kernel.kaslr import detect_slide
-from qprobe.kernel.modules import loaded_modules
 from qprobe.kernel.program import KernelData, Stack, Task
-from qprobe.kernel.symbols import ModuleText, Symbols, elf_machine
-from qprobe.kernel.tracefs import ftrace_locations, probe_dialect, trace_event_names
-from qprobe.modnotify import ModuleNotifier
+from qprobe.kernel.symbols import Symbols, elf_machine
 from qprobe.paths import cache_dir, write_private
+from qprobe.probeapi import ProbeAPI
 from qprobe.timeline import Timeline, TscOrder
 from qprobe.vmm.connection import Connection, parse_address
 from qprobe.vmm.console import Console, GuestShell, RunResult, open_shell
@@ -62,8 +57,7 @@ from qprobe.vmm.scratch import ScratchArea, memmap_reservation
 from qprobe.vmm.transport import GdbTransport
 
 if TYPE_CHECKING:
-    from qprobe.events import EventHit, TraceEvent, Wildcard
-    from qprobe.fetch.dialect import Dialect
+    from qprobe.events import TraceEvent
     from qprobe.images import Image
 
 log = logging.getLogger("qprobe")
@@ -117,7 +111,7 @@ class _StubPhys:
         return self.machine.call(read) if self.machine is not None else read()
 
 
-class Target:
+class Target(ProbeAPI, EventAPI):
     """A running guest kernel under qprobe's control."""
 
     def __init__(self, gdb_address: str, vmlinux: str | Path, *, ram: Path | None = None, ram_size: int = 0,
@@ -421,61 +415,6 @@ class Target:
             return None
         return self.machine.call(lambda: gdb.console(command))
 
-    # -- kprobes API (names as in <linux/kprobes.h>) -------------------------------------
-    def register_kprobe(self, kp: Kprobe) -> None:
-        self.kprobes.register_kprobe(kp)
-
-    def unregister_kprobe(self, kp: Kprobe) -> None:
-        self.kprobes.unregister_kprobe(kp)
-
-    def register_kprobes(self, kps: Iterable[Kprobe]) -> None:
-        self.kprobes.register_kprobes(kps)
-
-    def unregister_kprobes(self, kps: Iterable[Kprobe]) -> None:
-        self.kprobes.unregister_kprobes(kps)
-
-    def enable_kprobe(self, kp: Kprobe) -> None:
-        self.kprobes.enable_kprobe(kp)
-
-    def disable_kprobe(self, kp: Kprobe) -> None:
-        self.kprobes.disable_kprobe(kp)
-
-    def register_kretprobe(self, rp: Kretprobe) -> None:
-        self.kretprobes.register_kretprobe(rp)
-
-    def unregister_kretprobe(self, rp: Kretprobe) -> None:
-        self.kretprobes.unregister_kretprobe(rp)
-
-    def register_kretprobes(self, rps: Iterable[Kretprobe]) -> None:
-        """All or nothing, as register_kprobes."""
-        done: list[Kretprobe] = []
-        try:
-            for rp in rps:
-                self.register_kretprobe(rp)
-                done.append(rp)
-        except BaseException:
-            for rp in reversed(done):
-                self.unregister_kretprobe(rp)
-            raise
-
-    def unregister_kretprobes(self, rps: Iterable[Kretprobe]) -> None:
-        for rp in list(rps):
-            if rp.registered:
-                self.unregister_kretprobe(rp)
-
-    def enable_kretprobe(self, rp: Kretprobe) -> None:
-        self.kprobes.enable_kprobe(rp.kp)
-
-    def disable_kretprobe(self, rp: Kretprobe) -> None:
-        self.kprobes.disable_kprobe(rp.kp)
-
-    def register_watchpoint(self, wp: Watchpoint) -> None:
-        """Arm a data watchpoint (QEMU's, not the guest's debug registers)."""
-        self.watchpoints.register_watchpoint(wp)
-
-    def unregister_watchpoint(self, wp: Watchpoint) -> None:
-        self.watchpoints.unregister_watchpoint(wp)
-
     @property
     def prog(self) -> drgn.Program:
         """The running guest kernel as a drgn ``Program``, created on first use and kept.
@@ -545,161 +484,6 @@ class Target:
     def current_task(self, regs: PtRegs) -> Task:
         """A snapshot of the task a handler interrupted: pid, tgid and comm as Python values."""
         return self.kernel.read_task(gs_base=regs.gs_base)
-
-    @functools.cached_property
-    def dialect(self) -> Dialect:
-        """What this kernel's kprobe_events accepts beyond 6.1.0's and how it words errors (from vmlinux)."""
-        try:
-            stack = thread_size(self.kernel)
-        except QprobeError:
-            stack = None  # $stackN and $argN are refused, naming the unknown THREAD_SIZE
-        return probe_dialect(self.symbols, self.arch.registers.pt_regs, stack, lambda: module_btfs(self.kernel.prog))
-
-    @functools.cached_property
-    def ftrace_locations(self) -> list[int]:
-        """Every ``__fentry__`` site ftrace manages (from vmlinux), sorted; kprobe events need one in their function."""
-        return ftrace_locations(self.symbols)
-
-    @functools.cached_property
-    def modules(self) -> ModuleNotifier:
-        """The guest's loaded modules, followed from the first probe on one (``start()``)."""
-        return ModuleNotifier(self)
-
-    def loaded_modules(self) -> list[ModuleText]:
-        """The guest's loaded modules now: as followed, or read from guest memory in one VM stop.
-
-        Empty for a kernel qprobe cannot read modules of (no debug info, no modules).
-        """
-        if self.modules.started:
-            return list(self.symbols.modules.values())
-        try:
-            prog = self.kernel.prog
-            return self.machine.call(lambda: loaded_modules(prog))
-        except (QprobeError, LookupError, drgn.FaultError) as exc:
-            log.debug("modules not read: %s", exc)
-            return []
-
-    @functools.cached_property
-    def trace_events(self) -> frozenset[tuple[str, str]]:
-        """(system, name) of the guest kernel's trace events, read once through drgn (module events load later)."""
-        try:
-            return trace_event_names(self.prog)
-        except SymbolError:  # a vmlinux without debug info: no names to check against, as before they were read
-            return frozenset()
-
-    def add_event(
-        self,
-        definition: str,
-        callback: Callable[[EventHit], None] | None = None,
-        filter: str | None = None,
-        anywhere: bool = False,
-    ) -> TraceEvent:
-        """Arm a kprobe_events definition (``p:ev vfs_read count=%dx``); hits go to ``callback`` and ``.hits``.
-
-        ``filter`` is an ftrace event filter (``count > 100 && comm == "cat"``): hits it rejects are
-        only counted (``.filtered``).  ``anywhere`` arms it with a stub breakpoint, which also reaches
-        the kernel's blacklist (``Kprobe(anywhere=True)``).
-        """
-        from qprobe.events import add_event
-
-        self.start_clock()
-        return add_event(self, definition, callback, filter, anywhere)  # in self.events, or appended to its event
-
-    def add_events(
-        self,
-        definition: str,
-        callback: Callable[[EventHit], None] | None = None,
-        filter: str | None = None,
-        anywhere: bool = False,
-    ) -> Wildcard:
-        """Arm a definition on a glob (``p:vfs vfs_* fd=%di``): one event per function that can be probed.
-
-        The events are ``vfs/vfs_read``, ``vfs/vfs_write``...; ``.refused`` says why the other matches were not.
-        """
-        from qprobe.events import add_events
-
-        self.start_clock()
-        return add_events(self, definition, callback, filter, anywhere)
-
-    def remove_event(self, event: TraceEvent | str) -> None:
-        """Disarm an event given as returned by add_event, as ``GRP/EVENT``, ``EVENT`` or ``-:EVENT``."""
-        self.remove_events([event])
-
-    def remove_events(self, events: Iterable[TraceEvent | str]) -> None:
-        """Disarm events, every entry probe of them in one VM stop (as ``add_events`` armed them).
-
-        An event removes the probes appended to it too; one already removed (with the event it was
-        appended to, say) is left alone.
-        """
-        from qprobe.events import remove_events
-
-        by_id: dict[int, TraceEvent] = {}  # each event once, in the order given
-        for event in events:
-            if isinstance(event, str):
-                name = event.removeprefix("-:")
-                matches = [te for key, te in self.events.items() if key == name or key.split("/")[1] == name]
-                if not matches:
-                    raise ProbeError(f"no such event {name!r} (ENOENT)")
-                event = matches[0]
-            by_id.setdefault(id(event), event)
-        todo = list(by_id.values())
-        firsts = {id(te) for te in todo if self.events.get(te.name) is te}
-
-        def removed_alone(te: TraceEvent) -> bool:  # appended to an event that stays
-            first = self._appended_to(te)
-            return first is not None and id(first) not in firsts
-
-        live = [te for te in todo if id(te) in firsts or removed_alone(te)]
-        self.timeline.flush()
-        remove_events(self, live)  # each first's every probe, an appended one's own
-        for te in live:
-            if id(te) in firsts:
-                del self.events[te.name]
-            else:
-                first = self._appended_to(te)
-                assert first is not None
-                first.appended.remove(te)
-
-    def _appended_to(self, te: TraceEvent) -> TraceEvent | None:
-        """The registered event ``te`` was appended to (the kernel's append rule), if any."""
-        first = self.events.get(te.name)
-        return first if first is not None and te in first.appended else None
-
-    def set_kprobes_enabled(self, on: bool) -> None:
-        """debugfs ``kprobes/enabled``."""
-        self.kprobes.set_enabled(on)
-
-    def list_probes(self) -> str:
-        """The debugfs kprobes/list format (nmissed of optimized probes synced when the VM is up)."""
-        if not self.machine.alive:
-            return list_probes(self.kprobes, sync=False)
-        return self.machine.call(lambda: list_probes(self.kprobes))
-
-    @property
-    def kprobes_optimization(self) -> bool:
-        """debug.kprobes_optimization: whether probes are jump-optimized when they can be."""
-        return self.kprobes.optimizer.enabled
-
-    def set_kprobes_optimization(self, on: bool) -> None:
-        """Turn jump optimization on (optimizing what can be) or off (every probe back to an int3)."""
-        opt = self.kprobes.optimizer
-        if on and not opt.available:
-            raise TargetError("jump optimization needs qprobe's own QEMU (a doorbell device and shared RAM)")
-
-        def change() -> None:
-            opt.enabled = on
-            for point in self.kprobes.points.values():
-                self.kprobes._sync(point)
-
-        self.machine.call(change)
-        if on:
-            opt.queue.optimize_later(list(self.kprobes.points))
-
-    def blacklist(self) -> list[str]:
-        return [str(e) for e in self.kprobes.sites.blacklist]
-
-    def text_snapshot(self, addrs: Iterable[int], size: int = 64) -> dict[int, bytes]:
-        return {a: self.mem.read(a, size) for a in addrs}
 
     # -- teardown ------------------------------------------------------------------
     def close(self) -> None:

@@ -19,8 +19,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "qprobe"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # The package's __init__ re-exports the API, so it sits with the front ends.
     ("front ends", ("qprobe", "qprobe.cli", "qprobe.shell", "qprobe.pytest_plugin", "qprobe.bench", "qprobe.demo")),
-    # session makes Targets (boot, attach) above the class they make.
-    ("api", ("qprobe.api", "qprobe.session")),
+    # session makes Targets (boot, attach) above the class they make; probeapi and eventapi are the
+    # kprobes and kprobe_events APIs Target inherits.
+    ("api", ("qprobe.api", "qprobe.session", "qprobe.probeapi", "qprobe.eventapi")),
     # funcs answers "can this function be probed" for kprobe_events definitions and `qprobe funcs`;
     # modnotify re-registers module events as their module loads.
     # timeline hands events' hits on in the guest's order.

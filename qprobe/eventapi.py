@@ -1,0 +1,163 @@
+"""The kprobe_events API of a Target: definitions armed as events, and the kernel facts their language needs.
+
+``Target`` (qprobe.api) inherits it; the work is qprobe.events', on the Target itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+import drgn
+
+from qprobe.errors import ProbeError, QprobeError, SymbolError
+from qprobe.kernel.btf import module_btfs
+from qprobe.kernel.features import thread_size
+from qprobe.kernel.modules import loaded_modules
+from qprobe.kernel.symbols import ModuleText
+from qprobe.kernel.tracefs import ftrace_locations, probe_dialect, trace_event_names
+from qprobe.modnotify import ModuleNotifier
+
+log = logging.getLogger("qprobe")
+
+if TYPE_CHECKING:
+    from qprobe.arch import Arch
+    from qprobe.events import EventHit, TraceEvent, Wildcard
+    from qprobe.fetch.dialect import Dialect
+    from qprobe.kernel.program import KernelData
+    from qprobe.kernel.symbols import Symbols
+    from qprobe.vmm.machine import Machine
+
+
+class EventAPI:
+    """add_event and the rest, on the Target that inherits this."""
+
+    events: dict[str, TraceEvent]
+    arch: Arch
+    kernel: KernelData
+    symbols: Symbols
+    machine: Machine
+
+    @functools.cached_property
+    def dialect(self) -> Dialect:
+        """What this kernel's kprobe_events accepts beyond 6.1.0's and how it words errors (from vmlinux)."""
+        try:
+            stack = thread_size(self.kernel)
+        except QprobeError:
+            stack = None  # $stackN and $argN are refused, naming the unknown THREAD_SIZE
+        return probe_dialect(self.symbols, self.arch.registers.pt_regs, stack, lambda: module_btfs(self.kernel.prog))
+
+    @functools.cached_property
+    def ftrace_locations(self) -> list[int]:
+        """Every ``__fentry__`` site ftrace manages (from vmlinux), sorted; kprobe events need one in their function."""
+        return ftrace_locations(self.symbols)
+
+    @functools.cached_property
+    def modules(self) -> ModuleNotifier:
+        """The guest's loaded modules, followed from the first probe on one (``start()``)."""
+        return ModuleNotifier(self)
+
+    def loaded_modules(self) -> list[ModuleText]:
+        """The guest's loaded modules now: as followed, or read from guest memory in one VM stop.
+
+        Empty for a kernel qprobe cannot read modules of (no debug info, no modules).
+        """
+        if self.modules.started:
+            return list(self.symbols.modules.values())
+        try:
+            prog = self.kernel.prog
+            return self.machine.call(lambda: loaded_modules(prog))
+        except (QprobeError, LookupError, drgn.FaultError) as exc:
+            log.debug("modules not read: %s", exc)
+            return []
+
+    @functools.cached_property
+    def trace_events(self) -> frozenset[tuple[str, str]]:
+        """(system, name) of the guest kernel's trace events, read once through drgn (module events load later)."""
+        try:
+            return trace_event_names(self.prog)
+        except SymbolError:  # a vmlinux without debug info: no names to check against, as before they were read
+            return frozenset()
+
+    def add_event(
+        self,
+        definition: str,
+        callback: Callable[[EventHit], None] | None = None,
+        filter: str | None = None,
+        anywhere: bool = False,
+    ) -> TraceEvent:
+        """Arm a kprobe_events definition (``p:ev vfs_read count=%dx``); hits go to ``callback`` and ``.hits``.
+
+        ``filter`` is an ftrace event filter (``count > 100 && comm == "cat"``): hits it rejects are
+        only counted (``.filtered``).  ``anywhere`` arms it with a stub breakpoint, which also reaches
+        the kernel's blacklist (``Kprobe(anywhere=True)``).
+        """
+        from qprobe.events import add_event
+
+        self.start_clock()
+        return add_event(self, definition, callback, filter, anywhere)  # in self.events, or appended to its event
+
+    def add_events(
+        self,
+        definition: str,
+        callback: Callable[[EventHit], None] | None = None,
+        filter: str | None = None,
+        anywhere: bool = False,
+    ) -> Wildcard:
+        """Arm a definition on a glob (``p:vfs vfs_* fd=%di``): one event per function that can be probed.
+
+        The events are ``vfs/vfs_read``, ``vfs/vfs_write``...; ``.refused`` says why the other matches were not.
+        """
+        from qprobe.events import add_events
+
+        self.start_clock()
+        return add_events(self, definition, callback, filter, anywhere)
+
+    def remove_event(self, event: TraceEvent | str) -> None:
+        """Disarm an event given as returned by add_event, as ``GRP/EVENT``, ``EVENT`` or ``-:EVENT``."""
+        self.remove_events([event])
+
+    def remove_events(self, events: Iterable[TraceEvent | str]) -> None:
+        """Disarm events, every entry probe of them in one VM stop (as ``add_events`` armed them).
+
+        An event removes the probes appended to it too; one already removed (with the event it was
+        appended to, say) is left alone.
+        """
+        from qprobe.events import remove_events
+
+        by_id: dict[int, TraceEvent] = {}  # each event once, in the order given
+        for event in events:
+            if isinstance(event, str):
+                name = event.removeprefix("-:")
+                matches = [te for key, te in self.events.items() if key == name or key.split("/")[1] == name]
+                if not matches:
+                    raise ProbeError(f"no such event {name!r} (ENOENT)")
+                event = matches[0]
+            by_id.setdefault(id(event), event)
+        todo = list(by_id.values())
+        firsts = {id(te) for te in todo if self.events.get(te.name) is te}
+
+        def removed_alone(te: TraceEvent) -> bool:  # appended to an event that stays
+            first = self._appended_to(te)
+            return first is not None and id(first) not in firsts
+
+        live = [te for te in todo if id(te) in firsts or removed_alone(te)]
+        self.timeline.flush()
+        remove_events(self, live)  # each first's every probe, an appended one's own
+        for te in live:
+            if id(te) in firsts:
+                del self.events[te.name]
+            else:
+                first = self._appended_to(te)
+                assert first is not None
+                first.appended.remove(te)
+
+    def _appended_to(self, te: TraceEvent) -> TraceEvent | None:
+        """The registered event ``te`` was appended to (the kernel's append rule), if any."""
+        first = self.events.get(te.name)
+        return first if first is not None and te in first.appended else None
+
+
+__all__ = ["EventAPI"]

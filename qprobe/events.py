@@ -249,6 +249,7 @@ class TraceEvent:
     host_filtered: int = 0  # hits the filter rejected on the host (the rest were rejected in the guest)
     guest_map: tuple[tuple[str, ...], str | None, bool] | None = None  # count_in_guest's keys, value, hist
     appended: list[TraceEvent] = field(default_factory=list)  # later probes of the same event
+    anywhere: bool = False  # armed with stub breakpoints (Kprobe(anywhere=True)), also when its module loads
 
     @functools.cached_property
     def numbers(self) -> frozenset[str]:
@@ -771,11 +772,12 @@ def _prepare(
             symbols, target.ftrace_locations, symbols.address(ev.symbol) + ev.offset):  # fmt: skip
         # __register_trace_kprobe: "Could not probe notrace function", -EINVAL.
         raise _registration_error(ev, InvalidProbe(f"{ev.symbol} is a notrace function (EINVAL)"), dialect)
-    _make_probe(te, anywhere)
+    te.anywhere = anywhere
+    _make_probe(te)
     return te, first
 
 
-def _make_probe(te: TraceEvent, anywhere: bool) -> None:
+def _make_probe(te: TraceEvent) -> None:
     """The event's kprobe or kretprobe, not yet registered."""
     ev = te.definition
     if ev.is_return:
@@ -785,9 +787,9 @@ def _make_probe(te: TraceEvent, anywhere: bool) -> None:
                              entry_handler=te._kretprobe_entry if saved else None)  # fmt: skip
         return
     kp = Kprobe(symbol_name=ev.symbol, addr=ev.addr if ev.symbol is None else None, offset=ev.offset,
-                pre_handler=te._kprobe_hit, anywhere=anywhere)  # fmt: skip
+                pre_handler=te._kprobe_hit, anywhere=te.anywhere)  # fmt: skip
     layout = te.target.arch.registers
-    if in_guest(ev, layout) and not anywhere:  # a stub breakpoint is never jump-optimized
+    if in_guest(ev, layout) and not te.anywhere:  # a stub breakpoint is never jump-optimized
         te.in_guest = True
         kp.recorder = te._guest_record
         if te.filter is not None:

@@ -103,19 +103,22 @@ class StubProbes:
         if point is None:
             return
         active = [kp for kp in point.probes if not kp.disabled]
-        # Before swapgs on a kernel entry the per-CPU base is in the other GS register: the handlers'
-        # current task and per-CPU reads need the kernel's.
-        pt = self.make_regs({**regs, self.arch.registers.percpu_base: self.arch.percpu_base(regs)}, tid)
+        pt = self._regs(regs, tid)
         if self.handlers.pre(active, pt):  # a pre_handler moved ip and asked to skip the instruction
             self._write(tid, pt)
             return
         self._write(tid, pt)
         after = self.step(tid, pt.ip)
         point.steps += 1
-        post = self.make_regs({**after, self.arch.registers.percpu_base: self.arch.percpu_base(after)}, tid)
+        post = self._regs(after, tid)
         post.mark_clean()
         self.handlers.post(active, post)
         self._write(tid, post)
+
+    def _regs(self, values: Mapping[str, int], tid: str) -> PtRegs:
+        # Before swapgs on a kernel entry the per-CPU base is in the other GS register: the handlers'
+        # current task and per-CPU reads need the kernel's.
+        return self.make_regs({**values, self.arch.registers.percpu_base: self.arch.percpu_base(values)}, tid)
 
     def _write(self, tid: str, pt: PtRegs) -> None:
         changed = pt.dirty()

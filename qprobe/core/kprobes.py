@@ -28,7 +28,6 @@ from qprobe.core.sites import ProbeSites
 from qprobe.core.text import KernelText
 from qprobe.errors import (
     InvalidProbe,
-    NotKernelText,
     ProbeBusy,
     ProbeError,
 )
@@ -154,16 +153,8 @@ class KprobeManager:
 
     def _register_anywhere(self, kp: Kprobe, addr: int) -> None:
         """A stub breakpoint: any instruction boundary of kernel text, the blacklist and reserved sites too."""
-        where = self.symbols.symbolize(addr)
-        if not self.symbols.is_text(addr):
-            raise NotKernelText(f"{where} ({addr:#x}) is not in kernel text")
-        # Entry text is assembler: its labels (entry_SYSCALL_64) are not sized functions, and reach as kallsyms'
-        # symbols do, to the next symbol.
-        sym = self.symbols.containing(addr)
-        if sym is None:
-            raise NotKernelText(f"{addr:#x} is not inside a known kernel symbol")
-        size = sym.size or self.symbols.kallsyms_size(sym)
-        self.arch.check_boundary(self.text.original(sym.addr, size), sym.addr, addr, self.text.patched(), sym.name)
+        where, start, code = self.sites.check_kprobe_address_safe(addr, anywhere=True)
+        self.arch.check_boundary(code, start, addr, self.text.patched(), where.split("+")[0])
         if addr in self.points or self._regions(addr):
             raise InvalidProbe(f"{where} has an int3 or a jump of a probe: probe it with anywhere=False too "
                                "(EBUSY)")  # fmt: skip

@@ -64,22 +64,28 @@ class ProbeSites:
         """
         return self._fentry is not None and self.symbols.fentry_site(addr, self._fentry)
 
-    def check_kprobe_address_safe(self, addr: int) -> tuple[str, int, bytes]:
-        """(sym+off text, function start, function bytes) or a ProbeError saying why not."""
+    def check_kprobe_address_safe(self, addr: int, anywhere: bool = False) -> tuple[str, int, bytes]:
+        """(sym+off text, function start, function bytes) or a ProbeError saying why not.
+
+        ``anywhere`` (a stub breakpoint, which writes nothing) lets the blacklist and the sites the
+        kernel rewrites be probed, and an assembler label of entry text (entry_SYSCALL_64) stand for a
+        function: not a sized function symbol, it reaches as kallsyms' symbols do, to the next symbol.
+        """
         where = self.symbols.symbolize(addr)
         if not self.symbols.is_text(addr):
             raise NotKernelText(f"{where} ({addr:#x}) is not in kernel text")
-        bad = self.blacklist.lookup(addr)
-        if bad is not None:
-            raise Blacklisted(f"{where} is blacklisted ({bad.name}): probing it would break the trap path "
-                              "(Kprobe(anywhere=True) probes it with a stub breakpoint)")  # fmt: skip
-        reserved = self.reserved.conflict(addr, addr)
-        if reserved is not None:
-            raise InvalidProbe(f"{where} is reserved ({reserved}): the kernel rewrites it at run time (EINVAL)")
-        fn = self.symbols.function(addr)
+        if not anywhere:
+            bad = self.blacklist.lookup(addr)
+            if bad is not None:
+                raise Blacklisted(f"{where} is blacklisted ({bad.name}): probing it would break the trap path "
+                                  "(Kprobe(anywhere=True) probes it with a stub breakpoint)")  # fmt: skip
+            reserved = self.reserved.conflict(addr, addr)
+            if reserved is not None:
+                raise InvalidProbe(f"{where} is reserved ({reserved}): the kernel rewrites it at run time (EINVAL)")
+        fn = self.symbols.containing(addr) if anywhere else self.symbols.function(addr)
         if fn is None:
-            raise NotKernelText(f"{addr:#x} is not inside a known kernel function")
-        code = self.machine.mem.read(fn.addr, fn.size)
+            raise NotKernelText(f"{addr:#x} is not inside a known kernel {'symbol' if anywhere else 'function'}")
+        code = self.machine.mem.read(fn.addr, fn.size or self.symbols.kallsyms_size(fn))
         return where, fn.addr, code
 
     @functools.cached_property

@@ -389,13 +389,19 @@ def parse_map(text: str) -> tuple[Aggregation, float | None]:
     return Aggregation(call[0].func, spec.keys, call[0].value, bounds=call[0].bounds), spec.every
 
 
+def check_argument(name: str, events: Sequence[tuple[str, ProbeEvent]], hint: str = "") -> None:
+    """A map's key or value ``name`` is ``$``-special or fetched by every event (a (name, definition) pair);
+    ShellUsageError names an event that does not fetch it, with ``hint`` after."""
+    if name.startswith("$"):
+        return
+    for label, ev in events:
+        names = [a.name for a in ev.args]
+        if name not in names:
+            have = ", ".join(names) if names else "no arguments"
+            raise ShellUsageError(f"{label} has no argument {name!r} ({have}){hint}")
+
+
 def check_map_names(agg: Aggregation, definitions: Sequence[ProbeEvent]) -> None:
     """Every argument the map names is fetched by every definition; ShellUsageError names one that is not."""
     for name in (*agg.keys, *((agg.value,) if agg.value is not None else ())):
-        if name.startswith("$"):
-            continue
-        for ev in definitions:
-            names = [a.name for a in ev.args]
-            if name not in names:
-                have = ", ".join(names) if names else "no arguments"
-                raise ShellUsageError(f"{ev.event} has no argument {name!r} ({have})")
+        check_argument(name, [(ev.event, ev) for ev in definitions])

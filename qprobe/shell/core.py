@@ -25,7 +25,7 @@ from qprobe.fetch import messages as M
 from qprobe.funcs import Probeability, is_glob, render_funcs
 
 from . import inspect_cmds as insp
-from .collect import Aggregation, Collector, Tap
+from .collect import Aggregation, Collector, Tap, check_argument
 from .output import Output
 from .parse import (
     Call,
@@ -457,13 +457,7 @@ class Shell:
         self._aggregate(spec, events, Aggregation(call.func, spec.keys, call.value, bounds=call.bounds))
 
     def _check_names(self, name: str, events: list[TraceEvent]) -> None:
-        if name.startswith("$"):
-            return
-        for te in events:
-            names = [a.name for a in te.definition.args]
-            if name not in names:
-                have = ", ".join(names) if names else "no arguments"
-                raise ShellUsageError(f"{te.name} has no argument {name!r} ({have}); `help count` lists the keys")
+        check_argument(name, [(te.name, te.definition) for te in events], "; `help count` lists the keys")
 
     def _aggregate(self, spec: Collect, events: list[TraceEvent], agg: Aggregation) -> None:
         for key in spec.keys:

@@ -125,6 +125,14 @@ def test_trace_ends_when_its_vm_dies() -> None:
     assert not Path(ram).exists() and not Path(ram).parent.exists()
 
 
+def _assert_gone_after_sigterm(sock: str) -> None:
+    """The detached VM whose owner was just sent SIGTERM goes, its socket with it."""
+    deadline = time.monotonic() + 60  # a bound on waiting, not an assertion on speed
+    while Path(sock.removeprefix("unix:")).exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not Path(sock.removeprefix("unix:")).exists(), "the VM outlived its owner's SIGTERM"
+
+
 def test_boot_detach_returns_and_the_vm_serves_attach_until_killed() -> None:
     out = _qprobe("boot", "--image", IMAGE, "--detach", timeout=300)
     assert out.returncode == 0, out.stderr
@@ -141,10 +149,7 @@ def test_boot_detach_returns_and_the_vm_serves_attach_until_killed() -> None:
         assert armed.returncode == 0 and re.search(rf"  vfs_read\+{entry:#x}\b", armed.stdout), armed.stderr
     finally:
         os.kill(owner, signal.SIGTERM)
-    deadline = time.monotonic() + 60  # a bound on waiting, not an assertion on speed
-    while Path(sock.removeprefix("unix:")).exists() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not Path(sock.removeprefix("unix:")).exists(), "the VM outlived its owner's SIGTERM"
+    _assert_gone_after_sigterm(sock)
 
 
 def test_trace_of_a_hot_loop_prints_every_hit_of_the_command() -> None:
@@ -207,7 +212,4 @@ def test_one_ctrl_c_ends_a_trace_of_hundreds_of_wildcard_events() -> None:
         assert recovered == 0 and after == before
     finally:
         os.kill(owner, signal.SIGTERM)
-    deadline = time.monotonic() + 60  # a bound on waiting, not an assertion on speed
-    while Path(sock.removeprefix("unix:")).exists() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not Path(sock.removeprefix("unix:")).exists(), "the VM outlived its owner's SIGTERM"
+    _assert_gone_after_sigterm(sock)

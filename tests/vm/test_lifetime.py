@@ -158,20 +158,26 @@ def test_shell_ended_by_its_terminal_or_sigkill_leaves_nothing(how: str) -> None
     _assert_nothing_left(qemu, rundir, shmdir, journals)
 
 
-def test_the_shell_ends_when_its_vm_dies() -> None:
-    """QEMU killed while the shell waits at its prompt: one error line at once, a non-zero exit, nothing left."""
-    journals = _journals()
-    child = _shell_with_a_probe()
+def _kill_qemu_under(child: pexpect.spawn) -> tuple[int, Path, Path]:
+    """SIGKILL the QEMU under ``child`` and wait for its one error line and its exit; QEMU's pid and dirs."""
     try:
         qemu, rundir, shmdir = _qemu_of(child.pid)
         os.kill(qemu, signal.SIGKILL)
-        # A bound on waiting, not on speed: before, the shell sat at its prompt until the next command.
         child.expect_exact("qprobe: error: the VM is gone", timeout=60)
         child.expect(pexpect.EOF, timeout=60)
         child.close()
     finally:
         if child.isalive():
             child.kill(signal.SIGKILL)
+    return qemu, rundir, shmdir
+
+
+def test_the_shell_ends_when_its_vm_dies() -> None:
+    """QEMU killed while the shell waits at its prompt: one error line at once, a non-zero exit, nothing left."""
+    journals = _journals()
+    child = _shell_with_a_probe()
+    # A bound on waiting, not on speed: before, the shell sat at its prompt until the next command.
+    qemu, rundir, shmdir = _kill_qemu_under(child)
     assert child.exitstatus == 2
     _assert_nothing_left(qemu, rundir, shmdir, journals)
 
@@ -183,15 +189,11 @@ def test_drgn_ends_when_its_vm_dies() -> None:
                           cwd=str(ROOT), env=_env(), encoding="utf-8", timeout=120, dimensions=(50, 200))  # fmt: skip
     try:
         child.expect_exact(">>> ", timeout=BOOT_TIMEOUT)
-        qemu, rundir, shmdir = _qemu_of(child.pid)
-        os.kill(qemu, signal.SIGKILL)
-        # A bound on waiting, not on speed: before, drgn sat at its prompt (and the RAM file stayed) until Ctrl-D.
-        child.expect_exact("qprobe: error: the VM is gone", timeout=60)
-        child.expect(pexpect.EOF, timeout=60)
-        child.close()
-    finally:
-        if child.isalive():
-            child.kill(signal.SIGKILL)
+    except BaseException:
+        child.kill(signal.SIGKILL)
+        raise
+    # A bound on waiting, not on speed: before, drgn sat at its prompt (and the RAM file stayed) until Ctrl-D.
+    qemu, rundir, shmdir = _kill_qemu_under(child)
     assert child.exitstatus == 2
     assert "Traceback" not in (child.before or ""), child.before
     _assert_nothing_left(qemu, rundir, shmdir, journals)

@@ -164,7 +164,9 @@ class FetchArg:
             return value.text
         mask = (1 << t.bits) - 1
         if t.char:
-            return f"'{chr(value & mask)}'"
+            # ftrace prints the byte as it is (%c); a byte of 0x80 and above stays that one byte, as a
+            # fetched string's bytes do (surrogateescape), not the code point U+0080...
+            return "'" + bytes([value & mask & 0xFF]).decode("utf-8", "surrogateescape") + "'"
         if t.hex or t.symbol:
             return f"0x{value & mask:x}"
         if t.signed:

@@ -394,6 +394,8 @@ def test_char_prints_as_the_kernels_percent_c() -> None:
     assert ev.args[0].format(ord("t")) == "arg1='t'"
     assert ev.args[1].format([ord(c) for c in "test"]) == "arg2={'t','e','s','t'}"
     assert print_fmt(ev).startswith("\"(%lx) arg1='%c' arg2={'%c','%c','%c','%c'}\"")
+    # %c prints the byte itself: 0x80 is one byte (kept as a fetched string's bytes are), not U+0080.
+    assert ev.args[0].format(0x80).encode("utf-8", "surrogateescape") == b"arg1='\x80'"
 
 
 @pytest.mark.parametrize(

@@ -211,8 +211,7 @@ class Target(ProbeAPI, EventAPI):
             self.kretprobes = KretprobeManager(self.kprobes)
             self.uprobes = UprobeManager(self.machine, self.arch, self.kernel, self.kprobes.handlers,
                                          self.kprobes.make_regs, self.kprobes.dispatcher.step,
-                                         self.kretprobes.register_kretprobe,
-                                         self.kretprobes.unregister_kretprobe)  # fmt: skip
+                                         self.kprobes.register_kprobe, self.kprobes.unregister_kprobe)  # fmt: skip
             self.watchpoints = Watchpoints(self.machine, self.symbols, self.kprobes.handlers, self.kprobes.make_regs)
             self.timings["attach"] = time.monotonic() - t0
         except BaseException as exc:

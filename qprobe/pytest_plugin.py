@@ -389,10 +389,12 @@ class QprobeReset:
         return new
 
     def _remove_everything(self) -> list[str]:
-        """Unregister every event, kretprobe and kprobe still registered; what was left, as kprobes/list lines."""
+        """Unregister every event, uprobe, kretprobe and kprobe still registered; what was left (kprobes/list lines)."""
         t = self.target
         t.modules.stop()  # its own two probes are not the test's
-        left = [line for line in t.list_probes().splitlines() if line.strip()]
+        left = [repr(up) for up in t.uprobes.registered()]
+        t.uprobes.remove_all()  # before the kretprobes: one of them follows new mappings for the uprobes
+        left += [line for line in t.list_probes().splitlines() if line.strip()]
         armed = []
         for key, te in list(t.events.items()):
             if te.probe is not None and te.probe.registered:

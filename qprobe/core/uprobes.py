@@ -7,8 +7,8 @@ own breakpoints (nothing written under TCG) at every virtual address where some 
 and decides at each stop whether the process that stopped really runs that file there:
 
 * **where:** registration finds every current mapping in the file's ``i_mmap`` tree (the kernel's
-  ``register_for_each_vma``); a return probe on ``mmap_region`` tells of each new mapping before the
-  process can run it (the kernel's ``uprobe_mmap``); a fork's child has its parent's addresses, so nothing
+  ``register_for_each_vma``); a probe where ``mmap_region`` finishes a mapping tells of each new one before
+  the process can run it (the kernel's ``uprobe_mmap`` is called there); a fork's child has its parent's addresses, so nothing
   is needed for it (``uprobe_dup_mmap``).  Addresses no mapping uses any more are collected as they grow.
 * **whose:** a breakpoint stops every process that runs that address, whatever it maps there.  The page
   the stopped process runs is looked up: a page-cache page of the probed file at the right index is a hit
@@ -30,17 +30,18 @@ runs the address, so a busy probe costs what an anywhere kprobe costs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from collections.abc import Mapping as Regs
 from dataclasses import dataclass, field
 from typing import Any
 
 from qprobe.arch import Arch
 from qprobe.core.handlers import Handlers
-from qprobe.core.kprobe import Kretprobe, KretprobeInstance
-from qprobe.core.regs import PtRegs, regs_return_value
+from qprobe.core.kprobe import Kprobe
+from qprobe.core.regs import PtRegs
 from qprobe.errors import InvalidProbe, MemoryFault, QprobeError
 from qprobe.kernel.program import KernelData
-from qprobe.kernel.ufile import GuestFile, UserFiles
+from qprobe.kernel.ufile import GuestFile, Mapping, UserFiles
 from qprobe.vmm.gdbremote import BREAK_HW
 from qprobe.vmm.machine import Machine
 
@@ -54,10 +55,10 @@ UprobeFilter = Callable[["Uprobe", PtRegs], bool]
 MAX_URETPROBE_DEPTH = 64
 MAX_TASKS_WITH_RETURNS = 4096  # tasks whose return instances are kept (the oldest beyond it are dropped)
 MAX_RESTARTS = 1024
-# The hook on new mappings: mmap_region(file, addr, len, vm_flags, pgoff, uf) returns where it mapped
-# (mm/mmap.c since Linux 2.6; 6.12 makes it a wrapper of __mmap_region and still calls it from do_mmap).
-MMAP_HOOK = "mmap_region"
-MAX_ERRNO = 4095
+# The hook on new mappings: mmap_region() ends with vma_set_page_prot(vma) on the vma it made or grew,
+# after linking it into the file's i_mmap, beside uprobe_mmap(vma) (mm/mmap.c, Linux 4.x to 6.12: 6.12's
+# __mmap_region too); mprotect_fixup() calls it for a vma whose protection changed.
+MMAP_HOOK = "vma_set_page_prot"
 
 
 class Uprobe:
@@ -141,8 +142,8 @@ class UprobeManager:
     """The uprobes of one target; every method that changes state runs on the stop loop."""
 
     def __init__(self, machine: Machine, arch: Arch, kernel: KernelData, handlers: Handlers,
-                 make_regs: Callable[[Mapping[str, int], str], PtRegs], step: Callable[[str, int], dict[str, int]],
-                 register_kretprobe: Callable[[Kretprobe], None], unregister_kretprobe: Callable[[Kretprobe], None],
+                 make_regs: Callable[[Regs[str, int], str], PtRegs], step: Callable[[str, int], dict[str, int]],
+                 register_kprobe: Callable[[Kprobe], None], unregister_kprobe: Callable[[Kprobe], None],
                  resolve_symbol: Callable[[bytes, str], int] | None = None) -> None:  # fmt: skip
         """``resolve_symbol(elf, "NAME[+OFFS]")`` gives a file offset from the file's bytes."""
         self.machine = machine
@@ -151,8 +152,8 @@ class UprobeManager:
         self.handlers = handlers
         self.make_regs = make_regs
         self.step = step
-        self.register_kretprobe = register_kretprobe
-        self.unregister_kretprobe = unregister_kretprobe
+        self.register_kprobe = register_kprobe
+        self.unregister_kprobe = unregister_kprobe
         self.resolve_symbol = resolve_symbol
         self._files: UserFiles | None = None
         self.probes: dict[tuple[int, int], list[Uprobe]] = {}  # (address_space, offset) -> consumers
@@ -160,7 +161,8 @@ class UprobeManager:
         self.points: dict[int, _Point] = {}
         self.returns: dict[tuple[int, int], list[_Return]] = {}  # (page-table root, task) -> its calls
         self.restarts: set[tuple[int, int, int]] = set()  # (root, ip, sp) of a probed instruction that faulted
-        self.hook: Kretprobe | None = None
+        self.hook: Kprobe | None = None
+        self._pending: dict[str, int] = {}  # vCPU -> the vma its vma_set_page_prot() call is given
         self._after_collect = 0
 
     @property
@@ -180,10 +182,12 @@ class UprobeManager:
             raise InvalidProbe(f"{up.where()} is not registered (EINVAL)")
         self.machine.call(lambda: self._unregister(up))
 
+    def registered(self) -> list[Uprobe]:
+        return [up for consumers in self.probes.values() for up in consumers]
+
     def remove_all(self) -> None:
-        for consumers in list(self.probes.values()):
-            for up in list(consumers):
-                self.unregister_uprobe(up)
+        for up in self.registered():
+            self.unregister_uprobe(up)
 
     def _register(self, up: Uprobe) -> None:
         f = self.files.lookup(up.path)
@@ -242,19 +246,21 @@ class UprobeManager:
             return
         if MMAP_HOOK not in self.kernel.symbols:
             raise InvalidProbe(f"uprobes follow new mappings at {MMAP_HOOK}(), which this kernel does not have")
-        # maxactive: every task that can be inside mmap_region at once (it sleeps on allocations and I/O).
-        hook = Kretprobe(symbol_name=MMAP_HOOK, handler=self._mmapped, maxactive=256)
-        self.register_kretprobe(hook)
+        # A post_handler keeps the probe on its int3 (a probe with one is never jump-optimized), so both
+        # handlers run on the stop loop with every vCPU stopped: the breakpoints are in before the task runs on.
+        hook = Kprobe(symbol_name=MMAP_HOOK, pre_handler=self._vma_entry, post_handler=self._vma_ready)
+        self.register_kprobe(hook)
         self.hook = hook
 
     def _drop_hook(self) -> None:
         hook, self.hook = self.hook, None
         if hook is not None and hook.registered:
-            self.unregister_kretprobe(hook)
+            self.unregister_kprobe(hook)
         for va in list(self.points):
             self._remove(va)
         self.returns.clear()
         self.restarts.clear()
+        self._pending.clear()
 
     # -- addresses -------------------------------------------------------------------------------
     def _add(self, va: int, key: tuple[int, int] | None) -> None:
@@ -275,19 +281,19 @@ class UprobeManager:
         self.machine.stop_handlers.pop(va, None)
         self.machine.gdb.remove_breakpoint(va, BREAK_HW)
 
-    def _mmapped(self, ri: KretprobeInstance, regs: PtRegs) -> None:
-        """mmap_region returned in the task that mapped: arm the new mapping before the task can run it."""
-        addr = regs_return_value(regs)
-        if addr >= (1 << 64) - MAX_ERRNO or not self.spaces:
-            return
-        mm = self.kernel.current(regs.gs_base).mm.value_()
-        self.machine.call(lambda: self._arm_mapping(mm, addr))
+    def _vma_entry(self, kp: Kprobe, regs: PtRegs) -> int:
+        """vma_set_page_prot(vma) is called: which vma (its argument is only sure at the entry)."""
+        self._pending[regs.tid] = regs.arg(1)
+        return 0
 
-    def _arm_mapping(self, mm: int, addr: int) -> None:
-        found = self.files.mapping_at(mm, addr) if mm else None
-        if found is None:
-            return
-        m, space = found
+    def _vma_ready(self, kp: Kprobe, regs: PtRegs) -> None:
+        vma = self._pending.pop(regs.tid, 0)
+        if vma and self.spaces:
+            found = self.files.vma_mapping(vma)
+            if found is not None:
+                self._arm_mapping(*found)
+
+    def _arm_mapping(self, m: Mapping, space: int) -> None:
         if space not in self.spaces or not m.probeable:
             return
         for s, offset in self.probes:
@@ -350,7 +356,7 @@ class UprobeManager:
                 self.restarts.clear()
             self.restarts.add((root, ip, sp))
 
-    def _consumers_at(self, ip: int, root: int, task: int, regs: Mapping[str, int]) -> tuple[list[Uprobe], bytes]:
+    def _consumers_at(self, ip: int, root: int, task: int, regs: Regs[str, int]) -> tuple[list[Uprobe], bytes]:
         """The probes on the file offset the stopped process runs at ``ip``, and the instruction's bytes."""
         try:
             phys = self.machine.mem.virt_to_phys(ip, root)
@@ -372,7 +378,7 @@ class UprobeManager:
         code = self.machine.mem.read(ip, min(16, size - ip % size), root) if consumers else b""
         return consumers, code
 
-    def _run_entry(self, consumers: list[Uprobe], pt: PtRegs, values: Mapping[str, int],
+    def _run_entry(self, consumers: list[Uprobe], pt: PtRegs, values: Regs[str, int],
                    key: tuple[int, int]) -> None:  # fmt: skip
         take_returns: list[Uprobe] = []
         for up in consumers:
@@ -390,7 +396,7 @@ class UprobeManager:
             self._prepare_return(take_returns, pt, values, key)
 
     # -- returns ---------------------------------------------------------------------------------
-    def _prepare_return(self, probes: list[Uprobe], pt: PtRegs, values: Mapping[str, int],
+    def _prepare_return(self, probes: list[Uprobe], pt: PtRegs, values: Regs[str, int],
                         key: tuple[int, int]) -> None:  # fmt: skip
         """prepare_uretprobe(): remember the call and stop at its return address (values: before any handler)."""
         try:

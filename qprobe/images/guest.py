@@ -28,7 +28,7 @@ from qprobe.images import cache
 from qprobe.images.cpio import CpioWriter
 from qprobe.images.progress import Reporter
 
-__all__ = ["GuestFiles", "build_disk", "build_initramfs", "guest_sources"]
+__all__ = ["GuestFiles", "build_disk", "build_initramfs", "guest_sources", "guest_tree"]
 
 # Bump when the tree's layout changes, so old cached builds are not reused.
 LAYOUT_VERSION = "1"
@@ -186,6 +186,11 @@ def _guest_dir(files: GuestFiles, reporter: Reporter) -> Path:
             _build_tree(files, directory / "workload", directory / "tree")
     cache.prune(root, "[0-9a-f]*", keep=4, protect=[directory], min_age=24 * 3600)
     return directory
+
+
+def guest_tree(reporter: Reporter | None = None, files: GuestFiles | None = None) -> Path:
+    """The guest's root tree on the host (built if missing): the same bytes as the guest's files."""
+    return _guest_dir(files or guest_sources(), reporter or Reporter(enabled=False)) / "tree"
 
 
 def build_initramfs(reporter: Reporter, files: GuestFiles | None = None) -> Path:

@@ -129,6 +129,13 @@ class UserFiles:
                 break
         return out
 
+    def vma_mapping(self, vma_addr: int) -> tuple[Mapping, int] | None:
+        """A ``struct vm_area_struct *``'s file mapping and its file's address_space; None for anonymous memory."""
+        vma = drgn.Object(self.prog, "struct vm_area_struct *", value=vma_addr)
+        if not vma.vm_file:
+            return None
+        return self._mapping(vma), vma.vm_file.f_mapping.value_()
+
     def mapping_at(self, mm: int, addr: int) -> tuple[Mapping, int] | None:
         """The file mapping of ``mm`` at ``addr`` and its file's address_space, if a file is mapped there."""
         vma = vma_find(drgn.Object(self.prog, "struct mm_struct *", value=mm), addr)

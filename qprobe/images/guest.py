@@ -211,19 +211,20 @@ def _loader_list(uprog: Path) -> list[str]:
         check=False,
         env={},
     )
+    if proc.returncode != 0:
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        why = lines[-1].rpartition("error while loading shared libraries: ")[2] if lines else proc.returncode
+        raise ImageError(f"the host's loader {interp} cannot load uprog: {why}")
     libs = [interp]
     for line in proc.stdout.splitlines():
         name, arrow, rest = line.strip().partition(" => ")
         if not arrow:
             continue  # the vDSO, and the interpreter by its own path
         path = rest.rsplit(" (", 1)[0].strip()
-        if not path.startswith("/"):
-            raise ImageError(f"the host's loader {interp} finds no {name} for uprog")
+        if not path.startswith("/"):  # "not found", as ldd shows a missing library
+            raise ImageError(f"the host's loader {interp} cannot load uprog: {name} not found")
         if Path(path).parent != uprog.parent:
             libs.append(path)
-    if proc.returncode != 0 or len(libs) < 2:
-        lines = (proc.stderr or proc.stdout).strip().splitlines()
-        raise ImageError(f"{interp} --list {uprog} failed: {lines[-1] if lines else proc.returncode}")
     return libs
 
 

@@ -41,7 +41,7 @@ from qprobe.images import cache
 from qprobe.images.cpio import CpioWriter
 from qprobe.images.progress import Reporter
 
-__all__ = ["GuestFiles", "build_disk", "build_initramfs", "guest_sources"]
+__all__ = ["GuestFiles", "build_disk", "build_initramfs", "guest_sources", "interpreter"]
 
 # Bump when the tree's layout changes, so old cached builds are not reused.
 LAYOUT_VERSION = "2"

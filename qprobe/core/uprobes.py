@@ -8,8 +8,9 @@ and decides at each stop whether the process that stopped really runs that file 
 
 * **where:** registration finds every current mapping in the file's ``i_mmap`` tree (the kernel's
   ``register_for_each_vma``); a probe where ``mmap_region`` finishes a mapping tells of each new one before
-  the process can run it (the kernel's ``uprobe_mmap`` is called there); a fork's child has its parent's addresses, so nothing
-  is needed for it (``uprobe_dup_mmap``).  Addresses no mapping uses any more are collected as they grow.
+  the process can run it (the kernel's ``uprobe_mmap`` is called there); a fork's child has its parent's
+  addresses, so nothing is needed for it (``uprobe_dup_mmap``).  Addresses no mapping uses any more are
+  collected as they grow.
 * **whose:** a breakpoint stops every process that runs that address, whatever it maps there.  The page
   the stopped process runs is looked up: a page-cache page of the probed file at the right index is a hit
   (two reads of its ``struct page``); a private copy (text a debugger or the program wrote: copy-on-write)

@@ -1,10 +1,22 @@
-"""The guest's root filesystem: busybox, /init and the workload program.
+"""The guest's root filesystem: busybox, /init, the workload and uprog programs.
 
 Built on the host without root from ``scripts/guest/`` and the host's static
 busybox, into ``<cache>/guest/<hash>/``, where the hash covers every input
-(workload.c, init, the busybox binary, this module's layout version): a
-change to any of them builds a new directory, an unchanged checkout reuses
-the old one. One tree gives both forms:
+(workload.c, init, uprog.c, libqpt.c, the busybox binary, the host libraries
+copied in, this module's layout version): a change to any of them builds a
+new directory, an unchanged checkout reuses the old one.
+
+uprog is built twice: ``/bin/uprog-static`` (``gcc -static``, with libqpt.c
+linked in) and ``/bin/uprog``, linked against the host's libc and
+``/usr/lib/libqpt.so`` (its RUNPATH). The dynamic program's interpreter and
+every library the host's loader resolves for it (``ld.so --list``) are
+copied into the tree at the paths the loader gave, which are in its default
+search path (the guest has no ld.so.cache). Which libraries those are is
+known only once uprog is linked, so the first build for some sources links
+it once to find out and remembers the list in ``libs-<hash>``; the
+directory's hash then covers each library's path, size and mtime.
+
+One tree gives both forms:
 
 * ``initramfs.cpio.gz``: the tree through our own cpio writer, which also
   adds ``/dev/console`` (char 5:1), the node the kernel opens for init's
@@ -20,6 +32,7 @@ import gzip
 import os
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,10 +41,10 @@ from qprobe.images import cache
 from qprobe.images.cpio import CpioWriter
 from qprobe.images.progress import Reporter
 
-__all__ = ["GuestFiles", "build_disk", "build_initramfs", "guest_sources", "guest_tree"]
+__all__ = ["GuestFiles", "build_disk", "build_initramfs", "guest_sources", "guest_tree", "interpreter"]
 
 # Bump when the tree's layout changes, so old cached builds are not reused.
-LAYOUT_VERSION = "1"
+LAYOUT_VERSION = "2"
 DISK_MIN_BYTES = 32 << 20
 
 _ETC = {
@@ -56,7 +69,11 @@ _DIRS = {
     "usr": 0o755,
     "usr/bin": 0o755,
     "usr/sbin": 0o755,
+    "usr/lib": 0o755,
 }
+# Where /bin/uprog finds libqpt.so (its RUNPATH).
+LIBQPT_DIR = "/usr/lib"
+_CFLAGS = ["-O2", "-g", "-Wall", "-pthread"]
 
 
 @dataclass(frozen=True)
@@ -66,15 +83,28 @@ class GuestFiles:
     workload_c: Path
     init: Path
     busybox: Path
+    uprog_c: Path
+    libqpt_c: Path
+
+    def sources_key(self) -> str:
+        """Hash of the inputs in the checkout and busybox (not the host libraries)."""
+        items = [("layout", LAYOUT_VERSION.encode())]
+        for path in (self.workload_c, self.init, self.uprog_c, self.libqpt_c, self.busybox):
+            try:
+                items.append((path.name, path.read_bytes()))
+            except OSError as exc:
+                raise ImageError(f"cannot read guest input {path}: {exc.strerror}") from exc
+        return cache.hash_inputs(items)
 
     def key(self) -> str:
         """Hash of every input: the name of this build's cache directory."""
-        items = [("layout", LAYOUT_VERSION.encode())]
-        for name, path in (("workload.c", self.workload_c), ("init", self.init), ("busybox", self.busybox)):
+        items = [("sources", self.sources_key().encode())]
+        for lib in _host_libraries(self):
             try:
-                items.append((name, path.read_bytes()))
+                st = Path(lib).stat()
             except OSError as exc:
-                raise ImageError(f"cannot read guest input {path}: {exc.strerror}") from exc
+                raise ImageError(f"cannot read host library {lib}: {exc.strerror}") from exc
+            items.append((f"lib {lib}", f"{st.st_size} {st.st_mtime_ns}".encode()))
         return cache.hash_inputs(items)
 
 
@@ -90,19 +120,26 @@ def _find_busybox() -> Path:
 def guest_sources() -> GuestFiles:
     """The guest's inputs: ``scripts/guest/`` of this checkout and the host's busybox.
 
-    ``$QPROBE_GUEST_SRC`` names another directory holding workload.c and init.
+    ``$QPROBE_GUEST_SRC`` names another directory holding workload.c, init,
+    uprog.c and libqpt.c.
     """
     env = os.environ.get("QPROBE_GUEST_SRC")
     src = Path(env).expanduser() if env else Path(__file__).resolve().parents[2] / "scripts" / "guest"
-    files = GuestFiles(workload_c=src / "workload.c", init=src / "init", busybox=_find_busybox())
-    for path in (files.workload_c, files.init):
+    files = GuestFiles(
+        workload_c=src / "workload.c",
+        init=src / "init",
+        busybox=_find_busybox(),
+        uprog_c=src / "uprog.c",
+        libqpt_c=src / "libqpt.c",
+    )
+    for path in (files.workload_c, files.init, files.uprog_c, files.libqpt_c):
         if not path.is_file():
             raise ImageError(f"guest source {path} not found; set QPROBE_GUEST_SRC to the scripts/guest directory")
     return files
 
 
-def _check_static(path: Path, what: str, hint: str) -> None:
-    """Refuse a dynamically linked binary: the guest has no libc to load it with."""
+def interpreter(path: Path, what: str = "program") -> str | None:
+    """The ELF program's PT_INTERP (its dynamic loader's path), None for a static program."""
     data = path.read_bytes()[:4096]
     if data[:4] != b"\x7fELF" or data[4] != 2:
         raise ImageError(f"{what} {path} is not a 64-bit ELF program")
@@ -111,26 +148,111 @@ def _check_static(path: Path, what: str, hint: str) -> None:
     phnum = int.from_bytes(data[56:58], "little")
     for i in range(phnum):
         off = phoff + i * phentsize
-        if off + 4 <= len(data) and int.from_bytes(data[off : off + 4], "little") == 3:  # PT_INTERP
-            raise ImageError(f"{what} {path} is dynamically linked; {hint}")
+        if off + 40 <= len(data) and int.from_bytes(data[off : off + 4], "little") == 3:  # PT_INTERP
+            start = int.from_bytes(data[off + 8 : off + 16], "little")
+            size = int.from_bytes(data[off + 32 : off + 40], "little")
+            with path.open("rb") as f:
+                f.seek(start)
+                return f.read(min(size, 4096)).split(b"\0", 1)[0].decode("utf-8", "replace")
+    return None
+
+
+def _check_static(path: Path, what: str, hint: str) -> None:
+    """Refuse a dynamically linked binary where the guest must run it without a loader."""
+    if interpreter(path, what) is not None:
+        raise ImageError(f"{what} {path} is dynamically linked; {hint}")
+
+
+def _gcc(tmp: Path, args: list[str], what: Path) -> None:
+    """Run gcc with ``args`` writing ``tmp``; a failure is one line naming the source."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        raise ImageError("gcc not found: install gcc and libc6-dev to build the guest programs")
+    proc = subprocess.run(
+        [gcc, *args, "-o", str(tmp)], capture_output=True, encoding="utf-8", errors="replace", check=False
+    )
+    if proc.returncode != 0:
+        errors = [line for line in proc.stderr.splitlines() if "error" in line] or proc.stderr.splitlines()
+        raise ImageError(f"gcc failed on {what}: {errors[0] if errors else 'no output'}")
 
 
 def _build_workload(src: Path, dest: Path) -> None:
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        raise ImageError("gcc not found: install gcc and libc6-dev to build the guest workload")
     with cache.atomic_file(dest, 0o755) as tmp:
-        proc = subprocess.run(
-            [gcc, "-static", "-O2", "-Wall", "-o", str(tmp), str(src)],
-            capture_output=True,
-            encoding="utf-8",
-            errors="replace",
-            check=False,
-        )
-        if proc.returncode != 0:
-            errors = [line for line in proc.stderr.splitlines() if "error" in line] or proc.stderr.splitlines()
-            raise ImageError(f"gcc -static failed on {src}: {errors[0] if errors else 'no output'}")
+        _gcc(tmp, ["-static", "-O2", "-Wall", str(src)], src)
         _check_static(tmp, "workload", "gcc could not link it statically (install libc6-dev)")
+
+
+def _build_uprog(files: GuestFiles, dest: Path) -> None:
+    """``uprog-static``, ``libqpt.so`` and ``uprog`` (linked to it) in the directory ``dest``."""
+    dest.mkdir(mode=0o755, exist_ok=True)
+    with cache.atomic_file(dest / "uprog-static", 0o755) as tmp:
+        _gcc(tmp, ["-static", *_CFLAGS, "-DUPROG_STATIC", str(files.uprog_c), str(files.libqpt_c)], files.uprog_c)
+        _check_static(tmp, "uprog-static", "gcc could not link it statically (install libc6-dev)")
+    with cache.atomic_file(dest / "libqpt.so", 0o755) as tmp:
+        _gcc(tmp, ["-shared", "-fPIC", *_CFLAGS, "-Wl,-soname,libqpt.so", str(files.libqpt_c)], files.libqpt_c)
+    with cache.atomic_file(dest / "uprog", 0o755) as tmp:
+        link = [f"-L{dest}", "-lqpt", f"-Wl,-rpath,{LIBQPT_DIR}"]
+        _gcc(tmp, [*_CFLAGS, str(files.uprog_c), *link], files.uprog_c)
+
+
+def _loader_list(uprog: Path) -> list[str]:
+    """The interpreter and the host libraries it loads for ``uprog`` (not libqpt.so)."""
+    interp = interpreter(uprog, "uprog")
+    if interp is None:
+        raise ImageError(f"uprog {uprog} has no interpreter: gcc linked it statically")
+    if not Path(interp).is_file():
+        raise ImageError(f"uprog's interpreter {interp} is not on this host")
+    # A clean environment: no LD_LIBRARY_PATH or LD_PRELOAD of the caller's.
+    proc = subprocess.run(
+        [interp, "--list", "--library-path", str(uprog.parent), str(uprog)],
+        capture_output=True,
+        encoding="utf-8",
+        errors="replace",
+        check=False,
+        env={},
+    )
+    if proc.returncode != 0:
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        why = lines[-1].rpartition("error while loading shared libraries: ")[2] if lines else proc.returncode
+        raise ImageError(f"the host's loader {interp} cannot load uprog: {why}")
+    libs = [interp]
+    for line in proc.stdout.splitlines():
+        name, arrow, rest = line.strip().partition(" => ")
+        if not arrow:
+            continue  # the vDSO, and the interpreter by its own path
+        path = rest.rsplit(" (", 1)[0].strip()
+        if not path.startswith("/"):  # "not found", as ldd shows a missing library
+            raise ImageError(f"the host's loader {interp} cannot load uprog: {name} not found")
+        if Path(path).parent != uprog.parent:
+            libs.append(path)
+    return libs
+
+
+def _host_libraries(files: GuestFiles) -> list[str]:
+    """The host libraries the dynamic uprog of these sources loads (remembered per sources hash)."""
+    base = files.sources_key()
+    root = cache.subdir("guest")
+    memo = root / f"libs-{base}"
+
+    def remembered() -> list[str]:
+        try:
+            libs = memo.read_text().split()
+        except OSError:
+            return []
+        return libs if libs and all(Path(lib).is_file() for lib in libs) else []
+
+    if libs := remembered():
+        return libs
+    with cache.locked(root, memo.name):
+        if libs := remembered():
+            return libs
+        with tempfile.TemporaryDirectory(prefix="qprobe-uprog.") as tmp:
+            _build_uprog(files, Path(tmp))
+            libs = _loader_list(Path(tmp) / "uprog")
+        with cache.atomic_file(memo) as out:
+            out.write_text("".join(f"{lib}\n" for lib in libs))
+    cache.prune(root, "libs-*", keep=8, protect=[memo])
+    return libs
 
 
 def _applets(busybox: Path) -> list[str]:
@@ -143,7 +265,21 @@ def _applets(busybox: Path) -> list[str]:
     return [line.strip() for line in proc.stdout.splitlines() if "/" in line.strip()]
 
 
-def _build_tree(files: GuestFiles, workload: Path, dest: Path) -> None:
+def _install(tree: Path, guest: str, src: Path) -> None:
+    """Copy ``src`` (its bytes, through symlinks) to the guest path ``guest``, mode 0755."""
+    dest = tree / guest.lstrip("/")
+    for parent in reversed(dest.relative_to(tree).parents[:-1]):
+        if not (tree / parent).is_dir():
+            (tree / parent).mkdir()
+            (tree / parent).chmod(0o755)
+    try:
+        shutil.copyfile(src, dest)
+    except OSError as exc:
+        raise ImageError(f"cannot copy {src} into the guest: {exc.strerror}") from exc
+    dest.chmod(0o755)
+
+
+def _build_tree(files: GuestFiles, built: Path, dest: Path) -> None:
     """The root filesystem as a host directory (owners are fixed up per form)."""
     _check_static(files.busybox, "busybox", "install busybox-static")
     with cache.atomic_dir(dest) as tree:
@@ -153,8 +289,13 @@ def _build_tree(files: GuestFiles, workload: Path, dest: Path) -> None:
             (tree / name).chmod(mode)
         shutil.copyfile(files.busybox, tree / "bin/busybox")
         (tree / "bin/busybox").chmod(0o755)
-        shutil.copyfile(workload, tree / "bin/workload")
+        shutil.copyfile(built / "workload", tree / "bin/workload")
         (tree / "bin/workload").chmod(0o755)
+        _install(tree, "/bin/uprog-static", built / "uprog" / "uprog-static")
+        _install(tree, "/bin/uprog", built / "uprog" / "uprog")
+        _install(tree, f"{LIBQPT_DIR}/libqpt.so", built / "uprog" / "libqpt.so")
+        for lib in _loader_list(built / "uprog" / "uprog"):
+            _install(tree, lib, Path(lib))
         shutil.copyfile(files.init, tree / "init")
         (tree / "init").chmod(0o755)
         for name, text in _ETC.items():
@@ -169,7 +310,7 @@ def _build_tree(files: GuestFiles, workload: Path, dest: Path) -> None:
 
 
 def _guest_dir(files: GuestFiles, reporter: Reporter) -> Path:
-    """The build directory with ``workload`` and ``tree`` in it (built if missing)."""
+    """The build directory with ``workload``, ``uprog/`` and ``tree`` in it (built if missing)."""
     key = files.key()
     root = cache.subdir("guest")
     directory = root / key
@@ -182,8 +323,11 @@ def _guest_dir(files: GuestFiles, reporter: Reporter) -> Path:
         if not (directory / "workload").is_file():
             reporter.note("building the guest workload (gcc -static)")
             _build_workload(files.workload_c, directory / "workload")
+        if not (directory / "uprog" / "uprog").is_file():
+            reporter.note("building the guest uprog programs (gcc)")
+            _build_uprog(files, directory / "uprog")
         if not (directory / "tree").is_dir():
-            _build_tree(files, directory / "workload", directory / "tree")
+            _build_tree(files, directory, directory / "tree")
     cache.prune(root, "[0-9a-f]*", keep=4, protect=[directory], min_age=24 * 3600)
     return directory
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from qprobe.arch import Arch, RegisterLayout
-from qprobe.arch.inguest import GuestFilter, KeyPart, KeySpec, MapSlot
+from qprobe.arch.inguest import GuestFilter, KeyPart, KeySpec, MapKey, MapSlot
 from qprobe.core.kprobe import Kprobe, Kretprobe, KretprobeInstance
 from qprobe.core.regs import PtRegs
 from qprobe.errors import (
@@ -386,7 +386,7 @@ class TraceEvent:
         if not isinstance(kp, Kprobe) or kp.guest_key is None or kprobes.optimizer is None or self.guest_map is None:
             return {}
         spec, opt = kp.guest_key, kprobes.optimizer
-        raw: dict[tuple[int, ...], MapSlot] = {}
+        raw: dict[MapKey, MapSlot] = {}
 
         def take() -> None:  # in the stop that puts the recording detour back: no hit is lost in between
             point = kprobes.points.get(kp.resolved)
@@ -408,22 +408,18 @@ class TraceEvent:
             return args[name].format_value(args[name].evaluate(_HostContext(self.target, regs, None)))
 
         out: dict[tuple[str | int, ...], MapSlot] = {}
-        for words, slot in raw.items():
-            it = iter(words)
+        for decoded, slot in raw.items():
+            it = iter(decoded)  # the parts the guest computed, in keys' order ($func and $event are the host's)
             parts: list[str | int] = []
             for name in (*keys, *(("$hist",) if hist else ())):
                 if name in ("$func", "$event"):
                     parts.append(self.function_name if name == "$func" else self.definition.event)
-                elif name == "$comm":
-                    parts.append((next(it).to_bytes(8, "little") + next(it).to_bytes(8, "little"))
-                                 .split(b"\0")[0].decode(errors="replace"))  # fmt: skip
-                elif name == "$pid":
-                    pid = next(it)
-                    parts.append(pid - (1 << 32) if pid >> 31 else pid)
-                elif name in ("$cpu", "$hist"):
+                elif name in ("$comm", "$pid", "$cpu", "$hist"):
                     parts.append(next(it))
                 else:
-                    parts.append(formatted(name, next(it)))
+                    word = next(it)
+                    assert isinstance(word, int)
+                    parts.append(formatted(name, word))
             key = tuple(parts)
             old = out.get(key)
             out[key] = slot if old is None else old.merge(slot)

@@ -196,6 +196,10 @@ class Shell:
     def note(self, text: str) -> None:
         self.out.line(text, "note")
 
+    def _write_now(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+
     def _caret(self, line: str, exc: FetchArgError) -> None:
         lead = len(line) - len(line.lstrip())
         if self.interactive and exc.text == line.strip():
@@ -468,10 +472,7 @@ class Shell:
         def poll() -> None:  # every S: print the map and clear it, as an interval probe's print(@); clear(@)
             if due and time.monotonic() >= due[0]:
                 due[0] += every or 0
-                text = agg.take()
-                if text:
-                    self.out.write(text)
-                    self.out.flush()
+                agg.print_and_clear(self._write_now)
 
         collector = Collector(events, agg, every=every)
         with collector:
@@ -481,10 +482,7 @@ class Shell:
             ready = f"{value}{what}{f' every {every:g} s' if every else ''}; Ctrl-C to stop"
             result = self._watch(spec, poll, ready)
         self._report_run(result)
-        text = agg.take()
-        if text:
-            self.out.write(text)
-        elif every is None:
+        if not agg.print_and_clear(self.out.write) and every is None:
             self.note("no hits")
         if agg.skipped:
             self.note(f"({agg.skipped} of {agg.total} values of {agg.value} were not numbers)")

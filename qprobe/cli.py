@@ -26,9 +26,9 @@ from qprobe.errors import FetchArgError, QprobeError, TargetGone
 if TYPE_CHECKING:
     from qprobe.api import Target
     from qprobe.events import EventHit, TraceEvent
+    from qprobe.events.funcs import Probeability
     from qprobe.fetch import ProbeEvent
     from qprobe.fetch.dialect import Dialect
-    from qprobe.funcs import Probeability
     from qprobe.kernel.symbols import Symbols
     from qprobe.proctree import ProcessTree
     from qprobe.shell.collect import Aggregation
@@ -144,7 +144,7 @@ def _host_dialect(args: argparse.Namespace) -> Dialect | None:
 def _host_probeability(args: argparse.Namespace) -> Probeability | None:
     """The kernel's probe refusals from the vmlinux on the host, without booting; None if it is not known here."""
     from qprobe.api import vmlinux_arch
-    from qprobe.funcs import Probeability
+    from qprobe.events.funcs import Probeability
 
     symbols = _host_symbols(args)
     return None if symbols is None else Probeability.of(symbols, vmlinux_arch(symbols))
@@ -164,7 +164,7 @@ def _perf_definitions(args: argparse.Namespace) -> None:
     if symbols is None:
         raise QprobeError("a perf definition is resolved from vmlinux's debug information: give --vmlinux")
     from qprobe.api import vmlinux_arch
-    from qprobe.funcs import Probeability, unknown_symbol
+    from qprobe.events.funcs import Probeability, unknown_symbol
     from qprobe.kernel.perfprobe import parse_perf_probe
 
     for text in texts:  # a typo gets the closest names, as a kprobe_events definition's does
@@ -184,7 +184,7 @@ def _perf_definitions(args: argparse.Namespace) -> None:
 
 def _check_symbols(args: argparse.Namespace, events: list[ProbeEvent]) -> None:
     """Each event's function checked in vmlinux before a VM boots: a typo gets the closest names."""
-    from qprobe.funcs import check_probe_symbol
+    from qprobe.events.funcs import check_probe_symbol
 
     named = [ev for ev in events if ev.symbol is not None]
     prob = _host_probeability(args) if named else None
@@ -201,8 +201,8 @@ def _check_symbols(args: argparse.Namespace, events: list[ProbeEvent]) -> None:
 def _arm(target: Target, text: str, callback: Callable[[EventHit], None] | None = None,
          flt: str | None = None, anywhere: bool = False) -> list[TraceEvent]:  # fmt: skip
     """One definition's events: one, or one per function its glob matches (the refused ones said on stderr)."""
+    from qprobe.events.funcs import is_glob
     from qprobe.fetch import ProbeEvent, parse_event
-    from qprobe.funcs import is_glob
 
     ev = parse_event(text, dialect=target.dialect)
     if not (isinstance(ev, ProbeEvent) and ev.symbol is not None and is_glob(ev.symbol)):
@@ -578,12 +578,12 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_funcs(args: argparse.Namespace) -> int:
     """The kernel's functions matching GLOBs, each with whether qprobe can probe it, from vmlinux alone."""
-    from qprobe.funcs import render_funcs
+    from qprobe.events.funcs import render_funcs
 
     prob = _host_probeability(args)
     if prob is None:  # --attach without --vmlinux: the attached VM's own file
         with _boot(args) as target:
-            from qprobe.funcs import Probeability
+            from qprobe.events.funcs import Probeability
 
             return _print_funcs(render_funcs(Probeability.of_target(target), args.globs))
     return _print_funcs(render_funcs(prob, args.globs))

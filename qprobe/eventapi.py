@@ -1,6 +1,6 @@
 """The kprobe_events API of a Target: definitions armed as events, and the kernel facts their language needs.
 
-``Target`` (qprobe.api) inherits it; the work is qprobe.events', on the Target itself.
+``Target`` (qprobe.api) inherits it; the work is qprobe.events', on the Target as its EventRegistry.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 import drgn
 
 from qprobe.errors import ProbeError, QprobeError, SymbolError
+from qprobe.events.modules import ModuleNotifier
 from qprobe.kernel.btf import module_btfs
 from qprobe.kernel.features import thread_size
 from qprobe.kernel.modules import loaded_modules
 from qprobe.kernel.symbols import ModuleText
 from qprobe.kernel.tracefs import ftrace_locations, probe_dialect, trace_event_names
-from qprobe.modnotify import ModuleNotifier
 
 log = logging.getLogger("qprobe")
 
@@ -94,7 +94,7 @@ class EventAPI:
         only counted (``.filtered``).  ``anywhere`` arms it with a stub breakpoint, which also reaches
         the kernel's blacklist (``Kprobe(anywhere=True)``).
         """
-        from qprobe.events import add_event
+        from qprobe.events.define import add_event
 
         self.start_clock()
         return add_event(self, definition, callback, filter, anywhere)  # in self.events, or appended to its event
@@ -110,7 +110,7 @@ class EventAPI:
 
         The events are ``vfs/vfs_read``, ``vfs/vfs_write``...; ``.refused`` says why the other matches were not.
         """
-        from qprobe.events import add_events
+        from qprobe.events.define import add_events
 
         self.start_clock()
         return add_events(self, definition, callback, filter, anywhere)
@@ -125,7 +125,7 @@ class EventAPI:
         An event removes the probes appended to it too; one already removed (with the event it was
         appended to, say) is left alone.
         """
-        from qprobe.events import remove_events
+        from qprobe.events.define import remove_events
 
         by_id: dict[int, TraceEvent] = {}  # each event once, in the order given
         for event in events:
@@ -145,7 +145,7 @@ class EventAPI:
 
         live = [te for te in todo if id(te) in firsts or removed_alone(te)]
         self.timeline.flush()
-        remove_events(self, live)  # each first's every probe, an appended one's own
+        remove_events(live)  # each first's every probe, an appended one's own
         for te in live:
             if id(te) in firsts:
                 del self.events[te.name]

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, TextIO
 
 from qprobe.core.kprobe import Kretprobe
 from qprobe.errors import FetchArgError, ProbeError, QprobeError
+from qprobe.events.funcs import Probeability, is_glob, render_funcs
 from qprobe.fetch import DeleteEvent, parse_event
 from qprobe.fetch import messages as M
-from qprobe.funcs import Probeability, is_glob, render_funcs
 
 from . import inspect_cmds as insp
 from .collect import Aggregation, Collector, Tap, check_argument

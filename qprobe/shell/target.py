@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from qprobe.funcs import ProbeTables, RunningTarget
+from qprobe.events.funcs import ProbeTables, RunningTarget
 
 if TYPE_CHECKING:
     import drgn

@@ -198,16 +198,17 @@ def _check_symbols(args: argparse.Namespace, events: list[ProbeEvent]) -> None:
             raise QprobeError(f"{ev.text.strip()}: {exc}") from None
 
 
-def _arm(target: Target, text: str, callback: Callable[[EventHit], None] | None = None,
+def _arm(target: Target, definition: str | ProbeEvent, callback: Callable[[EventHit], None] | None = None,
          flt: str | None = None, anywhere: bool = False) -> list[TraceEvent]:  # fmt: skip
-    """One definition's events: one, or one per function its glob matches (the refused ones said on stderr)."""
-    from qprobe.events.funcs import is_glob
-    from qprobe.fetch import ProbeEvent, parse_event
+    """One definition's events: one, or one per function its glob matches (the refused ones said on stderr).
 
-    ev = parse_event(text, dialect=target.dialect)
-    if not (isinstance(ev, ProbeEvent) and ev.symbol is not None and is_glob(ev.symbol)):
-        return [target.add_event(text, callback, flt, anywhere)]
-    found = target.add_events(text, callback, flt, anywhere)
+    A definition parsed before boot goes down as its ProbeEvent, checked there, not parsed again.
+    """
+    from qprobe.events.define import is_wildcard
+
+    if not is_wildcard(definition):
+        return [target.add_event(definition, callback, flt, anywhere)]
+    found = target.add_events(definition, callback, flt, anywhere)
     refused = "".join(f"\n  {name}: {why}" for name, why in found.refused.items())
     print(f"qprobe: {found.pattern}: {len(found.events)} probes, {len(found.refused)} refused{refused}",
           file=sys.stderr, flush=True)  # fmt: skip
@@ -399,12 +400,12 @@ def cmd_trace(args: argparse.Namespace) -> int:
     # where it was started with SIGINT ignored (`qprobe trace ... &` from a non-interactive shell).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     trace = _Trace(args)
-    _check_definitions(args, trace)
+    definitions = _check_definitions(args, trace)
     _say_booting(args)
     with _boot(args) as target:
         if args.lossy:
             target.records_lossy = True
-        events = _arm_traced(target, trace)
+        events = _arm_traced(target, definitions, trace)
         status = 0
         try:
             status = _collect(target, events, trace)
@@ -413,25 +414,42 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return status
 
 
-def _check_definitions(args: argparse.Namespace, trace: _Trace) -> None:
-    """Syntax errors (events, filter, --format, --map's names) and unknown functions, before booting."""
-    from qprobe.fetch import ProbeEvent, parse_event
+def _check_definitions(args: argparse.Namespace, trace: _Trace) -> list[str | ProbeEvent]:
+    """Each definition parsed once, before booting where the kernel's vmlinux is at hand: syntax errors
+    (events, filter, --format, --map's names) and unknown functions come before a VM does.
 
-    parsed = []
-    dialect = _host_dialect(args) if args.events else None  # the language of the kernel that will run them
-    for text in args.events if dialect is not None else ():
-        ev = parse_event(text, dialect=dialect)
-        if isinstance(ev, ProbeEvent):
-            parsed.append(ev)
-            trace.check(ev)
+    Returns what goes down to the target: each definition's ProbeEvent, or its text where there is
+    none yet (a VM to attach to whose vmlinux is not given: parsed in the running kernel's language).
+    """
+    from qprobe.fetch import ProbeEvent
+
+    definitions = _parse_definitions(args)
+    parsed = [ev for ev in definitions if isinstance(ev, ProbeEvent)]
+    for ev in parsed:
+        trace.check(ev)
     if trace.agg is not None:
         from qprobe.shell.collect import check_map_names
 
         check_map_names(trace.agg, parsed)
     _check_symbols(args, parsed)
+    return definitions
 
 
-def _arm_traced(target: Target, trace: _Trace) -> list[TraceEvent]:
+def _parse_definitions(args: argparse.Namespace) -> list[str | ProbeEvent]:
+    """args.events parsed in the language of the kernel that will run them, if the host knows it."""
+    from qprobe.fetch import ProbeEvent, parse_event
+
+    dialect = _host_dialect(args) if args.events else None
+    if dialect is None:
+        return list(args.events)
+    out: list[str | ProbeEvent] = []
+    for text in args.events:
+        ev = parse_event(text, dialect=dialect)
+        out.append(ev if isinstance(ev, ProbeEvent) else text)  # a deletion is refused once armed, as the API does
+    return out
+
+
+def _arm_traced(target: Target, definitions: list[str | ProbeEvent], trace: _Trace) -> list[TraceEvent]:
     """Every definition's events, their hits printed in the guest's order of hits (or folded into the map)."""
 
     def in_order(hit: EventHit) -> None:  # whatever path a hit took, the timeline hands it on in order
@@ -439,7 +457,7 @@ def _arm_traced(target: Target, trace: _Trace) -> list[TraceEvent]:
 
     lines = in_order if trace.agg is None else None
     flt = None if trace.cpid_filter else trace.filter
-    return [te for text in trace.args.events for te in _arm(target, text, lines, flt, trace.args.anywhere)]
+    return [te for d in definitions for te in _arm(target, d, lines, flt, trace.args.anywhere)]
 
 
 def _collect(target: Target, events: list[TraceEvent], trace: _Trace) -> int:
@@ -549,7 +567,7 @@ def _say_booting(args: argparse.Namespace) -> None:
 
 def cmd_list(args: argparse.Namespace) -> int:
     """Arm the given events (if any) and print the probe list as debugfs's kprobes/list does, with reasons."""
-    from qprobe.fetch import ProbeEvent, parse_event
+    from qprobe.fetch import ProbeEvent
     from qprobe.shell.parse import is_definition
 
     _perf_definitions(args)
@@ -557,13 +575,11 @@ def cmd_list(args: argparse.Namespace) -> int:
         if not is_definition(text):  # `qprobe list 'vfs_*'`, as bpftrace -l and perf probe -F list functions
             raise QprobeError(f"list arms EVENT definitions and lists the probes; to find functions: "
                               f"qprobe funcs {text!r}")  # fmt: skip
-    dialect = _host_dialect(args) if args.events else None
-    if dialect is not None:
-        parsed = [parse_event(text, dialect=dialect) for text in args.events]
-        _check_symbols(args, [ev for ev in parsed if isinstance(ev, ProbeEvent)])
+    definitions = _parse_definitions(args)
+    _check_symbols(args, [ev for ev in definitions if isinstance(ev, ProbeEvent)])
     _say_booting(args)
     with _boot(args) as target:
-        events = [te for text in args.events for te in _arm(target, text, anywhere=args.anywhere)]
+        events = [te for d in definitions for te in _arm(target, d, anywhere=args.anywhere)]
         try:
             listing = target.list_probes()
         finally:

@@ -25,6 +25,7 @@ log = logging.getLogger("qprobe")
 if TYPE_CHECKING:
     from qprobe.arch import Arch
     from qprobe.events import EventHit, TraceEvent, Wildcard
+    from qprobe.fetch import ProbeEvent
     from qprobe.fetch.dialect import Dialect
     from qprobe.kernel.program import KernelData
     from qprobe.kernel.symbols import Symbols
@@ -83,12 +84,15 @@ class EventAPI:
 
     def add_event(
         self,
-        definition: str,
+        definition: str | ProbeEvent,
         callback: Callable[[EventHit], None] | None = None,
         filter: str | None = None,
         anywhere: bool = False,
     ) -> TraceEvent:
         """Arm a kprobe_events definition (``p:ev vfs_read count=%dx``); hits go to ``callback`` and ``.hits``.
+
+        A definition a front end parsed already (``qprobe.fetch.parse_event``) is checked with this
+        kernel's symbols rather than parsed again.
 
         ``filter`` is an ftrace event filter (``count > 100 && comm == "cat"``): hits it rejects are
         only counted (``.filtered``).  ``anywhere`` arms it with a stub breakpoint, which also reaches
@@ -101,7 +105,7 @@ class EventAPI:
 
     def add_events(
         self,
-        definition: str,
+        definition: str | ProbeEvent,
         callback: Callable[[EventHit], None] | None = None,
         filter: str | None = None,
         anywhere: bool = False,

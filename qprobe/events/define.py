@@ -20,7 +20,7 @@ from qprobe.events.event import TraceEvent, event_filter
 from qprobe.events.funcs import Probeability, check_probe_symbol, did_you_mean, is_glob, wildcard_definitions
 from qprobe.events.hit import EventHit
 from qprobe.events.kprobe import KprobeEvent, KprobeHost
-from qprobe.fetch import ProbeEvent, check_append, parse_event
+from qprobe.fetch import ProbeEvent, check_append, check_event, parse_event
 from qprobe.fetch import messages as M
 from qprobe.fetch.kstrto import kstrtoul, split_args
 from qprobe.kernel.tracefs import within_notrace_func
@@ -62,12 +62,29 @@ def on_func_entry(reg: EventRegistry, symbol: str, offset: int) -> bool:
     return sym is not None and addr - sym.addr in (0, reg.kprobe_backend.entry_skip(sym.addr))
 
 
+def probe_place(text: str) -> tuple[int, str] | None:
+    """A definition's probe point as written, its column and its name without ``+OFFS``/``%return``
+    (``vfs_*`` for ``p:vfs vfs_* fd=%di``), before anything parses it; None if it has none."""
+    words = split_args(text.split("#", 1)[0])
+    if len(words) < 2:
+        return None
+    return words[1][0], re.split(r"[+%]", words[1][1], maxsplit=1)[0]
+
+
+def is_wildcard(definition: str | ProbeEvent) -> bool:
+    """Whether a definition's probe point is a glob: one event per function (``add_events``)."""
+    if isinstance(definition, ProbeEvent):
+        return definition.symbol is not None and is_glob(definition.symbol)
+    place = probe_place(definition)
+    return place is not None and is_glob(place[1])
+
+
 def _suggesting(reg: EventRegistry, exc: FetchArgError) -> FetchArgError:
     """The kernel's refusal of an unknown probe symbol, with the names it was probably meant to be."""
-    words = split_args(exc.text.split("#", 1)[0])
-    if exc.detail or len(words) < 2 or exc.column != words[1][0]:
+    place = probe_place(exc.text)
+    if exc.detail or place is None or exc.column != place[0]:
         return exc
-    symbol = re.split(r"[+%]", words[1][1], maxsplit=1)[0]
+    symbol = place[1]
     if not symbol or symbol in reg.symbols or kstrtoul(symbol, 0) is not None:
         return exc
     if is_glob(symbol):
@@ -84,10 +101,10 @@ def _follow_modules(reg: EventRegistry, text: str) -> None:
     (kallsyms_lookup_name searches modules after vmlinux).  Without the
     kernel's debug info a plain name stays unknown, and ``MOD:SYM`` is refused.
     """
-    words = split_args(text.split("#", 1)[0])
-    if len(words) < 2 or words[0][1][:1] not in ("p", "r"):
+    place = probe_place(text)
+    if place is None or text.lstrip()[:1] not in ("p", "r"):
         return
-    name = re.split(r"[+%]", words[1][1], maxsplit=1)[0]
+    name = place[1]
     if not name or name[0].isdigit() or is_glob(name) or name in reg.symbols or reg.modules.started:
         return
     try:
@@ -112,19 +129,19 @@ def _registration_error(ev: ProbeEvent, exc: ProbeError | SymbolError, dialect: 
 
 def add_event(
     reg: EventRegistry,
-    text: str,
+    definition: str | ProbeEvent,
     callback: Callable[[EventHit], None] | None = None,
     filter: str | None = None,
     anywhere: bool = False,
 ) -> TraceEvent:
-    """Parse a kprobe_events definition and arm it; raises FetchArgError naming the problem.
+    """Parse a kprobe_events definition (or take one parsed) and arm it; raises FetchArgError naming the problem.
 
     Refusals are the kernel's (its texts and carets, ``error_log`` style), including
     those it makes when it adds the probe to its event table or registers it;
     ``anywhere`` arms it with a stub breakpoint (``Kprobe(anywhere=True)``).
     """
-    _follow_modules(reg, text)
-    te, first = _prepare(reg, text, callback, filter, reg.symbols.count, anywhere)
+    _follow_modules(reg, definition.text if isinstance(definition, ProbeEvent) else definition)
+    te, first = _prepare(reg, definition, callback, filter, reg.symbols.count, anywhere)
     try:
         te.backend.register([te])
     except (ProbeError, SymbolError) as exc:
@@ -163,7 +180,7 @@ MAX_WILDCARD = 1000  # probes one glob may arm: more is almost always a pattern 
 
 def add_events(
     reg: EventRegistry,
-    text: str,
+    definition: str | ProbeEvent,
     callback: Callable[[EventHit], None] | None = None,
     filter: str | None = None,
     anywhere: bool = False,
@@ -174,6 +191,7 @@ def add_events(
     would refuse (notrace, blacklisted, not unique...) or whose definition it would refuse
     are counted in ``refused`` with the reason.  The probes are registered as one batch.
     """
+    text = definition.text if isinstance(definition, ProbeEvent) else definition
     words = split_args(text.split("#", 1)[0])
     pattern = re.match(r"[^+%]*", words[1][1] if len(words) > 1 else "").group(0)  # type: ignore[union-attr]
     prob = Probeability.of_sites(reg, reg.kprobe_backend.sites)
@@ -216,14 +234,20 @@ def add_events(
 
 
 def _prepare(
-    reg: EventRegistry, text: str, callback: Callable[[EventHit], None] | None, filter: str | None,
-    symbol_count: Callable[[str], int], anywhere: bool,
+    reg: EventRegistry, definition: str | ProbeEvent, callback: Callable[[EventHit], None] | None,
+    filter: str | None, symbol_count: Callable[[str], int], anywhere: bool,
 ) -> tuple[KprobeEvent, TraceEvent | None]:  # fmt: skip
-    """The parsed, checked, unregistered event, and the existing event it would join (or None)."""
+    """The parsed (or, given parsed, checked), unregistered event, and the existing event it would join (or None).
+
+    Parsed with the running kernel's answers (its symbols, which places are function entries);
+    a definition a front end parsed already is checked with them, not parsed again (check_event).
+    """
     symbols, dialect = reg.symbols, reg.dialect
+    answers = {"symbol_exists": lambda name: name in symbols, "dialect": dialect, "symbol_count": symbol_count,
+               "on_func_entry": lambda sym, off: on_func_entry(reg, sym, off)}  # fmt: skip
+    text = definition.text if isinstance(definition, ProbeEvent) else definition
     try:
-        ev = parse_event(text, symbol_exists=lambda name: name in symbols, dialect=dialect, symbol_count=symbol_count,
-                         on_func_entry=lambda sym, off: on_func_entry(reg, sym, off))  # fmt: skip
+        ev = check_event(definition, **answers) if isinstance(definition, ProbeEvent) else parse_event(text, **answers)
     except FetchArgError as exc:
         raise _suggesting(reg, exc) from None
     if not isinstance(ev, ProbeEvent):

@@ -212,7 +212,7 @@ class Shell:
     # -- events ----------------------------------------------------------------------------------
     def definition(self, text: str) -> None:
         """``p:...``/``r:...`` adds an event, ``-:...`` removes events, as a write to kprobe_events."""
-        ev = parse_event(text, dialect=self.target.dialect)  # the syntax; add_event checks symbols, suggests names
+        ev = parse_event(text, dialect=self.target.dialect)  # add_event checks its symbols and suggests names
         if isinstance(ev, DeleteEvent):
             gone = [te for te in list(self.target.events.values()) if ev.matches(te.definition)]
             if not gone:
@@ -229,7 +229,7 @@ class Shell:
         if name in self.target.events:
             head = text.split()[0]
             raise FetchArgError(M.EVENT_EXIST, text, head.index(":") + 1 if ":" in head else 0)
-        te = self.target.add_event(text)
+        te = self.target.add_event(ev)  # checked with the kernel's symbols there, not parsed again
         self.armed[te.name] = time.monotonic()
         args = f" with {' '.join(a.name for a in ev.args)}" if ev.args else ""
         kind = "return probe" if ev.is_return else "probe"

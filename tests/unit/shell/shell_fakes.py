@@ -20,7 +20,7 @@ from qprobe.core.point import ProbePoint
 from qprobe.errors import ProbeError, TargetError
 from qprobe.events import EventHit, KprobeEvent, TraceEvent, Wildcard
 from qprobe.events.timeline import Timeline
-from qprobe.fetch import ProbeEvent, format_event, parse_event
+from qprobe.fetch import ProbeEvent, check_event, format_event, parse_event
 from qprobe.fetch.dialect import Dialect
 from qprobe.kernel.program import Stack
 from qprobe.kernel.symbols import ModuleText, Section, Symbols
@@ -80,8 +80,13 @@ class FakeTarget:
         self.unsynced: list[TraceEvent] = []
 
     # events
-    def add_event(self, definition: str, callback: object = None) -> TraceEvent:
-        ev = parse_event(definition, symbol_exists=lambda n: n in self.symbols)
+    def add_event(self, definition: str | ProbeEvent, callback: object = None) -> TraceEvent:
+        exists = {"symbol_exists": lambda n: n in self.symbols, "dialect": self.dialect}
+        ev = (
+            check_event(definition, **exists)
+            if isinstance(definition, ProbeEvent)
+            else parse_event(definition, **exists)
+        )
         assert isinstance(ev, ProbeEvent)
         te = KprobeEvent(self, ev, callback)  # type: ignore[arg-type]
         te.probe = Kprobe(symbol_name=ev.symbol or "vfs_read", offset=ev.offset)

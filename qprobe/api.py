@@ -37,6 +37,8 @@ from qprobe.core.uprobes import UprobeManager
 from qprobe.core.watchpoint import Watchpoints
 from qprobe.errors import BootPanic, GuestPanicked, QprobeError, SymbolError, TargetError, TargetGone
 from qprobe.eventapi import EventAPI
+from qprobe.events.kprobe import KprobeBackend
+from qprobe.events.timeline import Timeline, TscOrder
 from qprobe.kernel.clock import NSEC_PER_SEC, StopClock, TraceClock
 from qprobe.kernel.features import fully_preemptible
 from qprobe.kernel.kaslr import detect_slide
@@ -44,7 +46,6 @@ from qprobe.kernel.program import KernelData, Stack, Task
 from qprobe.kernel.symbols import Symbols, elf_machine
 from qprobe.paths import cache_dir, write_private
 from qprobe.probeapi import ProbeAPI
-from qprobe.timeline import Timeline, TscOrder
 from qprobe.vmm.connection import Connection, parse_address
 from qprobe.vmm.console import Console, GuestShell, RunResult, open_shell
 from qprobe.vmm.gdbmi import GdbMiRemote
@@ -212,6 +213,7 @@ class Target(ProbeAPI, EventAPI):
             self.uprobes = UprobeManager(self.machine, self.arch, self.kernel, self.kprobes.handlers,
                                          self.kprobes.make_regs, self.kprobes.dispatcher.step,
                                          self.kprobes.register_kprobe, self.kprobes.unregister_kprobe)  # fmt: skip
+            self.kprobe_backend = KprobeBackend(self.kprobes, self.kretprobes)  # what kprobe events hold probes by
             self.watchpoints = Watchpoints(self.machine, self.symbols, self.kprobes.handlers, self.kprobes.make_regs)
             self.timings["attach"] = time.monotonic() - t0
         except BaseException as exc:
@@ -468,7 +470,7 @@ class Target(ProbeAPI, EventAPI):
         takes to stop, some tens to hundreds of microseconds).  The place is the TSC in
         seconds: one counter for every vCPU under QEMU, so hits sort by it exactly, where the
         trace clock (a tick-based clock under TCG) can step between two conversions; a stop's
-        estimate is kept in the order the host handled the hits (qprobe.timeline.TscOrder),
+        estimate is kept in the order the host handled the hits (qprobe.events.timeline.TscOrder),
         which ``recorded`` (the hit came late, from a ring record) tells it.  Seconds since
         qprobe attached, for both, if this guest's clock cannot be read (``clock_note``).
         """

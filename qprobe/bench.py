@@ -330,7 +330,7 @@ def probeable_entries(target: qprobe.Target, names: list[str]) -> list[str]:
     A probe on a function's ``__fentry__`` site is armed on the next instruction,
     which can be a site the kernel rewrites (a jump label) although the entry is not.
     """
-    from qprobe.funcs import Probeability
+    from qprobe.events.funcs import Probeability
 
     prob, sites = Probeability.of_target(target), target.kprobes.sites
     out = []

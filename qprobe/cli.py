@@ -7,6 +7,9 @@ tracebacks are only for bugs.
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import json
 import logging
 import os
 import signal
@@ -23,11 +26,13 @@ from qprobe.errors import FetchArgError, QprobeError, TargetGone
 if TYPE_CHECKING:
     from qprobe.api import Target
     from qprobe.events import EventHit, TraceEvent
+    from qprobe.events.funcs import Probeability
     from qprobe.fetch import ProbeEvent
     from qprobe.fetch.dialect import Dialect
-    from qprobe.funcs import Probeability
     from qprobe.kernel.symbols import Symbols
     from qprobe.proctree import ProcessTree
+    from qprobe.shell.collect import Aggregation
+    from qprobe.shell.printf import HitFormat
 
 
 class _Parser(argparse.ArgumentParser):
@@ -139,7 +144,7 @@ def _host_dialect(args: argparse.Namespace) -> Dialect | None:
 def _host_probeability(args: argparse.Namespace) -> Probeability | None:
     """The kernel's probe refusals from the vmlinux on the host, without booting; None if it is not known here."""
     from qprobe.api import vmlinux_arch
-    from qprobe.funcs import Probeability
+    from qprobe.events.funcs import Probeability
 
     symbols = _host_symbols(args)
     return None if symbols is None else Probeability.of(symbols, vmlinux_arch(symbols))
@@ -159,7 +164,7 @@ def _perf_definitions(args: argparse.Namespace) -> None:
     if symbols is None:
         raise QprobeError("a perf definition is resolved from vmlinux's debug information: give --vmlinux")
     from qprobe.api import vmlinux_arch
-    from qprobe.funcs import Probeability, unknown_symbol
+    from qprobe.events.funcs import Probeability, unknown_symbol
     from qprobe.kernel.perfprobe import parse_perf_probe
 
     for text in texts:  # a typo gets the closest names, as a kprobe_events definition's does
@@ -179,7 +184,7 @@ def _perf_definitions(args: argparse.Namespace) -> None:
 
 def _check_symbols(args: argparse.Namespace, events: list[ProbeEvent]) -> None:
     """Each event's function checked in vmlinux before a VM boots: a typo gets the closest names."""
-    from qprobe.funcs import check_probe_symbol
+    from qprobe.events.funcs import check_probe_symbol
 
     named = [ev for ev in events if ev.symbol is not None]
     prob = _host_probeability(args) if named else None
@@ -193,16 +198,17 @@ def _check_symbols(args: argparse.Namespace, events: list[ProbeEvent]) -> None:
             raise QprobeError(f"{ev.text.strip()}: {exc}") from None
 
 
-def _arm(target: Target, text: str, callback: Callable[[EventHit], None] | None = None,
+def _arm(target: Target, definition: str | ProbeEvent, callback: Callable[[EventHit], None] | None = None,
          flt: str | None = None, anywhere: bool = False) -> list[TraceEvent]:  # fmt: skip
-    """One definition's events: one, or one per function its glob matches (the refused ones said on stderr)."""
-    from qprobe.fetch import ProbeEvent, parse_event
-    from qprobe.funcs import is_glob
+    """One definition's events: one, or one per function its glob matches (the refused ones said on stderr).
 
-    ev = parse_event(text, dialect=target.dialect)
-    if not (isinstance(ev, ProbeEvent) and ev.symbol is not None and is_glob(ev.symbol)):
-        return [target.add_event(text, callback, flt, anywhere)]
-    found = target.add_events(text, callback, flt, anywhere)
+    A definition parsed before boot goes down as its ProbeEvent, checked there, not parsed again.
+    """
+    from qprobe.events.define import is_wildcard
+
+    if not is_wildcard(definition):
+        return [target.add_event(definition, callback, flt, anywhere)]
+    found = target.add_events(definition, callback, flt, anywhere)
     refused = "".join(f"\n  {name}: {why}" for name, why in found.refused.items())
     print(f"qprobe: {found.pattern}: {len(found.events)} probes, {len(found.refused)} refused{refused}",
           file=sys.stderr, flush=True)  # fmt: skip
@@ -310,183 +316,247 @@ def cmd_attach(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Trace:
+    """One ``qprobe trace``'s output: what the options ask for, checked before boot, and what was shown."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.lock = threading.Lock()  # one line (or map) at a time on stdout
+        self.shown: collections.Counter[str] = collections.Counter()  # with --run, the command's hits
+        self.tree: ProcessTree | None = None  # with --run, the command's processes once followed
+        # Guest text (a process name, a fetched string) reaches a terminal with its control characters shown;
+        # the user's own --format keeps its escapes (a colour, say).
+        self.tty = sys.stdout.isatty()
+        self.fmt: HitFormat | None = None
+        if args.format is not None:
+            from qprobe.shell.printf import parse_printf
+
+            if args.json:
+                raise QprobeError("--format and --json: choose one")
+            self.fmt = parse_printf(args.format)
+        self.agg: Aggregation | None = None
+        self.every: float | None = None
+        if args.map is not None:
+            from qprobe.shell.collect import parse_map
+
+            if args.json or args.format is not None:
+                raise QprobeError("--map prints a map instead of lines: not with --json or --format")
+            self.agg, self.every = parse_map(args.map)
+        self.cpid_filter = args.filter is not None and "$cpid" in args.filter
+        if self.cpid_filter and not args.run:
+            raise QprobeError("$cpid is the pid of --run's command: give --run CMD")
+        # The filter as it is checked before boot; one naming $cpid is set on the events once the command forks.
+        self.filter: str | None = args.filter.replace("$cpid", "0") if self.cpid_filter else args.filter
+
+    def check(self, ev: ProbeEvent) -> None:
+        """A definition against the filter and --format, before booting."""
+        from qprobe.events import event_filter
+
+        if self.filter:
+            event_filter(ev, self.filter)
+        if self.fmt is not None:
+            missing = [n for n in self.fmt.names() if n not in {a.name for a in ev.args}]
+            if missing:
+                raise QprobeError(f"--format names {missing[0]!r}, which {ev.text!r} does not fetch")
+            self.fmt.check_types(ev.integer_args)
+
+    def show(self, hit: EventHit) -> None:
+        """One hit's line: with --run only the command's (those before its process tree is followed, the
+        guest shell reading the line that asks for its pid, are not)."""
+        if self.args.run and (self.tree is None or not self.tree.owns(hit)):
+            return
+        with self.lock:
+            self.shown[hit.event] += 1
+            if self.fmt is not None:
+                sys.stdout.write(self.fmt(hit.escaped() if self.tty else hit))
+                sys.stdout.flush()
+            elif self.args.json:
+                print(json.dumps(hit.as_json()), flush=True)
+            else:
+                print((hit.escaped() if self.tty else hit).line(), flush=True)
+
+    def owns(self, hit: EventHit) -> bool:
+        """With --run, whether the map takes ``hit``: the command's hits only."""
+        if self.tree is None or not self.tree.owns(hit):
+            return False
+        with self.lock:
+            self.shown[hit.event] += 1
+        return True
+
+    def write(self, text: str) -> None:
+        with self.lock:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     """Arm kprobe_events definitions, print one line per hit, then a summary.
 
     With ``--run CMD`` only the hits of CMD's processes are printed (bpftrace's ``-c``),
     ``$cpid`` in the filter is CMD's pid, and CMD's exit status is qprobe's.
     """
-    import collections
-    import json
-
     _perf_definitions(args)
     # SIGINT is how a trace ends (Ctrl-C, bpftrace's and perf's way, and `kill -INT` from a script), also
     # where it was started with SIGINT ignored (`qprobe trace ... &` from a non-interactive shell).
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    lock = threading.Lock()
-    fmt = None
-    if args.format is not None:
-        from qprobe.shell.printf import parse_printf
-
-        if args.json:
-            raise QprobeError("--format and --json: choose one")
-        fmt = parse_printf(args.format)
-    agg, every = None, None
-    if args.map is not None:
-        from qprobe.shell.collect import parse_map
-
-        if args.json or args.format is not None:
-            raise QprobeError("--map prints a map instead of lines: not with --json or --format")
-        agg, every = parse_map(args.map)
-    cpid_filter = args.filter is not None and "$cpid" in args.filter
-    if cpid_filter and not args.run:
-        raise QprobeError("$cpid is the pid of --run's command: give --run CMD")
-    # The filter as it is checked before boot; one naming $cpid is set on the events once the command forks.
-    flt = args.filter.replace("$cpid", "0") if cpid_filter else args.filter
-    shown: collections.Counter[str] = collections.Counter()
-    tree: ProcessTree | None = None
-    from qprobe.fetch import terminal_safe
-
-    # Guest text (a process name, a fetched string) reaches a terminal with its control characters shown;
-    # the user's own --format keeps its escapes (a colour, say).
-    tty = sys.stdout.isatty()
-
-    def show(hit: EventHit) -> None:
-        # With --run only the command's hits; those before its process tree is followed (the guest shell
-        # reading the line that asks for its pid) are not.
-        if args.run and (tree is None or not tree.owns(hit)):
-            return
-        with lock:
-            shown[hit.event] += 1
-            if fmt is not None:
-                sys.stdout.write(fmt(hit.escaped() if tty else hit))
-                sys.stdout.flush()
-            else:
-                print(json.dumps(hit.as_json()) if args.json else (hit.escaped() if tty else hit).line(), flush=True)
-
-    from qprobe.events import event_filter
-    from qprobe.fetch import ProbeEvent, parse_event
-
-    parsed = []
-    dialect = _host_dialect(args) if args.events else None  # the language of the kernel that will run them
-    for text in args.events if dialect is not None else ():  # syntax errors (events, filter) before booting
-        ev = parse_event(text, dialect=dialect)
-        if isinstance(ev, ProbeEvent):
-            parsed.append(ev)
-            if flt:
-                event_filter(ev, flt)
-            missing = [n for n in (fmt.names() if fmt else ()) if n not in {a.name for a in ev.args}]
-            if missing:
-                raise QprobeError(f"--format names {missing[0]!r}, which {text!r} does not fetch")
-            if fmt is not None:
-                fmt.check_types(ev.integer_args)
-    if agg is not None:
-        from qprobe.shell.collect import check_map_names
-
-        check_map_names(agg, parsed)
-    _check_symbols(args, parsed)
+    trace = _Trace(args)
+    definitions = _check_definitions(args, trace)
     _say_booting(args)
-    status = 0
     with _boot(args) as target:
-
-        def in_order(hit: EventHit) -> None:  # printed in the guest's order of hits, whatever their path
-            target.timeline.push(hit.order, lambda: show(hit))
-
         if args.lossy:
             target.records_lossy = True
-        lines = in_order if agg is None else None
-        events = [te for text in args.events
-                  for te in _arm(target, text, lines, None if cpid_filter else flt, args.anywhere)]  # fmt: skip
+        events = _arm_traced(target, definitions, trace)
+        status = 0
+        try:
+            status = _collect(target, events, trace)
+        finally:
+            _summarize(target, events, trace)
+    return status
 
-        def on_root(cpid: int) -> None:
-            if cpid_filter:
-                for te in events:
-                    te.filter = event_filter(te.definition, args.filter.replace("$cpid", str(cpid)))
 
-        def owns(hit: EventHit) -> bool:  # with --run, the map holds the command's hits only
-            if tree is None or not tree.owns(hit):
-                return False
-            with lock:
-                shown[hit.event] += 1
-            return True
+def _check_definitions(args: argparse.Namespace, trace: _Trace) -> list[str | ProbeEvent]:
+    """Each definition parsed once, before booting where the kernel's vmlinux is at hand: syntax errors
+    (events, filter, --format, --map's names) and unknown functions come before a VM does.
 
-        collector = None
-        printed = threading.Event()  # set when the map's interval printing ends
-        if agg is not None:
-            from qprobe.shell.collect import Collector
+    Returns what goes down to the target: each definition's ProbeEvent, or its text where there is
+    none yet (a VM to attach to whose vmlinux is not given: parsed in the running kernel's language).
+    """
+    from qprobe.fetch import ProbeEvent
 
-            collector = Collector(events, agg, every=every, owns=owns if args.run else None)
+    definitions = _parse_definitions(args)
+    parsed = [ev for ev in definitions if isinstance(ev, ProbeEvent)]
+    for ev in parsed:
+        trace.check(ev)
+    if trace.agg is not None:
+        from qprobe.shell.collect import check_map_names
+
+        check_map_names(trace.agg, parsed)
+    _check_symbols(args, parsed)
+    return definitions
+
+
+def _parse_definitions(args: argparse.Namespace) -> list[str | ProbeEvent]:
+    """args.events parsed in the language of the kernel that will run them, if the host knows it."""
+    from qprobe.fetch import ProbeEvent, parse_event
+
+    dialect = _host_dialect(args) if args.events else None
+    if dialect is None:
+        return list(args.events)
+    out: list[str | ProbeEvent] = []
+    for text in args.events:
+        ev = parse_event(text, dialect=dialect)
+        out.append(ev if isinstance(ev, ProbeEvent) else text)  # a deletion is refused once armed, as the API does
+    return out
+
+
+def _arm_traced(target: Target, definitions: list[str | ProbeEvent], trace: _Trace) -> list[TraceEvent]:
+    """Every definition's events, their hits printed in the guest's order of hits (or folded into the map)."""
+
+    def in_order(hit: EventHit) -> None:  # whatever path a hit took, the timeline hands it on in order
+        target.timeline.push(hit.order, lambda: trace.show(hit))
+
+    lines = in_order if trace.agg is None else None
+    flt = None if trace.cpid_filter else trace.filter
+    return [te for d in definitions for te in _arm(target, d, lines, flt, trace.args.anywhere)]
+
+
+def _collect(target: Target, events: list[TraceEvent], trace: _Trace) -> int:
+    """Hits while the trace runs (until --run's command ends, --duration, or Ctrl-C); then the probes go.
+
+    Returns the exit status: --run's command's, 130 for a Ctrl-C, else 0.
+    """
+    agg, printed = trace.agg, threading.Event()  # set when the map's interval printing ends
+    collector = None
+    if agg is not None:
+        from qprobe.shell.collect import Collector
+
+        collector = Collector(events, agg, every=trace.every, owns=trace.owns if trace.args.run else None)
+        if trace.every is not None:
 
             def print_every(seconds: float) -> None:  # bpftrace's interval probe: print(@); clear(@)
                 while not printed.wait(seconds):
-                    text = agg.take()
-                    with lock:
-                        sys.stdout.write(text)
-                        sys.stdout.flush()
+                    agg.print_and_clear(trace.write)
 
-            if every is not None:
-                threading.Thread(target=print_every, args=(every,), name="qprobe-map", daemon=True).start()
-        try:
-            if collector is not None:
-                collector.__enter__()
-            if args.run:
-                from qprobe.proctree import ProcessTree
-
-                tree = ProcessTree(target, on_root)
-                if not args.quiet:
-                    print(f"qprobe: tracing {len(events)} event(s) while {args.run!r} runs", file=sys.stderr,
-                          flush=True)  # fmt: skip
-                try:
-                    result = target.run(args.run, timeout=args.timeout)
-                finally:
-                    tree.close()
-                if result.output:
-                    out = result.output.removesuffix("\n") + "\n"
-                    sys.stderr.write(terminal_safe(out) if sys.stderr.isatty() else out)
-                status = result.status  # the command's own, as bpftrace -c passes it through
-            elif args.duration:
-                target.wait(args.duration)
-            else:
-                print(f"qprobe: tracing {len(events)} event(s); Ctrl-C to stop", file=sys.stderr, flush=True)
-                target.wait()
-        except KeyboardInterrupt:
-            status = 130
-        finally:
-            printed.set()
+            threading.Thread(target=print_every, args=(trace.every,), name="qprobe-map", daemon=True).start()
+    status = 0
+    try:
+        with collector if collector is not None else contextlib.nullcontext():
             try:
-                if collector is not None:
-                    collector.__exit__(None, None, None)
-                target.remove_events(events)
-            except TargetGone:
-                pass  # a VM that is gone holds no probes; the summary still says what was seen, then the error
-            if agg is not None:
-                with lock:
-                    sys.stdout.write(agg.take())
-            # One row an event (its trace shows one event name), the counts of probes appended to it added in.
-            totals: dict[str, collections.Counter[str]] = {}
-            for te in events:
-                totals.setdefault(te.definition.event, collections.Counter()).update(
-                    hits=te.nhit, nmissed=te.nmissed, lost=te.lost, filtered=te.filtered)  # fmt: skip
-            summary: dict[str, dict[str, int]] = {}
-            for name, t in totals.items():
-                row = {"hits": t["hits"], "nmissed": t["nmissed"], "lost": t["lost"]}
-                if tree is not None:  # hits counts the command's; the other processes' are said apart
-                    row.update(hits=shown[name], others=t["hits"] - shown[name])
-                if args.filter:
-                    row["filtered"] = t["filtered"]
-                summary[name] = row
-            waited = target.record_waits() if target.machine.alive else 0
-            with lock:
-                if args.json:
-                    rings = {"records": {"waited": waited}} if waited else {}
-                    print(json.dumps({"summary": summary, **rings}), flush=True)
-                else:
-                    for name, row in summary.items():
-                        print(f"# {name}: " + " ".join(f"{k}={v}" for k, v in row.items()))
-                    if waited:
-                        # Nothing was lost for it: these hits' vCPUs waited for qprobe to drain a full ring.
-                        print(f"# records: waited={waited}")
+                status = _run_traced(target, events, trace)
+            finally:
+                printed.set()  # the interval printing ends before the map's last fold
+    except KeyboardInterrupt:
+        status = 130
+    finally:
+        try:
+            target.remove_events(events)
+        except TargetGone:
+            pass  # a VM that is gone holds no probes; the summary still says what was seen, then the error
+        if agg is not None:
+            agg.print_and_clear(trace.write)
     return status
+
+
+def _run_traced(target: Target, events: list[TraceEvent], trace: _Trace) -> int:
+    """Wait while the events trace: --run's command (its exit status returned), --duration, or until Ctrl-C."""
+    args = trace.args
+    if args.run:
+        from qprobe.proctree import ProcessTree
+
+        def on_root(cpid: int) -> None:  # the filter's $cpid, once the command has forked
+            if trace.cpid_filter:
+                from qprobe.events import event_filter
+
+                for te in events:
+                    te.filter = event_filter(te.definition, args.filter.replace("$cpid", str(cpid)))
+
+        trace.tree = tree = ProcessTree(target, on_root)
+        if not args.quiet:
+            print(f"qprobe: tracing {len(events)} event(s) while {args.run!r} runs", file=sys.stderr, flush=True)
+        try:
+            result = target.run(args.run, timeout=args.timeout)
+        finally:
+            tree.close()
+        if result.output:
+            from qprobe.fetch import terminal_safe
+
+            out = result.output.removesuffix("\n") + "\n"
+            sys.stderr.write(terminal_safe(out) if sys.stderr.isatty() else out)
+        return result.status  # the command's own, as bpftrace -c passes it through
+    if args.duration:
+        target.wait(args.duration)
+    else:
+        print(f"qprobe: tracing {len(events)} event(s); Ctrl-C to stop", file=sys.stderr, flush=True)
+        target.wait()
+    return 0
+
+
+def _summarize(target: Target, events: list[TraceEvent], trace: _Trace) -> None:
+    """One row an event (its trace shows one event name), the counts of probes appended to it added in."""
+    args = trace.args
+    totals: dict[str, collections.Counter[str]] = {}
+    for te in events:
+        totals.setdefault(te.definition.event, collections.Counter()).update(
+            hits=te.nhit, nmissed=te.nmissed, lost=te.lost, filtered=te.filtered)  # fmt: skip
+    summary: dict[str, dict[str, int]] = {}
+    for name, t in totals.items():
+        row = {"hits": t["hits"], "nmissed": t["nmissed"], "lost": t["lost"]}
+        if trace.tree is not None:  # hits counts the command's; the other processes' are said apart
+            row.update(hits=trace.shown[name], others=t["hits"] - trace.shown[name])
+        if args.filter:
+            row["filtered"] = t["filtered"]
+        summary[name] = row
+    waited = target.record_waits() if target.machine.alive else 0
+    with trace.lock:
+        if args.json:
+            rings = {"records": {"waited": waited}} if waited else {}
+            print(json.dumps({"summary": summary, **rings}), flush=True)
+        else:
+            for name, row in summary.items():
+                print(f"# {name}: " + " ".join(f"{k}={v}" for k, v in row.items()))
+            if waited:
+                # Nothing was lost for it: these hits' vCPUs waited for qprobe to drain a full ring.
+                print(f"# records: waited={waited}")
 
 
 def _say_booting(args: argparse.Namespace) -> None:
@@ -497,7 +567,7 @@ def _say_booting(args: argparse.Namespace) -> None:
 
 def cmd_list(args: argparse.Namespace) -> int:
     """Arm the given events (if any) and print the probe list as debugfs's kprobes/list does, with reasons."""
-    from qprobe.fetch import ProbeEvent, parse_event
+    from qprobe.fetch import ProbeEvent
     from qprobe.shell.parse import is_definition
 
     _perf_definitions(args)
@@ -505,13 +575,11 @@ def cmd_list(args: argparse.Namespace) -> int:
         if not is_definition(text):  # `qprobe list 'vfs_*'`, as bpftrace -l and perf probe -F list functions
             raise QprobeError(f"list arms EVENT definitions and lists the probes; to find functions: "
                               f"qprobe funcs {text!r}")  # fmt: skip
-    dialect = _host_dialect(args) if args.events else None
-    if dialect is not None:
-        parsed = [parse_event(text, dialect=dialect) for text in args.events]
-        _check_symbols(args, [ev for ev in parsed if isinstance(ev, ProbeEvent)])
+    definitions = _parse_definitions(args)
+    _check_symbols(args, [ev for ev in definitions if isinstance(ev, ProbeEvent)])
     _say_booting(args)
     with _boot(args) as target:
-        events = [te for text in args.events for te in _arm(target, text, anywhere=args.anywhere)]
+        events = [te for d in definitions for te in _arm(target, d, anywhere=args.anywhere)]
         try:
             listing = target.list_probes()
         finally:
@@ -526,12 +594,12 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_funcs(args: argparse.Namespace) -> int:
     """The kernel's functions matching GLOBs, each with whether qprobe can probe it, from vmlinux alone."""
-    from qprobe.funcs import render_funcs
+    from qprobe.events.funcs import render_funcs
 
     prob = _host_probeability(args)
     if prob is None:  # --attach without --vmlinux: the attached VM's own file
         with _boot(args) as target:
-            from qprobe.funcs import Probeability
+            from qprobe.events.funcs import Probeability
 
             return _print_funcs(render_funcs(Probeability.of_target(target), args.globs))
     return _print_funcs(render_funcs(prob, args.globs))
@@ -614,6 +682,13 @@ def _target_options(p: argparse.ArgumentParser, attach: bool = True) -> None:
         p.add_argument("--allow-remote", action="store_true", help="allow attaching to a non-local address")
 
 
+def _anywhere_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--anywhere", action="store_true",
+                   help="arm the probes with QEMU's own breakpoints, writing nothing into the guest: also on the "
+                   "kernel's blacklist (entry text, noinstr, the int3/NMI paths) and notrace functions; two VM "
+                   "stops a hit, no return probes")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="qprobe", description="Linux kprobes from outside a QEMU guest.")
     parser.add_argument("--version", action="version", version=f"qprobe {__version__}")
@@ -640,10 +715,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--timeout", type=_number(float, 0.001, 1e7), default=600, help="limit for --run (default 600 s)")
     p.add_argument("--json", action="store_true", help="one JSON object per hit and a final summary object")
-    p.add_argument("--anywhere", action="store_true",
-                   help="arm the probes with QEMU's own breakpoints, writing nothing into the guest: also on the "
-                   "kernel's blacklist (entry text, noinstr, the int3/NMI paths) and notrace functions; two VM "
-                   "stops a hit, no return probes")  # fmt: skip
+    _anywhere_option(p)
     p.add_argument("--lossy", action="store_true",
                    help="drop a hit's record when its CPU's ring is full and count it lost, as perf and bpftrace "
                    "do (default: the hitting vCPU waits for qprobe to drain the ring, so no line is lost)")  # fmt: skip
@@ -674,10 +746,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="arm EVENTs and print the probe list (debugfs kprobes/list format, with why a probe is not optimized)",
     )
     _target_options(p)
-    p.add_argument("--anywhere", action="store_true",
-                   help="arm the probes with QEMU's own breakpoints, writing nothing into the guest: also on the "
-                   "kernel's blacklist (entry text, noinstr, the int3/NMI paths) and notrace functions; two VM "
-                   "stops a hit, no return probes")  # fmt: skip
+    _anywhere_option(p)
     p.add_argument(
         "events",
         nargs="*",

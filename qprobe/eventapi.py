@@ -1,6 +1,6 @@
 """The kprobe_events API of a Target: definitions armed as events, and the kernel facts their language needs.
 
-``Target`` (qprobe.api) inherits it; the work is qprobe.events', on the Target itself.
+``Target`` (qprobe.api) inherits it; the work is qprobe.events', on the Target as its EventRegistry.
 """
 
 from __future__ import annotations
@@ -13,18 +13,19 @@ from typing import TYPE_CHECKING
 import drgn
 
 from qprobe.errors import ProbeError, QprobeError, SymbolError
+from qprobe.events.modules import ModuleNotifier
 from qprobe.kernel.btf import module_btfs
 from qprobe.kernel.features import thread_size
 from qprobe.kernel.modules import loaded_modules
 from qprobe.kernel.symbols import ModuleText
 from qprobe.kernel.tracefs import ftrace_locations, probe_dialect, trace_event_names
-from qprobe.modnotify import ModuleNotifier
 
 log = logging.getLogger("qprobe")
 
 if TYPE_CHECKING:
     from qprobe.arch import Arch
     from qprobe.events import EventHit, TraceEvent, Wildcard
+    from qprobe.fetch import ProbeEvent
     from qprobe.fetch.dialect import Dialect
     from qprobe.kernel.program import KernelData
     from qprobe.kernel.symbols import Symbols
@@ -83,25 +84,28 @@ class EventAPI:
 
     def add_event(
         self,
-        definition: str,
+        definition: str | ProbeEvent,
         callback: Callable[[EventHit], None] | None = None,
         filter: str | None = None,
         anywhere: bool = False,
     ) -> TraceEvent:
         """Arm a kprobe_events definition (``p:ev vfs_read count=%dx``); hits go to ``callback`` and ``.hits``.
 
+        A definition a front end parsed already (``qprobe.fetch.parse_event``) is checked with this
+        kernel's symbols rather than parsed again.
+
         ``filter`` is an ftrace event filter (``count > 100 && comm == "cat"``): hits it rejects are
         only counted (``.filtered``).  ``anywhere`` arms it with a stub breakpoint, which also reaches
         the kernel's blacklist (``Kprobe(anywhere=True)``).
         """
-        from qprobe.events import add_event
+        from qprobe.events.define import add_event
 
         self.start_clock()
         return add_event(self, definition, callback, filter, anywhere)  # in self.events, or appended to its event
 
     def add_events(
         self,
-        definition: str,
+        definition: str | ProbeEvent,
         callback: Callable[[EventHit], None] | None = None,
         filter: str | None = None,
         anywhere: bool = False,
@@ -110,7 +114,7 @@ class EventAPI:
 
         The events are ``vfs/vfs_read``, ``vfs/vfs_write``...; ``.refused`` says why the other matches were not.
         """
-        from qprobe.events import add_events
+        from qprobe.events.define import add_events
 
         self.start_clock()
         return add_events(self, definition, callback, filter, anywhere)
@@ -125,7 +129,7 @@ class EventAPI:
         An event removes the probes appended to it too; one already removed (with the event it was
         appended to, say) is left alone.
         """
-        from qprobe.events import remove_events
+        from qprobe.events.define import remove_events
 
         by_id: dict[int, TraceEvent] = {}  # each event once, in the order given
         for event in events:
@@ -145,7 +149,7 @@ class EventAPI:
 
         live = [te for te in todo if id(te) in firsts or removed_alone(te)]
         self.timeline.flush()
-        remove_events(self, live)  # each first's every probe, an appended one's own
+        remove_events(live)  # each first's every probe, an appended one's own
         for te in live:
             if id(te) in firsts:
                 del self.events[te.name]

@@ -65,15 +65,7 @@ class ProbeAPI:
 
     def register_kretprobes(self, rps: Iterable[Kretprobe]) -> None:
         """All or nothing, as register_kprobes."""
-        done: list[Kretprobe] = []
-        try:
-            for rp in rps:
-                self.register_kretprobe(rp)
-                done.append(rp)
-        except BaseException:
-            for rp in reversed(done):
-                self.unregister_kretprobe(rp)
-            raise
+        self.kretprobes.register_kretprobes(rps)
 
     def unregister_kretprobes(self, rps: Iterable[Kretprobe]) -> None:
         for rp in list(rps):

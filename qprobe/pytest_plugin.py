@@ -397,7 +397,7 @@ class QprobeReset:
         left += [line for line in t.list_probes().splitlines() if line.strip()]
         armed = []
         for key, te in list(t.events.items()):
-            if te.probe is not None and te.probe.registered:
+            if te.registered:
                 armed.append(te)
             else:
                 t.events.pop(key, None)

@@ -59,7 +59,7 @@ from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from qprobe.arch.inguest import GuestFilter, KeySpec, MapSlot
+from qprobe.arch.inguest import GuestFilter, KeySpec, MapKey, MapSlot
 
 
 class ResumeKind(enum.Enum):
@@ -450,7 +450,7 @@ class Arch(Protocol):
 
     def parse_ring_entry(self, raw: bytes) -> RingEntry: ...
     def guest_map_size(self, spec: KeySpec) -> int: ...  # one CPU's table of a "keyed" detour, in bytes
-    def parse_guest_map(self, spec: KeySpec, raw: bytes) -> dict[tuple[int, ...], MapSlot]: ...
+    def parse_guest_map(self, spec: KeySpec, raw: bytes) -> dict[MapKey, MapSlot]: ...  # each key's parts decoded
 
 
 __all__ = [

@@ -46,6 +46,11 @@ class KeyPart:
         return 2 if self.kind == "comm" else 1
 
 
+# A map's key as the architecture decodes it, one item per KeyPart: ``comm`` as text, ``pid`` signed,
+# ``reg`` the register's 64-bit word (the host formats it as the argument's type), ``cpu`` and ``hist`` ints.
+MapKey = tuple[int | str, ...]
+
+
 @dataclass(frozen=True)
 class KeySpec:
     """An in-guest map: its key's parts, and the integer whose sum, min and max each slot keeps.

@@ -19,6 +19,7 @@ puts every real return address back.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from qprobe.core.kprobe import KPROBE_FLAG_DISABLED, Kretprobe, KretprobeInstance
 from qprobe.core.kprobes import KprobeManager
@@ -102,6 +103,18 @@ class KretprobeManager:
         self.kprobes.unregister_kprobe(rp.kp)
         self.machine.call(lambda: self._retire(rp))
         self.registered.discard(rp)
+
+    def register_kretprobes(self, rps: Iterable[Kretprobe]) -> None:
+        """All or nothing, as register_kprobes."""
+        done: list[Kretprobe] = []
+        try:
+            for rp in rps:
+                self.register_kretprobe(rp)
+                done.append(rp)
+        except BaseException:
+            for rp in reversed(done):
+                self.unregister_kretprobe(rp)
+            raise
 
     def remove_all(self) -> None:
         for rp in list(self.registered):

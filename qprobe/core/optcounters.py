@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 
 from qprobe.arch import Arch
-from qprobe.arch.inguest import KeySpec, MapSlot
+from qprobe.arch.inguest import KeySpec, MapKey, MapSlot
 from qprobe.core.errorlog import ErrorLog
 from qprobe.core.point import Optimized, ProbePoint
 from qprobe.core.pools import ReturnPools
@@ -70,7 +70,7 @@ class GuestCounters:
         if self._collector is not None:
             self._collector.join(2.0)
 
-    def keyed_counts(self, point: ProbePoint, spec: KeySpec) -> dict[tuple[int, ...], MapSlot]:
+    def keyed_counts(self, point: ProbePoint, spec: KeySpec) -> dict[MapKey, MapSlot]:
         """A "keyed" point's map so far (its probe's ``spec``), summed over the CPUs' tables (RAM reads, no stop)."""
         opt = point.opt
         if opt is None or opt.kind != "keyed":

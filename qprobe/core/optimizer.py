@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from qprobe.arch import DetourParams, PercpuLayout
-from qprobe.arch.inguest import KeySpec, MapSlot
+from qprobe.arch.inguest import KeySpec, MapKey, MapSlot
 from qprobe.core.doorbell import Doorbell
 from qprobe.core.errorlog import ErrorLog
 from qprobe.core.fence import GuestBlacklist
@@ -190,7 +190,7 @@ class Optimizer:
         return PercpuLayout(kernel.percpu_offset("cpu_number"), kernel.percpu_offset("this_cpu_off"),
                             kernel.current_task_offset)  # fmt: skip
 
-    def keyed_counts(self, point: ProbePoint, spec: KeySpec) -> dict[tuple[int, ...], MapSlot]:
+    def keyed_counts(self, point: ProbePoint, spec: KeySpec) -> dict[MapKey, MapSlot]:
         """A "keyed" point's map so far (see GuestCounters.keyed_counts); empty without shared RAM."""
         return self.counts.keyed_counts(point, spec) if self.counts is not None else {}
 

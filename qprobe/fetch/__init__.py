@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .args import FetchArg, Value
 from .context import FAULT, REGISTERS, Fault, FetchContext, MemoryFault, SymbolValue
-from .event import DeleteEvent, ProbeEvent, check_append, parse_event, parse_events
+from .event import DeleteEvent, ProbeEvent, check_append, check_event, parse_event, parse_events
 from .expr import Arg, Comm, Deref, Imm, ImmString, Node, Reg, RetVal, Stack, StackPointer, SymbolAddr
 from .ftypes import Bitfield, FetchType
 from .output import SymbolInfo, format_event, format_hit, print_fmt, print_ip_sym, sprint_symbol, terminal_safe
@@ -41,6 +41,7 @@ __all__ = [
     "SymbolValue",
     "Value",
     "check_append",
+    "check_event",
     "format_event",
     "format_hit",
     "parse_event",

@@ -60,6 +60,10 @@ class ProbeEvent:
     maxactive: int = 0
     args: list[FetchArg] = field(default_factory=list)
     text: str = ""
+    # The language it was parsed in, and whether its place was taken for a function entry then (which
+    # decides how its arguments parse): check_event parses it again only where a kernel's answers differ.
+    dialect: Dialect = field(default=BASE, compare=False, repr=False)
+    fentry: bool = False
 
     @property
     def integer_args(self) -> frozenset[str]:
@@ -258,21 +262,12 @@ def _parse_probe(
         if parsed is None or not 0 <= parsed <= M.UINT_MAX:
             raise cmd.error(1, 0, M.BAD_PROBE_ADDR)
         offset = parsed
-        if symbol_count is not None and cmd.dialect.has(M.NON_UNIQ_SYMBOL):
-            # validate_probe_symbol (Linux 6.5's "tracing/kprobes: Return EADDRNOTAVAIL when func matches
-            # several symbols", backported to stable kernels): known where the kernel logs its text.
-            count = symbol_count(symbol)
-            if count != 1:
-                raise cmd.error(1, 0, M.NON_UNIQ_SYMBOL if count > 1 else M.BAD_PROBE_ADDR)
+        _check_unique(cmd, symbol, symbol_count)
         if is_return:
             flags |= FL_RETURN
-        exists = bool(symbol) and (symbol_exists is None or symbol_exists(symbol))
-        if exists:  # else kprobe_on_func_entry() is -ENOENT: decided later
-            entry = on_func_entry(symbol, offset) if on_func_entry else offset == 0
-            if entry and not is_return:  # a return probe is never "at the entry" (6.1's $argN wants neither)
-                flags |= FL_FENTRY
-            elif is_return and not entry:
-                raise cmd.error(1, 0, M.BAD_RETPROBE)
+        exists, fentry = _place(cmd, symbol, offset, is_return, symbol_exists, on_func_entry)
+        if fentry:
+            flags |= FL_FENTRY
 
     group = M.KPROBE_EVENT_SYSTEM
     if event is not None:
@@ -298,15 +293,7 @@ def _parse_probe(
             # Carets count in the words as written, even after $arg* made more of them (as the kernel's log does).
             raise cmd.error(i + 2, exc.offset, exc.message, exc.logged) from None
 
-    # What registration (traceprobe_update_arg, register_kprobe) would reject.
-    for _, ref in symbol_refs_of(args):
-        if ref.offset is None:
-            raise cmd.error(1, 0, M.FAIL_REG_PROBE)
-        if not ref.name or (symbol_exists is not None and not symbol_exists(ref.name)):
-            raise cmd.error(1, 0, M.BAD_PROBE_ADDR)
-    if not exists and ":" not in (symbol or ""):
-        # MOD:SYM is looked up when it is registered: a module not loaded yet keeps it pending.
-        raise cmd.error(1, 0, M.BAD_PROBE_ADDR)
+    _check_registration(cmd, symbol, exists, args, symbol_exists)
     return ProbeEvent(
         kind="r" if is_return else "p",
         group=group,
@@ -317,7 +304,76 @@ def _parse_probe(
         maxactive=maxactive,
         args=args,
         text=cmd.text,
+        dialect=cmd.dialect,
+        fentry=bool(flags & FL_FENTRY),
     )
+
+
+def check_event(
+    ev: ProbeEvent,
+    *,
+    symbol_exists: SymbolExists | None = None,
+    on_func_entry: OnFuncEntry | None = None,
+    dialect: Dialect = BASE,
+    symbol_count: SymbolCount | None = None,
+) -> ProbeEvent:
+    """``ev`` checked as ``parse_event`` checks a definition with these answers: the same errors.
+
+    A definition parsed once before a kernel's symbols were at hand (a front end's, before
+    the VM boots) is not parsed again: only what those answers decide is checked, and ``ev``
+    returned.  It is parsed again from its text where they change how it parses: another
+    language (``dialect``), a place the kernel takes for a function entry where the first
+    parse did not (or the other way), or a module's function (whose BTF only the running
+    kernel has).
+    """
+    again = ev.dialect != dialect or (ev.symbol is not None and ":" in ev.symbol)
+    cmd = _Command(ev.text, _strip_line(ev.text), dialect)
+    exists = True
+    if not again and ev.symbol is not None:
+        _check_unique(cmd, ev.symbol, symbol_count)
+        exists, fentry = _place(cmd, ev.symbol, ev.offset, ev.is_return, symbol_exists, on_func_entry)
+        again = fentry != ev.fentry
+    if again:
+        parsed = parse_event(ev.text, symbol_exists=symbol_exists, on_func_entry=on_func_entry, dialect=dialect,
+                             symbol_count=symbol_count)  # fmt: skip
+        assert isinstance(parsed, ProbeEvent), "a definition parses as one"
+        return parsed
+    _check_registration(cmd, ev.symbol, exists, ev.args, symbol_exists)
+    return ev
+
+
+def _check_unique(cmd: _Command, symbol: str, symbol_count: SymbolCount | None) -> None:
+    if symbol_count is not None and cmd.dialect.has(M.NON_UNIQ_SYMBOL):
+        # validate_probe_symbol (Linux 6.5's "tracing/kprobes: Return EADDRNOTAVAIL when func matches
+        # several symbols", backported to stable kernels): known where the kernel logs its text.
+        count = symbol_count(symbol)
+        if count != 1:
+            raise cmd.error(1, 0, M.NON_UNIQ_SYMBOL if count > 1 else M.BAD_PROBE_ADDR)
+
+
+def _place(cmd: _Command, symbol: str, offset: int, is_return: bool, symbol_exists: SymbolExists | None,
+           on_func_entry: OnFuncEntry | None) -> tuple[bool, bool]:  # fmt: skip
+    """(does the symbol exist, is the place a function entry for the arguments: FL_FENTRY)."""
+    exists = bool(symbol) and (symbol_exists is None or symbol_exists(symbol))
+    if not exists:  # kprobe_on_func_entry() is -ENOENT: decided later
+        return False, False
+    entry = on_func_entry(symbol, offset) if on_func_entry else offset == 0
+    if is_return and not entry:
+        raise cmd.error(1, 0, M.BAD_RETPROBE)
+    return True, entry and not is_return  # a return probe is never "at the entry" (6.1's $argN wants neither)
+
+
+def _check_registration(cmd: _Command, symbol: str | None, exists: bool, args: list[FetchArg],
+                        symbol_exists: SymbolExists | None) -> None:  # fmt: skip
+    """What registration (traceprobe_update_arg, register_kprobe) would reject."""
+    for _, ref in symbol_refs_of(args):
+        if ref.offset is None:
+            raise cmd.error(1, 0, M.FAIL_REG_PROBE)
+        if not ref.name or (symbol_exists is not None and not symbol_exists(ref.name)):
+            raise cmd.error(1, 0, M.BAD_PROBE_ADDR)
+    if not exists and ":" not in (symbol or ""):
+        # MOD:SYM is looked up when it is registered: a module not loaded yet keeps it pending.
+        raise cmd.error(1, 0, M.BAD_PROBE_ADDR)
 
 
 def _expand_meta_args(cmd: _Command, words: list[str], flags: int, func: str | None) -> list[str]:

@@ -256,6 +256,13 @@ class Aggregation:
             self.counts, self.pairs, self.hists = {}, {}, {}
             return text
 
+    def print_and_clear(self, write: Callable[[str], None]) -> bool:
+        """bpftrace's ``print(@); clear(@)``: the map to ``write`` (not when empty); whether it had anything."""
+        text = self.take()
+        if text:
+            write(text)
+        return bool(text)
+
     def _render(self) -> str:
         if self.kind in ("hist", "lhist"):
             hists = {k: dict(v) for k, v in self.hists.items() if v}

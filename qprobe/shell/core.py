@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, TextIO
 
 from qprobe.core.kprobe import Kretprobe
 from qprobe.errors import FetchArgError, ProbeError, QprobeError
+from qprobe.events.funcs import Probeability, is_glob, render_funcs
 from qprobe.fetch import DeleteEvent, parse_event
 from qprobe.fetch import messages as M
-from qprobe.funcs import Probeability, is_glob, render_funcs
 
 from . import inspect_cmds as insp
 from .collect import Aggregation, Collector, Tap, check_argument
@@ -196,6 +196,10 @@ class Shell:
     def note(self, text: str) -> None:
         self.out.line(text, "note")
 
+    def _write_now(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+
     def _caret(self, line: str, exc: FetchArgError) -> None:
         lead = len(line) - len(line.lstrip())
         if self.interactive and exc.text == line.strip():
@@ -208,7 +212,7 @@ class Shell:
     # -- events ----------------------------------------------------------------------------------
     def definition(self, text: str) -> None:
         """``p:...``/``r:...`` adds an event, ``-:...`` removes events, as a write to kprobe_events."""
-        ev = parse_event(text, dialect=self.target.dialect)  # the syntax; add_event checks symbols, suggests names
+        ev = parse_event(text, dialect=self.target.dialect)  # add_event checks its symbols and suggests names
         if isinstance(ev, DeleteEvent):
             gone = [te for te in list(self.target.events.values()) if ev.matches(te.definition)]
             if not gone:
@@ -225,7 +229,7 @@ class Shell:
         if name in self.target.events:
             head = text.split()[0]
             raise FetchArgError(M.EVENT_EXIST, text, head.index(":") + 1 if ":" in head else 0)
-        te = self.target.add_event(text)
+        te = self.target.add_event(ev)  # checked with the kernel's symbols there, not parsed again
         self.armed[te.name] = time.monotonic()
         args = f" with {' '.join(a.name for a in ev.args)}" if ev.args else ""
         kind = "return probe" if ev.is_return else "probe"
@@ -468,10 +472,7 @@ class Shell:
         def poll() -> None:  # every S: print the map and clear it, as an interval probe's print(@); clear(@)
             if due and time.monotonic() >= due[0]:
                 due[0] += every or 0
-                text = agg.take()
-                if text:
-                    self.out.write(text)
-                    self.out.flush()
+                agg.print_and_clear(self._write_now)
 
         collector = Collector(events, agg, every=every)
         with collector:
@@ -481,10 +482,7 @@ class Shell:
             ready = f"{value}{what}{f' every {every:g} s' if every else ''}; Ctrl-C to stop"
             result = self._watch(spec, poll, ready)
         self._report_run(result)
-        text = agg.take()
-        if text:
-            self.out.write(text)
-        elif every is None:
+        if not agg.print_and_clear(self.out.write) and every is None:
             self.note("no hits")
         if agg.skipped:
             self.note(f"({agg.skipped} of {agg.total} values of {agg.value} were not numbers)")

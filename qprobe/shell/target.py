@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from qprobe.funcs import ProbeTables, RunningTarget
+from qprobe.events.funcs import ProbeTables, RunningTarget
 
 if TYPE_CHECKING:
     import drgn
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from qprobe.core.kprobe import Kprobe, Kretprobe
     from qprobe.core.point import ProbePoint
     from qprobe.events import EventHit, TraceEvent, Wildcard
+    from qprobe.fetch import ProbeEvent
     from qprobe.kernel.program import KernelData, Stack
     from qprobe.vmm.console import RunResult
 
@@ -43,7 +44,7 @@ class ShellTarget(RunningTarget, Protocol):
     def vcpus(self) -> int: ...
     @property
     def prog(self) -> drgn.Program: ...
-    def add_event(self, definition: str, callback: Callable[[EventHit], None] | None = None,
+    def add_event(self, definition: str | ProbeEvent, callback: Callable[[EventHit], None] | None = None,
                   filter: str | None = None) -> TraceEvent: ...  # fmt: skip
     def add_events(self, definition: str, callback: Callable[[EventHit], None] | None = None,
                    filter: str | None = None) -> Wildcard: ...  # fmt: skip

@@ -36,11 +36,11 @@ def test_in_guest(definition: str, expected: bool) -> None:
 
 def test_json_gives_strings_as_strings_and_integers_as_numbers() -> None:
     """ftrace prints ``comm="workload"``; JSON says ``"comm": "workload"``, not ``"\\"workload\\""``."""
-    from qprobe.events import EventHit, TraceEvent
+    from qprobe.events import EventHit, KprobeEvent
 
     ev = parse_event("p:a vfs_read who=$comm fd=%di:s32 c=%dx:x64 s=+0(%si):string", symbol_exists=lambda n: True)
     assert isinstance(ev, ProbeEvent)
-    te = TraceEvent(None, ev, None)  # type: ignore[arg-type]
+    te = KprobeEvent(None, ev, None)  # type: ignore[arg-type]
     args = {"who": '"work"load"', "fd": "-3", "c": "0x10", "s": "(fault)"}
     hit = EventHit("a", 0, 42, "work\"load", 1.0, 0x1000, "vfs_read+0x0", args, "", numbers=te.numbers,
                    strings=te.strings)  # fmt: skip

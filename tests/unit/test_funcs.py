@@ -8,9 +8,9 @@ import pytest
 
 from qprobe.core.blacklist import BlacklistEntry
 from qprobe.errors import FetchArgError, SymbolError
+from qprobe.events.funcs import Probeability, check_probe_symbol, is_glob, render_funcs, suggest, wildcard_definitions
 from qprobe.fetch import messages as M
 from qprobe.fetch.dialect import Dialect
-from qprobe.funcs import Probeability, check_probe_symbol, is_glob, render_funcs, suggest, wildcard_definitions
 from qprobe.kernel.symbols import ModuleText, Section, Symbol, Symbols
 
 T = 0xFFFF_FFFF_8100_0000

@@ -22,10 +22,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # session makes Targets (boot, attach) above the class they make; probeapi and eventapi are the
     # kprobes and kprobe_events APIs Target inherits.
     ("api", ("qprobe.api", "qprobe.session", "qprobe.probeapi", "qprobe.eventapi")),
-    # funcs answers "can this function be probed" for kprobe_events definitions and `qprobe funcs`;
-    # modnotify re-registers module events as their module loads.
-    # timeline hands events' hits on in the guest's order.
-    ("events", ("qprobe.events", "qprobe.funcs", "qprobe.modnotify", "qprobe.timeline")),
+    # The events package: kprobe_events definitions (define, kprobe, event...), and beside them funcs
+    # ("can this function be probed", also for `qprobe funcs`), modules (module events re-registered as
+    # their module loads) and timeline (hits handed on in the guest's order).
+    ("events", ("qprobe.events",)),
     ("core", ("qprobe.core",)),
     ("kernel", ("qprobe.kernel",)),
     # images build and cache what a target boots; api and the CLI use them, nothing below does.

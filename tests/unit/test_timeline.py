@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from qprobe import timeline
-from qprobe.timeline import WINDOW, Timeline, TscOrder
+from qprobe.events import timeline
+from qprobe.events.timeline import WINDOW, Timeline, TscOrder
 
 
 def test_a_late_earlier_hit_still_goes_out_first() -> None:

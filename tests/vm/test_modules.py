@@ -16,7 +16,7 @@ import pytest
 
 import qprobe
 from qprobe.events import add_event, remove_events
-from qprobe.funcs import Probeability, render_funcs
+from qprobe.events.funcs import Probeability, render_funcs
 from qprobe.images import get_image, module_file
 from qprobe.pytest_plugin import qprobe_scope
 
@@ -78,8 +78,8 @@ def test_module_probe_pending_loaded_gone_and_back(qprobe_target: qprobe.Target)
     _load(target)
     _read(target, [99])
     assert te.nhit == len(sizes) + 1 and seen[-1] == 99
-    remove_events(target, [te])
-    remove_events(target, [ret])
+    remove_events([te])
+    remove_events([ret])
     target.events.clear()
     _unload(target)
     assert target.oopses() == []
@@ -111,14 +111,14 @@ def test_loaded_module_verdicts_values_and_text(qprobe_target: qprobe.Target) ->
         assert [v["n"] for v in values] == ["7", "8", "9"]
         # The struct file dd opened: O_RDONLY, and the O_LARGEFILE a 64-bit kernel adds to every open.
         assert [v["fl"] for v in values] == ["0x8000"] * 3
-        remove_events(target, [te])
+        remove_events([te])
         if target.dialect.btf_args:
             te = add_event(target, "p:named bm_status_read nbytes fl=file->f_flags:x32")
             values.clear()
             te.callback = lambda hit: values.append(dict(hit.args))
             _read(target, [5, 6])
             assert values == [{"nbytes": "5", "fl": "0x8000"}, {"nbytes": "6", "fl": "0x8000"}]
-            remove_events(target, [te])
+            remove_events([te])
         target.events.clear()
         assert target.read(start, 64) == before
     finally:

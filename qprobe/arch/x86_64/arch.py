@@ -33,7 +33,7 @@ from qprobe.arch import (
     TrapHook,
     TrapWatch,
 )
-from qprobe.arch.inguest import KeySpec, MapSlot
+from qprobe.arch.inguest import KeySpec, MapKey, MapSlot
 from qprobe.arch.x86_64 import detour, guestagg, guestfilter, retdetour
 from qprobe.arch.x86_64.boost import CALL_INSN_SIZE, INT3_INSN_OPCODE, JMP32_INSN_SIZE, synthesize_reljump
 from qprobe.arch.x86_64.decode import check_boundary, decode_all
@@ -499,9 +499,8 @@ class X86_64:
         values, _ret, probe_id = parse_stub_frame(raw)
         cpu_pid, task, tsc = (int.from_bytes(raw[o : o + 8], "little")
                               for o in (detour.E_CPU_PID, detour.E_TASK, detour.E_TSC))  # fmt: skip
-        pid = cpu_pid >> 32
-        comm = raw[detour.E_COMM : detour.E_COMM + 16].split(b"\0")[0].decode(errors="replace")
-        return RingEntry(probe_id, cpu_pid & 0xFFFFFFFF, pid - (1 << 32) if pid >> 31 else pid, comm, task, tsc,
+        comm = detour.task_comm(raw[detour.E_COMM : detour.E_COMM + 16])
+        return RingEntry(probe_id, cpu_pid & 0xFFFFFFFF, detour.task_pid(cpu_pid >> 32), comm, task, tsc,
                          values["rsp"], values)  # fmt: skip
 
     ring_entry_read_size = detour.E_TASK + 8
@@ -509,9 +508,14 @@ class X86_64:
     def guest_map_size(self, spec: KeySpec) -> int:
         return guestagg.table_size(spec)
 
-    def parse_guest_map(self, spec: KeySpec, raw: bytes) -> dict[tuple[int, ...], MapSlot]:
-        """Key words -> slot over one or more CPUs' tables of a "keyed" detour."""
-        return guestagg.parse_tables(spec, raw)
+    def parse_guest_map(self, spec: KeySpec, raw: bytes) -> dict[MapKey, MapSlot]:
+        """Key -> slot over one or more CPUs' tables of a "keyed" detour, each key part decoded."""
+        out: dict[MapKey, MapSlot] = {}
+        for words, slot in guestagg.parse_tables(spec, raw).items():
+            key = guestagg.decode_key(spec, words)
+            old = out.get(key)  # two comm words that differ only after the NUL are one name
+            out[key] = slot if old is None else old.merge(slot)
+        return out
 
 
 __all__ = ["KRETPROBE_BLACKLIST", "THUNKS", "X86_64"]

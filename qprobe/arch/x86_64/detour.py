@@ -281,6 +281,17 @@ E_TSC, E_CPU_PID, E_COMM, E_TASK = FRAME_SIZE, FRAME_SIZE + 8, FRAME_SIZE + 16, 
 assert E_TASK + 8 <= ENTRY_SIZE and MB_REGS + FRAME_SIZE <= MAILBOX_SIZE
 
 
+def task_comm(raw: bytes) -> str:
+    """A task's 16-byte ``comm`` as a record or a map key carries it, as text (ends at its NUL)."""
+    return raw[:16].split(b"\0")[0].decode(errors="replace")
+
+
+def task_pid(word: int) -> int:
+    """A task's ``pid`` (an s32) from the word a record or a map key carries it in, its low 32 bits."""
+    pid = word & 0xFFFFFFFF
+    return pid - (1 << 32) if pid >> 31 else pid
+
+
 @dataclass(frozen=True)
 class RecordParams:
     headers: int  # CPU 0's ring header; CPU n's is RING_HEADER * n further

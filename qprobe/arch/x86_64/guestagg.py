@@ -23,11 +23,21 @@ from typing import TYPE_CHECKING
 
 from iced_x86 import Code, Instruction, MemoryOperand, Register
 
-from qprobe.arch.inguest import KeyPart, KeySpec, MapSlot
+from qprobe.arch.inguest import KeyPart, KeySpec, MapKey, MapSlot
 
 if TYPE_CHECKING:
     from iced_x86._iced_x86_py import Register as RegisterKind
-from qprobe.arch.x86_64.detour import _mem, _r, encode_detour, locked_inc, restore_regs, save_regs, simm32
+from qprobe.arch.x86_64.detour import (
+    _mem,
+    _r,
+    encode_detour,
+    locked_inc,
+    restore_regs,
+    save_regs,
+    simm32,
+    task_comm,
+    task_pid,
+)
 
 TABLE_SHIFT = 10
 TABLE_ENTRIES = 1 << TABLE_SHIFT
@@ -98,6 +108,20 @@ def parse_tables(spec: KeySpec, raw: bytes) -> dict[tuple[int, ...], MapSlot]:
         old = out.get(key)
         out[key] = slot if old is None else old.merge(slot)
     return out
+
+
+def decode_key(spec: KeySpec, words: tuple[int, ...]) -> MapKey:
+    """A key's words as its parts: ``comm`` (two words) as text, ``pid`` signed, the rest as they are."""
+    it = iter(words)
+    out: list[int | str] = []
+    for part in spec.parts:
+        if part.kind == "comm":
+            out.append(task_comm(next(it).to_bytes(8, "little") + next(it).to_bytes(8, "little")))
+        elif part.kind == "pid":
+            out.append(task_pid(next(it)))
+        else:
+            out.append(next(it))
+    return tuple(out)
 
 
 _LOAD = {  # (bits, signed) -> how rax gets the value from a 64-bit stack word

@@ -50,7 +50,7 @@ from qprobe.arch import (
     Trap,
     TrapHook,
 )
-from qprobe.arch.inguest import KeySpec, MapSlot
+from qprobe.arch.inguest import KeySpec, MapKey, MapSlot
 from qprobe.core.kprobes import KprobeManager
 from qprobe.errors import InvalidProbe, ProbeError, ProtocolError, SymbolError
 from qprobe.kernel.symbols import Symbol
@@ -353,10 +353,24 @@ class Toy:
     def guest_map_size(self, spec: KeySpec) -> int:
         return 64 * (spec.words + 1) * 8
 
-    def parse_guest_map(self, spec: KeySpec, raw: bytes) -> dict[tuple[int, ...], MapSlot]:
+    def parse_guest_map(self, spec: KeySpec, raw: bytes) -> dict[MapKey, MapSlot]:
         n = spec.words + 1
         rows = (struct.unpack_from(f"<{n}Q", raw, i * n * 8) for i in range(len(raw) // (n * 8)))
-        return {row[:-1]: MapSlot(row[-1]) for row in rows if row[-1]}
+        return {self._key(spec, row[:-1]): MapSlot(row[-1]) for row in rows if row[-1]}
+
+    @staticmethod
+    def _key(spec: KeySpec, words: tuple[int, ...]) -> MapKey:
+        """The toy's key parts: a comm's two words as text, a pid's low 32 bits signed."""
+        it, out = iter(words), list[int | str]()
+        for part in spec.parts:
+            if part.kind == "comm":
+                out.append(struct.pack("<QQ", next(it), next(it)).split(b"\0")[0].decode(errors="replace"))
+            elif part.kind == "pid":
+                low = next(it) & 0xFFFFFFFF
+                out.append(low - (1 << 32) if low >> 31 else low)
+            else:
+                out.append(next(it))
+        return tuple(out)
 
 
 # -- the target ---------------------------------------------------------------------------

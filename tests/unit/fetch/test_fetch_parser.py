@@ -8,7 +8,7 @@ import pytest
 from fetch_fakes import symbol_exists
 
 from qprobe.errors import FetchArgError
-from qprobe.fetch import DeleteEvent, ProbeEvent, format_event, parse_event, parse_events
+from qprobe.fetch import DeleteEvent, ProbeEvent, check_event, format_event, parse_event, parse_events
 from qprobe.fetch import messages as M
 from qprobe.fetch.dialect import BASE
 from qprobe.fetch.kstrto import kstrtol, kstrtouint, kstrtoul, simple_strtoul, split_args
@@ -119,6 +119,54 @@ def test_on_func_entry_for_endbr_functions() -> None:
     assert isinstance(ev, ProbeEvent) and format_event(ev) == "r:kprobes/r_vfs_read_4 vfs_read+4 arg1=$retval"
     assert isinstance(parse_event("p vfs_read+4 $arg1", on_func_entry=entry), ProbeEvent)
     assert error("r vfs_read+8", on_func_entry=entry) == (M.BAD_RETPROBE, 2)
+
+
+def _endbr_entry(sym: str, off: int) -> bool:
+    return off in (0, 4)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["p:rd vfs_read fd=%di count=%dx:u64", "r vfs_read $retval", "p vfs_read+8 %ax", "p 0xffffffff81000000 %ax"],
+)
+def test_check_event_takes_a_parse_the_kernel_s_answers_agree_with_as_it_is(text: str) -> None:
+    """A definition parsed before the symbols were known is not parsed again when they agree with that parse."""
+    ev = parse_event(text)
+    assert isinstance(ev, ProbeEvent)
+    assert check_event(ev, symbol_exists=symbol_exists, on_func_entry=_endbr_entry) is ev
+
+
+def test_check_event_parses_again_where_the_answers_change_the_parse() -> None:
+    """+4 of an ENDBR function is its entry (so $arg1 is the first argument), another language is another parse."""
+    ev = parse_event("p vfs_read+4 %ax")
+    assert isinstance(ev, ProbeEvent) and not ev.fentry
+    again = check_event(ev, symbol_exists=symbol_exists, on_func_entry=_endbr_entry)
+    assert again is not ev and again.fentry and format_event(again) == format_event(ev)
+    other = dataclasses.replace(BASE, thread_size=8192)
+    assert check_event(ev, dialect=other) is not ev
+
+
+@pytest.mark.parametrize(
+    ("text", "kw"),
+    [
+        ("p non_exist_func $arg1", {"symbol_exists": symbol_exists}),
+        ("p non_exist_func %ax", {"symbol_exists": symbol_exists}),
+        ("p vfs_read @nothing", {"symbol_exists": symbol_exists}),
+        (
+            "p vfs_read %ax",
+            {
+                "symbol_count": lambda name: 2,
+                "dialect": dataclasses.replace(BASE, messages=frozenset([M.NON_UNIQ_SYMBOL])),
+            },
+        ),
+    ],
+)
+def test_check_event_refuses_what_parse_event_refuses_with_the_same_answers(text: str, kw: dict[str, object]) -> None:
+    ev = parse_event(text, dialect=kw.get("dialect", BASE))  # type: ignore[arg-type]
+    assert isinstance(ev, ProbeEvent)
+    with pytest.raises(FetchArgError) as info:
+        check_event(ev, **kw)  # type: ignore[arg-type]
+    assert (info.value.reason, info.value.column) == error(text, **kw)
 
 
 def test_long_auto_event_name_is_cut_and_sanitized() -> None:

@@ -18,13 +18,13 @@ from qprobe.core.blacklist import Blacklist
 from qprobe.core.kprobe import Kprobe, Kretprobe
 from qprobe.core.point import ProbePoint
 from qprobe.errors import ProbeError, TargetError
-from qprobe.events import EventHit, TraceEvent, Wildcard
-from qprobe.fetch import ProbeEvent, format_event, parse_event
+from qprobe.events import EventHit, KprobeEvent, TraceEvent, Wildcard
+from qprobe.events.timeline import Timeline
+from qprobe.fetch import ProbeEvent, check_event, format_event, parse_event
 from qprobe.fetch.dialect import Dialect
 from qprobe.kernel.program import Stack
 from qprobe.kernel.symbols import ModuleText, Section, Symbols
 from qprobe.shell import Shell
-from qprobe.timeline import Timeline
 from qprobe.vmm.console import RunResult
 
 TEXT = 0xFFFFFFFF81000000
@@ -66,6 +66,8 @@ class FakeTarget:
         self.events: dict[str, TraceEvent] = {}
         self.timeline = Timeline()
         self.kprobes = FakeProbes(self.symbols)
+        # What kprobe events hold their probes by: no jump optimization, so nothing is counted in the guest.
+        self.kprobe_backend = SimpleNamespace(can_count_in_guest=False, trampoline=None)
         self.kernel = SimpleNamespace(read_task=lambda gs_base: SimpleNamespace(comm="swapper/0", pid=0))
         self.interrupts = 0  # Ctrl-Cs sent to the guest's foreground command
         self.slide = 0
@@ -78,10 +80,15 @@ class FakeTarget:
         self.unsynced: list[TraceEvent] = []
 
     # events
-    def add_event(self, definition: str, callback: object = None) -> TraceEvent:
-        ev = parse_event(definition, symbol_exists=lambda n: n in self.symbols)
+    def add_event(self, definition: str | ProbeEvent, callback: object = None) -> TraceEvent:
+        exists = {"symbol_exists": lambda n: n in self.symbols, "dialect": self.dialect}
+        ev = (
+            check_event(definition, **exists)
+            if isinstance(definition, ProbeEvent)
+            else parse_event(definition, **exists)
+        )
         assert isinstance(ev, ProbeEvent)
-        te = TraceEvent(self, ev, callback)  # type: ignore[arg-type]
+        te = KprobeEvent(self, ev, callback)  # type: ignore[arg-type]
         te.probe = Kprobe(symbol_name=ev.symbol or "vfs_read", offset=ev.offset)
         te.probe.at = te.probe.resolved = self.symbols.address(te.probe.symbol_name) + ev.offset  # as registered
         self.events[te.name] = te

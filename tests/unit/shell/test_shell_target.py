@@ -9,7 +9,7 @@ import typing
 from shell_fakes import FakeTarget
 
 from qprobe.api import Target
-from qprobe.funcs import Sites
+from qprobe.events.funcs import Sites
 from qprobe.shell.target import ShellProbes, ShellTarget
 
 

@@ -19,7 +19,8 @@ from hypothesis import strategies as st  # noqa: E402
 from unicorn import x86_const as X  # noqa: E402
 
 from qprobe.arch.inguest import KeyPart, KeySpec, MapSlot  # noqa: E402
-from qprobe.arch.x86_64.detour import FRAME_REGS  # noqa: E402
+from qprobe.arch.x86_64.arch import X86_64  # noqa: E402
+from qprobe.arch.x86_64.detour import E_COMM, E_CPU_PID, ENTRY_SIZE, FRAME_REGS  # noqa: E402
 from qprobe.arch.x86_64.guestagg import (  # noqa: E402
     MAX_PROBE,
     TABLE_ENTRIES,
@@ -156,3 +157,19 @@ def test_a_map_without_key_keeps_one_slot() -> None:
         hit(uc, {name: 0 for name in FRAME_REGS} | {"rsi": v & (2**64 - 1)}, 0x202)
     assert table(uc, spec) == {(): MapSlot(3, 1, -7, 5)}
     assert Counter(table(uc, spec, cpu=0)) == Counter()
+
+
+def test_the_map_read_back_decodes_comm_and_a_negative_pid_as_a_record_does() -> None:
+    """X86_64.parse_guest_map gives a key's comm as text and its pid signed, as parse_ring_entry does: the
+    detour's words for one hit (comm ``kworker/0:1``, pid -1, CPU 1) come back as those parts, and two CPUs'
+    slots of one key as one."""
+    spec = KeySpec((KeyPart("comm"), KeyPart("pid"), KeyPart("cpu")))
+    uc = machine(spec)
+    hit(uc, {name: 0 for name in FRAME_REGS}, 0x202, pid=-1, comm=b"kworker/0:1")
+    raw = bytes(uc.mem_read(TABLES, table_size(spec) * NCPUS))
+    assert X86_64().parse_guest_map(spec, raw + raw) == {("kworker/0:1", -1, CPU): MapSlot(2)}
+    record = bytearray(ENTRY_SIZE)
+    record[E_CPU_PID : E_CPU_PID + 8] = struct.pack("<II", CPU, 0xFFFFFFFF)
+    record[E_COMM : E_COMM + 16] = b"kworker/0:1".ljust(16, b"\0")
+    entry = X86_64().parse_ring_entry(bytes(record))
+    assert (entry.comm, entry.pid, entry.cpu) == ("kworker/0:1", -1, CPU)

@@ -61,17 +61,22 @@ class ProbeTables(Protocol):
     def sites(self) -> Sites: ...
 
 
-class RunningTarget(Protocol):
-    """What of_target reads of a running target (qprobe.api.Target)."""
+class KernelFacts(Protocol):
+    """What of_sites reads of a running kernel (qprobe.api.Target, qprobe.events.define.EventRegistry)."""
 
     symbols: Symbols
-    kprobes: ProbeTables
 
     @property
     def ftrace_locations(self) -> list[int]: ...
     @property
     def dialect(self) -> Dialect: ...
     def loaded_modules(self) -> list[ModuleText]: ...
+
+
+class RunningTarget(KernelFacts, Protocol):
+    """What of_target reads of a running target (qprobe.api.Target)."""
+
+    kprobes: ProbeTables
 
 
 _GLOB = re.compile(r"[*?\[]")
@@ -136,9 +141,13 @@ class Probeability:
     @classmethod
     def of_target(cls, target: RunningTarget) -> Probeability:
         """With a running target's tables (its slide, its reserved sites as the text is now)."""
-        sites = target.kprobes.sites
-        return cls(target.symbols, sites.blacklist, target.ftrace_locations, sites.reserved, target.dialect,
-                   target.loaded_modules())  # fmt: skip
+        return cls.of_sites(target, target.kprobes.sites)
+
+    @classmethod
+    def of_sites(cls, kernel: KernelFacts, sites: Sites) -> Probeability:
+        """With a running kernel's facts and the probe sites of its probe table."""
+        return cls(kernel.symbols, sites.blacklist, kernel.ftrace_locations, sites.reserved, kernel.dialect,
+                   kernel.loaded_modules())  # fmt: skip
 
     def functions(self) -> list[str]:
         """Every function name of the symbol table, each once, sorted."""

@@ -33,13 +33,21 @@ from qprobe.errors import ProbeError, QprobeError, SymbolError
 from qprobe.kernel.modules import loaded_modules, read_module
 
 if TYPE_CHECKING:
-    from qprobe.events import EventTarget, TraceEvent
+    from qprobe.core.kprobes import KprobeManager
+    from qprobe.core.kretprobe import KretprobeManager
+    from qprobe.events.define import EventRegistry
+    from qprobe.events.event import TraceEvent
+    from qprobe.kernel.program import KernelData
     from qprobe.vmm.machine import Machine
 
-    class NotifierTarget(EventTarget, Protocol):
-        """What the notifier uses of a target (qprobe.api.Target): the events' view, and the stop loop."""
+    class NotifierTarget(EventRegistry, Protocol):
+        """What the notifier uses of a target (qprobe.api.Target): the events' view, the stop loop, the
+        kernel's modules (drgn) and the probe tables (a going module's probes are killed, events or not)."""
 
         machine: Machine
+        kernel: KernelData
+        kprobes: KprobeManager
+        kretprobes: KretprobeManager
 
 
 log = logging.getLogger("qprobe.modules")
@@ -123,7 +131,7 @@ class ModuleNotifier:
         for kp in [kp for p in list(kprobes.points.values()) if mod.is_text(p.addr) for kp in p.probes]:
             rp = kp.kretprobe
             if isinstance(rp, Kretprobe):
-                self.target.unregister_kretprobe(rp)
+                self.target.kretprobes.unregister_kretprobe(rp)
             else:
                 kprobes.unregister_kprobe(kp)
             kp.flags |= KPROBE_FLAG_GONE  # kill_kprobe: listed [GONE], counts kept
@@ -137,12 +145,14 @@ class ModuleNotifier:
 
     def _reregister(self, te: TraceEvent) -> None:
         """``__register_trace_kprobe`` again for an event of a module that just came."""
-        from qprobe.events import register_probe
+        from qprobe.events.define import register_probe
+        from qprobe.events.kprobe import KprobeEvent
 
+        assert isinstance(te, KprobeEvent), "only kprobe events name a module's symbol"
         probe = te.probe
         if probe is None:
             try:
-                register_probe(self.target, te)
+                register_probe(te)
             except QprobeError:
                 te.probe = None  # still pending: the next load tries again
                 raise
@@ -152,10 +162,7 @@ class ModuleNotifier:
             return
         kp.flags &= ~KPROBE_FLAG_GONE
         try:
-            if isinstance(probe, Kretprobe):
-                self.target.register_kretprobe(probe)
-            else:
-                self.target.register_kprobe(probe)
+            te.backend.register_probe(probe)
         except ProbeError:
             kp.flags |= KPROBE_FLAG_GONE
             raise

@@ -21,7 +21,7 @@ from typing import Protocol
 
 from qprobe.core.errorlog import ErrorLog
 
-log = logging.getLogger("qprobe.timeline")
+log = logging.getLogger("qprobe.events.timeline")
 
 WINDOW = 0.1  # seconds of guest time: longer than a record waits in its ring
 HOLD = 0.15  # seconds of host time a hit is held at most

@@ -1,0 +1,82 @@
+"""The FetchContext of one hit: what a definition's fetch arguments read at a stopped vCPU."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from qprobe.errors import QprobeError
+from qprobe.fetch import MemoryFault, SymbolInfo
+from qprobe.fetch.context import U64_MASK
+
+if TYPE_CHECKING:
+    from qprobe.core.regs import PtRegs
+    from qprobe.events.registry import EventHost
+
+
+class HostContext:
+    """The FetchContext of one hit: a stopped vCPU's registers and memory."""
+
+    def __init__(self, host: EventHost, regs: PtRegs, retval: int | None, comm: str | None = None,
+                 ip: int | None = None, entry: dict[int, int] | None = None) -> None:  # fmt: skip
+        self.host = host
+        self.regs = regs
+        self._entry = entry  # a return probe's arguments, as its entry saw them
+        self._retval = retval
+        self._comm = comm
+        self._ip = ip
+        self.orig_ax = U64_MASK
+        self.task_size_max = host.mem.paging.task_size_max()
+
+    def reg(self, name: str) -> int:
+        if name == "orig_ax":
+            return self.orig_ax
+        if name == "ip" and self._ip is not None:
+            return self._ip
+        return getattr(self.regs, name)
+
+    def read(self, addr: int, size: int) -> bytes:
+        try:
+            return self.regs.read(addr, size)
+        except QprobeError:
+            raise MemoryFault(addr, size) from None
+
+    read_user = read  # the interrupted task's page tables map its user memory too
+
+    def stack(self, n: int) -> int:
+        try:
+            return self.regs.stack(n)
+        except QprobeError:
+            return 0
+
+    def stack_pointer(self) -> int:
+        return self.regs.sp
+
+    def retval(self) -> int:
+        return self.regs.return_value() if self._retval is None else self._retval
+
+    def comm(self) -> str:
+        return self._comm if self._comm is not None else self.host.kernel.read_task(gs_base=self.regs.gs_base).comm
+
+    def arg(self, n: int) -> int:
+        if self._entry is not None:
+            return self._entry[n]
+        return self.regs.arg(n)
+
+    def symbol_address(self, name: str) -> int:
+        return self.host.symbols.address(name)
+
+    def symbolize(self, addr: int) -> str:
+        info = symbol_lookup(self.host)(addr)
+        return f"{info.name}+{info.offset:#x}/{info.size:#x}" if info else f"{addr:#x}"
+
+
+def symbol_lookup(host: EventHost) -> Callable[[int], SymbolInfo | None]:
+    def lookup(addr: int) -> SymbolInfo | None:
+        sym = host.symbols.containing(addr)
+        return None if sym is None else SymbolInfo(sym.name, addr - sym.addr, host.symbols.kallsyms_size(sym))
+
+    return lookup
+
+
+__all__ = ["HostContext", "symbol_lookup"]

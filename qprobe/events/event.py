@@ -1,0 +1,198 @@
+"""One kprobe_events definition armed on a target, whatever its probe kind: its hits, counts and filter.
+
+A probe kind subclasses :class:`TraceEvent` (kprobes and kretprobes:
+:class:`qprobe.events.kprobe.KprobeEvent`) to make its probe from the
+definition, count what its probe counts, and say how its handler sees the hit;
+the hit itself (fetching the arguments, formatting, filtering, handing it on
+in the guest's order) is this module's, the same for every kind.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from qprobe.events.context import HostContext, symbol_lookup
+from qprobe.events.hit import EventHit
+from qprobe.fetch import ProbeEvent, format_event, format_hit
+from qprobe.fetch.context import U64_MASK
+from qprobe.fetch.filter import EventFilter
+
+if TYPE_CHECKING:
+    from qprobe.arch.inguest import MapSlot
+    from qprobe.core.regs import PtRegs
+    from qprobe.events.registry import EventHost
+    from qprobe.fetch.args import Value
+
+
+class ProbeBackend(Protocol):
+    """Where a probe kind's events get their probes armed and disarmed (qprobe.events.kprobe.KprobeBackend)."""
+
+    def register(self, events: Sequence[TraceEvent]) -> None: ...  # all or nothing
+    def unregister(self, events: Sequence[TraceEvent]) -> None: ...
+
+
+@dataclass
+class TraceEvent:
+    """A kprobe_events definition armed on a target (a probe kind's subclass holds the probe)."""
+
+    host: EventHost
+    definition: ProbeEvent
+    callback: Callable[[EventHit], None] | None = None
+    keep: int = 100_000  # hits kept in ``hits``; older ones fall out, counted in ``evicted``
+    hits: collections.deque[EventHit] = field(default_factory=collections.deque)
+    evicted: int = 0  # hits delivered (to the callback too) that fell out of ``hits`` since
+    nhit: int = 0
+    errors: list[str] = field(default_factory=list)
+    filter: EventFilter | None = None
+    host_filtered: int = 0  # hits the filter rejected on the host (the rest were rejected in the guest)
+    appended: list[TraceEvent] = field(default_factory=list)  # later probes of the same event
+
+    # -- what a probe kind answers ------------------------------------------------------------
+    @property
+    def backend(self) -> ProbeBackend:
+        """Where this event's probe is registered."""
+        raise NotImplementedError
+
+    def make_probe(self) -> None:
+        """The event's probe, made anew from its definition, not yet registered."""
+        raise NotImplementedError
+
+    @property
+    def registered(self) -> bool:
+        """Whether the event's probe is armed (an event of a module not loaded yet has none)."""
+        raise NotImplementedError
+
+    @property
+    def nmissed(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def lost(self) -> int:
+        """Hits whose records never reached the host: dropped in the guest on a full ring (a lossy one, or one
+        the host stopped draining), counted in nmissed too.  A hit delivered and later fallen out of ``hits``
+        is not lost but ``evicted``."""
+        raise NotImplementedError
+
+    @property
+    def guest_filtered(self) -> int:
+        """Hits the filter rejected in the guest (by an optimized probe's detour)."""
+        return 0
+
+    @property
+    def maxactive(self) -> int:
+        """A return probe's instance count as the kernel lists it (the default resolved), else 0."""
+        return self.definition.maxactive
+
+    @property
+    def function_name(self) -> str:
+        """``$func`` of every hit of this event: the probed function's name, as ``EventHit.function`` gives it."""
+        raise NotImplementedError
+
+    def use_host_handler(self, on: bool) -> None:
+        """While on, every hit runs the Python handler at the hit (to unwind its stack, say), never a record."""
+
+    def count_in_guest(self, keys: Sequence[str], value: str | None = None, hist: bool = False) -> bool:
+        """Fold hits into a map in guest RAM instead of recording them, where the kind can; False if not."""
+        return False
+
+    def stop_counting_in_guest(self) -> dict[tuple[str | int, ...], MapSlot]:
+        """End ``count_in_guest``: the hits folded in the guest, by key."""
+        return {}
+
+    def _fetch_ip(self, ip: int, func: int | None) -> int:
+        """``%ip`` as the kind's handler sees it for a hit at ``ip``."""
+        return ip
+
+    def _orig_ax(self, func: int | None) -> int:
+        """``orig_ax`` as the kind's handler's pt_regs hold it."""
+        return U64_MASK
+
+    def _return_trampoline(self) -> int | None:
+        """The address a return probe's hits show for a return that went through its trampoline."""
+        return None
+
+    # -- the same for every kind --------------------------------------------------------------
+    @functools.cached_property
+    def numbers(self) -> frozenset[str]:
+        """The arguments whose values are integers (JSON gives them as numbers)."""
+        return self.definition.integer_args
+
+    @functools.cached_property
+    def strings(self) -> frozenset[str]:
+        """The arguments whose values are strings (JSON gives them without ftrace's quotes)."""
+        return self.definition.string_args
+
+    def probes(self) -> list[TraceEvent]:
+        """This definition and every one appended to the event, in the order they were added."""
+        return [self, *self.appended]
+
+    @property
+    def name(self) -> str:
+        return f"{self.definition.group}/{self.definition.event}"
+
+    @property
+    def filtered(self) -> int:
+        """Hits the filter rejected: on the host, or in the guest by an optimized probe's detour."""
+        return self.host_filtered + self.guest_filtered
+
+    def listing(self) -> str:
+        """The lines ``cat kprobe_events`` shows for the event, one per probe."""
+        return "\n".join(format_event(te.definition, te.maxactive) for te in self.probes())
+
+    def _record(
+        self, regs: PtRegs, ip: int, func: int | None, retval: int | None,
+        task: tuple[int, str] | None = None, entry: dict[int, int] | None = None,
+    ) -> None:  # fmt: skip
+        """One hit at ``ip`` (a probe's address, or a return probe's real return address, ``func`` its function)."""
+        host = self.host
+        recorded = task is not None  # only a ring record brings its task
+        ctx = HostContext(host, regs, retval, None if task is None else task[1], ip=self._fetch_ip(ip, func),
+                          entry=entry)  # fmt: skip
+        ctx.orig_ax = self._orig_ax(func)
+        values: list[Value] = self.definition.evaluate(ctx)
+        body = format_hit(self.definition, values, ip, func, lookup=symbol_lookup(host),
+                          trampoline=self._return_trampoline())  # fmt: skip
+        if task is None:
+            current = host.kernel.snapshot(gs_base=regs.gs_base)
+            # Without the kernel's types (a vmlinux without DWARF) the task is unknown: ftrace's "<...>".
+            task = (current.pid, current.comm) if current is not None else (-1, "<...>")
+        pid, comm = task
+        ts, order = host.hit_time(regs, recorded=recorded)
+        hit = EventHit(
+            event=self.definition.event, cpu=regs.vcpu, pid=pid, comm=comm,
+            ts=ts, order=order, addr=ip,
+            symbol=host.symbols.symbolize(ip),
+            func=None if func is None else host.symbols.symbolize(func),
+            args={a.name: a.format_value(v) for a, v in zip(self.definition.args, values, strict=True)},
+            body=body, irqs_off=not regs.flags & host.arch.registers.irq_flag, numbers=self.numbers,
+            strings=self.strings,
+        )  # fmt: skip
+        if self.filter is not None and not self.filter(
+            {**hit.args, "common_pid": hit.pid, "pid": hit.pid, "comm": hit.comm, "cpu": hit.cpu}
+        ):
+            self.host_filtered += 1
+            return
+        self.nhit += 1
+        host.timeline.push(hit.order, lambda: self._keep(hit), hit)  # its time, as the guest's clock prints
+        if self.callback is not None:
+            self.callback(hit)  # at the hit, like a kernel handler; printers order through the timeline
+
+    def _keep(self, hit: EventHit) -> None:
+        """Keep ``hit`` in ``hits``, in the guest's order of hits across every event (qprobe.events.timeline)."""
+        if len(self.hits) >= self.keep:
+            self.hits.popleft()
+            self.evicted += 1
+        self.hits.append(hit)
+
+
+def event_filter(ev: ProbeEvent, text: str) -> EventFilter:
+    """An ftrace filter over ``ev``'s arguments; raises FetchArgError (with a column) naming the problem."""
+    return EventFilter(text, numeric={a.name for a in ev.args if not a.type.string},
+                       strings={a.name for a in ev.args if a.type.string})  # fmt: skip
+
+
+__all__ = ["ProbeBackend", "TraceEvent", "event_filter"]

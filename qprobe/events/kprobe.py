@@ -1,0 +1,306 @@
+"""The kprobe kind of event: a definition on kernel text, armed as a kprobe (or a kretprobe for ``r``).
+
+:class:`KprobeBackend` is all the events see of the core's probe tables (the
+target holds one as ``kprobe_backend``); :class:`KprobeEvent` makes its probe
+from its definition, and records a hit from any of the probe's paths: the int3
+or stub-breakpoint handler, an optimized probe's ring record, or a return.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from qprobe.core.kprobe import Kprobe, Kretprobe, KretprobeInstance
+from qprobe.errors import QprobeError
+from qprobe.events.context import HostContext
+from qprobe.events.event import TraceEvent
+from qprobe.events.inguest import guest_filter, guest_key, in_guest
+from qprobe.events.registry import EventHost
+from qprobe.fetch.context import U64_MASK
+from qprobe.fetch.expr import Arg, Deref
+
+if TYPE_CHECKING:
+    from qprobe.arch.inguest import KeySpec, MapKey, MapSlot
+    from qprobe.core.kprobe import GuestRecord
+    from qprobe.core.kprobes import KprobeManager
+    from qprobe.core.kretprobe import KretprobeManager
+    from qprobe.core.regs import PtRegs
+    from qprobe.core.sites import ProbeSites
+    from qprobe.fetch import ProbeEvent
+
+
+class KprobeBackend:
+    """The kprobes and kretprobes of kprobe events, on the target's probe tables."""
+
+    def __init__(self, kprobes: KprobeManager, kretprobes: KretprobeManager) -> None:
+        self._kprobes = kprobes
+        self._kretprobes = kretprobes
+
+    def register(self, events: Sequence[TraceEvent]) -> None:
+        """All or nothing: the kprobes in one batch (one grace period places every jump), then the kretprobes.
+
+        One event's probe is registered alone, so its refusal is the core's own error.
+        """
+        probes = [te.probe for te in events if isinstance(te, KprobeEvent) and te.probe is not None]
+        if not probes:
+            return
+        if len(probes) == 1:
+            self.register_probe(probes[0])
+            return
+        kps = [p for p in probes if isinstance(p, Kprobe)]
+        self._kprobes.register_kprobes(kps)
+        try:
+            self._kretprobes.register_kretprobes([p for p in probes if isinstance(p, Kretprobe)])
+        except BaseException:
+            self._kprobes.unregister_kprobes(kps)
+            raise
+
+    def register_probe(self, probe: Kprobe | Kretprobe) -> None:
+        if isinstance(probe, Kretprobe):
+            self._kretprobes.register_kretprobe(probe)
+        else:
+            self._kprobes.register_kprobe(probe)
+
+    def unregister(self, events: Sequence[TraceEvent]) -> None:
+        """The entry probes in one batch (one VM stop for any number), then the return probes."""
+        probes = [te.probe for te in events if isinstance(te, KprobeEvent)]
+        self._kprobes.unregister_kprobes([p for p in probes if isinstance(p, Kprobe)])
+        for p in probes:
+            if isinstance(p, Kretprobe):
+                self._kretprobes.unregister_kretprobe(p)
+
+    def resync(self, kp: Kprobe, change: Callable[[], None] | None = None) -> None:
+        """Apply ``change`` to ``kp`` in a VM stop and put its point's code back in line with it."""
+        self._kprobes.resync(kp, change)
+
+    def make_regs(self, values: Mapping[str, int], cpu: int) -> PtRegs:
+        """The pt_regs of a hit recorded on vCPU number ``cpu`` with these register values."""
+        return self._kprobes.make_regs(values, self._kprobes.machine.vcpus[cpu])
+
+    @property
+    def can_count_in_guest(self) -> bool:
+        """Whether probes can be jump-optimized here, which folding hits in guest RAM needs."""
+        return self._kprobes.optimizer is not None
+
+    def keyed_counts(self, kp: Kprobe, spec: KeySpec) -> dict[MapKey, MapSlot]:
+        """``kp``'s in-guest map so far (in the VM stop ``resync`` makes: see KprobeEvent.stop_counting_in_guest)."""
+        point, opt = self._kprobes.points.get(kp.resolved), self._kprobes.optimizer
+        return opt.keyed_counts(point, spec) if point is not None and opt is not None else {}
+
+    def default_maxactive(self) -> int:
+        return self._kretprobes.default_maxactive()
+
+    @property
+    def trampoline(self) -> int | None:
+        """The kretprobe trampoline's address (None before the first return probe)."""
+        return self._kretprobes.trampoline or None
+
+    @property
+    def sites(self) -> ProbeSites:
+        """Where probes may go (the blacklist, the sites the kernel rewrites), as the kernel is now."""
+        return self._kprobes.sites
+
+    def entry_skip(self, func: int) -> int:
+        """Bytes after a function's entry that still count as its entry (an ``endbr64``)."""
+        return self._kprobes.sites.entry_skip(func)
+
+
+class KprobeHost(EventHost, Protocol):
+    """What a kprobe event uses of its target: the host's view and the kprobe backend."""
+
+    kprobe_backend: KprobeBackend
+
+
+@dataclass
+class KprobeEvent(TraceEvent):
+    """A kprobe_events definition on kernel text, armed as a kprobe or (``r``) a kretprobe."""
+
+    host: KprobeHost
+    probe: Kprobe | Kretprobe | None = None
+    in_guest: bool = False  # recorded by an optimized probe's detour when it can be (see in_guest())
+    guest_map: tuple[tuple[str, ...], str | None, bool] | None = None  # count_in_guest's keys, value, hist
+    anywhere: bool = False  # armed with stub breakpoints (Kprobe(anywhere=True)), also when its module loads
+
+    @property
+    def backend(self) -> KprobeBackend:
+        return self.host.kprobe_backend
+
+    def make_probe(self) -> None:
+        ev = self.definition
+        if ev.is_return:
+            saved = entry_args(ev)  # fetched at the entry, as the kernel's trace_kprobe_entry_handler does
+            self.probe = Kretprobe(symbol_name=ev.symbol, addr=ev.addr if ev.symbol is None else None,
+                                   offset=ev.offset, maxactive=ev.maxactive, handler=self._kretprobe_hit,
+                                   data_size=8 * len(saved),
+                                   entry_handler=self._kretprobe_entry if saved else None)  # fmt: skip
+            return
+        kp = Kprobe(symbol_name=ev.symbol, addr=ev.addr if ev.symbol is None else None, offset=ev.offset,
+                    pre_handler=self._kprobe_hit, anywhere=self.anywhere)  # fmt: skip
+        layout = self.host.arch.registers
+        self.in_guest = False
+        if in_guest(ev, layout) and not self.anywhere:  # a stub breakpoint is never jump-optimized
+            self.in_guest = True
+            kp.recorder = self._guest_record
+            if self.filter is not None:
+                # Rejected in the detour, before the ring; the host filter still runs (the int3 path).
+                kp.guest_filter = guest_filter(ev, self.filter, layout)
+        self.probe = kp
+
+    @property
+    def kprobe(self) -> Kprobe | None:
+        """The entry kprobe: the probe itself, or a return probe's."""
+        return self.probe.kp if isinstance(self.probe, Kretprobe) else self.probe
+
+    @property
+    def registered(self) -> bool:
+        return self.probe is not None and self.probe.registered
+
+    @property
+    def nmissed(self) -> int:
+        return self.probe.nmissed if self.probe is not None else 0
+
+    @property
+    def lost(self) -> int:
+        return self.kprobe.nlost if self.kprobe is not None else 0
+
+    @property
+    def guest_filtered(self) -> int:
+        return self.probe.nfiltered if isinstance(self.probe, Kprobe) else 0
+
+    @property
+    def maxactive(self) -> int:
+        if isinstance(self.probe, Kretprobe):
+            return self.probe.maxactive or self.backend.default_maxactive()
+        return self.definition.maxactive
+
+    @property
+    def function_name(self) -> str:
+        kp = self.kprobe
+        assert kp is not None, "an event is armed before it is hit"
+        return self.host.symbols.symbolize(kp.at).split("+", 1)[0]
+
+    def _fetch_ip(self, ip: int, func: int | None) -> int:
+        """What the kernel's handler sees: in a kprobe the probe's address plus the arch's
+        ``kprobe_ip_offset`` (x86: + 1, the int3 has run; its optimized and ftrace-based probes set
+        the same), and the real return address in a return probe."""
+        return ip + self.host.arch.kprobe_ip_offset if func is None else ip
+
+    def _orig_ax(self, func: int | None) -> int:
+        # -1 as the int3 entry and the kretprobe trampoline leave it; 0 in a probe the kernel would run
+        # from ftrace (one qprobe moved off an __fentry__ site), whose pt_regs come from ftrace_regs_caller.
+        probe = self.probe if isinstance(self.probe, Kprobe) else None
+        return 0 if func is None and probe is not None and probe.at != probe.resolved else U64_MASK
+
+    def _return_trampoline(self) -> int | None:
+        return self.backend.trampoline
+
+    def _kprobe_hit(self, kp: Kprobe, regs: PtRegs) -> int:
+        self._record(regs, kp.at, None, None)
+        return 0
+
+    def use_host_handler(self, on: bool) -> None:
+        if isinstance(self.probe, Kprobe) and self.in_guest:
+            self.probe.recorder = None if on else self._guest_record
+            self.backend.resync(self.probe)
+
+    def count_in_guest(self, keys: Sequence[str], value: str | None = None, hist: bool = False) -> bool:
+        """Fold hits into a map in guest RAM instead of recording them: counted by ``keys``, and
+        ``value``'s sum, min and max kept (its hist() bucket the key's last part with ``hist``).
+
+        For an event recorded in the guest, with no filter, whose key parts are ``$comm``,
+        ``$pid``, ``$cpu``, ``$func``, ``$event`` or integers taken from registers, and whose
+        value is such an integer; otherwise returns False and changes nothing.  Hits the host
+        still sees (before the jump is placed, or while it cannot be) reach ``callback`` as
+        usual; ``stop_counting_in_guest`` returns the rest.
+        """
+        kp = self.probe
+        layout = self.host.arch.registers
+        spec = guest_key(self.definition, keys, value, hist, layout) if self.filter is None else None
+        if spec is None or not isinstance(kp, Kprobe) or not self.backend.can_count_in_guest:
+            return False
+        self.guest_map = (tuple(keys), value, hist)
+        self.backend.resync(kp, lambda: setattr(kp, "guest_key", spec))
+        return True
+
+    def stop_counting_in_guest(self) -> dict[tuple[str | int, ...], MapSlot]:
+        """End ``count_in_guest``: the hits folded in the guest, by key (its parts as the host formats them,
+        the hist() bucket last with ``hist``)."""
+        kp, backend = self.probe, self.backend
+        if not isinstance(kp, Kprobe) or kp.guest_key is None or self.guest_map is None:
+            return {}
+        spec = kp.guest_key
+        raw: dict[MapKey, MapSlot] = {}
+
+        def take() -> None:  # in the stop that puts the recording detour back: no hit is lost in between
+            raw.update(backend.keyed_counts(kp, spec))
+            kp.guest_key = None
+
+        backend.resync(kp, take)
+        self.nhit += sum(slot.count for slot in raw.values())
+        keys, _value, hist = self.guest_map
+        self.guest_map = None
+        args = {a.name: a for a in self.definition.args}
+        layout = self.host.arch.registers
+        general = [layout.gdb_name[r] for r in layout.general]
+        rest = {layout.gdb_name[r]: 0 for r in (layout.ip, layout.sp, layout.flags)}
+
+        def formatted(name: str, word: int) -> str:  # the argument's text, as a hit with that register shows it
+            regs = backend.make_regs({**dict.fromkeys(general, word), **rest}, 0)
+            return args[name].format_value(args[name].evaluate(HostContext(self.host, regs, None)))
+
+        out: dict[tuple[str | int, ...], MapSlot] = {}
+        for decoded, slot in raw.items():
+            it = iter(decoded)  # the parts the guest computed, in keys' order ($func and $event are the host's)
+            parts: list[str | int] = []
+            for name in (*keys, *(("$hist",) if hist else ())):
+                if name in ("$func", "$event"):
+                    parts.append(self.function_name if name == "$func" else self.definition.event)
+                elif name in ("$comm", "$pid", "$cpu", "$hist"):
+                    parts.append(next(it))
+                else:
+                    word = next(it)
+                    assert isinstance(word, int)
+                    parts.append(formatted(name, word))
+            key = tuple(parts)
+            old = out.get(key)
+            out[key] = slot if old is None else old.merge(slot)
+        return out
+
+    def _guest_record(self, rec: GuestRecord) -> None:
+        """The same hit, recorded in the guest by an optimized probe's detour and drained from its ring."""
+        regs = self.backend.make_regs(rec.values, rec.cpu)
+        assert isinstance(self.probe, Kprobe)
+        self._record(regs, self.probe.at, None, None, task=(rec.pid, rec.comm))
+
+    def _kretprobe_entry(self, ri: KretprobeInstance, regs: PtRegs) -> int:
+        """``store_trace_entry_data``: the arguments a return probe's ``$argN`` fetch, saved at the entry."""
+        for i, n in enumerate(entry_args(self.definition)):
+            try:
+                value = regs.arg(n)
+            except QprobeError:
+                value = 0  # regs_get_kernel_argument: 0 where the stack slot cannot be read
+            ri.data[8 * i : 8 * i + 8] = (value & U64_MASK).to_bytes(8, "little")
+        return 0
+
+    def _kretprobe_hit(self, ri: KretprobeInstance, regs: PtRegs) -> None:
+        func = self.probe.kp.at  # type: ignore[union-attr]
+        saved = {n: int.from_bytes(ri.data[8 * i : 8 * i + 8], "little")
+                 for i, n in enumerate(entry_args(self.definition))}  # fmt: skip
+        self._record(regs, ri.ret_addr, func, regs.return_value(), entry=saved)
+
+
+def entry_args(ev: ProbeEvent) -> list[int]:
+    """The argument numbers a return probe's ``$argN`` (or BTF parameter) fetches, in order, each once."""
+    out: list[int] = []
+    for a in ev.args:
+        node = a.expr
+        while isinstance(node, Deref):
+            node = node.inner
+        if isinstance(node, Arg) and node.n not in out:
+            out.append(node.n)
+    return out
+
+
+__all__ = ["KprobeBackend", "KprobeEvent", "KprobeHost", "entry_args"]

@@ -1,0 +1,64 @@
+"""What events receive of the target they are armed on, narrowed to what they use.
+
+Two views, each a Protocol that ``qprobe.api.Target`` satisfies:
+
+- :class:`EventHost` (here): what an armed event uses at a hit, whatever its
+  probe kind: the architecture, the symbols, the task and clock of a hit, the
+  timeline hits go through;
+- a probe kind's host adds the backend that holds that kind's probes
+  (:class:`qprobe.events.kprobe.KprobeHost`: ``kprobe_backend``);
+- :class:`qprobe.events.define.EventRegistry` adds what defining an event checks
+  against and records it in (the events table, the kernel's kprobe_events
+  language, its trace events and ftrace sites, the modules followed).
+
+A probe kind (kprobes today) is a backend the host holds and a TraceEvent
+subclass that uses it; nothing in the events reaches into the core's probe
+tables but through its backend.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from qprobe.arch import Arch, PageTables
+    from qprobe.core.regs import PtRegs
+    from qprobe.events.timeline import Timeline
+    from qprobe.kernel.program import Task
+    from qprobe.kernel.symbols import Symbols
+
+
+class Tasks(Protocol):
+    """The task a hit interrupted (qprobe.kernel.program.KernelData)."""
+
+    def read_task(self, addr: int | None = None, *, gs_base: int = 0) -> Task: ...
+    def snapshot(self, addr: int | None = None, *, gs_base: int = 0) -> Task | None: ...
+
+
+class Paged(Protocol):
+    """The guest's page tables, for the user/kernel split fetches check (qprobe.vmm.memory.GuestMemory)."""
+
+    paging: PageTables
+
+
+class EventHost(Protocol):
+    """What an armed event uses of its target at a hit."""
+
+    arch: Arch
+    symbols: Symbols
+    kernel: Tasks
+    mem: Paged
+    timeline: Timeline
+
+    def hit_time(self, regs: PtRegs, recorded: bool = False) -> tuple[float, float]: ...
+
+
+class ModuleWatch(Protocol):
+    """The target's following of module loads (qprobe.events.modules.ModuleNotifier), as events start it."""
+
+    @property
+    def started(self) -> bool: ...
+    def start(self) -> None: ...
+
+
+__all__ = ["EventHost", "ModuleWatch", "Paged", "Tasks"]

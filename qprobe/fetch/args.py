@@ -18,6 +18,7 @@ from .btf import fetch_type_name, is_char_array, is_char_ptr
 from .context import FAULT, U64_MASK, Fault, FetchContext, MemoryFault, SymbolValue, read_string, read_uint
 from .dialect import BASE, Dialect
 from .expr import (
+    FL_USER,
     Arg,
     ArgError,
     Code,
@@ -239,6 +240,10 @@ def _parse_body(body: str, flags: int, offset: int, dialect: Dialect, func: str 
             # 6.1.0 returns -EINVAL here without logging anything.
             raise ArgError(type_offs, M.BAD_TYPE, logged=False)
         base = STRING
+    elif flags & FL_USER and spec in ("symbol", "symstr") and "symstr" in dialect.types:
+        # "tracing/probes: Reject symbol/symstr type for uprobe" (Linux 6.5, a fix of symstr's Linux 6.3
+        # commit, so in every kernel that has symstr, stable backports included): a user address has no %pS.
+        base = None
     else:
         base = find_fetch_type(spec, dialect.types)
     if base is None:

@@ -240,9 +240,9 @@ def _parse_body(body: str, flags: int, offset: int, dialect: Dialect, func: str 
             # 6.1.0 returns -EINVAL here without logging anything.
             raise ArgError(type_offs, M.BAD_TYPE, logged=False)
         base = STRING
-    elif flags & FL_USER and spec in ("symbol", "symstr") and "symstr" in dialect.types:
-        # "tracing/probes: Reject symbol/symstr type for uprobe" (Linux 6.5, a fix of symstr's Linux 6.3
-        # commit, so in every kernel that has symstr, stable backports included): a user address has no %pS.
+    elif flags & FL_USER and spec in ("symbol", "symstr") and dialect.meta_args:
+        # "tracing/probes: Reject symbol/symstr type for uprobe" (Linux 6.5, with the parser meta_args
+        # stands for): a user address has no %pS.  Debian's 6.1 took symstr's backport without it.
         base = None
     else:
         base = find_fetch_type(spec, dialect.types)

@@ -15,7 +15,17 @@ from dataclasses import dataclass, replace
 
 from . import messages as M
 from .btf import fetch_type_name, is_char_array, is_char_ptr
-from .context import FAULT, U64_MASK, Fault, FetchContext, MemoryFault, SymbolValue, read_string, read_uint
+from .context import (
+    FAULT,
+    U64_MASK,
+    Fault,
+    FetchContext,
+    MemoryFault,
+    SymbolValue,
+    UprobeContext,
+    read_string,
+    read_uint,
+)
 from .dialect import BASE, Dialect
 from .expr import (
     FL_USER,
@@ -122,7 +132,9 @@ class FetchArg:
         if isinstance(expr, Comm):
             return ctx.comm()
         if isinstance(expr, ImmString):
-            return expr.value
+            # trace_uprobe.c's fetch_store_string copies every string but $comm with strncpy_from_user,
+            # which refuses the kernel address the constant is kept at: a uprobe records it as a fault.
+            return FAULT if isinstance(ctx, UprobeContext) else expr.value
         if isinstance(expr, Imm):
             if count:  # the kernel stores nothing usable for an array here
                 return [FAULT] * count

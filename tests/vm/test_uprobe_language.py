@@ -14,13 +14,24 @@ import pytest
 
 import qprobe
 from qprobe.errors import FetchArgError
-from qprobe.fetch import DeleteEvent, UprobeEvent, check_uprobe_append, format_uprobe_event, parse_uprobe_event
+from qprobe.fetch import (
+    FAULT,
+    DeleteEvent,
+    UprobeEvent,
+    check_uprobe_append,
+    format_uprobe_event,
+    format_uprobe_hit,
+    format_uprobe_profile,
+    parse_uprobe_event,
+    print_fmt,
+)
 from qprobe.fetch.dialect import Dialect
 from qprobe.images import cache
 from qprobe.images.guest import guest_sources
 from qprobe.kernel.userelf import UserElf
 
-from .guest_oracle import Verdict, guest_verdicts
+from .guest_oracle import TRACING, Verdict, guest_verdicts
+from .test_oracle import TRACE_LINE
 
 pytestmark = [pytest.mark.vm, pytest.mark.qprobe_needs_config("UPROBE_EVENTS")]
 
@@ -28,13 +39,18 @@ W = "/bin/workload"  # static, built by the image
 SH = "/bin/sh"  # a symlink to /bin/busybox: the kernel follows it
 
 
-def _workload_offsets(target: qprobe.Target) -> tuple[int, int]:
-    """File offsets of the guest's /bin/workload's ``main`` and ``malloc``, from the host's copy of the file."""
+def _workload_elf(target: qprobe.Target) -> UserElf:
+    """The guest's /bin/workload, from the host's copy of the file the image was built with."""
     path = cache.subdir("guest") / guest_sources().key() / "workload"
     data = path.read_bytes()
     size = target.run(f"wc -c < {W}").check().output.strip()
     assert size == str(len(data)), f"the guest's {W} ({size} bytes) is not the host's {path} ({len(data)})"
-    elf = UserElf(data, W)
+    return UserElf(data, W)
+
+
+def _workload_offsets(target: qprobe.Target) -> tuple[int, int]:
+    """File offsets of the guest's /bin/workload's ``main`` and ``malloc``."""
+    elf = _workload_elf(target)
     return elf.resolve("main"), elf.resolve("malloc")
 
 
@@ -236,3 +252,40 @@ def test_verdicts_and_listings_equal_the_guest_kernels(target: qprobe.Target) ->
                 differ.append(f"{line!r}: kernel {k} {k.listing}, qprobe {q} {q.listing}")
     total = sum(map(len, cases))
     assert not differ, f"{len(differ)} of {total} definitions differ:\n" + "\n".join(differ)
+
+
+def test_listing_trace_lines_profile_and_format_equal_the_guest_kernels(target: qprobe.Target) -> None:
+    """One entry and one return probe on the static workload's ``main``, hit once by ``workload getppid 3``.
+
+    Where the probe is (main's address: the program is not position-independent)
+    and what it fetches (argc, comm, constants) are known without qprobe's engine,
+    so each of the guest's texts is compared whole with qprobe's.  The constant
+    string is a fault in a uprobe (strncpy_from_user of a kernel address).
+    """
+    elf = _workload_elf(target)
+    assert not elf.is_pie
+    main = elf.functions("main")[0]
+    entry = parse_uprobe_event(f'p:uprobes/umain {W}:{main.offset:#x} argc=%di:u32 c=$comm s=\\"lit" k=\\5:s8')
+    ret = parse_uprobe_event(f"r:uprobes/uret {W}:{main.offset:#x} c=$comm")
+    assert isinstance(entry, UprobeEvent) and isinstance(ret, UprobeEvent)
+    events = f"{TRACING}/uprobe_events"
+    target.run(f"echo > {events} && echo > {TRACING}/trace").check()
+    try:
+        for ev in (entry, ret):
+            target.run(f"echo '{ev.text}' >> {events} && echo 1 > {TRACING}/events/uprobes/{ev.event}/enable").check()
+        target.run(f"{W} getppid 3").check()
+        target.run(f"echo 0 > {TRACING}/events/uprobes/enable").check()
+        listing = target.run(f"cat {events}").check().output.splitlines()
+        profile = target.run(f"cat {TRACING}/uprobe_profile").check().output.splitlines()
+        trace = target.run(f"cat {TRACING}/trace").check().output.splitlines()
+        fmts = [target.run(f"grep '^print fmt: ' {TRACING}/events/uprobes/{ev.event}/format").check().output.strip()
+                for ev in (entry, ret)]  # fmt: skip
+    finally:
+        target.run(f"echo 0 > {TRACING}/events/uprobes/enable; echo > {events}")
+    assert listing == [format_uprobe_event(entry), format_uprobe_event(ret)]
+    assert profile == [format_uprobe_profile(entry, 1), format_uprobe_profile(ret, 1)]
+    assert fmts == [f"print fmt: {print_fmt(entry)}", f"print fmt: {print_fmt(ret)}"]
+    hits = {m["event"]: m["body"] for m in map(TRACE_LINE.match, trace) if m and m["comm"].strip() == "workload"}
+    assert hits["umain"] == format_uprobe_hit(entry, [3, "workload", FAULT, 5], main.vaddr)
+    back = hits["uret"].split(" ", 1)[0].removeprefix("(")  # where main returned to: its caller's, not known here
+    assert hits["uret"] == format_uprobe_hit(ret, ["workload"], int(back, 16), main.vaddr)

@@ -163,8 +163,9 @@ def test_a_uprobe_reads_user_memory_only() -> None:
         task_comm="workload",
     )
     assert isinstance(ctx, UserFetchContext)
-    ev = parse("p /bin/sh:10 +0(%di):string +0(%si):string $stack1 $stack9 $stack @+0x10 +0(%si):u8 $comm")
-    assert ev.evaluate(ctx) == ["", FAULT, 42, 0, SP, 0x1234, FAULT, "workload"]
+    ev = parse("p /bin/sh:10 +0(%di):string +0(%si):string $stack1 $stack9 $stack @+0x10 +0(%si):u8 $comm "
+               '\\"lit" \\0x600000:string')  # fmt: skip
+    assert ev.evaluate(ctx) == ["", FAULT, 42, 0, SP, 0x1234, FAULT, "workload", FAULT, ""]
 
 
 def test_output_lines() -> None:

@@ -33,6 +33,7 @@ from qprobe.core.kprobes import KprobeManager
 from qprobe.core.kretprobe import KretprobeManager
 from qprobe.core.recovery import recover
 from qprobe.core.regs import PtRegs
+from qprobe.core.uprobes import UprobeManager
 from qprobe.core.watchpoint import Watchpoints
 from qprobe.errors import BootPanic, GuestPanicked, QprobeError, SymbolError, TargetError, TargetGone
 from qprobe.eventapi import EventAPI
@@ -208,6 +209,10 @@ class Target(ProbeAPI, EventAPI):
                                          str(doorbell) if doorbell else None,
                                          fully_preemptible(self.symbols, self.cmdline))  # fmt: skip
             self.kretprobes = KretprobeManager(self.kprobes)
+            self.uprobes = UprobeManager(self.machine, self.arch, self.kernel, self.kprobes.handlers,
+                                         self.kprobes.make_regs, self.kprobes.dispatcher.step,
+                                         self.kretprobes.register_kretprobe,
+                                         self.kretprobes.unregister_kretprobe)  # fmt: skip
             self.watchpoints = Watchpoints(self.machine, self.symbols, self.kprobes.handlers, self.kprobes.make_regs)
             self.timings["attach"] = time.monotonic() - t0
         except BaseException as exc:
@@ -495,6 +500,7 @@ class Target(ProbeAPI, EventAPI):
         try:
             if hasattr(self, "kprobes") and self.machine.alive:
                 self.events.clear()
+                self.uprobes.remove_all()
                 self.kretprobes.remove_all()
                 self.kprobes.remove_all()
                 self.journal.clear()

@@ -11,12 +11,14 @@ from typing import TYPE_CHECKING
 
 from qprobe.core.kprobe import Kprobe, Kretprobe
 from qprobe.core.listing import list_probes
+from qprobe.core.uprobes import Uprobe
 from qprobe.core.watchpoint import Watchpoint
 from qprobe.errors import TargetError
 
 if TYPE_CHECKING:
     from qprobe.core.kprobes import KprobeManager
     from qprobe.core.kretprobe import KretprobeManager
+    from qprobe.core.uprobes import UprobeManager
     from qprobe.core.watchpoint import Watchpoints
     from qprobe.vmm.machine import Machine
 
@@ -26,6 +28,7 @@ class ProbeAPI:
 
     kprobes: KprobeManager
     kretprobes: KretprobeManager
+    uprobes: UprobeManager
     watchpoints: Watchpoints
     machine: Machine
 
@@ -46,6 +49,13 @@ class ProbeAPI:
 
     def disable_kprobe(self, kp: Kprobe) -> None:
         self.kprobes.disable_kprobe(kp)
+
+    def register_uprobe(self, up: Uprobe) -> None:
+        """uprobe_register(): the probe in every process that maps the file, now and later (and Uretprobes)."""
+        self.uprobes.register_uprobe(up)
+
+    def unregister_uprobe(self, up: Uprobe) -> None:
+        self.uprobes.unregister_uprobe(up)
 
     def register_kretprobe(self, rp: Kretprobe) -> None:
         self.kretprobes.register_kretprobe(rp)

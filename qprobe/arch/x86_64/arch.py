@@ -12,6 +12,8 @@ import struct
 from collections.abc import Callable, Mapping
 from typing import cast
 
+from iced_x86 import Code, Decoder
+
 from qprobe.arch import (
     ArchBlacklist,
     CycleCounter,
@@ -70,6 +72,8 @@ from qprobe.arch.x86_64.ptregs import (
 )
 from qprobe.arch.x86_64.tsc import after_rdtsc
 
+# Instructions that enter the kernel on purpose: a step that ends there is no fault to restart.
+_SYSTEM_CALLS = frozenset({Code.SYSCALL, Code.SYSENTER, Code.INT_IMM8, Code.INT3, Code.INTO, Code.INT1})
 _MAILBOX = struct.Struct(f"<{(detour.MB_REGS + detour.FRAME_SIZE) // 8}Q")  # a mailbox up to the end of its frame
 _ANSWER = struct.Struct("<2Q")  # MB_FINAL_IP, MB_FINAL_SP: written in one go
 assert detour.MB_FINAL_SP == detour.MB_FINAL_IP + 8
@@ -307,6 +311,27 @@ class X86_64:
 
     def user_mode(self, regs: Mapping[str, int]) -> bool:
         return bool(regs["cs"] & 3)
+
+    def arch_uprobe_analyze_insn(self, code: bytes) -> str | None:
+        """The kernel refuses an int3 as the probed instruction (``is_trap_insn``, -ENOTSUPP): it would be
+        its own trap.  It also refuses what its decoder cannot read; an instruction qprobe steps in place
+        needs no table of what can run out of line."""
+        insn = Decoder(64, code[:16]).decode()
+        if insn.code == Code.INVALID:
+            return "an instruction the decoder cannot read (EINVAL)"
+        if insn.code == Code.INT3:
+            return "an int3 is there already (ENOTSUPP)"
+        return None
+
+    def arch_uprobe_xol_was_trapped(self, code: bytes, after: Mapping[str, int]) -> bool:
+        if self.user_mode(after):
+            return False
+        return Decoder(64, code[:16]).decode().code not in _SYSTEM_CALLS
+
+    def arch_uretprobe_frame(self, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> tuple[int, int]:
+        """At a function's first instruction ``call`` has pushed the return address at rsp; ``ret`` pops it."""
+        sp = regs["rsp"]
+        return int.from_bytes(read(sp, 8), "little"), sp + 8
 
     def percpu_base(self, regs: Mapping[str, int]) -> int:
         """The kernel's per-CPU base: GS's, except between a kernel entry from user mode and its ``swapgs``

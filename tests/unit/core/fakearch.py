@@ -239,6 +239,15 @@ class Toy:
     def user_mode(self, regs: Mapping[str, int]) -> bool:
         return bool(regs["psr"] & USER)
 
+    def arch_uprobe_analyze_insn(self, code: bytes) -> str | None:
+        return "a breakpoint is there already (ENOTSUPP)" if code[:1] == bytes([BRK_OP]) else None
+
+    def arch_uprobe_xol_was_trapped(self, code: bytes, after: Mapping[str, int]) -> bool:
+        return not self.user_mode(after)  # the toy has no system-call instruction
+
+    def arch_uretprobe_frame(self, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> tuple[int, int]:
+        return int.from_bytes(read(regs["sp"], 4), "little"), regs["sp"] + 4  # the toy's call pushes a word
+
     def percpu_base(self, regs: Mapping[str, int]) -> int:
         return regs.get("tpidr", 0)
 

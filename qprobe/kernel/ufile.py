@@ -1,0 +1,153 @@
+"""The guest's files as the kernel holds them: dentries, inodes, the page cache and the mappings of a file.
+
+What user-space probes need from the running Linux, read through drgn with the VM stopped:
+
+* a path's inode, from the dentry cache (``path_lookup``): the kernel's own uprobe_events does a
+  ``kern_path`` that can read the disk; the host can only find what the guest has looked up;
+* a file's bytes, from its page cache (``mapping->i_pages``), so an ELF's symbols and the instruction
+  at a probe's offset are read as the guest has them, never from a host copy that could differ;
+* every current mapping of a file, from its ``mapping->i_mmap`` interval tree, as ``register_for_each_vma``
+  (kernel/events/uprobes.c) finds them;
+* for a physical page, the file page it caches (``page->mapping``, ``page->index``), and for an address
+  of a process, the mapping and file offset its vma gives.
+
+A large folio (Linux 5.16 on) is one ``i_pages`` entry for several indices; its tail pages' ``mapping``
+is not the file's, so a page is read through its head (``compound_head``, bit 0 of the tail's field).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import drgn
+from drgn.helpers.linux.fs import path_lookup
+from drgn.helpers.linux.mm import page_to_virt, pfn_to_page, vma_find
+from drgn.helpers.linux.rbtree import rbtree_inorder_for_each_entry
+from drgn.helpers.linux.xarray import xa_is_value, xa_load
+
+__all__ = ["GuestFile", "Mapping", "UserFiles"]
+
+S_IFMT, S_IFREG = 0o170000, 0o100000
+# include/linux/mm.h, unchanged since Linux 2.6: the flags valid_vma() (kernel/events/uprobes.c) tests.
+VM_WRITE, VM_MAYEXEC, VM_MAYSHARE, VM_HUGETLB = 0x2, 0x40, 0x80, 0x400000
+MAX_MAPPINGS = 1 << 16  # a hostile guest's interval tree is not walked forever
+
+
+@dataclass(frozen=True)
+class GuestFile:
+    """A regular file of the guest: the inode and its address_space, by address."""
+
+    path: str
+    inode: int
+    mapping: int
+    size: int
+    ino: int
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """One vma mapping a file: ``[start, end)`` shows the file from byte ``file_start`` on (vm_pgoff's)."""
+
+    mm: int
+    start: int
+    end: int
+    file_start: int
+    flags: int
+
+    def address_of(self, offset: int) -> int | None:
+        """The virtual address of file byte ``offset`` in this mapping, if it maps it."""
+        rel = offset - self.file_start
+        return self.start + rel if 0 <= rel < self.end - self.start else None
+
+    @property
+    def probeable(self) -> bool:
+        """valid_vma(vma, true): a private, read-only, possibly executable file mapping, not hugetlb."""
+        return self.flags & (VM_HUGETLB | VM_MAYEXEC | VM_MAYSHARE | VM_WRITE) == VM_MAYEXEC
+
+
+class UserFiles:
+    """Files, pages and mappings of the guest, on its drgn ``Program``."""
+
+    def __init__(self, prog: drgn.Program) -> None:
+        self.prog = prog
+        self.page_size = int(prog["PAGE_SIZE"])  # drgn's, from the kernel's VMCOREINFO
+
+    def lookup(self, path: str) -> GuestFile | None:
+        """The regular file at ``path`` in the dentry cache, or None (not cached, negative, not regular)."""
+        inode = self._inode(path)
+        if inode is None or int(inode.i_mode) & S_IFMT != S_IFREG:
+            return None
+        return GuestFile(path, inode.value_(), inode.i_mapping.value_(), int(inode.i_size), int(inode.i_ino))
+
+    def file_kind(self, path: str) -> str:
+        """``regular``, ``other`` or ``missing``: what ``kern_path`` and ``d_is_reg`` would tell the parser."""
+        inode = self._inode(path)
+        if inode is None:
+            return "missing"
+        return "regular" if int(inode.i_mode) & S_IFMT == S_IFREG else "other"
+
+    def _inode(self, path: str) -> drgn.Object | None:
+        if not path.startswith("/") or "\0" in path:
+            return None
+        try:
+            dentry = path_lookup(self.prog, path).dentry
+        except Exception:  # not in the dentry cache (drgn raises a plain Exception), or a fault on the way
+            return None
+        inode = dentry.d_inode
+        return inode if inode else None
+
+    def read(self, f: GuestFile, offset: int, size: int) -> bytes | None:
+        """``size`` bytes of the file from ``offset``, from its page cache; None if a page is not cached."""
+        out = bytearray()
+        end = min(offset + size, f.size)
+        while offset < end:
+            page = self._cached_page(f.mapping, offset // self.page_size)
+            if page is None:
+                return None
+            within = offset % self.page_size
+            n = min(self.page_size - within, end - offset)
+            out += self.prog.read(page_to_virt(page).value_() + within, n)
+            offset += n
+        return bytes(out)
+
+    def _cached_page(self, mapping: int, index: int) -> drgn.Object | None:
+        space = drgn.Object(self.prog, "struct address_space *", value=mapping)
+        entry = xa_load(space.i_pages.address_of_(), index)
+        if not entry or xa_is_value(entry):  # no page, or the shadow an evicted page leaves
+            return None
+        head = drgn.cast("struct page *", entry)
+        return head + (index - int(head.index))  # a large folio: its head, then the page of this index
+
+    def mappings(self, f: GuestFile) -> list[Mapping]:
+        """Every vma that maps the file now, from its i_mmap tree."""
+        space = drgn.Object(self.prog, "struct address_space *", value=f.mapping)
+        out = []
+        root = space.i_mmap.rb_root.address_of_()
+        for vma in rbtree_inorder_for_each_entry("struct vm_area_struct", root, "shared.rb"):
+            out.append(self._mapping(vma))
+            if len(out) >= MAX_MAPPINGS:
+                break
+        return out
+
+    def mapping_at(self, mm: int, addr: int) -> tuple[Mapping, int] | None:
+        """The file mapping of ``mm`` at ``addr`` and its file's address_space, if a file is mapped there."""
+        vma = vma_find(drgn.Object(self.prog, "struct mm_struct *", value=mm), addr)
+        if not vma or not vma.vm_file:
+            return None
+        return self._mapping(vma), vma.vm_file.f_mapping.value_()
+
+    def page_owner(self, pfn: int) -> tuple[int, int] | None:
+        """The (address_space, index) whose page cache page is frame ``pfn``; None for any other page."""
+        page = pfn_to_page(self.prog, pfn)
+        head_word = int(page.compound_head)
+        head = drgn.Object(self.prog, "struct page *", value=head_word - 1) if head_word & 1 else page
+        mapping = int(head.mapping)
+        if mapping == 0 or mapping & 1:  # none, or an anonymous page's anon_vma (PAGE_MAPPING_ANON)
+            return None
+        tail = (page.value_() - head.value_()) // drgn.sizeof(page.type_.type)
+        return mapping, int(head.index) + tail
+
+    def _mapping(self, vma: drgn.Object) -> Mapping:
+        start = int(vma.vm_start)
+        return Mapping(vma.vm_mm.value_(), start, int(vma.vm_end), int(vma.vm_pgoff) * self.page_size,
+                       int(vma.vm_flags))  # fmt: skip

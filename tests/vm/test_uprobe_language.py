@@ -28,6 +28,7 @@ from qprobe.fetch import (
 from qprobe.fetch.dialect import Dialect
 from qprobe.images import cache
 from qprobe.images.guest import guest_sources
+from qprobe.kernel.ufile import UserFiles
 from qprobe.kernel.userelf import UserElf
 
 from .guest_oracle import TRACING, Verdict, guest_verdicts
@@ -228,21 +229,26 @@ def _qprobe_verdicts(cases: list[list[str]], dialect: Dialect, kinds: dict[str, 
 
 
 def _file_kinds(target: qprobe.Target, cases: list[list[str]]) -> dict[str, str]:
-    """What kern_path and d_is_reg say of each path in the table, asked of the guest (test -f follows links)."""
+    """What kern_path and d_is_reg say of every path in the table: qprobe's reading of the guest's dentry cache.
+
+    Checked against the guest's own shell (``test -f`` follows symbolic links
+    as kern_path's LOOKUP_FOLLOW does), so that a wrong answer shows as such.
+    """
     paths = sorted({w.rsplit(":", 1)[0] for case in cases for line in case for w in line.split()[1:2] if "/" in w})
+    files = UserFiles(target.kernel.prog)
+    kinds = {p: files.file_kind(p) for p in paths}
     script = "; ".join(
         f"if [ -f '{p}' ]; then echo regular; elif [ -e '{p}' ]; then echo other; else echo missing; fi" for p in paths
     )
-    answers = target.run(script).check().output.split()
-    assert len(answers) == len(paths)
-    return dict(zip(paths, answers, strict=True))
+    assert dict(zip(paths, target.run(script).check().output.split(), strict=True)) == kinds
+    return kinds
 
 
 def test_verdicts_and_listings_equal_the_guest_kernels(target: qprobe.Target) -> None:
     main, malloc = _workload_offsets(target)
     cases = _cases(main, malloc)
-    kinds = _file_kinds(target, cases)
     kernel = guest_verdicts(target, cases, events="uprobe_events", subsystem="trace_uprobe")
+    kinds = _file_kinds(target, cases)  # after the kernel's own lookups, as qprobe's parse comes after them
     ours = _qprobe_verdicts(cases, target.dialect, kinds)
     differ = []
     for case, k_case, q_case in zip(cases, kernel, ours, strict=True):

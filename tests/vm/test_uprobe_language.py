@@ -172,6 +172,11 @@ def _cases(main: int, malloc: int) -> list[list[str]]:
         f"p {m} __probe_ip=%ax",
         f"p {m} a=",
         f"p {m} a=+0(+0(+0(+0(+0(+0(+0(+0(+0(+0(+0(+0(+0(+0(+0(%ax)))))))))))))))",
+        # MAX_TRACE_ARGS: 6.1 parses the first 128 and ignores the rest, 6.12 refuses 129 (-E2BIG, not logged)
+        f"p {m} " + " ".join(f"a{i}=%ax" for i in range(128)),
+        f"p {m} " + " ".join(f"a{i}=%ax" for i in range(129)),
+        # trace_parse_run_command: a line must fit WRITE_BUFSIZE with its newline and NUL
+        f"p {m} a={'x' * 4100}",
         # deletions
         "-:",
         "-:uprobes/",

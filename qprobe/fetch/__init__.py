@@ -9,11 +9,23 @@ through a :class:`FetchContext`, and prints what ftrace would print.
 from __future__ import annotations
 
 from .args import FetchArg, Value
-from .context import FAULT, REGISTERS, Fault, FetchContext, MemoryFault, SymbolValue
+from .context import FAULT, REGISTERS, Fault, FetchContext, MemoryFault, SymbolValue, UprobeContext, UserFetchContext
 from .event import DeleteEvent, ProbeEvent, check_append, check_event, parse_event, parse_events
-from .expr import Arg, Comm, Deref, Imm, ImmString, Node, Reg, RetVal, Stack, StackPointer, SymbolAddr
+from .expr import Arg, Comm, Deref, FileOffset, Imm, ImmString, Node, Reg, RetVal, Stack, StackPointer, SymbolAddr
 from .ftypes import Bitfield, FetchType
-from .output import SymbolInfo, format_event, format_hit, print_fmt, print_ip_sym, sprint_symbol, terminal_safe
+from .output import (
+    SymbolInfo,
+    format_event,
+    format_hit,
+    format_uprobe_event,
+    format_uprobe_hit,
+    format_uprobe_profile,
+    print_fmt,
+    print_ip_sym,
+    sprint_symbol,
+    terminal_safe,
+)
+from .uevent import UprobeEvent, check_uprobe_append, parse_uprobe_event, parse_uprobe_events
 
 __all__ = [
     "FAULT",
@@ -27,6 +39,7 @@ __all__ = [
     "FetchArg",
     "FetchContext",
     "FetchType",
+    "FileOffset",
     "Imm",
     "ImmString",
     "MemoryFault",
@@ -39,13 +52,22 @@ __all__ = [
     "SymbolAddr",
     "SymbolInfo",
     "SymbolValue",
+    "UprobeContext",
+    "UprobeEvent",
+    "UserFetchContext",
     "Value",
     "check_append",
     "check_event",
+    "check_uprobe_append",
     "format_event",
     "format_hit",
+    "format_uprobe_event",
+    "format_uprobe_hit",
+    "format_uprobe_profile",
     "parse_event",
     "parse_events",
+    "parse_uprobe_event",
+    "parse_uprobe_events",
     "print_fmt",
     "print_ip_sym",
     "sprint_symbol",

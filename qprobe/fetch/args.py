@@ -15,9 +15,20 @@ from dataclasses import dataclass, replace
 
 from . import messages as M
 from .btf import fetch_type_name, is_char_array, is_char_ptr
-from .context import FAULT, U64_MASK, Fault, FetchContext, MemoryFault, SymbolValue, read_string, read_uint
+from .context import (
+    FAULT,
+    U64_MASK,
+    Fault,
+    FetchContext,
+    MemoryFault,
+    SymbolValue,
+    UprobeContext,
+    read_string,
+    read_uint,
+)
 from .dialect import BASE, Dialect
 from .expr import (
+    FL_USER,
     Arg,
     ArgError,
     Code,
@@ -121,7 +132,9 @@ class FetchArg:
         if isinstance(expr, Comm):
             return ctx.comm()
         if isinstance(expr, ImmString):
-            return expr.value
+            # trace_uprobe.c's fetch_store_string copies every string but $comm with strncpy_from_user,
+            # which refuses the kernel address the constant is kept at: a uprobe records it as a fault.
+            return FAULT if isinstance(ctx, UprobeContext) else expr.value
         if isinstance(expr, Imm):
             if count:  # the kernel stores nothing usable for an array here
                 return [FAULT] * count
@@ -239,6 +252,10 @@ def _parse_body(body: str, flags: int, offset: int, dialect: Dialect, func: str 
             # 6.1.0 returns -EINVAL here without logging anything.
             raise ArgError(type_offs, M.BAD_TYPE, logged=False)
         base = STRING
+    elif flags & FL_USER and spec in ("symbol", "symstr") and dialect.meta_args:
+        # "tracing/probes: Reject symbol/symstr type for uprobe" (Linux 6.5, with the parser meta_args
+        # stands for): a user address has no %pS.  Debian's 6.1 took symstr's backport without it.
+        base = None
     else:
         base = find_fetch_type(spec, dialect.types)
     if base is None:

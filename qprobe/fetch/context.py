@@ -70,6 +70,69 @@ class FetchContext(Protocol):
     def symbolize(self, addr: int) -> str: ...
 
 
+@runtime_checkable
+class UserFetchContext(FetchContext, Protocol):
+    """A uprobe hit's state: a FetchContext whose registers are the user-mode ones, plus the probed file.
+
+    ``file_address(offset)`` is trace_uprobe.c's ``translate_user_vaddr``: the
+    address at which the probed file's byte ``offset`` is mapped in the hitting
+    process (the probe's address minus the probe's file offset, plus ``offset``).
+    """
+
+    def file_address(self, offset: int) -> int: ...
+
+
+class UprobeContext:
+    """A uprobe hit as trace_uprobe.c's fetch functions see it, over the engine's :class:`UserFetchContext`.
+
+    Every memory read is ``copy_from_user`` (trace_uprobe.c's probe_mem_read
+    and fetch_store_string), so a kernel address faults; ``$stackN`` is
+    ``get_user_stack_nth`` (the Nth word above the user stack pointer, 0 when
+    it cannot be read) and ``$stack`` the user stack pointer.
+    """
+
+    def __init__(self, ctx: UserFetchContext) -> None:
+        self._ctx = ctx
+        self.task_size_max = ctx.task_size_max
+
+    def reg(self, name: str) -> int:
+        return self._ctx.reg(name)
+
+    def read(self, addr: int, size: int) -> bytes:
+        raise MemoryFault(addr, size)
+
+    def read_user(self, addr: int, size: int) -> bytes:
+        return self._ctx.read_user(addr, size)
+
+    def stack(self, n: int) -> int:
+        addr = (self.stack_pointer() + 8 * n) & U64_MASK
+        try:
+            return int.from_bytes(read_memory(self, addr, 8, True), "little")
+        except MemoryFault:
+            return 0
+
+    def stack_pointer(self) -> int:
+        return self._ctx.reg("sp")
+
+    def retval(self) -> int:
+        return self._ctx.retval()
+
+    def comm(self) -> str:
+        return self._ctx.comm()
+
+    def arg(self, n: int) -> int:  # the parser refuses $argN in a uprobe
+        raise KeyError(f"arg{n}")
+
+    def symbol_address(self, name: str) -> int:  # the parser refuses @SYM in a uprobe
+        raise KeyError(name)
+
+    def symbolize(self, addr: int) -> str:
+        return self._ctx.symbolize(addr)
+
+    def file_address(self, offset: int) -> int:
+        return self._ctx.file_address(offset)
+
+
 class Fault:
     """The value of an argument whose memory could not be read."""
 
@@ -160,7 +223,9 @@ def read_string(ctx: FetchContext, addr: int, user: bool) -> str | Fault:
     NUL only of a non-empty string, so it returns 0 for one, and the kernel
     records a zero-length string, which it prints as ``(fault)``
     (strncpy_from_kernel_nofault counts the NUL: an empty kernel string is
-    ``""``).  Bytes are decoded as UTF-8 with surrogateescape so the exact
+    ``""``).  A uprobe's strings are read with strncpy_from_user, after which
+    trace_uprobe.c's fetch_store_string counts the NUL itself: there an empty
+    string is ``""``.  Bytes are decoded as UTF-8 with surrogateescape so the exact
     bytes can be recovered.
     """
     out = bytearray()
@@ -185,7 +250,8 @@ def read_string(ctx: FetchContext, addr: int, user: bool) -> str | Fault:
         nul = data.find(0)
         if nul >= 0:
             out += data[:nul]
-            return FAULT if user and not out else _decode(out)
+            empty_faults = user and not isinstance(ctx, UprobeContext)
+            return FAULT if empty_faults and not out else _decode(out)
         out += data
         addr = (addr + chunk) & U64_MASK
     return _decode(out[: MAX_STRING_SIZE - 1])

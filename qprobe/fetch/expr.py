@@ -23,6 +23,8 @@ FL_RETURN = 1
 FL_KERNEL = 2
 FL_FENTRY = 4
 FL_MASK = 0xF
+# TPARG_FL_USER (Linux 6.5's name for what 6.1 says by leaving FL_KERNEL out): a uprobe's argument.
+FL_USER = 16
 
 
 class ArgError(Exception):
@@ -90,6 +92,17 @@ class ImmString:
 
 
 @dataclass(frozen=True)
+class FileOffset:
+    """The address of ``@+OFFSET`` in a uprobe: where the probed file's offset is mapped in the hitting process.
+
+    ``translate_user_vaddr`` (trace_uprobe.c): the probe's address minus its
+    file offset, plus this one.
+    """
+
+    offset: int
+
+
+@dataclass(frozen=True)
 class SymbolAddr:
     """The address of ``@SYM[+|-offs]``, resolved when the probe is registered.
 
@@ -112,7 +125,7 @@ class Deref:
     user: bool = False
 
 
-Node = Reg | Stack | StackPointer | RetVal | Comm | Arg | Imm | ImmString | SymbolAddr | Deref
+Node = Reg | Stack | StackPointer | RetVal | Comm | Arg | Imm | ImmString | SymbolAddr | FileOffset | Deref
 
 
 class Code:
@@ -163,7 +176,7 @@ def _parse_vars(var: str, flags: int, offs: int, code: Code) -> Node:
     if var == "retval" or (dialect.meta_args and var.startswith("retval")):
         if not flags & FL_RETURN:
             raise ArgError(offs, M.RETVAL_ON_PROBE)
-        if dialect.btf_args:
+        if dialect.btf_args and flags & FL_KERNEL:  # a uprobe's $retval has no BTF type
             return _parse_btf_arg("$" + var, flags, offs, code)
         return RetVal()
     if var.startswith("stack"):
@@ -352,8 +365,19 @@ def parse_probe_arg(arg: str, flags: int, offs: int, code: Code) -> Node:
                 raise ArgError(offs, M.BAD_MEM_ADDR)
             node = Imm(addr)
         elif arg[1:2] == "+":
-            raise ArgError(offs, M.FILE_ON_KPROBE)
+            if flags & FL_KERNEL:
+                raise ArgError(offs, M.FILE_ON_KPROBE)
+            foffs = kstrtol(arg[2:], 0)
+            if foffs is None:
+                raise ArgError(offs, M.BAD_FILE_OFFS)
+            code.advance(offs)
+            # The kernel's FETCH_OP_DEREF after FETCH_OP_FOFFS keeps the parsed offset as its own
+            # (code->offset = offset in parse_probe_arg's '@' case): the value is read at the
+            # translated address plus the offset once more, and so is it here.
+            return Deref(FileOffset(foffs), to_s32(foffs))
         else:
+            if not flags & FL_KERNEL:
+                raise ArgError(offs, M.SYM_ON_UPROBE)
             name, offset = split_symbol_offset(arg[1:])
             node = SymbolAddr(arg[1:], name, offset)
             code.advance(offs)  # FETCH_NOP_SYMBOL, then FETCH_OP_IMM
@@ -406,6 +430,8 @@ def fetch(node: Node, ctx: FetchContext) -> int:
             return ctx.arg(n) & U64_MASK
         case Imm(value):
             return value
+        case FileOffset(offset):
+            return ctx.file_address(offset) & U64_MASK  # type: ignore[attr-defined]
         case SymbolAddr(_, name, offset):
             if offset is None:
                 raise KeyError(name)

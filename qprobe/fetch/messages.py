@@ -74,6 +74,15 @@ BAD_BTF_TID = "Failed to get BTF type info."
 BAD_HYPHEN = "Failed to parse single hyphen. Forgot '>'?"
 BAD_TYPE4STR = "This type does not fit for string."
 NEED_STRING_TYPE = "$comm and immediate-string only accepts string type"
+# uprobe_events' own (trace_probe.h, the same in 6.1 and 6.12).
+FILE_NOT_FOUND = "Failed to find the given file"
+NO_REGULAR_FILE = "Not a regular file"
+BAD_REFCNT = "Invalid reference counter offset"
+REFCNT_OPEN_BRACE = "Reference counter brace is not closed"
+BAD_REFCNT_SUFFIX = "Reference counter has wrong suffix"
+BAD_UPROBE_OFFS = "Invalid uprobe offset"
+BAD_FILE_OFFS = "Invalid file offset value"
+SYM_ON_UPROBE = "Symbol is not available with uprobe"
 # Logged from Linux 6.15 ("tracing: probe-events: Log error for exceeding the number of arguments");
 # from 6.5 the kernel refuses with -E2BIG and logs nothing, before that it ignores the arguments after
 # MAX_TRACE_ARGS.
@@ -83,6 +92,7 @@ TOO_MANY_ARGS = "Too many arguments are specified"
 NOT_A_PROBE = "Not a kprobe definition (expected p, r or -)"
 NO_PROBE_POINT = "No probe point is specified"
 UPROBE_SYNTAX = "This is an uprobe definition, not a kprobe one"
+NOT_A_UPROBE = "Not a uprobe definition (expected p, r or - and PATH:OFFSET)"
 BAD_DELETE = "Invalid delete command (expected -:[GRP/][EVENT])"
 EMPTY_COMMAND = "Empty probe definition"
 # trace_parse_run_command's pr_warn (kernel/trace/trace.c): a line of a write to kprobe_events must fit its
@@ -90,7 +100,9 @@ EMPTY_COMMAND = "Empty probe definition"
 # it has been 4096 since the command parser was shared (Linux 4.17, "tracing: Add trace_parse_run_command").
 WRITE_BUFSIZE = 4096
 LINE_TOO_LONG = f"Line length is too long: Should be less than {WRITE_BUFSIZE - 2}"
-UNLOGGED = frozenset({NOT_A_PROBE, NO_PROBE_POINT, UPROBE_SYNTAX, BAD_DELETE, EMPTY_COMMAND, LINE_TOO_LONG})
+UNLOGGED = frozenset(
+    {NOT_A_PROBE, NOT_A_UPROBE, NO_PROBE_POINT, UPROBE_SYNTAX, BAD_DELETE, EMPTY_COMMAND, LINE_TOO_LONG}
+)
 
 # --- limits (trace_probe.h, trace.h, trace_kprobe.c; x86_64 values) --------
 MAX_TRACE_ARGS = 128
@@ -104,3 +116,4 @@ KRETPROBE_MAXACTIVE_MAX = 4096
 MAX_BTF_ARGS_LEN = 128  # the buffer $argN and $arg* are expanded into (trace_probe.h, Linux 6.5 on)
 UINT_MAX = 0xFFFF_FFFF
 KPROBE_EVENT_SYSTEM = "kprobes"
+UPROBE_EVENT_SYSTEM = "uprobes"

@@ -1,10 +1,13 @@
-"""Text the kernel prints about kprobe events: listings, trace lines, formats.
+"""Text the kernel prints about kprobe and uprobe events: listings, trace lines, formats.
 
 ``format_event`` is ``trace_kprobe_show`` (one line of ``cat kprobe_events``),
 ``format_hit`` is ``print_kprobe_event``/``print_kretprobe_event`` after the
 ``name: `` prefix, ``print_fmt`` is ``__set_print_fmt`` (the ``print fmt:``
 line of the event's ``format`` file), and ``sprint_symbol``/``print_ip_sym``
 are the kernel's ``%pS`` and ``seq_print_ip_sym``, given a symbol lookup.
+``format_uprobe_event``, ``format_uprobe_hit`` and ``format_uprobe_profile``
+are trace_uprobe.c's ``trace_uprobe_show``, ``print_uprobe_event`` and
+``probes_profile_seq_show``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 
 from .args import Value
 from .event import ProbeEvent
+from .uevent import UprobeEvent
 
 
 @dataclass(frozen=True)
@@ -121,8 +125,8 @@ _PRINT_FORMATS = {
 }
 
 
-def print_fmt(ev: ProbeEvent) -> str:
-    """``__set_print_fmt``: the ``print fmt:`` value of the event's format file."""
+def print_fmt(ev: ProbeEvent | UprobeEvent) -> str:
+    """``__set_print_fmt``: the ``print fmt:`` value of the event's format file (a kprobe's or a uprobe's)."""
     if ev.is_return:
         fmt, rec = "(%lx <- %lx)", ", REC->__probe_func, REC->__probe_ret_ip"
     else:
@@ -137,6 +141,30 @@ def print_fmt(ev: ProbeEvent) -> str:
         names = [f"{a.name}[{j}]" for j in range(a.type.array)] if a.type.array else [a.name]
         out += [f", __get_str({n})" if a.type.string else f", REC->{n}" for n in names]
     return "".join(out)
+
+
+def format_uprobe_event(ev: UprobeEvent) -> str:
+    """``trace_uprobe_show``: e.g. ``p:uprobes/p_bash_0x4245c0 /bin/bash:0x00000000004245c0 arg1=%ax``.
+
+    The offset is printed as ``0x%0*lx`` with 16 digits, the reference counter
+    offset after it as ``(0x%lx)`` when it is not 0.
+    """
+    return " ".join([f"{ev.kind}:{ev.group}/{ev.event}", ev.probe_point, *(a.definition for a in ev.args)])
+
+
+def format_uprobe_hit(ev: UprobeEvent, values: Sequence[Value], ip: int, func: int | None = None) -> str:
+    """``print_uprobe_event`` after the ``name: `` prefix: ``(0x401136) x=1`` or ``(0x4011a0 <- 0x401136)``.
+
+    For an entry probe ``ip`` is the probed address; for a return probe ``ip``
+    is the address returned to and ``func`` the probed function's address.
+    """
+    where = f"0x{ip:x}" if not ev.is_return else f"0x{ip:x} <- 0x{func or 0:x}"
+    return f"({where})" + "".join(f" {a.format(v)}" for a, v in zip(ev.args, values, strict=True))
+
+
+def format_uprobe_profile(ev: UprobeEvent, nhit: int) -> str:
+    """One line of ``uprobe_profile`` (``probes_profile_seq_show``): ``  PATH EVENT NHIT``."""
+    return f"  {ev.path} {ev.event:<44} {nhit:>15}"
 
 
 # Control characters a terminal would act on (C0 but tab and newline, DEL, C1), as \xNN: a process name

@@ -27,7 +27,9 @@ from drgn.helpers.linux.xarray import xa_is_value, xa_load
 
 __all__ = ["GuestFile", "Mapping", "UserFiles"]
 
-S_IFMT, S_IFREG = 0o170000, 0o100000
+S_IFMT, S_IFREG, S_IFLNK = 0o170000, 0o100000, 0o120000
+MAXSYMLINKS = 40  # include/linux/namei.h: links one path lookup follows
+PATH_MAX = 4096
 # include/linux/mm.h, unchanged since Linux 2.6: the flags valid_vma() (kernel/events/uprobes.c) tests.
 VM_WRITE, VM_MAYEXEC, VM_MAYSHARE, VM_HUGETLB = 0x2, 0x40, 0x80, 0x400000
 MAX_MAPPINGS = 1 << 16  # a hostile guest's interval tree is not walked forever
@@ -87,14 +89,62 @@ class UserFiles:
         return "regular" if int(inode.i_mode) & S_IFMT == S_IFREG else "other"
 
     def _inode(self, path: str) -> drgn.Object | None:
+        """The inode ``kern_path(path, LOOKUP_FOLLOW)`` finds: symbolic links followed, the last one too.
+
+        drgn's path_lookup follows none, so the path is walked a component at a
+        time and a link's target (``i_link``, or its page cache for page symlinks
+        such as ramfs's) replaces it, at most MAXSYMLINKS times as namei allows.
+        """
         if not path.startswith("/") or "\0" in path:
             return None
+        todo = [p for p in path.split("/") if p]
+        done: list[str] = []
+        inode: drgn.Object | None = self._lookup("/")
+        links = 0
+        while todo:
+            part = todo.pop(0)
+            if part in (".", ".."):
+                if part == ".." and done:
+                    done.pop()
+                continue
+            inode = self._lookup("/" + "/".join([*done, part]))
+            if inode is None:
+                return None
+            if int(inode.i_mode) & S_IFMT != S_IFLNK:
+                done.append(part)
+                continue
+            links += 1
+            target = self._link_target(inode)
+            if target is None or links > MAXSYMLINKS:
+                return None
+            if target.startswith("/"):
+                done = []
+            todo = [p for p in target.split("/") if p] + todo
+        return inode
+
+    def _lookup(self, path: str) -> drgn.Object | None:
         try:
-            dentry = path_lookup(self.prog, path).dentry
+            inode = path_lookup(self.prog, path).dentry.d_inode
         except Exception:  # not in the dentry cache (drgn raises a plain Exception), or a fault on the way
             return None
-        inode = dentry.d_inode
         return inode if inode else None
+
+    def _link_target(self, inode: drgn.Object) -> str | None:
+        """A symbolic link's target: ``inode->i_link`` (inline links), else its first page-cache page."""
+        size = int(inode.i_size)
+        if not 0 < size < PATH_MAX:
+            return None
+        try:
+            if inode.i_link:
+                raw = self.prog.read(inode.i_link.value_(), size)
+            else:
+                page = self._cached_page(inode.i_mapping.value_(), 0)
+                if page is None:
+                    return None
+                raw = self.prog.read(page_to_virt(page).value_(), size)
+        except drgn.FaultError:
+            return None
+        return raw.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
 
     def read(self, f: GuestFile, offset: int, size: int) -> bytes | None:
         """``size`` bytes of the file from ``offset``, from its page cache; None if a page is not cached."""

@@ -24,16 +24,16 @@ CHUNK = 700  # base64 characters per console command (the tty line limit is 4095
 
 _SCRIPT = r"""T=%(tracing)s
 while IFS= read -r line; do
-  if [ "$line" = "@@CASE" ]; then echo > $T/kprobe_events; echo "@@CASE"; continue; fi
+  if [ "$line" = "@@CASE" ]; then echo > $T/%(events)s; echo "@@CASE"; continue; fi
   echo > $T/error_log
-  if printf '%%s\n' "$line" >> $T/kprobe_events 2>/dev/null; then
-    echo "@@OK"; cat $T/kprobe_events
+  if printf '%%s\n' "$line" >> $T/%(events)s 2>/dev/null; then
+    echo "@@OK"; cat $T/%(events)s
   else
     echo "@@ERR"; cat $T/error_log
   fi
   echo "@@END"
 done < %(defs)s
-echo > $T/kprobe_events
+echo > $T/%(events)s
 """
 
 
@@ -58,11 +58,11 @@ def _put_file(target: qprobe.Target, path: str, data: bytes) -> None:
     target.run(f"base64 -d {path}.b64 > {path} && rm {path}.b64").check()
 
 
-def _parse_error_log(lines: list[str]) -> tuple[str, int]:
+def _parse_error_log(lines: list[str], subsystem: str) -> tuple[str, int]:
     """(message, caret column) of the one error_log entry: ``[ts] trace_kprobe: error: MSG``."""
     message, column, command_at = "", -1, -1
     for line in lines:
-        m = re.search(r"\] trace_kprobe: error: (.*)$", line)
+        m = re.search(rf"\] {subsystem}: error: (.*)$", line)
         if m:
             message = m.group(1).strip()
         elif line.startswith("  Command: "):
@@ -72,14 +72,27 @@ def _parse_error_log(lines: list[str]) -> tuple[str, int]:
     return message, column
 
 
-def guest_verdicts(target: qprobe.Target, cases: Sequence[Sequence[str]]) -> list[list[Verdict]]:
-    """The guest kernel's verdict on every line of every case, in order."""
+def guest_verdicts(
+    target: qprobe.Target,
+    cases: Sequence[Sequence[str]],
+    events: str = "kprobe_events",
+    subsystem: str = "trace_kprobe",
+) -> list[list[Verdict]]:
+    """The guest kernel's verdict on every line of every case, in order.
+
+    ``events`` is the tracefs file written (``uprobe_events`` for uprobes, whose
+    error_log entries come from the ``trace_uprobe`` subsystem).
+    """
     lines: list[str] = []
     for case in cases:
         lines.extend(case)
         lines.append("@@CASE")
     _put_file(target, "/tmp/oracle-defs", ("\n".join(lines) + "\n").encode())
-    _put_file(target, "/tmp/oracle.sh", (_SCRIPT % {"tracing": TRACING, "defs": "/tmp/oracle-defs"}).encode())
+    _put_file(
+        target,
+        "/tmp/oracle.sh",
+        (_SCRIPT % {"tracing": TRACING, "defs": "/tmp/oracle-defs", "events": events}).encode(),
+    )
     out = target.run("sh /tmp/oracle.sh", timeout=600).check().output.splitlines()
     result: list[list[Verdict]] = [[]]
     i = 0
@@ -96,7 +109,7 @@ def guest_verdicts(target: qprobe.Target, cases: Sequence[Sequence[str]]) -> lis
             if tag == "@@OK":
                 result[-1].append(Verdict(True, listing=tuple(x for x in body if x.strip())))
             else:
-                message, column = _parse_error_log(body)
+                message, column = _parse_error_log(body, subsystem)
                 result[-1].append(Verdict(False, message, column))
         i += 1
     result.pop()  # after the last @@CASE

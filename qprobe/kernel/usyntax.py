@@ -1,0 +1,126 @@
+"""What perf and bpftrace users type for uprobes, translated into uprobe_events definitions.
+
+Three forms, each resolved through ``resolve(path, "SYMBOL[+OFFS]") -> file
+offset`` (:meth:`qprobe.kernel.userelf.UserElf.resolve` over the guest's file):
+
+* ``PATH:SYMBOL[+OFFS]`` in a uprobe_events line (qprobe's extension): the
+  symbol becomes its file offset, the rest of the line is kept, and the line
+  then goes to the kernel-faithful parser;
+* ``perf probe -x PATH '[[GROUP:]EVENT=]FUNC[+OFFS|%return] [ARG...]'`` with
+  fetch arguments (registers, ``$retval``, ``+OFFS(ARG)``...; perf's C variables
+  need DWARF and are refused): the group is ``probe_<program>`` and the event
+  ``FUNC`` or ``FUNC__return``, as perf names them (tools/perf/util/probe-event.c);
+* bpftrace's ``uprobe:PATH:FUNC[+OFFS]`` / ``uretprobe:PATH:FUNC`` with the
+  builtins a handler reads: ``arg0``.. (x86_64's argument registers, then the
+  stack), ``retval``, ``comm``; ``pid`` is in every hit (the trace line's pid) and
+  needs no argument.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+
+from qprobe.errors import QprobeError
+from qprobe.fetch.kstrto import isdigit, split_args
+from qprobe.kernel.perfprobe import PerfProbeError, parse_perf_probe
+
+Resolve = Callable[[str, str], int]
+
+# x86_64 SysV: the first six integer arguments' registers (pt_regs names); the rest are on the stack above
+# the return address at function entry.
+ARG_REGISTERS = ("di", "si", "dx", "cx", "r8", "r9")
+PERF_GROUP = "probe"  # perf's PERFPROBE_GROUP
+_NAME_CHARS = re.compile(r"[^A-Za-z0-9_]")
+_BPFTRACE_PROBE = re.compile(r"(uprobe|uretprobe|u|ur):(/.+):([^:/]+)")  # the function after the last ':'
+
+
+class UprobeSyntaxError(QprobeError):
+    """A perf, bpftrace or symbolic uprobe definition that cannot be translated; the message is one line."""
+
+
+def resolve_uprobe_symbols(text: str, resolve: Resolve) -> str:
+    """``p[:EV] PATH:SYMBOL[+OFFS][%return][(REF)] ...`` with the symbol replaced by ``0x<file offset>``.
+
+    A line whose place is already numeric (or that is not a probe on a path)
+    is returned as it is, for the kernel-faithful parser to judge.
+    """
+    words = split_args(text.split("#", 1)[0])
+    if len(words) < 2 or words[0][1][:1] not in ("p", "r") or "/" not in words[1][1]:
+        return text
+    start, word = words[1]
+    colon = word.rfind(":")
+    if colon < 0 or colon + 1 == len(word) or isdigit(word[colon + 1]):
+        return text
+    path, spec = word[:colon], word[colon + 1 :]
+    cut = min((i for i in (spec.find("%"), spec.find("(")) if i >= 0), default=len(spec))
+    offset = resolve(path, spec[:cut])
+    new = f"{path}:0x{offset:x}{spec[cut:]}"
+    return text[:start] + new + text[start + len(word) :]
+
+
+def perf_uprobe_definition(path: str, text: str, resolve: Resolve) -> str:
+    """``perf probe -x PATH TEXT`` as the uprobe_events line perf would write."""
+    try:
+        probe = parse_perf_probe(text)
+    except PerfProbeError as exc:
+        raise UprobeSyntaxError(str(exc)) from None
+    if probe.function is None or probe.file or probe.line is not None or probe.lazy is not None:
+        raise UprobeSyntaxError(f"{text.strip()}: a uprobe is placed on FUNC or FUNC+OFFS (lines need DWARF)")
+    for arg in probe.args:
+        if arg.is_c_var or arg.fields:
+            raise UprobeSyntaxError(f"{arg.text}: C variables need the program's DWARF; fetch registers "
+                                    "(%di, %si...) or memory (+0(%di):string) instead")  # fmt: skip
+    offset = resolve(path, f"{probe.function}+{probe.offset}" if probe.offset else probe.function)
+    group = probe.group or f"{PERF_GROUP}_{_program_name(path)}"
+    event = probe.event or _event_name(probe.function) + ("__return" if probe.is_return else "")
+    head = f"{'r' if probe.is_return else 'p'}:{group}/{event}"
+    args = [(f"{a.name}=" if a.name else "") + a.var + (f":{a.type}" if a.type else "") for a in probe.args]
+    return " ".join([head, f"{path}:0x{offset:x}", *args])
+
+
+def bpftrace_uprobe_definition(probe: str, variables: Sequence[str], resolve: Resolve) -> str:
+    """``uprobe:PATH:FUNC[+OFFS]`` / ``uretprobe:PATH:FUNC`` fetching the bpftrace builtins in ``variables``.
+
+    Each builtin becomes an argument of its own name (``arg0=%di:u64``,
+    ``retval=$retval:u64``, ``comm=$comm``); ``pid`` adds none.  bpftrace's own
+    checks are kept: ``argN`` only in a uprobe, ``retval`` only in a uretprobe.
+    """
+    m = _BPFTRACE_PROBE.fullmatch(probe.strip())
+    if m is None:
+        raise UprobeSyntaxError(f"{probe!r}: expected uprobe:PATH:FUNC or uretprobe:PATH:FUNC")
+    kind, path, func = m.groups()
+    is_return = kind in ("uretprobe", "ur")
+    if is_return and "+" in func:
+        raise UprobeSyntaxError(f"{probe}: a uretprobe is on a function's entry, not FUNC+OFFS")
+    offset = resolve(path, func)
+    args: list[str] = []
+    for var in dict.fromkeys(variables):
+        arg = re.fullmatch(r"arg(\d+)", var)
+        if arg:
+            if is_return:
+                raise UprobeSyntaxError(f"{var}: bpftrace reads arguments in uprobes, not in uretprobes")
+            n = int(arg.group(1))
+            where = f"%{ARG_REGISTERS[n]}" if n < len(ARG_REGISTERS) else f"+{8 * (n - len(ARG_REGISTERS) + 1)}(%sp)"
+            args.append(f"{var}={where}:u64")
+        elif var == "retval":
+            if not is_return:
+                raise UprobeSyntaxError("retval: bpftrace has it in uretprobes only")
+            args.append("retval=$retval:u64")
+        elif var == "comm":
+            args.append("comm=$comm")
+        elif var != "pid":
+            raise UprobeSyntaxError(f"{var}: a uprobe fetches arg0.., retval, comm and pid")
+    event = _event_name(func.split("+", 1)[0]) + ("__return" if is_return else "")
+    head = f"{'r' if is_return else 'p'}:uprobes/{event}"
+    return " ".join([head, f"{path}:0x{offset:x}", *args])
+
+
+def _program_name(path: str) -> str:
+    """perf's convert_exec_to_group: the file's name up to its first ``-``, ``.`` or ``_``."""
+    base = path.rstrip("/").rsplit("/", 1)[-1]
+    return re.split(r"[-._]", base, maxsplit=1)[0]
+
+
+def _event_name(func: str) -> str:
+    return _NAME_CHARS.sub("_", func)

@@ -39,6 +39,7 @@ from qprobe.errors import BootPanic, GuestPanicked, QprobeError, SymbolError, Ta
 from qprobe.eventapi import EventAPI
 from qprobe.events.kprobe import KprobeBackend
 from qprobe.events.timeline import Timeline, TscOrder
+from qprobe.events.uprobe import UprobeBackend
 from qprobe.kernel.clock import NSEC_PER_SEC, StopClock, TraceClock
 from qprobe.kernel.features import fully_preemptible
 from qprobe.kernel.kaslr import detect_slide
@@ -214,6 +215,7 @@ class Target(ProbeAPI, EventAPI):
                                          self.kprobes.make_regs, self.kprobes.dispatcher.step,
                                          self.kprobes.register_kprobe, self.kprobes.unregister_kprobe)  # fmt: skip
             self.kprobe_backend = KprobeBackend(self.kprobes, self.kretprobes)  # what kprobe events hold probes by
+            self.uprobe_backend = UprobeBackend(self.uprobes)  # and uprobe events theirs
             self.watchpoints = Watchpoints(self.machine, self.symbols, self.kprobes.handlers, self.kprobes.make_regs)
             self.timings["attach"] = time.monotonic() - t0
         except BaseException as exc:

@@ -7,28 +7,33 @@ from __future__ import annotations
 
 import functools
 import logging
+import shlex
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import drgn
 
-from qprobe.errors import ProbeError, QprobeError, SymbolError
+from qprobe.errors import InvalidProbe, ProbeError, QprobeError, SymbolError
 from qprobe.events.modules import ModuleNotifier
 from qprobe.kernel.btf import module_btfs
 from qprobe.kernel.features import thread_size
 from qprobe.kernel.modules import loaded_modules
 from qprobe.kernel.symbols import ModuleText
 from qprobe.kernel.tracefs import ftrace_locations, probe_dialect, trace_event_names
+from qprobe.kernel.userelf import UserElf, UserElfError
 
 log = logging.getLogger("qprobe")
 
 if TYPE_CHECKING:
     from qprobe.arch import Arch
+    from qprobe.core.uprobes import UprobeManager
     from qprobe.events import EventHit, TraceEvent, Wildcard
-    from qprobe.fetch import ProbeEvent
+    from qprobe.fetch import ProbeEvent, UprobeEvent
     from qprobe.fetch.dialect import Dialect
+    from qprobe.fetch.uevent import FileKind
     from qprobe.kernel.program import KernelData
     from qprobe.kernel.symbols import Symbols
+    from qprobe.vmm.console import GuestShell, RunResult
     from qprobe.vmm.machine import Machine
 
 
@@ -40,6 +45,9 @@ class EventAPI:
     kernel: KernelData
     symbols: Symbols
     machine: Machine
+    uprobes: UprobeManager
+    guest_shell: GuestShell | None
+    run: Callable[[str], RunResult]  # Target.run: a command in the guest's shell
 
     @functools.cached_property
     def dialect(self) -> Dialect:
@@ -82,14 +90,50 @@ class EventAPI:
         except SymbolError:  # a vmlinux without debug info: no names to check against, as before they were read
             return frozenset()
 
+    def user_file_kind(self, path: str) -> FileKind:
+        """What the kernel's ``kern_path`` would find at a guest path: ``regular``, ``other`` or ``missing``.
+
+        The host sees only the guest's dentry cache; a path not in it is looked up once by the guest's shell
+        (``ls``), as the kernel's own lookup would read it from the disk.
+        """
+        files = self.uprobes.files
+        kind = self.machine.call(lambda: files.file_kind(path))
+        if kind == "missing" and self.guest_shell is not None and path.startswith("/"):
+            self.run(f"ls -d {shlex.quote(path)} >/dev/null 2>&1")
+            kind = self.machine.call(lambda: files.file_kind(path))
+        return kind
+
+    def resolve_user_symbol(self, path: str, spec: str) -> int:
+        """The file offset of ``SYMBOL[+OFFS]`` in the guest's ELF file ``path`` (from its symbol tables).
+
+        The file is read from the guest's page cache; pages not there are read in once by the guest's shell.
+        """
+        try:
+            return self.user_elf(path).resolve(spec)
+        except UserElfError as exc:
+            raise InvalidProbe(str(exc)) from None
+
+    def user_elf(self, path: str) -> UserElf:
+        """The guest's ELF file ``path``, as its page cache holds it (read in by the guest's shell if need be)."""
+        if self.user_file_kind(path) != "regular":
+            raise InvalidProbe(f"{path}: no regular file in the guest (ENOENT)")
+        try:
+            return self.uprobes.elf(path)
+        except InvalidProbe:
+            if self.guest_shell is None:
+                raise
+        self.run(f"cat {shlex.quote(path)} >/dev/null")
+        return self.uprobes.elf(path)
+
     def add_event(
         self,
-        definition: str | ProbeEvent,
+        definition: str | ProbeEvent | UprobeEvent,
         callback: Callable[[EventHit], None] | None = None,
         filter: str | None = None,
         anywhere: bool = False,
     ) -> TraceEvent:
-        """Arm a kprobe_events definition (``p:ev vfs_read count=%dx``); hits go to ``callback`` and ``.hits``.
+        """Arm a kprobe_events or uprobe_events definition (``p:ev vfs_read count=%dx``, ``p:ev /bin/prog:0x1136``,
+        ``p:ev /bin/prog:main``); hits go to ``callback`` and ``.hits``.
 
         A definition a front end parsed already (``qprobe.fetch.parse_event``) is checked with this
         kernel's symbols rather than parsed again.

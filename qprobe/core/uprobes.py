@@ -43,6 +43,7 @@ from qprobe.core.regs import PtRegs
 from qprobe.errors import InvalidProbe, MemoryFault, QprobeError
 from qprobe.kernel.program import KernelData
 from qprobe.kernel.ufile import GuestFile, Mapping, UserFiles
+from qprobe.kernel.userelf import UserElf, UserElfError
 from qprobe.vmm.gdbremote import BREAK_HW
 from qprobe.vmm.machine import Machine
 
@@ -56,6 +57,7 @@ UprobeFilter = Callable[["Uprobe", PtRegs], bool]
 MAX_URETPROBE_DEPTH = 64
 MAX_TASKS_WITH_RETURNS = 4096  # tasks whose return instances are kept (the oldest beyond it are dropped)
 MAX_RESTARTS = 1024
+MAX_ELF = 256 << 20  # a file read whole for its symbols (libc is 2 MB)
 # The hook on new mappings: mmap_region() ends with vma_set_page_prot(vma) on the vma it made or grew,
 # after linking it into the file's i_mmap, beside uprobe_mmap(vma) (mm/mmap.c, Linux 4.x to 6.12: 6.12's
 # __mmap_region too); mprotect_fixup() calls it for a vma whose protection changed.
@@ -144,9 +146,8 @@ class UprobeManager:
 
     def __init__(self, machine: Machine, arch: Arch, kernel: KernelData, handlers: Handlers,
                  make_regs: Callable[[Regs[str, int], str], PtRegs], step: Callable[[str, int], dict[str, int]],
-                 register_kprobe: Callable[[Kprobe], None], unregister_kprobe: Callable[[Kprobe], None],
-                 resolve_symbol: Callable[[bytes, str], int] | None = None) -> None:  # fmt: skip
-        """``resolve_symbol(elf, "NAME[+OFFS]")`` gives a file offset from the file's bytes."""
+                 register_kprobe: Callable[[Kprobe], None],
+                 unregister_kprobe: Callable[[Kprobe], None]) -> None:  # fmt: skip
         self.machine = machine
         self.arch = arch
         self.kernel = kernel
@@ -155,7 +156,7 @@ class UprobeManager:
         self.step = step
         self.register_kprobe = register_kprobe
         self.unregister_kprobe = unregister_kprobe
-        self.resolve_symbol = resolve_symbol
+        self._elves: dict[tuple[int, int], UserElf] = {}  # (inode, size) -> its ELF, read once
         self._files: UserFiles | None = None
         self.probes: dict[tuple[int, int], list[Uprobe]] = {}  # (address_space, offset) -> consumers
         self.spaces: dict[int, GuestFile] = {}  # address_space -> the file, while some probe is on it
@@ -214,12 +215,35 @@ class UprobeManager:
                 self._add(va, key)
 
     def _symbol_offset(self, f: GuestFile, symbol: str) -> int:
-        if self.resolve_symbol is None:
-            raise InvalidProbe(f"{f.path}:{symbol}: symbols need an ELF reader; give the offset (EINVAL)")
-        data = self.files.read(f, 0, f.size)
-        if data is None:
-            raise InvalidProbe(f"{f.path}: not all of it is in the guest's page cache, so its symbols cannot be read")
-        return self.resolve_symbol(data, symbol)
+        try:
+            return self._elf(f).resolve(symbol)
+        except UserElfError as exc:
+            raise InvalidProbe(str(exc)) from None
+
+    def elf(self, path: str) -> UserElf:
+        """The ELF of the guest's file at ``path``, as its page cache holds it (InvalidProbe if it cannot be read)."""
+
+        def read() -> UserElf:
+            f = self.files.lookup(path)
+            if f is None:
+                raise InvalidProbe(f"{path}: no regular file there in the guest's dentry cache (ENOENT)")
+            try:
+                return self._elf(f)
+            except UserElfError as exc:
+                raise InvalidProbe(str(exc)) from None
+
+        return self.machine.call(read)
+
+    def _elf(self, f: GuestFile) -> UserElf:
+        elf = self._elves.get((f.inode, f.size))
+        if elf is None:
+            if f.size > MAX_ELF:
+                raise UserElfError(f"{f.path} is {f.size} bytes: qprobe reads ELF files up to {MAX_ELF}")
+            data = self.files.read(f, 0, f.size)
+            if data is None:
+                raise UserElfError(f"{f.path}: not all of it is in the guest's page cache (read it once: cat it)")
+            elf = self._elves[(f.inode, f.size)] = UserElf(data, f.path)
+        return elf
 
     def _unregister(self, up: Uprobe) -> None:
         assert up.file is not None and up.offset is not None

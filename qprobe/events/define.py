@@ -15,27 +15,46 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from qprobe.errors import FetchArgError, InvalidProbe, NotInstructionBoundary, NotKernelText, ProbeError, SymbolError
+from qprobe.errors import (
+    FetchArgError,
+    InvalidProbe,
+    NotInstructionBoundary,
+    NotKernelText,
+    ProbeError,
+    QprobeError,
+    SymbolError,
+)
 from qprobe.events.event import TraceEvent, event_filter
 from qprobe.events.funcs import Probeability, check_probe_symbol, did_you_mean, is_glob, wildcard_definitions
 from qprobe.events.hit import EventHit
 from qprobe.events.kprobe import KprobeEvent, KprobeHost
-from qprobe.fetch import ProbeEvent, check_append, check_event, parse_event
+from qprobe.events.uprobe import UprobeHost, UprobeTraceEvent
+from qprobe.fetch import (
+    ProbeEvent,
+    UprobeEvent,
+    check_append,
+    check_event,
+    check_uprobe_append,
+    parse_event,
+    parse_uprobe_event,
+)
 from qprobe.fetch import messages as M
 from qprobe.fetch.kstrto import kstrtoul, split_args
 from qprobe.kernel.tracefs import within_notrace_func
+from qprobe.kernel.usyntax import resolve_uprobe_symbols
 
 if TYPE_CHECKING:
     from qprobe.events.registry import ModuleWatch
     from qprobe.fetch.dialect import Dialect
+    from qprobe.fetch.uevent import FileKind
     from qprobe.kernel.symbols import ModuleText
 
 log = logging.getLogger("qprobe.events")
 
 
-class EventRegistry(KprobeHost, Protocol):
+class EventRegistry(KprobeHost, UprobeHost, Protocol):
     """What defining an event checks against and records it in: the events table, the kernel's
-    kprobe_events language, its trace events and ftrace sites, the modules followed."""
+    kprobe_events language, its trace events and ftrace sites, the modules followed, the guest's files."""
 
     events: dict[str, TraceEvent]
 
@@ -48,6 +67,8 @@ class EventRegistry(KprobeHost, Protocol):
     @property
     def trace_events(self) -> frozenset[tuple[str, str]]: ...
     def loaded_modules(self) -> list[ModuleText]: ...
+    def user_file_kind(self, path: str) -> FileKind: ...
+    def resolve_user_symbol(self, path: str, spec: str) -> int: ...
 
 
 def on_func_entry(reg: EventRegistry, symbol: str, offset: int) -> bool:
@@ -127,19 +148,31 @@ def _registration_error(ev: ProbeEvent, exc: ProbeError | SymbolError, dialect: 
     return FetchArgError(dialect.message(message), ev.text, words[1][0] if len(words) > 1 else 0, detail=str(exc))
 
 
+def is_uprobe(definition: str | ProbeEvent | UprobeEvent) -> bool:
+    """Whether a definition is uprobe_events' (its probe point a path: ``p:ev /bin/prog:0x1136``)."""
+    if not isinstance(definition, str):
+        return isinstance(definition, UprobeEvent)
+    place = probe_place(definition)
+    return place is not None and place[1].startswith("/")
+
+
 def add_event(
     reg: EventRegistry,
-    definition: str | ProbeEvent,
+    definition: str | ProbeEvent | UprobeEvent,
     callback: Callable[[EventHit], None] | None = None,
     filter: str | None = None,
     anywhere: bool = False,
 ) -> TraceEvent:
-    """Parse a kprobe_events definition (or take one parsed) and arm it; raises FetchArgError naming the problem.
+    """Parse a kprobe_events or uprobe_events definition (or take one parsed) and arm it; raises FetchArgError
+    naming the problem.
 
     Refusals are the kernel's (its texts and carets, ``error_log`` style), including
     those it makes when it adds the probe to its event table or registers it;
-    ``anywhere`` arms it with a stub breakpoint (``Kprobe(anywhere=True)``).
+    ``anywhere`` arms it with a stub breakpoint (``Kprobe(anywhere=True)``; a uprobe always is one).
     """
+    if is_uprobe(definition):
+        return _add_uprobe_event(reg, definition, callback, filter)  # type: ignore[arg-type]
+    assert not isinstance(definition, UprobeEvent)
     _follow_modules(reg, definition.text if isinstance(definition, ProbeEvent) else definition)
     te, first = _prepare(reg, definition, callback, filter, reg.symbols.count, anywhere)
     try:
@@ -159,6 +192,44 @@ def add_event(
             te.probe = None
         else:
             raise _registration_error(ev, exc, reg.dialect) from exc
+    if first is not None:
+        first.appended.append(te)
+    else:
+        reg.events[te.name] = te
+    return te
+
+
+def _add_uprobe_event(reg: EventRegistry, definition: str | UprobeEvent, callback: Callable[[EventHit], None] | None,
+                      filter: str | None) -> TraceEvent:  # fmt: skip
+    """A uprobe_events definition (``PATH:SYMBOL[+OFFS]`` resolved first, from the file's ELF) armed as a Uprobe."""
+    dialect = reg.dialect
+    if isinstance(definition, UprobeEvent):
+        ev: UprobeEvent | object = definition
+        text = definition.text
+    else:
+        try:
+            text = resolve_uprobe_symbols(definition, reg.resolve_user_symbol)
+        except QprobeError as exc:
+            place = probe_place(definition)
+            raise FetchArgError(str(exc), definition, place[0] if place else 0, logged=False) from None
+        ev = parse_uprobe_event(text, dialect, file_check=reg.user_file_kind)
+    if not isinstance(ev, UprobeEvent):
+        raise FetchArgError("use remove_event() to delete an event", text, 0, logged=False)
+    name = f"{ev.group}/{ev.event}"
+    first = reg.events.get(name)
+    if first is not None and not isinstance(first, UprobeTraceEvent):
+        raise FetchArgError(dialect.message(M.EVENT_EXIST), text, 0)
+    check_uprobe_append(ev, [te.definition for te in first.probes()] if first else [], dialect)  # type: ignore[misc]
+    if first is None and (ev.group, ev.event) in reg.trace_events:
+        raise FetchArgError(dialect.message(M.EVENT_EXIST), text, 0)
+    te = UprobeTraceEvent(reg, ev, callback, filter=None if filter is None else event_filter(ev, filter))  # type: ignore[arg-type]
+    te.make_probe()
+    try:
+        te.backend.register([te])
+    except (ProbeError, SymbolError) as exc:
+        place = probe_place(text)
+        raise FetchArgError(dialect.message(M.FAIL_REG_PROBE), text, place[0] if place else 0, logged=False,
+                            detail=str(exc)) from None  # fmt: skip
     if first is not None:
         first.appended.append(te)
     else:

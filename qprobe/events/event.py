@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from qprobe.core.regs import PtRegs
     from qprobe.events.registry import EventHost
     from qprobe.fetch.args import Value
+    from qprobe.fetch.context import FetchContext
 
 
 class ProbeBackend(Protocol):
@@ -115,6 +116,21 @@ class TraceEvent:
         """The address a return probe's hits show for a return that went through its trampoline."""
         return None
 
+    def _context(self, regs: PtRegs, retval: int | None, comm: str | None, ip: int, func: int | None,
+                 entry: dict[int, int] | None) -> FetchContext:  # fmt: skip
+        """What the definition's fetch arguments read at this hit (a kernel probe's: kernel-mode pt_regs)."""
+        ctx = HostContext(self.host, regs, retval, comm, ip=self._fetch_ip(ip, func), entry=entry)
+        ctx.orig_ax = self._orig_ax(func)
+        return ctx
+
+    def _body(self, values: list[Value], ip: int, func: int | None) -> str:
+        """The hit's trace line after ``name: `` (print_kprobe_event, print_kretprobe_event)."""
+        return format_hit(self.definition, values, ip, func, lookup=symbol_lookup(self.host),
+                          trampoline=self._return_trampoline())  # fmt: skip
+
+    def _symbolize(self, addr: int) -> str:
+        return self.host.symbols.symbolize(addr)
+
     # -- the same for every kind --------------------------------------------------------------
     @functools.cached_property
     def numbers(self) -> frozenset[str]:
@@ -150,12 +166,9 @@ class TraceEvent:
         """One hit at ``ip`` (a probe's address, or a return probe's real return address, ``func`` its function)."""
         host = self.host
         recorded = task is not None  # only a ring record brings its task
-        ctx = HostContext(host, regs, retval, None if task is None else task[1], ip=self._fetch_ip(ip, func),
-                          entry=entry)  # fmt: skip
-        ctx.orig_ax = self._orig_ax(func)
+        ctx = self._context(regs, retval, None if task is None else task[1], ip, func, entry)
         values: list[Value] = self.definition.evaluate(ctx)
-        body = format_hit(self.definition, values, ip, func, lookup=symbol_lookup(host),
-                          trampoline=self._return_trampoline())  # fmt: skip
+        body = self._body(values, ip, func)
         if task is None:
             current = host.kernel.snapshot(gs_base=regs.gs_base)
             # Without the kernel's types (a vmlinux without DWARF) the task is unknown: ftrace's "<...>".
@@ -165,8 +178,8 @@ class TraceEvent:
         hit = EventHit(
             event=self.definition.event, cpu=regs.vcpu, pid=pid, comm=comm,
             ts=ts, order=order, addr=ip,
-            symbol=host.symbols.symbolize(ip),
-            func=None if func is None else host.symbols.symbolize(func),
+            symbol=self._symbolize(ip),
+            func=None if func is None else self._symbolize(func),
             args={a.name: a.format_value(v) for a, v in zip(self.definition.args, values, strict=True)},
             body=body, irqs_off=not regs.flags & host.arch.registers.irq_flag, numbers=self.numbers,
             strings=self.strings,

@@ -81,6 +81,11 @@ class UserElf:
                 return vaddr - start + offset
         return None
 
+    def function_at(self, offset: int) -> str | None:
+        """The name of the function whose bytes hold file ``offset`` (the first by name when several do)."""
+        names = sorted(f.name for f in self._functions if f.offset <= offset < f.offset + max(f.size, 1))
+        return names[0].split("@", 1)[0] if names else None
+
     def functions(self, pattern: str = "*") -> list[UserFunction]:
         """The functions whose names match the shell-style ``pattern``, by file offset."""
         return [f for f in self._functions if fnmatch.fnmatchcase(f.name, pattern)]

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from qprobe.api import Target
     from qprobe.events import EventHit, TraceEvent
     from qprobe.events.funcs import Probeability
-    from qprobe.fetch import ProbeEvent
+    from qprobe.fetch import ProbeEvent, UprobeEvent
     from qprobe.fetch.dialect import Dialect
     from qprobe.kernel.symbols import Symbols
     from qprobe.proctree import ProcessTree
@@ -155,9 +155,9 @@ def _perf_definitions(args: argparse.Namespace) -> None:
 
     They are resolved from vmlinux's DWARF on the host, before anything boots.
     """
-    from qprobe.kernel.perfprobe import is_perf_definition, perf_to_kprobe
+    from qprobe.kernel.perfprobe import perf_to_kprobe
 
-    texts = [t for t in args.events if is_perf_definition(t)]
+    texts = [t for t in args.events if _is_kernel_perf(t)]
     if not texts:
         return
     symbols = _host_symbols(args)
@@ -174,12 +174,20 @@ def _perf_definitions(args: argparse.Namespace) -> None:
     found = iter(perf_to_kprobe(texts, symbols, vmlinux_arch(symbols)))
     out = []
     for text in args.events:
-        if is_perf_definition(text):
+        if _is_kernel_perf(text):
             text = next(found).definition
             if not args.quiet:  # as `perf probe -v` says what it writes to kprobe_events
                 print(f"qprobe: writing event: {text}", file=sys.stderr, flush=True)
         out.append(text)
     args.events = out
+
+
+def _is_kernel_perf(text: str) -> bool:
+    """A perf probe definition of the kernel's (``perf -x PATH`` is a program's: a uprobe)."""
+    from qprobe.kernel.perfprobe import is_perf_definition
+    from qprobe.kernel.usyntax import is_user_form
+
+    return is_perf_definition(text) and not is_user_form(text)
 
 
 def _check_symbols(args: argparse.Namespace, events: list[ProbeEvent]) -> None:
@@ -419,33 +427,80 @@ def _check_definitions(args: argparse.Namespace, trace: _Trace) -> list[str | Pr
     (events, filter, --format, --map's names) and unknown functions come before a VM does.
 
     Returns what goes down to the target: each definition's ProbeEvent, or its text where there is
-    none yet (a VM to attach to whose vmlinux is not given: parsed in the running kernel's language).
+    none yet (a VM to attach to whose vmlinux is not given: parsed in the running kernel's language;
+    a uprobe's, whose file is the guest's).
     """
     from qprobe.fetch import ProbeEvent
 
-    definitions = _parse_definitions(args)
-    parsed = [ev for ev in definitions if isinstance(ev, ProbeEvent)]
-    for ev in parsed:
+    definitions, checked = _parse_definitions(args)
+    for ev in checked:
         trace.check(ev)
     if trace.agg is not None:
         from qprobe.shell.collect import check_map_names
 
-        check_map_names(trace.agg, parsed)
-    _check_symbols(args, parsed)
+        check_map_names(trace.agg, checked)
+    _check_symbols(args, [ev for ev in checked if isinstance(ev, ProbeEvent)])
     return definitions
 
 
-def _parse_definitions(args: argparse.Namespace) -> list[str | ProbeEvent]:
-    """args.events parsed in the language of the kernel that will run them, if the host knows it."""
-    from qprobe.fetch import ProbeEvent, parse_event
+def _parse_definitions(args: argparse.Namespace) -> tuple[list[str | ProbeEvent], list[ProbeEvent | UprobeEvent]]:
+    """args.events parsed in the language of the kernel that will run them, if the host knows it: what goes
+    down to the target, and the definitions as parsed here, for the options' checks.
+
+    A uprobe's definition (its probe point a guest path, or perf's ``-x`` and bpftrace's ``uprobe:`` forms)
+    goes down as text: its file and symbols are the guest's, so the kernel's checks of them come once booted;
+    the rest of its line is judged here, a symbol standing in as offset 0.
+    """
+    from qprobe.events.define import is_uprobe
+    from qprobe.fetch import ProbeEvent, UprobeEvent, parse_event, parse_uprobe_event
+    from qprobe.kernel.usyntax import is_user_form, unresolved_syntax
 
     dialect = _host_dialect(args) if args.events else None
     if dialect is None:
-        return list(args.events)
+        return list(args.events), []
     out: list[str | ProbeEvent] = []
+    checked: list[ProbeEvent | UprobeEvent] = []
     for text in args.events:
+        line = _symbolic_user_form(text) if is_user_form(text) else text
+        if is_uprobe(line):
+            try:
+                uev = parse_uprobe_event(unresolved_syntax(line), dialect)
+            except FetchArgError as exc:
+                raise FetchArgError(exc.reason, line, exc.column, logged=exc.logged, detail=exc.detail) from None
+            if isinstance(uev, UprobeEvent):
+                checked.append(uev)
+            out.append(text)
+            continue
         ev = parse_event(text, dialect=dialect)
+        if isinstance(ev, ProbeEvent):
+            checked.append(ev)
         out.append(ev if isinstance(ev, ProbeEvent) else text)  # a deletion is refused once armed, as the API does
+    return out, checked
+
+
+def _symbolic_user_form(text: str) -> str:
+    """A perf ``-x`` or bpftrace ``uprobe:`` form as its uprobe_events line with ``PATH:SYMBOL`` (resolved once
+    booted), for the checks before boot."""
+    from qprobe.kernel.usyntax import user_form_definition
+
+    seen: list[tuple[str, str]] = []
+    line = user_form_definition(text, lambda path, spec: seen.append((path, spec)) or 0)
+    path, spec = seen[0]
+    return line.replace(f"{path}:0x0", f"{path}:{spec}", 1)
+
+
+def _user_forms(target: Target, definitions: list[str | ProbeEvent], quiet: bool) -> list[str | ProbeEvent]:
+    """perf's ``-x`` and bpftrace's ``uprobe:`` forms as the uprobe_events lines they make, their symbols
+    resolved in the guest's files, each shown as ``perf probe -v`` shows what it writes."""
+    from qprobe.kernel.usyntax import is_user_form, user_form_definition
+
+    out: list[str | ProbeEvent] = []
+    for d in definitions:
+        if isinstance(d, str) and is_user_form(d):
+            d = user_form_definition(d, target.resolve_user_symbol)
+            if not quiet:
+                print(f"qprobe: writing event: {d}", file=sys.stderr, flush=True)
+        out.append(d)
     return out
 
 
@@ -457,6 +512,7 @@ def _arm_traced(target: Target, definitions: list[str | ProbeEvent], trace: _Tra
 
     lines = in_order if trace.agg is None else None
     flt = None if trace.cpid_filter else trace.filter
+    definitions = _user_forms(target, definitions, trace.args.quiet)
     return [te for d in definitions for te in _arm(target, d, lines, flt, trace.args.anywhere)]
 
 
@@ -568,17 +624,20 @@ def _say_booting(args: argparse.Namespace) -> None:
 def cmd_list(args: argparse.Namespace) -> int:
     """Arm the given events (if any) and print the probe list as debugfs's kprobes/list does, with reasons."""
     from qprobe.fetch import ProbeEvent
+    from qprobe.kernel.usyntax import is_user_form
     from qprobe.shell.parse import is_definition
 
     _perf_definitions(args)
     for text in args.events:
-        if not is_definition(text):  # `qprobe list 'vfs_*'`, as bpftrace -l and perf probe -F list functions
+        # `qprobe list 'vfs_*'`, as bpftrace -l and perf probe -F list functions
+        if not is_definition(text) and not is_user_form(text):
             raise QprobeError(f"list arms EVENT definitions and lists the probes; to find functions: "
                               f"qprobe funcs {text!r}")  # fmt: skip
-    definitions = _parse_definitions(args)
-    _check_symbols(args, [ev for ev in definitions if isinstance(ev, ProbeEvent)])
+    definitions, checked = _parse_definitions(args)
+    _check_symbols(args, [ev for ev in checked if isinstance(ev, ProbeEvent)])
     _say_booting(args)
     with _boot(args) as target:
+        definitions = _user_forms(target, definitions, args.quiet)
         events = [te for d in definitions for te in _arm(target, d, anywhere=args.anywhere)]
         try:
             listing = target.list_probes()
@@ -596,6 +655,8 @@ def cmd_funcs(args: argparse.Namespace) -> int:
     """The kernel's functions matching GLOBs, each with whether qprobe can probe it, from vmlinux alone."""
     from qprobe.events.funcs import render_funcs
 
+    if args.x is not None:
+        return _user_funcs(args)
     prob = _host_probeability(args)
     if prob is None:  # --attach without --vmlinux: the attached VM's own file
         with _boot(args) as target:
@@ -603,6 +664,19 @@ def cmd_funcs(args: argparse.Namespace) -> int:
 
             return _print_funcs(render_funcs(Probeability.of_target(target), args.globs))
     return _print_funcs(render_funcs(prob, args.globs))
+
+
+def _user_funcs(args: argparse.Namespace) -> int:
+    """``funcs -x PATH``: the functions of a guest program or library, from its ELF in the guest's page cache."""
+    from qprobe.kernel.usyntax import render_user_funcs
+
+    path = args.x
+    if not path.startswith("/"):
+        raise QprobeError(f"-x {path!r}: give the file's absolute path in the guest")
+    _say_booting(args)
+    with _boot(args) as target:
+        elf = target.user_elf(path)
+        return _print_funcs(render_user_funcs(elf, path, args.globs))
 
 
 def _print_funcs(result: tuple[str, str, int]) -> int:
@@ -755,13 +829,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_list)
 
-    p = sub.add_parser("funcs", help="kernel functions matching GLOBs and whether each can be probed (no boot)")
+    p = sub.add_parser("funcs", help="kernel functions matching GLOBs and whether each can be probed (no boot); "
+                       "-x PATH: a guest program's or library's functions (boots)")  # fmt: skip
+    p.add_argument("-x", metavar="PATH",
+                   help="list the functions of this guest program or library (its ELF symbols: file offset, size, "
+                   "name, as PATH:SYMBOL and PATH:0xOFFSET probe them); the file is read from the guest, so this "
+                   "boots the image (or uses --attach)")  # fmt: skip
+    p.add_argument("--file", action="append", default=[], metavar="HOST:GUEST",
+                   help="with -x: add a host file to the guest's root filesystem first (repeatable)")  # fmt: skip
     p.add_argument("--image", default="debian-cloud", help="whose vmlinux (see `qprobe images`)")
     p.add_argument("--attach", metavar="ADDR", help="a running VM's (its vmlinux, or --vmlinux's)")
     p.add_argument("--vmlinux", help="this vmlinux, not an image's")
     p.add_argument("--allow-remote", action="store_true", help="allow attaching to a non-local address")
     p.add_argument("globs", nargs="*", metavar="GLOB", help="shell patterns such as 'vfs_*' (default: every function)")
-    p.set_defaults(func=cmd_funcs, transport="rsp")
+    p.set_defaults(func=cmd_funcs, transport="rsp", smp=2, memory="512M")
 
     p = sub.add_parser("images", help="list the known images, or fetch/build them")
     p.add_argument("--fetch", nargs="+", metavar="NAME", help="fetch and build these images")

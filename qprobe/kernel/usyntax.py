@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from qprobe.errors import QprobeError
 from qprobe.fetch.kstrto import isdigit, split_args
 from qprobe.kernel.perfprobe import PerfProbeError, parse_perf_probe
+from qprobe.kernel.userelf import UserElf, UserFunction
 
 Resolve = Callable[[str, str], int]
 
@@ -45,18 +46,56 @@ def resolve_uprobe_symbols(text: str, resolve: Resolve) -> str:
     A line whose place is already numeric (or that is not a probe on a path)
     is returned as it is, for the kernel-faithful parser to judge.
     """
+    place = _symbol_place(text)
+    if place is None:
+        return text
+    start, end, path = place
+    offset = resolve(path, text[start:end])
+    return f"{text[:start]}0x{offset:x}{text[end:]}"
+
+
+def _symbol_place(text: str) -> tuple[int, int, str] | None:
+    """Where ``SYMBOL[+OFFS]`` is in a uprobe_events line (its columns) and the path before it; None if the
+    line's place is numeric or the line is no probe on a path."""
     words = split_args(text.split("#", 1)[0])
     if len(words) < 2 or words[0][1][:1] not in ("p", "r") or "/" not in words[1][1]:
-        return text
+        return None
     start, word = words[1]
     colon = word.rfind(":")
     if colon < 0 or colon + 1 == len(word) or isdigit(word[colon + 1]):
-        return text
-    path, spec = word[:colon], word[colon + 1 :]
+        return None
+    spec = word[colon + 1 :]
     cut = min((i for i in (spec.find("%"), spec.find("(")) if i >= 0), default=len(spec))
-    offset = resolve(path, spec[:cut])
-    new = f"{path}:0x{offset:x}{spec[cut:]}"
-    return text[:start] + new + text[start + len(word) :]
+    return start + colon + 1, start + colon + 1 + cut, word[:colon]
+
+
+def unresolved_syntax(text: str) -> str:
+    """The line with its ``SYMBOL[+OFFS]`` (if any) written as zeros of the same width, an octal 0: the
+    kernel-faithful parser can then judge the rest of the line before the symbol can be resolved (the guest's
+    file read), its carets in the columns of the line as typed."""
+    place = _symbol_place(text)
+    if place is None:
+        return text
+    start, end, _ = place
+    return text[:start] + "0" * (end - start) + text[end:]
+
+
+def is_user_form(text: str) -> bool:
+    """Whether ``text`` is perf's ``perf -x PATH ...`` or bpftrace's ``uprobe:PATH:FUNC [BUILTIN...]``."""
+    words = text.split()
+    return words[:2] == ["perf", "-x"] or (bool(words) and _BPFTRACE_PROBE.fullmatch(words[0]) is not None)
+
+
+def user_form_definition(text: str, resolve: Resolve) -> str:
+    """A front end's ``perf -x PATH DEF`` or ``uprobe:PATH:FUNC [BUILTIN...]`` (the builtins the handler
+    reads: ``arg0 comm``...) as its uprobe_events line."""
+    words = text.split()
+    if words[:2] == ["perf", "-x"]:
+        parts = text.split(None, 3)
+        if len(parts) < 4:
+            raise UprobeSyntaxError("usage: perf -x PATH [[GROUP:]EVENT=]FUNC[+OFFS|%return] [ARG...]")
+        return perf_uprobe_definition(parts[2], parts[3], resolve)
+    return bpftrace_uprobe_definition(words[0], words[1:], resolve)
 
 
 def perf_uprobe_definition(path: str, text: str, resolve: Resolve) -> str:
@@ -124,3 +163,21 @@ def _program_name(path: str) -> str:
 
 def _event_name(func: str) -> str:
     return _NAME_CHARS.sub("_", func)
+
+
+def render_user_funcs(elf: UserElf, path: str, patterns: Sequence[str]) -> tuple[str, str, int]:
+    """``funcs -x``: (one line per matching function: file offset, size, name; a summary line; how many matched).
+
+    The offset is what ``PATH:0xOFFSET`` probes (the same place as ``PATH:NAME``).
+    """
+    found: dict[tuple[int, str], UserFunction] = {}
+    for pattern in patterns or ["*"]:
+        for f in elf.functions(pattern):
+            found.setdefault((f.offset, f.name), f)
+    rows = sorted(found.values(), key=lambda f: (f.offset, f.name))
+    lines = "".join(f"0x{f.offset:08x} {f.size:8d} {f.name}\n" for f in rows)
+    what = " ".join(repr(p) for p in patterns) if patterns else "any name"
+    if not rows:
+        return "", f"no function of {path} matches {what}", 0
+    plural = "s match" if len(rows) > 1 else " matches"
+    return lines, f"{len(rows)} function{plural} {what} in {path} (file offset, size, name)", len(rows)

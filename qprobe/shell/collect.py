@@ -14,6 +14,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from qprobe.core.kprobe import Kprobe, Kretprobe
+from qprobe.core.uprobes import Uprobe
 
 from .parse import EVENT_KEYS, NUMERIC_SPECIAL_KEYS, VALUE_FUNCS, ShellUsageError, key_name, parse_collect, split_call
 from .render import (
@@ -59,6 +60,10 @@ class Tap:
         self._saved: list[tuple[TraceEvent, Any, str | None, Any]] = []
 
     def __enter__(self) -> Tap:
+        if self.unwind is not None:
+            user = [te.name for te in self.events if isinstance(te.probe, Uprobe)]
+            if user:
+                raise ShellUsageError(f"$stack is the kernel's stack; {user[0]} probes user space")
         for te in self.events:
             old_cb = te.callback
             attr, old_handler = None, None
@@ -359,9 +364,12 @@ def stack_unwinder() -> Callable[[PtRegs], Stack]:
 
 
 def per_event_count(events: Sequence[TraceEvent], agg: Aggregation) -> bool:
-    """A count with no key, or by ``$event``/``$func`` alone, of entry probes without a filter."""
+    """A count with no key, or by ``$event``/``$func`` alone, of kprobes (entry probes) without a filter.
+
+    A uprobe event's hits each stop the VM and reach the host: they are counted there, as they come.
+    """
     return (agg.kind == "count" and set(agg.keys) <= set(EVENT_KEYS) and len(agg.keys) <= 1
-            and all(te.filter is None and not isinstance(one.probe, Kretprobe)
+            and all(te.filter is None and isinstance(one.probe, Kprobe)
                     for te in events for one in te.probes()))  # fmt: skip
 
 

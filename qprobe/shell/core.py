@@ -19,7 +19,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TextIO
 
 from qprobe.core.kprobe import Kretprobe
+from qprobe.core.uprobes import Uprobe
 from qprobe.errors import FetchArgError, ProbeError, QprobeError
+from qprobe.events.define import is_uprobe
 from qprobe.events.funcs import Probeability, is_glob, render_funcs
 from qprobe.fetch import DeleteEvent, parse_event
 from qprobe.fetch import messages as M
@@ -31,6 +33,7 @@ from .parse import (
     Call,
     Collect,
     ShellUsageError,
+    is_bpftrace_uprobe,
     is_definition,
     parse_collect,
     split_call,
@@ -53,9 +56,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "p": ("p[:[GRP/]EVENT] SYMBOL[+OFFS]|ADDR [NAME=FETCHARG[:TYPE]]...", "add a kprobe event (kprobe_events syntax)"),
     "r": ("r[MAXACTIVE][:[GRP/]EVENT] SYMBOL [NAME=FETCHARG[:TYPE]]...", "add a return probe event ($retval)"),
     "-:": ("-:[GRP/]EVENT", "remove an event"),
+    "p PATH": (
+        "p|r[:[GRP/]EVENT] PATH:SYMBOL[+OFFS]|PATH:OFFSET[%return] [NAME=FETCHARG[:TYPE]]...",
+        "add a uprobe event on a guest program or library (uprobe_events syntax, symbols from its ELF)",
+    ),
+    "uprobe:": (
+        "uprobe:PATH:FUNC[+OFFS]|uretprobe:PATH:FUNC [arg0 ... retval comm]",
+        "add a uprobe event as bpftrace names it, fetching the builtins listed (count by arg0 then works)",
+    ),
     "perf": (
-        "perf [EVENT=]FUNC[:RLN|+OFFS|%return]|SRC:ALN [VAR[->F|.F|[N]][:TYPE]]...",
-        "add an event in perf probe's language, variables resolved from vmlinux's DWARF",
+        "perf [-x PATH] [EVENT=]FUNC[:RLN|+OFFS|%return]|SRC:ALN [VAR[->F|.F|[N]][:TYPE]]...",
+        "add an event in perf probe's language, variables resolved from vmlinux's DWARF (-x PATH: a uprobe on "
+        "a guest program's function, registers and memory fetched)",
     ),
     "enable": ("enable EVENT...", "arm events (globs allowed)"),
     "disable": ("disable EVENT...", "disarm events, keeping them"),
@@ -172,6 +184,9 @@ class Shell:
         if is_definition(line):
             self.definition(line.strip())
             return
+        if is_bpftrace_uprobe(line):
+            self.user_form(line.strip())
+            return
         call = split_call(line)
         if call is not None:
             self.call(*call)
@@ -211,7 +226,11 @@ class Shell:
 
     # -- events ----------------------------------------------------------------------------------
     def definition(self, text: str) -> None:
-        """``p:...``/``r:...`` adds an event, ``-:...`` removes events, as a write to kprobe_events."""
+        """``p:...``/``r:...`` adds an event, ``-:...`` removes events, as a write to kprobe_events (or to
+        uprobe_events, for a probe point on a guest path: ``p:ev /bin/prog:func``)."""
+        if is_uprobe(text):
+            self.uprobe(text)
+            return
         ev = parse_event(text, dialect=self.target.dialect)  # add_event checks its symbols and suggests names
         if isinstance(ev, DeleteEvent):
             gone = [te for te in list(self.target.events.values()) if ev.matches(te.definition)]
@@ -234,6 +253,37 @@ class Shell:
         args = f" with {' '.join(a.name for a in ev.args)}" if ev.args else ""
         kind = "return probe" if ev.is_return else "probe"
         self.out.parts(("added ", None), (te.name, "event"), (f"  ({kind} on {ev.probe_point}{args})", "note"))
+
+    def uprobe(self, text: str) -> None:
+        """A uprobe_events line: its symbol resolved in the guest's file and its line checked there."""
+        name = self._new_event_name(text)
+        if name is not None and name in self.target.events:
+            raise FetchArgError(M.EVENT_EXIST, text, text.index(":") + 1)
+        te = self.target.add_event(text)
+        self.armed[te.name] = time.monotonic()
+        ev = te.definition
+        args = f" with {' '.join(a.name for a in ev.args)}" if ev.args else ""
+        kind = "return probe" if ev.is_return else "probe"
+        where = f"{ev.probe_point} ({te.function_name})"
+        self.out.parts(("added ", None), (te.name, "event"), (f"  (user-space {kind} on {where}{args})", "note"))
+
+    @staticmethod
+    def _new_event_name(text: str) -> str | None:
+        """``GRP/EVENT`` a ``p:[GRP/]EVENT`` head names (uprobe events' group is ``uprobes``); None if unnamed."""
+        head = text.split(None, 1)[0]
+        if ":" not in head or not head.split(":", 1)[1]:
+            return None
+        name = head.split(":", 1)[1]
+        return name if "/" in name else f"uprobes/{name}"
+
+    def user_form(self, text: str) -> None:
+        """perf's ``perf -x PATH DEF`` or bpftrace's ``uprobe:PATH:FUNC [BUILTIN...]``, shown as the
+        uprobe_events line it writes, then added."""
+        from qprobe.kernel.usyntax import user_form_definition
+
+        line = user_form_definition(text, self.target.resolve_user_symbol)
+        self.note(f"writing event: {line}")
+        self.uprobe(line)
 
     def wildcard(self, text: str) -> None:
         """``p:vfs vfs_*``: one event per function that can be probed, in group ``vfs``; the refusals counted."""
@@ -273,6 +323,8 @@ class Shell:
             probe = te.probe
             if probe is None:
                 continue
+            if isinstance(probe, Uprobe):
+                raise ShellUsageError(f"{te.name}: a uprobe event is armed while it exists (-:{te.name} removes it)")
             if isinstance(probe, Kretprobe):
                 (self.target.enable_kretprobe if on else self.target.disable_kretprobe)(probe)
             else:
@@ -348,8 +400,13 @@ class Shell:
         self.note(summary)
 
     def cmd_perf(self, rest: str) -> None:
-        """A perf probe definition: resolved on the host, shown as ``perf probe -v`` shows it, then added."""
+        """A perf probe definition: resolved on the host, shown as ``perf probe -v`` shows it, then added
+        (``-x PATH``: a program's function, resolved in the guest's file)."""
         from qprobe.kernel.perfprobe import perf_to_kprobe
+
+        if rest.split()[:1] == ["-x"]:
+            self.user_form(f"perf {rest}")
+            return
 
         (found,) = perf_to_kprobe([f"perf {rest}"], self.target.symbols, self.target.arch)
         self.note(f"writing event: {found.definition}")

@@ -19,6 +19,7 @@ NUMERIC_SPECIAL_KEYS = ("$pid", "$cpu")
 # The head of a kprobe_events line: p, r, p:EV, r5:GRP/EV, -:EV ...
 _DEFINITION = re.compile(r"^(?:[pr]\d*(?::\S*)?|-\S*)$")
 _WORD = re.compile(r"\s*\S+")
+_BPFTRACE_UPROBE = re.compile(r"(?:uprobe|uretprobe|u|ur):/")
 
 
 class ShellUsageError(QprobeError):
@@ -38,6 +39,12 @@ def is_definition(line: str) -> bool:
     """Does the line add or remove a kprobe event (kprobe_events syntax) rather than name a command?"""
     head, _ = split_command(line)
     return bool(head) and bool(_DEFINITION.match(head))
+
+
+def is_bpftrace_uprobe(line: str) -> bool:
+    """Does the line add a uprobe event as bpftrace names it (``uprobe:PATH:FUNC``, ``uretprobe:...``)?"""
+    head, _ = split_command(line)
+    return bool(_BPFTRACE_UPROBE.match(head))
 
 
 def parse_int(text: str, what: str = "number") -> int:

@@ -19,11 +19,14 @@ from qprobe.core.kprobe import Kprobe, Kretprobe
 from qprobe.core.point import ProbePoint
 from qprobe.errors import ProbeError, TargetError
 from qprobe.events import EventHit, KprobeEvent, TraceEvent, Wildcard
+from qprobe.events.define import is_uprobe
 from qprobe.events.timeline import Timeline
-from qprobe.fetch import ProbeEvent, check_event, format_event, parse_event
+from qprobe.events.uprobe import UprobeTraceEvent
+from qprobe.fetch import ProbeEvent, UprobeEvent, check_event, format_event, parse_event, parse_uprobe_event
 from qprobe.fetch.dialect import Dialect
 from qprobe.kernel.program import Stack
 from qprobe.kernel.symbols import ModuleText, Section, Symbols
+from qprobe.kernel.usyntax import resolve_uprobe_symbols
 from qprobe.shell import Shell
 from qprobe.vmm.console import RunResult
 
@@ -68,6 +71,7 @@ class FakeTarget:
         self.kprobes = FakeProbes(self.symbols)
         # What kprobe events hold their probes by: no jump optimization, so nothing is counted in the guest.
         self.kprobe_backend = SimpleNamespace(can_count_in_guest=False, trampoline=None)
+        self.uprobe_backend = SimpleNamespace(function_name=lambda path, offset: "qpt_target")
         self.kernel = SimpleNamespace(read_task=lambda gs_base: SimpleNamespace(comm="swapper/0", pid=0))
         self.interrupts = 0  # Ctrl-Cs sent to the guest's foreground command
         self.slide = 0
@@ -81,6 +85,14 @@ class FakeTarget:
 
     # events
     def add_event(self, definition: str | ProbeEvent, callback: object = None) -> TraceEvent:
+        if is_uprobe(definition):  # as the target resolves and parses it, with /bin/uprog's one function
+            text = definition if isinstance(definition, str) else definition.text
+            uev = parse_uprobe_event(resolve_uprobe_symbols(text, self.resolve_user_symbol), self.dialect)
+            assert isinstance(uev, UprobeEvent)
+            ute = UprobeTraceEvent(self, uev, callback)  # type: ignore[arg-type]
+            ute.make_probe()
+            self.events[ute.name] = ute
+            return ute
         exists = {"symbol_exists": lambda n: n in self.symbols, "dialect": self.dialect}
         ev = (
             check_event(definition, **exists)
@@ -96,6 +108,11 @@ class FakeTarget:
 
     def add_events(self, definition: str, callback: object = None, filter: str | None = None) -> Wildcard:
         raise ProbeError("the shell's fake target arms no wildcard events")
+
+    def resolve_user_symbol(self, path: str, spec: str) -> int:
+        if path != "/bin/uprog" or spec != "qpt_target":
+            raise ProbeError(f"{path} has no function {spec!r}")
+        return 0x1A50
 
     def interrupt_guest(self) -> None:
         self.interrupts += 1

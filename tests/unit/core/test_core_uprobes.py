@@ -39,8 +39,8 @@ from qprobe.vmm.gdbremote import BREAK_HW
 A, B = "p1.1", "p1.2"
 PROG, LIB = "/usr/bin/prog", "/usr/lib/libother.so"
 # The probed file: page 0 a header, page 1 text.  FUNC is a function; CALLER and SITE are where its
-# callers continue (the outer one, and its own recursive call).
-FUNC, LOAD, SITE, CALLER, TRAP = 0x1000, 0x1004, 0x1010, 0x1020, 0x1030
+# callers continue (the outer one, and its own recursive call); AGAIN another call site in FUNC.
+FUNC, LOAD, SITE, AGAIN, CALLER, TRAP = 0x1000, 0x1004, 0x1010, 0x1018, 0x1020, 0x1030
 BASE = 0x40_0000  # where processes map the file, unless a test says otherwise
 STACK_TOP = 0x7FF0_0000  # a process's stack page is [STACK_TOP - PAGE, STACK_TOP)
 
@@ -442,6 +442,30 @@ def test_frames_left_by_longjmp_are_dropped_at_the_return_of_an_outer_one(s: Set
     s.stop(p, BASE + CALLER, sp=outer + 4, r0=0)
     assert seen == [(BASE + FUNC, BASE + CALLER, outer + 4, 0)] and up.nreturns == 1
     assert s.bps() == [BASE + FUNC] and s.um.returns == {}
+
+
+def test_a_call_drops_the_calls_longjmp_left_below_it(s: Setup) -> None:
+    p = s.world.process()
+    s.world.map(p, BASE, PROG)
+    up, seen = _returns(s)
+    outer = _push(s, p, STACK_TOP - 0x800, BASE + CALLER)
+    for sp in [outer] + [_push(s, p, outer - 8 * (n + 1), BASE + SITE) for n in range(39)]:
+        s.stop(p, BASE + FUNC, sp=sp)
+    assert len(s.um.returns[(p.root, p.task)]) == 40
+    # The deepest call longjmp()ed back into the outermost one, which calls FUNC again from AGAIN: the
+    # kernel's prepare_uretprobe() drops the instances of the frames below the new call's
+    # (cleanup_return_instances), so the task has room for MAX_URETPROBE_DEPTH - 2 more.
+    again = _push(s, p, outer - 4, BASE + AGAIN)
+    s.stop(p, BASE + FUNC, sp=again)
+    assert len(s.um.returns[(p.root, p.task)]) == 2
+    assert s.bps() == [BASE + FUNC, BASE + AGAIN, BASE + CALLER]  # SITE's breakpoint went with its calls
+    for n in range(MAX_URETPROBE_DEPTH - 2):
+        s.stop(p, BASE + FUNC, sp=_push(s, p, again - 8 * (n + 1), BASE + SITE))
+    assert up.nmissed == 0 and len(s.um.returns[(p.root, p.task)]) == MAX_URETPROBE_DEPTH
+    s.stop(p, BASE + AGAIN, sp=again + 4, r0=1)  # those longjmp()ed out too
+    s.stop(p, BASE + CALLER, sp=outer + 4, r0=2)
+    assert seen == [(BASE + FUNC, BASE + AGAIN, again + 4, 1), (BASE + FUNC, BASE + CALLER, outer + 4, 2)]
+    assert up.nreturns == 2 and s.bps() == [BASE + FUNC] and s.um.returns == {}
 
 
 def test_a_tail_call_keeps_the_callers_instance_and_both_return(s: Setup) -> None:

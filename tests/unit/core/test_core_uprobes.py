@@ -434,13 +434,22 @@ def test_frames_left_by_longjmp_are_dropped_at_the_return_of_an_outer_one(s: Set
     s.world.map(p, BASE, PROG)
     up, seen = _returns(s)
     outer = _push(s, p, STACK_TOP - 0x40, BASE + CALLER)
-    inner = _push(s, p, outer - 0x10, BASE + SITE)
-    s.stop(p, BASE + FUNC, sp=outer)
-    s.stop(p, BASE + FUNC, sp=inner)
+    middle = _push(s, p, outer - 0x10, BASE + SITE)
+    inner = _push(s, p, middle - 0x10, BASE + SITE)
+    for sp in (outer, middle, inner):
+        s.stop(p, BASE + FUNC, sp=sp)
     assert s.bps() == [BASE + FUNC, BASE + SITE, BASE + CALLER]
-    # The inner call longjmp()ed out: the next return the task makes is the outer one's.
-    s.stop(p, BASE + CALLER, sp=outer + 4, r0=0)
-    assert seen == [(BASE + FUNC, BASE + CALLER, outer + 4, 0)] and up.nreturns == 1
+    # The inner call longjmp()ed into the middle one, which returns: to the address the inner one would
+    # have returned to, but with its own stack.  That is one return, the middle call's.
+    s.stop(p, BASE + SITE, sp=middle + 4, r0=1)
+    assert seen == [(BASE + FUNC, BASE + SITE, middle + 4, 1)] and up.nreturns == 1
+    assert s.bps() == [BASE + FUNC, BASE + CALLER] and len(s.um.returns[(p.root, p.task)]) == 1
+    # The outer call calls FUNC again from AGAIN, which longjmp()s out of both: the next return the task
+    # makes is the outer one's.
+    s.stop(p, BASE + FUNC, sp=_push(s, p, middle, BASE + AGAIN))
+    assert s.bps() == [BASE + FUNC, BASE + AGAIN, BASE + CALLER]
+    s.stop(p, BASE + CALLER, sp=outer + 4, r0=2)
+    assert seen[1:] == [(BASE + FUNC, BASE + CALLER, outer + 4, 2)] and up.nreturns == 2
     assert s.bps() == [BASE + FUNC] and s.um.returns == {}
 
 

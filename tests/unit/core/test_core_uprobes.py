@@ -534,3 +534,17 @@ def test_collect_drops_addresses_no_mapping_holds(s: Setup) -> None:
     assert s.bps() == [BASE + FUNC] and s.um.points[BASE + FUNC].keys == {(s.world.files[PROG].mapping, FUNC)}
     s.stop(p1, BASE + FUNC)
     assert up.nhit == 1
+
+
+def test_addresses_are_collected_as_new_mappings_add_them(s: Setup) -> None:
+    s.world.map(s.world.process(), BASE, PROG)  # a process that stays
+    s.um.register_uprobe(Uprobe(PROG, FUNC))
+    at = [0x100_0000 + n * 0x10_0000 for n in range(20)]
+    for start in at:  # short-lived processes, each at its own address (ASLR)
+        vma = s.world.map(s.world.process(), start, PROG)
+        s.mmap_hook(vma)
+        assert BASE + FUNC in s.bps() and start + FUNC in s.bps()
+        s.world.unmap(vma)  # it exited
+    # At 17 addresses (more than 2 * 0 + 16: nothing collected yet) a collection kept the two live ones;
+    # the next one waits for more than 2 * 2 + 16.
+    assert s.bps() == [BASE + FUNC] + [start + FUNC for start in at[15:]]

@@ -21,8 +21,9 @@ and decides at each stop whether the process that stopped really runs that file 
   after the kernel handles the fault; that second stop is no hit either.
 * **returns:** a return probe's entry reads the return address and puts a breakpoint there; the return is
   the stop of the same task, in the same address space, with the stack pointer the return leaves.  Frames
-  a task left without returning (``longjmp``) are dropped when it returns from an outer one, as the
-  kernel's ``cleanup_return_instances`` does; at most MAX_URETPROBE_DEPTH live per task, as in the kernel.
+  a task left without returning (``longjmp``) are dropped when it calls from an outer one (the kernel's
+  ``cleanup_return_instances``) or returns from one (its ``handle_trampoline``); at most MAX_URETPROBE_DEPTH
+  live per task, as in the kernel.
 
 The page cache, ``read()`` of the file, ``/proc/PID/mem`` and the disk all keep the original bytes: there
 is no int3 anywhere in the guest.  Every hit is two VM stops (the stop and the step), in any process that
@@ -466,6 +467,11 @@ class UprobeManager:
             for up in probes:
                 up.nmissed += 1
             return
+        # cleanup_return_instances() at a call: the calls of frames below this one's were left without
+        # returning (longjmp).  One of this very frame stays, as the kernel keeps it for a tail call (it
+        # tells that from a new call by its trampoline in the return slot; qprobe writes none there).
+        while stack and stack[-1].sp_after < sp_after:
+            self._release(stack.pop())
         stack.append(_Return(list(probes), self.arch.ip(values), ret_addr, sp_after))
         self._add(ret_addr, None)
         self.points[ret_addr].returns += 1

@@ -16,7 +16,8 @@ DEBS   := qemu-system-x86 busybox-static cpio gdb e2fsprogs gcc libc6-dev tmux \
 VM_CORE := tests/vm/test_kprobes.py tests/vm/test_kretprobes.py tests/vm/test_optimized.py \
            tests/vm/test_events.py tests/vm/test_stacktrace.py tests/vm/test_drgn.py \
            tests/vm/test_typed.py tests/vm/test_recovery.py tests/vm/test_kprobes_sweep.py tests/vm/test_ibt.py \
-           tests/vm/test_oracle.py tests/vm/test_guest_shell.py tests/vm/test_guest_programs.py
+           tests/vm/test_oracle.py tests/vm/test_guest_shell.py tests/vm/test_guest_programs.py \
+           tests/vm/test_uprobes.py tests/vm/test_uprobe_language.py
 # debian-cloud-6.12: IBT, return and call-depth thunks, ORC; minimal-6.12: built here from
 # linux-source-6.12 (scripts/build-minimal-kernel.sh, 3.5-7 min on 2 cores), no kprobes, no ftrace.
 IMAGES_612 := debian-cloud-6.12 minimal-6.12

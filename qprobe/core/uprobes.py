@@ -21,8 +21,9 @@ and decides at each stop whether the process that stopped really runs that file 
   after the kernel handles the fault; that second stop is no hit either.
 * **returns:** a return probe's entry reads the return address and puts a breakpoint there; the return is
   the stop of the same task, in the same address space, with the stack pointer the return leaves.  Frames
-  a task left without returning (``longjmp``) are dropped when it returns from an outer one, as the
-  kernel's ``cleanup_return_instances`` does; at most MAX_URETPROBE_DEPTH live per task, as in the kernel.
+  a task left without returning (``longjmp``) are dropped when it calls from an outer one (the kernel's
+  ``cleanup_return_instances``) or returns from one (its ``handle_trampoline``); at most MAX_URETPROBE_DEPTH
+  live per task, as in the kernel.
 
 The page cache, ``read()`` of the file, ``/proc/PID/mem`` and the disk all keep the original bytes: there
 is no int3 anywhere in the guest.  Every hit is two VM stops (the stop and the step), in any process that
@@ -164,6 +165,7 @@ class UprobeManager:
         self.returns: dict[tuple[int, int], list[_Return]] = {}  # (page-table root, task) -> its calls
         self.restarts: set[tuple[int, int, int]] = set()  # (root, ip, sp) of a probed instruction that faulted
         self.hook: Kprobe | None = None
+        self.retired: list[Uprobe] = []  # registered on a file since freed: they match nothing
         self._pending: dict[str, int] = {}  # vCPU -> the vma its vma_set_page_prot() call is given
         self._after_collect = 0
 
@@ -185,7 +187,7 @@ class UprobeManager:
         self.machine.call(lambda: self._unregister(up))
 
     def registered(self) -> list[Uprobe]:
-        return [up for consumers in self.probes.values() for up in consumers]
+        return [*(up for consumers in self.probes.values() for up in consumers), *self.retired]
 
     def remove_all(self) -> None:
         for up in self.registered():
@@ -204,6 +206,9 @@ class UprobeManager:
         if why is not None:
             raise InvalidProbe(f"{up.path}:{offset:#x}: {why}")
         self._ensure_hook()
+        known = self.spaces.get(f.mapping)
+        if known is not None and known != f:
+            self._retire(f.mapping)  # a file freed since its probes were registered; this one took its memory
         key = (f.mapping, offset)
         up.offset, up.file = offset, f
         self.probes.setdefault(key, []).append(up)
@@ -247,6 +252,10 @@ class UprobeManager:
 
     def _unregister(self, up: Uprobe) -> None:
         assert up.file is not None and up.offset is not None
+        if up in self.retired:
+            self.retired.remove(up)
+            up.registered = False
+            return
         key = (up.file.mapping, up.offset)
         consumers = self.probes[key]
         consumers.remove(up)
@@ -259,7 +268,7 @@ class UprobeManager:
             return
         del self.probes[key]
         if not any(space == up.file.mapping for space, _ in self.probes):
-            del self.spaces[up.file.mapping]
+            self.spaces.pop(up.file.mapping, None)
         for va, point in list(self.points.items()):
             point.keys.discard(key)
             self._maybe_remove(va, point)
@@ -321,6 +330,9 @@ class UprobeManager:
     def _arm_mapping(self, m: Mapping, space: int) -> None:
         if space not in self.spaces or not m.probeable:
             return
+        if not self.files.still_there(self.spaces[space]):
+            self._retire(space)  # the probed file is gone: this is another one in its inode's memory
+            return
         for s, offset in self.probes:
             va = m.address_of(offset) if s == space else None
             if va is not None:
@@ -328,10 +340,26 @@ class UprobeManager:
         if len(self.points) > 2 * self._after_collect + 16:
             self._collect()
 
+    def _retire(self, space: int) -> None:
+        """The probed file was freed (deleted, and no process maps it): its probes can never hit again.
+
+        They stay registered (unregister_uprobe still takes them) but match nothing, even when a new file's
+        inode takes the same memory; the kernel's would have kept the inode alive, and no process could have
+        mapped it again either."""
+        self.spaces.pop(space, None)
+        for key in [key for key in self.probes if key[0] == space]:
+            self.retired.extend(self.probes.pop(key))
+        for va, point in list(self.points.items()):
+            point.keys = {key for key in point.keys if key[0] != space}
+            self._maybe_remove(va, point)
+
     def _collect(self) -> None:
         """Take out the breakpoints of addresses no mapping of a probed file holds now (exited processes)."""
         live: dict[int, set[tuple[int, int]]] = {}
-        for space, f in self.spaces.items():
+        for space, f in list(self.spaces.items()):
+            if not self.files.still_there(f):
+                self._retire(space)
+                continue
             for m in self.files.mappings(f):
                 if not m.probeable:
                     continue
@@ -399,7 +427,7 @@ class UprobeManager:
                 return [], b""
             m, space = found
             offset = m.file_start + ip - m.start
-        consumers = list(self.probes.get((space, offset), ()))
+        consumers = list(self.probes.get((space, offset), ())) if space in self.spaces else []
         code = self.machine.mem.read(ip, min(16, size - ip % size), root) if consumers else b""
         return consumers, code
 
@@ -439,6 +467,11 @@ class UprobeManager:
             for up in probes:
                 up.nmissed += 1
             return
+        # cleanup_return_instances() at a call: the calls of frames below this one's were left without
+        # returning (longjmp).  One of this very frame stays, as the kernel keeps it for a tail call (it
+        # tells that from a new call by its trampoline in the return slot; qprobe writes none there).
+        while stack and stack[-1].sp_after < sp_after:
+            self._release(stack.pop())
         stack.append(_Return(list(probes), self.arch.ip(values), ret_addr, sp_after))
         self._add(ret_addr, None)
         self.points[ret_addr].returns += 1

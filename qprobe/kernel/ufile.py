@@ -21,9 +21,11 @@ from dataclasses import dataclass
 
 import drgn
 from drgn.helpers.linux.fs import path_lookup
-from drgn.helpers.linux.mm import page_to_virt, pfn_to_page, vma_find
+from drgn.helpers.linux.mm import vma_find
 from drgn.helpers.linux.rbtree import rbtree_inorder_for_each_entry
 from drgn.helpers.linux.xarray import xa_is_value, xa_load
+
+from qprobe.errors import QprobeError
 
 __all__ = ["GuestFile", "Mapping", "UserFiles"]
 
@@ -44,6 +46,7 @@ class GuestFile:
     mapping: int
     size: int
     ino: int
+    generation: int  # with ino, tells this file from a later one whose inode reuses the same memory
 
 
 @dataclass(frozen=True)
@@ -73,13 +76,28 @@ class UserFiles:
     def __init__(self, prog: drgn.Program) -> None:
         self.prog = prog
         self.page_size = int(prog["PAGE_SIZE"])  # drgn's, from the kernel's VMCOREINFO
+        self._vmemmap_obj: drgn.Object | None = None
 
     def lookup(self, path: str) -> GuestFile | None:
         """The regular file at ``path`` in the dentry cache, or None (not cached, negative, not regular)."""
         inode = self._inode(path)
         if inode is None or int(inode.i_mode) & S_IFMT != S_IFREG:
             return None
-        return GuestFile(path, inode.value_(), inode.i_mapping.value_(), int(inode.i_size), int(inode.i_ino))
+        return GuestFile(path, inode.value_(), inode.i_mapping.value_(), int(inode.i_size), int(inode.i_ino),
+                         int(inode.i_generation))  # fmt: skip
+
+    def still_there(self, f: GuestFile) -> bool:
+        """Whether ``f``'s inode is still that file: the kernel's uprobe holds a reference on it, qprobe cannot,
+        so once every user let go the inode is freed and its memory may hold another file's."""
+        inode = drgn.Object(self.prog, "struct inode *", value=f.inode)
+        try:
+            return (int(inode.i_ino), int(inode.i_generation), inode.i_mapping.value_()) == (
+                f.ino,
+                f.generation,
+                f.mapping,
+            )
+        except drgn.FaultError:
+            return False
 
     def file_kind(self, path: str) -> str:
         """``regular``, ``other`` or ``missing``: what ``kern_path`` and ``d_is_reg`` would tell the parser."""
@@ -141,7 +159,7 @@ class UserFiles:
                 page = self._cached_page(inode.i_mapping.value_(), 0)
                 if page is None:
                     return None
-                raw = self.prog.read(page_to_virt(page).value_(), size)
+                raw = self._page_bytes(page, 0, size)
         except drgn.FaultError:
             return None
         return raw.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
@@ -156,7 +174,7 @@ class UserFiles:
                 return None
             within = offset % self.page_size
             n = min(self.page_size - within, end - offset)
-            out += self.prog.read(page_to_virt(page).value_() + within, n)
+            out += self._page_bytes(page, within, n)
             offset += n
         return bytes(out)
 
@@ -193,9 +211,34 @@ class UserFiles:
             return None
         return self._mapping(vma), vma.vm_file.f_mapping.value_()
 
+    @property
+    def _vmemmap(self) -> drgn.Object:
+        """The kernel's ``struct page`` array (SPARSEMEM_VMEMMAP: ``page = vmemmap + pfn``)."""
+        if self._vmemmap_obj is None:
+            try:
+                self._vmemmap_obj = self.prog["vmemmap"]
+            except LookupError:
+                # drgn finds ``vmemmap`` through VMCOREINFO; a kernel without one (qprobe writes a few lines for
+                # it) still has the variable x86's vmemmap is with CONFIG_RANDOMIZE_MEMORY (Linux 4.8 on).
+                try:
+                    base = int(self.prog["vmemmap_base"])
+                except LookupError:
+                    raise QprobeError("uprobes need the kernel's struct page array (vmemmap), which drgn "
+                                      "cannot find here") from None  # fmt: skip
+                self._vmemmap_obj = drgn.Object(self.prog, "struct page *", value=base)
+        return self._vmemmap_obj
+
+    def _pfn_to_page(self, pfn: int) -> drgn.Object:
+        return self._vmemmap + pfn
+
+    def _page_bytes(self, page: drgn.Object, within: int, size: int) -> bytes:
+        """Bytes of a page's frame, read physically (no direct-map base needed)."""
+        pfn = (page.value_() - self._vmemmap.value_()) // drgn.sizeof(page.type_.type)
+        return self.prog.read(pfn * self.page_size + within, size, True)
+
     def page_owner(self, pfn: int) -> tuple[int, int] | None:
         """The (address_space, index) whose page cache page is frame ``pfn``; None for any other page."""
-        page = pfn_to_page(self.prog, pfn)
+        page = self._pfn_to_page(pfn)
         head_word = int(page.compound_head)
         head = drgn.Object(self.prog, "struct page *", value=head_word - 1) if head_word & 1 else page
         mapping = int(head.mapping)

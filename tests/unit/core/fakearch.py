@@ -69,8 +69,10 @@ STATE_REQUEST, STATE_DONE = 1, 2  # a mailbox's state word
 TEXT, TEXT_PHYS, TEXT_SIZE = 0xFFFF_8000_0000_0000, 0x0, 0x10000
 SCRATCH, SCRATCH_PHYS, SCRATCH_SIZE = 0xFFFF_A000_0000_0000, 0x20000, 0x40000
 STACK, STACK_PHYS, STACK_SIZE = 0xFFFF_C000_0000_0000, 0x80000, 0x10000
+USER_PHYS, PAGE = 0xA0000, 0x1000  # frames for user pages: [USER_PHYS, RAM_SIZE)
 RAM_SIZE = 0x100000
 ENTRY = TEXT + 0x100  # the breakpoint exception's entry (its symbol: int3_entry's name)
+FAULT_ENTRY = TEXT + 0x180  # where a user-mode access to a page that is not present enters the kernel
 
 
 def insn(op: int, imm: int = 0) -> bytes:
@@ -377,7 +379,11 @@ class Toy:
 
 
 class ToyMemory:
-    """Guest RAM as one bytearray, and the virtual mappings of the toy kernel (GuestMemory and SharedRam)."""
+    """Guest RAM as one bytearray, and the virtual mappings of the toy kernel (GuestMemory and SharedRam).
+
+    The kernel's regions are in every address space; user pages are per page-table root (the value of
+    ``ttbr``, which is its own pgd), each a frame of RAM from USER_PHYS on.
+    """
 
     pgd = 0
     writable = True
@@ -385,23 +391,35 @@ class ToyMemory:
 
     def __init__(self) -> None:
         self.ram = bytearray(RAM_SIZE)
+        self.user: dict[int, dict[int, int]] = {}  # page-table root -> user page number -> its frame's address
 
     def pgd_of(self, root: int) -> int:
-        return 0
+        return root
+
+    def map_user(self, root: int, addr: int, frame: int) -> None:
+        """Make the page at ``addr`` present in address space ``root``, on the frame at ``frame``."""
+        assert USER_PHYS <= frame < RAM_SIZE and frame % PAGE == 0 and root
+        self.user.setdefault(root, {})[addr // PAGE] = frame
+
+    def unmap_user(self, root: int, addr: int) -> None:
+        self.user.get(root, {}).pop(addr // PAGE, None)
 
     def virt_to_phys(self, addr: int, pgd: int | None = None) -> int:
         for base, size, phys in self.REGIONS:
             if base <= addr < base + size:
                 return phys + addr - base
-        raise MemoryFault(addr)
+        frame = self.user.get(pgd or 0, {}).get(addr // PAGE)
+        if frame is None:
+            raise MemoryFault(addr)
+        return frame + addr % PAGE
 
     def read(self, addr: int, size: int, pgd: int | None = None) -> bytes:
-        phys = self.virt_to_phys(addr)
-        self.virt_to_phys(addr + size - 1)
+        phys = self.virt_to_phys(addr, pgd)
+        self.virt_to_phys(addr + size - 1, pgd)
         return bytes(self.ram[phys : phys + size])
 
-    def read_u64(self, addr: int) -> int:
-        return int.from_bytes(self.read(addr, 8), "little")
+    def read_u64(self, addr: int, pgd: int | None = None) -> int:
+        return int.from_bytes(self.read(addr, 8, pgd), "little")
 
     def write(self, addr: int, data: bytes) -> None:
         self.write_phys(self.virt_to_phys(addr), data)
@@ -479,22 +497,34 @@ class ToyCpu:
         return StopReply("T", 5, tid, ())
 
     def execute(self, tid: str) -> None:
-        """Run one instruction of ``tid`` (a breakpoint enters the exception at ENTRY)."""
+        """Run one instruction of ``tid`` (a breakpoint enters the exception at ENTRY; in user mode, an
+        access to a page that is not present enters it at FAULT_ENTRY, the instruction not run)."""
         regs = self.regs[tid]
+        if not regs["psr"] & USER:
+            self._execute(tid, regs, 0)
+            return
+        try:
+            self._execute(tid, dict(regs), regs["ttbr"])  # on a copy: a faulting instruction changes nothing
+        except MemoryFault:
+            regs.update(elr=regs["pc"], spsr=regs["psr"], pc=FAULT_ENTRY, psr=regs["psr"] & ~(USER | IRQ))
+            return
+        self._execute(tid, regs, regs["ttbr"])
+
+    def _execute(self, tid: str, regs: dict[str, int], pgd: int) -> None:
         pc = regs["pc"]
-        op, imm = self.mem.read(pc, 1)[0], int.from_bytes(self.mem.read(pc + 1, 3), "little")
+        op, imm = self.mem.read(pc, 1, pgd)[0], int.from_bytes(self.mem.read(pc + 1, 3, pgd), "little")
         if op == BRK_OP:
             regs.update(elr=pc, spsr=regs["psr"], pc=ENTRY, psr=regs["psr"] & ~IRQ)
             return
         if op == ADDI:
             regs["r0"] = (regs["r0"] + imm) & ((1 << 64) - 1)
         elif op == LDR:
-            regs["r1"] = self.mem.read_u64(regs["sp"])
+            regs["r1"] = self.mem.read_u64(regs["sp"], pgd)
         elif op == JMPL:
-            regs["pc"] = self.mem.read_u64(pc + 4)
+            regs["pc"] = self.mem.read_u64(pc + 4, pgd)
             return
         elif op == RET:
-            regs["pc"], regs["sp"] = self.mem.read_u64(regs["sp"]), regs["sp"] + 8
+            regs["pc"], regs["sp"] = self.mem.read_u64(regs["sp"], pgd), regs["sp"] + 8
             return
         elif op not in (NOP, BTI):
             raise AssertionError(f"toy vCPU {tid} executed {op:#x} at {pc:#x}")
@@ -699,6 +729,17 @@ class _NoProgram:
         raise LookupError(f"the toy kernel has no debug info ({name})")
 
 
+class ToyObject:
+    """A drgn Object as the core reads a pointer: its ``value_()``, and members as attributes."""
+
+    def __init__(self, value: int, **members: ToyObject) -> None:
+        self._value = value
+        self.__dict__.update(members)
+
+    def value_(self) -> int:
+        return self._value
+
+
 @dataclass
 class ToyKernel:
     """KernelData as the core reads it: symbols, memory, no debug info, tasks by their per-CPU base."""
@@ -707,6 +748,14 @@ class ToyKernel:
     mem: ToyMemory
     prog: _NoProgram = field(default_factory=_NoProgram)
     current_task_offset = 0x40
+    running: dict[int, int] = field(default_factory=dict)  # per-CPU base -> the task running there
+    mms: dict[int, int] = field(default_factory=dict)  # task -> its mm (0: a kernel thread)
+
+    def current(self, gs_base: int) -> ToyObject:
+        return self.task(self.running[gs_base])
+
+    def task(self, addr: int) -> ToyObject:
+        return ToyObject(addr, mm=ToyObject(self.mms.get(addr, 0)))
 
     def snapshot(self, task: int = 0, gs_base: int = 0) -> Any:
         return SimpleNamespace(task=task or 0x1000 + gs_base, gs_base=gs_base)

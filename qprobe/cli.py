@@ -781,7 +781,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-remote", action="store_true", help="allow a non-local HOST:PORT")
     p.set_defaults(func=cmd_attach)
 
-    p = sub.add_parser("trace", help="trace kprobe_events definitions, one line per hit (ftrace format)")
+    p = sub.add_parser("trace", help="trace kprobe_events and uprobe_events definitions, one line per hit (ftrace)")
     _target_options(p)
     p.add_argument("--run", metavar="CMD", help="run CMD in the guest while tracing, then stop")
     p.add_argument(
@@ -811,7 +811,10 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         metavar="EVENT",
         help="kprobe_events syntax: 'p:myread vfs_read count=%%dx:u64', 'r:ret ksys_read ret=$retval'; "
-        "or perf probe's after the word perf: 'perf vfs_read:23 ret file->f_pos', 'perf fs/read_write.c:473 ret'",
+        "or perf probe's after the word perf: 'perf vfs_read:23 ret file->f_pos', 'perf fs/read_write.c:473 ret'; "
+        "a uprobe on a guest file: 'p:uq /bin/prog:func a=%%di' (uprobe_events syntax, PATH:SYMBOL or PATH:OFFSET), "
+        "'perf -x /bin/prog func a=%%di', bpftrace's 'uprobe:/bin/prog:func arg0 comm' or "
+        "'uretprobe:/bin/prog:func retval'",
     )
     p.set_defaults(func=cmd_trace)
 

@@ -8,6 +8,7 @@ which returns A+i+B, and says so in its summary line; ``uprog lib N A B`` calls 
 from __future__ import annotations
 
 import io
+import json
 import re
 import subprocess
 import sys
@@ -28,9 +29,7 @@ pytestmark = pytest.mark.vm
 ROOT = Path(__file__).resolve().parents[2]
 # One ftrace line's event and body: "uprog-57 [001] ..... 1.2: uq: (0x5654...) a=0x1 ...", a uprobe's place
 # "(IP)" or "(IP <- FUNC)"
-LINE = re.compile(
-    r"^\s*(\S+)-(\d+)\s+\[\d+\] \S+\s+[\d.]+: (\w+): \((0x[0-9a-f]+|)(?: <- (0x[0-9a-f]+))?[^)]*\)(.*)$"
-)
+LINE = re.compile(r"^\s*(\S+)-(\d+)\s+\[\d+\] \S+\s+[\d.]+: (\w+): \((0x[0-9a-f]+|)(?: <- (0x[0-9a-f]+))?[^)]*\)(.*)$")
 
 
 def _qprobe(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -91,6 +90,19 @@ def test_trace_a_shared_librarys_function_into_a_map_by_comm() -> None:
     assert (res["calls"], res["bad"], res["a"]) == ("4", "0", "10")
     assert "writing event: p:uprobes/qpt_lib_add /usr/lib/libqpt.so:0x" in out.stderr
     assert out.stdout.splitlines() == ["@arg0[uprog]: 46", "# qpt_lib_add: hits=4 nmissed=0 lost=0 others=0"]
+
+
+def test_trace_json_of_a_perf_x_definition() -> None:
+    out = _qprobe("trace", "--image", IMAGE, "--json", "--run", "uprog lib 2 7 1",
+                  "perf -x /usr/lib/libqpt.so qpt_lib_add a=%di:s64 b=%si:s64")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    offset, _ = functions("/usr/lib/libqpt.so")["qpt_lib_add"]
+    line = f"p:probe_libqpt/qpt_lib_add /usr/lib/libqpt.so:{offset:#x} a=%di:s64 b=%si:s64"
+    assert f"qprobe: writing event: {line}" in out.stderr.splitlines()
+    rows = [json.loads(ln) for ln in out.stdout.splitlines()]
+    assert [r["args"] for r in rows[:-1]] == [{"a": 7, "b": 1}, {"a": 8, "b": 1}], rows
+    assert {r["comm"] for r in rows[:-1]} == {"uprog"}
+    assert rows[-1]["summary"]["qpt_lib_add"]["hits"] == 2
 
 
 def test_funcs_x_lists_a_programs_functions_with_their_file_offsets() -> None:

@@ -10,14 +10,10 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-import drgn
-
 from qprobe.errors import ProbeError, QprobeError, SymbolError
 from qprobe.events.modules import ModuleNotifier
 from qprobe.kernel.btf import module_btfs
 from qprobe.kernel.features import thread_size
-from qprobe.kernel.modules import loaded_modules
-from qprobe.kernel.symbols import ModuleText
 from qprobe.kernel.tracefs import ftrace_locations, probe_dialect, trace_event_names
 
 log = logging.getLogger("qprobe")
@@ -25,6 +21,7 @@ log = logging.getLogger("qprobe")
 if TYPE_CHECKING:
     from qprobe.arch import Arch
     from qprobe.events import EventHit, TraceEvent, Wildcard
+    from qprobe.events.clock import HitClock
     from qprobe.fetch import ProbeEvent
     from qprobe.fetch.dialect import Dialect
     from qprobe.kernel.program import KernelData
@@ -40,6 +37,7 @@ class EventAPI:
     kernel: KernelData
     symbols: Symbols
     machine: Machine
+    clock: HitClock
 
     @functools.cached_property
     def dialect(self) -> Dialect:
@@ -59,20 +57,6 @@ class EventAPI:
     def modules(self) -> ModuleNotifier:
         """The guest's loaded modules, followed from the first probe on one (``start()``)."""
         return ModuleNotifier(self)
-
-    def loaded_modules(self) -> list[ModuleText]:
-        """The guest's loaded modules now: as followed, or read from guest memory in one VM stop.
-
-        Empty for a kernel qprobe cannot read modules of (no debug info, no modules).
-        """
-        if self.modules.started:
-            return list(self.symbols.modules.values())
-        try:
-            prog = self.kernel.prog
-            return self.machine.call(lambda: loaded_modules(prog))
-        except (QprobeError, LookupError, drgn.FaultError) as exc:
-            log.debug("modules not read: %s", exc)
-            return []
 
     @functools.cached_property
     def trace_events(self) -> frozenset[tuple[str, str]]:
@@ -100,7 +84,7 @@ class EventAPI:
         """
         from qprobe.events.define import add_event
 
-        self.start_clock()
+        self.clock.start()
         return add_event(self, definition, callback, filter, anywhere)  # in self.events, or appended to its event
 
     def add_events(
@@ -116,7 +100,7 @@ class EventAPI:
         """
         from qprobe.events.define import add_events
 
-        self.start_clock()
+        self.clock.start()
         return add_events(self, definition, callback, filter, anywhere)
 
     def remove_event(self, event: TraceEvent | str) -> None:

@@ -28,7 +28,6 @@ from qprobe.kernel.tracefs import within_notrace_func
 if TYPE_CHECKING:
     from qprobe.events.registry import ModuleWatch
     from qprobe.fetch.dialect import Dialect
-    from qprobe.kernel.symbols import ModuleText
 
 log = logging.getLogger("qprobe.events")
 
@@ -47,7 +46,6 @@ class EventRegistry(KprobeHost, Protocol):
     def ftrace_locations(self) -> list[int]: ...
     @property
     def trace_events(self) -> frozenset[tuple[str, str]]: ...
-    def loaded_modules(self) -> list[ModuleText]: ...
 
 
 def on_func_entry(reg: EventRegistry, symbol: str, offset: int) -> bool:

@@ -23,7 +23,7 @@ from qprobe.events.timeline import Timeline
 from qprobe.fetch import ProbeEvent, check_event, format_event, parse_event
 from qprobe.fetch.dialect import Dialect
 from qprobe.kernel.program import Stack
-from qprobe.kernel.symbols import ModuleText, Section, Symbols
+from qprobe.kernel.symbols import Section, Symbols
 from qprobe.shell import Shell
 from qprobe.vmm.console import RunResult
 
@@ -170,8 +170,9 @@ class FakeTarget:
     def dialect(self) -> Dialect:
         return Dialect()
 
-    def loaded_modules(self) -> list[ModuleText]:
-        return []
+    @property
+    def modules(self) -> SimpleNamespace:
+        return SimpleNamespace(loaded=list)  # no modules
 
     @property
     def prog(self) -> drgn.Program:

@@ -37,10 +37,10 @@ from qprobe.core.uprobes import UprobeManager
 from qprobe.core.watchpoint import Watchpoints
 from qprobe.errors import BootPanic, GuestPanicked, QprobeError, SymbolError, TargetError, TargetGone
 from qprobe.eventapi import EventAPI
+from qprobe.events.clock import HitClock
 from qprobe.events.kprobe import KprobeBackend
-from qprobe.events.timeline import Timeline, TscOrder
+from qprobe.events.timeline import Timeline
 from qprobe.events.uprobe import UprobeBackend
-from qprobe.kernel.clock import NSEC_PER_SEC, StopClock, TraceClock
 from qprobe.kernel.features import fully_preemptible
 from qprobe.kernel.kaslr import detect_slide
 from qprobe.kernel.program import KernelData, Stack, Task
@@ -124,12 +124,7 @@ class Target(ProbeAPI, EventAPI):
         self.qemu = qemu
         self.image: Image | None = None  # set by boot(); None when attached to a foreign QEMU
         self.events: dict[str, TraceEvent] = {}
-        self.t0 = time.monotonic()  # event timestamps count from here when the guest's clock cannot be read
         self.timeline = Timeline()
-        self.clock_note: str | None = None  # why event timestamps are the host's, once that is found
-        self._guest_clock: bool | None = None
-        self._tsc_order = TscOrder()
-        self._tsc_hz = 1.0
         self.address = gdb_address
         self.timings: dict[str, float] = {}
         self.console: Console | None = None  # the kernel's console: its log, and the oopses in it
@@ -216,6 +211,7 @@ class Target(ProbeAPI, EventAPI):
                                          self.kprobes.register_kprobe, self.kprobes.unregister_kprobe)  # fmt: skip
             self.kprobe_backend = KprobeBackend(self.kprobes, self.kretprobes)  # what kprobe events hold probes by
             self.uprobe_backend = UprobeBackend(self.uprobes)  # and uprobe events theirs
+            self.clock = HitClock(self.kernel, self.machine, self.timeline)  # when each event hit happened
             self.watchpoints = Watchpoints(self.machine, self.symbols, self.kprobes.handlers, self.kprobes.make_regs)
             self.timings["attach"] = time.monotonic() - t0
         except BaseException as exc:
@@ -449,45 +445,6 @@ class Target(ProbeAPI, EventAPI):
     def current(self, regs: PtRegs) -> drgn.Object:
         """The task a handler interrupted, as drgn's ``struct task_struct *`` (``current.comm.string_()``)."""
         return self.kernel.current(regs.gs_base)
-
-    def start_clock(self) -> None:
-        """Find how event hits are timed, once, before the first event is armed (one VM stop at most)."""
-        if self._guest_clock is not None:
-            return
-        self.trace_clock, self.stop_clock = TraceClock(self.kernel), StopClock(self.kernel, self.machine)
-        self.clock_note = self.trace_clock.unavailable() or self.stop_clock.unavailable()
-        if self.clock_note:
-            log.warning("event timestamps are seconds since qprobe attached: %s", self.clock_note)
-        self._guest_clock = self.clock_note is None
-        if self._guest_clock:
-            self._tsc_hz = self.stop_clock.rate() * NSEC_PER_SEC
-            self.timeline.monotone = self.trace_clock.name == "global"
-
-    def hit_time(self, regs: PtRegs, recorded: bool = False) -> tuple[float, float]:
-        """When a hit happened: (seconds on the guest's trace clock, the hit's place among all hits).
-
-        The first is what the guest's own trace prints for it.  The TSC comes from the hit
-        itself where the guest read it (a detour's mailbox or ring entry, exact), else from
-        the VM stop it is handled in (qprobe.kernel.clock.StopClock: to within the time QEMU
-        takes to stop, some tens to hundreds of microseconds).  The place is the TSC in
-        seconds: one counter for every vCPU under QEMU, so hits sort by it exactly, where the
-        trace clock (a tick-based clock under TCG) can step between two conversions; a stop's
-        estimate is kept in the order the host handled the hits (qprobe.events.timeline.TscOrder),
-        which ``recorded`` (the hit came late, from a ring record) tells it.  Seconds since
-        qprobe attached, for both, if this guest's clock cannot be read (``clock_note``).
-        """
-        if self._guest_clock:
-            tsc = regs.tsc
-            if tsc is not None:
-                tsc = self._tsc_order.exact(tsc, regs.vcpu, at_once=not recorded)
-            else:
-                tsc = self.stop_clock.tsc()  # from the HPET, good to the stop's latency
-                if tsc is not None:
-                    tsc = self._tsc_order.stop(tsc, regs.vcpu)
-            if tsc is not None:
-                return self.trace_clock.ns(tsc, regs.vcpu) / NSEC_PER_SEC, tsc / self._tsc_hz
-        host = time.monotonic() - self.t0
-        return host, host
 
     def current_task(self, regs: PtRegs) -> Task:
         """A snapshot of the task a handler interrupted: pid, tgid and comm as Python values."""

@@ -11,14 +11,10 @@ import shlex
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-import drgn
-
 from qprobe.errors import InvalidProbe, ProbeError, QprobeError, SymbolError
 from qprobe.events.modules import ModuleNotifier
 from qprobe.kernel.btf import module_btfs
 from qprobe.kernel.features import thread_size
-from qprobe.kernel.modules import loaded_modules
-from qprobe.kernel.symbols import ModuleText
 from qprobe.kernel.tracefs import ftrace_locations, probe_dialect, trace_event_names
 from qprobe.kernel.userelf import UserElf, UserElfError
 
@@ -28,6 +24,7 @@ if TYPE_CHECKING:
     from qprobe.arch import Arch
     from qprobe.core.uprobes import UprobeManager
     from qprobe.events import EventHit, TraceEvent, Wildcard
+    from qprobe.events.clock import HitClock
     from qprobe.fetch import ProbeEvent, UprobeEvent
     from qprobe.fetch.dialect import Dialect
     from qprobe.fetch.uevent import FileKind
@@ -48,6 +45,7 @@ class EventAPI:
     uprobes: UprobeManager
     guest_shell: GuestShell | None
     run: Callable[[str], RunResult]  # Target.run: a command in the guest's shell
+    clock: HitClock
 
     @functools.cached_property
     def dialect(self) -> Dialect:
@@ -67,20 +65,6 @@ class EventAPI:
     def modules(self) -> ModuleNotifier:
         """The guest's loaded modules, followed from the first probe on one (``start()``)."""
         return ModuleNotifier(self)
-
-    def loaded_modules(self) -> list[ModuleText]:
-        """The guest's loaded modules now: as followed, or read from guest memory in one VM stop.
-
-        Empty for a kernel qprobe cannot read modules of (no debug info, no modules).
-        """
-        if self.modules.started:
-            return list(self.symbols.modules.values())
-        try:
-            prog = self.kernel.prog
-            return self.machine.call(lambda: loaded_modules(prog))
-        except (QprobeError, LookupError, drgn.FaultError) as exc:
-            log.debug("modules not read: %s", exc)
-            return []
 
     @functools.cached_property
     def trace_events(self) -> frozenset[tuple[str, str]]:
@@ -144,7 +128,7 @@ class EventAPI:
         """
         from qprobe.events.define import add_event
 
-        self.start_clock()
+        self.clock.start()
         return add_event(self, definition, callback, filter, anywhere)  # in self.events, or appended to its event
 
     def add_events(
@@ -160,7 +144,7 @@ class EventAPI:
         """
         from qprobe.events.define import add_events
 
-        self.start_clock()
+        self.clock.start()
         return add_events(self, definition, callback, filter, anywhere)
 
     def remove_event(self, event: TraceEvent | str) -> None:

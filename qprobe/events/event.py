@@ -174,7 +174,7 @@ class TraceEvent:
             # Without the kernel's types (a vmlinux without DWARF) the task is unknown: ftrace's "<...>".
             task = (current.pid, current.comm) if current is not None else (-1, "<...>")
         pid, comm = task
-        ts, order = host.hit_time(regs, recorded=recorded)
+        ts, order = host.clock.hit_time(regs, recorded=recorded)
         hit = EventHit(
             event=self.definition.event, cpu=regs.vcpu, pid=pid, comm=comm,
             ts=ts, order=order, addr=ip,

@@ -61,6 +61,12 @@ class ProbeTables(Protocol):
     def sites(self) -> Sites: ...
 
 
+class LoadedModules(Protocol):
+    """The guest's modules as a running target knows them (qprobe.events.modules.ModuleNotifier)."""
+
+    def loaded(self) -> list[ModuleText]: ...
+
+
 class KernelFacts(Protocol):
     """What of_sites reads of a running kernel (qprobe.api.Target, qprobe.events.define.EventRegistry)."""
 
@@ -70,7 +76,8 @@ class KernelFacts(Protocol):
     def ftrace_locations(self) -> list[int]: ...
     @property
     def dialect(self) -> Dialect: ...
-    def loaded_modules(self) -> list[ModuleText]: ...
+    @property
+    def modules(self) -> LoadedModules: ...
 
 
 class RunningTarget(KernelFacts, Protocol):
@@ -147,7 +154,7 @@ class Probeability:
     def of_sites(cls, kernel: KernelFacts, sites: Sites) -> Probeability:
         """With a running kernel's facts and the probe sites of its probe table."""
         return cls(kernel.symbols, sites.blacklist, kernel.ftrace_locations, sites.reserved, kernel.dialect,
-                   kernel.loaded_modules())  # fmt: skip
+                   kernel.modules.loaded())  # fmt: skip
 
     def functions(self) -> list[str]:
         """Every function name of the symbol table, each once, sorted."""

@@ -16,7 +16,7 @@ class EventHit:
     cpu: int
     pid: int
     comm: str
-    ts: float  # seconds on the guest's trace clock, as its own trace prints them (Target.hit_time)
+    ts: float  # seconds on the guest's trace clock, as its own trace prints them (HitClock.hit_time)
     addr: int
     symbol: str
     args: dict[str, str]
@@ -25,7 +25,7 @@ class EventHit:
     func: str | None = None  # a return probe's function (addr and symbol are then the return site)
     numbers: frozenset[str] = frozenset()  # the arguments that are integers (JSON gives them as numbers)
     strings: frozenset[str] = frozenset()  # the string arguments (JSON gives them without ftrace's quotes)
-    order: float = 0.0  # where the hit goes among all others (Target.hit_time): push it so to the timeline
+    order: float = 0.0  # where the hit goes among all others (HitClock.hit_time): push it so to the timeline
 
     def line(self) -> str:
         """The line ftrace's ``trace`` file would show."""

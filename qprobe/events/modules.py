@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from qprobe.events.define import EventRegistry
     from qprobe.events.event import TraceEvent
     from qprobe.kernel.program import KernelData
+    from qprobe.kernel.symbols import ModuleText
     from qprobe.vmm.machine import Machine
 
     class NotifierTarget(EventRegistry, Protocol):
@@ -95,6 +96,20 @@ class ModuleNotifier:
                 self.hooks.append(kp)
 
         self.target.machine.call(install)
+
+    def loaded(self) -> list[ModuleText]:
+        """The guest's loaded modules now: as followed, or read from guest memory in one VM stop.
+
+        Empty for a kernel qprobe cannot read modules of (no debug info, no modules).
+        """
+        if self.started:
+            return list(self.target.symbols.modules.values())
+        try:
+            prog = self.target.kernel.prog
+            return self.target.machine.call(lambda: loaded_modules(prog))
+        except (QprobeError, LookupError, drgn.FaultError) as exc:
+            log.debug("modules not read: %s", exc)
+            return []
 
     def stop(self) -> None:
         """Stop following: unhook, and forget the modules (what is loaded may change from now on)."""

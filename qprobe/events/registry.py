@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from qprobe.core.regs import PtRegs
     from qprobe.events.timeline import Timeline
     from qprobe.kernel.program import Task
-    from qprobe.kernel.symbols import Symbols
+    from qprobe.kernel.symbols import ModuleText, Symbols
 
 
 class Tasks(Protocol):
@@ -49,6 +49,11 @@ class EventHost(Protocol):
     kernel: Tasks
     mem: Paged
     timeline: Timeline
+    clock: HitTimes
+
+
+class HitTimes(Protocol):
+    """When a hit happened (qprobe.events.clock.HitClock)."""
 
     def hit_time(self, regs: PtRegs, recorded: bool = False) -> tuple[float, float]: ...
 
@@ -59,6 +64,7 @@ class ModuleWatch(Protocol):
     @property
     def started(self) -> bool: ...
     def start(self) -> None: ...
+    def loaded(self) -> list[ModuleText]: ...
 
 
-__all__ = ["EventHost", "ModuleWatch", "Paged", "Tasks"]
+__all__ = ["EventHost", "HitTimes", "ModuleWatch", "Paged", "Tasks"]

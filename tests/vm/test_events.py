@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import collections
 import functools
 import io
@@ -74,6 +75,34 @@ def test_btf_parameter_names_and_entry_arguments_in_return_probes(target: qprobe
     assert [h.args for h in ret.hits if h.pid == int(res["pid"])] == [
         {"offset": str(i), "wh": "0x0", "ret": str(i)} for i in range(1, 5)
     ]
+
+
+def test_a_definition_parsed_before_boot_is_armed_without_a_second_parse(
+    target: qprobe.Target, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`qprobe trace` parses a definition in the host vmlinux's language before it boots; the running
+    kernel's answers (its language, symbols and function entries) agree with that parse, so the same
+    ProbeEvent is armed, never parsed again, and its hits are the guest's (lseek(fd, i) for i = 1..3)."""
+    from qprobe import cli
+    from qprobe.events import define
+    from qprobe.fetch import ProbeEvent, parse_event
+
+    host = cli._host_dialect(argparse.Namespace(image=IMAGE, vmlinux=None, attach=None, file=[]))
+    assert host is not None and host == target.dialect
+    ev = parse_event("p:once ksys_lseek fd=%di off=%si:s64", dialect=host)
+    assert isinstance(ev, ProbeEvent)
+
+    def no_parse(*args: object, **kw: object) -> None:
+        raise AssertionError("parsed again")
+
+    monkeypatch.setattr(define, "parse_event", no_parse)
+    te = target.add_event(ev)
+    try:
+        res = workload_result(target.run("workload lseek 3").check().output)
+    finally:
+        target.remove_event(te)
+    assert te.definition is ev
+    assert [h.args for h in te.hits] == [{"fd": f"{int(res['fd']):#x}", "off": str(i)} for i in (1, 2, 3)]
 
 
 def test_bad_definitions_point_at_the_column_and_change_nothing(target: qprobe.Target) -> None:

@@ -83,8 +83,8 @@ def test_timestamps_are_the_guests_trace_clock(target: qprobe.Target, optimized:
     ksys_write (tracing_mark_write itself is notrace); no text of the guest's is patched for it,
     as enabling one of its events would.
     """
-    if target.clock_note is not None:
-        pytest.skip(target.clock_note)
+    if target.clock.note is not None:
+        pytest.skip(target.clock.note)
     target.run(f"mount -t tracefs none {TRACING} 2>/dev/null; echo > {TRACING}/trace").check()
     target.set_kprobes_optimization(optimized)
     mark = "qprobe-timeline-marker-0123456789ab"  # with echo's newline, a write of a length nothing else makes

@@ -80,7 +80,7 @@ class World:
     # -- building the guest ----------------------------------------------------------------------
     def file(self, path: str, data: bytes) -> GuestFile:
         n = len(self.files) + 1
-        f = GuestFile(path, 0x1_0000 * n, 0x1_0000 * n + 0x100, len(data), n)
+        f = GuestFile(path, 0x1_0000 * n, 0x1_0000 * n + 0x100, len(data), n, 1)
         self.files[path], self.data[f.mapping] = f, data
         for index in range(-(-len(data) // PAGE)):
             frame = self.frame(data[index * PAGE : (index + 1) * PAGE])
@@ -162,6 +162,16 @@ class World:
 
     def page_owner(self, pfn: int) -> tuple[int, int] | None:
         return self.owners.get(pfn)
+
+    def still_there(self, f: GuestFile) -> bool:
+        return self.files.get(f.path) == f
+
+    def reuse(self, path: str, new_path: str) -> GuestFile:
+        """``path`` deleted and freed, and a new file at ``new_path`` whose inode took its memory (another ino)."""
+        old = self.files.pop(path)
+        f = GuestFile(new_path, old.inode, old.mapping, old.size, old.ino + 100, old.generation + 1)
+        self.files[new_path] = f
+        return f
 
 
 @dataclass
@@ -278,6 +288,27 @@ def test_a_new_mapping_is_armed_by_the_hook_before_the_task_runs(s: Setup) -> No
     assert up.nhit == 1 and after["r0"] == 41 and after["pc"] == BASE + FUNC + 4
     s.mmap_hook(s.world.map(p, BASE, PROG))  # the same mapping again (mprotect): one breakpoint still
     assert s.bps() == [BASE + FUNC]
+
+
+def test_a_probed_file_freed_and_its_inode_memory_reused_retires_its_probes(s: Setup) -> None:
+    """The kernel's uprobe holds the inode; qprobe cannot: a new file in the freed inode's memory is not it."""
+    up = Uprobe(PROG, FUNC)
+    s.um.register_uprobe(up)
+    p = s.world.process()
+    s.mmap_hook(s.world.map(p, BASE, PROG))
+    assert s.bps() == [BASE + FUNC]
+    s.world.reuse(PROG, "/tmp/new")  # same address_space address, same page-cache frames
+    q = s.world.process()
+    s.mmap_hook(s.world.map(q, 0x40_0000, "/tmp/new"))
+    assert s.bps() == [] and s.um.spaces == {} and up.registered
+    again = Uprobe("/tmp/new", FUNC)  # a probe on the new file is the new file's alone
+    s.um.register_uprobe(again)
+    assert s.bps() == [0x40_0000 + FUNC]
+    s.stop(q, 0x40_0000 + FUNC, r0=1)
+    assert again.nhit == 1 and up.nhit == 0
+    s.um.unregister_uprobe(up)
+    s.um.unregister_uprobe(again)
+    assert s.bps() == [] and s.um.hook is None
 
 
 # -- whose: the stopped process's page decides ------------------------------------------------------

@@ -25,7 +25,7 @@ from qprobe.events.uprobe import UprobeTraceEvent
 from qprobe.fetch import ProbeEvent, UprobeEvent, check_event, format_event, parse_event, parse_uprobe_event
 from qprobe.fetch.dialect import Dialect
 from qprobe.kernel.program import Stack
-from qprobe.kernel.symbols import ModuleText, Section, Symbols
+from qprobe.kernel.symbols import Section, Symbols
 from qprobe.kernel.usyntax import resolve_uprobe_symbols
 from qprobe.shell import Shell
 from qprobe.vmm.console import RunResult
@@ -187,8 +187,9 @@ class FakeTarget:
     def dialect(self) -> Dialect:
         return Dialect()
 
-    def loaded_modules(self) -> list[ModuleText]:
-        return []
+    @property
+    def modules(self) -> SimpleNamespace:
+        return SimpleNamespace(loaded=list)  # no modules
 
     @property
     def prog(self) -> drgn.Program:

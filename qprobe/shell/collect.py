@@ -364,12 +364,13 @@ def stack_unwinder() -> Callable[[PtRegs], Stack]:
 
 
 def per_event_count(events: Sequence[TraceEvent], agg: Aggregation) -> bool:
-    """A count with no key, or by ``$event``/``$func`` alone, of kprobes (entry probes) without a filter.
+    """A count with no key, or by ``$event``/``$func`` alone, of kprobe entry probes without a filter.
 
-    A uprobe event's hits each stop the VM and reach the host: they are counted there, as they come.
+    A uprobe event's probe keeps no count in the guest: its hits each stop the VM and are counted on the
+    host, as they come.
     """
     return (agg.kind == "count" and set(agg.keys) <= set(EVENT_KEYS) and len(agg.keys) <= 1
-            and all(te.filter is None and isinstance(one.probe, Kprobe)
+            and all(te.filter is None and not isinstance(one.probe, (Kretprobe, Uprobe))
                     for te in events for one in te.probes()))  # fmt: skip
 
 

@@ -292,6 +292,7 @@ class UprobeManager:
         point = self.points.get(va)
         if point is None:
             point = self.points[va] = _Point()
+            self.machine.journal.record_breakpoint(va, BREAK_HW)  # before: a crash between leaves no stray
             self.machine.gdb.insert_breakpoint(va, BREAK_HW)
             self.machine.stop_handlers[va] = self._hit
         if key is not None:
@@ -305,6 +306,7 @@ class UprobeManager:
         self.points.pop(va, None)
         self.machine.stop_handlers.pop(va, None)
         self.machine.gdb.remove_breakpoint(va, BREAK_HW)
+        self.machine.journal.forget_breakpoint(va, BREAK_HW)
 
     def _vma_entry(self, kp: Kprobe, regs: PtRegs) -> int:
         """vma_set_page_prot(vma) is called: which vma (its argument is only sure at the entry)."""

@@ -15,6 +15,8 @@ and decides at each stop whether the process that stopped really runs that file 
   the stopped process runs is looked up: a page-cache page of the probed file at the right index is a hit
   (two reads of its ``struct page``); a private copy (text a debugger or the program wrote: copy-on-write)
   is decided by the process's vma, as the kernel's probe stays in that mm; any other page is not a hit.
+  The kernel's probe pins its inode; qprobe's does not, so a file freed after its deletion, whose inode's
+  memory now holds another file (another inode number or generation), is no hit and no mapping to arm.
 * **once:** QEMU checks its breakpoints before fetching the instruction, so a process whose text page is
   not present yet stops there, faults on the fetch and stops again: a stop on a page that is not present
   is no hit.  An instruction stepped in place that faults (``arch_uprobe_xol_was_trapped``) runs again
@@ -321,7 +323,7 @@ class UprobeManager:
                 self._arm_mapping(*found)
 
     def _arm_mapping(self, m: Mapping, space: int) -> None:
-        if space not in self.spaces or not m.probeable:
+        if space not in self.spaces or not m.probeable or not self.files.still_there(self.spaces[space]):
             return
         for s, offset in self.probes:
             va = m.address_of(offset) if s == space else None
@@ -402,6 +404,8 @@ class UprobeManager:
             m, space = found
             offset = m.file_start + ip - m.start
         consumers = list(self.probes.get((space, offset), ()))
+        if consumers and not self.files.still_there(self.spaces[space]):
+            return [], b""  # the probed file was freed and its inode's memory holds another file now
         code = self.machine.mem.read(ip, min(16, size - ip % size), root) if consumers else b""
         return consumers, code
 

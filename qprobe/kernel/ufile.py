@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import drgn
 from drgn.helpers.linux.fs import path_lookup
-from drgn.helpers.linux.mm import page_to_virt, pfn_to_page, vma_find
+from drgn.helpers.linux.mm import pfn_to_page, pfn_to_virt, vma_find
 from drgn.helpers.linux.rbtree import rbtree_inorder_for_each_entry
 from drgn.helpers.linux.xarray import xa_is_value, xa_load
 
@@ -35,6 +35,21 @@ VM_WRITE, VM_MAYEXEC, VM_MAYSHARE, VM_HUGETLB = 0x2, 0x40, 0x80, 0x400000
 MAX_MAPPINGS = 1 << 16  # a hostile guest's interval tree is not walked forever
 
 
+def _page0(prog: drgn.Program) -> drgn.Object:
+    """The struct page of frame 0: SPARSEMEM_VMEMMAP's array is one, from there."""
+    try:
+        return pfn_to_page(prog, 0)
+    except LookupError:  # drgn finds vmemmap through VMCOREINFO, which a kernel without VMCORE_INFO lacks
+        pass
+    # x86_64 with a dynamic memory layout (RANDOMIZE_MEMORY or X86_5LEVEL): VMEMMAP_START is vmemmap_base
+    # (arch/x86/include/asm/pgtable_64_types.h).
+    try:
+        base = prog["vmemmap_base"]
+    except LookupError:
+        raise LookupError("uprobes need the struct page array (vmemmap), which drgn cannot find here") from None
+    return drgn.Object(prog, "struct page *", value=base.value_())
+
+
 @dataclass(frozen=True)
 class GuestFile:
     """A regular file of the guest: the inode and its address_space, by address."""
@@ -44,6 +59,7 @@ class GuestFile:
     mapping: int
     size: int
     ino: int
+    generation: int = 0
 
 
 @dataclass(frozen=True)
@@ -73,13 +89,29 @@ class UserFiles:
     def __init__(self, prog: drgn.Program) -> None:
         self.prog = prog
         self.page_size = int(prog["PAGE_SIZE"])  # drgn's, from the kernel's VMCOREINFO
+        self._page0 = _page0(prog)
+        self._page_bytes = drgn.sizeof(self._page0.type_.type)
 
     def lookup(self, path: str) -> GuestFile | None:
         """The regular file at ``path`` in the dentry cache, or None (not cached, negative, not regular)."""
         inode = self._inode(path)
         if inode is None or int(inode.i_mode) & S_IFMT != S_IFREG:
             return None
-        return GuestFile(path, inode.value_(), inode.i_mapping.value_(), int(inode.i_size), int(inode.i_ino))
+        return GuestFile(path, inode.value_(), inode.i_mapping.value_(), int(inode.i_size), int(inode.i_ino),
+                         int(inode.i_generation))  # fmt: skip
+
+    def still_there(self, f: GuestFile) -> bool:
+        """The inode ``f`` names is still that file: not freed and its memory reused for another one.
+
+        The kernel's uprobe holds a reference on its inode; qprobe holds none, so a deleted file's inode
+        (and address_space) can be reused for a new file at the same address, which has another inode
+        number or generation.
+        """
+        try:
+            inode = drgn.Object(self.prog, "struct inode *", value=f.inode)
+            return int(inode.i_ino) == f.ino and int(inode.i_generation) == f.generation
+        except drgn.FaultError:
+            return False
 
     def file_kind(self, path: str) -> str:
         """``regular``, ``other`` or ``missing``: what ``kern_path`` and ``d_is_reg`` would tell the parser."""
@@ -141,7 +173,7 @@ class UserFiles:
                 page = self._cached_page(inode.i_mapping.value_(), 0)
                 if page is None:
                     return None
-                raw = self.prog.read(page_to_virt(page).value_(), size)
+                raw = self.prog.read(self._page_virt(page), size)
         except drgn.FaultError:
             return None
         return raw.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
@@ -156,7 +188,7 @@ class UserFiles:
                 return None
             within = offset % self.page_size
             n = min(self.page_size - within, end - offset)
-            out += self.prog.read(page_to_virt(page).value_() + within, n)
+            out += self.prog.read(self._page_virt(page) + within, n)
             offset += n
         return bytes(out)
 
@@ -195,7 +227,7 @@ class UserFiles:
 
     def page_owner(self, pfn: int) -> tuple[int, int] | None:
         """The (address_space, index) whose page cache page is frame ``pfn``; None for any other page."""
-        page = pfn_to_page(self.prog, pfn)
+        page = self._page0 + pfn
         head_word = int(page.compound_head)
         head = drgn.Object(self.prog, "struct page *", value=head_word - 1) if head_word & 1 else page
         mapping = int(head.mapping)
@@ -203,6 +235,10 @@ class UserFiles:
             return None
         tail = (page.value_() - head.value_()) // drgn.sizeof(page.type_.type)
         return mapping, int(head.index) + tail
+
+    def _page_virt(self, page: drgn.Object) -> int:
+        """The direct-map address of a page's frame."""
+        return pfn_to_virt(self.prog, (page.value_() - self._page0.value_()) // self._page_bytes).value_()
 
     def _mapping(self, vma: drgn.Object) -> Mapping:
         start = int(vma.vm_start)

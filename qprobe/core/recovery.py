@@ -222,16 +222,18 @@ def recover(gdb: GdbTransport, kernel: KernelData, arch: Arch, journal: Journal,
     """Undo an earlier qprobe's patches and stub breakpoints in this guest; returns how many were undone."""
     patches = journal.load()
     breakpoints = journal.left_breakpoints()
+    removed = 0
     for addr, kind, length in breakpoints:
         try:
             gdb.remove_breakpoint(addr, kind, length)
+            removed += 1
         except TargetError:
             pass  # gone already: QEMU drops them all when a client detaches
+    if removed:
+        log.warning("removed %d breakpoint(s) an earlier qprobe left in the gdbstub", removed)
     if not patches:
-        if breakpoints:
-            log.warning("removed %d breakpoint(s) an earlier qprobe left in the gdbstub", len(breakpoints))
-            journal.clear()
-        return len(breakpoints)
+        journal.clear()
+        return removed
     check_journal_matches(gdb, journal, patches)
     r = _Recovery(gdb, kernel, arch, patches, journal.left_meta)
     vcpus = gdb.threads()
@@ -259,4 +261,4 @@ def recover(gdb: GdbTransport, kernel: KernelData, arch: Arch, journal: Journal,
                 restored += 1
     log.warning("restored %d patch(es) an earlier qprobe left in this guest", restored)
     journal.clear()
-    return restored + len(breakpoints)
+    return restored + removed

@@ -169,6 +169,69 @@ def _probe_matrix(target: qprobe.Target, args: argparse.Namespace) -> list[tuple
     return rows
 
 
+# User-space probes: a tight loop of calls to the guest's uprog's qpt_target (a 5-byte leaf), each run one
+# process (its start-up is in the unprobed time of the pair too).
+UPROBE_WORKLOAD = ("tight `uprog call` loop", "/bin/uprog", "qpt_target", "uprog call {n} 1 2 b", 4000, 200)
+
+
+def _uprobe_rows(target: qprobe.Target, args: argparse.Namespace) -> list[tuple[str, Row]]:
+    name, path, func, cmd, fast, slow = UPROBE_WORKLOAD
+    n_fast, n_slow = fast * args.hits // 2000, max(slow * args.hits // 2000, 5)
+    target.run(f"cat {path} >/dev/null").check()  # in the dentry and page caches: its ELF is read from there
+    offset = target.uprobes.elf(path).resolve(func)
+    base = statistics.median(_guest_seconds(target, cmd.format(n=n_fast)) for _ in range(3)) / n_fast
+    rows: list[tuple[str, Row]] = [("", Row(name, "unprobed", "", n_fast, 0, base * n_fast, base))]
+    if target.run(f"test -w {TRACEFS}/uprobe_events").status == 0:
+        for kind, what in (("p", "entry"), ("r", "return")):
+            rows.append(("", _guest_uprobe_events(target, name, f"{path}:{offset:#x}", kind, what,
+                                                  cmd.format(n=n_fast), n_fast)))  # fmt: skip
+    for key, what, probe in (
+        ("u", "uprobe: gdbstub breakpoint, stepped in place, Python handler",
+         qprobe.Uprobe(path, offset, handler=lambda up, regs: regs.di)),
+        ("ur", "uretprobe: breakpoints at the entry and the return address, Python handler",
+         qprobe.Uretprobe(path, offset, ret_handler=lambda up, func, regs: regs.ax)),
+    ):  # fmt: skip
+        registered = False
+
+        def on(probe: qprobe.Uprobe = probe) -> None:
+            nonlocal registered
+            if not registered:
+                target.register_uprobe(probe)
+                registered = True
+
+        def off(probe: qprobe.Uprobe = probe) -> None:
+            nonlocal registered
+            if registered:
+                target.unregister_uprobe(probe)
+                registered = False
+
+        try:
+            seconds, row_base = _paired(target, cmd.format(n=n_slow), on, off)
+        finally:
+            off()
+        returns = f", {probe.nreturns // FAST_RUNS} returns" if isinstance(probe, qprobe.Uretprobe) else ""
+        rows.append(("", Row(name, key, f"{what} ({probe.nmissed} missed{returns})", n_slow,
+                             (probe.nhit or probe.nreturns) // FAST_RUNS, seconds, row_base / n_slow)))  # fmt: skip
+    return rows
+
+
+def _guest_uprobe_events(target: qprobe.Target, name: str, where: str, kind: str, what: str, cmd: str,
+                         n: int) -> Row:  # fmt: skip
+    """The guest kernel's own uprobe_events on the same instruction: its int3 and out-of-line step."""
+    enable = f"{TRACEFS}/events/uprobes/qpubench/enable"
+    target.run(f"mountpoint -q {TRACEFS} || mount -t tracefs nodev {TRACEFS}; "
+               f"echo '{kind}:qpubench {where}' > {TRACEFS}/uprobe_events").check()  # fmt: skip
+    try:
+        seconds, row_base = _paired(target, cmd, lambda: target.run(f"echo 1 > {enable}").check(),
+                                    lambda: target.run(f"echo 0 > {enable}").check())  # fmt: skip
+        profile = target.run(f"cat {TRACEFS}/uprobe_profile").check().output
+    finally:
+        target.run(f"echo 0 > {enable}; echo '-:qpubench' >> {TRACEFS}/uprobe_events").check()
+    hits = next(int(line.split()[-1]) for line in profile.splitlines() if "qpubench" in line.split()) // FAST_RUNS
+    return Row(name, f"uprobe_events {kind}", f"the guest's own uprobe_events, {what} (in-kernel uprobe, trace event)",
+               n, hits, seconds, row_base / n)  # fmt: skip
+
+
 def _guest_kprobe_events(target: qprobe.Target, name: str, func: str, cmd: str, n: int) -> Row:
     """The guest kernel's own kprobe_events on the same function: the native reference."""
     target.run(f"mountpoint -q {TRACEFS} || mount -t tracefs nodev {TRACEFS}; "
@@ -760,7 +823,7 @@ def run_bench(args: argparse.Namespace) -> int:
         shared = _time(lambda: target.read(addr, 64), 3000)
         rows.append(("shared-RAM read, 64 bytes (page walk included, VM running)", f"{shared * 1e6:.1f} µs"))
 
-        rows += _probe_matrix(target, args) if "probes" in args.sections else []
+        rows += _probe_matrix(target, args) + _uprobe_rows(target, args) if "probes" in args.sections else []
         rows += _trace_lines(target) if "trace" in args.sections else []
         wild = _wildcard_teardown(target) if "trace" in args.sections else None
         scale, scale_names = _scale(target, args) if "scale" in args.sections else ([], [])

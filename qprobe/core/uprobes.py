@@ -15,6 +15,8 @@ and decides at each stop whether the process that stopped really runs that file 
   the stopped process runs is looked up: a page-cache page of the probed file at the right index is a hit
   (two reads of its ``struct page``); a private copy (text a debugger or the program wrote: copy-on-write)
   is decided by the process's vma, as the kernel's probe stays in that mm; any other page is not a hit.
+  The kernel's probe pins its inode; qprobe's does not, so a file freed after its deletion, whose inode's
+  memory now holds another file (another inode number or generation), is no hit and no mapping to arm.
 * **once:** QEMU checks its breakpoints before fetching the instruction, so a process whose text page is
   not present yet stops there, faults on the fetch and stops again: a stop on a page that is not present
   is no hit.  An instruction stepped in place that faults (``arch_uprobe_xol_was_trapped``) runs again
@@ -301,6 +303,7 @@ class UprobeManager:
         point = self.points.get(va)
         if point is None:
             point = self.points[va] = _Point()
+            self.machine.journal.record_breakpoint(va, BREAK_HW)  # before: a crash between leaves no stray
             self.machine.gdb.insert_breakpoint(va, BREAK_HW)
             self.machine.stop_handlers[va] = self._hit
         if key is not None:
@@ -314,6 +317,7 @@ class UprobeManager:
         self.points.pop(va, None)
         self.machine.stop_handlers.pop(va, None)
         self.machine.gdb.remove_breakpoint(va, BREAK_HW)
+        self.machine.journal.forget_breakpoint(va, BREAK_HW)
 
     def _vma_entry(self, kp: Kprobe, regs: PtRegs) -> int:
         """vma_set_page_prot(vma) is called: which vma (its argument is only sure at the entry)."""

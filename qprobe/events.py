@@ -765,9 +765,6 @@ def _prepare(
     if first is None and (ev.group, ev.event) in target.trace_events:
         raise FetchArgError(dialect.message(M.EVENT_EXIST), text, 0)
     te = TraceEvent(target, ev, callback, filter=None if filter is None else event_filter(ev, filter))
-    if ev.is_return and anywhere:
-        raise FetchArgError("a return probe puts its trampoline's address on the stack, a guest write: "
-                            "not anywhere", text, 0, logged=False)  # fmt: skip
     if not anywhere and ev.symbol is not None and ev.symbol in symbols and within_notrace_func(
             symbols, target.ftrace_locations, symbols.address(ev.symbol) + ev.offset):  # fmt: skip
         # __register_trace_kprobe: "Could not probe notrace function", -EINVAL.
@@ -784,7 +781,8 @@ def _make_probe(te: TraceEvent) -> None:
         saved = entry_args(ev)  # fetched at the entry, as the kernel's trace_kprobe_entry_handler does
         te.probe = Kretprobe(symbol_name=ev.symbol, addr=ev.addr if ev.symbol is None else None, offset=ev.offset,
                              maxactive=ev.maxactive, handler=te._kretprobe_hit, data_size=8 * len(saved),
-                             entry_handler=te._kretprobe_entry if saved else None)  # fmt: skip
+                             entry_handler=te._kretprobe_entry if saved else None,
+                             anywhere=te.anywhere)  # fmt: skip
         return
     kp = Kprobe(symbol_name=ev.symbol, addr=ev.addr if ev.symbol is None else None, offset=ev.offset,
                 pre_handler=te._kprobe_hit, anywhere=te.anywhere)  # fmt: skip

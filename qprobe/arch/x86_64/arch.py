@@ -299,6 +299,10 @@ class X86_64:
     def ip(self, regs: Mapping[str, int]) -> int:
         return regs["rip"]
 
+    def arch_stub_return(self, regs: Registers, read_u64: Callable[[int], int]) -> tuple[int, int]:
+        """At a function's first instruction the ``call`` has pushed the return address; ``ret`` pops it."""
+        return read_u64(regs.sp), regs.sp + 8
+
     def sp(self, regs: Mapping[str, int]) -> int:
         return regs["rsp"]
 

@@ -198,6 +198,13 @@ class KernelData:
                         raise
         return self._prog
 
+    def reopen(self) -> None:
+        """Forget the drgn Program: the next use makes it anew, from the kernel as it is by then
+        (one opened early in boot read a VMCOREINFO and page tables that boot replaces)."""
+        with self._lock:
+            self._prog = None
+            self._unusable = None
+
     def type_offset(self, type_name: str, member: str) -> int:
         """offsetof(type, member) from the debug info (``member`` may be a path: ``name.nodename``)."""
         try:

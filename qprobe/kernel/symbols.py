@@ -98,6 +98,8 @@ class Symbols:
         self.percpu = percpu or {}
         self.build_id = build_id
         self.slide = 0
+        # Whether __init text is still the kernel's (during boot, until free_initmem): probes may go there.
+        self.init_text = False
         self.sections = sections
         rows = sorted((a, s, n, k) for n, a, s, k in symbols if a)
         self._addrs = [r[0] for r in rows]
@@ -354,7 +356,7 @@ class Symbols:
         if self.module_of(addr) is not None:
             return True
         sec = self.section_at(addr)
-        return sec is not None and sec.executable and not sec.name.startswith(".init")
+        return sec is not None and sec.executable and (self.init_text or not sec.name.startswith(".init"))
 
     def fentry_site(self, addr: int, fentry: int) -> bool:
         """Whether ``addr`` is a ``call __fentry__`` site (``fentry``: that function's address).

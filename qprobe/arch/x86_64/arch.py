@@ -34,6 +34,7 @@ from qprobe.arch import (
 from qprobe.arch.inguest import KeySpec, MapSlot
 from qprobe.arch.x86_64 import detour, guestagg, guestfilter, retdetour
 from qprobe.arch.x86_64.boost import CALL_INSN_SIZE, INT3_INSN_OPCODE, JMP32_INSN_SIZE, synthesize_reljump
+from qprobe.arch.x86_64.bootentry import boot_virtual_entry
 from qprobe.arch.x86_64.decode import check_boundary, decode_all
 from qprobe.arch.x86_64.emulate import Regs, emulate
 from qprobe.arch.x86_64.insn import (
@@ -298,6 +299,9 @@ class X86_64:
 
     def ip(self, regs: Mapping[str, int]) -> int:
         return regs["rip"]
+
+    def arch_boot_entry(self, read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int:
+        return boot_virtual_entry(read, address)
 
     def arch_stub_return(self, regs: Registers, read_u64: Callable[[int], int]) -> tuple[int, int]:
         """At a function's first instruction the ``call`` has pushed the return address; ``ret`` pops it."""

@@ -30,6 +30,8 @@ import drgn
 
 from qprobe.arch import Arch
 from qprobe.arch.select import arch_named, arch_of_machine
+from qprobe.core.anywhere import InternalProbe
+from qprobe.core.kprobe import Kprobe
 from qprobe.core.kprobes import KprobeManager
 from qprobe.core.kretprobe import KretprobeManager
 from qprobe.core.recovery import recover
@@ -324,8 +326,25 @@ class Target(ProbeAPI, EventAPI):
                                   f"build-id are not at slide {slide:#x}")  # fmt: skip
         self.symbols.slide = self.slide = slide
         self.symbols.init_text = True
+        # drgn walks the boot CPU's page tables (in the kernel image, as the image's own mapping places it)
+        # until the kernel has its own.
+        text = self.symbols.address("_text")
+        self.kernel.early_root = self.mem.pgd + text - self.mem.virt_to_phys(text)
         self._probing(phys, doorbell)
+        # First, so that the user's probes there read through the tables it switches to.
+        self.kprobes.register_kprobe(InternalProbe("start_kernel", anywhere=True, pre_handler=self._kernel_tables))
         plan.arm(self)
+
+    def _kernel_tables(self, kp: Kprobe, regs: PtRegs) -> int:
+        """At start_kernel (stop loop): x86_64_start_kernel has put the kernel image's mapping into the
+        kernel's own page tables, which setup_arch completes and switches to, and boot is about to clear
+        the early ones: reads go through the kernel's own from here on."""
+        paging = self.mem.paging
+        if paging.kernel_root_symbol in self.symbols:
+            self.mem.pgd = self.mem.virt_to_phys(self.symbols.address(paging.kernel_root_symbol))
+            self.kernel.reopen()
+        self.kprobes.unregister_kprobe(kp)
+        return 0
 
     def _after_boot(self) -> None:
         """The kernel has booted to its shell (stop loop): its own page tables, command line and

@@ -185,7 +185,8 @@ def _check_symbols(args: argparse.Namespace, events: list[ProbeEvent]) -> None:
     prob = _host_probeability(args) if named else None
     if prob is None:
         return
-    prob.anywhere = getattr(args, "anywhere", False)
+    prob.anywhere = getattr(args, "anywhere", False) or getattr(args, "boot", False)
+    prob.symbols.init_text = getattr(args, "boot", False)  # __init functions run during the boot
     for ev in named:
         try:
             check_probe_symbol(prob, ev.symbol or "", ev.offset)
@@ -209,14 +210,16 @@ def _arm(target: Target, text: str, callback: Callable[[EventHit], None] | None 
     return found.events
 
 
-def _boot(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _boot(args: argparse.Namespace, at_boot: Callable[[Target], None] | None = None):  # type: ignore[no-untyped-def]
+    """The target: attached, or booted (``at_boot``: armed before the kernel's first instruction)."""
     import qprobe
 
     transport = getattr(args, "transport", "rsp")
     if getattr(args, "attach", None) is not None:  # an empty --attach is an error, not a reason to boot
         return qprobe.attach(args.attach, args.vmlinux, allow_remote=args.allow_remote, transport=transport)
     _check_image(args)
-    return qprobe.boot(args.image, smp=args.smp, memory=args.memory, files=_files(args.file), transport=transport)
+    return qprobe.boot(args.image, smp=args.smp, memory=args.memory, files=_files(args.file), transport=transport,
+                       cmdline=getattr(args, "cmdline", ""), at_boot=at_boot)  # fmt: skip
 
 
 def cmd_boot(args: argparse.Namespace) -> int:
@@ -339,6 +342,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
             raise QprobeError("--map prints a map instead of lines: not with --json or --format")
         agg, every = parse_map(args.map)
     cpid_filter = args.filter is not None and "$cpid" in args.filter
+    if args.boot and (args.attach is not None or args.map is not None or cpid_filter):
+        raise QprobeError("--boot traces from the kernel's first instruction on a VM it boots: not with --attach, "
+                          "--map or $cpid")  # fmt: skip
     if cpid_filter and not args.run:
         raise QprobeError("$cpid is the pid of --run's command: give --run CMD")
     # The filter as it is checked before boot; one naming $cpid is set on the events once the command forks.
@@ -353,8 +359,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
     def show(hit: EventHit) -> None:
         # With --run only the command's hits; those before its process tree is followed (the guest shell
-        # reading the line that asks for its pid) are not.
-        if args.run and (tree is None or not tree.owns(hit)):
+        # reading the line that asks for its pid) are not.  With --boot every hit: the boot's come first.
+        if args.run and not args.boot and (tree is None or not tree.owns(hit)):
             return
         with lock:
             shown[hit.event] += 1
@@ -387,7 +393,14 @@ def cmd_trace(args: argparse.Namespace) -> int:
     _check_symbols(args, parsed)
     _say_booting(args)
     status = 0
-    with _boot(args) as target:
+    at_boot: list[TraceEvent] = []
+
+    def arm_at_boot(target: Target) -> None:  # before the kernel's first instruction: stub breakpoints
+        at_boot.extend(te for text in args.events
+                       for te in _arm(target, text, lambda hit: target.timeline.push(hit.order, lambda: show(hit)),
+                                      flt, anywhere=True))  # fmt: skip
+
+    with _boot(args, arm_at_boot if args.boot else None) as target:
 
         def in_order(hit: EventHit) -> None:  # printed in the guest's order of hits, whatever their path
             target.timeline.push(hit.order, lambda: show(hit))
@@ -395,8 +408,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
         if args.lossy:
             target.records_lossy = True
         lines = in_order if agg is None else None
-        events = [te for text in args.events
-                  for te in _arm(target, text, lines, None if cpid_filter else flt, args.anywhere)]  # fmt: skip
+        flt_now = None if cpid_filter else flt
+        events = at_boot if args.boot else [te for text in args.events
+                                            for te in _arm(target, text, lines, flt_now, args.anywhere)]  # fmt: skip
 
         def on_root(cpid: int) -> None:
             if cpid_filter:
@@ -635,6 +649,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("trace", help="trace kprobe_events definitions, one line per hit (ftrace format)")
     _target_options(p)
     p.add_argument("--run", metavar="CMD", help="run CMD in the guest while tracing, then stop")
+    p.add_argument("--boot", action="store_true",
+                   help="arm the events before the kernel's first instruction (QEMU's breakpoints, as --anywhere) "
+                   "and trace its boot from start_kernel on, __init functions too; then --run/--duration as usual, "
+                   "every hit printed")  # fmt: skip
+    p.add_argument(
+        "--cmdline",
+        default="",
+        metavar="ARGS",
+        help="more kernel command line for the VM it boots (e.g. initcall_debug)",
+    )
     p.add_argument(
         "--duration", type=_number(float, 0.001, 1e7), metavar="S", help="trace for S seconds (default: until Ctrl-C)"
     )

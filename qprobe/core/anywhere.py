@@ -29,6 +29,10 @@ from qprobe.vmm.gdbremote import BREAK_HW
 from qprobe.vmm.machine import Machine
 
 
+class InternalProbe(Kprobe):
+    """A stub probe of qprobe's own (a return site, a boot milestone): in no listing, no user's."""
+
+
 @dataclass
 class StubPoint:
     """One address with a stub breakpoint, and the probes on it (the kernel's aggregate probe)."""
@@ -126,4 +130,4 @@ class StubProbes:
             self.machine.gdb.write_registers(tid, changed)
 
 
-__all__ = ["StubPoint", "StubProbes"]
+__all__ = ["InternalProbe", "StubPoint", "StubProbes"]

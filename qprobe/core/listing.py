@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from qprobe.core.anywhere import InternalProbe
 from qprobe.core.kprobes import KprobeManager
-from qprobe.core.stubreturns import ReturnSite
 
 
 def list_probes(km: KprobeManager, sync: bool = True) -> str:
@@ -15,7 +15,7 @@ def list_probes(km: KprobeManager, sync: bool = True) -> str:
     for addr in sorted(km.stubs.points):  # the kernel's list has no such probe: its own flag
         stub = km.stubs.points[addr]
         for kp in stub.probes:
-            if isinstance(kp, ReturnSite):  # where a return probe's calls return: the probe is listed at its entry
+            if isinstance(kp, InternalProbe):  # qprobe's own (a return probe's return site: listed at its entry)
                 continue
             kind = "r" if kp.kretprobe is not None else "k"
             lines.append(f"{addr:016x}  {kind}  {stub.where}    [ANYWHERE]" + ("[DISABLED]" if kp.disabled else ""))

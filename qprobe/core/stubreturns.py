@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from qprobe.arch import Arch
+from qprobe.core.anywhere import InternalProbe
 from qprobe.core.kprobe import Kprobe
 from qprobe.core.regs import PtRegs
 from qprobe.errors import QprobeError
@@ -79,8 +80,8 @@ class StubReturn:
         self.registered = False
 
 
-class ReturnSite(Kprobe):
-    """The internal probe on a return address (listings leave it out: it is no user's probe)."""
+class ReturnSite(InternalProbe):
+    """The internal probe on a return address."""
 
     def __init__(self, addr: int, pre_handler: Callable[[Kprobe, PtRegs], int]) -> None:
         super().__init__(addr=addr, anywhere=True, pre_handler=pre_handler)

@@ -333,6 +333,7 @@ class Target(ProbeAPI, EventAPI):
         self._probing(phys, doorbell)
         # First, so that the user's probes there read through the tables it switches to.
         self.kprobes.register_kprobe(InternalProbe("start_kernel", anywhere=True, pre_handler=self._kernel_tables))
+        self.kprobes.register_kprobe(InternalProbe("free_initmem", anywhere=True, pre_handler=self._init_freed))
         plan.arm(self)
 
     def _kernel_tables(self, kp: Kprobe, regs: PtRegs) -> int:
@@ -344,6 +345,18 @@ class Target(ProbeAPI, EventAPI):
             self.mem.pgd = self.mem.virt_to_phys(self.symbols.address(paging.kernel_root_symbol))
             self.kernel.reopen()
         self.kprobes.unregister_kprobe(kp)
+        return 0
+
+    def _init_freed(self, kp: Kprobe, regs: PtRegs) -> int:
+        """At free_initmem (stop loop): __init text is about to go.  Its probes are retired as the kernel's
+        kprobe_free_init_mem retires its own there (listed [GONE], counts kept), the calls in flight that
+        would return into it forgotten, and no probe may go there any more."""
+        gone = self.symbols.is_init_text
+        self.kretprobes.stub_returns.retire(gone)
+        n = self.kprobes.stubs.retire(gone)
+        self.symbols.init_text = False
+        self.kprobes.unregister_kprobe(kp)
+        log.debug("__init text freed: %d probes there retired", n)
         return 0
 
     def _after_boot(self) -> None:

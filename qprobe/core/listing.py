@@ -18,7 +18,8 @@ def list_probes(km: KprobeManager, sync: bool = True) -> str:
             if isinstance(kp, InternalProbe):  # qprobe's own (a return probe's return site: listed at its entry)
                 continue
             kind = "r" if kp.kretprobe is not None else "k"
-            lines.append(f"{addr:016x}  {kind}  {stub.where}    [ANYWHERE]" + ("[DISABLED]" if kp.disabled else ""))
+            flags = "[GONE]" if kp.gone else "[DISABLED]" if kp.disabled else ""
+            lines.append(f"{addr:016x}  {kind}  {stub.where}    [ANYWHERE]{flags}")
     for addr in sorted(km.points):
         point = km.points[addr]
         for kp in point.probes:

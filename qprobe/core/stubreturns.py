@@ -145,6 +145,12 @@ class StubReturns:
             del self.sites[inst.ret_addr]
             self.stubs.unregister(site)
 
+    def retire(self, gone: Callable[[int], bool]) -> None:
+        """Forget the calls in flight that would return to addresses ``gone`` says are no longer text."""
+        for site in [site for addr, site in self.sites.items() if gone(addr)]:
+            for inst in list(site.instances):
+                self.discard(inst)
+
     def _returned(self, _kp: Kprobe, regs: PtRegs) -> int:
         """A vCPU on a return site: run the calls of its key returning here with its stack pointer."""
         site = self.sites.get(regs.ip)

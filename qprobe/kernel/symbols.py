@@ -318,6 +318,11 @@ class Symbols:
     def section(self, name: str) -> Section | None:
         return next((s for s in self.sections if s.name == name), None)
 
+    def is_init_text(self, addr: int) -> bool:
+        """Whether ``addr`` is in vmlinux's __init text (freed once the kernel has booted)."""
+        sec = self.section_at(addr)
+        return sec is not None and sec.executable and sec.name.startswith(".init")
+
     def section_at(self, addr: int) -> Section | None:
         link = addr - self.slide
         return next((s for s in self.sections if s.addr and s.addr <= link < s.addr + s.size), None)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+import qprobe
+
 from .conftest import IMAGE
 
 pytestmark = pytest.mark.vm
@@ -91,3 +93,25 @@ def test_boot_trace_lists_the_kernel_s_initcalls_and_its_cpus_bring_up() -> None
     assert [h["cpu"] for h in starts] == [0]
     assert sorted(h["cpu"] for h in secondaries) == list(range(1, SMP))
     assert hits[0]["event"] == "sk"  # before anything else traced
+
+
+def test_probes_in_init_text_are_retired_when_the_kernel_frees_it() -> None:
+    # kernel_init_freeable is __init and runs once (kernel_init calls it, then frees __init memory);
+    # start_kernel is __init too, entered once; do_one_initcall is kept text.
+    init_fn = qprobe.Kprobe("kernel_init_freeable")
+    boot_fn = qprobe.Kprobe("start_kernel")
+    kept = qprobe.Kprobe("do_one_initcall")
+    with qprobe.boot(IMAGE, probes=[init_fn, boot_fn, kept]) as target:
+        listing = target.list_probes()
+        assert init_fn.gone and boot_fn.gone and not kept.gone, listing
+        assert init_fn.nhit == 1 and boot_fn.nhit == 1  # counts kept
+        lines = {line.split()[2]: line for line in listing.splitlines()}
+        assert lines["kernel_init_freeable+0x0"].endswith("[ANYWHERE][GONE]"), listing
+        assert lines["do_one_initcall+0x0"].endswith("[ANYWHERE]"), listing
+        before = kept.nhit
+        target.run("true")
+        assert kept.nhit == before  # no initcall after boot: the kept probe is armed, and quiet
+        with pytest.raises(qprobe.QprobeError, match="not in kernel text"):
+            target.register_kprobe(qprobe.Kprobe("kernel_init_freeable", anywhere=True))
+        target.unregister_kprobe(init_fn)
+        assert "kernel_init_freeable" not in target.list_probes()

@@ -216,3 +216,16 @@ def test_an_anywhere_kretprobe_sees_its_return_value_with_the_stack_untouched() 
     assert rpm.live_instances(rp) == [] and bytes(t.mem.ram[TEXT_PHYS : TEXT_PHYS + TEXT_SIZE]) == text
     rpm.unregister_kretprobe(rp)
     assert t.cpu.breakpoints == [] and t.machine.stop_handlers == {}
+
+
+def test_retiring_freed_text_flags_its_probes_gone_and_forgets_calls_returning_there(w: World) -> None:
+    site = w.caller + 4
+    w.call(A, site, TOP, task=7)
+    freed = {w.callee, site}  # the callee and its caller's text go (an __init function, its caller too)
+    w.returns.retire(freed.__contains__)
+    retired = w.rig.km.stubs.retire(freed.__contains__)
+    assert retired == 1 and w.entry.gone and w.entry.nhit == 1  # kill_kprobe: the count kept
+    assert w.rig.t.cpu.breakpoints == [] and w.rp.live == [] and w.returns.sites == {}
+    assert list_probes(w.rig.km).endswith("[ANYWHERE][GONE]\n")
+    w.rig.km.unregister_kprobe(w.entry)  # a gone probe still unregisters
+    assert list_probes(w.rig.km) == ""

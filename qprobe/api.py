@@ -282,7 +282,7 @@ class Target(ProbeAPI, EventAPI):
         self.clock_note = "the probes were armed before the guest's clocks ran (boot-time probes)"
         self.machine = Machine(self.gdb, self.mem, self.journal, self.arch.registers.pc, paused=True)
         self._machine_set(phys)
-        slide = BootSlide(self.machine, self.symbols, self.arch, image_alignment(plan.image))
+        slide = BootSlide(self.machine, self.symbols, self.arch, image_alignment(plan.image), plan.cmdline)
         self.boot_slide = slide
         found = threading.Event()
         failed: list[BaseException] = []

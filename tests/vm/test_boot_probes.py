@@ -6,7 +6,9 @@ returned R after N usecs`` after); probes on ``do_one_initcall``'s entry (its
 function argument as a symbol) and return (``$retval``), armed before the kernel's
 first instruction, must list the same initcalls in the same order with the same
 return values.  ``start_kernel`` runs once, on the boot CPU; ``start_secondary``
-once on every other vCPU.
+once on every other vCPU.  The kernel's own boot-time event (``kprobe_event=`` on
+the command line) on ``do_one_initcall`` starts counting once ``init_kprobe_trace``
+(an fs_initcall) has created it: it counts the calls qprobe saw after that one.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import pytest
 import qprobe
 
 from .conftest import IMAGE
+from .guest_oracle import TRACING
 
 pytestmark = pytest.mark.vm
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,6 +35,12 @@ SMP = 2
 # A line's timestamp is there with CONFIG_PRINTK_TIME.
 CALLING = re.compile(r"^(?:\[[^]]*\] )?calling  (\S+) @ (\d+)$", re.M)
 RETURNED = re.compile(r"^(?:\[[^]]*\] )?initcall (\S+) returned (-?\d+) after \d+ usecs$", re.M)
+
+
+# The kernel's log, then its boot-time event's count (a kernel without kprobe events says so).
+GUEST = (f"dmesg; if [ -e {TRACING}/kprobe_profile ]; then cat {TRACING}/kprobe_profile; "
+         "else echo no kprobe events; fi")  # fmt: skip
+PROFILE = re.compile(r"^\s*kic\s+(\d+)\s+(\d+)$", re.M)
 
 
 def _s32(value: int) -> int:
@@ -65,7 +74,7 @@ def _kernel_initcalls(dmesg: str) -> list[tuple[str, int]]:
 def test_boot_trace_lists_the_kernel_s_initcalls_and_its_cpus_bring_up() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "qprobe.cli", "trace", "--image", IMAGE, "--smp", str(SMP), "--boot", "--json",
-         "--cmdline", "initcall_debug log_buf_len=8M", "--run", "dmesg",
+         "--cmdline", "initcall_debug log_buf_len=8M kprobe_event=p:kic,do_one_initcall", "--run", GUEST,
          "p:ic do_one_initcall fn=%di:symbol", "r:icr do_one_initcall ret=$retval",
          "p:sk start_kernel", "p:ss start_secondary"],
         capture_output=True, text=True, timeout=900, cwd=ROOT,
@@ -93,6 +102,16 @@ def test_boot_trace_lists_the_kernel_s_initcalls_and_its_cpus_bring_up() -> None
     assert [h["cpu"] for h in starts] == [0]
     assert sorted(h["cpu"] for h in secondaries) == list(range(1, SMP))
     assert hits[0]["event"] == "sk"  # before anything else traced
+
+    profile = PROFILE.search(out.stderr)
+    created = [i for i, fn in enumerate(calls) if fn.startswith("init_kprobe_trace+")]
+    if not created:  # a kernel without kprobe events (minimal-6.12)
+        assert profile is None and "no kprobe events" in out.stderr, out.stderr[-2000:]
+        return
+    assert profile is not None, out.stderr[-2000:]
+    after = created[0] + 1
+    assert int(profile.group(1)) == len(calls) - after > 0
+    assert int(profile.group(2)) == 0  # the kernel's own missed none either
 
 
 def test_probes_in_init_text_are_retired_when_the_kernel_frees_it() -> None:

@@ -667,7 +667,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--anywhere", action="store_true",
                    help="arm the probes with QEMU's own breakpoints, writing nothing into the guest: also on the "
                    "kernel's blacklist (entry text, noinstr, the int3/NMI paths) and notrace functions; two VM "
-                   "stops a hit, no return probes")  # fmt: skip
+                   "stops a hit (return probes too: the return caught where it lands)")  # fmt: skip
     p.add_argument("--lossy", action="store_true",
                    help="drop a hit's record when its CPU's ring is full and count it lost, as perf and bpftrace "
                    "do (default: the hitting vCPU waits for qprobe to drain the ring, so no line is lost)")  # fmt: skip
@@ -701,7 +701,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--anywhere", action="store_true",
                    help="arm the probes with QEMU's own breakpoints, writing nothing into the guest: also on the "
                    "kernel's blacklist (entry text, noinstr, the int3/NMI paths) and notrace functions; two VM "
-                   "stops a hit, no return probes")  # fmt: skip
+                   "stops a hit (return probes too: the return caught where it lands)")  # fmt: skip
     p.add_argument(
         "events",
         nargs="*",

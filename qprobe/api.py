@@ -21,6 +21,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING
@@ -29,20 +30,31 @@ import drgn
 
 from qprobe.arch import Arch
 from qprobe.arch.select import arch_named, arch_of_machine
+from qprobe.core.anywhere import InternalProbe
+from qprobe.core.kprobe import Kprobe
 from qprobe.core.kprobes import KprobeManager
 from qprobe.core.kretprobe import KretprobeManager
 from qprobe.core.recovery import recover
 from qprobe.core.regs import PtRegs
 from qprobe.core.uprobes import UprobeManager
 from qprobe.core.watchpoint import Watchpoints
-from qprobe.errors import BootPanic, GuestPanicked, QprobeError, SymbolError, TargetError, TargetGone
+from qprobe.errors import (
+    BootPanic,
+    GuestPanicked,
+    QprobeError,
+    SymbolError,
+    TargetError,
+    TargetGone,
+    VmlinuxMismatch,
+)
 from qprobe.eventapi import EventAPI
 from qprobe.events.clock import HitClock
 from qprobe.events.kprobe import KprobeBackend
 from qprobe.events.timeline import Timeline
 from qprobe.events.uprobe import UprobeBackend
+from qprobe.kernel.bootslide import BootSlide
 from qprobe.kernel.features import fully_preemptible
-from qprobe.kernel.kaslr import detect_slide
+from qprobe.kernel.kaslr import check_slide, detect_slide, image_alignment
 from qprobe.kernel.program import KernelData, Stack, Task
 from qprobe.kernel.symbols import Symbols, elf_machine
 from qprobe.paths import cache_dir, write_private
@@ -114,13 +126,24 @@ class _StubPhys:
         return self.machine.call(read) if self.machine is not None else read()
 
 
+@dataclass(frozen=True)
+class BootPlan:
+    """What a Target whose QEMU starts halted (-S) does before the kernel's first instruction."""
+
+    arm: Callable[[Target], None]  # registers the boot-time probes (stub breakpoints: nothing else works yet)
+    image: Path  # the kernel image QEMU boots: its KASLR alignment
+    cmdline: str  # the kernel command line QEMU gives it
+
+
 class Target(ProbeAPI, EventAPI):
     """A running guest kernel under qprobe's control."""
 
     def __init__(self, gdb_address: str, vmlinux: str | Path, *, ram: Path | None = None, ram_size: int = 0,
                  console: Path | None = None, qemu: QemuProcess | None = None,
                  boot_timeout: float = 60.0, doorbell: Path | None = None, shell: Path | None = None,
-                 system_map: Path | None = None, transport: str = "rsp") -> None:  # fmt: skip
+                 system_map: Path | None = None, transport: str = "rsp",
+                 boot: BootPlan | None = None) -> None:  # fmt: skip
+        """``boot``: the QEMU was started halted (-S); probe the kernel from its first instructions on."""
         self.qemu = qemu
         self.image: Image | None = None  # set by boot(); None when attached to a foreign QEMU
         self.events: dict[str, TraceEvent] = {}
@@ -138,6 +161,8 @@ class Target(ProbeAPI, EventAPI):
             loader.start()
             if console is not None:
                 self.console = Console(console, alive)
+            if console is not None and boot is None:
+                assert self.console is not None
                 try:
                     # A VM qprobe did not boot has its shell ready already: no boot to wait for.
                     self.guest_shell = open_shell(self.console, shell, alive, boot_timeout if qemu else None)
@@ -163,6 +188,13 @@ class Target(ProbeAPI, EventAPI):
             self.timings["symbols"] = self._symbol_time
             if vmlinux_arch(self.symbols).name != self.arch.name:
                 raise TargetError(f"{self.symbols.path.name} is not a vmlinux for {self.arch.name}")
+            if boot is not None:
+                if qemu is None or isinstance(self.gdb, GdbMiRemote):
+                    raise TargetError("boot-time probes need qprobe's own QEMU and its own gdbstub client (rsp)")
+                self._boot_halted(boot, phys, doorbell, shell, boot_timeout)
+                self.timings["attach"] = time.monotonic() - t0 - self.timings["boot"]
+                _register_cleanup(self)
+                return
             paging.learn(self.symbols.__contains__)
             self.mem.pgd = self.mem.pgd_of(root)
             self.slide = detect_slide(self.symbols, self.mem, self.console.text if self.console else "")
@@ -189,30 +221,8 @@ class Target(ProbeAPI, EventAPI):
             self.recovered = recover(self.gdb, self.kernel, self.arch, self.journal,
                                      fully_preemptible(self.symbols, self.cmdline))  # fmt: skip
             self.machine = Machine(self.gdb, self.mem, self.journal, self.arch.registers.pc)
-            self.machine.exit_hint = self._exit_hint
-            if isinstance(phys, SharedRam) and phys.writable:
-                self.machine.data_writer = phys
-            if isinstance(phys, _StubPhys):
-                phys.machine = self.machine
-            reservation = memmap_reservation(self.cmdline)
-            if reservation is None:
-                raise TargetError(
-                    "the kernel was not booted with a memmap=2M$ADDR reservation, which qprobe needs for "
-                    "its scratch area: add e.g. memmap=2M$0x1e000000 to the kernel command line"
-                )
-            self.scratch = ScratchArea(self.machine, reservation[0], self.symbols.address("_end"), reservation[1])
-            self.kprobes = KprobeManager(self.machine, self.kernel, self.scratch, self.arch,
-                                         phys if isinstance(phys, SharedRam) else None,
-                                         str(doorbell) if doorbell else None,
-                                         fully_preemptible(self.symbols, self.cmdline))  # fmt: skip
-            self.kretprobes = KretprobeManager(self.kprobes)
-            self.uprobes = UprobeManager(self.machine, self.arch, self.kernel, self.kprobes.handlers,
-                                         self.kprobes.make_regs, self.kprobes.dispatcher.step,
-                                         self.kprobes.register_kprobe, self.kprobes.unregister_kprobe)  # fmt: skip
-            self.kprobe_backend = KprobeBackend(self.kprobes, self.kretprobes)  # what kprobe events hold probes by
-            self.uprobe_backend = UprobeBackend(self.uprobes)  # and uprobe events theirs
-            self.clock = HitClock(self.kernel, self.machine, self.timeline)  # when each event hit happened
-            self.watchpoints = Watchpoints(self.machine, self.symbols, self.kprobes.handlers, self.kprobes.make_regs)
+            self._machine_set(phys)
+            self._probing(phys, doorbell)
             self.timings["attach"] = time.monotonic() - t0
         except BaseException as exc:
             kept = self._keep_console_log()
@@ -223,6 +233,152 @@ class Target(ProbeAPI, EventAPI):
         _register_cleanup(self)
 
     _symbol_time = 0.0
+
+    def _machine_set(self, phys: PhysReader) -> None:
+        self.machine.exit_hint = self._exit_hint
+        if isinstance(phys, SharedRam) and phys.writable:
+            self.machine.data_writer = phys
+        if isinstance(phys, _StubPhys):
+            phys.machine = self.machine
+
+    def _probing(self, phys: PhysReader, doorbell: Path | None) -> None:
+        """The probe managers, once the kernel's slide and command line are known."""
+        reservation = memmap_reservation(self.cmdline)
+        if reservation is None:
+            raise TargetError(
+                "the kernel was not booted with a memmap=2M$ADDR reservation, which qprobe needs for "
+                "its scratch area: add e.g. memmap=2M$0x1e000000 to the kernel command line"
+            )
+        self.scratch = ScratchArea(self.machine, reservation[0], self.symbols.address("_end"), reservation[1])
+        self.kprobes = KprobeManager(self.machine, self.kernel, self.scratch, self.arch,
+                                     phys if isinstance(phys, SharedRam) else None,
+                                     str(doorbell) if doorbell else None,
+                                     fully_preemptible(self.symbols, self.cmdline))  # fmt: skip
+        self.kretprobes = KretprobeManager(self.kprobes)
+        self.uprobes = UprobeManager(self.machine, self.arch, self.kernel, self.kprobes.handlers,
+                                     self.kprobes.make_regs, self.kprobes.dispatcher.step,
+                                     self.kprobes.register_kprobe, self.kprobes.unregister_kprobe)  # fmt: skip
+        self.kprobe_backend = KprobeBackend(self.kprobes, self.kretprobes)  # what kprobe events hold probes by
+        self.uprobe_backend = UprobeBackend(self.uprobes)  # and uprobe events theirs
+        self.clock = HitClock(self.kernel, self.machine, self.timeline)  # when each event hit happened
+        self.watchpoints = Watchpoints(self.machine, self.symbols, self.kprobes.handlers, self.kprobes.make_regs)
+
+    # -- boot-time probes ------------------------------------------------------------
+    def _boot_halted(self, plan: BootPlan, phys: PhysReader, doorbell: Path | None, shell: Path | None,
+                     boot_timeout: float) -> None:  # fmt: skip
+        """Probe a kernel that has not run yet: find its slide as it boots, arm ``plan``'s probes there.
+
+        Until the kernel has run, its page tables, command line and random values are not in memory:
+        what the attach path reads of them is taken from QEMU's configuration (the command line), from
+        the boot CPU at the slide's stop (the page tables) or once the guest's shell is up (the rest).
+        """
+        assert self.qemu is not None
+        sweep_journals()
+        self.cmdline = plan.cmdline  # the kernel's saved_command_line is start_kernel's
+        self.slide = 0
+        self.recovered = 0  # a VM that has not run holds nothing of an earlier qprobe
+        qemu_pid = self.qemu.proc.pid
+        # Its name until the kernel has drawn the values vm_identity reads (_after_boot renames it).
+        self.journal = Journal(f"{self.symbols.build_id}-boot-{qemu_pid}", process_identity(qemu_pid))
+        self.kernel = KernelData(self.symbols, self.mem, self.arch)
+        self.machine = Machine(self.gdb, self.mem, self.journal, self.arch.registers.pc, paused=True)
+        self._machine_set(phys)
+        slide = BootSlide(self.machine, self.symbols, self.arch, image_alignment(plan.image), plan.cmdline)
+        self.boot_slide = slide
+        found = threading.Event()
+        failed: list[BaseException] = []
+
+        def on_found(tid: str, regs: dict[str, int], at: int) -> None:
+            try:
+                self._armed_at_boot(regs, at, plan, phys, doorbell)
+            except BaseException as exc:  # the main thread raises it; the kernel boots on unprobed meanwhile
+                failed.append(exc)
+            finally:
+                found.set()
+
+        self.machine.call(lambda: slide.arm(on_found))
+        t0 = time.monotonic()
+        self.machine.resume()
+        while not found.wait(LIVENESS_POLL):
+            self.machine.check_alive()
+            if time.monotonic() - t0 > boot_timeout:
+                raise TargetError(f"the kernel did not reach {self.symbols.symbolize(slide.entry)} at any of "
+                                  f"{len(slide.slides)} slides within {boot_timeout:.0f} s")  # fmt: skip
+        if failed:
+            raise failed[0]
+        if self.console is not None:
+            try:
+                self.guest_shell = open_shell(self.console, shell, self.qemu.alive, boot_timeout)
+            except GuestPanicked as exc:
+                raise BootPanic(str(exc)) from None
+        self.timings["boot"] = time.monotonic() - t0
+        self.machine.call(self._after_boot)
+
+    def _armed_at_boot(self, regs: dict[str, int], slide: int, plan: BootPlan, phys: PhysReader,
+                       doorbell: Path | None) -> None:  # fmt: skip
+        """The boot CPU on its first virtual instruction (stop loop): the kernel's page tables are its,
+        the slide known; the probes go in before it runs on."""
+        paging = self.arch.page_tables(regs)
+        paging.learn(self.symbols.__contains__)
+        self.mem.paging = paging
+        self.mem.pgd = self.mem.pgd_of(regs[self.arch.registers.page_table])
+        if not check_slide(self.symbols, self.mem, slide):
+            raise VmlinuxMismatch(f"{self.symbols.path.name} is not the kernel that boots: its banner and "
+                                  f"build-id are not at slide {slide:#x}")  # fmt: skip
+        self.symbols.slide = self.slide = slide
+        self.symbols.init_text = True
+        # drgn walks the boot CPU's page tables (in the kernel image, as the image's own mapping places it)
+        # until the kernel has its own.
+        text = self.symbols.address("_text")
+        self.kernel.early_root = self.mem.pgd + text - self.mem.virt_to_phys(text)
+        self._probing(phys, doorbell)
+        # The guest's clocks do not run until start_kernel has set them up: hits are timed by the host's.
+        self.clock.host_only("the probes were armed before the guest's clocks ran (boot-time probes)")
+        # First, so that the user's probes there read through the tables it switches to.
+        self.kprobes.register_kprobe(InternalProbe("start_kernel", anywhere=True, pre_handler=self._kernel_tables))
+        self.kprobes.register_kprobe(InternalProbe("free_initmem", anywhere=True, pre_handler=self._init_freed))
+        plan.arm(self)
+
+    def _kernel_tables(self, kp: Kprobe, regs: PtRegs) -> int:
+        """At start_kernel (stop loop): x86_64_start_kernel has put the kernel image's mapping into the
+        kernel's own page tables, which setup_arch completes and switches to, and boot is about to clear
+        the early ones: reads go through the kernel's own from here on."""
+        paging = self.mem.paging
+        if paging.kernel_root_symbol in self.symbols:
+            self.mem.pgd = self.mem.virt_to_phys(self.symbols.address(paging.kernel_root_symbol))
+            self.kernel.reopen()
+        self.kprobes.unregister_kprobe(kp)
+        return 0
+
+    def _init_freed(self, kp: Kprobe, regs: PtRegs) -> int:
+        """At free_initmem (stop loop): __init text is about to go.  Its probes are retired as the kernel's
+        kprobe_free_init_mem retires its own there (listed [GONE], counts kept), the calls in flight that
+        would return into it forgotten, and no probe may go there any more."""
+        gone = self.symbols.is_init_text
+        self.kretprobes.stub_returns.retire(gone)
+        n = self.kprobes.stubs.retire(gone)
+        self.symbols.init_text = False
+        self.kprobes.unregister_kprobe(kp)
+        log.debug("__init text freed: %d probes there retired", n)
+        return 0
+
+    def _after_boot(self) -> None:
+        """The kernel has booted to its shell (stop loop): its own page tables, command line and
+        drawn values as an attach would read them."""
+        paging = self.mem.paging
+        # The early page tables the slide was found through are gone: walk a vCPU's, then the kernel's own.
+        self.mem.pgd = self.mem.pgd_of(self.gdb.read_registers(self.machine.vcpus[0])[self.arch.registers.page_table])
+        if paging.kernel_root_symbol in self.symbols:
+            self.mem.pgd = self.mem.virt_to_phys(self.symbols.address(paging.kernel_root_symbol))
+        self.cmdline = self._read_cmdline()
+        self.kernel.reopen()
+        assert self.qemu is not None
+        journal = Journal(vm_identity(self.symbols, self.slide, self.mem), self.journal.qemu)
+        for patch in self.journal.patches.values():
+            journal.record(patch)
+        self.journal.clear()
+        self.journal = self.machine.journal = journal
+        self.qemu.remove_with_vm(journal.files())
 
     def _read_cmdline(self) -> str:
         ptr = self.mem.read_u64(self.symbols.address("saved_command_line"))
@@ -547,4 +703,4 @@ def _close_all() -> None:
         t.close()
 
 
-__all__ = ["UNWIND_SIGNALS", "Target", "arch_of", "open_stub", "unwind_on_signal", "vm_identity"]
+__all__ = ["UNWIND_SIGNALS", "BootPlan", "Target", "arch_of", "open_stub", "unwind_on_signal", "vm_identity"]

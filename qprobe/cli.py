@@ -198,7 +198,8 @@ def _check_symbols(args: argparse.Namespace, events: list[ProbeEvent]) -> None:
     prob = _host_probeability(args) if named else None
     if prob is None:
         return
-    prob.anywhere = getattr(args, "anywhere", False)
+    prob.anywhere = getattr(args, "anywhere", False) or getattr(args, "boot", False)
+    prob.symbols.init_text = getattr(args, "boot", False)  # __init functions run during the boot
     for ev in named:
         try:
             check_probe_symbol(prob, ev.symbol or "", ev.offset)
@@ -223,14 +224,16 @@ def _arm(target: Target, definition: str | ProbeEvent, callback: Callable[[Event
     return found.events
 
 
-def _boot(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _boot(args: argparse.Namespace, at_boot: Callable[[Target], None] | None = None):  # type: ignore[no-untyped-def]
+    """The target: attached, or booted (``at_boot``: armed before the kernel's first instruction)."""
     import qprobe
 
     transport = getattr(args, "transport", "rsp")
     if getattr(args, "attach", None) is not None:  # an empty --attach is an error, not a reason to boot
         return qprobe.attach(args.attach, args.vmlinux, allow_remote=args.allow_remote, transport=transport)
     _check_image(args)
-    return qprobe.boot(args.image, smp=args.smp, memory=args.memory, files=_files(args.file), transport=transport)
+    return qprobe.boot(args.image, smp=args.smp, memory=args.memory, files=_files(args.file), transport=transport,
+                       cmdline=getattr(args, "cmdline", ""), at_boot=at_boot)  # fmt: skip
 
 
 def cmd_boot(args: argparse.Namespace) -> int:
@@ -353,6 +356,9 @@ class _Trace:
         self.cpid_filter = args.filter is not None and "$cpid" in args.filter
         if self.cpid_filter and not args.run:
             raise QprobeError("$cpid is the pid of --run's command: give --run CMD")
+        if getattr(args, "boot", False) and (args.attach is not None or args.map is not None or self.cpid_filter):
+            raise QprobeError("--boot traces from the kernel's first instruction on a VM it boots: not with "
+                              "--attach, --map or $cpid")  # fmt: skip
         # The filter as it is checked before boot; one naming $cpid is set on the events once the command forks.
         self.filter: str | None = args.filter.replace("$cpid", "0") if self.cpid_filter else args.filter
 
@@ -370,8 +376,8 @@ class _Trace:
 
     def show(self, hit: EventHit) -> None:
         """One hit's line: with --run only the command's (those before its process tree is followed, the
-        guest shell reading the line that asks for its pid, are not)."""
-        if self.args.run and (self.tree is None or not self.tree.owns(hit)):
+        guest shell reading the line that asks for its pid, are not); with --boot every hit, the boot's first."""
+        if self.args.run and not getattr(self.args, "boot", False) and (self.tree is None or not self.tree.owns(hit)):
             return
         with self.lock:
             self.shown[hit.event] += 1
@@ -410,10 +416,15 @@ def cmd_trace(args: argparse.Namespace) -> int:
     trace = _Trace(args)
     definitions = _check_definitions(args, trace)
     _say_booting(args)
-    with _boot(args) as target:
+    at_boot: list[TraceEvent] = []
+
+    def arm_at_boot(target: Target) -> None:  # before the kernel's first instruction: stub breakpoints
+        at_boot.extend(_arm_traced(target, definitions, trace, anywhere=True))
+
+    with _boot(args, arm_at_boot if args.boot else None) as target:
         if args.lossy:
             target.records_lossy = True
-        events = _arm_traced(target, definitions, trace)
+        events = at_boot if args.boot else _arm_traced(target, definitions, trace)
         status = 0
         try:
             status = _collect(target, events, trace)
@@ -504,8 +515,10 @@ def _user_forms(target: Target, definitions: list[str | ProbeEvent], quiet: bool
     return out
 
 
-def _arm_traced(target: Target, definitions: list[str | ProbeEvent], trace: _Trace) -> list[TraceEvent]:
-    """Every definition's events, their hits printed in the guest's order of hits (or folded into the map)."""
+def _arm_traced(target: Target, definitions: list[str | ProbeEvent], trace: _Trace,
+                anywhere: bool | None = None) -> list[TraceEvent]:  # fmt: skip
+    """Every definition's events, their hits printed in the guest's order of hits (or folded into the map);
+    ``anywhere`` (else --anywhere) arms them with stub breakpoints."""
 
     def in_order(hit: EventHit) -> None:  # whatever path a hit took, the timeline hands it on in order
         target.timeline.push(hit.order, lambda: trace.show(hit))
@@ -513,7 +526,8 @@ def _arm_traced(target: Target, definitions: list[str | ProbeEvent], trace: _Tra
     lines = in_order if trace.agg is None else None
     flt = None if trace.cpid_filter else trace.filter
     definitions = _user_forms(target, definitions, trace.args.quiet)
-    return [te for d in definitions for te in _arm(target, d, lines, flt, trace.args.anywhere)]
+    anywhere = trace.args.anywhere if anywhere is None else anywhere
+    return [te for d in definitions for te in _arm(target, d, lines, flt, anywhere)]
 
 
 def _collect(target: Target, events: list[TraceEvent], trace: _Trace) -> int:
@@ -760,7 +774,7 @@ def _anywhere_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--anywhere", action="store_true",
                    help="arm the probes with QEMU's own breakpoints, writing nothing into the guest: also on the "
                    "kernel's blacklist (entry text, noinstr, the int3/NMI paths) and notrace functions; two VM "
-                   "stops a hit, no return probes")  # fmt: skip
+                   "stops a hit (return probes too: the return caught where it lands)")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -784,6 +798,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("trace", help="trace kprobe_events and uprobe_events definitions, one line per hit (ftrace)")
     _target_options(p)
     p.add_argument("--run", metavar="CMD", help="run CMD in the guest while tracing, then stop")
+    p.add_argument("--boot", action="store_true",
+                   help="arm the events before the kernel's first instruction (QEMU's breakpoints, as --anywhere) "
+                   "and trace its boot from start_kernel on, __init functions too; then --run/--duration as usual, "
+                   "every hit printed")  # fmt: skip
+    p.add_argument(
+        "--cmdline",
+        default="",
+        metavar="ARGS",
+        help="more kernel command line for the VM it boots (e.g. initcall_debug)",
+    )
     p.add_argument(
         "--duration", type=_number(float, 0.001, 1e7), metavar="S", help="trace for S seconds (default: until Ctrl-C)"
     )

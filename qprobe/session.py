@@ -12,10 +12,12 @@ import json
 import logging
 import os
 import stat
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from qprobe.api import SESSION_FILE, Target
+from qprobe.api import SESSION_FILE, BootPlan, Target
+from qprobe.core.kprobe import Kprobe, Kretprobe
 from qprobe.errors import BootPanic, TargetError
 from qprobe.paths import read_private
 from qprobe.vmm.connection import parse_address
@@ -30,8 +32,15 @@ log = logging.getLogger("qprobe")
 def boot(image: str = "debian-cloud", smp: int = 2, memory: str | int = "512M",
          files: dict[str, str | Path] | None = None, accel: str = "auto", cmdline: str = "",
          boot_timeout: float = 60.0, transport: str = "rsp", keepable: bool = False,
-         tcg_thread: str = "") -> Target:  # fmt: skip
+         tcg_thread: str = "", probes: Iterable[Kprobe | Kretprobe | str] = (),
+         at_boot: Callable[[Target], None] | None = None) -> Target:  # fmt: skip
     """Boot an image (fetched and built on first use) and attach to it.
+
+    ``probes`` (Kprobe, Kretprobe or kprobe_events definitions) are armed before the kernel's first
+    instruction, as stub breakpoints (``anywhere=True``: the guest cannot take an int3 that early), and
+    see every hit from ``start_kernel`` on; ``at_boot(target)`` runs at the same moment, for
+    probes that need the target (``target.add_event(..., anywhere=True)`` with a callback).  The boot
+    then waits for the guest's shell as usual.
 
     ``transport``: "rsp" (qprobe's own client) or "gdb" (a real gdb through GDB/MI).
     ``tcg_thread``: TCG's ``thread=`` mode, "single" (every vCPU on one host thread) or "multi";
@@ -47,8 +56,12 @@ def boot(image: str = "debian-cloud", smp: int = 2, memory: str | int = "512M",
     config = QemuConfig(
         kernel=img.kernel, initrd=img.initrd, disk=img.disk, disk_interface=img.disk_interface,
         cmdline=" ".join(x for x in (img.cmdline, cmdline) if x), smp=smp, memory=parse_memory(memory), accel=accel,
-        tcg_thread=tcg_thread,
+        tcg_thread=tcg_thread, extra_args=["-S"] if probes or at_boot else [],
     )  # fmt: skip
+    wanted = list(probes)
+    if wanted or at_boot is not None:
+        # No second boot on a panic: the probes are this boot's (registered once) and their hits are its.
+        return _boot_once(img, config, boot_timeout, transport, keepable, _arming(wanted, at_boot))
     try:
         return _boot_once(img, config, boot_timeout, transport, keepable)
     except BootPanic as exc:
@@ -60,7 +73,31 @@ def boot(image: str = "debian-cloud", smp: int = 2, memory: str | int = "512M",
     return _boot_once(img, config, boot_timeout, transport, keepable)
 
 
-def _boot_once(img: Image, config: QemuConfig, boot_timeout: float, transport: str, keepable: bool) -> Target:
+def _arming(
+    probes: list[Kprobe | Kretprobe | str], at_boot: Callable[[Target], None] | None
+) -> Callable[[Target], None]:
+    for p in probes:
+        if not isinstance(p, Kprobe | Kretprobe | str):
+            raise TypeError(f"probes are Kprobe, Kretprobe or kprobe_events definitions, not {type(p).__name__}")
+
+    def arm(target: Target) -> None:
+        for p in probes:
+            if isinstance(p, str):
+                target.add_event(p, anywhere=True)
+            elif isinstance(p, Kretprobe):
+                p.kp.anywhere = True
+                target.register_kretprobe(p)
+            else:
+                p.anywhere = True
+                target.register_kprobe(p)
+        if at_boot is not None:
+            at_boot(target)
+
+    return arm
+
+
+def _boot_once(img: Image, config: QemuConfig, boot_timeout: float, transport: str, keepable: bool,
+               arm: Callable[[Target], None] | None = None) -> Target:  # fmt: skip
     qemu = QemuProcess(config, keepable=keepable)
     try:
         qemu.wait_for_sockets()
@@ -78,7 +115,8 @@ def _boot_once(img: Image, config: QemuConfig, boot_timeout: float, transport: s
     target = Target(f"unix:{qemu.gdb_path}", img.vmlinux, ram=qemu.ram_path, ram_size=config.memory,
                     console=qemu.console_path, shell=qemu.shell_path, qemu=qemu,
                     boot_timeout=boot_timeout, doorbell=qemu.doorbell_path, system_map=img.system_map,
-                    transport=transport)  # fmt: skip
+                    transport=transport,
+                    boot=None if arm is None else BootPlan(arm, img.kernel, qemu.kernel_cmdline))  # fmt: skip
     target.image = img
     return target
 

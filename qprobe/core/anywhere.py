@@ -22,11 +22,15 @@ from dataclasses import dataclass, field
 
 from qprobe.arch import Arch
 from qprobe.core.handlers import Handlers
-from qprobe.core.kprobe import Kprobe
+from qprobe.core.kprobe import KPROBE_FLAG_GONE, Kprobe
 from qprobe.core.regs import PtRegs
 from qprobe.errors import InvalidProbe, TargetError
 from qprobe.vmm.gdbremote import BREAK_HW
 from qprobe.vmm.machine import Machine
+
+
+class InternalProbe(Kprobe):
+    """A stub probe of qprobe's own (a return site, a boot milestone): in no listing, no user's."""
 
 
 @dataclass
@@ -81,7 +85,7 @@ class StubProbes:
     def sync(self, point: StubPoint, enabled: bool = True) -> None:
         """The breakpoint in the stub while some probe on it is enabled (and ``enabled``: debugfs kprobes/enabled),
         out otherwise, so a disabled probe costs the guest nothing."""
-        want = enabled and any(not kp.disabled for kp in point.probes)
+        want = enabled and any(not kp.disabled and not kp.gone for kp in point.probes)
         if want and not point.armed:
             self.machine.gdb.insert_breakpoint(point.addr, BREAK_HW)
             self.machine.stop_handlers[point.addr] = self._hit
@@ -90,6 +94,18 @@ class StubProbes:
             self.machine.stop_handlers.pop(point.addr, None)
             self.machine.gdb.remove_breakpoint(point.addr, BREAK_HW)
             point.armed = False
+
+    def retire(self, gone: Callable[[int], bool]) -> int:
+        """``kill_kprobe`` for the probes at addresses ``gone`` says are no longer text (freed __init text):
+        flagged GONE, listed so, their counts kept, their breakpoints out.  How many."""
+        n = 0
+        for point in list(self.points.values()):
+            if gone(point.addr):
+                for kp in point.probes:
+                    kp.flags |= KPROBE_FLAG_GONE
+                    n += 1
+                self.sync(point)
+        return n
 
     def remove_all(self) -> None:
         for point in list(self.points.values()):
@@ -102,7 +118,7 @@ class StubProbes:
         point = self.points.get(self.arch.ip(regs))
         if point is None:
             return
-        active = [kp for kp in point.probes if not kp.disabled]
+        active = [kp for kp in point.probes if not kp.disabled and not kp.gone]
         pt = self._regs(regs, tid)
         if self.handlers.pre(active, pt):  # a pre_handler moved ip and asked to skip the instruction
             self._write(tid, pt)
@@ -126,4 +142,4 @@ class StubProbes:
             self.machine.gdb.write_registers(tid, changed)
 
 
-__all__ = ["StubPoint", "StubProbes"]
+__all__ = ["InternalProbe", "StubPoint", "StubProbes"]

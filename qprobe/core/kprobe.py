@@ -149,17 +149,20 @@ class Kretprobe:
     leaves that call unprobed.  ``maxactive`` bounds live instances (0: the
     kernel's default); a call with none free counts in ``nmissed``.
     ``ri.data`` is ``data_size`` bytes shared between the two handlers.
+    ``anywhere`` arms the entry and catches the return with stub breakpoints
+    (qprobe.core.stubreturns): nothing written into the guest, not even the stack.
     """
 
     def __init__(self, symbol_name: str | None = None, handler: Handler | None = None,
                  entry_handler: Handler | None = None, maxactive: int = 0, data_size: int = 0,
-                 addr: int | None = None, offset: int = 0, disabled: bool = False) -> None:  # fmt: skip
+                 addr: int | None = None, offset: int = 0, disabled: bool = False,
+                 anywhere: bool = False) -> None:  # fmt: skip
         if maxactive < 0 or data_size < 0:
             raise InvalidProbe("maxactive and data_size must not be negative (EINVAL)")
         for name, fn in (("handler", handler), ("entry_handler", entry_handler)):
             if fn is not None and not callable(fn):
                 raise InvalidProbe(f"{name} must be callable (EINVAL)")
-        self.kp = Kprobe(symbol_name=symbol_name, addr=addr, offset=offset, disabled=disabled)
+        self.kp = Kprobe(symbol_name=symbol_name, addr=addr, offset=offset, disabled=disabled, anywhere=anywhere)
         self.kp.kretprobe = self
         self.handler = handler
         self.entry_handler = entry_handler

@@ -19,11 +19,12 @@ puts every real return address back.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 
 from qprobe.core.kprobe import KPROBE_FLAG_DISABLED, Kretprobe, KretprobeInstance
 from qprobe.core.kprobes import KprobeManager
 from qprobe.core.regs import PtRegs
+from qprobe.core.stubreturns import StubReturn, StubReturnInstance, StubReturns
 from qprobe.errors import InvalidProbe, ProbeError, QprobeError
 from qprobe.kernel.features import preemptible
 
@@ -41,6 +42,9 @@ class KretprobeManager:
         self.by_slot: dict[int, KretprobeInstance] = {}
         self.preemptible = preemptible(self.symbols)
         self.registered: set[Kretprobe] = set()
+        # Anywhere: returns caught on stub breakpoints at the return address, the stack left alone.
+        self.stub_returns = StubReturns(kprobes.stubs, kprobes.arch)
+        self.stub_of: dict[Kretprobe, StubReturn] = {}  # anywhere kretprobes: their calls in flight
         kprobes.return_fixers.append(self.fix_return)
 
     def fix_return(self, slot: int, value: int) -> int:
@@ -56,6 +60,8 @@ class KretprobeManager:
     def live_instances(self, rp: Kretprobe) -> list[KretprobeInstance]:
         """The calls of ``rp`` in flight: instances the host holds and those taken in guest RAM."""
         out = list(rp.live.values())
+        if rp in self.stub_of:
+            out += [inst.data for inst in self.stub_of[rp].live]
         pools = self.kprobes.optimizer.returns
         if rp.pool is not None and pools is not None:
             for _i, slot, ret_addr, task in pools.instances(rp.pool):
@@ -81,6 +87,9 @@ class KretprobeManager:
         if fn is None or addr not in (fn.addr, fn.addr + self.kprobes.sites.entry_skip(fn.addr)):
             raise InvalidProbe(f"{kp.where()} is not a function entry (EINVAL)")
         n = rp.maxactive or self.default_maxactive()
+        if kp.anywhere:
+            self._register_anywhere(rp, n)
+            return
         rp.free = [KretprobeInstance(rp, data=bytearray(rp.data_size)) for _ in range(n)]
         kp.pre_handler = lambda _kp, regs: self._entry(rp, regs)
 
@@ -99,9 +108,27 @@ class KretprobeManager:
             raise
         self.registered.add(rp)
 
+    def _register_anywhere(self, rp: Kretprobe, maxactive: int) -> None:
+        """Entry and return on stub breakpoints (qprobe.core.stubreturns), keyed by the current task."""
+        stub = StubReturn(self._task_key, lambda inst, pt: self._returned_anywhere(rp, inst, pt), maxactive)
+        self.stub_of[rp] = stub
+        rp.kp.pre_handler = lambda _kp, regs: self._entry_anywhere(rp, regs)
+        self.stub_returns.register(stub)
+        try:
+            self.kprobes.register_kprobe(rp.kp)
+        except BaseException:
+            self.machine.call(lambda: self.stub_returns.unregister(stub))
+            del self.stub_of[rp]
+            raise
+        self.registered.add(rp)
+
     def unregister_kretprobe(self, rp: Kretprobe) -> None:
         self.kprobes.unregister_kprobe(rp.kp)
-        self.machine.call(lambda: self._retire(rp))
+        stub = self.stub_of.pop(rp, None)
+        if stub is not None:
+            self.machine.call(lambda: self.stub_returns.unregister(stub))
+        else:
+            self.machine.call(lambda: self._retire(rp))
         self.registered.discard(rp)
 
     def register_kretprobes(self, rps: Iterable[Kretprobe]) -> None:
@@ -213,6 +240,34 @@ class KretprobeManager:
         rp.live[ri.stack_slot] = ri
         self.by_slot[ri.stack_slot] = ri
         return 0
+
+    # -- anywhere: entry and return on stub breakpoints --------------------------------------
+    def _task_key(self, regs: PtRegs) -> Hashable:
+        """Whose call it is: the current task (the per-CPU base where it cannot be read, early in boot)."""
+        try:
+            return regs.read_u64(regs.gs_base + self.kprobes.kernel.current_task_offset)
+        except QprobeError:
+            return ("percpu", regs.gs_base)
+
+    def _entry_anywhere(self, rp: Kretprobe, regs: PtRegs) -> int:
+        stub = self.stub_of[rp]
+        ri = KretprobeInstance(rp, data=bytearray(rp.data_size))
+        inst = self.stub_returns.entered(stub, regs, ri)
+        if inst is None:
+            rp.nmissed += 1
+            return 0
+        ri.ret_addr, ri.stack_slot = inst.ret_addr, regs.sp
+        ri.task = self.kprobes.kernel.snapshot(gs_base=regs.gs_base)
+        if rp.entry_handler is not None:
+            what = f"entry_handler of kretprobe {rp.kp.where()}"
+            if self.kprobes.handlers.call(rp, what, rp.entry_handler, ri, regs):
+                self.stub_returns.discard(inst)
+        return 0
+
+    def _returned_anywhere(self, rp: Kretprobe, inst: StubReturnInstance, pt: PtRegs) -> None:
+        rp.nreturns += 1
+        if rp.handler is not None and not rp.kp.flags & KPROBE_FLAG_DISABLED:
+            self.kprobes.handlers.call(rp, f"handler of kretprobe {rp.kp.where()}", rp.handler, inst.data, pt)
 
     # -- return (the trampoline's int3, or its mailbox) ---------------------------------------------
     def returned(self, pt: PtRegs) -> int:

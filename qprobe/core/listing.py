@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from qprobe.core.anywhere import InternalProbe
 from qprobe.core.kprobes import KprobeManager
 
 
@@ -14,7 +15,11 @@ def list_probes(km: KprobeManager, sync: bool = True) -> str:
     for addr in sorted(km.stubs.points):  # the kernel's list has no such probe: its own flag
         stub = km.stubs.points[addr]
         for kp in stub.probes:
-            lines.append(f"{addr:016x}  k  {stub.where}    [ANYWHERE]" + ("[DISABLED]" if kp.disabled else ""))
+            if isinstance(kp, InternalProbe):  # qprobe's own (a return probe's return site: listed at its entry)
+                continue
+            kind = "r" if kp.kretprobe is not None else "k"
+            flags = "[GONE]" if kp.gone else "[DISABLED]" if kp.disabled else ""
+            lines.append(f"{addr:016x}  {kind}  {stub.where}    [ANYWHERE]{flags}")
     for addr in sorted(km.points):
         point = km.points[addr]
         for kp in point.probes:

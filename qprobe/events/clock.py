@@ -30,6 +30,10 @@ class HitClock:
         self._order = TscOrder()
         self._tsc_hz = 1.0
 
+    def host_only(self, note: str) -> None:
+        """Time every hit by the host's clock, for ``note``'s reason (probes armed before the guest's clock ran)."""
+        self.note, self._guest = note, False
+
     def start(self) -> None:
         """Find how event hits are timed, once (one VM stop at most)."""
         if self._guest is not None:

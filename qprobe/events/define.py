@@ -329,9 +329,6 @@ def _prepare(
         raise FetchArgError(dialect.message(M.EVENT_EXIST), text, 0)
     te = KprobeEvent(reg, ev, callback, filter=None if filter is None else event_filter(ev, filter),
                      anywhere=anywhere)  # fmt: skip
-    if ev.is_return and anywhere:
-        raise FetchArgError("a return probe puts its trampoline's address on the stack, a guest write: "
-                            "not anywhere", text, 0, logged=False)  # fmt: skip
     if not anywhere and ev.symbol is not None and ev.symbol in symbols and within_notrace_func(
             symbols, reg.ftrace_locations, symbols.address(ev.symbol) + ev.offset):  # fmt: skip
         # __register_trace_kprobe: "Could not probe notrace function", -EINVAL.

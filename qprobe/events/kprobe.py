@@ -134,7 +134,8 @@ class KprobeEvent(TraceEvent):
             self.probe = Kretprobe(symbol_name=ev.symbol, addr=ev.addr if ev.symbol is None else None,
                                    offset=ev.offset, maxactive=ev.maxactive, handler=self._kretprobe_hit,
                                    data_size=8 * len(saved),
-                                   entry_handler=self._kretprobe_entry if saved else None)  # fmt: skip
+                                   entry_handler=self._kretprobe_entry if saved else None,
+                                   anywhere=self.anywhere)  # fmt: skip
             return
         kp = Kprobe(symbol_name=ev.symbol, addr=ev.addr if ev.symbol is None else None, offset=ev.offset,
                     pre_handler=self._kprobe_hit, anywhere=self.anywhere)  # fmt: skip

@@ -52,8 +52,16 @@ def vmcoreinfo(symbols: Symbols, mem: GuestMemory, arch: Arch) -> bytes:
     return synthetic_vmcoreinfo(symbols, mem, arch)
 
 
-def synthetic_vmcoreinfo(symbols: Symbols, mem: GuestMemory, arch: Arch) -> bytes:
-    """The VMCOREINFO lines drgn reads, as kernel/crash_core.c and the arch's machine_kexec write them."""
+def synthetic_vmcoreinfo(symbols: Symbols, mem: GuestMemory, arch: Arch, root: int | None = None) -> bytes:
+    """The VMCOREINFO lines drgn reads, as kernel/crash_core.c and the arch's machine_kexec write them.
+
+    ``root``: the virtual address of the page tables to walk instead of the kernel's own (which early
+    boot has not built yet).
+    """
+
+    def address(name: str) -> int:
+        return root if root is not None and name == mem.paging.kernel_root_symbol else symbols.address(name)
+
     sym = symbols.lookup("linux_banner")
     banner = symbols.file_bytes(sym.addr, sym.size)
     release = re.match(rb"Linux version (\S+)", banner)
@@ -63,7 +71,7 @@ def synthetic_vmcoreinfo(symbols: Symbols, mem: GuestMemory, arch: Arch) -> byte
         f"OSRELEASE={release.group(1).decode()}",
         f"BUILD-ID={symbols.build_id}",
         "PAGESIZE=4096",
-        *arch.vmcoreinfo(symbols.address, mem.virt_to_phys, mem.levels),
+        *arch.vmcoreinfo(address, mem.virt_to_phys, mem.levels),
         f"KERNELOFFSET={symbols.slide:x}",
     ]
     return ("\n".join(lines) + "\n").encode()
@@ -183,6 +191,9 @@ class KernelData:
         self._prog: drgn.Program | None = None
         self._unusable: str | None = None  # why drgn cannot be used, found once
         self._params: dict[int, list[str]] = {}  # by function address
+        # During boot, before the kernel has built its own page tables: the virtual address of those the
+        # boot CPU runs on, for drgn to walk (None: the kernel's own).
+        self.early_root: int | None = None
 
     @property
     def prog(self) -> drgn.Program:
@@ -192,11 +203,22 @@ class KernelData:
                     raise SymbolError(self._unusable)
                 if self._prog is None:
                     try:
-                        self._prog = open_program(self.symbols, self.mem, self.arch)
+                        info = None
+                        if self.early_root is not None:
+                            info = synthetic_vmcoreinfo(self.symbols, self.mem, self.arch, self.early_root)
+                        self._prog = open_program(self.symbols, self.mem, self.arch, info)
                     except SymbolError as exc:
                         self._unusable = str(exc)
                         raise
         return self._prog
+
+    def reopen(self) -> None:
+        """Forget the drgn Program: the next use makes it anew, from the kernel as it is by then
+        (one opened early in boot read a VMCOREINFO and page tables that boot replaces)."""
+        with self._lock:
+            self._prog = None
+            self._unusable = None
+            self.early_root = None
 
     def type_offset(self, type_name: str, member: str) -> int:
         """offsetof(type, member) from the debug info (``member`` may be a path: ``name.nodename``)."""

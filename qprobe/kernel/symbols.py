@@ -98,6 +98,8 @@ class Symbols:
         self.percpu = percpu or {}
         self.build_id = build_id
         self.slide = 0
+        # Whether __init text is still the kernel's (during boot, until free_initmem): probes may go there.
+        self.init_text = False
         self.sections = sections
         rows = sorted((a, s, n, k) for n, a, s, k in symbols if a)
         self._addrs = [r[0] for r in rows]
@@ -316,6 +318,11 @@ class Symbols:
     def section(self, name: str) -> Section | None:
         return next((s for s in self.sections if s.name == name), None)
 
+    def is_init_text(self, addr: int) -> bool:
+        """Whether ``addr`` is in vmlinux's __init text (freed once the kernel has booted)."""
+        sec = self.section_at(addr)
+        return sec is not None and sec.executable and sec.name.startswith(".init")
+
     def section_at(self, addr: int) -> Section | None:
         link = addr - self.slide
         return next((s for s in self.sections if s.addr and s.addr <= link < s.addr + s.size), None)
@@ -354,7 +361,7 @@ class Symbols:
         if self.module_of(addr) is not None:
             return True
         sec = self.section_at(addr)
-        return sec is not None and sec.executable and not sec.name.startswith(".init")
+        return sec is not None and sec.executable and (self.init_text or not sec.name.startswith(".init"))
 
     def fentry_site(self, addr: int, fentry: int) -> bool:
         """Whether ``addr`` is a ``call __fentry__`` site (``fentry``: that function's address).

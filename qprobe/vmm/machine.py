@@ -30,7 +30,9 @@ SIGTRAP = 5
 class Machine:
     """The stop loop and guarded writes.  ``call`` is the only way in from other threads."""
 
-    def __init__(self, gdb: GdbTransport, mem: GuestMemory, journal: Journal, pc: str) -> None:
+    def __init__(self, gdb: GdbTransport, mem: GuestMemory, journal: Journal, pc: str, paused: bool = False) -> None:
+        """``paused``: the VM stays stopped, requests served, until ``resume()`` (a VM that must not start
+        before its first breakpoints are in)."""
         self.gdb = gdb
         self.pc = pc  # the gdbstub's name of the program counter: stop_handlers are keyed by its value
         self.mem = mem
@@ -55,7 +57,7 @@ class Machine:
         self._requests: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._error: BaseException | None = None
         self._closing = False
-        self._paused = 0
+        self._paused = 1 if paused else 0
         self._thread = threading.Thread(target=self._loop, name="qprobe-stop-loop", daemon=True)
         self._thread.start()
 

@@ -292,10 +292,11 @@ class QemuProcess:
             return "kvm" if kvm_usable() else "tcg"
         return self.config.accel
 
-    def _args(self) -> list[str]:
+    @property
+    def kernel_cmdline(self) -> str:
+        """The command line QEMU gives the kernel (-append)."""
         c = self.config
-        mem = c.memory
-        append = " ".join(
+        return " ".join(
             [
                 "console=ttyS0,115200",
                 # The guest's shell on a serial port of its own (ttyS1), so that a command's output never
@@ -307,6 +308,11 @@ class QemuProcess:
                 c.cmdline,
             ]
         ).strip()
+
+    def _args(self) -> list[str]:
+        c = self.config
+        mem = c.memory
+        append = self.kernel_cmdline
         tcg = f"tcg,thread={c.tcg_thread}" if c.tcg_thread else "tcg"
         args = [
             *(["-accel", "kvm", "-accel", tcg] if self.accel == "kvm" else ["-accel", tcg]),

@@ -50,6 +50,45 @@ def test_return_values_task_and_private_data(target: qprobe.Target, guard: dict[
     assert rp.nhit == 20 and rp.nmissed == 0 and not rp.live
 
 
+def test_an_anywhere_return_probe_writes_nothing_and_sees_every_return(
+        target: qprobe.Target, guard: dict[int, bytes], monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Kretprobe(anywhere=True): the return caught on a stub breakpoint at the return address, the stack
+    left as the call made it (no trampoline address written), matched to its call by task and stack pointer."""
+    seen: list[tuple[int, str, int, bytes, str]] = []
+    patched: list[int] = []
+
+    def entry(ri: qprobe.KretprobeInstance, regs: qprobe.PtRegs) -> int:
+        ri.data[:8] = regs.si.to_bytes(8, "little")
+        return 0
+
+    def ret(ri: qprobe.KretprobeInstance, regs: qprobe.PtRegs) -> None:
+        assert ri.task is not None
+        seen.append((regs_return_value(regs), ri.task.comm, ri.task.pid, bytes(ri.data[:8]),
+                     target.symbols.symbolize(regs.ip)))  # fmt: skip
+
+    machine = target.machine
+    for name in ("patch", "patch_data"):  # every write qprobe makes into the guest, code or data
+        write = getattr(machine, name)
+        monkeypatch.setattr(
+            machine, name, lambda virt, *a, write=write, **k: patched.append(virt) or write(virt, *a, **k)
+        )
+    rp = Kretprobe(symbol_name="ksys_lseek", handler=ret, entry_handler=entry, data_size=8, anywhere=True)
+    target.register_kretprobe(rp)
+    assert "  r  ksys_lseek+0x0    [ANYWHERE]" in target.list_probes()
+    try:
+        res = workload_result(target.run("workload lseek 20").check().output)
+    finally:
+        target.unregister_kretprobe(rp)
+    assert patched == []  # not a byte written into the guest: no int3, no return address
+    pid = int(res["pid"])
+    assert [s[:4] for s in seen] == [(i, "workload", pid, i.to_bytes(8, "little")) for i in range(1, 21)]
+    assert target.image is not None
+    _, sites = frames_above(target.image, LSEEK_PATH)[0]
+    assert {s[4] for s in seen} <= sites, (seen, sites)
+    assert rp.nhit == 20 and rp.nreturns == 20 and rp.nmissed == 0
+    assert target.kretprobes.stub_returns.sites == {}  # every return site's breakpoint gone with its call
+
+
 def test_fault_injection_through_the_return_value(target: qprobe.Target, guard: dict[int, bytes]) -> None:
     calls = []
 

@@ -36,6 +36,7 @@ from qprobe.arch import (
 from qprobe.arch.inguest import KeySpec, MapKey, MapSlot
 from qprobe.arch.x86_64 import detour, guestagg, guestfilter, retdetour
 from qprobe.arch.x86_64.boost import CALL_INSN_SIZE, INT3_INSN_OPCODE, JMP32_INSN_SIZE, synthesize_reljump
+from qprobe.arch.x86_64.bootentry import boot_virtual_entry
 from qprobe.arch.x86_64.decode import check_boundary, decode_all
 from qprobe.arch.x86_64.emulate import Regs, emulate
 from qprobe.arch.x86_64.insn import (
@@ -302,6 +303,13 @@ class X86_64:
 
     def ip(self, regs: Mapping[str, int]) -> int:
         return regs["rip"]
+
+    def arch_boot_entry(self, read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int:
+        return boot_virtual_entry(read, address)
+
+    def arch_stub_return(self, regs: Registers, read_u64: Callable[[int], int]) -> tuple[int, int]:
+        """At a function's first instruction the ``call`` has pushed the return address; ``ret`` pops it."""
+        return read_u64(regs.sp), regs.sp + 8
 
     def sp(self, regs: Mapping[str, int]) -> int:
         return regs["rsp"]

@@ -232,6 +232,12 @@ class Toy:
     def ip(self, regs: Mapping[str, int]) -> int:
         return regs["pc"]
 
+    def arch_boot_entry(self, read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int:
+        raise SymbolError("the toy kernel does not boot")
+
+    def arch_stub_return(self, regs: Any, read_u64: Callable[[int], int]) -> tuple[int, int]:
+        return read_u64(regs.sp), regs.sp + 8  # the caller pushed the return address; RET pops it
+
     def sp(self, regs: Mapping[str, int]) -> int:
         return regs["sp"]
 

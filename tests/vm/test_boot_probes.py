@@ -1,0 +1,133 @@
+"""Boot-time probes (``qprobe trace --boot``) against the kernel's own account of its boot.
+
+Booted with ``initcall_debug``, the kernel logs every initcall it runs through
+``do_one_initcall`` (``calling  fn+0x0/0x.. @ pid`` before, ``initcall fn+0x0/0x..
+returned R after N usecs`` after); probes on ``do_one_initcall``'s entry (its
+function argument as a symbol) and return (``$retval``), armed before the kernel's
+first instruction, must list the same initcalls in the same order with the same
+return values.  ``start_kernel`` runs once, on the boot CPU; ``start_secondary``
+once on every other vCPU.  The kernel's own boot-time event (``kprobe_event=`` on
+the command line) on ``do_one_initcall`` starts counting once ``init_kprobe_trace``
+(an fs_initcall) has created it: it counts the calls qprobe saw after that one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import qprobe
+
+from .conftest import IMAGE
+from .guest_oracle import TRACING
+
+pytestmark = pytest.mark.vm
+ROOT = Path(__file__).resolve().parents[2]
+SMP = 2
+
+# initcall_debug's lines (init/main.c's trace_initcall_start_cb and trace_initcall_finish_cb).  The PCI
+# fixups' "calling  quirk+0x0/0x.. @ 1 for 0000:00:00.0" lines (drivers/pci/quirks.c) are no initcall.
+# A line's timestamp is there with CONFIG_PRINTK_TIME.
+CALLING = re.compile(r"^(?:\[[^]]*\] )?calling  (\S+) @ (\d+)$", re.M)
+RETURNED = re.compile(r"^(?:\[[^]]*\] )?initcall (\S+) returned (-?\d+) after \d+ usecs$", re.M)
+
+
+# The kernel's log, then its boot-time event's count (a kernel without kprobe events says so).
+GUEST = (f"dmesg; if [ -e {TRACING}/kprobe_profile ]; then cat {TRACING}/kprobe_profile; "
+         "else echo no kprobe events; fi")  # fmt: skip
+PROFILE = re.compile(r"^\s*kic\s+(\d+)\s+(\d+)$", re.M)
+
+
+def _s32(value: int) -> int:
+    """An initcall's int return value from the 64-bit register $retval reads."""
+    value &= 0xFFFF_FFFF
+    return value - (1 << 32) if value >> 31 else value
+
+
+def _kernel_initcalls(dmesg: str) -> list[tuple[str, int]]:
+    """(function, return value) of every initcall do_one_initcall ran, in the order the kernel ran them.
+
+    console_init() runs the console initcalls itself, from start_kernel (pid 0, before there is a
+    pid 1), logging them alike: they are not do_one_initcall's.
+    """
+    events = sorted([(m.start(), "call", m.group(1), int(m.group(2))) for m in CALLING.finditer(dmesg)]
+                    + [(m.start(), "ret", m.group(1), int(m.group(2))) for m in RETURNED.finditer(dmesg)])  # fmt: skip
+    open_calls: list[tuple[str, int]] = []
+    out: list[tuple[str, int]] = []
+    for _pos, kind, fn, value in events:
+        if kind == "call":
+            open_calls.append((fn, value))
+            continue
+        i = max(i for i, (name, _pid) in enumerate(open_calls) if name == fn)
+        _name, pid = open_calls.pop(i)
+        if pid != 0:
+            out.append((fn, value))
+    assert not open_calls, open_calls
+    return out
+
+
+def test_boot_trace_lists_the_kernel_s_initcalls_and_its_cpus_bring_up() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "qprobe.cli", "trace", "--image", IMAGE, "--smp", str(SMP), "--boot", "--json",
+         "--cmdline", "initcall_debug log_buf_len=8M kprobe_event=p:kic,do_one_initcall", "--run", GUEST,
+         "p:ic do_one_initcall fn=%di:symbol", "r:icr do_one_initcall ret=$retval",
+         "p:sk start_kernel", "p:ss start_secondary"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    hits, summary = rows[:-1], rows[-1]["summary"]
+    kernel = _kernel_initcalls(out.stderr)  # --run's output (dmesg) goes to stderr
+    assert len(kernel) > 100, out.stderr[-3000:]
+
+    # One task runs the initcalls, one at a time: entries and returns pair in order.
+    calls: list[str] = []
+    qprobe: list[tuple[str, int]] = []
+    for hit in hits:
+        if hit["event"] == "ic":
+            calls.append(hit["args"]["fn"])
+        elif hit["event"] == "icr":
+            qprobe.append((calls[len(qprobe)], _s32(hit["args"]["ret"])))
+    assert len(calls) == len(qprobe) == summary["ic"]["hits"] == summary["icr"]["hits"]
+    assert qprobe == kernel
+    assert summary["ic"]["nmissed"] == summary["icr"]["nmissed"] == 0
+
+    starts = [hit for hit in hits if hit["event"] == "sk"]
+    secondaries = [hit for hit in hits if hit["event"] == "ss"]
+    assert [h["cpu"] for h in starts] == [0]
+    assert sorted(h["cpu"] for h in secondaries) == list(range(1, SMP))
+    assert hits[0]["event"] == "sk"  # before anything else traced
+
+    profile = PROFILE.search(out.stderr)
+    created = [i for i, fn in enumerate(calls) if fn.startswith("init_kprobe_trace+")]
+    if not created:  # a kernel without kprobe events (minimal-6.12)
+        assert profile is None and "no kprobe events" in out.stderr, out.stderr[-2000:]
+        return
+    assert profile is not None, out.stderr[-2000:]
+    after = created[0] + 1
+    assert int(profile.group(1)) == len(calls) - after > 0
+    assert int(profile.group(2)) == 0  # the kernel's own missed none either
+
+
+def test_probes_in_init_text_are_retired_when_the_kernel_frees_it() -> None:
+    # kernel_init_freeable and start_kernel are __init and run once; kernel_init (__ref: kept text) calls
+    # the first, then frees __init memory.
+    init_fn = qprobe.Kprobe("kernel_init_freeable")
+    boot_fn = qprobe.Kprobe("start_kernel")
+    kept = qprobe.Kprobe("kernel_init")
+    with qprobe.boot(IMAGE, probes=[init_fn, boot_fn, kept]) as target:
+        listing = target.list_probes()
+        assert init_fn.gone and boot_fn.gone and not kept.gone, listing
+        assert init_fn.nhit == boot_fn.nhit == kept.nhit == 1, listing  # counts kept
+        lines = {line.split()[2].split("+")[0]: line for line in listing.splitlines()}
+        assert lines["kernel_init_freeable"].endswith("[ANYWHERE][GONE]"), listing
+        assert lines["kernel_init"].endswith("[ANYWHERE]"), listing
+        with pytest.raises(qprobe.QprobeError, match="not in kernel text"):
+            target.register_kprobe(qprobe.Kprobe("kernel_init_freeable", anywhere=True))
+        target.unregister_kprobe(init_fn)
+        assert "kernel_init_freeable" not in target.list_probes()

@@ -174,7 +174,10 @@ def test_unregistered_while_the_program_runs(target: qprobe.Target, program: str
     up = Uprobe(PROGRAM, syscall_offset)
     target.register_uprobe(up)
     target.run("rm -f /tmp/spin.out; workload spin 2 > /tmp/spin.out 2>&1 &").check()
-    target.wait(0.7)
+    for _ in range(100):  # until the program is in its loop, hitting the probe (its start may take a while)
+        if up.nhit >= 10:
+            break
+        target.wait(0.05)
     target.unregister_uprobe(up)
     assert not target.uprobes.points
     res = workload_result(target.run(WAIT_SPIN).check().output)

@@ -17,8 +17,9 @@ ENDBR-prefixed function also has its entry at +4: pass ``on_func_entry``).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 from qprobe.errors import FetchArgError
 
@@ -38,6 +39,7 @@ from .expr import (
 from .kstrto import is_good_name, isdigit, kstrtouint, kstrtoul, simple_strtoul, split_args
 
 SymbolExists = Callable[[str], bool]
+_P = TypeVar("_P", bound="_Probe")
 SymbolCount = Callable[[str], int]
 OnFuncEntry = Callable[[str, int], bool]
 
@@ -504,6 +506,18 @@ def check_append(new: ProbeEvent, existing: Sequence[ProbeEvent], dialect: Diale
     added twice (probes on addresses all count as the same place, "unknown",
     as in the kernel).  Raises FetchArgError with the kernel's caret.
     """
+    append_checks(new, existing, dialect, lambda probe: (probe.symbol or "unknown", probe.offset))
+
+
+class _Probe(Protocol):
+    text: str
+    is_return: bool
+    args: list[FetchArg]
+
+
+def append_checks(new: _P, existing: Sequence[_P], dialect: Dialect, place: Callable[[_P], Hashable]) -> None:
+    """``trace_probe_compare_arg_type`` and the same-probe check, shared by kprobe and uprobe events: the first
+    probe's type and arguments, and no second probe at the same ``place`` with the same arguments."""
     if not existing:
         return
     cmd = _Command(new.text, _strip_line(new.text), dialect)
@@ -514,11 +528,7 @@ def check_append(new: ProbeEvent, existing: Sequence[ProbeEvent], dialect: Diale
     if diff:
         raise cmd.error(diff + 1, 0, M.DIFF_ARG_TYPE)
     for probe in existing:
-        if (
-            (probe.symbol or "unknown") == (new.symbol or "unknown")
-            and probe.offset == new.offset
-            and [a.body for a in probe.args] == [a.body for a in new.args]
-        ):
+        if place(probe) == place(new) and [a.body for a in probe.args] == [a.body for a in new.args]:
             raise cmd.error(0, 0, M.SAME_PROBE)
 
 

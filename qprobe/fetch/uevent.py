@@ -25,7 +25,7 @@ from . import messages as M
 from .args import FetchArg, Value, parse_fetch_arg
 from .context import UprobeContext, UserFetchContext
 from .dialect import BASE, Dialect
-from .event import DeleteEvent, _Command, _compare_arg_types, _parse_delete, _parse_event_name, _strip_line
+from .event import DeleteEvent, _Command, _parse_delete, _parse_event_name, _strip_line, append_checks
 from .expr import FL_RETURN, FL_USER, ArgError
 from .kstrto import isdigit, kstrtoul, split_args
 
@@ -192,17 +192,4 @@ def check_uprobe_append(new: UprobeEvent, existing: Sequence[UprobeEvent], diale
     cannot be added twice.  Places are compared by path, where the kernel
     compares inodes.
     """
-    if not existing:
-        return
-    cmd = _Command(new.text, _strip_line(new.text), dialect)
-    old = existing[0]
-    if new.is_return != old.is_return:
-        raise cmd.error(0, 0, M.DIFF_PROBE_TYPE)
-    diff = _compare_arg_types(new.args, old.args)
-    if diff:
-        raise cmd.error(diff + 1, 0, M.DIFF_ARG_TYPE)
-    for probe in existing:
-        if (probe.path, probe.offset) == (new.path, new.offset) and [a.body for a in probe.args] == [
-            a.body for a in new.args
-        ]:
-            raise cmd.error(0, 0, M.SAME_PROBE)
+    append_checks(new, existing, dialect, lambda probe: (probe.path, probe.offset))

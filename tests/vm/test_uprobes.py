@@ -183,3 +183,41 @@ def test_unregistered_while_the_program_runs(target: qprobe.Target, program: str
     res = workload_result(target.run(WAIT_SPIN).check().output)
     assert up.nhit > 0 and int(res["count"]) >= up.nhit
     assert res["errors"] == "0"
+
+
+LIB = "/usr/lib/libqpt.so"
+
+
+def test_a_shared_library_equals_the_guest_s_own_uprobes(target: qprobe.Target, program: str) -> None:
+    """``qpt_lib_add(a, b)`` of libqpt.so (mapped at another address in each process), entry and return, in two
+    processes of the dynamic uprog at once: qprobe's events and the guest's own uprobe_events on the same
+    instructions count the same (uprobe_profile) and print the same lines."""
+    if not has_uprobe_events(target):
+        pytest.skip("the guest kernel has no uprobe_events (CONFIG_UPROBE_EVENTS)")
+    offset = file_offset(guest_tree(), LIB, "qpt_lib_add")
+    target.run(f"echo > {TRACING}/trace; echo 'p:uprobes/glib {LIB}:{offset:#x} a=%di:s64 b=%si:s64' "
+               f"> {TRACING}/uprobe_events; echo 'r:uprobes/glibr {LIB}:{offset:#x} ret=$retval:s64' "
+               f">> {TRACING}/uprobe_events; echo 1 > {TRACING}/events/uprobes/enable").check()  # fmt: skip
+    entry = target.add_event(f"p:qlib {LIB}:qpt_lib_add a=%di:s64 b=%si:s64")
+    ret = target.add_event(f"r:qlibr {LIB}:qpt_lib_add ret=$retval:s64")
+    try:
+        out = target.run("uprog lib 6 10 1 & uprog lib 4 100 2; wait").check().output
+    finally:
+        target.remove_events([entry, ret])
+        target.run(f"echo 0 > {TRACING}/events/uprobes/enable").check()
+    profile = target.run(f"cat {TRACING}/uprobe_profile").check().output
+    trace = target.run(f"cat {TRACING}/trace").check().output
+    target.run(f"echo > {TRACING}/uprobe_events").check()
+    runs = [dict(p.split("=", 1) for p in line.split()[1:] if "=" in p)
+            for line in out.splitlines() if line.startswith("uprog mode=lib")]  # fmt: skip
+    assert sorted(int(r["calls"]) for r in runs) == [4, 6] and all(r["bad"] == "0" for r in runs), out
+    hits = {m[0]: int(m[1]) for m in re.findall(r"^\s*\S+\s+(glibr?)\s+(\d+)\s*$", profile, re.M)}
+    assert hits == {"glib": 10, "glibr": 10} == {"glib": entry.nhit, "glibr": ret.nhit}, profile
+    for r in runs:  # per process, in order: the kernel's values are qprobe's
+        pid = int(r["pid"])
+        mine = [h.body.split(") ", 1)[1] for h in entry.hits if h.pid == pid]
+        kernel = re.findall(rf"-{pid}\s.*\bglib: \(0x[0-9a-f]+\) (a=-?\d+ b=-?\d+)", trace)
+        assert mine == kernel and len(mine) == int(r["calls"]), (mine, kernel)
+        mine_ret = [h.body for h in ret.hits if h.pid == pid]
+        kernel_ret = re.findall(rf"-{pid}\s.*\bglibr: (\(0x[0-9a-f]+ <- 0x[0-9a-f]+\) ret=-?\d+)", trace)
+        assert mine_ret == kernel_ret, (mine_ret, kernel_ret)

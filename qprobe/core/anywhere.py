@@ -25,7 +25,6 @@ from qprobe.core.handlers import Handlers
 from qprobe.core.kprobe import KPROBE_FLAG_GONE, Kprobe
 from qprobe.core.regs import PtRegs
 from qprobe.errors import InvalidProbe, TargetError
-from qprobe.vmm.gdbremote import BREAK_HW
 from qprobe.vmm.machine import Machine
 
 
@@ -87,12 +86,12 @@ class StubProbes:
         out otherwise, so a disabled probe costs the guest nothing."""
         want = enabled and any(not kp.disabled and not kp.gone for kp in point.probes)
         if want and not point.armed:
-            self.machine.gdb.insert_breakpoint(point.addr, BREAK_HW)
+            self.machine.insert_stub_breakpoint(point.addr)
             self.machine.stop_handlers[point.addr] = self._hit
             point.armed = True
         elif not want and point.armed:
             self.machine.stop_handlers.pop(point.addr, None)
-            self.machine.gdb.remove_breakpoint(point.addr, BREAK_HW)
+            self.machine.remove_stub_breakpoint(point.addr)
             point.armed = False
 
     def retire(self, gone: Callable[[int], bool]) -> int:

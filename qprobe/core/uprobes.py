@@ -47,7 +47,6 @@ from qprobe.errors import InvalidProbe, MemoryFault, QprobeError
 from qprobe.kernel.program import KernelData
 from qprobe.kernel.ufile import GuestFile, Mapping, UserFiles
 from qprobe.kernel.userelf import UserElf, UserElfError
-from qprobe.vmm.gdbremote import BREAK_HW
 from qprobe.vmm.machine import Machine
 
 __all__ = ["MAX_URETPROBE_DEPTH", "Uprobe", "UprobeManager", "Uretprobe"]
@@ -303,8 +302,7 @@ class UprobeManager:
         point = self.points.get(va)
         if point is None:
             point = self.points[va] = _Point()
-            self.machine.journal.record_breakpoint(va, BREAK_HW)  # before: a crash between leaves no stray
-            self.machine.gdb.insert_breakpoint(va, BREAK_HW)
+            self.machine.insert_stub_breakpoint(va)
             self.machine.stop_handlers[va] = self._hit
         if key is not None:
             point.keys.add(key)
@@ -316,8 +314,7 @@ class UprobeManager:
     def _remove(self, va: int) -> None:
         self.points.pop(va, None)
         self.machine.stop_handlers.pop(va, None)
-        self.machine.gdb.remove_breakpoint(va, BREAK_HW)
-        self.machine.journal.forget_breakpoint(va, BREAK_HW)
+        self.machine.remove_stub_breakpoint(va)
 
     def _vma_entry(self, kp: Kprobe, regs: PtRegs) -> int:
         """vma_set_page_prot(vma) is called: which vma (its argument is only sure at the entry)."""

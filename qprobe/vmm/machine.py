@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from qprobe.errors import ProtocolError, QprobeError, TargetError, TargetGone
+from qprobe.vmm.gdbremote import BREAK_HW
 from qprobe.vmm.journal import Journal, Patch
 from qprobe.vmm.memory import GuestMemory, SharedRam
 from qprobe.vmm.rsp import StopReply
@@ -234,6 +235,16 @@ class Machine:
     def unpatch(self, p: Patch) -> None:
         self.write_phys(p.phys, p.old)
         self.journal.forget(p.phys)
+
+    def insert_stub_breakpoint(self, addr: int) -> None:
+        """A gdbstub breakpoint that is a probe (Z1: nothing written into the guest under TCG), journaled first:
+        QEMU keeps a client's breakpoints after it dies, so a later attach takes out what a killed one left."""
+        self.journal.record_breakpoint(addr, BREAK_HW)
+        self.gdb.insert_breakpoint(addr, BREAK_HW)
+
+    def remove_stub_breakpoint(self, addr: int) -> None:
+        self.gdb.remove_breakpoint(addr, BREAK_HW)
+        self.journal.forget_breakpoint(addr, BREAK_HW)
 
     def write_phys(self, phys: int, data: bytes) -> None:
         self.gdb.set_physical(True)

@@ -256,6 +256,8 @@ class UprobeManager:
         if up in self.retired:
             self.retired.remove(up)
             up.registered = False
+            if not self.probes:
+                self._drop_hook()
             return
         key = (up.file.mapping, up.offset)
         consumers = self.probes[key]
@@ -277,7 +279,7 @@ class UprobeManager:
             self._drop_hook()
 
     def _ensure_hook(self) -> None:
-        if self.hook is not None:
+        if self.hook is not None and self.hook.registered:
             return
         if MMAP_HOOK not in self.kernel.symbols:
             raise InvalidProbe(f"uprobes follow new mappings at {MMAP_HOOK}(), which this kernel does not have")

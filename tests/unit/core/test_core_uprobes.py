@@ -306,9 +306,17 @@ def test_a_probed_file_freed_and_its_inode_memory_reused_retires_its_probes(s: S
     assert s.bps() == [0x40_0000 + FUNC]
     s.stop(q, 0x40_0000 + FUNC, r0=1)
     assert again.nhit == 1 and up.nhit == 0
-    s.um.unregister_uprobe(up)
     s.um.unregister_uprobe(again)
-    assert s.bps() == [] and s.um.hook is None
+    s.um.unregister_uprobe(up)
+    assert s.bps() == [] and s.um.hook is None and s.rig.km.addresses() == [] and s.um.registered() == []
+    # Retired alone: its unregistration takes the hook out too (a later registration arms a new one).
+    gone = Uprobe("/tmp/new", FUNC)
+    s.um.register_uprobe(gone)
+    s.world.reuse("/tmp/new", "/tmp/newer")
+    s.mmap_hook(s.world.map(q, 0x80_0000, "/tmp/newer"))
+    assert s.um.retired == [gone] and s.um.hook is not None
+    s.um.unregister_uprobe(gone)
+    assert s.um.hook is None and s.rig.km.addresses() == [] and s.bps() == []
 
 
 # -- whose: the stopped process's page decides ------------------------------------------------------

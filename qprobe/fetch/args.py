@@ -11,6 +11,7 @@ buffer slot while qprobe prints ``(fault)``, as the kernel does for strings.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from . import messages as M
@@ -331,3 +332,13 @@ def _next_insn(code: Code, offset: int) -> None:
 def symbol_refs_of(args: list[FetchArg]) -> list[tuple[int, SymbolAddr]]:
     """(argument index, ``@SYM``) pairs, in registration (update_arg) order."""
     return [(i, ref) for i, a in enumerate(args) for ref in symbol_refs(a.expr)]
+
+
+def integer_names(args: Sequence[FetchArg]) -> frozenset[str]:
+    """The arguments whose values are integers (not strings, symbols, arrays or bitfields' text)."""
+    return frozenset(a.name for a in args if not (a.type.string or a.type.symbol or a.type.array))
+
+
+def string_names(args: Sequence[FetchArg]) -> frozenset[str]:
+    """The arguments whose values are strings (``string``, ``ustring``, ``symstr``, ``$comm``)."""
+    return frozenset(a.name for a in args if a.type.string and not a.type.array)

@@ -24,7 +24,7 @@ from typing import Protocol, TypeVar
 from qprobe.errors import FetchArgError
 
 from . import messages as M
-from .args import FetchArg, Value, parse_fetch_arg, symbol_refs_of
+from .args import FetchArg, Value, integer_names, parse_fetch_arg, string_names, symbol_refs_of
 from .context import FetchContext
 from .dialect import BASE, Dialect
 from .expr import (
@@ -70,12 +70,12 @@ class ProbeEvent:
     @property
     def integer_args(self) -> frozenset[str]:
         """The arguments whose values are integers (not strings, symbols, arrays or bitfields' text)."""
-        return frozenset(a.name for a in self.args if not (a.type.string or a.type.symbol or a.type.array))
+        return integer_names(self.args)
 
     @property
     def string_args(self) -> frozenset[str]:
         """The arguments whose values are strings (``string``, ``ustring``, ``symstr``, ``$comm``)."""
-        return frozenset(a.name for a in self.args if a.type.string and not a.type.array)
+        return string_names(self.args)
 
     @property
     def is_return(self) -> bool:

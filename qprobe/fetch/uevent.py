@@ -22,7 +22,7 @@ from typing import Literal
 from qprobe.errors import FetchArgError
 
 from . import messages as M
-from .args import FetchArg, Value, parse_fetch_arg
+from .args import FetchArg, Value, integer_names, parse_fetch_arg, string_names
 from .context import UprobeContext, UserFetchContext
 from .dialect import BASE, Dialect
 from .event import DeleteEvent, _Command, _parse_delete, _parse_event_name, _strip_line, append_checks
@@ -65,12 +65,12 @@ class UprobeEvent:
     @property
     def integer_args(self) -> frozenset[str]:
         """The arguments whose values are integers (not strings, arrays or bitfields' text)."""
-        return frozenset(a.name for a in self.args if not (a.type.string or a.type.symbol or a.type.array))
+        return integer_names(self.args)
 
     @property
     def string_args(self) -> frozenset[str]:
         """The arguments whose values are strings (``string``, ``ustring``, ``$comm``)."""
-        return frozenset(a.name for a in self.args if a.type.string and not a.type.array)
+        return string_names(self.args)
 
     def evaluate(self, ctx: UserFetchContext) -> list[Value]:
         """Every argument's value at one hit, as trace_uprobe.c's fetch functions read them."""

@@ -71,6 +71,19 @@ def fake_return(value: int) -> Callable[[qprobe.Kprobe, qprobe.PtRegs], int]:
     return handler
 
 
+def readline_matching(proc: subprocess.Popen[str], pattern: str) -> re.Match[str]:
+    """The first line of ``proc``'s output that matches ``pattern`` (its stderr in the failure if none does)."""
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        m = re.search(pattern, line)
+        if m:
+            return m
+    err = proc.stderr.read() if proc.stderr else ""
+    raise AssertionError(f"{pattern!r} never printed; output: {''.join(seen)}; stderr: {err}")
+
+
 def workload_result(output: str) -> dict[str, str]:
     """The ``key=value`` summary line the guest workload prints."""
     line = next((x for x in output.splitlines() if x.startswith("workload ")), None)

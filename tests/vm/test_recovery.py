@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import pytest
 import qprobe
 from qprobe.paths import cache_dir
 
-from .conftest import IMAGE, workload_result
+from .conftest import IMAGE, readline_matching, workload_result
 
 pytestmark = pytest.mark.vm
 
@@ -42,18 +41,6 @@ PROBER = textwrap.dedent(
 )
 
 
-def _readline_matching(proc: subprocess.Popen[str], pattern: str) -> re.Match[str]:
-    assert proc.stdout is not None
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        m = re.search(pattern, line)
-        if m:
-            return m
-    err = proc.stderr.read() if proc.stderr else ""
-    raise AssertionError(f"{pattern!r} never printed; output: {''.join(seen)}; stderr: {err}")
-
-
 def _fence_links(t: qprobe.Target) -> int:
     """The words that link qprobe's entries into the guest's kprobe_blacklist (a kernel with kprobes)."""
     return 2 if "kprobe_blacklist" in t.symbols else 0
@@ -65,7 +52,7 @@ def booted() -> Iterator[str]:
     proc = subprocess.Popen([sys.executable, "-m", "qprobe.cli", "boot", "--image", IMAGE],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        yield _readline_matching(proc, r"attach with:\s+qprobe attach (\S+)").group(1)
+        yield readline_matching(proc, r"attach with:\s+qprobe attach (\S+)").group(1)
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -83,7 +70,7 @@ def test_sigkill_with_probes_armed_then_attach_restores_text(booted: str) -> Non
     prober = subprocess.Popen([sys.executable, "-c", PROBER, booted], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        _readline_matching(prober, "ARMED")
+        readline_matching(prober, "ARMED")
     finally:
         os.kill(prober.pid, signal.SIGKILL)
         prober.wait()
@@ -119,7 +106,7 @@ def test_a_crash_is_recovered_through_every_spelling_of_the_address(booted: str,
         prober = subprocess.Popen([sys.executable, "-c", PROBER, armed], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)  # fmt: skip
         try:
-            _readline_matching(prober, "ARMED")
+            readline_matching(prober, "ARMED")
         finally:
             os.kill(prober.pid, signal.SIGKILL)
             prober.wait()
@@ -137,7 +124,7 @@ def test_a_journal_that_does_not_match_the_guest_is_refused(booted: str) -> None
     prober = subprocess.Popen([sys.executable, "-c", PROBER, booted], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        _readline_matching(prober, "ARMED")
+        readline_matching(prober, "ARMED")
     finally:
         os.kill(prober.pid, signal.SIGKILL)
         prober.wait()
@@ -194,7 +181,7 @@ def test_sigkill_while_a_vcpu_waits_in_the_optimized_stub(booted: str) -> None:
     prober = subprocess.Popen([sys.executable, "-c", STUCK, booted], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        _readline_matching(prober, "IN_HANDLER")
+        readline_matching(prober, "IN_HANDLER")
     finally:
         os.kill(prober.pid, signal.SIGKILL)
         prober.wait()
@@ -232,7 +219,7 @@ def test_sigkill_with_a_return_in_flight_through_a_guest_instance(booted: str, k
     prober = subprocess.Popen([sys.executable, "-c", RETURNING, booted, kind, str(sleep)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        _readline_matching(prober, wait_for)
+        readline_matching(prober, wait_for)
     finally:
         os.kill(prober.pid, signal.SIGKILL)
         prober.wait()

@@ -27,7 +27,7 @@ import qprobe
 from qprobe import Uprobe, Uretprobe, regs_return_value
 from qprobe.images.guest import guest_tree
 
-from .conftest import IMAGE
+from .conftest import IMAGE, readline_matching
 
 pytestmark = pytest.mark.vm
 
@@ -137,18 +137,6 @@ PROBER = textwrap.dedent(
 )
 
 
-def _readline(proc: subprocess.Popen[str], pattern: str) -> re.Match[str]:
-    assert proc.stdout is not None
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        m = re.search(pattern, line)
-        if m:
-            return m
-    err = proc.stderr.read() if proc.stderr else ""
-    raise AssertionError(f"{pattern!r} never printed; output: {''.join(seen)}; stderr: {err}")
-
-
 def static_address(symbol: str) -> int:
     elf = lief.parse(str(guest_tree() / STATIC.lstrip("/")))
     assert elf is not None
@@ -184,12 +172,12 @@ def test_qprobe_killed_with_uprobes_armed_leaves_the_vm_usable(off: dict[str, in
     boot = subprocess.Popen([sys.executable, "-m", "qprobe.cli", "boot", "--image", IMAGE],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
     try:
-        address = _readline(boot, r"attach with:\s+qprobe attach (\S+)").group(1)
+        address = readline_matching(boot, r"attach with:\s+qprobe attach (\S+)").group(1)
         qemu = _qemu_child(boot.pid)
         prober = subprocess.Popen([sys.executable, "-c", PROBER, address, str(off[STATIC])], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
         try:
-            _readline(prober, "ARMED")
+            readline_matching(prober, "ARMED")
         finally:
             os.kill(prober.pid, signal.SIGKILL)
             prober.wait()

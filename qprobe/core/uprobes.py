@@ -394,7 +394,7 @@ class UprobeManager:
                 if point.returns:
                     returned = self._returns_at(point, (root, task), ip, sp)
                 if point.keys:
-                    consumers, code = self._consumers_at(ip, root, task, regs)
+                    consumers, code = self._consumers_at(ip, root, task)
             values = regs
         pt = self.make_regs(values, tid)
         for ri in returned:
@@ -412,7 +412,7 @@ class UprobeManager:
                 self.restarts.clear()
             self.restarts.add((root, ip, sp))
 
-    def _consumers_at(self, ip: int, root: int, task: int, regs: Regs[str, int]) -> tuple[list[Uprobe], bytes]:
+    def _consumers_at(self, ip: int, root: int, task: int) -> tuple[list[Uprobe], bytes]:
         """The probes on the file offset the stopped process runs at ``ip``, and the instruction's bytes."""
         try:
             phys = self.machine.mem.virt_to_phys(ip, root)

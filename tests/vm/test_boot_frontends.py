@@ -10,6 +10,7 @@ the boot CPU, as many as the guest's own /proc/cpuinfo lists.
 
 from __future__ import annotations
 
+import collections
 import inspect
 import re
 import subprocess
@@ -41,6 +42,10 @@ def test_shell_boot_events_count_what_the_kernel_did() -> None:
         ("stats", "stats"),
         ("events", "events"),
         ("list", "list"),
+        ("total", "count ic since boot"),
+        ("byfn", "count ic by fn since boot"),
+        ("bycpu", "count ss by $cpu since boot"),
+        ("show", "show sk since boot"),
         ("remove", "-:sk"),
         ("after", "events"),
     ])  # fmt: skip
@@ -51,7 +56,8 @@ def test_shell_boot_events_count_what_the_kernel_did() -> None:
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     got = _sections(out.stdout)
-    assert list(got) == ["dmesg", "cpus", "stats", "events", "list", "remove", "after"], out.stdout[-3000:]
+    assert list(got) == ["dmesg", "cpus", "stats", "events", "list", "total", "byfn", "bycpu", "show", "remove",
+                         "after"], out.stdout[-3000:]  # fmt: skip
     kernel = _kernel_initcalls(got["dmesg"])
     assert len(kernel) > 100, got["dmesg"][-3000:]
     cpus = int(got["cpus"].split()[0])
@@ -67,6 +73,12 @@ def test_shell_boot_events_count_what_the_kernel_did() -> None:
     listing = {line.split()[2].split("+")[0]: line for line in got["list"].splitlines()}
     assert listing["start_kernel"].endswith("[ANYWHERE][GONE]"), got["list"]  # __init text, freed
     assert listing["do_one_initcall"].endswith("[ANYWHERE]"), got["list"]
+    # The shell's maps over the hits made before its prompt came up ("since boot").
+    assert got["total"] == f"@: {len(kernel)}\n"
+    by_fn = dict(re.findall(r"^@\[(.*)\]: (\d+)$", got["byfn"], re.M))
+    assert {fn: int(n) for fn, n in by_fn.items()} == collections.Counter(fn for fn, _ret in kernel)
+    assert got["bycpu"].splitlines() == [f"@[{cpu}]: 1" for cpu in range(1, cpus)]
+    assert re.fullmatch(r"\s*swapper/0-0\s+\[000\] \S+\s+[\d.]+: sk: \(start_kernel\+0x0/0x[0-9a-f]+\)\n", got["show"])
     assert got["remove"] == "removed kprobes/sk (1 hits)\n"
     assert got["after"].splitlines() == ["p:kprobes/ic do_one_initcall fn=%di:symbol", "p:kprobes/ss start_secondary"]
     assert "error" not in out.stdout, out.stdout[-3000:]

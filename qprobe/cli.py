@@ -631,12 +631,16 @@ def _summarize(target: Target, events: list[TraceEvent], trace: _Trace) -> None:
 
 
 def _check_boot(args: argparse.Namespace) -> None:
-    """--boot's EVENTs are the kernel's: a uprobe's file is the guest's, read once the guest is up."""
+    """--boot's EVENTs are the kernel's (a uprobe's file is the guest's, read once the guest is up), armed
+    through qprobe's own gdbstub client."""
     from qprobe.events.define import is_uprobe
     from qprobe.kernel.usyntax import is_user_form
 
     if not getattr(args, "boot", False):
         return
+    if getattr(args, "transport", "rsp") == "gdb":
+        raise QprobeError("--boot stops the kernel at its first instructions through qprobe's own gdbstub client: "
+                          "not with --transport gdb")  # fmt: skip
     for text in args.events:
         if is_uprobe(text) or is_user_form(text):
             raise QprobeError(f"{text.strip()}: --boot arms kernel probes before the kernel runs; a uprobe's file is "

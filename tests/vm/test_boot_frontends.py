@@ -123,14 +123,15 @@ def test_boot_counts_are_the_kernel_s(qprobe_target, qprobe_boot_events):
     assert SK.nhit == 1 and SK.gone  # probes= Kprobe, retired with __init text
 
 
-def test_a_test_s_own_probe(qprobe_target):
+def test_a_test_s_own_probes(qprobe_target):
     qprobe_target.register_kprobe(Kprobe("ksys_lseek"))
+    qprobe_target.register_kprobe(Kprobe("__x64_sys_getppid", anywhere=True))
 
 
 def test_boot_probes_outlive_each_test_s_reset(qprobe_target, qprobe_boot_events, qprobe_reset):
     qprobe_reset.strict = True  # the boot-time probes left registered are the VM's, not this test's
     listing = qprobe_target.list_probes()
-    assert "ksys_lseek" not in listing  # the last test's probe was removed
+    assert "ksys_lseek" not in listing and "getppid" not in listing  # the last test's probes were removed
     assert "do_one_initcall" in listing and "start_secondary" in listing and "start_kernel" in listing
     assert qprobe_boot_events["ic"].registered and SK.registered
 """

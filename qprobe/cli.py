@@ -359,6 +359,7 @@ class _Trace:
         if getattr(args, "boot", False) and (args.attach is not None or args.map is not None or self.cpid_filter):
             raise QprobeError("--boot traces from the kernel's first instruction on a VM it boots: not with "
                               "--attach, --map or $cpid")  # fmt: skip
+        _check_boot(args)
         # The filter as it is checked before boot; one naming $cpid is set on the events once the command forks.
         self.filter: str | None = args.filter.replace("$cpid", "0") if self.cpid_filter else args.filter
 
@@ -629,6 +630,23 @@ def _summarize(target: Target, events: list[TraceEvent], trace: _Trace) -> None:
                 print(f"# records: waited={waited}")
 
 
+def _check_boot(args: argparse.Namespace) -> None:
+    """--boot's EVENTs are the kernel's (a uprobe's file is the guest's, read once the guest is up), armed
+    through qprobe's own gdbstub client."""
+    from qprobe.events.define import is_uprobe
+    from qprobe.kernel.usyntax import is_user_form
+
+    if not getattr(args, "boot", False):
+        return
+    if getattr(args, "transport", "rsp") == "gdb":
+        raise QprobeError("--boot stops the kernel at its first instructions through qprobe's own gdbstub client: "
+                          "not with --transport gdb")  # fmt: skip
+    for text in args.events:
+        if is_uprobe(text) or is_user_form(text):
+            raise QprobeError(f"{text.strip()}: --boot arms kernel probes before the kernel runs; a uprobe's file is "
+                              "the guest's, read once the guest is up: add it then")  # fmt: skip
+
+
 def _say_booting(args: argparse.Namespace) -> None:
     """Said before the few seconds a boot takes, as the shell does, so that a quiet terminal is not a hung one."""
     if getattr(args, "attach", None) is None and not args.quiet:
@@ -722,13 +740,42 @@ def cmd_blacklist(args: argparse.Namespace) -> int:
 
 
 def cmd_shell(args: argparse.Namespace) -> int:
-    """The interactive shell on a booted (or attached) target; every probe is removed on the way out."""
-    from qprobe.shell import run_shell
+    """The interactive shell on a booted (or attached) target; every probe is removed on the way out.
 
+    EVENTs are checked before anything boots.  With ``--boot`` they are armed before the kernel's first
+    instruction (stub breakpoints, as ``trace --boot``), so that the prompt finds them as events of the
+    shell, their hits since start_kernel counted; without it they are the shell's first commands.
+    """
+    from qprobe.fetch import ProbeEvent
+    from qprobe.shell import Shell, run_shell
+
+    if args.boot and args.attach is not None:
+        raise QprobeError("--boot arms the EVENTs before the kernel's first instruction, on a VM qprobe boots: "
+                          "not with --attach")  # fmt: skip
+    if args.boot and not args.events:
+        raise QprobeError("--boot arms the EVENTs given after it before the kernel runs: give at least one, "
+                          "e.g. 'p:sk start_kernel'")  # fmt: skip
     _check_image(args)
+    _check_boot(args)
+    _perf_definitions(args)
+    definitions, checked = _parse_definitions(args)
+    _check_symbols(args, [ev for ev in checked if isinstance(ev, ProbeEvent)])
     _say_booting(args)
-    with _boot(args) as target:
-        return run_shell(target)
+    at_boot: list[TraceEvent] = []
+    armed_at: list[float] = []
+
+    def arm_at_boot(target: Target) -> None:  # before the kernel's first instruction: stub breakpoints
+        at_boot.extend(te for d in definitions for te in _arm(target, d, anywhere=True))
+        armed_at.append(time.monotonic())
+
+    with _boot(args, arm_at_boot if args.boot else None) as target:
+        shell = Shell(target)
+        for te in at_boot:
+            shell.armed[te.name] = armed_at[0]  # stats' hits/s since the events were armed, not since the prompt
+        if not args.boot:
+            for text in args.events:
+                shell.execute(text)
+        return run_shell(target, shell)
 
 
 def cmd_drgn(args: argparse.Namespace) -> int:
@@ -881,6 +928,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("shell", help="an interactive shell: kprobe_events definitions, live hits, counts, histograms")
     _target_options(p)
+    p.add_argument("--boot", action="store_true",
+                   help="arm the EVENTs before the kernel's first instruction (QEMU's breakpoints, as --anywhere): "
+                   "at the prompt they are events of the shell, with their hits since start_kernel "
+                   "(stats, list, events; -:NAME removes one)")  # fmt: skip
+    p.add_argument("--cmdline", default="", metavar="ARGS",
+                   help="more kernel command line for the VM it boots (e.g. initcall_debug)")  # fmt: skip
+    p.add_argument("events", nargs="*", metavar="EVENT",
+                   help="kprobe_events definitions (or 'perf DEF') to add before the prompt; with --boot, "
+                   "before the kernel runs")  # fmt: skip
     p.set_defaults(func=cmd_shell)
 
     p = sub.add_parser("drgn", help="drgn's interactive mode on the live guest (`prog` bound, EVENTs armed)")

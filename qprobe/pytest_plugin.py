@@ -23,10 +23,24 @@ Fixtures
                        printed an oops, BUG, WARNING or panic.  Request it to
                        adjust those checks (``.watch(...)``, ``.strict``).
     ``qprobe_boot_kwargs``  extra ``qprobe.boot()`` arguments (``files=``,
-                       ``memory=``, ``cmdline=``, ``tcg_thread=``): override it
-                       in a conftest.py or a test module.  A VM that outlives a
-                       module (``--qprobe-scope session``) keeps the arguments
-                       of the first test that booted it.
+                       ``memory=``, ``cmdline=``, ``tcg_thread=``, ``probes=``):
+                       override it in a conftest.py or a test module.  A VM
+                       that outlives a module (``--qprobe-scope session``)
+                       keeps the arguments of the first test that booted it.
+    ``qprobe_boot_events``  the events armed before the kernel's first
+                       instruction (``--qprobe-boot-event``, and the definitions
+                       among ``qprobe_boot_kwargs``'s ``probes=``), by name
+                       (``"ic"``, or ``"GRP/EVENT"``): ``TraceEvent``s whose
+                       ``nhit`` counts every hit since ``start_kernel``.
+
+Boot-time probes (``--qprobe-boot-event DEF``, repeatable, or ``probes=`` in
+``qprobe_boot_kwargs``: ``Kprobe``, ``Kretprobe`` or kprobe_events definitions)
+belong to the VM, not to a test: ``qprobe_reset`` leaves them registered
+between tests, so that their counts go on over the VM's life::
+
+    def test_every_initcall_is_seen(qprobe_target, qprobe_boot_events):
+        # pytest --qprobe-boot-event 'p:ic do_one_initcall'
+        assert qprobe_boot_events["ic"].nhit > 100
 
 Markers
     ``@pytest.mark.qprobe_needs_symbol("name", ...)``  skip on images whose vmlinux lacks a symbol.
@@ -48,22 +62,26 @@ that must run every test on every image).
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 if TYPE_CHECKING:
     from qprobe.api import Target
+    from qprobe.core.kprobe import Kprobe
+    from qprobe.events import TraceEvent
     from qprobe.images import Image
     from qprobe.kernel.symbols import Symbols
 
 __all__ = [
     "QprobeReset",
+    "qprobe_boot_events",
     "qprobe_boot_kwargs",
     "qprobe_image",
     "qprobe_reset",
@@ -96,6 +114,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--qprobe-memory", default="512M", metavar="SIZE", help="guest RAM of each VM (default 512M)")
     group.addoption("--qprobe-boot-timeout", type=float, default=180.0, metavar="S",
                     help="seconds a VM may take to boot (default 180: TCG on a busy machine is slow)")  # fmt: skip
+    group.addoption("--qprobe-boot-event", action="append", dest="qprobe_boot_events", metavar="DEF", default=[],
+                    help="a kprobe_events definition armed in every VM before the kernel's first instruction "
+                         "(repeatable; the qprobe_boot_events fixture holds its events)")  # fmt: skip
     group.addoption("--qprobe-scope", choices=SCOPES, default="module",
                     help="how long one VM lives: one per test module by default")  # fmt: skip
     group.addoption("--qprobe-keep", action="store_true", default=False,
@@ -247,6 +268,11 @@ class _Vm:
     target: Target
     kept: str | None = None  # the test whose failure kept this VM running
     gone: str | None = None  # why the VM cannot be used any more
+    boot_events: dict[str, TraceEvent] = field(default_factory=dict)  # armed before the kernel ran, by name
+    boot_probes: frozenset[int] = frozenset()  # id() of the probes armed then: the VM's, kept between tests
+
+    def at_boot(self, probe: object) -> bool:
+        return id(probe) in self.boot_probes
 
 
 @pytest.fixture(scope=qprobe_scope)
@@ -278,12 +304,17 @@ def qprobe_target(request: pytest.FixtureRequest, qprobe_image: str,
         "keepable": bool(config.getoption("qprobe_keep", default=False)),
         **qprobe_boot_kwargs,
     }
+    given = config.getoption("qprobe_boot_events", default=[]) or []
+    if given:
+        kwargs["probes"] = [*kwargs.get("probes", ()), *given]
     try:
         target = qprobe.boot(qprobe_image, **kwargs)
     except qprobe.QprobeError as exc:  # a bad image, manifest or cache: its one line, not a traceback
         notes = "".join(f" ({note})" for note in getattr(exc, "__notes__", []))
         pytest.fail(f"qprobe could not boot {qprobe_image}: {exc}{notes}", pytrace=False)
     vm = _Vm(qprobe_image, target)
+    if kwargs.get("probes") or kwargs.get("at_boot"):
+        vm.boot_events, vm.boot_probes = _armed_at_boot(target)
     config.stash[_VMS][id(target)] = vm
     try:
         yield target
@@ -295,6 +326,31 @@ def qprobe_target(request: pytest.FixtureRequest, qprobe_image: str,
             finally:
                 if target.qemu is not None and target.qemu.alive():  # close() failed half way
                     target.qemu.terminate()
+
+
+def _user_kprobes(target: Target) -> list[Kprobe]:
+    """Every kprobe registered, int3 or stub breakpoint, but qprobe's own (return sites, boot milestones)."""
+    from qprobe.core.anywhere import InternalProbe
+
+    points = [*target.kprobes.points.values(), *target.kprobes.stubs.points.values()]
+    return [kp for point in points for kp in point.probes if not isinstance(kp, InternalProbe)]
+
+
+def _armed_at_boot(target: Target) -> tuple[dict[str, TraceEvent], frozenset[int]]:
+    """What a VM booted with boot-time probes holds once it is up: every event and probe in it was armed
+    before the kernel ran."""
+    ids = {id(kp) for kp in _user_kprobes(target)} | {id(rp) for rp in target.kretprobes.registered}
+    return dict(target.events), frozenset(ids)
+
+
+@pytest.fixture(scope=qprobe_scope)
+def qprobe_boot_events(request: pytest.FixtureRequest, qprobe_target: Target) -> dict[str, TraceEvent]:
+    """The events armed before the kernel's first instruction, by event name and by ``GRP/EVENT``."""
+    vm = _vm_of(request.config, qprobe_target, request.getfixturevalue("qprobe_image"))
+    out = dict(vm.boot_events)
+    for te in vm.boot_events.values():
+        out.setdefault(te.definition.event, te)
+    return out
 
 
 # -- between tests ---------------------------------------------------------------------------
@@ -389,22 +445,32 @@ class QprobeReset:
         return new
 
     def _remove_everything(self) -> list[str]:
-        """Unregister every event, uprobe, kretprobe and kprobe still registered; what was left (kprobes/list lines)."""
-        t = self.target
+        """Unregister every event, uprobe, kretprobe and kprobe still registered, but the VM's boot-time ones;
+        what was left (kprobes/list lines)."""
+        t, vm = self.target, self.vm
         t.modules.stop()  # its own two probes are not the test's
         left = [repr(up) for up in t.uprobes.registered()]
         t.uprobes.remove_all()  # before the kretprobes: one of them follows new mappings for the uprobes
-        left += [line for line in t.list_probes().splitlines() if line.strip()]
+        # kprobes/list's lines but the boot-time probes' (one line a probe, led by its address and kind)
+        boot = collections.Counter((f"{kp.resolved:016x}", "r" if kp.kretprobe is not None else "k")
+                                   for kp in _user_kprobes(t) if vm.at_boot(kp))  # fmt: skip
+        for line in t.list_probes().splitlines():
+            where = tuple(line.split()[:2])
+            if boot[where] > 0:
+                boot[where] -= 1
+            elif line.strip():
+                left.append(line)
         armed = []
         for key, te in list(t.events.items()):
+            if vm.boot_events.get(key) is te:
+                continue
             if te.registered:
                 armed.append(te)
             else:
                 t.events.pop(key, None)
         t.remove_events(armed)
-        t.unregister_kretprobes(list(t.kretprobes.registered))
-        for point in list(t.kprobes.points.values()):
-            t.unregister_kprobes(list(point.probes))
+        t.unregister_kretprobes([rp for rp in t.kretprobes.registered if not vm.at_boot(rp)])
+        t.unregister_kprobes([kp for kp in _user_kprobes(t) if not vm.at_boot(kp)])
         if not t.kprobes.enabled:
             t.set_kprobes_enabled(True)
         return left

@@ -76,7 +76,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "enabled": ("enabled [0|1]", "the global arm knob (debugfs kprobes/enabled)"),
     "optimization": ("optimization 0|1", "jump optimization (debug.kprobes-optimization)"),
     "blacklist": ("blacklist", "what cannot be probed (debugfs kprobes/blacklist)"),
-    "show": ("show [EVENT...] [for SECONDS | run CMD]", "print hits live as ftrace lines until Ctrl-C"),
+    "show": (
+        "show [EVENT...] [for SECONDS | run CMD | since boot]",
+        "print hits live as ftrace lines until Ctrl-C (since boot: the hits kept so far)",
+    ),
     "stats": ("stats", "hits, nmissed and hits/s per event and probe"),
     "filter": (
         "filter EVENT... [EXPR | 0]",
@@ -89,24 +92,24 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "($comm $pid $cpu $event $func $ts $addr, argument names); no FMT: ftrace lines again",
     ),
     "count": (
-        "count [EVENT...] [by KEY[, KEY...]] [every S] [for S | run CMD]",
+        "count [EVENT...] [by KEY[, KEY...]] [every S] [for S | run CMD | since boot]",
         "count hits like bpftrace's @[key] = count()",
     ),
-    "sum()": ("sum(VALUE) [EVENT...] [by KEY, ...] [every S] [for S | run CMD]", "@[key] = sum(value)"),
-    "avg()": ("avg(VALUE) [EVENT...] [by KEY, ...] [every S] [for S | run CMD]", "@[key] = avg(value)"),
-    "min()": ("min(VALUE) [EVENT...] [by KEY, ...] [every S] [for S | run CMD]", "@[key] = min(value)"),
-    "max()": ("max(VALUE) [EVENT...] [by KEY, ...] [every S] [for S | run CMD]", "@[key] = max(value)"),
+    "sum()": ("sum(VALUE) [EVENT...] [by KEY, ...] [every S] [for S | run CMD | since boot]", "@[key] = sum(value)"),
+    "avg()": ("avg(VALUE) [EVENT...] [by KEY, ...] [every S] [for S | run CMD | since boot]", "@[key] = avg(value)"),
+    "min()": ("min(VALUE) [EVENT...] [by KEY, ...] [every S] [for S | run CMD | since boot]", "@[key] = min(value)"),
+    "max()": ("max(VALUE) [EVENT...] [by KEY, ...] [every S] [for S | run CMD | since boot]", "@[key] = max(value)"),
     "stats()": (
-        "stats(VALUE) [EVENT...] [by KEY, ...] [every S] [for S | run CMD]",
+        "stats(VALUE) [EVENT...] [by KEY, ...] [every S] [for S | run CMD | since boot]",
         "@[key] = stats(value): count, average, total",
     ),
     "hist()": (
-        "hist(VALUE) [EVENT...] [by KEY, ...] [every S] [for S | run CMD]",
+        "hist(VALUE) [EVENT...] [by KEY, ...] [every S] [for S | run CMD | since boot]",
         "log2 histogram of a numeric value, like hist()",
     ),
-    "hist": ("hist EVENT by VALUE [every S] [for S | run CMD]", "the same as hist(VALUE) EVENT"),
+    "hist": ("hist EVENT by VALUE [every S] [for S | run CMD | since boot]", "the same as hist(VALUE) EVENT"),
     "lhist()": (
-        "lhist(VALUE, MIN, MAX, STEP) [EVENT...] [by KEY, ...] [every S] [for S | run CMD]",
+        "lhist(VALUE, MIN, MAX, STEP) [EVENT...] [by KEY, ...] [every S] [for S | run CMD | since boot]",
         "linear histogram, like lhist()",
     ),
     "funcs": ("funcs [GLOB...]", "kernel functions matching, and why qprobe cannot probe the ones it cannot"),
@@ -130,7 +133,9 @@ KEY_HELP = (
     "probe's own hit count, kept in the guest as the kernel keeps kprobe_profile's: exact, never lost. A map of one "
     "event keyed by $comm, $pid, $cpu, $func, $event and integer register arguments, of an integer register "
     "value, is folded in guest RAM at each hit; other maps come from the records the guest writes at each hit; "
-    "$stack and arguments read from memory stop the vCPU at each hit for the host to compute"
+    "$stack and arguments read from memory stop the vCPU at each hit for the host to compute. since boot: the map "
+    "of the hits already made, as each event keeps them (its last 100000; with qprobe shell --boot, from "
+    "start_kernel on)"
 )
 ALIASES = {"exit": "quit", "q": "quit", "?": "help", "ls": "list"}
 
@@ -443,6 +448,9 @@ class Shell:
     def cmd_show(self, rest: str) -> None:
         spec = parse_collect(rest, verb="show", allow_key=False)
         events = self.select(spec.events)
+        if spec.since_boot:
+            self._show_kept(events)
+            return
         hits: queue.SimpleQueue[EventHit] = queue.SimpleQueue()
 
         def drain() -> None:
@@ -465,6 +473,40 @@ class Shell:
         timeline.flush()
         drain()
         self._report_run(result)
+
+    def _kept(self, events: list[TraceEvent]) -> list[tuple[TraceEvent, EventHit]]:
+        """Every hit the events have kept, in the guest's order of hits (those still in the guest's record
+        rings drained first); what they did not keep is said."""
+        self.target.sync()
+        self.target.timeline.flush()
+        kept: list[tuple[TraceEvent, EventHit]] = []
+        evicted = unkept = 0
+        for te in events:
+            for one in te.probes():
+                hits = one.hits.copy()  # one C call: the stop loop may keep another hit meanwhile
+                kept += [(te, hit) for hit in hits]
+                evicted += one.evicted
+                unkept += max(0, one.nhit - len(hits) - one.evicted)
+        if evicted:
+            self.note(f"{evicted} older hits fell out of what the events keep (the last {events[0].keep} each): "
+                      "not in here")  # fmt: skip
+        if unkept:
+            self.note(f"{unkept} hits were counted in guest RAM without a record: not in here")
+        kept.sort(key=lambda pair: pair[1].order)
+        return kept
+
+    def _show_kept(self, events: list[TraceEvent]) -> None:
+        """``show ... since boot``: the hits already made, as ``show`` prints hits as they come."""
+        formats = {te.definition.event: self.formats[te.name] for te in events if te.name in self.formats}
+        kept = self._kept(events)
+        for _te, hit in kept:
+            fmt = formats.get(hit.event)
+            if fmt is None:
+                self.out.line(hit.line())
+            else:
+                self.out.write(fmt(hit.escaped() if self.out.terminal else hit), escaped=True)
+        if not kept:
+            self.note("no hits")
 
     def cmd_format(self, rest: str) -> None:
         quote = rest.find('"')
@@ -523,6 +565,17 @@ class Shell:
     def _aggregate(self, spec: Collect, events: list[TraceEvent], agg: Aggregation) -> None:
         for key in spec.keys:
             self._check_names(key, events)
+        if spec.since_boot:
+            if "$stack" in spec.keys:
+                raise ShellUsageError("$stack is unwound while the vCPU is stopped at a hit: not for hits "
+                                      "already made (since boot)")  # fmt: skip
+            for te, hit in self._kept(events):
+                agg.add(te, hit)
+            if not agg.print_and_clear(self.out.write):
+                self.note("no hits")
+            if agg.skipped:
+                self.note(f"({agg.skipped} of {agg.total} values of {agg.value} were not numbers)")
+            return
         every = spec.every
         due = [time.monotonic() + every] if every is not None else []
 

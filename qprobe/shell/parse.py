@@ -72,7 +72,8 @@ class Collect:
 
     ``events`` are patterns (names or globs); ``keys`` the parts of the map key (none
     for one total); ``seconds`` None and ``command`` None mean until Ctrl-C; ``every``
-    prints and clears the map every so many seconds.
+    prints and clears the map every so many seconds; ``since_boot``: the hits already
+    made (the events' kept hits), not those to come.
     """
 
     events: list[str] = field(default_factory=list)
@@ -80,6 +81,7 @@ class Collect:
     seconds: float | None = None
     command: str | None = None
     every: float | None = None
+    since_boot: bool = False
 
     @property
     def key(self) -> str | None:
@@ -127,12 +129,18 @@ LHIST_MAX_BUCKETS = 1000  # bpftrace's limit on (max - min) / step
 
 
 def parse_collect(rest: str, *, verb: str, need_key: bool = False, allow_key: bool = True) -> Collect:
-    """``[EVENT...] [by KEY[, KEY...]] [every S] [for SECONDS] [run CMD...]`` (``run`` takes the rest)."""
+    """``[EVENT...] [by KEY[, KEY...]] [every S] [for SECONDS | run CMD... | since boot]`` (``run`` takes the rest)."""
     spec = Collect()
     words = rest.split()
     i = 0
     while i < len(words):
         w = words[i]
+        if w == "since":
+            if words[i + 1 : i + 2] != ["boot"]:
+                raise ShellUsageError(f"{verb}: since boot is the only since")
+            spec.since_boot = True
+            i += 2
+            continue
         if w == "run":
             command = _rest_after(rest, i)
             if not command:
@@ -161,12 +169,14 @@ def parse_collect(rest: str, *, verb: str, need_key: bool = False, allow_key: bo
                 spec.seconds = parse_seconds(words[i + 1])
             i += 2
             continue
-        if spec.keys or spec.seconds is not None or spec.every is not None:
+        if spec.keys or spec.seconds is not None or spec.every is not None or spec.since_boot:
             raise ShellUsageError(f"{verb}: unexpected {w!r} (events come first: {verb} EVENT by KEY for SECONDS)")
         spec.events.append(w)
         i += 1
     if spec.seconds is not None and spec.command is not None:
         raise ShellUsageError(f"{verb}: give 'for SECONDS' or 'run CMD', not both")
+    if spec.since_boot and (spec.seconds is not None or spec.command is not None or spec.every is not None):
+        raise ShellUsageError(f"{verb}: since boot takes the hits already made: not with for, run or every")
     if need_key and not spec.keys:
         raise ShellUsageError(f"usage: {verb} EVENT by KEY [for SECONDS | run CMD]")
     return spec

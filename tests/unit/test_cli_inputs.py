@@ -69,6 +69,18 @@ CASES = [
     (["images", "--fetch"], ["--fetch", "expected at least one argument"]),
     (["list", "vfs_*"], ["to find functions: qprobe funcs 'vfs_*'"]),
     (["list", "pci_*"], ["to find functions: qprobe funcs 'pci_*'"]),
+    # The shell's EVENTs, checked as trace's are; --boot's are the kernel's, on a VM qprobe boots.
+    (["shell", "p:a vfs_read x=%zz"], ["Invalid register name"]),
+    (["shell", "--boot", "p:a vfs_read x=%zz"], ["Invalid register name"]),
+    (["shell", "--boot", "p:a no_such_function_here"], ["no_such_function_here"]),
+    (["shell", "p:sk start_kernel"], ["start_kernel", "not kernel text after boot"]),
+    (["shell", "--boot"], ["--boot arms the EVENTs", "give at least one"]),
+    (["shell", "--boot", "--attach", "unix:/nonexistent", "p:a start_kernel"], ["not with --attach"]),
+    (["shell", "--boot", "p:uq /bin/true:main"], ["p:uq /bin/true:main", "a uprobe's file is the guest's"]),
+    (["shell", "--boot", "uprobe:/bin/true:main"], ["a uprobe's file is the guest's"]),
+    (["trace", "--boot", "p:uq /bin/true:main"], ["a uprobe's file is the guest's"]),
+    (["trace", "--boot", "--transport", "gdb", "p:a start_kernel"], ["not with --transport gdb"]),
+    (["shell", "--boot", "--transport", "gdb", "p:a start_kernel"], ["not with --transport gdb"]),
 ]
 
 
@@ -121,3 +133,19 @@ def test_allow_remote_warns_that_the_stub_is_unauthenticated(caplog: pytest.LogC
         assert cli.main(["attach", "127.0.0.2:1", "--allow-remote", "--vmlinux", "/nonexistent"]) == 2
     assert "anyone who can reach that port controls the guest" in caplog.text
     assert "cannot connect to the gdbstub at 127.0.0.2:1" in capsys.readouterr().err
+
+
+def test_shell_boot_hands_its_checked_events_to_a_boot_that_arms_them(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen: dict[str, object] = {}
+
+    def boot(image: str, **kwargs: object) -> None:
+        seen.update(kwargs, image=image)
+        raise qprobe.QprobeError("stopped before QEMU")
+
+    monkeypatch.setattr(qprobe, "boot", boot)
+    # start_kernel is __init: refused on a booted kernel, probed during the boot.
+    assert cli.main(["shell", "--boot", "--cmdline", "initcall_debug", "p:sk start_kernel"]) == 2
+    assert "stopped before QEMU" in capsys.readouterr().err
+    assert seen["image"] == "debian-cloud" and seen["cmdline"] == "initcall_debug" and callable(seen["at_boot"])

@@ -334,7 +334,7 @@ def test_help_and_quit() -> None:
     shell, _t, out = make_shell()
     text = run(shell, out, "help")
     assert any(line.startswith("count [EVENT...] [by KEY[, KEY...]]") for line in text)
-    assert run(shell, out, "help hist")[0] == "hist EVENT by VALUE [every S] [for S | run CMD]"
+    assert run(shell, out, "help hist")[0] == "hist EVENT by VALUE [every S] [for S | run CMD | since boot]"
     assert run(shell, out, "help lhist")[0].startswith("lhist(VALUE, MIN, MAX, STEP) [EVENT...]")
     assert run(shell, out, "help p:foo")[0].startswith("p[:[GRP/]EVENT]")
     run(shell, out, "quit")
@@ -402,3 +402,43 @@ def test_format_refuses_a_numbers_conversion_of_text() -> None:
     assert run(shell, out, 'format rd "%s %d %u %s\\n", $comm, count, $pid, name') == [
         'kprobes/rd: printf "%s %d %u %s\\n", $comm, count, $pid, name'
     ]
+
+
+def test_since_boot_folds_and_shows_the_hits_already_made() -> None:
+    shell, t, out = make_shell()
+    run(shell, out, "p:gp __x64_sys_getppid count=%dx")
+    t.run("workload getppid 3")  # before the count: as boot-time events' hits are before the prompt
+    assert run(shell, out, "count gp by $comm since boot") == ["@[workload]: 3"]
+    assert run(shell, out, "count gp by count since boot") == ["@[0]: 1", "@[1]: 1", "@[2]: 1"]
+    assert run(shell, out, "sum(count) gp since boot") == ["@count: 3"]
+    got = run(shell, out, "show gp since boot")
+    assert got == ["        workload-42      [000] .....     1.500000: gp: (__x64_sys_getppid+0x0/0x40)"] * 3
+    assert t.events["kprobes/gp"].callback is None  # nothing was tapped
+    # What the events did not keep is said, not silently left out.
+    gp = t.events["kprobes/gp"]
+    gp.hits.popleft()  # as TraceEvent keeps its last ``keep`` hits
+    gp.evicted += 1
+    gp.nhit += 4  # hits counted in guest RAM, with no record
+    got = run(shell, out, "count gp since boot")
+    assert got[-1] == "@: 2", got
+    assert any("older hits fell out" in line for line in got), got
+    assert any("4 hits were counted in guest RAM without a record" in line for line in got), got
+
+
+@pytest.mark.parametrize(
+    ("line", "words"),
+    [
+        ("count gp since", "since boot is the only since"),
+        ("count gp since then", "since boot is the only since"),
+        ("count gp since boot for 1", "not with for, run or every"),
+        ("count gp every 1 since boot", "not with for, run or every"),
+        ("show gp since boot run true", "not with for, run or every"),
+        ("count gp since boot gp", "unexpected 'gp'"),
+        ("count gp by $stack since boot", "$stack is unwound"),
+    ],
+)
+def test_since_boot_is_refused_where_it_cannot_work(line: str, words: str) -> None:
+    shell, _t, out = make_shell()
+    run(shell, out, "p:gp __x64_sys_getppid")
+    got = run(shell, out, line)
+    assert len(got) == 1 and got[0].startswith("error: ") and words in got[0], got

@@ -120,13 +120,26 @@ def test_probes_in_init_text_are_retired_when_the_kernel_frees_it() -> None:
     init_fn = qprobe.Kprobe("kernel_init_freeable")
     boot_fn = qprobe.Kprobe("start_kernel")
     kept = qprobe.Kprobe("kernel_init")
-    with qprobe.boot(IMAGE, probes=[init_fn, boot_fn, kept]) as target:
+    # What stays on stub breakpoints once booted: a probe asked so, a kretprobe, a notrace function's event.
+    asked = qprobe.Kprobe("do_one_initcall", anywhere=True)
+    ret = qprobe.Kretprobe("do_one_initcall")
+    with qprobe.boot(IMAGE, probes=[init_fn, boot_fn, kept, asked, ret, "p:ss start_secondary"]) as target:
         listing = target.list_probes()
         assert init_fn.gone and boot_fn.gone and not kept.gone, listing
         assert init_fn.nhit == boot_fn.nhit == kept.nhit == 1, listing  # counts kept
         lines = {line.split()[2].split("+")[0]: line for line in listing.splitlines()}
         assert lines["kernel_init_freeable"].endswith("[ANYWHERE][GONE]"), listing
         assert "[ANYWHERE]" not in lines["kernel_init"], listing  # kept text: on the int3 path once booted
+        # A kprobe event on start_secondary (notrace) is the kernel's to refuse: with dynamic ftrace it does.
+        events = f"{TRACING}/kprobe_events"
+        refused = False
+        if target.run(f"test -e {events}").status == 0:
+            refused = target.run(f"echo 'p:t start_secondary' >> {events}").status != 0
+            target.run(f"echo '-:t' >> {events} 2>/dev/null")
+        assert lines["start_secondary"].endswith("[ANYWHERE]") == refused, listing
+        stubs = [line for line in listing.splitlines() if " do_one_initcall+" in line]  # __init without modules
+        assert len(stubs) == 2 and all("[ANYWHERE]" in line for line in stubs), listing
+        assert asked.anywhere and ret.kp.anywhere and ret.nhit == ret.nreturns == asked.nhit > 100, listing
         with pytest.raises(qprobe.QprobeError, match="not in kernel text"):
             target.register_kprobe(qprobe.Kprobe("kernel_init_freeable", anywhere=True))
         target.unregister_kprobe(init_fn)

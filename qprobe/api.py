@@ -313,6 +313,11 @@ class Target(ProbeAPI, EventAPI):
                 raise BootPanic(str(exc)) from None
         self.timings["boot"] = time.monotonic() - t0
         self.machine.call(self._after_boot)
+        # The guest's shell is up, so kernel_init has run free_initmem and mark_readonly (init/main.c): the
+        # text boot rewrites is final (alternatives and static calls are patched in start_kernel, __fentry__
+        # sites by ftrace_init, __init text is gone).  What stays rewritable at run time (jump-label and
+        # static-call sites, the int3 path refuses them) stays on stub breakpoints.
+        self.kprobes.optimizer.queue.optimize_later(self.machine.call(self.kprobes.switch_from_boot))
 
     def _armed_at_boot(self, regs: dict[str, int], slide: int, plan: BootPlan, phys: PhysReader,
                        doorbell: Path | None) -> None:  # fmt: skip
@@ -332,6 +337,7 @@ class Target(ProbeAPI, EventAPI):
         text = self.symbols.address("_text")
         self.kernel.early_root = self.mem.pgd + text - self.mem.virt_to_phys(text)
         self._probing(phys, doorbell)
+        self.kprobes.booting = True  # no int3 until the kernel has booted: stub breakpoints, switched then
         # The guest's clocks do not run until start_kernel has set them up: hits are timed by the host's.
         self.clock.host_only("the probes were armed before the guest's clocks ran (boot-time probes)")
         # First, so that the user's probes there read through the tables it switches to.

@@ -198,6 +198,8 @@ def _check_symbols(args: argparse.Namespace, events: list[ProbeEvent]) -> None:
     prob = _host_probeability(args) if named else None
     if prob is None:
         return
+    # At boot every probe starts on a stub breakpoint: what --anywhere accepts (a probe the int3 path refuses
+    # stays one once booted).
     prob.anywhere = getattr(args, "anywhere", False) or getattr(args, "boot", False)
     prob.symbols.init_text = getattr(args, "boot", False)  # __init functions run during the boot
     for ev in named:
@@ -420,7 +422,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     at_boot: list[TraceEvent] = []
 
     def arm_at_boot(target: Target) -> None:  # before the kernel's first instruction: stub breakpoints
-        at_boot.extend(_arm_traced(target, definitions, trace, anywhere=True))
+        at_boot.extend(_arm_traced(target, definitions, trace))  # the int3 path once booted, unless --anywhere
 
     with _boot(args, arm_at_boot if args.boot else None) as target:
         if args.lossy:

@@ -37,10 +37,11 @@ def boot(image: str = "debian-cloud", smp: int = 2, memory: str | int = "512M",
     """Boot an image (fetched and built on first use) and attach to it.
 
     ``probes`` (Kprobe, Kretprobe or kprobe_events definitions) are armed before the kernel's first
-    instruction, as stub breakpoints (``anywhere=True``: the guest cannot take an int3 that early), and
-    see every hit from ``start_kernel`` on; ``at_boot(target)`` runs at the same moment, for
-    probes that need the target (``target.add_event(..., anywhere=True)`` with a callback).  The boot
-    then waits for the guest's shell as usual.
+    instruction, as stub breakpoints (the guest cannot take an int3 that early), and see every hit from
+    ``start_kernel`` on; ``at_boot(target)`` runs at the same moment, for probes that need the target
+    (``target.add_event(...)`` with a callback).  The boot then waits for the guest's shell as usual; once
+    it is up, the kprobes not asked ``anywhere=True`` that the int3 path accepts move to it, their counts
+    going on (kretprobes stay on stub breakpoints).
 
     ``transport``: "rsp" (qprobe's own client) or "gdb" (a real gdb through GDB/MI).
     ``tcg_thread``: TCG's ``thread=`` mode, "single" (every vCPU on one host thread) or "multi";
@@ -81,14 +82,14 @@ def _arming(
             raise TypeError(f"probes are Kprobe, Kretprobe or kprobe_events definitions, not {type(p).__name__}")
 
     def arm(target: Target) -> None:
+        # The target is booting: these go on stub breakpoints, and those not asked anywhere=True (nor
+        # kretprobes) to the int3 path once the kernel has booted (KprobeManager.switch_from_boot).
         for p in probes:
             if isinstance(p, str):
-                target.add_event(p, anywhere=True)
+                target.add_event(p)
             elif isinstance(p, Kretprobe):
-                p.kp.anywhere = True
                 target.register_kretprobe(p)
             else:
-                p.anywhere = True
                 target.register_kprobe(p)
         if at_boot is not None:
             at_boot(target)

@@ -72,6 +72,9 @@ class Kprobe:
         # Armed with a gdbstub breakpoint instead of an int3 (qprobe.core.anywhere): nothing written into
         # the guest, so the kernel's blacklist and run-time-patched sites can be probed too.
         self.anywhere = anywhere
+        # On a stub breakpoint only because it was armed before the kernel could take an int3 (a boot-time
+        # probe not asked anywhere): KprobeManager.switch_from_boot moves it to the int3 path once boot is done.
+        self.boot_stub = False
         self.nhit = 0
         self.nmissed = 0
         self.nfaults = 0

@@ -30,6 +30,7 @@ from qprobe.errors import (
     InvalidProbe,
     ProbeBusy,
     ProbeError,
+    QprobeError,
 )
 from qprobe.kernel.preempted import PREEMPTED_WAIT, wait_preempted_out
 from qprobe.kernel.program import KernelData
@@ -63,6 +64,8 @@ class KprobeManager:
         self.points: dict[int, ProbePoint] = {}
         self.vcpu_index = {tid: i for i, tid in enumerate(machine.vcpus)}
         self.enabled = True  # debugfs kprobes/enabled
+        # The kernel is booting and cannot take an int3 yet: probes go on stub breakpoints (switch_from_boot).
+        self.booting = False
         self.touched: set[int] = set()  # every address we ever put an int3 at
         self.text = KernelText(machine)  # the int3s and jumps of points, and the text under them
         self.sites = ProbeSites(machine, kernel, arch, self.text)  # where a probe goes, and where it may not
@@ -103,11 +106,27 @@ class KprobeManager:
     def register_kprobe(self, kp: Kprobe, optimize: bool = True) -> None:
         if kp.registered:
             raise InvalidProbe(f"{kp.where()} is already registered (EINVAL)")
-        kp.at = self.sites.kprobe_addr(kp)
-        addr = self.sites.arming_address(kp)
-        self.machine.call(lambda: self._register(kp, addr))
+        self._at_boot(kp)
+        try:
+            kp.at = self.sites.kprobe_addr(kp)
+            addr = self.sites.arming_address(kp)
+            self.machine.call(lambda: self._register(kp, addr))
+        except BaseException:
+            self._refused_at_boot(kp)
+            raise
         if optimize:
             self.optimizer.queue.optimize_later([addr])
+
+    def _at_boot(self, kp: Kprobe) -> None:
+        """While the kernel boots, a probe not asked anywhere goes on a stub breakpoint, marked to move."""
+        if self.booting and not kp.anywhere:
+            kp.anywhere = kp.boot_stub = True
+
+    @staticmethod
+    def _refused_at_boot(kp: Kprobe) -> None:
+        """A refused probe is left as it was given."""
+        if kp.boot_stub and not kp.registered:
+            kp.anywhere = kp.boot_stub = False
 
     def addresses(self) -> list[int]:
         """Every probed address, int3 or stub breakpoint, sorted (a jump must displace none of them)."""
@@ -192,8 +211,15 @@ class KprobeManager:
             if kp.registered:
                 raise InvalidProbe(f"{kp.where()} is already registered (EINVAL)")
         for kp in todo:
-            kp.at = self.sites.kprobe_addr(kp)
-        addrs = [self.sites.arming_address(kp) for kp in todo]
+            self._at_boot(kp)
+        try:
+            for kp in todo:
+                kp.at = self.sites.kprobe_addr(kp)
+            addrs = [self.sites.arming_address(kp) for kp in todo]
+        except BaseException:
+            for kp in todo:
+                self._refused_at_boot(kp)
+            raise
 
         def register_all() -> bool:
             done: list[Kprobe] = []
@@ -208,7 +234,13 @@ class KprobeManager:
                     raise
             return self.optimizer.queue.enqueue(addrs)  # in the same stop
 
-        if self.machine.call(register_all):
+        try:
+            queued = self.machine.call(register_all)
+        except BaseException:
+            for kp in todo:
+                self._refused_at_boot(kp)
+            raise
+        if queued:
             self.optimizer.queue.kprobe_optimizer(addrs)
 
     def unregister_kprobe(self, kp: Kprobe) -> None:
@@ -290,6 +322,50 @@ class KprobeManager:
         self.machine.call(change)
         if on:
             self.optimizer.queue.optimize_later(list(self.points))
+
+    def switch_from_boot(self) -> list[int]:
+        """Boot is done (stop loop, every vCPU stopped): the probes on stub breakpoints only because of boot
+        (``boot_stub``) go to the int3 path where it accepts them; the addresses to optimize.
+
+        The same Kprobe objects move, their counts go on.  Those the int3 path refuses stay stubs, listed
+        [ANYWHERE]: blacklisted, on a jump-label or static-call site the kernel rewrites at run time, a
+        notrace function's kprobe event (marked anywhere when defined), and retired (GONE) __init text.
+        No hit is missed or counted twice: a stub hit is handled and its instruction stepped within the
+        stop that reports it, so none is part way now, and nothing was on the int3 path yet.  A vCPU
+        stopped on a stub's address has not run that instruction: it takes the int3, there or (past an
+        __fentry__ site, see ProbeSites.arming_address) on the next instruction.  A vCPU stopped on that
+        next instruction was counted at the stub: it runs the instruction before the int3 goes in.
+        """
+        self.booting = False
+        moves: list[tuple[Kprobe, int, int]] = []
+        for point in list(self.stubs.points.values()):
+            for kp in point.probes:
+                if not kp.boot_stub or kp.gone:
+                    continue
+                kp.anywhere = False
+                new = self.sites.arming_address(kp)
+                kp.anywhere = True
+                if new == point.addr or new not in self.stubs.points:  # not onto another stub
+                    moves.append((kp, point.addr, new))
+        passed = {new for _kp, old, new in moves if new != old}
+        for tid in self.machine.vcpus:
+            ip = self.arch.ip(self.machine.gdb.read_registers(tid))
+            if ip in passed:
+                self.dispatcher.step(tid, ip)
+        moved: list[int] = []
+        with self.machine.journal.batch():
+            for kp, old, new in moves:
+                self.stubs.unregister(kp)
+                kp.anywhere = kp.boot_stub = kp.registered = False
+                try:
+                    self._register(kp, new)
+                except QprobeError as exc:  # refused by the int3 path: back on its stub
+                    log.debug("%s stays on a stub breakpoint: %s", kp.where(), exc)
+                    kp.anywhere = kp.boot_stub = True
+                    self._register_anywhere(kp, old)
+                    continue
+                moved.append(new)
+        return sorted(set(moved))
 
     # -- arming (stop-loop thread) -----------------------------------------------
     def _sync(self, point: ProbePoint) -> None:

@@ -78,6 +78,11 @@ class KretprobeManager:
         kp = rp.kp
         if kp.registered:  # before anything below resets its instances
             raise InvalidProbe(f"{kp.where()} is already registered (EINVAL)")
+        if self.kprobes.booting:
+            # Entry and return stay on stub breakpoints after boot too: calls in flight then (kernel_init's,
+            # a kthread's loop) return through the stub's return sites, matched by task and stack pointer,
+            # where the trampoline path would find no instance of theirs.
+            kp.anywhere = True
         addr = self.kprobes.sites.kprobe_addr(kp)
         fn = self.symbols.function(addr)
         name = fn.name if fn else ""

@@ -327,12 +327,14 @@ def _prepare(
     check_append(ev, [te.definition for te in first.probes()] if first else [], dialect)
     if first is None and (ev.group, ev.event) in reg.trace_events:
         raise FetchArgError(dialect.message(M.EVENT_EXIST), text, 0)
-    te = KprobeEvent(reg, ev, callback, filter=None if filter is None else event_filter(ev, filter),
-                     anywhere=anywhere)  # fmt: skip
     if not anywhere and ev.symbol is not None and ev.symbol in symbols and within_notrace_func(
             symbols, reg.ftrace_locations, symbols.address(ev.symbol) + ev.offset):  # fmt: skip
-        # __register_trace_kprobe: "Could not probe notrace function", -EINVAL.
-        raise _registration_error(ev, InvalidProbe(f"{ev.symbol} is a notrace function (EINVAL)"), dialect)
+        if not reg.kprobe_backend.booting:
+            # __register_trace_kprobe: "Could not probe notrace function", -EINVAL.
+            raise _registration_error(ev, InvalidProbe(f"{ev.symbol} is a notrace function (EINVAL)"), dialect)
+        anywhere = True  # armed at boot, where only stub breakpoints work: it stays one, as the kernel refuses it
+    te = KprobeEvent(reg, ev, callback, filter=None if filter is None else event_filter(ev, filter),
+                     anywhere=anywhere)  # fmt: skip
     te.make_probe()
     return te, first
 

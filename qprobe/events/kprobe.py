@@ -38,6 +38,11 @@ class KprobeBackend:
         self._kprobes = kprobes
         self._kretprobes = kretprobes
 
+    @property
+    def booting(self) -> bool:
+        """The kernel is booting: probes go on stub breakpoints, those not asked anywhere until boot is done."""
+        return self._kprobes.booting
+
     def register(self, events: Sequence[TraceEvent]) -> None:
         """All or nothing: the kprobes in one batch (one grace period places every jump), then the kretprobes.
 

@@ -23,7 +23,7 @@ import pytest
 
 import qprobe
 
-from .conftest import IMAGE
+from .conftest import IMAGE, workload_result
 from .guest_oracle import TRACING
 
 pytestmark = pytest.mark.vm
@@ -120,14 +120,65 @@ def test_probes_in_init_text_are_retired_when_the_kernel_frees_it() -> None:
     init_fn = qprobe.Kprobe("kernel_init_freeable")
     boot_fn = qprobe.Kprobe("start_kernel")
     kept = qprobe.Kprobe("kernel_init")
-    with qprobe.boot(IMAGE, probes=[init_fn, boot_fn, kept]) as target:
+    # What stays on stub breakpoints once booted: a probe asked so, a kretprobe, a notrace function's event.
+    asked = qprobe.Kprobe("do_one_initcall", anywhere=True)
+    ret = qprobe.Kretprobe("do_one_initcall")
+    with qprobe.boot(IMAGE, probes=[init_fn, boot_fn, kept, asked, ret, "p:ss start_secondary"]) as target:
         listing = target.list_probes()
         assert init_fn.gone and boot_fn.gone and not kept.gone, listing
         assert init_fn.nhit == boot_fn.nhit == kept.nhit == 1, listing  # counts kept
         lines = {line.split()[2].split("+")[0]: line for line in listing.splitlines()}
         assert lines["kernel_init_freeable"].endswith("[ANYWHERE][GONE]"), listing
-        assert lines["kernel_init"].endswith("[ANYWHERE]"), listing
+        assert "[ANYWHERE]" not in lines["kernel_init"], listing  # kept text: on the int3 path once booted
+        # A kprobe event on start_secondary (notrace) is the kernel's to refuse: with dynamic ftrace it does.
+        events = f"{TRACING}/kprobe_events"
+        refused = False
+        if target.run(f"test -e {events}").status == 0:
+            refused = target.run(f"echo 'p:t start_secondary' >> {events}").status != 0
+            target.run(f"echo '-:t' >> {events} 2>/dev/null")
+        assert lines["start_secondary"].endswith("[ANYWHERE]") == refused, listing
+        stubs = [line for line in listing.splitlines() if " do_one_initcall+" in line]  # __init without modules
+        assert len(stubs) == 2 and all("[ANYWHERE]" in line for line in stubs), listing
+        assert asked.anywhere and ret.kp.anywhere and ret.nhit == ret.nreturns == asked.nhit > 100, listing
         with pytest.raises(qprobe.QprobeError, match="not in kernel text"):
             target.register_kprobe(qprobe.Kprobe("kernel_init_freeable", anywhere=True))
         target.unregister_kprobe(init_fn)
         assert "kernel_init_freeable" not in target.list_probes()
+
+
+def test_a_boot_probe_moves_to_the_int3_path_once_booted_and_counts_on() -> None:
+    # The guest's init script is a shell, which calls getppid as it starts (busybox ash sets $PPID): hits
+    # on the stub breakpoint during boot.  The guest shell then runs commands without calling it, so a
+    # workload's N getppid calls are N more hits, on the int3 path.  No process runs before fs_initcall,
+    # where the kernel's own boot-time event on the same function starts counting: it counts them all.
+    fn = "__x64_sys_getppid"
+    seen: list[tuple[int, bytes]] = []  # the function's text at a boot-time hit, when nothing was written yet
+
+    def at_hit(kp: qprobe.Kprobe, regs: qprobe.PtRegs) -> int:
+        if not seen:
+            seen.append((regs.ip, regs.read(regs.ip, 64)))
+        return 0
+
+    kp = qprobe.Kprobe(fn, pre_handler=at_hit)
+    n = 300
+    with qprobe.boot(IMAGE, probes=[kp], cmdline=f"kprobe_event=p:gp,{fn}") as target:
+        listing = target.list_probes()
+        line = next(x for x in listing.splitlines() if f" {fn}+" in x)
+        assert "[ANYWHERE]" not in line and not kp.anywhere, listing
+        booted = kp.nhit
+        assert booted > 0 and seen, listing
+        ip, text = seen[0]
+        assert text[0] != 0xCC
+        res = workload_result(target.run(f"workload getppid {n}").check().output)
+        assert res["errors"] == "0"
+        target.list_probes()  # an optimized probe's hits counted
+        assert kp.nhit - booted == n and kp.nmissed == 0, target.list_probes()
+        profile = target.run(f"cat {TRACING}/kprobe_profile 2>/dev/null || echo no kprobe events").output
+        count = re.search(r"^\s*gp\s+(\d+)\s+(\d+)$", profile, re.M)
+        if count is None:  # a kernel without kprobe events (minimal-6.12)
+            assert "no kprobe events" in profile, profile
+        else:
+            assert (int(count.group(1)), int(count.group(2))) == (kp.nhit, 0), (profile, booted)
+        target.unregister_kprobe(kp)
+        assert target.read(ip, 64) == text
+        assert target.oopses() == []

@@ -380,6 +380,7 @@ class Target(ProbeAPI, EventAPI):
         self.kernel.reopen()
         assert self.qemu is not None
         journal = Journal(vm_identity(self.symbols, self.slide, self.mem), self.journal.qemu)
+        journal.set_meta(**self.journal.meta)  # the scratch area's places, the stub breakpoints still in
         for patch in self.journal.patches.values():
             journal.record(patch)
         self.journal.clear()

@@ -243,12 +243,15 @@ class Target(ProbeAPI, EventAPI):
     _leave_halted = False  # ends the connection without a detach, which would start the VM
 
     def _check_stage(self, stage: BootStage, boot: bool) -> None:
-        """Boot-time probes need a kernel that has not run; anything else one that runs."""
+        """Boot-time probes need a kernel that has not run; anything else one that runs.
+
+        A VM that has run no instruction is left so when this attach fails before the boot goes on, so that
+        another can (a detach would start it)."""
+        self._leave_halted = stage is BootStage.RESET
         if boot and stage is BootStage.KERNEL:
             raise TargetError("boot-time probes need a VM whose kernel has not run yet (QEMU started with -S): "
                               "this one's vCPU 0 has paging on")  # fmt: skip
         if not boot and stage is BootStage.RESET:
-            self._leave_halted = True
             raise TargetError("the VM has not started (QEMU -S: vCPU 0 is at its reset vector) and there is no "
                               "kernel to attach to yet: give boot-time probes (probes= / trace --boot) or let it "
                               "boot first; it is left halted")  # fmt: skip
@@ -329,6 +332,7 @@ class Target(ProbeAPI, EventAPI):
             finally:
                 found.set()
 
+        self._leave_halted = False  # the breakpoints going in now must go with a detach
         self.machine.call(lambda: slide.arm(on_found))
         t0 = time.monotonic()
         self.machine.resume()
@@ -690,7 +694,7 @@ class Target(ProbeAPI, EventAPI):
     def _teardown(self) -> None:
         machine = getattr(self, "machine", None)
         if machine is not None:
-            machine.close(detach=True)
+            machine.close(detach=not self._leave_halted)
         elif hasattr(self, "gdb"):
             try:
                 if self._leave_halted:

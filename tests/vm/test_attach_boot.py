@@ -34,12 +34,17 @@ SMP = 2
 MEMORY = 512 << 20
 
 
+def _append() -> str:
+    """The kernel's command line: qprobe's scratch reservation, its guest shell on ttyS1, the kernel's oracles."""
+    scratch = f"memmap={SCRATCH_SIZE >> 20}M${scratch_phys(MEMORY):#x}"  # as qprobe's own QEMU reserves it
+    return " ".join(["console=ttyS0,115200", SHELL_CMDLINE, scratch, "panic=-1", get_image(IMAGE, fetch=False).cmdline,
+                     "initcall_debug log_buf_len=8M kprobe_event=p:kic,do_one_initcall"])  # fmt: skip
+
+
 def _start_halted(rundir: Path) -> subprocess.Popen[bytes]:
     """A plain QEMU, halted before its first instruction (-S), its gdbstub and two serial ports on sockets."""
     img = get_image(IMAGE, fetch=False)
-    scratch = f"memmap={SCRATCH_SIZE >> 20}M${scratch_phys(MEMORY):#x}"  # as qprobe's own QEMU reserves it
-    append = " ".join(["console=ttyS0,115200", SHELL_CMDLINE, scratch, "panic=-1", img.cmdline,
-                       "initcall_debug log_buf_len=8M kprobe_event=p:kic,do_one_initcall"])  # fmt: skip
+    append = _append()
     argv = ["qemu-system-x86_64", "-S", "-accel", "tcg", "-machine", "pc", "-m", f"{MEMORY >> 20}M",
             "-smp", str(SMP), "-cpu", "max", "-display", "none", "-vga", "none", "-nodefaults", "-no-reboot",
             "-gdb", f"unix:{rundir}/gdb.sock,server=on,wait=off",
@@ -120,3 +125,15 @@ def test_trace_boot_attach_lists_the_kernel_s_initcalls_and_its_cpus_bring_up(ha
     with pytest.raises(qprobe.TargetError) as running:
         qprobe.attach(gdb, vmlinux, probes=[qprobe.Kprobe("start_kernel")])
     assert "has not run yet" in str(running.value) and "\n" not in str(running.value)
+
+
+def test_attach_with_probes_returns_once_init_runs_without_a_console(halted: Path) -> None:
+    """The API, no serial port given, the kernel image and command line given rather than read from QEMU."""
+    img = get_image(IMAGE, fetch=False)
+    sk, ss, kif = qprobe.Kprobe("start_kernel"), qprobe.Kprobe("start_secondary"), qprobe.Kprobe("kernel_init_freeable")
+    with qprobe.attach(f"unix:{halted}/gdb.sock", img.vmlinux, probes=[sk, ss, kif], kernel_image=img.kernel,
+                       kernel_cmdline=_append()) as target:  # fmt: skip
+        assert target.cmdline == _append()  # the kernel's own saved_command_line, read once it booted
+        assert target.vcpus == SMP  # QEMU's count, from its gdbstub
+        assert (sk.nhit, ss.nhit, kif.nhit) == (1, SMP - 1, 1), target.list_probes()
+        assert sk.gone and kif.gone and not ss.gone  # __init text, freed before init runs; start_secondary is not

@@ -309,8 +309,9 @@ class X86_64:
 
     def boot_stage(self, regs: Mapping[str, int]) -> BootStage:
         """CR0.PG is on from the kernel's startup code on (the decompressor's long mode, then the kernel's
-        own tables); a CPU comes out of reset at CS:IP f000:fff0 (Intel SDM vol. 3, 9.1.4)."""
-        if regs["cr0"] & CR0_PG:
+        own tables); a CPU comes out of reset at CS:IP f000:fff0 (Intel SDM vol. 3, 9.1.4).  A stub that
+        shows no CR0 cannot tell: the kernel is taken to run, as an attach expects."""
+        if regs.get("cr0", CR0_PG) & CR0_PG:
             return BootStage.KERNEL
         if regs["rip"] == RESET_IP and regs["cs"] == RESET_CS:
             return BootStage.RESET

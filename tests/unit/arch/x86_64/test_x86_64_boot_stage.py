@@ -13,3 +13,4 @@ def test_reset_early_and_kernel() -> None:
     assert arch.boot_stage({"cr0": 0x60000010, "rip": 0x7C00, "cs": 0}) is BootStage.EARLY  # a boot loader
     assert arch.boot_stage({"cr0": 0x11, "rip": 0x100000, "cs": 0x10}) is BootStage.EARLY  # protected mode
     assert arch.boot_stage({"cr0": 0x80050033, "rip": 0xFFFFFFFF81000000, "cs": 0x10}) is BootStage.KERNEL
+    assert arch.boot_stage({"rip": 0xFFF0, "cs": 0xF000}) is BootStage.KERNEL  # no CR0 shown: cannot tell

@@ -64,17 +64,22 @@ def _start_halted(rundir: Path) -> subprocess.Popen[bytes]:
 
 
 @pytest.fixture
-def halted(tmp_path: Path) -> Iterator[Path]:
-    """The run directory of a QEMU started with -S; killed at the end."""
-    rundir = Path(tmp_path)
-    proc = _start_halted(rundir)
+def halted(tmp_path: Path, qemu: subprocess.Popen[bytes]) -> Path:
+    """The directory of the halted QEMU's sockets."""
+    return tmp_path
+
+
+@pytest.fixture
+def qemu(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A QEMU started with -S, its sockets in tmp_path; killed at the end."""
+    proc = _start_halted(tmp_path)
     try:
         deadline = time.monotonic() + 10
-        while not all((rundir / f"{s}.sock").exists() for s in ("gdb", "console", "shell")):
+        while not all((tmp_path / f"{s}.sock").exists() for s in ("gdb", "console", "shell")):
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
             assert time.monotonic() < deadline, "QEMU did not open its sockets"
             time.sleep(0.05)
-        yield rundir
+        yield proc
     finally:
         proc.kill()
         proc.wait()
@@ -127,7 +132,8 @@ def test_trace_boot_attach_lists_the_kernel_s_initcalls_and_its_cpus_bring_up(ha
     assert "has not run yet" in str(running.value) and "\n" not in str(running.value)
 
 
-def test_attach_with_probes_returns_once_init_runs_without_a_console(halted: Path) -> None:
+def test_attach_with_probes_returns_once_init_runs_without_a_console(halted: Path,
+                                                                    qemu: subprocess.Popen[bytes]) -> None:  # fmt: skip
     """The API, no serial port given, the kernel image and command line given rather than read from QEMU."""
     img = get_image(IMAGE, fetch=False)
     sk, ss, kif = qprobe.Kprobe("start_kernel"), qprobe.Kprobe("start_secondary"), qprobe.Kprobe("kernel_init_freeable")
@@ -137,3 +143,5 @@ def test_attach_with_probes_returns_once_init_runs_without_a_console(halted: Pat
         assert target.vcpus == SMP  # QEMU's count, from its gdbstub
         assert (sk.nhit, ss.nhit, kif.nhit) == (1, SMP - 1, 1), target.list_probes()
         assert sk.gone and kif.gone and not ss.gone  # __init text, freed before init runs; start_secondary is not
+        assert target.journal.qemu is not None and target.journal.qemu[0] == qemu.pid  # its undo journal's VM
+    assert qemu.poll() is None  # a QEMU qprobe did not start runs on

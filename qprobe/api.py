@@ -80,7 +80,7 @@ SESSION_FILE = "session.json"
 TRANSPORTS = ("rsp", "gdb")
 # How often Target.wait looks whether the VM is still there.
 LIVENESS_POLL = 0.2
-# What init's exec runs through (fs/exec.c, Linux 5.9's "exec: add a kernel_execve helper"): a boot qprobe
+# What init's exec runs through (fs/exec.c, since Linux 5.9's "exec: Implement kernel_execve"): a boot qprobe
 # did not start, and has no shell of its own to wait for, is up once init runs.
 INIT_EXEC = "kernel_execve"
 
@@ -294,7 +294,8 @@ class Target(ProbeAPI, EventAPI):
 
         Until the kernel has run, its page tables, command line and random values are not in memory:
         what the attach path reads of them is taken from QEMU's configuration (the command line), from
-        the boot CPU at the slide's stop (the page tables) or once the guest's shell is up (the rest).
+        the boot CPU at the slide's stop (the page tables) or once the kernel is up (the rest: once the
+        guest's shell is, or on a QEMU qprobe did not start, once init runs).
         """
         if plan.cmdline is None:
             raise TargetError(f"boot-time probes need the kernel's command line (nokaslr, the memmap= reservation, "
@@ -427,8 +428,8 @@ class Target(ProbeAPI, EventAPI):
         return 0
 
     def _after_boot(self) -> None:
-        """The kernel has booted to its shell (stop loop): its own page tables, command line and
-        drawn values as an attach would read them."""
+        """The kernel has booted, to its shell or to init's exec (stop loop): its own page tables, command
+        line and drawn values as an attach would read them."""
         paging = self.mem.paging
         # The early page tables the slide was found through are gone: walk a vCPU's, then the kernel's own.
         self.mem.pgd = self.mem.pgd_of(self.gdb.read_registers(self.machine.vcpus[0])[self.arch.registers.page_table])

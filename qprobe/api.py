@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import drgn
 
-from qprobe.arch import Arch
+from qprobe.arch import Arch, BootStage
 from qprobe.arch.select import arch_named, arch_of_machine
 from qprobe.core.anywhere import InternalProbe
 from qprobe.core.kprobe import Kprobe
@@ -80,6 +80,9 @@ SESSION_FILE = "session.json"
 TRANSPORTS = ("rsp", "gdb")
 # How often Target.wait looks whether the VM is still there.
 LIVENESS_POLL = 0.2
+# What init's exec runs through (fs/exec.c, since Linux 5.9's "exec: Implement kernel_execve"): a boot qprobe
+# did not start, and has no shell of its own to wait for, is up once init runs.
+INIT_EXEC = "kernel_execve"
 
 
 def arch_of(gdb: GdbRemote | GdbMiRemote) -> Arch:
@@ -131,8 +134,9 @@ class BootPlan:
     """What a Target whose QEMU starts halted (-S) does before the kernel's first instruction."""
 
     arm: Callable[[Target], None]  # registers the boot-time probes (stub breakpoints: nothing else works yet)
-    image: Path  # the kernel image QEMU boots: its KASLR alignment
-    cmdline: str  # the kernel command line QEMU gives it
+    image: Path | None  # the kernel image QEMU boots: its KASLR alignment (None: not known)
+    cmdline: str | None  # the kernel command line QEMU gives it (None: not known)
+    unknown: str = ""  # why either is not known
 
 
 class Target(ProbeAPI, EventAPI):
@@ -153,6 +157,8 @@ class Target(ProbeAPI, EventAPI):
         self.console: Console | None = None  # the kernel's console: its log, and the oopses in it
         self.guest_shell: GuestShell | None = None  # the shell run() talks to (its own port, or the console)
         self._closed = False
+        self._init_running = threading.Event()  # set by _init_runs
+        self._boot_failed: list[BaseException] = []
         alive = qemu.alive if qemu is not None else None
         try:
             t0 = time.monotonic()
@@ -177,6 +183,7 @@ class Target(ProbeAPI, EventAPI):
                 self.gdb.allow_g(self.arch.registers.plain)
             vcpus = self.gdb.threads()
             regs0 = self.gdb.read_registers(vcpus[0])
+            self._check_stage(self.arch.boot_stage(regs0), boot is not None)
             phys: PhysReader = SharedRam(ram, ram_size, writable=True) if ram is not None else _StubPhys(self.gdb)
             paging = self.arch.page_tables(regs0)
             root = regs0[self.arch.registers.page_table]
@@ -189,8 +196,8 @@ class Target(ProbeAPI, EventAPI):
             if vmlinux_arch(self.symbols).name != self.arch.name:
                 raise TargetError(f"{self.symbols.path.name} is not a vmlinux for {self.arch.name}")
             if boot is not None:
-                if qemu is None or isinstance(self.gdb, GdbMiRemote):
-                    raise TargetError("boot-time probes need qprobe's own QEMU and its own gdbstub client (rsp)")
+                if isinstance(self.gdb, GdbMiRemote):
+                    raise TargetError("boot-time probes need qprobe's own gdbstub client (transport rsp)")
                 self._boot_halted(boot, phys, doorbell, shell, boot_timeout)
                 self.timings["attach"] = time.monotonic() - t0 - self.timings["boot"]
                 _register_cleanup(self)
@@ -233,6 +240,23 @@ class Target(ProbeAPI, EventAPI):
         _register_cleanup(self)
 
     _symbol_time = 0.0
+    _leave_halted = False  # ends the connection without a detach, which would start the VM
+
+    def _check_stage(self, stage: BootStage, boot: bool) -> None:
+        """Boot-time probes need a kernel that has not run; anything else one that runs.
+
+        A VM that has run no instruction is left so when this attach fails before the boot goes on, so that
+        another can (a detach would start it)."""
+        self._leave_halted = stage is BootStage.RESET
+        if boot and stage is BootStage.KERNEL:
+            raise TargetError("boot-time probes need a VM whose kernel has not run yet (QEMU started with -S): "
+                              "this one's vCPU 0 has paging on")  # fmt: skip
+        if not boot and stage is BootStage.RESET:
+            raise TargetError("the VM has not started (QEMU -S: vCPU 0 is at its reset vector) and there is no "
+                              "kernel to attach to yet: give boot-time probes (probes= / trace --boot) or let it "
+                              "boot first; it is left halted")  # fmt: skip
+        if not boot and stage is BootStage.EARLY:
+            raise TargetError("the VM's kernel is not up yet (vCPU 0 runs without paging): attach once it has booted")
 
     def _machine_set(self, phys: PhysReader) -> None:
         self.machine.exit_hint = self._exit_hint
@@ -270,20 +294,33 @@ class Target(ProbeAPI, EventAPI):
 
         Until the kernel has run, its page tables, command line and random values are not in memory:
         what the attach path reads of them is taken from QEMU's configuration (the command line), from
-        the boot CPU at the slide's stop (the page tables) or once the guest's shell is up (the rest).
+        the boot CPU at the slide's stop (the page tables) or once the kernel is up (the rest: once the
+        guest's shell is, or on a QEMU qprobe did not start, once init runs).
         """
-        assert self.qemu is not None
+        if plan.cmdline is None:
+            raise TargetError(f"boot-time probes need the kernel's command line (nokaslr, the memmap= reservation, "
+                              f"preemption): {plan.unknown}; give kernel_cmdline=ARGS / --kernel-cmdline "
+                              "ARGS")  # fmt: skip
+        nokaslr = "nokaslr" in plan.cmdline.split()  # the decompressor leaves the kernel where it is linked
+        if plan.image is None and not nokaslr:
+            raise TargetError(f"boot-time probes need the kernel image QEMU boots (its KASLR alignment): "
+                              f"{plan.unknown}; give kernel_image=PATH / --kernel-image PATH")  # fmt: skip
+        if self.qemu is None and INIT_EXEC not in self.symbols:
+            raise TargetError(f"{self.symbols.path.name} has no {INIT_EXEC} (Linux 5.9 and later), where a boot "
+                              "qprobe did not start is seen to end")  # fmt: skip
         sweep_journals()
         self.cmdline = plan.cmdline  # the kernel's saved_command_line is start_kernel's
         self.slide = 0
         self.recovered = 0  # a VM that has not run holds nothing of an earlier qprobe
-        qemu_pid = self.qemu.proc.pid
+        qemu_pid = self.qemu.proc.pid if self.qemu is not None else listener_pid(parse_address(self.address))
         # Its name until the kernel has drawn the values vm_identity reads (_after_boot renames it).
-        self.journal = Journal(f"{self.symbols.build_id}-boot-{qemu_pid}", process_identity(qemu_pid))
+        self.journal = Journal(f"{self.symbols.build_id}-boot-{qemu_pid or f'remote-{os.getpid()}'}",
+                               process_identity(qemu_pid) if qemu_pid is not None else None)  # fmt: skip
         self.kernel = KernelData(self.symbols, self.mem, self.arch)
         self.machine = Machine(self.gdb, self.mem, self.journal, self.arch.registers.pc, paused=True)
         self._machine_set(phys)
-        slide = BootSlide(self.machine, self.symbols, self.arch, image_alignment(plan.image), plan.cmdline)
+        align = 0 if plan.image is None else image_alignment(plan.image)
+        slide = BootSlide(self.machine, self.symbols, self.arch, align, plan.cmdline)
         self.boot_slide = slide
         found = threading.Event()
         failed: list[BaseException] = []
@@ -296,28 +333,41 @@ class Target(ProbeAPI, EventAPI):
             finally:
                 found.set()
 
+        self._leave_halted = False  # the breakpoints going in now must go with a detach
         self.machine.call(lambda: slide.arm(on_found))
         t0 = time.monotonic()
         self.machine.resume()
-        while not found.wait(LIVENESS_POLL):
-            self.machine.check_alive()
-            if time.monotonic() - t0 > boot_timeout:
-                raise TargetError(f"the kernel did not reach {self.symbols.symbolize(slide.entry)} at any of "
-                                  f"{len(slide.slides)} slides within {boot_timeout:.0f} s")  # fmt: skip
+        self._wait_boot(found, boot_timeout, t0, lambda: f"reach {self.symbols.symbolize(slide.entry)} at any of "
+                        f"{len(slide.slides)} slides")  # fmt: skip
         if failed:
             raise failed[0]
+        if self.qemu is None:
+            # No boot of its own to watch: the kernel is up once init runs (_init_runs); the shell, on a
+            # port of its own, when qprobe's /init says so, as on qprobe's own boot.
+            self._wait_boot(self._init_running, boot_timeout, t0, lambda: f"exec init ({INIT_EXEC})")
+            if self._boot_failed:
+                raise self._boot_failed[0]
         if self.console is not None:
+            alive = self.qemu.alive if self.qemu is not None else None
+            wait = boot_timeout if self.qemu is not None or shell is not None else None
             try:
-                self.guest_shell = open_shell(self.console, shell, self.qemu.alive, boot_timeout)
+                self.guest_shell = open_shell(self.console, shell, alive, wait)
             except GuestPanicked as exc:
                 raise BootPanic(str(exc)) from None
         self.timings["boot"] = time.monotonic() - t0
-        self.machine.call(self._after_boot)
-        # The guest's shell is up, so kernel_init has run free_initmem and mark_readonly (init/main.c): the
-        # text boot rewrites is final (alternatives and static calls are patched in start_kernel, __fentry__
-        # sites by ftrace_init, __init text is gone).  What stays rewritable at run time (jump-label and
-        # static-call sites, the int3 path refuses them) stays on stub breakpoints.
+        if self.qemu is not None:
+            self.machine.call(self._after_boot)
+        # The guest's shell is up, or init was exec'd, so kernel_init has run free_initmem and mark_readonly
+        # (init/main.c): the text boot rewrites is final (alternatives and static calls are patched in
+        # start_kernel, __fentry__ sites by ftrace_init, __init text is gone).  What stays rewritable at run
+        # time (jump-label and static-call sites, the int3 path refuses them) stays on stub breakpoints.
         self.kprobes.optimizer.queue.optimize_later(self.machine.call(self.kprobes.switch_from_boot))
+
+    def _wait_boot(self, done: threading.Event, timeout: float, t0: float, what: Callable[[], str]) -> None:
+        while not done.wait(LIVENESS_POLL):
+            self.machine.check_alive()
+            if time.monotonic() - t0 > timeout:
+                raise TargetError(f"the kernel did not {what()} within {timeout:.0f} s")
 
     def _armed_at_boot(self, regs: dict[str, int], slide: int, plan: BootPlan, phys: PhysReader,
                        doorbell: Path | None) -> None:  # fmt: skip
@@ -365,12 +415,27 @@ class Target(ProbeAPI, EventAPI):
         n = self.kprobes.stubs.retire(gone)
         self.symbols.init_text = False
         self.kprobes.unregister_kprobe(kp)
+        if self.qemu is None:
+            # Only from here: a usermode helper (modprobe) execs earlier, during the initcalls.
+            self.kprobes.register_kprobe(InternalProbe(INIT_EXEC, anywhere=True, pre_handler=self._init_runs))
         log.debug("__init text freed: %d probes there retired", n)
         return 0
 
+    def _init_runs(self, kp: Kprobe, regs: PtRegs) -> int:
+        """At the first exec after __init text is freed (stop loop), init's on a boot qprobe did not start:
+        the kernel is up as far as _after_boot reads it."""
+        self.kprobes.unregister_kprobe(kp)
+        try:
+            self._after_boot()
+        except BaseException as exc:  # the main thread raises it
+            self._boot_failed.append(exc)
+        finally:
+            self._init_running.set()
+        return 0
+
     def _after_boot(self) -> None:
-        """The kernel has booted to its shell (stop loop): its own page tables, command line and
-        drawn values as an attach would read them."""
+        """The kernel has booted, to its shell or to init's exec (stop loop): its own page tables, command
+        line and drawn values as an attach would read them."""
         paging = self.mem.paging
         # The early page tables the slide was found through are gone: walk a vCPU's, then the kernel's own.
         self.mem.pgd = self.mem.pgd_of(self.gdb.read_registers(self.machine.vcpus[0])[self.arch.registers.page_table])
@@ -378,14 +443,14 @@ class Target(ProbeAPI, EventAPI):
             self.mem.pgd = self.mem.virt_to_phys(self.symbols.address(paging.kernel_root_symbol))
         self.cmdline = self._read_cmdline()
         self.kernel.reopen()
-        assert self.qemu is not None
         journal = Journal(vm_identity(self.symbols, self.slide, self.mem), self.journal.qemu)
         journal.set_meta(**self.journal.meta)  # the scratch area's places, the stub breakpoints still in
         for patch in self.journal.patches.values():
             journal.record(patch)
         self.journal.clear()
         self.journal = self.machine.journal = journal
-        self.qemu.remove_with_vm(journal.files())
+        if self.qemu is not None:
+            self.qemu.remove_with_vm(journal.files())
 
     def _read_cmdline(self) -> str:
         ptr = self.mem.read_u64(self.symbols.address("saved_command_line"))
@@ -637,10 +702,13 @@ class Target(ProbeAPI, EventAPI):
     def _teardown(self) -> None:
         machine = getattr(self, "machine", None)
         if machine is not None:
-            machine.close(detach=True)
+            machine.close(detach=not self._leave_halted)
         elif hasattr(self, "gdb"):
             try:
-                self.gdb.detach()
+                if self._leave_halted:
+                    self.gdb.close()
+                else:
+                    self.gdb.detach()
             except QprobeError:
                 pass
         self.release_serial_ports()

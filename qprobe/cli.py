@@ -232,7 +232,14 @@ def _boot(args: argparse.Namespace, at_boot: Callable[[Target], None] | None = N
 
     transport = getattr(args, "transport", "rsp")
     if getattr(args, "attach", None) is not None:  # an empty --attach is an error, not a reason to boot
-        return qprobe.attach(args.attach, args.vmlinux, allow_remote=args.allow_remote, transport=transport)
+        if getattr(args, "cmdline", ""):
+            raise QprobeError("--cmdline adds to the command line of a VM qprobe boots: with --boot --attach, "
+                              "--kernel-cmdline gives the whole one QEMU boots the kernel with")  # fmt: skip
+        return qprobe.attach(args.attach, args.vmlinux, allow_remote=args.allow_remote, transport=transport,
+                             console=getattr(args, "console", None), shell=getattr(args, "shell", None),
+                             at_boot=at_boot,
+                             kernel_image=getattr(args, "kernel_image", None),
+                             kernel_cmdline=getattr(args, "kernel_cmdline", None))  # fmt: skip
     _check_image(args)
     return qprobe.boot(args.image, smp=args.smp, memory=args.memory, files=_files(args.file), transport=transport,
                        cmdline=getattr(args, "cmdline", ""), at_boot=at_boot)  # fmt: skip
@@ -358,9 +365,13 @@ class _Trace:
         self.cpid_filter = args.filter is not None and "$cpid" in args.filter
         if self.cpid_filter and not args.run:
             raise QprobeError("$cpid is the pid of --run's command: give --run CMD")
-        if getattr(args, "boot", False) and (args.attach is not None or args.map is not None or self.cpid_filter):
-            raise QprobeError("--boot traces from the kernel's first instruction on a VM it boots: not with "
-                              "--attach, --map or $cpid")  # fmt: skip
+        if getattr(args, "boot", False) and (args.map is not None or self.cpid_filter):
+            raise QprobeError("--boot traces from the kernel's first instruction on: not with --map or $cpid")
+        if (args.kernel_image is not None or args.kernel_cmdline is not None) and not (
+            args.boot and args.attach is not None
+        ):
+            raise QprobeError("--kernel-image and --kernel-cmdline describe the boot of a QEMU started with -S: "
+                              "only with --boot --attach")  # fmt: skip
         _check_boot(args)
         # The filter as it is checked before boot; one naming $cpid is set on the events once the command forks.
         self.filter: str | None = args.filter.replace("$cpid", "0") if self.cpid_filter else args.filter
@@ -767,7 +778,7 @@ def cmd_shell(args: argparse.Namespace) -> int:
     armed_at: list[float] = []
 
     def arm_at_boot(target: Target) -> None:  # before the kernel's first instruction: stub breakpoints
-        at_boot.extend(te for d in definitions for te in _arm(target, d, anywhere=True))
+        at_boot.extend(te for d in definitions for te in _arm(target, d))  # the int3 path once booted
         armed_at.append(time.monotonic())
 
     with _boot(args, arm_at_boot if args.boot else None) as target:
@@ -817,6 +828,11 @@ def _target_options(p: argparse.ArgumentParser, attach: bool = True) -> None:
         p.add_argument("--attach", metavar="ADDR", help="attach to a running QEMU instead of booting")
         p.add_argument("--vmlinux", help="the running kernel's vmlinux (for --attach)")
         p.add_argument("--allow-remote", action="store_true", help="allow attaching to a non-local address")
+        p.add_argument("--console", metavar="SOCK",
+                       help="for --attach: the Unix socket of the guest's console (its kernel log, and its shell "
+                       "without --shell)")  # fmt: skip
+        p.add_argument("--shell", metavar="SOCK",
+                       help="for --attach: the Unix socket of the serial port the guest's shell runs on")  # fmt: skip
 
 
 def _anywhere_option(p: argparse.ArgumentParser) -> None:
@@ -848,15 +864,21 @@ def build_parser() -> argparse.ArgumentParser:
     _target_options(p)
     p.add_argument("--run", metavar="CMD", help="run CMD in the guest while tracing, then stop")
     p.add_argument("--boot", action="store_true",
-                   help="arm the events before the kernel's first instruction (QEMU's breakpoints, as --anywhere) "
-                   "and trace its boot from start_kernel on, __init functions too; then --run/--duration as usual, "
-                   "every hit printed")  # fmt: skip
+                   help="arm the events before the kernel's first instruction (QEMU's breakpoints, the int3 path once "
+                   "booted) and trace its boot from start_kernel on, __init functions too; then --run/--duration as "
+                   "usual, every hit printed")  # fmt: skip
     p.add_argument(
         "--cmdline",
         default="",
         metavar="ARGS",
-        help="more kernel command line for the VM it boots (e.g. initcall_debug)",
+        help="more kernel command line for the VM it boots (e.g. initcall_debug); not with --attach",
     )
+    p.add_argument("--kernel-image", metavar="PATH",
+                   help="with --boot --attach: the kernel image QEMU boots (its KASLR alignment), where its "
+                   "command line has no -kernel to read it from")  # fmt: skip
+    p.add_argument("--kernel-cmdline", metavar="ARGS",
+                   help="with --boot --attach: the whole command line QEMU gives the kernel, where its command "
+                   "line has no -append to read it from")  # fmt: skip
     p.add_argument(
         "--duration", type=_number(float, 0.001, 1e7), metavar="S", help="trace for S seconds (default: until Ctrl-C)"
     )
@@ -931,8 +953,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("shell", help="an interactive shell: kprobe_events definitions, live hits, counts, histograms")
     _target_options(p)
     p.add_argument("--boot", action="store_true",
-                   help="arm the EVENTs before the kernel's first instruction (QEMU's breakpoints, as --anywhere): "
-                   "at the prompt they are events of the shell, with their hits since start_kernel "
+                   help="arm the EVENTs before the kernel's first instruction (QEMU's breakpoints, the int3 path once "
+                   "booted): at the prompt they are events of the shell, with their hits since start_kernel "
                    "(stats, list, events; -:NAME removes one)")  # fmt: skip
     p.add_argument("--cmdline", default="", metavar="ARGS",
                    help="more kernel command line for the VM it boots (e.g. initcall_debug)")  # fmt: skip

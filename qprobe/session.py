@@ -21,6 +21,7 @@ from qprobe.core.kprobe import Kprobe, Kretprobe
 from qprobe.errors import BootPanic, TargetError
 from qprobe.paths import read_private
 from qprobe.vmm.connection import parse_address
+from qprobe.vmm.peer import listener_pid, qemu_kernel_args
 from qprobe.vmm.qemu import SHM_PREFIX, SHM_ROOT, QemuConfig, QemuProcess, parse_memory
 
 if TYPE_CHECKING:
@@ -133,10 +134,22 @@ def attach(
     allow_remote: bool = False,
     system_map: str | Path | None = None,
     transport: str = "rsp",
+    probes: Iterable[Kprobe | Kretprobe | str] = (),
+    at_boot: Callable[[Target], None] | None = None,
+    kernel_image: str | Path | None = None,
+    kernel_cmdline: str | None = None,
+    boot_timeout: float = 60.0,
 ) -> Target:
     """Attach to a running QEMU's gdbstub (``unix:PATH`` or ``HOST:PORT``).
 
     ``transport``: "rsp" (qprobe's own client) or "gdb" (a real gdb through GDB/MI).
+
+    With ``probes`` or ``at_boot``, the QEMU must be halted before its first instruction (started with
+    ``-S``): they are armed before the kernel runs, as ``boot(probes=...)`` arms them, and the call returns
+    once the kernel execs init (``boot_timeout``), or, with ``shell``, once qprobe's /init says its shell is
+    ready.  The kernel image QEMU boots (its KASLR alignment) and the command line it gives the kernel are
+    read from a local QEMU's own command line (``-kernel``, ``-append``); ``kernel_image`` and
+    ``kernel_cmdline`` (the whole line) override them, and are needed where they cannot be read.
 
     ``console`` is the socket of the guest's console (the kernel's log), ``shell`` that of the serial
     port the guest's shell runs on when it has one of its own (qprobe's /init puts it on ttyS1 given
@@ -171,9 +184,34 @@ def attach(
         raise TargetError("attach needs the running kernel's vmlinux (vmlinux=PATH / --vmlinux PATH)")
     ram_path = Path(ram) if ram else None
     size = parse_memory(ram_size) if ram_size else (ram_path.stat().st_size if ram_path else 0)
+    wanted = list(probes)
+    plan = None
+    if wanted or at_boot is not None:
+        plan = _attach_plan(where, _arming(wanted, at_boot), kernel_image, kernel_cmdline)
     return Target(addr, vmlinux, ram=ram_path, ram_size=size, console=Path(console) if console else None,
                   shell=Path(shell) if shell else None, doorbell=Path(doorbell) if doorbell else None,
-                  system_map=Path(system_map) if system_map else None, transport=transport)  # fmt: skip
+                  system_map=Path(system_map) if system_map else None, transport=transport,
+                  boot=plan, boot_timeout=boot_timeout)  # fmt: skip
+
+
+def _attach_plan(where: str | tuple[str, int], arm: Callable[[Target], None], kernel_image: str | Path | None,
+                 kernel_cmdline: str | None) -> BootPlan:  # fmt: skip
+    """What a boot qprobe did not start takes from the QEMU's command line, unless given."""
+    image = Path(kernel_image) if kernel_image is not None else None
+    if image is not None and not image.is_file():
+        raise TargetError(f"kernel image {image} is not a file")
+    if image is not None and kernel_cmdline is not None:
+        return BootPlan(arm, image, kernel_cmdline)
+    pid = listener_pid(where)
+    if pid is None:
+        return BootPlan(arm, image, kernel_cmdline, "no local QEMU of yours listens there to read it from")
+    qemu_image, append = qemu_kernel_args(pid)
+    if qemu_image is None:
+        # Without -kernel, firmware and a boot loader pick the kernel and its command line.
+        return BootPlan(arm, image, kernel_cmdline, f"QEMU (pid {pid}) was started without -kernel")
+    if image is None and not qemu_image.is_file():
+        return BootPlan(arm, None, kernel_cmdline, f"QEMU's -kernel {qemu_image} is not a file here")
+    return BootPlan(arm, image or qemu_image, kernel_cmdline if kernel_cmdline is not None else append or "")
 
 
 def read_session(sock: Path) -> dict[str, object] | None:

@@ -90,6 +90,14 @@ class Resume:
     jump_back: int = 0  # BOOST: where the copy's jump lands in the original text
 
 
+class BootStage(enum.Enum):
+    """How far a vCPU a debugger stopped has come (what an attach may do with it)."""
+
+    RESET = "reset"  # at its reset vector: it has run no instruction (QEMU started with -S)
+    EARLY = "early"  # running, without the kernel's page tables yet (firmware, boot loader, the kernel's setup)
+    KERNEL = "kernel"  # paging on: the kernel runs
+
+
 @dataclass(frozen=True)
 class Trap:
     """A stop decoded as a breakpoint trap: the trapped context as it was before the breakpoint ran.
@@ -382,6 +390,10 @@ class Arch(Protocol):
     def decode_trap(self, hook: TrapHook, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> Trap: ...
     def resume_registers(self, resume: Resume) -> dict[str, int]: ...
     def ip(self, regs: Mapping[str, int]) -> int: ...
+    def boot_stage(self, regs: Mapping[str, int]) -> BootStage:
+        """How far the vCPU with registers ``regs`` has come since reset."""
+        ...
+
     def arch_boot_entry(self, read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int:
         """The link address of the first instruction the boot CPU runs at the kernel's virtual addresses
         (plus the KASLR slide), from vmlinux's bytes (``read``) and symbols (``address``); SymbolError if unknown."""
@@ -465,6 +477,7 @@ class Arch(Protocol):
 __all__ = [
     "Arch",
     "ArchBlacklist",
+    "BootStage",
     "CycleCounter",
     "DetourParams",
     "ExceptionTable",

@@ -8,10 +8,11 @@ not start, the process listening on the gdbstub's Unix socket or TCP port is fou
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
-__all__ = ["listener_pid", "process_identity", "still_running"]
+__all__ = ["kernel_args", "listener_pid", "process_identity", "qemu_kernel_args", "still_running"]
 
 _LISTEN_UNIX = 0x10000  # __SO_ACCEPTCON in /proc/net/unix's Flags column
 _LISTEN_TCP = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
@@ -73,3 +74,26 @@ def listener_pid(where: str | tuple[str, int]) -> int | None:
         except OSError:
             continue
     return None
+
+
+def kernel_args(argv: list[str], cwd: Path) -> tuple[Path | None, str | None]:
+    """A QEMU command line's ``-kernel`` image (relative to ``cwd``, QEMU's working directory) and
+    ``-append`` text, None for an option it lacks; as QEMU reads them, either with one dash or two,
+    the last one given counting."""
+    found: dict[str, str] = {}
+    for opt, value in itertools.pairwise(argv):
+        name = opt[1:].removeprefix("-") if opt.startswith("-") else ""
+        if name in ("kernel", "append"):
+            found[name] = value
+    kernel = cwd / found["kernel"] if "kernel" in found else None
+    return kernel, found.get("append")
+
+
+def qemu_kernel_args(pid: int) -> tuple[Path | None, str | None]:
+    """What ``kernel_args`` finds in the command line of the process ``pid``; (None, None) if it is unreadable."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="surrogateescape").split("\0")
+        cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
+    except OSError:
+        return None, None
+    return kernel_args(argv, cwd)

@@ -1,14 +1,18 @@
-"""boot() boots once more when the guest kernel panicked before qprobe attached, and only then."""
+"""boot() boots once more when the guest kernel panicked before qprobe attached, and only then; what an
+attached boot takes from its QEMU's command line."""
 
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from qprobe import session
-from qprobe.errors import BootPanic, GuestPanicked
+from qprobe.errors import BootPanic, GuestPanicked, TargetError
 from qprobe.images import Image
 
 
@@ -66,3 +70,52 @@ def test_the_tcg_thread_mode_reaches_qemus_config(image: None, monkeypatch: pyte
     assert session.boot("fake", tcg_thread="single") == "the target"
     assert session.boot("fake") == "the target"
     assert [c.tcg_thread for c in configs] == ["single", ""]
+
+
+def _arm(target: object) -> None:
+    pass
+
+
+@pytest.fixture
+def listening_qemu(tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """Starts a process listening on a Unix socket with the given QEMU-like arguments; its socket's path."""
+    children: list[subprocess.Popen[bytes]] = []
+    code = ("import socket, sys; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(); "
+            "print(flush=True); input()")  # fmt: skip
+
+    def start(*args: str) -> Path:
+        sock = tmp_path / f"gdb{len(children)}.sock"
+        child = subprocess.Popen([sys.executable, "-c", code, str(sock), *args], cwd=tmp_path,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+        children.append(child)
+        assert child.stdout is not None and child.stdout.readline() == b"\n"
+        return sock
+
+    yield start
+    for child in children:
+        child.communicate(b"\n")
+
+
+def test_an_attached_boot_reads_qemu_s_kernel_and_append(tmp_path: Path, listening_qemu: Callable[..., Path]) -> None:
+    (tmp_path / "bz").write_bytes(b"")
+    sock = listening_qemu("-S", "-kernel", "bz", "-append", "quiet memmap=2M$0x1e000000")
+    plan = session._attach_plan(str(sock), _arm, None, None)
+    assert (plan.image, plan.cmdline) == (tmp_path / "bz", "quiet memmap=2M$0x1e000000")
+    plan = session._attach_plan(str(sock), _arm, None, "nokaslr")  # the whole line, given
+    assert (plan.image, plan.cmdline) == (tmp_path / "bz", "nokaslr")
+    plan = session._attach_plan(str(listening_qemu("-kernel", "bz")), _arm, None, None)
+    assert (plan.image, plan.cmdline) == (tmp_path / "bz", "")  # no -append: the kernel gets an empty line
+
+
+def test_what_an_attached_boot_cannot_find_says_why(tmp_path: Path, listening_qemu: Callable[..., Path]) -> None:
+    plan = session._attach_plan(("10.0.0.1", 1234), _arm, None, None)
+    assert plan.image is plan.cmdline is None and "no local QEMU" in plan.unknown
+    plan = session._attach_plan(str(listening_qemu("-S", "-hda", "disk.img")), _arm, None, None)
+    assert plan.image is plan.cmdline is None and "without -kernel" in plan.unknown
+    plan = session._attach_plan(str(listening_qemu("-kernel", "gone", "-append", "x")), _arm, None, None)
+    assert plan.image is None and "not a file here" in plan.unknown
+    (tmp_path / "bz").write_bytes(b"")
+    plan = session._attach_plan(("10.0.0.1", 1234), _arm, tmp_path / "bz", "nokaslr")  # given: nothing looked up
+    assert (plan.image, plan.cmdline, plan.unknown) == (tmp_path / "bz", "nokaslr", "")
+    with pytest.raises(TargetError, match="is not a file"):
+        session._attach_plan(("10.0.0.1", 1234), _arm, tmp_path / "missing", "nokaslr")

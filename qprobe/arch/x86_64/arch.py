@@ -16,6 +16,7 @@ from iced_x86 import Code, Decoder
 
 from qprobe.arch import (
     ArchBlacklist,
+    BootStage,
     CycleCounter,
     DetourParams,
     ExceptionTable,
@@ -105,6 +106,8 @@ DISPLAY = (*((g, "int") for g in ("rax", "rbx", "rcx", "rdx", "rsi", "rdi")), ("
            *((g, "int") for g in ("cs", "ss", "ds", "es", "fs", "gs")),
            *((g, "hex") for g in ("fs_base", "gs_base", "k_gs_base")),
            *((g, "hex") for g in ("cr0", "cr2", "cr3", "cr4", "cr8", "efer")))  # fmt: skip
+CR0_PG = 1 << 31
+RESET_CS, RESET_IP = 0xF000, 0xFFF0
 # The flags gdb names in EFLAGS (gdb's i386_eflags type), as masks.
 FLAG_BITS = tuple((1 << bit, name) for bit, name in (
     (0, "CF"), (2, "PF"), (4, "AF"), (6, "ZF"), (7, "SF"), (8, "TF"), (9, "IF"), (10, "DF"), (11, "OF"), (14, "NT"),
@@ -303,6 +306,16 @@ class X86_64:
 
     def ip(self, regs: Mapping[str, int]) -> int:
         return regs["rip"]
+
+    def boot_stage(self, regs: Mapping[str, int]) -> BootStage:
+        """CR0.PG is on from the kernel's startup code on (the decompressor's long mode, then the kernel's
+        own tables); a CPU comes out of reset at CS:IP f000:fff0 (Intel SDM vol. 3, 9.1.4).  A stub that
+        shows no CR0 cannot tell: the kernel is taken to run, as an attach expects."""
+        if regs.get("cr0", CR0_PG) & CR0_PG:
+            return BootStage.KERNEL
+        if regs["rip"] == RESET_IP and regs["cs"] == RESET_CS:
+            return BootStage.RESET
+        return BootStage.EARLY
 
     def arch_boot_entry(self, read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int:
         return boot_virtual_entry(read, address)

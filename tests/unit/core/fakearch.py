@@ -37,6 +37,7 @@ from typing import Any
 
 from qprobe.arch import (
     ArchBlacklist,
+    BootStage,
     DetourParams,
     MailboxRequest,
     Memory,
@@ -231,6 +232,9 @@ class Toy:
 
     def ip(self, regs: Mapping[str, int]) -> int:
         return regs["pc"]
+
+    def boot_stage(self, regs: Mapping[str, int]) -> BootStage:
+        return BootStage.KERNEL  # the toy kernel is always up
 
     def arch_boot_entry(self, read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int:
         raise SymbolError("the toy kernel does not boot")

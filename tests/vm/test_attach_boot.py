@@ -1,0 +1,147 @@
+"""Boot-time probes on a QEMU qprobe did not start: ``qprobe trace --boot --attach`` to one started with ``-S``.
+
+The QEMU here is a plain one, started by the test as a user would: no shared RAM (qprobe reads
+memory through the stub), its kernel image named relative to its working directory; qprobe
+finds the image and the kernel's command line in QEMU's own command line.  The kernel is the
+oracle as in test_boot_probes: its ``initcall_debug`` lines against the probes on
+``do_one_initcall``, ``start_kernel`` once on the boot CPU, ``start_secondary`` once on each other.
+Before the kernel runs, an attach without probes is refused and leaves the VM halted; once it
+runs, boot-time probes are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import qprobe
+from qprobe.images import get_image
+from qprobe.vmm.console import SHELL_CMDLINE
+from qprobe.vmm.qemu import SCRATCH_SIZE, scratch_phys
+
+from .conftest import IMAGE
+from .test_boot_probes import GUEST, PROFILE, _kernel_initcalls, _s32
+
+pytestmark = pytest.mark.vm
+ROOT = Path(__file__).resolve().parents[2]
+SMP = 2
+MEMORY = 512 << 20
+
+
+def _append() -> str:
+    """The kernel's command line: qprobe's scratch reservation, its guest shell on ttyS1, the kernel's oracles."""
+    scratch = f"memmap={SCRATCH_SIZE >> 20}M${scratch_phys(MEMORY):#x}"  # as qprobe's own QEMU reserves it
+    return " ".join(["console=ttyS0,115200", SHELL_CMDLINE, scratch, "panic=-1", get_image(IMAGE, fetch=False).cmdline,
+                     "initcall_debug log_buf_len=8M kprobe_event=p:kic,do_one_initcall"])  # fmt: skip
+
+
+def _start_halted(rundir: Path) -> subprocess.Popen[bytes]:
+    """A plain QEMU, halted before its first instruction (-S), its gdbstub and two serial ports on sockets."""
+    img = get_image(IMAGE, fetch=False)
+    append = _append()
+    argv = ["qemu-system-x86_64", "-S", "-accel", "tcg", "-machine", "pc", "-m", f"{MEMORY >> 20}M",
+            "-smp", str(SMP), "-cpu", "max", "-display", "none", "-vga", "none", "-nodefaults", "-no-reboot",
+            "-gdb", f"unix:{rundir}/gdb.sock,server=on,wait=off",
+            "-chardev", f"socket,id=con0,path={rundir}/console.sock,server=on,wait=off", "-serial", "chardev:con0",
+            "-chardev", f"socket,id=sh0,path={rundir}/shell.sock,server=on,wait=off", "-serial", "chardev:sh0",
+            "-kernel", img.kernel.name, "-append", append]  # fmt: skip
+    if img.initrd is not None:
+        argv += ["-initrd", str(img.initrd)]
+    if img.disk is not None:
+        if img.disk_interface == "nvme":
+            argv += ["-drive", f"file={img.disk},if=none,id=d0,format=raw,snapshot=on",
+                     "-device", "nvme,drive=d0,serial=qprobe0"]  # fmt: skip
+        else:
+            argv += ["-drive", f"file={img.disk},if=virtio,format=raw,snapshot=on"]
+    # Its working directory the kernel's: -kernel is relative, as a user's often is.
+    return subprocess.Popen(argv, cwd=img.kernel.parent, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+@pytest.fixture
+def halted(tmp_path: Path, qemu: subprocess.Popen[bytes]) -> Path:
+    """The directory of the halted QEMU's sockets."""
+    return tmp_path
+
+
+@pytest.fixture
+def qemu(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A QEMU started with -S, its sockets in tmp_path; killed at the end."""
+    proc = _start_halted(tmp_path)
+    try:
+        deadline = time.monotonic() + 10
+        while not all((tmp_path / f"{s}.sock").exists() for s in ("gdb", "console", "shell")):
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "QEMU did not open its sockets"
+            time.sleep(0.05)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_trace_boot_attach_lists_the_kernel_s_initcalls_and_its_cpus_bring_up(halted: Path) -> None:
+    vmlinux = get_image(IMAGE, fetch=False).vmlinux
+    gdb = f"unix:{halted}/gdb.sock"
+    with pytest.raises(qprobe.TargetError) as refused:
+        qprobe.attach(gdb, vmlinux)
+    assert "has not started" in str(refused.value) and "left halted" in str(refused.value)
+    assert "\n" not in str(refused.value)
+
+    out = subprocess.run(
+        [sys.executable, "-m", "qprobe.cli", "trace", "--boot", "--attach", gdb, "--vmlinux", str(vmlinux),
+         "--console", f"{halted}/console.sock", "--shell", f"{halted}/shell.sock", "--json", "--run", GUEST,
+         "p:ic do_one_initcall fn=%di:symbol", "r:icr do_one_initcall ret=$retval",
+         "p:sk start_kernel", "p:ss start_secondary"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    hits, summary = rows[:-1], rows[-1]["summary"]
+    kernel = _kernel_initcalls(out.stderr)  # --run's output (dmesg) goes to stderr
+    assert len(kernel) > 100, out.stderr[-3000:]
+
+    calls: list[str] = []
+    seen: list[tuple[str, int]] = []
+    for hit in hits:
+        if hit["event"] == "ic":
+            calls.append(hit["args"]["fn"])
+        elif hit["event"] == "icr":
+            seen.append((calls[len(seen)], _s32(hit["args"]["ret"])))
+    assert len(calls) == len(seen) == summary["ic"]["hits"] == summary["icr"]["hits"]
+    assert seen == kernel
+    assert summary["ic"]["nmissed"] == summary["icr"]["nmissed"] == 0
+    assert [h["cpu"] for h in hits if h["event"] == "sk"] == [0]
+    assert sorted(h["cpu"] for h in hits if h["event"] == "ss") == list(range(1, SMP))
+    assert hits[0]["event"] == "sk"
+
+    profile = PROFILE.search(out.stderr)
+    created = [i for i, fn in enumerate(calls) if fn.startswith("init_kprobe_trace+")]
+    if created:  # a kernel with kprobe events: its own boot-time event counts what qprobe saw after it existed
+        assert profile is not None, out.stderr[-2000:]
+        assert int(profile.group(1)) == len(calls) - created[0] - 1 > 0
+
+    # The kernel runs now (qprobe detached): probes from its boot are refused, in one line.
+    with pytest.raises(qprobe.TargetError) as running:
+        qprobe.attach(gdb, vmlinux, probes=[qprobe.Kprobe("start_kernel")])
+    assert "has not run yet" in str(running.value) and "\n" not in str(running.value)
+
+
+def test_attach_with_probes_returns_once_init_runs_without_a_console(halted: Path,
+                                                                    qemu: subprocess.Popen[bytes]) -> None:  # fmt: skip
+    """The API, no serial port given, the kernel image and command line given rather than read from QEMU."""
+    img = get_image(IMAGE, fetch=False)
+    sk, ss, kif = qprobe.Kprobe("start_kernel"), qprobe.Kprobe("start_secondary"), qprobe.Kprobe("kernel_init_freeable")
+    with qprobe.attach(f"unix:{halted}/gdb.sock", img.vmlinux, probes=[sk, ss, kif], kernel_image=img.kernel,
+                       kernel_cmdline=_append()) as target:  # fmt: skip
+        assert target.cmdline == _append()  # the kernel's own saved_command_line, read once it booted
+        assert target.vcpus == SMP  # QEMU's count, from its gdbstub
+        assert (sk.nhit, ss.nhit, kif.nhit) == (1, SMP - 1, 1), target.list_probes()
+        assert sk.gone and kif.gone and not ss.gone  # __init text, freed before init runs; start_secondary is not
+        assert target.journal.qemu is not None and target.journal.qemu[0] == qemu.pid  # its undo journal's VM
+    assert qemu.poll() is None  # a QEMU qprobe did not start runs on

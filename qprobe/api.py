@@ -283,10 +283,15 @@ class Target(ProbeAPI, EventAPI):
         self.kernel = KernelData(self.symbols, self.mem, self.arch)
         self.machine = Machine(self.gdb, self.mem, self.journal, self.arch.registers.pc, paused=True)
         self._machine_set(phys)
-        slide = BootSlide(self.machine, self.symbols, self.arch, image_alignment(plan.image), plan.cmdline)
+        slide = BootSlide(self.machine, self.symbols, self.arch, image_alignment(plan.image), plan.cmdline,
+                          phys if isinstance(phys, SharedRam) else None)  # fmt: skip
         self.boot_slide = slide
         found = threading.Event()
         failed: list[BaseException] = []
+
+        def on_failed(exc: BaseException) -> None:
+            failed.append(exc)
+            found.set()
 
         def on_found(tid: str, regs: dict[str, int], at: int) -> None:
             try:
@@ -296,7 +301,7 @@ class Target(ProbeAPI, EventAPI):
             finally:
                 found.set()
 
-        self.machine.call(lambda: slide.arm(on_found))
+        self.machine.call(lambda: slide.arm(on_found, on_failed))
         t0 = time.monotonic()
         self.machine.resume()
         while not found.wait(LIVENESS_POLL):

@@ -131,7 +131,7 @@ class BootSlide:
                             self.machine.call(lambda o=output: self._header_seen(o))
                             return
                         if read(output + banner_at, len(banner)) == banner:
-                            self.machine.call(lambda o=output: self._late(o, "only once it was in place"))
+                            self.machine.call(lambda: self._late("its banner seen before its decompressed header"))
                             return
                     except MemoryFault:
                         continue
@@ -147,12 +147,12 @@ class BootSlide:
         over it between the look and the stop."""
         if not self._watching.is_set():
             return
-        self._watching.clear()
-        self.output, self.output_after = output, time.monotonic() - self.armed_at
         assert self.ram is not None
         if not self.decompressed.header_at(self.ram.read_phys, output):
-            self._late(output, "after it had moved the text over the header")
+            self._late(f"its decompressed header seen at {output:#x}, and moved over by the stop")
             return
+        self._watching.clear()
+        self.output, self.output_after = output, time.monotonic() - self.armed_at
         self._insert(output + self.decompressed.entry, self._entered)
         log.debug("boot slide: vmlinux decompressed at %#x after %.2f s: a breakpoint on its entry %#x",
                   output, self.output_after, output + self.decompressed.entry)  # fmt: skip
@@ -163,21 +163,23 @@ class BootSlide:
         self.disarm()
         self._arm_candidates()
 
-    def _late(self, output: int, when: str) -> None:
-        """The kernel found at ``output`` past the decompressor's header (stop loop): every candidate in, if no
-        vCPU has run at its virtual addresses yet (its first one there is the one the candidates are on)."""
+    def _late(self, why: str) -> None:
+        """The kernel found past the decompressor's header (stop loop): every candidate in, if no vCPU has
+        run at its virtual addresses yet (its first one there is the one the candidates are on)."""
+        if not self._watching.is_set():
+            return
         self._watching.clear()
-        self.method, self.output = "late", output
+        self.method = "late"
         self.output_after = time.monotonic() - self.armed_at
         virtual = [tid for tid in self.machine.vcpus
                    if self.machine.gdb.read_registers(tid)[self.machine.pc] >= UPPER_HALF]  # fmt: skip
         if virtual:
             assert self.on_failed is not None
             self.on_failed(TargetError(f"the kernel ran past its first virtual instruction before qprobe found "
-                                       f"it (at {output:#x}, {when}): boot-time probes missed it"))  # fmt: skip
+                                       f"it in guest RAM ({why}): boot-time probes missed it"))  # fmt: skip
             return
-        log.warning("boot slide: FALLBACK to the full candidate search: the watch on guest RAM found the "
-                    "kernel at %#x %s, not its decompressed header", output, when)  # fmt: skip
+        log.warning("boot slide: FALLBACK to every candidate slide's breakpoint at once, the kernel not yet at "
+                    "its virtual addresses (the watch on guest RAM: %s)", why)  # fmt: skip
         self._arm_candidates()
 
 

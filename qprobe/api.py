@@ -307,8 +307,8 @@ class Target(ProbeAPI, EventAPI):
         while not found.wait(LIVENESS_POLL):
             self.machine.check_alive()
             if time.monotonic() - t0 > boot_timeout:
-                raise TargetError(f"the kernel did not reach {self.symbols.symbolize(slide.entry)} at any of "
-                                  f"{len(slide.slides)} slides within {boot_timeout:.0f} s")  # fmt: skip
+                raise TargetError(f"the kernel did not reach {self.symbols.symbolize(slide.entry)} within "
+                                  f"{boot_timeout:.0f} s: qprobe was waiting for {slide.waiting_for()}")  # fmt: skip
         if failed:
             raise failed[0]
         if self.console is not None:

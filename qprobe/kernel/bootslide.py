@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 
 from qprobe.arch import Arch
-from qprobe.errors import MemoryFault, QprobeError, TargetError
+from qprobe.errors import ImageError, MemoryFault, QprobeError, TargetError
 from qprobe.kernel.kaslr import Decompressed, candidate_slides, output_candidates
 from qprobe.kernel.symbols import Symbols
 from qprobe.vmm.gdbremote import BREAK_HW
@@ -49,7 +49,8 @@ WATCH_PERIOD = 0.002  # s between two looks at every candidate (some hundred rea
 
 
 class BootSlide:
-    """Stub breakpoints on the first virtual instruction at every candidate slide (the stop loop's)."""
+    """Stub breakpoints on the first virtual instruction at every candidate slide, put in at once or (shared
+    RAM) once the kernel is entered (the stop loop's)."""
 
     def __init__(self, machine: Machine, symbols: Symbols, arch: Arch, align: int, cmdline: str,
                  ram: SharedRam | None = None) -> None:  # fmt: skip
@@ -62,8 +63,13 @@ class BootSlide:
         self.slides = range(0, 1) if nokaslr else candidate_slides(symbols, align)
         self.ram = None if nokaslr else ram  # one breakpoint is as cheap as the watch
         if self.ram is not None:
-            with open(symbols.path, "rb") as f:
-                self.decompressed = Decompressed(f.read(4096))
+            try:
+                with open(symbols.path, "rb") as f:
+                    self.decompressed = Decompressed(f.read(4096))
+            except (OSError, ImageError) as exc:
+                log.warning("boot slide: every candidate slide's breakpoint from the start: %s", exc)
+                self.ram = None
+        if self.ram is not None:
             text = symbols.address("_text")
             banner = symbols.address("linux_banner")
             self.banner = (banner - text, symbols.file_bytes(banner, 64))  # read-only data: not relocated
@@ -92,6 +98,14 @@ class BootSlide:
         self.method = "entry"
         self._watching.set()
         threading.Thread(target=self._watch, name="qprobe-boot-watch", daemon=True).start()
+
+    def waiting_for(self) -> str:
+        """What the search is waiting for, for a boot that timed out."""
+        if self._watching.is_set():
+            return f"the decompressed vmlinux at any of {len(self.outputs)} physical addresses"
+        if self.method == "entry" and not self.entered_after:
+            return f"the kernel's physical entry at {self.output or 0:#x}"
+        return f"{len(self.slides)} candidate slides' first virtual instruction"
 
     def disarm(self) -> None:
         self._watching.clear()

@@ -273,3 +273,21 @@ def test_a_kernel_already_at_its_virtual_addresses_fails_the_boot(tmp_path: Path
     wait_for(lambda: found)
     assert isinstance(found[0], TargetError) and "missed" in str(found[0])
     assert machine.gdb.breakpoints == set()
+
+
+def test_a_vmlinux_the_watch_cannot_read_gets_every_candidate_at_once(tmp_path: Path) -> None:
+    vmlinux = tmp_path / "vmlinux"
+    vmlinux.write_bytes(b"not an ELF file")
+    slide, machine = boot_slide(ram=FakeRam(), path=vmlinux)
+    slide.arm(lambda tid, regs, at: None, never_fails)
+    assert len(machine.gdb.breakpoints) == len(slide.slides) and slide.method == "candidates"
+
+
+def test_a_boot_that_times_out_says_what_it_waited_for(tmp_path: Path) -> None:
+    slide, machine, ram, _found = watched(tmp_path)
+    assert "decompressed vmlinux at any of 32 physical addresses" in slide.waiting_for()
+    ram.put(0x180_0000, vmlinux_head())
+    wait_for(lambda: machine.gdb.breakpoints)
+    assert slide.waiting_for() == "the kernel's physical entry at 0x1800000"
+    machine.stop_handlers[0x180_0B53]("p1.1", {"rip": 0x180_0B53})
+    assert "candidate slides' first virtual instruction" in slide.waiting_for()

@@ -72,7 +72,8 @@ class BootSlide:
         if self.ram is not None:
             text = symbols.address("_text")
             banner = symbols.address("linux_banner")
-            self.banner = (banner - text, symbols.file_bytes(banner, 64))  # read-only data: not relocated
+            # Read-only characters up to the NUL: nothing handle_relocations changes.
+            self.banner = (banner - text, symbols.file_bytes(banner, 160).split(b"\0")[0])
             self.outputs = output_candidates(self.ram.low, self.ram.size, align)
         self.armed: list[int] = []
         self.on_found: Found | None = None

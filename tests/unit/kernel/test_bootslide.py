@@ -128,7 +128,7 @@ def boot_slide(
     cmdline: str = "console=ttyS0", ram: Any = None, path: Path | None = None
 ) -> tuple[BootSlide, FakeMachine]:
     machine = FakeMachine()
-    symbols = SimpleNamespace(slide=0, file_bytes=lambda addr, n: BANNER[:n], path=path,
+    symbols = SimpleNamespace(slide=0, file_bytes=lambda addr, n: (BANNER + b"\0" + bytes(n))[:n], path=path,
                               address={"_end": 0xFFFF_FFFF_8300_0000, "startup_64": STARTUP, "_text": STARTUP,
                                        "linux_banner": STARTUP + BANNER_AT}.__getitem__)  # fmt: skip
     arch = SimpleNamespace(arch_boot_entry=lambda read, address: LABEL)

@@ -320,10 +320,15 @@ class Target(ProbeAPI, EventAPI):
         self.machine = Machine(self.gdb, self.mem, self.journal, self.arch.registers.pc, paused=True)
         self._machine_set(phys)
         align = 0 if plan.image is None else image_alignment(plan.image)
-        slide = BootSlide(self.machine, self.symbols, self.arch, align, plan.cmdline)
+        slide = BootSlide(self.machine, self.symbols, self.arch, align, plan.cmdline,
+                          phys if isinstance(phys, SharedRam) else None)  # fmt: skip
         self.boot_slide = slide
         found = threading.Event()
         failed: list[BaseException] = []
+
+        def on_failed(exc: BaseException) -> None:
+            failed.append(exc)
+            found.set()
 
         def on_found(tid: str, regs: dict[str, int], at: int) -> None:
             try:
@@ -334,11 +339,11 @@ class Target(ProbeAPI, EventAPI):
                 found.set()
 
         self._leave_halted = False  # the breakpoints going in now must go with a detach
-        self.machine.call(lambda: slide.arm(on_found))
+        self.machine.call(lambda: slide.arm(on_found, on_failed))
         t0 = time.monotonic()
         self.machine.resume()
-        self._wait_boot(found, boot_timeout, t0, lambda: f"reach {self.symbols.symbolize(slide.entry)} at any of "
-                        f"{len(slide.slides)} slides")  # fmt: skip
+        self._wait_boot(found, boot_timeout, t0, lambda: f"reach {self.symbols.symbolize(slide.entry)} (qprobe "
+                        f"was waiting for {slide.waiting_for()})")  # fmt: skip
         if failed:
             raise failed[0]
         if self.qemu is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 from qprobe.errors import ImageError, VmlinuxMismatch
@@ -84,3 +85,63 @@ def candidate_slides(symbols: Symbols, align: int) -> range:
     """Every KASLR slide the kernel can boot at: multiples of ``align`` that keep it within its window."""
     room = KERNEL_IMAGE_BASE + WINDOW - (symbols.address("_end") - symbols.slide)
     return range(0, max(room, 0) + 1, align)
+
+
+# -- where the decompressor puts the kernel (x86's bzImage: arch/x86/boot/compressed/misc.c) -------------------
+# Its payload is vmlinux as an ELF file (``objcopy -R .comment -S``: sections and symbols go, the program
+# headers stay); extract_kernel decompresses the whole file to the physical address it chose (``output``, a
+# multiple of the image's kernel_alignment), then parse_elf moves each PT_LOAD segment from its p_offset
+# to output + p_paddr - LOAD_PHYSICAL_ADDR, and handle_relocations applies the virtual slide.  The ELF
+# header is the first thing decompressed and the text segment's move overwrites it: while it is at
+# ``output``, the kernel has not been entered.
+_EHDR, _PHDR = struct.Struct("<16sHHIQQQIHHHHHH"), struct.Struct("<IIQQQQQQ")
+PT_LOAD = 1
+
+
+class Decompressed:
+    """What the decompressor writes of one vmlinux, from the file's first page: the ELF header's parts
+    the stripped copy keeps, and where the kernel is entered relative to ``output``."""
+
+    def __init__(self, head: bytes) -> None:
+        """``head``: vmlinux's first bytes (its ELF and program headers); ImageError if they are not there."""
+        if len(head) < _EHDR.size or head[:5] != b"\x7fELF\x02":
+            raise ImageError("vmlinux is not a 64-bit ELF file")
+        entry, phoff = _EHDR.unpack_from(head)[4:6]
+        phentsize, phnum = _EHDR.unpack_from(head)[9:11]
+        if phentsize != _PHDR.size or not phnum or phoff + phnum * phentsize > len(head):
+            raise ImageError("vmlinux's program headers are not in its first page")
+        loads = [p for p in (_PHDR.unpack_from(head, phoff + i * phentsize) for i in range(phnum)) if p[0] == PT_LOAD]
+        if not loads:
+            raise ImageError("vmlinux has no PT_LOAD segment")
+        # LOAD_PHYSICAL_ADDR is where the lowest segment (the text) links physically.
+        base = min(p[4] for p in loads)
+        if not base <= entry < max(p[4] + p[6] for p in loads):
+            raise ImageError(f"vmlinux's entry {entry:#x} is outside its segments")
+        # The decompressor enters the kernel at output + e_entry - LOAD_PHYSICAL_ADDR (parse_elf's
+        # entry_offset; decompressors older than it jump to output itself, and their vmlinux's e_entry
+        # is that of startup_64 at _text: the same place).
+        self.entry = entry - base
+        # e_shoff, e_shnum and e_shstrndx are the stripped copy's own; the rest is vmlinux's.
+        self.pieces = ((0, head[:0x28]), (0x30, head[0x30:0x3A]), (phoff, head[phoff : phoff + phnum * phentsize]))
+
+    @property
+    def magic(self) -> bytes:
+        """The header's first bytes: a cheap first test at every candidate."""
+        return self.pieces[0][1][:8]
+
+    def header_at(self, read: Callable[[int, int], bytes], output: int) -> bool:
+        """Whether the decompressed ELF header is at physical ``output`` (``read(paddr, size)``)."""
+        try:
+            return all(read(output + off, len(data)) == data for off, data in self.pieces)
+        except MemoryFault:
+            return False
+
+
+def output_candidates(low: int, size: int, align: int, high_base: int = 1 << 32) -> list[int]:
+    """Every physical address the decompressor can put the kernel at, in RAM of ``size`` bytes whose first
+    ``low`` are at 0 and the rest at ``high_base``: the multiples of ``align`` (choose_random_location's
+    slots, and the load address itself without KASLR)."""
+    out = list(range(0, low, align))
+    if size > low:
+        out += range(high_base, high_base + size - low, align)
+    return out

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 import qprobe
+from qprobe.kernel.kaslr import Decompressed
 
 from .conftest import IMAGE, workload_result
 from .guest_oracle import TRACING
@@ -186,3 +187,37 @@ def test_a_boot_probe_moves_to_the_int3_path_once_booted_and_counts_on() -> None
         target.unregister_kprobe(kp)
         assert target.read(ip, 64) == text
         assert target.oopses() == []
+
+
+def _kernel_says(target: qprobe.Target) -> tuple[int, int]:
+    """The running kernel's own account: where its text is physically (/proc/iomem's "Kernel code") and
+    start_kernel's address (/proc/kallsyms)."""
+    out = target.run("grep 'Kernel code' /proc/iomem; grep ' start_kernel$' /proc/kallsyms").output
+    code = re.search(r"^\s*([0-9a-f]+)-[0-9a-f]+ : Kernel code$", out, re.M)
+    sym = re.search(r"^([0-9a-f]+) [Tt] start_kernel$", out, re.M)
+    assert code is not None and sym is not None and int(sym.group(1), 16), out
+    return int(code.group(1), 16), int(sym.group(1), 16)
+
+
+def test_the_slide_is_found_from_the_kernel_s_physical_entry() -> None:
+    # The watch on guest RAM finds the decompressed vmlinux where the kernel then runs physically, and the
+    # one breakpoint on its physical entry sees the kernel in before it reaches its virtual addresses.
+    start = qprobe.Kprobe("start_kernel")
+    with qprobe.boot(IMAGE, probes=[start]) as target:
+        phys_text, start_kernel = _kernel_says(target)
+        assert target.boot_slide.method == "entry"
+        assert target.boot_slide.output == phys_text
+        assert target.symbols.address("start_kernel") == start_kernel
+        assert start.nhit == 1
+
+
+def test_a_missed_header_falls_back_to_every_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The watch never recognises the decompressed header (as if it looked only once the text had been
+    # moved over it): it finds the kernel in place, and every candidate goes in before the virtual entry.
+    monkeypatch.setattr(Decompressed, "header_at", lambda self, read, output: False)
+    start = qprobe.Kprobe("start_kernel")
+    with qprobe.boot(IMAGE, probes=[start]) as target:
+        _phys_text, start_kernel = _kernel_says(target)
+        assert target.boot_slide.method == "late"
+        assert target.symbols.address("start_kernel") == start_kernel
+        assert start.nhit == 1

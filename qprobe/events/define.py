@@ -329,12 +329,19 @@ def _prepare(
         raise FetchArgError(dialect.message(M.EVENT_EXIST), text, 0)
     te = KprobeEvent(reg, ev, callback, filter=None if filter is None else event_filter(ev, filter),
                      anywhere=anywhere)  # fmt: skip
-    if not anywhere and ev.symbol is not None and ev.symbol in symbols and within_notrace_func(
-            symbols, reg.ftrace_locations, symbols.address(ev.symbol) + ev.offset):  # fmt: skip
-        # __register_trace_kprobe: "Could not probe notrace function", -EINVAL.
-        raise _registration_error(ev, InvalidProbe(f"{ev.symbol} is a notrace function (EINVAL)"), dialect)
+    check_notrace(reg, ev, anywhere)
     te.make_probe()
     return te, first
+
+
+def check_notrace(reg: EventRegistry, ev: ProbeEvent, anywhere: bool) -> None:
+    """``__register_trace_kprobe``'s "Could not probe notrace function" (-EINVAL), on each registration: when
+    defined, and when a module's event is registered on its load (a module's ``.exit.text``, for one, has
+    no ``__fentry__`` sites)."""
+    symbols = reg.symbols
+    if not anywhere and ev.symbol is not None and ev.symbol in symbols and within_notrace_func(
+            symbols, reg.ftrace_locations, symbols.address(ev.symbol) + ev.offset):  # fmt: skip
+        raise _registration_error(ev, InvalidProbe(f"{ev.symbol} is a notrace function (EINVAL)"), reg.dialect)
 
 
 def register_probe(te: TraceEvent) -> None:

@@ -96,9 +96,12 @@ class ModuleNotifier:
             prog = self.target.kernel.prog
         except SymbolError as exc:
             raise SymbolError(f"probes on modules need the kernel's debug info: {exc}") from None
-        hooks = [Kprobe(symbol_name=COMING_HOOK, pre_handler=self._coming),
-                 Kprobe(symbol_name=GOING_HOOK, pre_handler=self._going),
-                 Kprobe(symbol_name=INIT_FREEING_HOOK, pre_handler=self._init_freeing)]  # fmt: skip
+        # Stub breakpoints while the kernel boots (before it frees __init), as every probe armed then is: the
+        # kernel's text is not final, and modules come from the initramfs.
+        anywhere = symbols.init_text
+        hooks = [Kprobe(symbol_name=COMING_HOOK, pre_handler=self._coming, anywhere=anywhere),
+                 Kprobe(symbol_name=GOING_HOOK, pre_handler=self._going, anywhere=anywhere),
+                 Kprobe(symbol_name=INIT_FREEING_HOOK, pre_handler=self._init_freeing, anywhere=anywhere)]  # fmt: skip
 
         def install() -> None:  # one stop: no module can come or go between the read and the hooks
             for mod in loaded_modules(prog):

@@ -242,3 +242,22 @@ def test_init_and_exit_functions_across_two_loads_as_the_kernel_s_own_events(
     refused = log.count(refusal) - refused_before
     assert refused == sum(f"Failed to re-register probe qexit on {MODULE}" in e for e in exit_event.errors), log
     assert target.oopses() == []
+
+
+def test_an_init_function_defined_before_the_kernel_s_first_instruction(qprobe_image: str) -> None:
+    """``qprobe trace --boot`` on ``MOD:init_fn``: armed before the kernel runs, the module notifier's own
+    hooks are stub breakpoints, as every probe armed then is; the probe is armed on each load, hit once,
+    killed once the module is LIVE."""
+    image = get_image(qprobe_image)
+    if image.config_option("BINFMT_MISC") != "m":
+        pytest.skip(f"{qprobe_image}: binfmt_misc is not a module in this kernel")
+    ko = module_file(image, MODULE)
+    init_fn, _exit_fn = _init_and_exit(ko)
+    with qprobe.boot(qprobe_image, probes=[f"p:qev {MODULE}:{init_fn}"], files={KO: ko}) as target:
+        te = target.events["kprobes/qev"]
+        assert te.probe is None  # pending
+        for load in (1, 2):
+            _load(target)
+            assert te.nhit == load and te.probe is not None and te.probe.gone, target.list_probes()
+            _unload(target)
+        assert target.oopses() == []

@@ -259,5 +259,7 @@ def test_an_init_function_defined_before_the_kernel_s_first_instruction(qprobe_i
         for load in (1, 2):
             _load(target)
             assert te.nhit == load and te.probe is not None and te.probe.gone, target.list_probes()
+            # The stub breakpoint in the init text went with the probe: only the notifier's hooks are left.
+            assert all(target.symbols.module_of(a) is None for a in target.kprobes.stubs.points)
             _unload(target)
         assert target.oopses() == []

@@ -9,7 +9,8 @@ DEBS   := qemu-system-x86 busybox-static cpio gdb e2fsprogs gcc libc6-dev tmux \
           make flex bison bc libelf-dev xz-utils binutils
 # The tests every image runs: kprobes, kretprobes, optimized and in-guest probes, events,
 # stack traces, typed data, recovery, the instruction-boundary sweep, probes at an ENDBR entry,
-# a guest command's output kept apart from the kernel's log,
+# a guest command's output kept apart from the kernel's log, probes on a module's functions (its init
+# text is mem[MOD_INIT_TEXT] from 6.4, init_layout before),
 # and the guest kernel's own kprobes as the oracle (verdicts on kprobe_events definitions, and
 # hits and counts with the guest's own events enabled beside qprobe's, in a VM whose vCPUs share
 # one TCG thread: see docs/reliability.md).
@@ -19,7 +20,7 @@ VM_CORE := tests/vm/test_kprobes.py tests/vm/test_kretprobes.py tests/vm/test_op
            tests/vm/test_oracle.py tests/vm/test_guest_shell.py tests/vm/test_guest_programs.py \
            tests/vm/test_uprobes.py tests/vm/test_uprobe_language.py tests/vm/test_uprobe_frontends.py \
            tests/vm/test_uprobe_lifecycle.py tests/vm/test_uprobe_guest_view.py tests/vm/test_boot_probes.py \
-            tests/vm/test_boot_frontends.py tests/vm/test_attach_boot.py
+           tests/vm/test_boot_frontends.py tests/vm/test_attach_boot.py tests/vm/test_modules.py
 # debian-cloud-6.12: IBT, return and call-depth thunks, ORC; minimal-6.12: built here from
 # linux-source-6.12 (scripts/build-minimal-kernel.sh, 3.5-7 min on 2 cores), no kprobes, no ftrace.
 IMAGES_612 := debian-cloud-6.12 minimal-6.12

@@ -20,7 +20,7 @@ from qprobe.arch import Arch
 from qprobe.core.anywhere import StubProbes
 from qprobe.core.dispatch import Dispatcher, Trampoline
 from qprobe.core.handlers import Handlers
-from qprobe.core.kprobe import KPROBE_FLAG_DISABLED, Kprobe
+from qprobe.core.kprobe import KPROBE_FLAG_DISABLED, KPROBE_FLAG_GONE, Kprobe
 from qprobe.core.optimizer import Optimizer
 from qprobe.core.point import ProbePoint
 from qprobe.core.regs import PtRegs
@@ -67,6 +67,10 @@ class KprobeManager:
         # The kernel is booting and cannot take an int3 yet: probes go on stub breakpoints (switch_from_boot).
         self.booting = False
         self.touched: set[int] = set()  # every address we ever put an int3 at
+        # Probes killed with the text they were in (kill_kprobe: a module's text about to be freed): their
+        # bytes are back, and they stay in the list, [GONE] with their counts, until unregistered or
+        # registered again, as the kernel keeps them in its table.  Probe -> its line's address and the rest.
+        self.gone: dict[Kprobe, tuple[int, str]] = {}
         self.text = KernelText(machine)  # the int3s and jumps of points, and the text under them
         self.sites = ProbeSites(machine, kernel, arch, self.text)  # where a probe goes, and where it may not
         # int3s in the scratch area that are not probes: the kretprobe trampoline.
@@ -106,6 +110,7 @@ class KprobeManager:
     def register_kprobe(self, kp: Kprobe, optimize: bool = True) -> None:
         if kp.registered:
             raise InvalidProbe(f"{kp.where()} is already registered (EINVAL)")
+        self.gone.pop(kp, None)
         self._at_boot(kp)
         try:
             kp.at = self.sites.kprobe_addr(kp)
@@ -211,6 +216,7 @@ class KprobeManager:
             if kp.registered:
                 raise InvalidProbe(f"{kp.where()} is already registered (EINVAL)")
         for kp in todo:
+            self.gone.pop(kp, None)
             self._at_boot(kp)
         try:
             for kp in todo:
@@ -245,6 +251,8 @@ class KprobeManager:
 
     def unregister_kprobe(self, kp: Kprobe) -> None:
         if not kp.registered:
+            if self.gone.pop(kp, None) is not None:
+                return  # killed with its text: nothing left to take out
             raise InvalidProbe(f"{kp.where()} is not registered")
         addr = kp.resolved
         self.machine.call(lambda: self._unregister(kp))
@@ -252,7 +260,10 @@ class KprobeManager:
             self.optimizer.queue.optimize_later([addr])
 
     def unregister_kprobes(self, kps: Iterable[Kprobe]) -> None:
-        """Every registered one of ``kps`` in one VM stop, journaled as one batch."""
+        """Every registered (or killed) one of ``kps`` in one VM stop, journaled as one batch."""
+        kps = list(kps)
+        for kp in kps:
+            self.gone.pop(kp, None)
         todo = [kp for kp in kps if kp.registered]
 
         def unregister_all() -> None:
@@ -264,6 +275,18 @@ class KprobeManager:
         self.machine.call(unregister_all)
         # Points that other probes still share may be optimizable now.
         self.optimizer.queue.optimize_later(sorted({kp.resolved for kp in todo if kp.resolved in self.points}))
+
+    def kill_kprobe(self, kp: Kprobe) -> None:
+        """``kill_kprobe``: the text under a registered ``kp`` is about to be freed.  Its original bytes go
+        back now (nothing qprobe wrote may outlive the text); flagged GONE, its counts kept, listed until
+        unregistered or registered again."""
+        at = kp.at or kp.resolved
+        # Flags as the kernel's list shows a killed probe (report_probe), and qprobe's own first.
+        flags = ("[ANYWHERE]" if kp.anywhere else "") + "[GONE]" + ("[FTRACE]" if at != kp.resolved else "")
+        line = (at, f"{self.symbols.symbolize(at)}    {flags}")
+        self.unregister_kprobe(kp)
+        kp.flags |= KPROBE_FLAG_GONE
+        self.gone[kp] = line
 
     def _unregister(self, kp: Kprobe) -> None:
         if kp.anywhere:
@@ -391,6 +414,7 @@ class KprobeManager:
         """
 
         def disarm() -> None:
+            self.gone.clear()
             self.stubs.remove_all()
             for point in list(self.points.values()):
                 for kp in list(point.probes):

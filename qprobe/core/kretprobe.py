@@ -129,6 +129,14 @@ class KretprobeManager:
 
     def unregister_kretprobe(self, rp: Kretprobe) -> None:
         self.kprobes.unregister_kprobe(rp.kp)
+        self._forget(rp)
+
+    def kill_kretprobe(self, rp: Kretprobe) -> None:
+        """``kill_kprobe`` of its entry probe (KprobeManager.kill_kprobe), its calls in flight put back."""
+        self.kprobes.kill_kprobe(rp.kp)
+        self._forget(rp)
+
+    def _forget(self, rp: Kretprobe) -> None:
         stub = self.stub_of.pop(rp, None)
         if stub is not None:
             self.machine.call(lambda: self.stub_returns.unregister(stub))

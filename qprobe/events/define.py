@@ -327,16 +327,26 @@ def _prepare(
     check_append(ev, [te.definition for te in first.probes()] if first else [], dialect)
     if first is None and (ev.group, ev.event) in reg.trace_events:
         raise FetchArgError(dialect.message(M.EVENT_EXIST), text, 0)
-    if not anywhere and ev.symbol is not None and ev.symbol in symbols and within_notrace_func(
-            symbols, reg.ftrace_locations, symbols.address(ev.symbol) + ev.offset):  # fmt: skip
-        if not reg.kprobe_backend.booting:
-            # __register_trace_kprobe: "Could not probe notrace function", -EINVAL.
-            raise _registration_error(ev, InvalidProbe(f"{ev.symbol} is a notrace function (EINVAL)"), dialect)
-        anywhere = True  # armed at boot, where only stub breakpoints work: it stays one, as the kernel refuses it
+    anywhere = check_notrace(reg, ev, anywhere)
     te = KprobeEvent(reg, ev, callback, filter=None if filter is None else event_filter(ev, filter),
                      anywhere=anywhere)  # fmt: skip
     te.make_probe()
     return te, first
+
+
+def check_notrace(reg: EventRegistry, ev: ProbeEvent, anywhere: bool) -> bool:
+    """``__register_trace_kprobe``'s "Could not probe notrace function" (-EINVAL), on each registration: when
+    defined, and when a module's event is registered on its load (a module's ``.exit.text``, for one, has
+    no ``__fentry__`` sites).  Returns whether the probe goes on a stub breakpoint for good: asked so, or a
+    notrace function's armed while the kernel boots (only stub breakpoints work then; it stays one after,
+    as the kernel refuses it)."""
+    symbols = reg.symbols
+    if not anywhere and ev.symbol is not None and ev.symbol in symbols and within_notrace_func(
+            symbols, reg.ftrace_locations, symbols.address(ev.symbol) + ev.offset):  # fmt: skip
+        if reg.kprobe_backend.booting:
+            return True
+        raise _registration_error(ev, InvalidProbe(f"{ev.symbol} is a notrace function (EINVAL)"), reg.dialect)
+    return anywhere
 
 
 def register_probe(te: TraceEvent) -> None:

@@ -215,7 +215,7 @@ class Probeability:
             if count > 1:
                 return f"not unique: {count} functions share the name (probe MOD:SYM or one by address)"
         if not mod.is_text(addr):
-            return "not in the module's core text (init text is freed after loading)"
+            return "not in the module's text (its init text is freed once it is loaded)"
         if mod.ftrace_sites and self._module_notrace(mod, name, addr):
             return "notrace: no __fentry__ site, the kernel refuses kprobe events there"
         if self.reserved is not None:

@@ -1,7 +1,7 @@
 """Probes on module functions: the guest's module notifier, kept on the host.
 
-The kernel does two things when a module comes and goes, and qprobe does
-the same from two probes of its own, on the functions that run at those
+The kernel does three things when a module comes and goes, and qprobe does
+the same from three probes of its own, on the functions that run at those
 moments (found in vmlinux; a kernel without one cannot track modules):
 
 - ``do_init_module`` runs once a module is in place and in state COMING,
@@ -9,6 +9,12 @@ moments (found in vmlinux; a kernel without one cannot track modules):
   events that name ``MOD:SYM`` of that module there (defined while it was
   not loaded, or killed by an earlier unload), and logs "Failed to
   re-register probe" for those it cannot;
+- ``module_arch_freeing_init`` runs once a module is LIVE, before its init
+  text is queued to be freed (``do_free_init``, after an RCU grace period):
+  ``kprobes_module_callback`` kills the probes in its init text at LIVE
+  (``[GONE]``, counts kept; the init function has returned by then), and
+  qprobe puts their original bytes back; from then on the module's init
+  symbols are gone from its kallsyms, and probes there are refused;
 - ``free_module`` runs before a module's memory is freed, after it
   unloaded or failed to init: ``kprobes_module_callback`` kills every probe
   in its text (``[GONE]`` in the kprobes list; counts kept).  qprobe puts
@@ -27,12 +33,15 @@ from typing import TYPE_CHECKING, Protocol
 
 import drgn
 
+from qprobe.core.anywhere import InternalProbe
 from qprobe.core.kprobe import KPROBE_FLAG_GONE, Kprobe, Kretprobe
 from qprobe.core.regs import PtRegs
 from qprobe.errors import ProbeError, QprobeError, SymbolError
-from qprobe.kernel.modules import loaded_modules, read_module
+from qprobe.kernel.modules import MODULE_STATE_LIVE, loaded_modules, module_state, read_module
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from qprobe.core.kprobes import KprobeManager
     from qprobe.core.kretprobe import KretprobeManager
     from qprobe.events.define import EventRegistry
@@ -55,6 +64,9 @@ log = logging.getLogger("qprobe.modules")
 
 COMING_HOOK = "do_init_module"  # static noinline int do_init_module(struct module *mod), Linux 3.7 on
 GOING_HOOK = "free_module"  # static void free_module(struct module *mod)
+# void __weak module_arch_freeing_init(struct module *mod), Linux 3.19 on (d453cded05ee): called where a module's
+# init memory is about to be freed: in do_init_module once it is LIVE, and on the ways a module goes.
+INIT_FREEING_HOOK = "module_arch_freeing_init"
 
 
 class ModuleNotifier:
@@ -77,15 +89,19 @@ class ModuleNotifier:
             return
         self.stop()
         symbols = self.target.symbols
-        missing = [fn for fn in (COMING_HOOK, GOING_HOOK) if fn not in symbols]
+        missing = [fn for fn in (COMING_HOOK, GOING_HOOK, INIT_FREEING_HOOK) if fn not in symbols]
         if missing:
             raise SymbolError(f"this kernel has no {' or '.join(missing)}: qprobe cannot follow its modules")
         try:
             prog = self.target.kernel.prog
         except SymbolError as exc:
             raise SymbolError(f"probes on modules need the kernel's debug info: {exc}") from None
-        hooks = [Kprobe(symbol_name=COMING_HOOK, pre_handler=self._coming),
-                 Kprobe(symbol_name=GOING_HOOK, pre_handler=self._going)]  # fmt: skip
+        # Stub breakpoints while the kernel boots (before it frees __init), as every probe armed then is: the
+        # kernel's text is not final, and modules come from the initramfs.
+        anywhere = symbols.init_text
+        hooks = [Kprobe(symbol_name=COMING_HOOK, pre_handler=self._coming, anywhere=anywhere),
+                 Kprobe(symbol_name=GOING_HOOK, pre_handler=self._going, anywhere=anywhere),
+                 Kprobe(symbol_name=INIT_FREEING_HOOK, pre_handler=self._init_freeing, anywhere=anywhere)]  # fmt: skip
 
         def install() -> None:  # one stop: no module can come or go between the read and the hooks
             for mod in loaded_modules(prog):
@@ -142,16 +158,32 @@ class ModuleNotifier:
         if mod is None:
             return 0
         self.unloads += 1
-        kprobes = self.target.kprobes
-        for kp in [kp for p in list(kprobes.points.values()) if mod.is_text(p.addr) for kp in p.probes]:
-            rp = kp.kretprobe
-            if isinstance(rp, Kretprobe):
-                self.target.kretprobes.unregister_kretprobe(rp)
-            else:
-                kprobes.unregister_kprobe(kp)
-            kp.flags |= KPROBE_FLAG_GONE  # kill_kprobe: listed [GONE], counts kept
+        self._kill(mod.is_text)
         symbols.remove_module(name)
         return 0
+
+    def _init_freeing(self, kp: Kprobe, regs: PtRegs) -> int:
+        module = self._module(regs)
+        if module_state(module) != MODULE_STATE_LIVE:
+            # A module going (free_module, or load_module undoing a load): all of its memory goes.
+            return self._going(kp, regs)
+        mod = self.target.symbols.modules.get(module.name.string_().decode())
+        if mod is None or not mod.init_text:
+            return 0
+        self._kill(mod.is_init_text)
+        self.target.symbols.add_module(read_module(module))  # LIVE: without init text and init symbols
+        return 0
+
+    def _kill(self, where: Callable[[int], bool]) -> None:
+        """``kill_kprobe`` for every probe in the text about to be freed, its original bytes back first."""
+        kprobes = self.target.kprobes
+        points = [*kprobes.points.values(), *kprobes.stubs.points.values()]
+        for kp in [kp for p in points if where(p.addr) for kp in p.probes if not isinstance(kp, InternalProbe)]:
+            rp = kp.kretprobe
+            if isinstance(rp, Kretprobe):
+                self.target.kretprobes.kill_kretprobe(rp)
+            else:
+                kprobes.kill_kprobe(kp)
 
     def _events_of(self, module: str) -> list[TraceEvent]:
         """``trace_kprobe_within_module``: events whose symbol is ``MODULE:...``, each appended probe too."""
@@ -160,12 +192,13 @@ class ModuleNotifier:
 
     def _reregister(self, te: TraceEvent) -> None:
         """``__register_trace_kprobe`` again for an event of a module that just came."""
-        from qprobe.events.define import register_probe
+        from qprobe.events.define import check_notrace, register_probe
         from qprobe.events.kprobe import KprobeEvent
 
         assert isinstance(te, KprobeEvent), "only kprobe events name a module's symbol"
         probe = te.probe
         if probe is None:
+            te.anywhere = check_notrace(self.target, te.definition, te.anywhere)
             try:
                 register_probe(te)
             except QprobeError:
@@ -175,6 +208,8 @@ class ModuleNotifier:
         kp = probe.kp if isinstance(probe, Kretprobe) else probe
         if kp.registered:
             return
+        self.target.kprobes.gone.pop(kp, None)  # killed on an unload: __unregister_trace_kprobe, then register
+        check_notrace(self.target, te.definition, te.anywhere)
         kp.flags &= ~KPROBE_FLAG_GONE
         try:
             te.backend.register_probe(probe)

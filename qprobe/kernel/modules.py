@@ -25,19 +25,21 @@ MODULE_STATE_LIVE, MODULE_STATE_COMING, MODULE_STATE_GOING, MODULE_STATE_UNFORME
 _KINDS = {drgn.SymbolKind.FUNC: "func", drgn.SymbolKind.OBJECT: "object"}
 
 
-def _text_ranges(mod: drgn.Object) -> tuple[tuple[int, int], ...]:
-    """The module's core text.
+def _text_ranges(mod: drgn.Object, init: bool = False) -> tuple[tuple[int, int], ...]:
+    """The module's core text, or its init text.
 
     Linux 6.4 ("module: replace module_layout with module_memory", ac3b43283923)
-    gave each kind of module memory its own region (``mem[MOD_TEXT]``); before
-    it, text was the first ``text_size`` bytes of ``core_layout``.
+    gave each kind of module memory its own region (``mem[MOD_TEXT]``,
+    ``mem[MOD_INIT_TEXT]``); before it, text was the first ``text_size`` bytes
+    of ``core_layout`` and ``init_layout``.
     """
     prog = mod.prog_
     try:
-        region = mod.mem[prog.constant("MOD_TEXT").value_()]
+        region = mod.mem[prog.constant("MOD_INIT_TEXT" if init else "MOD_TEXT").value_()]
         base, size = region.base.value_(), region.size.value_()
     except (LookupError, AttributeError):
-        base, size = mod.core_layout.base.value_(), mod.core_layout.text_size.value_()
+        layout = mod.init_layout if init else mod.core_layout
+        base, size = layout.base.value_(), layout.text_size.value_()
     return ((base, base + size),) if base and size else ()
 
 
@@ -61,7 +63,11 @@ def _optional(mod: drgn.Object, table: str, count: str, member: str, mask: int =
 
 
 def read_module(mod: drgn.Object) -> ModuleText:
-    """A ``struct module *`` as a ModuleText (its symbols from its own kallsyms table)."""
+    """A ``struct module *`` as a ModuleText (its symbols from its own kallsyms table).
+
+    Its init text only while it is COMING: once it is LIVE the kernel frees that (``do_init_module``), and
+    its kallsyms table is the core one, without the init symbols.
+    """
     syms = sorted(
         (Symbol(s.name, s.address, s.size, _KINDS.get(s.kind, "other")) for s in module_kallsyms(mod) if s.address),
         key=lambda s: (s.addr, s.name),
@@ -84,6 +90,7 @@ def read_module(mod: drgn.Object) -> ModuleText:
         static_calls=tuple(_optional(mod, "static_call_sites", "num_static_call_sites", "addr", mask=3)),
         # CONFIG_GENERIC_BUG_RELATIVE_POINTERS (x86_64): struct bug_entry starts with s32 bug_addr_disp.
         bugs=frozenset(_optional(mod, "bug_table", "num_bugs", "bug_addr_disp")),
+        init_text=_text_ranges(mod, init=True) if module_state(mod) == MODULE_STATE_COMING else (),
     )
 
 

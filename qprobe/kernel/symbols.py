@@ -51,20 +51,25 @@ class ModuleText:
 
     name: str
     struct_addr: int  # the struct module
-    text: tuple[tuple[int, int], ...]  # (start, end) of its core text; init text is not probed
+    text: tuple[tuple[int, int], ...]  # (start, end) of its core text
     symbols: tuple[Symbol, ...]  # sorted by address
     ftrace_sites: tuple[int, ...] = ()  # sorted ``call __fentry__`` sites (NOPs until ftrace uses them)
     extable: frozenset[int] = frozenset()  # instructions with an exception-table fixup
     jump_labels: tuple[int, ...] = ()
     static_calls: tuple[int, ...] = ()
     bugs: frozenset[int] = frozenset()  # BUG()/WARN() instructions
+    # Its init text while it is COMING (module_init runs there); empty once the kernel frees it.
+    init_text: tuple[tuple[int, int], ...] = ()
     _addrs: list[int] = field(default_factory=list, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self._addrs.extend(s.addr for s in self.symbols)
 
     def is_text(self, addr: int) -> bool:
-        return any(lo <= addr < hi for lo, hi in self.text)
+        return self.is_init_text(addr) or any(lo <= addr < hi for lo, hi in self.text)
+
+    def is_init_text(self, addr: int) -> bool:
+        return any(lo <= addr < hi for lo, hi in self.init_text)
 
     def lookup(self, name: str) -> list[Symbol]:
         return [s for s in self.symbols if s.name == name]

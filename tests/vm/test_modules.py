@@ -10,8 +10,11 @@ enabling its events, which are not needed for a verdict).
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
+import lief
 import pytest
 
 import qprobe
@@ -151,3 +154,112 @@ def test_funcs_knows_a_loaded_modules_functions_as_the_guest_does(qprobe_target:
     assert all((f.reason or "").startswith("notrace") for f in found if not f.probeable)
     assert text == f"bm_status_read [{MODULE}]\n"
     assert summary == "1 function matches 'bm_status_read': 1 can be probed, 0 cannot"
+
+
+def _init_and_exit(ko: Path) -> tuple[str, str]:
+    """The functions ``module_init`` and ``module_exit`` name, from the module's own symbol table: the
+    ``init_module`` and ``cleanup_module`` aliases those macros define sit at their addresses."""
+    elf = lief.ELF.parse(str(ko))  # kept: its symbols are views into it
+    assert elf is not None, ko
+    syms = list(elf.symbols)
+    alias = {s.name: (s.shndx, s.value) for s in syms if s.name in ("init_module", "cleanup_module")}
+    init, exit_ = (next(s.name for s in syms if s.name and s.name != name and (s.shndx, s.value) == alias[name])
+                   for name in ("init_module", "cleanup_module"))  # fmt: skip
+    return init, exit_
+
+
+def test_init_and_exit_functions_across_two_loads_as_the_kernel_s_own_events(
+    qprobe_target: qprobe.Target, qprobe_image: str
+) -> None:
+    """``MOD:init_fn`` defined before the module exists: armed while it is COMING, hit once per load, its
+    return value the init's own, killed ([GONE], count kept, bytes back) once the module is LIVE and its
+    init text is to be freed, as ``kprobes_module_callback`` kills the kernel's; armed again on the next load.
+
+    The oracle is the guest's own events on the same functions, defined before the first load:
+    ``trace_kprobe_module_callback`` registers them on each load, ``kprobe_profile`` counts their hits,
+    ``trace`` holds the init's return value, and its log says whether it refused the exit function
+    (``.exit.text`` has no ``__fentry__`` site: notrace, for kprobe events).  A plain kprobe, which the
+    kernel puts on a notrace function, counts the one call of the exit function each unload makes.
+    """
+    target = qprobe_target
+    init_fn, exit_fn = _init_and_exit(module_file(get_image(qprobe_image), MODULE))
+    assert MODULE not in target.run("cat /proc/modules").output
+    guest = [f"p:kev {MODULE}:{init_fn}", f"r:kret {MODULE}:{init_fn} rv=$retval:s32", f"p:kexit {MODULE}:{exit_fn}"]
+    enable = f"{TRACING}/events/kprobes/{{}}/enable"
+    names = [d[2:].split()[0] for d in guest]
+    on = " && ".join(
+        f"echo '{d}' >> {TRACING}/kprobe_events && echo 1 > {enable.format(n)}"
+        for d, n in zip(guest, names, strict=True)
+    )
+    target.run(f"{on} && echo > {TRACING}/trace").check()
+    refusal = f"Failed to re-register probe kexit on {MODULE}"
+    refused_before = target.run("dmesg").check().output.count(refusal)
+    entry = add_event(target, f"p:qev {MODULE}:{init_fn}")
+    values: list[str] = []
+    ret = add_event(
+        target, f"r:qret {MODULE}:{init_fn} rv=$retval:s32", callback=lambda hit: values.append(hit.args["rv"])
+    )
+    exit_event = add_event(target, f"p:qexit {MODULE}:{exit_fn}")
+    assert entry.probe is None and ret.probe is None and exit_event.probe is None  # pending
+    hooks = set(target.kprobes.text.patched())  # qprobe's own, on the module notifier's functions
+    exits: list[qprobe.Kprobe] = []
+    try:
+        for load in (1, 2):
+            _load(target)
+            module = target.symbols.modules[MODULE]
+            listing = target.list_probes()
+            assert entry.nhit == ret.nhit == load and values == ["0"] * load, listing
+            assert entry.probe is not None and entry.probe.gone and not entry.probe.registered, listing
+            gone = [line.split()[:2] for line in listing.splitlines() if "[GONE]" in line]
+            assert sorted(gone) == [[f"{entry.probe.at:016x}", "k"], [f"{entry.probe.at:016x}", "r"]], listing
+            # Its init symbols went with the init text (kallsyms switched to the core ones): -ENOENT.
+            assert not module.lookup(init_fn) and module.lookup(exit_fn)
+            with pytest.raises(qprobe.QprobeError, match="unknown symbol"):
+                target.register_kprobe(qprobe.Kprobe(f"{MODULE}:{init_fn}"))
+            # Nothing qprobe wrote is left in the init text the kernel frees.
+            assert all(module.is_text(a) for a in set(target.kprobes.text.patched()) - hooks), listing
+            exits.append(qprobe.Kprobe(f"{MODULE}:{exit_fn}"))
+            target.register_kprobe(exits[-1])
+            _unload(target)
+            assert exits[-1].nhit == 1 and exits[-1].gone, target.list_probes()
+            assert f"{exits[-1].at:016x}  k  " in target.list_probes()
+            target.unregister_kprobe(exits[-1])  # a killed probe unregisters, as the kernel's does
+            assert "[GONE]" in target.list_probes() and f"{exits[-1].at:016x}  k  " not in target.list_probes()
+            assert set(target.kprobes.text.patched()) == hooks, "a write left in the freed module"
+        profile = target.run(f"cat {TRACING}/kprobe_profile").check().output
+        trace = target.run(f"cat {TRACING}/trace").check().output
+        log = target.run("dmesg").check().output
+    finally:
+        off = "; ".join(f"echo 0 > {enable.format(n)}" for n in names)
+        target.run(f"{off}; echo > {TRACING}/kprobe_events")
+        remove_events([entry, ret, exit_event])
+        target.events.clear()
+    assert "[GONE]" not in target.list_probes()
+    counts = {f[0]: int(f[1]) for f in (line.split() for line in profile.splitlines()) if len(f) == 3}
+    assert counts == {"kev": 2, "kret": 2, "kexit": exit_event.nhit}, profile
+    assert re.findall(r" kret: .* rv=(\S+)", trace) == ["0", "0"], trace  # the init's own return, twice
+    assert values == ["0", "0"]
+    refused = log.count(refusal) - refused_before
+    assert refused == sum(f"Failed to re-register probe qexit on {MODULE}" in e for e in exit_event.errors), log
+    assert target.oopses() == []
+
+
+def test_an_init_function_defined_before_the_kernel_s_first_instruction(qprobe_image: str) -> None:
+    """``qprobe trace --boot`` on ``MOD:init_fn``: armed before the kernel runs, the module notifier's own
+    hooks are stub breakpoints, as every probe armed then is; the probe is armed on each load, hit once,
+    killed once the module is LIVE."""
+    image = get_image(qprobe_image)
+    if image.config_option("BINFMT_MISC") != "m":
+        pytest.skip(f"{qprobe_image}: binfmt_misc is not a module in this kernel")
+    ko = module_file(image, MODULE)
+    init_fn, _exit_fn = _init_and_exit(ko)
+    with qprobe.boot(qprobe_image, probes=[f"p:qev {MODULE}:{init_fn}"], files={KO: ko}) as target:
+        te = target.events["kprobes/qev"]
+        assert te.probe is None  # pending
+        for load in (1, 2):
+            _load(target)
+            assert te.nhit == load and te.probe is not None and te.probe.gone, target.list_probes()
+            # The stub breakpoint in the init text went with the probe: only the notifier's hooks are left.
+            assert all(target.symbols.module_of(a) is None for a in target.kprobes.stubs.points)
+            _unload(target)
+        assert target.oopses() == []

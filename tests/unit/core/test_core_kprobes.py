@@ -14,7 +14,7 @@ import pytest
 from fakearch import ADDI, BRK, BTI, ENTRY, IRQ, JMPL, NOP, STACK, STACK_SIZE, Rig, Toy, insn
 
 from qprobe.arch import Arch
-from qprobe.core.kprobe import Kprobe
+from qprobe.core.kprobe import KPROBE_FLAG_GONE, Kprobe
 from qprobe.core.listing import list_probes
 from qprobe.core.point import KprobeStatus
 from qprobe.errors import Blacklisted, InvalidProbe, NotKernelText, ProbeError, SymbolError
@@ -92,6 +92,29 @@ def test_registering_twice_and_unregistering_an_unregistered_probe_are_einval(ri
     with pytest.raises(InvalidProbe, match="already registered"):
         rig.km.register_kprobe(kp)
     assert len(rig.km.points[kp.resolved].probes) == 1
+
+
+def test_a_killed_probe_puts_the_text_back_and_stays_listed_gone_until_unregistered_or_registered(rig: Rig) -> None:
+    kp, other = Kprobe("toy_fn", offset=4), Kprobe("toy_fn", offset=8)
+    addr = rig.fn + 4
+    original = rig.at(addr)
+    rig.km.register_kprobes([kp, other])
+    kp.nhit = 3
+    rig.km.kill_kprobe(kp)  # kill_kprobe: the text under it is about to be freed
+    assert rig.at(addr) == original and addr not in rig.km.text.patched()
+    assert (kp.gone, kp.registered, kp.nhit) == (True, False, 3)
+    assert list_probes(rig.km) == f"{other.resolved:016x}  k  toy_fn+0x8\n{addr:016x}  k  toy_fn+0x4    [GONE]\n"
+    rig.km.unregister_kprobe(kp)  # no EINVAL: the kernel's unregister_kprobe takes a gone one out of its table
+    assert list_probes(rig.km) == f"{other.resolved:016x}  k  toy_fn+0x8\n"
+    with pytest.raises(InvalidProbe, match="not registered"):
+        rig.km.unregister_kprobe(kp)
+
+    rig.km.kill_kprobe(other)
+    other.flags &= ~KPROBE_FLAG_GONE
+    rig.km.register_kprobe(other)  # the text is back (a module loaded again): armed, listed once
+    assert list_probes(rig.km) == f"{other.resolved:016x}  k  toy_fn+0x8\n"
+    rig.km.unregister_kprobe(other)
+    assert rig.text_unchanged()
 
 
 @pytest.mark.parametrize(

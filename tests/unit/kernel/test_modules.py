@@ -95,3 +95,15 @@ def test_a_module_symbol_is_checked_at_registration() -> None:
     # validate_probe_symbol defers MOD:SYM while the module is not loaded: the definition parses.
     ev = parse_event("p:m binfmt_misc:bm_status_read", symbol_exists=lambda name: False, symbol_count=lambda n: 1)
     assert ev.symbol == "binfmt_misc:bm_status_read"
+
+
+def test_init_text_is_the_module_s_while_it_is_coming(syms: Symbols) -> None:
+    init = M + 0x8000
+    coming = ModuleText("binfmt_misc", MOD.struct_addr, MOD.text, (*MOD.symbols, Symbol("init_fn", init, 0x20, "func")),
+                        (*MOD.ftrace_sites, init), init_text=((init, init + 0x1000),))  # fmt: skip
+    syms.add_module(coming)
+    assert syms.is_text(init + 4) and syms.module_of(init) is coming and coming.is_init_text(init)
+    assert syms.address("binfmt_misc:init_fn") == init and syms.symbolize(init + 4) == "init_fn+0x4"
+    assert not coming.is_init_text(M + 0xD0) and coming.is_text(M + 0xD0)
+    syms.add_module(MOD)  # LIVE: read again, without its init text and symbols
+    assert not syms.is_text(init) and "binfmt_misc:init_fn" not in syms

@@ -336,15 +336,7 @@ class QemuProcess:
             "-kernel", str(c.kernel),
             "-append", append,
         ]  # fmt: skip
-        if c.initrd is not None:
-            args += ["-initrd", str(c.initrd)]
-        if c.disk is not None:
-            if c.disk_interface == "nvme":
-                args += ["-drive", f"file={c.disk},if=none,id=d0,format=raw,snapshot=on",
-                         "-device", "nvme,drive=d0,serial=qprobe0"]  # fmt: skip
-            else:
-                args += ["-drive", f"file={c.disk},if=virtio,format=raw,snapshot=on"]
-        return args + c.extra_args
+        return args + storage_args(c.initrd, c.disk, c.disk_interface) + c.extra_args
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -406,3 +398,15 @@ class QemuProcess:
                 except ProcessLookupError:
                     pass
                 self.proc.wait(timeout)
+
+
+def storage_args(initrd: Path | None, disk: Path | None, disk_interface: str) -> list[str]:
+    """QEMU's arguments for an image's initramfs and root disk (a snapshot: the guest never writes the file)."""
+    args = [] if initrd is None else ["-initrd", str(initrd)]
+    if disk is not None:
+        if disk_interface == "nvme":
+            args += ["-drive", f"file={disk},if=none,id=d0,format=raw,snapshot=on",
+                     "-device", "nvme,drive=d0,serial=qprobe0"]  # fmt: skip
+        else:
+            args += ["-drive", f"file={disk},if=virtio,format=raw,snapshot=on"]
+    return args

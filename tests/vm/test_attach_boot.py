@@ -11,7 +11,6 @@ runs, boot-time probes are refused.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -23,10 +22,10 @@ import pytest
 import qprobe
 from qprobe.images import get_image
 from qprobe.vmm.console import SHELL_CMDLINE
-from qprobe.vmm.qemu import SCRATCH_SIZE, scratch_phys
+from qprobe.vmm.qemu import SCRATCH_SIZE, scratch_phys, storage_args
 
 from .conftest import IMAGE
-from .test_boot_probes import GUEST, PROFILE, _kernel_initcalls, _s32
+from .test_boot_probes import GUEST, check_boot_trace
 
 pytestmark = pytest.mark.vm
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,14 +50,7 @@ def _start_halted(rundir: Path) -> subprocess.Popen[bytes]:
             "-chardev", f"socket,id=con0,path={rundir}/console.sock,server=on,wait=off", "-serial", "chardev:con0",
             "-chardev", f"socket,id=sh0,path={rundir}/shell.sock,server=on,wait=off", "-serial", "chardev:sh0",
             "-kernel", img.kernel.name, "-append", append]  # fmt: skip
-    if img.initrd is not None:
-        argv += ["-initrd", str(img.initrd)]
-    if img.disk is not None:
-        if img.disk_interface == "nvme":
-            argv += ["-drive", f"file={img.disk},if=none,id=d0,format=raw,snapshot=on",
-                     "-device", "nvme,drive=d0,serial=qprobe0"]  # fmt: skip
-        else:
-            argv += ["-drive", f"file={img.disk},if=virtio,format=raw,snapshot=on"]
+    argv += storage_args(img.initrd, img.disk, img.disk_interface)
     # Its working directory the kernel's: -kernel is relative, as a user's often is.
     return subprocess.Popen(argv, cwd=img.kernel.parent, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
@@ -100,31 +92,7 @@ def test_trace_boot_attach_lists_the_kernel_s_initcalls_and_its_cpus_bring_up(ha
          "p:sk start_kernel", "p:ss start_secondary"],
         capture_output=True, text=True, timeout=900, cwd=ROOT,
     )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [json.loads(line) for line in out.stdout.splitlines()]
-    hits, summary = rows[:-1], rows[-1]["summary"]
-    kernel = _kernel_initcalls(out.stderr)  # --run's output (dmesg) goes to stderr
-    assert len(kernel) > 100, out.stderr[-3000:]
-
-    calls: list[str] = []
-    seen: list[tuple[str, int]] = []
-    for hit in hits:
-        if hit["event"] == "ic":
-            calls.append(hit["args"]["fn"])
-        elif hit["event"] == "icr":
-            seen.append((calls[len(seen)], _s32(hit["args"]["ret"])))
-    assert len(calls) == len(seen) == summary["ic"]["hits"] == summary["icr"]["hits"]
-    assert seen == kernel
-    assert summary["ic"]["nmissed"] == summary["icr"]["nmissed"] == 0
-    assert [h["cpu"] for h in hits if h["event"] == "sk"] == [0]
-    assert sorted(h["cpu"] for h in hits if h["event"] == "ss") == list(range(1, SMP))
-    assert hits[0]["event"] == "sk"
-
-    profile = PROFILE.search(out.stderr)
-    created = [i for i, fn in enumerate(calls) if fn.startswith("init_kprobe_trace+")]
-    if created:  # a kernel with kprobe events: its own boot-time event counts what qprobe saw after it existed
-        assert profile is not None, out.stderr[-2000:]
-        assert int(profile.group(1)) == len(calls) - created[0] - 1 > 0
+    check_boot_trace(out)
 
     # The kernel runs now (qprobe detached): probes from its boot are refused, in one line.
     with pytest.raises(qprobe.TargetError) as running:

@@ -367,11 +367,6 @@ class _Trace:
             raise QprobeError("$cpid is the pid of --run's command: give --run CMD")
         if getattr(args, "boot", False) and (args.map is not None or self.cpid_filter):
             raise QprobeError("--boot traces from the kernel's first instruction on: not with --map or $cpid")
-        if (args.kernel_image is not None or args.kernel_cmdline is not None) and not (
-            args.boot and args.attach is not None
-        ):
-            raise QprobeError("--kernel-image and --kernel-cmdline describe the boot of a QEMU started with -S: "
-                              "only with --boot --attach")  # fmt: skip
         _check_boot(args)
         # The filter as it is checked before boot; one naming $cpid is set on the events once the command forks.
         self.filter: str | None = args.filter.replace("$cpid", "0") if self.cpid_filter else args.filter
@@ -649,7 +644,12 @@ def _check_boot(args: argparse.Namespace) -> None:
     from qprobe.events.define import is_uprobe
     from qprobe.kernel.usyntax import is_user_form
 
-    if not getattr(args, "boot", False):
+    if (args.kernel_image is not None or args.kernel_cmdline is not None) and not (
+        args.boot and args.attach is not None
+    ):
+        raise QprobeError("--kernel-image and --kernel-cmdline describe the boot of a QEMU started with -S: "
+                          "only with --boot --attach")  # fmt: skip
+    if not args.boot:
         return
     if getattr(args, "transport", "rsp") == "gdb":
         raise QprobeError("--boot stops the kernel at its first instructions through qprobe's own gdbstub client: "
@@ -762,9 +762,6 @@ def cmd_shell(args: argparse.Namespace) -> int:
     from qprobe.fetch import ProbeEvent
     from qprobe.shell import Shell, run_shell
 
-    if args.boot and args.attach is not None:
-        raise QprobeError("--boot arms the EVENTs before the kernel's first instruction, on a VM qprobe boots: "
-                          "not with --attach")  # fmt: skip
     if args.boot and not args.events:
         raise QprobeError("--boot arms the EVENTs given after it before the kernel runs: give at least one, "
                           "e.g. 'p:sk start_kernel'")  # fmt: skip
@@ -835,6 +832,15 @@ def _target_options(p: argparse.ArgumentParser, attach: bool = True) -> None:
                        help="for --attach: the Unix socket of the serial port the guest's shell runs on")  # fmt: skip
 
 
+def _attached_boot_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kernel-image", metavar="PATH",
+                   help="with --boot --attach: the kernel image QEMU boots (its KASLR alignment), where its "
+                   "command line has no -kernel to read it from")  # fmt: skip
+    p.add_argument("--kernel-cmdline", metavar="ARGS",
+                   help="with --boot --attach: the whole command line QEMU gives the kernel, where its command "
+                   "line has no -append to read it from")  # fmt: skip
+
+
 def _anywhere_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--anywhere", action="store_true",
                    help="arm the probes with QEMU's own breakpoints, writing nothing into the guest: also on the "
@@ -873,12 +879,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ARGS",
         help="more kernel command line for the VM it boots (e.g. initcall_debug); not with --attach",
     )
-    p.add_argument("--kernel-image", metavar="PATH",
-                   help="with --boot --attach: the kernel image QEMU boots (its KASLR alignment), where its "
-                   "command line has no -kernel to read it from")  # fmt: skip
-    p.add_argument("--kernel-cmdline", metavar="ARGS",
-                   help="with --boot --attach: the whole command line QEMU gives the kernel, where its command "
-                   "line has no -append to read it from")  # fmt: skip
+    _attached_boot_options(p)
     p.add_argument(
         "--duration", type=_number(float, 0.001, 1e7), metavar="S", help="trace for S seconds (default: until Ctrl-C)"
     )
@@ -957,7 +958,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "booted): at the prompt they are events of the shell, with their hits since start_kernel "
                    "(stats, list, events; -:NAME removes one)")  # fmt: skip
     p.add_argument("--cmdline", default="", metavar="ARGS",
-                   help="more kernel command line for the VM it boots (e.g. initcall_debug)")  # fmt: skip
+                   help="more kernel command line for the VM it boots (e.g. initcall_debug); not with "
+                   "--attach")  # fmt: skip
+    _attached_boot_options(p)
     p.add_argument("events", nargs="*", metavar="EVENT",
                    help="kprobe_events definitions (or 'perf DEF') to add before the prompt; with --boot, "
                    "before the kernel runs")  # fmt: skip

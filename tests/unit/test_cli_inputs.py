@@ -69,13 +69,13 @@ CASES = [
     (["images", "--fetch"], ["--fetch", "expected at least one argument"]),
     (["list", "vfs_*"], ["to find functions: qprobe funcs 'vfs_*'"]),
     (["list", "pci_*"], ["to find functions: qprobe funcs 'pci_*'"]),
-    # The shell's EVENTs, checked as trace's are; --boot's are the kernel's, on a VM qprobe boots.
+    # The shell's EVENTs, checked as trace's are; --boot's are the kernel's.
     (["shell", "p:a vfs_read x=%zz"], ["Invalid register name"]),
     (["shell", "--boot", "p:a vfs_read x=%zz"], ["Invalid register name"]),
     (["shell", "--boot", "p:a no_such_function_here"], ["no_such_function_here"]),
     (["shell", "p:sk start_kernel"], ["start_kernel", "not kernel text after boot"]),
     (["shell", "--boot"], ["--boot arms the EVENTs", "give at least one"]),
-    (["shell", "--boot", "--attach", "unix:/nonexistent", "p:a start_kernel"], ["not with --attach"]),
+    (["shell", "--kernel-image", "/boot/vmlinuz", "p:a start_kernel"], ["only with --boot --attach"]),
     (["shell", "--boot", "p:uq /bin/true:main"], ["p:uq /bin/true:main", "a uprobe's file is the guest's"]),
     (["shell", "--boot", "uprobe:/bin/true:main"], ["a uprobe's file is the guest's"]),
     (["trace", "--boot", "p:uq /bin/true:main"], ["a uprobe's file is the guest's"]),

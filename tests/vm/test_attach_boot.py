@@ -25,7 +25,8 @@ from qprobe.vmm.console import SHELL_CMDLINE
 from qprobe.vmm.qemu import SCRATCH_SIZE, scratch_phys, storage_args
 
 from .conftest import IMAGE
-from .test_boot_probes import GUEST, check_boot_trace
+from .test_boot_frontends import MARK, _sections
+from .test_boot_probes import GUEST, _kernel_initcalls, check_boot_trace
 
 pytestmark = pytest.mark.vm
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,3 +114,24 @@ def test_attach_with_probes_returns_once_init_runs_without_a_console(halted: Pat
         assert sk.gone and kif.gone and not ss.gone  # __init text, freed before init runs; start_secondary is not
         assert target.journal.qemu is not None and target.journal.qemu[0] == qemu.pid  # its undo journal's VM
     assert qemu.poll() is None  # a QEMU qprobe did not start runs on
+
+
+def test_shell_boot_attach_counts_what_the_kernel_did(halted: Path) -> None:
+    """The shell's --boot on the halted QEMU: its events at the prompt hold the boot's hits."""
+    script = "".join(f"run echo {MARK}{name}\n{command}\n" for name, command in
+                     [("dmesg", "run dmesg"), ("stats", "stats"), ("list", "list")])  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "qprobe.cli", "shell", "--boot", "--attach", f"unix:{halted}/gdb.sock",
+         "--vmlinux", str(get_image(IMAGE, fetch=False).vmlinux), "--console", f"{halted}/console.sock",
+         "--shell", f"{halted}/shell.sock", "p:ic do_one_initcall", "p:sk start_kernel", "p:ss start_secondary"],
+        input=script + "quit\n", capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = _sections(out.stdout)
+    kernel = _kernel_initcalls(got["dmesg"])
+    assert len(kernel) > 100, got["dmesg"][-3000:]
+    stats = {row.split()[0]: row.split()[1:4] for row in got["stats"].splitlines()[1:]}
+    assert stats["kprobes/ic"] == [str(len(kernel)), "0", "0"], got["stats"]
+    assert stats["kprobes/sk"] == ["1", "0", "0"], got["stats"]
+    assert stats["kprobes/ss"] == [str(SMP - 1), "0", "0"], got["stats"]
+    assert "start_kernel" in got["list"] and "[GONE]" in got["list"], got["list"]

@@ -123,7 +123,11 @@ class KprobeManager:
             self.optimizer.queue.optimize_later([addr])
 
     def _at_boot(self, kp: Kprobe) -> None:
-        """While the kernel boots, a probe not asked anywhere goes on a stub breakpoint, marked to move."""
+        """While the kernel boots, a probe not asked anywhere goes on a stub breakpoint, marked to move; one
+        that was so during boot and is registered again after it (unregistered, or killed with its module's
+        text) is what it was given as."""
+        if kp.boot_stub and not self.booting:
+            kp.anywhere = kp.boot_stub = False
         if self.booting and not kp.anywhere:
             kp.anywhere = kp.boot_stub = True
 
@@ -377,9 +381,10 @@ class KprobeManager:
                 self.dispatcher.step(tid, ip)
         moved: list[int] = []
         with self.machine.journal.batch():
-            for kp, old, new in moves:
+            for kp, _old, _new in moves:  # all off first: two probes of one address move together
                 self.stubs.unregister(kp)
                 kp.anywhere = kp.boot_stub = kp.registered = False
+            for kp, old, new in moves:
                 try:
                     self._register(kp, new)
                 except QprobeError as exc:  # refused by the int3 path: back on its stub

@@ -145,3 +145,28 @@ def test_a_kretprobe_armed_while_booting_stays_on_stub_breakpoints(rig: Rig) -> 
     assert _switch(rig) == []
     assert rp.kp.anywhere and rp.kp.resolved in rig.km.stubs.points and rig.text_unchanged()
     rpm.unregister_kretprobe(rp)
+
+
+def test_two_boot_probes_on_one_address_move_together(rig: Rig) -> None:
+    addr = rig.fn + 4
+    first, second = Kprobe("toy_fn", offset=4), Kprobe("toy_fn", offset=4)
+    rig.km.register_kprobes([first, second])
+    _stub_hit(rig, A, addr)
+    assert first.nhit == second.nhit == 1
+
+    assert _switch(rig) == [addr]
+    assert not first.anywhere and not second.anywhere and addr in rig.km.points and not rig.km.stubs.points
+    assert (addr, BREAK_HW, 1) not in rig.t.cpu.breakpoints
+    rig.run(A, addr)
+    assert first.nhit == second.nhit == 2
+
+
+def test_a_boot_probe_registered_again_after_boot_goes_on_the_int3_path(rig: Rig) -> None:
+    addr = rig.fn + 4
+    kp = Kprobe("toy_fn", offset=4)
+    rig.km.register_kprobe(kp)
+    rig.km.unregister_kprobe(kp)  # during boot, as a module's event is killed with its text
+    _switch(rig)
+    rig.km.register_kprobe(kp)
+    assert not kp.anywhere and not kp.boot_stub and addr in rig.km.points and not rig.km.stubs.points
+    assert rig.t.mem.read(addr, 1)[0] == BRK_OP

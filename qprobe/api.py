@@ -427,8 +427,10 @@ class Target(ProbeAPI, EventAPI):
         return 0
 
     def _init_runs(self, kp: Kprobe, regs: PtRegs) -> int:
-        """At the first exec after __init text is freed (stop loop), init's on a boot qprobe did not start:
-        the kernel is up as far as _after_boot reads it."""
+        """At init's exec, after __init text is freed (stop loop), on a boot qprobe did not start: the kernel
+        is up as far as _after_boot reads it.  A usermode helper's exec (a kworker's, not pid 1) is not it."""
+        if self.kernel.read_task(gs_base=regs.gs_base).pid != 1:
+            return 0
         self.kprobes.unregister_kprobe(kp)
         try:
             self._after_boot()

@@ -209,9 +209,10 @@ def _attach_plan(where: str | tuple[str, int], arm: Callable[[Target], None], ke
     if qemu_image is None:
         # Without -kernel, firmware and a boot loader pick the kernel and its command line.
         return BootPlan(arm, image, kernel_cmdline, f"QEMU (pid {pid}) was started without -kernel")
+    cmdline = kernel_cmdline if kernel_cmdline is not None else append or ""
     if image is None and not qemu_image.is_file():
-        return BootPlan(arm, None, kernel_cmdline, f"QEMU's -kernel {qemu_image} is not a file here")
-    return BootPlan(arm, image or qemu_image, kernel_cmdline if kernel_cmdline is not None else append or "")
+        return BootPlan(arm, None, cmdline, f"QEMU's -kernel {qemu_image} is not a file here")
+    return BootPlan(arm, image or qemu_image, cmdline)
 
 
 def read_session(sock: Path) -> dict[str, object] | None:

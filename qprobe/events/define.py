@@ -264,7 +264,8 @@ def add_events(
     words = split_args(text.split("#", 1)[0])
     pattern = re.match(r"[^+%]*", words[1][1] if len(words) > 1 else "").group(0)  # type: ignore[union-attr]
     prob = Probeability.of_sites(reg, reg.kprobe_backend.sites)
-    prob.anywhere = anywhere
+    # While the kernel boots every probe goes on a stub breakpoint; those the int3 path refuses stay so.
+    prob.anywhere = anywhere or reg.kprobe_backend.booting
     found = check_probe_symbol(prob, pattern)
     if not found:
         raise FetchArgError("not a wildcard: use add_event()", text, words[1][0] if len(words) > 1 else 0)

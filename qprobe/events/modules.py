@@ -36,7 +36,7 @@ import drgn
 from qprobe.core.anywhere import InternalProbe
 from qprobe.core.kprobe import KPROBE_FLAG_GONE, Kprobe, Kretprobe
 from qprobe.core.regs import PtRegs
-from qprobe.errors import ProbeError, QprobeError, SymbolError
+from qprobe.errors import QprobeError, SymbolError
 from qprobe.kernel.modules import MODULE_STATE_LIVE, loaded_modules, module_state, read_module
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ class ModuleNotifier:
 
     @property
     def started(self) -> bool:
-        """Following the modules: both hooks armed (removing every probe removes them too)."""
+        """Following the modules: every hook armed (removing every probe removes them too)."""
         return bool(self.hooks) and all(kp.registered for kp in self.hooks)
 
     def start(self) -> None:
@@ -96,8 +96,9 @@ class ModuleNotifier:
             prog = self.target.kernel.prog
         except SymbolError as exc:
             raise SymbolError(f"probes on modules need the kernel's debug info: {exc}") from None
-        # Stub breakpoints while the kernel boots (before it frees __init), as every probe armed then is: the
-        # kernel's text is not final, and modules come from the initramfs.
+        # Hooked while the kernel boots (before it frees __init; modules come from the initramfs): stub
+        # breakpoints, and they stay so, not moved to the int3 path with the boot's other probes, where the
+        # move queues them for a jump: their handlers register and unregister probes, which needs a stop.
         anywhere = symbols.init_text
         hooks = [Kprobe(symbol_name=COMING_HOOK, pre_handler=self._coming, anywhere=anywhere),
                  Kprobe(symbol_name=GOING_HOOK, pre_handler=self._going, anywhere=anywhere),
@@ -135,7 +136,7 @@ class ModuleNotifier:
         self.hooks.clear()
         self.target.symbols.modules.clear()
 
-    # -- the two moments (stop-loop thread, every vCPU stopped) -------------------------------
+    # -- the three moments (stop-loop thread, every vCPU stopped) -------------------------------
     def _module(self, regs: PtRegs) -> drgn.Object:
         return drgn.Object(self.target.kernel.prog, "struct module *", value=regs.di)
 
@@ -208,11 +209,15 @@ class ModuleNotifier:
         kp = probe.kp if isinstance(probe, Kretprobe) else probe
         if kp.registered:
             return
-        self.target.kprobes.gone.pop(kp, None)  # killed on an unload: __unregister_trace_kprobe, then register
-        check_notrace(self.target, te.definition, te.anywhere)
-        kp.flags &= ~KPROBE_FLAG_GONE
+        # Killed on an unload: __unregister_trace_kprobe, then register; listed [GONE] still if that fails.
+        killed = self.target.kprobes.gone.pop(kp, None)
         try:
+            if check_notrace(self.target, te.definition, te.anywhere):
+                te.anywhere = kp.anywhere = True  # a notrace function's, while booting: a stub for good
+            kp.flags &= ~KPROBE_FLAG_GONE
             te.backend.register_probe(probe)
-        except ProbeError:
+        except QprobeError:
             kp.flags |= KPROBE_FLAG_GONE
+            if killed is not None:
+                self.target.kprobes.gone[kp] = killed
             raise

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 
 from qprobe.arch import Arch
-from qprobe.errors import ImageError, MemoryFault, QprobeError, TargetError
+from qprobe.errors import ImageError, MemoryFault, TargetError, TargetGone
 from qprobe.kernel.kaslr import Decompressed, candidate_slides, output_candidates
 from qprobe.kernel.symbols import Symbols
 from qprobe.vmm.gdbremote import BREAK_HW
@@ -151,9 +151,9 @@ class BootSlide:
                     except MemoryFault:
                         continue
                 time.sleep(WATCH_PERIOD)
-        except (QprobeError, ValueError) as exc:  # the VM went, or its RAM was unmapped, meanwhile
+        except (TargetGone, ValueError) as exc:  # the VM went, or its RAM was unmapped, meanwhile
             log.debug("boot slide: the watch on guest RAM ended: %s", exc)
-        except BaseException as exc:
+        except BaseException as exc:  # a breakpoint refused, a read failed: the boot is said to fail at once
             assert self.on_failed is not None
             self.on_failed(exc)
 

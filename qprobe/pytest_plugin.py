@@ -268,10 +268,15 @@ class _Vm:
     kept: str | None = None  # the test whose failure kept this VM running
     gone: str | None = None  # why the VM cannot be used any more
     boot_events: dict[str, TraceEvent] = field(default_factory=dict)  # armed before the kernel ran, by name
-    boot_probes: frozenset[int] = frozenset()  # id() of the probes armed then: the VM's, kept between tests
+    boot_probes: tuple[object, ...] = ()  # the probes armed then: the VM's, kept between tests
 
     def at_boot(self, probe: object) -> bool:
-        return id(probe) in self.boot_probes
+        return any(probe is p for p in self.boot_probes)
+
+    def follows_modules(self) -> bool:
+        """Some boot-time event is on a module's function: the module notifier is the VM's too."""
+        return any(ev.symbol is not None and ":" in ev.symbol
+                   for te in self.boot_events.values() for ev in (p.definition for p in te.probes()))  # fmt: skip
 
 
 @pytest.fixture(scope=qprobe_scope)
@@ -335,11 +340,12 @@ def _user_kprobes(target: Target) -> list[Kprobe]:
     return [kp for point in points for kp in point.probes if not isinstance(kp, InternalProbe)]
 
 
-def _armed_at_boot(target: Target) -> tuple[dict[str, TraceEvent], frozenset[int]]:
+def _armed_at_boot(target: Target) -> tuple[dict[str, TraceEvent], tuple[object, ...]]:
     """What a VM booted with boot-time probes holds once it is up: every event and probe in it was armed
-    before the kernel ran."""
-    ids = {id(kp) for kp in _user_kprobes(target)} | {id(rp) for rp in target.kretprobes.registered}
-    return dict(target.events), frozenset(ids)
+    before the kernel ran (the module notifier's hooks are qprobe's own)."""
+    hooks = target.modules.hooks
+    kps = [kp for kp in _user_kprobes(target) if not any(kp is h for h in hooks)]
+    return dict(target.events), (*kps, *target.kretprobes.registered)
 
 
 @pytest.fixture(scope=qprobe_scope)
@@ -453,13 +459,15 @@ class QprobeReset:
         """Unregister every event, uprobe, kretprobe and kprobe still registered, but the VM's boot-time ones;
         what was left (kprobes/list lines)."""
         t, vm = self.target, self.vm
-        t.modules.stop()  # its own two probes are not the test's
+        if not vm.follows_modules():
+            t.modules.stop()  # its own three probes are not the test's
         left = [repr(up) for up in t.uprobes.registered()]
         t.uprobes.remove_all()  # before the kretprobes: one of them follows new mappings for the uprobes
         # kprobes/list's lines but the boot-time probes' (one line a probe, led by its address and kind: where
         # it was asked on the int3 path, an [FTRACE] one before its __fentry__ site; where armed on a stub)
+        hooks = t.modules.hooks  # the notifier's, kept for boot-time events on modules
         boot = [({f"{kp.at:016x}", f"{kp.resolved:016x}"}, "r" if kp.kretprobe is not None else "k")
-                for kp in _user_kprobes(t) if vm.at_boot(kp)]  # fmt: skip
+                for kp in _user_kprobes(t) if vm.at_boot(kp) or any(kp is h for h in hooks)]  # fmt: skip
         for line in t.list_probes().splitlines():
             addr, kind = [*line.split(), "", ""][:2]
             mine = next((b for b in boot if addr in b[0] and kind == b[1]), None)
@@ -477,7 +485,7 @@ class QprobeReset:
                 t.events.pop(key, None)
         t.remove_events(armed)
         t.unregister_kretprobes([rp for rp in t.kretprobes.registered if not vm.at_boot(rp)])
-        t.unregister_kprobes([kp for kp in _user_kprobes(t) if not vm.at_boot(kp)])
+        t.unregister_kprobes([kp for kp in _user_kprobes(t) if not vm.at_boot(kp) and not any(kp is h for h in hooks)])
         if not t.kprobes.enabled:
             t.set_kprobes_enabled(True)
         return left

@@ -8,7 +8,6 @@ not start, the process listening on the gdbstub's Unix socket or TCP port is fou
 
 from __future__ import annotations
 
-import itertools
 import os
 from pathlib import Path
 
@@ -81,10 +80,14 @@ def kernel_args(argv: list[str], cwd: Path) -> tuple[Path | None, str | None]:
     ``-append`` text, None for an option it lacks; as QEMU reads them, either with one dash or two,
     the last one given counting."""
     found: dict[str, str] = {}
-    for opt, value in itertools.pairwise(argv):
+    i = 0
+    while i < len(argv) - 1:
+        opt = argv[i]
         name = opt[1:].removeprefix("-") if opt.startswith("-") else ""
         if name in ("kernel", "append"):
-            found[name] = value
+            found[name] = argv[i + 1]
+            i += 1  # its value, whatever it looks like ("-append -kernel" is an append of "-kernel")
+        i += 1
     kernel = cwd / found["kernel"] if "kernel" in found else None
     return kernel, found.get("append")
 

@@ -47,7 +47,7 @@ def test_a_qemu_command_line_s_kernel_and_append() -> None:
     assert kernel_args(["qemu", "-S", "-hda", "disk.img"], cwd) == (None, None)
     assert kernel_args(["qemu", "-kernel"], cwd) == (None, None)  # QEMU would refuse it: nothing to read
     # An option's value is never read as an option, whatever it looks like.
-    assert kernel_args(["qemu", "-append", "-kernel", "-kernel", "bz"], cwd) == (cwd / "bz", "-kernel")
+    assert kernel_args(["qemu", "-kernel", "bz", "-append", "-kernel", "-m", "1G"], cwd) == (cwd / "bz", "-kernel")
 
 
 def test_a_qemu_process_s_kernel_is_read_from_its_command_line(tmp_path: Path) -> None:

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("qprobe")
 
 
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
 def boot(image: str = "debian-cloud", smp: int = 2, memory: str | int = "512M",
          files: dict[str, str | Path] | None = None, accel: str = "auto", cmdline: str = "",
          boot_timeout: float = 60.0, transport: str = "rsp", keepable: bool = False,
@@ -162,7 +165,7 @@ def attach(
     where = parse_address(addr)
     if isinstance(where, tuple):
         host = where[0]
-        if host not in ("127.0.0.1", "localhost", "::1") and not allow_remote:
+        if host not in LOCAL_HOSTS and not allow_remote:
             raise TargetError(f"refusing to attach to non-local {host}: the gdbstub is unauthenticated "
                               "(pass allow_remote=True / --allow-remote if you mean it)")  # fmt: skip
         log.warning("attaching over TCP to %s: anyone who can reach that port controls the guest", addr)
@@ -202,7 +205,8 @@ def _attach_plan(where: str | tuple[str, int], arm: Callable[[Target], None], ke
         raise TargetError(f"kernel image {image} is not a file")
     if image is not None and kernel_cmdline is not None:
         return BootPlan(arm, image, kernel_cmdline)
-    pid = listener_pid(where)
+    local = isinstance(where, str) or where[0] in LOCAL_HOSTS  # a remote port's number may be a local process's
+    pid = listener_pid(where) if local else None
     if pid is None:
         return BootPlan(arm, image, kernel_cmdline, "no local QEMU of yours listens there to read it from")
     qemu_image, append = qemu_kernel_args(pid)

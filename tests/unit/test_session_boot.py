@@ -114,6 +114,7 @@ def test_what_an_attached_boot_cannot_find_says_why(tmp_path: Path, listening_qe
     assert plan.image is plan.cmdline is None and "without -kernel" in plan.unknown
     plan = session._attach_plan(str(listening_qemu("-kernel", "gone", "-append", "x")), _arm, None, None)
     assert plan.image is None and "not a file here" in plan.unknown
+    assert plan.cmdline == "x"  # what could be read is kept: with nokaslr the image is not needed
     (tmp_path / "bz").write_bytes(b"")
     plan = session._attach_plan(("10.0.0.1", 1234), _arm, tmp_path / "bz", "nokaslr")  # given: nothing looked up
     assert (plan.image, plan.cmdline, plan.unknown) == (tmp_path / "bz", "nokaslr", "")

@@ -381,11 +381,12 @@ class QprobeReset:
         self.gone_said = False  # the test failed for the VM's death: teardown does not say it again
 
     # -- text snapshots ------------------------------------------------------------------
-    def _pristine(self, start: int, size: int) -> bytes:
-        """Bytes at [start, start+size) as they are without qprobe's live patches."""
+    def _pristine(self, start: int, size: int, only: set[int] | None = None) -> bytes:
+        """Bytes at [start, start+size) as they are without qprobe's live patches (``only`` those at these
+        addresses)."""
         data = bytearray(self.target.read(start, size))
         for p in self.target.journal.patches.values():
-            if start <= p.virt and p.virt + len(p.old) <= start + size:
+            if (only is None or p.virt in only) and start <= p.virt and p.virt + len(p.old) <= start + size:
                 data[p.virt - start : p.virt - start + len(p.old)] = p.old
         return bytes(data)
 
@@ -504,11 +505,12 @@ class QprobeReset:
             if left and self.strict:
                 problems.append("the test left probes registered (removed now):\n  " + "\n  ".join(left))
             loaded = {m.struct_addr for m in t.symbols.modules.values()}
+            kept = self._boot_sites()  # a boot-time probe's int3 or jump in a function the test probed too
             for start, (name, before) in sorted(self.snapshots.items()):
                 owner = self.module_text.get(start)
                 if owner is not None and owner not in loaded:
                     continue  # its module was unloaded: the text is gone (qprobe restored it before the free)
-                now = t.read(start, len(before))
+                now = self._pristine(start, len(before), kept)
                 if now != before:
                     problems.append(_text_diff(name, before, now))
             # The boot-time probes' int3s and jumps are the VM's, and so, while any is in, the links that put

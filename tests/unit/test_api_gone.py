@@ -80,10 +80,23 @@ def test_a_main_thread_that_sleeps_is_interrupted_with_why_and_the_sigint_handle
 
 
 def test_a_sigint_of_someone_else_s_goes_to_the_handler_it_replaced() -> None:
+    # A handler of the test's own: a process started in the background by a shell inherits SIGINT ignored,
+    # and Python then installs none (the run this test is part of may be one).
+    heard: list[int] = []
+
+    def replaced(signum: int, frame: object) -> None:
+        heard.append(signum)
+        raise KeyboardInterrupt
+
     machine, _ = _machine()
-    with pytest.raises(KeyboardInterrupt), _target(machine).interrupt_when_gone():
-        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
-        time.sleep(30)
+    before = signal.signal(signal.SIGINT, replaced)
+    try:
+        with pytest.raises(KeyboardInterrupt), _target(machine).interrupt_when_gone():
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+            time.sleep(30)
+        assert heard == [signal.SIGINT] and signal.getsignal(signal.SIGINT) is replaced
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert machine.alive
     machine.close()
 

@@ -242,7 +242,8 @@ def _boot(args: argparse.Namespace, at_boot: Callable[[Target], None] | None = N
                              kernel_cmdline=getattr(args, "kernel_cmdline", None))  # fmt: skip
     _check_image(args)
     return qprobe.boot(args.image, smp=args.smp, memory=args.memory, files=_files(args.file), transport=transport,
-                       cmdline=getattr(args, "cmdline", ""), at_boot=at_boot)  # fmt: skip
+                       cmdline=getattr(args, "cmdline", ""), at_boot=at_boot,
+                       tcg_thread=getattr(args, "tcg_thread", ""))  # fmt: skip
 
 
 def cmd_boot(args: argparse.Namespace) -> int:
@@ -821,6 +822,9 @@ def _target_options(p: argparse.ArgumentParser, attach: bool = True) -> None:
                    help="add a host file to the guest's root filesystem (repeatable)")  # fmt: skip
     p.add_argument("--transport", choices=("rsp", "gdb"), default="rsp",
                    help="qprobe's own gdbstub client (fast, default) or a real gdb through GDB/MI")  # fmt: skip
+    p.add_argument("--tcg-thread", choices=("single", "multi"), default="",
+                   help="TCG's thread mode for the VM it boots: every vCPU on one host thread, or one each "
+                   "(QEMU's default; see docs/reliability.md)")  # fmt: skip
     if attach:
         p.add_argument("--attach", metavar="ADDR", help="attach to a running QEMU instead of booting")
         p.add_argument("--vmlinux", help="the running kernel's vmlinux (for --attach)")

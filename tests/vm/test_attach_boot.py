@@ -26,7 +26,7 @@ from qprobe.vmm.qemu import SCRATCH_SIZE, scratch_phys, storage_args
 
 from .conftest import IMAGE
 from .test_boot_frontends import MARK, _sections
-from .test_boot_probes import GUEST, _kernel_initcalls, check_boot_trace
+from .test_boot_probes import GUEST, TCG, _kernel_initcalls, check_boot_trace
 
 pytestmark = pytest.mark.vm
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +45,7 @@ def _start_halted(rundir: Path) -> subprocess.Popen[bytes]:
     """A plain QEMU, halted before its first instruction (-S), its gdbstub and two serial ports on sockets."""
     img = get_image(IMAGE, fetch=False)
     append = _append()
-    argv = ["qemu-system-x86_64", "-S", "-accel", "tcg", "-machine", "pc", "-m", f"{MEMORY >> 20}M",
+    argv = ["qemu-system-x86_64", "-S", "-accel", f"tcg,thread={TCG}", "-machine", "pc", "-m", f"{MEMORY >> 20}M",
             "-smp", str(SMP), "-cpu", "max", "-display", "none", "-vga", "none", "-nodefaults", "-no-reboot",
             "-gdb", f"unix:{rundir}/gdb.sock,server=on,wait=off",
             "-chardev", f"socket,id=con0,path={rundir}/console.sock,server=on,wait=off", "-serial", "chardev:con0",

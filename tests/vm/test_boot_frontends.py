@@ -22,7 +22,7 @@ import pytest
 from qprobe.images import get_image
 
 from .conftest import IMAGE
-from .test_boot_probes import CALLING, RETURNED, _kernel_initcalls
+from .test_boot_probes import CALLING, RETURNED, TCG, _kernel_initcalls
 
 pytestmark = pytest.mark.vm
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,8 +52,9 @@ def test_shell_boot_events_count_what_the_kernel_did() -> None:
         ("after", "events"),
     ])  # fmt: skip
     out = subprocess.run(
-        [sys.executable, "-m", "qprobe.cli", "shell", "--image", IMAGE, "--smp", str(SMP), "--boot",
-         "--cmdline", CMDLINE, "p:ic do_one_initcall fn=%di:symbol", "p:sk start_kernel", "p:ss start_secondary"],
+        [sys.executable, "-m", "qprobe.cli", "shell", "--image", IMAGE, "--smp", str(SMP), "--tcg-thread", TCG,
+         "--boot", "--cmdline", CMDLINE,
+         "p:ic do_one_initcall fn=%di:symbol", "p:sk start_kernel", "p:ss start_secondary"],
         input=script + "quit\n", capture_output=True, text=True, timeout=900, cwd=ROOT,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -112,7 +113,7 @@ LS = Kprobe("ksys_lseek")  # kept text: on the int3 path once booted
 
 @pytest.fixture(scope="module")
 def qprobe_boot_kwargs():
-    return {"cmdline": CMDLINE, "probes": [SK, LS, "p:ss start_secondary"]}
+    return {"cmdline": CMDLINE, "probes": [SK, LS, "p:ss start_secondary"], "tcg_thread": "single"}
 
 
 """

@@ -155,7 +155,9 @@ def test_probes_in_init_text_are_retired_when_the_kernel_frees_it() -> None:
         # The stub breakpoints still in are in the VM's journal (QEMU keeps a killed client's breakpoints: a
         # later attach takes them out from there), under the name it has once booted.
         journal = json.loads(target.journal.path.read_text())
-        assert f"bp:1:{asked.resolved:x}:1" in journal["meta"], journal["meta"]
+        armed = [point.addr for point in target.kprobes.stubs.points.values() if point.armed]
+        assert all(f"bp:1:{addr:x}:1" in journal["meta"] for addr in armed), (armed, journal["meta"])
+        assert asked.gone or asked.resolved in armed  # do_one_initcall is __init without modules
         with pytest.raises(qprobe.QprobeError, match="not in kernel text"):
             target.register_kprobe(qprobe.Kprobe("kernel_init_freeable", anywhere=True))
         target.unregister_kprobe(init_fn)

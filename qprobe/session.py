@@ -21,16 +21,13 @@ from qprobe.core.kprobe import Kprobe, Kretprobe
 from qprobe.errors import BootPanic, TargetError
 from qprobe.paths import read_private
 from qprobe.vmm.connection import parse_address
-from qprobe.vmm.peer import listener_pid, qemu_kernel_args
+from qprobe.vmm.peer import LOCAL_HOSTS, listener_pid, qemu_kernel_args
 from qprobe.vmm.qemu import SHM_PREFIX, SHM_ROOT, QemuConfig, QemuProcess, parse_memory
 
 if TYPE_CHECKING:
     from qprobe.images import Image
 
 log = logging.getLogger("qprobe")
-
-
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def boot(image: str = "debian-cloud", smp: int = 2, memory: str | int = "512M",
@@ -205,8 +202,7 @@ def _attach_plan(where: str | tuple[str, int], arm: Callable[[Target], None], ke
         raise TargetError(f"kernel image {image} is not a file")
     if image is not None and kernel_cmdline is not None:
         return BootPlan(arm, image, kernel_cmdline)
-    local = isinstance(where, str) or where[0] in LOCAL_HOSTS  # a remote port's number may be a local process's
-    pid = listener_pid(where) if local else None
+    pid = listener_pid(where)
     if pid is None:
         return BootPlan(arm, image, kernel_cmdline, "no local QEMU of yours listens there to read it from")
     qemu_image, append = qemu_kernel_args(pid)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["kernel_args", "listener_pid", "process_identity", "qemu_kernel_args", "still_running"]
+__all__ = ["LOCAL_HOSTS", "kernel_args", "listener_pid", "process_identity", "qemu_kernel_args", "still_running"]
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")  # a TCP gdbstub on this machine
 
 _LISTEN_UNIX = 0x10000  # __SO_ACCEPTCON in /proc/net/unix's Flags column
 _LISTEN_TCP = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
@@ -58,7 +60,10 @@ def _socket_inodes(where: str | tuple[str, int]) -> set[int]:
 
 
 def listener_pid(where: str | tuple[str, int]) -> int | None:
-    """The pid of the process (of this user's, whose descriptors are readable) listening at ``where``."""
+    """The pid of the process (of this user's, whose descriptors are readable) listening at ``where``; None
+    for another machine's TCP port (its number may be a local process's)."""
+    if isinstance(where, tuple) and where[0] not in LOCAL_HOSTS:
+        return None
     inodes = _socket_inodes(where)
     if not inodes:
         return None

@@ -31,6 +31,7 @@ def test_the_listener_on_a_unix_socket_or_a_tcp_port(tmp_path: Path) -> None:
     try:
         assert listener_pid(str(tmp_path / "gdb.sock")) == os.getpid()
         assert listener_pid(("127.0.0.1", tcp.getsockname()[1])) == os.getpid()
+        assert listener_pid(("10.0.0.1", tcp.getsockname()[1])) is None  # that port on another machine
         assert listener_pid(str(tmp_path / "none.sock")) is None
     finally:
         unix.close()

@@ -219,17 +219,6 @@ class KprobeManager:
         for kp in todo:
             if kp.registered:
                 raise InvalidProbe(f"{kp.where()} is already registered (EINVAL)")
-        for kp in todo:
-            self.gone.pop(kp, None)
-            self._at_boot(kp)
-        try:
-            for kp in todo:
-                kp.at = self.sites.kprobe_addr(kp)
-            addrs = [self.sites.arming_address(kp) for kp in todo]
-        except BaseException:
-            for kp in todo:
-                self._refused_at_boot(kp)
-            raise
 
         def register_all() -> bool:
             done: list[Kprobe] = []
@@ -244,7 +233,13 @@ class KprobeManager:
                     raise
             return self.optimizer.queue.enqueue(addrs)  # in the same stop
 
+        for kp in todo:
+            self.gone.pop(kp, None)
+            self._at_boot(kp)
         try:
+            for kp in todo:
+                kp.at = self.sites.kprobe_addr(kp)
+            addrs = [self.sites.arming_address(kp) for kp in todo]
             queued = self.machine.call(register_all)
         except BaseException:
             for kp in todo:

@@ -700,6 +700,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     reset = item.stash.get(_RESET, None)
     if report.failed and reset is not None:
         report.sections.extend(reset.sections())
+    if report.when == "teardown" and reset is not None:
+        # pytest keeps every item until the session ends: a reset left in its stash would keep the
+        # module's Target, and with it its symbols and drgn program, long after its VM is gone.
+        del item.stash[_RESET]
     return report
 
 

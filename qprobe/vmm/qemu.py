@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import logging
 import os
 import re
 import shutil
@@ -32,6 +33,8 @@ from qprobe.errors import TargetError, TargetGone
 from qprobe.vmm.console import SHELL_CMDLINE
 from qprobe.vmm.scratch import SIZE as SCRATCH_ALIGN
 
+log = logging.getLogger(__name__)
+
 # Reserved with memmap= so the kernel never uses it; qprobe maps it as the
 # scratch area (see qprobe.vmm.scratch), 2 MiB (one PMD) at a time as it fills.
 SCRATCH_SIZE = 8 << 20
@@ -45,6 +48,10 @@ SHM_PREFIX = "qprobe-"
 # process's command line): the sweep leaves it alone.
 SWEEP_GRACE = 60.0
 PR_SET_PDEATHSIG = 1
+# Stopping a VM takes at most about this long, QEMU answering or not (terminate).
+STOP_TIMEOUT = 3.0
+QMP_TIMEOUT = 5.0
+JANITOR_WAIT = 1.0
 
 
 def parse_memory(memory: str | int) -> int:
@@ -268,7 +275,8 @@ class QemuProcess:
                 self._janitor_pipe = None
         if self._janitor is not None:
             try:
-                self._janitor.wait(10.0)
+                # It exits at once on end-of-file when QEMU is gone; only a QEMU it must kill takes longer.
+                self._janitor.wait(JANITOR_WAIT)
             except subprocess.TimeoutExpired:
                 self._janitor.kill()
                 self._janitor.wait()
@@ -357,20 +365,39 @@ class QemuProcess:
                 raise TargetError(f"QEMU did not open its sockets within {timeout:g} s")
             time.sleep(0.02)
 
-    def qmp(self, command: str, **arguments: object) -> object:
-        """One QMP command through QEMU's own client library (qemu.qmp)."""
-        from qemu.qmp.legacy import QEMUMonitorProtocol
+    def qmp(self, command: str, timeout: float = QMP_TIMEOUT, **arguments: object) -> object:
+        """One QMP command through QEMU's own client library (qemu.qmp), answered within ``timeout`` seconds.
 
-        mon = QEMUMonitorProtocol(str(self.qmp_path))
+        The whole exchange is bounded, the greeting included: QEMU answers QMP from its main loop, and a
+        main loop spinning in a blocking write (the gdbstub writes whole packets to a client that no longer
+        reads) never greets, so an unbounded connect would wait for ever.
+        """
+        import asyncio
+
+        from qemu.qmp import QMPClient
+
+        async def exchange() -> object:
+            client = QMPClient(self.rundir.name)
+            try:
+                await client.connect(str(self.qmp_path))
+                return await client.execute(command, arguments or None)
+            finally:
+                await client.disconnect()
+
+        async def bounded() -> object:
+            return await asyncio.wait_for(exchange(), timeout)
+
         try:
-            mon.settimeout(5.0)
-            mon.connect()
-            return mon.cmd(command, **arguments)  # type: ignore[arg-type]
-        finally:
-            mon.close()
+            return asyncio.run(bounded())
+        except TimeoutError:
+            raise TargetError(f"QEMU's monitor did not answer {command!r} within {timeout:g} s") from None
 
-    def terminate(self, timeout: float = 5.0) -> None:
-        """Stop QEMU (QMP ``quit``, then SIGTERM, then SIGKILL) and remove the run directory and RAM file."""
+    def terminate(self, timeout: float = STOP_TIMEOUT) -> None:
+        """Stop QEMU (QMP ``quit``, then SIGTERM, then SIGKILL) and remove the run directory and RAM file.
+
+        Bounded whatever state QEMU is in: each step gets a share of ``timeout``, and SIGKILL of QEMU's
+        process group, which needs nothing from QEMU, is the last one.
+        """
         if hasattr(self, "proc"):
             self._stop_qemu(timeout)
         for d in (getattr(self, "shmdir", None), self.rundir):
@@ -382,22 +409,26 @@ class QemuProcess:
         self._locks.clear()
 
     def _stop_qemu(self, timeout: float) -> None:
+        step = timeout / 3
         if self.alive():
             try:
-                self.qmp("quit")
-                self.proc.wait(timeout)
-            except Exception:  # any QMP failure falls through to the signals below
+                self.qmp("quit", timeout=step)
+                self.proc.wait(step)
+            except Exception:  # any QMP failure or a slow exit falls through to the signals below
                 pass
-        if self.alive():
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if not self.alive():
+                return
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout)
-            except (subprocess.TimeoutExpired, ProcessLookupError):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(timeout)
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(step)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.alive():  # SIGKILL delivered but not yet acted on (a process in uninterruptible sleep)
+            log.warning("QEMU (pid %d) has not exited %g s after SIGKILL", self.proc.pid, step)
 
 
 def storage_args(initrd: Path | None, disk: Path | None, disk_interface: str) -> list[str]:

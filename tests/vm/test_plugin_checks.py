@@ -105,3 +105,38 @@ def test_each_check_of_the_plugin_fails_a_test(tmp_path: Path) -> None:
     assert "the test left probes registered (removed now):" in text and "ksys_lseek+0x0" in text, text
     assert "could not snapshot the kernel text qprobe patched, so it was not checked: " in text, text
     assert "RuntimeError: no text today" in text, text
+
+
+# Two modules, one VM each: once the first module's VM is closed nothing of the plugin's keeps its Target.
+FIRST = """
+import weakref
+
+import holder
+
+
+def test_first(qprobe_target):
+    holder.targets.append(weakref.ref(qprobe_target))
+"""
+SECOND = """
+import gc
+
+import holder
+
+
+def test_second(qprobe_target):
+    gc.collect()
+    first = holder.targets[0]()
+    assert first is None, [type(r).__name__ for r in gc.get_referrers(first)]
+"""
+
+
+def test_a_module_s_target_is_freed_after_its_vm_is_closed(tmp_path: Path) -> None:
+    """pytest keeps every test item to the end of the session: what the plugin keeps in them must not hold a
+    Target (its symbols and drgn program are hundreds of MB), or memory grows with every module."""
+    (tmp_path / "holder.py").write_text("targets = []\n")
+    (tmp_path / "test_a_first.py").write_text(FIRST)
+    (tmp_path / "test_b_second.py").write_text(SECOND)
+    argv = [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "test_a_first.py", "test_b_second.py",
+            "--qprobe-image", IMAGE]  # fmt: skip
+    out = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "2 passed" in out.stdout, out.stdout + out.stderr

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -162,6 +163,47 @@ def test_terminate_stops_qemu_and_the_janitor(tmp_path: Path, fake_qemu: Path,
     assert janitor.poll() is not None and not q.alive()
     assert not q.rundir.exists() and not q.shmdir.exists()
     q.terminate()  # twice is harmless
+
+
+# A QEMU whose main loop is stuck (spinning in a blocking write to a gdb client that stopped reading):
+# its monitor socket accepts a connection but never greets, and SIGTERM, which QEMU handles in that same
+# loop, does nothing.
+STUCK_QEMU = textwrap.dedent("""
+    import signal, socket, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    path = next(a.split("path=")[1].split(",")[0] for a in sys.argv if a.startswith("socket,id=qmp0,"))
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen(4)
+    held = []
+    while True:
+        held.append(server.accept()[0])  # never a greeting
+""")
+
+
+def test_terminate_stops_a_qemu_whose_monitor_never_answers(tmp_path: Path, private_roots: tuple[Path, Path]) -> None:
+    stuck = tmp_path / "stuck-qemu"
+    stuck.write_text(f"#!{sys.executable}\n{STUCK_QEMU}")
+    stuck.chmod(0o755)
+    kernel = tmp_path / "bzImage"
+    kernel.write_bytes(b"")
+    q = QemuProcess(QemuConfig(kernel=kernel), qemu_binary=str(stuck))
+    assert wait_until(q.qmp_path.exists)
+    asked: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            q.qmp("query-status", timeout=0.2)
+        except BaseException as exc:
+            asked.append(exc)
+
+    for step in (ask, q.terminate):
+        thread = threading.Thread(target=step, daemon=True)
+        thread.start()
+        thread.join(60)  # a guard against the hang this test is about, not a speed target
+        assert not thread.is_alive(), f"{step.__name__}() waited for a monitor that never answers"
+    assert isinstance(asked[0], TargetError) and "did not answer 'query-status'" in str(asked[0])
+    assert not q.alive() and not q.rundir.exists()
 
 
 def test_tcg_thread_mode_reaches_the_command_line(tmp_path: Path, fake_qemu: Path,

@@ -42,6 +42,67 @@ def pytest_configure(config: pytest.Config) -> None:
     IMAGE = selected_images(config)[0]
 
 
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _adopt_orphans() -> None:
+    """Make this process the subreaper of its descendants: a process a test started that outlives its parent
+    (a detached boot's VM, a janitor) is re-parented here instead of to init, so it stays ours to find."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _descendants() -> dict[int, str]:
+    """Every live process below this one: pid -> its command line (a zombie is reaped, not listed)."""
+    children: dict[int, list[int]] = {}
+    names: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            argv = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if stat[0] == "Z":
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(int(entry.name), os.WNOHANG)
+            continue
+        children.setdefault(int(stat[1]), []).append(int(entry.name))
+        names[int(entry.name)] = argv.replace(b"\0", b" ").decode(errors="replace").strip()[:160]
+    found: dict[int, str] = {}
+    todo = list(children.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        found[pid] = names[pid]
+        todo += children.get(pid, [])
+    return found
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nothing_outlives_its_module(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A QEMU, janitor or qprobe process a module started and did not stop fails that module, and is killed:
+    left running it would take the CPU, memory and sockets of every later module's tests."""
+    if qprobe_scope("", request.config) != "module":  # a VM shared by modules outlives each of them
+        yield
+        return
+    _adopt_orphans()
+    before = set(_descendants())
+    yield
+    deadline = time.monotonic() + 10  # a janitor ends within milliseconds of its owner; a slow one gets this
+    left = {pid: cmd for pid, cmd in _descendants().items() if pid not in before}
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = {pid: cmd for pid, cmd in _descendants().items() if pid not in before}
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)
+    if left:
+        pytest.fail("processes this module started outlived it (killed now):\n  "
+                    + "\n  ".join(f"{pid}: {cmd}" for pid, cmd in sorted(left.items())), pytrace=False)  # fmt: skip
+
+
 @contextlib.contextmanager
 def bare_qemu(image: str | None = None, timeout: float = 180.0) -> Iterator[QemuProcess]:
     """Our QEMU without qprobe attached, booted to the guest shell, stopped afterwards."""

@@ -82,19 +82,27 @@ def test_every_boundary_of_a_hot_function(target: qprobe.Target, func: str) -> N
     before = target.read(sym.addr, sym.size)
     insns = decode_all(before, sym.addr)
     probes = []
-    for insn in insns:
-        kp = Kprobe(addr=insn.addr)
-        try:
-            target.register_kprobe(kp)
-        except ProbeError as exc:
-            # Padding int3s after a ret, instructions with a stated reason, or text the kernel rewrites
-            # (jump labels, static calls: the kernel refuses those too).
-            assert insn.mnemonic in ("int3", "ud2", "nop") or "cannot probe" in str(exc) or "is reserved" in str(exc), (
-                exc
-            )
-            continue
-        probes.append((kp, insn))
-        seen_kinds[_kind(insn.text)] += 1
+    # Registered with jump optimization off and turned on once all are in: the state the workload meets is
+    # the one registering them one by one with it on reaches (with every boundary probed, a jump fits only
+    # over an instruction of 5 bytes or more, and takes it either way), without a grace period and an
+    # optimizer pass per instruction.
+    target.set_kprobes_optimization(False)
+    try:
+        for insn in insns:
+            kp = Kprobe(addr=insn.addr)
+            try:
+                target.register_kprobe(kp)
+            except ProbeError as exc:
+                # Padding int3s after a ret, instructions with a stated reason, or text the kernel rewrites
+                # (jump labels, static calls: the kernel refuses those too).
+                assert (
+                    insn.mnemonic in ("int3", "ud2", "nop") or "cannot probe" in str(exc) or "is reserved" in str(exc)
+                ), exc
+                continue
+            probes.append((kp, insn))
+            seen_kinds[_kind(insn.text)] += 1
+    finally:
+        target.set_kprobes_optimization(True)
     try:
         res = workload_result(target.run(cmd, timeout=900).check().output)
     finally:

@@ -15,7 +15,11 @@ import sys
 import threading
 from collections.abc import Callable
 
-from vmm_fakes import QemuStub, pkt
+from vmm_fakes import CLOSE, QemuStub, pkt
+
+# Far more requests than any case takes to be refused (the thread flood, ~4,100): past it the stub hangs up,
+# so a qprobe that keeps asking fails on the wrong message instead of asking forever.
+MAX_REQUESTS = 10_000
 
 
 def _counter() -> Callable[[], int]:
@@ -31,8 +35,9 @@ def _counter() -> Callable[[], int]:
 class HostileStub(QemuStub):
     """QemuStub with the misbehaviour named by ``case``."""
 
-    def __init__(self, case: str, sock: socket.socket) -> None:
+    def __init__(self, case: str, sock: socket.socket, answered: list[int]) -> None:
         self.case = case
+        self.answered = answered  # [how many packets]: shared with serve(), which may not hold us yet
         self.tick = _counter()
         supported = {
             "packet-tiny": b"PacketSize=10;qXfer:features:read+;multiprocess+",
@@ -55,6 +60,9 @@ class HostileStub(QemuStub):
         super().__init__(supported=supported, sock=sock, annexes=annexes)
 
     def _answer(self, p: bytes) -> bytes | object:
+        self.answered[0] += 1  # before the reply goes out: the client may count as soon as it has one
+        if self.answered[0] > MAX_REQUESTS:
+            return CLOSE
         case = self.case
         if case == "silent" and p.startswith(b"qSupported"):
             return b""
@@ -97,17 +105,18 @@ CASES: dict[str, tuple[str, str]] = {
 }
 
 
-def serve(case: str) -> tuple[int, Callable[[], None]]:
-    """Listen on 127.0.0.1 for one client, answered as ``case`` says; returns (port, stop)."""
+def serve(case: str) -> tuple[int, Callable[[], None], Callable[[], int]]:
+    """Listen on 127.0.0.1 for one client, answered as ``case`` says; returns (port, stop, packets answered)."""
     listener = socket.create_server(("127.0.0.1", 0))
     stubs: list[HostileStub] = []
+    answered = [0]
 
     def accept() -> None:
         try:
             conn, _ = listener.accept()
         except OSError:
             return
-        stubs.append(HostileStub(case, conn))
+        stubs.append(HostileStub(case, conn, answered))
 
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
@@ -118,11 +127,11 @@ def serve(case: str) -> tuple[int, Callable[[], None]]:
         for stub in stubs:
             stub.close()
 
-    return listener.getsockname()[1], stop
+    return listener.getsockname()[1], stop, lambda: answered[0]
 
 
 if __name__ == "__main__":
-    port, stop = serve(sys.argv[1])
+    port, stop, _ = serve(sys.argv[1])
     print(port, flush=True)
     sys.stdin.read()  # until the caller closes our stdin
     stop()

@@ -8,13 +8,15 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import cast
 
 import pytest
 from vmm_fakes import pkt
 
 from qprobe.errors import GuestTimeout, ProtocolError, TargetError, TargetGone
-from qprobe.vmm.connection import Connection
+from qprobe.vmm import connection
+from qprobe.vmm.connection import _POLL, Connection
 
 
 @pytest.fixture
@@ -30,6 +32,102 @@ def one_line(exc: BaseException) -> str:
     text = str(exc)
     assert text and "\n" not in text, text
     return text
+
+
+# Waits are checked by counting them on a virtual clock, not by timing them: a
+# loaded machine stretches wall-clock time but not the number of reads or retries.
+
+MAX_WAITS = 1000  # a loop that never reaches its deadline fails here instead of hanging
+
+
+class Clock:
+    """Stands in for the connection module's ``time``: virtual seconds that pass only when something waits."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+        self.on_sleep: Callable[[int], None] = lambda n: None  # told how many sleeps there have been
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        assert len(self.sleeps) < MAX_WAITS, "still retrying long past any deadline"
+        self.sleeps.append(seconds)
+        self.now += seconds
+        self.on_sleep(len(self.sleeps))
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(connection, "time", c)
+    return c
+
+
+class SilentSocket:
+    """A peer that never sends: each recv waits out the socket timeout on the clock, then times out."""
+
+    family = socket.AF_UNIX
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.timeout: float | None = None
+        self.waits: list[float] = []  # the timeout of each recv, in order
+
+    def settimeout(self, timeout: float | None) -> None:
+        self.timeout = timeout
+
+    def recv(self, size: int) -> bytes:
+        assert self.timeout is not None and self.timeout > 0, f"a recv that never times out ({self.timeout})"
+        assert len(self.waits) < MAX_WAITS, "still reading long past any deadline"
+        self.waits.append(self.timeout)
+        self.clock.now += self.timeout
+        raise TimeoutError
+
+    def close(self) -> None:
+        pass
+
+
+class Alive:
+    """An ``alive`` callback that counts its calls and answers True for the first ``lives`` of them."""
+
+    def __init__(self, lives: int) -> None:
+        self.lives = lives
+        self.calls = 0
+
+    def __call__(self) -> bool:
+        self.calls += 1
+        return self.calls <= self.lives
+
+
+def silent(clock: Clock, alive: Callable[[], bool]) -> tuple[Connection, SilentSocket]:
+    sock = SilentSocket(clock)
+    return Connection(cast(socket.socket, sock), alive=alive, name="silent"), sock
+
+
+class CountingSocket:
+    """A real socket that counts the calls made on it (a socket.socket's own methods cannot be replaced)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.family = sock.family
+        self.calls = 0
+
+    def settimeout(self, timeout: float | None) -> None:
+        self.calls += 1
+        self.sock.settimeout(timeout)
+
+    def recv(self, size: int) -> bytes:
+        self.calls += 1
+        return self.sock.recv(size)
+
+    def sendall(self, data: bytes) -> None:
+        self.calls += 1
+        self.sock.sendall(data)
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 # -- receiving ---------------------------------------------------------------------
@@ -80,13 +178,15 @@ def test_send_escapes(pair: tuple[Connection, socket.socket]) -> None:
 # -- timeouts and a dead peer ---------------------------------------------------------
 
 
-def test_recv_timeout_is_guest_timeout(pair: tuple[Connection, socket.socket]) -> None:
-    conn, _peer = pair
-    t0 = time.monotonic()
+def test_recv_timeout_is_guest_timeout(clock: Clock) -> None:
+    alive = Alive(lives=MAX_WAITS)
+    conn, sock = silent(clock, alive)
     with pytest.raises(GuestTimeout) as info:
         conn.recv(0.3)
-    elapsed = time.monotonic() - t0
-    assert 0.25 <= elapsed < 1.5
+    # It waits out the whole timeout, in reads of at most _POLL each, asking after QEMU between them.
+    assert sum(sock.waits) == pytest.approx(0.3)
+    assert len(sock.waits) == 3 and max(sock.waits) <= _POLL, sock.waits
+    assert alive.calls == len(sock.waits)
     assert not isinstance(info.value, TargetGone)
     assert "0.3 s" in one_line(info.value)
 
@@ -121,39 +221,41 @@ def test_zero_timeout_still_returns_a_queued_packet(pair: tuple[Connection, sock
     assert conn.poll(0) == b"OK"  # already queued: no read at all
 
 
-def test_silent_peer_and_dead_qemu_is_target_gone_quickly() -> None:
-    ours, _peer = socket.socketpair()
-    conn = Connection(ours, alive=lambda: False, name="dead")
-    t0 = time.monotonic()
+def test_silent_peer_and_dead_qemu_is_target_gone_quickly(clock: Clock) -> None:
+    alive = Alive(lives=0)
+    conn, sock = silent(clock, alive)
     with pytest.raises(TargetGone) as info:
         conn.recv(10.0)
-    assert time.monotonic() - t0 < 1.0
+    # One poll interval, not the 10 s timeout: QEMU is asked after the first read that times out.
+    assert sock.waits == [_POLL] and alive.calls == 1
     assert "QEMU exited" in one_line(info.value)
 
 
-def test_alive_is_polled_while_waiting_forever() -> None:
-    ours, _peer = socket.socketpair()
-    dies_at = time.monotonic() + 0.3
-    conn = Connection(ours, alive=lambda: time.monotonic() < dies_at)
-    t0 = time.monotonic()
-    with pytest.raises(TargetGone):
+def test_alive_is_polled_while_waiting_forever(clock: Clock) -> None:
+    alive = Alive(lives=2)
+    conn, sock = silent(clock, alive)
+    with pytest.raises(TargetGone, match="QEMU exited"):
         conn.recv(None)
-    assert 0.25 <= time.monotonic() - t0 < 1.3
+    # Without a timeout it still reads in _POLL steps (SilentSocket refuses a read that would block forever).
+    assert sock.waits == [_POLL] * 3 and alive.calls == 3
 
 
-def test_peer_that_closes_is_target_gone(pair: tuple[Connection, socket.socket]) -> None:
-    conn, peer = pair
+def test_peer_that_closes_is_target_gone() -> None:
+    ours, peer = socket.socketpair()
+    sock = CountingSocket(ours)
+    conn = Connection(cast(socket.socket, sock), name="test")
     peer.close()
     with pytest.raises(TargetGone, match="closed the connection") as info:
         conn.recv(5.0)
     one_line(info.value)
-    # Once gone, it stays gone, without waiting for a timeout.
-    t0 = time.monotonic()
+    # Once gone, it stays gone without touching the socket again, so without waiting for a timeout.
+    calls = sock.calls
     with pytest.raises(TargetGone):
         conn.recv(5.0)
     with pytest.raises(TargetGone):
         conn.send(b"?")
-    assert time.monotonic() - t0 < 0.5
+    assert sock.calls == calls
+    conn.close()
 
 
 def test_peer_closes_after_a_partial_packet(pair: tuple[Connection, socket.socket]) -> None:
@@ -240,36 +342,38 @@ def test_open_unix_socket(short_dir: str, prefix: str) -> None:
         server.close()
 
 
-def test_open_waits_for_the_socket_to_appear(short_dir: str) -> None:
+def test_open_waits_for_the_socket_to_appear(short_dir: str, clock: Clock) -> None:
     path = os.path.join(short_dir, "late.sock")
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 
-    def late() -> None:
-        time.sleep(0.2)
-        server.bind(path)
-        server.listen(1)
+    def appear(sleeps: int) -> None:
+        if sleeps == 3:  # QEMU creates its socket while we retry
+            server.bind(path)
+            server.listen(1)
 
-    t = threading.Thread(target=late)
-    t.start()
+    clock.on_sleep = appear
     conn = Connection.open("unix:" + path, timeout=3.0)
     conn.close()
-    t.join()
     server.close()
+    assert len(clock.sleeps) == 3  # connected on the first try after the socket appeared
 
 
-def test_open_missing_socket_with_dead_qemu_is_target_gone(short_dir: str) -> None:
-    t0 = time.monotonic()
+def test_open_missing_socket_with_dead_qemu_is_target_gone(short_dir: str, clock: Clock) -> None:
+    alive = Alive(lives=0)
     with pytest.raises(TargetGone, match="cannot connect") as info:
-        Connection.open("unix:" + os.path.join(short_dir, "none.sock"), alive=lambda: False, timeout=10.0)
-    assert time.monotonic() - t0 < 1.0
+        Connection.open("unix:" + os.path.join(short_dir, "none.sock"), alive=alive, timeout=10.0)
+    # One attempt, QEMU found dead, no pause to retry: not the 10 s timeout.
+    assert clock.sleeps == [] and alive.calls == 1
     one_line(info.value)
 
 
-def test_open_missing_socket_times_out(short_dir: str) -> None:
-    t0 = time.monotonic()
-    with pytest.raises(TargetGone):
+def test_open_missing_socket_times_out(short_dir: str, clock: Clock) -> None:
+    with pytest.raises(TargetGone, match="No such file"):
         Connection.open(os.path.join(short_dir, "none.sock"), timeout=0.2)
-    assert 0.15 <= time.monotonic() - t0 < 1.5
+    # It retried, pausing between attempts, until just past the timeout: not giving up at once, not waiting longer.
+    step = clock.sleeps[0]
+    assert clock.sleeps == [step] * len(clock.sleeps) and 0 < step <= _POLL
+    assert 0.2 < sum(clock.sleeps) <= 0.2 + step + 1e-9, clock.sleeps
 
 
 @pytest.mark.parametrize("address", ["localhost", "localhost:", "host:port", ":1234"])

@@ -9,7 +9,6 @@ process (no VM) to check the token matching of MiChannel.
 from __future__ import annotations
 
 import shutil
-import time
 from typing import Any
 
 import pytest
@@ -487,10 +486,12 @@ def test_channel_reports_a_dead_qemu_while_waiting() -> None:
 @pytest.mark.parametrize("address", ["127.0.0.1:1", "unix:/nonexistent/qprobe-gdb.sock"])
 def test_no_stub_is_target_gone_in_one_line(address: str) -> None:
     remote = GdbMiRemote(address, connect_timeout=1)
-    t0 = time.monotonic()
     try:
+        # What bounds the wait is gdb's own retry period for a refused connection, not its default 15 s;
+        # a gdb that never gave up would end in GuestTimeout from handshake's own deadline, not TargetGone.
+        assert remote.conn.command("-gdb-show tcp connect-timeout") == {"value": "1"}
         with pytest.raises(TargetGone, match="cannot connect to the gdbstub at") as e:
             remote.handshake()
     finally:
         remote.conn.close()
-    assert time.monotonic() - t0 < 10 and "\n" not in str(e.value)
+    assert "\n" not in str(e.value)

@@ -48,11 +48,11 @@ stage lint "$logs/lint.log" sh -c "
 	$bin/ruff format --check qprobe tests examples scripts &&
 	$bin/mypy; echo \$? >$logs/lint.log.rc"
 stage debian-cloud "$logs/debian-cloud.log" run "$logs/debian-cloud.log" \
-	"$bin/pytest" -q --durations=25 tests examples
+	"$bin/pytest" -q -rs --durations=25 tests examples
 for i in $images; do
 	"$bin/qprobe" images --fetch "$i" || { status=1; continue; }
 	# shellcheck disable=SC2086 # the list of files is split on purpose
-	stage "$i" "$logs/$i.log" run "$logs/$i.log" "$bin/pytest" -q --durations=25 --qprobe-image "$i" $core
+	stage "$i" "$logs/$i.log" run "$logs/$i.log" "$bin/pytest" -q -rs --durations=25 --qprobe-image "$i" $core
 done
 
 wait $fetcher || { echo "fetching in the background failed:"; cat "$logs/fetch.log"; }

@@ -109,7 +109,8 @@ def _panic(lines: list[str], setup: BootSetup) -> BootFailure | None:
             continue
         reason = _PANIC_END.sub("", m.group(1))
         seen = printable(f"Kernel panic - not syncing: {reason}")
-        if reason.startswith("VFS: Unable to mount root fs"):
+        # Not the whole text: a console line can lose or repeat a character when QEMU exits under it.
+        if "mount root fs" in reason:
             return _root(seen, setup)
         if reason.startswith(_NO_INIT):
             return BootFailure("init", seen, f"the kernel of image {setup.image!r} panicked before qprobe's shell "

@@ -48,6 +48,8 @@ def _panic(reason: str) -> str:
          'VFS: Cannot open root device "vda" or unknown-block(0,0): error -6'),
         (_panic("VFS: Unable to mount root fs on unknown-block(0,0)"), INITRD, "root",
          "Kernel panic - not syncing: VFS: Unable to mount root fs on unknown-block(0,0)"),
+        (_panic("VFS: Unnable to mount root fs on unknown-block(0,0)"), INITRD, "root",
+         "Kernel panic - not syncing: VFS: Unnable to mount root fs on unknown-block(0,0)"),
         # Panics: no init, and any other (quoted).
         (_panic("Requested init /nonexistent failed (error -2)."), INITRD, "init",
          "Kernel panic - not syncing: Requested init /nonexistent failed (error -2)."),

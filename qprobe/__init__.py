@@ -8,6 +8,7 @@ from qprobe.core.watchpoint import Watchpoint
 from qprobe.errors import (
     Blacklisted,
     CannotProbe,
+    GuestBootFailed,
     InvalidProbe,
     NotInstructionBoundary,
     NotKernelText,
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Blacklisted",
     "CannotProbe",
+    "GuestBootFailed",
     "InvalidProbe",
     "Kprobe",
     "Kretprobe",

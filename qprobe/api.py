@@ -59,6 +59,7 @@ from qprobe.kernel.program import KernelData, Stack, Task
 from qprobe.kernel.symbols import Symbols, elf_machine
 from qprobe.paths import cache_dir, write_private
 from qprobe.probeapi import ProbeAPI
+from qprobe.vmm.bootfail import BootSetup
 from qprobe.vmm.connection import Connection, parse_address
 from qprobe.vmm.console import Console, GuestShell, RunResult, open_shell
 from qprobe.vmm.gdbmi import GdbMiRemote
@@ -171,7 +172,8 @@ class Target(ProbeAPI, EventAPI):
                 assert self.console is not None
                 try:
                     # A VM qprobe did not boot has its shell ready already: no boot to wait for.
-                    self.guest_shell = open_shell(self.console, shell, alive, boot_timeout if qemu else None)
+                    self.guest_shell = open_shell(self.console, shell, alive, boot_timeout if qemu else None,
+                                                  self._boot_setup(vmlinux, None))  # fmt: skip
                 except GuestPanicked as exc:
                     raise BootPanic(str(exc)) from None
                 if qemu is not None:
@@ -356,7 +358,8 @@ class Target(ProbeAPI, EventAPI):
             alive = self.qemu.alive if self.qemu is not None else None
             wait = boot_timeout if self.qemu is not None or shell is not None else None
             try:
-                self.guest_shell = open_shell(self.console, shell, alive, wait)
+                self.guest_shell = open_shell(self.console, shell, alive, wait,
+                                              self._boot_setup(self.symbols.path, plan.cmdline))  # fmt: skip
             except GuestPanicked as exc:
                 raise BootPanic(str(exc)) from None
         self.timings["boot"] = time.monotonic() - t0
@@ -367,6 +370,15 @@ class Target(ProbeAPI, EventAPI):
         # start_kernel, __fentry__ sites by ftrace_init, __init text is gone).  What stays rewritable at run
         # time (jump-label and static-call sites, the int3 path refuses them) stays on stub breakpoints.
         self.kprobes.optimizer.queue.optimize_later(self.machine.call(self.kprobes.switch_from_boot))
+
+    def _boot_setup(self, vmlinux: str | Path, cmdline: str | None) -> BootSetup:
+        """What a console that shows why the guest will not start qprobe's shell names: the image, or the
+        vmlinux of a QEMU qprobe did not start, with its command line and disk as far as they are known."""
+        if self.qemu is None:
+            return BootSetup(Path(vmlinux).name, cmdline or "")
+        config = self.qemu.config
+        return BootSetup(config.name or config.kernel.name, self.qemu.kernel_cmdline,
+                         config.disk_interface if config.disk is not None else None)  # fmt: skip
 
     def _wait_boot(self, done: threading.Event, timeout: float, t0: float, what: Callable[[], str]) -> None:
         while not done.wait(LIVENESS_POLL):

@@ -55,6 +55,11 @@ class GuestTimeout(TargetError):
     """The guest did not answer in time."""
 
 
+class GuestBootFailed(GuestTimeout):
+    """The guest will not start qprobe's shell, and its console says why: raised as soon as that shows,
+    rather than when the boot timeout ends."""
+
+
 class ImageError(QprobeError):
     """A kernel image is unknown, incomplete or could not be built."""
 

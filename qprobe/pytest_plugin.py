@@ -311,11 +311,15 @@ def qprobe_target(request: pytest.FixtureRequest, qprobe_image: str,
     given = config.getoption("qprobe_boot_events", default=[]) or []
     if given:
         kwargs["probes"] = [*kwargs.get("probes", ()), *given]
+    failed = None
     try:
         target = qprobe.boot(qprobe_image, **kwargs)
-    except qprobe.QprobeError as exc:  # a bad image, manifest or cache: its one line, not a traceback
+    except qprobe.QprobeError as exc:  # a bad image, manifest or cache, a guest that will not boot
         notes = "".join(f" ({note})" for note in getattr(exc, "__notes__", []))
-        pytest.fail(f"qprobe could not boot {qprobe_image}: {exc}{notes}", pytrace=False)
+        failed = f"qprobe could not boot {qprobe_image}: {exc}{notes}"
+    if failed is not None:
+        # Outside the except clause: a failure raised there would chain the error's traceback to its one line.
+        pytest.fail(failed, pytrace=False)
     vm = _Vm(qprobe_image, target)
     if kwargs.get("probes") or kwargs.get("at_boot"):
         vm.boot_events, vm.boot_probes = _armed_at_boot(target)

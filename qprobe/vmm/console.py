@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qprobe.errors import GuestPanicked, GuestTimeout, TargetError, TargetGone
+from qprobe.vmm.bootfail import BootSetup, BootWatch
 
 READY = "QPROBE-READY"
 # The guest /init's switch that puts the shell on a serial port of its own (scripts/guest/init).
@@ -293,22 +294,24 @@ class GuestShell:
 
 
 def open_shell(
-    console: Console, shell: Path | None, alive: Callable[[], bool] | None, timeout: float | None
+    console: Console,
+    shell: Path | None,
+    alive: Callable[[], bool] | None,
+    timeout: float | None,
+    setup: BootSetup | None = None,
 ) -> GuestShell:
     """The guest's shell on its own port ``shell``, or on the console when there is none.
 
     With a ``timeout`` (a VM booting), once it says QPROBE-READY: a guest whose /init ignores
-    ``qprobe.shell=`` says it on the console, and then the shell is read there.
+    ``qprobe.shell=`` says it on the console, and then the shell is read there.  With ``setup`` (what
+    booted), a console that shows the shell will never come (a login prompt, a panic, no root device,
+    nothing at all) ends the wait at once with that cause (``bootfail.diagnose``).
     """
-    if shell is None:
-        guest = GuestShell(console, console)
-        if timeout is not None:
-            guest.wait_ready(timeout)
-        return guest
-    port = SerialPort(shell, alive)
+    port = SerialPort(shell, alive) if shell is not None else console
     guest = GuestShell(port, console)
     if timeout is None:
         return guest
+    watch = BootWatch(setup) if setup is not None else None
     deadline = time.monotonic() + timeout
     try:
         while True:
@@ -316,11 +319,21 @@ def open_shell(
                 guest.wait_ready(min(0.2, max(0.0, deadline - time.monotonic())))
                 return guest
             except GuestTimeout:
-                if console.find(f"(?m)^{READY}$") is not None:
+                if port is not console and console.find(f"(?m)^{READY}$") is not None:
                     port.close()
                     return GuestShell(console, console)
+                failure = watch.check(console.text) if watch is not None else None
+                if failure is not None:
+                    raise failure.error() from None
                 if time.monotonic() >= deadline:
                     raise GuestTimeout(f"the guest did not print {READY!r} within {timeout:g} s") from None
+            except TargetGone:
+                console.wait_closed(1.0)  # the kernel's last lines may still be in flight
+                failure = watch.check(console.text, ended=True) if watch is not None else None
+                if failure is None:
+                    raise
+                raise failure.error() from None
     except BaseException:
-        port.close()
+        if port is not console:
+            port.close()
         raise

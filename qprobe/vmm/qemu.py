@@ -192,6 +192,7 @@ class QemuConfig:
     # TCG's thread= option: "single" runs every vCPU on one host thread (no concurrent translated code), "" the default
     tcg_thread: str = ""
     extra_args: list[str] = field(default_factory=list)
+    name: str = ""  # the image's name, for messages ("": the kernel file's)
 
 
 class QemuProcess:

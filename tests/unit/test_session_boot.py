@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from qprobe import session
-from qprobe.errors import BootPanic, GuestPanicked, TargetError
+from qprobe.errors import BootPanic, GuestBootFailed, GuestPanicked, TargetError
 from qprobe.images import Image
 
 
@@ -54,6 +54,16 @@ def test_a_second_panic_is_reported(image: None, monkeypatch: pytest.MonkeyPatch
     with pytest.raises(BootPanic, match="second"):
         session.boot("fake")
     assert attempts.calls == 2
+
+
+def test_a_guest_that_will_not_boot_is_not_retried(image: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its console named a cause of the image's own (a getty, no root device, no init): a second boot
+    # would fail the same way.
+    attempts = _Attempts(GuestBootFailed("the kernel of image 'fake' panicked ... no init program could run"), "x")
+    monkeypatch.setattr(session, "_boot_once", attempts)
+    with pytest.raises(GuestBootFailed, match="no init program"):
+        session.boot("fake")
+    assert attempts.calls == 1
 
 
 def test_a_panic_after_attach_is_not_retried(image: None, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from qprobe.errors import GuestPanicked, TargetGone
+from qprobe.errors import GuestBootFailed, GuestPanicked, GuestTimeout, TargetGone
+from qprobe.vmm import bootfail
 from qprobe.vmm import console as console_mod
+from qprobe.vmm.bootfail import BootSetup
 from qprobe.vmm.console import Console
 
 
@@ -164,3 +166,49 @@ def test_a_panic_while_the_shell_waits_is_reported_from_the_console(vm: FakeGues
     vm.far["shell"].close()
     with pytest.raises(GuestPanicked, match=r"waited for 'QPROBE-READY': Kernel panic - not syncing: Fatal"):
         shell.wait_ready(5)
+
+
+BUILDROOT = BootSetup("buildroot", "console=ttyS0,115200 root=/dev/vda rootwait rw", "virtio")
+
+
+def test_a_login_prompt_on_the_console_ends_the_wait_for_the_shell_at_once(vm: FakeGuest, tmp_path: Path) -> None:
+    vm.far["console"].sendall(
+        b"[    2.0] Run /sbin/init as init process\r\n\r\nWelcome to Buildroot\r\nbuildroot login: "
+    )
+    t0 = time.monotonic()
+    with pytest.raises(GuestBootFailed, match=r"printed a login prompt on its console \('buildroot login:'\)"):
+        vm._connect("shell", lambda: console_mod.open_shell(vm.console, tmp_path / "shell.sock", None, 60, BUILDROOT))
+    assert time.monotonic() - t0 < 5  # LOGIN_GRACE and a poll, not the 60 s timeout
+
+
+def test_a_vm_that_ends_with_a_panic_names_its_cause(vm: FakeGuest, tmp_path: Path) -> None:
+    vm.far["console"].sendall(b"[    2.4] Kernel panic - not syncing: Requested init /x failed (error -2).\r\n")
+    vm.far["console"].close()
+    setup = BootSetup("debian-cloud", "console=ttyS0,115200 init=/x")
+    with pytest.raises(GuestBootFailed, match=r"no init program could run; check init= and rdinit= \(the command "
+                       r"line says init=/x\)"):  # fmt: skip
+        vm._connect("shell", lambda: console_mod.open_shell(vm.console, tmp_path / "shell.sock", lambda: False, 60,
+                                                            setup))  # fmt: skip
+
+
+def test_a_panic_that_may_be_the_emulators_stays_a_guest_panic(vm: FakeGuest, tmp_path: Path) -> None:
+    vm.far["console"].sendall(b"[    1.5] Kernel panic - not syncing: Fatal exception in interrupt\r\n")
+    with pytest.raises(GuestPanicked, match=r"^the kernel of image 'buildroot' panicked before qprobe's shell "
+                       r"started \('Kernel panic - not syncing: Fatal exception in interrupt'\)") as info:  # fmt: skip
+        vm._connect("shell", lambda: console_mod.open_shell(vm.console, tmp_path / "shell.sock", None, 60, BUILDROOT))
+    assert not isinstance(info.value, GuestBootFailed)
+
+
+def test_without_a_setup_only_the_timeout_ends_the_wait(vm: FakeGuest, tmp_path: Path) -> None:
+    vm.far["console"].sendall(b"buildroot login: ")
+    with pytest.raises(GuestTimeout, match=r"did not print 'QPROBE-READY' within 1.5 s") as info:
+        vm._connect("shell", lambda: console_mod.open_shell(vm.console, tmp_path / "shell.sock", None, 1.5))
+    assert not isinstance(info.value, GuestBootFailed)
+
+
+def test_the_shell_on_the_console_is_waited_for_the_same_way(vm: FakeGuest) -> None:
+    vm.far["console"].sendall(b"[    2.5] Waiting for root device /dev/vda...\r\n")
+    t0 = time.monotonic()
+    with pytest.raises(GuestBootFailed, match=r"disk_interface='virtio'.*root=/dev/vda"):
+        console_mod.open_shell(vm.console, None, None, 60, BUILDROOT)
+    assert time.monotonic() - t0 < 2 + bootfail.ROOT_GRACE

@@ -720,22 +720,26 @@ class Target(ProbeAPI, EventAPI):
 
     def _teardown(self) -> None:
         machine = getattr(self, "machine", None)
-        if machine is not None:
-            machine.close(detach=not self._leave_halted)
-        elif hasattr(self, "gdb"):
+        try:
+            if machine is not None:
+                machine.close(detach=not self._leave_halted)
+            elif hasattr(self, "gdb"):
+                try:
+                    if self._leave_halted:
+                        self.gdb.close()
+                    else:
+                        self.gdb.detach()
+                except QprobeError:
+                    pass
+        finally:  # whatever the gdbstub did, our QEMU is stopped
             try:
-                if self._leave_halted:
-                    self.gdb.close()
-                else:
-                    self.gdb.detach()
-            except QprobeError:
-                pass
-        self.release_serial_ports()
-        if self.qemu is not None:
-            self.qemu.terminate()
-            journal = getattr(self, "journal", None)
-            if journal is not None:
-                journal.clear()  # of no use once its VM is gone
+                self.release_serial_ports()
+            finally:
+                if self.qemu is not None:
+                    self.qemu.terminate()
+                    journal = getattr(self, "journal", None)
+                    if journal is not None:
+                        journal.clear()  # of no use once its VM is gone
 
 
 def vm_identity(symbols: Symbols, slide: int, mem: GuestMemory) -> str:

@@ -178,7 +178,7 @@ class Machine:
             return
         try:
             self.call(lambda: setattr(self, "_closing", True), timeout=10.0)
-        except QprobeError:
+        except (QprobeError, TimeoutError):  # a loop that does not answer is left behind (a daemon thread)
             pass
         self._thread.join(5.0)
         if detach and self._error is None:

@@ -107,3 +107,21 @@ def test_a_vm_gone_before_the_block_is_said_at_once() -> None:
     machine._thread.join(10)
     with pytest.raises(TargetGone, match="the VM is gone"), _target(machine).interrupt_when_gone():
         pytest.fail("the block ran with its VM gone")
+
+
+def test_teardown_stops_our_qemu_whatever_the_stop_loop_does() -> None:
+    """A stop loop that never answers close() (its QEMU's gdbstub stuck) must not keep QEMU running."""
+
+    class _StuckMachine:
+        def close(self, detach: bool) -> None:
+            raise TimeoutError("the stop loop did not answer")
+
+    stopped: list[str] = []
+    target = Target.__new__(Target)
+    target.machine = cast(Any, _StuckMachine())
+    target.qemu = cast(Any, SimpleNamespace(terminate=lambda: stopped.append("qemu")))
+    target.guest_shell = None
+    target.console = None
+    with pytest.raises(TimeoutError):
+        target._teardown()
+    assert stopped == ["qemu"]

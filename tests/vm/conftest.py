@@ -42,41 +42,25 @@ def pytest_configure(config: pytest.Config) -> None:
     IMAGE = selected_images(config)[0]
 
 
-PR_SET_CHILD_SUBREAPER = 36
+# Every process this test run starts inherits this variable, a detached boot's VM and a janitor that
+# outlive their parent included: what carries it is this run's, wherever it was re-parented.
+RUN_MARK = "QPROBE_TEST_RUN"
 
 
-def _adopt_orphans() -> None:
-    """Make this process the subreaper of its descendants: a process a test started that outlives its parent
-    (a detached boot's VM, a janitor) is re-parented here instead of to init, so it stays ours to find."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-
-
-def _descendants() -> dict[int, str]:
-    """Every live process below this one: pid -> its command line (a zombie is reaped, not listed)."""
-    children: dict[int, list[int]] = {}
-    names: dict[int, str] = {}
+def _ours() -> dict[int, str]:
+    """Every live process this test run started: pid -> its command line (a zombie has nothing to read)."""
+    mark = f"{RUN_MARK}={os.environ[RUN_MARK]}".encode()
+    found: dict[int, str] = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if mark not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
             argv = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if stat[0] == "Z":
-            with contextlib.suppress(ChildProcessError, OSError):
-                os.waitpid(int(entry.name), os.WNOHANG)
-            continue
-        children.setdefault(int(stat[1]), []).append(int(entry.name))
-        names[int(entry.name)] = argv.replace(b"\0", b" ").decode(errors="replace").strip()[:160]
-    found: dict[int, str] = {}
-    todo = list(children.get(os.getpid(), []))
-    while todo:
-        pid = todo.pop()
-        found[pid] = names[pid]
-        todo += children.get(pid, [])
+        found[int(entry.name)] = argv.replace(b"\0", b" ").decode(errors="replace").strip()[:160]
     return found
 
 
@@ -87,14 +71,14 @@ def nothing_outlives_its_module(request: pytest.FixtureRequest) -> Iterator[None
     if qprobe_scope("", request.config) != "module":  # a VM shared by modules outlives each of them
         yield
         return
-    _adopt_orphans()
-    before = set(_descendants())
+    os.environ.setdefault(RUN_MARK, str(os.getpid()))
+    before = set(_ours())
     yield
     deadline = time.monotonic() + 10  # a janitor ends within milliseconds of its owner; a slow one gets this
-    left = {pid: cmd for pid, cmd in _descendants().items() if pid not in before}
+    left = {pid: cmd for pid, cmd in _ours().items() if pid not in before}
     while left and time.monotonic() < deadline:
         time.sleep(0.1)
-        left = {pid: cmd for pid, cmd in _descendants().items() if pid not in before}
+        left = {pid: cmd for pid, cmd in _ours().items() if pid not in before}
     for pid in left:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, 9)

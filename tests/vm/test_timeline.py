@@ -92,10 +92,10 @@ def test_timestamps_are_the_guests_trace_clock(target: qprobe.Target, optimized:
     target.set_kprobes_optimization(optimized)
     mark = "qprobe-timeline-marker-0123456789ab"  # with echo's newline, a write of a length nothing else makes
     ev = target.add_event("p:qmark ksys_write count=%dx", filter=f"count == {len(mark) + 1}")
-    # Known once an event is armed. Under the plugin's QEMU (TCG: no paravirtual sched_clock, an HPET) on a
-    # kernel with the options above, the guest's clock is the TSC's and qprobe must be able to read it.
-    assert target.clock.note is None, target.clock.note
     try:
+        # Known once an event is armed. Under the plugin's QEMU (TCG: no paravirtual sched_clock, an HPET) on
+        # a kernel with the options above, the guest's clock is the TSC's and qprobe must be able to read it.
+        assert target.clock.note is None, target.clock.note
         target.run(f"for i in 1 2 3 4 5 6; do echo {mark} > {TRACING}/trace_marker; done").check()
     finally:
         target.remove_event(ev)

@@ -91,9 +91,8 @@ def _probe_every_boundary(target: qprobe.Target, insns: list[Insn]) -> list[tupl
         except ProbeError as exc:
             # Padding int3s after a ret, instructions with a stated reason, or text the kernel rewrites
             # (jump labels, static calls: the kernel refuses those too).
-            assert insn.mnemonic in ("int3", "ud2", "nop") or "cannot probe" in str(exc) or "is reserved" in str(exc), (
-                exc
-            )
+            refusable = insn.mnemonic in ("int3", "ud2", "nop")
+            assert refusable or "cannot probe" in str(exc) or "is reserved" in str(exc), exc
             continue
         probes.append((kp, insn))
     return probes

@@ -29,8 +29,6 @@ FUNCS = {
     "__x64_sys_lseek": (f"workload lseek {N}", N),
     "__x64_sys_getppid": (f"workload getppid {N}", N),
 }
-tested: list[str] = []  # functions with an ENDBR entry probed above, for the last test
-optimized: list[str] = []  # ... and those whose entry probe took a jump
 
 
 def _settled(target: qprobe.Target, addr: int, timeout: float = 10.0) -> None:
@@ -41,33 +39,50 @@ def _settled(target: qprobe.Target, addr: int, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+def _endbr_head(target: qprobe.Target, func: str) -> bytes | None:
+    """The ENDBR (or its sealed form) ``func`` starts with in the running text, or None."""
+    head = target.read(target.symbols.lookup(func).addr, 4)
+    return head if head in (ENDBR64, ENDBR_POISON) else None
+
+
+def _no_endbr(target: qprobe.Target, func: str) -> str:
+    image = target.image.name if target.image is not None else IMAGE
+    head = target.read(target.symbols.lookup(func).addr, 4)
+    return f"image {image}: {func} starts with {head.hex()}, not an ENDBR (a kernel without IBT)"
+
+
+def _probe_the_entry(target: qprobe.Target, func: str) -> tuple[Kprobe, Kprobe, int]:
+    """A probe on ``func`` by name and one by address, registered; (by name, by address, where they are armed)."""
+    fn = target.symbols.lookup(func)
+    by_name, by_addr = Kprobe(symbol_name=func), Kprobe(addr=fn.addr)
+    target.register_kprobe(by_name)
+    target.register_kprobe(by_addr)
+    entry = fn.addr + len(ENDBR64)
+    # Armed there, or on the next instruction where that is the __fentry__ site the guest's ftrace owns.
+    armed = entry + 5 if target.kprobes.sites.ftrace_site(entry) else entry
+    _settled(target, armed)
+    return by_name, by_addr, armed
+
+
 @pytest.mark.parametrize("func", list(FUNCS))
 def test_a_probe_at_an_endbr_entry_arms_after_it_and_no_jump_covers_it(
     target: qprobe.Target, guard: dict[int, bytes], func: str
 ) -> None:
     cmd, exact = FUNCS[func]
     fn = target.symbols.lookup(func)
-    head = target.read(fn.addr, 4)
-    if head not in (ENDBR64, ENDBR_POISON):
-        image = target.image.name if target.image is not None else IMAGE
-        pytest.skip(f"image {image}: {func} starts with {head.hex()}, not an ENDBR (a kernel without IBT)")
-    tested.append(func)
-    by_name, by_addr = Kprobe(symbol_name=func), Kprobe(addr=fn.addr)
-    target.register_kprobe(by_name)
-    target.register_kprobe(by_addr)
+    head = _endbr_head(target, func)
+    if head is None:
+        pytest.skip(_no_endbr(target, func))
+    by_name, by_addr, armed = _probe_the_entry(target, func)
     try:
         entry = fn.addr + len(ENDBR64)
         # Where the kernel's own probe would be, and where it is listed.
         assert by_name.at == by_addr.at == entry
         listed = [x for x in target.list_probes().splitlines() if x.startswith(f"{entry:016x}  k  ")]
         assert len(listed) == 2 and all(x.split()[2] == f"{func}+0x4" for x in listed), listed
-        # Armed there, or on the next instruction where that is the __fentry__ site the guest's ftrace owns.
-        armed = entry + 5 if target.kprobes.sites.ftrace_site(entry) else entry
         assert by_name.resolved == by_addr.resolved == armed
-        _settled(target, armed)
         point = target.kprobes.points[armed]
         if point.opt is not None:
-            optimized.append(func)
             assert point.addr >= entry  # the jump's displaced bytes start after the ENDBR
         assert target.read(fn.addr, 4) == head  # the running text, with the int3 or the jump in place
         res = workload_result(target.run(cmd).check().output)
@@ -81,8 +96,25 @@ def test_a_probe_at_an_endbr_entry_arms_after_it_and_no_jump_covers_it(
         assert kp.nmissed == 0
 
 
-def test_the_optimizer_took_an_endbr_entry() -> None:
-    """At least one of the entries above was jump-optimized, so 'no jump covers the ENDBR' was tested."""
+def test_the_optimizer_took_an_endbr_entry(target: qprobe.Target, guard: dict[int, bytes]) -> None:
+    """At least one of the entries above is jump-optimized, so 'no jump covers the ENDBR' is tested.
+
+    It registers the same probes as the tests above itself and looks at their points once the optimizer
+    is done, instead of collecting what those tests saw: run alone, or without them, it checks the same
+    thing and cannot pass or skip for want of them.
+    """
+    tested = [f for f in FUNCS if _endbr_head(target, f) is not None]
     if not tested:
-        pytest.skip("run together with the tests above, on a kernel whose functions start with an ENDBR")
+        pytest.skip("; ".join(_no_endbr(target, f) for f in FUNCS))
+    optimized = []
+    for func in tested:
+        by_name, by_addr, armed = _probe_the_entry(target, func)
+        try:
+            point = target.kprobes.points[armed]
+            if point.opt is not None:
+                optimized.append(func)
+                assert point.addr >= target.symbols.lookup(func).addr + len(ENDBR64), func
+        finally:
+            target.unregister_kprobe(by_name)
+            target.unregister_kprobe(by_addr)
     assert optimized, f"none of {tested} was jump-optimized: the jump next to an ENDBR went untested"

@@ -133,7 +133,9 @@ class TraceClock:
         tick_raw, tick_gtod = u64(scd + raw_off), u64(scd + gtod_off)
         # sched_clock_local(): the time of day at the CPU's last tick plus sched_clock's advance since.
         # The host reads the tick after the hit (a record waits in its ring a few ms); the advance is
-        # then negative, which the kernel's clamp never sees and which keeps the sum right.
+        # then negative, which the kernel's clamp never sees and which keeps the sum right.  The clamp's
+        # ceiling (that tick's time of day plus one tick, where the clock stands while a tick is late)
+        # is not computed: the tick it rests on has been replaced by the time the host reads it.
         return (tick_gtod + u64(gtod_offset) + sched_ns - tick_raw) & U64
 
     def _scale(self, cpu: int) -> tuple[int, int, int]:

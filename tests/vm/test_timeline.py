@@ -110,9 +110,16 @@ def test_timestamps_are_the_guests_trace_clock(target: qprobe.Target, optimized:
     # CPU's ticks: it never runs more than a tick past that CPU's last one nor backward
     # (sched_clock_local), nor behind the last stamp any CPU took (trace_clock_global).  So one stamp
     # can be up to a tick off the TSC's time either way (seen: the first marker after an idle spell
-    # printed 3.6 ms late), while most are within microseconds of it.
+    # printed 3.6 ms late), while most are within microseconds of it.  A tick that comes late (a busy
+    # host delays TCG's timers) holds the clock at its ceiling, the last tick's time plus one tick
+    # (sched_clock_local's max_clock): the guest then prints one stamp again and again, earlier than
+    # the TSC's time, for markers tens of microseconds apart.  Those held stamps are the clamp's,
+    # not a conversion's, and are left out of "most".
     assert target.image is not None
     tick = 1 / int(target.image.config_option("HZ") or 0)
     near = 0.001 if optimized else 0.005
-    off = sorted(abs(g - q) for q, g in zip(ours, guest, strict=True))
-    assert off[-1] < tick + near and off[len(off) // 2] < near, (ours, guest)
+    pairs = list(zip(ours, guest, strict=True))
+    assert max(abs(g - q) for q, g in pairs) < tick + near, (ours, guest)
+    held = [i for i in range(1, len(guest)) if guest[i] == guest[i - 1] and guest[i] < ours[i]]
+    free = [abs(g - q) for i, (q, g) in enumerate(pairs) if i not in held]
+    assert sorted(free)[len(free) // 2] < near, (ours, guest, held)

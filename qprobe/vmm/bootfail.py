@@ -176,7 +176,9 @@ def diagnose(text: str, setup: BootSetup, *, elapsed: float = 0.0, ended: bool =
     ``elapsed``: seconds qprobe has waited; ``ended``: the VM is gone (its console closed).
     """
     lines = _lines(text)
-    found = _panic(lines, setup)
+    # A panic's line still being printed is judged once it is whole: its reason, cut short, may not
+    # yet name the cause ("VFS: Unable to mount" before "root fs on ...").
+    found = _panic(lines if ended or text.endswith("\n") else lines[:-1], setup)
     if found is not None:
         return found
     for line in reversed(lines):

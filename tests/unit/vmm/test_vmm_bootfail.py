@@ -212,6 +212,16 @@ def test_a_watch_acts_on_a_verdict_once_it_has_held_its_settle_time() -> None:
     assert watch.check(came + "buildroot login: ") is not None
 
 
+def test_a_panic_line_read_before_its_end_is_judged_once_it_is_whole() -> None:
+    whole = _panic("VFS: Unable to mount root fs on unknown-block(0,0)")
+    cut = whole[: whole.index("root fs")]
+    assert diagnose(cut, DISK) is None
+    found = diagnose(whole, DISK)
+    assert found is not None and found.cause == "root", found
+    ended = diagnose(cut, DISK, ended=True)
+    assert ended is not None and ended.cause == "panic", ended
+
+
 def test_a_watch_acts_at_once_on_a_panic_and_on_a_vm_that_ended() -> None:
     clock = Clock()
     watch = BootWatch(DISK, clock)

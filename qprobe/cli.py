@@ -736,6 +736,12 @@ def _print_funcs(result: tuple[str, str, int]) -> int:
 def cmd_images(args: argparse.Namespace) -> int:
     from qprobe.images import get_image, list_images
 
+    if getattr(args, "images_command", None) == "add":
+        from qprobe.images.useradd import add_buildroot_image
+
+        manifest, found = add_buildroot_image(args.name, Path(args.buildroot), args.description)
+        print(f"added image {args.name} to {manifest}:{found}")
+        return 0
     if args.fetch:
         for name in args.fetch:
             img = get_image(name)
@@ -950,6 +956,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("images", help="list the known images, or fetch/build them")
     p.add_argument("--fetch", nargs="+", metavar="NAME", help="fetch and build these images")
     p.set_defaults(func=cmd_images)
+    images_sub = p.add_subparsers(dest="images_command", metavar="add")
+    add = images_sub.add_parser("add", help="add an image of yours to $QPROBE_IMAGES (~/.config/qprobe/images.toml)")
+    add.add_argument("name", metavar="NAME", help="the image's name (--image NAME)")
+    add.add_argument("--buildroot", required=True, metavar="PATH/output",
+                     help="buildroot's output directory: images/bzImage, the rootfs, images/start-qemu.sh and "
+                     "build/linux-*/vmlinux, .config and System.map are found there")  # fmt: skip
+    add.add_argument("--description", default="", help="a line for `qprobe images`")
 
     p = sub.add_parser("blacklist", help="print the addresses qprobe refuses to probe")
     _target_options(p)

@@ -94,7 +94,8 @@ def test_start_qemu_of_the_x86_64_board(tmp_path: Path) -> None:
     ],
 )
 def test_start_qemu_disk_interfaces(tmp_path: Path, line: str, interface: str) -> None:
-    found = parse_start_qemu(f"exec qemu-system-x86_64 -M pc -kernel bzImage {line} -append 'root=/dev/vda'\n", tmp_path)
+    script = f"exec qemu-system-x86_64 -M pc -kernel bzImage {line} -append 'root=/dev/vda'\n"
+    found = parse_start_qemu(script, tmp_path)
     assert found.disk_interface == interface and found.disk is not None and found.disk.name.startswith("rootfs.")
 
 
@@ -176,12 +177,20 @@ def test_an_initramfs_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     ("tree", "message"),
     [
         ({"linux": ()}, r"no vmlinux in .*/build/linux-\*/ \(found linux-headers-6\.6\.32, none with a vmlinux\)"),
-        ({"linux": ("linux-6.6.32", "linux-6.12.1")}, r"several kernel builds have a vmlinux \(linux-6\.12\.1, "
-         r"linux-6\.6\.32\): name one with vmlinux ="),  # fmt: skip
-        ({"script": START_QEMU.replace("if=virtio", "if=ide")}, r"attaches the root disk as 'ide'; qprobe attaches "
-         r"it as 'virtio' or 'nvme'"),  # fmt: skip
-        ({"script": START_QEMU.replace("x86_64 -M pc", "aarch64 -M virt")}, "runs qemu-system-aarch64: qprobe boots "
-         "x86-64 kernels"),  # fmt: skip
+        (
+            {"linux": ("linux-6.6.32", "linux-6.12.1")},
+            r"several kernel builds have a vmlinux \(linux-6\.12\.1, "
+            r"linux-6\.6\.32\): name one with vmlinux =",
+        ),
+        (
+            {"script": START_QEMU.replace("if=virtio", "if=ide")},
+            r"attaches the root disk as 'ide'; qprobe attaches "
+            r"it as 'virtio' or 'nvme'",
+        ),
+        (
+            {"script": START_QEMU.replace("x86_64 -M pc", "aarch64 -M virt")},
+            "runs qemu-system-aarch64: qprobe boots x86-64 kernels",
+        ),
         ({"script": START_QEMU.replace("-M pc", "-M microvm")}, "boots QEMU's 'microvm' machine"),
     ],
 )

@@ -460,6 +460,8 @@ def _check_definitions(args: argparse.Namespace, trace: _Trace) -> list[str | Pr
         from qprobe.shell.collect import check_map_names
 
         check_map_names(trace.agg, checked)
+        if "$stack" in trace.agg.keys:
+            _need_dwarf(args, "--map's $stack (a kernel stack trace)")
     _check_symbols(args, [ev for ev in checked if isinstance(ev, ProbeEvent)])
     return definitions
 
@@ -492,11 +494,35 @@ def _parse_definitions(args: argparse.Namespace) -> tuple[list[str | ProbeEvent]
                 checked.append(uev)
             out.append(text)
             continue
-        ev = parse_event(text, dialect=dialect)
+        try:
+            ev = parse_event(text, dialect=dialect)
+        except FetchArgError as exc:
+            raise _without_btf(args, exc) from None
         if isinstance(ev, ProbeEvent):
             checked.append(ev)
         out.append(ev if isinstance(ev, ProbeEvent) else text)  # a deletion is refused once armed, as the API does
     return out, checked
+
+
+def _need_dwarf(args: argparse.Namespace, what: str) -> None:
+    """A feature that reads the kernel's DWARF refused before boot, in one line, where vmlinux has none."""
+    from qprobe.kernel.debuginfo import need_dwarf
+
+    symbols = _host_symbols(args)
+    if symbols is not None:
+        need_dwarf(symbols.path, what)
+
+
+def _without_btf(args: argparse.Namespace, exc: FetchArgError) -> FetchArgError:
+    """The kernel's refusal of a named (BTF) argument, with why where the vmlinux has no BTF."""
+    from qprobe.fetch.messages import NOSUP_BTFARG
+    from qprobe.kernel.debuginfo import BTF_FRAGMENT, has_btf_section
+
+    symbols = _host_symbols(args)
+    if exc.reason != NOSUP_BTFARG or symbols is None or has_btf_section(symbols.path):
+        return exc
+    why = f"{symbols.path.name} has no BTF: named arguments need a kernel built with {BTF_FRAGMENT}"
+    return FetchArgError(exc.reason, exc.text, exc.column, logged=exc.logged, detail=why)
 
 
 def _symbolic_user_form(text: str) -> str:
@@ -800,6 +826,7 @@ def cmd_drgn(args: argparse.Namespace) -> int:
     from qprobe.shell.inspect_cmds import drgn_session
 
     _check_image(args)
+    _need_dwarf(args, "qprobe drgn (the kernel's types and variables)")
     _say_booting(args)
     with _boot(args) as target:
         for definition in args.events:

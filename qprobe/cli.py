@@ -420,6 +420,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     ``$cpid`` in the filter is CMD's pid, and CMD's exit status is qprobe's.
     """
     _perf_definitions(args)
+    if args.run:  # the command's hits are told by their task's pid, read at the offset the kernel's types give
+        _need_dwarf(args, "--run (which keeps the hits of the command's processes)")
     # SIGINT is how a trace ends (Ctrl-C, bpftrace's and perf's way, and `kill -INT` from a script), also
     # where it was started with SIGINT ignored (`qprobe trace ... &` from a non-interactive shell).
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -54,13 +54,21 @@ def test_a_perf_definition_is_refused_before_gdb(elves: tuple[Path, Path]) -> No
         perf_to_kprobe(["perf vfs_read count"], symbols, None)  # type: ignore[arg-type]
 
 
-def test_qprobe_drgn_is_refused_before_boot(elves: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch,
-                                            capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("argv", "what"),
+    [
+        (["drgn"], "qprobe drgn (the kernel's types and variables)"),
+        # Each hit's pid is read at task_struct's offset of pid: without it no hit is the command's.
+        (["trace", "--run", "cat /proc/version", "p:h vfs_read"], "--run (which keeps the hits of the command's"),
+    ],
+)
+def test_refused_before_boot(elves: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch,
+                             capsys: pytest.CaptureFixture[str], argv: list[str], what: str) -> None:  # fmt: skip
     monkeypatch.setattr(cli, "_host_symbols", lambda args: SimpleNamespace(path=elves[1]))
     monkeypatch.setattr(cli, "_boot", lambda *a: pytest.fail("booted"))
-    assert cli.main(["drgn", "--attach", "unix:/nonexistent", "--vmlinux", str(elves[1])]) == 2
+    assert cli.main([*argv[:1], "--attach", "unix:/nonexistent", "--vmlinux", str(elves[1]), *argv[1:]]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and "qprobe drgn (the kernel's types and variables) needs the kernel's debug info" in err[0]
+    assert len(err) == 1 and f"{what}" in err[0] and "needs the kernel's debug info" in err[0], err
 
 
 def test_a_named_argument_says_the_kernel_has_no_btf(elves: tuple[Path, Path],

@@ -18,7 +18,9 @@ from qprobe.errors import SymbolError
 __all__ = ["BTF_FRAGMENT", "DWARF_FRAGMENT", "has_btf_section", "has_dwarf", "need_dwarf", "section_names"]
 
 DWARF_FRAGMENT = "CONFIG_DEBUG_INFO_DWARF_TOOLCHAIN_DEFAULT=y"
-BTF_FRAGMENT = f"{DWARF_FRAGMENT} and CONFIG_DEBUG_INFO_BTF=y (pahole on the build host)"
+BTF_FRAGMENT = (
+    f"{DWARF_FRAGMENT} and CONFIG_DEBUG_INFO_BTF=y (and pahole: BR2_LINUX_KERNEL_NEEDS_HOST_PAHOLE in buildroot)"
+)
 # Where a buildroot user puts such lines: a config fragment file (make linux-menuconfig also works).
 _HOW = "BR2_LINUX_KERNEL_CONFIG_FRAGMENT_FILES in buildroot"
 

@@ -77,8 +77,8 @@ def test_a_named_argument_says_the_kernel_has_no_btf(elves: tuple[Path, Path],
     refused = FetchArgError(NOSUP_BTFARG, "p:x vfs_read count", 13)
     told = cli._without_btf(argparse.Namespace(), refused)
     assert told.explained == (f"{NOSUP_BTFARG}: vmlinux-nodwarf has no BTF: named arguments need a kernel built "
-                              "with CONFIG_DEBUG_INFO_DWARF_TOOLCHAIN_DEFAULT=y and CONFIG_DEBUG_INFO_BTF=y (pahole "
-                              "on the build host)")  # fmt: skip
+                              "with CONFIG_DEBUG_INFO_DWARF_TOOLCHAIN_DEFAULT=y and CONFIG_DEBUG_INFO_BTF=y (and "
+                              "pahole: BR2_LINUX_KERNEL_NEEDS_HOST_PAHOLE in buildroot)")  # fmt: skip
     assert (told.text, told.column) == (refused.text, refused.column)
     other = FetchArgError(BAD_FETCH_ARG, "p:x vfs_read %zz", 13)
     assert cli._without_btf(argparse.Namespace(), other) is other

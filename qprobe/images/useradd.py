@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from qprobe.errors import ImageError
@@ -34,11 +35,13 @@ def add_buildroot_image(name: str, output: Path, description: str = "") -> tuple
     interface = ""
     if "disk" in spec.files:
         interface = spec.disk_interface or disk_interface_of(spec.files.get("config"))
-    entry = f"\n[images.{_toml_string(name)}]\n" + "".join(f"{k} = {_toml_string(str(v))}\n" for k, v in table.items())
+    key = name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else _toml_string(name)  # TOML's bare keys
+    entry = f"[images.{key}]\n" + "".join(f"{k} = {_toml_string(str(v))}\n" for k, v in table.items())
     try:
         manifest.parent.mkdir(parents=True, exist_ok=True)
         old = manifest.read_text() if manifest.exists() else ""
-        manifest.write_text(old + ("\n" if old and not old.endswith("\n") else "") + entry)
+        gap = "" if not old else "\n" if old.endswith("\n") else "\n\n"  # a blank line between tables
+        manifest.write_text(old + gap + entry)
     except OSError as exc:
         raise ImageError(f"cannot write {manifest}: {exc.strerror}") from None
     load_manifest(manifest, required=True)  # what was written reads back

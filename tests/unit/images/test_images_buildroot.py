@@ -228,3 +228,6 @@ def test_images_add(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pyt
     err = capsys.readouterr().err
     assert "has no images/ directory" in err and len(err.splitlines()) == 1
     assert "br2" not in manifest.read_text()
+    assert main(["images", "add", "my.br", "--buildroot", str(out)]) == 0  # a key TOML must quote
+    assert manifest.read_text().startswith(f'[images.br]\nbuildroot = "{out}"\n')
+    assert get_image("my.br").kernel == out / "images" / "bzImage"

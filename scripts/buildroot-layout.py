@@ -11,8 +11,9 @@ writes, as buildroot leaves them (symbolic links into qprobe's cache):
 
 start-qemu.sh is what buildroot's board/qemu/post-image.sh writes from start-qemu.sh.in, its QEMU
 command line attaching the disk as the kernel's config has a driver built in for (virtio-blk as
-buildroot's qemu_x86_64 board does, else NVMe); its -append adds ``init=/init``, since this root
-filesystem is qprobe's own.  ``--strip-debug`` makes vmlinux a copy without DWARF, as a kernel built
+buildroot's qemu_x86_64 board does, else NVMe); its -append adds ``rw init=/init``, since this root
+filesystem is qprobe's own (its init writes /dev; buildroot's remounts the root read-write itself).
+``--strip-debug`` makes vmlinux a copy without DWARF, as a kernel built
 without CONFIG_DEBUG_INFO.  OUT_DIR/images.toml defines the image ``buildroot`` by the one key
 ``buildroot = "output"``.  Then:
 
@@ -59,7 +60,7 @@ if ! ${{mode_sys_qemu}}; then
 fi
 
 exec qemu-system-x86_64 -M pc -kernel bzImage {drive} -append "rootwait root={root} console=tty1 console=ttyS0 \
-init=/init"  -net nic,model=virtio -net user  ${{EXTRA_ARGS}} "$@"
+rw init=/init"  -net nic,model=virtio -net user  ${{EXTRA_ARGS}} "$@"
 """
 DRIVES = {
     "virtio": ("-drive file=rootfs.ext2,if=virtio,format=raw", "/dev/vda"),

@@ -420,6 +420,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     ``$cpid`` in the filter is CMD's pid, and CMD's exit status is qprobe's.
     """
     _perf_definitions(args)
+    if args.run:  # the command's hits are told by their task's pid, read at the offset the kernel's types give
+        _need_dwarf(args, "--run (which keeps the hits of the command's processes)")
     # SIGINT is how a trace ends (Ctrl-C, bpftrace's and perf's way, and `kill -INT` from a script), also
     # where it was started with SIGINT ignored (`qprobe trace ... &` from a non-interactive shell).
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -460,6 +462,8 @@ def _check_definitions(args: argparse.Namespace, trace: _Trace) -> list[str | Pr
         from qprobe.shell.collect import check_map_names
 
         check_map_names(trace.agg, checked)
+        if "$stack" in trace.agg.keys:
+            _need_dwarf(args, "--map's $stack (a kernel stack trace)")
     _check_symbols(args, [ev for ev in checked if isinstance(ev, ProbeEvent)])
     return definitions
 
@@ -492,11 +496,35 @@ def _parse_definitions(args: argparse.Namespace) -> tuple[list[str | ProbeEvent]
                 checked.append(uev)
             out.append(text)
             continue
-        ev = parse_event(text, dialect=dialect)
+        try:
+            ev = parse_event(text, dialect=dialect)
+        except FetchArgError as exc:
+            raise _without_btf(args, exc) from None
         if isinstance(ev, ProbeEvent):
             checked.append(ev)
         out.append(ev if isinstance(ev, ProbeEvent) else text)  # a deletion is refused once armed, as the API does
     return out, checked
+
+
+def _need_dwarf(args: argparse.Namespace, what: str) -> None:
+    """A feature that reads the kernel's DWARF refused before boot, in one line, where vmlinux has none."""
+    from qprobe.kernel.debuginfo import need_dwarf
+
+    symbols = _host_symbols(args)
+    if symbols is not None:
+        need_dwarf(symbols.path, what)
+
+
+def _without_btf(args: argparse.Namespace, exc: FetchArgError) -> FetchArgError:
+    """The kernel's refusal of a named (BTF) argument, with why where the vmlinux has no BTF."""
+    from qprobe.fetch.messages import NOSUP_BTFARG
+    from qprobe.kernel.debuginfo import BTF_FRAGMENT, has_btf_section
+
+    symbols = _host_symbols(args)
+    if exc.reason != NOSUP_BTFARG or symbols is None or has_btf_section(symbols.path):
+        return exc
+    why = f"{symbols.path.name} has no BTF: named arguments need a kernel built with {BTF_FRAGMENT}"
+    return FetchArgError(exc.reason, exc.text, exc.column, logged=exc.logged, detail=why)
 
 
 def _symbolic_user_form(text: str) -> str:
@@ -736,6 +764,12 @@ def _print_funcs(result: tuple[str, str, int]) -> int:
 def cmd_images(args: argparse.Namespace) -> int:
     from qprobe.images import get_image, list_images
 
+    if getattr(args, "images_command", None) == "add":
+        from qprobe.images.useradd import add_buildroot_image
+
+        manifest, found = add_buildroot_image(args.name, Path(args.buildroot), args.description)
+        print(f"added image {args.name} to {manifest}:{found}")
+        return 0
     if args.fetch:
         for name in args.fetch:
             img = get_image(name)
@@ -794,6 +828,7 @@ def cmd_drgn(args: argparse.Namespace) -> int:
     from qprobe.shell.inspect_cmds import drgn_session
 
     _check_image(args)
+    _need_dwarf(args, "qprobe drgn (the kernel's types and variables)")
     _say_booting(args)
     with _boot(args) as target:
         for definition in args.events:
@@ -950,6 +985,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("images", help="list the known images, or fetch/build them")
     p.add_argument("--fetch", nargs="+", metavar="NAME", help="fetch and build these images")
     p.set_defaults(func=cmd_images)
+    images_sub = p.add_subparsers(dest="images_command", metavar="add")
+    add = images_sub.add_parser("add", help="add an image of yours to $QPROBE_IMAGES (~/.config/qprobe/images.toml)")
+    add.add_argument("name", metavar="NAME", help="the image's name (--image NAME)")
+    add.add_argument("--buildroot", required=True, metavar="PATH/output",
+                     help="buildroot's output directory: images/bzImage, the rootfs, images/start-qemu.sh and "
+                     "build/linux-*/vmlinux, .config and System.map are found there")  # fmt: skip
+    add.add_argument("--description", default="", help="a line for `qprobe images`")
 
     p = sub.add_parser("blacklist", help="print the addresses qprobe refuses to probe")
     _target_options(p)

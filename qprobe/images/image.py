@@ -28,6 +28,7 @@ __all__ = [
     "check_initrd",
     "check_kernel",
     "check_vmlinux",
+    "disk_interface_of",
     "parse_config",
     "preempt_model",
 ]
@@ -232,6 +233,24 @@ def parse_config(path: Path) -> dict[str, str]:
     except OSError as exc:
         raise ImageError(f"config file {path} does not exist") from exc
     return _parse_config_cached(str(path), st.st_mtime_ns, st.st_size)
+
+
+def disk_interface_of(config: Path | None) -> str:
+    """How to attach a root disk the kernel can find: the driver its config builds in.
+
+    NVMe first (what qprobe attached before it looked, and Debian's kernels build in), then virtio-blk
+    (buildroot's qemu boards).  Without a config, NVMe.
+    """
+    if config is None:
+        return "nvme"
+    options = parse_config(config)
+    if options.get("CONFIG_BLK_DEV_NVME") == "y":
+        return "nvme"
+    if options.get("CONFIG_VIRTIO_BLK") == "y" and options.get("CONFIG_VIRTIO_PCI") == "y":
+        return "virtio"
+    raise ImageError(f"the kernel config {config} builds in no driver for a root disk qprobe can attach: it needs "
+                     f"CONFIG_VIRTIO_BLK=y with CONFIG_VIRTIO_PCI=y, or CONFIG_BLK_DEV_NVME=y "
+                     f"(or set disk_interface)")  # fmt: skip
 
 
 _PREEMPT_ARG = re.compile(r"(?:^|\s)preempt=(none|voluntary|full)(?:\s|$)")

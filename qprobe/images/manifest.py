@@ -14,12 +14,15 @@ Both use one schema, a table per image under ``[images.NAME]``:
   lines merged over ``make tinyconfig`` (scripts/build-minimal-kernel.sh);
 * a kernel given by files: ``kernel`` (bzImage) and ``vmlinux``, optional
   ``system_map`` and ``config``, and ``initrd`` *or* ``disk``. Relative
-  paths are taken from the manifest's directory, ``~`` is expanded.
+  paths are taken from the manifest's directory, ``~`` is expanded;
+* a buildroot output directory: ``buildroot = "PATH/output"``, whose files
+  (and images/start-qemu.sh) stand for the keys above
+  (qprobe.images.buildroot); a key given as well wins.
 
 Common keys: ``description``, ``cmdline`` (extra kernel arguments),
 ``rootfs`` ("initramfs" default, or "disk": which qprobe-built root to use
-when no ``initrd``/``disk`` file is given) and ``disk_interface`` ("nvme"
-default, or "virtio" for kernels with virtio-blk built in).
+when no ``initrd``/``disk`` file is given) and ``disk_interface`` ("nvme" or
+"virtio"; unset, a kernel given by files gets the one its config builds in).
 
 Unknown keys are errors: a typo ("vmlinx") must not silently drop a file.
 """
@@ -56,7 +59,7 @@ ABI_PATTERN = r"\d+\.\d+\.\d+(?:-\d+|\+deb\d+)"
 _COMMON = {"description", "cmdline", "rootfs", "disk_interface", "source"}
 _DEBIAN = _COMMON | {"flavour", "abi", "series"}
 _BUILD = _COMMON | {"package", "fragment"}
-_FILES = _COMMON | {"kernel", "vmlinux", "initrd", "disk", "system_map", "config"}
+_FILES = _COMMON | {"kernel", "vmlinux", "initrd", "disk", "system_map", "config", "buildroot"}
 _FILE_KEYS = ("kernel", "vmlinux", "initrd", "disk", "system_map", "config")
 _ROOTFS = ("initramfs", "disk")
 
@@ -77,7 +80,8 @@ class ImageSpec:
     files: dict[str, Path] = field(default_factory=dict)
     cmdline: str | None = None
     rootfs: str = "initramfs"  # which form when no initrd/disk file is given
-    disk_interface: str = "nvme"
+    disk_interface: str | None = None  # None: not given (nvme, or what a files kernel's config builds in)
+    buildroot: Path | None = None  # a buildroot output/ directory whose files stand for the keys not given
 
     @property
     def form(self) -> str:
@@ -148,8 +152,8 @@ def parse_spec(name: str, table: object, origin: Path | None) -> ImageSpec:
     rootfs = _string(table, "rootfs", where) or "initramfs"
     if rootfs not in _ROOTFS:
         raise ImageError(f"{where}: rootfs must be 'initramfs' or 'disk', not {rootfs!r}")
-    iface = _string(table, "disk_interface", where) or "nvme"
-    if iface not in DISK_INTERFACES:
+    iface = _string(table, "disk_interface", where)
+    if iface is not None and iface not in DISK_INTERFACES:
         raise ImageError(f"{where}: disk_interface must be 'nvme' or 'virtio', not {iface!r}")
     common = ImageSpec(
         name=name,
@@ -188,17 +192,19 @@ def parse_spec(name: str, table: object, origin: Path | None) -> ImageSpec:
         return replace(common, package=package, fragment=fragment if fragment.is_absolute() else base / fragment)
 
     files: dict[str, Path] = {}
-    for key in _FILE_KEYS:
+    for key in (*_FILE_KEYS, "buildroot"):
         value = _string(table, key, where)
         if value:
             path = expand_user(value, f"{where}: {key}")
             files[key] = path if path.is_absolute() else base / path
+    buildroot = files.pop("buildroot", None)
     for key in ("kernel", "vmlinux"):
-        if key not in files:
-            raise ImageError(f"{where}: '{key}' is required for an image given by files")
+        if key not in files and buildroot is None:
+            raise ImageError(f"{where}: '{key}' is required for an image given by files (or give buildroot = "
+                             f'"PATH/output")')  # fmt: skip
     if "initrd" in files and "disk" in files:
         raise ImageError(f"{where}: give either 'initrd' or 'disk', not both")
-    return replace(common, files=files)
+    return replace(common, files=files, buildroot=buildroot)
 
 
 def load_manifest(path: Path, *, required: bool) -> dict[str, ImageSpec]:

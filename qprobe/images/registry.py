@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path, PurePosixPath
 
 from qprobe.errors import ImageError
-from qprobe.images import build, cache, debian, guest
+from qprobe.images import build, buildroot, cache, debian, guest
 from qprobe.images.cpio import extra_files_cpio, guest_path
 from qprobe.images.image import (
     DISK_INTERFACES,
@@ -30,6 +30,7 @@ from qprobe.images.image import (
     check_initrd,
     check_kernel,
     check_vmlinux,
+    disk_interface_of,
     preempt_model,
 )
 from qprobe.images.manifest import DEFAULT_IMAGE, ImageSpec, load_specs
@@ -91,10 +92,16 @@ def list_images() -> list[ImageInfo]:
             state, release = build.build_state(spec)
             source = f"build:{spec.package}"
         else:
-            state = _state_of_files(spec)
-            kernel = spec.files["kernel"]
-            release = bzimage_version(kernel) if kernel.is_file() else None
             source = f"files:{spec.origin}"
+            try:
+                spec = buildroot.resolve(spec)
+            except ImageError:  # an output directory not (yet) built: said in full by get_image
+                assert spec.buildroot is not None
+                state, release = ("partial" if spec.buildroot.exists() else "not fetched"), None
+            else:
+                state = _state_of_files(spec)
+                kernel = spec.files["kernel"]
+                release = bzimage_version(kernel) if kernel.is_file() else None
         infos.append(
             ImageInfo(
                 name=spec.name,
@@ -146,10 +153,8 @@ def get_image(name: str = DEFAULT_IMAGE, *, fetch: bool = True, progress: bool =
             assert spec.flavour is not None
             files = debian.fetch_kernel(spec.flavour, spec.abi, reporter, spec.series)
     initrd, disk = _rootfs(spec.rootfs, reporter)
-    if disk is not None:
-        cmdline = _disk_cmdline(spec.cmdline, spec.disk_interface, own_disk=True)
-    else:
-        cmdline = spec.cmdline or ""
+    interface = spec.disk_interface or "nvme"
+    cmdline = _disk_cmdline(spec.cmdline, interface, own_disk=True) if disk is not None else spec.cmdline or ""
     return Image(
         name=name,
         kernel=files.vmlinuz,
@@ -159,13 +164,14 @@ def get_image(name: str = DEFAULT_IMAGE, *, fetch: bool = True, progress: bool =
         system_map=files.system_map,
         config=files.config,
         cmdline=cmdline,
-        disk_interface=spec.disk_interface,
+        disk_interface=interface,
         preempt=preempt_model(files.config, cmdline),
         kernel_version=files.release,
     )
 
 
 def _image_from_spec(spec: ImageSpec, reporter: Reporter) -> Image:
+    spec = buildroot.resolve(spec)
     f = spec.files
     check_kernel(f["kernel"])
     check_vmlinux(f["vmlinux"])
@@ -181,11 +187,12 @@ def _image_from_spec(spec: ImageSpec, reporter: Reporter) -> Image:
         initrd, disk = None, f["disk"]
     else:
         initrd, disk = _rootfs(spec.rootfs, reporter)
+    config = f.get("config")
+    interface = spec.disk_interface or (disk_interface_of(config) if disk is not None else "nvme")
     if disk is not None:
-        cmdline = _disk_cmdline(spec.cmdline, spec.disk_interface, own_disk="disk" not in f)
+        cmdline = _disk_cmdline(spec.cmdline, interface, own_disk="disk" not in f)
     else:
         cmdline = spec.cmdline or ""
-    config = f.get("config")
     return Image(
         name=spec.name,
         kernel=f["kernel"].resolve(),
@@ -195,7 +202,7 @@ def _image_from_spec(spec: ImageSpec, reporter: Reporter) -> Image:
         system_map=f["system_map"].resolve() if "system_map" in f else None,
         config=config.resolve() if config else None,
         cmdline=cmdline,
-        disk_interface=spec.disk_interface,
+        disk_interface=interface,
         preempt=preempt_model(config, cmdline),
         kernel_version=bzimage_version(f["kernel"]) or "unknown",
     )
@@ -211,7 +218,7 @@ def image_from_files(
     system_map: str | Path | None = None,
     config: str | Path | None = None,
     cmdline: str | None = None,
-    disk_interface: str = "nvme",
+    disk_interface: str | None = None,
     rootfs: str = "initramfs",
     progress: bool = True,
 ) -> Image:
@@ -221,11 +228,12 @@ def image_from_files(
     kernel boots qprobe's own busybox root (``rootfs`` "initramfs" or
     "disk"). With ``disk`` and no ``root=`` in ``cmdline``, ``root=`` names
     the disk as the kernel will call it (/dev/nvme0n1, or /dev/vda for
-    ``disk_interface="virtio"``).
+    ``disk_interface="virtio"``); without ``disk_interface`` the disk is
+    attached as the kernel's ``config`` builds in a driver for (NVMe without one).
     """
     if initrd is not None and disk is not None:
         raise ImageError("give either initrd or disk, not both")
-    if disk_interface not in DISK_INTERFACES:
+    if disk_interface is not None and disk_interface not in DISK_INTERFACES:
         raise ImageError(f"disk_interface must be 'nvme' or 'virtio', not {disk_interface!r}")
     if rootfs not in ("initramfs", "disk"):
         raise ImageError(f"rootfs must be 'initramfs' or 'disk', not {rootfs!r}")

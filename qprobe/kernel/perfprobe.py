@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from qprobe.arch import Arch
 from qprobe.errors import QprobeError
+from qprobe.kernel.debuginfo import need_dwarf
 
 if TYPE_CHECKING:
     from qprobe.kernel.symbols import Symbols
@@ -579,6 +580,7 @@ def perf_to_kprobe(texts: Sequence[str], symbols: Symbols, arch: Arch) -> list[T
     from qprobe.paths import cache_dir
 
     probes = [parse_perf_probe(t) for t in texts]  # syntax errors before gdb starts
+    need_dwarf(symbols.path, "a perf probe definition")
     hexa = hex_types(symbols)
     with GdbDwarf(symbols.path, cache_dir("gdb-index")) as dwarf:
         return [translate(p, dwarf, SymbolFunctions(symbols), hexa, arch.registers.pt_name) for p in probes]

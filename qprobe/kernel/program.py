@@ -32,6 +32,7 @@ import drgn
 
 from qprobe.arch import Arch
 from qprobe.errors import SymbolError
+from qprobe.kernel.debuginfo import DWARF_FRAGMENT
 from qprobe.vmm.memory import GuestMemory, MemoryFault
 
 if TYPE_CHECKING:
@@ -104,9 +105,9 @@ def open_program(symbols: Symbols, mem: GuestMemory, arch: Arch, info: bytes | N
     except LookupError:
         usable = False
     if not usable:
-        raise SymbolError(f"{symbols.path.name} has no DWARF debug info that drgn can use (a -dbg vmlinux, or a "
-                          "kernel built with CONFIG_DEBUG_INFO): kernel types, variables and stack traces are "
-                          "unavailable; probes work without them")  # fmt: skip
+        raise SymbolError(f"{symbols.path.name} has no DWARF debug info that drgn can use: kernel types, variables "
+                          f"and stack traces need it (probes work without); build the kernel with {DWARF_FRAGMENT} "
+                          f"(a config fragment), or use a -dbg vmlinux")  # fmt: skip
     return prog
 
 

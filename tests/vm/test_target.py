@@ -224,22 +224,6 @@ def test_the_disk_image_boots_and_probes() -> None:
         assert kp.nhit == 7 and t.oopses() == []
 
 
-def test_a_buildroot_layout_user_image_boots_and_probes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """bzImage + vmlinux + rootfs.ext2 in buildroot's layout, defined in the user's images.toml."""
-    script = Path(__file__).parents[2] / "scripts" / "buildroot-layout.py"
-    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    assert {p.name for p in tmp_path.iterdir()} >= {"bzImage", "vmlinux", "rootfs.ext2", "images.toml"}
-    monkeypatch.setenv("QPROBE_IMAGES", str(tmp_path / "images.toml"))
-    with qprobe.boot("buildroot") as t:
-        assert t.run("cat /proc/mounts").check().output.startswith("/dev/root / ext2 ")
-        kp = qprobe.Kprobe(symbol_name="__x64_sys_getppid")
-        t.register_kprobe(kp)
-        t.run("workload getppid 9").check()
-        t.unregister_kprobe(kp)
-        assert kp.nhit == 9 and t.oopses() == []
-
-
 def test_a_reader_that_goes_away_is_not_an_error(tmp_path: Path) -> None:
     # `qprobe blacklist | head`, with a head that is done before qprobe prints (`true` reads nothing):
     # the pipe is broken at the first line; no traceback, and the VM goes as after any other end.

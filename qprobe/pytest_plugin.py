@@ -737,8 +737,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if report.skipped and item.stash.get(_OUR_SKIP, False) and isinstance(report.longrepr, tuple):
         filename, line = item.reportinfo()[:2]
         report.longrepr = (str(filename), (line or 0) + 1, report.longrepr[2])
-    if report.skipped and not hasattr(report, "wasxfail") and item.config.getoption("qprobe_no_skip", False):
-        _no_skip(item, report)
+    if item.config.getoption("qprobe_no_skip", False):
+        if report.when == "setup" and item.config.stash.get(_LACKS, None) is not None:
+            image = _image_of(item)
+            if image is not None:  # the images tests ran on: the list's facts of the others are not asked about
+                report.user_properties.append(("qprobe_image", image))
+        if report.skipped and not hasattr(report, "wasxfail"):
+            _no_skip(item, report)
     reset = item.stash.get(_RESET, None)
     if report.failed and reset is not None:
         report.sections.extend(reset.sections())
@@ -796,10 +801,12 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
             terminalreporter.write_line(text)
     lacks = config.stash.get(_LACKS, None)
     if lacks is not None and config.getoption("qprobe_no_skip", False):
-        # The skips' reports, here also under xdist, whose workers decided them.
-        used = {(str(value[0]), str(value[1])) for report in terminalreporter.stats.get("skipped", [])
-                for name, value in getattr(report, "user_properties", ()) if name == "qprobe_lacked"}  # fmt: skip
-        unused = lacks.unused(selected_images(config), used)
+        # From the reports, which reach this process also from xdist's workers, where the tests ran.
+        props = [prop for reports in terminalreporter.stats.values() for report in reports
+                 for prop in getattr(report, "user_properties", ())]  # fmt: skip
+        ran = {str(value) for name, value in props if name == "qprobe_image"}
+        used = {(str(value[0]), str(value[1])) for name, value in props if name == "qprobe_lacked"}
+        unused = lacks.unused(sorted(ran), used)
         if unused:
             terminalreporter.write_line(f"qprobe: no skip of this run named these facts {lacks.path} lists: "
                                         + "; ".join(unused), yellow=True)  # fmt: skip

@@ -85,6 +85,14 @@ def test_a_listed_fact_skips_on_its_image_and_fails_everywhere_else(tmp_path: Pa
     assert "qprobe: no skip of this run named these facts lacks.toml lists: minimal-6.12: bp_desc" in run.stdout
 
 
+def test_only_the_facts_of_images_tests_ran_on_are_said_unused(tmp_path: Path) -> None:
+    # Tests of no image (unit tests) with minimal-6.12 selected: none ran on it, so its facts are not asked about.
+    inner = "def test_plain():\n    pass\n"
+    run = _pytest(tmp_path, "--qprobe-no-skip", "--qprobe-lacks", "lacks.toml", *IMAGES, inner=inner)
+    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout
+    assert "no skip of this run named" not in run.stdout, run.stdout
+
+
 def test_the_list_changes_nothing_without_no_skip(tmp_path: Path) -> None:
     run = _pytest(tmp_path, "--qprobe-lacks", "lacks.toml", *IMAGES)
     assert run.returncode == 0 and "2 passed, 6 skipped" in run.stdout, run.stdout

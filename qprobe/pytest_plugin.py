@@ -56,8 +56,10 @@ log), the tail of the guest shell (the commands' output), the oops lines and
 the probes that were registered; ``--qprobe-keep`` leaves the VM of a failing
 test running (probes removed, gdbstub released) and prints how to ``qprobe
 attach`` to it; the module's later tests on that image are skipped.
-``--qprobe-no-skip`` makes every skip a failure that names its reason (for CI
-that must run every test on every image).
+``--qprobe-no-skip`` makes every skip a failure that names its reason and image (for CI
+that must run every test on every image); with ``--qprobe-lacks FILE`` a skip
+whose reason names a fact FILE lists for the test's image stays a skip (see
+``qprobe.pytest_lacks``).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -77,6 +80,7 @@ if TYPE_CHECKING:
     from qprobe.events import TraceEvent
     from qprobe.images import Image
     from qprobe.kernel.symbols import Symbols
+    from qprobe.pytest_lacks import Lacks
 
 __all__ = [
     "QprobeReset",
@@ -101,6 +105,8 @@ _KEPT = pytest.StashKey[list[str]]()
 _RESET = pytest.StashKey["QprobeReset"]()
 _REPORTS = pytest.StashKey[dict[str, pytest.TestReport]]()
 _OUR_SKIP = pytest.StashKey[bool]()
+_SKIPPED_ON = pytest.StashKey[str]()  # the image a qprobe_needs_* marker skipped an unparametrized test for
+_LACKS = pytest.StashKey["Lacks | None"]()
 
 
 # -- options, markers, parametrization ---------------------------------------------------
@@ -123,6 +129,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--qprobe-no-skip", action="store_true", default=False,
                     help="a skipped test fails, with its reason (CI that must run everything: an image "
                          "without a symbol or config a test needs is then an error)")  # fmt: skip
+    group.addoption("--qprobe-lacks", dest="qprobe_lacks", metavar="FILE", default=None,
+                    help="with --qprobe-no-skip: a TOML list of the facts each image lacks, with the reason; a "
+                         "skip whose reason names one listed for the test's image stays a skip")  # fmt: skip
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -139,6 +148,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_IMAGES] = {}
     config.stash[_SYMBOLS] = {}
     config.stash[_KEPT] = []
+    config.stash[_LACKS] = _load_lacks(config)
     if config.getoption("qprobe_images"):
         from qprobe.errors import QprobeError
         from qprobe.images import list_images
@@ -151,6 +161,20 @@ def pytest_configure(config: pytest.Config) -> None:
         if unknown:
             raise pytest.UsageError(f"--qprobe-image: unknown image(s) {', '.join(unknown)}; "
                                     f"known: {', '.join(known)} (see `qprobe images`)")  # fmt: skip
+
+
+def _load_lacks(config: pytest.Config) -> Lacks | None:
+    given = config.getoption("qprobe_lacks", default=None)
+    if not given:
+        return None
+    from qprobe.errors import QprobeError
+    from qprobe.images.manifest import load_specs
+    from qprobe.pytest_lacks import Lacks, LacksError
+
+    try:
+        return Lacks.load(Path(given), load_specs())
+    except (LacksError, QprobeError) as exc:
+        raise pytest.UsageError(f"--qprobe-lacks: {exc}") from None
 
 
 def selected_images(config: pytest.Config) -> list[str]:
@@ -257,6 +281,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         reason = _unmet(item.config, image, item)
         if reason is not None:
             item.stash[_OUR_SKIP] = True  # reported at the test, not here
+            item.stash[_SKIPPED_ON] = image
             pytest.skip(reason)
 
 
@@ -712,10 +737,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if report.skipped and item.stash.get(_OUR_SKIP, False) and isinstance(report.longrepr, tuple):
         filename, line = item.reportinfo()[:2]
         report.longrepr = (str(filename), (line or 0) + 1, report.longrepr[2])
-    if report.skipped and not hasattr(report, "wasxfail") and item.config.getoption("qprobe_no_skip", False):
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        report.outcome = "failed"
-        report.longrepr = f"skipped, and --qprobe-no-skip makes a skip a failure: {reason}"
+    if item.config.getoption("qprobe_no_skip", False):
+        if report.when == "setup" and item.config.stash.get(_LACKS, None) is not None:
+            image = _image_of(item)
+            if image is not None:  # the images tests ran on: the list's facts of the others are not asked about
+                report.user_properties.append(("qprobe_image", image))
+        if report.skipped and not hasattr(report, "wasxfail"):
+            _no_skip(item, report)
     reset = item.stash.get(_RESET, None)
     if report.failed and reset is not None:
         report.sections.extend(reset.sections())
@@ -726,12 +754,62 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return report
 
 
+def _image_of(item: pytest.Item) -> str | None:
+    """The image the test ran on: its parameter, else the one a qprobe_needs_* marker skipped it for."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and "qprobe_image" in callspec.params:
+        return str(callspec.params["qprobe_image"])
+    return item.stash.get(_SKIPPED_ON, None)
+
+
+def _no_skip(item: pytest.Item, report: pytest.TestReport) -> None:
+    """Under --qprobe-no-skip: the skip stands if its reason names a fact the image is listed as lacking,
+    else it becomes a failure that names its reason and the image."""
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    image, lacks = _image_of(item), item.config.stash.get(_LACKS, None)
+    where = unlisted = ""
+    if image is not None:
+        where = f" on image {image}"
+        if lacks is not None:
+            fact = lacks.named(image, reason)
+            if fact is not None and isinstance(report.longrepr, tuple):
+                # On the report, which reaches the terminal summary also from an xdist worker.
+                report.user_properties.append(("qprobe_lacked", (image, fact)))
+                report.longrepr = (*report.longrepr[:2], f"{reason} ({lacks.path}: {lacks.facts[image][fact]})")
+                return
+            unlisted = f" (it names no fact {lacks.path} lists for {image})"
+    report.outcome = "failed"
+    report.longrepr = f"skipped{where}, and --qprobe-no-skip makes a skip a failure: {reason}{unlisted}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[pytest.CollectReport]:
+    # A module skipped as it is collected (a module-level skip, importorskip) is a skip too.
+    report: pytest.CollectReport = yield
+    if report.skipped and collector.config.getoption("qprobe_no_skip", False):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped, and --qprobe-no-skip makes a skip a failure: {reason}"
+    return report
+
+
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     kept = config.stash.get(_KEPT, [])
     if kept:
         terminalreporter.section("qprobe: VMs left running (--qprobe-keep)")
         for text in kept:
             terminalreporter.write_line(text)
+    lacks = config.stash.get(_LACKS, None)
+    if lacks is not None and config.getoption("qprobe_no_skip", False):
+        # From the reports, which reach this process also from xdist's workers, where the tests ran.
+        props = [prop for reports in terminalreporter.stats.values() for report in reports
+                 for prop in getattr(report, "user_properties", ())]  # fmt: skip
+        ran = {str(value) for name, value in props if name == "qprobe_image"}
+        used = {(str(value[0]), str(value[1])) for name, value in props if name == "qprobe_lacked"}
+        unused = lacks.unused(sorted(ran), used)
+        if unused:
+            terminalreporter.write_line(f"qprobe: no skip of this run named these facts {lacks.path} lists: "
+                                        + "; ".join(unused), yellow=True)  # fmt: skip
 
 
 # -- for a source checkout ---------------------------------------------------------------------

@@ -17,8 +17,19 @@ PACKAGE = Path(__file__).resolve().parents[2] / "qprobe"
 # Top to bottom; a module may import its own layer and the layers below it.  The guide's order is
 # front ends -> api -> events -> core -> kernel -> vmm -> arch -> errors; what the code also needs:
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    # The package's __init__ re-exports the API, so it sits with the front ends.
-    ("front ends", ("qprobe", "qprobe.cli", "qprobe.shell", "qprobe.pytest_plugin", "qprobe.bench", "qprobe.demo")),
+    # The package's __init__ re-exports the API, so it sits with the front ends (and pytest_lacks with the plugin).
+    (
+        "front ends",
+        (
+            "qprobe",
+            "qprobe.cli",
+            "qprobe.shell",
+            "qprobe.pytest_plugin",
+            "qprobe.pytest_lacks",
+            "qprobe.bench",
+            "qprobe.demo",
+        ),
+    ),
     # session makes Targets (boot, attach) above the class they make; probeapi and eventapi are the
     # kprobes and kprobe_events APIs Target inherits.
     ("api", ("qprobe.api", "qprobe.session", "qprobe.probeapi", "qprobe.eventapi")),

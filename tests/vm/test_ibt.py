@@ -46,9 +46,12 @@ def _endbr_head(target: qprobe.Target, func: str) -> bytes | None:
 
 
 def _no_endbr(target: qprobe.Target, func: str) -> str:
+    """Why ``func`` has no ENDBR, naming the config option (the fact an image is listed as lacking)."""
     image = target.image.name if target.image is not None else IMAGE
     head = target.read(target.symbols.lookup(func).addr, 4)
-    return f"image {image}: {func} starts with {head.hex()}, not an ENDBR (a kernel without IBT)"
+    option, config = "CONFIG_X86_KERNEL_IBT", target.image
+    built = "unknown: no kernel config" if config is None or config.config is None else config.config_option(option)
+    return f"image {image}: {func} starts with {head.hex()}, not an ENDBR ({option}: {built or 'not set'})"
 
 
 def _probe_the_entry(target: qprobe.Target, func: str) -> tuple[Kprobe, Kprobe, int]:

@@ -464,7 +464,7 @@ class Target(ProbeAPI, EventAPI):
         self.cmdline = self._read_cmdline()
         self.kernel.reopen()
         journal = Journal(vm_identity(self.symbols, self.slide, self.mem), self.journal.qemu)
-        journal.set_meta(**self.journal.meta)  # the scratch area's places, the stub breakpoints still in
+        journal.set_meta(**self.journal.meta)  # the scratch area's places
         for patch in self.journal.patches.values():
             journal.record(patch)
         self.journal.clear()

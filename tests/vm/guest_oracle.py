@@ -44,8 +44,8 @@ README_FACTS = {
     "btf_args": (r"^\s*<argname>", "function parameters by name (<argname>: CONFIG_PROBE_EVENTS_BTF_ARGS)"),
     "return_args": (r"return probes support:.*\$arg<N>", "$arg<N> in return probes"),
     # In the list after "type:", which ends with "<type>\[<array-size>\]" (its first "]").
-    "dentry": (r"^\s*type:[^\]]*%pd/%pD", "the %pd/%pD types"),
-    "char": (r"^\s*type:[^\]]*\bchar\b", "the char type"),
+    "dentry": (r"^\s*type:[^\]]*%pd/%pD", "%pd/%pD types"),
+    "char": (r"^\s*type:[^\]]*\bchar\b", "char type"),
 }
 
 

@@ -63,7 +63,7 @@ from qprobe.vmm.bootfail import BootSetup
 from qprobe.vmm.connection import Connection, parse_address
 from qprobe.vmm.console import Console, GuestShell, RunResult, open_shell
 from qprobe.vmm.gdbmi import GdbMiRemote
-from qprobe.vmm.gdbremote import GdbRemote
+from qprobe.vmm.gdbremote import GdbRemote, drop_stale_breakpoints
 from qprobe.vmm.journal import Journal, sweep_journals
 from qprobe.vmm.machine import Machine
 from qprobe.vmm.memory import GuestMemory, MemoryFault, PhysReader, SharedRam
@@ -184,6 +184,7 @@ class Target(ProbeAPI, EventAPI):
             if not isinstance(self.gdb, GdbMiRemote):  # gdb writes registers itself
                 self.gdb.allow_g(self.arch.registers.plain)
             vcpus = self.gdb.threads()
+            drop_stale_breakpoints(self.gdb.request, vcpus)  # a killed qprobe's, before anything runs
             regs0 = self.gdb.read_registers(vcpus[0])
             self._check_stage(self.arch.boot_stage(regs0), boot is not None)
             phys: PhysReader = SharedRam(ram, ram_size, writable=True) if ram is not None else _StubPhys(self.gdb)
@@ -463,7 +464,7 @@ class Target(ProbeAPI, EventAPI):
         self.cmdline = self._read_cmdline()
         self.kernel.reopen()
         journal = Journal(vm_identity(self.symbols, self.slide, self.mem), self.journal.qemu)
-        journal.set_meta(**self.journal.meta)  # the scratch area's places, the stub breakpoints still in
+        journal.set_meta(**self.journal.meta)  # the scratch area's places
         for patch in self.journal.patches.values():
             journal.record(patch)
         self.journal.clear()

@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 
 from qprobe.arch import Arch, Resume, ResumeKind, TrapHook
-from qprobe.errors import QprobeError, TargetError
+from qprobe.errors import QprobeError
 from qprobe.kernel.features import find_watch_site, thread_size, trap_entry, trap_path
 from qprobe.kernel.preempted import PREEMPTED_WAIT, first_inside, preempted_words, wait_preempted_out
 from qprobe.kernel.program import KernelData
@@ -219,21 +219,15 @@ def check_journal_matches(gdb: GdbTransport, journal: Journal, patches: list[Pat
 
 def recover(gdb: GdbTransport, kernel: KernelData, arch: Arch, journal: Journal,
             fully_preemptible: bool = False) -> int:  # fmt: skip
-    """Undo an earlier qprobe's patches and stub breakpoints in this guest; returns how many were undone."""
+    """Undo an earlier qprobe's patches in this guest; returns how many were undone.
+
+    Its gdbstub breakpoints and watchpoints are gone already: the connect took out every one it found
+    (gdbremote.drop_stale_breakpoints).
+    """
     patches = journal.load()
-    breakpoints = journal.left_breakpoints()
-    removed = 0
-    for addr, kind, length in breakpoints:
-        try:
-            gdb.remove_breakpoint(addr, kind, length)
-            removed += 1
-        except TargetError:
-            pass  # gone already: QEMU drops them all when a client detaches
-    if removed:
-        log.warning("removed %d breakpoint(s) an earlier qprobe left in the gdbstub", removed)
     if not patches:
         journal.clear()
-        return removed
+        return 0
     check_journal_matches(gdb, journal, patches)
     r = _Recovery(gdb, kernel, arch, patches, journal.left_meta)
     vcpus = gdb.threads()
@@ -261,4 +255,4 @@ def recover(gdb: GdbTransport, kernel: KernelData, arch: Arch, journal: Journal,
                 restored += 1
     log.warning("restored %d patch(es) an earlier qprobe left in this guest", restored)
     journal.clear()
-    return restored + removed
+    return restored

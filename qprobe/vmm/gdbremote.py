@@ -9,7 +9,7 @@ client that has read the XML: ``gdb_has_xml``).
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from qprobe.errors import GuestTimeout, ProtocolError, TargetError
@@ -329,6 +329,27 @@ class GdbRemote:
             self.conn.recv(2.0)
         finally:
             self.conn.close()
+
+
+def drop_stale_breakpoints(request: Callable[[bytes], bytes], vcpus: Sequence[str]) -> None:
+    """Take out, on every vCPU, the breakpoints and watchpoints an earlier client of the stub left.
+
+    QEMU keeps a client's ``Z`` breakpoints after the client is gone (a SIGKILLed qprobe): whoever runs
+    their address next stops the VM with nobody to serve it, and later stops there again at every resume.
+    Its cleanup is the ``?`` a debugger sends when it connects, which since QEMU 7.1 (the accelerator's
+    ``remove_all_breakpoints``: tcg_remove_all_breakpoints) empties the lists of one vCPU, the one selected
+    for ``c``: vCPU 0 after a connect.  The others keep theirs, and a ``z`` cannot reach them either: QEMU
+    removes a breakpoint vCPU by vCPU and gives up, with E22, at the first one without it, vCPU 0.  So each
+    other vCPU is selected with ``Hc`` and asked ``?``; then vCPU 0 is selected again, as a connect left it.
+    A new client owns no breakpoint yet, so everything there is an earlier one's.
+    """
+    for tid in vcpus[1:]:
+        reply = request(b"Hc" + tid.encode())
+        if reply != b"OK":
+            raise TargetError(f"gdbstub refused selecting vCPU {tid} for Hc: {_describe(reply)}")
+        parse_stop_reply(request(b"?"))
+    if len(vcpus) > 1:
+        request(b"Hc" + vcpus[0].encode())
 
 
 def _packet_size(text: bytes) -> int:

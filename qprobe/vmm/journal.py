@@ -152,30 +152,6 @@ class Journal:
         self.meta.update(values)
         self._save()
 
-    # The gdbstub's own breakpoints outlive the client that set them (QEMU 7.2 removes them only when the
-    # last attached process detaches): one a killed qprobe left stops the VM with nobody to serve it, and
-    # a later qprobe's stop loop at every run of that address.  Kept in the meta as "bp:KIND:ADDR:LEN".
-    def record_breakpoint(self, addr: int, kind: int, length: int = 1) -> None:
-        self.set_meta(**{_breakpoint_key(addr, kind, length): 1})
-
-    def forget_breakpoint(self, addr: int, kind: int, length: int = 1) -> None:
-        if self.meta.pop(_breakpoint_key(addr, kind, length), None) is not None:
-            self._save()
-
-    def left_breakpoints(self) -> list[tuple[int, int, int]]:
-        """The (addr, kind, length) of the stub breakpoints an earlier qprobe left (after ``load``)."""
-        out = []
-        for key in self.left_meta:
-            parts = key.split(":")
-            if len(parts) == 4 and parts[0] == "bp":
-                try:
-                    kind, addr, length = int(parts[1]), int(parts[2], 16), int(parts[3])
-                except ValueError:
-                    continue
-                if 0 <= kind <= 4 and 0 <= addr < U64 and 0 < length <= 8:
-                    out.append((addr, kind, length))
-        return out
-
     def _save(self) -> None:
         with self._lock:
             self._save_locked()
@@ -259,10 +235,6 @@ class Journal:
                 self._log = None
         Path(self.path).unlink(missing_ok=True)
         self.log_path.unlink(missing_ok=True)
-
-
-def _breakpoint_key(addr: int, kind: int, length: int) -> str:
-    return f"bp:{kind}:{addr:x}:{length}"
 
 
 def sweep_journals() -> list[Path]:

@@ -237,14 +237,13 @@ class Machine:
         self.journal.forget(p.phys)
 
     def insert_stub_breakpoint(self, addr: int) -> None:
-        """A gdbstub breakpoint that is a probe (Z1: nothing written into the guest under TCG), journaled first:
-        QEMU keeps a client's breakpoints after it dies, so a later attach takes out what a killed one left."""
-        self.journal.record_breakpoint(addr, BREAK_HW)
+        """A gdbstub breakpoint that is a probe (Z1: nothing written into the guest under TCG).  Not journaled:
+        QEMU keeps it after a killed qprobe, and the next attach takes out all it finds
+        (gdbremote.drop_stale_breakpoints)."""
         self.gdb.insert_breakpoint(addr, BREAK_HW)
 
     def remove_stub_breakpoint(self, addr: int) -> None:
         self.gdb.remove_breakpoint(addr, BREAK_HW)
-        self.journal.forget_breakpoint(addr, BREAK_HW)
 
     def write_phys(self, phys: int, data: bytes) -> None:
         self.gdb.set_physical(True)

@@ -32,6 +32,10 @@ class GdbTransport(Protocol):
         """The vCPUs' thread ids, in vCPU order."""
         ...
 
+    def request(self, payload: bytes) -> bytes:
+        """One raw packet and the stub's reply (the VM stopped)."""
+        ...
+
     def select(self, tid: str) -> None:
         """Make ``tid`` the vCPU whose page tables the following virtual memory accesses go through."""
         ...

@@ -135,17 +135,3 @@ def test_a_cached_kernel_is_never_read_through_a_link(cache: Path, tmp_path: Pat
         (kernels / real.name / f.name).symlink_to(f)
     with pytest.raises(UnsafeCache, match="symbolic link"):
         debian.cached_kernel("cloud-amd64")
-
-
-def test_the_journal_keeps_the_stub_breakpoints_a_crash_would_leave(cache: Path) -> None:
-    j = Journal("vm-bp")
-    j.record_breakpoint(0x401000, 1)
-    j.record_breakpoint(0x7F0000001234, 1)
-    j.forget_breakpoint(0x401000, 1)
-    j.forget_breakpoint(0x999, 1)  # never recorded: nothing to forget
-    later = Journal("vm-bp")  # the next qprobe, after this one died
-    assert later.load() == []
-    assert later.left_breakpoints() == [(0x7F0000001234, 1, 1)]
-    j.clear()
-    fresh = Journal("vm-bp")
-    assert fresh.load() == [] and fresh.left_breakpoints() == []

@@ -37,6 +37,32 @@ echo > $T/%(events)s
 """
 
 
+# What the guest kernel's kprobe_events language has, as its tracefs README (kernel/trace/trace.c's readme_msg)
+# lists it: read in the guest with these patterns, never asked of qprobe, whose reading of that text is
+# part of what the tests check.  Name -> (pattern, what the kernel then has).
+README_FACTS = {
+    "btf_args": (r"^\s*<argname>", "function parameters by name (<argname>: CONFIG_PROBE_EVENTS_BTF_ARGS)"),
+    "return_args": (r"return probes support:.*\$arg<N>", "$arg<N> in return probes"),
+    # In the list after "type:", which ends with "<type>\[<array-size>\]" (its first "]").
+    "dentry": (r"^\s*type:[^\]]*%pd/%pD", "%pd/%pD types"),
+    "char": (r"^\s*type:[^\]]*\bchar\b", "char type"),
+}
+
+
+def readme_lacks(target: qprobe.Target, *facts: str) -> str | None:
+    """Why the guest's kprobe_events lacks one of ``facts`` (README_FACTS names), naming the image; or None."""
+    image = target.image.name if target.image is not None else "the attached VM"
+    out = target.run(f"test -e {TRACING}/README || mount -t tracefs none {TRACING} 2>/dev/null; "
+                     f"cat {TRACING}/README")  # fmt: skip
+    if out.status != 0:
+        return f"image {image}: the guest has no {TRACING}/README (no tracefs, no kprobe_events)"
+    for fact in facts:
+        pattern, what = README_FACTS[fact]
+        if re.search(pattern, out.output, re.M) is None:
+            return f"image {image}: the guest's {TRACING}/README lists no {what}"
+    return None
+
+
 @dataclass(frozen=True)
 class Verdict:
     """Accepted (with the listing lines), or refused with the error_log message and caret column."""

@@ -22,6 +22,7 @@ from qprobe.shell.core import Shell
 from qprobe.shell.render import log2_bucket
 
 from .conftest import IMAGE, workload_result
+from .guest_oracle import readme_lacks
 
 pytestmark = pytest.mark.vm
 
@@ -58,9 +59,9 @@ def test_fetch_args_registers_memory_strings_and_retval(target: qprobe.Target, g
 def test_btf_parameter_names_and_entry_arguments_in_return_probes(target: qprobe.Target) -> None:
     """Where the kernel's README lists them: ``$argN`` named and typed by BTF, and fetched at the entry
     for a return probe (lseek(fd, i, SEEK_SET) for i = 1..4 returns i)."""
-    dialect = target.dialect
-    if not (dialect.btf_args and dialect.return_args):
-        pytest.skip("this kernel's kprobe_events has no BTF arguments or no $argN in return probes")
+    lacks = readme_lacks(target, "btf_args", "return_args")
+    if lacks is not None:
+        pytest.skip(lacks)
     entry = target.add_event("p:bseek ksys_lseek $arg*")
     ret = target.add_event("r:rseek ksys_lseek $arg2 wh=$arg3 ret=$retval")
     try:

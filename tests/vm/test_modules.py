@@ -23,7 +23,7 @@ from qprobe.events.funcs import Probeability, render_funcs
 from qprobe.images import get_image, module_file
 from qprobe.pytest_plugin import qprobe_scope
 
-from .guest_oracle import TRACING, guest_verdicts, qprobe_verdicts
+from .guest_oracle import TRACING, guest_verdicts, qprobe_verdicts, readme_lacks
 
 pytestmark = [pytest.mark.vm, pytest.mark.qprobe_needs_symbol("do_init_module", "free_module")]
 
@@ -95,7 +95,10 @@ def test_loaded_module_verdicts_values_and_text(qprobe_target: qprobe.Target) ->
         cases = [[f"p:a {MODULE}:nosuch"], [f"p:b {MODULE}:bm_status_read+1"], [f"p:c {MODULE}:bm_status_read+4"],
                  [f"p:d {MODULE}:bm_status_read"], ["p:e bm_status_read"], [f"r:f {MODULE}:bm_status_read"],
                  ["p:g nosuchmodule:nosuch"]]  # fmt: skip
-        if target.dialect.btf_args:  # names and types from the module's own BTF (6.12's bpf_find_btf_id)
+        # Where the guest's language has BTF arguments: names and types from the module's own BTF (6.12's
+        # bpf_find_btf_id).  Asked of the guest's README, not of qprobe, whose language is under test.
+        btf_args = readme_lacks(target, "btf_args") is None
+        if btf_args:
             cases += [[f"p:h {MODULE}:bm_status_read $arg*"], ["p:i bm_status_read nbytes buf"],
                       [f"r:j {MODULE}:bm_status_read nbytes $retval"], ["p:k bm_status_read file->f_flags"],
                       ["p:l bm_status_read nosuch"], ["p:m bm_status_read file->nosuch"]]  # fmt: skip
@@ -115,7 +118,7 @@ def test_loaded_module_verdicts_values_and_text(qprobe_target: qprobe.Target) ->
         # The struct file dd opened: O_RDONLY, and the O_LARGEFILE a 64-bit kernel adds to every open.
         assert [v["fl"] for v in values] == ["0x8000"] * 3
         remove_events([te])
-        if target.dialect.btf_args:
+        if btf_args:
             te = add_event(target, "p:named bm_status_read nbytes fl=file->f_flags:x32")
             values.clear()
             te.callback = lambda hit: values.append(dict(hit.args))

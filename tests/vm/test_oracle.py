@@ -23,7 +23,7 @@ from qprobe import Kprobe
 from qprobe.pytest_plugin import QprobeReset, qprobe_scope
 
 from .conftest import workload_result
-from .guest_oracle import TRACING, guest_verdicts, qprobe_verdicts
+from .guest_oracle import TRACING, guest_verdicts, qprobe_verdicts, readme_lacks
 from .oracle_defs import FUNC, SELFTEST_VALUES, cases
 
 pytestmark = [pytest.mark.vm, pytest.mark.qprobe_needs_config("KPROBE_EVENTS")]
@@ -107,6 +107,8 @@ HIT_DEFINITIONS = {
     "bitfield": "wake_up_new_task pid=p->pid a=p->sched_reset_on_fork b=p->sched_contributes_to_load "
                 "c=p->sched_remote_wakeup",
 }  # fmt: skip
+# What the guest's language must have for a definition (guest_oracle.README_FACTS).
+HIT_NEEDS = {"btf": ("btf_args", "dentry", "char"), "bitfield": ("btf_args",)}
 # The workload each definition's function sees, N calls by the workload's own process.
 HIT_WORKLOADS = {"bitfield": "workload fork 3"}
 
@@ -136,8 +138,9 @@ def _paired_hits(target: qprobe.Target, body: str, workload: str) -> tuple[list[
 @pytest.mark.parametrize("kind", sorted(HIT_DEFINITIONS))
 def test_every_field_of_every_hit_equals_the_guest_trace(target: qprobe.Target, kind: str) -> None:
     body = HIT_DEFINITIONS[kind]
-    if kind in ("btf", "bitfield") and not (target.dialect.btf_args and target.dialect.dentry_args):
-        pytest.skip("this kernel's kprobe_events has no BTF arguments or no %pD")
+    lacks = readme_lacks(target, *HIT_NEEDS.get(kind, ()))
+    if lacks is not None:
+        pytest.skip(lacks)
     guest, ours, n, in_guest = _paired_hits(target, body, HIT_WORKLOADS.get(kind, "workload read 5 64"))
     assert in_guest == (kind == "registers")
     assert len(guest) == n, guest
@@ -181,8 +184,9 @@ def test_every_good_argument_of_the_selftests_reads_what_the_guest_reads(target:
     user string: see fetch/context.py's read_string).  A kernel value is compared where every read it rests on
     is witnessed; a witness is compared (qprobe's "(fault)" against the kernel's) where the reads under it are.
     """
-    if table == "char" and "char" not in target.dialect.types:
-        pytest.skip("this kernel's kprobe_events has no char type")
+    lacks = readme_lacks(target, "char") if table == "char" else None
+    if lacks is not None:
+        pytest.skip(lacks)
     # Addresses from the guest's kallsyms (a per-CPU symbol's is its offset in every CPU's area).
     kallsyms = target.run("grep -wE '_sdata|this_cpu_off' /proc/kallsyms").check().output.split()
     facts = {"SYMADDR": "_sdata", "THIS_CPU_OFF": "this_cpu_off"}

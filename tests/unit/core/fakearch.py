@@ -562,7 +562,6 @@ class ToyJournal:
     def __init__(self) -> None:
         self.patches: dict[int, Patch] = {}
         self.meta: dict[str, int] = {}
-        self.breakpoints: set[tuple[int, int, int]] = set()  # stub breakpoints (addr, kind, length)
         self.batches = 0
 
     def record(self, patch: Patch) -> None:
@@ -576,12 +575,6 @@ class ToyJournal:
 
     def set_meta(self, **values: int) -> None:
         self.meta.update(values)
-
-    def record_breakpoint(self, addr: int, kind: int, length: int = 1) -> None:
-        self.breakpoints.add((addr, kind, length))
-
-    def forget_breakpoint(self, addr: int, kind: int, length: int = 1) -> None:
-        self.breakpoints.discard((addr, kind, length))
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:

@@ -22,7 +22,7 @@ from vmm_fakes import (
 
 from qprobe.errors import GuestTimeout, ProtocolError, TargetError, TargetGone
 from qprobe.vmm.connection import Connection
-from qprobe.vmm.gdbremote import BREAK_HW, BREAK_SW, WATCH_ACCESS, GdbRemote, RegDesc
+from qprobe.vmm.gdbremote import BREAK_HW, BREAK_SW, WATCH_ACCESS, GdbRemote, RegDesc, drop_stale_breakpoints
 from qprobe.vmm.rsp import StopReply
 
 KTEXT = 0xFFFF_FFFF_8100_0000
@@ -532,3 +532,20 @@ def test_registers_after_a_stop_on_another_vcpu(stub: QemuStub, gdb: GdbRemote) 
 
 def test_fake_matches_the_literal_description() -> None:
     assert 'href="i386-64bit.xml"' in TARGET_XML
+
+
+def test_stale_breakpoints_are_dropped_on_every_vcpu_then_vcpu_0_is_selected_again() -> None:
+    """A connect's '?' cleans the vCPU selected for 'c' only: each other one is selected and asked in turn."""
+    sent: list[bytes] = []
+
+    def request(payload: bytes) -> bytes:
+        sent.append(payload)
+        return b"T05thread:p01.01;" if payload == b"?" else b"OK"
+
+    drop_stale_breakpoints(request, ["p1.1", "p1.2", "p1.3"])
+    assert sent == [b"Hcp1.2", b"?", b"Hcp1.3", b"?", b"Hcp1.1"]
+    sent.clear()
+    drop_stale_breakpoints(request, ["p1.1"])  # one vCPU: the connect's own '?' did it
+    assert sent == []
+    with pytest.raises(TargetError, match=r"selecting vCPU p1\.2"):
+        drop_stale_breakpoints(lambda _p: b"E22", ["p1.1", "p1.2"])

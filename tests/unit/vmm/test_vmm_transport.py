@@ -25,8 +25,8 @@ MEMBERS = sorted(
 def test_the_interface_is_what_callers_use() -> None:
     assert MEMBERS == [
         "close", "cont", "detach", "handshake", "insert_breakpoint", "interrupt", "poll_stop", "read_memory",
-        "read_registers", "remove_breakpoint", "running", "select", "set_physical", "step", "threads", "wait_stop",
-        "write_memory", "write_registers",
+        "read_registers", "remove_breakpoint", "request", "running", "select", "set_physical", "step", "threads",
+        "wait_stop", "write_memory", "write_registers",
     ]  # fmt: skip
 
 

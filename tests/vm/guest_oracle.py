@@ -55,7 +55,7 @@ def readme_lacks(target: qprobe.Target, *facts: str) -> str | None:
     out = target.run(f"test -e {TRACING}/README || mount -t tracefs none {TRACING} 2>/dev/null; "
                      f"cat {TRACING}/README")  # fmt: skip
     if out.status != 0:
-        return f"image {image}: the guest has no {TRACING}/README (no tracefs, no kprobe_events)"
+        return f"image {image}: the guest has no {TRACING}/README: no tracefs (the kernel has no CONFIG_TRACING)"
     for fact in facts:
         pattern, what = README_FACTS[fact]
         if re.search(pattern, out.output, re.M) is None:

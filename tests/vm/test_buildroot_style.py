@@ -43,6 +43,8 @@ def test_the_images_own_init_is_pid_1_and_its_inittab_ran_beside_qprobes_shell(i
     with qprobe.boot(image) as t:
         assert t.run("tr '\\0' ' ' </proc/1/cmdline").output == "/sbin/init "
         assert t.run("readlink /proc/1/exe").output == "/bin/busybox"
+        if img.disk is not None:  # init/main.c's environment for init, as the kernel gives it (no PATH, PWD...)
+            assert t.run("tr '\\0' ' ' </proc/1/environ").output == "HOME=/ TERM=linux "
         assert t.console is not None
         started = f"qprobe-preinit: qprobe's shell started on ttyS1; running the image's init {FIRST_INIT[image]}"
         assert started in t.console.text, t.console.tail()

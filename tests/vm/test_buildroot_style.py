@@ -54,26 +54,26 @@ def test_the_images_own_init_is_pid_1_and_its_inittab_ran_beside_qprobes_shell(i
     assert root is not None
     before = _digest(root)
     with qprobe.boot(image) as t:
-        # PID 1 is the image's BusyBox init (it names itself "init" in its argv), not qprobe's busybox.
-        assert t.run("readlink /proc/1/exe").output == "/bin/busybox"
+        ps = _once_up(t)
+        # PID 1 is the image's BusyBox init (which names itself "init" in its argv), not qprobe's busybox.
+        assert t.run("readlink /proc/1/exe").output.strip() == "/bin/busybox"
         assert t.run("tr '\\0' ' ' </proc/1/cmdline").output.split() == ["init"]
         if img.disk is not None:  # init/main.c's environment for init, as the kernel gives it (no PATH, PWD...)
-            assert t.run("tr '\\0' ' ' </proc/1/environ").output == "HOME=/ TERM=linux "
+            assert t.run("tr '\\0' ' ' </proc/1/environ").output.strip() == "HOME=/ TERM=linux"
         assert t.console is not None
         started = f"qprobe-preinit: qprobe's shell started on ttyS1; running the image's init {FIRST_INIT[image]}"
         assert started in t.console.text, t.console.tail()
         # The inittab's getty on the console, and the daemons rcS started, are running; the hostname is its.
-        ps = _once_up(t)
         assert re.search(r"^\s*\d+\s+1\s+/sbin/getty -L\s+console 0 vt100\s*$", ps, re.M), ps
         assert re.search(r"^\s*\d+\s+1\s+/sbin/syslogd -n\s*$", ps, re.M), ps
         assert re.search(r"^\s*\d+\s+1\s+/sbin/klogd -n\s*$", ps, re.M), ps
-        assert t.run("hostname").output == "buildroot"
-        assert t.run("cat /etc/issue").output == "Welcome to Buildroot"
+        assert t.run("hostname").output.strip() == "buildroot"
+        assert t.run("cat /etc/issue").output.strip() == "Welcome to Buildroot"
         # The image's mounts are its fstab's, none of the shell's; the shell sees them (its /tmp is the image's).
         mounts = [line.split()[1:3] for line in t.run("cat /proc/1/mounts").output.splitlines()]
         assert ["/tmp", "tmpfs"] in mounts and mounts.count(["/proc", "proc"]) == 1, mounts
         assert not [m for m in mounts if m[1] in ("tracefs", "debugfs") or m[0].startswith("/qprobe")], mounts
-        assert t.run("echo seen >/tmp/qp-mark && cat /proc/1/root/tmp/qp-mark").output == "seen"
+        assert t.run("echo seen >/tmp/qp-mark && cat /proc/1/root/tmp/qp-mark").output.strip() == "seen"
         assert t.run("ls /qprobe /proc/1/root/qprobe").status != 0  # nothing of the pre-init's is left in sight
         # Probes see the image's own programs.
         kp = qprobe.Kprobe(symbol_name="__x64_sys_getppid")
@@ -106,16 +106,21 @@ def test_qprobe_shell_counts_and_runs_the_images_commands(image: str) -> None:
 
 
 INNER = """
+import time
+
 import qprobe
 
 
 def test_inner(qprobe_target):
+    # Once the image's rcS is done (its getty runs): its shells call getppid too.
+    while "/sbin/getty" not in qprobe_target.run("ps -o args").output:
+        time.sleep(0.5)
     kp = qprobe.Kprobe(symbol_name="__x64_sys_getppid")
     qprobe_target.register_kprobe(kp)
     qprobe_target.run("workload getppid 3").check()
     qprobe_target.unregister_kprobe(kp)
     assert kp.nhit == 3
-    assert qprobe_target.run("readlink /proc/1/exe").output == "/bin/busybox"  # the image's init, PID 1
+    assert qprobe_target.run("readlink /proc/1/exe").output.strip() == "/bin/busybox"  # the image's init, PID 1
 """
 
 

@@ -51,10 +51,13 @@ def boot(image: str = "debian-cloud", smp: int = 2, memory: str | int = "512M",
     leave it running afterwards (the pytest plugin's ``--qprobe-keep``).
     """
     from qprobe.images import get_image, with_files
+    from qprobe.images.preinit import with_preinit
 
     img = get_image(image)
     if files:
         img = with_files(img, files)
+    # A root filesystem that is not qprobe's gets qprobe's shell from the pre-init, its own init then running.
+    img = with_preinit(img)
     config = QemuConfig(
         kernel=img.kernel, initrd=img.initrd, disk=img.disk, disk_interface=img.disk_interface,
         cmdline=" ".join(x for x in (img.cmdline, cmdline) if x), smp=smp, memory=parse_memory(memory), accel=accel,

@@ -41,7 +41,15 @@ from qprobe.images import cache
 from qprobe.images.cpio import CpioWriter
 from qprobe.images.progress import Reporter
 
-__all__ = ["GuestFiles", "build_disk", "build_initramfs", "guest_sources", "guest_tree", "interpreter"]
+__all__ = [
+    "GuestFiles",
+    "build_disk",
+    "build_initramfs",
+    "guest_sources",
+    "guest_tree",
+    "interpreter",
+    "make_ext2",
+]
 
 # Bump when the tree's layout changes, so old cached builds are not reused.
 LAYOUT_VERSION = "2"
@@ -364,29 +372,33 @@ def build_disk(reporter: Reporter, files: GuestFiles | None = None) -> Path:
     dest = directory / "rootfs.ext2"
     if dest.is_file():
         return dest
-    mke2fs = shutil.which("mke2fs") or shutil.which("mke2fs", path="/sbin:/usr/sbin")
-    if mke2fs is None:
-        raise ImageError("mke2fs not found: install e2fsprogs to build the guest disk image")
     with cache.locked(directory.parent, directory.name):
         if dest.is_file():
             return dest
         reporter.note("building the guest disk image (mke2fs -t ext2)")
-        tree = directory / "tree"
-        used = sum(p.lstat().st_size for p in tree.rglob("*"))
-        size_kib = max(DISK_MIN_BYTES, used * 2 + (8 << 20)) // 1024
-        with cache.atomic_file(dest) as tmp:
-            tmp.unlink()  # mke2fs creates the file itself, with the size given
-            # Fixed UUID: the same tree gives the same image.
-            args = ["-q", "-F", "-t", "ext2", "-b", "1024", "-m", "0", "-L", "qprobe"]
-            args += ["-U", "00000000-0000-4000-8000-00000071b0be", "-E", "root_owner=0:0"]
-            proc = subprocess.run(
-                [mke2fs, *args, "-d", str(tree), str(tmp), f"{size_kib}k"],
-                capture_output=True,
-                encoding="utf-8",
-                errors="replace",
-                check=False,
-            )
-            if proc.returncode != 0:
-                lines = proc.stderr.strip().splitlines()
-                raise ImageError(f"mke2fs -d {tree} failed: {lines[-1] if lines else proc.returncode}")
+        make_ext2(directory / "tree", dest, "qprobe")
     return dest
+
+
+def make_ext2(tree: Path, dest: Path, label: str) -> None:
+    """A raw ext2 image of ``tree`` at ``dest`` (atomically), by ``mke2fs -d``: the same tree, the same bytes."""
+    mke2fs = shutil.which("mke2fs") or shutil.which("mke2fs", path="/sbin:/usr/sbin")
+    if mke2fs is None:
+        raise ImageError("mke2fs not found: install e2fsprogs to build the guest disk image")
+    used = sum(p.lstat().st_size for p in tree.rglob("*"))
+    size_kib = max(DISK_MIN_BYTES, used * 2 + (8 << 20)) // 1024
+    with cache.atomic_file(dest) as tmp:
+        tmp.unlink()  # mke2fs creates the file itself, with the size given
+        # Fixed UUID: the same tree gives the same image.
+        args = ["-q", "-F", "-t", "ext2", "-b", "1024", "-m", "0", "-L", label]
+        args += ["-U", "00000000-0000-4000-8000-00000071b0be", "-E", "root_owner=0:0"]
+        proc = subprocess.run(
+            [mke2fs, *args, "-d", str(tree), str(tmp), f"{size_kib}k"],
+            capture_output=True,
+            encoding="utf-8",
+            errors="replace",
+            check=False,
+        )
+        if proc.returncode != 0:
+            lines = proc.stderr.strip().splitlines()
+            raise ImageError(f"mke2fs -d {tree} failed: {lines[-1] if lines else proc.returncode}")

@@ -69,7 +69,10 @@ class Image:
 
     ``cmdline`` holds only the arguments this image needs (``root=`` for a
     disk image); the launcher adds ``console=ttyS0`` and its own options.
-    Exactly one of ``initrd`` and ``disk`` is set.
+    One of ``initrd`` and ``disk`` is set, or both once qprobe's pre-init
+    archive is added to a disk image (``qprobe.images.preinit``).
+    ``own_init``: the root filesystem is qprobe's, whose /init starts the
+    shell; any other is booted through qprobe's pre-init.
     """
 
     name: str
@@ -83,6 +86,7 @@ class Image:
     disk_interface: str
     preempt: str
     kernel_version: str
+    own_init: bool = True
 
     def config_option(self, name: str) -> str | None:
         """Value of a kernel config option ("y", "m", a number, a string), or None.

@@ -21,8 +21,10 @@ Both use one schema, a table per image under ``[images.NAME]``:
 
 Common keys: ``description``, ``cmdline`` (extra kernel arguments),
 ``rootfs`` ("initramfs" default, or "disk": which qprobe-built root to use
-when no ``initrd``/``disk`` file is given) and ``disk_interface`` ("nvme" or
-"virtio"; unset, a kernel given by files gets the one its config builds in).
+when no ``initrd``/``disk`` file is given; "buildroot-ext2" and
+"buildroot-cpio" are qprobe's buildroot-style roots, for its tests:
+qprobe.images.brstyle) and ``disk_interface`` ("nvme" or "virtio"; unset,
+a kernel given by files gets the one its config builds in, others "nvme").
 
 Unknown keys are errors: a typo ("vmlinx") must not silently drop a file.
 """
@@ -61,7 +63,7 @@ _DEBIAN = _COMMON | {"flavour", "abi", "series"}
 _BUILD = _COMMON | {"package", "fragment"}
 _FILES = _COMMON | {"kernel", "vmlinux", "initrd", "disk", "system_map", "config", "buildroot"}
 _FILE_KEYS = ("kernel", "vmlinux", "initrd", "disk", "system_map", "config")
-_ROOTFS = ("initramfs", "disk")
+_ROOTFS = ("initramfs", "disk", "buildroot-ext2", "buildroot-cpio")
 
 
 @dataclass(frozen=True)
@@ -79,16 +81,16 @@ class ImageSpec:
     fragment: Path | None = None  # source = "build": the config fragment
     files: dict[str, Path] = field(default_factory=dict)
     cmdline: str | None = None
-    rootfs: str = "initramfs"  # which form when no initrd/disk file is given
+    rootfs: str = "initramfs"  # which root filesystem when no initrd/disk file is given
     disk_interface: str | None = None  # None: not given (nvme, or what a files kernel's config builds in)
     buildroot: Path | None = None  # a buildroot output/ directory whose files stand for the keys not given
 
     @property
     def form(self) -> str:
         """ "initramfs" or "disk": how the guest's root filesystem is supplied."""
-        if "disk" in self.files:
+        if "disk" in self.files or self.rootfs == "buildroot-ext2":
             return "disk"
-        if "initrd" in self.files:
+        if "initrd" in self.files or self.rootfs == "buildroot-cpio":
             return "initramfs"
         return self.rootfs
 
@@ -151,7 +153,7 @@ def parse_spec(name: str, table: object, origin: Path | None) -> ImageSpec:
 
     rootfs = _string(table, "rootfs", where) or "initramfs"
     if rootfs not in _ROOTFS:
-        raise ImageError(f"{where}: rootfs must be 'initramfs' or 'disk', not {rootfs!r}")
+        raise ImageError(f"{where}: rootfs must be one of {', '.join(_ROOTFS)}, not {rootfs!r}")
     iface = _string(table, "disk_interface", where)
     if iface is not None and iface not in DISK_INTERFACES:
         raise ImageError(f"{where}: disk_interface must be 'nvme' or 'virtio', not {iface!r}")

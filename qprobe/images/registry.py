@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path, PurePosixPath
 
 from qprobe.errors import ImageError
-from qprobe.images import build, buildroot, cache, debian, guest
+from qprobe.images import brstyle, build, buildroot, cache, debian, guest
 from qprobe.images.cpio import extra_files_cpio, guest_path
 from qprobe.images.image import (
     DISK_INTERFACES,
@@ -115,9 +115,13 @@ def list_images() -> list[ImageInfo]:
     return infos
 
 
-def _rootfs(spec_form: str, reporter: Reporter) -> tuple[Path | None, Path | None]:
-    """(initrd, disk) for qprobe's own root filesystem in the given form."""
-    if spec_form == "disk":
+def _rootfs(rootfs: str, reporter: Reporter) -> tuple[Path | None, Path | None]:
+    """(initrd, disk) for a root filesystem qprobe builds: its own, or a buildroot-style one."""
+    if rootfs == "buildroot-ext2":
+        return None, brstyle.build_rootfs(rootfs, reporter)
+    if rootfs == "buildroot-cpio":
+        return brstyle.build_rootfs(rootfs, reporter), None
+    if rootfs == "disk":
         return None, guest.build_disk(reporter)
     return guest.build_initramfs(reporter), None
 
@@ -154,7 +158,8 @@ def get_image(name: str = DEFAULT_IMAGE, *, fetch: bool = True, progress: bool =
             files = debian.fetch_kernel(spec.flavour, spec.abi, reporter, spec.series)
     initrd, disk = _rootfs(spec.rootfs, reporter)
     interface = spec.disk_interface or "nvme"
-    cmdline = _disk_cmdline(spec.cmdline, interface, own_disk=True) if disk is not None else spec.cmdline or ""
+    own = spec.rootfs not in brstyle.FORMS
+    cmdline = _disk_cmdline(spec.cmdline, interface, own_disk=own) if disk is not None else spec.cmdline or ""
     return Image(
         name=name,
         kernel=files.vmlinuz,
@@ -167,6 +172,7 @@ def get_image(name: str = DEFAULT_IMAGE, *, fetch: bool = True, progress: bool =
         disk_interface=interface,
         preempt=preempt_model(files.config, cmdline),
         kernel_version=files.release,
+        own_init=own,
     )
 
 
@@ -187,12 +193,10 @@ def _image_from_spec(spec: ImageSpec, reporter: Reporter) -> Image:
         initrd, disk = None, f["disk"]
     else:
         initrd, disk = _rootfs(spec.rootfs, reporter)
+    own = spec.rootfs not in brstyle.FORMS and "initrd" not in f and "disk" not in f
     config = f.get("config")
     interface = spec.disk_interface or (disk_interface_of(config) if disk is not None else "nvme")
-    if disk is not None:
-        cmdline = _disk_cmdline(spec.cmdline, interface, own_disk="disk" not in f)
-    else:
-        cmdline = spec.cmdline or ""
+    cmdline = _disk_cmdline(spec.cmdline, interface, own_disk=own) if disk is not None else spec.cmdline or ""
     return Image(
         name=spec.name,
         kernel=f["kernel"].resolve(),
@@ -205,6 +209,7 @@ def _image_from_spec(spec: ImageSpec, reporter: Reporter) -> Image:
         disk_interface=interface,
         preempt=preempt_model(config, cmdline),
         kernel_version=bzimage_version(f["kernel"]) or "unknown",
+        own_init=own,
     )
 
 

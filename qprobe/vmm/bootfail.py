@@ -31,6 +31,12 @@ SILENT_AFTER = 15.0
 ROOT_GRACE = 2.0
 # An init that starts a getty and qprobe's shell has the prompt on the console just before the marker.
 LOGIN_GRACE = 1.0
+# qprobe's pre-init (qprobe.images.preinit), and the console line it prints once it has started qprobe's shell
+# beside the image's own init: a login prompt after it is that init's getty, and the shell is on its way.
+PREINIT = "/qprobe/preinit"
+PREINIT_STARTED = "qprobe-preinit: qprobe's shell started"
+PREINIT_OWN = "starts qprobe's shell itself"  # the pre-init found qprobe's own init as the image's
+_RAN_INIT = re.compile(r"Run (\S+) as init process")
 
 GUIDE = 'docs/user-guide.md, "Use your own kernel"'
 _TIMESTAMP = re.compile(r"\[\s*\d+\.\d+\]")  # CONFIG_PRINTK_TIME's prefix of a kernel line
@@ -145,8 +151,10 @@ def _root(seen: str, setup: BootSetup) -> BootFailure:
                        f"({seen!r}): {why}")  # fmt: skip
 
 
-def _login(lines: list[str], setup: BootSetup) -> BootFailure | None:
+def _login(text: str, lines: list[str], setup: BootSetup) -> BootFailure | None:
     """A getty's prompt: the last line that is not a kernel message ends with "login:"."""
+    if PREINIT_STARTED in text:
+        return None  # the image's getty, beside qprobe's shell
     for line in reversed(lines[-64:]):
         stripped = line.strip()
         if not stripped or _TIMESTAMP.match(stripped):
@@ -156,10 +164,29 @@ def _login(lines: list[str], setup: BootSetup) -> BootFailure | None:
             return None
         seen = printable(m.group("prompt"))
         return BootFailure("login", seen, f"the guest of image {setup.image!r} printed a login prompt on its console "
-                           f"({seen!r}) and never started qprobe's shell: the image's own init ran a getty; put "
-                           f"qprobe's scripts/guest/init in its root filesystem and boot it with init=/init "
+                           f"({seen!r}) and never started qprobe's shell: {_no_preinit(text, lines, setup)} "
                            f"({GUIDE})", LOGIN_GRACE)  # fmt: skip
     return None
+
+
+def _no_preinit(text: str, lines: list[str], setup: BootSetup) -> str:
+    """Why qprobe's pre-init did not start the shell before the image's init ran a getty."""
+    rdinit = cmdline_value(setup.cmdline, "rdinit")
+    if PREINIT_OWN in text:
+        return ("qprobe's pre-init took the image's init for qprobe's own (it names QPROBE-READY) and ran it "
+                "without starting the shell, but that init ran a getty")  # fmt: skip
+    if rdinit == PREINIT:
+        ran = next((m.group(1) for line in reversed(lines) if (m := _RAN_INIT.search(line))), None)
+        said = f"the kernel ran {printable(ran)!r} as init instead" if ran else "the kernel did not run it"
+        return (f"qprobe's pre-init, which starts the shell before the image's init, did not run ({said}): the "
+                f"kernel needs CONFIG_BLK_DEV_INITRD to run it from qprobe's initramfs archive")  # fmt: skip
+    if rdinit is not None:
+        return (f"the command line's rdinit={printable(rdinit)} replaced qprobe's pre-init, which starts the shell "
+                f"before the image's init: leave rdinit= out")  # fmt: skip
+    return (
+        "qprobe booted it without its pre-init, as its root filesystem is qprobe's own, whose /init starts "
+        "the shell, yet an init that runs a getty ran instead: check init= on its command line"
+    )
 
 
 def _quiet(cmdline: str) -> bool:
@@ -192,7 +219,7 @@ def diagnose(text: str, setup: BootSetup, *, elapsed: float = 0.0, ended: bool =
                 break
             failure = _root(printable(m.group(0)), setup)
             return BootFailure(failure.cause, failure.seen, failure.message, ROOT_GRACE)
-    found = _login(lines, setup)
+    found = _login(text, lines, setup)
     if found is not None:
         return found
     if elapsed >= SILENT_AFTER and not ended and not text.strip() and not _quiet(setup.cmdline):

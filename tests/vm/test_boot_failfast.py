@@ -28,3 +28,16 @@ def test_a_guest_without_an_init_fails_at_once_with_its_cause(caplog: pytest.Log
     assert "the image has no disk" in message and "no root=" in message and "rdinit=" in message, message
     assert "\n" not in message
     assert "booting" not in caplog.text  # the image's fault: not booted a second time as a panic may be
+
+
+def test_a_login_prompt_fails_the_boot_only_when_the_pre_init_did_not_run_and_says_why() -> None:
+    # A user's rdinit= after qprobe's replaces the pre-init: the kernel finds no such program in the initramfs,
+    # mounts the disk itself and runs its /sbin/init, whose inittab puts a getty on the console.  (Booted
+    # as qprobe boots it, the same image's getty runs beside qprobe's shell: tests/vm/test_buildroot_style.py.)
+    with pytest.raises(GuestBootFailed) as info:  # not GuestTimeout: the wait ended on the prompt
+        qprobe.boot("buildroot-ext2", cmdline="rdinit=/nonexistent", boot_timeout=TIMEOUT)
+    message = str(info.value)
+    assert message.startswith("the guest of image 'buildroot-ext2' printed a login prompt on its console "
+                              "('buildroot login:') and never started qprobe's shell: the command line's "
+                              "rdinit=/nonexistent replaced qprobe's pre-init"), message  # fmt: skip
+    assert "\n" not in message

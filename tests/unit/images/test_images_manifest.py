@@ -15,12 +15,14 @@ from qprobe.images import list_images
 from qprobe.images.manifest import builtin_manifest_path, load_manifest, load_specs, parse_spec
 
 
-def test_builtin_manifest_has_the_six_images() -> None:
+def test_builtin_manifest_has_the_eight_images() -> None:
     specs = load_manifest(builtin_manifest_path(), required=True)
     assert list(specs) == [
         "debian-cloud",
         "debian-rt",
         "debian-cloud-disk",
+        "buildroot-ext2",
+        "buildroot-cpio",
         "debian-cloud-6.12",
         "debian-rt-6.12",
         "minimal-6.12",
@@ -42,6 +44,15 @@ def test_builtin_manifest_has_the_six_images() -> None:
     assert (disk.flavour, disk.form, disk.disk_interface) == ("cloud-amd64", "disk", "nvme")
     assert disk.cmdline is not None and "root=/dev/nvme0n1" in disk.cmdline and "console=" not in disk.cmdline
     assert all(spec.description for spec in specs.values())
+    # The buildroot-style roots: booted with their own init (no init=), the disk as the kernel names it.
+    br_disk, br_cpio = specs["buildroot-ext2"], specs["buildroot-cpio"]
+    assert (br_disk.rootfs, br_disk.form, br_cpio.rootfs, br_cpio.form) == (
+        "buildroot-ext2",
+        "disk",
+        "buildroot-cpio",
+        "initramfs",
+    )
+    assert br_disk.cmdline is not None and "root=/dev/nvme0n1" in br_disk.cmdline and "init=" not in br_disk.cmdline
 
 
 def test_user_manifest_relative_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -230,3 +230,53 @@ def test_a_watch_acts_at_once_on_a_panic_and_on_a_vm_that_ended() -> None:
     clock.now += bootfail.SILENT_AFTER
     silent = watch.check("")
     assert silent is not None and silent.cause == "silent" and f"in {bootfail.SILENT_AFTER:.0f} s" in silent.message
+
+
+# What qprobe boots a buildroot disk with: its pre-init (qprobe.images.preinit) as rdinit=.
+PREINIT = BootSetup("buildroot", f"{DISK.cmdline} rdinit={bootfail.PREINIT} qprobe.devtmpfs=1", "nvme")
+STARTED = f"{bootfail.PREINIT_STARTED} on ttyS1; running the image's init /sbin/init\n"
+
+
+def test_a_login_prompt_after_the_pre_init_started_the_shell_is_the_images_getty_not_a_failure() -> None:
+    # The getty's prompt may come before the shell's marker: the shell is on its way on its own port.
+    text = f"{BOOTING}{STARTED}Starting syslogd: OK\nWelcome to Buildroot\nbuildroot login: "
+    assert diagnose(text, PREINIT) is None
+    # However much the image prints after it.
+    assert diagnose(f"{BOOTING}{STARTED}" + "x" * (2 * bootfail.TAIL) + "\nbuildroot login: ", PREINIT) is None
+
+
+@pytest.mark.parametrize(
+    ("text", "setup", "why"),
+    [
+        # The kernel ran the disk's init itself: the pre-init archive never ran.
+        (
+            f"{BOOTING.replace('/init', '/sbin/init')}buildroot login: ",
+            PREINIT,
+            "qprobe's pre-init, which starts the shell before the image's init, did not run (the kernel ran "
+            "'/sbin/init' as init instead): the kernel needs CONFIG_BLK_DEV_INITRD",
+        ),
+        (
+            f"{BOOTING}qprobe-preinit: /init {bootfail.PREINIT_OWN}: running it\nbuildroot login: ",
+            PREINIT,
+            "qprobe's pre-init took the image's init for qprobe's own (it names QPROBE-READY)",
+        ),
+        (
+            f"{BOOTING}buildroot login: ",
+            BootSetup("br", f"{PREINIT.cmdline} rdinit=/sbin/init", "nvme"),
+            "the command line's rdinit=/sbin/init replaced qprobe's pre-init",
+        ),
+        (
+            f"{BOOTING}buildroot login: ",
+            INITRD,
+            "qprobe booted it without its pre-init, as its root filesystem is qprobe's own",
+        ),
+    ],
+)
+def test_a_login_prompt_without_the_pre_init_says_why_it_did_not_run(text: str, setup: BootSetup, why: str) -> None:
+    found = diagnose(text, setup)
+    assert found is not None and found.cause == "login", found
+    assert found.message.startswith(
+        f"the guest of image {setup.image!r} printed a login prompt on its console "
+        "('buildroot login:') and never started qprobe's shell: "
+    ), found.message
+    assert why in found.message and "\n" not in found.message, found.message

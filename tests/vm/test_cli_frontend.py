@@ -58,7 +58,7 @@ def test_format_prints_each_hit_with_printf_and_json_numbers_are_numbers() -> No
                   "p:rd ksys_read fd=%di:s32 count=%dx:u64")  # fmt: skip
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    # Exactly the command's: not the reads of the subshell --run forks before it execs the command.
+    # Exactly the command's: not the guest shell's reads of the command line.
     assert lines[:-1] == ["workload read 100 bytes from fd 3"] * 3, lines
     assert lines[-1].startswith("# rd: hits=3 "), lines
     out = _qprobe("trace", "--image", IMAGE, "--json", "--run", "workload read 2 4096",
@@ -113,10 +113,11 @@ def test_run_counts_the_command_from_its_fork_applets_builtins_pipelines_and_pro
         assert _reads_of_dd(output) == [summary["rd"]["hits"]] and len(hits) == summary["rd"]["hits"], output
         assert shell not in {h["pid"] for h in hits} and summary["rd"]["others"] > 0, (hits, summary)
 
-        # cat: what it reads is the file, then the end (0).
-        hits, summary, output = _traced(sock, "cat /proc/version", "r:rd vfs_read ret=$retval:s64")
+        # cat reads the file's bytes, each once, and then its end.  Busybox's cat copies with sendfile
+        # (read() where that fails), so what it reads is counted where both read /proc files.
+        hits, summary, output = _traced(sock, "cat /proc/version", "r:rd seq_read_iter ret=$retval:s64")
         returned = [h["args"]["ret"] for h in hits]
-        assert sum(returned) == size and returned[-1] == 0 and all(r > 0 for r in returned[:-1]), returned
+        assert sum(returned) == size and min(returned) == 0, returned
         assert len({h["pid"] for h in hits}) == 1 and summary["rd"]["hits"] == len(hits)
 
         # A builtin: the shell's read takes a byte a read, so as not to read past the line's end.

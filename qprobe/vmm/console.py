@@ -266,10 +266,14 @@ class GuestShell:
         with self._lock:
             start = self.port.end
             # The markers are printed by printf so that the command line itself
-            # (should echo be on) never contains them verbatim; the command runs
-            # in a subshell so that ``exit`` ends it, not the guest's shell.
+            # (should echo be on) never contains them verbatim.  The command runs
+            # in a subshell so that ``exit`` ends it, not the guest's shell, and
+            # that subshell is forked by another, which does the redirections and
+            # the job control, so the command's process does nothing before the
+            # command (what ``--run`` counts from its fork: qprobe.proctree); the
+            # ``exit`` after it keeps the shell from running the inner one unforked.
             self.port.write(
-                f"printf '\\n@@qp-begin-%s@@\\n' {token}; ( {command} ) </dev/null 2>&1; "
+                f"printf '\\n@@qp-begin-%s@@\\n' {token}; ( ( {command} ); exit ) </dev/null 2>&1; "
                 f"printf '\\n@@qp-end-%s@@%d\\n' {token} $?\n"
             )
             try:

@@ -58,7 +58,7 @@ def test_format_prints_each_hit_with_printf_and_json_numbers_are_numbers() -> No
                   "p:rd ksys_read fd=%di:s32 count=%dx:u64")  # fmt: skip
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    # Exactly the command's: not the reads of the subshell --run forks before it execs the command.
+    # Exactly the command's: not the guest shell's reads of the command line.
     assert lines[:-1] == ["workload read 100 bytes from fd 3"] * 3, lines
     assert lines[-1].startswith("# rd: hits=3 "), lines
     out = _qprobe("trace", "--image", IMAGE, "--json", "--run", "workload read 2 4096",
@@ -70,6 +70,73 @@ def test_format_prints_each_hit_with_printf_and_json_numbers_are_numbers() -> No
     assert bad.returncode == 2 and bad.stderr.splitlines() == [
         "qprobe: error: printf: the format has 2 conversions and 1 values follow it"
     ]
+
+
+def _detached_boot() -> tuple[str, int]:
+    """A VM booted in the background: its gdbstub's address and the pid that owns it."""
+    out = _qprobe("boot", "--image", IMAGE, "--detach", timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    sock = next(x.split("qprobe attach ", 1)[1] for x in lines if x.startswith("attach with:"))
+    return sock, int(lines[-1].split()[-1])
+
+
+def _guest(sock: str, *commands: str) -> list[str]:
+    """The output of each guest command, run through one attach."""
+    with qprobe.attach(sock) as t:
+        return [t.run(command).check().output for command in commands]
+
+
+def _traced(sock: str, command: str, *definitions: str) -> tuple[list[dict], dict[str, dict[str, int]], str]:
+    """``trace --run COMMAND``'s hits, summary rows and the command's output (on stderr)."""
+    out = _qprobe("trace", "--attach", sock, "--json", "--run", command, *definitions)
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    return rows[:-1], rows[-1]["summary"], out.stderr
+
+
+def _reads_of_dd(output: str) -> list[int]:
+    """The read calls of each dd, from its own report: one a record ("FULL+PARTIAL records in"), one at EOF."""
+    return [int(full) + int(partial) + 1 for full, partial in re.findall(r"^(\d+)\+(\d+) records in$", output, re.M)]
+
+
+def test_run_counts_the_command_from_its_fork_applets_builtins_pipelines_and_programs() -> None:
+    """Busybox runs an applet, and the shell a builtin, in the command's process without an exec: its hits
+    count all the same, from the fork of that process; the guest shell's (reading the line) never do."""
+    sock, owner = _detached_boot()
+    try:
+        shell, size, first_line = (int(out.split()[-1]) for out in _guest(
+            sock, "echo $$", "wc -c < /proc/version", "head -n 1 /proc/version | wc -c"))  # fmt: skip
+
+        # An applet: dd's reads, one a record and the one that sees the end, as dd counts them.
+        hits, summary, output = _traced(sock, "dd if=/proc/version of=/dev/null bs=16", "p:rd vfs_read")
+        assert _reads_of_dd(output) == [summary["rd"]["hits"]] and len(hits) == summary["rd"]["hits"], output
+        assert shell not in {h["pid"] for h in hits} and summary["rd"]["others"] > 0, (hits, summary)
+
+        # cat reads the file's bytes, each once, and then its end.  Busybox's cat copies with sendfile
+        # (read() where that fails), so what it reads is counted where both read /proc files.
+        hits, summary, output = _traced(sock, "cat /proc/version", "r:rd seq_read_iter ret=$retval:s64")
+        returned = [h["args"]["ret"] for h in hits]
+        assert sum(returned) == size and min(returned) == 0, returned
+        assert len({h["pid"] for h in hits}) == 1 and summary["rd"]["hits"] == len(hits)
+
+        # A builtin: the shell's read takes a byte a read, so as not to read past the line's end.
+        hits, summary, _ = _traced(sock, "read -r line < /proc/version", "p:rd vfs_read")
+        assert summary["rd"]["hits"] == first_line and len({h["pid"] for h in hits}) == 1, (first_line, summary)
+
+        # A pipeline: both of its processes' reads.
+        hits, summary, output = _traced(sock, "dd if=/proc/version bs=16 | dd of=/dev/null bs=7", "p:rd vfs_read")
+        reads = _reads_of_dd(output)
+        assert len(reads) == 2 and summary["rd"]["hits"] == sum(reads), (output, summary)
+        assert len({h["pid"] for h in hits}) == 2
+
+        # A program, which the command's process execs.
+        hits, summary, output = _traced(sock, "workload read 3 64 /etc/passwd", "p:rd vfs_read")
+        assert "mode=read n=3 " in output and summary["rd"]["hits"] == 3, (output, summary)
+        assert {h["comm"] for h in hits} == {"workload"}
+    finally:
+        os.kill(owner, signal.SIGTERM)
+    _assert_gone_after_sigterm(sock)
 
 
 def test_an_event_with_an_appended_probe_is_traced_and_removed_once() -> None:

@@ -52,7 +52,7 @@ def test_an_image_of_qprobes_own_root_is_booted_as_it_is(tmp_path: Path) -> None
 @needs_cpio
 def test_a_disk_image_gets_the_pre_init_as_its_only_initramfs_and_its_disk_unchanged(tmp_path: Path) -> None:
     disk = fake_disk(tmp_path / "rootfs.ext2")
-    img = _image(tmp_path, "CONFIG_BLK_DEV_INITRD=y", "CONFIG_DEVTMPFS_MOUNT=y", disk=disk)
+    img = _image(tmp_path, "CONFIG_BLK_DEV_INITRD=y", "CONFIG_DEVTMPFS_MOUNT=y", "CONFIG_BLK_DEV_NVME=y", disk=disk)
     assert not img.own_init  # type: ignore[attr-defined]
     booted = with_preinit(img)  # type: ignore[arg-type]
     assert booted.disk == disk.resolve() and booted.initrd == preinit_archive()
@@ -80,7 +80,12 @@ def test_an_initramfs_image_keeps_its_archive_and_gets_the_pre_init_after_it(tmp
 
 
 def test_a_kernel_without_initramfs_support_is_refused_before_it_boots(tmp_path: Path) -> None:
-    img = _image(tmp_path, "# CONFIG_BLK_DEV_INITRD is not set", disk=fake_disk(tmp_path / "rootfs.ext2"))
+    img = _image(
+        tmp_path,
+        "# CONFIG_BLK_DEV_INITRD is not set",
+        "CONFIG_BLK_DEV_NVME=y",
+        disk=fake_disk(tmp_path / "rootfs.ext2"),
+    )
     with pytest.raises(ImageError, match=r"^the kernel of image 'br' has no CONFIG_BLK_DEV_INITRD: qprobe brings"):
         with_preinit(img)  # type: ignore[arg-type]
 

@@ -253,8 +253,8 @@ def test_a_kernel_seen_only_in_place_gets_every_candidate_at_once(tmp_path: Path
     caplog.set_level(logging.WARNING, "qprobe")
     slide, machine, ram, found = watched(tmp_path)
     ram.put(0x180_0000 + BANNER_AT, BANNER)  # the header missed: the text already over it
-    wait_for(lambda: machine.gdb.breakpoints)
-    assert len(machine.gdb.breakpoints) == len(slide.slides) and slide.method == "late"
+    wait_for(lambda: len(machine.gdb.breakpoints) == len(slide.slides))
+    assert slide.method == "late"
     assert "FALLBACK" in caplog.text and found == []
 
 
@@ -262,8 +262,9 @@ def test_a_header_moved_over_by_the_stop_is_late(tmp_path: Path) -> None:
     slide, machine, ram, found = watched(tmp_path)
     machine.before_call = lambda: ram.put(0x180_0000, bytes(64))  # parse_elf moves the text over it meanwhile
     ram.put(0x180_0000, vmlinux_head())
-    wait_for(lambda: machine.gdb.breakpoints)
-    assert len(machine.gdb.breakpoints) == len(slide.slides) and slide.method == "late" and found == []
+    # The watch inserts the candidates' breakpoints one by one: wait for the last, not the first.
+    wait_for(lambda: len(machine.gdb.breakpoints) == len(slide.slides))
+    assert slide.method == "late" and found == []
 
 
 def test_a_kernel_already_at_its_virtual_addresses_fails_the_boot(tmp_path: Path) -> None:

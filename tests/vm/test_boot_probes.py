@@ -152,11 +152,9 @@ def test_probes_in_init_text_are_retired_when_the_kernel_frees_it() -> None:
         stubs = [line for line in listing.splitlines() if " do_one_initcall+" in line]  # __init without modules
         assert len(stubs) == 2 and all("[ANYWHERE]" in line for line in stubs), listing
         assert asked.anywhere and ret.kp.anywhere and ret.nhit == ret.nreturns == asked.nhit > 100, listing
-        # The stub breakpoints still in are in the VM's journal (QEMU keeps a killed client's breakpoints: a
-        # later attach takes them out from there), under the name it has once booted.
-        journal = json.loads(target.journal.path.read_text())
+        # Those still in are on stub breakpoints (QEMU keeps a killed client's: a later attach drops every
+        # vCPU's, the gdbstub's own cleanup reaching one only), do_one_initcall's until its __init text goes.
         armed = [point.addr for point in target.kprobes.stubs.points.values() if point.armed]
-        assert all(f"bp:1:{addr:x}:1" in journal["meta"] for addr in armed), (armed, journal["meta"])
         assert asked.gone or asked.resolved in armed  # do_one_initcall is __init without modules
         with pytest.raises(qprobe.QprobeError, match="not in kernel text"):
             target.register_kprobe(qprobe.Kprobe("kernel_init_freeable", anywhere=True))

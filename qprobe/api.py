@@ -173,7 +173,7 @@ class Target(ProbeAPI, EventAPI):
                 try:
                     # A VM qprobe did not boot has its shell ready already: no boot to wait for.
                     self.guest_shell = open_shell(self.console, shell, alive, boot_timeout if qemu else None,
-                                                  self._boot_setup(vmlinux, None))  # fmt: skip
+                                                  self._boot_setup(vmlinux, None, stall=True))  # fmt: skip
                 except GuestPanicked as exc:
                     raise BootPanic(str(exc)) from None
                 if qemu is not None:
@@ -372,14 +372,15 @@ class Target(ProbeAPI, EventAPI):
         # time (jump-label and static-call sites, the int3 path refuses them) stays on stub breakpoints.
         self.kprobes.optimizer.queue.optimize_later(self.machine.call(self.kprobes.switch_from_boot))
 
-    def _boot_setup(self, vmlinux: str | Path, cmdline: str | None) -> BootSetup:
+    def _boot_setup(self, vmlinux: str | Path, cmdline: str | None, stall: bool = False) -> BootSetup:
         """What a console that shows why the guest will not start qprobe's shell names: the image, or the
-        vmlinux of a QEMU qprobe did not start, with its command line and disk as far as they are known."""
+        vmlinux of a QEMU qprobe did not start, with its command line and disk as far as they are known.
+        ``stall``: a kernel silent in its own boot is a verdict (no probe of qprobe's is in it)."""
         if self.qemu is None:
-            return BootSetup(Path(vmlinux).name, cmdline or "")
+            return BootSetup(Path(vmlinux).name, cmdline or "", stall=stall)
         config = self.qemu.config
         return BootSetup(config.name or config.kernel.name, self.qemu.kernel_cmdline,
-                         config.disk_interface if config.disk is not None else None)  # fmt: skip
+                         config.disk_interface if config.disk is not None else None, stall)  # fmt: skip
 
     def _wait_boot(self, done: threading.Event, timeout: float, t0: float, what: Callable[[], str]) -> None:
         while not done.wait(LIVENESS_POLL):

@@ -55,6 +55,11 @@ class GuestTimeout(TargetError):
     """The guest did not answer in time."""
 
 
+class GuestStalled(GuestTimeout):
+    """The guest kernel stopped printing in its own boot, before init: a hang qprobe did not cause (nothing
+    of qprobe's is in a kernel booted without probes), so boot() tries once more, as for a panic."""
+
+
 class GuestBootFailed(GuestTimeout):
     """The guest will not start qprobe's shell, and its console says why: raised as soon as that shows,
     rather than when the boot timeout ends."""

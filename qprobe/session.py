@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from qprobe.api import SESSION_FILE, BootPlan, Target
 from qprobe.core.kprobe import Kprobe, Kretprobe
-from qprobe.errors import BootPanic, TargetError
+from qprobe.errors import BootPanic, GuestStalled, TargetError
 from qprobe.paths import read_private
 from qprobe.vmm.connection import parse_address
 from qprobe.vmm.peer import LOCAL_HOSTS, listener_pid, qemu_kernel_args
@@ -69,10 +69,11 @@ def boot(image: str = "debian-cloud", smp: int = 2, memory: str | int = "512M",
         return _boot_once(img, config, boot_timeout, transport, keepable, _arming(wanted, at_boot))
     try:
         return _boot_once(img, config, boot_timeout, transport, keepable)
-    except BootPanic as exc:
+    except (BootPanic, GuestStalled) as exc:
         # QEMU 7.2's multi-threaded TCG can run a stale translation of an int3 the kernel's own
-        # text_poke_bp() already replaced, and the kernel oopses on it (docs/reliability.md): a
-        # panic before qprobe attached is the emulator's, and a second boot is what a user would do.
+        # text_poke_bp() already replaced, and the kernel oopses on it, or leave a kernel silent in
+        # its boot (docs/reliability.md): a panic or a stall before qprobe attached is the emulator's,
+        # and a second boot is what a user would do.
         kept = "".join(f" ({note})" for note in getattr(exc, "__notes__", []))
         log.warning("%s%s; booting %s again", exc, kept, img.name)
     return _boot_once(img, config, boot_timeout, transport, keepable)

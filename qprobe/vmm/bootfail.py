@@ -18,7 +18,7 @@ import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from qprobe.errors import GuestBootFailed, GuestPanicked, TargetError
+from qprobe.errors import GuestBootFailed, GuestPanicked, GuestStalled, TargetError
 
 # How much of the console's end is read: a panic's line is followed by its stack trace and registers
 # (a few KiB), and a login prompt or a root device wait is at the very end.
@@ -27,6 +27,10 @@ TAIL = 16 << 10
 MAX_SEEN = 160
 # A kernel prints its banner within a second or two of starting, even under TCG on a loaded host.
 SILENT_AFTER = 15.0
+# Between its banner and running init a kernel prints a line every second or two under TCG (no gap over
+# 2 s in the boots kept by the test runs); this long a silence there is a boot that has stopped (QEMU
+# 7.2's TCG has been seen to leave a kernel silent after "clocksource: Switched to clocksource hpet").
+STALL_AFTER = 30.0
 # A root device that shows up late (its driver probing asynchronously) ends the wait within this.
 ROOT_GRACE = 2.0
 # An init that starts a getty and qprobe's shell has the prompt on the console just before the marker.
@@ -37,6 +41,10 @@ PREINIT = "/qprobe/preinit"
 PREINIT_STARTED = "qprobe-preinit: qprobe's shell started"
 PREINIT_OWN = "starts qprobe's shell itself"  # the pre-init found qprobe's own init as the image's
 _RAN_INIT = re.compile(r"Run (\S+) as init process")
+# rootdelay=: the kernel sleeps that long, silent, before it mounts its root (init/do_mounts.c).
+_ROOT_DELAY = re.compile(r"Waiting (\d{1,9}) sec before mounting root device")
+# What the kernel prints once it has left its own boot for init (init/main.c, kernel_init).
+_KERNEL_DONE = re.compile(r"Run \S+ as init process|Freeing unused kernel|Write protecting the kernel")
 
 GUIDE = 'docs/user-guide.md, "Use your own kernel"'
 _TIMESTAMP = re.compile(r"\[\s*\d+\.\d+\]")  # CONFIG_PRINTK_TIME's prefix of a kernel line
@@ -62,22 +70,28 @@ class BootSetup:
     image: str
     cmdline: str = ""
     disk_interface: str | None = None  # "nvme" or "virtio"; None: no disk (an initramfs root)
+    # Whether a kernel silent in its own boot is a verdict: not while probes armed at boot may hold its
+    # vCPUs in a handler on the host for as long as the handler takes.
+    stall: bool = False
 
 
 @dataclass(frozen=True)
 class BootFailure:
     """One verdict: its cause, the console line it rests on (quoted), and the one-line message."""
 
-    cause: str  # "login", "root", "init", "panic" or "silent"
+    cause: str  # "login", "root", "init", "panic", "silent" or "stalled"
     seen: str  # the console line, made safe to print ("" for silence)
     message: str
     settle: float = 0.0  # seconds the verdict must hold before qprobe acts on it
 
     def error(self) -> TargetError:
-        """The exception to raise: a panic that may be the emulator's stays a GuestPanicked (boot() tries
-        once more on it); every other cause is the image's and would fail again."""
+        """The exception to raise: a panic or a stall that may be the emulator's stays a GuestPanicked or a
+        GuestStalled (boot() tries once more on either); every other cause is the image's and would fail
+        again."""
         if self.cause == "panic":
             return GuestPanicked(self.message)
+        if self.cause == "stalled":
+            return GuestStalled(self.message)
         return GuestBootFailed(self.message)
 
 
@@ -197,10 +211,12 @@ def _quiet(cmdline: str) -> bool:
     return level is not None and not (level.isdigit() and int(level) > 5)  # the banner is KERN_NOTICE (5)
 
 
-def diagnose(text: str, setup: BootSetup, *, elapsed: float = 0.0, ended: bool = False) -> BootFailure | None:
+def diagnose(text: str, setup: BootSetup, *, elapsed: float = 0.0, ended: bool = False,
+             quiet_for: float = 0.0) -> BootFailure | None:  # fmt: skip
     """Why the guest will not start qprobe's shell, if its console ``text`` says; None while it may still.
 
-    ``elapsed``: seconds qprobe has waited; ``ended``: the VM is gone (its console closed).
+    ``elapsed``: seconds qprobe has waited; ``ended``: the VM is gone (its console closed); ``quiet_for``:
+    seconds since the console last printed.
     """
     lines = _lines(text)
     # A panic's line still being printed is judged once it is whole: its reason, cut short, may not
@@ -228,7 +244,24 @@ def diagnose(text: str, setup: BootSetup, *, elapsed: float = 0.0, ended: bool =
                            f"{elapsed:.0f} s: it has no serial console, or its command line does not send the log "
                            f"there ({consoles or 'no console='}); build it with CONFIG_SERIAL_8250 and "
                            f"CONFIG_SERIAL_8250_CONSOLE")  # fmt: skip
+    if setup.stall and quiet_for >= STALL_AFTER and not ended and not _quiet(setup.cmdline):
+        return _stalled(text, lines, setup, quiet_for)
     return None
+
+
+def _stalled(text: str, lines: list[str], setup: BootSetup, quiet_for: float) -> BootFailure | None:
+    """A kernel gone silent in its own boot, after its banner and before init: its last line quoted."""
+    if _KERNEL_DONE.search(text[-TAIL:]) is not None:
+        return None  # init's own silence (a user's init may take its time) is no verdict
+    last = next((line for line in reversed(lines) if _TIMESTAMP.match(line.strip())), None)
+    if last is None:
+        return None
+    delay = _ROOT_DELAY.search(last)
+    if delay is not None and quiet_for < STALL_AFTER + int(delay.group(1)):
+        return None
+    seen = printable(last)
+    return BootFailure("stalled", seen, f"the kernel of image {setup.image!r} stopped printing in its own boot, "
+                       f"before it ran init: nothing on its console for {quiet_for:.0f} s after {seen!r}")  # fmt: skip
 
 
 class BootWatch:
@@ -239,11 +272,15 @@ class BootWatch:
         self._clock = clock
         self._start = clock()
         self._pending: tuple[str, str, float] | None = None  # (cause, seen, first seen at)
+        self._last = (0, "")  # the console's length and end when last checked, and when they last changed
+        self._grew = self._start
 
     def check(self, text: str, ended: bool = False) -> BootFailure | None:
         """The failure once the console has shown it long enough (at once when the VM is gone)."""
         now = self._clock()
-        found = diagnose(text, self.setup, elapsed=now - self._start, ended=ended)
+        if (len(text), text[-64:]) != self._last:
+            self._last, self._grew = (len(text), text[-64:]), now
+        found = diagnose(text, self.setup, elapsed=now - self._start, ended=ended, quiet_for=now - self._grew)
         if found is None:
             self._pending = None
             return None

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from qprobe import session
-from qprobe.errors import BootPanic, GuestBootFailed, GuestPanicked, TargetError
+from qprobe.errors import BootPanic, GuestBootFailed, GuestPanicked, GuestStalled, TargetError
 from qprobe.images import Image
 
 
@@ -46,6 +46,22 @@ def test_a_panic_before_attach_boots_again_once(image: None, monkeypatch: pytest
         assert session.boot("fake") == "the target"
     assert attempts.calls == 2
     assert "Kernel panic - x" in caplog.text and "booting fake again" in caplog.text
+
+
+def test_a_kernel_stalled_in_its_boot_before_attach_boots_again_once(
+    image: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    stall = GuestStalled("the kernel of image 'fake' stopped printing in its own boot, before it ran init")
+    attempts = _Attempts(stall, "the target")
+    monkeypatch.setattr(session, "_boot_once", attempts)
+    with caplog.at_level(logging.WARNING, logger="qprobe"):
+        assert session.boot("fake") == "the target"
+    assert attempts.calls == 2 and "stopped printing" in caplog.text and "booting fake again" in caplog.text
+    attempts = _Attempts(stall, stall)
+    monkeypatch.setattr(session, "_boot_once", attempts)
+    with pytest.raises(GuestStalled):
+        session.boot("fake")
+    assert attempts.calls == 2
 
 
 def test_a_second_panic_is_reported(image: None, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from qprobe.errors import GuestBootFailed, GuestPanicked
+from qprobe.errors import GuestBootFailed, GuestPanicked, GuestStalled
 from qprobe.vmm import bootfail
 from qprobe.vmm.bootfail import BootSetup, BootWatch, diagnose, printable
 
@@ -230,6 +230,53 @@ def test_a_watch_acts_at_once_on_a_panic_and_on_a_vm_that_ended() -> None:
     clock.now += bootfail.SILENT_AFTER
     silent = watch.check("")
     assert silent is not None and silent.cause == "silent" and f"in {bootfail.SILENT_AFTER:.0f} s" in silent.message
+
+
+# A kernel in its own boot, its last line printed: what the hung boot of a CI run showed for 180 s.
+STALLING = """\
+[    0.000000] Linux version 6.1.0-57-cloud-amd64 (debian-kernel@lists.debian.org)
+[    1.067060] hpet0: 3 comparators, 64-bit 100.000000 MHz counter
+[    1.071452] clocksource: Switched to clocksource hpet
+"""
+PLAIN = BootSetup(INITRD.image, INITRD.cmdline, stall=True)
+
+
+def test_a_kernel_silent_in_its_own_boot_is_a_stall_naming_its_last_line() -> None:
+    assert diagnose(STALLING, PLAIN, elapsed=60, quiet_for=bootfail.STALL_AFTER - 1) is None
+    found = diagnose(STALLING, PLAIN, elapsed=60, quiet_for=bootfail.STALL_AFTER)
+    assert found is not None and found.cause == "stalled", found
+    assert "Switched to clocksource hpet" in found.seen and "before it ran init" in found.message
+    assert isinstance(found.error(), GuestStalled)
+
+
+def test_a_silence_is_no_stall_with_probes_armed_at_boot_after_init_ran_when_asked_or_once_the_vm_ended() -> None:
+    quiet = bootfail.STALL_AFTER * 10
+    # A boot handler on the host holds the vCPUs as long as it takes.
+    assert diagnose(STALLING, INITRD, elapsed=quiet, quiet_for=quiet) is None
+    # Init may take its time (a user's init, a root filesystem's fsck).
+    assert diagnose(BOOTING, PLAIN, elapsed=quiet, quiet_for=quiet) is None
+    assert diagnose(STALLING, PLAIN, elapsed=quiet, quiet_for=quiet, ended=True) is None
+    # rootdelay= asks for a silent wait before the root is mounted.
+    delayed = STALLING + "[    1.2] Waiting 100 sec before mounting root device...\n"
+    assert diagnose(delayed, PLAIN, elapsed=quiet, quiet_for=100) is None
+    assert diagnose(delayed, PLAIN, elapsed=quiet, quiet_for=100 + bootfail.STALL_AFTER) is not None
+    # A kernel told to keep its lines off the console is quiet by choice.
+    hushed = BootSetup(PLAIN.image, f"{PLAIN.cmdline} quiet", stall=True)
+    assert diagnose(STALLING, hushed, elapsed=quiet, quiet_for=quiet) is None
+
+
+def test_a_watch_counts_the_quiet_time_from_the_consoles_last_line() -> None:
+    clock = Clock()
+    watch = BootWatch(PLAIN, clock)
+    first = STALLING.splitlines(keepends=True)[0]
+    assert watch.check(first) is None
+    clock.now += bootfail.STALL_AFTER - 1
+    assert watch.check(STALLING) is None  # it printed: the quiet time starts again
+    clock.now += bootfail.STALL_AFTER - 1
+    assert watch.check(STALLING) is None
+    clock.now += 1
+    found = watch.check(STALLING)
+    assert found is not None and found.cause == "stalled" and f"for {bootfail.STALL_AFTER:.0f} s" in found.message
 
 
 # What qprobe boots a buildroot disk with: its pre-init (qprobe.images.preinit) as rdinit=.

@@ -422,9 +422,6 @@ def cmd_trace(args: argparse.Namespace) -> int:
     _perf_definitions(args)
     if args.run:  # the command's hits are told by their task's pid, read at the offset the kernel's types give
         _need_dwarf(args, "--run (which keeps the hits of the command's processes)")
-    # SIGINT is how a trace ends (Ctrl-C, bpftrace's and perf's way, and `kill -INT` from a script), also
-    # where it was started with SIGINT ignored (`qprobe trace ... &` from a non-interactive shell).
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     trace = _Trace(args)
     definitions = _check_definitions(args, trace)
     _say_booting(args)
@@ -1044,6 +1041,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="qprobe: %(message)s")
     from qprobe.api import UNWIND_SIGNALS, unwind_on_signal
 
+    # SIGINT is how a trace ends and a booted VM stops (Ctrl-C, bpftrace's and perf's way, and `kill -INT`
+    # from a script), also where qprobe was started with SIGINT ignored (`qprobe boot ... &` from a
+    # non-interactive shell, or from a process that itself runs so, whose children inherit it).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # SIGTERM and SIGHUP (the terminal went away) unwind like Ctrl-C: probes removed, QEMU stopped.
     for signum in UNWIND_SIGNALS:
         signal.signal(signum, unwind_on_signal)

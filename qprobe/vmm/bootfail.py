@@ -43,6 +43,8 @@ PREINIT_OWN = "starts qprobe's shell itself"  # the pre-init found qprobe's own 
 _RAN_INIT = re.compile(r"Run (\S+) as init process")
 # rootdelay=: the kernel sleeps that long, silent, before it mounts its root (init/do_mounts.c).
 _ROOT_DELAY = re.compile(r"Waiting (\d{1,9}) sec before mounting root device")
+# The first line of an oops that kills the task it hit (a WARNING lets it go on; a panic is judged above).
+_OOPSED = re.compile(r"(?:BUG: |Oops: |general protection fault|kernel BUG at|double fault)[^\n]*")
 # What the kernel prints once it has left its own boot for init (init/main.c, kernel_init).
 _KERNEL_DONE = re.compile(r"Run \S+ as init process|Freeing unused kernel|Write protecting the kernel")
 
@@ -79,7 +81,7 @@ class BootSetup:
 class BootFailure:
     """One verdict: its cause, the console line it rests on (quoted), and the one-line message."""
 
-    cause: str  # "login", "root", "init", "panic", "silent" or "stalled"
+    cause: str  # "login", "root", "init", "panic", "silent", "stalled" or "oops"
     seen: str  # the console line, made safe to print ("" for silence)
     message: str
     settle: float = 0.0  # seconds the verdict must hold before qprobe acts on it
@@ -244,9 +246,22 @@ def diagnose(text: str, setup: BootSetup, *, elapsed: float = 0.0, ended: bool =
                            f"{elapsed:.0f} s: it has no serial console, or its command line does not send the log "
                            f"there ({consoles or 'no console='}); build it with CONFIG_SERIAL_8250 and "
                            f"CONFIG_SERIAL_8250_CONSOLE")  # fmt: skip
-    if setup.stall and quiet_for >= STALL_AFTER and not ended and not _quiet(setup.cmdline):
-        return _stalled(text, lines, setup, quiet_for)
+    if quiet_for >= STALL_AFTER and not ended:
+        found = _stalled(text, lines, setup, quiet_for) if setup.stall and not _quiet(setup.cmdline) else None
+        return found if found is not None else _oopsed(lines, setup, quiet_for)
     return None
+
+
+def _oopsed(lines: list[str], setup: BootSetup, quiet_for: float) -> BootFailure | None:
+    """An oops on the console, then silence: the task it killed was the boot's (init, or a worker init waits
+    for), whatever held the vCPUs meanwhile; its first line quoted."""
+    first = next((m for line in lines if (m := _OOPSED.search(line)) is not None), None)
+    if first is None:
+        return None
+    seen = printable(first.group(0))
+    return BootFailure("oops", seen, f"the kernel of image {setup.image!r} oopsed before qprobe's shell started "
+                       f"({seen!r}) and has printed nothing since for {quiet_for:.0f} s: the console lines "
+                       f"around it say where")  # fmt: skip
 
 
 def _stalled(text: str, lines: list[str], setup: BootSetup, quiet_for: float) -> BootFailure | None:

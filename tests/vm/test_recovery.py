@@ -48,9 +48,11 @@ def _fence_links(t: qprobe.Target) -> int:
 
 @pytest.fixture
 def booted() -> Iterator[str]:
-    """``qprobe boot`` in the background; yields the attach address."""
+    """``qprobe boot`` in the background, started with SIGINT ignored as `qprobe boot &` from a script (or
+    from a pytest run so started) starts it; yields the attach address.  SIGINT still stops it."""
     proc = subprocess.Popen([sys.executable, "-m", "qprobe.cli", "boot", "--image", IMAGE],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # fmt: skip
     try:
         yield readline_matching(proc, r"attach with:\s+qprobe attach (\S+)").group(1)
     finally:

@@ -279,6 +279,18 @@ def test_a_watch_counts_the_quiet_time_from_the_consoles_last_line() -> None:
     assert found is not None and found.cause == "stalled" and f"for {bootfail.STALL_AFTER:.0f} s" in found.message
 
 
+def test_an_oops_then_silence_is_named_even_with_probes_armed_at_boot() -> None:
+    oopsed = (f"{STALLING}[    1.9] BUG: unable to handle page fault for address: fffff000e38148fb\n"
+              "[    1.9] Oops: 0010 [#1] PREEMPT SMP NOPTI\n[    1.9] RIP: 0010:0xfffff000e38148fb\n")  # fmt: skip
+    assert diagnose(oopsed, INITRD, elapsed=60, quiet_for=bootfail.STALL_AFTER - 1) is None
+    found = diagnose(oopsed, INITRD, elapsed=60, quiet_for=bootfail.STALL_AFTER)
+    assert found is not None and found.cause == "oops", found
+    assert found.seen.startswith("BUG: unable to handle page fault") and isinstance(found.error(), GuestBootFailed)
+    # A WARNING lets the kernel go on: no verdict of its own.
+    warned = f"{STALLING}[    1.9] WARNING: CPU: 0 PID: 1 at kernel/foo.c:1 foo+0x1/0x2\n"
+    assert diagnose(warned, INITRD, elapsed=60, quiet_for=bootfail.STALL_AFTER * 10) is None
+
+
 # What qprobe boots a buildroot disk with: its pre-init (qprobe.images.preinit) as rdinit=.
 PREINIT = BootSetup("buildroot", f"{DISK.cmdline} rdinit={bootfail.PREINIT} qprobe.devtmpfs=1", "nvme")
 STARTED = f"{bootfail.PREINIT_STARTED} on ttyS1; running the image's init /sbin/init\n"

@@ -41,6 +41,12 @@ SCRATCH_SIZE = 8 << 20
 # The isa-debugcon port whose writes are the optimized probes' doorbell: qprobe.core.optimizer
 # hands it to the architecture's mailbox stub, which rings it with an ``out``.
 DOORBELL_PORT = 0x5E0
+# The CPU under TCG: everything QEMU can emulate but cmpxchg16b, whose flags QEMU 7.2's TCG takes from a
+# stale condition-code state (an earlier instruction's operand lands in EFLAGS, VM, AC, TF or DF set, and
+# the kernel's unlocked per-CPU cmpxchg16b in SLUB's fast path double-faults; the stops of a probed boot
+# make it likely).  Without CX16 the kernel takes its fallbacks (arch/x86/lib/cmpxchg16b_emu.S for the
+# per-CPU operation, a locked path for the slab's).  Under KVM the host's CPU runs it.
+TCG_CPU = "max,cx16=off"
 RUN_PREFIX = "qprobe-run-"
 SHM_ROOT = Path("/dev/shm")
 SHM_PREFIX = "qprobe-"
@@ -329,7 +335,7 @@ class QemuProcess:
             "-object", f"memory-backend-file,id=pc.ram,size={mem},mem-path={self.ram_path},share=on",
             "-m", f"{mem >> 20}M",
             "-smp", str(c.smp),
-            "-cpu", "max" if self.accel == "tcg" else "host",
+            "-cpu", TCG_CPU if self.accel == "tcg" else "host",
             "-display", "none", "-vga", "none", "-nodefaults", "-no-reboot",
             "-chardev", f"socket,id=gdb0,path={self.gdb_path},server=on,wait=off",
             "-gdb", "chardev:gdb0",

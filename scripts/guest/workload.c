@@ -31,6 +31,9 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+#ifdef __x86_64__
+#include <cpuid.h>
+#endif
 
 #define MAX_ERRNO 4096
 
@@ -51,6 +54,7 @@ static void usage(void)
 	      "  fork N                 fork and wait for N children\n"
 	      "  pid [N]                print the pid, then call getppid N times\n"
 	      "  spin SECONDS           call getppid in a loop for SECONDS\n"
+	      "  cx16                   whether the CPU offers cmpxchg16b, and the flags it leaves\n"
 	      "any MODE may end in -fail (open-fail N PATH): same calls, failures expected\n",
 	      stderr);
 	exit(2);
@@ -330,6 +334,55 @@ static int do_spin(unsigned long seconds)
 	return 0;
 }
 
+/*
+ * QEMU 7.2's TCG computes cmpxchg16b's flags from the condition-code state
+ * the translation block started with, not the one the instructions before it
+ * left: after a popf ends a block and an add sets new flags, EFLAGS takes the
+ * add's operand, the low half of a pointer, with VM, AC, TF or DF set.  A
+ * kernel's unlocked per-CPU cmpxchg16b (SLUB's fast path) then double-faults.
+ * Prints cx16=0 where CPUID does not offer the instruction, else cx16=1 and
+ * the flags after it (a successful compare: ZF and IF set).
+ */
+static int do_cx16(void)
+{
+#ifdef __x86_64__
+	unsigned int a, b, c, d;
+	static unsigned long long pair[2] __attribute__((aligned(16))) = {0x1111, 0x2222};
+	unsigned long flags = 0;
+
+	if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & bit_CMPXCHG16B)) {
+		add_extra(" cx16=0");
+		report(0, 0);
+		return 0;
+	}
+	/* Below the red zone the compiler may keep data in, push and pop are safe. */
+	__asm__ volatile("sub $128, %%rsp\n\t"
+			 "push $0x202\n\t"
+			 "popfq\n\t"
+			 "movabs $0x1234567855f61b08, %%rbx\n\t"
+			 "xor %%eax, %%eax\n\t"
+			 "add %%rbx, %%rax\n\t"
+			 "mov (%[pair]), %%rax\n\t"
+			 "mov 8(%[pair]), %%rdx\n\t"
+			 "mov %%rax, %%rbx\n\t"
+			 "mov %%rdx, %%rcx\n\t"
+			 "cmpxchg16b (%[pair])\n\t"
+			 "pushfq\n\t"
+			 "pop %[flags]\n\t"
+			 "add $128, %%rsp"
+			 : [flags] "=r"(flags)
+			 : [pair] "r"(pair)
+			 : "rax", "rbx", "rcx", "rdx", "memory", "cc");
+	add_extra(" cx16=1 flags=%#lx", flags);
+	report(1, 0);
+	return 0;
+#else
+	add_extra(" cx16=0");
+	report(0, 0);
+	return 0;
+#endif
+}
+
 int main(int argc, char **argv)
 {
 	char mode[64];
@@ -368,6 +421,8 @@ int main(int argc, char **argv)
 		return do_pid(argc == 3 ? number(argv[2], "N") : 1);
 	if (!strcmp(mode, "spin") && argc == 3)
 		return do_spin(number(argv[2], "SECONDS"));
+	if (!strcmp(mode, "cx16") && argc == 2)
+		return do_cx16();
 	usage();
 	return 2;
 }

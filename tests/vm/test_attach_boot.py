@@ -22,7 +22,7 @@ import pytest
 import qprobe
 from qprobe.images import get_image
 from qprobe.vmm.console import SHELL_CMDLINE
-from qprobe.vmm.qemu import SCRATCH_SIZE, scratch_phys, storage_args
+from qprobe.vmm.qemu import SCRATCH_SIZE, TCG_CPU, scratch_phys, storage_args
 
 from .conftest import IMAGE
 from .test_boot_frontends import MARK, _sections
@@ -46,7 +46,7 @@ def _start_halted(rundir: Path) -> subprocess.Popen[bytes]:
     img = get_image(IMAGE, fetch=False)
     append = _append()
     argv = ["qemu-system-x86_64", "-S", "-accel", f"tcg,thread={TCG}", "-machine", "pc", "-m", f"{MEMORY >> 20}M",
-            "-smp", str(SMP), "-cpu", "max", "-display", "none", "-vga", "none", "-nodefaults", "-no-reboot",
+            "-smp", str(SMP), "-cpu", TCG_CPU, "-display", "none", "-vga", "none", "-nodefaults", "-no-reboot",
             "-gdb", f"unix:{rundir}/gdb.sock,server=on,wait=off",
             "-chardev", f"socket,id=con0,path={rundir}/console.sock,server=on,wait=off", "-serial", "chardev:con0",
             "-chardev", f"socket,id=sh0,path={rundir}/shell.sock,server=on,wait=off", "-serial", "chardev:sh0",

@@ -350,37 +350,33 @@ static int do_cx16(void)
 	static unsigned long long pair[2] __attribute__((aligned(16))) = {0x1111, 0x2222};
 	unsigned long flags = 0;
 
-	if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & bit_CMPXCHG16B)) {
-		add_extra(" cx16=0");
-		report(0, 0);
+	if (__get_cpuid(1, &a, &b, &c, &d) && (c & bit_CMPXCHG16B)) {
+		/* Below the red zone the compiler may keep data in, push and pop are safe. */
+		__asm__ volatile("sub $128, %%rsp\n\t"
+				 "push $0x202\n\t"
+				 "popfq\n\t"
+				 "movabs $0x1234567855f61b08, %%rbx\n\t"
+				 "xor %%eax, %%eax\n\t"
+				 "add %%rbx, %%rax\n\t"
+				 "mov (%[pair]), %%rax\n\t"
+				 "mov 8(%[pair]), %%rdx\n\t"
+				 "mov %%rax, %%rbx\n\t"
+				 "mov %%rdx, %%rcx\n\t"
+				 "cmpxchg16b (%[pair])\n\t"
+				 "pushfq\n\t"
+				 "pop %[flags]\n\t"
+				 "add $128, %%rsp"
+				 : [flags] "=r"(flags)
+				 : [pair] "r"(pair)
+				 : "rax", "rbx", "rcx", "rdx", "memory", "cc");
+		add_extra(" cx16=1 flags=%#lx", flags);
+		report(1, 0);
 		return 0;
 	}
-	/* Below the red zone the compiler may keep data in, push and pop are safe. */
-	__asm__ volatile("sub $128, %%rsp\n\t"
-			 "push $0x202\n\t"
-			 "popfq\n\t"
-			 "movabs $0x1234567855f61b08, %%rbx\n\t"
-			 "xor %%eax, %%eax\n\t"
-			 "add %%rbx, %%rax\n\t"
-			 "mov (%[pair]), %%rax\n\t"
-			 "mov 8(%[pair]), %%rdx\n\t"
-			 "mov %%rax, %%rbx\n\t"
-			 "mov %%rdx, %%rcx\n\t"
-			 "cmpxchg16b (%[pair])\n\t"
-			 "pushfq\n\t"
-			 "pop %[flags]\n\t"
-			 "add $128, %%rsp"
-			 : [flags] "=r"(flags)
-			 : [pair] "r"(pair)
-			 : "rax", "rbx", "rcx", "rdx", "memory", "cc");
-	add_extra(" cx16=1 flags=%#lx", flags);
-	report(1, 0);
-	return 0;
-#else
+#endif
 	add_extra(" cx16=0");
 	report(0, 0);
 	return 0;
-#endif
 }
 
 int main(int argc, char **argv)

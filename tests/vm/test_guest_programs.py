@@ -13,6 +13,8 @@ import pytest
 
 import qprobe
 
+from .conftest import workload_result
+
 PROGRAMS = ["uprog", "uprog-static"]
 ARITHMETIC_FLAGS = 0x8D5  # CF, PF, AF, ZF, SF, OF
 ZF = 0x40
@@ -83,8 +85,7 @@ def test_the_guest_cpu_gives_cmpxchg16b_its_flags_or_does_not_offer_it(target: q
     the flags a real CPU does (a successful compare: ZF, IF and the always-one bit, nothing else)."""
     r = target.run("workload cx16")
     assert r.status == 0, r.output
-    line = next((x for x in r.output.splitlines() if x.startswith("workload ")), "")
-    found = dict(part.split("=", 1) for part in line.split()[1:] if "=" in part)
+    found = workload_result(r.output)
     assert found.get("cx16") in ("0", "1"), r.output
     if found["cx16"] == "1":
         flags = int(found["flags"], 16)

@@ -74,8 +74,9 @@ def boot(image: str = "debian-cloud", smp: int = 2, memory: str | int = "512M",
         # text_poke_bp() already replaced, and the kernel oopses on it, or leave a kernel silent in
         # its boot (docs/reliability.md): a panic or a stall before qprobe attached is the emulator's,
         # and a second boot is what a user would do.
+        # It reads as the progress line it is ("booting ..."), then why.
         kept = "".join(f" ({note})" for note in getattr(exc, "__notes__", []))
-        log.warning("%s%s; booting %s again", exc, kept, img.name)
+        log.warning("booting %s again: %s%s", img.name, exc, kept)
     return _boot_once(img, config, boot_timeout, transport, keepable)
 
 

@@ -734,6 +734,9 @@ class Target(ProbeAPI, EventAPI):
                 except QprobeError:
                     pass
         finally:  # whatever the gdbstub did, our QEMU is stopped
+            kernel = getattr(self, "kernel", None)
+            if kernel is not None:
+                kernel.close()
             try:
                 self.release_serial_ports()
             finally:

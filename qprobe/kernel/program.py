@@ -221,6 +221,15 @@ class KernelData:
             self._unusable = None
             self.early_root = None
 
+    def close(self) -> None:
+        """Let go of the drgn Program (hundreds of MB of native memory for a distribution's vmlinux) at once:
+        the target it served is closed, and whatever still refers to this object (a cycle among the closed
+        target's parts, freed only by Python's full collection) should not keep the Program alive with it."""
+        with self._lock:
+            self._prog = None
+            self._params.clear()
+            self._unusable = "the target is closed"
+
     def type_offset(self, type_name: str, member: str) -> int:
         """offsetof(type, member) from the debug info (``member`` may be a path: ``name.nodename``)."""
         try:

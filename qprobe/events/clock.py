@@ -35,7 +35,7 @@ class HitClock:
         self.note, self._guest = note, False
 
     def start(self) -> None:
-        """Find how event hits are timed, once (one VM stop at most)."""
+        """Find how event hits are timed, once (a VM stop at a clock read of the guest's, at most)."""
         if self._guest is not None:
             return
         self.trace_clock, self.stop_clock = TraceClock(self._kernel), StopClock(self._kernel, self._machine)

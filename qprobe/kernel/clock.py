@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import drgn
 from drgn.helpers.linux.percpu import per_cpu
 
-from qprobe.errors import QprobeError, SymbolError
+from qprobe.errors import QprobeError, SymbolError, TargetGone
 from qprobe.kernel.program import KernelData
 from qprobe.vmm.gdbremote import BREAK_HW
 
@@ -202,13 +202,18 @@ class StopClock:
     newest, the offset from the newest (taken again every ten seconds of guest time).
     QEMU stops the VM some time after the trap, so a stop's time is good to that latency
     (tens to hundreds of microseconds on a loaded two-core host), never earlier than the trap.
+
+    An idle guest reads its clock a few times a second, so the calibration proper (two
+    rounds of pairs RATE_BASELINE apart) takes seconds: it runs in the background, and
+    until it ends one pair anchors the model at the rate of the guest's own ``tsc_khz``.
     """
 
     def __init__(self, kernel: KernelData, machine: Machine) -> None:
         self.kernel = kernel
         self.machine = machine
-        self._first: tuple[int, int] | None = None  # (tsc, hpet ns): the rate's start
-        self._last: tuple[int, int] | None = None  # the offset's anchor, newest
+        # ((tsc, hpet ns) where the rate starts, the newest: the offset's anchor), replaced as one
+        self._anchors: tuple[tuple[int, int], tuple[int, int]] | None = None
+        self._khz_rate = 0.0  # TSC ticks per ns by the guest's tsc_khz: the rate while one pair is known
         self._taken: list[tuple[int, int]] = []  # pairs of the round being taken
         self._rounding = False
         self._armed = 0  # the breakpoint's address while it waits for a vCPU
@@ -219,24 +224,43 @@ class StopClock:
         self._counter: Callable[[Mapping[str, int]], int] | None = None  # the value read, from the registers
 
     def unavailable(self) -> str | None:
-        """Why the guest's TSC at a stop cannot be known, or None; calibrates (a few stops) once."""
-        if self._why_not is None and self._last is None:
-            self._why_not = self._prepare() or self._round()
+        """Why the guest's TSC at a stop cannot be known, or None; waits for one pair (one stop), once,
+        and leaves the calibration proper to a thread of its own."""
+        if self._why_not is None and self._anchors is None:
+            self._why_not = self._prepare()
             if self._why_not is None:
-                self._first = self._last
-                self._why_not = self._round(after=RATE_BASELINE)
+                pair = self._round(1)
+                if isinstance(pair, str):
+                    self._why_not = pair
+                else:
+                    self._anchors = (pair, pair)
+                    threading.Thread(target=self._calibrate, name="qprobe-stop-clock", daemon=True).start()
         return self._why_not
 
-    def _round(self, after: float = 0.0) -> str | None:
-        """Take ROUND pairs, ``after`` seconds from now, and anchor on the least late; why not, if none came.
+    def _calibrate(self) -> None:
+        """The rate from the least late pairs of two rounds RATE_BASELINE apart, the offset from the later."""
+        try:
+            first = self._round(ROUND)
+            if isinstance(first, str):
+                return
+            time.sleep(RATE_BASELINE)
+            last = self._round(ROUND)
+        except (QprobeError, TimeoutError):  # the target closed or the VM went meanwhile
+            return
+        if not isinstance(last, str):  # else the first pair's model stays, as for an idle guest
+            self._anchors = (first, last)
+
+    def _round(self, pairs: int) -> tuple[int, int] | str:
+        """Take ``pairs`` pairs and return the least late; why not, if one did not come.
 
         A pair's HPET time is read when QEMU has stopped, some time after the ``rdtsc``: the
         pair that implies the largest TSC for a given HPET time waited least.
         """
-        time.sleep(after)
         self._taken, self._rounding = [], True
         try:
-            for _ in range(ROUND):
+            for _ in range(pairs):
+                if not self.machine.alive:
+                    raise TargetGone("the VM's stop loop has ended")
                 self._got.clear()
                 self.machine.call(self._arm)
                 if not self._got.wait(CALIBRATE_WAIT):
@@ -244,12 +268,7 @@ class StopClock:
                     return "no vCPU read the cycle counter in sched_clock to calibrate the clock against"
         finally:
             self._rounding = False
-        rough = self._khz() / 1e6
-        self._last = max(self._taken, key=lambda p: p[0] - rough * p[1])
-        return None
-
-    def _khz(self) -> int:
-        return int.from_bytes(self.kernel.mem.read(self.kernel.symbols.address("tsc_khz"), 4), "little")
+        return max(self._taken, key=lambda p: p[0] - self._khz_rate * p[1])
 
     def _prepare(self) -> str | None:
         symbols, mem = self.kernel.symbols, self.kernel.mem
@@ -272,6 +291,7 @@ class StopClock:
             return f"{counter.function} reads no cycle counter to calibrate the clock against"
         self._counter = counter.value
         self._hpet, self._site = (base, period), site
+        self._khz_rate = int.from_bytes(mem.read(symbols.address("tsc_khz"), 4), "little") / 1e6
         return None
 
     def _read_phys(self, addr: int) -> int:
@@ -304,35 +324,40 @@ class StopClock:
         tsc = self._counter(regs)
         pair = (tsc, self._hpet_ns())
         self._disarm()
-        if not self._rounding:
+        anchors = self._anchors
+        if not self._rounding and anchors is not None:
             # A fresh anchor between rounds: kept unless it came later than the model allows.
             if tsc >= self._predict(pair[1]) - self.rate() * LATE_NS:
-                self._last = pair
+                self._anchors = (anchors[0], pair)
         else:
             self._taken.append(pair)
         self._got.set()
 
     def rate(self) -> float:
         """TSC ticks per nanosecond of the guest's virtual time (both run off the host's clocks)."""
-        assert self._first is not None and self._last is not None
-        (t0, v0), (t1, v1) = self._first, self._last
-        return (t1 - t0) / (v1 - v0) if v1 - v0 > 0 else self._khz() / 1e6
+        assert self._anchors is not None
+        return self._rate_of(self._anchors)
+
+    def _rate_of(self, anchors: tuple[tuple[int, int], tuple[int, int]]) -> float:
+        (t0, v0), (t1, v1) = anchors
+        return (t1 - t0) / (v1 - v0) if v1 - v0 > 0 else self._khz_rate
 
     def _predict(self, hpet_ns: int) -> int:
-        assert self._last is not None
-        tsc0, v0 = self._last
-        return tsc0 + round((hpet_ns - v0) * self.rate())
+        anchors = self._anchors  # one model, though the calibration's thread may replace it meanwhile
+        assert anchors is not None
+        tsc0, v0 = anchors[1]
+        return tsc0 + round((hpet_ns - v0) * self._rate_of(anchors))
 
     def tsc(self) -> int | None:
         """The guest's TSC now, or None if unknown (in a stop's handler, the TSC of that stop)."""
-        if self._first is None or self._last is None or self._hpet is None:
+        if self._anchors is None or self._hpet is None:
             return None
         return self.machine.call(self._tsc_stopped)  # inline on the stop loop's thread; else one stop
 
     def _tsc_stopped(self) -> int:
         now = self._hpet_ns()
-        assert self._last is not None
-        if now - self._last[1] > RECALIBRATE_NS:
+        assert self._anchors is not None
+        if now - self._anchors[1][1] > RECALIBRATE_NS:
             self._arm()  # a fresh anchor at the next sched_clock; this stop still uses the last one
         return self._predict(now)
 

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
 
+from qprobe.arch import CycleCounter
 from qprobe.arch.x86_64.tsc import after_rdtsc
-from qprobe.kernel.clock import TraceClock
+from qprobe.kernel.clock import CALIBRATE_WAIT, ROUND, StopClock, TraceClock
 
 
 def test_after_rdtsc_is_the_next_instruction() -> None:
@@ -67,3 +72,102 @@ def test_global_never_goes_back_for_a_later_tsc() -> None:
     words[0x1000], words[0x1008] = 1_600, 2_050  # a later tick whose time of day is behind sched_clock's
     assert clock.ns(1_501, 0) == first  # held, as trace_clock_global's prev_time holds it
     assert clock.ns(1_400, 0) == 2_050 - 200  # an older TSC is converted as it is, not held
+
+
+class _Guest:
+    """A guest whose TSC runs at B ticks per ns of its virtual time, reading its clock every few ms, with
+    a gdbstub that stops it LATENCY ns after a breakpoint's trap (the HPET is read at the stop)."""
+
+    A, B, LATENCY, SITE, HPET = 7_000_000_000, 2.5, 40_000, 0x5000, 0xFED00000
+    PERIOD_FS = 10_000_000  # a 100 MHz HPET
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # the stop loop: one request or stop at a time
+        self.virt = 1_000_000_000
+        self.armed = 0
+        self.pairs = 0
+        self.alive = True
+        self.stop_handlers: dict[int, Any] = {}
+        self.gdb = self
+        self.physical = False
+        self.symbols, self.mem = self, self
+        # The guest's own calibration of its TSC, 1% off: what the model uses until its own rounds end.
+        self.arch = SimpleNamespace(name="toy", cycle_counter=CycleCounter(
+            "sched_clock_read", lambda code, addr: self.SITE, lambda regs: regs["tsc"]))  # fmt: skip
+        self.runner = threading.Thread(target=self._run, daemon=True)
+        self.runner.start()
+
+    def _run(self) -> None:
+        while self.alive:
+            time.sleep(0.005)
+            with self.lock:
+                self.virt += 3_000_000
+                if self.armed:
+                    tsc = self.A + round(self.B * self.virt)
+                    self.virt += self.LATENCY
+                    self.pairs += 1
+                    self.stop_handlers[self.armed]("1", {"tsc": tsc})
+
+    # the Machine
+    def call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
+        with self.lock:
+            return fn()
+
+    # the gdbstub
+    def insert_breakpoint(self, addr: int, kind: int) -> None:
+        self.armed = addr
+
+    def remove_breakpoint(self, addr: int, kind: int) -> None:
+        self.armed = 0
+
+    def set_physical(self, on: bool) -> None:
+        self.physical = on
+
+    def read_memory(self, addr: int, size: int) -> bytes:
+        assert self.physical
+        counter = self.virt * 10**6 // self.PERIOD_FS
+        regs = {self.HPET: self.PERIOD_FS << 32, self.HPET + 0x10: 1, self.HPET + 0xF0: counter}
+        return regs[addr].to_bytes(size, "little")
+
+    # the kernel's symbols and memory
+    def __contains__(self, name: str) -> bool:
+        return name in ("hpet_address", "sched_clock_read", "tsc_khz")
+
+    def address(self, name: str) -> int:
+        return {"hpet_address": 0x100, "tsc_khz": 0x108}[name]
+
+    def lookup(self, name: str) -> SimpleNamespace:
+        return SimpleNamespace(addr=0x4000, size=16)
+
+    def read(self, addr: int, size: int) -> bytes:
+        value = {0x100: self.HPET, 0x108: round(self.B * 1.01 * 10**6)}.get(addr, 0)
+        return value.to_bytes(8, "little")[:size]
+
+
+def test_the_stop_clock_is_usable_after_one_pair_and_calibrated_in_the_background() -> None:
+    guest = _Guest()
+    try:
+        clock = StopClock(guest, guest)  # type: ignore[arg-type]
+        assert clock.unavailable() is None
+        assert guest.pairs == 1  # one read of the guest's clock; an idle guest makes one every few 100 ms
+        assert clock.rate() == 2.5 * 1.01  # the guest's tsc_khz until the rounds end
+        deadline = time.monotonic() + 30  # a bound on waiting, not on speed
+        while clock.rate() == 2.5 * 1.01 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert guest.pairs == 1 + 2 * ROUND
+        assert abs(clock.rate() - guest.B) < guest.B * 1e-4
+        now = clock.machine.call(clock._tsc_stopped)
+        assert abs(now - (guest.A + guest.B * guest.virt)) < guest.B * 2 * guest.LATENCY
+    finally:
+        guest.alive = False
+
+
+def test_the_calibration_thread_ends_with_its_target() -> None:
+    guest = _Guest()
+    clock = StopClock(guest, guest)  # type: ignore[arg-type]
+    assert clock.unavailable() is None
+    guest.alive = False  # closed before the rounds: the thread stops asking the stop loop
+    threads = [t for t in threading.enumerate() if t.name == "qprobe-stop-clock"]
+    for t in threads:
+        t.join(CALIBRATE_WAIT + 5)
+    assert not any(t.is_alive() for t in threads)

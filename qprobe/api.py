@@ -41,6 +41,7 @@ from qprobe.core.watchpoint import Watchpoints
 from qprobe.errors import (
     BootPanic,
     GuestPanicked,
+    GuestStalled,
     QprobeError,
     SymbolError,
     TargetError,
@@ -161,6 +162,7 @@ class Target(ProbeAPI, EventAPI):
         self._init_running = threading.Event()  # set by _init_runs
         self._boot_failed: list[BaseException] = []
         alive = qemu.alive if qemu is not None else None
+        stalled: GuestStalled | None = None
         try:
             t0 = time.monotonic()
             symbols_box: list[Symbols | BaseException] = []
@@ -176,6 +178,8 @@ class Target(ProbeAPI, EventAPI):
                                                   self._boot_setup(vmlinux, None, stall=True))  # fmt: skip
                 except GuestPanicked as exc:
                     raise BootPanic(str(exc)) from None
+                except GuestStalled as exc:
+                    stalled = exc  # raised once attached far enough to say where its vCPUs are
                 if qemu is not None:
                     self.timings["boot"] = time.monotonic() - t0
             self.gdb = open_stub(transport, gdb_address, alive)
@@ -208,6 +212,9 @@ class Target(ProbeAPI, EventAPI):
             paging.learn(self.symbols.__contains__)
             self.mem.pgd = self.mem.pgd_of(root)
             self.slide = detect_slide(self.symbols, self.mem, self.console.text if self.console else "")
+            if stalled is not None:
+                stalled.add_note(f"when it stalled: {self._vcpu_places()}")
+                raise stalled
             # vCPU 0's page tables may be a user process's (idle borrows the last mm): valid now,
             # freed and reused once that process exits.  From here on walk the kernel's own.
             if paging.kernel_root_symbol in self.symbols:
@@ -235,10 +242,16 @@ class Target(ProbeAPI, EventAPI):
             self._probing(phys, doorbell)
             self.timings["attach"] = time.monotonic() - t0
         except BaseException as exc:
+            cause: BaseException = exc
+            if stalled is not None and exc is not stalled and isinstance(exc, QprobeError):
+                stalled.add_note(f"where its vCPUs were is not known: {exc}")
+                cause = stalled
             kept = self._keep_console_log()
             self._teardown()
             if kept:
-                exc.add_note(f"guest console kept in {kept}")
+                cause.add_note(f"guest console kept in {kept}")
+            if cause is not exc:
+                raise cause from None  # the stall is the cause all the same
             raise
         _register_cleanup(self)
 
@@ -476,6 +489,17 @@ class Target(ProbeAPI, EventAPI):
     def _read_cmdline(self) -> str:
         ptr = self.mem.read_u64(self.symbols.address("saved_command_line"))
         return self.mem.read_cstring(ptr, 4096).decode(errors="replace")
+
+    def _vcpu_places(self) -> str:
+        """Where each vCPU of the stopped VM is, by symbol: what a kernel that went silent was doing."""
+        places = []
+        for n, tid in enumerate(self.gdb.threads()):
+            regs = self.gdb.read_registers(tid)
+            pc, stage = regs[self.arch.registers.pc], self.arch.boot_stage(regs)
+            # A secondary CPU the kernel has not brought up yet still waits in the firmware.
+            where = self.symbols.symbolize(pc) if stage is BootStage.KERNEL else f"{pc:#x}, not in the kernel yet"
+            places.append(f"vCPU {n} at {where}")
+        return ", ".join(places)
 
     def _keep_console_log(self) -> Path | None:
         """Copy the console log of a VM that failed to come up, before its run directory goes."""

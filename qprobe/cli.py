@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -107,22 +108,37 @@ def _host_symbols(args: argparse.Namespace) -> Symbols | None:
     ``qprobe boot`` started keeps beside its gdbstub (else it is found once attached).
     """
     from qprobe.images import get_image
-    from qprobe.kernel.symbols import Symbols
 
     vmlinux = getattr(args, "vmlinux", None)
     if vmlinux:
-        return Symbols.load(vmlinux)
+        return _load_symbols(str(vmlinux), None)
     if getattr(args, "attach", None) is not None:
         from qprobe.session import read_session
         from qprobe.vmm.connection import parse_address
 
         where = parse_address(args.attach)
         session = read_session(Path(where)) if isinstance(where, str) and Path(where).exists() else None
-        return Symbols.load(str(session["vmlinux"])) if session is not None else None
+        return _load_symbols(str(session["vmlinux"]), None) if session is not None else None
     _check_image(args)
     _files(getattr(args, "file", []))  # every other input is checked before the image is fetched
     img = get_image(args.image)
-    return Symbols.load(img.vmlinux, img.system_map)
+    return _load_symbols(str(img.vmlinux), img.system_map)
+
+
+@functools.lru_cache(maxsize=2)
+def _loaded(vmlinux: str, system_map: Path | None, mtime_ns: int) -> Symbols:
+    from qprobe.kernel.symbols import Symbols
+
+    return Symbols.load(vmlinux, system_map)
+
+
+def _load_symbols(vmlinux: str, system_map: Path | None) -> Symbols:
+    """A vmlinux's symbols, read once for every check of one command (each read takes 0.2 s)."""
+    try:
+        mtime = os.stat(vmlinux).st_mtime_ns
+    except OSError:
+        mtime = 0  # Symbols.load says what is wrong with it
+    return _loaded(vmlinux, system_map, mtime)
 
 
 def _host_dialect(args: argparse.Namespace) -> Dialect | None:

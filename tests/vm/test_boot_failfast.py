@@ -4,11 +4,16 @@ line naming the image, the console line and the cause, long before the boot time
 from __future__ import annotations
 
 import logging
+import re
+import threading
+import time
 
 import pytest
 
 import qprobe
+from qprobe import session
 from qprobe.errors import GuestBootFailed
+from qprobe.vmm.qemu import QemuProcess
 
 from .conftest import IMAGE
 
@@ -41,3 +46,43 @@ def test_a_login_prompt_fails_the_boot_only_when_the_pre_init_did_not_run_and_sa
                               "('buildroot login:') and never started qprobe's shell: the command line's "
                               "rdinit=/nonexistent replaced qprobe's pre-init"), message  # fmt: skip
     assert "\n" not in message
+
+
+def test_a_kernel_silent_in_its_boot_is_named_with_where_its_vcpus_are_and_booted_again(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first VM is stopped (QMP ``stop``) once its kernel has printed: its console goes silent in the
+    boot, as a stalled guest's does.  qprobe names the stall, with each vCPU's place, and boots again."""
+    stopped: list[str] = []
+
+    class StoppedOnce(QemuProcess):
+        def wait_for_sockets(self, timeout: float = 10.0) -> None:
+            super().wait_for_sockets(timeout)
+            if not stopped:
+                stopped.append(str(self.rundir))
+                threading.Thread(target=self._stop_in_boot, daemon=True).start()
+
+        def _stop_in_boot(self) -> None:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and self.alive():
+                if self.console_log.exists() and b"Linux version" in self.console_log.read_bytes():
+                    self.qmp("stop")
+                    return
+                time.sleep(0.05)
+
+    monkeypatch.setattr(session, "QemuProcess", StoppedOnce)
+    with caplog.at_level(logging.WARNING, logger="qprobe"), qprobe.boot(IMAGE, boot_timeout=TIMEOUT) as target:
+        assert target.run("echo up").check().output.strip() == "up"
+        warning = next(r.getMessage() for r in caplog.records if "again" in r.getMessage())
+        assert warning.startswith(f"booting {IMAGE} again: the kernel of image {IMAGE!r} stopped printing"), warning
+        # vCPU 0 in a function of this vmlinux, with its offset; vCPU 1 there too, or still in the firmware
+        # if the kernel had not brought it up yet.
+        stalled = (
+            r"when it stalled: vCPU 0 at ([\w.]+)\+0x[0-9a-f]+, "
+            r"vCPU 1 at ([\w.]+\+0x[0-9a-f]+|0x[0-9a-f]+, not in the kernel yet)\)"
+        )
+        places = re.search(stalled, warning)
+        assert places is not None and places[1] in target.symbols, warning
+        second = places[2].partition("+")[0]
+        assert second in target.symbols or second.endswith("not in the kernel yet"), warning
+    assert len(stopped) == 1

@@ -7,16 +7,18 @@ of JSON; variable *locations* are not in gdb's Python API and come from
 ``info scope`` instead.
 """
 
+from __future__ import annotations
+
 import json
 
-import gdb  # type: ignore[import-not-found]
+import gdb  # type: ignore[import-untyped]  # gdb's own module, only inside gdb; no stubs installed
 
 
-def _say(value) -> None:
+def _say(value: object) -> None:
     print(json.dumps(value))
 
 
-def _real(t):
+def _real(t: gdb.Type) -> gdb.Type:
     """The type with typedefs and const/volatile removed (libdw's die_get_real_type)."""
     while True:
         r = t.strip_typedefs().unqualified()
@@ -25,7 +27,7 @@ def _real(t):
         t = r
 
 
-def qp_function(name) -> None:
+def qp_function(name: str) -> None:
     sym = gdb.lookup_static_symbol(name) or gdb.lookup_global_symbol(name)
     if sym is None or sym.addr_class != gdb.SYMBOL_LOC_BLOCK:
         _say(None)
@@ -33,7 +35,7 @@ def qp_function(name) -> None:
     _say({"file": sym.symtab.filename, "line": sym.line, "addr": int(sym.value().address)})
 
 
-def qp_symtab(spec) -> None:
+def qp_symtab(spec: str) -> None:
     """The file a ``SRC:LINE`` names, as gdb spells it (its symtab is expanded for the line table)."""
     try:
         _, sals = gdb.decode_line(spec)
@@ -44,7 +46,7 @@ def qp_symtab(spec) -> None:
     _say({"files": files})
 
 
-def _member(t, name):
+def _member(t: gdb.Type, name: str) -> tuple[int, gdb.Type, int] | None:
     """(byte offset, member type) of ``name`` in struct/union ``t``, looking into anonymous members."""
     for f in t.fields():
         off = 0 if t.code == gdb.TYPE_CODE_UNION else f.bitpos // 8
@@ -61,7 +63,7 @@ def _member(t, name):
     return None
 
 
-def _type_info(t):
+def _type_info(t: gdb.Type) -> dict[str, object]:
     r = _real(t)
     kinds = {gdb.TYPE_CODE_PTR: "pointer", gdb.TYPE_CODE_ARRAY: "array", gdb.TYPE_CODE_STRUCT: "struct",
              gdb.TYPE_CODE_UNION: "union"}  # fmt: skip
@@ -74,7 +76,7 @@ def _type_info(t):
     return {"kind": kind, "size": r.sizeof, "signed": signed, "name": str(t), "target": target}
 
 
-def qp_access(var, pc, fields) -> None:
+def qp_access(var: str, pc: int, fields: list[list[str]]) -> None:
     """Walk ``var`` (looked up in the block at ``pc``) through ``fields`` ([op, name or index], ...).
 
     Each step is ``["deref", off]`` (a new dereference) or ``["add", off]`` (an offset

@@ -532,7 +532,7 @@ def _parse_with_lief(
     percpu: dict[str, int] = {}
     percpu_index = next((i for i, sec in enumerate(binary.sections) if sec.name == ".data..percpu"), -1)
     for s in binary.symtab_symbols:
-        if not s.name or s.type == lief.ELF.Symbol.TYPE.FILE:
+        if not s.name or isinstance(s.name, bytes) or s.type == lief.ELF.Symbol.TYPE.FILE:  # bytes: not UTF-8
             continue
         if s.value >= LINK_BASE & ~0xFFFFFFF:
             syms.append((s.name, s.value, s.size, kinds.get(s.type, "other")))
@@ -550,6 +550,6 @@ def _parse_with_lief(
     sections = [
         Section(s.name, s.virtual_address, s.size, s.file_offset, s.has(exec_flag))
         for s in binary.sections
-        if s.virtual_address
+        if s.virtual_address and isinstance(s.name, str)  # LIEF gives bytes for a name not UTF-8
     ]
     return syms, sections, percpu

@@ -74,7 +74,7 @@ def _options(value: str) -> tuple[str, dict[str, str]]:
     """QEMU's ``first,key=value,...``: the first part (when it has no '=') and the keys."""
     parts = value.split(",")
     head = "" if "=" in parts[0] else parts.pop(0)
-    return head, dict(p.split("=", 1) if "=" in p else (p, "on") for p in parts if p)
+    return head, {k: v if eq else "on" for k, eq, v in (p.partition("=") for p in parts if p)}
 
 
 def parse_start_qemu(text: str, images: Path) -> StartQemu:

@@ -25,6 +25,7 @@ run at a kernel virtual address yet, and the boot fails loudly if one has.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -143,7 +144,7 @@ class BootSlide:
                 for output in self.outputs:
                     try:
                         if read(output, len(magic)) == magic and self.decompressed.header_at(read, output):
-                            self.machine.call(lambda o=output: self._header_seen(o))
+                            self.machine.call(functools.partial(self._header_seen, output))
                             return
                         if read(output + banner_at, len(banner)) == banner:
                             self.machine.call(lambda: self._late("its banner seen before its decompressed header"))

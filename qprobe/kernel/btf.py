@@ -69,7 +69,8 @@ class KernelBtf:
             self._structs = dict(base._structs)
             shift = len(base._data)
             types, strings = base._data + types, base._strings + strings
-        self._data, self._strings = types, strings
+        self._data: bytes = types
+        self._strings: bytes = strings
         pos = shift
         while pos + 12 <= len(types):
             name_off, info, size_type = struct.unpack_from("<III", types, pos)

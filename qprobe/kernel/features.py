@@ -62,7 +62,7 @@ def thread_size(kernel: KernelData) -> int:
     ``__end_init_task`` before.  Raises SymbolError if none of them is there.
     """
     try:
-        return drgn.sizeof(kernel.prog.variable("init_stack"))
+        return drgn.sizeof(kernel.prog.variable("init_stack"))  # type: ignore[no-any-return]  # drgn: untyped to mypy
     except (QprobeError, LookupError, ValueError):
         pass
     size = init_stack_span(kernel.symbols)

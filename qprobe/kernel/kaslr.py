@@ -15,9 +15,9 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
-from qprobe.errors import ImageError, VmlinuxMismatch
+from qprobe.errors import ImageError, MemoryFault, VmlinuxMismatch
 from qprobe.kernel.symbols import Symbols
-from qprobe.vmm.memory import GuestMemory, MemoryFault
+from qprobe.vmm.memory import GuestMemory
 
 ALIGN = 0x200000
 WINDOW = 1 << 30
@@ -72,10 +72,8 @@ def image_alignment(image: Path) -> int:
         raise ImageError(f"cannot read {image}: {exc.strerror}") from None
     if len(head) < 0x240 or head[HDR_MAGIC : HDR_MAGIC + 4] != b"HdrS":
         raise ImageError(f"{image.name} is not a bzImage (no boot protocol header): its KASLR alignment is unknown")
-    version, align = (
-        struct.unpack_from("<H", head, HDR_VERSION)[0],
-        struct.unpack_from("<I", head, HDR_KERNEL_ALIGNMENT)[0],
-    )
+    version: int = struct.unpack_from("<H", head, HDR_VERSION)[0]
+    align: int = struct.unpack_from("<I", head, HDR_KERNEL_ALIGNMENT)[0]
     if version < 0x205 or not align or align & (align - 1):
         raise ImageError(f"{image.name}'s boot protocol header ({version:#x}) gives no kernel alignment")
     return align

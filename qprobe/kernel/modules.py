@@ -95,7 +95,7 @@ def read_module(mod: drgn.Object) -> ModuleText:
 
 
 def module_state(mod: drgn.Object) -> int:
-    return mod.state.value_()
+    return mod.state.value_()  # type: ignore[no-any-return]  # drgn: untyped to mypy
 
 
 def loaded_modules(prog: drgn.Program) -> list[ModuleText]:

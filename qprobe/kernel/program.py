@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, overload
 import drgn
 
 from qprobe.arch import Arch
-from qprobe.errors import SymbolError
+from qprobe.errors import MemoryFault, SymbolError
 from qprobe.kernel.debuginfo import DWARF_FRAGMENT
-from qprobe.vmm.memory import GuestMemory, MemoryFault
+from qprobe.vmm.memory import GuestMemory
 
 if TYPE_CHECKING:
     from qprobe.kernel.symbols import Symbols
@@ -159,7 +159,7 @@ def _s32(raw: bytes, offset: int) -> int:
 
 def describe(frame: drgn.StackFrame) -> str:
     """``name (file:line:column)`` where DWARF knows the frame, else ``symbol+0xoff/0xsize``, else the pc."""
-    where = frame.function_name
+    where: str | None = frame.function_name
     if where is None:  # no DWARF for this pc (entry code, a module): the ELF symbol, as /proc/PID/stack
         try:
             sym = frame.symbol()
@@ -233,7 +233,7 @@ class KernelData:
     def type_offset(self, type_name: str, member: str) -> int:
         """offsetof(type, member) from the debug info (``member`` may be a path: ``name.nodename``)."""
         try:
-            return drgn.offsetof(self.prog.type(type_name), member)
+            return drgn.offsetof(self.prog.type(type_name), member)  # type: ignore[no-any-return]  # drgn: untyped to mypy
         except LookupError as exc:
             raise SymbolError(f"{type_name}.{member}: {exc}") from None
 
@@ -253,12 +253,12 @@ class KernelData:
                 return self.symbols.percpu[name]
             raise
         try:
-            return prog[name].address_
+            return prog[name].address_  # type: ignore[no-any-return]  # drgn: untyped to mypy
         except KeyError:
             pass
         try:
             hot = prog["pcpu_hot"]
-            return hot.address_ + drgn.offsetof(hot.type_, name)
+            return hot.address_ + drgn.offsetof(hot.type_, name)  # type: ignore[no-any-return]  # drgn: untyped to mypy
         except (KeyError, LookupError):
             raise SymbolError(f"this kernel has neither a per-CPU {name} nor pcpu_hot.{name}") from None
 

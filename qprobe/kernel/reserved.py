@@ -71,7 +71,7 @@ class ReservedText:
         return self._arch.jump_label_size(code)
 
     @staticmethod
-    def _overlapping(sites: Sequence[int], start: int, end: int, longest: int) -> list[int]:
+    def _overlapping(sites: Sequence[int], start: int, end: int, longest: int) -> Sequence[int]:
         """Sites that may overlap [start, end]: those from ``start - longest + 1`` to ``end``."""
         lo = bisect.bisect_left(sites, start - longest + 1)
         hi = bisect.bisect_right(sites, end)

@@ -154,7 +154,7 @@ class UserFiles:
             return None
         try:
             if inode.i_link:
-                raw = self.prog.read(inode.i_link.value_(), size)
+                raw: bytes = self.prog.read(inode.i_link.value_(), size)
             else:
                 page = self._cached_page(inode.i_mapping.value_(), 0)
                 if page is None:
@@ -234,7 +234,7 @@ class UserFiles:
     def _page_bytes(self, page: drgn.Object, within: int, size: int) -> bytes:
         """Bytes of a page's frame, read physically (no direct-map base needed)."""
         pfn = (page.value_() - self._vmemmap.value_()) // drgn.sizeof(page.type_.type)
-        return self.prog.read(pfn * self.page_size + within, size, True)
+        return self.prog.read(pfn * self.page_size + within, size, True)  # type: ignore[no-any-return]  # drgn: untyped to mypy
 
     def page_owner(self, pfn: int) -> tuple[int, int] | None:
         """The (address_space, index) whose page cache page is frame ``pfn``; None for any other page."""

@@ -158,7 +158,7 @@ class Journal:
 
     def _save_locked(self) -> None:
         tmp = self.path.with_suffix(".tmp")
-        payload = {"identity": self.identity, "meta": self.meta,
+        payload: dict[str, object] = {"identity": self.identity, "meta": self.meta,
                    "patches": [p.to_json() for p in list(self.patches.values())]}  # fmt: skip
         if self.qemu is not None:
             payload["qemu"] = list(self.qemu)

@@ -116,7 +116,7 @@ class GuestMemory:
         return bytes(out)
 
     def read_u64(self, vaddr: int) -> int:
-        return struct.unpack("<Q", self.read(vaddr, 8))[0]
+        return int.from_bytes(self.read(vaddr, 8), "little")
 
     def read_cstring(self, vaddr: int, limit: int = 4096) -> bytes:
         out = bytearray()

@@ -15,10 +15,9 @@ import contextlib
 import re
 from collections.abc import Iterator
 
-from qprobe.errors import ScratchFull, TargetError
+from qprobe.errors import MemoryFault, ScratchFull, TargetError
 from qprobe.vmm.journal import Patch
 from qprobe.vmm.machine import Machine
-from qprobe.vmm.memory import MemoryFault
 
 SIZE = 2 << 20
 

@@ -33,7 +33,8 @@ class HostContext:
             return self.orig_ax
         if name == "ip" and self._ip is not None:
             return self._ip
-        return getattr(self.regs, name)
+        value: int = getattr(self.regs, name)  # a register property, or PtRegs.__getattr__
+        return value
 
     def read(self, addr: int, size: int) -> bytes:
         try:

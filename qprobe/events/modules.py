@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import drgn
 
-from qprobe.core.anywhere import InternalProbe
+from qprobe.core.anywhere import InternalProbe, StubPoint
 from qprobe.core.kprobe import KPROBE_FLAG_GONE, Kprobe, Kretprobe
 from qprobe.core.regs import PtRegs
 from qprobe.errors import QprobeError, SymbolError
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
     from qprobe.core.kprobes import KprobeManager
     from qprobe.core.kretprobe import KretprobeManager
+    from qprobe.core.point import ProbePoint
     from qprobe.events.define import EventRegistry
     from qprobe.events.event import TraceEvent
     from qprobe.kernel.program import KernelData
@@ -178,7 +179,7 @@ class ModuleNotifier:
     def _kill(self, where: Callable[[int], bool]) -> None:
         """``kill_kprobe`` for every probe in the text about to be freed, its original bytes back first."""
         kprobes = self.target.kprobes
-        points = [*kprobes.points.values(), *kprobes.stubs.points.values()]
+        points: list[ProbePoint | StubPoint] = [*kprobes.points.values(), *kprobes.stubs.points.values()]
         for kp in [kp for p in points if where(p.addr) for kp in p.probes if not isinstance(kp, InternalProbe)]:
             rp = kp.kretprobe
             if isinstance(rp, Kretprobe):

@@ -236,7 +236,7 @@ def read_string(ctx: FetchContext, addr: int, user: bool) -> str | Fault:
     while len(out) < MAX_STRING_SIZE:
         chunk = min(PAGE_SIZE - addr % PAGE_SIZE, MAX_STRING_SIZE - len(out))
         try:
-            data = read_memory(ctx, addr, chunk, user)
+            data: bytes | bytearray = read_memory(ctx, addr, chunk, user)
         except MemoryFault:
             data = bytearray()
             for i in range(chunk):

@@ -27,15 +27,7 @@ from . import messages as M
 from .args import FetchArg, Value, integer_names, parse_fetch_arg, string_names, symbol_refs_of
 from .context import FetchContext
 from .dialect import BASE, Dialect
-from .expr import (
-    FL_FENTRY,
-    FL_KERNEL,
-    FL_RETURN,
-    ArgError,
-    is_function_entry,
-    is_function_return,
-    split_symbol_offset,
-)
+from .expr import FL_FENTRY, FL_KERNEL, FL_RETURN, ArgError, is_function_entry, is_function_return, split_symbol_offset
 from .kstrto import is_good_name, isdigit, kstrtouint, kstrtoul, simple_strtoul, split_args
 
 SymbolExists = Callable[[str], bool]
@@ -511,8 +503,10 @@ def check_append(new: ProbeEvent, existing: Sequence[ProbeEvent], dialect: Diale
 
 class _Probe(Protocol):
     text: str
-    is_return: bool
     args: list[FetchArg]
+
+    @property
+    def is_return(self) -> bool: ...  # read-only: ProbeEvent's is a property
 
 
 def append_checks(new: _P, existing: Sequence[_P], dialect: Dialect, place: Callable[[_P], Hashable]) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from . import messages as M
 from .btf import CType
-from .context import U64_MASK, FetchContext, read_uint
+from .context import U64_MASK, FetchContext, UserFetchContext, read_uint
 from .dialect import BASE, Dialect
 from .kstrto import isalpha, isdigit, kstrtol, kstrtoul, to_s32
 
@@ -430,8 +430,8 @@ def fetch(node: Node, ctx: FetchContext) -> int:
             return ctx.arg(n) & U64_MASK
         case Imm(value):
             return value
-        case FileOffset(offset):
-            return ctx.file_address(offset) & U64_MASK  # type: ignore[attr-defined]
+        case FileOffset(offset) if isinstance(ctx, UserFetchContext):  # only a uprobe's context has a file
+            return ctx.file_address(offset) & U64_MASK
         case SymbolAddr(_, name, offset):
             if offset is None:
                 raise KeyError(name)

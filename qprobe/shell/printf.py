@@ -95,7 +95,7 @@ def _string_literal(text: str) -> tuple[str, str]:
     """The C string literal at the start of ``text`` (unescaped) and what follows it."""
     if not text.startswith('"'):
         raise PrintfError('printf: the format is a string in double quotes: "%s %d\\n", $comm, count')
-    out = []
+    out: list[str] = []
     i = 1
     while i < len(text):
         c = text[i]

@@ -42,6 +42,7 @@ from qprobe.errors import (
     BootPanic,
     GuestPanicked,
     GuestStalled,
+    MemoryFault,
     QprobeError,
     SymbolError,
     TargetError,
@@ -67,7 +68,7 @@ from qprobe.vmm.gdbmi import GdbMiRemote
 from qprobe.vmm.gdbremote import GdbRemote, drop_stale_breakpoints
 from qprobe.vmm.journal import Journal, sweep_journals
 from qprobe.vmm.machine import Machine
-from qprobe.vmm.memory import GuestMemory, MemoryFault, PhysReader, SharedRam
+from qprobe.vmm.memory import GuestMemory, PhysReader, SharedRam
 from qprobe.vmm.peer import listener_pid, process_identity
 from qprobe.vmm.qemu import QemuProcess
 from qprobe.vmm.scratch import ScratchArea, memmap_reservation
@@ -104,7 +105,7 @@ def vmlinux_arch(symbols: Symbols) -> Arch:
     return arch_of_machine(elf_machine(symbols.path))
 
 
-def open_stub(transport: str, address: str, alive: Callable[[], bool] | None = None) -> GdbTransport:
+def open_stub(transport: str, address: str, alive: Callable[[], bool] | None = None) -> GdbRemote | GdbMiRemote:
     """The gdbstub client: qprobe's own RSP client, or a real gdb driven through GDB/MI (same interface)."""
     if transport == "rsp":
         return GdbRemote(Connection.open(address, alive))
@@ -228,10 +229,8 @@ class Target(ProbeAPI, EventAPI):
             self.cmdline = self._read_cmdline()
             sweep_journals()  # those of VMs that are gone
             qemu_pid = self.qemu.proc.pid if self.qemu is not None else listener_pid(parse_address(gdb_address))
-            self.journal = Journal(
-                vm_identity(self.symbols, self.slide, self.mem),
-                process_identity(qemu_pid) if qemu_pid is not None else None,
-            )
+            self.journal = Journal(vm_identity(self.symbols, self.slide, self.mem),
+                                   process_identity(qemu_pid) if qemu_pid is not None else None)  # fmt: skip
             if self.qemu is not None:
                 self.qemu.remove_with_vm(self.journal.files())  # by the janitor, should this process be killed
             self.kernel = KernelData(self.symbols, self.mem, self.arch)

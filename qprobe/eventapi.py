@@ -22,9 +22,14 @@ log = logging.getLogger("qprobe")
 
 if TYPE_CHECKING:
     from qprobe.arch import Arch
+    from qprobe.core.kprobes import KprobeManager
+    from qprobe.core.kretprobe import KretprobeManager
     from qprobe.core.uprobes import UprobeManager
     from qprobe.events import EventHit, TraceEvent, Wildcard
     from qprobe.events.clock import HitClock
+    from qprobe.events.kprobe import KprobeBackend
+    from qprobe.events.timeline import Timeline
+    from qprobe.events.uprobe import UprobeBackend
     from qprobe.fetch import ProbeEvent, UprobeEvent
     from qprobe.fetch.dialect import Dialect
     from qprobe.fetch.uevent import FileKind
@@ -32,6 +37,7 @@ if TYPE_CHECKING:
     from qprobe.kernel.symbols import Symbols
     from qprobe.vmm.console import GuestShell, RunResult
     from qprobe.vmm.machine import Machine
+    from qprobe.vmm.memory import GuestMemory
 
 
 class EventAPI:
@@ -42,7 +48,13 @@ class EventAPI:
     kernel: KernelData
     symbols: Symbols
     machine: Machine
+    mem: GuestMemory
+    timeline: Timeline
+    kprobes: KprobeManager
+    kretprobes: KretprobeManager
     uprobes: UprobeManager
+    kprobe_backend: KprobeBackend
+    uprobe_backend: UprobeBackend
     guest_shell: GuestShell | None
     run: Callable[[str], RunResult]  # Target.run: a command in the guest's shell
     clock: HitClock
@@ -70,7 +82,7 @@ class EventAPI:
     def trace_events(self) -> frozenset[tuple[str, str]]:
         """(system, name) of the guest kernel's trace events, read once through drgn (module events load later)."""
         try:
-            return trace_event_names(self.prog)
+            return trace_event_names(self.kernel.prog)
         except SymbolError:  # a vmlinux without debug info: no names to check against, as before they were read
             return frozenset()
 

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from qprobe.core.uprobes import UprobeManager
     from qprobe.core.watchpoint import Watchpoints
     from qprobe.vmm.machine import Machine
+    from qprobe.vmm.memory import GuestMemory
 
 
 class ProbeAPI:
@@ -31,6 +32,7 @@ class ProbeAPI:
     uprobes: UprobeManager
     watchpoints: Watchpoints
     machine: Machine
+    mem: GuestMemory
 
     def register_kprobe(self, kp: Kprobe) -> None:
         self.kprobes.register_kprobe(kp)

@@ -83,7 +83,8 @@ class KernelFacts(Protocol):
 class RunningTarget(KernelFacts, Protocol):
     """What of_target reads of a running target (qprobe.api.Target)."""
 
-    kprobes: ProbeTables
+    @property  # read-only, so that the target's KprobeManager implements it
+    def kprobes(self) -> ProbeTables: ...
 
 
 _GLOB = re.compile(r"[*?\[]")

@@ -46,10 +46,15 @@ class EventHost(Protocol):
 
     arch: Arch
     symbols: Symbols
-    kernel: Tasks
-    mem: Paged
     timeline: Timeline
-    clock: HitTimes
+
+    # Read-only, so that the target's KernelData, GuestMemory and HitClock implement them.
+    @property
+    def kernel(self) -> Tasks: ...
+    @property
+    def mem(self) -> Paged: ...
+    @property
+    def clock(self) -> HitTimes: ...
 
 
 class HitTimes(Protocol):

@@ -26,6 +26,7 @@ from drgn.helpers.linux.rbtree import rbtree_inorder_for_each_entry
 from drgn.helpers.linux.xarray import xa_is_value, xa_load
 
 from qprobe.errors import QprobeError
+from qprobe.fetch.uevent import FileKind
 
 __all__ = ["GuestFile", "Mapping", "UserFiles"]
 
@@ -99,7 +100,7 @@ class UserFiles:
         except drgn.FaultError:
             return False
 
-    def file_kind(self, path: str) -> str:
+    def file_kind(self, path: str) -> FileKind:
         """``regular``, ``other`` or ``missing``: what ``kern_path`` and ``d_is_reg`` would tell the parser."""
         inode = self._inode(path)
         if inode is None:

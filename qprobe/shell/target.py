@@ -16,9 +16,11 @@ from qprobe.events.funcs import ProbeTables, RunningTarget
 if TYPE_CHECKING:
     import drgn
 
+    from qprobe.arch import Arch
     from qprobe.core.kprobe import Kprobe, Kretprobe
     from qprobe.core.point import ProbePoint
     from qprobe.events import EventHit, TraceEvent, Wildcard
+    from qprobe.events.timeline import Timeline
     from qprobe.fetch import ProbeEvent
     from qprobe.kernel.program import KernelData, Stack
     from qprobe.vmm.console import RunResult
@@ -35,11 +37,14 @@ class ShellProbes(ProbeTables, Protocol):
 class ShellTarget(RunningTarget, Protocol):
     """Everything the shell's commands ask of a target."""
 
-    kprobes: ShellProbes
+    arch: Arch
     kernel: KernelData
     events: dict[str, TraceEvent]
     slide: int
+    timeline: Timeline
 
+    @property
+    def kprobes(self) -> ShellProbes: ...
     @property
     def vcpus(self) -> int: ...
     @property

@@ -13,7 +13,7 @@ import logging
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
 from qprobe.errors import (
     FetchArgError,
@@ -277,19 +277,19 @@ def add_events(
     prepared: list[TraceEvent] = []
     for func, definition in definitions:
         try:
-            te, first = _prepare(reg, definition, callback, filter, lambda _name: 1, anywhere)  # unique above
+            event, first = _prepare(reg, definition, callback, filter, lambda _name: 1, anywhere)  # unique above
         except FetchArgError as exc:
             refused[func] = exc.explained
             continue
         if first is not None:
-            refused[func] = f"{reg.dialect.message(M.EVENT_EXIST)} ({te.name})"
+            refused[func] = f"{reg.dialect.message(M.EVENT_EXIST)} ({event.name})"
             continue
-        prepared.append(te)
+        prepared.append(event)
     try:
         _register_batch(prepared)
     except ProbeError:
         # One the host's checks passed was refused when registered: find which, one by one.
-        armed = []
+        armed: list[TraceEvent] = []
         for te in prepared:
             try:
                 te.backend.register([te])
@@ -303,6 +303,15 @@ def add_events(
     return Wildcard(pattern, prepared, dict(sorted(refused.items())))
 
 
+class _Answers(TypedDict):
+    """The running kernel's answers to parse_event and check_event (their keyword arguments)."""
+
+    symbol_exists: Callable[[str], bool]
+    on_func_entry: Callable[[str, int], bool]
+    dialect: Dialect
+    symbol_count: Callable[[str], int]
+
+
 def _prepare(
     reg: EventRegistry, definition: str | ProbeEvent, callback: Callable[[EventHit], None] | None,
     filter: str | None, symbol_count: Callable[[str], int], anywhere: bool,
@@ -313,8 +322,9 @@ def _prepare(
     a definition a front end parsed already is checked with them, not parsed again (check_event).
     """
     symbols, dialect = reg.symbols, reg.dialect
-    answers = {"symbol_exists": lambda name: name in symbols, "dialect": dialect, "symbol_count": symbol_count,
-               "on_func_entry": lambda sym, off: on_func_entry(reg, sym, off)}  # fmt: skip
+    answers: _Answers = {"symbol_exists": lambda name: name in symbols, "dialect": dialect,
+                         "symbol_count": symbol_count,
+                         "on_func_entry": lambda sym, off: on_func_entry(reg, sym, off)}  # fmt: skip
     text = definition.text if isinstance(definition, ProbeEvent) else definition
     try:
         ev = check_event(definition, **answers) if isinstance(definition, ProbeEvent) else parse_event(text, **answers)

@@ -23,7 +23,9 @@ from qprobe.fetch.filter import EventFilter
 
 if TYPE_CHECKING:
     from qprobe.arch.inguest import MapSlot
+    from qprobe.core.kprobe import Kprobe, Kretprobe
     from qprobe.core.regs import PtRegs
+    from qprobe.core.uprobes import Uprobe
     from qprobe.events.registry import EventHost
     from qprobe.fetch.args import Value
     from qprobe.fetch.context import FetchContext
@@ -51,6 +53,7 @@ class TraceEvent:
     filter: EventFilter | None = None
     host_filtered: int = 0  # hits the filter rejected on the host (the rest were rejected in the guest)
     appended: list[TraceEvent] = field(default_factory=list)  # later probes of the same event
+    probe: Kprobe | Kretprobe | Uprobe | None = None  # make_probe's; a kind's subclass narrows it to its own
 
     # -- what a probe kind answers ------------------------------------------------------------
     @property

@@ -67,36 +67,29 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import pytest
 
 if TYPE_CHECKING:
     from qprobe.api import Target
+    from qprobe.core.anywhere import StubPoint
     from qprobe.core.kprobe import Kprobe
+    from qprobe.core.point import ProbePoint
     from qprobe.events import TraceEvent
     from qprobe.images import Image
     from qprobe.kernel.symbols import Symbols
     from qprobe.pytest_lacks import Lacks
 
-__all__ = [
-    "QprobeReset",
-    "qprobe_boot_events",
-    "qprobe_boot_kwargs",
-    "qprobe_image",
-    "qprobe_reset",
-    "qprobe_scope",
-    "qprobe_target",
-    "register_if_missing",
-    "selected_images",
-]
+__all__ = ["QprobeReset", "qprobe_boot_events", "qprobe_boot_kwargs", "qprobe_image", "qprobe_reset", "qprobe_scope",
+           "qprobe_target", "register_if_missing", "selected_images"]  # fmt: skip
 
 DEFAULT_IMAGE = "debian-cloud"
 CONSOLE_TAIL = 40
-SCOPES = ("function", "class", "module", "package", "session")
+Scope = Literal["function", "class", "module", "package", "session"]
 
 _VMS = pytest.StashKey[dict[int, "_Vm"]]()
 _IMAGES = pytest.StashKey[dict[str, "Image"]]()
@@ -122,7 +115,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--qprobe-boot-event", action="append", dest="qprobe_boot_events", metavar="DEF", default=[],
                     help="a kprobe_events definition armed in every VM before the kernel's first instruction "
                          "(repeatable; the qprobe_boot_events fixture holds its events)")  # fmt: skip
-    group.addoption("--qprobe-scope", choices=SCOPES, default="module",
+    group.addoption("--qprobe-scope", choices=get_args(Scope), default="module",
                     help="how long one VM lives: one per test module by default")  # fmt: skip
     group.addoption("--qprobe-keep", action="store_true", default=False,
                     help="leave a failing test's VM running (probes removed); print how to attach to it")  # fmt: skip
@@ -183,9 +176,9 @@ def selected_images(config: pytest.Config) -> list[str]:
     return list(dict.fromkeys(given))
 
 
-def qprobe_scope(fixture_name: str, config: pytest.Config) -> str:
+def qprobe_scope(fixture_name: str, config: pytest.Config) -> Scope:
     """The scope of the VM fixtures (``--qprobe-scope``); use it for fixtures that depend on ``qprobe_target``."""
-    return str(config.getoption("qprobe_scope", default="module") or "module")
+    return config.getoption("qprobe_scope", default="module") or "module"  # a Scope: the option's choices
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -380,7 +373,7 @@ def _user_kprobes(target: Target) -> list[Kprobe]:
     """Every kprobe registered, int3 or stub breakpoint, but qprobe's own (return sites, boot milestones)."""
     from qprobe.core.anywhere import InternalProbe
 
-    points = [*target.kprobes.points.values(), *target.kprobes.stubs.points.values()]
+    points: list[ProbePoint | StubPoint] = [*target.kprobes.points.values(), *target.kprobes.stubs.points.values()]
     return [kp for point in points for kp in point.probes if not isinstance(kp, InternalProbe)]
 
 
@@ -731,8 +724,8 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
-    report: pytest.TestReport = yield
+def pytest_runtest_makereport(item: pytest.Item) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
     item.stash.setdefault(_REPORTS, {})[report.when] = report
     if report.skipped and item.stash.get(_OUR_SKIP, False) and isinstance(report.longrepr, tuple):
         filename, line = item.reportinfo()[:2]
@@ -783,9 +776,11 @@ def _no_skip(item: pytest.Item, report: pytest.TestReport) -> None:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[pytest.CollectReport]:
+def pytest_make_collect_report(
+    collector: pytest.Collector,
+) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
     # A module skipped as it is collected (a module-level skip, importorskip) is a skip too.
-    report: pytest.CollectReport = yield
+    report = yield
     if report.skipped and collector.config.getoption("qprobe_no_skip", False):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"

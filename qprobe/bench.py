@@ -38,7 +38,7 @@ class Shell(Protocol):
     def run(self, command: str, timeout: float = 60.0) -> RunResult: ...
 
 
-def _time(fn, repeat: int) -> float:  # type: ignore[no-untyped-def]
+def _time(fn: Callable[[], object], repeat: int) -> float:
     t = time.perf_counter()
     for _ in range(repeat):
         fn()
@@ -94,7 +94,7 @@ TRACEFS = "/sys/kernel/tracing"
 FAST_RUNS = 3
 
 
-def _paired(target: qprobe.Target, cmd: str, on: Callable[[], None], off: Callable[[], None]) -> tuple[float, float]:
+def _paired(target: Shell, cmd: str, on: Callable[[], object], off: Callable[[], object]) -> tuple[float, float]:
     """Medians of (probed, unprobed) seconds of ``cmd``, each probed run right after an unprobed one.
 
     The fast rows add a few percent at most, and a stop-based row's short
@@ -526,8 +526,8 @@ def _guest_scale_rows(args: argparse.Namespace, names: list[str], accel: str) ->
                 rows.append(ScaleRow(n, what, 0, 0, 0, 0, failed="the guest shell stopped answering"))
                 break
             except TargetError as exc:  # a tracefs write the guest refused: its own words, and the kernel's
-                said = console.run("dmesg | tail -n 3", timeout=60).output.replace("\n", " / ")
-                rows.append(ScaleRow(n, what, 0, 0, 0, 0, failed=f"{exc}; dmesg: {said}"[-600:]))
+                dmesg = console.run("dmesg | tail -n 3", timeout=60).output.replace("\n", " / ")
+                rows.append(ScaleRow(n, what, 0, 0, 0, 0, failed=f"{exc}; dmesg: {dmesg}"[-600:]))
                 break
     return rows
 
@@ -616,14 +616,14 @@ def _trace_lines(target: qprobe.Target) -> list[tuple[str, str]]:
         t = time.perf_counter()
         target.run(cmd, timeout=1800).check()
         seconds = time.perf_counter() - t
-        said = target.run(f"echo 0 > {TRACEFS}/events/kprobes/qpbench/enable; grep -c qpbench: {TRACEFS}/trace; "
-                          f"cat {TRACEFS}/buffer_size_kb").check().output.split()  # fmt: skip
+        ftrace = target.run(f"echo 0 > {TRACEFS}/events/kprobes/qpbench/enable; grep -c qpbench: {TRACEFS}/trace; "
+                            f"cat {TRACEFS}/buffer_size_kb").check().output.split()  # fmt: skip
     finally:
         target.run(f"echo 0 > {TRACEFS}/events/kprobes/qpbench/enable; "
                    f"echo '-:qpbench' >> {TRACEFS}/kprobe_events").check()  # fmt: skip
     rows.append((f"the guest's own kprobe_events, same definition: `{cmd}`",
-                 f"{int(said[0])} lines in its ftrace ring ({said[1]} KiB per CPU) in {seconds:.2f} s: "
-                 f"{int(said[0]) / seconds:,.0f} lines/s"))  # fmt: skip
+                 f"{int(ftrace[0])} lines in its ftrace ring ({ftrace[1]} KiB per CPU) in {seconds:.2f} s: "
+                 f"{int(ftrace[0]) / seconds:,.0f} lines/s"))  # fmt: skip
     return rows
 
 

@@ -242,7 +242,7 @@ def _arm(target: Target, definition: str | ProbeEvent, callback: Callable[[Event
     return found.events
 
 
-def _boot(args: argparse.Namespace, at_boot: Callable[[Target], None] | None = None):  # type: ignore[no-untyped-def]
+def _boot(args: argparse.Namespace, at_boot: Callable[[Target], None] | None = None) -> Target:
     """The target: attached, or booted (``at_boot``: armed before the kernel's first instruction)."""
     import qprobe
 
@@ -388,7 +388,7 @@ class _Trace:
         # The filter as it is checked before boot; one naming $cpid is set on the events once the command forks.
         self.filter: str | None = args.filter.replace("$cpid", "0") if self.cpid_filter else args.filter
 
-    def check(self, ev: ProbeEvent) -> None:
+    def check(self, ev: ProbeEvent | UprobeEvent) -> None:
         """A definition against the filter and --format, before booting."""
         from qprobe.events import event_filter
 
@@ -491,7 +491,7 @@ def _parse_definitions(args: argparse.Namespace) -> tuple[list[str | ProbeEvent]
     """
     from qprobe.events.define import is_uprobe
     from qprobe.fetch import ProbeEvent, UprobeEvent, parse_event, parse_uprobe_event
-    from qprobe.kernel.usyntax import is_user_form, unresolved_syntax
+    from qprobe.kernel.usyntax import is_user_form, symbolic_user_form, unresolved_syntax
 
     dialect = _host_dialect(args) if args.events else None
     if dialect is None:
@@ -499,7 +499,7 @@ def _parse_definitions(args: argparse.Namespace) -> tuple[list[str | ProbeEvent]
     out: list[str | ProbeEvent] = []
     checked: list[ProbeEvent | UprobeEvent] = []
     for text in args.events:
-        line = _symbolic_user_form(text) if is_user_form(text) else text
+        line = symbolic_user_form(text) if is_user_form(text) else text
         if is_uprobe(line):
             try:
                 uev = parse_uprobe_event(unresolved_syntax(line), dialect)
@@ -538,17 +538,6 @@ def _without_btf(args: argparse.Namespace, exc: FetchArgError) -> FetchArgError:
         return exc
     why = f"{symbols.path.name} has no BTF: named arguments need a kernel built with {BTF_FRAGMENT}"
     return FetchArgError(exc.reason, exc.text, exc.column, logged=exc.logged, detail=why)
-
-
-def _symbolic_user_form(text: str) -> str:
-    """A perf ``-x`` or bpftrace ``uprobe:`` form as its uprobe_events line with ``PATH:SYMBOL`` (resolved once
-    booted), for the checks before boot."""
-    from qprobe.kernel.usyntax import user_form_definition
-
-    seen: list[tuple[str, str]] = []
-    line = user_form_definition(text, lambda path, spec: seen.append((path, spec)) or 0)
-    path, spec = seen[0]
-    return line.replace(f"{path}:0x0", f"{path}:{spec}", 1)
 
 
 def _user_forms(target: Target, definitions: list[str | ProbeEvent], quiet: bool) -> list[str | ProbeEvent]:

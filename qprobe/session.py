@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,7 +31,7 @@ log = logging.getLogger("qprobe")
 
 
 def boot(image: str = "debian-cloud", smp: int = 2, memory: str | int = "512M",
-         files: dict[str, str | Path] | None = None, accel: str = "auto", cmdline: str = "",
+         files: Mapping[str, str | Path] | None = None, accel: str = "auto", cmdline: str = "",
          boot_timeout: float = 60.0, transport: str = "rsp", keepable: bool = False,
          tcg_thread: str = "", probes: Iterable[Kprobe | Kretprobe | str] = (),
          at_boot: Callable[[Target], None] | None = None) -> Target:  # fmt: skip

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from qprobe.events.registry import EventHost
     from qprobe.fetch.args import Value
     from qprobe.fetch.context import FetchContext
+    from qprobe.fetch.uevent import UprobeEvent
 
 
 class ProbeBackend(Protocol):
@@ -205,7 +206,7 @@ class TraceEvent:
         self.hits.append(hit)
 
 
-def event_filter(ev: ProbeEvent, text: str) -> EventFilter:
+def event_filter(ev: ProbeEvent | UprobeEvent, text: str) -> EventFilter:
     """An ftrace filter over ``ev``'s arguments; raises FetchArgError (with a column) naming the problem."""
     return EventFilter(text, numeric={a.name for a in ev.args if not a.type.string},
                        strings={a.name for a in ev.args if a.type.string})  # fmt: skip

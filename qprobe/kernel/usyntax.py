@@ -98,6 +98,20 @@ def user_form_definition(text: str, resolve: Resolve) -> str:
     return bpftrace_uprobe_definition(words[0], words[1:], resolve)
 
 
+def symbolic_user_form(text: str) -> str:
+    """A perf ``-x`` or bpftrace ``uprobe:`` form as its uprobe_events line with ``PATH:SYMBOL`` (resolved once
+    booted), for the checks before boot."""
+    seen: list[tuple[str, str]] = []
+
+    def record(path: str, spec: str) -> int:  # 0 stands in for the file offset: the symbol replaces it below
+        seen.append((path, spec))
+        return 0
+
+    line = user_form_definition(text, record)
+    path, spec = seen[0]
+    return line.replace(f"{path}:0x0", f"{path}:{spec}", 1)
+
+
 def perf_uprobe_definition(path: str, text: str, resolve: Resolve) -> str:
     """``perf probe -x PATH TEXT`` as the uprobe_events line perf would write."""
     try:

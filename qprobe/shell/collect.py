@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from qprobe.arch.inguest import MapSlot
     from qprobe.core.regs import PtRegs
     from qprobe.events import EventHit, TraceEvent
-    from qprobe.fetch import ProbeEvent
+    from qprobe.fetch import ProbeEvent, UprobeEvent
 
 Stack = tuple[str, ...]
 HitSink = Callable[["TraceEvent", "EventHit", "Stack | None"], None]
@@ -405,7 +405,7 @@ def parse_map(text: str) -> tuple[Aggregation, float | None]:
     return Aggregation(call[0].func, spec.keys, call[0].value, bounds=call[0].bounds), spec.every
 
 
-def check_argument(name: str, events: Sequence[tuple[str, ProbeEvent]], hint: str = "") -> None:
+def check_argument(name: str, events: Sequence[tuple[str, ProbeEvent | UprobeEvent]], hint: str = "") -> None:
     """A map's key or value ``name`` is ``$``-special or fetched by every event (a (name, definition) pair);
     ShellUsageError names an event that does not fetch it, with ``hint`` after."""
     if name.startswith("$"):
@@ -417,7 +417,7 @@ def check_argument(name: str, events: Sequence[tuple[str, ProbeEvent]], hint: st
             raise ShellUsageError(f"{label} has no argument {name!r} ({have}){hint}")
 
 
-def check_map_names(agg: Aggregation, definitions: Sequence[ProbeEvent]) -> None:
+def check_map_names(agg: Aggregation, definitions: Sequence[ProbeEvent | UprobeEvent]) -> None:
     """Every argument the map names is fetched by every definition; ShellUsageError names one that is not."""
     for name in (*agg.keys, *((agg.value,) if agg.value is not None else ())):
         check_argument(name, [(ev.event, ev) for ev in definitions])

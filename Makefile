@@ -85,7 +85,7 @@ soak: image
 bench: image
 	$(BIN)/qprobe bench
 
-# ruff, then mypy strict on qprobe/arch and qprobe/core (pyproject.toml): it fails when an
+# ruff, then mypy strict on the whole qprobe package (pyproject.toml): it fails, for one, when an
 # architecture stops implementing the Arch protocol (qprobe/arch/select.py).
 lint: venv
 	$(BIN)/ruff check qprobe tests examples scripts

@@ -18,20 +18,20 @@ MODULE_LINES, CLASS_METHODS, CLASS_LINES, README_LINES = 500, 25, 400, 200
 
 # module -> its lines now
 MODULES_OVER = {
-    "qprobe/api.py": 830,
+    "qprobe/api.py": 829,
     "qprobe/arch/x86_64/arch.py": 542,
     "qprobe/bench.py": 873,
-    "qprobe/cli.py": 1088,
+    "qprobe/cli.py": 1077,
     "qprobe/core/uprobes.py": 512,
-    "qprobe/fetch/event.py": 542,
+    "qprobe/fetch/event.py": 536,
     "qprobe/kernel/perfprobe.py": 586,
     "qprobe/kernel/symbols.py": 555,
-    "qprobe/pytest_plugin.py": 830,
+    "qprobe/pytest_plugin.py": 825,
     "qprobe/shell/core.py": 717,
 }
 # module:class -> (its methods, its lines) now
 CLASSES_OVER = {
-    "qprobe/api.py:Target": (39, 625),
+    "qprobe/api.py:Target": (39, 623),
     "qprobe/arch/__init__.py:Arch": (52, 132),
     "qprobe/arch/x86_64/arch.py:X86_64": (53, 396),
     "qprobe/core/kprobes.py:KprobeManager": (27, 454),

@@ -58,6 +58,7 @@ from qprobe.kernel.bootslide import BootSlide
 from qprobe.kernel.features import fully_preemptible
 from qprobe.kernel.kaslr import check_slide, detect_slide, image_alignment
 from qprobe.kernel.program import KernelData, Stack, Task
+from qprobe.kernel.stalled import vcpu_places
 from qprobe.kernel.symbols import Symbols, elf_machine
 from qprobe.paths import cache_dir, write_private
 from qprobe.probeapi import ProbeAPI
@@ -214,7 +215,7 @@ class Target(ProbeAPI, EventAPI):
             self.mem.pgd = self.mem.pgd_of(root)
             self.slide = detect_slide(self.symbols, self.mem, self.console.text if self.console else "")
             if stalled is not None:
-                stalled.add_note(f"when it stalled: {self._vcpu_places()}")
+                stalled.add_note(f"when it stalled: {vcpu_places(self.gdb, self.arch, self.symbols)}")
                 raise stalled
             # vCPU 0's page tables may be a user process's (idle borrows the last mm): valid now,
             # freed and reused once that process exits.  From here on walk the kernel's own.
@@ -488,17 +489,6 @@ class Target(ProbeAPI, EventAPI):
     def _read_cmdline(self) -> str:
         ptr = self.mem.read_u64(self.symbols.address("saved_command_line"))
         return self.mem.read_cstring(ptr, 4096).decode(errors="replace")
-
-    def _vcpu_places(self) -> str:
-        """Where each vCPU of the stopped VM is, by symbol: what a kernel that went silent was doing."""
-        places = []
-        for n, tid in enumerate(self.gdb.threads()):
-            regs = self.gdb.read_registers(tid)
-            pc, stage = regs[self.arch.registers.pc], self.arch.boot_stage(regs)
-            # A secondary CPU the kernel has not brought up yet still waits in the firmware.
-            where = self.symbols.symbolize(pc) if stage is BootStage.KERNEL else f"{pc:#x}, not in the kernel yet"
-            places.append(f"vCPU {n} at {where}")
-        return ", ".join(places)
 
     def _keep_console_log(self) -> Path | None:
         """Copy the console log of a VM that failed to come up, before its run directory goes."""

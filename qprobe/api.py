@@ -246,7 +246,7 @@ class Target(ProbeAPI, EventAPI):
             if stalled is not None and exc is not stalled and isinstance(exc, QprobeError):
                 stalled.add_note(f"where its vCPUs were is not known: {exc}")
                 cause = stalled
-            kept = self._keep_console_log()
+            kept = self._keep_console_log(cause)
             self._teardown()
             if kept:
                 cause.add_note(f"guest console kept in {kept}")
@@ -285,10 +285,8 @@ class Target(ProbeAPI, EventAPI):
         """The probe managers, once the kernel's slide and command line are known."""
         reservation = memmap_reservation(self.cmdline)
         if reservation is None:
-            raise TargetError(
-                "the kernel was not booted with a memmap=2M$ADDR reservation, which qprobe needs for "
-                "its scratch area: add e.g. memmap=2M$0x1e000000 to the kernel command line"
-            )
+            raise TargetError("the kernel was not booted with a memmap=2M$ADDR reservation, which qprobe needs for "
+                              "its scratch area: add e.g. memmap=2M$0x1e000000 to the kernel command line")  # fmt: skip
         self.scratch = ScratchArea(self.machine, reservation[0], self.symbols.address("_end"), reservation[1])
         self.kprobes = KprobeManager(self.machine, self.kernel, self.scratch, self.arch,
                                      phys if isinstance(phys, SharedRam) else None,
@@ -490,12 +488,13 @@ class Target(ProbeAPI, EventAPI):
         ptr = self.mem.read_u64(self.symbols.address("saved_command_line"))
         return self.mem.read_cstring(ptr, 4096).decode(errors="replace")
 
-    def _keep_console_log(self) -> Path | None:
-        """Copy the console log of a VM that failed to come up, before its run directory goes."""
+    def _keep_console_log(self, why: BaseException) -> Path | None:
+        """Copy a failed VM's console log before its run directory goes, qprobe's reason and notes last."""
         if self.qemu is None or not self.qemu.console_log.exists():
             return None
         dest = cache_dir("logs") / f"console-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
-        write_private(dest, self.qemu.console_log.read_bytes())
+        said = "; ".join([str(why), *getattr(why, "__notes__", [])])
+        write_private(dest, self.qemu.console_log.read_bytes() + f"\n[qprobe: {said}]\n".encode())
         return dest
 
     def _exit_hint(self) -> str | None:

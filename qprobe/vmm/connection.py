@@ -11,6 +11,7 @@ import collections
 import fcntl
 import os
 import re
+import select
 import socket
 import stat
 import time
@@ -179,12 +180,33 @@ class Connection:
                 raise GuestTimeout(f"the gdbstub did not answer within {timeout:g} s")
         return self._packets.popleft()
 
-    def poll(self, timeout: float) -> bytes | None:
-        """A packet if one arrives within ``timeout`` s, else None."""
-        try:
-            return self.recv(timeout)
-        except GuestTimeout:
-            return None
+    def poll(self, timeout: float, wake: int | None = None) -> bytes | None:
+        """A packet if one arrives within ``timeout`` s, else None; None at once, too, when the file
+        descriptor ``wake`` becomes readable (another thread has work for this one's)."""
+        if wake is None:
+            try:
+                return self.recv(timeout)
+            except GuestTimeout:
+                return None
+        deadline = time.monotonic() + timeout
+        while not self._packets:
+            if self._closed:
+                raise TargetGone(f"the gdbstub connection {self.name} is closed")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            sock = self.sock.fileno()
+            try:
+                ready, _, _ = select.select([sock, wake], [], [], min(_POLL, left))
+            except (OSError, ValueError) as exc:  # the socket closed under us
+                raise self._gone(str(exc)) from None
+            if sock in ready:
+                self._fill(deadline)
+            elif wake in ready:
+                return None
+            elif not self._alive():
+                raise self._gone("QEMU exited")
+        return self._packets.popleft()
 
     def request(self, payload: bytes, timeout: float = 10.0) -> bytes:
         self.send(payload)

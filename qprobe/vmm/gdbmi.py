@@ -369,8 +369,8 @@ class GdbMiRemote:
             raise GuestTimeout(f"the VM did not stop within {timeout:g} s")
         return self._stopped(payload)
 
-    def poll_stop(self, timeout: float) -> StopReply | None:
-        payload = self.conn.next_stop(timeout)
+    def poll_stop(self, timeout: float, wake: int | None = None) -> StopReply | None:
+        payload = self.conn.next_stop(timeout, wake)
         return None if payload is None else self._stopped(payload)
 
     def close(self) -> None:

@@ -120,22 +120,27 @@ class MiChannel:
         """Stream output gdb printed since the last command was sent."""
         return stream_text(self._streams)
 
-    def next_stop(self, timeout: float | None) -> MiRecord | None:
-        """The next ``*stopped`` payload, or None after ``timeout`` s (None: wait forever)."""
+    def next_stop(self, timeout: float | None, wake: int | None = None) -> MiRecord | None:
+        """The next ``*stopped`` payload, or None after ``timeout`` s (None: wait forever) or as soon as the
+        file descriptor ``wake`` becomes readable."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.stops:
             if self.gone is not None:
                 raise TargetGone(f"lost the gdbstub connection {self.name}: {self.gone}")
-            if not self.pump(deadline) and deadline is not None and time.monotonic() >= deadline:
+            if wake is not None and wake in select.select([wake], [], [], 0)[0]:
+                return None
+            if not self.pump(deadline, wake) and deadline is not None and time.monotonic() >= deadline:
                 return None
         return self.stops.popleft()
 
-    def pump(self, deadline: float | None) -> bool:
-        """Wait up to 100 ms (or the deadline) for output and route it; False if none came."""
+    def pump(self, deadline: float | None, wake: int | None = None) -> bool:
+        """Wait up to 100 ms (or the deadline, or till ``wake`` is readable) for output and route it; False
+        if none came."""
         if self._closed:
             raise TargetGone(f"the gdb process for {self.name} is closed")
         wait = _POLL if deadline is None else max(0.0, min(_POLL, deadline - time.monotonic()))
-        ready, _, _ = select.select([self._stdout, self._stderr], [], [], wait)
+        fds = [self._stdout, self._stderr] if wake is None else [self._stdout, self._stderr, wake]
+        ready, _, _ = select.select(fds, [], [], wait)
         if self._stderr in ready:
             try:
                 self._stderr_tail = (self._stderr_tail + os.read(self._stderr, 65536))[-2000:]

@@ -310,8 +310,8 @@ class GdbRemote:
         self._hg = None
         return stop
 
-    def poll_stop(self, timeout: float) -> StopReply | None:
-        payload = self.conn.poll(timeout)
+    def poll_stop(self, timeout: float, wake: int | None = None) -> StopReply | None:
+        payload = self.conn.poll(timeout, wake)
         if payload is None:
             return None
         self.running = False

@@ -9,6 +9,7 @@ while the VM is stopped, so the stub is only ever driven from one thread.
 
 from __future__ import annotations
 
+import os
 import queue
 import re
 import threading
@@ -59,6 +60,11 @@ class Machine:
         self._error: BaseException | None = None
         self._closing = False
         self._paused = 1 if paused else 0
+        # A byte here wakes the loop from its wait on a running VM, so a request is served at once rather
+        # than at the wait's next timeout (a latency every register, patch and read would pay).
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake_lock = threading.Lock()  # the pipe is closed under it: no write may reach a reused fd
+        self._wake_open = True
         self._thread = threading.Thread(target=self._loop, name="qprobe-stop-loop", daemon=True)
         self._thread.start()
 
@@ -71,6 +77,14 @@ class Machine:
             raise TargetGone(f"the VM is gone: {self._error}")
         fut: Future[T] = Future()
         self._requests.put((fn, fut))
+        with self._wake_lock:
+            if self._wake_open:
+                try:
+                    os.write(self._wake_w, b"\0")
+                except BlockingIOError:  # the pipe is full of wake-ups already: the loop will wake
+                    pass
+        if not self._thread.is_alive():  # ended before or while this was queued: nothing will serve it
+            self._fail_pending()
         return fut.result(timeout)
 
     def check_alive(self, wait: float = 0.0) -> None:
@@ -96,7 +110,8 @@ class Machine:
         try:
             while True:
                 if self.gdb.running:
-                    stop = self.gdb.poll_stop(0.05)
+                    self._drain_wake()
+                    stop = self.gdb.poll_stop(0.5, self._wake_r) if self._requests.empty() else None
                     if stop is None:
                         if self._requests.empty():
                             continue
@@ -114,9 +129,22 @@ class Machine:
             self._error = TargetGone(f"{exc} ({hint})") if hint else exc
         finally:
             self._fail_pending()
+            with self._wake_lock:
+                self._wake_open = False
+                os.close(self._wake_r)
+                os.close(self._wake_w)
         if self._error is not None:  # (close() returns from the loop above)
             for watcher in list(self.gone_watchers):
                 watcher()
+
+    def _drain_wake(self) -> None:
+        """Empty the wake-up pipe before looking at the queue: a request queued after this is seen there or
+        wakes the next wait."""
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
 
     def _dispatch(self, stop: StopReply) -> None:
         if stop.exited:

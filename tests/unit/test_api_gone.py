@@ -26,7 +26,7 @@ class _DyingStub:
     def threads(self) -> list[str]:
         return ["1"]
 
-    def poll_stop(self, timeout: float) -> None:
+    def poll_stop(self, timeout: float, wake: int | None = None) -> None:
         if self.die.wait(timeout):
             raise TargetGone("lost the gdbstub connection unix:/x/gdb.sock: QEMU exited")
 

@@ -7,6 +7,7 @@ import logging
 import re
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -85,4 +86,9 @@ def test_a_kernel_silent_in_its_boot_is_named_with_where_its_vcpus_are_and_boote
         assert places is not None and places[1] in target.symbols, warning
         second = places[2].partition("+")[0]
         assert second in target.symbols or second.endswith("not in the kernel yet"), warning
+        # The console kept for the user ends with the same words, where no later warning hides them.
+        kept = re.search(r"guest console kept in (\S+?)\)", warning)
+        assert kept is not None, warning
+        last = Path(kept[1]).read_text().rstrip("\n").rpartition("\n")[2]
+        assert last.startswith("[qprobe: the kernel of image") and places[0] in last, last
     assert len(stopped) == 1

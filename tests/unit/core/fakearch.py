@@ -546,7 +546,7 @@ class ToyCpu:
     def wait_stop(self, timeout: float | None = 10.0) -> StopReply:
         return StopReply("T", 2, "p1.1", ())
 
-    def poll_stop(self, timeout: float) -> StopReply | None:
+    def poll_stop(self, timeout: float, wake: int | None = None) -> StopReply | None:
         return None
 
     def detach(self) -> None:

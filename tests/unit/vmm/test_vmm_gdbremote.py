@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import select
 from collections.abc import Iterator
 
 import pytest
@@ -486,6 +488,23 @@ def test_poll_stop_sees_a_breakpoint_hit(stub: QemuStub, gdb: GdbRemote) -> None
     stop = gdb.poll_stop(2.0)
     assert stop is not None and stop.thread == "p1.2" and stop.field("swbreak") == ""
     assert gdb.running is False
+
+
+def test_poll_stop_ends_when_woken_and_a_stop_that_came_wins(stub: QemuStub, gdb: GdbRemote) -> None:
+    gdb.cont()
+    assert wait_for(lambda: stub.running)
+    r, w = os.pipe()
+    try:
+        os.write(w, b"\0")
+        # Unbounded but for the wake-up: it ends only because the pipe is readable.
+        assert gdb.poll_stop(float("inf"), r) is None and gdb.running
+        stub.send(pkt(b"T05thread:p01.02;swbreak:;"))
+        assert wait_for(lambda: select.select([gdb.conn.sock], [], [], 0)[0])
+        stop = gdb.poll_stop(float("inf"), r)  # the pipe is still readable: the stop is read first
+        assert stop is not None and stop.thread == "p1.2" and gdb.running is False
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 def test_wait_stop_timeout(stub: QemuStub, gdb: GdbRemote) -> None:

@@ -25,14 +25,15 @@ from collections.abc import Callable
 from typing import Any
 
 import qprobe
-from qprobe import bench
+from qprobe.bench.common import WORKLOADS, _wait_for_optimizer
+from qprobe.bench.scale import _optimizable, reached_functions
 
 
 def main() -> int:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 1000
     with qprobe.boot("debian-cloud", smp=2, memory="512M") as target:
-        cmd = bench.WORKLOADS[0][2]
-        names = bench._optimizable(target, bench.reached_functions(target, cmd.format(n=1)), n)
+        cmd = WORKLOADS[0][2]
+        names = _optimizable(target, reached_functions(target, cmd.format(n=1)), n)
         km, machine = target.kprobes, target.machine
         opt = km.optimizer
         t0 = [0.0]
@@ -65,7 +66,7 @@ def main() -> int:
             t0[0] = time.perf_counter()
             target.register_kprobes(kps)
             registered = time.perf_counter() - t0[0]
-            waited = bench._wait_for_optimizer(target)
+            waited = _wait_for_optimizer(target)
             call(prof.disable)
             optimized = sum(km.points[kp.resolved].opt is not None for kp in kps)
             print(f"batch {batch}: {len(kps)} probes registered in {registered:.2f} s, the optimizer "

@@ -1,0 +1,152 @@
+"""The probe-cost matrix: each kind of kprobe, kretprobe and uprobe on the workloads.
+
+Beside them, the guest's own kprobe_events and uprobe_events on the same code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from functools import partial
+
+import qprobe
+from qprobe.bench.common import FAST_RUNS, TRACEFS, WORKLOADS, Row, _guest_seconds, _paired
+
+
+def _probe_matrix(target: qprobe.Target, args: argparse.Namespace) -> list[tuple[str, Row]]:
+    rows: list[tuple[str, Row]] = []
+    optimizer = target.kprobes.optimizer
+    can_optimize = optimizer is not None and optimizer.available
+    for name, func, cmd, fast, slow in WORKLOADS:
+        n_fast, n_slow = fast * args.hits // 2000, max(slow * args.hits // 2000, 5)
+        base = statistics.median(_guest_seconds(target, cmd.format(n=n_fast)) for _ in range(3)) / n_fast
+        rows.append(("", Row(name, "unprobed", "", n_fast, 0, base * n_fast, base)))
+        rows.append(("", _guest_kprobe_events(target, name, func, cmd, n_fast)))
+        variants = (
+            ("k", "kprobe: int3, copy run to a second int3, Python handler", False, False, "k"),
+            ("b", "kprobe: int3, boosted, Python handler", True, False, "k"),
+            ("a", "kprobe anywhere: gdbstub breakpoint, stepped in place, Python handler", False, False, "a"),
+            ("o", "kprobe: jump-optimized, Python handler through the mailbox, no VM stop", True, True, "k"),
+            ("f", "kprobe: jump-optimized, in-guest count, nobody woken", True, True, "f"),
+            ("r", "kretprobe: int3, copy run to a second int3, Python handler", False, False, "r"),
+            ("rb", "kretprobe: int3, boosted, Python handler", True, False, "r"),
+            ("ro", "kretprobe: jump-optimized, guest instance, Python handler at the return", True, True, "r"),
+            ("rf", "kretprobe: jump-optimized, instance and return count in the guest, nobody woken", True, True, "rf"),
+        )
+        for key, what, boost, optimize, kind in variants:
+            if optimize and not can_optimize:
+                continue
+            target.kprobes.boost = boost
+            if can_optimize:
+                target.set_kprobes_optimization(optimize)
+            n = n_fast if optimize else n_slow
+            probe: qprobe.Kprobe | qprobe.Kretprobe
+            if kind in ("r", "rf"):
+                handler = (lambda ri, regs: regs.ax) if kind == "r" else None
+                probe = qprobe.Kretprobe(symbol_name=func, handler=handler)
+                target.register_kretprobe(probe)
+            else:
+                probe = qprobe.Kprobe(symbol_name=func, pre_handler=(lambda kp, regs: regs.di) if kind != "f" else None,
+                                      anywhere=kind == "a")  # fmt: skip
+                target.register_kprobe(probe)
+            runs = FAST_RUNS  # the median of a few paired runs: every row is short and noisy
+            try:
+                if isinstance(probe, qprobe.Kretprobe):
+                    on, off = partial(target.enable_kretprobe, probe), partial(target.disable_kretprobe, probe)
+                else:
+                    on, off = partial(target.enable_kprobe, probe), partial(target.disable_kprobe, probe)
+                seconds, row_base = _paired(target, cmd.format(n=n), on, off)
+                row_base /= n
+            finally:
+                if isinstance(probe, qprobe.Kretprobe):
+                    target.unregister_kretprobe(probe)
+                else:
+                    target.unregister_kprobe(probe)
+            returns = f", {probe.nreturns // runs} returns" if isinstance(probe, qprobe.Kretprobe) else ""
+            what = f"{what} ({probe.nmissed} missed{returns})"
+            rows.append(("", Row(name, key, what, n, probe.nhit // runs, seconds, row_base)))
+    target.kprobes.boost = True
+    if can_optimize:
+        target.set_kprobes_optimization(True)
+    return rows
+
+
+# User-space probes: a tight loop of calls to the guest's uprog's qpt_target (a 5-byte leaf), each run one
+# process (its start-up is in the unprobed time of the pair too).
+UPROBE_WORKLOAD = ("tight `uprog call` loop", "/bin/uprog", "qpt_target", "uprog call {n} 1 2 b", 4000, 200)
+
+
+def _uprobe_rows(target: qprobe.Target, args: argparse.Namespace) -> list[tuple[str, Row]]:
+    name, path, func, cmd, fast, slow = UPROBE_WORKLOAD
+    n_fast, n_slow = fast * args.hits // 2000, max(slow * args.hits // 2000, 5)
+    target.run(f"cat {path} >/dev/null").check()  # in the dentry and page caches: its ELF is read from there
+    offset = target.uprobes.elf(path).resolve(func)
+    base = statistics.median(_guest_seconds(target, cmd.format(n=n_fast)) for _ in range(3)) / n_fast
+    rows: list[tuple[str, Row]] = [("", Row(name, "unprobed", "", n_fast, 0, base * n_fast, base))]
+    if target.run(f"test -w {TRACEFS}/uprobe_events").status == 0:
+        for kind, what in (("p", "entry"), ("r", "return")):
+            rows.append(("", _guest_uprobe_events(target, name, f"{path}:{offset:#x}", kind, what,
+                                                  cmd.format(n=n_fast), n_fast)))  # fmt: skip
+    for key, what, probe in (
+        ("u", "uprobe: gdbstub breakpoint, stepped in place, Python handler",
+         qprobe.Uprobe(path, offset, handler=lambda up, regs: regs.di)),
+        ("ur", "uretprobe: breakpoints at the entry and the return address, Python handler",
+         qprobe.Uretprobe(path, offset, ret_handler=lambda up, func, regs: regs.ax)),
+    ):  # fmt: skip
+        registered = False
+
+        def on(probe: qprobe.Uprobe = probe) -> None:
+            nonlocal registered
+            if not registered:
+                target.register_uprobe(probe)
+                registered = True
+
+        def off(probe: qprobe.Uprobe = probe) -> None:
+            nonlocal registered
+            if registered:
+                target.unregister_uprobe(probe)
+                registered = False
+
+        try:
+            seconds, row_base = _paired(target, cmd.format(n=n_slow), on, off)
+        finally:
+            off()
+        returns = f", {probe.nreturns // FAST_RUNS} returns" if isinstance(probe, qprobe.Uretprobe) else ""
+        rows.append(("", Row(name, key, f"{what} ({probe.nmissed} missed{returns})", n_slow,
+                             (probe.nhit or probe.nreturns) // FAST_RUNS, seconds, row_base / n_slow)))  # fmt: skip
+    return rows
+
+
+def _guest_uprobe_events(target: qprobe.Target, name: str, where: str, kind: str, what: str, cmd: str,
+                         n: int) -> Row:  # fmt: skip
+    """The guest kernel's own uprobe_events on the same instruction: its int3 and out-of-line step."""
+    enable = f"{TRACEFS}/events/uprobes/qpubench/enable"
+    target.run(f"mountpoint -q {TRACEFS} || mount -t tracefs nodev {TRACEFS}; "
+               f"echo '{kind}:qpubench {where}' > {TRACEFS}/uprobe_events").check()  # fmt: skip
+    try:
+        seconds, row_base = _paired(target, cmd, lambda: target.run(f"echo 1 > {enable}").check(),
+                                    lambda: target.run(f"echo 0 > {enable}").check())  # fmt: skip
+        profile = target.run(f"cat {TRACEFS}/uprobe_profile").check().output
+    finally:
+        target.run(f"echo 0 > {enable}; echo '-:qpubench' >> {TRACEFS}/uprobe_events").check()
+    hits = next(int(line.split()[-1]) for line in profile.splitlines() if "qpubench" in line.split()) // FAST_RUNS
+    return Row(name, f"uprobe_events {kind}", f"the guest's own uprobe_events, {what} (in-kernel uprobe, trace event)",
+               n, hits, seconds, row_base / n)  # fmt: skip
+
+
+def _guest_kprobe_events(target: qprobe.Target, name: str, func: str, cmd: str, n: int) -> Row:
+    """The guest kernel's own kprobe_events on the same function: the native reference."""
+    target.run(f"mountpoint -q {TRACEFS} || mount -t tracefs nodev {TRACEFS}; "
+               f"echo 'p:qpbench {func}' > {TRACEFS}/kprobe_events && "
+               f"echo 1 > {TRACEFS}/events/kprobes/qpbench/enable").check()  # fmt: skip
+    enable = f"{TRACEFS}/events/kprobes/qpbench/enable"
+    try:
+        seconds, row_base = _paired(target, cmd.format(n=n), lambda: target.run(f"echo 1 > {enable}").check(),
+                                    lambda: target.run(f"echo 0 > {enable}").check())  # fmt: skip
+        profile = target.run(f"cat {TRACEFS}/kprobe_profile").check().output
+    finally:
+        target.run(f"echo 0 > {TRACEFS}/events/kprobes/qpbench/enable; "
+                   f"echo '-:qpbench' >> {TRACEFS}/kprobe_events").check()  # fmt: skip
+    hits = next(int(line.split()[1]) for line in profile.splitlines() if line.split()[:1] == ["qpbench"]) // FAST_RUNS
+    return Row(name, "kprobe_events", "the guest's own kprobe_events (in-kernel kprobe, ftrace event)", n, hits,
+               seconds, row_base / n)  # fmt: skip

@@ -21,7 +21,6 @@ MODULES_OVER = {
     "qprobe/api.py": 822,
     "qprobe/arch/x86_64/arch.py": 542,
     "qprobe/bench.py": 873,
-    "qprobe/cli.py": 1077,
     "qprobe/core/uprobes.py": 512,
     "qprobe/fetch/event.py": 536,
     "qprobe/kernel/perfprobe.py": 586,

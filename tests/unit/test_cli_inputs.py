@@ -8,6 +8,7 @@ import pytest
 
 import qprobe
 from qprobe import cli
+from qprobe.cli import host
 
 
 @pytest.fixture(autouse=True)
@@ -119,7 +120,7 @@ def test_help_documents_every_command_and_version(capsys: pytest.CaptureFixture[
 def test_a_readable_extra_file_is_accepted(tmp_path: Path) -> None:
     f = tmp_path / "tool"
     f.write_text("#!/bin/sh\n")
-    assert cli._files([f"{f}:/bin/tool"]) == {"/bin/tool": str(f)}
+    assert host._files([f"{f}:/bin/tool"]) == {"/bin/tool": str(f)}
 
 
 def test_allow_remote_warns_that_the_stub_is_unauthenticated(caplog: pytest.LogCaptureFixture,

@@ -7,6 +7,7 @@ import pytest
 
 import qprobe
 from qprobe import cli
+from qprobe.cli import definitions
 from qprobe.kernel.usyntax import is_user_form, render_user_funcs, unresolved_syntax, user_form_definition
 
 
@@ -70,7 +71,7 @@ def test_definitions_go_down_as_text_and_kprobes_as_parsed() -> None:
     args = cli.build_parser().parse_args(
         ["trace", "p:uq /bin/uprog:qpt_target a=%di", "p:rd vfs_read", "uprobe:/bin/uprog:qpt_target arg0"]
     )
-    down, checked = cli._parse_definitions(args)
+    down, checked = definitions._parse_definitions(args)
     assert down[0] == "p:uq /bin/uprog:qpt_target a=%di" and down[2] == "uprobe:/bin/uprog:qpt_target arg0"
     assert not isinstance(down[1], str) and down[1].symbol == "vfs_read"
     assert [ev.event for ev in checked] == ["uq", "rd", "qpt_target"]

@@ -85,11 +85,11 @@ def test_a_definition_parsed_before_boot_is_armed_without_a_second_parse(
     """`qprobe trace` parses a definition in the host vmlinux's language before it boots; the running
     kernel's answers (its language, symbols and function entries) agree with that parse, so the same
     ProbeEvent is armed, never parsed again, and its hits are the guest's (lseek(fd, i) for i = 1..3)."""
-    from qprobe import cli
+    from qprobe.cli import host as cli_host
     from qprobe.events import define
     from qprobe.fetch import ProbeEvent, parse_event
 
-    host = cli._host_dialect(argparse.Namespace(image=IMAGE, vmlinux=None, attach=None, file=[]))
+    host = cli_host._host_dialect(argparse.Namespace(image=IMAGE, vmlinux=None, attach=None, file=[]))
     assert host is not None and host == target.dialect
     ev = parse_event("p:once ksys_lseek fd=%di off=%si:s64", dialect=host)
     assert isinstance(ev, ProbeEvent)

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from qprobe import cli
+from qprobe.cli import host, interactive, trace
 from qprobe.errors import FetchArgError, SymbolError
 from qprobe.fetch.messages import BAD_FETCH_ARG, NOSUP_BTFARG
 from qprobe.kernel.debuginfo import has_btf_section, has_dwarf, need_dwarf, section_names
@@ -64,8 +65,9 @@ def test_a_perf_definition_is_refused_before_gdb(elves: tuple[Path, Path]) -> No
 )
 def test_refused_before_boot(elves: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch,
                              capsys: pytest.CaptureFixture[str], argv: list[str], what: str) -> None:  # fmt: skip
-    monkeypatch.setattr(cli, "_host_symbols", lambda args: SimpleNamespace(path=elves[1]))
-    monkeypatch.setattr(cli, "_boot", lambda *a: pytest.fail("booted"))
+    monkeypatch.setattr(host, "_host_symbols", lambda args: SimpleNamespace(path=elves[1]))
+    for command in (interactive, trace):  # where drgn and trace boot
+        monkeypatch.setattr(command, "_boot", lambda *a: pytest.fail("booted"))
     assert cli.main([*argv[:1], "--attach", "unix:/nonexistent", "--vmlinux", str(elves[1]), *argv[1:]]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and f"{what}" in err[0] and "needs the kernel's debug info" in err[0], err
@@ -73,12 +75,12 @@ def test_refused_before_boot(elves: tuple[Path, Path], monkeypatch: pytest.Monke
 
 def test_a_named_argument_says_the_kernel_has_no_btf(elves: tuple[Path, Path],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    monkeypatch.setattr(cli, "_host_symbols", lambda args: SimpleNamespace(path=elves[1]))
+    monkeypatch.setattr(host, "_host_symbols", lambda args: SimpleNamespace(path=elves[1]))
     refused = FetchArgError(NOSUP_BTFARG, "p:x vfs_read count", 13)
-    told = cli._without_btf(argparse.Namespace(), refused)
+    told = host._without_btf(argparse.Namespace(), refused)
     assert told.explained == (f"{NOSUP_BTFARG}: vmlinux-nodwarf has no BTF: named arguments need a kernel built "
                               "with CONFIG_DEBUG_INFO_DWARF_TOOLCHAIN_DEFAULT=y and CONFIG_DEBUG_INFO_BTF=y (and "
                               "pahole: BR2_LINUX_KERNEL_NEEDS_HOST_PAHOLE in buildroot)")  # fmt: skip
     assert (told.text, told.column) == (refused.text, refused.column)
     other = FetchArgError(BAD_FETCH_ARG, "p:x vfs_read %zz", 13)
-    assert cli._without_btf(argparse.Namespace(), other) is other
+    assert host._without_btf(argparse.Namespace(), other) is other

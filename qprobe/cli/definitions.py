@@ -1,0 +1,169 @@
+"""EVENT definitions: perf's translated, each parsed and its function checked on the host before a VM boots,
+then armed on the target (a uprobe's user forms resolved in the guest's files)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from qprobe.errors import FetchArgError, QprobeError
+
+from .host import _host_dialect, _host_probeability, _host_symbols, _without_btf
+
+if TYPE_CHECKING:
+    from qprobe.api import Target
+    from qprobe.events import EventHit, TraceEvent
+    from qprobe.fetch import ProbeEvent, UprobeEvent
+
+
+def _perf_definitions(args: argparse.Namespace) -> None:
+    """``perf ...`` EVENTs (perf probe's language) become the kprobe_events lines perf would write, shown.
+
+    They are resolved from vmlinux's DWARF on the host, before anything boots.
+    """
+    from qprobe.kernel.perfprobe import perf_to_kprobe
+
+    texts = [t for t in args.events if _is_kernel_perf(t)]
+    if not texts:
+        return
+    symbols = _host_symbols(args)
+    if symbols is None:
+        raise QprobeError("a perf definition is resolved from vmlinux's debug information: give --vmlinux")
+    from qprobe.api import vmlinux_arch
+    from qprobe.events.funcs import Probeability, unknown_symbol
+    from qprobe.kernel.perfprobe import parse_perf_probe
+
+    for text in texts:  # a typo gets the closest names, as a kprobe_events definition's does
+        name = parse_perf_probe(text).function
+        if name is not None and name not in symbols:
+            raise unknown_symbol(symbols, name, Probeability.of(symbols, vmlinux_arch(symbols)).functions())
+    found = iter(perf_to_kprobe(texts, symbols, vmlinux_arch(symbols)))
+    out = []
+    for text in args.events:
+        if _is_kernel_perf(text):
+            text = next(found).definition
+            if not args.quiet:  # as `perf probe -v` says what it writes to kprobe_events
+                print(f"qprobe: writing event: {text}", file=sys.stderr, flush=True)
+        out.append(text)
+    args.events = out
+
+
+def _is_kernel_perf(text: str) -> bool:
+    """A perf probe definition of the kernel's (``perf -x PATH`` is a program's: a uprobe)."""
+    from qprobe.kernel.perfprobe import is_perf_definition
+    from qprobe.kernel.usyntax import is_user_form
+
+    return is_perf_definition(text) and not is_user_form(text)
+
+
+def _check_symbols(args: argparse.Namespace, events: list[ProbeEvent]) -> None:
+    """Each event's function checked in vmlinux before a VM boots: a typo gets the closest names."""
+    from qprobe.events.funcs import check_probe_symbol
+
+    named = [ev for ev in events if ev.symbol is not None]
+    prob = _host_probeability(args) if named else None
+    if prob is None:
+        return
+    # At boot every probe starts on a stub breakpoint: what --anywhere accepts (a probe the int3 path refuses
+    # stays one once booted).
+    prob.anywhere = getattr(args, "anywhere", False) or getattr(args, "boot", False)
+    prob.symbols.init_text = getattr(args, "boot", False)  # __init functions run during the boot
+    for ev in named:
+        try:
+            check_probe_symbol(prob, ev.symbol or "", ev.offset)
+        except QprobeError as exc:
+            raise QprobeError(f"{ev.text.strip()}: {exc}") from None
+
+
+def _parse_definitions(args: argparse.Namespace) -> tuple[list[str | ProbeEvent], list[ProbeEvent | UprobeEvent]]:
+    """args.events parsed in the language of the kernel that will run them, if the host knows it: what goes
+    down to the target, and the definitions as parsed here, for the options' checks.
+
+    A uprobe's definition (its probe point a guest path, or perf's ``-x`` and bpftrace's ``uprobe:`` forms)
+    goes down as text: its file and symbols are the guest's, so the kernel's checks of them come once booted;
+    the rest of its line is judged here, a symbol standing in as offset 0.
+    """
+    from qprobe.events.define import is_uprobe
+    from qprobe.fetch import ProbeEvent, UprobeEvent, parse_event, parse_uprobe_event
+    from qprobe.kernel.usyntax import is_user_form, symbolic_user_form, unresolved_syntax
+
+    dialect = _host_dialect(args) if args.events else None
+    if dialect is None:
+        return list(args.events), []
+    out: list[str | ProbeEvent] = []
+    checked: list[ProbeEvent | UprobeEvent] = []
+    for text in args.events:
+        line = symbolic_user_form(text) if is_user_form(text) else text
+        if is_uprobe(line):
+            try:
+                uev = parse_uprobe_event(unresolved_syntax(line), dialect)
+            except FetchArgError as exc:
+                raise FetchArgError(exc.reason, line, exc.column, logged=exc.logged, detail=exc.detail) from None
+            if isinstance(uev, UprobeEvent):
+                checked.append(uev)
+            out.append(text)
+            continue
+        try:
+            ev = parse_event(text, dialect=dialect)
+        except FetchArgError as exc:
+            raise _without_btf(args, exc) from None
+        if isinstance(ev, ProbeEvent):
+            checked.append(ev)
+        out.append(ev if isinstance(ev, ProbeEvent) else text)  # a deletion is refused once armed, as the API does
+    return out, checked
+
+
+def _check_boot(args: argparse.Namespace) -> None:
+    """--boot's EVENTs are the kernel's (a uprobe's file is the guest's, read once the guest is up), armed
+    through qprobe's own gdbstub client."""
+    from qprobe.events.define import is_uprobe
+    from qprobe.kernel.usyntax import is_user_form
+
+    if (args.kernel_image is not None or args.kernel_cmdline is not None) and not (
+        args.boot and args.attach is not None
+    ):
+        raise QprobeError("--kernel-image and --kernel-cmdline describe the boot of a QEMU started with -S: "
+                          "only with --boot --attach")  # fmt: skip
+    if not args.boot:
+        return
+    if getattr(args, "transport", "rsp") == "gdb":
+        raise QprobeError("--boot stops the kernel at its first instructions through qprobe's own gdbstub client: "
+                          "not with --transport gdb")  # fmt: skip
+    for text in args.events:
+        if is_uprobe(text) or is_user_form(text):
+            raise QprobeError(f"{text.strip()}: --boot arms kernel probes before the kernel runs; a uprobe's file is "
+                              "the guest's, read once the guest is up: add it then")  # fmt: skip
+
+
+def _user_forms(target: Target, definitions: list[str | ProbeEvent], quiet: bool) -> list[str | ProbeEvent]:
+    """perf's ``-x`` and bpftrace's ``uprobe:`` forms as the uprobe_events lines they make, their symbols
+    resolved in the guest's files, each shown as ``perf probe -v`` shows what it writes."""
+    from qprobe.kernel.usyntax import is_user_form, user_form_definition
+
+    out: list[str | ProbeEvent] = []
+    for d in definitions:
+        if isinstance(d, str) and is_user_form(d):
+            d = user_form_definition(d, target.resolve_user_symbol)
+            if not quiet:
+                print(f"qprobe: writing event: {d}", file=sys.stderr, flush=True)
+        out.append(d)
+    return out
+
+
+def _arm(target: Target, definition: str | ProbeEvent, callback: Callable[[EventHit], None] | None = None,
+         flt: str | None = None, anywhere: bool = False) -> list[TraceEvent]:  # fmt: skip
+    """One definition's events: one, or one per function its glob matches (the refused ones said on stderr).
+
+    A definition parsed before boot goes down as its ProbeEvent, checked there, not parsed again.
+    """
+    from qprobe.events.define import is_wildcard
+
+    if not is_wildcard(definition):
+        return [target.add_event(definition, callback, flt, anywhere)]
+    found = target.add_events(definition, callback, flt, anywhere)
+    refused = "".join(f"\n  {name}: {why}" for name, why in found.refused.items())
+    print(f"qprobe: {found.pattern}: {len(found.events)} probes, {len(found.refused)} refused{refused}",
+          file=sys.stderr, flush=True)  # fmt: skip
+    return found.events

@@ -1,0 +1,127 @@
+"""``qprobe trace``'s output: each hit's line (ftrace's, --format's or --json's) or the map it folds into,
+and the summary at the end."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import threading
+from typing import TYPE_CHECKING
+
+from qprobe.errors import QprobeError
+
+from .definitions import _check_boot
+
+if TYPE_CHECKING:
+    from qprobe.api import Target
+    from qprobe.events import EventHit, TraceEvent
+    from qprobe.fetch import ProbeEvent, UprobeEvent
+    from qprobe.proctree import ProcessTree
+    from qprobe.shell.collect import Aggregation
+    from qprobe.shell.printf import HitFormat
+
+
+class _Trace:
+    """One ``qprobe trace``'s output: what the options ask for, checked before boot, and what was shown."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.lock = threading.Lock()  # one line (or map) at a time on stdout
+        self.shown: collections.Counter[str] = collections.Counter()  # with --run, the command's hits
+        self.tree: ProcessTree | None = None  # with --run, the command's processes once followed
+        # Guest text (a process name, a fetched string) reaches a terminal with its control characters shown;
+        # the user's own --format keeps its escapes (a colour, say).
+        self.tty = sys.stdout.isatty()
+        self.fmt: HitFormat | None = None
+        if args.format is not None:
+            from qprobe.shell.printf import parse_printf
+
+            if args.json:
+                raise QprobeError("--format and --json: choose one")
+            self.fmt = parse_printf(args.format)
+        self.agg: Aggregation | None = None
+        self.every: float | None = None
+        if args.map is not None:
+            from qprobe.shell.collect import parse_map
+
+            if args.json or args.format is not None:
+                raise QprobeError("--map prints a map instead of lines: not with --json or --format")
+            self.agg, self.every = parse_map(args.map)
+        self.cpid_filter = args.filter is not None and "$cpid" in args.filter
+        if self.cpid_filter and not args.run:
+            raise QprobeError("$cpid is the pid of --run's command: give --run CMD")
+        if getattr(args, "boot", False) and (args.map is not None or self.cpid_filter):
+            raise QprobeError("--boot traces from the kernel's first instruction on: not with --map or $cpid")
+        _check_boot(args)
+        # The filter as it is checked before boot; one naming $cpid is set on the events once the command forks.
+        self.filter: str | None = args.filter.replace("$cpid", "0") if self.cpid_filter else args.filter
+
+    def check(self, ev: ProbeEvent | UprobeEvent) -> None:
+        """A definition against the filter and --format, before booting."""
+        from qprobe.events import event_filter
+
+        if self.filter:
+            event_filter(ev, self.filter)
+        if self.fmt is not None:
+            missing = [n for n in self.fmt.names() if n not in {a.name for a in ev.args}]
+            if missing:
+                raise QprobeError(f"--format names {missing[0]!r}, which {ev.text!r} does not fetch")
+            self.fmt.check_types(ev.integer_args)
+
+    def show(self, hit: EventHit) -> None:
+        """One hit's line: with --run only the command's (those before its process tree is followed, the
+        guest shell reading the line that asks for its pid, are not); with --boot every hit, the boot's first."""
+        if self.args.run and not getattr(self.args, "boot", False) and (self.tree is None or not self.tree.owns(hit)):
+            return
+        with self.lock:
+            self.shown[hit.event] += 1
+            if self.fmt is not None:
+                sys.stdout.write(self.fmt(hit.escaped() if self.tty else hit))
+                sys.stdout.flush()
+            elif self.args.json:
+                print(json.dumps(hit.as_json()), flush=True)
+            else:
+                print((hit.escaped() if self.tty else hit).line(), flush=True)
+
+    def owns(self, hit: EventHit) -> bool:
+        """With --run, whether the map takes ``hit``: the command's hits only."""
+        if self.tree is None or not self.tree.owns(hit):
+            return False
+        with self.lock:
+            self.shown[hit.event] += 1
+        return True
+
+    def write(self, text: str) -> None:
+        with self.lock:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+
+def _summarize(target: Target, events: list[TraceEvent], trace: _Trace) -> None:
+    """One row an event (its trace shows one event name), the counts of probes appended to it added in."""
+    args = trace.args
+    totals: dict[str, collections.Counter[str]] = {}
+    for te in events:
+        totals.setdefault(te.definition.event, collections.Counter()).update(
+            hits=te.nhit, nmissed=te.nmissed, lost=te.lost, filtered=te.filtered)  # fmt: skip
+    summary: dict[str, dict[str, int]] = {}
+    for name, t in totals.items():
+        row = {"hits": t["hits"], "nmissed": t["nmissed"], "lost": t["lost"]}
+        if trace.tree is not None:  # hits counts the command's; the other processes' are said apart
+            row.update(hits=trace.shown[name], others=t["hits"] - trace.shown[name])
+        if args.filter:
+            row["filtered"] = t["filtered"]
+        summary[name] = row
+    waited = target.record_waits() if target.machine.alive else 0
+    with trace.lock:
+        if args.json:
+            rings = {"records": {"waited": waited}} if waited else {}
+            print(json.dumps({"summary": summary, **rings}), flush=True)
+        else:
+            for name, row in summary.items():
+                print(f"# {name}: " + " ".join(f"{k}={v}" for k, v in row.items()))
+            if waited:
+                # Nothing was lost for it: these hits' vCPUs waited for qprobe to drain a full ring.
+                print(f"# records: waited={waited}")

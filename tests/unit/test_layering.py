@@ -17,7 +17,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "qprobe"
 # Top to bottom; a module may import its own layer and the layers below it.  The guide's order is
 # front ends -> api -> events -> core -> kernel -> vmm -> arch -> errors; what the code also needs:
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    # The package's __init__ re-exports the API, so it sits with the front ends (and pytest_lacks with the plugin).
+    # The package's __init__ re-exports the API, so it sits with the front ends (and, with the pytest
+    # plugin, its parts in qprobe.plugin and pytest_lacks).
     (
         "front ends",
         (
@@ -25,6 +26,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "qprobe.cli",
             "qprobe.shell",
             "qprobe.pytest_plugin",
+            "qprobe.plugin",
             "qprobe.pytest_lacks",
             "qprobe.bench",
             "qprobe.demo",

@@ -235,8 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hits", type=_number(int, 1, 10**9), default=2000, help="probe hits to time (default 2000)")
     p.add_argument("--output", type=Path, help="also write the report (markdown) to this file")
     p.add_argument("--sections", type=_sections, default=BENCH_SECTIONS,
-                   help="comma-separated parts to run: probes (the cost matrix), scale, gdb (default all three); "
-                        "the boot and round-trip rows always run")  # fmt: skip
+                   help="comma-separated parts to run: probes (the cost matrix), trace (lines through the rings), "
+                        "scale, gdb (default all four); the boot and round-trip rows always run")  # fmt: skip
     p.set_defaults(func=cmd_bench)
     return parser
 

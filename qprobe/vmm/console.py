@@ -39,6 +39,8 @@ SHELL_CMDLINE = f"qprobe.shell={SHELL_PORT}"
 # MAX_TEXT characters, and the first MAX_OOPS oops lines.  QEMU's log files have everything.
 MAX_TEXT = 4 << 20
 MAX_OOPS = 10_000
+INTERRUPT_RETRY = 0.5  # seconds between the ^Cs sent while an interrupted guest command has not ended
+INTERRUPT_SETTLE = 5.0  # seconds of them at most: a command that ignores SIGINT is left to run
 _OOPS = re.compile(
     r"(BUG: |Oops: |Kernel panic|general protection fault|WARNING: CPU: |kernel BUG at|"
     r"RIP: 0010:|Call Trace:|watchdog: BUG: soft lockup|INFO: rcu_.* detected stalls)"
@@ -232,6 +234,8 @@ class GuestShell:
         self.port = port
         self.console = console
         self._lock = threading.Lock()  # one command at a time
+        # The end marker (a pattern) and start offset of a command whose wait was interrupted: still running.
+        self._in_flight: tuple[str, int] | None = None
 
     def _wait(self, pattern: str, timeout: float, start: int) -> int:
         try:
@@ -253,9 +257,31 @@ class GuestShell:
         """Bytes to the shell's tty, as typed."""
         self.port.write(data)
 
-    def interrupt(self) -> None:
-        """Ctrl-C the shell's foreground command (the port is its controlling tty)."""
+    def interrupt(self, settle: float = INTERRUPT_SETTLE) -> None:
+        """Ctrl-C the shell's foreground command (the port is its controlling tty).
+
+        Where the ^C lands depends on when: before the shell forks the command it aborts the rest of the
+        command line (no end marker comes), once the command's process group is the terminal's foreground
+        it ends the command, and in between it reaches the shell, which waits on, while the command runs.
+        So while a command ``run`` left (its wait interrupted) has printed neither its end marker nor the
+        answer to a line asking whether the shell reads again, ^C again every INTERRUPT_RETRY s, for up to
+        ``settle`` s (a ^C flushes the tty's input, that line included: it is sent again each time).
+        """
         self.port.write("\x03")
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return
+        ended, start = flight
+        token = secrets.token_hex(6)
+        either = f"{ended}|@@qp-idle-{token}@@\n"
+        deadline = time.monotonic() + settle
+        while (left := deadline - time.monotonic()) > 0:
+            self.port.write(f"printf '\\n@@qp-idle-%s@@\\n' {token}\n")
+            try:
+                self.port.wait_for(either, min(INTERRUPT_RETRY, left), start)
+                return
+            except GuestTimeout:
+                self.port.write("\x03")
 
     def run(self, command: str, timeout: float = 60.0) -> RunResult:
         """Run a shell command in the guest; returns its combined output and exit status."""
@@ -276,9 +302,13 @@ class GuestShell:
                 f"printf '\\n@@qp-begin-%s@@\\n' {token}; ( ( {command} ); exit ) </dev/null 2>&1; "
                 f"printf '\\n@@qp-end-%s@@%d\\n' {token} $?\n"
             )
+            ended = re.escape(end) + r"(\d+)\n"
+            self._in_flight = (ended, start)  # until it ends: an interrupt() then knows what to wait for
             try:
-                stop = self._wait(re.escape(end) + r"(\d+)\n", timeout, start)
+                stop = self._wait(ended, timeout, start)
+                self._in_flight = None
             except GuestTimeout:
+                self._in_flight = None
                 # Ctrl-C the command so the shell is usable for the next one.
                 self.port.write("\x03\n")
                 raise GuestTimeout(f"guest command {command!r} did not finish within {timeout:g} s") from None

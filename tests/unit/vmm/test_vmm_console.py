@@ -3,6 +3,7 @@ count everything printed, so a guest printing forever cannot grow qprobe without
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import threading
@@ -212,3 +213,75 @@ def test_the_shell_on_the_console_is_waited_for_the_same_way(vm: FakeGuest) -> N
     with pytest.raises(GuestBootFailed, match=r"disk_interface='virtio'.*root=/dev/vda"):
         console_mod.open_shell(vm.console, None, None, 60, BUILDROOT)
     assert time.monotonic() - t0 < 2 + bootfail.ROOT_GRACE
+
+
+def _interrupted_run(vm: FakeGuest, tmp_path: Path) -> tuple[console_mod.GuestShell, bytes, threading.Thread]:
+    """A ``run("sleep 60")`` the guest has begun (its begin marker printed), on a thread; the shell, the
+    command's token, the thread."""
+    shell = vm._connect("shell", lambda: console_mod.open_shell(vm.console, tmp_path / "shell.sock", None, None))
+    far = vm.far["shell"]
+
+    def run() -> None:
+        with contextlib.suppress(TargetGone):  # the port closes under a command the guest never ends
+            shell.run("sleep 60", timeout=30)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    command_line = b""
+    while not command_line.endswith(b"\n"):
+        command_line += far.recv(4096)
+    token = re.search(rb"@@qp-begin-%s@@\\n' ([0-9a-f]+);", command_line)
+    assert token is not None
+    far.sendall(b"\n@@qp-begin-" + token[1] + b"@@\n")
+    shell.port.wait_for("@@qp-begin-", 5)
+    return shell, token[1], runner
+
+
+def test_a_ctrl_c_the_shell_took_is_sent_again_until_the_command_ends(vm: FakeGuest, tmp_path: Path) -> None:
+    """A ^C after the shell printed the begin marker but before the command's process group is the tty's
+    foreground one reaches the shell, which waits on while the command runs (a ``sleep 60`` holds the shell
+    for a minute).  Here the guest takes the first ^C so, reads no line meanwhile, and the second ends it."""
+    shell, token, runner = _interrupted_run(vm, tmp_path)
+    far = vm.far["shell"]
+    ctrl_c: list[int] = []
+
+    def guest() -> None:
+        while len(ctrl_c) < 2:
+            ctrl_c.extend(b for b in far.recv(4096) if b == 3)
+        far.sendall(b"\n@@qp-end-" + token + b"@@130\n")  # the second ^C reached the command
+
+    answering = threading.Thread(target=guest)
+    answering.start()
+    shell.interrupt()
+    answering.join(10)
+    runner.join(10)
+    assert len(ctrl_c) == 2 and not runner.is_alive()
+    far.setblocking(False)  # what interrupt() sent after the second ^C: its last line asking if the shell reads
+    with contextlib.suppress(BlockingIOError):
+        while far.recv(4096):
+            pass
+    far.setblocking(True)
+    shell.interrupt()  # nothing in flight: one ^C, no wait
+    assert far.recv(16) == b"\x03"
+
+
+def test_a_ctrl_c_that_aborted_the_command_line_is_not_sent_again(vm: FakeGuest, tmp_path: Path) -> None:
+    """A ^C before the shell forked the command aborts the rest of its line: no end marker comes, but the
+    shell reads again, and says so to the line interrupt() sends it."""
+    shell, _, _ = _interrupted_run(vm, tmp_path)
+    far = vm.far["shell"]
+    heard = b""
+
+    def guest() -> None:
+        nonlocal heard
+        while not heard.endswith(b"\n"):
+            heard += far.recv(4096)
+        idle = re.search(rb"printf '\\n@@qp-idle-%s@@\\n' ([0-9a-f]+)\n$", heard)
+        assert idle is not None, heard
+        far.sendall(b"\n@@qp-idle-" + idle[1] + b"@@\n")
+
+    answering = threading.Thread(target=guest)
+    answering.start()
+    shell.interrupt(settle=30)  # a bound on a hang: the answer ends it
+    answering.join(10)
+    assert heard.count(b"\x03") == 1 and heard.startswith(b"\x03")

@@ -183,11 +183,6 @@ class Connection:
     def poll(self, timeout: float, wake: int | None = None) -> bytes | None:
         """A packet if one arrives within ``timeout`` s, else None; None at once, too, when the file
         descriptor ``wake`` becomes readable (another thread has work for this one's)."""
-        if wake is None:
-            try:
-                return self.recv(timeout)
-            except GuestTimeout:
-                return None
         deadline = time.monotonic() + timeout
         while not self._packets:
             if self._closed:
@@ -197,7 +192,7 @@ class Connection:
                 return None
             sock = self.sock.fileno()
             try:
-                ready, _, _ = select.select([sock, wake], [], [], min(_POLL, left))
+                ready, _, _ = select.select([sock] if wake is None else [sock, wake], [], [], min(_POLL, left))
             except (OSError, ValueError) as exc:  # the socket closed under us
                 raise self._gone(str(exc)) from None
             if sock in ready:

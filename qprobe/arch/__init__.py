@@ -37,6 +37,9 @@ each step:
 6. The blacklist: ``arch_populate_kprobe_blacklist``,
    ``arch_kretprobe_blacklist``, and the size of the sites the kernel
    rewrites (``jump_label_size``, ``static_call_size``).
+   Return probes: ``arch_prepare_kretprobe`` says where the return address
+   is at a function's entry (a stack slot or a register), ``ret_pops`` how
+   far the return moves the stack pointer.
 7. Jump optimization, optional (``arch_check_optimized_kprobe`` may refuse
    every address: every probe stays a breakpoint): ``arch_prepare_optimized_kprobe``,
    ``arch_optimize_kprobes`` / ``arch_unoptimize_kprobes``,
@@ -59,7 +62,8 @@ from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from qprobe.arch.inguest import GuestFilter, KeySpec, MapKey, MapSlot
+from qprobe.arch.guestram import DetourParams, MailboxRequest, PercpuLayout, ReturnLayout, RingEntry
+from qprobe.arch.inguest import KeySpec, MapKey, MapSlot
 
 
 class ResumeKind(enum.Enum):
@@ -113,6 +117,20 @@ class Trap:
     regs: Mapping[str, int]
     restore: Mapping[str, int] = field(default_factory=dict)
     user: bool = False
+
+
+@dataclass(frozen=True)
+class ReturnHijack:
+    """Where a function's return address is at its first instruction (what arch_prepare_kretprobe replaces).
+
+    Exactly one of ``slot`` and ``register`` is set: the stack address that holds it (x86's ``call``
+    pushed it there), which the core overwrites with a journaled write; or the pt_regs name of the
+    register that holds it (arm64's link register, x30), which the core sets in the trapped context.
+    """
+
+    ret_addr: int
+    slot: int | None = None
+    register: str | None = None
 
 
 # Addresses of instructions with an exception-table fixup: a set, or a test of one address.
@@ -211,86 +229,6 @@ class CycleCounter:
     function: str
     after_read: Callable[[bytes, int], int | None]
     value: Callable[[Mapping[str, int]], int]
-
-
-@dataclass(frozen=True)
-class PercpuLayout:
-    """Per-CPU offsets the in-guest code reads (found by ``qprobe.kernel``)."""
-
-    cpu_number: int
-    this_cpu_off: int
-    current_task: int
-
-
-@dataclass(frozen=True)
-class Pool:
-    """One kretprobe's slice of the guest's instance array."""
-
-    first: int  # index of its first instance
-    count: int
-    owner: int
-
-
-class ReturnLayout(Protocol):
-    """Where a kretprobe's instances and their trampolines live in the scratch area."""
-
-    # Read-only, so that a frozen dataclass implements them.
-    @property
-    def instances(self) -> int: ...
-    @property
-    def count(self) -> int: ...
-    @property
-    def trampolines(self) -> int: ...
-    @property
-    def returns(self) -> int: ...  # u64 per pool owner: returns counted in the guest
-
-    def trampoline(self, i: int) -> int: ...
-    def instance(self, i: int) -> int: ...
-
-
-@dataclass(frozen=True)
-class DetourParams:
-    """What a detour of one kind needs to know (see ``qprobe.core.optimizer.detour_kind``)."""
-
-    kind: str
-    probe_id: int
-    resume: int  # where the relocated instructions jump back to
-    counter: int  # the probe's u64 hit counter
-    missed: int  # its nmissed counter
-    lost: int  # its lost-record counter
-    stub: int = 0  # the mailbox or record stub it calls
-    tables: int = 0  # "keyed": CPU 0's table
-    cpu_number: int = 0  # "keyed": per-CPU offset of cpu_number
-    task: tuple[int, int, int] = (0, 0, 0)  # "keyed": per-CPU offset of current_task, offsetof task_struct pid, comm
-    guest_filter: GuestFilter | None = None
-    guest_key: KeySpec | None = None
-    returns: ReturnLayout | None = None  # "retentry"
-    pool: Pool | None = None
-
-
-@dataclass(frozen=True)
-class MailboxRequest:
-    """A CPU waiting in the mailbox stub: its probe's registers and where it would go on."""
-
-    probe_id: int
-    values: dict[str, int]  # gdbstub names; rsp the probed context's, cr3 and gs_base included
-    continue_addr: int  # the detour's continue label (the displaced instructions)
-    frame: int  # the stub's frame address
-    final_sp: int  # the context's sp
-
-
-@dataclass(frozen=True)
-class RingEntry:
-    """One record a detour wrote into its CPU's ring."""
-
-    probe_id: int
-    cpu: int
-    pid: int
-    comm: str
-    task: int
-    tsc: int
-    sp: int
-    values: dict[str, int]  # gdbstub names, the ip not set (the host knows the probe's address)
 
 
 class PageTables(Protocol):
@@ -399,10 +337,10 @@ class Arch(Protocol):
         (plus the KASLR slide), from vmlinux's bytes (``read``) and symbols (``address``); SymbolError if unknown."""
         ...
 
-    def arch_stub_return(self, regs: Registers, read_u64: Callable[[int], int]) -> tuple[int, int]:
-        """At a function's first instruction: where it returns to, and the stack pointer it will have there."""
-        ...
+    # -- return probes: a call is known by its entry's sp (ri->fp); its return leaves sp ret_pops bytes higher
+    ret_pops: int
 
+    def arch_prepare_kretprobe(self, regs: Registers, read_u64: Callable[[int], int]) -> ReturnHijack: ...
     def sp(self, regs: Mapping[str, int]) -> int: ...
     def flags(self, regs: Mapping[str, int]) -> int: ...
     def user_mode(self, regs: Mapping[str, int]) -> bool: ...

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from qprobe.errors import InvalidProbe
 
 if TYPE_CHECKING:
-    from qprobe.arch import Pool
+    from qprobe.arch.guestram import Pool
     from qprobe.arch.inguest import GuestFilter, KeySpec
     from qprobe.core.regs import PtRegs
     from qprobe.kernel.program import Task
@@ -137,10 +137,11 @@ class KretprobeInstance:
 
     rp: Kretprobe
     ret_addr: int = 0
-    stack_slot: int = 0  # where the return address lives on the guest stack
+    stack_slot: int = 0  # where the return address lives on the guest stack (0: in a register)
     task: Task | None = None
     data: bytearray = field(default_factory=bytearray)
     patch: Patch | None = None
+    frame: int = 0  # the stack pointer at the call's entry: which call a return ends (the kernel's ri->fp)
 
 
 class Kretprobe:
@@ -177,7 +178,7 @@ class Kretprobe:
         self.errors: list[str] = []
         self.pool: Pool | None = None  # its instances in guest RAM, when the optimizer has room for them
         self.free: list[KretprobeInstance] = []
-        self.live: dict[int, KretprobeInstance] = {}  # stack slot -> instance
+        self.live: dict[int, KretprobeInstance] = {}  # frame (the entry's stack pointer) -> instance
 
     @property
     def nhit(self) -> int:

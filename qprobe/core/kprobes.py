@@ -94,7 +94,7 @@ class KprobeManager:
         self.handlers = Handlers()
         self.dispatcher = Dispatcher(machine, kernel, arch, self, self.handlers)
         self.stubs = StubProbes(machine, arch, self.handlers, self.make_regs, self.dispatcher.step)
-        # Map a trampoline address found in a stack slot to the real return address (kretprobes
+        # Map a trampoline address a frame returned to to the real return address (kretprobes
         # register theirs); a handler's stack trace sees through them.
         self.return_fixers: list[Callable[[int, int], int]] = []
         self.optimizer = Optimizer(self, ram, doorbell)
@@ -479,10 +479,10 @@ class KprobeManager:
                       fix_return=self.fix_return,
                       layout=self.arch.registers)  # fmt: skip
 
-    def fix_return(self, slot: int, value: int) -> int:
-        """The real return address behind ``value``, read from stack ``slot`` (itself if not a trampoline)."""
+    def fix_return(self, sp: int, value: int) -> int:
+        """The real return address behind ``value``, a frame's return with stack pointer ``sp`` (else itself)."""
         for fix in self.return_fixers:
-            real = fix(slot, value)
+            real = fix(sp, value)
             if real != value:
                 return real
         return value

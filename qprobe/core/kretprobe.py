@@ -6,14 +6,15 @@ entry wakes nobody, and the return either counts in the guest (no handler) or
 hands its registers to ``returned`` through the mailbox.  Until then, and for
 probes with an entry_handler (which runs on the host at entry), the host does
 it: at function entry an internal kprobe takes a free ``KretprobeInstance``,
-saves the return address and replaces it on the stack with the address of a
-trampoline in the scratch area: one ``int3``.  When the function returns
-there, the #BP dispatcher hands the hit to ``KretprobeManager.returned``,
-which matches the instance by its stack slot (and task), runs the handler and
-resumes at the real return address.  Matching by the stack slot makes
-recursion, preemption and sleeping functions right: every live call has its
-own slot.  The stack write is journaled like any patch, so an exit or crash
-puts every real return address back.
+saves the return address and replaces it with the address of a trampoline in
+the scratch area (one breakpoint), where ``arch_prepare_kretprobe`` says it
+is: a stack slot (x86) or a link register (arm64).  When the function returns
+there, the dispatcher hands the hit to ``KretprobeManager.returned``, which
+matches the instance by its frame (the stack pointer at the call's entry),
+runs the handler and resumes at the real return address.  Matching by the
+frame makes recursion, preemption and sleeping functions right: every live
+call has its own.  A stack write is journaled like any patch, so an exit or
+crash puts every real return address back.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class KretprobeManager:
         self.machine = kprobes.machine
         self.symbols = kprobes.symbols
         self.trampoline = 0
-        self.by_slot: dict[int, KretprobeInstance] = {}
+        self.by_frame: dict[int, KretprobeInstance] = {}
         self.preemptible = preemptible(self.symbols)
         self.registered: set[Kretprobe] = set()
         # Anywhere: returns caught on stub breakpoints at the return address, the stack left alone.
@@ -47,10 +48,11 @@ class KretprobeManager:
         self.stub_of: dict[Kretprobe, StubReturn] = {}  # anywhere kretprobes: their calls in flight
         kprobes.return_fixers.append(self.fix_return)
 
-    def fix_return(self, slot: int, value: int) -> int:
-        """For the unwinder: the real return address behind a trampoline address at ``slot``."""
-        if value and value == self.trampoline:  # an instance the host holds, keyed by the slot it patched
-            ri = self.by_slot.get(slot)
+    def fix_return(self, sp: int, value: int) -> int:
+        """For the unwinder: the real return address behind a trampoline address ``value`` a frame returned to
+        with stack pointer ``sp``."""
+        if value and value == self.trampoline:  # an instance the host holds, keyed by its frame
+            ri = self.by_frame.get(sp - self.kprobes.arch.ret_pops)
             if ri is not None:
                 return ri.ret_addr
         pools = self.kprobes.optimizer.returns
@@ -65,7 +67,7 @@ class KretprobeManager:
         pools = self.kprobes.optimizer.returns
         if rp.pool is not None and pools is not None:
             for _i, slot, ret_addr, task in pools.instances(rp.pool):
-                out.append(KretprobeInstance(rp, ret_addr, slot, self.kprobes.kernel.snapshot(task)))
+                out.append(KretprobeInstance(rp, ret_addr, slot, self.kprobes.kernel.snapshot(task), frame=slot))
         return out
 
     def default_maxactive(self) -> int:
@@ -194,12 +196,17 @@ class KretprobeManager:
         return self.returned(pt)
 
     def _retire(self, rp: Kretprobe) -> None:
-        """Put back the real return address of every call still in flight."""
+        """Put back the real return address of every call still in flight.
+
+        One in a register cannot be put back (the function may have saved it anywhere): its return
+        still comes to the trampoline, where its instance, kept by its frame, sends it on unreported.
+        """
         # A vCPU may already have returned into the trampoline: finish that first.
         self.kprobes.dispatcher.drain()
-        for slot, ri in list(rp.live.items()):
-            self._release(ri, restore=True)
-            del rp.live[slot]
+        for frame, ri in list(rp.live.items()):
+            del rp.live[frame]
+            if ri.patch is not None:
+                self._release(ri, restore=True)
         pools = self.kprobes.optimizer.returns
         if rp.pool is not None and pools is not None:
             pools.retire(rp)
@@ -212,7 +219,7 @@ class KretprobeManager:
                 self.machine.unpatch(ri.patch)
             else:
                 self.machine.journal.forget_often(ri.patch.phys)
-        self.by_slot.pop(ri.stack_slot, None)
+        self.by_frame.pop(ri.frame, None)
         ri.patch = None
         ri.task = None
         ri.data[:] = bytes(len(ri.data))
@@ -220,13 +227,15 @@ class KretprobeManager:
 
     def _reclaim(self, rp: Kretprobe) -> None:
         """Recycle instances whose call can no longer return here (the task exited, the stack was reused)."""
-        for slot, ri in list(rp.live.items()):
+        for frame, ri in list(rp.live.items()):
+            if ri.patch is None:
+                continue  # a return address in a register, saved where the function chose: nothing to read
             try:
-                still = ri.patch is not None and self.machine.mem.read(slot, 8) == ri.patch.new
+                still = self.machine.mem.read(ri.stack_slot, len(ri.patch.new)) == ri.patch.new
             except QprobeError:
                 still = False
             if not still:
-                del rp.live[slot]
+                del rp.live[frame]
                 self._release(ri, restore=False)
 
     # -- entry (a kprobe pre_handler, on the stop loop) ------------------------------
@@ -238,20 +247,24 @@ class KretprobeManager:
             return 0
         ri = rp.free.pop()
         try:
-            ri.stack_slot = regs.sp
-            ri.ret_addr = regs.read_u64(regs.sp)
+            hijack = self.kprobes.arch.arch_prepare_kretprobe(regs, regs.read_u64)
+            ri.frame, ri.ret_addr, ri.stack_slot = regs.sp, hijack.ret_addr, hijack.slot or 0
             ri.task = self.kprobes.kernel.snapshot(gs_base=regs.gs_base)
             if rp.entry_handler is not None:
                 what = f"entry_handler of kretprobe {rp.kp.where()}"
                 if self.kprobes.handlers.call(rp, what, rp.entry_handler, ri, regs):
                     self._release(ri, restore=False)
                     return 0
-            ri.patch = self.machine.patch_data(regs.sp, self.trampoline.to_bytes(8, "little"), "retaddr")
+            if hijack.slot is not None:
+                ri.patch = self.machine.patch_data(hijack.slot, self.trampoline.to_bytes(8, "little"), "retaddr")
+            else:
+                assert hijack.register is not None
+                setattr(regs, hijack.register, self.trampoline)  # written back with the resume
         except BaseException:  # a stack that cannot be read or written: the call goes unprobed, the instance back
             self._release(ri, restore=False)
             raise
-        rp.live[ri.stack_slot] = ri
-        self.by_slot[ri.stack_slot] = ri
+        rp.live[ri.frame] = ri
+        self.by_frame[ri.frame] = ri
         return 0
 
     # -- anywhere: entry and return on stub breakpoints --------------------------------------
@@ -269,7 +282,7 @@ class KretprobeManager:
         if inst is None:
             rp.nmissed += 1
             return 0
-        ri.ret_addr, ri.stack_slot = inst.ret_addr, regs.sp
+        ri.ret_addr, ri.frame = inst.ret_addr, regs.sp
         ri.task = self.kprobes.kernel.snapshot(gs_base=regs.gs_base)
         if rp.entry_handler is not None:
             what = f"entry_handler of kretprobe {rp.kp.where()}"
@@ -286,18 +299,18 @@ class KretprobeManager:
     def returned(self, pt: PtRegs) -> int:
         """Run the handler of the instance whose call just returned; the real return address.
 
-        Called from the dispatcher (an int3 trampoline: a qprobe.core.dispatch.Trampoline)
-        or the doorbell thread; ``pt.sp`` is the stack pointer after the ret, just past the
-        instance's stack slot.
+        Called from the dispatcher (a breakpoint trampoline: a qprobe.core.dispatch.Trampoline)
+        or the doorbell thread; ``pt.sp`` is the stack pointer after the return, ``ret_pops``
+        bytes above the call's frame.
         """
-        slot = pt.sp - 8
-        ri = self.by_slot.get(slot)
+        frame = pt.sp - self.kprobes.arch.ret_pops
+        ri = self.by_frame.get(frame)
         pools = self.kprobes.optimizer.returns
         guest = None
         if ri is None and pools is not None:
-            guest = pools.find(slot)
+            guest = pools.find(frame)
         if ri is None and guest is None:
-            raise ProbeError(f"a return into the kretprobe trampoline with no instance for stack slot {slot:#x}")
+            raise ProbeError(f"a return into the kretprobe trampoline with no instance for the frame {frame:#x}")
         if ri is None:
             assert guest is not None
             owner, index, ret_addr, task = guest
@@ -306,9 +319,12 @@ class KretprobeManager:
                 pools.free(index)
                 return ret_addr
             ri = KretprobeInstance(
-                owner, ret_addr, slot, self.kprobes.kernel.snapshot(task), bytearray(owner.data_size)
+                owner, ret_addr, frame, self.kprobes.kernel.snapshot(task), bytearray(owner.data_size), frame=frame
             )
         rp = ri.rp
+        if guest is None and frame not in rp.live:  # retired in flight (_retire), unregistered: no handler
+            self.by_frame.pop(frame, None)
+            return ri.ret_addr
         rp.nreturns += 1
         # Where the ret went (the unwinder maps it back to the real return address while the instance is taken).
         layout = pools.ret if pools is not None else None
@@ -320,7 +336,7 @@ class KretprobeManager:
             assert pools is not None
             pools.free(guest[1])
             return ret_addr
-        rp.live.pop(slot, None)
-        # The return address on the stack was consumed by the ret: only forget the patch.
+        rp.live.pop(frame, None)
+        # The return address was consumed by the return: only forget the patch.
         self._release(ri, restore=False)
         return ret_addr

@@ -15,7 +15,8 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from qprobe.arch import Arch, Pool, ReturnLayout
+from qprobe.arch import Arch, ReturnLayout
+from qprobe.arch.guestram import Pool
 from qprobe.core.kprobe import Kretprobe
 from qprobe.errors import QprobeError
 from qprobe.vmm.machine import Machine

@@ -76,7 +76,8 @@ class _Recovery:
         return {slot: (layout.trampoline(i), ret) for i, slot, ret, _task in self.arch.parse_instances(raw)}
 
     def real_return(self, slot: int) -> int | None:
-        """The return address a trampoline stands for at stack ``slot`` (instances of the host's or the guest's)."""
+        """The return address a trampoline stands for in the call whose return address stack ``slot`` held
+        (instances of the host's or the guest's)."""
         if slot in self.retaddrs:
             return self.retaddrs[slot]
         return self.guest[slot][1] if slot in self.guest else None
@@ -121,18 +122,19 @@ class _Recovery:
         if self.watch_safe and self.int3s:
             regs = self.take_back(tid, regs)
         rip, sp = arch.ip(regs), arch.sp(regs)
+        frame = sp - arch.ret_pops  # a return's, had it just returned into a trampoline
         if rip == self.entry:
             trap = arch.decode_trap(TrapHook.ENTRY, regs, self.mem.read)
             slot = self.from_slot(trap.addr, trap.flags)
             if trap.addr in self.int3s or slot is not None:
                 ip, flags = slot or (trap.addr, trap.flags)
                 self.resume_at(tid, ip, trap.sp, flags)
-            elif trap.addr == self.trampoline and trap.sp - 8 in self.retaddrs:
-                self.resume_at(tid, self.retaddrs[trap.sp - 8], trap.sp, trap.flags)
-        elif rip == self.trampoline and sp - 8 in self.retaddrs:
-            self.resume_at(tid, self.retaddrs[sp - 8])
-        elif self.guest.get(sp - 8, (None,))[0] == rip:  # about to enter its instance's trampoline
-            self.resume_at(tid, self.guest[sp - 8][1])
+            elif trap.addr == self.trampoline and trap.sp - arch.ret_pops in self.retaddrs:
+                self.resume_at(tid, self.retaddrs[trap.sp - arch.ret_pops], trap.sp, trap.flags)
+        elif rip == self.trampoline and frame in self.retaddrs:
+            self.resume_at(tid, self.retaddrs[frame])
+        elif self.guest.get(frame, (None,))[0] == rip:  # about to enter its instance's trampoline
+            self.resume_at(tid, self.guest[frame][1])
         else:
             slot = self.from_slot(rip, arch.flags(regs))
             if slot is not None:
@@ -158,7 +160,7 @@ class _Recovery:
         cont = req.continue_addr
         if req.probe_id == self.arch.trampoline_id:
             # A return waiting for its handler: resume at the real return address, not the int3 after the call.
-            cont = self.real_return(req.final_sp - 8) or cont
+            cont = self.real_return(req.final_sp - self.arch.ret_pops) or cont
         for off, data in self.arch.mailbox_answer({}, cont, req.final_sp):
             self.gdb.write_memory(mb + off, data)
 

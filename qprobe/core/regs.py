@@ -87,7 +87,7 @@ class PtRegs:
         init(self, "gs_base", values.get(layout.percpu_base, 0))
         # The guest's TSC at the hit where the guest read it (a detour's mailbox or ring entry), else None.
         init(self, "tsc", values.get("tsc"))
-        # Maps a value read from a stack slot to the real return address (kretprobe trampolines).
+        # Maps a return address a frame returns to to the real one (kretprobe trampolines).
         init(self, "fix_return", fix_return)
 
     @classmethod

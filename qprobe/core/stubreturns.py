@@ -5,7 +5,7 @@ is a write into the guest, which the places only stub breakpoints reach (the
 kernel's blacklist, boot before int3 works, user space) must not get.  Here
 the return is caught where it lands instead: at the entry hit the caller hands
 over the registers, the return address and the stack pointer the return will
-have are read (``Arch.arch_stub_return``), and a stub breakpoint goes on the
+have are read (``Arch.arch_prepare_kretprobe``), and a stub breakpoint goes on the
 return address (one per address, kept while some instance needs it).  Every
 vCPU that reaches that address stops there, so a return hit is matched to its
 call by a caller-given identity (``key(regs)``: the current task in the kernel,
@@ -114,7 +114,7 @@ class StubReturns:
         if len(rp.live) >= rp.maxactive:
             rp.nmissed += 1
             return None
-        ret_addr, sp = self.arch.arch_stub_return(regs, regs.read_u64)
+        ret_addr, sp = self.arch.arch_prepare_kretprobe(regs, regs.read_u64).ret_addr, regs.sp + self.arch.ret_pops
         inst = StubReturnInstance(rp, rp.key(regs), ret_addr, sp, data)
         site = self.sites.get(ret_addr)
         if site is None:

@@ -332,8 +332,8 @@ class KernelData:
                     max_frames: int = 64) -> Stack:  # fmt: skip
         """drgn's trace from registers (pt_regs names), through kretprobe trampolines.
 
-        A return address that is one of our trampolines (``fix_return(slot, value)``
-        gives the real one) stops drgn, which has no unwind data for it: the walk
+        A return address that is one of our trampolines (``fix_return(sp, value)``, with the stack
+        pointer the frame returned to, gives the real one) stops drgn, which has no unwind data for it: the walk
         goes on from that frame's registers with the real return address, as the
         kernel's own unwinder does with kretprobe_find_ret_addr().
         """
@@ -345,9 +345,9 @@ class KernelData:
             for frame in trace:
                 if len(frames) == max_frames or not frame.pc >> 63:
                     break  # the kernel stack ends where the task entered the kernel from user mode
-                real = fix_return(frame.sp - 8, frame.pc) if fix_return is not None and not frame.is_inline else None
+                real = fix_return(frame.sp, frame.pc) if fix_return is not None and not frame.is_inline else None
                 if real is not None and real != frame.pc:
-                    # The trampoline took the place of the return address at sp - 8 (popped by the ret).
+                    # The trampoline took the place of the return address (on the stack, or in a register).
                     resume = {self._dwarf_to_pt[k]: v for k, v in frame.registers().items() if k in self._dwarf_to_pt}
                     resume["ip"] = real
                     break

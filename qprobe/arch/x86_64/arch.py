@@ -28,6 +28,7 @@ from qprobe.arch import (
     Registers,
     Resume,
     ResumeKind,
+    ReturnHijack,
     ReturnLayout,
     RingEntry,
     Trap,
@@ -57,10 +58,13 @@ from qprobe.arch.x86_64.opt import can_optimize
 from qprobe.arch.x86_64.paging import KERNEL_IMAGE_BASE, X86PageTables, page_tables
 from qprobe.arch.x86_64.ptregs import (
     ARG_REGS,
+    DISPLAY,
+    FLAG_BITS,
     GDB_NAME,
     HW_FRAME_SIZE,
     KERNEL_CS,
     KERNEL_DS,
+    PLAIN,
     PT_GPRS,
     PT_NAMES,
     PT_REGS_SIZE,
@@ -99,22 +103,8 @@ THUNKS = re.compile(r"__x86_return_thunk|\w+_return_thunk|__x86_indirect_\w*thun
                     r"|srso_\w*safe_ret\w*|preempt_schedule\w*_thunk|warn_thunk_thunk")  # fmt: skip
 
 
-# The registers the shell prints for a vCPU, in QEMU's order (its target description's), each with
-# how gdb shows its type there: rip a code pointer, rsp and rbp data pointers, eflags by flag.
-DISPLAY = (*((g, "int") for g in ("rax", "rbx", "rcx", "rdx", "rsi", "rdi")), ("rbp", "data"), ("rsp", "data"),
-           *((f"r{n}", "int") for n in range(8, 16)), ("rip", "code"), ("eflags", "flags"),
-           *((g, "int") for g in ("cs", "ss", "ds", "es", "fs", "gs")),
-           *((g, "hex") for g in ("fs_base", "gs_base", "k_gs_base")),
-           *((g, "hex") for g in ("cr0", "cr2", "cr3", "cr4", "cr8", "efer")))  # fmt: skip
 CR0_PG = 1 << 31
 RESET_CS, RESET_IP = 0xF000, 0xFFF0
-# The flags gdb names in EFLAGS (gdb's i386_eflags type), as masks.
-FLAG_BITS = tuple((1 << bit, name) for bit, name in (
-    (0, "CF"), (2, "PF"), (4, "AF"), (6, "ZF"), (7, "SF"), (8, "TF"), (9, "IF"), (10, "DF"), (11, "OF"), (14, "NT"),
-    (16, "RF"), (17, "VM"), (18, "AC"), (19, "VIF"), (20, "VIP"), (21, "ID")))  # fmt: skip
-# The registers a write changes nothing else with: the general ones, rip and eflags.  Writing a
-# control register, even with its own value, has effects (a TLB flush on CR0/CR3/CR4).
-PLAIN = frozenset((*PT_GPRS, "rip", "eflags", "rsp"))
 # The #BP entry: asm_exc_int3 since Linux 5.8's IDTENTRY rework of the x86 entry code
 # ("x86/entry: Convert INT3 exception to IDTENTRY_RAW"); plain int3 before.
 TRAP_ENTRIES = ("asm_exc_int3", "int3")
@@ -149,6 +139,7 @@ class X86_64:
     breakpoint = bytes([INT3_INSN_OPCODE])
     # kprobe_int3_handler hands pre_handlers regs->ip past the int3 (arch/x86/kernel/kprobes/core.c).
     kprobe_ip_offset = 1
+    ret_pops = 8  # at a function's entry the return address ``call`` pushed is at rsp; ``ret`` pops it
     slot_size = SLOT_SIZE  # the copy and a jmp back, then the two int3-terminated copies (insn.SLOT_SIZE)
     jump_size = JMP32_INSN_SIZE
     registers = RegisterLayout(GDB_NAME, ARG_REGS, {"cs": KERNEL_CS, "ss": KERNEL_DS}, general=guestfilter.GPRS,
@@ -320,9 +311,8 @@ class X86_64:
     def arch_boot_entry(self, read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int:
         return boot_virtual_entry(read, address)
 
-    def arch_stub_return(self, regs: Registers, read_u64: Callable[[int], int]) -> tuple[int, int]:
-        """At a function's first instruction the ``call`` has pushed the return address; ``ret`` pops it."""
-        return read_u64(regs.sp), regs.sp + 8
+    def arch_prepare_kretprobe(self, regs: Registers, read_u64: Callable[[int], int]) -> ReturnHijack:
+        return ReturnHijack(read_u64(regs.sp), slot=regs.sp)
 
     def sp(self, regs: Mapping[str, int]) -> int:
         return regs["rsp"]

@@ -92,14 +92,32 @@ def stub_frame_offset(gdb_name: str) -> int | None:
     return 8 * PT_REGS_ORDER.index(gdb_name) if gdb_name in STUB_FRAME_REGS and gdb_name != "rsp" else None
 
 
+# The registers the shell prints for a vCPU, in QEMU's order (its target description's), each with
+# how gdb shows its type there: rip a code pointer, rsp and rbp data pointers, eflags by flag.
+DISPLAY = (*((g, "int") for g in ("rax", "rbx", "rcx", "rdx", "rsi", "rdi")), ("rbp", "data"), ("rsp", "data"),
+           *((f"r{n}", "int") for n in range(8, 16)), ("rip", "code"), ("eflags", "flags"),
+           *((g, "int") for g in ("cs", "ss", "ds", "es", "fs", "gs")),
+           *((g, "hex") for g in ("fs_base", "gs_base", "k_gs_base")),
+           *((g, "hex") for g in ("cr0", "cr2", "cr3", "cr4", "cr8", "efer")))  # fmt: skip
+# The flags gdb names in EFLAGS (gdb's i386_eflags type), as masks.
+FLAG_BITS = tuple((1 << bit, name) for bit, name in (
+    (0, "CF"), (2, "PF"), (4, "AF"), (6, "ZF"), (7, "SF"), (8, "TF"), (9, "IF"), (10, "DF"), (11, "OF"), (14, "NT"),
+    (16, "RF"), (17, "VM"), (18, "AC"), (19, "VIF"), (20, "VIP"), (21, "ID")))  # fmt: skip
+# The registers a write changes nothing else with: the general ones, rip and eflags.  Writing a
+# control register, even with its own value, has effects (a TLB flush on CR0/CR3/CR4).
+PLAIN = frozenset((*PT_GPRS, "rip", "eflags", "rsp"))
+
 __all__ = [
     "ARG_REGS",
+    "DISPLAY",
+    "FLAG_BITS",
     "FRAME_OFFSET",
     "GDB_NAME",
     "HW_FRAME",
     "HW_FRAME_SIZE",
     "KERNEL_CS",
     "KERNEL_DS",
+    "PLAIN",
     "PT_GPRS",
     "PT_NAME",
     "PT_NAMES",

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from iced_x86 import BlockEncoder, Code, Instruction, Register
 
-from qprobe.arch import Pool
+from qprobe.arch.guestram import Pool
 from qprobe.arch.x86_64.boost import synthesize_reljump
 from qprobe.arch.x86_64.detour import _mem, encode_detour, locked_inc, restore_regs, save_regs, simm32
 

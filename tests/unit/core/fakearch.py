@@ -4,7 +4,8 @@
 instructions (as arm64's), whose breakpoint is 4 bytes too: nothing in the
 core may assume x86's one-byte int3 or its register names.  Its trap entry is
 arm64-like: the vCPU stops on the exception entry with the trapped pc in
-``elr`` and its flags in ``spsr``.
+``elr`` and its flags in ``spsr``; and a function returns through its link
+register ``lr``, as on arm64, so nothing may assume a return address on the stack.
 
 ``ToyCpu`` is the gdbstub client (qprobe.vmm.transport.GdbTransport) of
 vCPUs that really execute the toy ISA on a ``ToyMemory``: one bytearray of
@@ -18,7 +19,7 @@ op    name       what it does
 0x01  NOP        nothing; probes emulate it on the host
 0x02  ADDI imm   r0 += imm16; runs out of line, may be boosted
 0x03  LDR        r1 = [sp]; runs out of line, single-stepped by the host
-0x04  RET        pc = [sp]; sp += 8 (cannot be probed)
+0x04  RET        pc = lr, the link register, as arm64's (cannot be probed)
 0x05  JMPL       pc = the u64 after it (cannot be probed)
 0x06  BTI        a function's landing pad (probes go past it, as ENDBR)
 0xBB  BRK        the breakpoint: an exception to ENTRY
@@ -46,6 +47,7 @@ from qprobe.arch import (
     RegisterLayout,
     Resume,
     ResumeKind,
+    ReturnHijack,
     ReturnLayout,
     RingEntry,
     Trap,
@@ -124,7 +126,7 @@ class Toy:
     STEP_COPY = 16
     jump_size = 8
     registers = RegisterLayout(
-        gdb_name={"ip": "pc", "sp": "sp", "flags": "psr", "r0": "r0", "r1": "r1", "r2": "r2", "r3": "r3"},
+        gdb_name={"ip": "pc", "sp": "sp", "flags": "psr", "r0": "r0", "r1": "r1", "r2": "r2", "r3": "r3", "lr": "lr"},
         arg_regs=("r0", "r1", "r2", "r3"),
         defaults={},
         general=("r0", "r1", "r2", "r3"),
@@ -184,14 +186,16 @@ class Toy:
 
     def arch_setup_resume(self, prep: Prepared, regs: Any, mem: Memory, may_boost: bool,
                           may_trap_step: bool) -> Resume:  # fmt: skip
+        changed = regs.dirty()  # what the handlers wrote goes with the resume
         if prep.emulate is not None:
             regs.set_quietly("ip", prep.addr + 4)
-            return Resume(ResumeKind.CONTINUE, prep.addr + 4)
+            return Resume(ResumeKind.CONTINUE, prep.addr + 4, changed=changed)
         if may_boost and prep.boostable:
-            return Resume(ResumeKind.BOOST, prep.slot_addr, jump_back=prep.addr + 4)
+            return Resume(ResumeKind.BOOST, prep.slot_addr, changed=changed, jump_back=prep.addr + 4)
         if may_trap_step and prep.step_reason is None:
-            return Resume(ResumeKind.TRAP_STEP, prep.slot_addr + self.STEP_COPY, flags=regs.flags & ~IRQ)
-        return Resume(ResumeKind.STEP, prep.slot_addr + self.STEP_COPY)
+            return Resume(ResumeKind.TRAP_STEP, prep.slot_addr + self.STEP_COPY, flags=regs.flags & ~IRQ,
+                          changed=changed)  # fmt: skip
+        return Resume(ResumeKind.STEP, prep.slot_addr + self.STEP_COPY, changed=changed)
 
     def is_trap_step_start(self, prep: Prepared, ip: int) -> bool:
         return ip == prep.slot_addr + self.STEP_COPY
@@ -239,8 +243,10 @@ class Toy:
     def arch_boot_entry(self, read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int:
         raise SymbolError("the toy kernel does not boot")
 
-    def arch_stub_return(self, regs: Any, read_u64: Callable[[int], int]) -> tuple[int, int]:
-        return read_u64(regs.sp), regs.sp + 8  # the caller pushed the return address; RET pops it
+    ret_pops = 0  # RET leaves sp as it is
+
+    def arch_prepare_kretprobe(self, regs: Any, read_u64: Callable[[int], int]) -> ReturnHijack:
+        return ReturnHijack(regs.lr, register="lr")  # the caller's call put the return address in lr
 
     def sp(self, regs: Mapping[str, int]) -> int:
         return regs["sp"]
@@ -455,11 +461,12 @@ class ToyCpu:
     """vCPUs executing the toy ISA, seen through the gdbstub interface (GdbTransport)."""
 
     running = False
+    stack_return = False  # RET pops the return address off the stack (ToyStackReturn's convention)
 
     def __init__(self, mem: ToyMemory, ncpus: int = 2) -> None:
         self.mem = mem
         self.regs = {f"p1.{i + 1}": {"pc": TEXT, "sp": STACK + STACK_SIZE - 0x100, "psr": IRQ, "r0": 0, "r1": 0,
-                                     "r2": 0, "r3": 0, "elr": 0, "spsr": 0, "ttbr": 0, "tpidr": 0}
+                                     "r2": 0, "r3": 0, "lr": 0, "elr": 0, "spsr": 0, "ttbr": 0, "tpidr": 0}
                      for i in range(ncpus)}  # fmt: skip
         self.breakpoints: list[tuple[int, int, int]] = []  # (addr, kind, length) as inserted
         self.steps: list[tuple[str, int]] = []  # (vCPU, pc) of every step
@@ -534,7 +541,10 @@ class ToyCpu:
             regs["pc"] = self.mem.read_u64(pc + 4, pgd)
             return
         elif op == RET:
-            regs["pc"], regs["sp"] = self.mem.read_u64(regs["sp"], pgd), regs["sp"] + 8
+            if self.stack_return:
+                regs["pc"], regs["sp"] = self.mem.read_u64(regs["sp"], pgd), regs["sp"] + 8
+            else:
+                regs["pc"] = regs["lr"]
             return
         elif op not in (NOP, BTI):
             raise AssertionError(f"toy vCPU {tid} executed {op:#x} at {pc:#x}")
@@ -799,21 +809,33 @@ class ToyTarget:
         return self.cpu.regs[tid]
 
 
+class ToyStackReturn(Toy):
+    """The toy with x86's return convention: the call pushes the return address, RET pops it."""
+
+    ret_pops = 8
+
+    def arch_prepare_kretprobe(self, regs: Any, read_u64: Callable[[int], int]) -> ReturnHijack:
+        return ReturnHijack(read_u64(regs.sp), slot=regs.sp)
+
+
 class Rig:
     """A toy target with a KprobeManager on it, the functions the tests probe, and a way to run its vCPUs.
 
     The toy kernel has no ``bp_desc``, so the dispatcher hooks traps with a breakpoint on ENTRY.
+    Its functions return through ``lr``, or with ``stack_return`` through a return address on the stack.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stack_return: bool = False) -> None:
         self.t = ToyTarget()
+        self.t.cpu.stack_return = stack_return
         self.fn = self.t.function("toy_fn", insn(BTI), insn(NOP), insn(ADDI, 5), insn(LDR), insn(NOP))
         self.other = self.t.function("toy_other", insn(ADDI, 7), insn(NOP))
         self.bad = self.t.function("toy_bad", bytes(4), insn(NOP))
         self.load = self.t.function("toy_load", insn(LDR), insn(NOP))
         self.t.symbols.add("toy_entry", insn(NOP) * 4, at=ENTRY)  # inside the entry-text section
         self.t.mem.write(ENTRY, insn(NOP) * 4)
-        self.km = KprobeManager(self.t.machine, self.t.kernel, self.t.scratch, Toy())  # type: ignore[arg-type]
+        arch = ToyStackReturn() if stack_return else Toy()
+        self.km = KprobeManager(self.t.machine, self.t.kernel, self.t.scratch, arch)  # type: ignore[arg-type]
         self.text = bytes(self.t.mem.ram[TEXT_PHYS : TEXT_PHYS + TEXT_SIZE])
 
     def text_unchanged(self) -> bool:
@@ -836,4 +858,15 @@ class Rig:
             self.km.dispatcher.on_entry_stop(tid, dict(regs))
 
 
-__all__ = ["Rig", "Toy", "ToyCpu", "ToyMachine", "ToyMemory", "ToyScratch", "ToySymbols", "ToyTarget", "insn"]
+__all__ = [
+    "Rig",
+    "Toy",
+    "ToyCpu",
+    "ToyMachine",
+    "ToyMemory",
+    "ToyScratch",
+    "ToyStackReturn",
+    "ToySymbols",
+    "ToyTarget",
+    "insn",
+]

@@ -56,9 +56,8 @@ class World:
         return self.rig.t.regs(tid)
 
     def call(self, tid: str, ret_addr: int, sp: int, task: int) -> None:
-        """``tid`` calls the callee from ``ret_addr - 4``: the return address pushed below ``sp``."""
-        self.rig.t.mem.write(sp - 8, ret_addr.to_bytes(8, "little"))
-        self.stop(tid, self.callee, sp=sp - 8, r3=task)
+        """``tid`` calls the callee from ``ret_addr - 4`` with stack pointer ``sp``: the return address in ``lr``."""
+        self.stop(tid, self.callee, sp=sp, r3=task, lr=ret_addr)
 
     def ret(self, tid: str, ret_addr: int, sp: int, task: int, r0: int) -> dict[str, int]:
         """``tid`` returned to ``ret_addr`` with ``sp`` (a stub breakpoint there)."""
@@ -81,9 +80,9 @@ def test_a_return_is_caught_at_its_return_address_with_nothing_written(w: World)
     stack = bytes(w.rig.t.mem.ram[STACK_PHYS : STACK_PHYS + STACK_SIZE])
     w.call(A, site, TOP, task=7)
     assert w.breakpoints() == {site} and w.text_unchanged()
-    # The stack is as the call left it: the real return address, no trampoline's.
-    assert w.rig.t.mem.read_u64(TOP - 8) == site
-    assert bytes(w.rig.t.mem.ram[STACK_PHYS : STACK_PHYS + STACK_SIZE]) != stack  # only the toy's own push
+    # The stack and the link register are as the call left them: the real return address, no trampoline's.
+    assert w.rig.t.regs(A)["lr"] == site
+    assert bytes(w.rig.t.mem.ram[STACK_PHYS : STACK_PHYS + STACK_SIZE]) == stack
     assert "return site" not in list_probes(w.rig.km)  # an internal probe, in no listing
     after = w.ret(A, site, TOP, task=7, r0=42)
     assert w.seen == [(site, TOP, 42, 0)] and w.rp.nreturns == 1 and w.rp.live == []
@@ -205,12 +204,11 @@ def test_an_anywhere_kretprobe_sees_its_return_value_with_the_stack_untouched() 
         cpu.update(pc=pc, **regs)
         t.machine.stop_handlers[pc](A, dict(cpu))
 
-    t.mem.write(TOP - 8, site.to_bytes(8, "little"))
-    stop(callee + 4, sp=TOP - 8, r0=99)  # declined: no return site
+    stop(callee + 4, sp=TOP, r0=99, lr=site)  # declined: no return site
     assert [a for a, kind, _ in t.cpu.breakpoints if kind == BREAK_HW] == [callee + 4]
-    stop(callee + 4, sp=TOP - 8, r0=10)
+    stop(callee + 4, sp=TOP, r0=10, lr=site)
     assert t.regs(A)["r0"] == 11  # the ADDI after the probe ran in place
-    assert t.mem.read_u64(TOP - 8) == site and len(rpm.live_instances(rp)) == 1  # the stack as the call left it
+    assert t.regs(A)["lr"] == site and len(rpm.live_instances(rp)) == 1  # the return address as the call left it
     stop(site, sp=TOP, r0=11)
     assert seen == [(site, 10, 11)] and entered == [99, 10] and rp.nreturns == 1 and rp.nhit == 2
     assert rpm.live_instances(rp) == [] and bytes(t.mem.ram[TEXT_PHYS : TEXT_PHYS + TEXT_SIZE]) == text

@@ -28,7 +28,8 @@ each step:
    and ``arch_resume_trap_step`` maps the ip back at that second trap; the
    copies whose faults the guest must see at the original address are
    single-stepped by the host instead (``arch_resume_singlestep`` maps the
-   ip back after the step, ``arch_fault_frame`` finds its exception frame).
+   ip back after the step; after a fault, ``arch_fault_fixup`` moves the
+   exception's return address, in memory or a register, back to the probe's).
    ``breakpoint`` is the trap instruction ``arch_arm_kprobe`` writes (int3;
    ``brk`` on arm64).
 5. Traps: ``trap_entries``/``trap_path``/``trap_watch`` say where the host
@@ -315,7 +316,7 @@ class Arch(Protocol):
     def arch_slot_resume(self, slot: int, addr: int, ip: int, flags: int) -> tuple[int, int] | None: ...
     def step_left_slot(self, prep: Prepared, ip: int) -> bool: ...
     def arch_resume_singlestep(self, prep: Prepared, regs: Registers, mem: Memory) -> None: ...
-    def arch_fault_frame(self, prep: Prepared, sp: int, read_u64: Callable[[int], int]) -> tuple[int, int] | None: ...
+    def arch_fault_fixup(self, prep: Prepared, regs: Registers, mem: Memory) -> None: ...
 
     # -- traps -------------------------------------------------------------------------
     # Where a kernel-mode breakpoint trap enters the kernel (the first name the kernel has), the

@@ -338,20 +338,20 @@ class Dispatcher:
         post = self.registry.make_regs(after, tid)
         prep = point.prep
         if self.arch.step_left_slot(prep, self.arch.ip(after)):
-            self._step_faulted(point, post, active)
-            return None  # the vCPU is at the exception's handler: nothing to write
+            self._step_faulted(point, tid, post, active)
+            return None  # the vCPU is at the exception's handler: nothing more to write
         self.arch.arch_resume_singlestep(prep, post, _TaskMemory(self.machine, post))
         post.mark_clean()
         self.handlers.post(active, post)
         return Resume(ResumeKind.CONTINUE, post.ip, changed=post.dirty())
 
-    def _step_faulted(self, point: ProbePoint, post: PtRegs, active: list[Kprobe]) -> None:
-        """The copy raised an exception: make the guest see it at the original address."""
-        mem = self.machine.mem
-        frame = self.arch.arch_fault_frame(point.prep, post.sp, mem.read_u64)
-        if frame is not None:
-            where, ip = frame
-            self.machine.write_phys(mem.virt_to_phys(where), ip.to_bytes(8, "little"))
+    def _step_faulted(self, point: ProbePoint, tid: str, post: PtRegs, active: list[Kprobe]) -> None:
+        """The copy raised an exception: make the guest see it at the original address (kprobe_fault_handler)."""
+        # The exception's return address is in memory (x86's exception frame) or in a register (arm64's ELR_EL1).
+        self.arch.arch_fault_fixup(point.prep, post, _TaskMemory(self.machine, post))
+        if post.dirty():
+            self.machine.gdb.write_registers(tid, post.dirty())
+            post.mark_clean()
         exc = ProbeError(f"the out-of-line copy of {point.where} faulted (guest exception at {post.symbolize()})")
         for kp in active:
             kp.nfaults += 1

@@ -258,19 +258,16 @@ class X86_64:
     def arch_resume_singlestep(self, prep: Prepared, regs: Registers, mem: Memory) -> None:
         resume_singlestep(_insn(prep), _regs(regs), mem)
 
-    def arch_fault_frame(self, prep: Prepared, sp: int, read_u64: Callable[[int], int]) -> tuple[int, int] | None:
-        """Where the exception frame of a faulting copy holds its ip, and the ip it should hold.
-
-        As kprobe_fault_handler does for KPROBE_HIT_SS: the frame's ip moves
-        from the slot back to the probe address, so the kernel's fixup
-        (exception tables) and oops reports see the real text.
+    def arch_fault_fixup(self, prep: Prepared, regs: Registers, mem: Memory) -> None:
+        """As kprobe_fault_handler does for KPROBE_HIT_SS: the exception frame's ip moves from the slot
+        back to the probe address, so the kernel's fixup (exception tables) and oops reports see the real text.
         """
-        lo, hi = prep.slot_addr, prep.slot_addr + len(prep.copy)
+        lo, hi, sp = prep.slot_addr, prep.slot_addr + len(prep.copy), regs.sp
         for off in (0, 8):  # with and without an error code
-            frame_ip = read_u64(sp + off)
+            frame_ip = int.from_bytes(mem.read(sp + off, 8), "little")
             if lo <= frame_ip <= hi:
-                return sp + off, prep.addr + frame_ip - lo
-        return None
+                mem.write(sp + off, (prep.addr + frame_ip - lo).to_bytes(8, "little"))
+                return
 
     # -- traps -------------------------------------------------------------------------------
     def trap_watch_site(self, code: bytes, address: int, watched: int) -> frozenset[int] | None:

@@ -75,7 +75,7 @@ STACK, STACK_PHYS, STACK_SIZE = 0xFFFF_C000_0000_0000, 0x80000, 0x10000
 USER_PHYS, PAGE = 0xA0000, 0x1000  # frames for user pages: [USER_PHYS, RAM_SIZE)
 RAM_SIZE = 0x100000
 ENTRY = TEXT + 0x100  # the breakpoint exception's entry (its symbol: int3_entry's name)
-FAULT_ENTRY = TEXT + 0x180  # where a user-mode access to a page that is not present enters the kernel
+FAULT_ENTRY = TEXT + 0x180  # where an access to memory that is not mapped enters the kernel
 
 
 def insn(op: int, imm: int = 0) -> bytes:
@@ -126,7 +126,17 @@ class Toy:
     STEP_COPY = 16
     jump_size = 8
     registers = RegisterLayout(
-        gdb_name={"ip": "pc", "sp": "sp", "flags": "psr", "r0": "r0", "r1": "r1", "r2": "r2", "r3": "r3", "lr": "lr"},
+        gdb_name={
+            "ip": "pc",
+            "sp": "sp",
+            "flags": "psr",
+            "r0": "r0",
+            "r1": "r1",
+            "r2": "r2",
+            "r3": "r3",
+            "lr": "lr",
+            "elr": "elr",
+        },
         arg_regs=("r0", "r1", "r2", "r3"),
         defaults={},
         general=("r0", "r1", "r2", "r3"),
@@ -217,9 +227,10 @@ class Toy:
     def arch_resume_singlestep(self, prep: Prepared, regs: Any, mem: Memory) -> None:
         regs.set_quietly("ip", regs.ip - prep.slot_addr - self.STEP_COPY + prep.addr)
 
-    def arch_fault_frame(self, prep: Prepared, sp: int,
-                         read_u64: Callable[[int], int]) -> tuple[int, int] | None:  # fmt: skip
-        return None
+    def arch_fault_fixup(self, prep: Prepared, regs: Any, mem: Memory) -> None:
+        copy = prep.slot_addr + self.STEP_COPY  # arm64's way: the exception's return address is a register
+        if copy <= regs.elr <= copy + 4:
+            regs.elr = prep.addr + regs.elr - copy
 
     # -- traps ---------------------------------------------------------------------------
     def decode_trap(self, hook: TrapHook, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> Trap:
@@ -514,18 +525,16 @@ class ToyCpu:
         return StopReply("T", 5, tid, ())
 
     def execute(self, tid: str) -> None:
-        """Run one instruction of ``tid`` (a breakpoint enters the exception at ENTRY; in user mode, an
-        access to a page that is not present enters it at FAULT_ENTRY, the instruction not run)."""
+        """Run one instruction of ``tid`` (a breakpoint enters the exception at ENTRY; an access to memory
+        that is not mapped enters it at FAULT_ENTRY, the instruction not run, its address in ``elr``)."""
         regs = self.regs[tid]
-        if not regs["psr"] & USER:
-            self._execute(tid, regs, 0)
-            return
+        pgd = regs["ttbr"] if regs["psr"] & USER else 0
         try:
-            self._execute(tid, dict(regs), regs["ttbr"])  # on a copy: a faulting instruction changes nothing
+            self._execute(tid, dict(regs), pgd)  # on a copy: a faulting instruction changes nothing
         except MemoryFault:
             regs.update(elr=regs["pc"], spsr=regs["psr"], pc=FAULT_ENTRY, psr=regs["psr"] & ~(USER | IRQ))
             return
-        self._execute(tid, regs, regs["ttbr"])
+        self._execute(tid, regs, pgd)
 
     def _execute(self, tid: str, regs: dict[str, int], pgd: int) -> None:
         pc = regs["pc"]

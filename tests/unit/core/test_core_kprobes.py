@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
-from fakearch import ADDI, BRK, BTI, ENTRY, IRQ, JMPL, NOP, STACK, STACK_SIZE, Rig, Toy, insn
+from fakearch import ADDI, BRK, BTI, ENTRY, FAULT_ENTRY, IRQ, JMPL, NOP, STACK, STACK_SIZE, Rig, Toy, insn
 
 from qprobe.arch import Arch
 from qprobe.core.kprobe import KPROBE_FLAG_GONE, Kprobe
@@ -284,6 +284,19 @@ def test_a_hit_while_the_vcpu_handles_a_probe_is_missed_and_its_instruction_stil
     assert (rig.t.regs(A)["pc"], rig.t.regs(A)["r0"]) == (rig.fn + 12, 5)
     assert (outer.nhit, outer.nmissed) == (1, 0)
     assert rig.km.dispatcher.ctlblk[A].status is KprobeStatus.IDLE
+
+
+def test_a_stepped_copy_that_faults_is_seen_by_the_guest_at_the_probe_address(rig: Rig) -> None:
+    # kprobe_fault_handler: the exception's return address goes from the slot back to the probe, here (as
+    # on arm64) in a register, so the kernel's fixups and oops reports see the real text.
+    faults: list[str] = []
+    kp = Kprobe("toy_load", fault_handler=lambda kp, regs, exc: faults.append(str(exc)))
+    rig.km.register_kprobe(kp)
+    rig.run(A, rig.load, sp=0xFFFF_9000_0000_0000)  # the LDR reads [sp], which is not mapped
+    regs = rig.t.regs(A)
+    assert rig.t.cpu.steps == [(A, rig.km.points[rig.load].prep.slot_addr + Toy.STEP_COPY)]
+    assert (regs["pc"], regs["elr"]) == (FAULT_ENTRY, rig.load)
+    assert (kp.nhit, kp.nfaults, len(faults)) == (1, 1, 1) and "faulted" in faults[0]
 
 
 def test_a_failing_pre_handler_is_counted_and_the_hit_goes_on(rig: Rig) -> None:

@@ -454,7 +454,7 @@ class Target(ProbeAPI, EventAPI):
     def _init_runs(self, kp: Kprobe, regs: PtRegs) -> int:
         """At init's exec, after __init text is freed (stop loop), on a boot qprobe did not start: the kernel
         is up as far as _after_boot reads it.  A usermode helper's exec (a kworker's, not pid 1) is not it."""
-        if self.kernel.read_task(gs_base=regs.gs_base).pid != 1:
+        if self.kernel.read_task(percpu_base=regs.percpu_base).pid != 1:
             return 0
         self.kprobes.unregister_kprobe(kp)
         try:
@@ -705,11 +705,11 @@ class Target(ProbeAPI, EventAPI):
 
     def current(self, regs: PtRegs) -> drgn.Object:
         """The task a handler interrupted, as drgn's ``struct task_struct *`` (``current.comm.string_()``)."""
-        return self.kernel.current(regs.gs_base)
+        return self.kernel.current(regs.percpu_base)
 
     def current_task(self, regs: PtRegs) -> Task:
         """A snapshot of the task a handler interrupted: pid, tgid and comm as Python values."""
-        return self.kernel.read_task(gs_base=regs.gs_base)
+        return self.kernel.read_task(percpu_base=regs.percpu_base)
 
     # -- teardown ------------------------------------------------------------------
     def close(self) -> None:

@@ -249,7 +249,7 @@ class KretprobeManager:
         try:
             hijack = self.kprobes.arch.arch_prepare_kretprobe(regs, regs.read_u64)
             ri.frame, ri.ret_addr, ri.stack_slot = regs.sp, hijack.ret_addr, hijack.slot or 0
-            ri.task = self.kprobes.kernel.snapshot(gs_base=regs.gs_base)
+            ri.task = self.kprobes.kernel.snapshot(percpu_base=regs.percpu_base)
             if rp.entry_handler is not None:
                 what = f"entry_handler of kretprobe {rp.kp.where()}"
                 if self.kprobes.handlers.call(rp, what, rp.entry_handler, ri, regs):
@@ -271,9 +271,9 @@ class KretprobeManager:
     def _task_key(self, regs: PtRegs) -> Hashable:
         """Whose call it is: the current task (the per-CPU base where it cannot be read, early in boot)."""
         try:
-            return regs.read_u64(regs.gs_base + self.kprobes.kernel.current_task_offset)
+            return regs.read_u64(regs.percpu_base + self.kprobes.kernel.current_task_offset)
         except QprobeError:
-            return ("percpu", regs.gs_base)
+            return ("percpu", regs.percpu_base)
 
     def _entry_anywhere(self, rp: Kretprobe, regs: PtRegs) -> int:
         stub = self.stub_of[rp]
@@ -283,7 +283,7 @@ class KretprobeManager:
             rp.nmissed += 1
             return 0
         ri.ret_addr, ri.frame = inst.ret_addr, regs.sp
-        ri.task = self.kprobes.kernel.snapshot(gs_base=regs.gs_base)
+        ri.task = self.kprobes.kernel.snapshot(percpu_base=regs.percpu_base)
         if rp.entry_handler is not None:
             what = f"entry_handler of kretprobe {rp.kp.where()}"
             if self.kprobes.handlers.call(rp, what, rp.entry_handler, ri, regs):

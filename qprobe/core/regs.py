@@ -40,7 +40,7 @@ class PtRegs:
     under QEMU), ``tid`` the stub's thread id.
     """
 
-    __slots__ = ("_dirty", "_kernel", "_layout", "_mem", "_pgd", "_symbols", "_values", "fix_return", "gs_base",
+    __slots__ = ("_dirty", "_kernel", "_layout", "_mem", "_pgd", "_symbols", "_values", "fix_return", "percpu_base",
                  "tid", "tsc", "vcpu")  # fmt: skip
     # The layout whose registers are class attributes (one per architecture, added on first use: a
     # read through __getattr__ costs a failed lookup first, several times a plain attribute's, on every hit).
@@ -55,7 +55,7 @@ class PtRegs:
     _symbols: Symbols | None
     _values: dict[str, int]
     fix_return: Callable[[int, int], int] | None
-    gs_base: int
+    percpu_base: int
     tid: str
     tsc: int | None
     vcpu: int
@@ -83,8 +83,8 @@ class PtRegs:
         init(self, "_pgd", mem.pgd if root is None else mem.pgd_of(root))
         init(self, "tid", tid)
         init(self, "vcpu", vcpu)
-        # The per-CPU base while in kernel mode (named as the kernel layer names it: x86's GS base).
-        init(self, "gs_base", values.get(layout.percpu_base, 0))
+        # The per-CPU base while in kernel mode (x86's GS base, arm64's TPIDR_EL1).
+        init(self, "percpu_base", values.get(layout.percpu_base, 0))
         # The guest's TSC at the hit where the guest read it (a detour's mailbox or ring entry), else None.
         init(self, "tsc", values.get("tsc"))
         # Maps a return address a frame returns to to the real one (kretprobe trampolines).

@@ -274,32 +274,32 @@ class KernelData:
         return (self.current_task_offset, drgn.offsetof(task, "pid"), drgn.offsetof(task, "tgid"),
                 drgn.offsetof(task, "comm"))  # fmt: skip
 
-    def current(self, gs_base: int) -> drgn.Object:
-        """``current`` on a vCPU stopped in kernel mode (``gs_base`` is its per-CPU base): a task_struct pointer."""
-        return drgn.Object(self.prog, "struct task_struct *", address=gs_base + self.current_task_offset).read_()
+    def current(self, percpu_base: int) -> drgn.Object:
+        """``current`` on a vCPU stopped in kernel mode with per-CPU base ``percpu_base``: a task_struct pointer."""
+        return drgn.Object(self.prog, "struct task_struct *", address=percpu_base + self.current_task_offset).read_()
 
     def task(self, addr: int) -> drgn.Object:
         return drgn.Object(self.prog, "struct task_struct *", value=addr)
 
-    def read_task(self, addr: int | None = None, *, gs_base: int = 0) -> Task:
-        """A Task of the task_struct at ``addr`` (else of ``current`` at ``gs_base``).
+    def read_task(self, addr: int | None = None, *, percpu_base: int = 0) -> Task:
+        """A Task of the task_struct at ``addr`` (else of ``current`` at ``percpu_base``).
 
         pid, tgid and comm are read in one read of the span that holds them (at the offsets the
         debug info gives), not member by member: one page walk instead of three (under 20 µs).
         """
-        task = (self.current(gs_base) if addr is None else self.task(addr)).value_()
+        task = (self.current(percpu_base) if addr is None else self.task(addr)).value_()
         _cur, pid, tgid, comm = self.offsets
         lo = min(pid, tgid, comm)
         raw = self.prog.read(task + lo, max(pid, tgid, comm) + 16 - lo)
         name = raw[comm - lo : comm - lo + 16].split(b"\0")[0].decode(errors="replace")
         return Task(task, _s32(raw, pid - lo), _s32(raw, tgid - lo), name)
 
-    def snapshot(self, addr: int | None = None, *, gs_base: int = 0) -> Task | None:
+    def snapshot(self, addr: int | None = None, *, percpu_base: int = 0) -> Task | None:
         """``read_task``, or None when the kernel's types are unavailable (a vmlinux without DWARF) or the
         task cannot be read: what a kretprobe instance records, which must not stop the probe.
         """
         try:
-            return self.read_task(addr, gs_base=gs_base)
+            return self.read_task(addr, percpu_base=percpu_base)
         except (SymbolError, drgn.FaultError):
             return None
 

@@ -99,7 +99,7 @@ class Symbols:
     def __init__(self, path: Path, build_id: str, symbols: list[tuple[str, int, int, str]],
                  sections: list[Section], percpu: dict[str, int] | None = None) -> None:  # fmt: skip
         self.path = path
-        # Per-CPU variables are offsets from each CPU's base (gs_base), not addresses: KASLR does not move them.
+        # Per-CPU variables are offsets from each CPU's base (x86's GS base), not addresses: KASLR does not move them.
         self.percpu = percpu or {}
         self.build_id = build_id
         self.slide = 0

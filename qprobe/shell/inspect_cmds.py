@@ -112,7 +112,7 @@ def cmd_regs(shell: ShellContext, rest: str) -> None:
         shell.note(f"vCPU {cpu} is in user mode")
         return
     try:
-        task = shell.target.kernel.read_task(gs_base=arch.percpu_base(regs))
+        task = shell.target.kernel.read_task(percpu_base=arch.percpu_base(regs))
         shell.note(f"vCPU {cpu} in the kernel, current task {task.comm}-{task.pid}")
     except Exception:  # a vCPU in early entry code may not have a usable per-CPU base yet
         pass

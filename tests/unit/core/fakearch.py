@@ -780,14 +780,14 @@ class ToyKernel:
     running: dict[int, int] = field(default_factory=dict)  # per-CPU base -> the task running there
     mms: dict[int, int] = field(default_factory=dict)  # task -> its mm (0: a kernel thread)
 
-    def current(self, gs_base: int) -> ToyObject:
-        return self.task(self.running[gs_base])
+    def current(self, percpu_base: int) -> ToyObject:
+        return self.task(self.running[percpu_base])
 
     def task(self, addr: int) -> ToyObject:
         return ToyObject(addr, mm=ToyObject(self.mms.get(addr, 0)))
 
-    def snapshot(self, task: int = 0, gs_base: int = 0) -> Any:
-        return SimpleNamespace(task=task or 0x1000 + gs_base, gs_base=gs_base)
+    def snapshot(self, task: int = 0, percpu_base: int = 0) -> Any:
+        return SimpleNamespace(task=task or 0x1000 + percpu_base, percpu_base=percpu_base)
 
     def type_offset(self, struct_name: str, member: str) -> int:
         raise LookupError(f"the toy kernel has no debug info ({struct_name})")

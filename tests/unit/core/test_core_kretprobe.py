@@ -90,7 +90,7 @@ def test_a_return_runs_the_handler_with_the_return_value_and_goes_back_to_the_ca
 
 def test_maxactive_bounds_the_calls_in_flight_and_the_rest_count_as_missed(calls: Calls) -> None:
     returns: list[tuple[int, int]] = []
-    rp = Kretprobe("toy_callee", handler=lambda ri, regs: returns.append((ri.ret_addr, ri.task.gs_base)),
+    rp = Kretprobe("toy_callee", handler=lambda ri, regs: returns.append((ri.ret_addr, ri.task.percpu_base)),
                    maxactive=2)  # fmt: skip
     calls.rpm.register_kretprobe(rp)
     # Three tasks in the function at once (two vCPUs, one of them preempted): only two are probed.

@@ -92,12 +92,12 @@ def test_view_has_only_pt_regs() -> None:
     assert not hasattr(regs, "cr3")
 
 
-def test_gs_base_is_kept_for_per_cpu_reads() -> None:
+def test_the_per_cpu_base_is_kept_for_per_cpu_reads() -> None:
     regs, _ = make()
-    assert regs.gs_base == GDB_VALUES["gs_base"]
+    assert regs.percpu_base == GDB_VALUES["gs_base"]
     assert "gs_base" not in regs.as_dict()
     without, _ = make({k: v for k, v in GDB_VALUES.items() if k != "gs_base"})
-    assert without.gs_base == 0
+    assert without.percpu_base == 0
 
 
 def test_the_return_value_is_the_layout_s_register() -> None:

@@ -220,6 +220,19 @@ class TrapWatch:
 
 
 @dataclass(frozen=True)
+class FtraceSite:
+    """A function's ftrace call site as vmlinux links it (x86's ``call __fentry__``), which the guest's ftrace owns.
+
+    ``entry`` is the function it calls, ``size`` its bytes; ``callee(code, addr)`` is what the ``size``
+    bytes ``code`` linked at ``addr`` call (None: they are no call).
+    """
+
+    entry: str
+    size: int
+    callee: Callable[[bytes, int], int | None]
+
+
+@dataclass(frozen=True)
 class CycleCounter:
     """The cycle counter the kernel's sched_clock reads, as the host calibrates its stop clock against it.
 
@@ -290,6 +303,7 @@ class Arch(Protocol):
     jump_size: int  # bytes an optimized probe's jump displaces at least
     registers: RegisterLayout
     cycle_counter: CycleCounter | None  # None: stops are not timed against the guest's clock
+    ftrace_site: FtraceSite | None  # None: no call of ftrace's in a function's linked bytes
     drgn_architecture: str  # the name of drgn.Architecture's member for it
 
     def page_tables(self, regs: Mapping[str, int]) -> PageTables: ...
@@ -388,6 +402,7 @@ class Arch(Protocol):
     drain_doorbell: int  # the doorbell byte a waiting record rings (not a CPU number)
     instance_size: int
     trampoline_id: int  # the probe id a kretprobe return reports through the mailbox
+    ring_entry_read_size: int  # bytes of an entry parse_ring_entry needs
 
     def build_mailbox_stub(
         self, mailboxes: int, missed: int, percpu: PercpuLayout, port: int, address: int
@@ -405,9 +420,6 @@ class Arch(Protocol):
     def trampoline_index(self, layout: ReturnLayout, value: int) -> int | None: ...
     def read_mailbox(self, read: Callable[[int, int], bytes]) -> MailboxRequest | None: ...
     def mailbox_answer(self, changed: Mapping[str, int], final_ip: int, final_sp: int) -> list[tuple[int, bytes]]: ...
-
-    ring_entry_read_size: int  # bytes of an entry parse_ring_entry needs
-
     def parse_ring_entry(self, raw: bytes) -> RingEntry: ...
     def guest_map_size(self, spec: KeySpec) -> int: ...  # one CPU's table of a "keyed" detour, in bytes
     def parse_guest_map(self, spec: KeySpec, raw: bytes) -> dict[MapKey, MapSlot]: ...  # each key's parts decoded

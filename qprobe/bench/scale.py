@@ -84,7 +84,7 @@ def probeable_entries(target: qprobe.Target, names: list[str]) -> list[str]:
             continue
         try:
             at = sites.kprobe_addr(qprobe.Kprobe(symbol_name=name))
-            sites.check_kprobe_address_safe(at + 5 if sites.ftrace_site(at) else at)
+            sites.check_kprobe_address_safe(at + sites.ftrace_site(at))
         except qprobe.QprobeError:
             continue
         out.append(name)

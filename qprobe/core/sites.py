@@ -24,7 +24,8 @@ class ProbeSites:
         self.text = text
         self.symbols = symbols = kernel.symbols
         self.blacklist = Blacklist(symbols, arch.arch_populate_kprobe_blacklist())
-        self._fentry = symbols.address("__fentry__") if "__fentry__" in symbols else None  # CONFIG_FUNCTION_TRACER
+        site = arch.ftrace_site  # its entry is in the kernel with CONFIG_FUNCTION_TRACER
+        self._ftrace = (site, symbols.address(site.entry)) if site is not None and site.entry in symbols else None
 
     def kprobe_addr(self, kp: Kprobe) -> int:
         """``_kprobe_addr``: the address the kernel's kprobe would have (its ``kp->addr``).
@@ -50,10 +51,10 @@ class ProbeSites:
         """Bytes at a function's start that are not its entry for probes (an ENDBR on x86)."""
         return self.arch.entry_skip(self.text.original(fn_addr, 4))
 
-    def ftrace_site(self, addr: int) -> bool:
-        """Whether ``addr`` is a ``call __fentry__`` site of vmlinux.
+    def ftrace_site(self, addr: int) -> int:
+        """The size of the ftrace call site at ``addr`` (x86's ``call __fentry__``), 0 where there is none.
 
-        Those 5 bytes belong to the guest's ftrace: boot turns each into a NOP,
+        Those bytes belong to the guest's ftrace: boot turns each into a NOP,
         and its function tracer or its own kprobe_events on a function entry
         (ftrace-based on x86) turn it back into a call, after checking that the
         bytes are what ftrace left there (``ftrace_verify_code``; anything else
@@ -62,7 +63,9 @@ class ProbeSites:
         where the registers are the same (a NOP ran in between), as the
         kernel's own probes there run from ftrace with ``[FTRACE]`` in its list.
         """
-        return self._fentry is not None and self.symbols.fentry_site(addr, self._fentry)
+        if self._ftrace is None or not self.symbols.ftrace_site(addr, *self._ftrace):
+            return 0
+        return self._ftrace[0].size
 
     def check_kprobe_address_safe(self, addr: int, anywhere: bool = False) -> tuple[str, int, bytes]:
         """(sym+off text, function start, function bytes) or a ProbeError saying why not.
@@ -98,6 +101,6 @@ class ProbeSites:
         return ReservedText(self.symbols, lambda a, n: self.machine.mem.read(a, n), bug_entry, self.arch)
 
     def arming_address(self, kp: Kprobe) -> int:
-        """Where a probe is armed: past an ``__fentry__`` site, which is the guest's ftrace's (not for a stub
+        """Where a probe is armed: past an ftrace call site, which is the guest's ftrace's (not for a stub
         breakpoint, which writes nothing there)."""
-        return kp.at + 5 if not kp.anywhere and self.ftrace_site(kp.at) else kp.at
+        return kp.at if kp.anywhere else kp.at + self.ftrace_site(kp.at)

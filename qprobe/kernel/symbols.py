@@ -21,6 +21,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qprobe.arch import FtraceSite
 from qprobe.errors import QprobeError, SymbolError
 from qprobe.paths import cache_dir, read_private, write_private
 
@@ -368,21 +369,18 @@ class Symbols:
         sec = self.section_at(addr)
         return sec is not None and sec.executable and (self.init_text or not sec.name.startswith(".init"))
 
-    def fentry_site(self, addr: int, fentry: int) -> bool:
-        """Whether ``addr`` is a ``call __fentry__`` site (``fentry``: that function's address).
-
-        vmlinux's are told by the bytes linked there (boot turns them into NOPs);
-        a module's by its ``ftrace_callsites`` table, its ``__mcount_loc``.
-        """
+    def ftrace_site(self, addr: int, site: FtraceSite, entry: int) -> bool:
+        """Whether ``addr`` is an ftrace call site (``site``'s form, calling ``entry``): vmlinux's told by the bytes
+        linked there (boot turns them into NOPs), a module's by its ``ftrace_callsites`` table (``__mcount_loc``)."""
         mod = self.module_of(addr)
         if mod is not None:
             i = bisect.bisect_left(mod.ftrace_sites, addr)
             return i < len(mod.ftrace_sites) and mod.ftrace_sites[i] == addr
         try:
-            linked = self.file_bytes(addr, 5)
+            linked = self.file_bytes(addr, site.size)
         except QprobeError:
             return False
-        return linked[0] == 0xE8 and addr + 5 + int.from_bytes(linked[1:], "little", signed=True) == fentry
+        return site.callee(linked, addr) == entry
 
 
 _Cached = tuple[list[tuple[str, int, int, str]], list[Section], dict[str, int]]

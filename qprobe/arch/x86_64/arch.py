@@ -20,6 +20,7 @@ from qprobe.arch import (
     CycleCounter,
     DetourParams,
     ExceptionTable,
+    FtraceSite,
     MailboxRequest,
     Memory,
     PercpuLayout,
@@ -37,7 +38,7 @@ from qprobe.arch import (
 )
 from qprobe.arch.inguest import KeySpec, MapKey, MapSlot
 from qprobe.arch.x86_64 import detour, guestagg, guestfilter, retdetour
-from qprobe.arch.x86_64.boost import CALL_INSN_SIZE, INT3_INSN_OPCODE, JMP32_INSN_SIZE, synthesize_reljump
+from qprobe.arch.x86_64.boost import CALL_INSN_SIZE, INT3_INSN_OPCODE, JMP32_INSN_SIZE, call_target, synthesize_reljump
 from qprobe.arch.x86_64.bootentry import boot_virtual_entry
 from qprobe.arch.x86_64.decode import check_boundary, decode_all
 from qprobe.arch.x86_64.emulate import Regs, emulate
@@ -148,6 +149,7 @@ class X86_64:
                                display=DISPLAY, flag_bits=FLAG_BITS, plain=PLAIN)  # fmt: skip
     # Annotated as Arch declares them: a protocol's attributes are settable, so their types must match.
     cycle_counter: CycleCounter | None = TSC
+    ftrace_site: FtraceSite | None = FtraceSite("__fentry__", CALL_INSN_SIZE, call_target)
     drgn_architecture = "X86_64"
     trap_entries: tuple[str, ...] = TRAP_ENTRIES
     trap_path: tuple[str, ...] = TRAP_PATH

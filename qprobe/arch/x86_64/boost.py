@@ -76,6 +76,13 @@ def synthesize_reljump(src: int, dst: int) -> bytes:
     return __synthesize_relative_insn(src, dst, JMP32_INSN_OPCODE, "jump")
 
 
+def call_target(code: bytes, addr: int) -> int | None:
+    """Where the ``call rel32`` ``code`` at ``addr`` goes (None: it is not one)."""
+    if len(code) < CALL_INSN_SIZE or code[0] != CALL_INSN_OPCODE:
+        return None
+    return addr + CALL_INSN_SIZE + int.from_bytes(code[1:CALL_INSN_SIZE], "little", signed=True)
+
+
 def synthesize_relcall(src: int, dst: int) -> bytes:
     """5-byte ``call rel32`` placed at ``src`` that calls ``dst``."""
     return __synthesize_relative_insn(src, dst, CALL_INSN_OPCODE, "call")

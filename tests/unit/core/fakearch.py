@@ -150,6 +150,7 @@ class Toy:
     drgn_architecture = "UNKNOWN"
     kprobe_ip_offset = 0  # the trapped pc is the probe's own, as on arm64
     cycle_counter = None
+    ftrace_site = None  # the toy kernel has no ftrace
     trap_entries = ("toy_brk_entry",)
     trap_path: tuple[str, ...] = ()
     trap_watch = None  # no watchpoint hook: the dispatcher breaks on the entry
@@ -737,7 +738,7 @@ class ToySymbols:
     def kallsyms_size(self, sym: Symbol) -> int:
         return sym.size
 
-    def fentry_site(self, addr: int, fentry: int) -> bool:
+    def ftrace_site(self, addr: int, site: Any, entry: int) -> bool:
         return False
 
     def exception_table(self) -> None:

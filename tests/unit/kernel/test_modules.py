@@ -73,8 +73,10 @@ def test_module_addresses(syms: Symbols) -> None:
 
 
 def test_fentry_sites_of_a_module_come_from_its_table(syms: Symbols) -> None:
-    assert syms.fentry_site(M + 0xD0, fentry=S + 0x10)
-    assert not syms.fentry_site(M + 0xD5, fentry=S + 0x10)
+    site = X86_64.ftrace_site
+    assert site is not None
+    assert syms.ftrace_site(M + 0xD0, site, S + 0x10)
+    assert not syms.ftrace_site(M + 0xD5, site, S + 0x10)
 
 
 def test_unloading_forgets_the_module(syms: Symbols) -> None:

@@ -42,12 +42,12 @@ def _probe_matrix(target: qprobe.Target, args: argparse.Namespace) -> list[tuple
             n = n_fast if optimize else n_slow
             probe: qprobe.Kprobe | qprobe.Kretprobe
             if kind in ("r", "rf"):
-                handler = (lambda ri, regs: regs.ax) if kind == "r" else None
+                handler = (lambda ri, regs: regs.return_value()) if kind == "r" else None
                 probe = qprobe.Kretprobe(symbol_name=func, handler=handler)
                 target.register_kretprobe(probe)
             else:
-                probe = qprobe.Kprobe(symbol_name=func, pre_handler=(lambda kp, regs: regs.di) if kind != "f" else None,
-                                      anywhere=kind == "a")  # fmt: skip
+                pre = (lambda kp, regs: regs.arg(1)) if kind != "f" else None
+                probe = qprobe.Kprobe(symbol_name=func, pre_handler=pre, anywhere=kind == "a")
                 target.register_kprobe(probe)
             runs = FAST_RUNS  # the median of a few paired runs: every row is short and noisy
             try:
@@ -89,9 +89,9 @@ def _uprobe_rows(target: qprobe.Target, args: argparse.Namespace) -> list[tuple[
                                                   cmd.format(n=n_fast), n_fast)))  # fmt: skip
     for key, what, probe in (
         ("u", "uprobe: gdbstub breakpoint, stepped in place, Python handler",
-         qprobe.Uprobe(path, offset, handler=lambda up, regs: regs.di)),
+         qprobe.Uprobe(path, offset, handler=lambda up, regs: regs.arg(1))),
         ("ur", "uretprobe: breakpoints at the entry and the return address, Python handler",
-         qprobe.Uretprobe(path, offset, ret_handler=lambda up, func, regs: regs.ax)),
+         qprobe.Uretprobe(path, offset, ret_handler=lambda up, func, regs: regs.return_value())),
     ):  # fmt: skip
         registered = False
 

@@ -139,7 +139,7 @@ class ModuleNotifier:
 
     # -- the three moments (stop-loop thread, every vCPU stopped) -------------------------------
     def _module(self, regs: PtRegs) -> drgn.Object:
-        return drgn.Object(self.target.kernel.prog, "struct module *", value=regs.di)
+        return drgn.Object(self.target.kernel.prog, "struct module *", value=regs.arg(1))
 
     def _coming(self, _kp: Kprobe, regs: PtRegs) -> int:
         mod = read_module(self._module(regs))

@@ -219,7 +219,8 @@ class KretprobeManager:
                 self.machine.unpatch(ri.patch)
             else:
                 self.machine.journal.forget_often(ri.patch.phys)
-        self.by_frame.pop(ri.frame, None)
+        if self.by_frame.get(ri.frame) is ri:  # (one whose entry failed was never there)
+            del self.by_frame[ri.frame]
         ri.patch = None
         ri.task = None
         ri.data[:] = bytes(len(ri.data))
@@ -247,8 +248,9 @@ class KretprobeManager:
             return 0
         ri = rp.free.pop()
         try:
+            ri.frame = regs.sp
             hijack = self.kprobes.arch.arch_prepare_kretprobe(regs, regs.read_u64)
-            ri.frame, ri.ret_addr, ri.stack_slot = regs.sp, hijack.ret_addr, hijack.slot or 0
+            ri.ret_addr, ri.stack_slot = hijack.ret_addr, hijack.slot or 0
             ri.task = self.kprobes.kernel.snapshot(percpu_base=regs.percpu_base)
             if rp.entry_handler is not None:
                 what = f"entry_handler of kretprobe {rp.kp.where()}"

@@ -42,6 +42,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         if args.lossy:
             target.records_lossy = True
         events = at_boot if args.boot else _arm_traced(target, definitions, trace)
+        trace.waits_before = target.record_waits()
         status = 0
         try:
             status = _collect(target, events, trace)

@@ -150,3 +150,17 @@ def test_shell_boot_hands_its_checked_events_to_a_boot_that_arms_them(
     assert cli.main(["shell", "--boot", "--cmdline", "initcall_debug", "p:sk start_kernel"]) == 2
     assert "stopped before QEMU" in capsys.readouterr().err
     assert seen["image"] == "debian-cloud" and seen["cmdline"] == "initcall_debug" and callable(seen["at_boot"])
+
+
+def test_trace_reports_the_hits_that_waited_during_its_own_run(capsys: pytest.CaptureFixture[str]) -> None:
+    # The rings' count lives in guest RAM as long as the VM does: an attached trace reports its own run's.
+    from types import SimpleNamespace
+
+    from qprobe.cli.output import _summarize, _Trace
+
+    trace = _Trace(cli.build_parser().parse_args(["trace", "p:rd vfs_read"]))
+    waits = iter([195, 205])
+    target = SimpleNamespace(record_waits=lambda: next(waits), machine=SimpleNamespace(alive=True))
+    trace.waits_before = target.record_waits()  # as trace() takes it once the events are armed
+    _summarize(target, [], trace)  # type: ignore[arg-type]
+    assert capsys.readouterr().out == "# records: waited=10\n"

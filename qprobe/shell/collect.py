@@ -392,7 +392,9 @@ def parse_map(text: str) -> tuple[Aggregation, float | None]:
     event (``qprobe trace --map``), and its interval."""
     call = split_call(text)
     words = text.split()
-    if call is None and (not words or words[0] != "count"):
+    if words and words[0] == "count()":  # bpftrace's spelling
+        text = text.replace("count()", "count", 1)
+    if call is None and (not words or words[0] not in ("count", "count()")):
         raise ShellUsageError(f"--map: expected count [by KEY, ...] or FUNC(VALUE) [by KEY, ...] "
                               f"(FUNC: {' '.join(VALUE_FUNCS)}), not {text!r}")  # fmt: skip
     verb = call[0].func if call is not None else "count"

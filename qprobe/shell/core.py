@@ -137,7 +137,7 @@ KEY_HELP = (
     "of the hits already made, as each event keeps them (its last 100000; with qprobe shell --boot, from "
     "start_kernel on)"
 )
-ALIASES = {"exit": "quit", "q": "quit", "?": "help", "ls": "list"}
+ALIASES = {"exit": "quit", "q": "quit", "?": "help", "ls": "list", "count()": "count"}  # bpftrace's count()
 
 
 class Shell:

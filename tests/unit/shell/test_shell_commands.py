@@ -136,6 +136,7 @@ def test_count_over_a_guest_command() -> None:
     assert got == ["workload mode=getppid n=5 pid=42 ret=1 errors=0", "exit status 0", "@[workload]: 5"]
     assert run(shell, out, "count gp run workload getppid 2")[-1] == "@: 2"
     assert run(shell, out, "count gp by $pid run workload getppid 3")[-1] == "@[42]: 3"
+    assert run(shell, out, "count() gp by $comm run workload getppid 4")[-1] == "@[workload]: 4"  # bpftrace's
     assert t.events["kprobes/gp"].callback is None  # the tap is gone
 
 

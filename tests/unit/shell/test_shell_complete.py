@@ -72,7 +72,7 @@ def test_candidates() -> None:
     shell.execute("p:gp __x64_sys_getppid")
     shell.execute("p:rd vfs_read count=%dx:u64")
     idx = SymbolIndex(t.symbols.names())
-    assert candidates(shell, idx, "co") == ["count"]
+    assert candidates(shell, idx, "co") == ["count", "count()"]  # bpftrace's spelling too
     assert "hist" in candidates(shell, idx, "h") and "help" in candidates(shell, idx, "h")
     assert candidates(shell, idx, "p:x vfs_r") == ["vfs_read", "vfs_readv"]
     assert candidates(shell, idx, "p vfs_read+") == []

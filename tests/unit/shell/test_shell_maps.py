@@ -143,6 +143,9 @@ def test_trace_map_takes_the_shell_s_functions_and_keys_and_nothing_else() -> No
     assert (agg.kind, agg.keys, agg.value, every) == ("sum", ("$comm", "$pid"), "count", 2.0)
     agg, every = parse_map("count")
     assert (agg.kind, agg.keys, agg.value, every) == ("count", (), None, None)
+    for bpftrace in ("count()", "count() by $comm"):  # bpftrace's spelling
+        assert parse_map(bpftrace)[0].kind == "count"
+    assert parse_map("count() by $comm")[0].keys == ("$comm",)
     agg, _ = parse_map("lhist(count, 0, 4096, 512) by $func")
     assert agg.bounds == (0, 4096, 512) and agg.keys == ("$func",)
     for bad, says in [

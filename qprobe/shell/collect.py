@@ -286,13 +286,13 @@ class Aggregation:
 class Collector:
     """One aggregation over ``events`` for as long as a ``with`` block lasts (the shell's count, trace's maps).
 
-    Folded where it can be exact without the host seeing each hit: a count with no key, or by
-    ``$func``/``$event`` alone, of entry probes without a filter is each probe's own hit count
-    (kept in guest RAM as the kernel keeps kprobe_profile's; a record dropped on a full ring is
-    still a hit); one event whose key and value the detour can compute is folded in guest RAM
-    (``TraceEvent.count_in_guest``).  Anything else, and every hit when ``owns`` picks the hits
-    (``--run``'s process tree), comes through a :class:`Tap`.  ``every`` (seconds) means the map
-    is printed and cleared as hits come, so they all come through the tap.
+    Folded where it can be exact without the host seeing each hit: one event whose key and value
+    the detour can compute is folded in guest RAM (``TraceEvent.count_in_guest``), its hits no
+    longer recorded; else a count with no key, or by ``$func``/``$event`` alone, of entry probes
+    without a filter is each probe's own hit count (kept in guest RAM as the kernel keeps
+    kprobe_profile's; a record dropped on a full ring is still a hit).  Anything else, and every
+    hit when ``owns`` picks the hits (``--run``'s process tree), comes through a :class:`Tap`.
+    ``every`` (seconds) means the map is printed and cleared as hits come, so they all come through the tap.
     """
 
     def __init__(self, events: Sequence[TraceEvent], agg: Aggregation, *, every: float | None = None,
@@ -313,10 +313,21 @@ class Collector:
         return sum(te.nmissed - (te.lost if self.per_event else 0) for te in self.events)
 
     def __enter__(self) -> Collector:
+        if self.per_event and len(self.events) == 1:
+            # Still cheaper: a map in guest RAM, where the event's hits are no longer recorded for the host.
+            self.per_event = not self._tap_and_fold()
+            if not self.per_event:
+                self._missed = self._uncounted()  # (after the tap is set: nothing it counts is missed)
+                return self
         self._missed = self._uncounted()
         if self.per_event:
             self._before = [_probe_hits(one) for te in self.events for one in te.probes()]
             return self
+        self._tap_and_fold()
+        return self
+
+    def _tap_and_fold(self) -> bool:
+        """The tap (hits the host sees), then the map folded in guest RAM where it can be; whether it can."""
         agg, owns = self.agg, self.owns
 
         def sink(te: TraceEvent, hit: EventHit, stack: Stack | None) -> None:
@@ -327,7 +338,10 @@ class Collector:
         # Printing and clearing every S needs the hits as they come; lhist's buckets are the host's.
         if owns is None and self._every is None and len(self.events) == 1 and agg.kind != "lhist":
             self.in_guest = self.events[0].count_in_guest(agg.keys, agg.value, agg.kind == "hist")
-        return self
+        if self.per_event and not self.in_guest:  # only asked whether it could: the probe's own count instead
+            self._tap.__exit__(None, None, None)
+            self._tap = None
+        return self.in_guest
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         if self.per_event:

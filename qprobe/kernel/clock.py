@@ -39,6 +39,7 @@ RATE_BASELINE = 0.5  # seconds between the first two rounds of pairs, for the ra
 ROUND = 3  # pairs per round: the least late one anchors
 LATE_NS = 200_000  # a later anchor is kept if its pair came no later than this after the model's time
 CALIBRATE_WAIT = 5.0  # seconds the first pair may take (sched_clock runs on every tick)
+TICK_READS = 4  # reads of a CPU's tick pair until two agree (a tick stores it every 1/HZ s)
 
 
 class TraceClock:
@@ -129,8 +130,19 @@ class TraceClock:
             return (sched_ns + u64(sched_offset)) & U64
         assert self._scd is not None
         base, raw_off, gtod_off = self._scd
-        scd = base + self._percpu[cpu]
-        tick_raw, tick_gtod = u64(scd + raw_off), u64(scd + gtod_off)
+        scd, lo = base + self._percpu[cpu], min(raw_off, gtod_off)
+        span = max(raw_off, gtod_off) + 8 - lo
+        # The vCPUs run while the host reads (a record's hit is converted later): the tick may store its two
+        # fields between the host's reads of them, and a pair from two ticks is a whole tick off.  The
+        # pair is read in one read, again until two reads agree.
+        raw = mem.read(scd + lo, span)
+        for _ in range(TICK_READS):
+            again = mem.read(scd + lo, span)
+            if again == raw:
+                break
+            raw = again
+        tick_raw = int.from_bytes(raw[raw_off - lo : raw_off - lo + 8], "little")
+        tick_gtod = int.from_bytes(raw[gtod_off - lo : gtod_off - lo + 8], "little")
         # sched_clock_local(): the time of day at the CPU's last tick plus sched_clock's advance since.
         # The host reads the tick after the hit (a record waits in its ring a few ms); the advance is
         # then negative, which the kernel's clamp never sees and which keeps the sum right.  The clamp's

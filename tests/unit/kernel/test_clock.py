@@ -40,7 +40,8 @@ class _Ram:
         self.words = words
 
     def read(self, addr: int, size: int) -> bytes:
-        return self.words.get(addr, 0).to_bytes(8, "little")[:size]
+        raw = b"".join(self.words.get(at, 0).to_bytes(8, "little") for at in range(addr, addr + size, 8))
+        return raw[:size]
 
 
 def _global_clock(words: dict[int, int]) -> TraceClock:
@@ -171,3 +172,26 @@ def test_the_calibration_thread_ends_with_its_target() -> None:
     for t in threads:
         t.join(CALIBRATE_WAIT + 5)
     assert not any(t.is_alive() for t in threads)
+
+
+class _TickingRam(_Ram):
+    """A CPU's tick stores its pair (tick_raw, tick_gtod at 0x1000) while the host reads: right after the
+    host's first read there."""
+
+    def __init__(self, old: tuple[int, int], new: tuple[int, int]) -> None:
+        super().__init__({0x1000: old[0], 0x1008: old[1]})
+        self.new: tuple[int, int] | None = new
+
+    def read(self, addr: int, size: int) -> bytes:
+        raw = super().read(addr, size)
+        if self.new is not None and 0x1000 <= addr < 0x1010:
+            self.words[0x1000], self.words[0x1008] = self.new
+            self.new = None
+        return raw
+
+
+def test_a_tick_pair_read_while_the_tick_stores_it_is_read_again() -> None:
+    # A 4 ms tick: a pair from two ticks (the old sched_clock, the new time of day) puts the hit a tick late.
+    clock = _global_clock({})
+    clock.kernel = type("K", (), {"mem": _TickingRam((5_000_000, 7_000_000), (9_000_000, 11_000_000))})()  # type: ignore[assignment]
+    assert clock.ns(8_999_000, 0) == 11_000_000 - 1_000

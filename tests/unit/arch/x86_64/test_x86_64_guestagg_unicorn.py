@@ -159,6 +159,15 @@ def test_a_map_without_key_keeps_one_slot() -> None:
     assert Counter(table(uc, spec, cpu=0)) == Counter()
 
 
+def test_a_count_without_key_or_value_keeps_one_slot() -> None:
+    # The shell's keyless count, folded in guest RAM.
+    spec = KeySpec(())
+    uc = machine(spec)
+    for _ in range(4):
+        hit(uc, {name: 0 for name in FRAME_REGS}, 0x202)
+    assert table(uc, spec) == {(): MapSlot(4)}
+
+
 def test_the_map_read_back_decodes_comm_and_a_negative_pid_as_a_record_does() -> None:
     """X86_64.parse_guest_map gives a key's comm as text and its pid signed, as parse_ring_entry does: the
     detour's words for one hit (comm ``kworker/0:1``, pid -1, CPU 1) come back as those parts, and two CPUs'

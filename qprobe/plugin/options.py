@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, get_args
 
@@ -56,6 +58,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_SYMBOLS] = {}
     config.stash[_KEPT] = []
     config.stash[_LACKS] = _load_lacks(config)
+    _end_session_on_signals()
     if config.getoption("qprobe_images"):
         from qprobe.errors import QprobeError
         from qprobe.images import list_images
@@ -68,6 +71,25 @@ def pytest_configure(config: pytest.Config) -> None:
         if unknown:
             raise pytest.UsageError(f"--qprobe-image: unknown image(s) {', '.join(unknown)}; "
                                     f"known: {', '.join(known)} (see `qprobe images`)")  # fmt: skip
+
+
+def _end_session_on_signals() -> None:
+    """SIGTERM and SIGHUP end the session as Ctrl-C does, its VMs stopped at teardown.
+
+    The API's own handler (``qprobe.api.unwind_on_signal``) raises SystemExit, which pytest takes as the
+    failure of the test it lands in, and goes on with the next one.  A handler already set is kept.
+    """
+    from qprobe.api import UNWIND_SIGNALS
+
+    if threading.current_thread() is not threading.main_thread():
+        return  # (a session run from another thread: signals are the main thread's)
+    for signum in UNWIND_SIGNALS:
+        if signal.getsignal(signum) in (signal.SIG_DFL, None):
+            signal.signal(signum, _interrupt)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"qprobe: {signal.Signals(signum).name}")
 
 
 def _load_lacks(config: pytest.Config) -> Lacks | None:

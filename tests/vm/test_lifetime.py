@@ -240,3 +240,32 @@ def test_a_plugin_test_ends_when_its_vm_dies(tmp_path: Path) -> None:
     assert len(failure) == 1 and failure[0].startswith("qprobe: error: the VM is gone"), out
     assert "Traceback" not in out and "During handling" not in out, out
     _assert_nothing_left(qemu, rundir, shmdir, journals)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_plugin_session_ended_by_a_signal_stops_its_vm(tmp_path: Path, sig: signal.Signals) -> None:
+    """A signal to pytest in the middle of a test ends the session (SIGTERM and SIGHUP as Ctrl-C does), its VM
+    stopped and nothing left; before, SIGTERM only failed the test it landed in and the session went on."""
+    (tmp_path / "test_waits.py").write_text(WAITING_TEST + "\n\ndef test_after(qprobe_target):\n    pass\n")
+    journals = _journals()
+    argv = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "test_waits.py",
+            "--qprobe-image", IMAGE]  # fmt: skip
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    try:
+        deadline = time.monotonic() + BOOT_TIMEOUT
+        before = ""
+        while "@@armed@@" not in (line := proc.stdout.readline()):
+            before += line
+            assert proc.poll() is None and time.monotonic() < deadline, f"the test did not start:\n{before}"
+        qemu, rundir, shmdir = _qemu_of(proc.pid)
+        proc.send_signal(sig)
+        # A bound on waiting, not on speed: before, the session went on (and here slept an hour).
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 2, out  # pytest's "interrupted"
+    assert "test_after" not in out and " passed" not in out, out
+    _assert_nothing_left(qemu, rundir, shmdir, journals)

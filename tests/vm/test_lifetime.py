@@ -212,11 +212,12 @@ def test_waits(qprobe_target):
 """
 
 
-def test_a_plugin_test_ends_when_its_vm_dies(tmp_path: Path) -> None:
-    """QEMU killed under a test using qprobe_target: the test fails at once with one line, nothing is left."""
-    (tmp_path / "test_dies.py").write_text(WAITING_TEST)
-    journals = _journals()
-    argv = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "test_dies.py",
+def _plugin_session_armed(tmp_path: Path, source: str, act: Callable[[subprocess.Popen[str], int], None],
+                          wait: float) -> tuple[int, str, int, Path, Path]:  # fmt: skip
+    """Run pytest with the plugin on ``source`` up to its test's ``@@armed@@``, then ``act(proc, qemu pid)``;
+    (status, output, QEMU's pid, run directory, RAM directory) once the session ended, within ``wait`` s."""
+    (tmp_path / "test_session.py").write_text(source)
+    argv = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "test_session.py",
             "--qprobe-image", IMAGE]  # fmt: skip
     proc = subprocess.Popen(argv, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
@@ -227,14 +228,23 @@ def test_a_plugin_test_ends_when_its_vm_dies(tmp_path: Path) -> None:
             before += line
             assert proc.poll() is None and time.monotonic() < deadline, f"the test did not start:\n{before}"
         qemu, rundir, shmdir = _qemu_of(proc.pid)
-        os.kill(qemu, signal.SIGKILL)
-        # A bound on waiting, not on speed: before, the test slept on with its VM dead.
-        out, _ = proc.communicate(timeout=120)
+        act(proc, qemu)
+        # A bound on waiting, not on speed: before each fix, the session went on (here sleeping an hour).
+        out, _ = proc.communicate(timeout=wait)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 1, out
+    return proc.returncode, out, qemu, rundir, shmdir
+
+
+def test_a_plugin_test_ends_when_its_vm_dies(tmp_path: Path) -> None:
+    """QEMU killed under a test using qprobe_target: the test fails at once with one line, nothing is left."""
+    journals = _journals()
+    status, out, qemu, rundir, shmdir = _plugin_session_armed(
+        tmp_path, WAITING_TEST, lambda proc, qemu: os.kill(qemu, signal.SIGKILL), wait=120
+    )
+    assert status == 1, out
     assert re.search(r"^1 failed in ", out, re.M), out  # the test's failure, and no teardown error
     failure = [line for line in out.splitlines() if line.startswith("qprobe: error:")]
     assert len(failure) == 1 and failure[0].startswith("qprobe: error: the VM is gone"), out
@@ -246,26 +256,11 @@ def test_a_plugin_test_ends_when_its_vm_dies(tmp_path: Path) -> None:
 def test_a_plugin_session_ended_by_a_signal_stops_its_vm(tmp_path: Path, sig: signal.Signals) -> None:
     """A signal to pytest in the middle of a test ends the session (SIGTERM and SIGHUP as Ctrl-C does), its VM
     stopped and nothing left; before, SIGTERM only failed the test it landed in and the session went on."""
-    (tmp_path / "test_waits.py").write_text(WAITING_TEST + "\n\ndef test_after(qprobe_target):\n    pass\n")
     journals = _journals()
-    argv = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "test_waits.py",
-            "--qprobe-image", IMAGE]  # fmt: skip
-    proc = subprocess.Popen(argv, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    try:
-        deadline = time.monotonic() + BOOT_TIMEOUT
-        before = ""
-        while "@@armed@@" not in (line := proc.stdout.readline()):
-            before += line
-            assert proc.poll() is None and time.monotonic() < deadline, f"the test did not start:\n{before}"
-        qemu, rundir, shmdir = _qemu_of(proc.pid)
-        proc.send_signal(sig)
-        # A bound on waiting, not on speed: before, the session went on (and here slept an hour).
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 2, out  # pytest's "interrupted"
+    source = WAITING_TEST + "\n\ndef test_after(qprobe_target):\n    pass\n"
+    status, out, qemu, rundir, shmdir = _plugin_session_armed(
+        tmp_path, source, lambda proc, qemu: proc.send_signal(sig), wait=60
+    )
+    assert status == 2, out  # pytest's "interrupted"
     assert "test_after" not in out and " passed" not in out, out
     _assert_nothing_left(qemu, rundir, shmdir, journals)

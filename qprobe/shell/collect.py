@@ -313,17 +313,19 @@ class Collector:
         return sum(te.nmissed - (te.lost if self.per_event else 0) for te in self.events)
 
     def __enter__(self) -> Collector:
-        if self.per_event and len(self.events) == 1:
-            # Still cheaper: a map in guest RAM, where the event's hits are no longer recorded for the host.
-            self.per_event = not self._tap_and_fold()
-            if not self.per_event:
-                self._missed = self._uncounted()  # (after the tap is set: nothing it counts is missed)
-                return self
         self._missed = self._uncounted()
-        if self.per_event:
-            self._before = [_probe_hits(one) for te in self.events for one in te.probes()]
+        if not self.per_event:
+            self._tap_and_fold()
             return self
-        self._tap_and_fold()
+        if len(self.events) == 1 and self._tap_and_fold():
+            # Cheaper still than the probe's own count: a map in guest RAM, the event's hits no longer recorded.
+            self.per_event = False
+            self._missed = self._uncounted()  # (the baseline without the per-probe count's lost records)
+            return self
+        if self._tap is not None:  # it could not fold: the probe's own count instead
+            self._tap.__exit__(None, None, None)
+            self._tap = None
+        self._before = [_probe_hits(one) for te in self.events for one in te.probes()]
         return self
 
     def _tap_and_fold(self) -> bool:
@@ -338,9 +340,6 @@ class Collector:
         # Printing and clearing every S needs the hits as they come; lhist's buckets are the host's.
         if owns is None and self._every is None and len(self.events) == 1 and agg.kind != "lhist":
             self.in_guest = self.events[0].count_in_guest(agg.keys, agg.value, agg.kind == "hist")
-        if self.per_event and not self.in_guest:  # only asked whether it could: the probe's own count instead
-            self._tap.__exit__(None, None, None)
-            self._tap = None
         return self.in_guest
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:

@@ -63,8 +63,8 @@ unit: venv
 vm: image
 	$(BIN)/pytest -q tests/vm
 
-# Every test on debian-cloud, then the VM core on debian-cloud-6.12 and on minimal-6.12, fetched and
-# built in the background meanwhile; a table of the stages' times and counts at the end.
+# Every test on debian-cloud, the examples on the buildroot-style images, then the VM core on
+# debian-cloud-6.12 and on minimal-6.12, fetched and built in the background meanwhile; a table of the stages' times and counts at the end.
 test: image
 	sh scripts/test-stages.sh $(BIN) "$(VM_CORE)" "$(IMAGES_612)"
 

@@ -1,6 +1,7 @@
 #!/bin/sh
-# `make test`'s stages, timed: lint, every test on debian-cloud, then the VM core on each image of
-# $STAGE_IMAGES. The kernels those stages need are fetched (and minimal-6.12 built) in the
+# `make test`'s stages, timed: lint, every test on debian-cloud, the examples on the buildroot-style
+# images (a root filesystem qprobe reaches through its pre-init, whose rc scripts run beside the
+# tests), then the VM core on each image of $STAGE_IMAGES. The kernels those stages need are fetched (and minimal-6.12 built) in the
 # background while the first stage runs, at the lowest priority, so the build costs the VM tests
 # little and the wait for it mostly disappears. Every stage runs even when one fails; at the end a
 # table gives each stage's time and pytest's counts, and the exit status is the first failure's.
@@ -53,6 +54,9 @@ stage lint "$logs/lint.log" sh -c "
 # shellcheck disable=SC2086 # the options are split on purpose
 stage debian-cloud "$logs/debian-cloud.log" run "$logs/debian-cloud.log" \
 	"$bin/pytest" -q -rs --durations=25 $strict tests examples
+# shellcheck disable=SC2086 # the options are split on purpose
+stage buildroot-examples "$logs/buildroot-examples.log" run "$logs/buildroot-examples.log" \
+	"$bin/pytest" -q -rs $strict --qprobe-image buildroot-ext2 --qprobe-image buildroot-cpio examples
 for i in $images; do
 	"$bin/qprobe" images --fetch "$i" || { status=1; continue; }
 	# shellcheck disable=SC2086 # the options and the list of files are split on purpose

@@ -22,7 +22,6 @@ MODULES_OVER = {
     "qprobe/arch/x86_64/arch.py": 531,
     "qprobe/core/uprobes.py": 512,
     "qprobe/fetch/event.py": 536,
-    "qprobe/kernel/perfprobe.py": 586,
     "qprobe/kernel/symbols.py": 553,
     "qprobe/shell/core.py": 717,
 }

@@ -59,7 +59,8 @@ from qprobe.kernel.features import fully_preemptible
 from qprobe.kernel.kaslr import check_slide, detect_slide, image_alignment
 from qprobe.kernel.program import KernelData, Stack, Task
 from qprobe.kernel.stalled import vcpu_places
-from qprobe.kernel.symbols import Symbols, elf_machine
+from qprobe.kernel.symbols import Symbols
+from qprobe.kernel.vmlinux import elf_machine
 from qprobe.paths import cache_dir, write_private
 from qprobe.probeapi import ProbeAPI
 from qprobe.vmm.bootfail import BootSetup

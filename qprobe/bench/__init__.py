@@ -27,7 +27,8 @@ from qprobe.bench.scale import (
     reached_functions,
 )
 from qprobe.bench.trace import _teardown_rows, _trace_ctrl_c, _trace_lines, _wildcard_teardown
-from qprobe.kernel import symbols as symbols_mod
+from qprobe.kernel.symbols import Symbols
+from qprobe.kernel.vmlinux import parse_with_lief
 
 # The scale module's helpers, for the tests that probe the functions a workload reaches.
 __all__ = ["probeable_entries", "reached_functions", "run_bench"]
@@ -122,10 +123,10 @@ def run_bench(args: argparse.Namespace) -> int:
         rows.append(("boot + attach (symbols, KASLR, journal)", f"{time.perf_counter() - t0:.2f} s"))
         vmlinux = target.symbols.path
         t = time.perf_counter()
-        syms, _, _ = symbols_mod._parse_with_lief(vmlinux)
+        syms, _, _ = parse_with_lief(vmlinux)
         rows.append((f"symbols, cold (LIEF parse, {len(syms)} symbols)", f"{time.perf_counter() - t:.2f} s"))
         t = time.perf_counter()
-        symbols_mod.Symbols.load(vmlinux)
+        Symbols.load(vmlinux)
         rows.append(("symbols, cached by build-id", f"{time.perf_counter() - t:.2f} s"))
 
         gdb = target.gdb

@@ -33,7 +33,7 @@ def _perf_definitions(args: argparse.Namespace) -> None:
         raise QprobeError("a perf definition is resolved from vmlinux's debug information: give --vmlinux")
     from qprobe.api import vmlinux_arch
     from qprobe.events.funcs import Probeability, unknown_symbol
-    from qprobe.kernel.perfprobe import parse_perf_probe
+    from qprobe.kernel.perfsyntax import parse_perf_probe
 
     for text in texts:  # a typo gets the closest names, as a kprobe_events definition's does
         name = parse_perf_probe(text).function
@@ -52,7 +52,7 @@ def _perf_definitions(args: argparse.Namespace) -> None:
 
 def _is_kernel_perf(text: str) -> bool:
     """A perf probe definition of the kernel's (``perf -x PATH`` is a program's: a uprobe)."""
-    from qprobe.kernel.perfprobe import is_perf_definition
+    from qprobe.kernel.perfsyntax import is_perf_definition
     from qprobe.kernel.usyntax import is_user_form
 
     return is_perf_definition(text) and not is_user_form(text)

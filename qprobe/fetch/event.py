@@ -1,11 +1,13 @@
 """Whole kprobe_events lines: ``p``/``r`` definitions and ``-:`` deletions.
 
 A transcription of ``create_or_delete_trace_kprobe``,
-``__trace_kprobe_create`` (kernel/trace/trace_kprobe.c), ``dyn_event_release``
-and ``traceprobe_parse_event_name`` of Linux 6.1.  Errors carry the column of
-the kernel's error_log caret, counted in the text the caller gave (the
-kernel counts in its argv re-joined with single spaces; with single spaces
-the two agree).
+``__trace_kprobe_create`` (kernel/trace/trace_kprobe.c) and
+``dyn_event_release`` of Linux 6.1; what uprobe_events lines share with them
+(the event name, the append checks) is :mod:`qprobe.fetch.command`'s, and the
+words rewritten before the arguments are parsed :mod:`qprobe.fetch.expand`'s.
+Errors carry the column of the kernel's error_log caret, counted in the text
+the caller gave (the kernel counts in its argv re-joined with single spaces;
+with single spaces the two agree).
 
 What the kernel only learns when it registers the probe (does the symbol
 exist, is the offset a function entry) comes from the optional
@@ -17,21 +19,21 @@ ENDBR-prefixed function also has its entry at +4: pass ``on_func_entry``).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
 
 from qprobe.errors import FetchArgError
 
 from . import messages as M
 from .args import FetchArg, Value, integer_names, parse_fetch_arg, string_names, symbol_refs_of
+from .command import Command, append_checks, parse_event_name, strip_line
 from .context import FetchContext
 from .dialect import BASE, Dialect
-from .expr import FL_FENTRY, FL_KERNEL, FL_RETURN, ArgError, is_function_entry, is_function_return, split_symbol_offset
-from .kstrto import is_good_name, isdigit, kstrtouint, kstrtoul, simple_strtoul, split_args
+from .expand import expand_dentry_arg, expand_meta_args
+from .expr import FL_FENTRY, FL_KERNEL, FL_RETURN, ArgError, split_symbol_offset
+from .kstrto import isdigit, kstrtouint, kstrtoul, split_args
 
 SymbolExists = Callable[[str], bool]
-_P = TypeVar("_P", bound="_Probe")
 SymbolCount = Callable[[str], int]
 OnFuncEntry = Callable[[str, int], bool]
 
@@ -114,36 +116,8 @@ class DeleteEvent:
         return have == wanted
 
 
-class _Command:
-    """The argv of one line, turning (word index, offset) into caret columns."""
-
-    def __init__(self, text: str, line: str, dialect: Dialect = BASE) -> None:
-        self.text = text
-        self.words = split_args(line)
-        self.argv = [w for _, w in self.words]
-        self.dialect = dialect
-
-    def column(self, index: int, offset: int) -> int:
-        if index >= len(self.words):  # the kernel points past the last word
-            start, word = self.words[-1] if self.words else (0, "")
-            return start + len(word) + 1
-        return self.words[index][0] + offset
-
-    def error(self, index: int, offset: int, message: str, logged: bool = True) -> FetchArgError:
-        logged = logged and message not in M.UNLOGGED
-        return FetchArgError(self.dialect.message(message), self.text, self.column(index, offset), logged=logged)
-
-
 # What perf probe takes as its first word: [EVENT=]FUNC[@SRC][:RLN|+OFFS|%return|;PTN] or SRC:ALN.
 _PERF_PLACE = re.compile(r"(?:[A-Za-z_]\w*=)?[A-Za-z_][\w.]+(?:@[\w./-]+)?(?:[:+%;]\S*)?")
-
-
-def _strip_line(text: str) -> str:
-    line = text[:-1] if text.endswith("\n") else text
-    if "\n" in line:
-        raise FetchArgError("One definition per line (use parse_events)", text, line.index("\n"))
-    hash_at = line.find("#")
-    return line if hash_at < 0 else line[:hash_at]
 
 
 def parse_event(
@@ -162,11 +136,11 @@ def parse_event(
     is what the running kernel adds to 6.1.0's language and how it words errors;
     ``symbol_count(name)`` is how many kallsyms entries have that name.
     """
-    line = _strip_line(text)
+    line = strip_line(text)
     raw = text[:-1] if text.endswith("\n") else text
     if len(raw.encode()) > M.WRITE_BUFSIZE - 2:
         raise FetchArgError(M.LINE_TOO_LONG, text, M.WRITE_BUFSIZE - 2, logged=False)
-    cmd = _Command(text, line, dialect)
+    cmd = Command(text, line, dialect)
     if line.startswith("-"):
         return _parse_delete(cmd)
     if not cmd.argv:
@@ -202,7 +176,7 @@ def parse_events(
     return out
 
 
-def _parse_delete(cmd: _Command) -> DeleteEvent:
+def _parse_delete(cmd: Command) -> DeleteEvent:
     head = cmd.argv[0]
     if head[1:2] != ":":
         raise cmd.error(0, 0, M.BAD_DELETE)
@@ -217,7 +191,7 @@ def _parse_delete(cmd: _Command) -> DeleteEvent:
 
 
 def _parse_probe(
-    cmd: _Command, symbol_exists: SymbolExists | None, on_func_entry: OnFuncEntry | None,
+    cmd: Command, symbol_exists: SymbolExists | None, on_func_entry: OnFuncEntry | None,
     symbol_count: SymbolCount | None,
 ) -> ProbeEvent:  # fmt: skip
     argv = cmd.argv
@@ -265,16 +239,16 @@ def _parse_probe(
 
     group = M.KPROBE_EVENT_SYSTEM
     if event is not None:
-        parsed_group, event = _parse_event_name(cmd, event, colon + 1)
+        parsed_group, event = parse_event_name(cmd, event, colon + 1)
         group = parsed_group or group
     if event is None:
         event = _default_event_name(is_return, symbol, offset, addr)
 
     words = argv[2:]
     if cmd.dialect.meta_args:
-        words = _expand_meta_args(cmd, words, flags, symbol)
+        words = expand_meta_args(cmd, words, flags, symbol)
     if cmd.dialect.dentry_args:
-        words = [_expand_dentry_arg(cmd, w) if w.endswith((":%pd", ":%pD")) else w for w in words]
+        words = [expand_dentry_arg(cmd, w) if w.endswith((":%pd", ":%pD")) else w for w in words]
     if len(words) > M.MAX_TRACE_ARGS and cmd.dialect.meta_args:
         # Linux 6.5 on counts the arguments (after $arg* made more of them) before it parses one: -E2BIG,
         # logged from 6.15.  Before, the parser took the first MAX_TRACE_ARGS and ignored the rest.
@@ -321,7 +295,7 @@ def check_event(
     kernel has).
     """
     again = ev.dialect != dialect or (ev.symbol is not None and ":" in ev.symbol)
-    cmd = _Command(ev.text, _strip_line(ev.text), dialect)
+    cmd = Command(ev.text, strip_line(ev.text), dialect)
     exists = True
     if not again and ev.symbol is not None:
         _check_unique(cmd, ev.symbol, symbol_count)
@@ -336,7 +310,7 @@ def check_event(
     return ev
 
 
-def _check_unique(cmd: _Command, symbol: str, symbol_count: SymbolCount | None) -> None:
+def _check_unique(cmd: Command, symbol: str, symbol_count: SymbolCount | None) -> None:
     if symbol_count is not None and cmd.dialect.has(M.NON_UNIQ_SYMBOL):
         # validate_probe_symbol (Linux 6.5's "tracing/kprobes: Return EADDRNOTAVAIL when func matches
         # several symbols", backported to stable kernels): known where the kernel logs its text.
@@ -345,7 +319,7 @@ def _check_unique(cmd: _Command, symbol: str, symbol_count: SymbolCount | None) 
             raise cmd.error(1, 0, M.NON_UNIQ_SYMBOL if count > 1 else M.BAD_PROBE_ADDR)
 
 
-def _place(cmd: _Command, symbol: str, offset: int, is_return: bool, symbol_exists: SymbolExists | None,
+def _place(cmd: Command, symbol: str, offset: int, is_return: bool, symbol_exists: SymbolExists | None,
            on_func_entry: OnFuncEntry | None) -> tuple[bool, bool]:  # fmt: skip
     """(does the symbol exist, is the place a function entry for the arguments: FL_FENTRY)."""
     exists = bool(symbol) and (symbol_exists is None or symbol_exists(symbol))
@@ -357,7 +331,7 @@ def _place(cmd: _Command, symbol: str, offset: int, is_return: bool, symbol_exis
     return True, entry and not is_return  # a return probe is never "at the entry" (6.1's $argN wants neither)
 
 
-def _check_registration(cmd: _Command, symbol: str | None, exists: bool, args: list[FetchArg],
+def _check_registration(cmd: Command, symbol: str | None, exists: bool, args: list[FetchArg],
                         symbol_exists: SymbolExists | None) -> None:  # fmt: skip
     """What registration (traceprobe_update_arg, register_kprobe) would reject."""
     for _, ref in symbol_refs_of(args):
@@ -368,113 +342,6 @@ def _check_registration(cmd: _Command, symbol: str | None, exists: bool, args: l
     if not exists and ":" not in (symbol or ""):
         # MOD:SYM is looked up when it is registered: a module not loaded yet keeps it pending.
         raise cmd.error(1, 0, M.BAD_PROBE_ADDR)
-
-
-def _expand_meta_args(cmd: _Command, words: list[str], flags: int, func: str | None) -> list[str]:
-    """``traceprobe_expand_meta_args`` (Linux 6.5 on): bare ``$argN`` and ``$arg*`` words by BTF.
-
-    Every word starting with ``$arg`` is checked before any argument is parsed.
-    Where the function has a BTF prototype, ``$argN[:TYPE]`` becomes the Nth
-    parameter's name (``file``, ``buf:string``) and ``$arg*`` all of them; without
-    one, ``$argN`` stays (parsed as the Nth argument register) and ``$arg*`` is refused.
-    """
-    args_idx, found, last = -1, False, 0
-    for i, word in enumerate(words):
-        if not word.startswith("$arg"):
-            continue
-        last = i + 2
-        # Exits too where the README says return probes take $arg<N> (6.12's selftest expects
-        # NOFENTRY_ARGS for 'r vfs_read $arg*' on a kernel whose README does not).
-        if not (is_function_entry(flags) or (is_function_return(flags) and cmd.dialect.return_args)):
-            raise cmd.error(last, 0, M.NOFENTRY_ARGS)
-        if isdigit(word[4:5]):
-            found = True
-            continue
-        if word[4:5] != "*":
-            raise cmd.error(last, 0, M.BAD_VAR)
-        if args_idx >= 0:
-            raise cmd.error(last, 0, M.DOUBLE_ARGS)
-        found, args_idx = True, i
-    if not found:
-        return words
-    proto = cmd.dialect.proto(func)
-    if proto is None or not proto.params:
-        if args_idx >= 0:  # $arg* needs BTF
-            raise cmd.error(last, 0, M.NOSUP_BTFARG)
-        return words
-    out: list[str] = []
-    used = 0
-
-    def nth(n: int, suffix: str, index: int) -> str:  # sprint_nth_btf_arg, into one MAX_BTF_ARGS_LEN buffer
-        nonlocal used
-        if n >= len(proto.params):
-            raise cmd.error(index, 0, M.NO_BTFARG)
-        text = proto.params[n][0] + suffix
-        if len(text) >= M.MAX_BTF_ARGS_LEN - used:
-            raise cmd.error(index, 0, M.ARGS_2LONG)
-        used += len(text) + 1
-        return text
-
-    for i, word in enumerate(words):
-        if i == args_idx:
-            out += [nth(n, "", i + 2) for n in range(len(proto.params))]
-        elif word.startswith("$arg"):
-            n, end = simple_strtoul(word[4:], 10)
-            suffix = word[4 + end :]
-            if suffix[:1] not in ("", ":"):
-                raise cmd.error(i + 2, 0, M.BAD_VAR)
-            if n == 0:  # $argN counts from 1
-                raise cmd.error(i + 2, 0, M.BAD_ARG_NUM)
-            out.append(nth(n - 1, suffix, i + 2))
-        else:
-            out.append(word)
-    return out
-
-
-def _expand_dentry_arg(cmd: _Command, word: str) -> str:
-    """``traceprobe_expand_dentry_args``: ``[NAME=]ARG:%pd`` is the dentry's name, ``:%pD`` the file's.
-
-    They become ``+0x0(+0xOFF(ARG)):string`` with the offsets of ``struct dentry``'s
-    ``d_name.name`` and ``struct file``'s ``f_path.dentry``, here from the kernel's BTF.
-    """
-    btf = cmd.dialect.btf
-    name_at = None if btf is None else btf.offsetof("dentry", "d_name.name")
-    dentry_at = None if btf is None else btf.offsetof("file", "f_path.dentry")
-    if name_at is None or dentry_at is None:
-        raise FetchArgError("qprobe: %pd/%pD need struct dentry's and struct file's layout, which this kernel's "
-                            "BTF does not give", cmd.text, 0, logged=False)  # fmt: skip
-    eq = word.find("=")
-    head, body = (word[: eq + 1], word[eq + 1 : -4]) if eq >= 0 else ("", word[:-4])
-    if word.endswith("d"):
-        return f"{head}+0x0(+0x{name_at:x}({body})):string"
-    return f"{head}+0x0(+0x{name_at:x}(+0x{dentry_at:x}({body}))):string"
-
-
-def _parse_event_name(cmd: _Command, name: str, offset: int) -> tuple[str | None, str | None]:
-    """``traceprobe_parse_event_name``: (group or None, event or None for ``GRP/``)."""
-    group = None
-    slash = name.find("/")
-    if slash < 0:
-        slash = name.find(".")
-    if slash >= 0:
-        if slash == 0:
-            raise cmd.error(0, offset, M.NO_GROUP_NAME)
-        if slash + 1 > M.MAX_EVENT_NAME_LEN:
-            raise cmd.error(0, offset, M.GROUP_TOO_LONG)
-        group = name[:slash]
-        if not is_good_name(group, hash_ok=True):
-            raise cmd.error(0, offset, M.BAD_GROUP_NAME)
-        offset += slash + 1
-        name = name[slash + 1 :]
-    if not name:
-        if slash >= 0:
-            return group, None
-        raise cmd.error(0, offset, M.NO_EVENT_NAME)
-    if len(name) >= M.MAX_EVENT_NAME_LEN:  # the name and its NUL must fit in MAX_EVENT_NAME_LEN
-        raise cmd.error(0, offset, M.EVENT_TOO_LONG)
-    if not is_good_name(name):
-        raise cmd.error(0, offset, M.BAD_EVENT_NAME)
-    return group, name
 
 
 def _default_event_name(is_return: bool, symbol: str | None, offset: int, addr: int | None) -> str:
@@ -499,38 +366,3 @@ def check_append(new: ProbeEvent, existing: Sequence[ProbeEvent], dialect: Diale
     as in the kernel).  Raises FetchArgError with the kernel's caret.
     """
     append_checks(new, existing, dialect, lambda probe: (probe.symbol or "unknown", probe.offset))
-
-
-class _Probe(Protocol):
-    text: str
-    args: list[FetchArg]
-
-    @property
-    def is_return(self) -> bool: ...  # read-only: ProbeEvent's is a property
-
-
-def append_checks(new: _P, existing: Sequence[_P], dialect: Dialect, place: Callable[[_P], Hashable]) -> None:
-    """``trace_probe_compare_arg_type`` and the same-probe check, shared by kprobe and uprobe events: the first
-    probe's type and arguments, and no second probe at the same ``place`` with the same arguments."""
-    if not existing:
-        return
-    cmd = _Command(new.text, _strip_line(new.text), dialect)
-    old = existing[0]
-    if new.is_return != old.is_return:
-        raise cmd.error(0, 0, M.DIFF_PROBE_TYPE)
-    diff = _compare_arg_types(new.args, old.args)
-    if diff:
-        raise cmd.error(diff + 1, 0, M.DIFF_ARG_TYPE)
-    for probe in existing:
-        if place(probe) == place(new) and [a.body for a in probe.args] == [a.body for a in new.args]:
-            raise cmd.error(0, 0, M.SAME_PROBE)
-
-
-def _compare_arg_types(a: list[FetchArg], b: list[FetchArg]) -> int:
-    """``trace_probe_compare_arg_type``: 1-based index of the first difference, or 0."""
-    if len(a) != len(b):
-        return min(len(a), len(b)) + 1
-    for i, (x, y) in enumerate(zip(a, b, strict=True)):
-        if x.type.name != y.type.name or x.type.array != y.type.array or x.name != y.name:
-            return i + 1
-    return 0

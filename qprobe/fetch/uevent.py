@@ -23,9 +23,10 @@ from qprobe.errors import FetchArgError
 
 from . import messages as M
 from .args import FetchArg, Value, integer_names, parse_fetch_arg, string_names
+from .command import Command, append_checks, parse_event_name, strip_line
 from .context import UprobeContext, UserFetchContext
 from .dialect import BASE, Dialect
-from .event import DeleteEvent, _Command, _parse_delete, _parse_event_name, _strip_line, append_checks
+from .event import DeleteEvent, _parse_delete
 from .expr import FL_RETURN, FL_USER, ArgError
 from .kstrto import isdigit, kstrtoul, split_args
 
@@ -82,11 +83,11 @@ def parse_uprobe_event(
     text: str, dialect: Dialect = BASE, *, file_check: FileCheck | None = None
 ) -> UprobeEvent | DeleteEvent:
     """Parse one uprobe_events line as the kernel whose ``dialect`` is given would, or raise FetchArgError."""
-    line = _strip_line(text)
+    line = strip_line(text)
     raw = text[:-1] if text.endswith("\n") else text
     if len(raw.encode()) > M.WRITE_BUFSIZE - 2:
         raise FetchArgError(M.LINE_TOO_LONG, text, M.WRITE_BUFSIZE - 2, logged=False)
-    cmd = _Command(text, line, dialect)
+    cmd = Command(text, line, dialect)
     if line.startswith("-"):
         return _parse_delete(cmd)
     if not cmd.argv:
@@ -112,7 +113,7 @@ def parse_uprobe_events(
     ]
 
 
-def _parse_probe(cmd: _Command, colon: int, file_check: FileCheck | None) -> UprobeEvent:
+def _parse_probe(cmd: Command, colon: int, file_check: FileCheck | None) -> UprobeEvent:
     argv = cmd.argv
     is_return = argv[0][0] == "r"
     # Only "p:" or "r:" names the event: "p1 ..." or "rfoo ..." is a probe with the default name.
@@ -152,7 +153,7 @@ def _parse_probe(cmd: _Command, colon: int, file_check: FileCheck | None) -> Upr
 
     group = M.UPROBE_EVENT_SYSTEM
     if event is not None:
-        parsed_group, event = _parse_event_name(cmd, event, 2)
+        parsed_group, event = parse_event_name(cmd, event, 2)
         group = parsed_group or group
     if event is None:
         event = default_event_name(path, offset)

@@ -1,4 +1,4 @@
-"""Runs inside gdb (``source``d by :class:`qprobe.kernel.perfprobe.GdbDwarf`), never imported by qprobe.
+"""Runs inside gdb (``source``d by :class:`qprobe.kernel.perfdwarf.GdbDwarf`), never imported by qprobe.
 
 gdb's Python API over vmlinux's DWARF answers what perf probe asks libdw:
 a function's declaration line and file, and the type walk of ``var->a.b[2]``

@@ -24,278 +24,47 @@ gdb's DWARF reader doing what libdw does for perf:
 
 The probe point is written ``FUNC+OFF`` where perf writes ``_text+OFF``: the
 same address, in the form qprobe checks against vmlinux's symbols.
+
+The definition is parsed by :mod:`qprobe.kernel.perfsyntax`, and gdb's answers
+are read by :mod:`qprobe.kernel.perfdwarf`; perf's rules for what they become
+are here.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from qprobe.arch import Arch
-from qprobe.errors import QprobeError
 from qprobe.kernel.debuginfo import need_dwarf
+from qprobe.kernel.perfdwarf import (
+    GdbDwarf,
+    Location,
+    first_covered,
+    line_address,
+    location_at,
+    parse_location,
+    parse_scope,
+)
+from qprobe.kernel.perfsyntax import (
+    PERF_PREFIX,
+    PerfArg,
+    PerfProbe,
+    PerfProbeError,
+    is_perf_definition,
+    parse_perf_probe,
+)
 
 if TYPE_CHECKING:
     from qprobe.kernel.symbols import Symbols
 
-PERF_PREFIX = "perf"
 DEFAULT_GROUP = "probe"  # perf's PERFPROBE_GROUP
 MAX_BASIC_TYPE_BITS = 64
-_C_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_HELPER = Path(__file__).with_name("perf_gdb.py")
 
 
-class PerfProbeError(QprobeError):
-    """A perf probe definition that cannot be parsed or resolved; the message is one line."""
-
-
-# -- the language ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PerfArg:
-    """One ``[NAME=]VAR[->F|.F|[N]]...[:TYPE]`` argument, or a raw kprobe_events fetch argument."""
-
-    text: str
-    var: str
-    fields: tuple[tuple[str, str], ...] = ()  # ("->" | "." | "[]", member name or index)
-    name: str | None = None  # NAME= as given
-    type: str | None = None
-
-    @property
-    def is_c_var(self) -> bool:
-        return bool(_C_NAME.fullmatch(self.var))
-
-    @property
-    def event_name(self) -> str:
-        """perf's name for it: NAME=, else the last member (not an index), else VAR with ``:`` as ``_``."""
-        if self.name:
-            return self.name
-        members = [what for op, what in self.fields if op != "[]"]
-        if members:
-            return members[-1]
-        return self.var + (f"_{self.type}" if self.type else "")
-
-
-@dataclass(frozen=True)
-class PerfProbe:
-    text: str
-    function: str | None = None
-    file: str | None = None
-    line: int | None = None  # relative to FUNC's declaration when function is set, else absolute
-    offset: int = 0
-    is_return: bool = False
-    lazy: str | None = None
-    event: str | None = None
-    group: str | None = None
-    args: tuple[PerfArg, ...] = ()
-
-
-def is_perf_definition(text: str) -> bool:
-    """A definition in perf probe's language says so: its first word is ``perf``."""
-    return text.split(None, 1)[:1] == [PERF_PREFIX]
-
-
-def parse_perf_probe(text: str) -> PerfProbe:
-    """``[perf] [[GROUP:]EVENT=]FUNC[@SRC][:RLN|+OFFS|%return|;PTN] [ARG...]`` or ``SRC:ALN|SRC;PTN``."""
-    body = text.strip()
-    if is_perf_definition(body):
-        body = body.split(None, 1)[1] if len(body.split(None, 1)) > 1 else ""
-    try:
-        words = shlex.split(body)
-    except ValueError as exc:
-        raise PerfProbeError(f"{text.strip()!r}: {exc}") from None
-    if not words:
-        raise PerfProbeError("perf: give a probe point, e.g. perf 'vfs_read count' or perf 'fs/read_write.c:473 ret'")
-    probe = _parse_point(words[0])
-    args = tuple(_parse_arg(w) for w in words[1:])
-    if probe.is_return:
-        for arg in args:
-            if arg.is_c_var:
-                raise PerfProbeError(f"{arg.text}: a return probe fetches $retval, not the function's variables")
-    return PerfProbe(**{**probe.__dict__, "text": text.strip(), "args": args})
-
-
-def _number(text: str, what: str, whole: str) -> int:
-    if not re.fullmatch(r"\d+|0[xX][0-9a-fA-F]+", text):
-        raise PerfProbeError(f"{whole}: {what} must be a number, not {text!r}")
-    return int(text, 0)
-
-
-def _parse_point(arg: str) -> PerfProbe:
-    whole = arg
-    event = group = None
-    special = re.search(r"[;=@+%]", arg)
-    if special and special.group() == "=":
-        name, arg = arg[: special.start()], arg[special.end() :]
-        group, _, event = name.rpartition(":")
-        group = group or None
-        for part in (group, event):
-            if part is not None and not _C_NAME.fullmatch(part):
-                raise PerfProbeError(f"{whole}: {part!r} is not a valid event name")
-    # perf's rule (parse_perf_probe_point): a file if there is no + @ %, there is a : or ;, and a '.' before it.
-    file_spec = False
-    if not re.search(r"[+@%]", arg):
-        sep = re.search(r"[;:]", arg)
-        file_spec = bool(sep) and "." in arg[: sep.start() if sep else 0]
-    m = re.match(r"[^;:+@%]*", arg)
-    head, rest = m.group(), arg[m.end() :]  # type: ignore[union-attr]
-    fields: dict[str, Any] = {"function": None, "file": None, "line": None, "offset": 0, "is_return": False,
-                              "lazy": None, "event": event, "group": group}  # fmt: skip
-    if not head:
-        raise PerfProbeError(f"{whole}: no function or file name")
-    fields["file" if file_spec else "function"] = head
-    while rest:
-        c, rest = rest[0], rest[1:]
-        if c == ";":
-            fields["lazy"], rest = rest, ""
-            continue
-        m = re.match(r"[^;:+@%]*", rest)
-        value, rest = m.group(), rest[m.end() :]  # type: ignore[union-attr]
-        if c == ":":
-            if fields["line"] is not None or fields["offset"]:
-                raise PerfProbeError(f"{whole}: a line number with an offset or a second line")
-            fields["line"] = _number(value, "the line", whole)
-        elif c == "+":
-            if fields["line"] is not None or fields["file"]:
-                raise PerfProbeError(f"{whole}: an offset is for FUNC+OFFS, without a line or a file")
-            fields["offset"] = _number(value, "the offset", whole)
-        elif c == "@":
-            if fields["file"]:
-                raise PerfProbeError(f"{whole}: a second file")
-            fields["file"] = value
-        elif c == "%":
-            if value != "return":
-                raise PerfProbeError(f"{whole}: unknown %{value}; perf has %return")
-            fields["is_return"] = True
-        if not value and c != "%":
-            raise PerfProbeError(f"{whole}: nothing after {c!r}")
-    if fields["is_return"] and (fields["line"] is not None or fields["lazy"] or fields["offset"]):
-        raise PerfProbeError(f"{whole}: %return is for a function, not a line or an offset")
-    if fields["file"] and not fields["function"] and fields["line"] is None and fields["lazy"] is None:
-        raise PerfProbeError(f"{whole}: a file needs :LINE or ;PATTERN")
-    return PerfProbe(text=whole, **fields)
-
-
-def _parse_arg(text: str) -> PerfArg:
-    name = None
-    body = text
-    m = re.match(r"([A-Za-z_][A-Za-z0-9_]*)=(.*)", body)
-    if m:
-        name, body = m.group(1), m.group(2)
-    body, _, typ = body.partition(":")
-    if not body:
-        raise PerfProbeError(f"{text}: no variable")
-    head = re.match(r"[A-Za-z_][A-Za-z0-9_]*", body)
-    if not head or head.end() == len(body):
-        return PerfArg(text=text, var=body, name=name, type=typ or None)
-    fields = []
-    rest = body[head.end() :]
-    while rest:
-        m = re.match(r"(->|\.)([A-Za-z_][A-Za-z0-9_]*)|\[(\d+|0[xX][0-9a-fA-F]+)\]", rest)
-        if not m:
-            raise PerfProbeError(f"{text}: cannot parse {rest!r} (fields are ->NAME, .NAME, [N])")
-        fields.append((m.group(1), m.group(2)) if m.group(1) else ("[]", str(int(m.group(3), 0))))
-        rest = rest[m.end() :]
-    return PerfArg(text=text, var=head.group(), fields=tuple(fields), name=name, type=typ or None)
-
-
-# -- gdb's words -> fetch arguments (pure) -----------------------------------------------------
-@dataclass(frozen=True)
-class Location:
-    """Where a variable is at one address: ``%reg`` (``offset`` None) or memory at ``offset(%reg)``/``@sym``."""
-
-    base: str
-    offset: int | None = None
-
-    def refs(self) -> list[int]:
-        return [] if self.offset is None else [self.offset]
-
-
-_SYMBOL = re.compile(r"^Symbol (\S+) is (.*)$")
-_RANGE = re.compile(r"Range (0x[0-9a-f]+)-(0x[0-9a-f]+): (.*)$")
-
-
-def parse_scope(text: str) -> dict[str, str | list[tuple[int, int, str]]]:
-    """``info scope``'s output: each symbol's one location, or its location list as (lo, hi, description).
-
-    The first (innermost) symbol of a name wins, as perf's search of the scope does.
-    """
-    out: dict[str, str | list[tuple[int, int, str]]] = {}
-    name: str | None = None
-    ranges: list[tuple[int, int, str]] = []
-    for line in text.splitlines():
-        m = _SYMBOL.match(line)
-        if m:
-            name, desc = m.group(1), m.group(2)
-            if desc.startswith("multi-location"):
-                ranges = []
-                out.setdefault(name, ranges)
-            else:
-                out.setdefault(name, re.sub(r", length \d+\.$", "", desc).removesuffix("."))
-            continue
-        r = _RANGE.search(line)
-        if r and name is not None:
-            ranges.append((int(r.group(1), 16), int(r.group(2), 16), r.group(3).strip()))
-        elif ranges and line.strip() and not line.startswith(","):
-            lo, hi, desc = ranges[-1]
-            ranges[-1] = (lo, hi, f"{desc} {line.strip()}")
-    return out
-
-
-def location_at(entry: str | list[tuple[int, int, str]], addr: int) -> str | None:
-    """The description that holds at ``addr`` (None: the location list does not cover it)."""
-    if isinstance(entry, str):
-        return entry
-    for lo, hi, desc in entry:
-        if lo <= addr < hi:
-            return desc
-    return None
-
-
-def first_covered(entry: str | list[tuple[int, int, str]], start: int, end: int) -> str | None:
-    """perf's rule for a parameter at the function's entry: the first location the list gives in the function."""
-    if isinstance(entry, str):
-        return entry
-    for lo, hi, desc in sorted(entry):
-        if hi > start and lo < end:
-            return desc
-    return None
-
-
-def _reg(gdb_name: str, var: str, pt_name: Mapping[str, str]) -> str:
-    if gdb_name not in pt_name:
-        raise PerfProbeError(f"{var} is in ${gdb_name}, which kprobe_events cannot fetch")
-    return f"%{pt_name[gdb_name]}"
-
-
-def parse_location(desc: str, var: str, pt_name: Mapping[str, str]) -> Location:
-    """gdb's description of a location (``a variable in $rdx``...) as perf's fetch base.
-
-    ``pt_name`` maps gdb's register names to pt_regs names (the arch's ``RegisterLayout.pt_name``).
-    """
-    if m := re.fullmatch(r"a variable in \$(\w+)", desc):
-        return Location(_reg(m.group(1), var, pt_name))
-    if m := re.fullmatch(r"a variable at offset (-?\d+) from base reg \$(\w+)", desc):
-        return Location(_reg(m.group(2), var, pt_name), int(m.group(1)))
-    if m := re.fullmatch(r"a variable at frame base reg \$(\w+) offset (-?\d+)\+(-?\d+)", desc):
-        return Location(_reg(m.group(1), var, pt_name), int(m.group(2)) + int(m.group(3)))
-    if m := re.fullmatch(r"static storage at address (0x[0-9a-f]+)", desc):
-        return Location(f"@{var}", 0)
-    if desc.startswith("optimized out"):
-        raise PerfProbeError(f"{var} is optimized out")
-    if desc.startswith("constant"):
-        raise PerfProbeError(f"{var} is a constant ({desc}), not in a register or memory")
-    if desc.startswith("a complex DWARF expression"):
-        ops = re.findall(r"DW_OP_\w+", desc)
-        raise PerfProbeError(f"{var} is computed here ({' '.join(ops[:4])}{' ...' if len(ops) > 4 else ''}); "
-                             "perf fetches only registers and memory at register offsets")  # fmt: skip
-    raise PerfProbeError(f"{var}: a location perf cannot fetch ({desc})")
-
-
+# -- fetch arguments (pure) ----------------------------------------------------------------------
 def fetch_text(loc: Location, steps: Sequence[tuple[str, int]], var: str) -> str:
     """The fetch argument for a location and the walk's steps (perf's synthesize_probe_trace_arg)."""
     refs = loc.refs()
@@ -332,25 +101,6 @@ def fetch_type(info: dict[str, Any], cast: str | None, hex_types: bool, var: str
     if size <= 0:
         return None, False
     return f"{prefix}{min(size, MAX_BASIC_TYPE_BITS)}", False
-
-
-def parse_line_table(text: str) -> list[tuple[str, list[tuple[int, int, bool]]]]:
-    """``maint info line-table``: per symtab, its (line, address, is_stmt) rows; END rows are skipped."""
-    tables: list[tuple[str, list[tuple[int, int, bool]]]] = []
-    for line in text.splitlines():
-        if line.startswith("symtab: "):
-            tables.append((line.split()[1], []))
-            continue
-        m = re.match(r"\s*\d+\s+(\d+)\s+(0x[0-9a-f]+)\s*(Y?)", line)
-        if m and tables:
-            tables[-1][1].append((int(m.group(1)), int(m.group(2), 16), m.group(3) == "Y"))
-    return tables
-
-
-def line_address(rows: Sequence[tuple[int, int, bool]], line: int, lo: int = 0, hi: int = 1 << 64) -> int | None:
-    """The first is_stmt address of ``line`` within [lo, hi), as perf's line walker finds it."""
-    found = [addr for ln, addr, stmt in rows if ln == line and stmt and lo <= addr < hi]
-    return min(found) if found else None
 
 
 # -- the resolver -------------------------------------------------------------------------------
@@ -480,77 +230,6 @@ def _where(probe: PerfProbe) -> str:
 
 
 # -- gdb on vmlinux ----------------------------------------------------------------------------
-class GdbDwarf:
-    """A gdb (driven through GDB/MI) with vmlinux loaded, for :func:`translate`.
-
-    gdb's index cache in ``index_dir`` makes the load about a second once it holds
-    this build (the shell's ``gdb`` and the live target's gdb share it).
-    """
-
-    def __init__(self, vmlinux: str | Path, index_dir: str | Path) -> None:
-        from qprobe.vmm.gdbmi_channel import MiChannel
-        from qprobe.vmm.gdbmi_parse import mi_quote
-
-        self._quote = mi_quote
-        self.conn = MiChannel(name="vmlinux")
-        try:
-            for cmd in ("set pagination off", "set width 0", f"set index-cache directory {index_dir}",
-                        "set index-cache enabled on"):  # fmt: skip
-                self.cli(cmd)
-            self.cli(f"file {vmlinux}", timeout=600.0)
-            self.cli(f"source {_HELPER}")
-        except BaseException:
-            self.conn.close()
-            raise
-
-    def cli(self, command: str, timeout: float = 120.0) -> str:
-        from qprobe.errors import TargetError
-        from qprobe.vmm.gdbmi_parse import result_payload
-
-        record = self.conn.result(self.conn.send(f"-interpreter-exec console {self._quote(command)}"), command,
-                                  timeout)  # fmt: skip
-        text = self.conn.console_text()
-        try:
-            result_payload(record, repr(command))
-        except TargetError as exc:
-            raise PerfProbeError(str(exc)) from None
-        return text
-
-    def _py(self, call: str) -> Any:
-        return json.loads(self.cli(f"python {call}").strip().splitlines()[-1])
-
-    def function(self, name: str) -> dict[str, Any] | None:
-        return self._py(f"qp_function({name!r})")  # type: ignore[no-any-return]
-
-    def symtab_files(self, spec: str) -> list[str]:
-        found = self._py(f"qp_symtab({spec!r})")
-        if "error" in found:
-            raise PerfProbeError(f"{spec}: {found['error']}")
-        return found["files"]  # type: ignore[no-any-return]
-
-    def line_table(self, file: str) -> list[tuple[int, int, bool]]:
-        self.cli(f"info line {file}:1")  # expands the file's symtab: maint lists expanded ones only
-        text = self.cli(f"maint info line-table {re.escape(file)}$")
-        # gdb's symtab names carry the build directory ("debian/build/.../fs/read_write.c").
-        return [row for name, table in parse_line_table(text) if name == file or name.endswith(f"/{file}")
-                for row in table]  # fmt: skip
-
-    def scope(self, addr: int) -> str:
-        return self.cli(f"info scope *{addr:#x}")
-
-    def access(self, var: str, addr: int, fields: Sequence[tuple[str, str]]) -> dict[str, Any]:
-        return self._py(f"qp_access({var!r}, {addr}, {json.dumps([list(f) for f in fields])})")  # type: ignore[no-any-return]
-
-    def close(self) -> None:
-        self.conn.close()
-
-    def __enter__(self) -> GdbDwarf:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
 @dataclass(frozen=True)
 class SymbolFunctions:
     """:class:`Functions` from vmlinux's ELF symbols, at link-time addresses (gdb's) whatever the slide."""

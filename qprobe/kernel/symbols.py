@@ -4,7 +4,8 @@ Parsing the 590 MB debug vmlinux skips relocations and dynamic symbols (0.6-2 s
 instead of 30 s); the result is cached as JSON keyed by the build-id, so
 later loads take a fraction of that (JSON, not pickle: a cache file is data,
 and loading it must never run code, whoever wrote it).  All addresses handed
-out are *running* addresses: link-time address + ``slide``.
+out are *running* addresses: link-time address + ``slide``.  What is read
+from the file itself, and how, is :mod:`qprobe.kernel.vmlinux`'s.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import bisect
 import functools
 import itertools
 import json
-import mmap
 import re
 import struct
 from dataclasses import dataclass, field
@@ -23,19 +23,10 @@ from pathlib import Path
 
 from qprobe.arch import FtraceSite
 from qprobe.errors import QprobeError, SymbolError
+from qprobe.kernel.vmlinux import LINK_BASE, Section, VmlinuxImage, parse_with_lief, read_build_id
 from qprobe.paths import cache_dir, read_private, write_private
 
 _CACHE_VERSION = 4
-LINK_BASE = 0xFFFF_FFFF_8100_0000  # __START_KERNEL with CONFIG_PHYSICAL_START=0x1000000
-
-
-@dataclass(frozen=True)
-class Section:
-    name: str
-    addr: int
-    size: int
-    offset: int  # in the file
-    executable: bool
 
 
 @dataclass(frozen=True)
@@ -94,26 +85,23 @@ class ModuleText:
         return self._addrs[i] if i < len(self._addrs) else None
 
 
-class Symbols:
+class Symbols(VmlinuxImage):
     """Name <-> address for one vmlinux.  ``slide`` is set once the running kernel is known."""
 
     def __init__(self, path: Path, build_id: str, symbols: list[tuple[str, int, int, str]],
                  sections: list[Section], percpu: dict[str, int] | None = None) -> None:  # fmt: skip
-        self.path = path
+        super().__init__(path, sections)
         # Per-CPU variables are offsets from each CPU's base (x86's GS base), not addresses: KASLR does not move them.
         self.percpu = percpu or {}
         self.build_id = build_id
-        self.slide = 0
         # Whether __init text is still the kernel's (during boot, until free_initmem): probes may go there.
         self.init_text = False
-        self.sections = sections
         rows = sorted((a, s, n, k) for n, a, s, k in symbols if a)
         self._addrs = [r[0] for r in rows]
         self._rows = rows
         self._by_name: dict[str, int] = {}
         for i, (_a, _s, n, _k) in enumerate(rows):
             self._by_name.setdefault(n, i)  # the first, as kallsyms_lookup_name does
-        self._file: mmap.mmap | None = None
         self._extable: tuple[int, frozenset[int]] | None = None  # (slide, running addresses)
         # Loaded modules whose symbols are known (``add_module``): kallsyms_lookup_name and
         # kallsyms_lookup search them after vmlinux, and ``MOD:SYM`` names one module's symbol.
@@ -131,7 +119,7 @@ class Symbols:
         found = _from_cache(read_private(cached), build_id)
         if found is not None:
             return cls(path, build_id, *found)
-        syms, sections, percpu = _parse_with_lief(path, system_map)
+        syms, sections, percpu = parse_with_lief(path, system_map)
         table = cls(path, build_id, syms, sections, percpu)
         write_private(cached, table._cache_bytes())
         cached.with_suffix(".pickle").unlink(missing_ok=True)  # the format of earlier versions
@@ -320,31 +308,7 @@ class Symbols:
         hi = bisect.bisect_left(self._addrs, end - self.slide)
         return [Symbol(n, a + self.slide, s, k) for a, s, n, k in self._rows[lo:hi] if k == "func"]
 
-    # -- file contents ---------------------------------------------------------
-    def section(self, name: str) -> Section | None:
-        return next((s for s in self.sections if s.name == name), None)
-
-    def is_init_text(self, addr: int) -> bool:
-        """Whether ``addr`` is in vmlinux's __init text (freed once the kernel has booted)."""
-        sec = self.section_at(addr)
-        return sec is not None and sec.executable and sec.name.startswith(".init")
-
-    def section_at(self, addr: int) -> Section | None:
-        link = addr - self.slide
-        return next((s for s in self.sections if s.addr and s.addr <= link < s.addr + s.size), None)
-
-    def file_bytes(self, addr: int, size: int) -> bytes:
-        """Bytes vmlinux holds at running address ``addr`` (before boot-time patching)."""
-        sec = self.section_at(addr)
-        link = addr - self.slide
-        if sec is None or link + size > sec.addr + sec.size:
-            raise SymbolError(f"{addr:#x} is not in a section of {self.path.name}")
-        if self._file is None:
-            with open(self.path, "rb") as f:
-                self._file = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        off = sec.offset + link - sec.addr
-        return self._file[off : off + size]
-
+    # -- text: vmlinux's sections and the loaded modules' --------------------------
     def exception_table(self) -> frozenset[int]:
         """Running addresses of instructions with an ``__ex_table`` fixup entry.
 
@@ -429,125 +393,3 @@ def _from_cache(raw: bytes | None, build_id: str) -> _Cached | None:
         and type(x.executable) is bool for x in sections
     ) and all(type(k) is str and type(v) is int for k, v in percpu.items())  # fmt: skip
     return (syms, sections, percpu) if good else None
-
-
-def read_build_id(path: Path) -> str:
-    """The GNU build-id note, read from the section headers directly.
-
-    LIEF would take about a second for this on the debug vmlinux; the cache
-    lookup must not cost more than the cache saves.
-    """
-    try:
-        return _read_build_id(path)
-    except struct.error:
-        raise SymbolError(f"{path} is truncated: its ELF headers are cut short") from None
-
-
-def elf_machine(path: Path) -> int:
-    """The ELF header's e_machine of a 64-bit little-endian ELF file (which architecture it is for)."""
-    try:
-        with open(path, "rb") as f:
-            ident = f.read(20)
-    except OSError as exc:
-        raise SymbolError(f"cannot read {path}: {exc.strerror}") from None
-    if len(ident) < 20 or ident[:4] != b"\x7fELF" or ident[4] != 2 or ident[5] != 1:
-        raise SymbolError(f"{path} is not a 64-bit little-endian ELF vmlinux")
-    return int(struct.unpack_from("<H", ident, 18)[0])
-
-
-def _read_build_id(path: Path) -> str:
-    with open(path, "rb") as f:
-        ident = f.read(64)
-        if len(ident) < 64 or ident[:4] != b"\x7fELF" or ident[4] != 2 or ident[5] != 1:
-            raise SymbolError(f"{path} is not a 64-bit little-endian ELF vmlinux")
-        (shoff,) = struct.unpack_from("<Q", ident, 40)
-        shentsize, shnum = struct.unpack_from("<HH", ident, 58)
-        f.seek(shoff)
-        headers = f.read(shentsize * shnum)
-        for i in range(shnum):
-            (sh_type,) = struct.unpack_from("<I", headers, i * shentsize + 4)
-            if sh_type != 7:  # SHT_NOTE
-                continue
-            offset, size = struct.unpack_from("<QQ", headers, i * shentsize + 24)
-            f.seek(offset)
-            notes = f.read(size)
-            pos = 0
-            while pos + 12 <= len(notes):
-                namesz, descsz, ntype = struct.unpack_from("<III", notes, pos)
-                name_end = pos + 12 + ((namesz + 3) & ~3)
-                desc = notes[name_end : name_end + descsz]
-                if ntype == 3 and notes[pos + 12 : pos + 12 + namesz].rstrip(b"\0") == b"GNU":
-                    return desc.hex()
-                pos = name_end + ((descsz + 3) & ~3)
-    raise SymbolError(f"{path} has no build-id note; cannot match it to a running kernel")
-
-
-def parse_system_map(text: str) -> tuple[list[tuple[str, int, int, str]], dict[str, int]]:
-    """System.map lines (``ffffffff81000000 T _stext``): symbols with sizes up to the next one.
-
-    System.map carries no sizes, so a symbol's size is the distance to the next
-    address, as kallsyms assumes; per-CPU variables are the small absolute ones.
-    """
-    rows = []
-    percpu: dict[str, int] = {}
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        try:
-            addr = int(parts[0], 16)
-        except ValueError:
-            continue
-        kind, name = parts[1], parts[2]
-        if addr < LINK_BASE & ~0xFFFFFFF:
-            if kind in "Dd":
-                percpu[name] = addr
-            continue
-        rows.append((addr, name, "func" if kind in "Tt" else "object" if kind in "DdBbRr" else "other"))
-    rows.sort()
-    syms = []
-    for i, (addr, name, kind) in enumerate(rows):
-        nxt = next((a for a, _n, _k in rows[i + 1 :] if a > addr), addr)
-        syms.append((name, addr, nxt - addr, kind))
-    return syms, percpu
-
-
-def _parse_with_lief(
-    path: Path, system_map: str | Path | None = None
-) -> tuple[list[tuple[str, int, int, str]], list[Section], dict[str, int]]:
-    import lief
-
-    config = lief.ELF.ParserConfig()
-    config.parse_relocations = False
-    config.parse_dyn_symbols = False
-    config.parse_symbol_versions = False
-    config.parse_overlay = False
-    binary = lief.ELF.parse(str(path), config)
-    if binary is None:
-        raise SymbolError(f"LIEF could not parse {path}")
-    kinds = {lief.ELF.Symbol.TYPE.FUNC: "func", lief.ELF.Symbol.TYPE.OBJECT: "object"}
-    syms = []
-    percpu: dict[str, int] = {}
-    percpu_index = next((i for i, sec in enumerate(binary.sections) if sec.name == ".data..percpu"), -1)
-    for s in binary.symtab_symbols:
-        if not s.name or isinstance(s.name, bytes) or s.type == lief.ELF.Symbol.TYPE.FILE:  # bytes: not UTF-8
-            continue
-        if s.value >= LINK_BASE & ~0xFFFFFFF:
-            syms.append((s.name, s.value, s.size, kinds.get(s.type, "other")))
-        elif s.shndx == percpu_index and s.type == lief.ELF.Symbol.TYPE.OBJECT:
-            percpu[s.name] = s.value
-    if not syms and system_map is not None:
-        try:
-            syms, percpu = parse_system_map(Path(system_map).read_text())
-        except OSError as exc:
-            raise SymbolError(f"cannot read {system_map}: {exc.strerror}") from None
-    if not syms:
-        raise SymbolError(f"{path} has no symbol table (stripped vmlinux?): use the -dbg package's file "
-                          "or give its System.map")  # fmt: skip
-    exec_flag = lief.ELF.Section.FLAGS.EXECINSTR
-    sections = [
-        Section(s.name, s.virtual_address, s.size, s.file_offset, s.has(exec_flag))
-        for s in binary.sections
-        if s.virtual_address and isinstance(s.name, str)  # LIEF gives bytes for a name not UTF-8
-    ]
-    return syms, sections, percpu

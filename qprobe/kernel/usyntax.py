@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 from qprobe.errors import QprobeError
 from qprobe.fetch.kstrto import isdigit, split_args
-from qprobe.kernel.perfprobe import PerfProbeError, parse_perf_probe
+from qprobe.kernel.perfsyntax import PerfProbeError, parse_perf_probe
 from qprobe.kernel.userelf import UserElf, UserFunction
 
 Resolve = Callable[[str, str], int]

@@ -11,7 +11,8 @@ from qprobe.errors import FetchArgError, SymbolError
 from qprobe.events.funcs import Probeability, check_probe_symbol, is_glob, render_funcs, suggest, wildcard_definitions
 from qprobe.fetch import messages as M
 from qprobe.fetch.dialect import Dialect
-from qprobe.kernel.symbols import ModuleText, Section, Symbol, Symbols
+from qprobe.kernel.symbols import ModuleText, Symbol, Symbols
+from qprobe.kernel.vmlinux import Section
 
 T = 0xFFFF_FFFF_8100_0000
 # name -> (link address, size); two static functions share "shared".

@@ -11,7 +11,8 @@ from qprobe.arch import ArchBlacklist
 from qprobe.arch.x86_64.arch import X86_64
 from qprobe.core.blacklist import Blacklist, BlacklistEntry
 from qprobe.errors import SymbolError
-from qprobe.kernel.symbols import Section, Symbol, Symbols
+from qprobe.kernel.symbols import Symbol, Symbols
+from qprobe.kernel.vmlinux import Section
 
 ARCH = X86_64().arch_populate_kprobe_blacklist()
 

@@ -9,7 +9,8 @@ import pytest
 
 from qprobe.errors import SymbolError, VmlinuxMismatch
 from qprobe.kernel.kaslr import ALIGN, WINDOW, detect_slide
-from qprobe.kernel.symbols import Section, Symbols
+from qprobe.kernel.symbols import Symbols
+from qprobe.kernel.vmlinux import Section
 from qprobe.vmm.memory import MemoryFault
 
 TEXT = 0xFFFF_FFFF_8100_0000

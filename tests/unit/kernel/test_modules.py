@@ -11,7 +11,8 @@ from qprobe.errors import SymbolError
 from qprobe.fetch import parse_event
 from qprobe.kernel.modules import ModuleText
 from qprobe.kernel.reserved import ReservedText
-from qprobe.kernel.symbols import Section, Symbol, Symbols
+from qprobe.kernel.symbols import Symbol, Symbols
+from qprobe.kernel.vmlinux import Section
 
 S = 0xFFFF_FFFF_8100_0000
 M = 0xFFFF_FFFF_C03B_B000  # where the module area starts on x86_64, as a loaded module sits

@@ -7,20 +7,9 @@ from typing import Any
 import pytest
 
 from qprobe.arch.x86_64.arch import X86_64
-from qprobe.kernel.perfprobe import (
-    Location,
-    PerfProbeError,
-    fetch_text,
-    fetch_type,
-    is_perf_definition,
-    line_address,
-    location_at,
-    parse_line_table,
-    parse_location,
-    parse_perf_probe,
-    parse_scope,
-    translate,
-)
+from qprobe.kernel.perfdwarf import Location, line_address, location_at, parse_line_table, parse_location, parse_scope
+from qprobe.kernel.perfprobe import fetch_text, fetch_type, translate
+from qprobe.kernel.perfsyntax import PerfProbeError, is_perf_definition, parse_perf_probe
 
 # `info scope *0xffffffff8134ccf8` on Debian's 6.1.0-56-cloud-amd64 vmlinux (vfs_read+0xa8), abridged.
 SCOPE = """Scope for *0xffffffff8134ccf8:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qprobe.kernel.symbols import parse_system_map
+from qprobe.kernel.vmlinux import parse_system_map
 
 MAP = """\
 0000000000000000 D fixed_percpu_data

@@ -14,7 +14,8 @@ import pytest
 
 from qprobe.errors import SymbolError
 from qprobe.kernel import symbols as symbols_mod
-from qprobe.kernel.symbols import Section, Symbol, Symbols, elf_machine, read_build_id
+from qprobe.kernel.symbols import Symbol, Symbols
+from qprobe.kernel.vmlinux import Section, elf_machine, read_build_id
 from qprobe.paths import UnsafeCache
 
 S = 0xFFFF_FFFF_8100_0000  # _text
@@ -349,7 +350,7 @@ def test_load_parses_once_then_uses_the_cache(cache: Path, tmp_path: Path, monke
         parses.append(p)
         return list(ROWS), list(SECTIONS), {"runqueues": 0x2E000}
 
-    monkeypatch.setattr(symbols_mod, "_parse_with_lief", parse)
+    monkeypatch.setattr(symbols_mod, "parse_with_lief", parse)
     first = Symbols.load(path)
     assert first.build_id == BUILD_ID.hex() and first.address("foo") == S + 0x1000
     assert first.percpu == {"runqueues": 0x2E000}
@@ -408,7 +409,7 @@ def test_load_rebuilds_a_bad_cache_and_never_runs_it(cache: Path, tmp_path: Path
     cached = cache / "symbols" / f"{BUILD_ID.hex()}.json"
     cached.write_bytes(_bad_caches()[name])
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(symbols_mod, "_parse_with_lief", lambda p, system_map=None: (list(ROWS), list(SECTIONS), {}))
+    monkeypatch.setattr(symbols_mod, "parse_with_lief", lambda p, system_map=None: (list(ROWS), list(SECTIONS), {}))
     assert Symbols.load(path).address("foo") == S + 0x1000
     assert not (tmp_path / "ran-code").exists()
     assert json.loads(cached.read_bytes()) == _good_cache()
@@ -418,9 +419,7 @@ def test_a_cached_table_is_the_parsed_one(cache: Path, tmp_path: Path, monkeypat
     path = tmp_path / "vmlinux"
     path.write_bytes(elf([note(b"GNU", 3, BUILD_ID)]))
     percpu = {"runqueues": 0x2E000}
-    monkeypatch.setattr(
-        symbols_mod, "_parse_with_lief", lambda p, system_map=None: (list(ROWS), list(SECTIONS), percpu)
-    )
+    monkeypatch.setattr(symbols_mod, "parse_with_lief", lambda p, system_map=None: (list(ROWS), list(SECTIONS), percpu))
     parsed = Symbols.load(path)
     cached = Symbols.load(path)
     assert cached._rows == parsed._rows and cached.sections == parsed.sections and cached.percpu == parsed.percpu
@@ -434,7 +433,7 @@ def test_a_symlink_planted_as_the_cache_file_is_refused(cache: Path, tmp_path: P
     victim.write_text("the user's file")
     (cache / "symbols").mkdir(parents=True)
     (cache / "symbols" / f"{BUILD_ID.hex()}.json").symlink_to(victim)
-    monkeypatch.setattr(symbols_mod, "_parse_with_lief", lambda p, system_map=None: (list(ROWS), list(SECTIONS), {}))
+    monkeypatch.setattr(symbols_mod, "parse_with_lief", lambda p, system_map=None: (list(ROWS), list(SECTIONS), {}))
     with pytest.raises(UnsafeCache, match="symbolic link"):
         Symbols.load(path)
     assert victim.read_text() == "the user's file"

@@ -25,8 +25,9 @@ from qprobe.events.uprobe import UprobeTraceEvent
 from qprobe.fetch import ProbeEvent, UprobeEvent, check_event, format_event, parse_event, parse_uprobe_event
 from qprobe.fetch.dialect import Dialect
 from qprobe.kernel.program import Stack
-from qprobe.kernel.symbols import Section, Symbols
+from qprobe.kernel.symbols import Symbols
 from qprobe.kernel.usyntax import resolve_uprobe_symbols
+from qprobe.kernel.vmlinux import Section
 from qprobe.shell import Shell
 from qprobe.vmm.console import RunResult
 

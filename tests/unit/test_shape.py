@@ -33,8 +33,6 @@ CLASSES_OVER = {
     "qprobe/core/kprobes.py:KprobeManager": (27, 454),
     "qprobe/kernel/symbols.py:Symbols": (28, 290),
     "qprobe/shell/core.py:Shell": (44, 571),
-    "qprobe/vmm/gdbmi.py:GdbMiRemote": (27, 331),
-    "qprobe/vmm/gdbremote.py:GdbRemote": (26, 280),
 }
 
 

@@ -30,7 +30,6 @@ CLASSES_OVER = {
     "qprobe/api.py:Target": (38, 615),
     "qprobe/arch/__init__.py:Arch": (52, 132),
     "qprobe/arch/x86_64/arch.py:X86_64": (53, 396),
-    "qprobe/core/kprobes.py:KprobeManager": (27, 454),
     "qprobe/kernel/symbols.py:Symbols": (28, 290),
     "qprobe/shell/core.py:Shell": (44, 571),
 }

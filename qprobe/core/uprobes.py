@@ -57,9 +57,9 @@ MMAP_HOOK = "vma_set_page_prot"
 
 
 class Stepper(Protocol):
-    def step(self, tid: str, ip: int) -> dict[str, int]:
-        """Single-step the stopped vCPU ``tid`` over the instruction at ``ip``; the registers after it."""
-        ...
+    """The trap path's single-step (qprobe.core.dispatch.Dispatcher.step): the registers after it."""
+
+    def step(self, tid: str, ip: int) -> dict[str, int]: ...
 
 
 class Kprobes(Protocol):

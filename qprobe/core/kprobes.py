@@ -79,8 +79,7 @@ class KprobeManager:
         self.handlers = Handlers()
         self.dispatcher = Dispatcher(machine, kernel, arch, self, self.slots, self.handlers)
         self.stubs = StubProbes(machine, arch, self.handlers, self.make_regs, self.dispatcher.step)
-        # Map a trampoline address a frame returned to to the real return address (kretprobes
-        # register theirs); a handler's stack trace sees through them.
+        # A trampoline a frame returns to -> its real return address (kretprobes'): stack traces see through.
         self.return_fixers: list[Callable[[int, int], int]] = []
         self.optimizer = Optimizer(self, ram, doorbell)
 

@@ -3,7 +3,7 @@
 from qprobe.api import Target
 from qprobe.core.kprobe import Kprobe, Kretprobe, KretprobeInstance
 from qprobe.core.regs import PtRegs, regs_get_kernel_argument, regs_return_value
-from qprobe.core.uprobes import Uprobe, Uretprobe
+from qprobe.core.uprobe import Uprobe, Uretprobe
 from qprobe.core.watchpoint import Watchpoint
 from qprobe.errors import (
     Blacklisted,

@@ -294,9 +294,7 @@ class Target(ProbeAPI, EventAPI):
                                      str(doorbell) if doorbell else None,
                                      fully_preemptible(self.symbols, self.cmdline))  # fmt: skip
         self.kretprobes = KretprobeManager(self.kprobes)
-        self.uprobes = UprobeManager(self.machine, self.arch, self.kernel, self.kprobes.handlers,
-                                     self.kprobes.make_regs, self.kprobes.dispatcher.step,
-                                     self.kprobes.register_kprobe, self.kprobes.unregister_kprobe)  # fmt: skip
+        self.uprobes = UprobeManager(self.machine, self.arch, self.kernel, self.kprobes)
         self.kprobe_backend = KprobeBackend(self.kprobes, self.kretprobes)  # what kprobe events hold probes by
         self.uprobe_backend = UprobeBackend(self.uprobes)  # and uprobe events theirs
         self.clock = HitClock(self.kernel, self.machine, self.timeline)  # when each event hit happened

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from qprobe.core.kprobe import Kprobe, Kretprobe
 from qprobe.core.listing import list_probes
-from qprobe.core.uprobes import Uprobe
+from qprobe.core.uprobe import Uprobe
 from qprobe.core.watchpoint import Watchpoint
 from qprobe.errors import TargetError
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Protocol
 
 from qprobe.arch import Arch, Resume, ResumeKind, Trap, TrapHook
@@ -33,6 +33,7 @@ from qprobe.core.handlers import Handlers
 from qprobe.core.kprobe import Kprobe
 from qprobe.core.point import KprobeCtlblk, KprobeStatus, ProbePoint
 from qprobe.core.regs import PtRegs
+from qprobe.core.slots import InsnSlots
 from qprobe.errors import ProbeError
 from qprobe.kernel.features import find_watch_site, trap_entry
 from qprobe.kernel.program import KernelData
@@ -42,18 +43,12 @@ from qprobe.vmm.machine import Machine
 log = logging.getLogger("qprobe.kprobes")
 MAX_STEP_RETRIES = 1 << 16
 
-# An int3 in the scratch area that is not a probe (a kretprobe trampoline's): given the
-# registers at the trap (sp and flags as before the int3), it runs its handlers and returns the ip to resume at.
-Trampoline = Callable[[PtRegs], int]
-
 
 class Registry(Protocol):
     """What the dispatcher reads of the probe table (``qprobe.core.kprobes.KprobeManager``)."""
 
     points: dict[int, ProbePoint]
     touched: set[int]
-    trampolines: dict[int, Trampoline]
-    resume_targets: dict[int, float]
 
     def make_regs(self, values: Mapping[str, int], tid: str) -> PtRegs: ...
     def may_boost(self, point: ProbePoint, active: list[Kprobe]) -> bool: ...
@@ -62,12 +57,14 @@ class Registry(Protocol):
 class Dispatcher:
     """Owns the int3 hook and turns each trap into handlers and one resume (stop-loop thread)."""
 
-    def __init__(self, machine: Machine, kernel: KernelData, arch: Arch, registry: Registry,
+    def __init__(self, machine: Machine, kernel: KernelData, arch: Arch, registry: Registry, slots: InsnSlots,
                  handlers: Handlers) -> None:  # fmt: skip
+        """``slots``: the trampolines it runs, and where boosted copies jump back to (it notes each one)."""
         self.machine = machine
         self.kernel = kernel
         self.arch = arch
         self.registry = registry
+        self.slots = slots
         self.handlers = handlers
         self.ctlblk: dict[str, KprobeCtlblk] = {tid: KprobeCtlblk() for tid in machine.vcpus}
         self.int3_entry = trap_entry(kernel.symbols, arch)
@@ -105,7 +102,7 @@ class Dispatcher:
         period: a vCPU between an int3 we have just removed and the watched
         read must still be sent back to the original instruction.
         """
-        if not self.hooked or self.registry.trampolines or (self.watch_refs and not final):
+        if not self.hooked or self.slots.trampolines or (self.watch_refs and not final):
             return
         self.drain()
         if self.watch_refs:
@@ -139,7 +136,7 @@ class Dispatcher:
                 self.on_entry_stop(tid, regs)
             elif self.watch_refs and ip in self.watch_safe:
                 self.on_watch_stop(tid, regs)
-            elif ip in self.registry.trampolines:
+            elif ip in self.slots.trampolines:
                 self._run(tid, Trap(ip, self.arch.sp(regs), self.arch.flags(regs), regs))
 
     def arriving(self, regs: Mapping[str, int]) -> int | None:
@@ -217,7 +214,7 @@ class Dispatcher:
             return True
         reg = self.registry
         point = reg.points.get(trap.addr)
-        return trap.addr in reg.trampolines or (point is not None and point.armed) or (
+        return trap.addr in self.slots.trampolines or (point is not None and point.armed) or (
             removed
             and trap.addr in reg.touched
             and self.machine.mem.read(trap.addr, len(self.arch.breakpoint)) != self.arch.breakpoint)  # fmt: skip
@@ -262,7 +259,7 @@ class Dispatcher:
     def _handle(self, tid: str, trap: Trap, reentered: bool) -> tuple[ProbePoint | None, list[Kprobe], Resume]:
         """What the trap at ``trap.addr`` does: (its probe point, the probes whose handlers ran, the resume)."""
         reg = self.registry
-        tramp = reg.trampolines.get(trap.addr)
+        tramp = self.slots.trampolines.get(trap.addr)
         if tramp is not None:
             pt = self._regs(tid, trap)
             ip = tramp(pt)
@@ -302,7 +299,7 @@ class Dispatcher:
             return Resume(ResumeKind.CONTINUE, pt.ip, pt.sp, pt.flags, pt.dirty())
         if resume.kind is ResumeKind.BOOST:
             point.boosted += 1
-            self.registry.resume_targets[resume.jump_back] = time.monotonic()
+            self.slots.resume_targets[resume.jump_back] = time.monotonic()
         elif resume.kind is ResumeKind.TRAP_STEP:
             point.trap_stepped += 1
         return resume
@@ -401,4 +398,4 @@ class _TaskMemory:
         self.machine.write_phys(phys, data)
 
 
-__all__ = ["Dispatcher", "Registry", "Trampoline"]
+__all__ = ["Dispatcher", "Registry"]

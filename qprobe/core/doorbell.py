@@ -7,7 +7,7 @@ the server reads that mailbox through the shared RAM file, runs the probe's
 pre_handlers (``Handlers.pre``, as the kernel's ``optimized_callback`` calls
 ``opt_pre_handler``), writes changed registers back and releases the vCPU;
 other vCPUs keep running throughout.  A kretprobe's return comes the same way
-from its trampoline, whose handler is the dispatcher's ``Trampoline`` for the
+from its trampoline, whose handler is the slots' ``Trampoline`` for the
 int3 right after the call.
 """
 
@@ -19,11 +19,11 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 
 from qprobe.arch import Arch
-from qprobe.core.dispatch import Trampoline
 from qprobe.core.errorlog import ErrorLog
 from qprobe.core.handlers import Handlers
 from qprobe.core.point import ProbePoint
 from qprobe.core.regs import PtRegs
+from qprobe.core.slots import Trampoline
 from qprobe.vmm.memory import SharedRam
 
 log = logging.getLogger("qprobe.optimizer")

@@ -12,19 +12,19 @@ traps themselves go through qprobe.core.dispatch; the architecture is the
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from qprobe.arch import Arch
 from qprobe.core.anywhere import StubProbes
-from qprobe.core.dispatch import Dispatcher, Trampoline
+from qprobe.core.dispatch import Dispatcher
 from qprobe.core.handlers import Handlers
 from qprobe.core.kprobe import KPROBE_FLAG_DISABLED, KPROBE_FLAG_GONE, Kprobe
 from qprobe.core.optimizer import Optimizer
 from qprobe.core.point import ProbePoint
 from qprobe.core.regs import PtRegs
 from qprobe.core.sites import ProbeSites
+from qprobe.core.slots import InsnSlots
 from qprobe.core.text import KernelText
 from qprobe.errors import (
     InvalidProbe,
@@ -32,7 +32,7 @@ from qprobe.errors import (
     ProbeError,
     QprobeError,
 )
-from qprobe.kernel.preempted import PREEMPTED_WAIT, wait_preempted_out
+from qprobe.kernel.preempted import PREEMPTED_WAIT
 from qprobe.kernel.program import KernelData
 from qprobe.vmm.machine import Machine
 from qprobe.vmm.scratch import ScratchArea
@@ -73,34 +73,15 @@ class KprobeManager:
         self.gone: dict[Kprobe, tuple[int, str]] = {}
         self.text = KernelText(machine)  # the int3s and jumps of points, and the text under them
         self.sites = ProbeSites(machine, kernel, arch, self.text)  # where a probe goes, and where it may not
-        # int3s in the scratch area that are not probes: the kretprobe trampoline.
-        self.trampolines: dict[int, Trampoline] = {}
+        self.slots = InsnSlots(machine, arch, scratch, fully_preemptible)  # what the scratch area's code outlives
         self.kernel = kernel  # the kernel's data through drgn
-        # Boosting lets a vCPU run the slot copy freely; an interrupt there leaves an
-        # interrupted context inside the slot.  Without forced preemption that context
-        # resumes as soon as the interrupt returns, which the grace period in
-        # remove_all() covers; on a fully preemptible kernel it could sleep there, so
-        # the slots (never reused while the area is mapped) outlive every sleeping task
-        # whose stack points into the area, and a jump whose region a boosted copy returns
-        # into waits for the same (JumpCheck.preempted_in and why_not, qprobe.kernel.preempted),
-        # where the kernel waits for an RCU-tasks grace period.
-        self.boost = True
-        self.fully_preemptible = fully_preemptible
-        self._quarantine: list[int] = []  # boosted slots and detours, never reused while the area is mapped
-        # Where code in the scratch area jumps back into kernel text (boosted slots, detours), for as
-        # long as the area is mapped: a vCPU or an interrupted context may still be on its way there.
-        # address -> when it was last resumed to: time.monotonic() of a boosted hit, inf for a detour.
-        self.resume_targets: dict[int, float] = {}
+        self.boost = True  # hits may run the copy freely (may_boost); the slots they ran stay (InsnSlots)
         self.handlers = Handlers()
-        self.dispatcher = Dispatcher(machine, kernel, arch, self, self.handlers)
+        self.dispatcher = Dispatcher(machine, kernel, arch, self, self.slots, self.handlers)
         self.stubs = StubProbes(machine, arch, self.handlers, self.make_regs, self.dispatcher.step)
-        # Map a trampoline address a frame returned to to the real return address (kretprobes
-        # register theirs); a handler's stack trace sees through them.
+        # A trampoline a frame returns to -> its real return address (kretprobes'): stack traces see through.
         self.return_fixers: list[Callable[[int, int], int]] = []
         self.optimizer = Optimizer(self, ram, doorbell)
-
-    def quarantine(self, addr: int) -> None:
-        self._quarantine.append(addr)
 
     def _regions(self, addr: int) -> list[ProbePoint]:
         """Optimized points whose displaced instructions cover ``addr`` (other than at their start)."""
@@ -302,10 +283,7 @@ class KprobeManager:
             if point.opt is not None:
                 self.optimizer.unoptimize(point)
             del self.points[addr]
-            if point.boosted or self.dispatcher.in_slot(point):
-                self._quarantine.append(point.prep.slot_addr)
-            else:
-                self.scratch.free(point.prep.slot_addr)
+            self.slots.free(point.prep.slot_addr, dirty=bool(point.boosted) or self.dispatcher.in_slot(point))
         if not self.points:
             self.dispatcher.remove()
 
@@ -410,7 +388,7 @@ class KprobeManager:
 
         Between the two the VM runs for ``grace`` seconds with no probe armed,
         so that a context interrupted inside a boosted copy has returned to it
-        and left it; vCPUs still inside the area are then stepped out.
+        and left it (``InsnSlots.wait_out``); vCPUs still inside the area are then stepped out.
         """
 
         def disarm() -> None:
@@ -425,52 +403,19 @@ class KprobeManager:
         def unmap() -> None:
             if self.dispatcher.hooked:
                 self.dispatcher.drain()  # a vCPU part way into a trap-step finishes it before any is stepped out
-            self.evacuate()
+            self.slots.evacuate()
             self.optimizer.close()
-            self.trampolines.clear()
+            self.slots.trampolines.clear()
             self.dispatcher.remove(final=True)
             self.scratch.unmap()
-            self._quarantine.clear()
-            self.resume_targets.clear()
+            self.slots.unmapped()
 
         self.machine.call(disarm)
-        if self._quarantine and self.scratch.mapped:
-            time.sleep(grace)
-        if self.fully_preemptible:
-            self._wait_preempted_out(grace)
-        self.machine.call(unmap)
-
-    def _wait_preempted_out(self, grace: float) -> None:
-        """On a fully preemptible kernel, let every context that could resume in the scratch area leave it.
-
-        A task preempted in a detour sleeps with its ip there for as long as
-        the scheduler likes; the area goes only once no task's stack points
-        into it (the kernel frees its instruction slots after an RCU-tasks
-        grace period).  Past ``PREEMPTED_WAIT`` the area stays mapped, with
-        the undo journal for a later attach to unmap it.
-        """
-        scratch = self.scratch
-
-        def held_in_scratch() -> str | None:
-            return self.optimizer.check.preempted_in(scratch.base, scratch.base + scratch.mapped_size)
-
-        held = wait_preempted_out(lambda: self.machine.call(held_in_scratch) if scratch.mapped else None,
-                                  lambda: time.sleep(grace))  # fmt: skip
-        if held is not None:
+        held = self.slots.wait_out(grace, self.optimizer.check.preempted_in)
+        if held is not None:  # the area stays mapped, with the undo journal for a later attach to unmap it
             self.optimizer.close()
             raise ProbeError(f"qprobe's scratch area stays mapped: after {PREEMPTED_WAIT:g} s {held}")
-
-    def evacuate(self) -> None:
-        """Step every vCPU whose ip is inside the scratch area until it is out (stop loop)."""
-        gdb = self.machine.gdb
-        for tid in self.machine.vcpus:
-            for _ in range(100_000):  # a vCPU in the optimized stub spins until served
-                rip = self.arch.ip(gdb.read_registers(tid))
-                if not self.scratch.contains(rip) or rip in self.trampolines:
-                    break
-                gdb.step(tid)
-            else:
-                raise ProbeError(f"vCPU {tid} did not leave the scratch area")
+        self.machine.call(unmap)
 
     # -- what the dispatcher asks of the table ----------------------------------------------
     def make_regs(self, values: Mapping[str, int], tid: str) -> PtRegs:

@@ -177,18 +177,18 @@ class KretprobeManager:
         if opt.available and opt.stub_missing() is None:
             code = opt.trampoline_code(self.trampoline)
             scratch.write(self.trampoline, code)
-            self.kprobes.trampolines[self.trampoline + len(code) - 1] = self.returned
+            self.kprobes.slots.trampolines[self.trampoline + len(code) - 1] = self.returned
         else:
             scratch.write(self.trampoline, self.kprobes.arch.breakpoint)
-            self.kprobes.trampolines[self.trampoline] = self.returned
+            self.kprobes.slots.trampolines[self.trampoline] = self.returned
 
     def _ensure_return_int3s(self) -> None:
         """The shared return code's int3s (a busy mailbox, a bad instance) finish the return on the stop path."""
         pools = self.kprobes.optimizer.returns
         assert pools is not None
         busy, bad = pools.int3s()
-        self.kprobes.trampolines[busy] = self.returned
-        self.kprobes.trampolines[bad] = self._returned_bad
+        self.kprobes.slots.trampolines[busy] = self.returned
+        self.kprobes.slots.trampolines[bad] = self._returned_bad
 
     def _returned_bad(self, pt: PtRegs) -> int:
         """A return whose instance was not its own: the pushed index is still on the stack, the slot a word further."""
@@ -301,7 +301,7 @@ class KretprobeManager:
     def returned(self, pt: PtRegs) -> int:
         """Run the handler of the instance whose call just returned; the real return address.
 
-        Called from the dispatcher (a breakpoint trampoline: a qprobe.core.dispatch.Trampoline)
+        Called from the dispatcher (a breakpoint trampoline: a qprobe.core.slots.Trampoline)
         or the doorbell thread; ``pt.sp`` is the stack pointer after the return, ``ret_pops``
         bytes above the call's frame.
         """

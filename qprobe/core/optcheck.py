@@ -27,6 +27,7 @@ from qprobe.kernel.preempted import first_inside, preempted_words
 if TYPE_CHECKING:
     from qprobe.core.dispatch import Dispatcher
     from qprobe.core.sites import ProbeSites
+    from qprobe.core.slots import InsnSlots
     from qprobe.kernel.program import KernelData
     from qprobe.kernel.symbols import Symbols
     from qprobe.vmm.machine import Machine
@@ -55,8 +56,7 @@ class JumpTable(Protocol):
     text: KernelText
     sites: ProbeSites
     dispatcher: Dispatcher
-    resume_targets: dict[int, float]
-    fully_preemptible: bool
+    slots: InsnSlots
 
     def addresses(self) -> list[int]: ...
 
@@ -84,7 +84,7 @@ class RoundView:
 
     vcpus: list[VcpuView] | None  # None until first needed
     points: list[int]  # the probe table's addresses, sorted
-    resume_targets: list[int]  # KprobeManager.resume_targets' addresses, sorted (kept so as jumps are placed)
+    resume_targets: list[int]  # InsnSlots.resume_targets' addresses, sorted (kept so as jumps are placed)
 
 
 class JumpCheck:
@@ -106,7 +106,7 @@ class JumpCheck:
         self.round = self._view()
 
     def _view(self) -> RoundView:
-        return RoundView(None, self.kp.addresses(), sorted(self.kp.resume_targets))
+        return RoundView(None, self.kp.addresses(), sorted(self.kp.slots.resume_targets))
 
     @property
     def stack_size(self) -> int:
@@ -141,7 +141,7 @@ class JumpCheck:
         now = time.monotonic()
         targets = view.resume_targets
         i, j = bisect.bisect_right(targets, point.addr), bisect.bisect_left(targets, end)
-        returned = [self.kp.resume_targets[a] for a in targets[i:j]]  # when something last jumped back there
+        returned = [self.kp.slots.resume_targets[a] for a in targets[i:j]]  # when something last jumped back there
         if any(t == math.inf for t in returned):
             # A detour (perhaps already removed) jumps back there.
             return "out-of-line code returns into the region"
@@ -161,7 +161,7 @@ class JumpCheck:
         held = self._held_on_vcpus(view.vcpus, point.addr + 1, end, "inside the region", trapping=True)
         if held is not None:
             return held
-        if self.kp.fully_preemptible:
+        if self.kp.slots.fully_preemptible:
             try:
                 if self.preempted is None:
                     self.preempted = preempted_words(self.kp.kernel, stack_size)
@@ -172,7 +172,7 @@ class JumpCheck:
                 return f"{TRANSIENT[3]}'s stack holds {hit:#x}, inside the region"
             # A task preempted in a boosted copy jumps back into the region when it runs again.
             scratch = self.kp.scratch
-            if any(point.addr < a < end for a in self.kp.resume_targets) and scratch.mapped:
+            if any(point.addr < a < end for a in self.kp.slots.resume_targets) and scratch.mapped:
                 hit = first_inside(self.preempted, scratch.base, scratch.base + scratch.mapped_size)
                 if hit is not None:
                     return f"{TRANSIENT[3]}'s stack holds {hit:#x}, in out-of-line code that returns into the region"

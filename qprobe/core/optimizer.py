@@ -47,7 +47,6 @@ from qprobe.vmm.memory import SharedRam
 from qprobe.vmm.qemu import DOORBELL_PORT
 
 if TYPE_CHECKING:
-    from qprobe.core.dispatch import Trampoline
     from qprobe.core.handlers import Handlers
     from qprobe.core.regs import PtRegs
 
@@ -90,9 +89,7 @@ class ProbeTable(JumpTable, Protocol):
 
     handlers: Handlers
     points: dict[int, ProbePoint]
-    trampolines: dict[int, Trampoline]
 
-    def quarantine(self, addr: int) -> None: ...
     def make_regs(self, values: Mapping[str, int], tid: str) -> PtRegs: ...
 
 
@@ -144,7 +141,7 @@ class Optimizer:
                                         self.records, self.returns, self.errors)  # fmt: skip
             drain_now = self.counts.drain_now.set
             self.doorbell = Doorbell(self.arch, self.machine.vcpus, ram, kprobes.handlers, kprobes.make_regs,
-                                     self.by_id.get, kprobes.trampolines, self.errors, drain_now)  # fmt: skip
+                                     self.by_id.get, kprobes.slots.trampolines, self.errors, drain_now)  # fmt: skip
 
     @property
     def served(self) -> int:
@@ -275,7 +272,7 @@ class Optimizer:
         point.int3 = None
         fence = self.guest_blacklist.add(point.addr, point.addr + size)
         point.opt = Optimized(probe_id, detour, size, jmp, continue_addr, params.kind, params.tables, fence)
-        self.kp.resume_targets[point.addr + size] = math.inf
+        self.kp.slots.resume_targets[point.addr + size] = math.inf
         if self.check.round is not None:
             bisect.insort(self.check.round.resume_targets, point.addr + size)
         self.by_id[probe_id] = point
@@ -319,16 +316,16 @@ class Optimizer:
         self.kp.text.unpatch(opt.jmp)
         if opt.fence is not None:
             self.guest_blacklist.remove(opt.fence)
-            self.kp.quarantine(opt.fence)
+            self.kp.slots.quarantine(opt.fence)
         point.opt = None
         self.by_id.pop(opt.probe_id, None)
         # A vCPU stopped inside the record stub publishes after this: recognise its id a while longer.
         self._retired.add(opt.probe_id)
         self._free_ids.insert(0, opt.probe_id)
         # A vCPU or an interrupted context may still be in the detour: never reuse it (nor its tables).
-        self.kp.quarantine(opt.detour)
+        self.kp.slots.quarantine(opt.detour)
         if opt.tables:
-            self.kp.quarantine(opt.tables)
+            self.kp.slots.quarantine(opt.tables)
 
     def sync_missed(self, point: ProbePoint, opt: Optimized | None = None) -> None:
         """Fold the guest's counters of an optimized point into its probes (GuestCounters.sync_missed)."""

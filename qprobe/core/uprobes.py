@@ -21,11 +21,7 @@ and decides at each stop whether the process that stopped really runs that file 
   not present yet stops there, faults on the fetch and stops again: a stop on a page that is not present
   is no hit.  An instruction stepped in place that faults (``arch_uprobe_xol_was_trapped``) runs again
   after the kernel handles the fault; that second stop is no hit either.
-* **returns:** a return probe's entry reads the return address and puts a breakpoint there; the return is
-  the stop of the same task, in the same address space, with the stack pointer the return leaves.  Frames
-  a task left without returning (``longjmp``) are dropped when it calls from an outer one (the kernel's
-  ``cleanup_return_instances``) or returns from one (its ``handle_trampoline``); at most MAX_URETPROBE_DEPTH
-  live per task, as in the kernel.
+* **returns:** a return probe's entry stops at the return address too (qprobe.core.ureturns).
 
 The page cache, ``read()`` of the file, ``/proc/PID/mem`` and the disk all keep the original bytes: there
 is no int3 anywhere in the guest.  Every hit is two VM stops (the stop and the step), in any process that
@@ -34,30 +30,24 @@ runs the address, so a busy probe costs what an anywhere kprobe costs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from collections.abc import Mapping as Regs
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 from qprobe.arch import Arch
 from qprobe.core.handlers import Handlers
 from qprobe.core.kprobe import Kprobe
 from qprobe.core.regs import PtRegs
-from qprobe.errors import InvalidProbe, MemoryFault, QprobeError
+from qprobe.core.upoints import UprobePoints
+from qprobe.core.uprobe import Uprobe
+from qprobe.core.ureturns import ReturnInstance, UprobeReturns
+from qprobe.errors import InvalidProbe, MemoryFault
 from qprobe.kernel.program import KernelData
 from qprobe.kernel.ufile import GuestFile, Mapping, UserFiles
 from qprobe.kernel.userelf import UserElf, UserElfError
 from qprobe.vmm.machine import Machine
 
-__all__ = ["MAX_URETPROBE_DEPTH", "Uprobe", "UprobeManager", "Uretprobe"]
+__all__ = ["Kprobes", "UprobeManager"]
 
-UprobeHandler = Callable[["Uprobe", PtRegs], Any]
-RetHandler = Callable[["Uprobe", int, PtRegs], Any]
-UprobeFilter = Callable[["Uprobe", PtRegs], bool]
-
-# kernel/events/uprobes.c: return instances a task may hold; deeper calls go unprobed (counted in nmissed).
-MAX_URETPROBE_DEPTH = 64
-MAX_TASKS_WITH_RETURNS = 4096  # tasks whose return instances are kept (the oldest beyond it are dropped)
 MAX_RESTARTS = 1024
 MAX_ELF = 256 << 20  # a file read whole for its symbols (libc is 2 MB)
 # The hook on new mappings: mmap_region() ends with vma_set_page_prot(vma) on the vma it made or grew,
@@ -66,104 +56,39 @@ MAX_ELF = 256 << 20  # a file read whole for its symbols (libc is 2 MB)
 MMAP_HOOK = "vma_set_page_prot"
 
 
-class Uprobe:
-    """A probe on one instruction of a file, in every process that maps it: ``struct uprobe_consumer``'s words.
+class Stepper(Protocol):
+    """The trap path's single-step (qprobe.core.dispatch.Dispatcher.step): the registers after it."""
 
-    Give ``offset`` (bytes into the file) or ``symbol`` (``NAME`` or ``NAME+OFFS``, from the file's ELF
-    symbols).  ``handler(up, regs)`` runs at the instruction with the process's user registers
-    (``regs.read`` reads its memory); ``ret_handler(up, func, regs)`` when the function the probe is at
-    returns (``func`` the probed address, ``regs_return_value(regs)`` its value).  ``filter(up, regs)``
-    decides per hit whether the handlers run (the kernel asks it per mm); a hit it refuses is counted in
-    ``nfiltered`` only.
-    """
-
-    def __init__(self, path: str, offset: int | None = None, symbol: str | None = None,
-                 handler: UprobeHandler | None = None, ret_handler: RetHandler | None = None,
-                 filter: UprobeFilter | None = None) -> None:  # fmt: skip
-        if not isinstance(path, str) or not path.startswith("/"):
-            raise InvalidProbe(f"a uprobe's path must be absolute, not {path!r} (EINVAL)")
-        if (offset is None) == (symbol is None):
-            raise InvalidProbe("give a uprobe an offset or a symbol, one of them (EINVAL)")
-        if offset is not None and (not isinstance(offset, int) or offset < 0):
-            raise InvalidProbe(f"a uprobe's offset must be a non-negative int, not {offset!r} (EINVAL)")
-        for name, fn in (("handler", handler), ("ret_handler", ret_handler), ("filter", filter)):
-            if fn is not None and not callable(fn):
-                raise InvalidProbe(f"{name} must be callable, not {type(fn).__name__} (EINVAL)")
-        self.path = path
-        self.offset = offset
-        self.symbol = symbol
-        self.handler = handler
-        self.ret_handler = ret_handler
-        self.filter = filter
-        self.nhit = 0  # hits that ran the handlers (the filter let them)
-        self.nfiltered = 0
-        self.nmissed = 0  # returns not probed: the task already held MAX_URETPROBE_DEPTH instances
-        self.nreturns = 0
-        self.nfaults = 0
-        self.errors: list[str] = []
-        self.registered = False
-        self.file: GuestFile | None = None
-
-    def where(self) -> str:
-        at = f"{self.offset:#x}" if self.offset is not None else str(self.symbol)
-        return f"{self.path}:{at}"
-
-    def __repr__(self) -> str:
-        kind = "Uretprobe" if self.handler is None and self.ret_handler is not None else "Uprobe"
-        return f"<{kind} {self.where()} nhit={self.nhit} nmissed={self.nmissed}>"
+    def step(self, tid: str, ip: int) -> dict[str, int]: ...
 
 
-class Uretprobe(Uprobe):
-    """A return probe on a function of a file: a Uprobe with only ``ret_handler`` (``uretprobe`` events)."""
+class Kprobes(Protocol):
+    """What the uprobes use of the kprobes (qprobe.core.kprobes.KprobeManager): the one place handlers run,
+    pt_regs for them, the trap path's single-step, and a kprobe of their own on new mappings (MMAP_HOOK)."""
 
-    def __init__(self, path: str, offset: int | None = None, symbol: str | None = None,
-                 ret_handler: RetHandler | None = None, filter: UprobeFilter | None = None) -> None:  # fmt: skip
-        super().__init__(path, offset, symbol, ret_handler=ret_handler or _no_return_handler, filter=filter)
-
-
-def _no_return_handler(up: Uprobe, func: int, regs: PtRegs) -> None:
-    """A Uretprobe without a handler still counts its returns."""
-
-
-@dataclass
-class _Return:
-    """One call of a return-probed function in flight (the kernel's ``return_instance``)."""
-
-    probes: list[Uprobe]
-    func: int
-    ret_addr: int
-    sp_after: int
-
-
-@dataclass
-class _Point:
-    """A virtual address with a stub breakpoint: the probed offsets some mapping puts there, and returns."""
-
-    keys: set[tuple[int, int]] = field(default_factory=set)  # (address_space, offset)
-    returns: int = 0  # live return instances waiting here
+    @property
+    def handlers(self) -> Handlers: ...
+    @property
+    def dispatcher(self) -> Stepper: ...
+    def make_regs(self, values: Regs[str, int], tid: str) -> PtRegs: ...
+    def register_kprobe(self, kp: Kprobe, optimize: bool = True) -> None: ...
+    def unregister_kprobe(self, kp: Kprobe) -> None: ...
 
 
 class UprobeManager:
     """The uprobes of one target; every method that changes state runs on the stop loop."""
 
-    def __init__(self, machine: Machine, arch: Arch, kernel: KernelData, handlers: Handlers,
-                 make_regs: Callable[[Regs[str, int], str], PtRegs], step: Callable[[str, int], dict[str, int]],
-                 register_kprobe: Callable[[Kprobe], None],
-                 unregister_kprobe: Callable[[Kprobe], None]) -> None:  # fmt: skip
+    def __init__(self, machine: Machine, arch: Arch, kernel: KernelData, kprobes: Kprobes) -> None:
         self.machine = machine
         self.arch = arch
         self.kernel = kernel
-        self.handlers = handlers
-        self.make_regs = make_regs
-        self.step = step
-        self.register_kprobe = register_kprobe
-        self.unregister_kprobe = unregister_kprobe
+        self.kprobes = kprobes
         self._elves: dict[tuple[int, int], UserElf] = {}  # (inode, size) -> its ELF, read once
         self._files: UserFiles | None = None
         self.probes: dict[tuple[int, int], list[Uprobe]] = {}  # (address_space, offset) -> consumers
         self.spaces: dict[int, GuestFile] = {}  # address_space -> the file, while some probe is on it
-        self.points: dict[int, _Point] = {}
-        self.returns: dict[tuple[int, int], list[_Return]] = {}  # (page-table root, task) -> its calls
+        self.points = UprobePoints(machine, self._hit)
+        self.returns = UprobeReturns(arch, kprobes.handlers, self.points)
         self.restarts: set[tuple[int, int, int]] = set()  # (root, ip, sp) of a probed instruction that faulted
         self.hook: Kprobe | None = None
         self.retired: list[Uprobe] = []  # registered on a file since freed: they match nothing
@@ -218,7 +143,7 @@ class UprobeManager:
         for m in self.files.mappings(f):
             va = m.address_of(offset)
             if va is not None and m.probeable:
-                self._add(va, key)
+                self.points.add(va, key)
 
     def _symbol_offset(self, f: GuestFile, symbol: str) -> int:
         try:
@@ -263,10 +188,7 @@ class UprobeManager:
         consumers = self.probes[key]
         consumers.remove(up)
         up.registered = False
-        for stack in self.returns.values():
-            for ri in stack:
-                if up in ri.probes:
-                    ri.probes.remove(up)
+        self.returns.drop_probe(up)
         if consumers:
             return
         del self.probes[key]
@@ -274,7 +196,7 @@ class UprobeManager:
             self.spaces.pop(up.file.mapping, None)
         for va, point in list(self.points.items()):
             point.keys.discard(key)
-            self._maybe_remove(va, point)
+            self.points.prune(va, point)
         if not self.probes:
             self._drop_hook()
 
@@ -286,38 +208,20 @@ class UprobeManager:
         # A post_handler keeps the probe on its int3 (a probe with one is never jump-optimized), so both
         # handlers run on the stop loop with every vCPU stopped: the breakpoints are in before the task runs on.
         hook = Kprobe(symbol_name=MMAP_HOOK, pre_handler=self._vma_entry, post_handler=self._vma_ready)
-        self.register_kprobe(hook)
+        self.kprobes.register_kprobe(hook)
         self.hook = hook
 
     def _drop_hook(self) -> None:
         hook, self.hook = self.hook, None
         if hook is not None and hook.registered:
-            self.unregister_kprobe(hook)
+            self.kprobes.unregister_kprobe(hook)
         for va in list(self.points):
-            self._remove(va)
-        self.returns.clear()
+            self.points.remove(va)
+        self.returns.by_task.clear()
         self.restarts.clear()
         self._pending.clear()
 
-    # -- addresses -------------------------------------------------------------------------------
-    def _add(self, va: int, key: tuple[int, int] | None) -> None:
-        point = self.points.get(va)
-        if point is None:
-            point = self.points[va] = _Point()
-            self.machine.insert_stub_breakpoint(va)
-            self.machine.stop_handlers[va] = self._hit
-        if key is not None:
-            point.keys.add(key)
-
-    def _maybe_remove(self, va: int, point: _Point) -> None:
-        if not point.keys and not point.returns:
-            self._remove(va)
-
-    def _remove(self, va: int) -> None:
-        self.points.pop(va, None)
-        self.machine.stop_handlers.pop(va, None)
-        self.machine.remove_stub_breakpoint(va)
-
+    # -- mappings --------------------------------------------------------------------------------
     def _vma_entry(self, kp: Kprobe, regs: PtRegs) -> int:
         """vma_set_page_prot(vma) is called: which vma (its argument is only sure at the entry)."""
         self._pending[regs.tid] = regs.arg(1)
@@ -339,7 +243,7 @@ class UprobeManager:
         for s, offset in self.probes:
             va = m.address_of(offset) if s == space else None
             if va is not None:
-                self._add(va, (s, offset))
+                self.points.add(va, (s, offset))
         if len(self.points) > 2 * self._after_collect + 16:
             self._collect()
 
@@ -354,7 +258,7 @@ class UprobeManager:
             self.retired.extend(self.probes.pop(key))
         for va, point in list(self.points.items()):
             point.keys = {key for key in point.keys if key[0] != space}
-            self._maybe_remove(va, point)
+            self.points.prune(va, point)
 
     def _collect(self) -> None:
         """Take out the breakpoints of addresses no mapping of a probed file holds now (exited processes)."""
@@ -372,7 +276,7 @@ class UprobeManager:
                         live.setdefault(va, set()).add((s, offset))
         for va, point in list(self.points.items()):
             point.keys = live.get(va, set())
-            self._maybe_remove(va, point)
+            self.points.prune(va, point)
         self._after_collect = len(self.points)
 
     # -- hits --------------------------------------------------------------------------------------
@@ -380,7 +284,7 @@ class UprobeManager:
         ip = self.arch.ip(values)
         point = self.points.get(ip)
         consumers: list[Uprobe] = []
-        returned: list[_Return] = []
+        returned: list[ReturnInstance] = []
         code = b""
         root = sp = task = 0
         if point is not None and self.arch.user_mode(values):
@@ -392,13 +296,13 @@ class UprobeManager:
             else:
                 task = self.kernel.current(self.arch.percpu_base(values)).value_()
                 if point.returns:
-                    returned = self._returns_at(point, (root, task), ip, sp)
+                    returned = self.returns.returning(point, (root, task), ip, sp)
                 if point.keys:
                     consumers, code = self._consumers_at(ip, root, task)
             values = regs
-        pt = self.make_regs(values, tid)
+        pt = self.kprobes.make_regs(values, tid)
         for ri in returned:
-            self._run_returns(ri, pt)
+            self.returns.run(ri, pt)
         if consumers:
             self._run_entry(consumers, pt, values, (root, task))
         changed = pt.dirty()
@@ -406,7 +310,7 @@ class UprobeManager:
             self.machine.gdb.write_registers(tid, changed)
             if pt.ip != ip:  # a handler moved the task elsewhere: the instruction is not run
                 return
-        after = self.step(tid, ip)
+        after = self.kprobes.dispatcher.step(tid, ip)
         if consumers and self.arch.arch_uprobe_xol_was_trapped(code, after):
             if len(self.restarts) >= MAX_RESTARTS:
                 self.restarts.clear()
@@ -439,74 +343,14 @@ class UprobeManager:
         take_returns: list[Uprobe] = []
         for up in consumers:
             if up.filter is not None:
-                keep = self.handlers.call(up, f"filter of {up.where()}", up.filter, up, pt)
+                keep = self.kprobes.handlers.call(up, f"filter of {up.where()}", up.filter, up, pt)
                 if not keep:
                     up.nfiltered += 1
                     continue
             up.nhit += 1
             if up.handler is not None:
-                self.handlers.call(up, f"handler of {up.where()}", up.handler, up, pt)
+                self.kprobes.handlers.call(up, f"handler of {up.where()}", up.handler, up, pt)
             if up.ret_handler is not None:
                 take_returns.append(up)
         if take_returns:
-            self._prepare_return(take_returns, pt, values, key)
-
-    # -- returns ---------------------------------------------------------------------------------
-    def _prepare_return(self, probes: list[Uprobe], pt: PtRegs, values: Regs[str, int],
-                        key: tuple[int, int]) -> None:  # fmt: skip
-        """prepare_uretprobe(): remember the call and stop at its return address (values: before any handler)."""
-        try:
-            ret_addr, sp_after = self.arch.arch_uretprobe_frame(values, pt.read)
-        except QprobeError:
-            for up in probes:
-                up.nmissed += 1
-            return
-        stack = self.returns.get(key)
-        if stack is None:
-            if len(self.returns) >= MAX_TASKS_WITH_RETURNS:
-                self._forget(next(iter(self.returns)))
-            stack = self.returns[key] = []
-        if len(stack) >= MAX_URETPROBE_DEPTH:
-            for up in probes:
-                up.nmissed += 1
-            return
-        # cleanup_return_instances() at a call: the calls of frames below this one's were left without
-        # returning (longjmp).  One of this very frame stays, as the kernel keeps it for a tail call (it
-        # tells that from a new call by its trampoline in the return slot; qprobe writes none there).
-        while stack and stack[-1].sp_after < sp_after:
-            self._release(stack.pop())
-        stack.append(_Return(list(probes), self.arch.ip(values), ret_addr, sp_after))
-        self._add(ret_addr, None)
-        self.points[ret_addr].returns += 1
-
-    def _returns_at(self, point: _Point, key: tuple[int, int], ip: int, sp: int) -> list[_Return]:
-        """The calls of this task that return here now; calls it left without returning are dropped."""
-        stack = self.returns.get(key)
-        out: list[_Return] = []
-        while stack:
-            top = stack[-1]
-            if top.sp_after > sp:
-                break
-            stack.pop()
-            self._release(top)
-            if top.sp_after == sp and top.ret_addr == ip:
-                out.append(top)
-        if stack is not None and not stack:
-            del self.returns[key]
-        return out
-
-    def _run_returns(self, ri: _Return, pt: PtRegs) -> None:
-        for up in ri.probes:
-            up.nreturns += 1
-            if up.ret_handler is not None:
-                self.handlers.call(up, f"ret_handler of {up.where()}", up.ret_handler, up, ri.func, pt)
-
-    def _release(self, ri: _Return) -> None:
-        point = self.points.get(ri.ret_addr)
-        if point is not None:
-            point.returns -= 1
-            self._maybe_remove(ri.ret_addr, point)
-
-    def _forget(self, key: tuple[int, int]) -> None:
-        for ri in self.returns.pop(key, []):
-            self._release(ri)
+            self.returns.prepare(take_returns, pt, values, key)

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from qprobe.arch.inguest import MapSlot
     from qprobe.core.kprobe import Kprobe, Kretprobe
     from qprobe.core.regs import PtRegs
-    from qprobe.core.uprobes import Uprobe
+    from qprobe.core.uprobe import Uprobe
     from qprobe.events.registry import EventHost
     from qprobe.fetch.args import Value
     from qprobe.fetch.context import FetchContext

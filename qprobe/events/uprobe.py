@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from qprobe.core.uprobes import Uprobe, UprobeManager, Uretprobe
+from qprobe.core.uprobe import Uprobe, Uretprobe
+from qprobe.core.uprobes import UprobeManager
 from qprobe.events.context import HostContext
 from qprobe.events.event import TraceEvent
 from qprobe.events.registry import EventHost

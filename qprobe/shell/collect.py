@@ -14,7 +14,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from qprobe.core.kprobe import Kprobe, Kretprobe
-from qprobe.core.uprobes import Uprobe
+from qprobe.core.uprobe import Uprobe
 
 from .parse import EVENT_KEYS, NUMERIC_SPECIAL_KEYS, VALUE_FUNCS, ShellUsageError, key_name, parse_collect, split_call
 from .render import (

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TextIO
 
 from qprobe.core.kprobe import Kretprobe
-from qprobe.core.uprobes import Uprobe
+from qprobe.core.uprobe import Uprobe
 from qprobe.errors import FetchArgError, ProbeError, QprobeError
 from qprobe.events.define import is_uprobe
 from qprobe.events.funcs import Probeability, is_glob, render_funcs

@@ -49,14 +49,36 @@ from qprobe.vmm.gdbmi_parse import (
     parse_thread_info,
     result_payload,
 )
-from qprobe.vmm.gdbremote import BREAK_HW, BREAK_SW, WATCH_ACCESS, WATCH_READ, WATCH_WRITE, RegDesc
+from qprobe.vmm.gdbremote import BREAK_HW, BREAK_SW, WATCH_ACCESS, WATCH_READ, WATCH_WRITE
 from qprobe.vmm.rsp import StopReply
+from qprobe.vmm.tdesc import RegDesc
 
 _WATCH_FLAGS = {WATCH_WRITE: "", WATCH_READ: "-r ", WATCH_ACCESS: "-a "}
 # ``-break-info`` types of watchpoints QEMU checks; a plain "watchpoint" is gdb single-stepping the VM.
 _HW_WATCH_TYPES = frozenset({"hw watchpoint", "read watchpoint", "acc watchpoint"})
 # Console commands that would end or replace the session under our feet.
 _SESSION_COMMANDS = frozenset({"quit", "q", "kill", "k", "detach", "disconnect", "target", "tar"})
+
+
+class PhysicalMode:
+    """QEMU's ``Qqemu.PhyMemMode`` switched behind gdb's back: m/M take guest-physical addresses.
+
+    gdb reads memory itself at every stop (to describe the frame), with the virtual addresses it finds in
+    registers: so the mode asked for (``wanted``) is applied lazily, at the next memory access of ours, and
+    turned off before each resume and before anything gdb reads on its own.
+    """
+
+    def __init__(self, request: Callable[[bytes], bytes]) -> None:
+        self.request = request
+        self.on = False  # the mode QEMU is in
+        self.wanted = False  # the mode our next memory access needs
+
+    def apply(self, on: bool) -> None:
+        if self.on != on:
+            reply = self.request(b"Qqemu.PhyMemMode:%d" % on)
+            if reply != b"OK":
+                raise TargetError(f"gdbstub refused physical memory mode: {reply[:40]!r}")
+            self.on = on
 
 
 class GdbMiRemote:
@@ -83,8 +105,7 @@ class GdbMiRemote:
         self._tids: dict[str, str] = {}  # gdb thread id -> stub thread id (p1.N)
         self._gids: dict[str, str] = {}  # and back
         self._current: str | None = None  # gdb's selected thread, when we know it
-        self._phys = False  # the mode QEMU is in
-        self._want_phys = False  # the mode our next memory access needs
+        self._phys = PhysicalMode(self.request)
         self._breakpoints: dict[tuple[int, int, int], list[str]] = {}  # (kind, addr, length) -> gdb numbers
         self._watches: dict[str, int] = {}  # gdb watchpoint number -> watched address
         try:
@@ -172,7 +193,7 @@ class GdbMiRemote:
         if words[0] in _SESSION_COMMANDS:
             raise TargetError(f"gdb command {words[0]!r} would end qprobe's session; use qprobe's detach/close")
         self._check_stopped(command)
-        self._apply_physical(False)  # a person typing ``x/4gx ADDR`` means a virtual address
+        self._phys.apply(False)  # a person typing ``x/4gx ADDR`` means a virtual address
         self._current = None  # the command may select another thread or frame
         return self._cli(command, timeout)
 
@@ -251,26 +272,14 @@ class GdbMiRemote:
 
     # -- memory ----------------------------------------------------------------------------
     def set_physical(self, on: bool) -> None:
-        """``Qqemu.PhyMemMode``: m/M take guest-physical addresses.
-
-        Applied lazily, at the next memory access, and turned off again before
-        each resume: gdb reads memory itself at every stop (to describe the
-        frame), with the virtual addresses it finds in registers.
-        """
-        self._want_phys = on
-
-    def _apply_physical(self, on: bool) -> None:
-        if self._phys != on:
-            reply = self.request(b"Qqemu.PhyMemMode:%d" % on)
-            if reply != b"OK":
-                raise TargetError(f"gdbstub refused physical memory mode: {reply[:40]!r}")
-            self._phys = on
+        """``Qqemu.PhyMemMode``: m/M take guest-physical addresses (from the next access on: PhysicalMode)."""
+        self._phys.wanted = on
 
     def read_memory(self, addr: int, size: int) -> bytes:
         self._check_stopped("-data-read-memory-bytes")
         if size == 0:
             return b""
-        self._apply_physical(self._want_phys)
+        self._phys.apply(self._phys.wanted)
         token = self.conn.send(f"-data-read-memory-bytes {addr:#x} {size}")
         record = self.conn.result(token, f"reading guest memory at {addr:#x}")
         if record.get("message") == "error":
@@ -282,7 +291,7 @@ class GdbMiRemote:
         self._check_stopped("-data-write-memory-bytes")
         if not data:
             return
-        self._apply_physical(self._want_phys)
+        self._phys.apply(self._phys.wanted)
         self.conn.command(f"-data-write-memory-bytes {addr:#x} {data.hex()}", f"writing guest memory at {addr:#x}")
 
     # -- breakpoints -------------------------------------------------------------------------
@@ -300,7 +309,7 @@ class GdbMiRemote:
             payload = self.conn.command(f"-break-insert {'-h ' if kind == BREAK_HW else ''}*{addr:#x}", what)
             number = parse_breakpoint_number(payload)
         elif kind in _WATCH_FLAGS:
-            self._apply_physical(False)
+            self._phys.apply(False)
             expr = mi_quote(f"*(unsigned char (*)[{length}]) {addr:#x}")
             number = parse_breakpoint_number(self.conn.command(f"-break-watch {_WATCH_FLAGS[kind]}{expr}", what))
             kind_name = parse_breakpoint_type(self.conn.command(f"-break-info {number}", what))
@@ -323,14 +332,11 @@ class GdbMiRemote:
             del self._breakpoints[(kind, addr, length)]
 
     # -- execution ---------------------------------------------------------------------------
-    def _before_resume(self) -> None:
-        self._apply_physical(False)  # see set_physical
-
     def cont(self) -> None:
         """Resume every vCPU.  A no-op if a console command already resumed the VM."""
         if self.running:
             return
-        self._before_resume()
+        self._phys.apply(False)
         self.conn.command("-exec-continue", "continuing")
         self.running = True
         self._current = None
@@ -339,7 +345,7 @@ class GdbMiRemote:
         """Single-step one vCPU; the others stay stopped (scheduler-locking step: ``vCont;s:TID``)."""
         self._check_stopped("-exec-step-instruction")
         gid = self._gid(tid)
-        self._before_resume()
+        self._phys.apply(False)
         self.conn.command(f"-exec-step-instruction --thread {gid}", f"stepping vCPU {tid}")
         self.running = True
         self._current = None
@@ -381,7 +387,7 @@ class GdbMiRemote:
         """Detach (the VM runs on without us) and end gdb."""
         try:
             if not self.running and self.conn.gone is None:
-                self._apply_physical(False)
+                self._phys.apply(False)
                 self.conn.expect_exit = True
                 self.conn.command("-target-detach", "detaching", 5.0)
                 try:

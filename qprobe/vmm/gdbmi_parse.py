@@ -12,8 +12,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from qprobe.errors import ProtocolError, TargetError
-from qprobe.vmm.gdbremote import RegDesc
 from qprobe.vmm.rsp import StopReply
+from qprobe.vmm.tdesc import RegDesc
 
 MiRecord = dict[str, Any]
 

@@ -1,52 +1,29 @@
 """The GDB remote protocol as QEMU 7.2's gdbstub speaks it, one method per request.
 
-Registers come from the stub's own target description (``qXfer:features``),
-so offsets in the ``g`` packet are never guessed; reading it is also what
-makes QEMU 7.2 answer ``p``/``P`` at all (its gdbstub serves them only to a
-client that has read the XML: ``gdb_has_xml``).
+Registers come from the stub's own target description (``qXfer:features``,
+read by qprobe.vmm.tdesc), so offsets in the ``g`` packet are never guessed.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
 
 from qprobe.errors import GuestTimeout, ProtocolError, TargetError
 from qprobe.vmm.connection import Connection
 from qprobe.vmm.rsp import StopReply, hex_to_bytes, normalize_thread, parse_stop_reply
+from qprobe.vmm.tdesc import RegDesc, read_target_description
 
-_TAG = re.compile(r"<(xi:include|reg)\b([^>]*)>")
-_COMMENT = re.compile(r"<!--.*?-->", re.S)
-_ARCHITECTURE = re.compile(r"<architecture>\s*([\w:.+-]{1,64})\s*</architecture>")
-_ATTR = re.compile(r'(\w+)="([^"]*)"')
 BREAK_SW, BREAK_HW, WATCH_WRITE, WATCH_READ, WATCH_ACCESS = range(5)
 # Bounds on what a stub may send, so that a broken or hostile one cannot keep qprobe looping or
-# growing forever.  QEMU 7.2 sends 1 stop reply before the features, 2 description files in 2-3
-# chunks each, about 80 registers, one thread-list entry per vCPU, and PacketSize=1000.
+# growing forever (the target description's are qprobe.vmm.tdesc's).  QEMU 7.2 sends 1 stop reply
+# before the features, one thread-list entry per vCPU, and PacketSize=1000.
 MAX_EARLY_STOPS = 16
-MAX_XFER_CHUNKS = 256
-MAX_DESCRIPTION = 1 << 20  # bytes, all files together
-MAX_INCLUDES = 32
-MAX_REGISTERS = 512
 MAX_THREADS = 4096
 # Memory is moved in chunks of (PacketSize - 32) / 2 bytes: below this a chunk would be empty or
 # negative and a write would silently write nothing.
 MIN_PACKET_SIZE = 0x40
 MAX_PACKET_SIZE = 1 << 20
 FIRST_REPLY_TIMEOUT = 10.0
-
-
-@dataclass(frozen=True)
-class RegDesc:
-    name: str
-    regnum: int
-    bitsize: int
-    offset: int  # byte offset in the ``g`` packet
-
-    @property
-    def size(self) -> int:
-        return self.bitsize // 8
 
 
 class GdbRemote:
@@ -90,65 +67,13 @@ class GdbRemote:
                 self.packet_size = _packet_size(feature.split(b"=", 1)[1])
         if b"qXfer:features:read+" not in reply:
             raise ProtocolError("the gdbstub offers no target description (qXfer:features:read)")
-        self._load_target_description()
+        desc = read_target_description(self.conn.request)
+        self.regs, self.architecture, self._g_size = desc.regs, desc.architecture, desc.g_size
         # Connecting stops the VM; '?' tells us where (a \x03 now would get no reply).
         stop = parse_stop_reply(self.conn.request(b"?"))
         self.running = False
         self._hg = None
         return stop
-
-    def _xfer(self, annex: str, budget: list[int]) -> str:
-        """One description file; ``budget`` is [chunks, bytes] left for the whole description."""
-        data = b""
-        while True:
-            budget[0] -= 1
-            if budget[0] < 0 or len(data) > budget[1]:
-                raise ProtocolError(f"the gdbstub's target description is too long (at {annex}, {len(data)} bytes)")
-            chunk = self.conn.request(b"qXfer:features:read:%s:%x,%x" % (annex.encode(), len(data), 0xF00))
-            if not chunk or chunk[:1] not in b"lm":
-                raise ProtocolError(f"the gdbstub refused to send {annex}: {chunk[:40]!r}")
-            if chunk[:1] == b"m" and len(chunk) == 1:
-                raise ProtocolError(f"the gdbstub sent an empty chunk of {annex} and said there is more")
-            data += chunk[1:]
-            if chunk[:1] == b"l":
-                budget[1] -= len(data)
-                return data.decode(errors="replace")
-
-    def _load_target_description(self) -> None:
-        regnum = 0
-        offset = 0
-        budget = [MAX_XFER_CHUNKS, MAX_DESCRIPTION]
-        included: list[str] = []
-
-        def walk(annex: str) -> None:
-            nonlocal regnum, offset
-            if annex in included:
-                raise ProtocolError(f"the gdbstub's target description includes {annex} twice (a loop?)")
-            if len(included) >= MAX_INCLUDES or not re.fullmatch(r"[\w.-]{1,64}", annex):
-                raise ProtocolError(f"the gdbstub's target description includes {annex[:40]!r}: refused")
-            included.append(annex)
-            # QEMU's target.xml uses an unbound ``xi:`` prefix, which an XML
-            # parser rejects; the tags we need are flat, so read them in order.
-            text = _COMMENT.sub("", self._xfer(annex, budget))  # QEMU comments out cs_base..es_base
-            arch = _ARCHITECTURE.search(text)
-            if arch is not None:
-                self.architecture = arch[1]
-            for tag, attrs in _TAG.findall(text):
-                attrib = dict(_ATTR.findall(attrs))
-                if tag == "xi:include":
-                    walk(attrib.get("href", ""))
-                elif tag == "reg":
-                    regnum = _reg_field(attrib, "regnum", regnum, 0xFFFF)
-                    bits = _reg_field(attrib, "bitsize", None, 4096)
-                    name = attrib.get("name", "")
-                    if not bits or bits % 8 or not re.fullmatch(r"\w{1,32}", name) or len(self.regs) >= MAX_REGISTERS:
-                        raise ProtocolError(f"the gdbstub describes a register it cannot have: <reg{attrs[:60]}>")
-                    self.regs[name] = RegDesc(name, regnum, bits, offset)
-                    regnum += 1
-                    offset += bits // 8
-
-        walk("target.xml")
-        self._g_size = offset
 
     def allow_g(self, plain: Collection[str]) -> None:
         """Let a ``G`` carry the registers numbered 0, 1, ... in packet order while they are in ``plain``.
@@ -361,15 +286,6 @@ def _packet_size(text: bytes) -> int:
         raise ProtocolError(f"the gdbstub's PacketSize {size:#x} is too small to carry qprobe's requests "
                             f"(at least {MIN_PACKET_SIZE:#x})")  # fmt: skip
     return min(size, MAX_PACKET_SIZE)
-
-
-def _reg_field(attrib: dict[str, str], key: str, default: int | None, limit: int) -> int:
-    text = attrib.get(key)
-    if text is None and default is not None:
-        return default
-    if text is None or not re.fullmatch(r"\d{1,6}", text) or int(text) > limit:
-        raise ProtocolError(f"the gdbstub describes a register with {key}={text!r}")
-    return int(text)
 
 
 def _describe(reply: bytes) -> str:

@@ -52,7 +52,7 @@ def test_a_sleeping_task_s_returns_are_among_the_words_the_jump_waits_for(target
     model = _preemption_model(target)
     if model not in ("full", "rt"):
         pytest.skip(f"{target.image.name}: preempt={model}, not fully preemptible (no jump waits for a sleeping task)")
-    assert target.kprobes.fully_preemptible, (
+    assert target.kprobes.slots.fully_preemptible, (
         f"qprobe takes a preempt={model} kernel for one that is not fully preemptible"
     )
     out = target.run("sleep 4 >/dev/null 2>&1 & echo pid=$!").check().output

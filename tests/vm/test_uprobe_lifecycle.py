@@ -346,7 +346,7 @@ def test_recursion_with_a_return_probe(target: qprobe.Target, files: None, off: 
     assert [r for _f, r in returns] == list(range(depth + 1)) and len({f for f, _r in returns}) == 1
     assert up.nreturns == rp.nreturns == depth + 1 and up.nmissed == rp.nmissed == 0
     assert tasks == {int(res["pid"])}
-    assert not target.uprobes.returns and not target.uprobes.points
+    assert not target.uprobes.returns.by_task and not target.uprobes.points
 
 
 def test_exec_of_the_same_file(target: qprobe.Target, files: None, off: dict[str, int]) -> None:

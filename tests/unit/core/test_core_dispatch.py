@@ -18,11 +18,12 @@ from core_fakes import ARCH, FlatMem, flat_regs
 from vmm_fakes import QemuStub, g_offsets
 
 from qprobe.arch.x86_64.ptregs import PT_REGS_ORDER
-from qprobe.core.dispatch import Dispatcher, Trampoline
+from qprobe.core.dispatch import Dispatcher
 from qprobe.core.handlers import Handlers
 from qprobe.core.kprobe import Kprobe
 from qprobe.core.point import KprobeStatus, ProbePoint
 from qprobe.core.regs import PtRegs
+from qprobe.core.slots import Trampoline
 from qprobe.vmm.gdbremote import GdbRemote
 
 ENTRY = 0xFFFF_FFFF_81C0_0BA0  # asm_exc_int3
@@ -60,7 +61,7 @@ class FakeMachine:
 
 
 class Table:
-    """The probe table as the dispatcher reads it (qprobe.core.dispatch.Registry)."""
+    """The probe table as the dispatcher reads it (qprobe.core.dispatch.Registry), and its InsnSlots."""
 
     def __init__(self, machine: FakeMachine, boost: bool) -> None:
         self.machine = machine
@@ -123,7 +124,7 @@ def rig(request: pytest.FixtureRequest, stub_gdb: tuple[QemuStub, GdbRemote]) ->
     machine = FakeMachine(gdb, mem)
     table = Table(machine, boost=request.param)
     handlers = Handlers()
-    dispatcher = Dispatcher(machine, FakeKernel(), ARCH, table, handlers)  # type: ignore[arg-type]
+    dispatcher = Dispatcher(machine, FakeKernel(), ARCH, table, table, handlers)  # type: ignore[arg-type]
     return Rig(stub, gdb, mem, table, dispatcher, handlers)
 
 

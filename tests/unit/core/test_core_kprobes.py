@@ -227,7 +227,7 @@ def test_a_boostable_hit_without_post_handler_is_boosted(rig: Rig) -> None:
     rig.step(A)
     rig.step(A)  # the copy and its jump back
     assert (rig.t.regs(A)["pc"], rig.t.regs(A)["r0"]) == (rig.other + 4, 7)
-    assert set(rig.km.resume_targets) == {rig.other + 4}  # where the copy jumps back to
+    assert set(rig.km.slots.resume_targets) == {rig.other + 4}  # where the copy jumps back to
     assert rig.km.dispatcher.ctlblk[A].status is KprobeStatus.IDLE
 
 
@@ -357,7 +357,7 @@ def test_remove_all_unregisters_everything_and_unmaps_the_scratch_area(rig: Rig)
     rig.km.remove_all(grace=0)
     assert rig.text_unchanged()
     assert [kp.registered for kp in kps] == [False] * 3
-    assert (rig.t.scratch.mapped, rig.t.cpu.breakpoints, rig.km.resume_targets) == (False, [], {})
+    assert (rig.t.scratch.mapped, rig.t.cpu.breakpoints, rig.km.slots.resume_targets) == (False, [], {})
 
 
 def test_unregistering_while_a_vcpu_is_inside_the_copy_lets_it_finish_and_keeps_the_slot(rig: Rig) -> None:

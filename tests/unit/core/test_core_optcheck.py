@@ -43,7 +43,7 @@ def probe(rig: Rig, offset: int) -> ProbePoint:
 
 def view(rig: Rig, *vcpus: VcpuView) -> None:
     """The round's view: these vCPUs, the table's probes and resume targets as they are now."""
-    rig.km.optimizer.check.round = RoundView(list(vcpus), rig.km.addresses(), sorted(rig.km.resume_targets))
+    rig.km.optimizer.check.round = RoundView(list(vcpus), rig.km.addresses(), sorted(rig.km.slots.resume_targets))
 
 
 def idle(tid: str = A) -> VcpuView:
@@ -93,11 +93,11 @@ def test_a_vcpu_at_the_probed_instruction_itself_does_not_delay_the_jump(rig: Ri
 
 def test_a_boosted_copy_returning_into_the_region_delays_a_detour_s_return_refuses(rig: Rig) -> None:
     point = probe(rig, 4)
-    rig.km.resume_targets[point.addr + 4] = time.monotonic()  # a boosted copy jumped back there just now
+    rig.km.slots.resume_targets[point.addr + 4] = time.monotonic()  # a boosted copy jumped back there just now
     view(rig, idle(A), idle(B))
     reason = why(rig, point)
     assert reason is not None and reason.startswith("a boosted copy returning into the region") and transient(reason)
-    rig.km.resume_targets[point.addr + 4] = math.inf  # a detour jumps back there
+    rig.km.slots.resume_targets[point.addr + 4] = math.inf  # a detour jumps back there
     reason = why(rig, point)
     assert reason == "out-of-line code returns into the region" and not transient(reason)
 

@@ -20,13 +20,13 @@ from vmm_fakes import QemuStub
 
 from qprobe.arch.inguest import KeyPart, KeySpec
 from qprobe.core import optcheck, optqueue
-from qprobe.core.dispatch import Trampoline
 from qprobe.core.handlers import Handlers
 from qprobe.core.kprobe import Kprobe, Kretprobe
 from qprobe.core.optcheck import RESUME_GRACE, transient
 from qprobe.core.optimizer import Optimizer, detour_kind
 from qprobe.core.point import ProbePoint
 from qprobe.core.regs import PtRegs
+from qprobe.core.slots import Trampoline
 from qprobe.vmm.gdbremote import GdbRemote
 
 FN = 0xFFFF_FFFF_8120_0000
@@ -72,7 +72,7 @@ class Fn:
 
 
 class Table:
-    """The probe table as the optimizer reads it (qprobe.core.optimizer.ProbeTable)."""
+    """The probe table as the optimizer reads it (qprobe.core.optimizer.ProbeTable), and its InsnSlots."""
 
     arch = ARCH
     fully_preemptible = False
@@ -91,9 +91,10 @@ class Table:
         self.trapping: int | None = None
         self.stepping: dict[str, int] = {}
         # The table answers for its kernel text (KernelText: original, patched) and its dispatcher
-        # (Dispatcher: arriving, trap_step_returns) itself.
+        # (Dispatcher: arriving, trap_step_returns) and its slots (InsnSlots: quarantine) itself.
         self.text = self
         self.dispatcher = self
+        self.slots = self
 
     def original(self, addr: int, size: int) -> bytes:
         return self.machine.mem.read(addr, size)

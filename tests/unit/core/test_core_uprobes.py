@@ -31,7 +31,9 @@ from fakearch import (
 )
 
 from qprobe.core.regs import PtRegs
-from qprobe.core.uprobes import MAX_URETPROBE_DEPTH, MMAP_HOOK, Uprobe, UprobeManager, Uretprobe
+from qprobe.core.uprobe import Uprobe, Uretprobe
+from qprobe.core.uprobes import MMAP_HOOK, UprobeManager
+from qprobe.core.ureturns import MAX_URETPROBE_DEPTH
 from qprobe.errors import InvalidProbe
 from qprobe.kernel.ufile import VM_MAYEXEC, VM_MAYSHARE, VM_WRITE, GuestFile, Mapping
 from qprobe.vmm.gdbremote import BREAK_HW
@@ -208,8 +210,7 @@ def s() -> Iterator[Setup]:
     hook = rig.t.function(MMAP_HOOK, insn(NOP), insn(NOP))
     rig.text = bytes(rig.t.mem.ram[TEXT_PHYS : TEXT_PHYS + TEXT_SIZE])  # with the hook's function in it
     km = rig.km
-    um = UprobeManager(rig.t.machine, km.arch, rig.t.kernel, km.handlers, km.make_regs,  # type: ignore[arg-type]
-                       km.dispatcher.step, km.register_kprobe, km.unregister_kprobe)  # fmt: skip
+    um = UprobeManager(rig.t.machine, km.arch, rig.t.kernel, km)  # type: ignore[arg-type]
     world = World(rig)
     um._files = world  # type: ignore[assignment]
     world.file(PROG, _text(1))
@@ -445,7 +446,7 @@ def test_a_return_is_the_same_tasks_stop_at_the_return_address_with_its_stack(s:
     assert up.nhit == 1 and up.nreturns == 0 and s.bps() == [BASE + FUNC, BASE + CALLER]
     s.stop(p, BASE + CALLER, sp=sp + 4, r0=7)
     assert up.nreturns == 1 and seen == [(BASE + FUNC, BASE + CALLER, sp + 4, 7)]
-    assert s.bps() == [BASE + FUNC] and s.um.returns == {}
+    assert s.bps() == [BASE + FUNC] and s.um.returns.by_task == {}
 
 
 def test_recursive_calls_return_in_order_each_with_its_own_stack(s: Setup) -> None:
@@ -465,7 +466,7 @@ def test_recursive_calls_return_in_order_each_with_its_own_stack(s: Setup) -> No
     func = BASE + FUNC
     assert seen == [(func, BASE + SITE, inner + 4, 1), (func, BASE + SITE, middle + 4, 2),
                     (func, BASE + CALLER, outer + 4, 3)]  # fmt: skip
-    assert up.nreturns == 3 and s.bps() == [BASE + FUNC] and s.um.returns == {}
+    assert up.nreturns == 3 and s.bps() == [BASE + FUNC] and s.um.returns.by_task == {}
 
 
 def test_frames_left_by_longjmp_are_dropped_at_the_return_of_an_outer_one(s: Setup) -> None:
@@ -482,14 +483,14 @@ def test_frames_left_by_longjmp_are_dropped_at_the_return_of_an_outer_one(s: Set
     # have returned to, but with its own stack.  That is one return, the middle call's.
     s.stop(p, BASE + SITE, sp=middle + 4, r0=1)
     assert seen == [(BASE + FUNC, BASE + SITE, middle + 4, 1)] and up.nreturns == 1
-    assert s.bps() == [BASE + FUNC, BASE + CALLER] and len(s.um.returns[(p.root, p.task)]) == 1
+    assert s.bps() == [BASE + FUNC, BASE + CALLER] and len(s.um.returns.by_task[(p.root, p.task)]) == 1
     # The outer call calls FUNC again from AGAIN, which longjmp()s out of both: the next return the task
     # makes is the outer one's.
     s.stop(p, BASE + FUNC, sp=_push(s, p, middle, BASE + AGAIN))
     assert s.bps() == [BASE + FUNC, BASE + AGAIN, BASE + CALLER]
     s.stop(p, BASE + CALLER, sp=outer + 4, r0=2)
     assert seen[1:] == [(BASE + FUNC, BASE + CALLER, outer + 4, 2)] and up.nreturns == 2
-    assert s.bps() == [BASE + FUNC] and s.um.returns == {}
+    assert s.bps() == [BASE + FUNC] and s.um.returns.by_task == {}
 
 
 def test_a_call_drops_the_calls_longjmp_left_below_it(s: Setup) -> None:
@@ -499,21 +500,21 @@ def test_a_call_drops_the_calls_longjmp_left_below_it(s: Setup) -> None:
     outer = _push(s, p, STACK_TOP - 0x800, BASE + CALLER)
     for sp in [outer] + [_push(s, p, outer - 8 * (n + 1), BASE + SITE) for n in range(39)]:
         s.stop(p, BASE + FUNC, sp=sp)
-    assert len(s.um.returns[(p.root, p.task)]) == 40
+    assert len(s.um.returns.by_task[(p.root, p.task)]) == 40
     # The deepest call longjmp()ed back into the outermost one, which calls FUNC again from AGAIN: the
     # kernel's prepare_uretprobe() drops the instances of the frames below the new call's
     # (cleanup_return_instances), so the task has room for MAX_URETPROBE_DEPTH - 2 more.
     again = _push(s, p, outer - 4, BASE + AGAIN)
     s.stop(p, BASE + FUNC, sp=again)
-    assert len(s.um.returns[(p.root, p.task)]) == 2
+    assert len(s.um.returns.by_task[(p.root, p.task)]) == 2
     assert s.bps() == [BASE + FUNC, BASE + AGAIN, BASE + CALLER]  # SITE's breakpoint went with its calls
     for n in range(MAX_URETPROBE_DEPTH - 2):
         s.stop(p, BASE + FUNC, sp=_push(s, p, again - 8 * (n + 1), BASE + SITE))
-    assert up.nmissed == 0 and len(s.um.returns[(p.root, p.task)]) == MAX_URETPROBE_DEPTH
+    assert up.nmissed == 0 and len(s.um.returns.by_task[(p.root, p.task)]) == MAX_URETPROBE_DEPTH
     s.stop(p, BASE + AGAIN, sp=again + 4, r0=1)  # those longjmp()ed out too
     s.stop(p, BASE + CALLER, sp=outer + 4, r0=2)
     assert seen == [(BASE + FUNC, BASE + AGAIN, again + 4, 1), (BASE + FUNC, BASE + CALLER, outer + 4, 2)]
-    assert up.nreturns == 2 and s.bps() == [BASE + FUNC] and s.um.returns == {}
+    assert up.nreturns == 2 and s.bps() == [BASE + FUNC] and s.um.returns.by_task == {}
 
 
 def test_a_tail_call_keeps_the_callers_instance_and_both_return(s: Setup) -> None:
@@ -525,10 +526,10 @@ def test_a_tail_call_keeps_the_callers_instance_and_both_return(s: Setup) -> Non
     sp = _push(s, p, STACK_TOP - 0x40, BASE + CALLER)
     s.stop(p, BASE + FUNC, sp=sp)
     s.stop(p, BASE + LOAD, sp=sp)  # FUNC jumped to LOAD: the same frame, the same return address
-    assert len(s.um.returns[(p.root, p.task)]) == 2
+    assert len(s.um.returns.by_task[(p.root, p.task)]) == 2
     s.stop(p, BASE + CALLER, sp=sp + 4, r0=0)
     assert tail == [(BASE + LOAD, sp + 4)] and seen == [(BASE + FUNC, BASE + CALLER, sp + 4, 0)]
-    assert s.bps() == [BASE + FUNC, BASE + LOAD] and s.um.returns == {}
+    assert s.bps() == [BASE + FUNC, BASE + LOAD] and s.um.returns.by_task == {}
 
 
 def test_calls_deeper_than_max_uretprobe_depth_are_missed(s: Setup) -> None:
@@ -539,7 +540,7 @@ def test_calls_deeper_than_max_uretprobe_depth_are_missed(s: Setup) -> None:
     for sp in sps:
         s.stop(p, BASE + FUNC, sp=sp)
     assert up.nhit == MAX_URETPROBE_DEPTH + 1 and up.nmissed == 1
-    assert len(s.um.returns[(p.root, p.task)]) == MAX_URETPROBE_DEPTH
+    assert len(s.um.returns.by_task[(p.root, p.task)]) == MAX_URETPROBE_DEPTH
     assert s.um.points[BASE + SITE].returns == MAX_URETPROBE_DEPTH
     for sp in reversed(sps):  # the deepest call returns first; its instance was never taken
         s.stop(p, BASE + SITE, sp=sp + 4)

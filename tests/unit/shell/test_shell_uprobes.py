@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from shell_fakes import make_shell
 
-from qprobe.core.uprobes import Uprobe
+from qprobe.core.uprobe import Uprobe
 from qprobe.shell.collect import Aggregation, Collector, per_event_count
 from qprobe.shell.parse import is_bpftrace_uprobe, is_definition
 

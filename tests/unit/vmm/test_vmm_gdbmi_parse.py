@@ -34,8 +34,8 @@ from qprobe.vmm.gdbmi_parse import (
     result_payload,
     stream_text,
 )
-from qprobe.vmm.gdbremote import RegDesc
 from qprobe.vmm.rsp import StopReply, parse_stop_reply
+from qprobe.vmm.tdesc import RegDesc
 
 
 def mi(line: str) -> dict[str, Any]:

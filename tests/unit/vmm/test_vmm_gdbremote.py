@@ -24,8 +24,9 @@ from vmm_fakes import (
 
 from qprobe.errors import GuestTimeout, ProtocolError, TargetError, TargetGone
 from qprobe.vmm.connection import Connection
-from qprobe.vmm.gdbremote import BREAK_HW, BREAK_SW, WATCH_ACCESS, GdbRemote, RegDesc, drop_stale_breakpoints
+from qprobe.vmm.gdbremote import BREAK_HW, BREAK_SW, WATCH_ACCESS, GdbRemote, drop_stale_breakpoints
 from qprobe.vmm.rsp import StopReply
+from qprobe.vmm.tdesc import RegDesc
 
 KTEXT = 0xFFFF_FFFF_8100_0000
 # The registers x86_64's Arch lets a G carry (qprobe.arch.x86_64.arch.PLAIN).

@@ -1,0 +1,79 @@
+"""The user-facing uprobe objects, named as in <linux/uprobes.h>'s ``struct uprobe_consumer``.
+
+Plain data at the bottom of the core, as qprobe.core.kprobe is for kprobes: qprobe.core.uprobes registers
+them, qprobe.core.ureturns keeps their calls in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from qprobe.core.regs import PtRegs
+from qprobe.errors import InvalidProbe
+from qprobe.kernel.ufile import GuestFile
+
+__all__ = ["Uprobe", "Uretprobe"]
+
+UprobeHandler = Callable[["Uprobe", PtRegs], Any]
+RetHandler = Callable[["Uprobe", int, PtRegs], Any]
+UprobeFilter = Callable[["Uprobe", PtRegs], bool]
+
+
+class Uprobe:
+    """A probe on one instruction of a file, in every process that maps it: ``struct uprobe_consumer``'s words.
+
+    Give ``offset`` (bytes into the file) or ``symbol`` (``NAME`` or ``NAME+OFFS``, from the file's ELF
+    symbols).  ``handler(up, regs)`` runs at the instruction with the process's user registers
+    (``regs.read`` reads its memory); ``ret_handler(up, func, regs)`` when the function the probe is at
+    returns (``func`` the probed address, ``regs_return_value(regs)`` its value).  ``filter(up, regs)``
+    decides per hit whether the handlers run (the kernel asks it per mm); a hit it refuses is counted in
+    ``nfiltered`` only.
+    """
+
+    def __init__(self, path: str, offset: int | None = None, symbol: str | None = None,
+                 handler: UprobeHandler | None = None, ret_handler: RetHandler | None = None,
+                 filter: UprobeFilter | None = None) -> None:  # fmt: skip
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise InvalidProbe(f"a uprobe's path must be absolute, not {path!r} (EINVAL)")
+        if (offset is None) == (symbol is None):
+            raise InvalidProbe("give a uprobe an offset or a symbol, one of them (EINVAL)")
+        if offset is not None and (not isinstance(offset, int) or offset < 0):
+            raise InvalidProbe(f"a uprobe's offset must be a non-negative int, not {offset!r} (EINVAL)")
+        for name, fn in (("handler", handler), ("ret_handler", ret_handler), ("filter", filter)):
+            if fn is not None and not callable(fn):
+                raise InvalidProbe(f"{name} must be callable, not {type(fn).__name__} (EINVAL)")
+        self.path = path
+        self.offset = offset
+        self.symbol = symbol
+        self.handler = handler
+        self.ret_handler = ret_handler
+        self.filter = filter
+        self.nhit = 0  # hits that ran the handlers (the filter let them)
+        self.nfiltered = 0
+        self.nmissed = 0  # returns not probed: the task already held MAX_URETPROBE_DEPTH instances
+        self.nreturns = 0
+        self.nfaults = 0
+        self.errors: list[str] = []
+        self.registered = False
+        self.file: GuestFile | None = None
+
+    def where(self) -> str:
+        at = f"{self.offset:#x}" if self.offset is not None else str(self.symbol)
+        return f"{self.path}:{at}"
+
+    def __repr__(self) -> str:
+        kind = "Uretprobe" if self.handler is None and self.ret_handler is not None else "Uprobe"
+        return f"<{kind} {self.where()} nhit={self.nhit} nmissed={self.nmissed}>"
+
+
+class Uretprobe(Uprobe):
+    """A return probe on a function of a file: a Uprobe with only ``ret_handler`` (``uretprobe`` events)."""
+
+    def __init__(self, path: str, offset: int | None = None, symbol: str | None = None,
+                 ret_handler: RetHandler | None = None, filter: UprobeFilter | None = None) -> None:  # fmt: skip
+        super().__init__(path, offset, symbol, ret_handler=ret_handler or _no_return_handler, filter=filter)
+
+
+def _no_return_handler(up: Uprobe, func: int, regs: PtRegs) -> None:
+    """A Uretprobe without a handler still counts its returns."""

@@ -150,8 +150,7 @@ class UprobeManager:
                  make_regs: Callable[[Regs[str, int], str], PtRegs], step: Callable[[str, int], dict[str, int]],
                  register_kprobe: Callable[[Kprobe], None],
                  unregister_kprobe: Callable[[Kprobe], None]) -> None:  # fmt: skip
-        self.machine = machine
-        self.arch = arch
+        self.machine, self.arch = machine, arch
         self.kernel = kernel
         self.handlers = handlers
         self.make_regs = make_regs
@@ -202,8 +201,8 @@ class UprobeManager:
         # uprobe_register(): an offset past the end of the file is EINVAL.
         if offset > f.size:
             raise InvalidProbe(f"{up.path}:{offset:#x} is past the end of the file ({f.size} bytes) (EINVAL)")
-        code = self.files.read(f, offset, 16)
-        why = self.arch.arch_uprobe_analyze_insn(code) if code else None
+        code, ua = self.files.read(f, offset, 16), self.arch.uprobes  # ua None: the arch has no user-space probes
+        why = (ua.arch_uprobe_analyze_insn(code) if code else None) if ua else "not on this architecture (ENOTSUPP)"
         if why is not None:
             raise InvalidProbe(f"{up.path}:{offset:#x}: {why}")
         self._ensure_hook()
@@ -407,7 +406,7 @@ class UprobeManager:
             if pt.ip != ip:  # a handler moved the task elsewhere: the instruction is not run
                 return
         after = self.step(tid, ip)
-        if consumers and self.arch.arch_uprobe_xol_was_trapped(code, after):
+        if consumers and self.arch.uprobes and self.arch.uprobes.arch_uprobe_xol_was_trapped(code, after):
             if len(self.restarts) >= MAX_RESTARTS:
                 self.restarts.clear()
             self.restarts.add((root, ip, sp))
@@ -455,8 +454,9 @@ class UprobeManager:
     def _prepare_return(self, probes: list[Uprobe], pt: PtRegs, values: Regs[str, int],
                         key: tuple[int, int]) -> None:  # fmt: skip
         """prepare_uretprobe(): remember the call and stop at its return address (values: before any handler)."""
+        assert self.arch.uprobes is not None  # a uprobe was registered
         try:
-            ret_addr, sp_after = self.arch.arch_uretprobe_frame(values, pt.read)
+            ret_addr, sp_after = self.arch.uprobes.arch_uretprobe_frame(values, pt.read)
         except QprobeError:
             for up in probes:
                 up.nmissed += 1

@@ -10,7 +10,10 @@ defined here too.
 The members, grouped in the order a second architecture needs them (drgn's
 "to support a new architecture" list in libdrgn/platform.h plays the same
 part); docs/porting.md is the step-by-step guide, with the test that proves
-each step:
+each step.  ``Arch`` itself is the core every architecture implements (1-6);
+the optional facets (7-11) are attributes that hold the facet's object, or
+None where the architecture lacks it, as Linux keeps CONFIG_OPTPROBES apart
+from the base kprobes hooks; the core checks for None before it uses one.
 
 1. Identity: ``name``, ``gdb_architecture`` (how the gdbstub's target
    description names it: qprobe.arch.select chooses by it), ``drgn_architecture``,
@@ -22,33 +25,44 @@ each step:
    guest memory with and maps the scratch area through.
 4. Instructions: ``arch_prepare_kprobe`` decodes the probed instruction and
    decides whether it runs out of line, is emulated on the host or is
-   boosted (runs out of line followed by a jump back); ``arch_setup_resume``
-   turns that decision into one :class:`Resume`.  Out of line, the copy is
-   followed by the trap instruction (Linux's int3 single-step, since 5.14)
-   and ``arch_resume_trap_step`` maps the ip back at that second trap; the
-   copies whose faults the guest must see at the original address are
-   single-stepped by the host instead (``arch_resume_singlestep`` maps the
-   ip back after the step; after a fault, ``arch_fault_fixup`` moves the
-   exception's return address, in memory or a register, back to the probe's).
-   ``breakpoint`` is the trap instruction ``arch_arm_kprobe`` writes (int3;
-   ``brk`` on arm64).
-5. Traps: ``trap_entries``/``trap_path``/``trap_watch`` say where the host
-   hears of a breakpoint; ``decode_trap`` reads where a stop came from and
-   ``resume_registers`` writes a :class:`Resume` back as gdbstub registers.
+   boosted (runs out of line followed by a jump back: ``Prepared.boostable``,
+   no facet of its own); ``arch_setup_resume`` turns that decision into one
+   :class:`Resume`.  A copy that runs out of line is single-stepped by the
+   host (``arch_resume_singlestep`` maps the ip back after the step; after a
+   fault, ``arch_fault_fixup`` moves the exception's return address, in
+   memory or a register, back to the probe's), or run to a trap after it with
+   the trap-step facet (7).  ``breakpoint`` is the trap instruction
+   ``arch_arm_kprobe`` writes (int3; ``brk`` on arm64); ``arch_slot_resume``
+   maps a vCPU left in a slot back to the text (recovery).
+5. Traps: ``trap_entries`` say where the host hears of a breakpoint, by a
+   breakpoint on the entry (or the trap-watch facet, 8); ``decode_trap`` reads
+   where a stop came from and ``resume_registers`` writes a :class:`Resume`
+   back as gdbstub registers.  Boot: ``boot_stage``, ``arch_boot_entry``.
 6. The blacklist: ``arch_populate_kprobe_blacklist``,
-   ``arch_kretprobe_blacklist``, and the size of the sites the kernel
-   rewrites (``jump_label_size``, ``static_call_size``).
+   ``arch_kretprobe_blacklist``, and the sites the kernel rewrites
+   (``jump_label_size``, ``static_call_size``, ``ftrace_site``).
    Return probes: ``arch_prepare_kretprobe`` says where the return address
    is at a function's entry (a stack slot or a register), ``ret_pops`` how
    far the return moves the stack pointer.
-7. Jump optimization, optional (``arch_check_optimized_kprobe`` may refuse
-   every address: every probe stays a breakpoint): ``arch_prepare_optimized_kprobe``,
+7. ``trap_step`` (:class:`TrapStep`): the copy runs to the trap instruction
+   after it (Linux's int3 single-step, since 5.14) and
+   ``arch_resume_trap_step`` maps the ip back at that second trap.  None: the
+   host single-steps every copy that runs out of line.
+8. ``trap_watch`` (:class:`TrapWatch`): a read the kernel's breakpoint handler
+   makes, watched instead of its entry (``trap_path`` leads there).  None: a
+   breakpoint on the entry.
+9. ``optprobes`` (:class:`OptProbes`): jump optimization,
+   ``arch_check_optimized_kprobe``, ``arch_prepare_optimized_kprobe``,
    ``arch_optimize_kprobes`` / ``arch_unoptimize_kprobes``,
-   ``arch_within_optimized_kprobe``; and the guest-RAM layouts the core
-   reads without stopping the VM: the mailbox stub and its answer, the
-   record rings, the per-CPU keyed tables, kretprobe instances and their
-   trampolines.
-8. ``cycle_counter``, optional: what the host times stops against.
+   ``arch_within_optimized_kprobe``.  None: every probe stays a breakpoint.
+10. ``guest_ram`` (:class:`GuestRam`, qprobe.arch.guestram): the guest-RAM
+    layouts the core reads without stopping the VM: the mailbox stub and its
+    answer, the record rings, the per-CPU keyed tables, kretprobe instances
+    and their trampolines.  None: every hit stops the VM (jump optimization
+    needs it too).
+11. ``uprobes`` (:class:`Uprobes`): user-space probes.  None: refused.
+    ``cycle_counter`` (:class:`CycleCounter`): what the host times stops
+    against.  None: stops are not timed against the guest's clock.
 
 ``make lint`` type-checks every implementation against this protocol
 (qprobe/arch/select.py), and tests/unit/test_layering.py keeps every other

@@ -121,8 +121,7 @@ class JumpCheck:
         On success ``point.opt_size`` is the number of bytes the jump displaces.
         """
         opt = self.arch.optprobes
-        if opt is None:
-            return f"{self.arch.name} has no jump optimization"
+        assert opt is not None  # Optimizer.why_not refused the point otherwise
         fn = self.kp.symbols.function(point.addr)
         if fn is None:
             return "not in a known function"

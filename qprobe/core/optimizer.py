@@ -107,7 +107,7 @@ class Optimizer:
     (e.g. attached to a QEMU qprobe did not start), or on an architecture
     without guest-RAM layouts; probes then stay int3s.  An architecture
     without jump optimization has the mailbox for its kretprobes' returns,
-    and every probe stays an int3 (``JumpCheck.why_not`` says so).
+    and every probe stays an int3 (``why_not`` says so).
     """
 
     def __init__(self, kprobes: ProbeTable, ram: SharedRam | None, doorbell: str | None) -> None:
@@ -237,6 +237,8 @@ class Optimizer:
         """None if ``point`` can be optimized now, else the reason."""
         if not self.enabled:
             return "optimization is off"
+        if self.arch.optprobes is None:
+            return f"{self.arch.name} has no jump optimization"
         missing = self.stub_missing()
         if missing is not None:
             return missing

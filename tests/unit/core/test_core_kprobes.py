@@ -262,7 +262,7 @@ def test_a_host_single_stepped_hit_resumes_after_the_original_instruction(rig: R
 
 
 def test_without_the_trap_step_facet_the_host_single_steps_the_copy(rig: Rig) -> None:
-    rig.km.arch.trap_step = None  # type: ignore[misc]  # an architecture that has no trap-step
+    rig.km.arch.trap_step = None  # an architecture that has no trap-step
     post: list[tuple[int, int]] = []
     kp = Kprobe("toy_fn", offset=8, post_handler=lambda kp, regs: post.append((regs.ip, regs.r0)))
     rig.km.register_kprobe(kp)
@@ -290,7 +290,7 @@ def test_without_jump_optimization_every_probe_stays_a_breakpoint_and_says_why()
     kp = Kprobe("toy_fn")
     km.register_kprobe(kp, optimize=False)
     point = km.points[kp.resolved]
-    assert km.optimizer.check.why_not(point) == "toy has no jump optimization"
+    assert km.optimizer.why_not(point) == "toy has no jump optimization"
     assert t.mem.read(point.addr, 4) == BRK
 
 

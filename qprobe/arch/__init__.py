@@ -10,7 +10,10 @@ defined here too.
 The members, grouped in the order a second architecture needs them (drgn's
 "to support a new architecture" list in libdrgn/platform.h plays the same
 part); docs/porting.md is the step-by-step guide, with the test that proves
-each step:
+each step.  ``Arch`` itself is the core every architecture implements (1-6);
+the optional facets (7-11) are attributes that hold the facet's object, or
+None where the architecture lacks it, as Linux keeps CONFIG_OPTPROBES apart
+from the base kprobes hooks; the core checks for None before it uses one.
 
 1. Identity: ``name``, ``gdb_architecture`` (how the gdbstub's target
    description names it: qprobe.arch.select chooses by it), ``drgn_architecture``,
@@ -22,33 +25,44 @@ each step:
    guest memory with and maps the scratch area through.
 4. Instructions: ``arch_prepare_kprobe`` decodes the probed instruction and
    decides whether it runs out of line, is emulated on the host or is
-   boosted (runs out of line followed by a jump back); ``arch_setup_resume``
-   turns that decision into one :class:`Resume`.  Out of line, the copy is
-   followed by the trap instruction (Linux's int3 single-step, since 5.14)
-   and ``arch_resume_trap_step`` maps the ip back at that second trap; the
-   copies whose faults the guest must see at the original address are
-   single-stepped by the host instead (``arch_resume_singlestep`` maps the
-   ip back after the step; after a fault, ``arch_fault_fixup`` moves the
-   exception's return address, in memory or a register, back to the probe's).
-   ``breakpoint`` is the trap instruction ``arch_arm_kprobe`` writes (int3;
-   ``brk`` on arm64).
-5. Traps: ``trap_entries``/``trap_path``/``trap_watch`` say where the host
-   hears of a breakpoint; ``decode_trap`` reads where a stop came from and
-   ``resume_registers`` writes a :class:`Resume` back as gdbstub registers.
+   boosted (runs out of line followed by a jump back: ``Prepared.boostable``,
+   no facet of its own); ``arch_setup_resume`` turns that decision into one
+   :class:`Resume`.  A copy that runs out of line is single-stepped by the
+   host (``arch_resume_singlestep`` maps the ip back after the step; after a
+   fault, ``arch_fault_fixup`` moves the exception's return address, in
+   memory or a register, back to the probe's), or run to a trap after it with
+   the trap-step facet (7).  ``breakpoint`` is the trap instruction
+   ``arch_arm_kprobe`` writes (int3; ``brk`` on arm64); ``arch_slot_resume``
+   maps a vCPU left in a slot back to the text (recovery).
+5. Traps: ``trap_entries`` say where the host hears of a breakpoint, by a
+   breakpoint on the entry (or the trap-watch facet, 8); ``decode_trap`` reads
+   where a stop came from and ``resume_registers`` writes a :class:`Resume`
+   back as gdbstub registers.  Boot: ``boot_stage``, ``arch_boot_entry``.
 6. The blacklist: ``arch_populate_kprobe_blacklist``,
-   ``arch_kretprobe_blacklist``, and the size of the sites the kernel
-   rewrites (``jump_label_size``, ``static_call_size``).
+   ``arch_kretprobe_blacklist``, and the sites the kernel rewrites
+   (``jump_label_size``, ``static_call_size``, ``ftrace_site``).
    Return probes: ``arch_prepare_kretprobe`` says where the return address
    is at a function's entry (a stack slot or a register), ``ret_pops`` how
    far the return moves the stack pointer.
-7. Jump optimization, optional (``arch_check_optimized_kprobe`` may refuse
-   every address: every probe stays a breakpoint): ``arch_prepare_optimized_kprobe``,
+7. ``trap_step`` (:class:`TrapStep`): the copy runs to the trap instruction
+   after it (Linux's int3 single-step, since 5.14) and
+   ``arch_resume_trap_step`` maps the ip back at that second trap.  None: the
+   host single-steps every copy that runs out of line.
+8. ``trap_watch`` (:class:`TrapWatch`): a read the kernel's breakpoint handler
+   makes, watched instead of its entry (``trap_path`` leads there).  None: a
+   breakpoint on the entry.
+9. ``optprobes`` (:class:`OptProbes`): jump optimization,
+   ``arch_check_optimized_kprobe``, ``arch_prepare_optimized_kprobe``,
    ``arch_optimize_kprobes`` / ``arch_unoptimize_kprobes``,
-   ``arch_within_optimized_kprobe``; and the guest-RAM layouts the core
-   reads without stopping the VM: the mailbox stub and its answer, the
-   record rings, the per-CPU keyed tables, kretprobe instances and their
-   trampolines.
-8. ``cycle_counter``, optional: what the host times stops against.
+   ``arch_within_optimized_kprobe``.  None: every probe stays a breakpoint.
+10. ``guest_ram`` (:class:`GuestRam`, qprobe.arch.guestram): the guest-RAM
+    layouts the core reads without stopping the VM: the mailbox stub and its
+    answer, the record rings, the per-CPU keyed tables, kretprobe instances
+    and their trampolines.  None: every hit stops the VM (jump optimization
+    needs it too).
+11. ``uprobes`` (:class:`Uprobes`): user-space probes.  None: refused.
+    ``cycle_counter`` (:class:`CycleCounter`): what the host times stops
+    against.  None: stops are not timed against the guest's clock.
 
 ``make lint`` type-checks every implementation against this protocol
 (qprobe/arch/select.py), and tests/unit/test_layering.py keeps every other
@@ -63,8 +77,15 @@ from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from qprobe.arch.guestram import DetourParams, MailboxRequest, PercpuLayout, ReturnLayout, RingEntry
-from qprobe.arch.inguest import KeySpec, MapKey, MapSlot
+from qprobe.arch.guestram import (
+    DetourParams,
+    GuestRam,
+    MailboxRequest,
+    PercpuLayout,
+    Pool,
+    ReturnLayout,
+    RingEntry,
+)
 
 
 class ResumeKind(enum.Enum):
@@ -209,14 +230,16 @@ class TrapWatch:
     """A data read the kernel's breakpoint handler makes for every kernel-mode trap, to watch instead of its entry.
 
     The watched word is ``variable``'s ``member`` (of type ``type_name``), read
-    by ``handler``; the architecture's ``trap_watch_site`` says where a vCPU is
-    when QEMU reports that read, or that the read is not in the expected shape.
+    by ``handler``; ``site(code, address, watched)``, given the handler's first
+    bytes ``code`` at ``address``, says where a vCPU is when QEMU reports its
+    read of the word at ``watched``, or None if the read is not in the expected shape.
     """
 
     variable: str
     type_name: str
     member: str
     handler: str
+    site: Callable[[bytes, int, int], frozenset[int] | None]
 
 
 @dataclass(frozen=True)
@@ -292,19 +315,67 @@ class Prepared(Protocol):
     def boosted_copy(self) -> bytes: ...
 
 
+class TrapStep(Protocol):
+    """The int3 single-step (Linux's on x86 since 5.14; arm64's ``brk`` after the slot): the copy runs to a trap.
+
+    Optional: without it every copy that runs out of line is single-stepped
+    by the host through the gdbstub (correct; a step stop costs QEMU 7.2 a
+    flush of its translated code, a trap heard by a watchpoint does not).
+    """
+
+    def is_trap_step_start(self, prep: Prepared, ip: int) -> bool: ...
+    def is_trap_step_end(self, prep: Prepared, addr: int) -> bool: ...
+    def arch_resume_trap_step(self, prep: Prepared, regs: Registers) -> None: ...
+
+
+class OptProbes(Protocol):
+    """Jump optimization (arch/x86/kernel/kprobes/opt.c's hooks): a jump to a detour in place of the breakpoint."""
+
+    jump_size: int  # bytes an optimized probe's jump displaces at least
+
+    def arch_check_optimized_kprobe(self, func_code: bytes, func_start: int, addr: int,
+                                    exception_table: ExceptionTable | None,
+                                    patched: Mapping[int, int], name: str) -> tuple[str | None, int]: ...  # fmt: skip
+    def arch_prepare_optimized_kprobe(self, params: DetourParams, region: bytes, addr: int, near: int,
+                                      alloc: Callable[[int], int]) -> tuple[int, bytes, int]: ...  # fmt: skip
+    def arch_optimize_kprobes(self, addr: int, detour: int) -> bytes: ...
+    def arch_unoptimize_kprobes(self, jump: bytes, original: bytes) -> bytes: ...
+    def arch_within_optimized_kprobe(self, addr: int, size: int, target: int) -> bool: ...
+
+
+class Uprobes(Protocol):
+    """User-space probes (qprobe.core.uprobes): the kernel's arch/*/kernel/uprobes.c hooks qprobe needs."""
+
+    # Why the kernel's uprobes refuse an instruction as the probed one (None: they take it).
+    def arch_uprobe_analyze_insn(self, code: bytes) -> str | None: ...
+    # After the probed user instruction was stepped in place with registers ``after``: whether it trapped
+    # into the kernel on an exception that returns to it (a fault), rather than completing or entering
+    # the kernel on purpose (a system call); the instruction then runs again, and is no second hit.
+    def arch_uprobe_xol_was_trapped(self, code: bytes, after: Mapping[str, int]) -> bool: ...
+    # At a function's first instruction: its return address (``read`` reads the task's memory) and the
+    # stack pointer once it has returned (arch_uretprobe_hijack_return_addr's two facts).
+    def arch_uretprobe_frame(self, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> tuple[int, int]: ...
+
+
 class Arch(Protocol):
-    """Everything the core asks of an architecture (see the checklist above)."""
+    """Everything the core asks of an architecture (see the checklist above); each optional facet is None if absent."""
 
     name: str
     gdb_architecture: str  # what the gdbstub's target description names it (<architecture>)
     breakpoint: bytes  # the trap instruction arch_arm_kprobe writes
     kprobe_ip_offset: int  # a kprobe handler's regs->ip minus the probe's address (x86: 1, the int3 has run)
     slot_size: int  # bytes of scratch per out-of-line copy
-    jump_size: int  # bytes an optimized probe's jump displaces at least
     registers: RegisterLayout
-    cycle_counter: CycleCounter | None  # None: stops are not timed against the guest's clock
     ftrace_site: FtraceSite | None  # None: no call of ftrace's in a function's linked bytes
     drgn_architecture: str  # the name of drgn.Architecture's member for it
+
+    # -- the optional facets -----------------------------------------------------------------
+    trap_step: TrapStep | None  # None: the host single-steps every copy that runs out of line
+    trap_watch: TrapWatch | None  # None: the host hears of a trap by a breakpoint on its entry
+    optprobes: OptProbes | None  # None: every probe stays a breakpoint
+    guest_ram: GuestRam | None  # None: every hit stops the VM (no mailbox, rings, maps or guest-RAM kretprobes)
+    uprobes: Uprobes | None  # None: user-space probes are refused
+    cycle_counter: CycleCounter | None  # None: stops are not timed against the guest's clock
 
     def page_tables(self, regs: Mapping[str, int]) -> PageTables: ...
     def vmcoreinfo(self, address: Callable[[str], int], virt_to_phys: Callable[[int], int], levels: int) -> list[str]:
@@ -324,22 +395,17 @@ class Arch(Protocol):
     def arch_setup_resume(
         self, prep: Prepared, regs: Registers, mem: Memory, may_boost: bool, may_trap_step: bool
     ) -> Resume: ...
-    def is_trap_step_start(self, prep: Prepared, ip: int) -> bool: ...
-    def is_trap_step_end(self, prep: Prepared, addr: int) -> bool: ...
-    def arch_resume_trap_step(self, prep: Prepared, regs: Registers) -> None: ...
     def arch_slot_resume(self, slot: int, addr: int, ip: int, flags: int) -> tuple[int, int] | None: ...
     def step_left_slot(self, prep: Prepared, ip: int) -> bool: ...
     def arch_resume_singlestep(self, prep: Prepared, regs: Registers, mem: Memory) -> None: ...
     def arch_fault_fixup(self, prep: Prepared, regs: Registers, mem: Memory) -> None: ...
 
     # -- traps -------------------------------------------------------------------------
-    # Where a kernel-mode breakpoint trap enters the kernel (the first name the kernel has), the
-    # functions it runs through before the watched read, and that read (None: no watchpoint hook).
+    # Where a kernel-mode breakpoint trap enters the kernel (the first name the kernel has), and the
+    # functions it runs through before trap_watch's read.
     trap_entries: tuple[str, ...]
     trap_path: tuple[str, ...]
-    trap_watch: TrapWatch | None
 
-    def trap_watch_site(self, code: bytes, address: int, watched: int) -> frozenset[int] | None: ...
     def decode_trap(self, hook: TrapHook, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> Trap: ...
     def resume_registers(self, resume: Resume) -> dict[str, int]: ...
     def ip(self, regs: Mapping[str, int]) -> int: ...
@@ -359,16 +425,6 @@ class Arch(Protocol):
     def sp(self, regs: Mapping[str, int]) -> int: ...
     def flags(self, regs: Mapping[str, int]) -> int: ...
     def user_mode(self, regs: Mapping[str, int]) -> bool: ...
-    # -- user-space probes (qprobe.core.uprobes) --------------------------------------------
-    # Why the kernel's uprobes refuse an instruction as the probed one (None: they take it).
-    def arch_uprobe_analyze_insn(self, code: bytes) -> str | None: ...
-    # After the probed user instruction was stepped in place with registers ``after``: whether it trapped
-    # into the kernel on an exception that returns to it (a fault), rather than completing or entering
-    # the kernel on purpose (a system call); the instruction then runs again, and is no second hit.
-    def arch_uprobe_xol_was_trapped(self, code: bytes, after: Mapping[str, int]) -> bool: ...
-    # At a function's first instruction: its return address (``read`` reads the task's memory) and the
-    # stack pointer once it has returned (arch_uretprobe_hijack_return_addr's two facts).
-    def arch_uretprobe_frame(self, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> tuple[int, int]: ...
     def percpu_base(self, regs: Mapping[str, int]) -> int: ...
 
     # -- the blacklist and the text the kernel rewrites --------------------------------------
@@ -380,50 +436,6 @@ class Arch(Protocol):
     def arch_populate_kprobe_blacklist(self) -> ArchBlacklist: ...
     def arch_kretprobe_blacklist(self) -> frozenset[str]: ...
 
-    # -- jump optimization -----------------------------------------------------------------
-    def arch_check_optimized_kprobe(self, func_code: bytes, func_start: int, addr: int,
-                                    exception_table: ExceptionTable | None,
-                                    patched: Mapping[int, int], name: str) -> tuple[str | None, int]: ...  # fmt: skip
-    def arch_prepare_optimized_kprobe(self, params: DetourParams, region: bytes, addr: int, near: int,
-                                      alloc: Callable[[int], int]) -> tuple[int, bytes, int]: ...  # fmt: skip
-    def arch_optimize_kprobes(self, addr: int, detour: int) -> bytes: ...
-    def arch_unoptimize_kprobes(self, jump: bytes, original: bytes) -> bytes: ...
-    def arch_within_optimized_kprobe(self, addr: int, size: int, target: int) -> bool: ...
-
-    # -- guest-RAM layouts of the optimized path -----------------------------------------------
-    mailbox_size: int
-    ring_header_size: int
-    ring_entries: int
-    ring_entry_size: int
-    ring_head: int  # offsets in a ring header: the guest's head, the host's tail,
-    ring_tail: int
-    ring_waits: int  # the guest's count of records that waited for a full ring to drain,
-    ring_lossy: int  # the host's switch that drops them instead
-    drain_doorbell: int  # the doorbell byte a waiting record rings (not a CPU number)
-    instance_size: int
-    trampoline_id: int  # the probe id a kretprobe return reports through the mailbox
-    ring_entry_read_size: int  # bytes of an entry parse_ring_entry needs
-
-    def build_mailbox_stub(
-        self, mailboxes: int, missed: int, percpu: PercpuLayout, port: int, address: int
-    ) -> bytes: ...
-    def build_record_stub(self, rings: int, ncpus: int, lost: int, percpu: PercpuLayout, pid_offset: int,
-                          comm_offset: int, port: int, address: int) -> bytes: ...  # fmt: skip
-    def return_layout(self, instances: int, count: int, trampolines: int, returns: int, stub: int,
-                      current_task: int) -> ReturnLayout: ...  # fmt: skip
-    def build_return_trampolines(self, layout: ReturnLayout) -> bytes: ...
-    def return_int3s(self, layout: ReturnLayout) -> tuple[int, int]: ...
-    def return_trampoline(self, address: int, stub: int) -> bytes: ...
-    def new_instance(self, owner: int, mailbox: bool) -> bytes: ...
-    def parse_instances(self, raw: bytes) -> list[tuple[int, int, int, int]]: ...
-    def instance_return_field(self, layout: ReturnLayout, i: int) -> int: ...
-    def trampoline_index(self, layout: ReturnLayout, value: int) -> int | None: ...
-    def read_mailbox(self, read: Callable[[int, int], bytes]) -> MailboxRequest | None: ...
-    def mailbox_answer(self, changed: Mapping[str, int], final_ip: int, final_sp: int) -> list[tuple[int, bytes]]: ...
-    def parse_ring_entry(self, raw: bytes) -> RingEntry: ...
-    def guest_map_size(self, spec: KeySpec) -> int: ...  # one CPU's table of a "keyed" detour, in bytes
-    def parse_guest_map(self, spec: KeySpec, raw: bytes) -> dict[MapKey, MapSlot]: ...  # each key's parts decoded
-
 
 __all__ = [
     "Arch",
@@ -432,8 +444,11 @@ __all__ = [
     "CycleCounter",
     "DetourParams",
     "ExceptionTable",
+    "FtraceSite",
+    "GuestRam",
     "MailboxRequest",
     "Memory",
+    "OptProbes",
     "PageTables",
     "PercpuLayout",
     "Pool",
@@ -442,9 +457,12 @@ __all__ = [
     "Registers",
     "Resume",
     "ResumeKind",
+    "ReturnHijack",
     "ReturnLayout",
     "RingEntry",
     "Trap",
     "TrapHook",
+    "TrapStep",
     "TrapWatch",
+    "Uprobes",
 ]

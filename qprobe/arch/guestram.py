@@ -1,16 +1,21 @@
-"""What the core and an architecture's in-guest code share in guest RAM: the optional facet of jump
-optimization, detours and their mailboxes, record rings and kretprobe instances.
+"""What the host and an architecture's in-guest code share in guest RAM: the optional facet :class:`GuestRam`.
 
-An architecture that leaves every probe a breakpoint never builds these; the core reads them
-through :class:`qprobe.arch.Arch`'s layout methods when it does.
+The facet lays out what the host reads and writes without stopping the VM:
+the mailbox stub and its answer, the record rings, the per-CPU keyed tables,
+kretprobe instances and their trampolines.  An architecture without it stops
+the VM at every hit.  The detours that fill them are jump optimization's
+(:class:`qprobe.arch.OptProbes`, given :class:`DetourParams`); without that
+facet every probe stays a breakpoint, and kretprobes may still return
+through the mailbox.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from qprobe.arch.inguest import GuestFilter, KeySpec
+from qprobe.arch.inguest import GuestFilter, KeySpec, MapKey, MapSlot
 
 
 @dataclass(frozen=True)
@@ -91,3 +96,52 @@ class RingEntry:
     tsc: int
     sp: int
     values: dict[str, int]  # gdbstub names, the ip not set (the host knows the probe's address)
+
+
+class GuestRam(Protocol):
+    """The guest-RAM layouts the host reads and writes while the VM runs, and the stubs that fill them."""
+
+    # -- the mailbox stub (qprobe.core.doorbell): a CPU's request, and the host's answer
+    mailbox_size: int
+    drain_doorbell: int  # the doorbell byte a waiting record rings (not a CPU number)
+    trampoline_id: int  # the probe id a kretprobe return reports through the mailbox
+
+    def build_mailbox_stub(
+        self, mailboxes: int, missed: int, percpu: PercpuLayout, port: int, address: int
+    ) -> bytes: ...
+    def read_mailbox(self, read: Callable[[int, int], bytes]) -> MailboxRequest | None: ...
+    def mailbox_answer(self, changed: Mapping[str, int], final_ip: int, final_sp: int) -> list[tuple[int, bytes]]: ...
+    def return_trampoline(self, address: int, stub: int) -> bytes: ...
+
+    # -- the record rings (qprobe.core.records)
+    ring_header_size: int
+    ring_entries: int
+    ring_entry_size: int
+    ring_head: int  # offsets in a ring header: the guest's head, the host's tail,
+    ring_tail: int
+    ring_waits: int  # the guest's count of records that waited for a full ring to drain,
+    ring_lossy: int  # the host's switch that drops them instead
+    ring_entry_read_size: int  # bytes of an entry parse_ring_entry needs
+
+    def build_record_stub(self, rings: int, ncpus: int, lost: int, percpu: PercpuLayout, pid_offset: int,
+                          comm_offset: int, port: int, address: int) -> bytes: ...  # fmt: skip
+    def parse_ring_entry(self, raw: bytes) -> RingEntry: ...
+
+    # -- a "keyed" detour's per-CPU tables (qprobe.core.optcounters)
+    def guest_map_size(self, spec: KeySpec) -> int: ...  # one CPU's table, in bytes
+    def parse_guest_map(self, spec: KeySpec, raw: bytes) -> dict[MapKey, MapSlot]: ...  # each key's parts decoded
+
+    # -- kretprobe instances and their trampolines (qprobe.core.pools)
+    instance_size: int
+
+    def return_layout(self, instances: int, count: int, trampolines: int, returns: int, stub: int,
+                      current_task: int) -> ReturnLayout: ...  # fmt: skip
+    def build_return_trampolines(self, layout: ReturnLayout) -> bytes: ...
+    def return_int3s(self, layout: ReturnLayout) -> tuple[int, int]: ...
+    def new_instance(self, owner: int, mailbox: bool) -> bytes: ...
+    def parse_instances(self, raw: bytes) -> list[tuple[int, int, int, int]]: ...
+    def instance_return_field(self, layout: ReturnLayout, i: int) -> int: ...
+    def trampoline_index(self, layout: ReturnLayout, value: int) -> int | None: ...
+
+
+__all__ = ["DetourParams", "GuestRam", "MailboxRequest", "PercpuLayout", "Pool", "ReturnLayout", "RingEntry"]

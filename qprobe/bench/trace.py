@@ -67,9 +67,10 @@ def _trace_lines(target: qprobe.Target) -> list[tuple[str, str]]:
     target.records_lossy = False
     out.close()
     reader.join(10)
-    arch = target.arch
+    ring = target.arch.guest_ram
+    assert ring is not None  # the records came through the rings
     rows.append(("largest burst held without waiting (record ring, per vCPU)",
-                 f"{arch.ring_entries} records ({arch.ring_entries * arch.ring_entry_size // 1024} KiB)"))  # fmt: skip
+                 f"{ring.ring_entries} records ({ring.ring_entries * ring.ring_entry_size // 1024} KiB)"))  # fmt: skip
     # The guest's own: the same definition in its kprobe_events, its ftrace ring (buffer_size_kb per CPU).
     target.run(f"mountpoint -q {TRACEFS} || mount -t tracefs nodev {TRACEFS}; echo > {TRACEFS}/trace; "
                f"echo 'p:qpbench ksys_read fd=%di:s32 count=%dx:u64' > {TRACEFS}/kprobe_events && "

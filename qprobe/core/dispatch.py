@@ -71,7 +71,7 @@ class Dispatcher:
         self.hooked = False
         # The hook: a watchpoint on the read the arch's breakpoint handler makes (x86: poke_int3_handler's)
         # when found (watch_refs set), else a breakpoint on the entry.  A watchpoint stop costs the guest
-        # no re-translation, a breakpoint stop does (see the arch's trap_watch_site).
+        # no re-translation, a breakpoint stop does (see the arch's TrapWatch.site).
         self.watch_int3 = True
         self.watch_refs, self.watch_safe = 0, frozenset[int]()
         self.passed_through = 0
@@ -125,11 +125,11 @@ class Dispatcher:
         for tid in self.machine.vcpus:
             regs = self.machine.gdb.read_registers(tid)
             ip = self.arch.ip(regs)
-            point = self.ctlblk[tid].point
-            if point is not None and self.arch.is_trap_step_start(point.prep, ip):
+            point, ts = self.ctlblk[tid].point, self.arch.trap_step
+            if point is not None and ts is not None and ts.is_trap_step_start(point.prep, ip):
                 regs = self.step(tid, ip)  # the copy, not run yet: up to its int3
                 ip = self.arch.ip(regs)
-            if point is not None and self.arch.is_trap_step_end(point.prep, ip):
+            if self._trap_step_end(tid, ip):
                 # At the int3 after the copy: finish the hit as its trap would have.
                 self.apply(tid, self._after_trap_step(tid, Trap(ip, self.arch.sp(regs), self.arch.flags(regs), regs)))
             elif ip == self.int3_entry and not self.watch_refs:
@@ -226,8 +226,8 @@ class Dispatcher:
 
     def _trap_step_end(self, tid: str, addr: int) -> bool:
         """Whether a trap at ``addr`` on ``tid`` is the second trap of the trap-step it is part way into."""
-        point = self.ctlblk[tid].point
-        return point is not None and self.arch.is_trap_step_end(point.prep, addr)
+        point, ts = self.ctlblk[tid].point, self.arch.trap_step
+        return point is not None and ts is not None and ts.is_trap_step_end(point.prep, addr)
 
     def _run(self, tid: str, trap: Trap) -> None:
         """Handle one decoded trap and resume the vCPU (twice for a single-step: into the slot, and back)."""
@@ -291,9 +291,13 @@ class Dispatcher:
         return pt
 
     def _setup(self, point: ProbePoint, pt: PtRegs, active: list[Kprobe], trap_step: bool) -> Resume:
-        """setup_singlestep: the arch decides from the prepared instruction (emulate, boost, trap-step or step)."""
+        """setup_singlestep: the arch decides from the prepared instruction (emulate, boost, trap-step or step).
+
+        An architecture without the trap-step facet has every copy that runs out of line stepped by the host.
+        """
+        may_trap_step = trap_step and self.arch.trap_step is not None
         resume = self.arch.arch_setup_resume(point.prep, pt, _TaskMemory(self.machine, pt),
-                                             self.registry.may_boost(point, active), trap_step)  # fmt: skip
+                                             self.registry.may_boost(point, active), may_trap_step)  # fmt: skip
         if resume.kind is ResumeKind.CONTINUE:  # emulated on the host: the instruction has run
             self.handlers.post(active, pt)
             return Resume(ResumeKind.CONTINUE, pt.ip, pt.sp, pt.flags, pt.dirty())
@@ -315,7 +319,8 @@ class Dispatcher:
         assert point is not None
         ctl.status, ctl.point, ctl.active = KprobeStatus.IDLE, None, []
         post = self._regs(tid, trap)
-        self.arch.arch_resume_trap_step(point.prep, post)
+        assert self.arch.trap_step is not None  # a TRAP_STEP resume is only chosen with the facet
+        self.arch.trap_step.arch_resume_trap_step(point.prep, post)
         post.mark_clean()
         self.handlers.post([kp for kp in active if kp.registered], post)
         return Resume(ResumeKind.CONTINUE, post.ip, post.sp, post.flags, post.dirty())

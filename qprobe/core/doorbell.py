@@ -36,7 +36,9 @@ class Doorbell:
                  make_regs: Callable[[Mapping[str, int], str], PtRegs], point_of: Callable[[int], ProbePoint | None],
                  trampolines: dict[int, Trampoline], errors: ErrorLog,
                  drain: Callable[[], None]) -> None:  # fmt: skip
+        assert arch.guest_ram is not None  # built only for an architecture with the mailbox (Optimizer.available)
         self.arch = arch
+        self.layouts = arch.guest_ram
         self.vcpus = vcpus
         self.ram = ram
         self.handlers = handlers
@@ -86,7 +88,7 @@ class Doorbell:
 
     def _answer_all(self, cpus: Iterable[int]) -> None:
         for cpu in cpus:
-            if cpu == self.arch.drain_doorbell:  # a record waits on a full ring
+            if cpu == self.layouts.drain_doorbell:  # a record waits on a full ring
                 self.drain()
                 continue
             try:
@@ -100,14 +102,14 @@ class Doorbell:
         if cpu >= len(self._mailbox_phys):
             return  # a byte nobody sent as a doorbell (firmware debug output)
         mb = self._mailbox_phys[cpu]
-        req = self.arch.read_mailbox(lambda off, size: ram.read_phys(mb + off, size))
+        req = self.layouts.read_mailbox(lambda off, size: ram.read_phys(mb + off, size))
         if req is None:
             return
         final_ip, final_sp = req.continue_addr, req.final_sp
         point = self.point_of(req.probe_id)
         values = req.values
         dirty: dict[str, int] = {}
-        tramp = self.trampolines.get(req.continue_addr) if req.probe_id == self.arch.trampoline_id else None
+        tramp = self.trampolines.get(req.continue_addr) if req.probe_id == self.layouts.trampoline_id else None
         if tramp is not None:
             # A kretprobe's return, called from its trampoline's mailbox call (the int3 after the
             # call is the same trampoline's stop path).  No default here: without its instance
@@ -126,7 +128,7 @@ class Doorbell:
             except Exception as exc:  # never leave the vCPU spinning: it resumes as if unprobed
                 self.errors.add(f"{point.where}: {type(exc).__name__}: {exc}")
                 final_ip, final_sp, dirty = req.continue_addr, req.final_sp, {}
-        *answer, (state, done) = self.arch.mailbox_answer(dirty, final_ip, final_sp)
+        *answer, (state, done) = self.layouts.mailbox_answer(dirty, final_ip, final_sp)
         for off, data in answer:
             ram.write_phys(mb + off, data)
         self.served += 1

@@ -103,7 +103,9 @@ class KretprobeManager:
         def prepare() -> None:
             self._ensure_trampoline()
             opt = self.kprobes.optimizer
-            if opt.available and opt.returns is not None and opt.stub_missing() is None and rp.entry_handler is None:
+            # Instances in guest RAM serve a "retentry" detour alone: only where the entry can take a jump.
+            jumps = opt.available and self.kprobes.arch.optprobes is not None
+            if jumps and opt.returns is not None and opt.stub_missing() is None and rp.entry_handler is None:
                 rp.pool = opt.returns.alloc(rp, n)
                 self._ensure_return_int3s()
 

@@ -120,12 +120,14 @@ class JumpCheck:
 
         On success ``point.opt_size`` is the number of bytes the jump displaces.
         """
+        opt = self.arch.optprobes
+        assert opt is not None  # Optimizer.why_not refused the point otherwise
         fn = self.kp.symbols.function(point.addr)
         if fn is None:
             return "not in a known function"
         code = self.machine.mem.read(fn.addr, fn.size)
-        why, size = self.arch.arch_check_optimized_kprobe(code, fn.addr, point.addr, self.kp.symbols.exception_table(),
-                                                          self.kp.text.patched(), fn.name)  # fmt: skip
+        why, size = opt.arch_check_optimized_kprobe(code, fn.addr, point.addr, self.kp.symbols.exception_table(),
+                                                    self.kp.text.patched(), fn.name)  # fmt: skip
         if why is not None:
             return why
         end = point.addr + size
@@ -147,7 +149,7 @@ class JumpCheck:
             return "out-of-line code returns into the region"
         if any(now - t < RESUME_GRACE for t in returned):
             return f"{TRANSIENT[2]} returning into the region ran {RESUME_GRACE} s ago or less"
-        if (point.addr & 0xFFF) + self.arch.jump_size > 0x1000:
+        if (point.addr & 0xFFF) + opt.jump_size > 0x1000:
             return "the jump would cross a page"
         for tid, back in self.kp.dispatcher.trap_step_returns().items():
             if point.addr < back < end:

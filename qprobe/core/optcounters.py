@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 
-from qprobe.arch import Arch
+from qprobe.arch import GuestRam
 from qprobe.arch.inguest import KeySpec, MapKey, MapSlot
 from qprobe.core.errorlog import ErrorLog
 from qprobe.core.point import Optimized, ProbePoint
@@ -27,9 +27,10 @@ COLLECT_INTERVAL = 0.02  # seconds between drains of the rings and folds of the 
 class GuestCounters:
     """The per-probe-id arrays in guest RAM, what the host has folded of them, and the collector thread."""
 
-    def __init__(self, arch: Arch, ncpus: int, scratch: ScratchArea, ram: SharedRam, by_id: dict[int, ProbePoint],
-                 records: RecordRings, returns: ReturnPools, errors: ErrorLog) -> None:  # fmt: skip
-        self.arch = arch
+    def __init__(self, layouts: GuestRam, ncpus: int, scratch: ScratchArea, ram: SharedRam,
+                 by_id: dict[int, ProbePoint], records: RecordRings, returns: ReturnPools,
+                 errors: ErrorLog) -> None:  # fmt: skip
+        self.layouts = layouts
         self.ncpus = ncpus
         self.scratch = scratch
         self.ram = ram
@@ -75,8 +76,8 @@ class GuestCounters:
         opt = point.opt
         if opt is None or opt.kind != "keyed":
             return {}
-        size = self.arch.guest_map_size(spec) * self.ncpus
-        return self.arch.parse_guest_map(spec, self.ram.read_phys(self.scratch.phys_of(opt.tables), size))
+        size = self.layouts.guest_map_size(spec) * self.ncpus
+        return self.layouts.parse_guest_map(spec, self.ram.read_phys(self.scratch.phys_of(opt.tables), size))
 
     def baseline(self, probe_id: int) -> None:
         """A new detour's counters start from what the guest's arrays hold for its id now."""

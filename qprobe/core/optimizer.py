@@ -101,7 +101,10 @@ class Optimizer:
     the record rings and the kretprobe pools in guest RAM.
 
     ``available`` is False without a doorbell socket or writable shared RAM
-    (e.g. attached to a QEMU qprobe did not start); probes then stay int3s.
+    (e.g. attached to a QEMU qprobe did not start), or on an architecture
+    without guest-RAM layouts; probes then stay int3s.  An architecture
+    without jump optimization has the mailbox for its kretprobes' returns,
+    and every probe stays an int3 (``why_not`` says so).
     """
 
     def __init__(self, kprobes: ProbeTable, ram: SharedRam | None, doorbell: str | None) -> None:
@@ -110,7 +113,8 @@ class Optimizer:
         self.machine = kprobes.machine
         self.ram = ram
         self.doorbell_path = doorbell
-        self.available = bool(ram is not None and ram.writable and doorbell)
+        layouts = self.arch.guest_ram
+        self.available = bool(ram is not None and ram.writable and doorbell and layouts is not None)
         self.enabled = self.available  # debug.kprobes_optimization
         self.by_id: dict[int, ProbePoint] = {}
         # The text under each jump, listed in the guest's own kprobe_blacklist (see qprobe.core.fence).
@@ -127,17 +131,17 @@ class Optimizer:
         self.mailboxes = 0
         self._mailbox_phys: list[int] = []  # each CPU's mailbox in guest RAM, once the stub exists
         self._retired: set[int] = set()  # ids of points unoptimized lately (their records may still arrive)
-        # Without shared RAM nothing below runs: probes stay int3s.
+        # Without shared RAM, or guest-RAM layouts, nothing below runs: probes stay int3s.
         self.returns: ReturnPools | None = None  # kretprobe instances in guest RAM
         self.doorbell: Doorbell | None = None
         self.records: RecordRings | None = None  # the record rings, drained by the collector
         self.counts: GuestCounters | None = None  # the detours' counters in guest RAM, folded by the collector
-        if ram is not None:
+        if ram is not None and layouts is not None:
             self.returns = ReturnPools(self.arch, self.machine, kprobes.scratch, ram,
                                        lambda: kprobes.kernel.current_task_offset, self._stub)  # fmt: skip
             self.records = RecordRings(self.arch, self.machine, kprobes.scratch, ram, kprobes.kernel, kprobes.symbols,
                                        kprobes.handlers, self.by_id, self._retired)  # fmt: skip
-            self.counts = GuestCounters(self.arch, len(self.machine.vcpus), kprobes.scratch, ram, self.by_id,
+            self.counts = GuestCounters(layouts, len(self.machine.vcpus), kprobes.scratch, ram, self.by_id,
                                         self.records, self.returns, self.errors)  # fmt: skip
             drain_now = self.counts.drain_now.set
             self.doorbell = Doorbell(self.arch, self.machine.vcpus, ram, kprobes.handlers, kprobes.make_regs,
@@ -157,8 +161,9 @@ class Optimizer:
             scratch.map()
         ncpus = len(self.machine.vcpus)
         # Data the host writes through the RAM file lives on pages of its own, apart from code.
-        mailbox_size = self.arch.mailbox_size
-        assert self.counts is not None
+        layouts = self.arch.guest_ram
+        assert self.counts is not None and layouts is not None
+        mailbox_size = layouts.mailbox_size
         size = ncpus * mailbox_size + self.counts.size
         data = scratch.alloc(page_round(size), align=4096)
         self.mailboxes = data
@@ -168,7 +173,7 @@ class Optimizer:
         missed = self.counts.missed
 
         def stub(at: int) -> bytes:
-            return self.arch.build_mailbox_stub(self.mailboxes, missed, percpu, DOORBELL_PORT, at)
+            return layouts.build_mailbox_stub(self.mailboxes, missed, percpu, DOORBELL_PORT, at)
 
         size = len(stub(scratch.base))
         self.stub = scratch.alloc(size, align=64)
@@ -222,12 +227,15 @@ class Optimizer:
     def trampoline_code(self, address: int) -> bytes:
         """The stop-less kretprobe trampoline at ``address``: ``push 0; call stub; int3``."""
         self._ensure_stub()
-        return self.arch.return_trampoline(address, self.stub)
+        assert self.arch.guest_ram is not None
+        return self.arch.guest_ram.return_trampoline(address, self.stub)
 
     def why_not(self, point: ProbePoint) -> str | None:
         """None if ``point`` can be optimized now, else the reason."""
         if not self.enabled:
             return "optimization is off"
+        if self.arch.optprobes is None:
+            return f"{self.arch.name} has no jump optimization"
         missing = self.stub_missing()
         if missing is not None:
             return missing
@@ -260,15 +268,16 @@ class Optimizer:
         probe_id = self._free_ids.pop()
         self._retired.discard(probe_id)
         params = self._detour_params(point, probe_id, point.addr + size)
-        scratch = self.kp.scratch
-        detour, code, continue_addr = self.arch.arch_prepare_optimized_kprobe(params, region, point.addr,
-                                                                              scratch.base, scratch.alloc)  # fmt: skip
+        scratch, opt = self.kp.scratch, self.arch.optprobes
+        assert opt is not None  # why_not refused the point otherwise
+        detour, code, continue_addr = opt.arch_prepare_optimized_kprobe(params, region, point.addr, scratch.base,
+                                                                        scratch.alloc)  # fmt: skip
         scratch.write(detour, code)
         assert self.counts is not None
         self.counts.baseline(probe_id)
         # Swap the int3 for the jump while every vCPU is stopped.
         assert point.int3 is not None
-        jmp = self.kp.text.repatch(point.int3, self.arch.arch_optimize_kprobes(point.addr, detour), "optjmp", detour)
+        jmp = self.kp.text.repatch(point.int3, opt.arch_optimize_kprobes(point.addr, detour), "optjmp", detour)
         point.int3 = None
         fence = self.guest_blacklist.add(point.addr, point.addr + size)
         point.opt = Optimized(probe_id, detour, size, jmp, continue_addr, params.kind, params.tables, fence)
@@ -293,9 +302,9 @@ class Optimizer:
         if kind == "filtered":
             return dataclasses.replace(params, guest_filter=first.guest_filter)
         if kind == "keyed":
-            spec = first.guest_key
-            assert spec is not None
-            table_bytes = self.arch.guest_map_size(spec) * len(self.machine.vcpus)
+            spec, layouts = first.guest_key, self.arch.guest_ram
+            assert spec is not None and layouts is not None
+            table_bytes = layouts.guest_map_size(spec) * len(self.machine.vcpus)
             tables = self.kp.scratch.alloc(table_bytes, align=4096)  # written by the guest: apart from code
             self._zero(tables, table_bytes)
             current, pid, _tgid, comm = self.kp.kernel.offsets

@@ -44,7 +44,9 @@ class ReturnPools:
 
     def __init__(self, arch: Arch, machine: Machine, scratch: ScratchArea, ram: SharedRam,
                  current_task: Callable[[], int], stub: Callable[[], int]) -> None:  # fmt: skip
+        assert arch.guest_ram is not None  # built only for an architecture with guest-RAM layouts
         self.arch = arch
+        self.layouts = arch.guest_ram
         self.machine = machine
         self.scratch = scratch
         self.ram = ram
@@ -59,23 +61,23 @@ class ReturnPools:
         if self.ret is not None and self.scratch.mapped:
             return self.ret
         stub = self.stub()
-        scratch, arch = self.scratch, self.arch
-        size = MAX_INSTANCES * arch.instance_size + MAX_OWNERS * 8
+        scratch, layouts = self.scratch, self.layouts
+        size = MAX_INSTANCES * layouts.instance_size + MAX_OWNERS * 8
         data = scratch.alloc(page_round(size), align=4096)  # written by the guest: apart from code
         self.ram.write_phys(scratch.phys_of(data), bytes(size))
-        returns, current = data + MAX_INSTANCES * arch.instance_size, self.current_task()
-        probe = arch.return_layout(data, MAX_INSTANCES, scratch.base, returns, stub, current)
-        code = scratch.alloc(len(arch.build_return_trampolines(probe)), align=64)
-        self.ret = arch.return_layout(data, MAX_INSTANCES, code, returns, stub, current)
+        returns, current = data + MAX_INSTANCES * layouts.instance_size, self.current_task()
+        probe = layouts.return_layout(data, MAX_INSTANCES, scratch.base, returns, stub, current)
+        code = scratch.alloc(len(layouts.build_return_trampolines(probe)), align=64)
+        self.ret = layouts.return_layout(data, MAX_INSTANCES, code, returns, stub, current)
         self.machine.journal.set_meta(instances=data, ninstances=MAX_INSTANCES, ret_trampolines=code)
-        scratch.write(code, arch.build_return_trampolines(self.ret))
+        scratch.write(code, layouts.build_return_trampolines(self.ret))
         self.pools.clear()
         return self.ret
 
     def int3s(self) -> tuple[int, int]:
         """The shared return code's two int3s: after the mailbox call (busy mailbox), and on a bad instance."""
         assert self.ret is not None
-        return self.arch.return_int3s(self.ret)
+        return self.layouts.return_int3s(self.ret)
 
     def alloc(self, rp: Kretprobe, count: int) -> Pool | None:
         """A slice of ``count`` free instances for ``rp`` (None if the array has no room: the host keeps them)."""
@@ -92,7 +94,7 @@ class ReturnPools:
         if owner is None or first is None or count > ret.count:
             return None
         pool = Pool(first, count, owner)
-        free = self.arch.new_instance(owner, mailbox=rp.handler is not None)
+        free = self.layouts.new_instance(owner, mailbox=rp.handler is not None)
         for i in range(first, first + count):
             self.ram.write_phys(self.scratch.phys_of(ret.instance(i)), free)
         self.pools[owner] = PoolState(pool, rp)
@@ -103,8 +105,8 @@ class ReturnPools:
         """(index, slot, return address, task) of every taken instance of ``pool``, read from guest RAM."""
         assert self.ret is not None
         raw = self.ram.read_phys(self.scratch.phys_of(self.ret.instance(pool.first)),
-                                 pool.count * self.arch.instance_size)  # fmt: skip
-        return [(pool.first + n, slot, ret, task) for n, slot, ret, task in self.arch.parse_instances(raw)]
+                                 pool.count * self.layouts.instance_size)  # fmt: skip
+        return [(pool.first + n, slot, ret, task) for n, slot, ret, task in self.layouts.parse_instances(raw)]
 
     def find(self, slot: int) -> tuple[Kretprobe | None, int, int, int] | None:
         """The taken instance for a return through stack ``slot``: (its probe, index, return address, task)."""
@@ -121,11 +123,11 @@ class ReturnPools:
     def return_address(self, value: int) -> int | None:
         """If ``value`` is an instance's trampoline, the real return address it stands for."""
         ret = self.ret
-        i = None if ret is None else self.arch.trampoline_index(ret, value)
+        i = None if ret is None else self.layouts.trampoline_index(ret, value)
         if i is None:
             return None
         assert ret is not None
-        return self.ram.read_u64_phys(self.scratch.phys_of(self.arch.instance_return_field(ret, i)))
+        return self.ram.read_u64_phys(self.scratch.phys_of(self.layouts.instance_return_field(ret, i)))
 
     def retire(self, rp: Kretprobe) -> None:
         """Put back the real return address of every call of ``rp`` still in flight (stop loop, VM stopped).

@@ -41,7 +41,9 @@ class RecordRings:
     def __init__(self, arch: Arch, machine: Machine, scratch: ScratchArea, ram: SharedRam, kernel: KernelData,
                  symbols: Symbols, handlers: Handlers, by_id: Mapping[int, ProbePoint],
                  retired: Container[int]) -> None:  # fmt: skip
+        assert arch.guest_ram is not None  # built only for an architecture with guest-RAM layouts
         self.arch = arch
+        self.layouts = arch.guest_ram
         self.machine = machine
         self.scratch = scratch
         self.ram = ram
@@ -60,17 +62,19 @@ class RecordRings:
         self.lossy = False  # a full ring drops its records (counted as lost) instead of making them wait
 
     def _header(self, cpu: int) -> int:
-        return self.scratch.phys_of(self.rings + cpu * self.arch.ring_header_size)
+        return self.scratch.phys_of(self.rings + cpu * self.layouts.ring_header_size)
 
     def set_lossy(self, on: bool) -> None:
         """Drop records on a full ring (perf's and bpftrace's way) instead of making the hitting vCPU wait."""
         self.lossy = on
         for cpu in range(len(self._tails)):
-            self.ram.write_u64_phys(self._header(cpu) + self.arch.ring_lossy, int(on))
+            self.ram.write_u64_phys(self._header(cpu) + self.layouts.ring_lossy, int(on))
 
     def waits(self) -> int:
         """Records that found their ring full and waited for the host to drain it (every CPU's)."""
-        return sum(self.ram.read_u64_phys(self._header(cpu) + self.arch.ring_waits) for cpu in range(len(self._tails)))
+        return sum(
+            self.ram.read_u64_phys(self._header(cpu) + self.layouts.ring_waits) for cpu in range(len(self._tails))
+        )
 
     def ensure(self, lost: int, percpu: PercpuLayout, zero: Callable[[int, int], None], port: int) -> int:
         """The record stub's address; the rings and the stub on first use (64 KiB of scratch per CPU).
@@ -79,9 +83,9 @@ class RecordRings:
         """
         if self.stub:
             return self.stub
-        scratch, arch = self.scratch, self.arch
+        scratch, layouts = self.scratch, self.layouts
         ncpus = len(self.machine.vcpus)
-        size = arch.ring_header_size * ncpus + arch.ring_entries * arch.ring_entry_size * ncpus
+        size = layouts.ring_header_size * ncpus + layouts.ring_entries * layouts.ring_entry_size * ncpus
         self.rings = scratch.alloc(page_round(size), align=4096)  # written by the guest: apart from code
         zero(self.rings, size)
         self._tails = [0] * ncpus
@@ -90,7 +94,7 @@ class RecordRings:
         _cur, pid_off, _tgid, comm_off = self.kernel.offsets
 
         def code(at: int) -> bytes:
-            return arch.build_record_stub(self.rings, ncpus, lost, percpu, pid_off, comm_off, port, at)
+            return layouts.build_record_stub(self.rings, ncpus, lost, percpu, pid_off, comm_off, port, at)
 
         stub = scratch.alloc(len(code(scratch.base)), align=64)
         scratch.write(stub, code(stub))
@@ -117,22 +121,22 @@ class RecordRings:
 
     def _read_ring(self, cpu: int) -> list[tuple[ProbePoint, RingEntry]]:
         """The valid entries of ``cpu``'s ring since the last drain; the ring's tail moves past them all."""
-        ram, scratch, arch = self.ram, self.scratch, self.arch
+        ram, scratch, layouts = self.ram, self.scratch, self.layouts
         ncpus = len(self._tails)
         hdr = self._header(cpu)
-        head, tail = ram.read_u64_phys(hdr + arch.ring_head), self._tails[cpu]
+        head, tail = ram.read_u64_phys(hdr + layouts.ring_head), self._tails[cpu]
         if head == tail:
             return []
         out = []
-        if not 0 < head - tail <= arch.ring_entries:
+        if not 0 < head - tail <= layouts.ring_entries:
             self.ring_errors += 1
         else:
-            base = scratch.phys_of(self.rings + arch.ring_header_size * ncpus
-                                   + cpu * arch.ring_entries * arch.ring_entry_size)  # fmt: skip
+            base = scratch.phys_of(self.rings + layouts.ring_header_size * ncpus
+                                   + cpu * layouts.ring_entries * layouts.ring_entry_size)  # fmt: skip
             for seq in range(tail, head):
-                raw = ram.read_phys(base + (seq % arch.ring_entries) * arch.ring_entry_size,
-                                    arch.ring_entry_read_size)  # fmt: skip
-                entry = arch.parse_ring_entry(raw)
+                raw = ram.read_phys(base + (seq % layouts.ring_entries) * layouts.ring_entry_size,
+                                    layouts.ring_entry_read_size)  # fmt: skip
+                entry = layouts.parse_ring_entry(raw)
                 point = self.by_id.get(entry.probe_id)
                 if point is None and entry.probe_id in self.retired:
                     self.late_records += 1
@@ -142,7 +146,7 @@ class RecordRings:
                     continue
                 out.append((point, entry))
         self._tails[cpu] = head
-        ram.write_u64_phys(hdr + arch.ring_tail, head)
+        ram.write_u64_phys(hdr + layouts.ring_tail, head)
         return out
 
     def _deliver(self, batch: list[tuple[ProbePoint, RingEntry]]) -> None:

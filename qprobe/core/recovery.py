@@ -66,14 +66,14 @@ class _Recovery:
 
     def guest_instances(self) -> dict[int, tuple[int, int]]:
         """Kretprobe instances taken in guest RAM: stack slot -> (trampoline, real return address)."""
-        meta = self.meta
-        if "instances" not in meta:
+        meta, layouts = self.meta, self.arch.guest_ram
+        if "instances" not in meta or layouts is None:
             return {}
         self.gdb.set_physical(True)
         phys = meta["scratch_phys"] + meta["instances"] - meta["scratch"]
-        raw = self.gdb.read_memory(phys, meta["ninstances"] * self.arch.instance_size)
-        layout = self.arch.return_layout(meta["instances"], meta["ninstances"], meta["ret_trampolines"], 0, 0, 0)
-        return {slot: (layout.trampoline(i), ret) for i, slot, ret, _task in self.arch.parse_instances(raw)}
+        raw = self.gdb.read_memory(phys, meta["ninstances"] * layouts.instance_size)
+        layout = layouts.return_layout(meta["instances"], meta["ninstances"], meta["ret_trampolines"], 0, 0, 0)
+        return {slot: (layout.trampoline(i), ret) for i, slot, ret, _task in layouts.parse_instances(raw)}
 
     def real_return(self, slot: int) -> int | None:
         """The return address a trampoline stands for in the call whose return address stack ``slot`` held
@@ -150,18 +150,19 @@ class _Recovery:
 
     def answer_mailbox(self, cpu: int) -> None:
         """Release a vCPU waiting in the stub: resume at its detour's continue label."""
-        if "mailboxes" not in self.meta:
+        layouts = self.arch.guest_ram
+        if "mailboxes" not in self.meta or layouts is None:
             return
-        mb = self.meta["scratch_phys"] + self.meta["mailboxes"] - self.meta["scratch"] + cpu * self.arch.mailbox_size
+        mb = self.meta["scratch_phys"] + self.meta["mailboxes"] - self.meta["scratch"] + cpu * layouts.mailbox_size
         self.gdb.set_physical(True)
-        req = self.arch.read_mailbox(lambda off, size: self.gdb.read_memory(mb + off, size))
+        req = layouts.read_mailbox(lambda off, size: self.gdb.read_memory(mb + off, size))
         if req is None:
             return
         cont = req.continue_addr
-        if req.probe_id == self.arch.trampoline_id:
+        if req.probe_id == layouts.trampoline_id:
             # A return waiting for its handler: resume at the real return address, not the int3 after the call.
             cont = self.real_return(req.final_sp - self.arch.ret_pops) or cont
-        for off, data in self.arch.mailbox_answer({}, cont, req.final_sp):
+        for off, data in layouts.mailbox_answer({}, cont, req.final_sp):
             self.gdb.write_memory(mb + off, data)
 
     def preempted_inside(self) -> str | None:

@@ -127,8 +127,10 @@ class UprobeManager:
         # uprobe_register(): an offset past the end of the file is EINVAL.
         if offset > f.size:
             raise InvalidProbe(f"{up.path}:{offset:#x} is past the end of the file ({f.size} bytes) (EINVAL)")
+        if self.arch.uprobes is None:
+            raise InvalidProbe(f"{up.path}:{offset:#x}: no user-space probes on this architecture (ENOTSUPP)")
         code = self.files.read(f, offset, 16)
-        why = self.arch.arch_uprobe_analyze_insn(code) if code else None
+        why = self.arch.uprobes.arch_uprobe_analyze_insn(code) if code else None
         if why is not None:
             raise InvalidProbe(f"{up.path}:{offset:#x}: {why}")
         self._ensure_hook()
@@ -311,7 +313,7 @@ class UprobeManager:
             if pt.ip != ip:  # a handler moved the task elsewhere: the instruction is not run
                 return
         after = self.kprobes.dispatcher.step(tid, ip)
-        if consumers and self.arch.arch_uprobe_xol_was_trapped(code, after):
+        if consumers and self.arch.uprobes and self.arch.uprobes.arch_uprobe_xol_was_trapped(code, after):
             if len(self.restarts) >= MAX_RESTARTS:
                 self.restarts.clear()
             self.restarts.add((root, ip, sp))

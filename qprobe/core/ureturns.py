@@ -48,8 +48,9 @@ class UprobeReturns:
     def prepare(self, probes: list[Uprobe], pt: PtRegs, values: Regs[str, int],
                        key: tuple[int, int]) -> None:  # fmt: skip
         """prepare_uretprobe(): remember the call and stop at its return address (values: before any handler)."""
+        assert self.arch.uprobes is not None  # a uprobe was registered
         try:
-            ret_addr, sp_after = self.arch.arch_uretprobe_frame(values, pt.read)
+            ret_addr, sp_after = self.arch.uprobes.arch_uretprobe_frame(values, pt.read)
         except QprobeError:
             for up in probes:
                 up.nmissed += 1

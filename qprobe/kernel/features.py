@@ -36,7 +36,7 @@ def find_watch_site(kernel: KernelData, arch: Arch) -> tuple[int, frozenset[int]
 
     The word is the arch's ``trap_watch`` (x86: text_poke_bp's ``bp_desc.refs``).
     None (the breakpoint hook is used) if the arch has none, or this kernel has no
-    such read in the shape the arch's ``trap_watch_site`` expects.
+    such read in the shape the watch's ``site`` expects.
     """
     watch, symbols = arch.trap_watch, kernel.symbols
     if watch is None or watch.variable not in symbols or watch.handler not in symbols:
@@ -47,7 +47,7 @@ def find_watch_site(kernel: KernelData, arch: Arch) -> tuple[int, frozenset[int]
         code = kernel.mem.read(fn.addr, min(fn.size, 128))
     except QprobeError:
         return None
-    safe = arch.trap_watch_site(code, fn.addr, word)
+    safe = watch.site(code, fn.addr, word)
     return None if safe is None else (word, safe)
 
 

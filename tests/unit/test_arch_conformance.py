@@ -1,4 +1,5 @@
-"""Every registered architecture has every member of the Arch protocol, each method with Arch's parameters.
+"""Every registered architecture has every member of the Arch protocol, each method with Arch's parameters,
+and so has each optional facet it provides (OptProbes, GuestRam, TrapStep, Uprobes).
 
 make lint's mypy check is the full one (types included); this is its quick
 counterpart in the unit tests, so that a missing or reshaped member also fails
@@ -11,32 +12,49 @@ import inspect
 
 import pytest
 
-from qprobe.arch import Arch
+from qprobe.arch import Arch, GuestRam, OptProbes, TrapStep, Uprobes
 from qprobe.arch.select import ARCHES
 
+# Arch's attribute -> the protocol of the facet it holds (or None).
+FACETS: dict[str, type] = {"optprobes": OptProbes, "guest_ram": GuestRam, "trap_step": TrapStep, "uprobes": Uprobes}
 
-def members() -> tuple[set[str], set[str]]:
-    """(data members, methods) Arch declares."""
-    methods = {n for n, v in vars(Arch).items() if inspect.isfunction(v) and not n.startswith("_")}
-    data = {n for n in Arch.__annotations__ if not n.startswith("_")} - methods
+
+def members(protocol: type) -> tuple[set[str], set[str]]:
+    """(data members, methods) ``protocol`` declares."""
+    methods = {n for n, v in vars(protocol).items() if inspect.isfunction(v) and not n.startswith("_")}
+    data = {n for n in protocol.__annotations__ if not n.startswith("_")} - methods
     return data, methods
+
+
+def check(protocol: type, obj: object) -> None:
+    """``obj`` has every member of ``protocol``, each method with the protocol's parameters."""
+    data, methods = members(protocol)
+    missing = sorted(n for n in data | methods if not hasattr(obj, n))
+    assert not missing, f"{type(obj).__name__} lacks {', '.join(missing)}"
+    for method in sorted(methods):
+        want = list(inspect.signature(getattr(protocol, method)).parameters.values())[1:]  # without self
+        got = list(inspect.signature(getattr(obj, method)).parameters.values())
+        assert [p.kind for p in got] == [p.kind for p in want], f"{method}: {got} for {protocol.__name__}'s {want}"
+        assert len(got) == len(want), f"{method}: {len(got)} parameters, {protocol.__name__}'s has {len(want)}"
 
 
 @pytest.mark.parametrize("name", sorted(ARCHES))
 def test_the_arch_implements_the_protocol(name: str) -> None:
-    arch = ARCHES[name][1]()
-    data, methods = members()
-    missing = sorted(n for n in data | methods if not hasattr(arch, n))
-    assert not missing, f"{type(arch).__name__} lacks {', '.join(missing)}"
-    for method in sorted(methods):
-        want = list(inspect.signature(getattr(Arch, method)).parameters.values())[1:]  # without self
-        got = list(inspect.signature(getattr(arch, method)).parameters.values())
-        assert [p.kind for p in got] == [p.kind for p in want], f"{method}: {got} for Arch's {want}"
-        assert len(got) == len(want), f"{method}: {len(got)} parameters, Arch's has {len(want)}"
+    check(Arch, ARCHES[name][1]())
+
+
+@pytest.mark.parametrize("name", sorted(ARCHES))
+@pytest.mark.parametrize("facet", sorted(FACETS))
+def test_each_facet_the_arch_provides_implements_its_protocol(name: str, facet: str) -> None:
+    obj = getattr(ARCHES[name][1](), facet)
+    if obj is None:
+        pytest.skip(f"{name} has no {facet}")
+    check(FACETS[facet], obj)
 
 
 def test_the_protocol_s_data_members_and_methods_are_both_found() -> None:
     """The introspection the check relies on sees attributes (annotations) and methods (functions) alike."""
-    data, methods = members()
-    assert {"registers", "breakpoint", "trap_watch"} <= data
+    data, methods = members(Arch)
+    assert {"registers", "breakpoint", "trap_watch", *FACETS} <= data
     assert {"arch_prepare_kprobe", "decode_trap", "page_tables", "jump_label_size"} <= methods
+    assert members(GuestRam)[0] >= {"mailbox_size", "ring_entries"} and "read_mailbox" in members(GuestRam)[1]

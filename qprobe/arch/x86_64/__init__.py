@@ -4,7 +4,9 @@ Instructions are decoded, prepared, emulated and relocated (decode, insn,
 emulate, boost, opt); ``ptregs`` defines ``struct pt_regs`` once; detour,
 retdetour, guestagg and guestfilter generate the code optimized probes run in
 the guest (the mailbox stub rings QEMU's isa-debugcon port); int3hook finds
-where the host hears of a guest int3.  All of it works on bytes and register
+where the host hears of a guest int3.  Each optional facet of the Arch is a
+class: ``arch.X86TrapStep``, ``opt.X86OptProbes``, ``guestram.X86GuestRam``
+(the layouts in guest RAM) and ``uprobes.X86Uprobes``.  All of it works on bytes and register
 values: the host's I/O with QEMU is qprobe.vmm's.  Names follow
 arch/x86/kernel/kprobes/{core,opt}.c.
 """

@@ -1,53 +1,51 @@
 """x86_64 as the core sees it: the :class:`qprobe.arch.Arch` object, over the modules of this package.
 
 Each method is the x86 half of a kernel hook (arch/x86/kernel/kprobes/
-core.c and opt.c) or of qprobe's host-side additions; the work is done by
-the modules it names.
+core.c) or of qprobe's host-side additions; the work is done by the modules
+it names.  The optional facets are classes of their own, wired here: the
+int3 single-step (:class:`X86TrapStep`), jump optimization
+(``opt.X86OptProbes``), the guest-RAM layouts (``guestram.X86GuestRam``)
+and user-space probes (``uprobes.X86Uprobes``).
 """
 
 from __future__ import annotations
 
 import re
-import struct
 from collections.abc import Callable, Mapping
 from typing import cast
-
-from iced_x86 import Code, Decoder
 
 from qprobe.arch import (
     ArchBlacklist,
     BootStage,
     CycleCounter,
-    DetourParams,
     ExceptionTable,
     FtraceSite,
-    MailboxRequest,
+    GuestRam,
     Memory,
-    PercpuLayout,
+    OptProbes,
     Prepared,
     RegisterLayout,
     Registers,
     Resume,
     ResumeKind,
     ReturnHijack,
-    ReturnLayout,
-    RingEntry,
     Trap,
     TrapHook,
+    TrapStep,
     TrapWatch,
+    Uprobes,
 )
-from qprobe.arch.inguest import KeySpec, MapKey, MapSlot
-from qprobe.arch.x86_64 import detour, guestagg, guestfilter, retdetour
-from qprobe.arch.x86_64.boost import CALL_INSN_SIZE, INT3_INSN_OPCODE, JMP32_INSN_SIZE, call_target, synthesize_reljump
+from qprobe.arch.x86_64 import guestfilter
+from qprobe.arch.x86_64.boost import CALL_INSN_SIZE, INT3_INSN_OPCODE, JMP32_INSN_SIZE, call_target
 from qprobe.arch.x86_64.bootentry import boot_virtual_entry
-from qprobe.arch.x86_64.decode import check_boundary, decode_all
+from qprobe.arch.x86_64.decode import check_boundary
 from qprobe.arch.x86_64.emulate import Regs, emulate
+from qprobe.arch.x86_64.guestram import X86GuestRam
 from qprobe.arch.x86_64.insn import (
     SLOT_SIZE,
     TRAP_COPY,
     PreparedInsn,
     arch_adjust_kprobe_addr,
-    copy_instruction,
     is_endbr,
     prepare_kprobe,
     resume_singlestep,
@@ -55,7 +53,7 @@ from qprobe.arch.x86_64.insn import (
     trap_copy_start,
 )
 from qprobe.arch.x86_64.int3hook import watch_site
-from qprobe.arch.x86_64.opt import can_optimize
+from qprobe.arch.x86_64.opt import X86OptProbes
 from qprobe.arch.x86_64.paging import KERNEL_IMAGE_BASE, X86PageTables, page_tables
 from qprobe.arch.x86_64.ptregs import (
     ARG_REGS,
@@ -74,16 +72,9 @@ from qprobe.arch.x86_64.ptregs import (
     X86_EFLAGS_TF,
     parse_hw_frame,
     parse_pt_regs,
-    parse_stub_frame,
-    stub_frame_offset,
 )
 from qprobe.arch.x86_64.tsc import after_rdtsc
-
-# Instructions that enter the kernel on purpose: a step that ends there is no fault to restart.
-_SYSTEM_CALLS = frozenset({Code.SYSCALL, Code.SYSENTER, Code.INT_IMM8, Code.INT3, Code.INTO, Code.INT1})
-_MAILBOX = struct.Struct(f"<{(detour.MB_REGS + detour.FRAME_SIZE) // 8}Q")  # a mailbox up to the end of its frame
-_ANSWER = struct.Struct("<2Q")  # MB_FINAL_IP, MB_FINAL_SP: written in one go
-assert detour.MB_FINAL_SP == detour.MB_FINAL_IP + 8
+from qprobe.arch.x86_64.uprobes import X86Uprobes
 
 # Functions whose return address must not be replaced: __switch_to returns on another task's
 # stack (the kernel's kretprobe_blacklist, arch/x86/kernel/kprobes/core.c before 5.18 and
@@ -114,7 +105,8 @@ TRAP_ENTRIES = ("asm_exc_int3", "int3")
 TRAP_PATH = ("asm_exc_int3", "error_entry", "exc_int3", "poke_int3_handler")
 # ``bp_desc`` is text_poke_bp's descriptor with a ``refs`` count in the 6.1 and 6.12 kernels qprobe
 # is tested on (arch/x86/kernel/alternative.c; older kernels reached it through a pointer).
-TRAP_WATCH = TrapWatch("bp_desc", "struct bp_patching_desc", "refs", "poke_int3_handler")
+# Where a vCPU is when QEMU reports that read: int3hook.watch_site.
+TRAP_WATCH = TrapWatch("bp_desc", "struct bp_patching_desc", "refs", "poke_int3_handler", watch_site)
 # native_sched_clock() is cycles_2_ns(rdtsc()) on a usable TSC (arch/x86/kernel/tsc.c); after its
 # rdtsc, edx:eax hold the counter just read.
 TSC = CycleCounter("native_sched_clock", after_rdtsc,
@@ -132,6 +124,23 @@ def _regs(regs: Registers) -> Regs:
     return cast(Regs, regs)
 
 
+class X86TrapStep:
+    """The int3 single-step (Linux 5.14+): a slot's int3-terminated copies (insn.TRAP_COPY), run with IF off."""
+
+    def is_trap_step_start(self, prep: Prepared, ip: int) -> bool:
+        """Whether ``ip`` is where a trap-step's copy starts (the vCPU has not run it yet)."""
+        return trap_copy_start(_insn(prep), ip) == ip
+
+    def is_trap_step_end(self, prep: Prepared, addr: int) -> bool:
+        """Whether ``addr`` is the int3 after one of the copies a trap-step runs."""
+        insn = _insn(prep)
+        start = trap_copy_start(insn, addr)
+        return start is not None and addr == start + insn.insn.length
+
+    def arch_resume_trap_step(self, prep: Prepared, regs: Registers) -> None:
+        resume_trap_step(_insn(prep), _regs(regs))
+
+
 class X86_64:
     """The x86_64 implementation of :class:`qprobe.arch.Arch`."""
 
@@ -142,28 +151,22 @@ class X86_64:
     kprobe_ip_offset = 1
     ret_pops = 8  # at a function's entry the return address ``call`` pushed is at rsp; ``ret`` pops it
     slot_size = SLOT_SIZE  # the copy and a jmp back, then the two int3-terminated copies (insn.SLOT_SIZE)
-    jump_size = JMP32_INSN_SIZE
     registers = RegisterLayout(GDB_NAME, ARG_REGS, {"cs": KERNEL_CS, "ss": KERNEL_DS}, general=guestfilter.GPRS,
                                irq_flag=X86_EFLAGS_IF, page_table="cr3", percpu_base="gs_base",
                                retval="ax", stack_args=8, pt_regs=PT_NAMES, unwound=(*PT_GPRS, "rip", "rsp"),
                                display=DISPLAY, flag_bits=FLAG_BITS, plain=PLAIN)  # fmt: skip
     # Annotated as Arch declares them: a protocol's attributes are settable, so their types must match.
-    cycle_counter: CycleCounter | None = TSC
     ftrace_site: FtraceSite | None = FtraceSite("__fentry__", CALL_INSN_SIZE, call_target)
     drgn_architecture = "X86_64"
     trap_entries: tuple[str, ...] = TRAP_ENTRIES
     trap_path: tuple[str, ...] = TRAP_PATH
+    # Every optional facet: x86 has them all.
+    trap_step: TrapStep | None = X86TrapStep()
     trap_watch: TrapWatch | None = TRAP_WATCH
-
-    mailbox_size = detour.MAILBOX_SIZE
-    ring_header_size = detour.RING_HEADER
-    ring_entries = detour.RING_ENTRIES
-    ring_entry_size = detour.ENTRY_SIZE
-    ring_head, ring_tail = detour.R_HEAD, detour.R_TAIL
-    ring_waits, ring_lossy = detour.R_WAITS, detour.R_LOSSY
-    drain_doorbell = detour.DRAIN_DOORBELL
-    instance_size = retdetour.INSTANCE_SIZE
-    trampoline_id = retdetour.TRAMPOLINE_ID
+    optprobes: OptProbes | None = X86OptProbes()
+    guest_ram: GuestRam | None = X86GuestRam()
+    uprobes: Uprobes | None = X86Uprobes()
+    cycle_counter: CycleCounter | None = TSC
 
     def page_tables(self, regs: Mapping[str, int]) -> X86PageTables:
         return page_tables(regs)
@@ -224,19 +227,6 @@ class X86_64:
         # The gdbstub steps the copy; TF and RF stay clear so that the guest sees neither.
         return Resume(ResumeKind.STEP, insn.slot_addr, pt.sp, flags, regs.dirty())
 
-    def is_trap_step_start(self, prep: Prepared, ip: int) -> bool:
-        """Whether ``ip`` is where a trap-step's copy starts (the vCPU has not run it yet)."""
-        return trap_copy_start(_insn(prep), ip) == ip
-
-    def is_trap_step_end(self, prep: Prepared, addr: int) -> bool:
-        """Whether ``addr`` is the int3 after one of the copies a trap-step runs."""
-        insn = _insn(prep)
-        start = trap_copy_start(insn, addr)
-        return start is not None and addr == start + insn.insn.length
-
-    def arch_resume_trap_step(self, prep: Prepared, regs: Registers) -> None:
-        resume_trap_step(_insn(prep), _regs(regs))
-
     def arch_slot_resume(self, slot: int, addr: int, ip: int, flags: int) -> tuple[int, int] | None:
         """(ip, flags) in the text for a vCPU at ``ip`` in the slot at ``slot`` of the probe at ``addr``.
 
@@ -272,10 +262,6 @@ class X86_64:
                 return
 
     # -- traps -------------------------------------------------------------------------------
-    def trap_watch_site(self, code: bytes, address: int, watched: int) -> frozenset[int] | None:
-        """Where a vCPU is when QEMU reports poke_int3_handler's read of ``watched`` (see int3hook)."""
-        return watch_site(code, address, watched)
-
     def decode_trap(self, hook: TrapHook, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> Trap:
         """The trapped context of a stop on the #BP entry or in poke_int3_handler (see int3hook)."""
         if hook is TrapHook.ENTRY:
@@ -322,27 +308,6 @@ class X86_64:
     def user_mode(self, regs: Mapping[str, int]) -> bool:
         return bool(regs["cs"] & 3)
 
-    def arch_uprobe_analyze_insn(self, code: bytes) -> str | None:
-        """The kernel refuses an int3 as the probed instruction (``is_trap_insn``, -ENOTSUPP): it would be
-        its own trap.  It also refuses what its decoder cannot read; an instruction qprobe steps in place
-        needs no table of what can run out of line."""
-        insn = Decoder(64, code[:16]).decode()
-        if insn.code == Code.INVALID:
-            return "an instruction the decoder cannot read (EINVAL)"
-        if insn.code == Code.INT3:
-            return "an int3 is there already (ENOTSUPP)"
-        return None
-
-    def arch_uprobe_xol_was_trapped(self, code: bytes, after: Mapping[str, int]) -> bool:
-        if self.user_mode(after):
-            return False
-        return Decoder(64, code[:16]).decode().code not in _SYSTEM_CALLS
-
-    def arch_uretprobe_frame(self, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> tuple[int, int]:
-        """At a function's first instruction ``call`` has pushed the return address at rsp; ``ret`` pops it."""
-        sp = regs["rsp"]
-        return int.from_bytes(read(sp, 8), "little"), sp + 8
-
     def percpu_base(self, regs: Mapping[str, int]) -> int:
         """The kernel's per-CPU base: GS's, except between a kernel entry from user mode and its ``swapgs``
         (entry text, where only a stub breakpoint can stop), where GS is still the user's and the kernel's
@@ -368,164 +333,5 @@ class X86_64:
     def arch_kretprobe_blacklist(self) -> frozenset[str]:
         return KRETPROBE_BLACKLIST
 
-    # -- jump optimization (opt.c) ----------------------------------------------------------
-    def arch_check_optimized_kprobe(self, func_code: bytes, func_start: int, addr: int,
-                                    exception_table: ExceptionTable | None, patched: Mapping[int, int],
-                                    name: str) -> tuple[str | None, int]:  # fmt: skip
-        check = can_optimize(func_code, func_start, addr, exception_table, patched=patched, name=name)
-        return (None if check.ok else check.reason), check.size
 
-    def arch_prepare_optimized_kprobe(self, params: DetourParams, region: bytes, addr: int, near: int,
-                                      alloc: Callable[[int], int]) -> tuple[int, bytes, int]:  # fmt: skip
-        """(the detour's address, its code, where its continue label is) for the ``region`` at ``addr``.
-
-        ``alloc(size)`` places the detour; ``near`` is any address in the same area (to size its head).
-        """
-        build = self._detour_builder(params)
-        insns = decode_all(region, addr)
-        head = build(near, b"")[1]  # the head's size does not depend on where it is placed
-        total = head + sum(len(copy_instruction(i, addr)) for i in insns) + JMP32_INSN_SIZE
-        at = alloc(total + 16)
-        relocated = b""
-        for insn in insns:
-            relocated += copy_instruction(insn, at + head + len(relocated))
-        code, got = build(at, relocated)
-        assert got == head
-        return at, code, at + head
-
-    def _detour_builder(self, p: DetourParams) -> Callable[[int, bytes], tuple[bytes, int]]:
-        if p.kind == "count":
-            return lambda at, rel: (detour.build_count_detour(at, p.counter, rel, p.resume), detour.COUNT_HEAD)
-        if p.kind == "filtered":
-            tree = p.guest_filter
-            assert tree is not None
-            return lambda at, rel: guestfilter.build_filtered_detour(at, tree, p.probe_id, p.stub,
-                                                                     p.counter, rel, p.resume)  # fmt: skip
-        if p.kind == "keyed":
-            spec = p.guest_key
-            assert spec is not None
-            return lambda at, rel: guestagg.build_keyed_detour(at, spec, p.tables, p.cpu_number, p.task, p.counter,
-                                                               p.lost, rel, p.resume)  # fmt: skip
-        if p.kind == "retentry":
-            ret, pool = p.returns, p.pool
-            assert isinstance(ret, retdetour.RetParams) and pool is not None
-            return lambda at, rel: retdetour.build_entry_detour(at, ret, pool, p.counter, p.missed, rel, p.resume)
-        return lambda at, rel: (detour.build_detour(at, p.probe_id, p.stub, rel, p.resume), detour.DETOUR_HEAD)
-
-    def arch_optimize_kprobes(self, addr: int, detour_addr: int) -> bytes:
-        """The jump that replaces the probed instructions."""
-        return synthesize_reljump(addr, detour_addr)
-
-    def arch_unoptimize_kprobes(self, jump: bytes, original: bytes) -> bytes:
-        return original
-
-    def arch_within_optimized_kprobe(self, addr: int, size: int, target: int) -> bool:
-        """Whether ``target`` lies in the displaced instructions of a probe at ``addr`` (other than their start)."""
-        return addr < target < addr + size
-
-    # -- guest-RAM layouts of the optimized path -----------------------------------------------
-    def build_mailbox_stub(self, mailboxes: int, missed: int, percpu: PercpuLayout, port: int, address: int) -> bytes:
-        params = detour.StubParams(mailboxes, missed, percpu.cpu_number, percpu.this_cpu_off, percpu.current_task,
-                                   port)  # fmt: skip
-        return detour.build_stub(params, address)
-
-    def build_record_stub(self, rings: int, ncpus: int, lost: int, percpu: PercpuLayout, pid_offset: int,
-                          comm_offset: int, port: int, address: int) -> bytes:  # fmt: skip
-        params = detour.RecordParams(rings, rings + detour.RING_HEADER * ncpus, lost, percpu.cpu_number,
-                                     percpu.current_task, pid_offset, comm_offset, port)  # fmt: skip
-        return detour.build_record_stub(params, address)
-
-    def return_layout(self, instances: int, count: int, trampolines: int, returns: int, stub: int,
-                      current_task: int) -> ReturnLayout:  # fmt: skip
-        return retdetour.RetParams(instances, count, trampolines, returns, stub, current_task)
-
-    def build_return_trampolines(self, layout: ReturnLayout) -> bytes:
-        assert isinstance(layout, retdetour.RetParams)
-        return retdetour.build_trampolines(layout)
-
-    def return_int3s(self, layout: ReturnLayout) -> tuple[int, int]:
-        """The shared return code's two int3s: after the mailbox call (busy mailbox), and on a bad instance."""
-        assert isinstance(layout, retdetour.RetParams)
-        common = layout.trampoline(layout.count)
-        busy, bad = retdetour.common_offsets(layout)
-        return common + busy, common + bad
-
-    def return_trampoline(self, address: int, stub: int) -> bytes:
-        """The stop-less kretprobe trampoline at ``address``: ``push 0; call stub; int3``."""
-        return detour.build_detour(address, retdetour.TRAMPOLINE_ID, stub, b"", 0)[: detour.DETOUR_HEAD] + b"\xcc"
-
-    def new_instance(self, owner: int, mailbox: bool) -> bytes:
-        """A free instance of ``owner``'s pool, whose return counts in the guest or goes to the mailbox."""
-        raw = bytearray(retdetour.INSTANCE_SIZE)
-        mode = retdetour.MODE_MAILBOX if mailbox else retdetour.MODE_COUNT
-        struct.pack_into("<II", raw, retdetour.I_OWNER, owner, mode)
-        return bytes(raw)
-
-    def parse_instances(self, raw: bytes) -> list[tuple[int, int, int, int]]:
-        """(n, slot, return address, task) of every taken instance in ``raw`` (consecutive instances)."""
-        out = []
-        for n in range(len(raw) // retdetour.INSTANCE_SIZE):
-            slot, ret, task = struct.unpack_from("<3Q", raw, n * retdetour.INSTANCE_SIZE + retdetour.I_SLOT)
-            if slot:
-                out.append((n, slot, ret, task))
-        return out
-
-    def instance_return_field(self, layout: ReturnLayout, i: int) -> int:
-        return layout.instance(i) + retdetour.I_RET
-
-    def trampoline_index(self, layout: ReturnLayout, value: int) -> int | None:
-        """If ``value`` is instance i's trampoline, i."""
-        if not layout.trampolines <= value < layout.trampoline(layout.count):
-            return None
-        return (value - layout.trampolines) // retdetour.TRAMP_STRIDE
-
-    def read_mailbox(self, read: Callable[[int, int], bytes]) -> MailboxRequest | None:
-        """The request in a CPU's mailbox (``read(offset, size)`` reads it), or None if there is none.
-
-        The state is read first: the stub writes everything else before it publishes REQUEST.
-        """
-        if int.from_bytes(read(detour.MB_STATE, 8), "little") != detour.STATE_REQUEST:
-            return None
-        raw = read(0, _MAILBOX.size)  # the header words and the frame, in one read
-        box = _MAILBOX.unpack(raw)
-        values, continue_addr, probe_id = parse_stub_frame(raw, detour.MB_REGS)
-        frame = box[detour.MB_FRAME // 8]
-        values.update(rsp=frame + detour.FRAME_SIZE, cr3=box[detour.MB_CR3 // 8], gs_base=box[detour.MB_PERCPU // 8],
-                      tsc=box[detour.MB_TSC // 8])  # fmt: skip
-        return MailboxRequest(probe_id, values, continue_addr, frame, frame + detour.FRAME_SIZE)
-
-    def mailbox_answer(self, changed: Mapping[str, int], final_ip: int, final_sp: int) -> list[tuple[int, bytes]]:
-        """(offset, bytes) writes that answer a request, in order; the last publishes DONE in one store."""
-        writes = []
-        for name, value in changed.items():
-            off = stub_frame_offset(name)
-            if off is not None:
-                writes.append((detour.MB_REGS + off, value.to_bytes(8, "little")))
-        writes.append((detour.MB_FINAL_IP, _ANSWER.pack(final_ip, final_sp)))
-        writes.append((detour.MB_STATE, detour.STATE_DONE.to_bytes(8, "little")))
-        return writes
-
-    def parse_ring_entry(self, raw: bytes) -> RingEntry:
-        values, _ret, probe_id = parse_stub_frame(raw)
-        cpu_pid, task, tsc = (int.from_bytes(raw[o : o + 8], "little")
-                              for o in (detour.E_CPU_PID, detour.E_TASK, detour.E_TSC))  # fmt: skip
-        comm = detour.task_comm(raw[detour.E_COMM : detour.E_COMM + 16])
-        return RingEntry(probe_id, cpu_pid & 0xFFFFFFFF, detour.task_pid(cpu_pid >> 32), comm, task, tsc,
-                         values["rsp"], values)  # fmt: skip
-
-    ring_entry_read_size = detour.E_TASK + 8
-
-    def guest_map_size(self, spec: KeySpec) -> int:
-        return guestagg.table_size(spec)
-
-    def parse_guest_map(self, spec: KeySpec, raw: bytes) -> dict[MapKey, MapSlot]:
-        """Key -> slot over one or more CPUs' tables of a "keyed" detour, each key part decoded."""
-        out: dict[MapKey, MapSlot] = {}
-        for words, slot in guestagg.parse_tables(spec, raw).items():
-            key = guestagg.decode_key(spec, words)
-            old = out.get(key)  # two comm words that differ only after the NUL are one name
-            out[key] = slot if old is None else old.merge(slot)
-        return out
-
-
-__all__ = ["KRETPROBE_BLACKLIST", "THUNKS", "X86_64"]
+__all__ = ["KRETPROBE_BLACKLIST", "THUNKS", "X86_64", "X86TrapStep"]

@@ -39,7 +39,6 @@ from typing import Any
 from qprobe.arch import (
     ArchBlacklist,
     BootStage,
-    DetourParams,
     MailboxRequest,
     Memory,
     PercpuLayout,
@@ -67,6 +66,7 @@ BRK = bytes([BRK_OP, 0, 0, 0])
 IRQ = 0x80  # the flags bit set while interrupts are enabled
 USER = 0x01  # the flags bit set in user mode
 STATE_REQUEST, STATE_DONE = 1, 2  # a mailbox's state word
+STEP_COPY = 16  # a slot: the boosted copy [copy, JMPL, its target], then the trap-stepped one [copy, BRK]
 
 # Guest virtual layout -> guest RAM.
 TEXT, TEXT_PHYS, TEXT_SIZE = 0xFFFF_8000_0000_0000, 0x0, 0x10000
@@ -113,200 +113,39 @@ class ToyReturnLayout:
         return self.trampolines + 8 * i
 
     def instance(self, i: int) -> int:
-        return self.instances + Toy.instance_size * i
+        return self.instances + ToyGuestRam.instance_size * i
 
 
-class Toy:
-    """The toy ISA's answers to everything the core asks (qprobe.arch.Arch)."""
-
-    name = "toy"
-    breakpoint = BRK
-    slot_size = 32
-    # A slot: the boosted copy [copy, JMPL, its target], then the trap-stepped one [copy, BRK].
-    STEP_COPY = 16
-    jump_size = 8
-    registers = RegisterLayout(
-        gdb_name={
-            "ip": "pc",
-            "sp": "sp",
-            "flags": "psr",
-            "r0": "r0",
-            "r1": "r1",
-            "r2": "r2",
-            "r3": "r3",
-            "lr": "lr",
-            "elr": "elr",
-        },
-        arg_regs=("r0", "r1", "r2", "r3"),
-        defaults={},
-        general=("r0", "r1", "r2", "r3"),
-        irq_flag=IRQ,
-        page_table="ttbr",
-        percpu_base="tpidr",
-        retval="r0",
-        stack_args=0,
-    )
-    gdb_architecture = "toy"
-    drgn_architecture = "UNKNOWN"
-    kprobe_ip_offset = 0  # the trapped pc is the probe's own, as on arm64
-    cycle_counter = None
-    ftrace_site = None  # the toy kernel has no ftrace
-    trap_entries = ("toy_brk_entry",)
-    trap_path: tuple[str, ...] = ()
-    trap_watch = None  # no watchpoint hook: the dispatcher breaks on the entry
-    jump_label_probe = 4
-    jump_label_max = 4
-    static_call_size = 4
-
-    def page_tables(self, regs: Mapping[str, int]) -> Any:
-        raise AssertionError("the toy target's memory is flat: nothing walks its page tables")
-
-    def vmcoreinfo(self, address: Callable[[str], int], virt_to_phys: Callable[[int], int], levels: int) -> list[str]:
-        return []
-
-    def trap_watch_site(self, code: bytes, address: int, watched: int) -> frozenset[int] | None:
-        return None
-
-    def jump_label_size(self, code: bytes) -> int:
-        return 4
-
-    # -- instructions ----------------------------------------------------------------------
-    def arch_adjust_kprobe_addr(self, func_code: bytes, func_start: int, offset: int) -> int:
-        return func_start + (self.entry_skip(func_code) if offset == 0 else offset)
-
-    def entry_skip(self, func_code: bytes) -> int:
-        return 4 if func_code[:1] == bytes([BTI]) else 0
-
-    def check_boundary(self, code: bytes, func_start: int, addr: int, patched: Mapping[int, int], name: str) -> None:
-        if (addr - func_start) % 4:
-            raise InvalidProbe(f"{name}+{addr - func_start:#x} is not on an instruction boundary (EILSEQ)")
-
-    def arch_prepare_kprobe(
-        self, code: bytes, addr: int, slot: int, where: str, exception_table: object
-    ) -> ToyPrepared:
-        op = code[0]
-        if op not in (NOP, ADDI, LDR, BTI):
-            raise InvalidProbe(f"{where}: cannot probe instruction {code[:4].hex()} (EINVAL)")
-        emulate = "nop" if op in (NOP, BTI) else None
-        step = "it reads the stack" if op == LDR else None
-        return ToyPrepared(addr, slot, bytes(code[:4]), emulate, op == ADDI, step)
-
-    def arch_slot_code(self, prep: Prepared) -> bytes:
-        boosted = prep.copy + insn(JMPL) + (prep.addr + 4).to_bytes(8, "little")
-        return boosted + prep.copy + BRK
-
-    def arch_setup_resume(self, prep: Prepared, regs: Any, mem: Memory, may_boost: bool,
-                          may_trap_step: bool) -> Resume:  # fmt: skip
-        changed = regs.dirty()  # what the handlers wrote goes with the resume
-        if prep.emulate is not None:
-            regs.set_quietly("ip", prep.addr + 4)
-            return Resume(ResumeKind.CONTINUE, prep.addr + 4, changed=changed)
-        if may_boost and prep.boostable:
-            return Resume(ResumeKind.BOOST, prep.slot_addr, changed=changed, jump_back=prep.addr + 4)
-        if may_trap_step and prep.step_reason is None:
-            return Resume(ResumeKind.TRAP_STEP, prep.slot_addr + self.STEP_COPY, flags=regs.flags & ~IRQ,
-                          changed=changed)  # fmt: skip
-        return Resume(ResumeKind.STEP, prep.slot_addr + self.STEP_COPY, changed=changed)
+class ToyTrapStep:
+    """The toy's trap-step: the slot's second copy, followed by a BRK (arm64's way)."""
 
     def is_trap_step_start(self, prep: Prepared, ip: int) -> bool:
-        return ip == prep.slot_addr + self.STEP_COPY
+        return ip == prep.slot_addr + STEP_COPY
 
     def is_trap_step_end(self, prep: Prepared, addr: int) -> bool:
-        return addr == prep.slot_addr + self.STEP_COPY + 4
+        return addr == prep.slot_addr + STEP_COPY + 4
 
     def arch_resume_trap_step(self, prep: Prepared, regs: Any) -> None:
         regs.set_quietly("ip", prep.addr + 4)
         regs.set_quietly("flags", regs.flags | IRQ)
 
-    def arch_slot_resume(self, slot: int, addr: int, ip: int, flags: int) -> tuple[int, int] | None:
-        copy = slot + self.STEP_COPY
-        return (addr + ip - copy, flags | IRQ) if copy <= ip <= copy + 4 else None
 
-    def step_left_slot(self, prep: Prepared, ip: int) -> bool:
-        return ip != prep.slot_addr + self.STEP_COPY + 4
-
-    def arch_resume_singlestep(self, prep: Prepared, regs: Any, mem: Memory) -> None:
-        regs.set_quietly("ip", regs.ip - prep.slot_addr - self.STEP_COPY + prep.addr)
-
-    def arch_fault_fixup(self, prep: Prepared, regs: Any, mem: Memory) -> None:
-        copy = prep.slot_addr + self.STEP_COPY  # arm64's way: the exception's return address is a register
-        if copy <= regs.elr <= copy + 4:
-            regs.elr = prep.addr + regs.elr - copy
-
-    # -- traps ---------------------------------------------------------------------------
-    def decode_trap(self, hook: TrapHook, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> Trap:
-        addr, flags = regs["elr"], regs["spsr"]
-        return Trap(addr, regs["sp"], flags, {**regs, "pc": addr, "psr": flags}, user=bool(flags & USER))
-
-    def resume_registers(self, resume: Resume) -> dict[str, int]:
-        out = {"pc": resume.ip}
-        if resume.sp is not None:
-            out["sp"] = resume.sp
-        if resume.flags is not None:
-            out["psr"] = resume.flags
-        return {**out, **resume.changed}
-
-    def ip(self, regs: Mapping[str, int]) -> int:
-        return regs["pc"]
-
-    def boot_stage(self, regs: Mapping[str, int]) -> BootStage:
-        return BootStage.KERNEL  # the toy kernel is always up
-
-    def arch_boot_entry(self, read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int:
-        raise SymbolError("the toy kernel does not boot")
-
-    ret_pops = 0  # RET leaves sp as it is
-
-    def arch_prepare_kretprobe(self, regs: Any, read_u64: Callable[[int], int]) -> ReturnHijack:
-        return ReturnHijack(regs.lr, register="lr")  # the caller's call put the return address in lr
-
-    def sp(self, regs: Mapping[str, int]) -> int:
-        return regs["sp"]
-
-    def flags(self, regs: Mapping[str, int]) -> int:
-        return regs["psr"]
-
-    def user_mode(self, regs: Mapping[str, int]) -> bool:
-        return bool(regs["psr"] & USER)
+class ToyUprobes:
+    """The toy's answers for user-space probes."""
 
     def arch_uprobe_analyze_insn(self, code: bytes) -> str | None:
         return "a breakpoint is there already (ENOTSUPP)" if code[:1] == bytes([BRK_OP]) else None
 
     def arch_uprobe_xol_was_trapped(self, code: bytes, after: Mapping[str, int]) -> bool:
-        return not self.user_mode(after)  # the toy has no system-call instruction
+        return not after["psr"] & USER  # out of user mode; the toy has no system-call instruction
 
     def arch_uretprobe_frame(self, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> tuple[int, int]:
         return int.from_bytes(read(regs["sp"], 4), "little"), regs["sp"] + 4  # the toy's call pushes a word
 
-    def percpu_base(self, regs: Mapping[str, int]) -> int:
-        return regs.get("tpidr", 0)
 
-    # -- the blacklist ---------------------------------------------------------------------
-    def arch_populate_kprobe_blacklist(self) -> ArchBlacklist:
-        return ArchBlacklist(sections=(("__entry_text_start", "__entry_text_end", ".entry.text"),))
+class ToyGuestRam:
+    """The toy's guest-RAM layouts: a mailbox, record rings, keyed tables and kretprobe instances."""
 
-    def arch_kretprobe_blacklist(self) -> frozenset[str]:
-        return frozenset({"toy_noreturn"})
-
-    # -- jump optimization: the toy has none -----------------------------------------------------
-    def arch_check_optimized_kprobe(self, func_code: bytes, func_start: int, addr: int, exception_table: object,
-                                    patched: Mapping[int, int], name: str) -> tuple[str | None, int]:  # fmt: skip
-        return "the toy architecture has no jump optimization", 0
-
-    def arch_prepare_optimized_kprobe(self, params: DetourParams, region: bytes, addr: int, near: int,
-                                      alloc: Callable[[int], int]) -> tuple[int, bytes, int]:  # fmt: skip
-        raise NotImplementedError("toy: no jump optimization")
-
-    def arch_optimize_kprobes(self, addr: int, detour: int) -> bytes:
-        raise NotImplementedError("toy: no jump optimization")
-
-    def arch_unoptimize_kprobes(self, jump: bytes, original: bytes) -> bytes:
-        return original
-
-    def arch_within_optimized_kprobe(self, addr: int, size: int, target: int) -> bool:
-        return addr < target < addr + size
-
-    # -- guest-RAM layouts: a mailbox, kretprobe instances ------------------------------------------
     # A mailbox: u64 state, probe id, continue address, sp, r0, r1, then the answer's final ip and sp.
     mailbox_size = 64
     ring_header_size = 64
@@ -401,6 +240,159 @@ class Toy:
             else:
                 out.append(next(it))
         return tuple(out)
+
+
+class Toy:
+    """The toy ISA's answers to everything the core asks (qprobe.arch.Arch): no jump optimization."""
+
+    name = "toy"
+    breakpoint = BRK
+    slot_size = 32
+    registers = RegisterLayout(
+        gdb_name={
+            "ip": "pc",
+            "sp": "sp",
+            "flags": "psr",
+            "r0": "r0",
+            "r1": "r1",
+            "r2": "r2",
+            "r3": "r3",
+            "lr": "lr",
+            "elr": "elr",
+        },
+        arg_regs=("r0", "r1", "r2", "r3"),
+        defaults={},
+        general=("r0", "r1", "r2", "r3"),
+        irq_flag=IRQ,
+        page_table="ttbr",
+        percpu_base="tpidr",
+        retval="r0",
+        stack_args=0,
+    )
+    gdb_architecture = "toy"
+    drgn_architecture = "UNKNOWN"
+    kprobe_ip_offset = 0  # the trapped pc is the probe's own, as on arm64
+    ftrace_site = None  # the toy kernel has no ftrace
+    trap_entries = ("toy_brk_entry",)
+    trap_path: tuple[str, ...] = ()
+    # The facets: the toy has no jump optimization, so every probe stays a breakpoint.
+    trap_step: ToyTrapStep | None = ToyTrapStep()
+    trap_watch = None  # no watchpoint hook: the dispatcher breaks on the entry
+    optprobes = None
+    guest_ram = ToyGuestRam()
+    uprobes = ToyUprobes()
+    cycle_counter = None
+    jump_label_probe = 4
+    jump_label_max = 4
+    static_call_size = 4
+
+    def page_tables(self, regs: Mapping[str, int]) -> Any:
+        raise AssertionError("the toy target's memory is flat: nothing walks its page tables")
+
+    def vmcoreinfo(self, address: Callable[[str], int], virt_to_phys: Callable[[int], int], levels: int) -> list[str]:
+        return []
+
+    def jump_label_size(self, code: bytes) -> int:
+        return 4
+
+    # -- instructions ----------------------------------------------------------------------
+    def arch_adjust_kprobe_addr(self, func_code: bytes, func_start: int, offset: int) -> int:
+        return func_start + (self.entry_skip(func_code) if offset == 0 else offset)
+
+    def entry_skip(self, func_code: bytes) -> int:
+        return 4 if func_code[:1] == bytes([BTI]) else 0
+
+    def check_boundary(self, code: bytes, func_start: int, addr: int, patched: Mapping[int, int], name: str) -> None:
+        if (addr - func_start) % 4:
+            raise InvalidProbe(f"{name}+{addr - func_start:#x} is not on an instruction boundary (EILSEQ)")
+
+    def arch_prepare_kprobe(
+        self, code: bytes, addr: int, slot: int, where: str, exception_table: object
+    ) -> ToyPrepared:
+        op = code[0]
+        if op not in (NOP, ADDI, LDR, BTI):
+            raise InvalidProbe(f"{where}: cannot probe instruction {code[:4].hex()} (EINVAL)")
+        emulate = "nop" if op in (NOP, BTI) else None
+        step = "it reads the stack" if op == LDR else None
+        return ToyPrepared(addr, slot, bytes(code[:4]), emulate, op == ADDI, step)
+
+    def arch_slot_code(self, prep: Prepared) -> bytes:
+        boosted = prep.copy + insn(JMPL) + (prep.addr + 4).to_bytes(8, "little")
+        return boosted + prep.copy + BRK
+
+    def arch_setup_resume(self, prep: Prepared, regs: Any, mem: Memory, may_boost: bool,
+                          may_trap_step: bool) -> Resume:  # fmt: skip
+        changed = regs.dirty()  # what the handlers wrote goes with the resume
+        if prep.emulate is not None:
+            regs.set_quietly("ip", prep.addr + 4)
+            return Resume(ResumeKind.CONTINUE, prep.addr + 4, changed=changed)
+        if may_boost and prep.boostable:
+            return Resume(ResumeKind.BOOST, prep.slot_addr, changed=changed, jump_back=prep.addr + 4)
+        if may_trap_step and prep.step_reason is None:
+            return Resume(ResumeKind.TRAP_STEP, prep.slot_addr + STEP_COPY, flags=regs.flags & ~IRQ,
+                          changed=changed)  # fmt: skip
+        return Resume(ResumeKind.STEP, prep.slot_addr + STEP_COPY, flags=regs.flags, changed=changed)
+
+    def arch_slot_resume(self, slot: int, addr: int, ip: int, flags: int) -> tuple[int, int] | None:
+        copy = slot + STEP_COPY
+        return (addr + ip - copy, flags | IRQ) if copy <= ip <= copy + 4 else None
+
+    def step_left_slot(self, prep: Prepared, ip: int) -> bool:
+        return ip != prep.slot_addr + STEP_COPY + 4
+
+    def arch_resume_singlestep(self, prep: Prepared, regs: Any, mem: Memory) -> None:
+        regs.set_quietly("ip", regs.ip - prep.slot_addr - STEP_COPY + prep.addr)
+
+    def arch_fault_fixup(self, prep: Prepared, regs: Any, mem: Memory) -> None:
+        copy = prep.slot_addr + STEP_COPY  # arm64's way: the exception's return address is a register
+        if copy <= regs.elr <= copy + 4:
+            regs.elr = prep.addr + regs.elr - copy
+
+    # -- traps ---------------------------------------------------------------------------
+    def decode_trap(self, hook: TrapHook, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> Trap:
+        addr, flags = regs["elr"], regs["spsr"]
+        return Trap(addr, regs["sp"], flags, {**regs, "pc": addr, "psr": flags}, user=bool(flags & USER))
+
+    def resume_registers(self, resume: Resume) -> dict[str, int]:
+        out = {"pc": resume.ip}
+        if resume.sp is not None:
+            out["sp"] = resume.sp
+        if resume.flags is not None:
+            out["psr"] = resume.flags
+        return {**out, **resume.changed}
+
+    def ip(self, regs: Mapping[str, int]) -> int:
+        return regs["pc"]
+
+    def boot_stage(self, regs: Mapping[str, int]) -> BootStage:
+        return BootStage.KERNEL  # the toy kernel is always up
+
+    def arch_boot_entry(self, read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int:
+        raise SymbolError("the toy kernel does not boot")
+
+    ret_pops = 0  # RET leaves sp as it is
+
+    def arch_prepare_kretprobe(self, regs: Any, read_u64: Callable[[int], int]) -> ReturnHijack:
+        return ReturnHijack(regs.lr, register="lr")  # the caller's call put the return address in lr
+
+    def sp(self, regs: Mapping[str, int]) -> int:
+        return regs["sp"]
+
+    def flags(self, regs: Mapping[str, int]) -> int:
+        return regs["psr"]
+
+    def user_mode(self, regs: Mapping[str, int]) -> bool:
+        return bool(regs["psr"] & USER)
+
+    def percpu_base(self, regs: Mapping[str, int]) -> int:
+        return regs.get("tpidr", 0)
+
+    # -- the blacklist ---------------------------------------------------------------------
+    def arch_populate_kprobe_blacklist(self) -> ArchBlacklist:
+        return ArchBlacklist(sections=(("__entry_text_start", "__entry_text_end", ".entry.text"),))
+
+    def arch_kretprobe_blacklist(self) -> frozenset[str]:
+        return frozenset({"toy_noreturn"})
 
 
 # -- the target ---------------------------------------------------------------------------
@@ -872,6 +864,7 @@ __all__ = [
     "Rig",
     "Toy",
     "ToyCpu",
+    "ToyGuestRam",
     "ToyMachine",
     "ToyMemory",
     "ToyScratch",

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakearch import IRQ, SCRATCH_PHYS, STATE_DONE, STATE_REQUEST, Toy, ToyMemory
+from fakearch import IRQ, SCRATCH_PHYS, STATE_DONE, STATE_REQUEST, Toy, ToyGuestRam, ToyMemory
 
 from qprobe.core.doorbell import Doorbell
 from qprobe.core.errorlog import ErrorLog
@@ -126,7 +126,7 @@ def test_a_pre_handler_that_moves_ip_sends_the_vcpu_there(bell: Bell) -> None:
 
 
 def test_a_kretprobe_return_through_the_mailbox_goes_to_the_real_return_address(bell: Bell) -> None:
-    bell.request(0, Toy.trampoline_id, cont=TRAMPOLINE)
+    bell.request(0, ToyGuestRam.trampoline_id, cont=TRAMPOLINE)
     bell.ring(b"\x00")
     assert bell.returns == [SP]
     assert bell.mailbox(0) == (STATE_DONE, 0, TRAMPOLINE, SP, 0x77, 0, 0xFFFF_8000_0000_9000, SP)

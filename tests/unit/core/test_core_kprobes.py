@@ -11,10 +11,27 @@ from __future__ import annotations
 import inspect
 
 import pytest
-from fakearch import ADDI, BRK, BTI, ENTRY, FAULT_ENTRY, IRQ, JMPL, NOP, STACK, STACK_SIZE, Rig, Toy, insn
+from fakearch import (
+    ADDI,
+    BRK,
+    BTI,
+    ENTRY,
+    FAULT_ENTRY,
+    IRQ,
+    JMPL,
+    NOP,
+    STACK,
+    STACK_SIZE,
+    STEP_COPY,
+    Rig,
+    Toy,
+    ToyTarget,
+    insn,
+)
 
 from qprobe.arch import Arch
 from qprobe.core.kprobe import KPROBE_FLAG_GONE, Kprobe
+from qprobe.core.kprobes import KprobeManager
 from qprobe.core.listing import list_probes
 from qprobe.core.point import KprobeStatus
 from qprobe.errors import Blacklisted, InvalidProbe, NotKernelText, ProbeError, SymbolError
@@ -205,7 +222,7 @@ def test_a_trap_stepped_hit_runs_the_copy_out_of_line_then_the_post_handler(rig:
     rig.run(A, addr, r0=10)
     point = rig.km.points[addr]
     regs = rig.t.regs(A)
-    assert regs["pc"] == point.prep.slot_addr + Toy.STEP_COPY and not regs["psr"] & IRQ  # the copy, interrupts off
+    assert regs["pc"] == point.prep.slot_addr + STEP_COPY and not regs["psr"] & IRQ  # the copy, interrupts off
     assert rig.km.dispatcher.ctlblk[A].status is KprobeStatus.HIT_SS
     assert rig.km.dispatcher.trap_step_returns() == {A: addr + 4}
     rig.step(A)  # the copy: r0 += 5
@@ -238,10 +255,51 @@ def test_a_host_single_stepped_hit_resumes_after_the_original_instruction(rig: R
     sp = STACK + STACK_SIZE - 0x40
     rig.t.mem.write(sp, (0x1234).to_bytes(8, "little"))
     rig.run(A, rig.fn + 12, sp=sp)
-    slot = rig.km.points[rig.fn + 12].prep.slot_addr + Toy.STEP_COPY
+    slot = rig.km.points[rig.fn + 12].prep.slot_addr + STEP_COPY
     assert rig.t.cpu.steps == [(A, slot)]
     assert post == [(rig.fn + 16, 0x1234)]
     assert (rig.t.regs(A)["pc"], rig.t.regs(A)["r1"]) == (rig.fn + 16, 0x1234)
+
+
+def test_without_the_trap_step_facet_the_host_single_steps_the_copy(rig: Rig) -> None:
+    rig.km.arch.trap_step = None  # an architecture that has no trap-step
+    post: list[tuple[int, int]] = []
+    kp = Kprobe("toy_fn", offset=8, post_handler=lambda kp, regs: post.append((regs.ip, regs.r0)))
+    rig.km.register_kprobe(kp)
+    addr = rig.fn + 8
+    rig.run(A, addr, r0=10)
+    point = rig.km.points[addr]
+    assert rig.t.cpu.steps == [(A, point.prep.slot_addr + STEP_COPY)]  # stepped at once, through the gdbstub
+    assert post == [(addr + 4, 15)]
+    assert (rig.t.regs(A)["pc"], rig.t.regs(A)["psr"] & IRQ) == (addr + 4, IRQ)
+    assert (kp.nhit, point.trap_stepped) == (1, 0)
+    assert rig.km.dispatcher.ctlblk[A].status is KprobeStatus.IDLE
+
+
+class _Ram:
+    """Shared RAM the optimizer may write (it is given, but never used, in these tests)."""
+
+    writable = True
+
+
+def test_without_jump_optimization_every_probe_stays_a_breakpoint_and_says_why() -> None:
+    t = ToyTarget()
+    t.function("toy_fn", insn(NOP), insn(NOP))
+    km = KprobeManager(t.machine, t.kernel, t.scratch, Toy(), ram=_Ram(), doorbell="sock")  # type: ignore[arg-type]
+    assert km.optimizer.available  # the toy has the guest-RAM layouts: its kretprobes may return through the mailbox
+    kp = Kprobe("toy_fn")
+    km.register_kprobe(kp, optimize=False)
+    point = km.points[kp.resolved]
+    assert km.optimizer.why_not(point) == "toy has no jump optimization"
+    assert t.mem.read(point.addr, 4) == BRK
+
+
+def test_without_guest_ram_layouts_the_optimizer_is_unavailable_and_builds_nothing() -> None:
+    t, arch = ToyTarget(), Toy()
+    arch.guest_ram = None  # type: ignore[assignment]
+    km = KprobeManager(t.machine, t.kernel, t.scratch, arch, ram=_Ram(), doorbell="sock")  # type: ignore[arg-type]
+    opt = km.optimizer
+    assert not opt.available and (opt.doorbell, opt.records, opt.returns, opt.counts) == (None, None, None, None)
 
 
 def test_a_pre_handler_that_moves_ip_and_returns_nonzero_skips_the_instruction(rig: Rig) -> None:
@@ -271,7 +329,7 @@ def test_a_hit_while_the_vcpu_handles_a_probe_is_missed_and_its_instruction_stil
     rig.run(A, rig.load, r1=0)
     assert (inner.nhit, inner.nmissed, calls) == (0, 1, [])
     # Its own copy, stepped by the host: not run to a breakpoint, which the outer hit's trap-step would take as its own.
-    assert rig.t.cpu.steps == [(A, rig.km.points[rig.load].prep.slot_addr + Toy.STEP_COPY)]
+    assert rig.t.cpu.steps == [(A, rig.km.points[rig.load].prep.slot_addr + STEP_COPY)]
     assert (rig.t.regs(A)["pc"], rig.t.regs(A)["r1"]) == (rig.load + 4, 0xABC)  # and it ran
     assert rig.km.dispatcher.ctlblk[A].status is KprobeStatus.HIT_SS  # the outer hit still owns A
     # The other vCPU is not re-entered: its hit counts.
@@ -294,7 +352,7 @@ def test_a_stepped_copy_that_faults_is_seen_by_the_guest_at_the_probe_address(ri
     rig.km.register_kprobe(kp)
     rig.run(A, rig.load, sp=0xFFFF_9000_0000_0000)  # the LDR reads [sp], which is not mapped
     regs = rig.t.regs(A)
-    assert rig.t.cpu.steps == [(A, rig.km.points[rig.load].prep.slot_addr + Toy.STEP_COPY)]
+    assert rig.t.cpu.steps == [(A, rig.km.points[rig.load].prep.slot_addr + STEP_COPY)]
     assert (regs["pc"], regs["elr"]) == (FAULT_ENTRY, rig.load)
     assert (kp.nhit, kp.nfaults, len(faults)) == (1, 1, 1) and "faulted" in faults[0]
 

@@ -1,7 +1,7 @@
 """Why a point's jump must wait (qprobe.core.optcheck.JumpCheck), on the toy architecture.
 
 A real KprobeManager on the toy target (tests/unit/core/fakearch.py) holds
-the probes; the toy's can_optimize is made to pass, displacing two
+the probes; the toy is given jump optimization whose check passes, displacing two
 instructions, so that what is checked here is what the core adds: the
 probes, boosted copies, vCPUs and interrupted contexts around the region.
 The vCPUs are given as the round's view (``RoundView``), as a round reads
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from types import SimpleNamespace
 
 import pytest
 from fakearch import BRK, STACK, USER, Rig
@@ -29,7 +30,8 @@ A, B = "p1.1", "p1.2"
 @pytest.fixture
 def rig(monkeypatch: pytest.MonkeyPatch) -> Rig:
     r = Rig()
-    monkeypatch.setattr(r.km.arch, "arch_check_optimized_kprobe", lambda *args: (None, REGION))
+    opt = SimpleNamespace(jump_size=8, arch_check_optimized_kprobe=lambda *args: (None, REGION))
+    monkeypatch.setattr(r.km.arch, "optprobes", opt)  # the toy has no jump optimization of its own
     # THREAD_SIZE from the linker script's init stack (the toy kernel has no debug info).
     r.t.symbols.markers.update({"__start_init_stack": STACK, "__end_init_stack": STACK + STACK_BYTES})
     return r

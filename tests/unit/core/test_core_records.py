@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 from qprobe.arch.x86_64 import detour
 from qprobe.arch.x86_64.arch import X86_64
+from qprobe.arch.x86_64.guestram import X86GuestRam
 from qprobe.arch.x86_64.ptregs import PT_REGS_ORDER, STUB_FRAME_ID
 from qprobe.core.handlers import Handlers
 from qprobe.core.kprobe import GuestRecord, Kprobe
@@ -19,6 +20,7 @@ from qprobe.core.point import Optimized, ProbePoint
 from qprobe.core.records import RecordRings
 
 ARCH = X86_64()
+RINGS = X86GuestRam()
 SCRATCH = 0xFFFF_FFFF_C000_0000
 PROBE = 0xFFFF_FFFF_8120_0004
 
@@ -76,17 +78,17 @@ def publish(
 ) -> None:
     """An entry on ``ring_cpu``'s ring (its own CPU's unless told) that says it is from ``cpu``."""
     ring_cpu = cpu if ring_cpu is None else ring_cpu
-    hdr = rr.scratch.phys_of(rr.rings + ring_cpu * ARCH.ring_header_size)
-    head = ram.read_u64_phys(hdr + ARCH.ring_head)
-    raw = bytearray(ARCH.ring_entry_size)
+    hdr = rr.scratch.phys_of(rr.rings + ring_cpu * RINGS.ring_header_size)
+    head = ram.read_u64_phys(hdr + RINGS.ring_head)
+    raw = bytearray(RINGS.ring_entry_size)
     struct.pack_into("<Q", raw, 8 * PT_REGS_ORDER.index("rdi"), di)
     struct.pack_into("<Q", raw, STUB_FRAME_ID, probe_id)
     struct.pack_into("<QQ", raw, detour.E_TSC, tsc, (100 + cpu) << 32 | cpu)
     raw[detour.E_COMM : detour.E_COMM + 16] = b"workload".ljust(16, b"\0")
     struct.pack_into("<Q", raw, detour.E_TASK, 0xFFFF_8880_0100_0000)
-    base = rr.rings + ARCH.ring_header_size * 2 + ring_cpu * ARCH.ring_entries * ARCH.ring_entry_size
-    ram.write_phys(rr.scratch.phys_of(base + (head % ARCH.ring_entries) * ARCH.ring_entry_size), bytes(raw))
-    ram.write_u64_phys(hdr + ARCH.ring_head, head + 1)
+    base = rr.rings + RINGS.ring_header_size * 2 + ring_cpu * RINGS.ring_entries * RINGS.ring_entry_size
+    ram.write_phys(rr.scratch.phys_of(base + (head % RINGS.ring_entries) * RINGS.ring_entry_size), bytes(raw))
+    ram.write_u64_phys(hdr + RINGS.ring_head, head + 1)
 
 
 def recording_point(kind: str = "record") -> tuple[ProbePoint, list[GuestRecord]]:
@@ -117,13 +119,13 @@ def test_garbage_in_a_ring_is_counted_and_skipped_and_records_flow_on() -> None:
     point, got = recording_point()
     rr, ram = rings({7: point}, {9})
     hdr0 = rr.scratch.phys_of(rr.rings)
-    ram.write_u64_phys(hdr0 + ARCH.ring_head, 10 * ARCH.ring_entries)  # a head far past a full ring
+    ram.write_u64_phys(hdr0 + RINGS.ring_head, 10 * RINGS.ring_entries)  # a head far past a full ring
     publish(rr, ram, 0, 7, tsc=1, di=1, ring_cpu=1)  # from CPU 0, on CPU 1's ring
     publish(rr, ram, 1, 8, tsc=2, di=2)  # a probe id nobody has
     publish(rr, ram, 1, 9, tsc=3, di=3)  # a probe unoptimized lately: late, not an error
     rr.drain()
     assert (rr.ring_errors, rr.late_records, got) == (3, 1, [])
-    assert ram.read_u64_phys(hdr0 + ARCH.ring_tail) == 10 * ARCH.ring_entries  # resynchronised
+    assert ram.read_u64_phys(hdr0 + RINGS.ring_tail) == 10 * RINGS.ring_entries  # resynchronised
     publish(rr, ram, 1, 7, tsc=4, di=4)
     rr.drain()
     assert [r.values["rdi"] for r in got] == [4]
@@ -140,12 +142,12 @@ def test_a_point_that_no_longer_records_gets_no_records() -> None:
 def test_lossy_is_set_in_every_cpus_ring_and_waits_are_summed() -> None:
     """The host's switch and the guest's count of records that waited for a full ring, per CPU."""
     rr, ram = rings({}, set())
-    headers = [rr.scratch.phys_of(rr.rings + cpu * ARCH.ring_header_size) for cpu in (0, 1)]
+    headers = [rr.scratch.phys_of(rr.rings + cpu * RINGS.ring_header_size) for cpu in (0, 1)]
     assert not rr.lossy and rr.waits() == 0
     rr.set_lossy(True)
-    assert [ram.read_u64_phys(h + ARCH.ring_lossy) for h in headers] == [1, 1]
-    ram.write_u64_phys(headers[0] + ARCH.ring_waits, 3)  # as the record stub counts them
-    ram.write_u64_phys(headers[1] + ARCH.ring_waits, 4)
+    assert [ram.read_u64_phys(h + RINGS.ring_lossy) for h in headers] == [1, 1]
+    ram.write_u64_phys(headers[0] + RINGS.ring_waits, 3)  # as the record stub counts them
+    ram.write_u64_phys(headers[1] + RINGS.ring_waits, 4)
     assert rr.waits() == 7
     rr.set_lossy(False)
-    assert [ram.read_u64_phys(h + ARCH.ring_lossy) for h in headers] == [0, 0]
+    assert [ram.read_u64_phys(h + RINGS.ring_lossy) for h in headers] == [0, 0]

@@ -283,8 +283,8 @@ def test_a_leaf_the_guest_cannot_test_is_refused(leaf: Pred) -> None:
 
 
 # -- the mailbox stub: the host reads a pt_regs and says where the vCPU goes on -------------------
-from qprobe.arch.x86_64.arch import X86_64  # noqa: E402
 from qprobe.arch.x86_64.detour import MAILBOX_SIZE, StubParams, build_stub  # noqa: E402
+from qprobe.arch.x86_64.guestram import X86GuestRam  # noqa: E402
 
 MAILBOXES, THIS_CPU_OFF, PORT = 0x52000000, 0x300, 0xE9
 SKIPPED = 0x13000000  # where a handler that changed ip sends the vCPU
@@ -300,7 +300,7 @@ def test_mailbox_stub_hands_the_host_the_probed_context_and_resumes_where_it_say
     params = StubParams(MAILBOXES, LOST, CPU_NUMBER, THIS_CPU_OFF, CURRENT_TASK, PORT)
     uc.mem_write(STUB, build_stub(params, STUB))
     uc.mem_write(DETOUR, build_detour(DETOUR, PROBE_ID, STUB, NOP5, RESUME))
-    arch, box = X86_64(), MAILBOXES + CPU * MAILBOX_SIZE
+    arch, box = X86GuestRam(), MAILBOXES + CPU * MAILBOX_SIZE
     seen = []
 
     def doorbell(uc: unicorn.Uc, port: int, size: int, value: int, data: object) -> None:

@@ -19,7 +19,6 @@ from hypothesis import strategies as st  # noqa: E402
 from unicorn import x86_const as X  # noqa: E402
 
 from qprobe.arch.inguest import KeyPart, KeySpec, MapSlot  # noqa: E402
-from qprobe.arch.x86_64.arch import X86_64  # noqa: E402
 from qprobe.arch.x86_64.detour import E_COMM, E_CPU_PID, ENTRY_SIZE, FRAME_REGS  # noqa: E402
 from qprobe.arch.x86_64.guestagg import (  # noqa: E402
     MAX_PROBE,
@@ -33,6 +32,7 @@ from qprobe.arch.x86_64.guestagg import (  # noqa: E402
     typed,
 )
 from qprobe.arch.x86_64.guestfilter import GPRS  # noqa: E402
+from qprobe.arch.x86_64.guestram import X86GuestRam  # noqa: E402
 from qprobe.shell.render import log2_bucket  # noqa: E402
 
 DETOUR, RESUME, PERCPU, TABLES, COUNTERS, STACK = 0x11000000, 0x12000000, 0x20000000, 0x40000000, 0x51000000, 0x60008000
@@ -169,16 +169,16 @@ def test_a_count_without_key_or_value_keeps_one_slot() -> None:
 
 
 def test_the_map_read_back_decodes_comm_and_a_negative_pid_as_a_record_does() -> None:
-    """X86_64.parse_guest_map gives a key's comm as text and its pid signed, as parse_ring_entry does: the
+    """X86GuestRam.parse_guest_map gives a key's comm as text and its pid signed, as parse_ring_entry does: the
     detour's words for one hit (comm ``kworker/0:1``, pid -1, CPU 1) come back as those parts, and two CPUs'
     slots of one key as one."""
     spec = KeySpec((KeyPart("comm"), KeyPart("pid"), KeyPart("cpu")))
     uc = machine(spec)
     hit(uc, {name: 0 for name in FRAME_REGS}, 0x202, pid=-1, comm=b"kworker/0:1")
     raw = bytes(uc.mem_read(TABLES, table_size(spec) * NCPUS))
-    assert X86_64().parse_guest_map(spec, raw + raw) == {("kworker/0:1", -1, CPU): MapSlot(2)}
+    assert X86GuestRam().parse_guest_map(spec, raw + raw) == {("kworker/0:1", -1, CPU): MapSlot(2)}
     record = bytearray(ENTRY_SIZE)
     record[E_CPU_PID : E_CPU_PID + 8] = struct.pack("<II", CPU, 0xFFFFFFFF)
     record[E_COMM : E_COMM + 16] = b"kworker/0:1".ljust(16, b"\0")
-    entry = X86_64().parse_ring_entry(bytes(record))
+    entry = X86GuestRam().parse_ring_entry(bytes(record))
     assert (entry.comm, entry.pid, entry.cpu) == ("kworker/0:1", -1, CPU)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from qprobe.arch.x86_64.arch import X86_64
+from qprobe.arch.x86_64.arch import X86_64, X86TrapStep
 from qprobe.arch.x86_64.decode import decode_one
 from qprobe.arch.x86_64.insn import (
     TRAP_COPY,
@@ -188,7 +188,7 @@ def test_the_second_trap_maps_ip_back_and_gives_if_back_to_the_context_that_had_
     regs = IPFlags(SLOT + off + 3)  # the int3 after the copy
     resume_trap_step(p, regs)
     assert (regs.ip, regs.flags) == (ADDR + 3, flags)
-    arch = X86_64()
+    arch = X86TrapStep()
     assert arch.is_trap_step_end(p, SLOT + off + 3) and arch.is_trap_step_start(p, SLOT + off)
     assert not arch.is_trap_step_end(p, SLOT + off) and not arch.is_trap_step_end(p, SLOT + 3)
 

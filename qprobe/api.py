@@ -28,10 +28,10 @@ from qprobe.bootprobes import BootProbing
 from qprobe.eventapi import EventAPI
 from qprobe.events.timeline import Timeline
 from qprobe.guest import Guest
-from qprobe.lifetime import UNWIND_SIGNALS, Lifetime, unwind_on_signal
+from qprobe.lifetime import Lifetime
 from qprobe.probeapi import ProbeAPI
 from qprobe.views import KernelViews
-from qprobe.wiring import Wiring, arch_of, open_stub, vm_identity
+from qprobe.wiring import Wiring
 
 if TYPE_CHECKING:
     import drgn
@@ -272,4 +272,4 @@ class Target(ProbeAPI, EventAPI):
         return self.views.current_task(regs)
 
 
-__all__ = ["UNWIND_SIGNALS", "BootPlan", "Target", "arch_of", "open_stub", "unwind_on_signal", "vm_identity"]
+__all__ = ["SESSION_FILE", "BootPlan", "Target"]

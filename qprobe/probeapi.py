@@ -1,7 +1,7 @@
 """The kprobes API of a Target, named as in <linux/kprobes.h>, and the debugfs kprobes switches.
 
-``Target`` (qprobe.api) inherits it; every method hands the work to the probe tables the
-Target wired (``kprobes``, ``kretprobes``, ``watchpoints``) and its stop loop (``machine``).
+``Target`` (qprobe.api) inherits it; every method hands the work to the probe tables
+qprobe.wiring made for it (``kprobes``, ``kretprobes``, ``watchpoints``) and its stop loop (``machine``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 As include/linux/kprobes.h declares the ``arch_*`` hooks kernel/kprobes.c
 calls, :class:`Arch` lists everything ``qprobe.core`` asks of an
 architecture; the core imports nothing from an architecture's package and is
-handed its :class:`Arch` object by ``qprobe.api``.  The neutral types both
+handed its :class:`Arch` object by ``qprobe.wiring``.  The neutral types both
 sides use (:class:`Resume`, :class:`Trap`, :class:`RegisterLayout`, ...) are
 defined here too.
 

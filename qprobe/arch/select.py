@@ -1,7 +1,7 @@
 """Which :class:`qprobe.arch.Arch` a target gets: chosen by the architecture it reports.
 
 The one place that names the architectures qprobe implements, so that
-everything above (api.py is the composition root) asks for an ``Arch`` by
+everything above (wiring.py is the composition root) asks for an ``Arch`` by
 the name the gdbstub's target description gives it (``<architecture>`` in
 ``target.xml``: ``i386:x86-64`` under QEMU's x86_64 system emulator) or by a
 vmlinux's ELF ``e_machine``.  A new architecture is one more entry in ARCHES.

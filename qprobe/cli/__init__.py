@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = logging.ERROR if args.quiet else logging.DEBUG if args.verbose else logging.WARNING
     logging.basicConfig(level=level, format="qprobe: %(message)s")
-    from qprobe.api import UNWIND_SIGNALS, unwind_on_signal
+    from qprobe.lifetime import UNWIND_SIGNALS, unwind_on_signal
 
     # SIGINT is how a trace ends and a booted VM stops (Ctrl-C, bpftrace's and perf's way, and `kill -INT`
     # from a script), also where qprobe was started with SIGINT ignored (`qprobe boot ... &` from a

@@ -31,9 +31,9 @@ def _perf_definitions(args: argparse.Namespace) -> None:
     symbols = _host_symbols(args)
     if symbols is None:
         raise QprobeError("a perf definition is resolved from vmlinux's debug information: give --vmlinux")
-    from qprobe.api import vmlinux_arch
     from qprobe.events.funcs import Probeability, unknown_symbol
     from qprobe.kernel.perfsyntax import parse_perf_probe
+    from qprobe.wiring import vmlinux_arch
 
     for text in texts:  # a typo gets the closest names, as a kprobe_events definition's does
         name = parse_perf_probe(text).function

@@ -83,9 +83,9 @@ def _host_dialect(args: argparse.Namespace) -> Dialect | None:
     Without it (a VM to attach to, no --vmlinux) definitions are checked once attached,
     in the running kernel's language, not before in another one's.
     """
-    from qprobe.api import vmlinux_arch
     from qprobe.kernel.features import init_stack_span
     from qprobe.kernel.tracefs import probe_dialect
+    from qprobe.wiring import vmlinux_arch
 
     symbols = _host_symbols(args)
     if symbols is None:
@@ -95,8 +95,8 @@ def _host_dialect(args: argparse.Namespace) -> Dialect | None:
 
 def _host_probeability(args: argparse.Namespace) -> Probeability | None:
     """The kernel's probe refusals from the vmlinux on the host, without booting; None if it is not known here."""
-    from qprobe.api import vmlinux_arch
     from qprobe.events.funcs import Probeability
+    from qprobe.wiring import vmlinux_arch
 
     symbols = _host_symbols(args)
     return None if symbols is None else Probeability.of(symbols, vmlinux_arch(symbols))

@@ -6,7 +6,7 @@ everything before it writes a byte (``_kprobe_addr``,
 out-of-line copy (the aggregate probe, ``aggr_pre_handler``), and a hit while
 the same vCPU is already handling a probe only counts ``nmissed``.  The
 traps themselves go through qprobe.core.dispatch; the architecture is the
-``Arch`` object api.py hands in.
+``Arch`` object qprobe.wiring hands in.
 """
 
 from __future__ import annotations

@@ -76,10 +76,10 @@ def pytest_configure(config: pytest.Config) -> None:
 def _end_session_on_signals() -> None:
     """SIGTERM and SIGHUP end the session as Ctrl-C does, its VMs stopped at teardown.
 
-    The API's own handler (``qprobe.api.unwind_on_signal``) raises SystemExit, which pytest takes as the
+    The API's own handler (``qprobe.lifetime.unwind_on_signal``) raises SystemExit, which pytest takes as the
     failure of the test it lands in, and goes on with the next one.  A handler already set is kept.
     """
-    from qprobe.api import UNWIND_SIGNALS
+    from qprobe.lifetime import UNWIND_SIGNALS
 
     if threading.current_thread() is not threading.main_thread():
         return  # (a session run from another thread: signals are the main thread's)

@@ -13,6 +13,7 @@ import pytest
 
 from qprobe.api import Target
 from qprobe.errors import GoneInterrupt, TargetGone
+from qprobe.lifetime import Lifetime
 from qprobe.vmm.machine import Machine
 
 
@@ -51,6 +52,7 @@ def _machine() -> tuple[Machine, _DyingStub]:
 def _target(machine: Machine) -> Target:
     target = Target.__new__(Target)
     target.machine = machine
+    target.lifetime = Lifetime(target)
     return target
 
 
@@ -122,6 +124,7 @@ def test_teardown_stops_our_qemu_whatever_the_stop_loop_does() -> None:
     target.qemu = cast(Any, SimpleNamespace(terminate=lambda: stopped.append("qemu")))
     target.guest_shell = None
     target.console = None
+    target.lifetime = Lifetime(target)
     with pytest.raises(TimeoutError):
-        target._teardown()
+        target.lifetime.teardown()
     assert stopped == ["qemu"]

@@ -12,12 +12,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "vmm"))
 
 from vmm_fakes import QemuStub
 
-from qprobe.api import arch_of
 from qprobe.arch.select import ARCHES, arch_named, arch_of_machine
 from qprobe.arch.x86_64.arch import X86_64
 from qprobe.errors import QprobeError, TargetError
 from qprobe.vmm.connection import Connection
 from qprobe.vmm.gdbremote import GdbRemote
+from qprobe.wiring import arch_of
 
 
 def connected(stub: QemuStub) -> GdbRemote:

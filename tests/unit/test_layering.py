@@ -33,8 +33,22 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     # session makes Targets (boot, attach) above the class they make; probeapi and eventapi are the
-    # kprobes and kprobe_events APIs Target inherits.
-    ("api", ("qprobe.api", "qprobe.session", "qprobe.probeapi", "qprobe.eventapi")),
+    # kprobes and kprobe_events APIs Target inherits; wiring puts a Target's parts together (bootprobes
+    # as the kernel boots), and guest, views and lifetime are the objects its methods hand work to.
+    (
+        "api",
+        (
+            "qprobe.api",
+            "qprobe.session",
+            "qprobe.probeapi",
+            "qprobe.eventapi",
+            "qprobe.wiring",
+            "qprobe.bootprobes",
+            "qprobe.guest",
+            "qprobe.views",
+            "qprobe.lifetime",
+        ),
+    ),
     # The events package: kprobe_events definitions (define, kprobe, event...), and beside them funcs
     # ("can this function be probed", also for `qprobe funcs`), modules (module events re-registered as
     # their module loads) and timeline (hits handed on in the guest's order).
@@ -105,7 +119,7 @@ def test_imports_run_downward(name: str) -> None:
 
 
 # The architecture's own packages (qprobe.arch.<name>) and the one module that names them all,
-# qprobe.arch.select (api.py, the composition root, asks it for an Arch by the target's architecture).
+# qprobe.arch.select (wiring.py, the composition root, asks it for an Arch by the target's architecture).
 # Everything else sees an architecture only through qprobe.arch's interface and its neutral modules.
 ARCH_PACKAGES = ("qprobe.arch.x86_64",)
 ARCH_CHOOSER = "qprobe.arch.select"
@@ -127,16 +141,16 @@ def test_every_architecture_package_is_listed() -> None:
 def test_only_the_arch_packages_know_an_architecture(name: str) -> None:
     """Every module outside qprobe/arch/<name>/ talks to an architecture only through qprobe.arch's interface.
 
-    The exception is api.py, which asks qprobe.arch.select for the target's Arch; it imports no
+    The exception is wiring.py, which asks qprobe.arch.select for the target's Arch; it imports no
     architecture's package itself.
     """
-    allowed = {ARCH_CHOOSER} if name == "qprobe.api" else set()
+    allowed = {ARCH_CHOOSER} if name == "qprobe.wiring" else set()
     arch = sorted(m for m in GRAPH[name] if architecture_specific(m) and m not in allowed)
     assert not arch, f"{name} imports {', '.join(arch)}"
 
 
 def test_the_neutrality_check_sees_an_architecture_import(tmp_path: Path) -> None:
-    """kernel/ importing an arch package, or anything but api importing the chooser, is caught."""
+    """kernel/ importing an arch package, or anything but wiring importing the chooser, is caught."""
     assert architecture_specific("qprobe.arch.x86_64.tsc") and architecture_specific(ARCH_CHOOSER)
     assert not architecture_specific("qprobe.arch") and not architecture_specific("qprobe.arch.inguest")
     pkg = tmp_path / "qprobe"

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 import qprobe
-import qprobe.api
+import qprobe.wiring
 from qprobe.errors import TargetError
 from qprobe.images import get_image
 from qprobe.paths import cache_dir
@@ -139,7 +139,7 @@ def test_gdb_transport_reads_what_the_rsp_transport_reads(vm: QemuProcess, capsy
 
 # -- a whole Target over each transport -----------------------------------------------------------
 class _Address:
-    """Stands in for ``Connection`` in qprobe.api: the patched Target hands GdbMiRemote the address."""
+    """Stands in for ``Connection`` in qprobe.wiring: the patched Target hands GdbMiRemote the address."""
 
     @staticmethod
     def open(address: str, alive: Callable[[], bool] | None = None) -> tuple[str, Callable[[], bool] | None]:
@@ -168,8 +168,8 @@ def _guest_seconds(t: qprobe.Target, command: str) -> float:
 def test_kprobe_counts_hits_over_each_transport(vm: QemuProcess, transport: str, monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     if transport == "gdb":
-        monkeypatch.setattr(qprobe.api, "Connection", _Address)
-        monkeypatch.setattr(qprobe.api, "GdbRemote", _gdb_transport)
+        monkeypatch.setattr(qprobe.wiring, "Connection", _Address)
+        monkeypatch.setattr(qprobe.wiring, "GdbRemote", _gdb_transport)
     with _attach(vm) as t:
         assert isinstance(t.gdb, GdbMiRemote if transport == "gdb" else GdbRemote)
         sym = t.symbols.lookup("__x64_sys_getppid")

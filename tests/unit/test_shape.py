@@ -24,7 +24,6 @@ MODULES_OVER = {
     "qprobe/fetch/event.py": 536,
     "qprobe/kernel/perfprobe.py": 586,
     "qprobe/kernel/symbols.py": 553,
-    "qprobe/shell/core.py": 717,
 }
 # module:class -> (its methods, its lines) now
 CLASSES_OVER = {
@@ -34,7 +33,6 @@ CLASSES_OVER = {
     "qprobe/core/kprobes.py:KprobeManager": (27, 454),
     "qprobe/core/uprobes.py:UprobeManager": (29, 367),
     "qprobe/kernel/symbols.py:Symbols": (28, 290),
-    "qprobe/shell/core.py:Shell": (44, 571),
     "qprobe/vmm/gdbmi.py:GdbMiRemote": (27, 331),
     "qprobe/vmm/gdbremote.py:GdbRemote": (26, 280),
 }

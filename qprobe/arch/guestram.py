@@ -78,7 +78,8 @@ class MailboxRequest:
     """A CPU waiting in the mailbox stub: its probe's registers and where it would go on."""
 
     probe_id: int
-    values: dict[str, int]  # gdbstub names; rsp the probed context's, cr3 and gs_base included
+    values: dict[str, int]  # gdbstub names; rsp the probed context's, cr3 and gs_base included, and
+    # ``cycles``, the cycle counter (x86's TSC) when the stub ran
     continue_addr: int  # the detour's continue label (the displaced instructions)
     frame: int  # the stub's frame address
     final_sp: int  # the context's sp
@@ -93,7 +94,7 @@ class RingEntry:
     pid: int
     comm: str
     task: int
-    tsc: int
+    cycles: int  # the cycle counter (x86's TSC) when the detour ran
     sp: int
     values: dict[str, int]  # gdbstub names, the ip not set (the host knows the probe's address)
 

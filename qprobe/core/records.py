@@ -150,16 +150,16 @@ class RecordRings:
         return out
 
     def _deliver(self, batch: list[tuple[ProbePoint, RingEntry]]) -> None:
-        """Each record, in TSC order, to the recorders of its point's enabled probes."""
-        batch.sort(key=lambda b: b[1].tsc)
+        """Each record, in cycle-counter order, to the recorders of its point's enabled probes."""
+        batch.sort(key=lambda b: b[1].cycles)
         now = time.monotonic()
         if self._tsc_offset is None or not self._tsc_hz:
-            self._tsc_offset = now - batch[-1][1].tsc / self._tsc_hz if self._tsc_hz else 0.0
+            self._tsc_offset = now - batch[-1][1].cycles / self._tsc_hz if self._tsc_hz else 0.0
         layout = self.arch.registers
         ip = layout.gdb_name[layout.ip]
         for point, entry in batch:
-            values = {**entry.values, ip: point.addr, "tsc": entry.tsc}
-            when = min(now, entry.tsc / self._tsc_hz + self._tsc_offset) if self._tsc_hz else now
+            values = {**entry.values, ip: point.addr, "cycles": entry.cycles}
+            when = min(now, entry.cycles / self._tsc_hz + self._tsc_offset) if self._tsc_hz else now
             rec = GuestRecord(values, entry.cpu, entry.pid, entry.comm, entry.task, when)
             for kp in point.probes:
                 if kp.disabled:

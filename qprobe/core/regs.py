@@ -40,8 +40,8 @@ class PtRegs:
     under QEMU), ``tid`` the stub's thread id.
     """
 
-    __slots__ = ("_dirty", "_kernel", "_layout", "_mem", "_pgd", "_symbols", "_values", "fix_return", "percpu_base",
-                 "tid", "tsc", "vcpu")  # fmt: skip
+    __slots__ = ("_dirty", "_kernel", "_layout", "_mem", "_pgd", "_symbols", "_values", "cycles", "fix_return",
+                 "percpu_base", "tid", "vcpu")  # fmt: skip
     # The layout whose registers are class attributes (one per architecture, added on first use: a
     # read through __getattr__ costs a failed lookup first, several times a plain attribute's, on every hit).
     _read_for: ClassVar[RegisterLayout | None] = None
@@ -57,7 +57,7 @@ class PtRegs:
     fix_return: Callable[[int, int], int] | None
     percpu_base: int
     tid: str
-    tsc: int | None
+    cycles: int | None
     vcpu: int
 
     def __init__(self, values: dict[str, int], tid: str, vcpu: int, mem: GuestMemory,
@@ -85,8 +85,9 @@ class PtRegs:
         init(self, "vcpu", vcpu)
         # The per-CPU base while in kernel mode (x86's GS base, arm64's TPIDR_EL1).
         init(self, "percpu_base", values.get(layout.percpu_base, 0))
-        # The guest's TSC at the hit where the guest read it (a detour's mailbox or ring entry), else None.
-        init(self, "tsc", values.get("tsc"))
+        # The architecture's cycle counter (Arch.cycle_counter's; x86's TSC) at the hit where the guest read
+        # it (a detour's mailbox or ring entry), else None.
+        init(self, "cycles", values.get("cycles"))
         # Maps a return address a frame returns to to the real one (kretprobe trampolines).
         init(self, "fix_return", fix_return)
 

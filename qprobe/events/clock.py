@@ -61,7 +61,7 @@ class HitClock:
         qprobe attached, for both, if this guest's clock cannot be read (``note``).
         """
         if self._guest:
-            tsc = regs.tsc
+            tsc = regs.cycles
             if tsc is not None:
                 tsc = self._order.exact(tsc, regs.vcpu, at_once=not recorded)
             else:

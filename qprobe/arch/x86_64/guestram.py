@@ -52,7 +52,7 @@ class X86GuestRam:
         values, continue_addr, probe_id = parse_stub_frame(raw, detour.MB_REGS)
         frame = box[detour.MB_FRAME // 8]
         values.update(rsp=frame + detour.FRAME_SIZE, cr3=box[detour.MB_CR3 // 8], gs_base=box[detour.MB_PERCPU // 8],
-                      tsc=box[detour.MB_TSC // 8])  # fmt: skip
+                      cycles=box[detour.MB_TSC // 8])  # fmt: skip
         return MailboxRequest(probe_id, values, continue_addr, frame, frame + detour.FRAME_SIZE)
 
     def mailbox_answer(self, changed: Mapping[str, int], final_ip: int, final_sp: int) -> list[tuple[int, bytes]]:

@@ -216,8 +216,8 @@ class ToyGuestRam:
         return writes
 
     def parse_ring_entry(self, raw: bytes) -> RingEntry:
-        probe_id, cpu, pid, task, tsc, sp, r0, r1 = struct.unpack("<8Q", raw[:64])
-        return RingEntry(probe_id, cpu, pid, "", task, tsc, sp, {"r0": r0, "r1": r1, "sp": sp})
+        probe_id, cpu, pid, task, cycles, sp, r0, r1 = struct.unpack("<8Q", raw[:64])
+        return RingEntry(probe_id, cpu, pid, "", task, cycles, sp, {"r0": r0, "r1": r1, "sp": sp})
 
     def guest_map_size(self, spec: KeySpec) -> int:
         return 64 * (spec.words + 1) * 8

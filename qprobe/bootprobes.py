@@ -214,7 +214,7 @@ class BootProbing:
         """At init's exec, after __init text is freed (stop loop), on a boot qprobe did not start: the kernel
         is up as far as _after_boot reads it.  A usermode helper's exec (a kworker's, not pid 1) is not it."""
         t = self.target
-        if t.kernel.read_task(percpu_base=regs.percpu_base).pid != 1:
+        if t.kernel.read_task(regs=regs.task_regs).pid != 1:
             return 0
         t.kprobes.unregister_kprobe(kp)
         try:

@@ -92,10 +92,10 @@ class KernelViews:
             raise SymbolError(f"no kernel variable {name!r} in {self.target.symbols.path.name}'s debug info") from None
 
     def current(self, regs: PtRegs) -> drgn.Object:
-        return self.target.kernel.current(regs.percpu_base)
+        return self.target.kernel.current(regs.task_regs)
 
     def current_task(self, regs: PtRegs) -> Task:
-        return self.target.kernel.read_task(percpu_base=regs.percpu_base)
+        return self.target.kernel.read_task(regs=regs.task_regs)
 
 
 __all__ = ["KernelViews", "Viewed"]

@@ -19,8 +19,8 @@ from the base kprobes hooks; the core checks for None before it uses one.
    description names it: qprobe.arch.select chooses by it), ``drgn_architecture``,
    ``vmcoreinfo``.
 2. Registers: ``registers`` (a :class:`RegisterLayout`: pt_regs once, the
-   gdbstub's names, argument and return registers, what the shell prints)
-   and the ``ip``/``sp``/``flags``/``user_mode``/``percpu_base`` readers.
+   gdbstub's names, argument and return registers, where ``current`` is,
+   what the shell prints) and the ``ip``/``sp``/``flags``/``user_mode``/``percpu_base`` readers.
 3. Page tables: ``page_tables`` gives the :class:`PageTables` the host walks
    guest memory with and maps the scratch area through.
 4. Instructions: ``arch_prepare_kprobe`` decodes the probed instruction and
@@ -200,6 +200,10 @@ class RegisterLayout:
     display: tuple[tuple[str, str], ...] = ()
     flag_bits: tuple[tuple[int, str], ...] = ()
     plain: frozenset[str] = frozenset()  # gdbstub registers whose write has no effect beyond the value
+    # gdbstub name of the register that holds ``current`` (the running task_struct's address) in kernel
+    # mode, as arm64's SP_EL0 does; None where ``current`` is the per-CPU variable ``current_task``,
+    # read at the per-CPU base (x86).  qprobe.kernel.program.KernelData.current_address reads either.
+    current: str | None = None
     ip: str = "ip"  # pt_regs names of the instruction pointer, stack pointer and flags
     sp: str = "sp"
     flags: str = "flags"

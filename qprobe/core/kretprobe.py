@@ -253,7 +253,7 @@ class KretprobeManager:
             ri.frame = regs.sp
             hijack = self.kprobes.arch.arch_prepare_kretprobe(regs, regs.read_u64)
             ri.ret_addr, ri.stack_slot = hijack.ret_addr, hijack.slot or 0
-            ri.task = self.kprobes.kernel.snapshot(percpu_base=regs.percpu_base)
+            ri.task = self.kprobes.kernel.snapshot(regs=regs.task_regs)
             if rp.entry_handler is not None:
                 what = f"entry_handler of kretprobe {rp.kp.where()}"
                 if self.kprobes.handlers.call(rp, what, rp.entry_handler, ri, regs):
@@ -275,7 +275,7 @@ class KretprobeManager:
     def _task_key(self, regs: PtRegs) -> Hashable:
         """Whose call it is: the current task (the per-CPU base where it cannot be read, early in boot)."""
         try:
-            return regs.read_u64(regs.percpu_base + self.kprobes.kernel.current_task_offset)
+            return self.kprobes.kernel.current_address(regs.task_regs, regs.read_u64)
         except QprobeError:
             return ("percpu", regs.percpu_base)
 
@@ -287,7 +287,7 @@ class KretprobeManager:
             rp.nmissed += 1
             return 0
         ri.ret_addr, ri.frame = inst.ret_addr, regs.sp
-        ri.task = self.kprobes.kernel.snapshot(percpu_base=regs.percpu_base)
+        ri.task = self.kprobes.kernel.snapshot(regs=regs.task_regs)
         if rp.entry_handler is not None:
             what = f"entry_handler of kretprobe {rp.kp.where()}"
             if self.kprobes.handlers.call(rp, what, rp.entry_handler, ri, regs):

@@ -242,7 +242,7 @@ class JumpCheck:
         # task stack's top are extra matches, which only delay.
         stacks = [(sp & ~7, (sp & ~7) + stack_size)]
         try:
-            base = self.kp.kernel.current(self.arch.percpu_base(regs)).stack.value_()
+            base = self.kp.kernel.current(regs).stack.value_()
             stacks.append((base, base + stack_size))
         except (QprobeError, drgn.FaultError):
             return None

@@ -41,7 +41,7 @@ class PtRegs:
     """
 
     __slots__ = ("_dirty", "_kernel", "_layout", "_mem", "_pgd", "_symbols", "_values", "cycles", "fix_return",
-                 "percpu_base", "tid", "vcpu")  # fmt: skip
+                 "task_regs", "tid", "vcpu")  # fmt: skip
     # The layout whose registers are class attributes (one per architecture, added on first use: a
     # read through __getattr__ costs a failed lookup first, several times a plain attribute's, on every hit).
     _read_for: ClassVar[RegisterLayout | None] = None
@@ -55,7 +55,7 @@ class PtRegs:
     _symbols: Symbols | None
     _values: dict[str, int]
     fix_return: Callable[[int, int], int] | None
-    percpu_base: int
+    task_regs: dict[str, int]
     tid: str
     cycles: int | None
     vcpu: int
@@ -83,8 +83,13 @@ class PtRegs:
         init(self, "_pgd", mem.pgd if root is None else mem.pgd_of(root))
         init(self, "tid", tid)
         init(self, "vcpu", vcpu)
-        # The per-CPU base while in kernel mode (x86's GS base, arm64's TPIDR_EL1).
-        init(self, "percpu_base", values.get(layout.percpu_base, 0))
+        # What the kernel layer finds ``current`` from (KernelData.current_address), by gdbstub name: the
+        # per-CPU base in kernel mode (x86's GS base, arm64's TPIDR_EL1; 0 where the hit did not bring it),
+        # and the register that holds ``current`` where the architecture keeps it in one (arm64's SP_EL0).
+        task_regs = {layout.percpu_base: values.get(layout.percpu_base, 0)}
+        if layout.current is not None and layout.current in values:
+            task_regs[layout.current] = values[layout.current]
+        init(self, "task_regs", task_regs)
         # The architecture's cycle counter (Arch.cycle_counter's; x86's TSC) at the hit where the guest read
         # it (a detour's mailbox or ring entry), else None.
         init(self, "cycles", values.get("cycles"))
@@ -125,6 +130,11 @@ class PtRegs:
         object.__setattr__(twin, "_values", dict(self._values))
         object.__setattr__(twin, "_dirty", set(self._dirty))
         return twin
+
+    @property
+    def percpu_base(self) -> int:
+        """The CPU's per-CPU base in kernel mode (0 where the hit did not bring it)."""
+        return self.task_regs[self._layout.percpu_base]
 
     def as_dict(self) -> dict[str, int]:
         return dict(self._values)

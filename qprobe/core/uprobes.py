@@ -296,7 +296,7 @@ class UprobeManager:
             if (root, ip, sp) in self.restarts:
                 self.restarts.discard((root, ip, sp))
             else:
-                task = self.kernel.current(self.arch.percpu_base(values)).value_()
+                task = self.kernel.current_address(values)
                 if point.returns:
                     returned = self.returns.returning(point, (root, task), ip, sp)
                 if point.keys:

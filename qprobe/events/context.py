@@ -57,9 +57,7 @@ class HostContext:
         return self.regs.return_value() if self._retval is None else self._retval
 
     def comm(self) -> str:
-        return (
-            self._comm if self._comm is not None else self.host.kernel.read_task(percpu_base=self.regs.percpu_base).comm
-        )
+        return self._comm if self._comm is not None else self.host.kernel.read_task(regs=self.regs.task_regs).comm
 
     def arg(self, n: int) -> int:
         if self._entry is not None:

@@ -174,7 +174,7 @@ class TraceEvent:
         values: list[Value] = self.definition.evaluate(ctx)
         body = self._body(values, ip, func)
         if task is None:
-            current = host.kernel.snapshot(percpu_base=regs.percpu_base)
+            current = host.kernel.snapshot(regs=regs.task_regs)
             # Without the kernel's types (a vmlinux without DWARF) the task is unknown: ftrace's "<...>".
             task = (current.pid, current.comm) if current is not None else (-1, "<...>")
         pid, comm = task

@@ -18,6 +18,7 @@ tables but through its backend.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -31,8 +32,8 @@ if TYPE_CHECKING:
 class Tasks(Protocol):
     """The task a hit interrupted (qprobe.kernel.program.KernelData)."""
 
-    def read_task(self, addr: int | None = None, *, percpu_base: int = 0) -> Task: ...
-    def snapshot(self, addr: int | None = None, *, percpu_base: int = 0) -> Task | None: ...
+    def read_task(self, addr: int | None = None, *, regs: Mapping[str, int] | None = None) -> Task: ...
+    def snapshot(self, addr: int | None = None, *, regs: Mapping[str, int] | None = None) -> Task | None: ...
 
 
 class Paged(Protocol):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 import struct
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, overload
@@ -274,32 +274,49 @@ class KernelData:
         return (self.current_task_offset, drgn.offsetof(task, "pid"), drgn.offsetof(task, "tgid"),
                 drgn.offsetof(task, "comm"))  # fmt: skip
 
-    def current(self, percpu_base: int) -> drgn.Object:
-        """``current`` on a vCPU stopped in kernel mode with per-CPU base ``percpu_base``: a task_struct pointer."""
-        return drgn.Object(self.prog, "struct task_struct *", address=percpu_base + self.current_task_offset).read_()
+    def current_address(self, regs: Mapping[str, int], read_u64: Callable[[int], int] | None = None) -> int:
+        """The address of ``current``'s task_struct on a vCPU stopped in kernel mode with registers ``regs``
+        (gdbstub names).
+
+        The register that holds it where the architecture keeps it in one (``RegisterLayout.current``:
+        arm64's SP_EL0), else the per-CPU ``current_task`` at the per-CPU base (``Arch.percpu_base``: x86's
+        GS base), read with ``read_u64`` (default: through drgn).
+        """
+        register = self.arch.registers.current
+        if register is not None:
+            return regs[register]
+        address = self.arch.percpu_base(regs) + self.current_task_offset
+        if read_u64 is not None:
+            return read_u64(address)
+        task: int = drgn.Object(self.prog, "unsigned long", address=address).value_()
+        return task
+
+    def current(self, regs: Mapping[str, int]) -> drgn.Object:
+        """``current`` on a vCPU stopped in kernel mode with registers ``regs``: a task_struct pointer."""
+        return self.task(self.current_address(regs))
 
     def task(self, addr: int) -> drgn.Object:
         return drgn.Object(self.prog, "struct task_struct *", value=addr)
 
-    def read_task(self, addr: int | None = None, *, percpu_base: int = 0) -> Task:
-        """A Task of the task_struct at ``addr`` (else of ``current`` at ``percpu_base``).
+    def read_task(self, addr: int | None = None, *, regs: Mapping[str, int] | None = None) -> Task:
+        """A Task of the task_struct at ``addr`` (else of ``current`` on the vCPU with registers ``regs``).
 
         pid, tgid and comm are read in one read of the span that holds them (at the offsets the
         debug info gives), not member by member: one page walk instead of three (under 20 µs).
         """
-        task = (self.current(percpu_base) if addr is None else self.task(addr)).value_()
+        task = self.current_address(regs or {}) if addr is None else addr
         _cur, pid, tgid, comm = self.offsets
         lo = min(pid, tgid, comm)
         raw = self.prog.read(task + lo, max(pid, tgid, comm) + 16 - lo)
         name = raw[comm - lo : comm - lo + 16].split(b"\0")[0].decode(errors="replace")
         return Task(task, _s32(raw, pid - lo), _s32(raw, tgid - lo), name)
 
-    def snapshot(self, addr: int | None = None, *, percpu_base: int = 0) -> Task | None:
+    def snapshot(self, addr: int | None = None, *, regs: Mapping[str, int] | None = None) -> Task | None:
         """``read_task``, or None when the kernel's types are unavailable (a vmlinux without DWARF) or the
         task cannot be read: what a kretprobe instance records, which must not stop the probe.
         """
         try:
-            return self.read_task(addr, percpu_base=percpu_base)
+            return self.read_task(addr, regs=regs)
         except (SymbolError, drgn.FaultError):
             return None
 

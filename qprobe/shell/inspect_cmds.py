@@ -105,7 +105,7 @@ class InspectCommands:
             self.shell.note(f"vCPU {cpu} is in user mode")
             return
         try:
-            task = self.shell.target.kernel.read_task(percpu_base=arch.percpu_base(regs))
+            task = self.shell.target.kernel.read_task(regs=regs)
             self.shell.note(f"vCPU {cpu} in the kernel, current task {task.comm}-{task.pid}")
         except Exception:  # a vCPU in early entry code may not have a usable per-CPU base yet
             pass

@@ -266,6 +266,7 @@ class Toy:
         irq_flag=IRQ,
         page_table="ttbr",
         percpu_base="tpidr",
+        current="cur",  # current in a register, as arm64's SP_EL0: the core must not read it per-CPU
         retval="r0",
         stack_args=0,
     )
@@ -470,7 +471,8 @@ class ToyCpu:
     def __init__(self, mem: ToyMemory, ncpus: int = 2) -> None:
         self.mem = mem
         self.regs = {f"p1.{i + 1}": {"pc": TEXT, "sp": STACK + STACK_SIZE - 0x100, "psr": IRQ, "r0": 0, "r1": 0,
-                                     "r2": 0, "r3": 0, "lr": 0, "elr": 0, "spsr": 0, "ttbr": 0, "tpidr": 0}
+                                     "r2": 0, "r3": 0, "lr": 0, "elr": 0, "spsr": 0, "ttbr": 0, "tpidr": 0,
+                                     "cur": 0}
                      for i in range(ncpus)}  # fmt: skip
         self.breakpoints: list[tuple[int, int, int]] = []  # (addr, kind, length) as inserted
         self.steps: list[tuple[str, int]] = []  # (vCPU, pc) of every step
@@ -764,23 +766,24 @@ class ToyObject:
 
 @dataclass
 class ToyKernel:
-    """KernelData as the core reads it: symbols, memory, no debug info, tasks by their per-CPU base."""
+    """KernelData as the core reads it: symbols, memory, no debug info, ``current`` in the register ``cur``."""
 
     symbols: ToySymbols
     mem: ToyMemory
     prog: _NoProgram = field(default_factory=_NoProgram)
-    current_task_offset = 0x40
-    running: dict[int, int] = field(default_factory=dict)  # per-CPU base -> the task running there
     mms: dict[int, int] = field(default_factory=dict)  # task -> its mm (0: a kernel thread)
 
-    def current(self, percpu_base: int) -> ToyObject:
-        return self.task(self.running[percpu_base])
+    def current_address(self, regs: Mapping[str, int], read_u64: Callable[[int], int] | None = None) -> int:
+        return regs["cur"]  # the toy's RegisterLayout.current: a KeyError if a caller brings only the per-CPU base
+
+    def current(self, regs: Mapping[str, int]) -> ToyObject:
+        return self.task(self.current_address(regs))
 
     def task(self, addr: int) -> ToyObject:
         return ToyObject(addr, mm=ToyObject(self.mms.get(addr, 0)))
 
-    def snapshot(self, task: int = 0, percpu_base: int = 0) -> Any:
-        return SimpleNamespace(task=task or 0x1000 + percpu_base, percpu_base=percpu_base)
+    def snapshot(self, task: int | None = None, *, regs: Mapping[str, int] | None = None) -> Any:
+        return SimpleNamespace(task=self.current_address(regs or {}) if task is None else task)
 
     def type_offset(self, struct_name: str, member: str) -> int:
         raise LookupError(f"the toy kernel has no debug info ({struct_name})")

@@ -6,7 +6,7 @@ A toy function is called by putting a return address in its link register
 instance and puts the trampoline's address where the return address was, the
 function's RET goes to the trampoline, whose breakpoint pairs the return with
 its instance by the call's frame (its stack pointer at entry).  Tasks are told
-apart by their per-CPU base (``tpidr``).
+apart by the register that holds ``current`` (``cur``, as arm64's SP_EL0).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Calls(Rig):
         """``tid`` (running task ``task``) calls toy_callee from ``ret`` with stack pointer ``sp``: up to its RET."""
         if self.stack_return:
             self.t.mem.write(sp, ret.to_bytes(8, "little"))
-        self.run(tid, self.callee, sp=sp, tpidr=task, r0=0, lr=0 if self.stack_return else ret)
+        self.run(tid, self.callee, sp=sp, cur=task, r0=0, lr=0 if self.stack_return else ret)
         while self.t.mem.read(self.t.regs(tid)["pc"], 1)[0] != RET:
             self.step(tid)
 
@@ -90,7 +90,7 @@ def test_a_return_runs_the_handler_with_the_return_value_and_goes_back_to_the_ca
 
 def test_maxactive_bounds_the_calls_in_flight_and_the_rest_count_as_missed(calls: Calls) -> None:
     returns: list[tuple[int, int]] = []
-    rp = Kretprobe("toy_callee", handler=lambda ri, regs: returns.append((ri.ret_addr, ri.task.percpu_base)),
+    rp = Kretprobe("toy_callee", handler=lambda ri, regs: returns.append((ri.ret_addr, ri.task.task)),
                    maxactive=2)  # fmt: skip
     calls.rpm.register_kretprobe(rp)
     # Three tasks in the function at once (two vCPUs, one of them preempted): only two are probed.
@@ -104,7 +104,7 @@ def test_maxactive_bounds_the_calls_in_flight_and_the_rest_count_as_missed(calls
     assert calls.leave(A) == CALLER + 8
     assert returns == []
     # The others return out of order, each to its own caller with its own instance.
-    calls.t.regs(A).update(pc=calls.callee + 12, sp=slot(0), lr=first["lr"], tpidr=first["tpidr"])
+    calls.t.regs(A).update(pc=calls.callee + 12, sp=slot(0), lr=first["lr"], cur=first["cur"])
     assert calls.leave(B) == CALLER + 4
     assert calls.leave(A) == CALLER + 0
     assert returns == [(CALLER + 4, 11), (CALLER + 0, 10)]

@@ -59,8 +59,8 @@ class FakeKernel:
     def percpu_offset(self, name: str) -> int:
         return {"cpu_number": 0x20C08, "this_cpu_off": 0x20C10, "current_task": 0x20C00}[name]
 
-    def current(self, percpu_base: int) -> SimpleNamespace:
-        assert percpu_base == GS_BASE
+    def current(self, regs: Mapping[str, int]) -> SimpleNamespace:
+        assert regs["gs_base"] == GS_BASE
         return SimpleNamespace(stack=SimpleNamespace(value_=lambda: TASK_STACK))
 
 

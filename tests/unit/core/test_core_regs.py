@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import struct
+from dataclasses import replace
 
 import pytest
 
@@ -98,6 +99,14 @@ def test_the_per_cpu_base_is_kept_for_per_cpu_reads() -> None:
     assert "gs_base" not in regs.as_dict()
     without, _ = make({k: v for k, v in GDB_VALUES.items() if k != "gs_base"})
     assert without.percpu_base == 0
+    # What the kernel layer finds current from: x86 keeps it per-CPU, so the per-CPU base alone.
+    assert regs.task_regs == {"gs_base": GDB_VALUES["gs_base"]}
+
+
+def test_the_register_that_holds_current_is_kept_where_the_architecture_has_one() -> None:
+    layout = replace(X86_64.registers, current="sp_el0")
+    regs = PtRegs({**GDB_VALUES, "sp_el0": 0xFFFF_0000_0123_4000}, "p1.1", 0, FakeMem(), layout=layout)
+    assert regs.task_regs == {"gs_base": GDB_VALUES["gs_base"], "sp_el0": 0xFFFF_0000_0123_4000}
 
 
 def test_the_return_value_is_the_layout_s_register() -> None:

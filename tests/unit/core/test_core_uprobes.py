@@ -108,7 +108,6 @@ class World:
     def thread(self, p: Proc, task: int) -> Proc:
         """A task of ``p``'s process (``task`` its own), on its own per-CPU base."""
         t = Proc(task, p.mm, p.root, p.percpu if task == p.task else p.percpu + 0x10)
-        self.rig.t.kernel.running[t.percpu] = task
         self.rig.t.kernel.mms[task] = p.mm
         return t
 
@@ -193,7 +192,7 @@ class Setup:
     def stop(self, p: Proc, addr: int, sp: int = STACK_TOP - 0x100, tid: str = A, **regs: int) -> dict[str, int]:
         """The VM stopped with vCPU ``tid`` running ``p`` in user mode on ``addr``: what the stop loop does."""
         cpu = self.rig.t.regs(tid)
-        cpu.update(pc=addr, sp=sp, psr=USER | IRQ, ttbr=p.root, tpidr=p.percpu, **regs)
+        cpu.update(pc=addr, sp=sp, psr=USER | IRQ, ttbr=p.root, tpidr=p.percpu, cur=p.task, **regs)
         self.rig.t.machine.stop_handlers[addr](tid, dict(cpu))
         return cpu
 

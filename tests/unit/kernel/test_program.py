@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import drgn
 import pytest
@@ -107,6 +108,22 @@ def test_pcpu_hot_members_from_6_2() -> None:
     assert kernel.current_task_offset == 0x2_1A40 and kernel.percpu_offset("cpu_number") == 0x2_1A48
     with pytest.raises(SymbolError, match=r"neither a per-CPU this_cpu_off nor pcpu_hot\.this_cpu_off"):
         kernel.percpu_offset("this_cpu_off")
+
+
+def test_current_is_the_per_cpu_current_task_on_x86() -> None:
+    kernel = _kernel_with({"current_task": ("pointer", 0x1FB80)})
+    gs, task = 0xFFFF_8880_1F00_0000, 0xFFFF_8880_0123_4000
+    memory = {gs + 0x1FB80: task}
+    assert kernel.current_address({"gs_base": gs}, memory.__getitem__) == task
+    # Before swapgs GS is still the user's: the kernel's per-CPU base waits in KERNEL_GS_BASE.
+    assert kernel.current_address({"gs_base": 0x7F00_0000_0000, "k_gs_base": gs}, memory.__getitem__) == task
+
+
+def test_current_is_the_register_that_holds_it_where_the_architecture_keeps_it_in_one() -> None:
+    arch = SimpleNamespace(registers=replace(X86_64.registers, current="sp_el0"))
+    kernel = KernelData(FakeSymbols(), None, arch)  # type: ignore[arg-type]
+    nothing: dict[int, int] = {}  # no memory is read, and no per-CPU current_task looked for (this kernel has none)
+    assert kernel.current_address({"sp_el0": 0xFFFF_0000_0123_4000}, nothing.__getitem__) == 0xFFFF_0000_0123_4000
 
 
 def test_without_debug_info_the_symbol_table_s_per_cpu_variables_are_used() -> None:

@@ -73,7 +73,7 @@ class FakeTarget:
         # What kprobe events hold their probes by: no jump optimization, so nothing is counted in the guest.
         self.kprobe_backend = SimpleNamespace(can_count_in_guest=False, trampoline=None)
         self.uprobe_backend = SimpleNamespace(function_name=lambda path, offset: "qpt_target")
-        self.kernel = SimpleNamespace(read_task=lambda percpu_base: SimpleNamespace(comm="swapper/0", pid=0))
+        self.kernel = SimpleNamespace(read_task=lambda regs: SimpleNamespace(comm="swapper/0", pid=0))
         self.interrupts = 0  # Ctrl-Cs sent to the guest's foreground command
         self.slide = 0
         self.optimizable = True  # False: as when attached to a QEMU qprobe did not start

@@ -61,7 +61,7 @@ def arch_of(gdb: GdbRemote | GdbMiRemote) -> Arch:
         raise TargetError("the gdbstub's target description names no architecture (<architecture>)")
     arch = arch_named(gdb.architecture)
     layout = arch.registers
-    missing = sorted({*layout.gdb_name.values(), layout.page_table, layout.percpu_base} - set(gdb.regs))
+    missing = sorted(layout.stop_registers - set(gdb.regs))
     if missing:
         raise TargetError(f"the gdbstub describes no {', '.join(missing)}: not an {arch.name} system target")
     return arch
@@ -217,8 +217,10 @@ class Wiring:
         t.gdb = open_stub(self.transport, t.address, self.alive)
         t.gdb.handshake()
         t.arch = arch_of(t.gdb)
-        if not isinstance(t.gdb, GdbMiRemote):  # gdb writes registers itself
+        # gdb writes registers itself, and reads with ``p`` those ``g`` lacks (failing a read that lacks one).
+        if not isinstance(t.gdb, GdbMiRemote):
             t.gdb.allow_g(t.arch.registers.plain)
+            t.gdb.needed = t.arch.registers.stop_registers
         vcpus = t.gdb.threads()
         drop_stale_breakpoints(t.gdb.request, vcpus)  # a killed qprobe's, before anything runs
         regs0 = t.gdb.read_registers(vcpus[0])

@@ -20,7 +20,8 @@ from the base kprobes hooks; the core checks for None before it uses one.
    ``vmcoreinfo``.
 2. Registers: ``registers`` (a :class:`RegisterLayout`: pt_regs once, the
    gdbstub's names, argument and return registers, where ``current`` is,
-   what the shell prints) and the ``ip``/``sp``/``flags``/``user_mode``/``percpu_base`` readers.
+   the registers every stop must bring, what the shell prints) and the
+   ``ip``/``sp``/``flags``/``user_mode``/``percpu_base`` readers.
 3. Page tables: ``page_tables`` gives the :class:`PageTables` the host walks
    guest memory with and maps the scratch area through.
 4. Instructions: ``arch_prepare_kprobe`` decodes the probed instruction and
@@ -204,9 +205,20 @@ class RegisterLayout:
     # mode, as arm64's SP_EL0 does; None where ``current`` is the per-CPU variable ``current_task``,
     # read at the per-CPU base (x86).  qprobe.kernel.program.KernelData.current_address reads either.
     current: str | None = None
+    # gdbstub names of the other registers the architecture's readers take from a stop (x86: CR4 for
+    # page_tables, KERNEL_GS_BASE for percpu_base, CR0 for boot_stage).
+    system: tuple[str, ...] = ()
     ip: str = "ip"  # pt_regs names of the instruction pointer, stack pointer and flags
     sp: str = "sp"
     flags: str = "flags"
+
+    @property
+    def stop_registers(self) -> frozenset[str]:
+        """gdbstub names of every register a stop's read must bring: pt_regs', the page-table root, the
+        per-CPU base, ``current``'s and ``system``.  A transport reads those its ``g`` packet lacks with ``p``
+        (QEMU's aarch64 stub has its system registers in a target-description feature of their own)."""
+        named = (self.page_table, self.percpu_base, *self.system, *([self.current] if self.current else []))
+        return frozenset((*self.gdb_name.values(), *named))
 
     @property
     def pc(self) -> str:

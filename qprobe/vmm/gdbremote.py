@@ -6,6 +6,7 @@ read by qprobe.vmm.tdesc), so offsets in the ``g`` packet are never guessed.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Collection, Sequence
 
 from qprobe.errors import GuestTimeout, ProtocolError, TargetError
@@ -34,7 +35,9 @@ class GdbRemote:
         self.packet_size = 0x1000
         self.regs: dict[str, RegDesc] = {}
         self.architecture = ""  # as the target description names it (<architecture>), "" if it does not
-        self._g_size = 0
+        # The registers every read_registers must bring (the architecture's RegisterLayout.stop_registers,
+        # given once it is known): those the ``g`` packet lacks are read with ``p``.
+        self.needed: frozenset[str] = frozenset()
         self._g_prefix: list[RegDesc] = []
         self._hg: str | None = None
         self._phys = False
@@ -68,7 +71,7 @@ class GdbRemote:
         if b"qXfer:features:read+" not in reply:
             raise ProtocolError("the gdbstub offers no target description (qXfer:features:read)")
         desc = read_target_description(self.conn.request)
-        self.regs, self.architecture, self._g_size = desc.regs, desc.architecture, desc.g_size
+        self.regs, self.architecture = desc.regs, desc.architecture
         # Connecting stops the VM; '?' tells us where (a \x03 now would get no reply).
         stop = parse_stop_reply(self.conn.request(b"?"))
         self.running = False
@@ -123,17 +126,28 @@ class GdbRemote:
 
     # -- registers -----------------------------------------------------------
     def read_registers(self, tid: str) -> dict[str, int]:
+        """Every register up to 64 bits wide that ``g`` brings, and each of ``needed`` it does not, by ``p``.
+
+        QEMU sends in ``g`` only what fits, and only the registers of the
+        features it puts there: aarch64's system registers (TTBR1_EL1,
+        TPIDR_EL1, SP_EL0) are described in a feature of their own and read
+        one by one.
+        """
         self.select(tid)
         raw = hex_to_bytes(self.request(b"g"))
-        if len(raw) < self._g_size:
-            # QEMU sends only what fits; everything we use precedes the FPU state.
-            needed = self.regs["efer"].offset + 8 if "efer" in self.regs else 0
-            if len(raw) < needed:
-                raise ProtocolError(f"short register packet: {len(raw)} bytes")
         out = {}
         for d in self.regs.values():
             if d.offset + d.size <= len(raw) and d.bitsize <= 64:
                 out[d.name] = int.from_bytes(raw[d.offset : d.offset + d.size], "little")
+        for name in sorted(self.needed.difference(out)):
+            desc = self.regs.get(name)
+            value = None if desc is None else _register_value(self.request(b"p%x" % desc.regnum), desc)
+            if value is not None:
+                out[name] = value
+        missing = self.needed.difference(out)
+        if missing:
+            raise ProtocolError(f"the gdbstub sent no {', '.join(sorted(missing))} for vCPU {tid} "
+                                f"(a {len(raw)}-byte register packet, and p refused)")  # fmt: skip
         self._known[tid] = dict(out)
         return out
 
@@ -275,6 +289,14 @@ def drop_stale_breakpoints(request: Callable[[bytes], bytes], vcpus: Sequence[st
         parse_stop_reply(request(b"?"))
     if len(vcpus) > 1:
         request(b"Hc" + vcpus[0].encode())
+
+
+def _register_value(reply: bytes, d: RegDesc) -> int | None:
+    """A ``p`` reply's value of register ``d``; None for an error, an empty (unsupported) reply or one not
+    of its size (``x`` digits: unavailable)."""
+    if len(reply) != 2 * d.size or not re.fullmatch(rb"[0-9a-fA-F]+", reply):
+        return None
+    return int.from_bytes(bytes.fromhex(reply.decode()), "little")
 
 
 def _packet_size(text: bytes) -> int:

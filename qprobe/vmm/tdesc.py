@@ -44,7 +44,6 @@ class RegDesc:
 class TargetDescription:
     regs: dict[str, RegDesc]  # by name, in the description's order
     architecture: str  # as the description names it (<architecture>), "" if it does not
-    g_size: int  # bytes of the ``g`` packet the registers fill
 
 
 def _xfer(request: Callable[[bytes], bytes], annex: str, budget: list[int]) -> str:
@@ -67,7 +66,7 @@ def _xfer(request: Callable[[bytes], bytes], annex: str, budget: list[int]) -> s
 
 def read_target_description(request: Callable[[bytes], bytes]) -> TargetDescription:
     """The stub's registers and architecture, from ``target.xml`` and the files it includes."""
-    desc = TargetDescription({}, "", 0)
+    desc = TargetDescription({}, "")
     regnum = 0
     offset = 0
     budget = [MAX_XFER_CHUNKS, MAX_DESCRIPTION]
@@ -101,7 +100,6 @@ def read_target_description(request: Callable[[bytes], bytes]) -> TargetDescript
                 offset += bits // 8
 
     walk("target.xml")
-    desc.g_size = offset
     return desc
 
 

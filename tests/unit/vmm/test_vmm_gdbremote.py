@@ -22,6 +22,7 @@ from vmm_fakes import (
     wait_for,
 )
 
+from qprobe.arch.x86_64.arch import X86_64
 from qprobe.errors import GuestTimeout, ProtocolError, TargetError, TargetGone
 from qprobe.vmm.connection import Connection
 from qprobe.vmm.gdbremote import BREAK_HW, BREAK_SW, WATCH_ACCESS, GdbRemote, drop_stale_breakpoints
@@ -127,7 +128,7 @@ def test_register_set_is_exactly_what_qemu_sends(gdb: GdbRemote) -> None:
     assert list(gdb.regs) == [n for n, _ in X86_64_REGS]
     for commented_out in ("cs_base", "ss_base", "ds_base", "es_base"):
         assert commented_out not in gdb.regs
-    assert gdb._g_size == G_SIZE == 608
+    assert sum(d.size for d in gdb.regs.values()) == G_SIZE == 608
     assert gdb.regs["eflags"].size == 4
     assert gdb.regs["fs_base"].offset == gdb.regs["gs"].offset + 4
 
@@ -259,18 +260,60 @@ def test_select_refused(gdb: GdbRemote) -> None:
     one_line(info.value)
 
 
-def test_short_register_packet_with_everything_we_use(stub: QemuStub, gdb: GdbRemote) -> None:
+def test_a_short_register_packet_is_enough_without_needed_registers(stub: QemuStub, gdb: GdbRemote) -> None:
     stub.vcpus[0].set("efer", 0xD01)
     stub.overrides[b"g"] = lambda p: bytes(stub.vcpus[0].regs[:236]).hex().encode()
     regs = gdb.read_registers("p1.1")
     assert regs["efer"] == 0xD01
     assert "fctrl" not in regs
+    assert stub.sent(b"p") == []
 
 
-def test_short_register_packet_without_efer(stub: QemuStub, gdb: GdbRemote) -> None:
+def test_needed_registers_a_short_register_packet_lacks_are_read_with_p(stub: QemuStub, gdb: GdbRemote) -> None:
+    gdb.needed = X86_64.registers.stop_registers
+    stub.vcpus[0].set("cr3", 0x0AB_C000)
+    stub.vcpus[0].set("cr4", 0x3506F0)
+    stub.overrides[b"g"] = lambda p: bytes(stub.vcpus[0].regs[:200]).hex().encode()  # through cr0
+    regs = gdb.read_registers("p1.1")
+    assert (regs["cr3"], regs["cr4"]) == (0x0AB_C000, 0x3506F0)
+    assert stub.sent(b"p") == [b"p1d", b"p1e"]  # cr3 and cr4: cr0 came, and efer is needed by no reader
+    assert "efer" not in regs
+
+
+def test_a_needed_register_that_does_not_come_is_named(stub: QemuStub, gdb: GdbRemote) -> None:
+    gdb.needed = X86_64.registers.stop_registers
     stub.overrides[b"g"] = lambda p: bytes(stub.vcpus[0].regs[:200]).hex().encode()
-    with pytest.raises(ProtocolError, match="short register packet: 200 bytes"):
+    stub.overrides[b"p"] = b"E14"
+    with pytest.raises(ProtocolError, match=r"^the gdbstub sent no cr3, cr4 for vCPU p1\.1 \(a 200-byte") as info:
         gdb.read_registers("p1.1")
+    one_line(info.value)
+
+
+# A feature QEMU describes but does not put in ``g`` (as aarch64's system registers): after the x86 core.
+SYSREGS_XML = (
+    '<?xml version="1.0"?><!DOCTYPE feature SYSTEM "gdb-target.dtd"><feature name="org.qemu.gdb.sysregs">'
+    '<reg name="sp_el0" bitsize="64" type="int64"/><reg name="vbar" bitsize="64" type="int64"/></feature>'
+)
+
+
+def test_a_needed_register_outside_g_is_read_with_p_at_every_read() -> None:
+    target = TARGET_XML.replace("</target>", '<xi:include href="sysregs.xml"/></target>')
+    stub = QemuStub(annexes={"target.xml": target.encode(), "sysregs.xml": SYSREGS_XML.encode()})
+    try:
+        gdb = connect(stub)
+        assert gdb.regs["sp_el0"].regnum == len(X86_64_REGS) == 0x42
+        gdb.needed = frozenset(("rip", "cr3", "gs_base", "sp_el0"))
+        for i, task in enumerate((0xFFFF_0000_0123_4000, 0xFFFF_0000_0567_8000)):
+            stub.vcpus[0].outside_g[0x42] = task.to_bytes(8, "little")
+            regs = gdb.read_registers("p1.1")
+            assert regs["sp_el0"] == task and "vbar" not in regs  # only what is needed is read one by one
+            assert stub.sent(b"p") == [b"p42"] * (i + 1)
+        stub.vcpus[0].outside_g.clear()
+        with pytest.raises(ProtocolError, match=r"^the gdbstub sent no sp_el0 for vCPU p1\.1"):
+            gdb.read_registers("p1.1")
+    finally:
+        stub.close()
+    assert not stub.errors, stub.errors
 
 
 def test_register_packet_not_hex(stub: QemuStub, gdb: GdbRemote) -> None:

@@ -138,6 +138,8 @@ SILENT = None  # an answer that sends nothing at all
 @dataclass
 class Vcpu:
     regs: bytearray = field(default_factory=lambda: bytearray(G_SIZE))
+    # Registers numbered past the g packet's (a description's feature that QEMU does not put in g): ``p`` only.
+    outside_g: dict[int, bytes] = field(default_factory=dict)
 
     def set(self, name: str, value: int) -> None:
         off = g_offsets()[name]
@@ -308,6 +310,13 @@ class QemuStub:
             return pkt(b"OK")
         if p == b"g":
             return pkt(self.vcpus[self.g_cpu].regs.hex().encode())
+        if p.startswith(b"p"):
+            n = int(p[1:], 16)
+            if n < len(X86_64_REGS):
+                off, size = g_offsets()[X86_64_REGS[n][0]], X86_64_REGS[n][1] // 8
+                return pkt(self.vcpus[self.g_cpu].regs[off : off + size].hex().encode())
+            data = self.vcpus[self.g_cpu].outside_g.get(n)
+            return pkt(b"E14" if data is None else data.hex().encode())
         if p.startswith(b"P"):
             m = re.fullmatch(rb"P([0-9a-f]+)=([0-9a-f]+)", p)
             assert m, p

@@ -50,11 +50,12 @@ class SymbolIndex:
 
 
 def fetch_hints(registers: RegisterLayout) -> tuple[str, ...]:
-    """What a fetch argument's value may be: the variables, then the architecture's registers a function's
-    arguments, its return value and the stack are in, and memory at its first arguments (on x86_64: ``%di``
-    ... ``%r9``, ``%ax``, ``%sp``, ``+0(%di)``, ``+0(%si):string``)."""
+    """What a fetch argument's value may be: the variables, the registers the architecture passes a function's
+    arguments and return value in, its stack pointer, and memory at the first two arguments (on x86_64:
+    ``%di`` ... ``%r9``, ``%ax``, ``%sp``, ``+0(%di)``, ``+0(%si):string``)."""
     first, second = registers.arg_regs[:2]
-    regs = dict.fromkeys((*registers.arg_regs, registers.retval, registers.sp))  # each once, in that order
+    # Each once, in that order: an architecture may return in its first argument register (arm64's x0).
+    regs = dict.fromkeys((*registers.arg_regs, registers.retval, registers.sp))
     return (*VAR_HINTS, *(f"%{r}" for r in regs), f"+0(%{first})", f"+0(%{second}):string",
             f"+0(%{second}):ustring")  # fmt: skip
 

@@ -53,8 +53,9 @@ class ProcessTree:
             raise QprobeError(f"cannot follow the command's processes: no struct task_struct ({exc})") from None
         # $$ is the console shell's pid in its subshells too (POSIX), so this is the launcher's parent.
         self.shell = int(target.run("echo $$").check().output.split()[-1])
+        task = target.arch.registers.arg_regs[0]  # at its entry: the new task, its one argument
         self.event: TraceEvent = target.add_event(
-            f"p:qprobe_cpid/fork {FORK_FUNCTION} child=+{pid_offset}(%di):s32", self._fork
+            f"p:qprobe_cpid/fork {FORK_FUNCTION} child=+{pid_offset}(%{task}):s32", self._fork
         )
 
     def _fork(self, hit: EventHit) -> None:

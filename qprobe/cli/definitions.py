@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from qprobe.errors import FetchArgError, QprobeError
 
-from .host import _host_dialect, _host_probeability, _host_symbols, _without_btf
+from .host import _host_language, _host_probeability, _host_symbols, _without_btf
 
 if TYPE_CHECKING:
     from qprobe.api import Target
@@ -89,13 +89,14 @@ def _parse_definitions(args: argparse.Namespace) -> tuple[list[str | ProbeEvent]
     from qprobe.fetch import ProbeEvent, UprobeEvent, parse_event, parse_uprobe_event
     from qprobe.kernel.usyntax import is_user_form, symbolic_user_form, unresolved_syntax
 
-    dialect = _host_dialect(args) if args.events else None
-    if dialect is None:
+    language = _host_language(args) if args.events else None
+    if language is None:
         return list(args.events), []
+    dialect, registers = language
     out: list[str | ProbeEvent] = []
     checked: list[ProbeEvent | UprobeEvent] = []
     for text in args.events:
-        line = symbolic_user_form(text) if is_user_form(text) else text
+        line = symbolic_user_form(text, registers) if is_user_form(text) else text
         if is_uprobe(line):
             try:
                 uev = parse_uprobe_event(unresolved_syntax(line), dialect)
@@ -145,7 +146,7 @@ def _user_forms(target: Target, definitions: list[str | ProbeEvent], quiet: bool
     out: list[str | ProbeEvent] = []
     for d in definitions:
         if isinstance(d, str) and is_user_form(d):
-            d = user_form_definition(d, target.resolve_user_symbol)
+            d = user_form_definition(d, target.resolve_user_symbol, target.arch.registers)
             if not quiet:
                 print(f"qprobe: writing event: {d}", file=sys.stderr, flush=True)
         out.append(d)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from qprobe.errors import FetchArgError, QprobeError
 
 if TYPE_CHECKING:
+    from qprobe.arch import RegisterLayout
     from qprobe.events.funcs import Probeability
     from qprobe.fetch.dialect import Dialect
     from qprobe.kernel.symbols import Symbols
@@ -77,8 +78,9 @@ def _load_symbols(vmlinux: str, system_map: Path | None) -> Symbols:
     return _loaded(vmlinux, system_map, mtime)
 
 
-def _host_dialect(args: argparse.Namespace) -> Dialect | None:
-    """The kprobe_events language of the vmlinux on the host; None if it is not known here.
+def _host_language(args: argparse.Namespace) -> tuple[Dialect, RegisterLayout] | None:
+    """The kprobe_events language of the vmlinux on the host, and its architecture's registers (what the
+    user forms' ``argN`` become); None if it is not known here.
 
     Without it (a VM to attach to, no --vmlinux) definitions are checked once attached,
     in the running kernel's language, not before in another one's.
@@ -90,7 +92,8 @@ def _host_dialect(args: argparse.Namespace) -> Dialect | None:
     symbols = _host_symbols(args)
     if symbols is None:
         return None
-    return probe_dialect(symbols, vmlinux_arch(symbols).registers.pt_regs, init_stack_span(symbols))
+    registers = vmlinux_arch(symbols).registers
+    return probe_dialect(symbols, registers.pt_regs, init_stack_span(symbols)), registers
 
 
 def _host_probeability(args: argparse.Namespace) -> Probeability | None:

@@ -9,7 +9,7 @@ through a :class:`FetchContext`, and prints what ftrace would print.
 from __future__ import annotations
 
 from .args import FetchArg, Value
-from .context import FAULT, REGISTERS, Fault, FetchContext, MemoryFault, SymbolValue, UprobeContext, UserFetchContext
+from .context import FAULT, Fault, FetchContext, MemoryFault, SymbolValue, UprobeContext, UserFetchContext
 from .event import DeleteEvent, ProbeEvent, check_append, check_event, parse_event, parse_events
 from .expr import Arg, Comm, Deref, FileOffset, Imm, ImmString, Node, Reg, RetVal, Stack, StackPointer, SymbolAddr
 from .ftypes import Bitfield, FetchType
@@ -29,7 +29,6 @@ from .uevent import UprobeEvent, check_uprobe_append, parse_uprobe_event, parse_
 
 __all__ = [
     "FAULT",
-    "REGISTERS",
     "Arg",
     "Bitfield",
     "Comm",

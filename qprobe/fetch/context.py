@@ -19,15 +19,6 @@ U64_MASK = (1 << 64) - 1
 PAGE_SIZE = 4096
 
 
-# pt_regs names x86_64's regs_query_register_offset() accepts (case-sensitive): the language without a
-# kernel (dialect.BASE); a kernel's Dialect has its architecture's (qprobe.arch's RegisterLayout.pt_regs).
-REGISTERS: tuple[str, ...] = (
-    "r15", "r14", "r13", "r12", "r11", "r10", "r9", "r8",
-    "bx", "cx", "dx", "si", "di", "bp", "ax",
-    "orig_ax", "ip", "cs", "flags", "sp", "ss",
-)  # fmt: skip
-
-
 class MemoryFault(QprobeError):
     """A guest memory read failed (unmapped page, wrong address space...)."""
 
@@ -41,19 +32,21 @@ class MemoryFault(QprobeError):
 class FetchContext(Protocol):
     """The guest state at one probe hit, as the fetch instructions see it.
 
-    ``reg`` takes a name from :data:`REGISTERS` and returns the full 64-bit
-    pt_regs slot.  ``read``/``read_user`` return exactly ``size`` bytes or
-    raise :class:`MemoryFault`; the evaluator already refuses user addresses
-    for ``read`` and kernel addresses for ``read_user`` (as x86's
+    ``reg`` takes a pt_regs name the parser's Dialect accepted (its
+    architecture's) and returns the full 64-bit pt_regs slot.
+    ``read``/``read_user`` return exactly ``size`` bytes or raise
+    :class:`MemoryFault`; the evaluator already refuses user addresses for
+    ``read`` and kernel addresses for ``read_user`` (as x86's
     copy_from_kernel_nofault / copy_from_user_nofault do), so an
     implementation only has to report unmapped memory.  ``stack(n)`` is
     ``regs_get_kernel_stack_nth`` (0 past the stack top), ``arg(n)`` the
-    1-based x86_64 argument (di, si, dx, cx, r8, r9, then the stack),
-    ``retval`` the return value (only asked for in return probes),
-    ``comm`` the current task's comm, ``symbol_address`` resolves ``@SYM``
-    (KeyError if unknown) and ``symbolize`` formats an address like the
-    kernel's ``%pS`` (``func+0x12/0x80`` or ``0xffff...``).  ``task_size_max``
-    is the running kernel's TASK_SIZE_MAX (the architecture's ``PageTables.task_size_max``).
+    1-based argument by the architecture's calling convention (its argument
+    registers, then the stack), ``retval`` the return value (only asked for
+    in return probes), ``comm`` the current task's comm, ``symbol_address``
+    resolves ``@SYM`` (KeyError if unknown) and ``symbolize`` formats an
+    address like the kernel's ``%pS`` (``func+0x12/0x80`` or ``0xffff...``).
+    ``task_size_max`` is the running kernel's TASK_SIZE_MAX (the
+    architecture's ``PageTables.task_size_max``).
     """
 
     task_size_max: int

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 from . import messages as M
 from .btf import Btf, FuncProto
-from .context import REGISTERS
 
 # Fetch types that are not in 6.1.0 and that a kernel's README may list.
 OPTIONAL_TYPES = ("symstr", "char")
@@ -41,7 +40,8 @@ class Dialect:
     ``return_args``: its README says return probes take ``$arg<N>``;
     ``dentry_args``: its README lists the ``%pd/%pD`` types;
     ``btf``: its BTF (None: it has none); ``registers``: the pt_regs names its
-    ``%REG`` takes (the architecture's, what regs_query_register_offset() knows).
+    ``%REG`` takes (its architecture's ``RegisterLayout.pt_regs``, what
+    regs_query_register_offset() knows; None: the architecture is unknown).
     """
 
     types: frozenset[str] = frozenset()
@@ -51,13 +51,17 @@ class Dialect:
     return_args: bool = False
     dentry_args: bool = False
     btf: Btf | None = field(default=None, compare=False)
-    registers: frozenset[str] = frozenset(REGISTERS)
+    registers: frozenset[str] | None = None
 
     def proto(self, func: str | None) -> FuncProto | None:
         """``query_btf_context``: the prototype of the probed function, if BTF arguments can use it."""
         if not self.btf_args or func is None or self.btf is None:
             return None
         return self.btf.proto(func)
+
+    def has_register(self, name: str) -> bool:
+        """Whether ``%name`` names a register; where the architecture is unknown, any name does."""
+        return bool(name) and (self.registers is None or name in self.registers)
 
     def has(self, text: str) -> bool:
         """Whether the kernel's error table has this text (so it has the check that logs it)."""
@@ -95,8 +99,10 @@ class Dialect:
         return close[0] if close else text
 
 
-# Without a kernel (a syntax check before anything boots): 6.1.0's language, with its x86_64
-# THREAD_SIZE (16 KiB without KASAN) and registers.  A Target's Dialect has the running kernel's.
+# Without a kernel (a syntax check with no vmlinux at hand): 6.1.0's language, with x86_64's THREAD_SIZE
+# (16 KiB without KASAN).  It knows no architecture, so %REG takes any name; a kernel's Dialect
+# (qprobe.kernel.tracefs.probe_dialect: a Target's, or the CLI's from vmlinux before boot) takes its
+# architecture's registers, and check_event parses a definition again in it.
 BASE = Dialect(thread_size=16384)
 
 
@@ -135,10 +141,10 @@ def readme_dentry_args(readme: str) -> bool:
 
 
 def dialect_of(readme: str | None, messages: list[str] | None, thread_size: int | None = None,
-               btf: Btf | None = None, registers: Collection[str] = REGISTERS) -> Dialect:  # fmt: skip
+               btf: Btf | None = None, registers: Collection[str] | None = None) -> Dialect:  # fmt: skip
     """The Dialect of a kernel from its README text, error-text table, THREAD_SIZE and BTF (any may be unknown).
 
-    ``registers`` are its architecture's pt_regs names (default: x86_64's, the language without a kernel).
+    ``registers`` are its architecture's pt_regs names (None: unknown, so ``%REG`` takes any name).
     """
     types = readme_types(readme) if readme else frozenset()
     return Dialect(
@@ -149,5 +155,5 @@ def dialect_of(readme: str | None, messages: list[str] | None, thread_size: int 
         return_args=bool(readme) and readme_return_args(readme or ""),
         dentry_args=bool(readme) and readme_dentry_args(readme or ""),
         btf=btf,
-        registers=frozenset(registers),
+        registers=None if registers is None else frozenset(registers),
     )

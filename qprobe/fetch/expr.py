@@ -354,7 +354,7 @@ def parse_probe_arg(arg: str, flags: int, offs: int, code: Code) -> Node:
     if head == "$":
         return _parse_vars(arg[1:], flags, offs, code)
     if head == "%":
-        if arg[1:] not in code.dialect.registers:
+        if not code.dialect.has_register(arg[1:]):
             raise ArgError(offs, M.BAD_REG_NAME)
         return Reg(arg[1:])
     if head == "@":

@@ -11,26 +11,27 @@ offset`` (:meth:`qprobe.kernel.userelf.UserElf.resolve` over the guest's file):
   need DWARF and are refused): the group is ``probe_<program>`` and the event
   ``FUNC`` or ``FUNC__return``, as perf names them (tools/perf/util/probe-event.c);
 * bpftrace's ``uprobe:PATH:FUNC[+OFFS]`` / ``uretprobe:PATH:FUNC`` with the
-  builtins a handler reads: ``arg0``.. (x86_64's argument registers, then the
-  stack), ``retval``, ``comm``; ``pid`` is in every hit (the trace line's pid) and
-  needs no argument.
+  builtins a handler reads: ``arg0``.. (the architecture's argument registers,
+  then the stack, from its :class:`~qprobe.arch.RegisterLayout`), ``retval``,
+  ``comm``; ``pid`` is in every hit (the trace line's pid) and needs no argument.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from qprobe.errors import QprobeError
 from qprobe.fetch.kstrto import isdigit, split_args
 from qprobe.kernel.perfsyntax import PerfProbeError, parse_perf_probe
 from qprobe.kernel.userelf import UserElf, UserFunction
 
+if TYPE_CHECKING:
+    from qprobe.arch import RegisterLayout
+
 Resolve = Callable[[str, str], int]
 
-# x86_64 SysV: the first six integer arguments' registers (pt_regs names); the rest are on the stack above
-# the return address at function entry.
-ARG_REGISTERS = ("di", "si", "dx", "cx", "r8", "r9")
 PERF_GROUP = "probe"  # perf's PERFPROBE_GROUP
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9_]")
 _BPFTRACE_PROBE = re.compile(r"(uprobe|uretprobe|u|ur):(/.+):([^:/]+)")  # the function after the last ':'
@@ -86,19 +87,19 @@ def is_user_form(text: str) -> bool:
     return words[:2] == ["perf", "-x"] or (bool(words) and _BPFTRACE_PROBE.fullmatch(words[0]) is not None)
 
 
-def user_form_definition(text: str, resolve: Resolve) -> str:
+def user_form_definition(text: str, resolve: Resolve, registers: RegisterLayout) -> str:
     """A front end's ``perf -x PATH DEF`` or ``uprobe:PATH:FUNC [BUILTIN...]`` (the builtins the handler
-    reads: ``arg0 comm``...) as its uprobe_events line."""
+    reads: ``arg0 comm``...) as its uprobe_events line, in the registers of the kernel's architecture."""
     words = text.split()
     if words[:2] == ["perf", "-x"]:
         parts = text.split(None, 3)
         if len(parts) < 4:
             raise UprobeSyntaxError("usage: perf -x PATH [[GROUP:]EVENT=]FUNC[+OFFS|%return] [ARG...]")
-        return perf_uprobe_definition(parts[2], parts[3], resolve)
-    return bpftrace_uprobe_definition(words[0], words[1:], resolve)
+        return perf_uprobe_definition(parts[2], parts[3], resolve, registers)
+    return bpftrace_uprobe_definition(words[0], words[1:], resolve, registers)
 
 
-def symbolic_user_form(text: str) -> str:
+def symbolic_user_form(text: str, registers: RegisterLayout) -> str:
     """A perf ``-x`` or bpftrace ``uprobe:`` form as its uprobe_events line with ``PATH:SYMBOL`` (resolved once
     booted), for the checks before boot."""
     seen: list[tuple[str, str]] = []
@@ -107,13 +108,14 @@ def symbolic_user_form(text: str) -> str:
         seen.append((path, spec))
         return 0
 
-    line = user_form_definition(text, record)
+    line = user_form_definition(text, record, registers)
     path, spec = seen[0]
     return line.replace(f"{path}:0x0", f"{path}:{spec}", 1)
 
 
-def perf_uprobe_definition(path: str, text: str, resolve: Resolve) -> str:
-    """``perf probe -x PATH TEXT`` as the uprobe_events line perf would write."""
+def perf_uprobe_definition(path: str, text: str, resolve: Resolve, registers: RegisterLayout) -> str:
+    """``perf probe -x PATH TEXT`` as the uprobe_events line perf would write (``registers``: the
+    architecture's, which the refusal of a C variable suggests instead)."""
     try:
         probe = parse_perf_probe(text)
     except PerfProbeError as exc:
@@ -122,8 +124,9 @@ def perf_uprobe_definition(path: str, text: str, resolve: Resolve) -> str:
         raise UprobeSyntaxError(f"{text.strip()}: a uprobe is placed on FUNC or FUNC+OFFS (lines need DWARF)")
     for arg in probe.args:
         if arg.is_c_var or arg.fields:
+            first, second = registers.arg_regs[:2]
             raise UprobeSyntaxError(f"{arg.text}: C variables need the program's DWARF; fetch registers "
-                                    "(%di, %si...) or memory (+0(%di):string) instead")  # fmt: skip
+                                    f"(%{first}, %{second}...) or memory (+0(%{first}):string) instead")  # fmt: skip
     offset = resolve(path, f"{probe.function}+{probe.offset}" if probe.offset else probe.function)
     group = probe.group or f"{PERF_GROUP}_{_program_name(path)}"
     event = probe.event or _event_name(probe.function) + ("__return" if probe.is_return else "")
@@ -132,12 +135,16 @@ def perf_uprobe_definition(path: str, text: str, resolve: Resolve) -> str:
     return " ".join([head, f"{path}:0x{offset:x}", *args])
 
 
-def bpftrace_uprobe_definition(probe: str, variables: Sequence[str], resolve: Resolve) -> str:
+def bpftrace_uprobe_definition(probe: str, variables: Sequence[str], resolve: Resolve,
+                               registers: RegisterLayout) -> str:  # fmt: skip
     """``uprobe:PATH:FUNC[+OFFS]`` / ``uretprobe:PATH:FUNC`` fetching the bpftrace builtins in ``variables``.
 
-    Each builtin becomes an argument of its own name (``arg0=%di:u64``,
-    ``retval=$retval:u64``, ``comm=$comm``); ``pid`` adds none.  bpftrace's own
-    checks are kept: ``argN`` only in a uprobe, ``retval`` only in a uretprobe.
+    Each builtin becomes an argument of its own name (``arg0=%di:u64`` on
+    x86_64, ``retval=$retval:u64``, ``comm=$comm``); ``pid`` adds none.
+    bpftrace's own checks are kept: ``argN`` only in a uprobe, ``retval`` only
+    in a uretprobe.  ``argN`` is the function's integer argument N at its entry
+    by ``registers``, the kernel's architecture's: a user program passes
+    arguments as its kernel does (x86_64's SysV ABI, arm64's AAPCS64).
     """
     m = _BPFTRACE_PROBE.fullmatch(probe.strip())
     if m is None:
@@ -153,9 +160,7 @@ def bpftrace_uprobe_definition(probe: str, variables: Sequence[str], resolve: Re
         if arg:
             if is_return:
                 raise UprobeSyntaxError(f"{var}: bpftrace reads arguments in uprobes, not in uretprobes")
-            n = int(arg.group(1))
-            where = f"%{ARG_REGISTERS[n]}" if n < len(ARG_REGISTERS) else f"+{8 * (n - len(ARG_REGISTERS) + 1)}(%sp)"
-            args.append(f"{var}={where}:u64")
+            args.append(f"{var}={_argument(int(arg.group(1)), registers)}:u64")
         elif var == "retval":
             if not is_return:
                 raise UprobeSyntaxError("retval: bpftrace has it in uretprobes only")
@@ -167,6 +172,15 @@ def bpftrace_uprobe_definition(probe: str, variables: Sequence[str], resolve: Re
     event = _event_name(func.split("+", 1)[0]) + ("__return" if is_return else "")
     head = f"{'r' if is_return else 'p'}:uprobes/{event}"
     return " ".join([head, f"{path}:0x{offset:x}", *args])
+
+
+def _argument(n: int, registers: RegisterLayout) -> str:
+    """The fetch argument of integer argument ``n`` (0-based) at a function's entry: its register, or the
+    stack, where the arguments past the registers are 8-byte words from ``sp + stack_args`` up."""
+    regs = registers.arg_regs
+    if n < len(regs):
+        return f"%{regs[n]}"
+    return f"+{registers.stack_args + 8 * (n - len(regs))}(%{registers.sp})"
 
 
 def _program_name(path: str) -> str:

@@ -118,7 +118,7 @@ class EventCommands:
         uprobe_events line it writes, then added."""
         from qprobe.kernel.usyntax import user_form_definition
 
-        line = user_form_definition(text, self.shell.target.resolve_user_symbol)
+        line = user_form_definition(text, self.shell.target.resolve_user_symbol, self.shell.target.arch.registers)
         self.shell.note(f"writing event: {line}")
         self.uprobe(line)
 

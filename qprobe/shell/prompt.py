@@ -25,15 +25,15 @@ if TYPE_CHECKING:
     from prompt_toolkit.completion import CompleteEvent, Completion
     from prompt_toolkit.document import Document
 
+    from qprobe.arch import RegisterLayout
+
     from .target import ShellTarget
 
 PROMPT = "qprobe> "
 MAX_COMPLETIONS = 300
 SYMBOL_COMMANDS = frozenset({"sym", "addr", "x"})
 EVENT_COMMANDS = frozenset({"enable", "disable", "show", "count", "hist"})
-FETCH_HINTS = ("$retval", "$comm", "$stack", "$stack0", "$arg1", "$arg2", "$arg3", "$arg4", "$arg5", "$arg6",
-               "%di", "%si", "%dx", "%cx", "%r8", "%r9", "%ax", "%sp", "+0(%di)", "+0(%si):string",
-               "+0(%si):ustring")  # fmt: skip
+VAR_HINTS = ("$retval", "$comm", "$stack", "$stack0", "$arg1", "$arg2", "$arg3", "$arg4", "$arg5", "$arg6")
 
 
 class SymbolIndex:
@@ -47,6 +47,17 @@ class SymbolIndex:
         # Every name that starts with prefix sorts before prefix + the highest code point.
         hi = bisect.bisect_left(self.names, prefix + "\U0010ffff", lo)
         return self.names[lo : min(hi, lo + limit)]
+
+
+def fetch_hints(registers: RegisterLayout) -> tuple[str, ...]:
+    """What a fetch argument's value may be: the variables, the registers the architecture passes a function's
+    arguments and return value in, its stack pointer, and memory at the first two arguments (on x86_64:
+    ``%di`` ... ``%r9``, ``%ax``, ``%sp``, ``+0(%di)``, ``+0(%si):string``)."""
+    first, second = registers.arg_regs[:2]
+    # Each once, in that order: an architecture may return in its first argument register (arm64's x0).
+    regs = dict.fromkeys((*registers.arg_regs, registers.retval, registers.sp))
+    return (*VAR_HINTS, *(f"%{r}" for r in regs), f"+0(%{first})", f"+0(%{second}):string",
+            f"+0(%{second}):ustring")  # fmt: skip
 
 
 def words_before_cursor(text: str) -> tuple[list[str], str]:
@@ -72,7 +83,7 @@ def candidates(shell: Shell, index: SymbolIndex | None, text: str) -> list[str]:
             return index.complete(word) if "+" not in word else []
         name, eq, value = word.rpartition("=")
         if eq:
-            return [f"{name}={h}" for h in FETCH_HINTS if h.startswith(value)]
+            return [f"{name}={h}" for h in fetch_hints(shell.target.arch.registers) if h.startswith(value)]
         return []
     if head in SYMBOL_COMMANDS and len(done) == 1 and index is not None:
         return index.complete(word) if "+" not in word else []

@@ -3,12 +3,19 @@ one line (a definition's with the kernel's caret), exit 2."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from types import SimpleNamespace
+
 import pytest
 
 import qprobe
+import qprobe.wiring
 from qprobe import cli
+from qprobe.arch.x86_64.arch import X86_64
 from qprobe.cli import definitions
 from qprobe.kernel.usyntax import is_user_form, render_user_funcs, unresolved_syntax, user_form_definition
+
+X86 = X86_64.registers  # the default image's architecture
 
 
 @pytest.fixture(autouse=True)
@@ -78,6 +85,20 @@ def test_definitions_go_down_as_text_and_kprobes_as_parsed() -> None:
     assert [a.name for a in checked[2].args] == ["arg0"]
 
 
+def test_before_boot_the_registers_are_those_of_the_vmlinux_s_architecture(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """bpftrace's argN become the argument registers of the architecture vmlinux is built for, which its
+    language takes as %REG, and x86's %di is refused there as the kernel refuses it."""
+    other = replace(X86, arg_regs=("x0", "x1"), stack_args=0, pt_regs=("x0", "x1", "sp", "pc"))
+    monkeypatch.setattr(qprobe.wiring, "vmlinux_arch", lambda symbols: SimpleNamespace(registers=other))
+    args = cli.build_parser().parse_args(["trace", "uprobe:/bin/uprog:qpt_target arg0 arg2"])
+    _, checked = definitions._parse_definitions(args)
+    assert [a.definition for a in checked[0].args] == ["arg0=%x0:u64", "arg2=+0(%sp):u64"]
+    assert cli.main(["trace", "--run", "true", "p:uq /bin/uprog:qpt_target a=%di"]) == 2
+    assert capsys.readouterr().err.startswith("qprobe: error: Invalid register name")
+
+
 def test_user_forms() -> None:
     def resolve(path: str, spec: str) -> int:
         return {"qpt_target": 0x1A50, "qpt_target+4": 0x1A54}[spec]
@@ -86,10 +107,10 @@ def test_user_forms() -> None:
     assert unresolved_syntax("p:uq /bin/uprog:0x1a50 a=%di") == "p:uq /bin/uprog:0x1a50 a=%di"
     assert is_user_form("perf -x /bin/uprog qpt_target") and is_user_form("uprobe:/bin/uprog:qpt_target")
     assert not is_user_form("perf vfs_read") and not is_user_form("p:uq /bin/uprog:qpt_target")
-    assert user_form_definition("perf -x /bin/uprog qpt_target%return ret=$retval", resolve) == (
+    assert user_form_definition("perf -x /bin/uprog qpt_target%return ret=$retval", resolve, X86) == (
         "r:probe_uprog/qpt_target__return /bin/uprog:0x1a50 ret=$retval"
     )
-    assert user_form_definition("uprobe:/bin/uprog:qpt_target+4 arg1 comm pid", resolve) == (
+    assert user_form_definition("uprobe:/bin/uprog:qpt_target+4 arg1 comm pid", resolve, X86) == (
         "p:uprobes/qpt_target /bin/uprog:0x1a54 arg1=%si:u64 comm=$comm"
     )
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import drgn
 
+from qprobe.arch.x86_64.arch import X86_64
 from qprobe.events import EventHit
 from qprobe.proctree import ProcessTree
 
@@ -18,7 +19,9 @@ SHELL = 100
 
 
 class FakeTarget:
-    """What ProcessTree asks of a Target: the task_struct type, the guest shell's pid, events."""
+    """What ProcessTree asks of a Target: its architecture, the task_struct type, the guest shell's pid, events."""
+
+    arch = X86_64()
 
     def __init__(self) -> None:
         prog = drgn.Program(drgn.host_platform)

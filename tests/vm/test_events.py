@@ -89,8 +89,10 @@ def test_a_definition_parsed_before_boot_is_armed_without_a_second_parse(
     from qprobe.events import define
     from qprobe.fetch import ProbeEvent, parse_event
 
-    host = cli_host._host_dialect(argparse.Namespace(image=IMAGE, vmlinux=None, attach=None, file=[]))
-    assert host is not None and host == target.dialect
+    language = cli_host._host_language(argparse.Namespace(image=IMAGE, vmlinux=None, attach=None, file=[]))
+    assert language is not None
+    host, _ = language
+    assert host == target.dialect
     ev = parse_event("p:once ksys_lseek fd=%di off=%si:s64", dialect=host)
     assert isinstance(ev, ProbeEvent)
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from qprobe.arch.x86_64.arch import X86_64
 from qprobe.arch.x86_64.paging import X86PageTables
 from qprobe.fetch import MemoryFault, SymbolInfo, sprint_symbol
+from qprobe.fetch.dialect import BASE
 
+# The language of an x86_64 kernel, whose %REG names are its architecture's (the selftests' registers).
+X86 = replace(BASE, registers=frozenset(X86_64.registers.pt_regs))
 # x86_64 argument registers, in order (regs_get_kernel_argument).
 ARG_REGS = ("di", "si", "dx", "cx", "r8", "r9")
 

@@ -17,6 +17,7 @@ import re
 import pytest
 from fetch_fakes import FakeContext, symbol_exists
 
+from qprobe.arch.x86_64.arch import X86_64
 from qprobe.errors import FetchArgError
 from qprobe.events import entry_args
 from qprobe.fetch import Bitfield, Deref, ProbeEvent, check_append, format_event, parse_event, print_fmt
@@ -163,8 +164,9 @@ class FakeBtf:
         return MEMBERS.get((parent.tid, name))
 
 
-D612 = dialect_of(README_612, list(ERRORS_612.values()), 16384, FakeBtf())
-D612_NO_BTF = dialect_of(README_612_NO_BTF, list(ERRORS_612.values()), 16384, FakeBtf())
+REGISTERS = X86_64.registers.pt_regs  # an x86_64 kernel's
+D612 = dialect_of(README_612, list(ERRORS_612.values()), 16384, FakeBtf(), REGISTERS)
+D612_NO_BTF = dialect_of(README_612_NO_BTF, list(ERRORS_612.values()), 16384, FakeBtf(), REGISTERS)
 
 
 def exists(name: str) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from fetch_fakes import symbol_exists
+from fetch_fakes import X86, symbol_exists
 
 from qprobe.errors import FetchArgError
 from qprobe.fetch import DeleteEvent, ProbeEvent, check_event, format_event, parse_event, parse_events
@@ -98,9 +98,9 @@ def error(text: str, **kw: object) -> tuple[str, int]:
 )
 def test_quirks(text: str, reason: str | None, column: int) -> None:
     if reason is None:
-        parse_event(text)
+        parse_event(text, dialect=X86)
         return
-    assert error(text, symbol_exists=symbol_exists) == (reason, column)
+    assert error(text, symbol_exists=symbol_exists, dialect=X86) == (reason, column)
 
 
 def test_unknown_symbols_need_a_symbol_table() -> None:
@@ -232,10 +232,11 @@ def test_a_typo_is_not_taken_for_perf_syntax(text: str) -> None:
 
 
 def test_register_names_are_the_dialect_s() -> None:
-    """%REG takes the architecture's pt_regs names: arm64's x0 on a kernel of its, not x86's di."""
-    arm64 = dataclasses.replace(BASE, registers=frozenset({*(f"regs[{n}]" for n in range(31)), "x0", "sp", "pc"}))
+    """%REG takes the architecture's pt_regs names: arm64's x0 on a kernel of its, not x86's di, and the other
+    way on x86's; the language without a kernel knows no architecture, so any name but none."""
+    arm64 = dataclasses.replace(BASE, registers=frozenset({*(f"x{n}" for n in range(31)), "sp", "pc", "pstate"}))
     assert parse_event("p vfs_read %x0", symbol_exists=symbol_exists, dialect=arm64)
-    with pytest.raises(FetchArgError) as info:
-        parse_event("p vfs_read %di", symbol_exists=symbol_exists, dialect=arm64)
-    assert info.value.reason == M.BAD_REG_NAME
-    assert parse_event("p vfs_read %di", symbol_exists=symbol_exists)  # the language without a kernel: x86_64's
+    assert parse_event("p vfs_read %di", symbol_exists=symbol_exists, dialect=X86)
+    for dialect, refused in ((arm64, "%di"), (X86, "%x0"), (BASE, "%")):
+        assert error(f"p vfs_read {refused}", symbol_exists=symbol_exists, dialect=dialect) == (M.BAD_REG_NAME, 11)
+    assert parse_event("p vfs_read %di %x0", symbol_exists=symbol_exists)

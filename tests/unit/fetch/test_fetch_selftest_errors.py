@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from fetch_fakes import symbol_exists
+from fetch_fakes import X86, symbol_exists
 
 from qprobe.errors import FetchArgError
 from qprobe.fetch import check_append, parse_event
@@ -114,7 +114,7 @@ def test_selftest_error(marked: str, column: int, err: str) -> None:
             check_append(new, [existing])  # type: ignore[list-item]
     else:
         with pytest.raises(FetchArgError) as info:
-            parse_event(command, symbol_exists=symbol_exists)
+            parse_event(command, symbol_exists=symbol_exists, dialect=X86)
     assert (info.value.reason, info.value.column) == (getattr(M, err), column)
     assert info.value.text == command
 

@@ -10,21 +10,21 @@ from __future__ import annotations
 import re
 
 import pytest
-from fetch_fakes import KALLSYMS, FakeContext, lookup, symbol_exists, u64
+from fetch_fakes import KALLSYMS, X86, FakeContext, lookup, symbol_exists, u64
 
 from qprobe.errors import FetchArgError
 from qprobe.fetch import DeleteEvent, ProbeEvent, check_append, format_event, format_hit, parse_event
 
 
 def parse(text: str) -> ProbeEvent:
-    ev = parse_event(text, symbol_exists=symbol_exists)
+    ev = parse_event(text, symbol_exists=symbol_exists, dialect=X86)
     assert isinstance(ev, ProbeEvent)
     return ev
 
 
 def rejects(text: str) -> bool:
     try:
-        parse_event(text, symbol_exists=symbol_exists)
+        parse_event(text, symbol_exists=symbol_exists, dialect=X86)
     except FetchArgError:
         return True
     return False

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from qprobe.arch.x86_64.arch import X86_64
 from qprobe.kernel.userelf import UserElf, UserElfError
 from qprobe.kernel.usyntax import (
     UprobeSyntaxError,
@@ -15,6 +16,8 @@ from qprobe.kernel.usyntax import (
     perf_uprobe_definition,
     resolve_uprobe_symbols,
 )
+
+X86 = X86_64.registers  # the default images' architecture
 
 SOURCE = """
 int counter;
@@ -101,20 +104,20 @@ def test_the_translations(tmp_path: Path) -> None:
     )
     assert resolve_uprobe_symbols("p /bin/prog:0x10(0x8)", resolve) == "p /bin/prog:0x10(0x8)"
     assert resolve_uprobe_symbols("p:e /bin/prog:add_one(0x8)", resolve) == f"p:e /bin/prog:{off:#x}(0x8)"
-    assert perf_uprobe_definition("/bin/prog", "add_one %di n=%si:u32", resolve) == (
+    assert perf_uprobe_definition("/bin/prog", "add_one %di n=%si:u32", resolve, X86) == (
         f"p:probe_prog/add_one /bin/prog:{off:#x} %di n=%si:u32"
     )
-    assert perf_uprobe_definition("/bin/prog", "ev=add_one%return $retval", resolve) == (
+    assert perf_uprobe_definition("/bin/prog", "ev=add_one%return $retval", resolve, X86) == (
         f"r:probe_prog/ev /bin/prog:{off:#x} $retval"
     )
     with pytest.raises(UprobeSyntaxError, match="DWARF"):
-        perf_uprobe_definition("/bin/prog", "add_one x", resolve)
+        perf_uprobe_definition("/bin/prog", "add_one x", resolve, X86)
     with pytest.raises(UprobeSyntaxError, match="lines need DWARF"):
-        perf_uprobe_definition("/bin/prog", "add_one:3", resolve)
-    assert bpftrace_uprobe_definition("uprobe:/bin/prog:add_one", ["arg0", "arg6", "comm", "pid"], resolve) == (
+        perf_uprobe_definition("/bin/prog", "add_one:3", resolve, X86)
+    assert bpftrace_uprobe_definition("uprobe:/bin/prog:add_one", ["arg0", "arg6", "comm", "pid"], resolve, X86) == (
         f"p:uprobes/add_one /bin/prog:{off:#x} arg0=%di:u64 arg6=+8(%sp):u64 comm=$comm"
     )
-    assert bpftrace_uprobe_definition("uretprobe:/bin/prog:add_one", ["retval"], resolve) == (
+    assert bpftrace_uprobe_definition("uretprobe:/bin/prog:add_one", ["retval"], resolve, X86) == (
         f"r:uprobes/add_one__return /bin/prog:{off:#x} retval=$retval:u64"
     )
     for probe, vars_, words in [("uretprobe:/bin/prog:add_one", ["arg0"], "not in uretprobes"),
@@ -122,4 +125,4 @@ def test_the_translations(tmp_path: Path) -> None:
                                 ("uprobe:/bin/prog:add_one", ["nsecs"], "fetches arg0"),
                                 ("kprobe:vfs_read", [], "expected uprobe")]:  # fmt: skip
         with pytest.raises(UprobeSyntaxError, match=words):
-            bpftrace_uprobe_definition(probe, vars_, resolve)
+            bpftrace_uprobe_definition(probe, vars_, resolve, X86)

@@ -186,7 +186,7 @@ class FakeTarget:
 
     @property
     def dialect(self) -> Dialect:
-        return Dialect()
+        return Dialect(registers=frozenset(self.arch.registers.pt_regs))  # a kernel's: its architecture's %REG
 
     @property
     def modules(self) -> SimpleNamespace:

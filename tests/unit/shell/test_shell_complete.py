@@ -5,10 +5,13 @@ from __future__ import annotations
 import math
 import random
 import string
+from dataclasses import replace
+from types import SimpleNamespace
 from typing import SupportsIndex
 
 from shell_fakes import make_shell
 
+from qprobe.arch.x86_64.arch import X86_64
 from qprobe.shell.prompt import SymbolIndex, candidates, words_before_cursor
 
 
@@ -85,3 +88,16 @@ def test_candidates() -> None:
     assert candidates(shell, idx, "regs ") == ["0", "1"]
     assert candidates(shell, idx, "p:x vfs_read ret=$re") == ["ret=$retval"]
     assert candidates(shell, idx, "count gp run wor") == []
+
+
+def test_a_fetch_argument_completes_with_the_target_architecture_s_registers() -> None:
+    shell, t, _out = make_shell()
+    idx = SymbolIndex(t.symbols.names())
+    assert candidates(shell, idx, "p:x vfs_read a=%") == [
+        f"a=%{r}" for r in ("di", "si", "dx", "cx", "r8", "r9", "ax", "sp")
+    ]
+    assert candidates(shell, idx, "p:x vfs_read a=+0(") == ["a=+0(%di)", "a=+0(%si):string", "a=+0(%si):ustring"]
+    # Another architecture's: its argument registers, the first of which returns the value, and its sp.
+    t.arch = SimpleNamespace(registers=replace(X86_64.registers, arg_regs=("x0", "x1", "x2"), retval="x0"))
+    assert candidates(shell, idx, "p:x vfs_read a=%") == ["a=%x0", "a=%x1", "a=%x2", "a=%sp"]
+    assert candidates(shell, idx, "p:x vfs_read a=+0(") == ["a=+0(%x0)", "a=+0(%x1):string", "a=+0(%x1):ustring"]

@@ -12,11 +12,12 @@ from __future__ import annotations
 import fnmatch
 import re
 from dataclasses import dataclass
-from typing import Literal
-
-import lief
+from typing import TYPE_CHECKING, Literal
 
 from qprobe.errors import QprobeError
+
+if TYPE_CHECKING:
+    import lief
 
 ElfKind = Literal["exec", "pie", "shared"]
 DF_1_PIE = 0x08000000  # elf.h: DT_FLAGS_1's "position-independent executable"
@@ -41,6 +42,8 @@ class UserElf:
     """The functions of one ELF file, given as bytes (``path`` only names it in messages)."""
 
     def __init__(self, data: bytes, path: str = "the file") -> None:
+        import lief  # here, not at the top: it takes 0.4 s to import, and most commands read no user ELF
+
         self.path = path
         if data[:4] != b"\x7fELF":
             raise UserElfError(f"{path} is not an ELF file")
@@ -115,6 +118,8 @@ class UserElf:
 
 
 def _kind(binary: lief.ELF.Binary) -> ElfKind:
+    import lief
+
     if binary.header.file_type == lief.ELF.Header.FILE_TYPE.EXEC:
         return "exec"
     if binary.has_interpreter:

@@ -20,6 +20,7 @@ from qprobe.events.hit import EventHit
 from qprobe.fetch import ProbeEvent, format_event, format_hit
 from qprobe.fetch.context import U64_MASK
 from qprobe.fetch.filter import EventFilter
+from qprobe.fetch.record import record_length
 
 if TYPE_CHECKING:
     from qprobe.arch.inguest import MapSlot
@@ -53,6 +54,7 @@ class TraceEvent:
     errors: list[str] = field(default_factory=list)
     filter: EventFilter | None = None
     host_filtered: int = 0  # hits the filter rejected on the host (the rest were rejected in the guest)
+    oversized: int = 0  # hits whose record is longer than the guest's ring buffer takes: no line (fetch.record)
     appended: list[TraceEvent] = field(default_factory=list)  # later probes of the same event
     probe: Kprobe | Kretprobe | Uprobe | None = None  # make_probe's; a kind's subclass narrows it to its own
 
@@ -172,6 +174,10 @@ class TraceEvent:
         recorded = task is not None  # only a ring record brings its task
         ctx = self._context(regs, retval, None if task is None else task[1], ip, func, entry)
         values: list[Value] = self.definition.evaluate(ctx)
+        limit = host.kernel.event_length_limit()
+        if limit is not None and record_length(self.definition, values) > limit:
+            self.oversized += 1  # the kernel's ring buffer refuses the record: no line, as the guest's own
+            return
         body = self._body(values, ip, func)
         if task is None:
             current = host.kernel.snapshot(regs=regs.task_regs)

@@ -30,10 +30,11 @@ if TYPE_CHECKING:
 
 
 class Tasks(Protocol):
-    """The task a hit interrupted (qprobe.kernel.program.KernelData)."""
+    """The task a hit interrupted, and the record its event may take (qprobe.kernel.program.KernelData)."""
 
     def read_task(self, addr: int | None = None, *, regs: Mapping[str, int] | None = None) -> Task: ...
     def snapshot(self, addr: int | None = None, *, regs: Mapping[str, int] | None = None) -> Task | None: ...
+    def event_length_limit(self) -> int | None: ...
 
 
 class Paged(Protocol):

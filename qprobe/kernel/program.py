@@ -33,6 +33,7 @@ import drgn
 from qprobe.arch import Arch
 from qprobe.errors import MemoryFault, SymbolError
 from qprobe.kernel.debuginfo import DWARF_FRAGMENT
+from qprobe.kernel.ringbuffer import max_event_length
 from qprobe.vmm.memory import GuestMemory
 
 if TYPE_CHECKING:
@@ -192,6 +193,7 @@ class KernelData:
         self._prog: drgn.Program | None = None
         self._unusable: str | None = None  # why drgn cannot be used, found once
         self._params: dict[int, list[str]] = {}  # by function address
+        self._event_length_limit: int | None = None  # 0: not known
         # During boot, before the kernel has built its own page tables: the virtual address of those the
         # boot CPU runs on, for drgn to walk (None: the kernel's own).
         self.early_root: int | None = None
@@ -236,6 +238,18 @@ class KernelData:
             return drgn.offsetof(self.prog.type(type_name), member)  # type: ignore[no-any-return]  # drgn: untyped to mypy
         except LookupError as exc:
             raise SymbolError(f"{type_name}.{member}: {exc}") from None
+
+    def event_length_limit(self) -> int | None:
+        """The longest record the guest's ring buffer takes (qprobe.kernel.ringbuffer); None when this
+        kernel's types cannot say, and then no hit is refused for its length."""
+        if self._event_length_limit is None:
+            try:
+                self._event_length_limit = max_event_length(self.prog)
+            except (SymbolError, LookupError):
+                self._event_length_limit = 0
+            except drgn.FaultError:  # early in boot, before the buffer is allocated: asked again later
+                return None
+        return self._event_length_limit or None
 
     # -- current -------------------------------------------------------------------------
     def percpu_offset(self, name: str) -> int:

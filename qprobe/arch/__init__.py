@@ -62,8 +62,10 @@ from the base kprobes hooks; the core checks for None before it uses one.
     and their trampolines.  None: every hit stops the VM (jump optimization
     needs it too).
 11. ``uprobes`` (:class:`Uprobes`): user-space probes.  None: refused.
-    ``cycle_counter`` (:class:`CycleCounter`): what the host times stops
-    against.  None: stops are not timed against the guest's clock.
+    ``cycle_counter`` (:class:`CycleCounter`, qprobe.arch.cycles): the counter
+    the kernel's sched_clock reads, sched_clock computed from it, and what the
+    host times stops against.  None: trace timestamps are the host's, not the
+    guest's clock.
 
 ``make lint`` type-checks every implementation against this protocol
 (qprobe/arch/select.py), and tests/unit/test_layering.py keeps every other
@@ -78,6 +80,7 @@ from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from qprobe.arch.cycles import CycleCounter, GuestKernel, SchedClock, StopTimer
 from qprobe.arch.guestram import (
     DetourParams,
     GuestRam,
@@ -271,19 +274,6 @@ class FtraceSite:
     callee: Callable[[bytes, int], int | None]
 
 
-@dataclass(frozen=True)
-class CycleCounter:
-    """The cycle counter the kernel's sched_clock reads, as the host calibrates its stop clock against it.
-
-    ``function`` reads it; ``after_read`` finds where the value just read is in
-    registers, and ``value`` reads it there.
-    """
-
-    function: str
-    after_read: Callable[[bytes, int], int | None]
-    value: Callable[[Mapping[str, int]], int]
-
-
 class PageTables(Protocol):
     """The guest's page tables as the host walks them (``qprobe.vmm.memory``, the scratch area's mapping).
 
@@ -391,7 +381,7 @@ class Arch(Protocol):
     optprobes: OptProbes | None  # None: every probe stays a breakpoint
     guest_ram: GuestRam | None  # None: every hit stops the VM (no mailbox, rings, maps or guest-RAM kretprobes)
     uprobes: Uprobes | None  # None: user-space probes are refused
-    cycle_counter: CycleCounter | None  # None: stops are not timed against the guest's clock
+    cycle_counter: CycleCounter | None  # None: hits are timed by the host, not by the guest's trace clock
 
     def page_tables(self, regs: Mapping[str, int]) -> PageTables: ...
     def vmcoreinfo(self, address: Callable[[str], int], virt_to_phys: Callable[[int], int], levels: int) -> list[str]:
@@ -461,6 +451,7 @@ __all__ = [
     "DetourParams",
     "ExceptionTable",
     "FtraceSite",
+    "GuestKernel",
     "GuestRam",
     "MailboxRequest",
     "Memory",
@@ -476,6 +467,8 @@ __all__ = [
     "ReturnHijack",
     "ReturnLayout",
     "RingEntry",
+    "SchedClock",
+    "StopTimer",
     "Trap",
     "TrapHook",
     "TrapStep",

@@ -195,6 +195,10 @@ class RegisterLayout:
     percpu_base: str  # gdbstub name of the register holding the CPU's per-CPU base in kernel mode
     retval: str  # pt_regs name of the register a function returns its value in
     stack_args: int  # at a function's entry, sp + this is its first argument on the stack (x86_64: 8)
+    # The per-CPU variable holding ``current`` wherever no register holds it: always on x86
+    # (``current_task``, set by __switch_to), at a user-mode stop on arm64 (``__entry_task``: SP_EL0 is
+    # then the user's stack pointer).
+    current_percpu: str
     # pt_regs names of every field of struct pt_regs in memory order (what drgn's stack walk is given,
     # and the %REG names kprobe_events takes).
     pt_regs: tuple[str, ...] = ()
@@ -205,8 +209,8 @@ class RegisterLayout:
     flag_bits: tuple[tuple[int, str], ...] = ()
     plain: frozenset[str] = frozenset()  # gdbstub registers whose write has no effect beyond the value
     # gdbstub name of the register that holds ``current`` (the running task_struct's address) in kernel
-    # mode, as arm64's SP_EL0 does; None where ``current`` is the per-CPU variable ``current_task``,
-    # read at the per-CPU base (x86).  qprobe.kernel.program.KernelData.current_address reads either.
+    # mode, as arm64's SP_EL0 does; None where it is always ``current_percpu``, read at the per-CPU base
+    # (x86).  qprobe.kernel.program.KernelData.current_address reads either, by the stop's mode.
     current: str | None = None
     # gdbstub names of the other registers the architecture's readers take from a stop (x86: CR4 for
     # page_tables, KERNEL_GS_BASE for percpu_base, CR0 for boot_stage).

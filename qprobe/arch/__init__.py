@@ -212,6 +212,10 @@ class RegisterLayout:
     # mode, as arm64's SP_EL0 does; None where it is always ``current_percpu``, read at the per-CPU base
     # (x86).  qprobe.kernel.program.KernelData.current_address reads either, by the stop's mode.
     current: str | None = None
+    # pt_regs name of the field that holds a system call's number, which is no register (x86's orig_ax;
+    # arm64's syscallno): a kernel-mode exception entry stores -1 there, so kprobe_events' %REG of it
+    # reads -1 in a kprobe's handler.  None: pt_regs has no such field.
+    syscall_nr: str | None = None
     # gdbstub names of the other registers the architecture's readers take from a stop (x86: CR4 for
     # page_tables, KERNEL_GS_BASE for percpu_base, CR0 for boot_stage).
     system: tuple[str, ...] = ()

@@ -156,7 +156,7 @@ class X86_64:
     registers = RegisterLayout(GDB_NAME, ARG_REGS, {"cs": KERNEL_CS, "ss": KERNEL_DS}, general=guestfilter.GPRS,
                                irq_flag=X86_EFLAGS_IF, page_table="cr3", percpu_base="gs_base",
                                system=("cr4", "k_gs_base", "cr0"),
-                               retval="ax", stack_args=8, current_percpu="current_task",
+                               retval="ax", stack_args=8, current_percpu="current_task", syscall_nr="orig_ax",
                                pt_regs=PT_NAMES, unwound=(*PT_GPRS, "rip", "rsp"),
                                display=DISPLAY, flag_bits=FLAG_BITS, plain=PLAIN)  # fmt: skip
     # Annotated as Arch declares them: a protocol's attributes are settable, so their types must match.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -187,3 +188,14 @@ def test_a_tick_pair_read_while_the_tick_stores_it_is_read_again() -> None:
     clock = _global_clock({})
     clock.kernel = type("K", (), {"mem": _TickingRam((5_000_000, 7_000_000), (9_000_000, 11_000_000))})()  # type: ignore[assignment]
     assert clock.ns(8_999_000, 0) == 11_000_000 - 1_000
+
+
+def test_a_kernel_without_a_calibrated_counter_rate_leaves_stops_to_the_host_clock() -> None:
+    guest = _Guest()
+    try:
+        guest.arch.cycle_counter = replace(guest.arch.cycle_counter, hz=lambda kernel: 0)
+        clock = StopClock(guest, guest)  # type: ignore[arg-type]
+        assert clock.unavailable() == "the guest kernel has no rate of its cycle counter to time stops with"
+        assert guest.pairs == 0 and clock.cycles() is None
+    finally:
+        guest.alive = False

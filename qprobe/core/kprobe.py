@@ -120,12 +120,13 @@ class Kprobe:
 class GuestRecord:
     """One hit recorded by a detour in the guest, as the host drained it from a ring."""
 
-    values: dict[str, int]  # registers at the probe (pt_regs names as gdb gives them: rax, rip, rsp, eflags...)
+    # registers at the probe by the gdbstub's names (RegisterLayout.gdb_name's values), and ``cycles``
+    values: dict[str, int]
     cpu: int
     pid: int
     comm: str
     task: int  # the task_struct address
-    time: float  # host monotonic clock, from the record's TSC
+    time: float  # host monotonic clock, from the record's cycle counter value
 
 
 Handler = Callable[["KretprobeInstance", "PtRegs"], Any]

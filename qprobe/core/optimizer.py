@@ -218,7 +218,7 @@ class Optimizer:
     def stub_missing(self) -> str | None:
         """Why the shared stub cannot be built (the kernel's per-CPU layout is unknown), or None."""
         try:
-            for name in ("cpu_number", "this_cpu_off", "current_task"):
+            for name in ("cpu_number", "this_cpu_off", self.arch.registers.current_percpu):
                 self.kp.kernel.percpu_offset(name)
         except SymbolError as exc:
             return f"the detours need the kernel's per-CPU layout: {exc}"

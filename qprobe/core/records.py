@@ -18,6 +18,7 @@ from qprobe.arch import Arch, PercpuLayout, RingEntry
 from qprobe.core.kprobe import GuestRecord
 from qprobe.core.point import ProbePoint
 from qprobe.core.pools import page_round
+from qprobe.kernel.clock import cycles_hz
 from qprobe.vmm.memory import SharedRam
 
 if TYPE_CHECKING:
@@ -57,8 +58,8 @@ class RecordRings:
         self._tails: list[int] = []
         self.ring_errors = 0  # ring entries or heads that failed validation (a guest scribbling)
         self.late_records = 0  # records of a probe unoptimized while a vCPU was inside its record stub
-        self._tsc_hz = 0.0
-        self._tsc_offset: float | None = None
+        self._cycles_hz = 0.0
+        self._host_offset: float | None = None
         self.lossy = False  # a full ring drops its records (counted as lost) instead of making them wait
 
     def _header(self, cpu: int) -> int:
@@ -99,8 +100,7 @@ class RecordRings:
         stub = scratch.alloc(len(code(scratch.base)), align=64)
         scratch.write(stub, code(stub))
         self.stub = stub
-        if "tsc_khz" in self.symbols:
-            self._tsc_hz = int.from_bytes(self.machine.mem.read(self.symbols.address("tsc_khz"), 4), "little") * 1000.0
+        self._cycles_hz = float(cycles_hz(self.kernel))
         return stub
 
     def drain(self) -> None:
@@ -153,13 +153,13 @@ class RecordRings:
         """Each record, in cycle-counter order, to the recorders of its point's enabled probes."""
         batch.sort(key=lambda b: b[1].cycles)
         now = time.monotonic()
-        if self._tsc_offset is None or not self._tsc_hz:
-            self._tsc_offset = now - batch[-1][1].cycles / self._tsc_hz if self._tsc_hz else 0.0
+        if self._host_offset is None or not self._cycles_hz:
+            self._host_offset = now - batch[-1][1].cycles / self._cycles_hz if self._cycles_hz else 0.0
         layout = self.arch.registers
         ip = layout.gdb_name[layout.ip]
         for point, entry in batch:
             values = {**entry.values, ip: point.addr, "cycles": entry.cycles}
-            when = min(now, entry.cycles / self._tsc_hz + self._tsc_offset) if self._tsc_hz else now
+            when = min(now, entry.cycles / self._cycles_hz + self._host_offset) if self._cycles_hz else now
             rec = GuestRecord(values, entry.cpu, entry.pid, entry.comm, entry.task, when)
             for kp in point.probes:
                 if kp.disabled:

@@ -25,12 +25,12 @@ class HostContext:
         self._retval = retval
         self._comm = comm
         self._ip = ip
-        self.orig_ax = U64_MASK
+        self.syscall_nr = U64_MASK  # RegisterLayout.syscall_nr's field, as the kind's handler's pt_regs hold it
         self.task_size_max = host.mem.paging.task_size_max()
 
     def reg(self, name: str) -> int:
-        if name == "orig_ax":
-            return self.orig_ax
+        if name == self.host.arch.registers.syscall_nr:
+            return self.syscall_nr
         if name == "ip" and self._ip is not None:
             return self._ip
         value: int = getattr(self.regs, name)  # a register property, or PtRegs.__getattr__

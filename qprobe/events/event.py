@@ -114,8 +114,8 @@ class TraceEvent:
         """``%ip`` as the kind's handler sees it for a hit at ``ip``."""
         return ip
 
-    def _orig_ax(self, func: int | None) -> int:
-        """``orig_ax`` as the kind's handler's pt_regs hold it."""
+    def _syscall_nr(self, func: int | None) -> int:
+        """pt_regs' system call number (``RegisterLayout.syscall_nr``) as the kind's handler's pt_regs hold it."""
         return U64_MASK
 
     def _return_trampoline(self) -> int | None:
@@ -126,7 +126,7 @@ class TraceEvent:
                  entry: dict[int, int] | None) -> FetchContext:  # fmt: skip
         """What the definition's fetch arguments read at this hit (a kernel probe's: kernel-mode pt_regs)."""
         ctx = HostContext(self.host, regs, retval, comm, ip=self._fetch_ip(ip, func), entry=entry)
-        ctx.orig_ax = self._orig_ax(func)
+        ctx.syscall_nr = self._syscall_nr(func)
         return ctx
 
     def _body(self, values: list[Value], ip: int, func: int | None) -> str:

@@ -193,7 +193,7 @@ class KprobeEvent(TraceEvent):
         the same), and the real return address in a return probe."""
         return ip + self.host.arch.kprobe_ip_offset if func is None else ip
 
-    def _orig_ax(self, func: int | None) -> int:
+    def _syscall_nr(self, func: int | None) -> int:
         # -1 as the int3 entry and the kretprobe trampoline leave it; 0 in a probe the kernel would run
         # from ftrace (one qprobe moved off an __fentry__ site), whose pt_regs come from ftrace_regs_caller.
         probe = self.probe if isinstance(self.probe, Kprobe) else None

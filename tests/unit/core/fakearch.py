@@ -266,9 +266,10 @@ class Toy:
         irq_flag=IRQ,
         page_table="ttbr",
         percpu_base="tpidr",
-        current="cur",  # current in a register, as arm64's SP_EL0: the core must not read it per-CPU
+        current="cur",  # current in a register in kernel mode, as arm64's SP_EL0
         retval="r0",
         stack_args=0,
+        current_percpu="entry_task",  # and in a per-CPU variable at a user-mode stop, as arm64's __entry_task
     )
     gdb_architecture = "toy"
     drgn_architecture = "UNKNOWN"

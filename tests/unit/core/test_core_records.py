@@ -66,7 +66,8 @@ def rings(by_id: dict[int, ProbePoint], retired: set[int]) -> tuple[RecordRings,
     ram = FakeRam()
     scratch = FakeScratch(ram)
     machine = SimpleNamespace(vcpus=["1.1", "1.2"])
-    kernel = SimpleNamespace(offsets=(0x20C00, 0x5A0, 0x5A4, 0x740))
+    # A kernel without tsc_khz: records are timed by the host's clock as they are drained.
+    kernel = SimpleNamespace(offsets=(0x20C00, 0x5A0, 0x5A4, 0x740), arch=ARCH, symbols=set())
     rr = RecordRings(ARCH, machine, scratch, ram, kernel, set(), Handlers(), by_id, retired)  # type: ignore[arg-type]
     percpu = SimpleNamespace(cpu_number=0x20C08, this_cpu_off=0x20C10, current_task=0x20C00)
     rr.ensure(SCRATCH + 0x70000, percpu, lambda addr, size: ram.write_phys(scratch.phys_of(addr), bytes(size)), 0xE9)  # type: ignore[arg-type]

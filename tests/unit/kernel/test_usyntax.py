@@ -26,6 +26,7 @@ ARM64 = RegisterLayout(
     percpu_base="TPIDR_EL1",
     retval="x0",
     stack_args=0,
+    current_percpu="__entry_task",
     pt_regs=ARM64_PT_REGS,
 )
 

@@ -12,7 +12,9 @@
 ``Target`` is a façade: qprobe.wiring puts its parts together (qprobe.bootprobes, for a kernel probed from
 its first instruction), and its methods hand the work to the objects it holds: ``guest`` (qprobe.guest:
 commands, waiting, records), ``views`` (qprobe.views: the running kernel read) and ``lifetime``
-(qprobe.lifetime: its end); the kprobes and kprobe_events APIs it inherits (qprobe.probeapi, qprobe.eventapi).
+(qprobe.lifetime: its end), ``probe_api`` (qprobe.probeapi: the kprobes API) and ``event_api``
+(qprobe.eventapi: the kprobe_events API).  It inherits nothing: the kprobes and kprobe_events methods are
+forwarded to the object that has them (qprobe.facade), and cost the class no method of its own.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING
 from qprobe.bootprobes import BootProbing
 from qprobe.eventapi import EventAPI
 from qprobe.events.timeline import Timeline
+from qprobe.facade import Via, forward
 from qprobe.guest import Guest
 from qprobe.lifetime import Lifetime
 from qprobe.probeapi import ProbeAPI
@@ -45,7 +48,9 @@ if TYPE_CHECKING:
     from qprobe.events import TraceEvent
     from qprobe.events.clock import HitClock
     from qprobe.events.kprobe import KprobeBackend
+    from qprobe.events.modules import ModuleNotifier
     from qprobe.events.uprobe import UprobeBackend
+    from qprobe.fetch.dialect import Dialect
     from qprobe.images import Image
     from qprobe.kernel.bootslide import BootSlide
     from qprobe.kernel.program import KernelData, Stack, Task
@@ -72,7 +77,7 @@ class BootPlan:
     unknown: str = ""  # why either is not known
 
 
-class Target(ProbeAPI, EventAPI):
+class Target:
     """A running guest kernel under qprobe's control."""
 
     # What it was given and keeps.
@@ -109,6 +114,45 @@ class Target(ProbeAPI, EventAPI):
     guest: Guest
     views: KernelViews
     boot_probing: BootProbing | None
+    probe_api: ProbeAPI
+    event_api: EventAPI
+
+    # -- the kprobes API (qprobe.probeapi), as <linux/kprobes.h> names it -------------
+    register_kprobe = forward(ProbeAPI.register_kprobe, "probe_api")
+    unregister_kprobe = forward(ProbeAPI.unregister_kprobe, "probe_api")
+    register_kprobes = forward(ProbeAPI.register_kprobes, "probe_api")
+    unregister_kprobes = forward(ProbeAPI.unregister_kprobes, "probe_api")
+    enable_kprobe = forward(ProbeAPI.enable_kprobe, "probe_api")
+    disable_kprobe = forward(ProbeAPI.disable_kprobe, "probe_api")
+    register_uprobe = forward(ProbeAPI.register_uprobe, "probe_api")
+    unregister_uprobe = forward(ProbeAPI.unregister_uprobe, "probe_api")
+    register_kretprobe = forward(ProbeAPI.register_kretprobe, "probe_api")
+    unregister_kretprobe = forward(ProbeAPI.unregister_kretprobe, "probe_api")
+    register_kretprobes = forward(ProbeAPI.register_kretprobes, "probe_api")
+    unregister_kretprobes = forward(ProbeAPI.unregister_kretprobes, "probe_api")
+    enable_kretprobe = forward(ProbeAPI.enable_kretprobe, "probe_api")
+    disable_kretprobe = forward(ProbeAPI.disable_kretprobe, "probe_api")
+    register_watchpoint = forward(ProbeAPI.register_watchpoint, "probe_api")
+    unregister_watchpoint = forward(ProbeAPI.unregister_watchpoint, "probe_api")
+    set_kprobes_enabled = forward(ProbeAPI.set_kprobes_enabled, "probe_api")
+    list_probes = forward(ProbeAPI.list_probes, "probe_api")
+    kprobes_optimization: Via[bool] = Via("probe_api")  # read-only there
+    set_kprobes_optimization = forward(ProbeAPI.set_kprobes_optimization, "probe_api")
+    blacklist = forward(ProbeAPI.blacklist, "probe_api")
+    text_snapshot = forward(ProbeAPI.text_snapshot, "probe_api")
+
+    # -- the kprobe_events API (qprobe.eventapi) --------------------------------------
+    add_event = forward(EventAPI.add_event, "event_api")
+    add_events = forward(EventAPI.add_events, "event_api")
+    remove_event = forward(EventAPI.remove_event, "event_api")
+    remove_events = forward(EventAPI.remove_events, "event_api")
+    user_file_kind = forward(EventAPI.user_file_kind, "event_api")
+    resolve_user_symbol = forward(EventAPI.resolve_user_symbol, "event_api")
+    user_elf = forward(EventAPI.user_elf, "event_api")
+    dialect: Via[Dialect] = Via("event_api")
+    ftrace_locations: Via[list[int]] = Via("event_api")
+    modules: Via[ModuleNotifier] = Via("event_api")
+    trace_events: Via[frozenset[tuple[str, str]]] = Via("event_api")
 
     def __init__(self, gdb_address: str, vmlinux: str | Path, *, ram: Path | None = None, ram_size: int = 0,
                  console: Path | None = None, qemu: QemuProcess | None = None,
@@ -128,6 +172,8 @@ class Target(ProbeAPI, EventAPI):
         self.guest = Guest(self)
         self.views = KernelViews(self)
         self.boot_probing = None
+        self.probe_api = ProbeAPI(self)
+        self.event_api = EventAPI(self, self.guest.run)
         wiring = Wiring(self, vmlinux, ram=ram, ram_size=ram_size, console=console, boot_timeout=boot_timeout,
                         doorbell=doorbell, shell=shell, system_map=system_map, transport=transport)  # fmt: skip
         try:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 class Hosting(Protocol):
-    """What the guest's side uses of a target (qprobe.api.Target)."""
+    """What the guest's side uses of a target's parts (qprobe.parts.Parts)."""
 
     @property
     def console(self) -> Console | None: ...

@@ -1,20 +1,25 @@
 """Target is a façade: it inherits nothing, and every method the reference documents is on it with the
-documented signature, the forwarded ones with their implementation's signature and doc (qprobe.facade)."""
+documented signature, the forwarded ones with their implementation's signature and doc (qprobe.facade);
+its parts are one Parts, which the wiring makes and every object it is composed of reads."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import pydoc
 import re
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
 from qprobe.api import Target
 from qprobe.eventapi import EventAPI
 from qprobe.facade import Forward, Via, forward
+from qprobe.parts import Parts
 from qprobe.probeapi import ProbeAPI
+from qprobe.wiring import Wiring
 
 REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "reference.md"
 
@@ -121,3 +126,29 @@ def test_via_reads_and_writes_the_part_s_attribute() -> None:
     assert f.value == 1
     f.value = 5
     assert f.part.value == 5 and "value" not in vars(f)
+
+
+def test_a_part_target_shows_is_a_part_and_is_read_and_written_there() -> None:
+    shown = {n for n, v in vars(Target).items() if isinstance(v, Via) and v.via == "parts"}
+    assert shown <= {f.name for f in dataclasses.fields(Parts)}
+    target = Target.__new__(Target)
+    target.parts = Parts(cast(Any, "qemu"), "unix:/x/gdb.sock")
+    target.qemu = None  # as qprobe.plugin.reset does, so that close() leaves QEMU alone
+    assert target.parts.qemu is None and "qemu" not in vars(target)
+
+
+def test_a_part_not_made_yet_is_absent() -> None:
+    """What ending a failed attach reads (qprobe.lifetime) tells a part not made by hasattr."""
+    parts = Parts(None, "unix:/x/gdb.sock")
+    assert not hasattr(parts, "kprobes") and not hasattr(parts, "machine")
+    assert parts.events == {} and parts.console is None
+
+
+def test_the_wiring_composes_every_object_on_one_parts() -> None:
+    wiring = Wiring("unix:/x/gdb.sock", "vmlinux", qemu=None, ram=None, ram_size=0, console=None, boot_timeout=1.0,
+                    doorbell=None, shell=None, system_map=None, transport="rsp")  # fmt: skip
+    parts = wiring.parts
+    assert parts.address == "unix:/x/gdb.sock" and parts.qemu is None
+    assert wiring.lifetime.target is parts and wiring.guest.target is parts and wiring.views.target is parts
+    assert wiring.probe_api.parts is parts and wiring.event_api.parts is parts
+    assert wiring.event_api.run == wiring.guest.run

@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     # session makes Targets (boot, attach) above the class they make; wiring puts a Target's parts
-    # together (bootprobes as the kernel boots); probeapi and eventapi (the kprobes and kprobe_events
+    # (parts) together (bootprobes as the kernel boots); probeapi and eventapi (the kprobes and kprobe_events
     # APIs), guest, views and lifetime are the objects its methods are forwarded (facade) or hand work to.
     (
         "api",
@@ -48,6 +48,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "qprobe.views",
             "qprobe.lifetime",
             "qprobe.facade",
+            "qprobe.parts",
         ),
     ),
     # The events package: kprobe_events definitions (define, kprobe, event...), and beside them funcs

@@ -129,7 +129,7 @@ class ProbeAPI:
 
         self.parts.machine.call(change)
         if on:
-            opt.queue.optimize_later(list(self.parts.kprobes.points))
+            opt.optimize_later(list(self.parts.kprobes.points))
 
     def blacklist(self) -> list[str]:
         return [str(e) for e in self.parts.kprobes.sites.blacklist]

@@ -1,6 +1,8 @@
 """The kprobe_events API of a Target: definitions armed as events, and the kernel facts their language needs.
 
-``Target`` (qprobe.api) inherits it; the work is qprobe.events', on the Target as its EventRegistry.
+``Target`` (qprobe.api) forwards these names to the :class:`EventAPI` it holds.  The work is qprobe.events',
+on the EventAPI as their registry (qprobe.events.define.EventRegistry): it reads the target's parts it
+hands on to events (``arch``, ``symbols``, the backends...) through :class:`Eventing`, never the Target.
 """
 
 from __future__ import annotations
@@ -9,10 +11,11 @@ import functools
 import logging
 import shlex
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from qprobe.errors import InvalidProbe, ProbeError, QprobeError, SymbolError
 from qprobe.events.modules import ModuleNotifier
+from qprobe.facade import Via
 from qprobe.kernel.btf import module_btfs
 from qprobe.kernel.features import thread_size
 from qprobe.kernel.tracefs import ftrace_locations, probe_dialect, trace_event_names
@@ -40,24 +43,49 @@ if TYPE_CHECKING:
     from qprobe.vmm.memory import GuestMemory
 
 
-class EventAPI:
-    """add_event and the rest, on the Target that inherits this."""
+class Eventing(Protocol):
+    """What the kprobe_events API uses of a target's parts: what events use at a hit and are armed through,
+    the stop loop and probe tables (modules followed), and the guest's shell (files read in)."""
 
     events: dict[str, TraceEvent]
     arch: Arch
-    kernel: KernelData
     symbols: Symbols
-    machine: Machine
-    mem: GuestMemory
     timeline: Timeline
+    kernel: KernelData
+    mem: GuestMemory
+    clock: HitClock
+    kprobe_backend: KprobeBackend
+    uprobe_backend: UprobeBackend
+    machine: Machine
     kprobes: KprobeManager
     kretprobes: KretprobeManager
     uprobes: UprobeManager
-    kprobe_backend: KprobeBackend
-    uprobe_backend: UprobeBackend
-    guest_shell: GuestShell | None
-    run: Callable[[str], RunResult]  # Target.run: a command in the guest's shell
-    clock: HitClock
+
+    @property
+    def guest_shell(self) -> GuestShell | None: ...
+
+
+class EventAPI:
+    """add_event and the rest, on one target's parts; the registry its events are defined in and hit through."""
+
+    # What events and the module notifier read of their registry: the parts', as they are when read.
+    events: Via[dict[str, TraceEvent]] = Via("parts")
+    arch: Via[Arch] = Via("parts")
+    symbols: Via[Symbols] = Via("parts")
+    timeline: Via[Timeline] = Via("parts")
+    kernel: Via[KernelData] = Via("parts")
+    mem: Via[GuestMemory] = Via("parts")
+    clock: Via[HitClock] = Via("parts")
+    kprobe_backend: Via[KprobeBackend] = Via("parts")
+    uprobe_backend: Via[UprobeBackend] = Via("parts")
+    machine: Via[Machine] = Via("parts")
+    kprobes: Via[KprobeManager] = Via("parts")
+    kretprobes: Via[KretprobeManager] = Via("parts")
+
+    def __init__(self, parts: Eventing, run: Callable[[str], RunResult]) -> None:
+        """``run``: a command in the guest's shell (Target.run), to read in a file the host does not see."""
+        self.parts = parts
+        self.run = run
 
     @functools.cached_property
     def dialect(self) -> Dialect:
@@ -92,9 +120,9 @@ class EventAPI:
         The host sees only the guest's dentry cache; a path not in it is looked up once by the guest's shell
         (``ls``), as the kernel's own lookup would read it from the disk.
         """
-        files = self.uprobes.files
+        files = self.parts.uprobes.files
         kind = self.machine.call(lambda: files.file_kind(path))
-        if kind == "missing" and self.guest_shell is not None and path.startswith("/"):
+        if kind == "missing" and self.parts.guest_shell is not None and path.startswith("/"):
             self.run(f"ls -d {shlex.quote(path)} >/dev/null 2>&1")
             kind = self.machine.call(lambda: files.file_kind(path))
         return kind
@@ -114,12 +142,12 @@ class EventAPI:
         if self.user_file_kind(path) != "regular":
             raise InvalidProbe(f"{path}: no regular file in the guest (ENOENT)")
         try:
-            return self.uprobes.elf(path)
+            return self.parts.uprobes.elf(path)
         except InvalidProbe:
-            if self.guest_shell is None:
+            if self.parts.guest_shell is None:
                 raise
         self.run(f"cat {shlex.quote(path)} >/dev/null")
-        return self.uprobes.elf(path)
+        return self.parts.uprobes.elf(path)
 
     def add_event(
         self,
@@ -204,4 +232,4 @@ class EventAPI:
         return first if first is not None and te in first.appended else None
 
 
-__all__ = ["EventAPI"]
+__all__ = ["EventAPI", "Eventing"]

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 class Hosting(Protocol):
-    """What the guest's side uses of a target (qprobe.api.Target)."""
+    """What the guest's side uses of a target's parts (qprobe.parts.Parts)."""
 
     @property
     def console(self) -> Console | None: ...
@@ -38,7 +38,7 @@ class Guest:
     def __init__(self, target: Hosting) -> None:
         self.target = target
 
-    def run(self, command: str, timeout: float) -> RunResult:
+    def run(self, command: str, timeout: float = 60.0) -> RunResult:
         """A shell command in the guest, its output exactly what it wrote; the counts synced when it is done."""
         t = self.target
         if t.guest_shell is None:

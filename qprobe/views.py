@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 class Viewed(Protocol):
-    """What the views read of a target (qprobe.api.Target)."""
+    """What the views read of a target's parts (qprobe.parts.Parts)."""
 
     @property
     def arch(self) -> Arch: ...

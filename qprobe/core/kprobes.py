@@ -101,7 +101,7 @@ class KprobeManager:
             self._refused_at_boot(kp)
             raise
         if optimize:
-            self.optimizer.queue.optimize_later([addr])
+            self.optimizer.optimize_later([addr])
 
     def _at_boot(self, kp: Kprobe) -> None:
         """While the kernel boots, a probe not asked anywhere goes on a stub breakpoint, marked to move; one
@@ -187,7 +187,7 @@ class KprobeManager:
 
         self.machine.call(work)
         if kp.registered and addr in self.points:
-            self.optimizer.queue.optimize_later([addr])
+            self.optimizer.optimize_later([addr])
 
     def register_kprobes(self, kps: Iterable[Kprobe]) -> None:
         """All or nothing: on an error, the ones already registered are unregistered.
@@ -237,7 +237,7 @@ class KprobeManager:
         addr = kp.resolved
         self.machine.call(lambda: self._unregister(kp))
         if addr in self.points:  # the others there may be optimizable now
-            self.optimizer.queue.optimize_later([addr])
+            self.optimizer.optimize_later([addr])
 
     def unregister_kprobes(self, kps: Iterable[Kprobe]) -> None:
         """Every registered (or killed) one of ``kps`` in one VM stop, journaled as one batch."""
@@ -254,7 +254,7 @@ class KprobeManager:
 
         self.machine.call(unregister_all)
         # Points that other probes still share may be optimizable now.
-        self.optimizer.queue.optimize_later(sorted({kp.resolved for kp in todo if kp.resolved in self.points}))
+        self.optimizer.optimize_later(sorted({kp.resolved for kp in todo if kp.resolved in self.points}))
 
     def kill_kprobe(self, kp: Kprobe) -> None:
         """``kill_kprobe``: the text under a registered ``kp`` is about to be freed.  Its original bytes go
@@ -307,7 +307,7 @@ class KprobeManager:
 
         self.machine.call(change)
         if not disabled and not kp.anywhere:
-            self.optimizer.queue.optimize_later([kp.resolved])  # as the kernel's arm_kprobe: int3 first, then the jump
+            self.optimizer.optimize_later([kp.resolved])  # as the kernel's arm_kprobe: int3 first, then the jump
 
     def set_enabled(self, on: bool) -> None:
         """debugfs kprobes/enabled: arm or disarm everything, keeping each probe's own state."""
@@ -321,7 +321,7 @@ class KprobeManager:
 
         self.machine.call(change)
         if on:
-            self.optimizer.queue.optimize_later(list(self.points))
+            self.optimizer.optimize_later(list(self.points))
 
     def switch_from_boot(self) -> list[int]:
         """Boot is done (stop loop, every vCPU stopped): the probes on stub breakpoints only because of boot

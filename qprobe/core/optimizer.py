@@ -28,7 +28,7 @@ import bisect
 import dataclasses
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from qprobe.arch import DetourParams, PercpuLayout
@@ -151,6 +151,10 @@ class Optimizer:
     def served(self) -> int:
         """Mailbox requests answered so far."""
         return self.doorbell.served if self.doorbell is not None else 0
+
+    def optimize_later(self, addrs: Iterable[int]) -> None:
+        """Queue points for their jump (the kernel's optimize_kprobe()), placed in rounds by ``queue``."""
+        self.queue.optimize_later(addrs)
 
     # -- set-up (stop loop) -------------------------------------------------------------
     def _ensure_stub(self) -> None:

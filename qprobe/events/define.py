@@ -4,7 +4,7 @@
 arms its probe; ``add_events`` arms one definition on a glob as one event per
 function; ``remove_events`` disarms.  The refusals are the kernel's (its texts and
 carets, ``error_log`` style).  They work on an :class:`EventRegistry`, the narrow
-view of the target they are given (qprobe.api.Target is one).
+view of the target they are given (qprobe.eventapi.EventAPI is the one a Target holds).
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from qprobe.vmm.machine import Machine
 
     class NotifierTarget(EventRegistry, Protocol):
-        """What the notifier uses of a target (qprobe.api.Target): the events' view, the stop loop, the
+        """What the notifier uses of a target (qprobe.eventapi.EventAPI): the events' view, the stop loop, the
         kernel's modules (drgn) and the probe tables (a going module's probes are killed, events or not)."""
 
         machine: Machine

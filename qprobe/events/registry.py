@@ -1,6 +1,6 @@
 """What events receive of the target they are armed on, narrowed to what they use.
 
-Two views, each a Protocol that ``qprobe.api.Target`` satisfies:
+Two views, each a Protocol that a target's registry (``qprobe.eventapi.EventAPI``) satisfies:
 
 - :class:`EventHost` (here): what an armed event uses at a hit, whatever its
   probe kind: the architecture, the symbols, the task and clock of a hit, the

@@ -373,7 +373,7 @@ def test_the_optimizer_works_its_queue_in_rounds(rig: Rig, monkeypatch: pytest.M
         return True
 
     monkeypatch.setattr(rig.opt.queue, "optimize", optimize)
-    rig.opt.queue.optimize_later([PROBE])
+    rig.opt.optimize_later([PROBE])
     if attempts > optqueue.OPTIMIZE_RETRIES:
         assert len(tried) >= optqueue.OPTIMIZE_RETRIES  # register returned; the point stays queued
         deadline = time.monotonic() + 10
@@ -387,5 +387,5 @@ def test_the_optimizer_works_its_queue_in_rounds(rig: Rig, monkeypatch: pytest.M
 def test_the_optimizer_does_nothing_with_the_knob_off(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
     rig.opt.enabled = False
     monkeypatch.setattr(rig.opt.queue, "optimize", lambda point: pytest.fail("optimized with the knob off"))
-    rig.opt.queue.optimize_later([PROBE])
+    rig.opt.optimize_later([PROBE])
     assert not rig.point.optimizing

@@ -23,7 +23,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from qprobe.errors import QprobeError
-from qprobe.fetch.kstrto import isdigit, split_args
+from qprobe.fetch.definition import Definition
+from qprobe.fetch.kstrto import isdigit
 from qprobe.kernel.perfsyntax import PerfProbeError, parse_perf_probe
 from qprobe.kernel.userelf import UserElf, UserFunction
 
@@ -41,44 +42,43 @@ class UprobeSyntaxError(QprobeError):
     """A perf, bpftrace or symbolic uprobe definition that cannot be translated; the message is one line."""
 
 
-def resolve_uprobe_symbols(text: str, resolve: Resolve) -> str:
+def resolve_uprobe_symbols(definition: Definition, resolve: Resolve) -> Definition:
     """``p[:EV] PATH:SYMBOL[+OFFS][%return][(REF)] ...`` with the symbol replaced by ``0x<file offset>``.
 
     A line whose place is already numeric (or that is not a probe on a path)
     is returned as it is, for the kernel-faithful parser to judge.
     """
-    place = _symbol_place(text)
+    place = _symbol_place(definition)
     if place is None:
-        return text
+        return definition
     start, end, path = place
-    offset = resolve(path, text[start:end])
-    return f"{text[:start]}0x{offset:x}{text[end:]}"
+    offset = resolve(path, definition.words[1][1][start:end])
+    return definition.replaced(1, start, end, f"0x{offset:x}")
 
 
-def _symbol_place(text: str) -> tuple[int, int, str] | None:
-    """Where ``SYMBOL[+OFFS]`` is in a uprobe_events line (its columns) and the path before it; None if the
-    line's place is numeric or the line is no probe on a path."""
-    words = split_args(text.split("#", 1)[0])
-    if len(words) < 2 or words[0][1][:1] not in ("p", "r") or "/" not in words[1][1]:
+def _symbol_place(definition: Definition) -> tuple[int, int, str] | None:
+    """Where ``SYMBOL[+OFFS]`` is in a uprobe_events line's probe point word and the path before it; None if
+    the line's place is numeric or the line is no probe on a path."""
+    word = definition.point_word
+    if word is None or definition.kind not in ("p", "r") or "/" not in word:
         return None
-    start, word = words[1]
     colon = word.rfind(":")
     if colon < 0 or colon + 1 == len(word) or isdigit(word[colon + 1]):
         return None
     spec = word[colon + 1 :]
     cut = min((i for i in (spec.find("%"), spec.find("(")) if i >= 0), default=len(spec))
-    return start + colon + 1, start + colon + 1 + cut, word[:colon]
+    return colon + 1, colon + 1 + cut, word[:colon]
 
 
-def unresolved_syntax(text: str) -> str:
+def unresolved_syntax(definition: Definition) -> Definition:
     """The line with its ``SYMBOL[+OFFS]`` (if any) written as zeros of the same width, an octal 0: the
     kernel-faithful parser can then judge the rest of the line before the symbol can be resolved (the guest's
     file read), its carets in the columns of the line as typed."""
-    place = _symbol_place(text)
+    place = _symbol_place(definition)
     if place is None:
-        return text
+        return definition
     start, end, _ = place
-    return text[:start] + "0" * (end - start) + text[end:]
+    return definition.replaced(1, start, end, "0" * (end - start))
 
 
 def is_user_form(text: str) -> bool:

@@ -35,11 +35,13 @@ def _perf_definitions(args: argparse.Namespace) -> None:
     from qprobe.kernel.perfsyntax import parse_perf_probe
     from qprobe.wiring import vmlinux_arch
 
-    for text in texts:  # a typo gets the closest names, as a kprobe_events definition's does
-        name = parse_perf_probe(text).function
-        if name is not None and name not in symbols:
-            raise unknown_symbol(symbols, name, Probeability.of(symbols, vmlinux_arch(symbols)).functions())
-    found = iter(perf_to_kprobe(texts, symbols, vmlinux_arch(symbols)))
+    probes = []
+    for text in texts:  # each parsed once; a typo gets the closest names, as a kprobe_events definition's does
+        probe = parse_perf_probe(text)
+        if probe.function is not None and probe.function not in symbols:
+            raise unknown_symbol(symbols, probe.function, Probeability.of(symbols, vmlinux_arch(symbols)).functions())
+        probes.append(probe)
+    found = iter(perf_to_kprobe(probes, symbols, vmlinux_arch(symbols)))
     out = []
     for text in args.events:
         if _is_kernel_perf(text):

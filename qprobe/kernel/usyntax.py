@@ -87,9 +87,11 @@ def is_user_form(text: str) -> bool:
     return words[:2] == ["perf", "-x"] or (bool(words) and _BPFTRACE_PROBE.fullmatch(words[0]) is not None)
 
 
-def user_form_definition(text: str, resolve: Resolve, registers: RegisterLayout) -> str:
+def user_form_definition(text: str, resolve: Resolve | None, registers: RegisterLayout) -> str:
     """A front end's ``perf -x PATH DEF`` or ``uprobe:PATH:FUNC [BUILTIN...]`` (the builtins the handler
-    reads: ``arg0 comm``...) as its uprobe_events line, in the registers of the kernel's architecture."""
+    reads: ``arg0 comm``...) as its uprobe_events line, in the registers of the kernel's architecture.
+
+    ``resolve`` None keeps the function as ``PATH:SYMBOL[+OFFS]`` (resolved once booted)."""
     words = text.split()
     if words[:2] == ["perf", "-x"]:
         parts = text.split(None, 3)
@@ -102,18 +104,15 @@ def user_form_definition(text: str, resolve: Resolve, registers: RegisterLayout)
 def symbolic_user_form(text: str, registers: RegisterLayout) -> str:
     """A perf ``-x`` or bpftrace ``uprobe:`` form as its uprobe_events line with ``PATH:SYMBOL`` (resolved once
     booted), for the checks before boot."""
-    seen: list[tuple[str, str]] = []
-
-    def record(path: str, spec: str) -> int:  # 0 stands in for the file offset: the symbol replaces it below
-        seen.append((path, spec))
-        return 0
-
-    line = user_form_definition(text, record, registers)
-    path, spec = seen[0]
-    return line.replace(f"{path}:0x0", f"{path}:{spec}", 1)
+    return user_form_definition(text, None, registers)
 
 
-def perf_uprobe_definition(path: str, text: str, resolve: Resolve, registers: RegisterLayout) -> str:
+def _file_point(path: str, spec: str, resolve: Resolve | None) -> str:
+    """``PATH:0xOFFSET``, ``spec``'s file offset; ``PATH:SPEC`` without ``resolve``."""
+    return f"{path}:{spec}" if resolve is None else f"{path}:0x{resolve(path, spec):x}"
+
+
+def perf_uprobe_definition(path: str, text: str, resolve: Resolve | None, registers: RegisterLayout) -> str:
     """``perf probe -x PATH TEXT`` as the uprobe_events line perf would write (``registers``: the
     architecture's, which the refusal of a C variable suggests instead)."""
     try:
@@ -127,15 +126,15 @@ def perf_uprobe_definition(path: str, text: str, resolve: Resolve, registers: Re
             first, second = registers.arg_regs[:2]
             raise UprobeSyntaxError(f"{arg.text}: C variables need the program's DWARF; fetch registers "
                                     f"(%{first}, %{second}...) or memory (+0(%{first}):string) instead")  # fmt: skip
-    offset = resolve(path, f"{probe.function}+{probe.offset}" if probe.offset else probe.function)
+    point = _file_point(path, f"{probe.function}+{probe.offset}" if probe.offset else probe.function, resolve)
     group = probe.group or f"{PERF_GROUP}_{_program_name(path)}"
     event = probe.event or _event_name(probe.function) + ("__return" if probe.is_return else "")
     head = f"{'r' if probe.is_return else 'p'}:{group}/{event}"
     args = [(f"{a.name}=" if a.name else "") + a.var + (f":{a.type}" if a.type else "") for a in probe.args]
-    return " ".join([head, f"{path}:0x{offset:x}", *args])
+    return " ".join([head, point, *args])
 
 
-def bpftrace_uprobe_definition(probe: str, variables: Sequence[str], resolve: Resolve,
+def bpftrace_uprobe_definition(probe: str, variables: Sequence[str], resolve: Resolve | None,
                                registers: RegisterLayout) -> str:  # fmt: skip
     """``uprobe:PATH:FUNC[+OFFS]`` / ``uretprobe:PATH:FUNC`` fetching the bpftrace builtins in ``variables``.
 
@@ -153,7 +152,7 @@ def bpftrace_uprobe_definition(probe: str, variables: Sequence[str], resolve: Re
     is_return = kind in ("uretprobe", "ur")
     if is_return and "+" in func:
         raise UprobeSyntaxError(f"{probe}: a uretprobe is on a function's entry, not FUNC+OFFS")
-    offset = resolve(path, func)
+    point = _file_point(path, func, resolve)
     args: list[str] = []
     for var in dict.fromkeys(variables):
         arg = re.fullmatch(r"arg(\d+)", var)
@@ -171,7 +170,7 @@ def bpftrace_uprobe_definition(probe: str, variables: Sequence[str], resolve: Re
             raise UprobeSyntaxError(f"{var}: a uprobe fetches arg0.., retval, comm and pid")
     event = _event_name(func.split("+", 1)[0]) + ("__return" if is_return else "")
     head = f"{'r' if is_return else 'p'}:uprobes/{event}"
-    return " ".join([head, f"{path}:0x{offset:x}", *args])
+    return " ".join([head, point, *args])
 
 
 def _argument(n: int, registers: RegisterLayout) -> str:

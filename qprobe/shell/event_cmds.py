@@ -189,12 +189,13 @@ class EventCommands:
         """A perf probe definition: resolved on the host, shown as ``perf probe -v`` shows it, then added
         (``-x PATH``: a program's function, resolved in the guest's file)."""
         from qprobe.kernel.perfprobe import perf_to_kprobe
+        from qprobe.kernel.perfsyntax import parse_perf_probe
 
         if rest.split()[:1] == ["-x"]:
             self.user_form(f"perf {rest}")
             return
 
-        (found,) = perf_to_kprobe([f"perf {rest}"], self.shell.target.symbols, self.shell.target.arch)
+        (found,) = perf_to_kprobe([parse_perf_probe(f"perf {rest}")], self.shell.target.symbols, self.shell.target.arch)
         self.shell.note(f"writing event: {found.definition}")
         self.definition(found.definition)
 

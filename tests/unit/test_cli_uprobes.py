@@ -3,6 +3,7 @@ one line (a definition's with the kernel's caret), exit 2."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -132,3 +133,12 @@ def test_funcs_x_lines() -> None:
     assert text == "0x00001100      300 main\n0x00001a50       60 qpt_target\n" and n == 2
     assert summary == "2 functions match any name in /bin/uprog (file offset, size, name)"
     assert render_user_funcs(Elf(), "/bin/uprog", ["nope*"])[1:] == ("no function of /bin/uprog matches 'nope*'", 0)  # type: ignore[arg-type]
+
+
+def test_each_definition_is_read_once_before_boot(parse_reads: dict[str, Counter[str]]) -> None:
+    texts = ["p:uq /bin/uprog:qpt_target a=%di", "p:rd vfs_read", "uprobe:/bin/uprog:qpt_target arg0"]
+    definitions._parse_definitions(cli.build_parser().parse_args(["trace", *texts]))
+    symbolic = "p:uprobes/qpt_target /bin/uprog:qpt_target arg0=%di:u64"  # the bpftrace form, translated once
+    assert {t: n for t, n in parse_reads["symbolic_user_form"].items() if n} == {texts[2]: 1}
+    assert {t: n for t, n in parse_reads["split_args"].items() if n} == {texts[0]: 1, texts[1]: 1, symbolic: 1}
+    assert {t: n for t, n in parse_reads["parse_definition"].items() if n} == {texts[0]: 1, texts[1]: 1, symbolic: 1}

@@ -2,27 +2,22 @@
 
 The front ends (CLI, shell, API) parse a definition into its typed form once
 (``parse_definition``); the events layer checks, expands and arms that form
-without reading the text again.  Each entry below is wrapped in every qprobe
-module that imported it, so a parse that any module makes is seen.
+without reading the text again.  Each entry (conftest.py's ENTRIES) is wrapped
+in every qprobe module that imported it, so a parse that any module makes is seen.
 """
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
-
-import pytest
 
 from qprobe import fetch
 from qprobe.arch.x86_64.arch import X86_64
 from qprobe.events import define
 from qprobe.events.kprobe import KprobeEvent
 from qprobe.events.uprobe import UprobeTraceEvent
-from qprobe.fetch import Definition, ProbeEvent
+from qprobe.fetch import ProbeEvent
 from qprobe.fetch.dialect import BASE
 from qprobe.kernel.symbols import Symbols
 from qprobe.kernel.vmlinux import Section
@@ -31,21 +26,6 @@ T = 0xFFFF_FFFF_8100_0000
 FUNCS = {"vfs_read": T + 0x100, "vfs_write": T + 0x140, "ksys_read": T + 0x200}
 ROWS = [(name, addr, 0x40, "func") for name, addr in FUNCS.items()]
 SECTIONS = [Section(".text", T, 0x1000, 0x1000, True)]
-
-# Every entry that reads a definition's text (or a word list made from it): (module, function).
-ENTRIES = (
-    ("qprobe.fetch.kstrto", "split_args"),
-    ("qprobe.fetch.definition", "parse_definition"),
-    ("qprobe.fetch.event", "parse_event"),
-    ("qprobe.fetch.event", "parse_events"),
-    ("qprobe.fetch.uevent", "parse_uprobe_event"),
-    ("qprobe.fetch.uevent", "parse_uprobe_events"),
-    ("qprobe.kernel.perfsyntax", "parse_perf_probe"),
-    ("qprobe.kernel.usyntax", "user_form_definition"),
-    ("qprobe.kernel.usyntax", "symbolic_user_form"),
-    ("qprobe.kernel.usyntax", "perf_uprobe_definition"),
-    ("qprobe.kernel.usyntax", "bpftrace_uprobe_definition"),
-)
 
 
 class FakeKprobeBackend:
@@ -86,81 +66,59 @@ class FakeRegistry:
         return 0x1A50
 
 
-def _key(value: object) -> str:
-    """The text an entry was given: a text, a Definition's text, or a word list's line."""
-    return value.text if isinstance(value, Definition) else str(value)
-
-
-@pytest.fixture
-def reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Counter[str]]]:
-    """For each entry, how many times each text went through it."""
-    counts: dict[str, Counter[str]] = {name: Counter() for _, name in ENTRIES}
-    for module, name in ENTRIES:
-        __import__(module)
-        original = getattr(sys.modules[module], name)
-
-        def counting(*args: Any, _f: Callable[..., Any] = original, _n: str = name, **kwargs: Any) -> Any:
-            counts[_n][_key(args[0])] += 1
-            return _f(*args, **kwargs)
-
-        holders = [m for n, m in list(sys.modules.items())
-                   if n.startswith("qprobe") and getattr(m, name, None) is original]  # fmt: skip
-        assert sys.modules[module] in holders
-        for holder in holders:
-            monkeypatch.setattr(holder, name, counting)
-    yield counts
-
-
 def _texts(counts: Counter[str]) -> dict[str, int]:
     return {text: n for text, n in counts.items() if n}
 
 
-def test_a_kprobe_definition_is_tokenised_once(reads: dict[str, Counter[str]]) -> None:
+def test_a_kprobe_definition_is_tokenised_once(parse_reads: dict[str, Counter[str]]) -> None:
     reg = FakeRegistry()
     text = "p:rd vfs_read fd=%di:s32 n=%dx"
     te = define.add_event(reg, text)  # type: ignore[arg-type]
     assert isinstance(te, KprobeEvent) and te.definition.symbol == "vfs_read"
-    assert _texts(reads["split_args"]) == {text: 1}
-    assert _texts(reads["parse_definition"]) == {text: 1}
-    assert _texts(reads["parse_event"]) == {text: 1}
-    assert not any(reads[name] for name in ("parse_uprobe_event", "parse_perf_probe", "user_form_definition"))
+    assert _texts(parse_reads["split_args"]) == {text: 1}
+    assert _texts(parse_reads["parse_definition"]) == {text: 1}
+    assert _texts(parse_reads["parse_event"]) == {text: 1}
+    assert not any(parse_reads[name] for name in ("parse_uprobe_event", "parse_perf_probe", "user_form_definition"))
 
 
-def test_a_front_end_s_parsed_event_is_checked_not_parsed_again(reads: dict[str, Counter[str]]) -> None:
+def test_a_front_end_s_parsed_event_is_checked_not_parsed_again(parse_reads: dict[str, Counter[str]]) -> None:
     text = "r:rr vfs_write ret=$retval"
     ev = fetch.parse_event(text)  # as the CLI does before a VM boots
     assert isinstance(ev, ProbeEvent)
     define.add_event(FakeRegistry(), ev)  # type: ignore[arg-type]
-    assert _texts(reads["split_args"]) == {text: 1}
-    assert _texts(reads["parse_event"]) == {text: 1}
+    assert _texts(parse_reads["split_args"]) == {text: 1}
+    assert _texts(parse_reads["parse_event"]) == {text: 1}
 
 
-def test_a_glob_expands_on_the_parsed_form(reads: dict[str, Counter[str]]) -> None:
+def test_a_glob_expands_on_the_parsed_form(parse_reads: dict[str, Counter[str]]) -> None:
     reg = FakeRegistry()
     text = "p:vfs vfs_* fd=%di"
     found = define.add_events(reg, text)  # type: ignore[arg-type]
     assert sorted(te.name for te in found.events) == ["vfs/vfs_read", "vfs/vfs_write"]
     # The user's text is read once; each function's definition is that form with its point replaced.
-    assert _texts(reads["split_args"]) == {text: 1}
-    assert _texts(reads["parse_definition"]) == {text: 1}
-    assert _texts(reads["parse_event"]) == {"p:vfs/vfs_read vfs_read fd=%di": 1, "p:vfs/vfs_write vfs_write fd=%di": 1}
+    assert _texts(parse_reads["split_args"]) == {text: 1}
+    assert _texts(parse_reads["parse_definition"]) == {text: 1}
+    assert _texts(parse_reads["parse_event"]) == {
+        "p:vfs/vfs_read vfs_read fd=%di": 1,
+        "p:vfs/vfs_write vfs_write fd=%di": 1,
+    }
 
 
-def test_a_uprobe_definition_is_tokenised_once(reads: dict[str, Counter[str]]) -> None:
+def test_a_uprobe_definition_is_tokenised_once(parse_reads: dict[str, Counter[str]]) -> None:
     reg = FakeRegistry()
     text = "p:uq /bin/uprog:qpt_target a=%di"
     te = define.add_event(reg, text)  # type: ignore[arg-type]
     assert isinstance(te, UprobeTraceEvent) and te.udef.offset == 0x1A50
-    assert _texts(reads["split_args"]) == {text: 1}
-    assert _texts(reads["parse_definition"]) == {text: 1}
+    assert _texts(parse_reads["split_args"]) == {text: 1}
+    assert _texts(parse_reads["parse_definition"]) == {text: 1}
     # Parsed once, in the form its symbol resolved to (the words rewritten, not read again).
-    assert _texts(reads["parse_uprobe_event"]) == {"p:uq /bin/uprog:0x1a50 a=%di": 1}
-    assert not reads["parse_event"]
+    assert _texts(parse_reads["parse_uprobe_event"]) == {"p:uq /bin/uprog:0x1a50 a=%di": 1}
+    assert not parse_reads["parse_event"]
 
 
-def test_a_definition_parsed_by_a_front_end_is_not_read_again(reads: dict[str, Counter[str]]) -> None:
+def test_a_definition_parsed_by_a_front_end_is_not_read_again(parse_reads: dict[str, Counter[str]]) -> None:
     reg = FakeRegistry()
     definition = fetch.parse_definition("p:wr vfs_write")  # as the shell does
     define.add_event(reg, definition)  # type: ignore[arg-type]
-    assert _texts(reads["split_args"]) == {"p:wr vfs_write": 1}
-    assert _texts(reads["parse_definition"]) == {"p:wr vfs_write": 1}
+    assert _texts(parse_reads["split_args"]) == {"p:wr vfs_write": 1}
+    assert _texts(parse_reads["parse_definition"]) == {"p:wr vfs_write": 1}

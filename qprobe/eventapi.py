@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from qprobe.events.kprobe import KprobeBackend
     from qprobe.events.timeline import Timeline
     from qprobe.events.uprobe import UprobeBackend
-    from qprobe.fetch import ProbeEvent, UprobeEvent
+    from qprobe.fetch import Definition, ProbeEvent, UprobeEvent
     from qprobe.fetch.dialect import Dialect
     from qprobe.fetch.uevent import FileKind
     from qprobe.kernel.program import KernelData
@@ -151,7 +151,7 @@ class EventAPI:
 
     def add_event(
         self,
-        definition: str | ProbeEvent | UprobeEvent,
+        definition: str | Definition | ProbeEvent | UprobeEvent,
         callback: Callable[[EventHit], None] | None = None,
         filter: str | None = None,
         anywhere: bool = False,
@@ -159,8 +159,8 @@ class EventAPI:
         """Arm a kprobe_events or uprobe_events definition (``p:ev vfs_read count=%dx``, ``p:ev /bin/prog:0x1136``,
         ``p:ev /bin/prog:main``); hits go to ``callback`` and ``.hits``.
 
-        A definition a front end parsed already (``qprobe.fetch.parse_event``) is checked with this
-        kernel's symbols rather than parsed again.
+        A definition a front end parsed already (``qprobe.fetch.parse_definition``, or ``parse_event``)
+        is checked with this kernel's symbols rather than parsed again.
 
         ``filter`` is an ftrace event filter (``count > 100 && comm == "cat"``): hits it rejects are
         only counted (``.filtered``).  ``anywhere`` arms it with a stub breakpoint, which also reaches
@@ -173,7 +173,7 @@ class EventAPI:
 
     def add_events(
         self,
-        definition: str | ProbeEvent,
+        definition: str | Definition | ProbeEvent,
         callback: Callable[[EventHit], None] | None = None,
         filter: str | None = None,
         anywhere: bool = False,

@@ -23,7 +23,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from qprobe.errors import QprobeError
-from qprobe.fetch.kstrto import isdigit, split_args
+from qprobe.fetch.definition import Definition
+from qprobe.fetch.kstrto import isdigit
 from qprobe.kernel.perfsyntax import PerfProbeError, parse_perf_probe
 from qprobe.kernel.userelf import UserElf, UserFunction
 
@@ -41,44 +42,43 @@ class UprobeSyntaxError(QprobeError):
     """A perf, bpftrace or symbolic uprobe definition that cannot be translated; the message is one line."""
 
 
-def resolve_uprobe_symbols(text: str, resolve: Resolve) -> str:
+def resolve_uprobe_symbols(definition: Definition, resolve: Resolve) -> Definition:
     """``p[:EV] PATH:SYMBOL[+OFFS][%return][(REF)] ...`` with the symbol replaced by ``0x<file offset>``.
 
     A line whose place is already numeric (or that is not a probe on a path)
     is returned as it is, for the kernel-faithful parser to judge.
     """
-    place = _symbol_place(text)
+    place = _symbol_place(definition)
     if place is None:
-        return text
+        return definition
     start, end, path = place
-    offset = resolve(path, text[start:end])
-    return f"{text[:start]}0x{offset:x}{text[end:]}"
+    offset = resolve(path, definition.words[1][1][start:end])
+    return definition.replaced(1, start, end, f"0x{offset:x}")
 
 
-def _symbol_place(text: str) -> tuple[int, int, str] | None:
-    """Where ``SYMBOL[+OFFS]`` is in a uprobe_events line (its columns) and the path before it; None if the
-    line's place is numeric or the line is no probe on a path."""
-    words = split_args(text.split("#", 1)[0])
-    if len(words) < 2 or words[0][1][:1] not in ("p", "r") or "/" not in words[1][1]:
+def _symbol_place(definition: Definition) -> tuple[int, int, str] | None:
+    """Where ``SYMBOL[+OFFS]`` is in a uprobe_events line's probe point word and the path before it; None if
+    the line's place is numeric or the line is no probe on a path."""
+    word = definition.point_word
+    if word is None or definition.kind not in ("p", "r") or "/" not in word:
         return None
-    start, word = words[1]
     colon = word.rfind(":")
     if colon < 0 or colon + 1 == len(word) or isdigit(word[colon + 1]):
         return None
     spec = word[colon + 1 :]
     cut = min((i for i in (spec.find("%"), spec.find("(")) if i >= 0), default=len(spec))
-    return start + colon + 1, start + colon + 1 + cut, word[:colon]
+    return colon + 1, colon + 1 + cut, word[:colon]
 
 
-def unresolved_syntax(text: str) -> str:
+def unresolved_syntax(definition: Definition) -> Definition:
     """The line with its ``SYMBOL[+OFFS]`` (if any) written as zeros of the same width, an octal 0: the
     kernel-faithful parser can then judge the rest of the line before the symbol can be resolved (the guest's
     file read), its carets in the columns of the line as typed."""
-    place = _symbol_place(text)
+    place = _symbol_place(definition)
     if place is None:
-        return text
+        return definition
     start, end, _ = place
-    return text[:start] + "0" * (end - start) + text[end:]
+    return definition.replaced(1, start, end, "0" * (end - start))
 
 
 def is_user_form(text: str) -> bool:
@@ -87,9 +87,11 @@ def is_user_form(text: str) -> bool:
     return words[:2] == ["perf", "-x"] or (bool(words) and _BPFTRACE_PROBE.fullmatch(words[0]) is not None)
 
 
-def user_form_definition(text: str, resolve: Resolve, registers: RegisterLayout) -> str:
+def user_form_definition(text: str, resolve: Resolve | None, registers: RegisterLayout) -> str:
     """A front end's ``perf -x PATH DEF`` or ``uprobe:PATH:FUNC [BUILTIN...]`` (the builtins the handler
-    reads: ``arg0 comm``...) as its uprobe_events line, in the registers of the kernel's architecture."""
+    reads: ``arg0 comm``...) as its uprobe_events line, in the registers of the kernel's architecture.
+
+    ``resolve`` None keeps the function as ``PATH:SYMBOL[+OFFS]`` (resolved once booted)."""
     words = text.split()
     if words[:2] == ["perf", "-x"]:
         parts = text.split(None, 3)
@@ -102,18 +104,15 @@ def user_form_definition(text: str, resolve: Resolve, registers: RegisterLayout)
 def symbolic_user_form(text: str, registers: RegisterLayout) -> str:
     """A perf ``-x`` or bpftrace ``uprobe:`` form as its uprobe_events line with ``PATH:SYMBOL`` (resolved once
     booted), for the checks before boot."""
-    seen: list[tuple[str, str]] = []
-
-    def record(path: str, spec: str) -> int:  # 0 stands in for the file offset: the symbol replaces it below
-        seen.append((path, spec))
-        return 0
-
-    line = user_form_definition(text, record, registers)
-    path, spec = seen[0]
-    return line.replace(f"{path}:0x0", f"{path}:{spec}", 1)
+    return user_form_definition(text, None, registers)
 
 
-def perf_uprobe_definition(path: str, text: str, resolve: Resolve, registers: RegisterLayout) -> str:
+def _file_point(path: str, spec: str, resolve: Resolve | None) -> str:
+    """``PATH:0xOFFSET``, ``spec``'s file offset; ``PATH:SPEC`` without ``resolve``."""
+    return f"{path}:{spec}" if resolve is None else f"{path}:0x{resolve(path, spec):x}"
+
+
+def perf_uprobe_definition(path: str, text: str, resolve: Resolve | None, registers: RegisterLayout) -> str:
     """``perf probe -x PATH TEXT`` as the uprobe_events line perf would write (``registers``: the
     architecture's, which the refusal of a C variable suggests instead)."""
     try:
@@ -127,15 +126,15 @@ def perf_uprobe_definition(path: str, text: str, resolve: Resolve, registers: Re
             first, second = registers.arg_regs[:2]
             raise UprobeSyntaxError(f"{arg.text}: C variables need the program's DWARF; fetch registers "
                                     f"(%{first}, %{second}...) or memory (+0(%{first}):string) instead")  # fmt: skip
-    offset = resolve(path, f"{probe.function}+{probe.offset}" if probe.offset else probe.function)
+    point = _file_point(path, f"{probe.function}+{probe.offset}" if probe.offset else probe.function, resolve)
     group = probe.group or f"{PERF_GROUP}_{_program_name(path)}"
     event = probe.event or _event_name(probe.function) + ("__return" if probe.is_return else "")
     head = f"{'r' if probe.is_return else 'p'}:{group}/{event}"
     args = [(f"{a.name}=" if a.name else "") + a.var + (f":{a.type}" if a.type else "") for a in probe.args]
-    return " ".join([head, f"{path}:0x{offset:x}", *args])
+    return " ".join([head, point, *args])
 
 
-def bpftrace_uprobe_definition(probe: str, variables: Sequence[str], resolve: Resolve,
+def bpftrace_uprobe_definition(probe: str, variables: Sequence[str], resolve: Resolve | None,
                                registers: RegisterLayout) -> str:  # fmt: skip
     """``uprobe:PATH:FUNC[+OFFS]`` / ``uretprobe:PATH:FUNC`` fetching the bpftrace builtins in ``variables``.
 
@@ -153,7 +152,7 @@ def bpftrace_uprobe_definition(probe: str, variables: Sequence[str], resolve: Re
     is_return = kind in ("uretprobe", "ur")
     if is_return and "+" in func:
         raise UprobeSyntaxError(f"{probe}: a uretprobe is on a function's entry, not FUNC+OFFS")
-    offset = resolve(path, func)
+    point = _file_point(path, func, resolve)
     args: list[str] = []
     for var in dict.fromkeys(variables):
         arg = re.fullmatch(r"arg(\d+)", var)
@@ -171,7 +170,7 @@ def bpftrace_uprobe_definition(probe: str, variables: Sequence[str], resolve: Re
             raise UprobeSyntaxError(f"{var}: a uprobe fetches arg0.., retval, comm and pid")
     event = _event_name(func.split("+", 1)[0]) + ("__return" if is_return else "")
     head = f"{'r' if is_return else 'p'}:uprobes/{event}"
-    return " ".join([head, f"{path}:0x{offset:x}", *args])
+    return " ".join([head, point, *args])
 
 
 def _argument(n: int, registers: RegisterLayout) -> str:

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from qprobe.arch import Arch
     from qprobe.core.kprobes import KprobeManager
     from qprobe.core.kretprobe import KretprobeManager
+    from qprobe.core.regsmaker import RegsMaker
     from qprobe.core.uprobes import UprobeManager
     from qprobe.core.watchpoint import Watchpoints
     from qprobe.events import TraceEvent
@@ -63,6 +64,7 @@ class Parts:
     recovered: int = field(init=False)  # what an earlier qprobe left undone, and this one undid
     machine: Machine = field(init=False)
     scratch: ScratchArea = field(init=False)
+    regs_maker: RegsMaker = field(init=False)  # every handler's pt_regs
     kprobes: KprobeManager = field(init=False)
     kretprobes: KretprobeManager = field(init=False)
     uprobes: UprobeManager = field(init=False)

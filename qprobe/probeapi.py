@@ -14,7 +14,6 @@ from qprobe.core.kprobe import Kprobe, Kretprobe
 from qprobe.core.listing import list_probes
 from qprobe.core.uprobe import Uprobe
 from qprobe.core.watchpoint import Watchpoint
-from qprobe.errors import TargetError
 
 if TYPE_CHECKING:
     from qprobe.core.kprobes import KprobeManager
@@ -118,18 +117,7 @@ class ProbeAPI:
 
     def set_kprobes_optimization(self, on: bool) -> None:
         """Turn jump optimization on (optimizing what can be) or off (every probe back to an int3)."""
-        opt = self.parts.kprobes.optimizer
-        if on and not opt.available:
-            raise TargetError("jump optimization needs qprobe's own QEMU (a doorbell device and shared RAM)")
-
-        def change() -> None:
-            opt.enabled = on
-            for point in self.parts.kprobes.points.values():
-                self.parts.kprobes._sync(point)
-
-        self.parts.machine.call(change)
-        if on:
-            opt.optimize_later(list(self.parts.kprobes.points))
+        self.parts.kprobes.set_optimization(on)
 
     def blacklist(self) -> list[str]:
         return [str(e) for e in self.parts.kprobes.sites.blacklist]

@@ -23,6 +23,8 @@ from qprobe.arch.select import arch_named, arch_of_machine
 from qprobe.core.kprobes import KprobeManager
 from qprobe.core.kretprobe import KretprobeManager
 from qprobe.core.recovery import recover
+from qprobe.core.regsmaker import RegsMaker
+from qprobe.core.table import ProbeTable
 from qprobe.core.uprobes import UprobeManager
 from qprobe.core.watchpoint import Watchpoints
 from qprobe.errors import BootPanic, GuestPanicked, GuestStalled, MemoryFault, QprobeError, TargetError
@@ -288,15 +290,18 @@ class Wiring:
                               "its scratch area: add e.g. memmap=2M$0x1e000000 to the kernel command line")  # fmt: skip
         ram = t.mem.phys if isinstance(t.mem.phys, SharedRam) else None
         t.scratch = ScratchArea(t.machine, reservation[0], t.symbols.address("_end"), reservation[1])
-        t.kprobes = KprobeManager(t.machine, t.kernel, t.scratch, t.arch, ram,
+        t.regs_maker = RegsMaker(t.machine, t.kernel, t.arch)  # every handler's pt_regs
+        # The one probe table: registration, the trap path and the optimizer all work on it.
+        t.kprobes = KprobeManager(t.machine, t.kernel, t.scratch, t.arch, ProbeTable(), t.regs_maker, ram,
                                   str(self.doorbell) if self.doorbell else None,
                                   fully_preemptible(t.symbols, t.cmdline))  # fmt: skip
         t.kretprobes = KretprobeManager(t.kprobes)
-        t.uprobes = UprobeManager(t.machine, t.arch, t.kernel, t.kprobes)
-        t.kprobe_backend = KprobeBackend(t.kprobes, t.kretprobes)  # what kprobe events hold probes by
+        t.uprobes = UprobeManager(t.machine, t.arch, t.kernel, t.kprobes, t.kprobes.handlers, t.regs_maker,
+                                  t.kprobes.dispatcher)  # fmt: skip
+        t.kprobe_backend = KprobeBackend(t.kprobes, t.kretprobes, t.regs_maker)  # what kprobe events hold probes by
         t.uprobe_backend = UprobeBackend(t.uprobes)  # and uprobe events theirs
         t.clock = HitClock(t.kernel, t.machine, t.timeline)  # when each event hit happened
-        t.watchpoints = Watchpoints(t.machine, t.symbols, t.kprobes.handlers, t.kprobes.make_regs)
+        t.watchpoints = Watchpoints(t.machine, t.symbols, t.kprobes.handlers, t.regs_maker.make_regs)
 
     def cause(self, exc: BaseException) -> BaseException:
         """What a failed attach raises for ``exc``: the stall of a kernel silent in its own boot, if it was."""

@@ -12,7 +12,7 @@ traps themselves go through qprobe.core.dispatch; the architecture is the
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from qprobe.arch import Arch
@@ -22,15 +22,17 @@ from qprobe.core.handlers import Handlers
 from qprobe.core.kprobe import KPROBE_FLAG_DISABLED, KPROBE_FLAG_GONE, Kprobe
 from qprobe.core.optimizer import Optimizer
 from qprobe.core.point import ProbePoint
-from qprobe.core.regs import PtRegs
+from qprobe.core.regsmaker import RegsMaker
 from qprobe.core.sites import ProbeSites
 from qprobe.core.slots import InsnSlots
+from qprobe.core.table import ProbeTable
 from qprobe.core.text import KernelText
 from qprobe.errors import (
     InvalidProbe,
     ProbeBusy,
     ProbeError,
     QprobeError,
+    TargetError,
 )
 from qprobe.kernel.preempted import PREEMPTED_WAIT
 from qprobe.kernel.program import KernelData
@@ -44,7 +46,8 @@ log = logging.getLogger("qprobe.kprobes")
 
 
 class KprobeManager:
-    """Owns the probe table; every method that touches the guest runs on the stop loop."""
+    """Registers kprobes into the probe table and arms its points; every method that touches the guest runs
+    on the stop loop."""
 
     def __init__(
         self,
@@ -52,21 +55,23 @@ class KprobeManager:
         kernel: KernelData,
         scratch: ScratchArea,
         arch: Arch,
+        table: ProbeTable,
+        regs: RegsMaker,
         ram: SharedRam | None = None,
         doorbell: str | None = None,
         fully_preemptible: bool = False,
     ) -> None:
-        """``ram`` and ``doorbell``: the shared RAM file and the doorbell socket jump optimization needs."""
+        """``table``: the probe table, shared with the dispatcher and the optimizer; ``regs``: the handlers'
+        pt_regs; ``ram`` and ``doorbell``: the shared RAM file and the doorbell socket jump optimization needs."""
         self.machine = machine
         self.arch = arch
         self.symbols = kernel.symbols
         self.scratch = scratch
-        self.points: dict[int, ProbePoint] = {}
-        self.vcpu_index = {tid: i for i, tid in enumerate(machine.vcpus)}
+        self.table = table
+        self.regs = regs
         self.enabled = True  # debugfs kprobes/enabled
         # The kernel is booting and cannot take an int3 yet: probes go on stub breakpoints (switch_from_boot).
         self.booting = False
-        self.touched: set[int] = set()  # every address we ever put an int3 at
         # Probes killed with the text they were in (kill_kprobe: a module's text about to be freed): their
         # bytes are back, and they stay in the list, [GONE] with their counts, until unregistered or
         # registered again, as the kernel keeps them in its table.  Probe -> its line's address and the rest.
@@ -75,17 +80,15 @@ class KprobeManager:
         self.sites = ProbeSites(machine, kernel, arch, self.text)  # where a probe goes, and where it may not
         self.slots = InsnSlots(machine, arch, scratch, fully_preemptible)  # what the scratch area's code outlives
         self.kernel = kernel  # the kernel's data through drgn
-        self.boost = True  # hits may run the copy freely (may_boost); the slots they ran stay (InsnSlots)
         self.handlers = Handlers()
-        self.dispatcher = Dispatcher(machine, kernel, arch, self, self.slots, self.handlers)
-        self.stubs = StubProbes(machine, arch, self.handlers, self.make_regs, self.dispatcher.step)
-        # A trampoline a frame returns to -> its real return address (kretprobes'): stack traces see through.
-        self.return_fixers: list[Callable[[int, int], int]] = []
-        self.optimizer = Optimizer(self, ram, doorbell)
+        self.dispatcher = Dispatcher(machine, kernel, arch, table, self.slots, self.handlers, regs)
+        self.stubs = StubProbes(machine, arch, self.handlers, regs.make_regs, self.dispatcher.step)
+        self.optimizer = Optimizer(self, table, regs, ram, doorbell)
 
-    def _regions(self, addr: int) -> list[ProbePoint]:
-        """Optimized points whose displaced instructions cover ``addr`` (other than at their start)."""
-        return [p for p in self.points.values() if p.opt is not None and p.addr < addr < p.addr + p.opt.size]
+    @property
+    def points(self) -> dict[int, ProbePoint]:
+        """The probe table's points by address (for readers: the listing, the shell, events, tests)."""
+        return self.table.points
 
     # -- registration ------------------------------------------------------------
     def register_kprobe(self, kp: Kprobe, optimize: bool = True) -> None:
@@ -132,7 +135,7 @@ class KprobeManager:
             raise InvalidProbe(f"{self.symbols.symbolize(addr)} has a probe anywhere=True: probe it so too "
                                "(EBUSY)")  # fmt: skip
         point = self.points.get(addr)
-        for other in self._regions(addr):
+        for other in self.table.regions(addr):
             self.optimizer.unoptimize(other)
             self._sync(other)
         if point is None:
@@ -164,7 +167,7 @@ class KprobeManager:
         """A stub breakpoint: any instruction boundary of kernel text, the blacklist and reserved sites too."""
         where, start, code = self.sites.check_kprobe_address_safe(addr, anywhere=True)
         self.arch.check_boundary(code, start, addr, self.text.patched(), where.split("+")[0])
-        if addr in self.points or self._regions(addr):
+        if addr in self.points or self.table.regions(addr):
             raise InvalidProbe(f"{where} has an int3 or a jump of a probe: probe it with anywhere=False too "
                                "(EBUSY)")  # fmt: skip
         self.stubs.register(kp, addr, where)
@@ -323,6 +326,21 @@ class KprobeManager:
         if on:
             self.optimizer.optimize_later(list(self.points))
 
+    def set_optimization(self, on: bool) -> None:
+        """debug.kprobes_optimization: optimize every point that can be (the kernel's optimize_all_kprobes),
+        or put every jump back to an int3 (unoptimize_all_kprobes)."""
+        if on and not self.optimizer.available:
+            raise TargetError("jump optimization needs qprobe's own QEMU (a doorbell device and shared RAM)")
+
+        def change() -> None:
+            self.optimizer.enabled = on
+            for point in self.points.values():
+                self._sync(point)
+
+        self.machine.call(change)
+        if on:
+            self.optimizer.optimize_later(list(self.points))
+
     def switch_from_boot(self) -> list[int]:
         """Boot is done (stop loop, every vCPU stopped): the probes on stub breakpoints only because of boot
         (``boot_stub``) go to the int3 path where it accepts them; the addresses to optimize.
@@ -377,7 +395,7 @@ class KprobeManager:
             self.optimizer.unoptimize(point)
         if want and not point.armed:
             self.dispatcher.install()
-            self.touched.add(point.addr)
+            self.table.touched.add(point.addr)
             point.int3 = self.text.patch(point.addr, self.arch.breakpoint, "int3", point.prep.slot_addr)
         elif not want and point.int3 is not None:
             self.text.unpatch(point.int3)
@@ -416,29 +434,3 @@ class KprobeManager:
             self.optimizer.close()
             raise ProbeError(f"qprobe's scratch area stays mapped: after {PREEMPTED_WAIT:g} s {held}")
         self.machine.call(unmap)
-
-    # -- what the dispatcher asks of the table ----------------------------------------------
-    def make_regs(self, values: Mapping[str, int], tid: str) -> PtRegs:
-        """pt_regs for a handler; its stack traces see through kretprobe trampolines."""
-        return PtRegs(dict(values), tid, self.vcpu_index[tid], self.machine.mem, self.symbols, self.kernel,
-                      fix_return=self.fix_return,
-                      layout=self.arch.registers)  # fmt: skip
-
-    def fix_return(self, sp: int, value: int) -> int:
-        """The real return address behind ``value``, a frame's return with stack pointer ``sp`` (else itself)."""
-        for fix in self.return_fixers:
-            real = fix(sp, value)
-            if real != value:
-                return real
-        return value
-
-    def may_boost(self, point: ProbePoint, active: list[Kprobe]) -> bool:
-        """Whether a hit may run the copy freely (the arch still decides whether the instruction can).
-
-        Not with a post_handler to run after the instruction, and not while
-        the point waits to be optimized: the jump back would land inside the jump.  Those hits run
-        the copy to the int3 after it (a trap-step) where it can: with
-        interrupts off, nothing preempts the task there, and the optimizer
-        waits for the vCPU to be back (``trap_step_returns``).
-        """
-        return self.boost and not point.optimizing and not any(kp.post_handler for kp in active)

@@ -46,7 +46,7 @@ class KretprobeManager:
         # Anywhere: returns caught on stub breakpoints at the return address, the stack left alone.
         self.stub_returns = StubReturns(kprobes.stubs, kprobes.arch)
         self.stub_of: dict[Kretprobe, StubReturn] = {}  # anywhere kretprobes: their calls in flight
-        kprobes.return_fixers.append(self.fix_return)
+        kprobes.regs.add_return_fixer(self.fix_return)
 
     def fix_return(self, sp: int, value: int) -> int:
         """For the unwinder: the real return address behind a trampoline address ``value`` a frame returned to

@@ -7,8 +7,8 @@ dispatcher writes exactly the dirty ones back before the vCPU resumes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from qprobe.errors import SymbolError
 from qprobe.vmm.memory import GuestMemory
@@ -236,3 +236,9 @@ def regs_return_value(regs: PtRegs) -> int:
 def regs_get_kernel_argument(regs: PtRegs, n: int) -> int:
     """0-based argument, as the kernel's helper of that name."""
     return regs.arg(n + 1)
+
+
+class RegsSource(Protocol):
+    """Where a hit's pt_regs come from (qprobe.core.regsmaker.RegsMaker): vCPU ``tid``'s register values."""
+
+    def make_regs(self, values: Mapping[str, int], tid: str) -> PtRegs: ...

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from qprobe.core.kprobes import KprobeManager
     from qprobe.core.kretprobe import KretprobeManager
     from qprobe.core.regs import PtRegs
+    from qprobe.core.regsmaker import RegsMaker
     from qprobe.core.sites import ProbeSites
     from qprobe.fetch import ProbeEvent
 
@@ -34,9 +35,10 @@ if TYPE_CHECKING:
 class KprobeBackend:
     """The kprobes and kretprobes of kprobe events, on the target's probe tables."""
 
-    def __init__(self, kprobes: KprobeManager, kretprobes: KretprobeManager) -> None:
+    def __init__(self, kprobes: KprobeManager, kretprobes: KretprobeManager, regs: RegsMaker) -> None:
         self._kprobes = kprobes
         self._kretprobes = kretprobes
+        self._regs = regs
 
     @property
     def booting(self) -> bool:
@@ -82,7 +84,7 @@ class KprobeBackend:
 
     def make_regs(self, values: Mapping[str, int], cpu: int) -> PtRegs:
         """The pt_regs of a hit recorded on vCPU number ``cpu`` with these register values."""
-        return self._kprobes.make_regs(values, self._kprobes.machine.vcpus[cpu])
+        return self._regs.make_regs_on(values, cpu)
 
     @property
     def can_count_in_guest(self) -> bool:

@@ -30,7 +30,9 @@ class ShellProbes(ProbeTables, Protocol):
     """The probe table, as ``list``/``stats``/``enabled`` read it."""
 
     enabled: bool
-    points: dict[int, ProbePoint]
+
+    @property
+    def points(self) -> dict[int, ProbePoint]: ...
 
 
 @runtime_checkable

@@ -72,7 +72,7 @@ class Fn:
 
 
 class Table:
-    """The probe table as the optimizer reads it (qprobe.core.optimizer.ProbeTable), and its InsnSlots."""
+    """The kprobes core as the optimizer reads it (qprobe.core.optimizer.KprobeParts), its ProbeTable and InsnSlots."""
 
     arch = ARCH
     fully_preemptible = False
@@ -147,7 +147,7 @@ def rig(stub_gdb: tuple[QemuStub, GdbRemote]) -> Iterator[Rig]:
     mem.fill(FN, CODE)
     table = Table(SimpleNamespace(gdb=gdb, mem=mem, vcpus=gdb.threads(), call=lambda fn: fn(),
                                   journal=SimpleNamespace(batch=contextlib.nullcontext)))  # fmt: skip
-    opt = Optimizer(table, None, None)  # type: ignore[arg-type]
+    opt = Optimizer(table, table, table, None, None)  # type: ignore[arg-type]
     opt.enabled = True  # as with a doorbell and shared RAM; no detour is built here
     r = Rig(stub, table, opt, mem)
     for i in range(len(stub.vcpus)):

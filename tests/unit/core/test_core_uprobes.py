@@ -209,7 +209,7 @@ def s() -> Iterator[Setup]:
     hook = rig.t.function(MMAP_HOOK, insn(NOP), insn(NOP))
     rig.text = bytes(rig.t.mem.ram[TEXT_PHYS : TEXT_PHYS + TEXT_SIZE])  # with the hook's function in it
     km = rig.km
-    um = UprobeManager(rig.t.machine, km.arch, rig.t.kernel, km)  # type: ignore[arg-type]
+    um = UprobeManager(rig.t.machine, km.arch, rig.t.kernel, km, km.handlers, km.regs, km.dispatcher)  # type: ignore[arg-type]
     world = World(rig)
     um._files = world  # type: ignore[assignment]
     world.file(PROG, _text(1))

@@ -139,7 +139,7 @@ class BootProbing:
         # (init/main.c): the text boot rewrites is final (alternatives and static calls are patched in
         # start_kernel, __fentry__ sites by ftrace_init, __init text is gone).  What stays rewritable at run
         # time (jump-label and static-call sites, the int3 path refuses them) stays on stub breakpoints.
-        t.kprobes.optimizer.optimize_later(machine.call(t.kprobes.switch_from_boot))
+        t.optimizer.optimize_later(machine.call(t.kprobes.switch_from_boot))
         t.timings["attach"] = time.monotonic() - wiring.t0 - t.timings["boot"]
 
     def _wait_boot(self, done: threading.Event, t0: float, what: Callable[[], str]) -> None:

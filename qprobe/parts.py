@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from qprobe.arch import Arch
     from qprobe.core.kprobes import KprobeManager
     from qprobe.core.kretprobe import KretprobeManager
+    from qprobe.core.optimizer import Optimizer
     from qprobe.core.regsmaker import RegsMaker
     from qprobe.core.uprobes import UprobeManager
     from qprobe.core.watchpoint import Watchpoints
@@ -66,6 +67,7 @@ class Parts:
     scratch: ScratchArea = field(init=False)
     regs_maker: RegsMaker = field(init=False)  # every handler's pt_regs
     kprobes: KprobeManager = field(init=False)
+    optimizer: Optimizer = field(init=False)  # the kprobes' jumps, and the guest's rings and counters behind them
     kretprobes: KretprobeManager = field(init=False)
     uprobes: UprobeManager = field(init=False)
     kprobe_backend: KprobeBackend = field(init=False)  # what kprobe events hold probes by

@@ -295,6 +295,7 @@ class Wiring:
         t.kprobes = KprobeManager(t.machine, t.kernel, t.scratch, t.arch, ProbeTable(), t.regs_maker, ram,
                                   str(self.doorbell) if self.doorbell else None,
                                   fully_preemptible(t.symbols, t.cmdline))  # fmt: skip
+        t.optimizer = t.kprobes.optimizer
         t.kretprobes = KretprobeManager(t.kprobes)
         t.uprobes = UprobeManager(t.machine, t.arch, t.kernel, t.kprobes, t.kprobes.handlers, t.regs_maker,
                                   t.kprobes.dispatcher)  # fmt: skip

@@ -215,7 +215,7 @@ class KprobeManager:
                     for kp in reversed(done):
                         self._unregister(kp)
                     raise
-            return self.optimizer.queue.enqueue(addrs)  # in the same stop
+            return self.optimizer.enqueue(addrs)  # in the same stop
 
         for kp in todo:
             self.gone.pop(kp, None)
@@ -230,7 +230,7 @@ class KprobeManager:
                 self._refused_at_boot(kp)
             raise
         if queued:
-            self.optimizer.queue.kprobe_optimizer(addrs)
+            self.optimizer.kprobe_optimizer(addrs)
 
     def unregister_kprobe(self, kp: Kprobe) -> None:
         if not kp.registered:

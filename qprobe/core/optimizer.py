@@ -160,6 +160,14 @@ class Optimizer:
         """Queue points for their jump (the kernel's optimize_kprobe()), placed in rounds by ``queue``."""
         self.queue.optimize_later(addrs)
 
+    def enqueue(self, addrs: list[int]) -> bool:
+        """Queue points for their jump in this VM stop (OptimizingQueue.enqueue); False if none is."""
+        return self.queue.enqueue(addrs)
+
+    def kprobe_optimizer(self, addrs: list[int]) -> None:
+        """Place the jumps queued by ``enqueue`` (OptimizingQueue.kprobe_optimizer), off the stop loop."""
+        self.queue.kprobe_optimizer(addrs)
+
     # -- set-up (stop loop) -------------------------------------------------------------
     def _ensure_stub(self) -> None:
         if self.stub and self.scratch.mapped:

@@ -111,7 +111,7 @@ class KprobeBackend:
 
     def entry_skip(self, func: int) -> int:
         """Bytes after a function's entry that still count as its entry (an ``endbr64``)."""
-        return self._kprobes.sites.entry_skip(func)
+        return self.sites.entry_skip(func)
 
 
 class KprobeHost(EventHost, Protocol):

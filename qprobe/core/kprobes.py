@@ -12,7 +12,8 @@ traps themselves go through qprobe.core.dispatch; the architecture is the
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from qprobe.arch import Arch
@@ -72,10 +73,6 @@ class KprobeManager:
         self.enabled = True  # debugfs kprobes/enabled
         # The kernel is booting and cannot take an int3 yet: probes go on stub breakpoints (switch_from_boot).
         self.booting = False
-        # Probes killed with the text they were in (kill_kprobe: a module's text about to be freed): their
-        # bytes are back, and they stay in the list, [GONE] with their counts, until unregistered or
-        # registered again, as the kernel keeps them in its table.  Probe -> its line's address and the rest.
-        self.gone: dict[Kprobe, tuple[int, str]] = {}
         self.text = KernelText(machine)  # the int3s and jumps of points, and the text under them
         self.sites = ProbeSites(machine, kernel, arch, self.text)  # where a probe goes, and where it may not
         self.slots = InsnSlots(machine, arch, scratch, fully_preemptible)  # what the scratch area's code outlives
@@ -94,7 +91,7 @@ class KprobeManager:
     def register_kprobe(self, kp: Kprobe, optimize: bool = True) -> None:
         if kp.registered:
             raise InvalidProbe(f"{kp.where()} is already registered (EINVAL)")
-        self.gone.pop(kp, None)
+        self.table.gone.pop(kp, None)
         self._at_boot(kp)
         try:
             kp.at = self.sites.kprobe_addr(kp)
@@ -218,7 +215,7 @@ class KprobeManager:
             return self.optimizer.enqueue(addrs)  # in the same stop
 
         for kp in todo:
-            self.gone.pop(kp, None)
+            self.table.gone.pop(kp, None)
             self._at_boot(kp)
         try:
             for kp in todo:
@@ -234,7 +231,7 @@ class KprobeManager:
 
     def unregister_kprobe(self, kp: Kprobe) -> None:
         if not kp.registered:
-            if self.gone.pop(kp, None) is not None:
+            if self.table.gone.pop(kp, None) is not None:
                 return  # killed with its text: nothing left to take out
             raise InvalidProbe(f"{kp.where()} is not registered")
         addr = kp.resolved
@@ -246,7 +243,7 @@ class KprobeManager:
         """Every registered (or killed) one of ``kps`` in one VM stop, journaled as one batch."""
         kps = list(kps)
         for kp in kps:
-            self.gone.pop(kp, None)
+            self.table.gone.pop(kp, None)
         todo = [kp for kp in kps if kp.registered]
 
         def unregister_all() -> None:
@@ -269,7 +266,21 @@ class KprobeManager:
         line = (at, f"{self.symbols.symbolize(at)}    {flags}")
         self.unregister_kprobe(kp)
         kp.flags |= KPROBE_FLAG_GONE
-        self.gone[kp] = line
+        self.table.gone[kp] = line
+
+    @contextmanager
+    def reviving(self, kp: Kprobe) -> Iterator[None]:
+        """A killed ``kp`` registered again in the block (its text is back): off the [GONE] list and its flag
+        cleared; both back if the block fails, so that it stays listed as it was."""
+        killed = self.table.gone.pop(kp, None)
+        kp.flags &= ~KPROBE_FLAG_GONE
+        try:
+            yield
+        except QprobeError:
+            kp.flags |= KPROBE_FLAG_GONE
+            if killed is not None:
+                self.table.gone[kp] = killed
+            raise
 
     def _unregister(self, kp: Kprobe) -> None:
         if kp.anywhere:
@@ -410,7 +421,7 @@ class KprobeManager:
         """
 
         def disarm() -> None:
-            self.gone.clear()
+            self.table.gone.clear()
             self.stubs.remove_all()
             for point in list(self.points.values()):
                 for kp in list(point.probes):

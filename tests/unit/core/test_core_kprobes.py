@@ -136,6 +136,22 @@ def test_a_killed_probe_puts_the_text_back_and_stays_listed_gone_until_unregiste
     assert rig.text_unchanged()
 
 
+def test_a_killed_probe_registered_again_stays_listed_gone_if_that_fails(rig: Rig) -> None:
+    kp = Kprobe("toy_fn", offset=4)
+    rig.km.register_kprobe(kp)
+    rig.km.kill_kprobe(kp)
+    gone = list_probes(rig.km)
+    with pytest.raises(InvalidProbe), rig.km.reviving(kp):
+        assert not kp.gone and list_probes(rig.km) == ""  # off the list while it is registered again
+        raise InvalidProbe("refused")
+    assert kp.gone and list_probes(rig.km) == gone
+    with rig.km.reviving(kp):
+        rig.km.register_kprobe(kp)
+    assert not kp.gone and list_probes(rig.km) == f"{kp.resolved:016x}  k  toy_fn+0x4\n"
+    rig.km.unregister_kprobe(kp)
+    assert rig.text_unchanged()
+
+
 @pytest.mark.parametrize(
     ("probe", "error", "words"),
     [

@@ -1,12 +1,13 @@
-"""The architecture-neutral kprobes core, host side: the probe table, aggregation and arming.
+"""The architecture-neutral kprobes core, host side: registration into the probe table, aggregation and arming.
 
 Mirrors kernel/kprobes.c: ``register_kprobe`` resolves and checks
 everything before it writes a byte (``_kprobe_addr``,
 ``check_kprobe_address_safe``), probes at one address share one int3 and one
 out-of-line copy (the aggregate probe, ``aggr_pre_handler``), and a hit while
 the same vCPU is already handling a probe only counts ``nmissed``.  The
-traps themselves go through qprobe.core.dispatch; the architecture is the
-``Arch`` object qprobe.wiring hands in.
+traps themselves go through qprobe.core.dispatch; the probe table
+(qprobe.core.table), the handlers' pt_regs and the architecture are the
+objects qprobe.wiring hands in.
 """
 
 from __future__ import annotations

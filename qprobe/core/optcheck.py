@@ -46,7 +46,8 @@ def transient(reason: str) -> bool:
 
 
 class JumpTable(Protocol):
-    """What the checks read of the probe table (qprobe.core.kprobes.KprobeManager)."""
+    """What the checks read of the kprobes core (qprobe.core.kprobes.KprobeManager): its parts, and every
+    probed address."""
 
     arch: Arch
     machine: Machine

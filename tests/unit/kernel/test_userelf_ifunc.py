@@ -12,8 +12,15 @@ import pytest
 from ifunc_library import ifunc_library
 
 from qprobe.arch.x86_64.arch import X86_64
+from qprobe.fetch import parse_definition
 from qprobe.kernel.userelf import LoadedSlots, UserElf, UserElfError
-from qprobe.kernel.usyntax import bpftrace_uprobe_definition, perf_uprobe_definition, render_user_funcs
+from qprobe.kernel.usyntax import (
+    bpftrace_uprobe_definition,
+    perf_uprobe_definition,
+    render_user_funcs,
+    resolve_uprobe_symbols,
+    unresolved_syntax,
+)
 
 LIBC = Path("/lib/x86_64-linux-gnu/libc.so.6")
 X86 = X86_64.registers
@@ -113,3 +120,9 @@ def test_the_forms_name_the_implementation() -> None:
     assert bpftrace_uprobe_definition(f"uprobe:{LIBC}:strlen@impl", ["arg0"], resolve, X86) == (
         f"p:uprobes/strlen_impl {LIBC}:0x1a0f00 arg0=%di:u64"
     )
+    assert perf_uprobe_definition(str(LIBC), "strlen@impl%return $retval", resolve, X86) == (
+        f"r:probe_libc/strlen_impl__return {LIBC}:0x1a0f00 $retval"
+    )
+    line = parse_definition(f"r:uq {LIBC}:strlen@impl a=$retval")
+    assert resolve_uprobe_symbols(line, resolve).text == f"r:uq {LIBC}:0x1a0f00 a=$retval"
+    assert unresolved_syntax(line).text == f"r:uq {LIBC}:{'0' * len('strlen@impl')} a=$retval"  # judged before boot

@@ -181,16 +181,14 @@ class UserElf:
         picked = {v for slot in slots for v in loaded(slot)}
         if not picked:
             raise UserElfError(f"{name}{IMPL}: no process of the guest maps {self.path} now (start one first)")
-        choices = sorted(picked)
-        if len(choices) > 1:
-            places = ", ".join(f"0x{v:x}" for v in choices)
+        offsets = {v: self.file_offset(v) for v in sorted(picked)}
+        if len(offsets) > 1:
+            places = ", ".join(f"0x{v:x}" if o is None else f"0x{o:x}" for v, o in offsets.items())
             raise UserElfError(f"{name}{IMPL}: the processes mapping {self.path} picked different implementations "
-                               f"(at vaddrs {places}): give the offset")  # fmt: skip
-        offset = self.file_offset(choices[0])
+                               f"(at {places}): give the offset")  # fmt: skip
+        ((vaddr, offset),) = offsets.items()
         if offset is None:
-            raise UserElfError(
-                f"{name}{IMPL}: the loader's choice 0x{choices[0]:x} is in no loaded part of {self.path}"
-            )
+            raise UserElfError(f"{name}{IMPL}: the loader's choice 0x{vaddr:x} is in no loaded part of {self.path}")
         size = next((f.size for f in self._functions if f.offset == offset), None)
         return offset, size
 

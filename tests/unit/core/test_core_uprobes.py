@@ -621,5 +621,6 @@ def test_impl_is_read_from_the_got_slot_of_each_process_mapping_the_file(s: Setu
     load(s.world.process(), 0x90_0000, impl.vaddr)  # another load base, the same pick
     assert s.um.resolve(path, "chosen@impl") == impl.offset != s.um.resolve(path, "chosen")
     load(s.world.process(), 0xB0_0000, other.vaddr)  # a process whose loader picked otherwise
-    with pytest.raises(InvalidProbe, match="picked different implementations"):
+    with pytest.raises(InvalidProbe, match="picked different implementations") as info:
         s.um.resolve(path, "chosen@impl")
+    assert f"0x{impl.offset:x}" in str(info.value) and f"0x{other.offset:x}" in str(info.value)

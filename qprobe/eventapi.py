@@ -19,7 +19,7 @@ from qprobe.facade import Via
 from qprobe.kernel.btf import module_btfs
 from qprobe.kernel.features import thread_size
 from qprobe.kernel.tracefs import ftrace_locations, probe_dialect, trace_event_names
-from qprobe.kernel.userelf import UserElf, UserElfError
+from qprobe.kernel.userelf import UserElf
 
 log = logging.getLogger("qprobe")
 
@@ -128,14 +128,13 @@ class EventAPI:
         return kind
 
     def resolve_user_symbol(self, path: str, spec: str) -> int:
-        """The file offset of ``SYMBOL[+OFFS]`` in the guest's ELF file ``path`` (from its symbol tables).
+        """The file offset of ``SYMBOL[+OFFS]`` in the guest's ELF file ``path`` (from its symbol tables), or of
+        ``SYMBOL@impl[+OFFS]`` (the implementation the guest's loader picked for an indirect function).
 
         The file is read from the guest's page cache; pages not there are read in once by the guest's shell.
         """
-        try:
-            return self.user_elf(path).resolve(spec)
-        except UserElfError as exc:
-            raise InvalidProbe(str(exc)) from None
+        self.user_elf(path)  # read in, if need be
+        return self.parts.uprobes.resolve(path, spec)
 
     def user_elf(self, path: str) -> UserElf:
         """The guest's ELF file ``path``, as its page cache holds it (read in by the guest's shell if need be)."""

@@ -150,9 +150,35 @@ class UprobeManager:
 
     def _symbol_offset(self, f: GuestFile, symbol: str) -> int:
         try:
-            return self._elf(f).resolve(symbol)
+            elf = self._elf(f)
+            return elf.resolve(symbol, lambda slot: self._loaded(f, elf, slot))
         except UserElfError as exc:
             raise InvalidProbe(str(exc)) from None
+
+    def resolve(self, path: str, spec: str) -> int:
+        """The file offset of ``SYMBOL[+OFFS]`` (or ``SYMBOL@impl[+OFFS]``) in the guest's file ``path``."""
+
+        def find() -> int:
+            f = self.files.lookup(path)
+            if f is None:
+                raise InvalidProbe(f"{path}: no regular file there in the guest's dentry cache (ENOENT)")
+            return self._symbol_offset(f, spec)
+
+        return self.machine.call(find)
+
+    def _loaded(self, f: GuestFile, elf: UserElf, slot: int) -> list[int]:
+        """What the GOT slot at ``slot`` (a vaddr of ``f``'s ELF) holds in each process that maps ``f``, less
+        the process's load bias: each mapping of the file's start tells where the ELF's layout begins."""
+        first = elf.vaddr_of(0)
+        out: list[int] = []
+        for m in self.files.mappings(f):
+            if m.file_start != 0 or first is None:
+                continue
+            bias = m.start - first
+            raw = self.files.read_user(m.mm, bias + slot, 8)
+            if raw is not None:
+                out.append(int.from_bytes(raw, "little") - bias)
+        return out
 
     def elf(self, path: str) -> UserElf:
         """The ELF of the guest's file at ``path``, as its page cache holds it (InvalidProbe if it cannot be read)."""

@@ -1,7 +1,9 @@
 """What perf and bpftrace users type for uprobes, translated into uprobe_events definitions.
 
 Three forms, each resolved through ``resolve(path, "SYMBOL[+OFFS]") -> file
-offset`` (:meth:`qprobe.kernel.userelf.UserElf.resolve` over the guest's file):
+offset`` (:meth:`qprobe.kernel.userelf.UserElf.resolve` over the guest's file;
+``SYMBOL@impl`` is an indirect function's implementation, as the guest's loader
+picked it, where ``SYMBOL`` is its resolver, as perf and bpftrace place it):
 
 * ``PATH:SYMBOL[+OFFS]`` in a uprobe_events line (qprobe's extension): the
   symbol becomes its file offset, the rest of the line is kept, and the line
@@ -26,7 +28,7 @@ from qprobe.errors import QprobeError
 from qprobe.fetch.definition import Definition
 from qprobe.fetch.kstrto import isdigit
 from qprobe.kernel.perfsyntax import PerfProbeError, parse_perf_probe
-from qprobe.kernel.userelf import UserElf, UserFunction
+from qprobe.kernel.userelf import IMPL, UserElf, UserFunction
 
 if TYPE_CHECKING:
     from qprobe.arch import RegisterLayout
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
 Resolve = Callable[[str, str], int]
 
 PERF_GROUP = "probe"  # perf's PERFPROBE_GROUP
+IFUNC_MARK = " [ifunc]"  # funcs -x's mark of an indirect function, after its name
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9_]")
 _BPFTRACE_PROBE = re.compile(r"(uprobe|uretprobe|u|ur):(/.+):([^:/]+)")  # the function after the last ':'
 
@@ -119,16 +122,18 @@ def perf_uprobe_definition(path: str, text: str, resolve: Resolve | None, regist
         probe = parse_perf_probe(text)
     except PerfProbeError as exc:
         raise UprobeSyntaxError(str(exc)) from None
-    if probe.function is None or probe.file or probe.line is not None or probe.lazy is not None:
+    impl = probe.file == IMPL[1:]  # perf's FUNC@SRC with "impl" for SRC: FUNC@impl, as the other forms write it
+    if probe.function is None or (probe.file and not impl) or probe.line is not None or probe.lazy is not None:
         raise UprobeSyntaxError(f"{text.strip()}: a uprobe is placed on FUNC or FUNC+OFFS (lines need DWARF)")
     for arg in probe.args:
         if arg.is_c_var or arg.fields:
             first, second = registers.arg_regs[:2]
             raise UprobeSyntaxError(f"{arg.text}: C variables need the program's DWARF; fetch registers "
                                     f"(%{first}, %{second}...) or memory (+0(%{first}):string) instead")  # fmt: skip
-    point = _file_point(path, f"{probe.function}+{probe.offset}" if probe.offset else probe.function, resolve)
+    function = probe.function + (IMPL if impl else "")
+    point = _file_point(path, f"{function}+{probe.offset}" if probe.offset else function, resolve)
     group = probe.group or f"{PERF_GROUP}_{_program_name(path)}"
-    event = probe.event or _event_name(probe.function) + ("__return" if probe.is_return else "")
+    event = probe.event or _event_name(function) + ("__return" if probe.is_return else "")
     head = f"{'r' if probe.is_return else 'p'}:{group}/{event}"
     args = [(f"{a.name}=" if a.name else "") + a.var + (f":{a.type}" if a.type else "") for a in probe.args]
     return " ".join([head, point, *args])
@@ -195,16 +200,20 @@ def _event_name(func: str) -> str:
 def render_user_funcs(elf: UserElf, path: str, patterns: Sequence[str]) -> tuple[str, str, int]:
     """``funcs -x``: (one line per matching function: file offset, size, name; a summary line; how many matched).
 
-    The offset is what ``PATH:0xOFFSET`` probes (the same place as ``PATH:NAME``).
+    The offset is what ``PATH:0xOFFSET`` probes (the same place as ``PATH:NAME``).  An indirect function
+    (STT_GNU_IFUNC) is marked ``[ifunc]``: its offset is its resolver's, ``NAME@impl`` the implementation's.
     """
     found: dict[tuple[int, str], UserFunction] = {}
     for pattern in patterns or ["*"]:
         for f in elf.functions(pattern):
             found.setdefault((f.offset, f.name), f)
     rows = sorted(found.values(), key=lambda f: (f.offset, f.name))
-    lines = "".join(f"0x{f.offset:08x} {f.size:8d} {f.name}\n" for f in rows)
+    lines = "".join(f"0x{f.offset:08x} {f.size:8d} {f.name}{IFUNC_MARK if f.ifunc else ''}\n" for f in rows)
     what = " ".join(repr(p) for p in patterns) if patterns else "any name"
     if not rows:
         return "", f"no function of {path} matches {what}", 0
     plural = "s match" if len(rows) > 1 else " matches"
-    return lines, f"{len(rows)} function{plural} {what} in {path} (file offset, size, name)", len(rows)
+    summary = f"{len(rows)} function{plural} {what} in {path} (file offset, size, name)"
+    if any(f.ifunc for f in rows):
+        summary += f";{IFUNC_MARK}: an indirect function, at its resolver (NAME{IMPL}: the implementation picked)"
+    return lines, summary, len(rows)

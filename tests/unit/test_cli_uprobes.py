@@ -135,6 +135,22 @@ def test_funcs_x_lines() -> None:
     assert render_user_funcs(Elf(), "/bin/uprog", ["nope*"])[1:] == ("no function of /bin/uprog matches 'nope*'", 0)  # type: ignore[arg-type]
 
 
+def test_funcs_x_marks_an_indirect_function() -> None:
+    from qprobe.kernel.userelf import UserFunction
+
+    class Elf:
+        def functions(self, pattern: str = "*") -> list[UserFunction]:
+            return [
+                UserFunction("strlen", 0x9F1C0, 0x9F1C0, 129, ifunc=True),
+                UserFunction("getppid", 0xD54F0, 0xD54F0, 8),
+            ]
+
+    text, summary, n = render_user_funcs(Elf(), "/lib/libc.so.6", [])  # type: ignore[arg-type]
+    assert text == "0x0009f1c0      129 strlen [ifunc]\n0x000d54f0        8 getppid\n" and n == 2
+    assert summary == ("2 functions match any name in /lib/libc.so.6 (file offset, size, name); [ifunc]: an indirect "
+                       "function, at its resolver (NAME@impl: the implementation picked)")  # fmt: skip
+
+
 def test_each_definition_is_read_once_before_boot(parse_reads: dict[str, Counter[str]]) -> None:
     texts = ["p:uq /bin/uprog:qpt_target a=%di", "p:rd vfs_read", "uprobe:/bin/uprog:qpt_target arg0"]
     definitions._parse_definitions(cli.build_parser().parse_args(["trace", *texts]))

@@ -7,7 +7,7 @@ same way, as ``kprobe_int3_handler`` does in the kernel:
 
 1. ``on_entry_stop`` or ``on_watch_stop``: the stop loop's callback for the
    hook; somebody else's trap passes through.
-2. ``arch.decode_trap`` (called there): the trapped context, as before the
+2. ``arch.traps.decode_trap`` (called there): the trapped context, as before the
    breakpoint ran.
 3. ``_handle``: a kretprobe trampoline, a probe removed since the trap, a
    re-entered vCPU (only ``nmissed`` counts), or the probe's pre_handlers
@@ -136,12 +136,12 @@ class Dispatcher:
         """If a vCPU is stopped on the #BP entry with a trap still to dispatch, the trapped address."""
         if self.arch.ip(regs) != self.int3_entry:
             return None
-        return self.arch.decode_trap(TrapHook.ENTRY, regs, self.machine.mem.read).addr
+        return self.arch.traps.decode_trap(TrapHook.ENTRY, regs, self.machine.mem.read).addr
 
     # -- 1. and 2. the stop, decoded --------------------------------------------------------------
     def on_entry_stop(self, tid: str, regs: dict[str, int]) -> None:
         """The breakpoint hook: the vCPU stopped on the #BP entry, the exception frame at its sp."""
-        trap = self.arch.decode_trap(TrapHook.ENTRY, regs, self.machine.mem.read)
+        trap = self.arch.traps.decode_trap(TrapHook.ENTRY, regs, self.machine.mem.read)
         if not self._ours(tid, trap):
             # Somebody else's int3: the guest's own #BP handler has it.  A gdb breakpoint sits on
             # the entry; stepping executes its first instruction.
@@ -160,7 +160,7 @@ class Dispatcher:
         """
         if self.arch.ip(regs) not in self.watch_safe:
             return
-        trap = self.arch.decode_trap(TrapHook.WATCH, regs, self.machine.mem.read)
+        trap = self.arch.traps.decode_trap(TrapHook.WATCH, regs, self.machine.mem.read)
         if self._ours(tid, trap, removed=False):
             self._dispatch(tid, trap)
         elif not trap.user and self.machine.mem.read(trap.addr, len(self.arch.breakpoint)) != self.arch.breakpoint:

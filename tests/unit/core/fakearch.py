@@ -244,6 +244,17 @@ class ToyGuestRam:
         return tuple(out)
 
 
+class ToyTraps:
+    """The toy's breakpoint entry: the trapped pc in ``elr``, its flags in ``spsr``."""
+
+    trap_entries = ("toy_brk_entry",)
+    trap_path: tuple[str, ...] = ()
+
+    def decode_trap(self, hook: TrapHook, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> Trap:
+        addr, flags = regs["elr"], regs["spsr"]
+        return Trap(addr, regs["sp"], flags, {**regs, "pc": addr, "psr": flags}, user=bool(flags & USER))
+
+
 class Toy:
     """The toy ISA's answers to everything the core asks (qprobe.arch.Arch): no jump optimization."""
 
@@ -277,8 +288,7 @@ class Toy:
     drgn_architecture = "UNKNOWN"
     kprobe_ip_offset = 0  # the trapped pc is the probe's own, as on arm64
     ftrace_site = None  # the toy kernel has no ftrace
-    trap_entries = ("toy_brk_entry",)
-    trap_path: tuple[str, ...] = ()
+    traps = ToyTraps()
     # The facets: the toy has no jump optimization, so every probe stays a breakpoint.
     trap_step: ToyTrapStep | None = ToyTrapStep()
     trap_watch = None  # no watchpoint hook: the dispatcher breaks on the entry
@@ -353,10 +363,6 @@ class Toy:
             regs.elr = prep.addr + regs.elr - copy
 
     # -- traps ---------------------------------------------------------------------------
-    def decode_trap(self, hook: TrapHook, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> Trap:
-        addr, flags = regs["elr"], regs["spsr"]
-        return Trap(addr, regs["sp"], flags, {**regs, "pc": addr, "psr": flags}, user=bool(flags & USER))
-
     def resume_registers(self, resume: Resume) -> dict[str, int]:
         out = {"pc": resume.ip}
         if resume.sp is not None:

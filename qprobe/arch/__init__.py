@@ -38,7 +38,9 @@ from the base kprobes hooks; the core checks for None before it uses one.
 5. Traps: ``traps`` (:class:`Traps`, qprobe.arch.traps): its
    ``trap_entries`` say where the host hears of a breakpoint, by a
    breakpoint on the entry (or the trap-watch facet, 8); its
-   ``decode_trap`` reads where a stop came from.
+   ``kprobe_break_hook`` says whether a stop on the entry is a trap of
+   kprobes' (and which, :class:`BreakHook`) or another exception on a shared
+   vector (arm64's); its ``decode_trap`` reads where a stop came from.
    ``resume_registers`` writes a :class:`Resume` back as gdbstub registers.
    Boot: ``boot_stage``, ``arch_boot_entry``.
 6. The blacklist: ``arch_populate_kprobe_blacklist``,
@@ -92,7 +94,7 @@ from qprobe.arch.guestram import (
     ReturnLayout,
     RingEntry,
 )
-from qprobe.arch.traps import Trap, TrapHook, Traps, TrapWatch
+from qprobe.arch.traps import BreakHook, Trap, TrapHook, Traps, TrapWatch
 
 
 class ResumeKind(enum.Enum):
@@ -413,6 +415,7 @@ __all__ = [
     "Arch",
     "ArchBlacklist",
     "BootStage",
+    "BreakHook",
     "CycleCounter",
     "DetourParams",
     "ExceptionTable",

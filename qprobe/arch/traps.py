@@ -1,9 +1,20 @@
-"""The trap path's side of the seam: where the host hears of a breakpoint, and what a stop there decodes to.
+"""The trap path's side of the seam: where the host hears of a breakpoint, and what a stop there is.
 
 :class:`Traps` is ``Arch.traps``: the kernel's breakpoint entry, the functions
-a trap runs through from it, and the decoding of a stop into a :class:`Trap`;
+a trap runs through from it, which kprobes handler (:class:`BreakHook`) a stop
+on the entry is for, and the decoding of a stop into a :class:`Trap`;
 :class:`TrapWatch` is the optional facet that hears of a trap by a watchpoint
 instead (``Arch.trap_watch``).
+
+x86 gives each exception its own entry (``asm_exc_int3`` for int3 alone), so
+a stop on its breakpoint entry is always a breakpoint trap.  arm64 takes
+every synchronous exception from EL1 through one vector (``el1h_64_sync``,
+at VBAR_EL1 + 0x200): a BRK, a data abort and an undefined instruction all
+stop there, and ESR_EL1 says which, with a BRK's immediate, by which the
+kernel's ``call_break_hook`` picks the handler registered for it
+(``register_kernel_break_hook``).  ``kprobe_break_hook`` is that choice as
+far as kprobes are concerned: the core asks for it before it takes a stop on
+the entry as a trap.
 """
 
 from __future__ import annotations
@@ -19,6 +30,18 @@ class TrapHook(enum.Enum):
 
     ENTRY = "entry"
     WATCH = "watch"
+
+
+class BreakHook(enum.Enum):
+    """Which kprobes handler the kernel runs for an exception taken on the trap entry.
+
+    arm64 registers two break hooks by BRK immediate; x86 has one handler for
+    every int3, which tells a probe's from the one after a trap-stepped copy by
+    its address, so it answers ``KPROBE`` for both.
+    """
+
+    KPROBE = "kprobe"  # kprobe_breakpoint_handler (KPROBES_BRK_IMM), x86's kprobe_int3_handler
+    KPROBE_SS = "kprobe-ss"  # kprobe_breakpoint_ss_handler (KPROBES_BRK_SS_IMM): the trap after a trap-stepped copy
 
 
 @dataclass(frozen=True)
@@ -46,6 +69,8 @@ class TrapWatch:
     by ``handler``; ``site(code, address, watched)``, given the handler's first
     bytes ``code`` at ``address``, says where a vCPU is when QEMU reports its
     read of the word at ``watched``, or None if the read is not in the expected shape.
+    The read must be on the breakpoint path alone (x86's poke_int3_handler, called by exc_int3 only;
+    arm64's, inside kprobes' break hooks): the core does not ask ``kprobe_break_hook`` at a watch stop.
     """
 
     variable: str
@@ -63,9 +88,15 @@ class Traps(Protocol):
     trap_entries: tuple[str, ...]
     trap_path: tuple[str, ...]
 
+    def kprobe_break_hook(self, regs: Mapping[str, int]) -> BreakHook | None:
+        """Which kprobes handler the kernel runs for the exception a vCPU stopped on the trap entry (``regs``)
+        is in; None: no breakpoint of kprobes' (another exception on a shared vector, or a BRK of BUG's),
+        which the kernel's own handler takes."""
+        ...
+
     def decode_trap(self, hook: TrapHook, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> Trap:
         """The trapped context of a stop on the entry (``TrapHook.ENTRY``) or at trap_watch's read (``WATCH``)."""
         ...
 
 
-__all__ = ["Trap", "TrapHook", "TrapWatch", "Traps"]
+__all__ = ["BreakHook", "Trap", "TrapHook", "TrapWatch", "Traps"]

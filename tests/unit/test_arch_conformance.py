@@ -58,5 +58,5 @@ def test_the_protocol_s_data_members_and_methods_are_both_found() -> None:
     data, methods = members(Arch)
     assert {"registers", "breakpoint", "trap_watch", *FACETS} <= data
     assert {"arch_prepare_kprobe", "resume_registers", "page_tables", "jump_label_size"} <= methods
-    assert "decode_trap" in members(Traps)[1] and "trap_entries" in members(Traps)[0]
+    assert {"decode_trap", "kprobe_break_hook"} <= members(Traps)[1] and "trap_entries" in members(Traps)[0]
     assert members(GuestRam)[0] >= {"mailbox_size", "ring_entries"} and "read_mailbox" in members(GuestRam)[1]

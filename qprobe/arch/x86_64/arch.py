@@ -17,6 +17,7 @@ from typing import cast
 from qprobe.arch import (
     ArchBlacklist,
     BootStage,
+    BreakHook,
     CycleCounter,
     ExceptionTable,
     FtraceSite,
@@ -145,10 +146,15 @@ class X86TrapStep:
 
 
 class X86Traps:
-    """The #BP entry, and the trapped context a stop there or in poke_int3_handler has."""
+    """The #BP entry, which only int3 enters, and the trapped context a stop there or in poke_int3_handler has."""
 
     trap_entries: tuple[str, ...] = TRAP_ENTRIES
     trap_path: tuple[str, ...] = TRAP_PATH
+
+    def kprobe_break_hook(self, regs: Mapping[str, int]) -> BreakHook | None:
+        """Every stop on the #BP entry is an int3, as exc_int3 is the #BP vector's alone (a fault enters at its
+        own vector); kprobe_int3_handler tells a probe's from the one after a trap-stepped copy by address."""
+        return BreakHook.KPROBE
 
     def decode_trap(self, hook: TrapHook, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> Trap:
         """The trapped context of a stop on the #BP entry or in poke_int3_handler (see int3hook)."""

@@ -35,10 +35,14 @@ from the base kprobes hooks; the core checks for None before it uses one.
    the trap-step facet (7).  ``breakpoint`` is the trap instruction
    ``arch_arm_kprobe`` writes (int3; ``brk`` on arm64); ``arch_slot_resume``
    maps a vCPU left in a slot back to the text (recovery).
-5. Traps: ``trap_entries`` say where the host hears of a breakpoint, by a
-   breakpoint on the entry (or the trap-watch facet, 8); ``decode_trap`` reads
-   where a stop came from and ``resume_registers`` writes a :class:`Resume`
-   back as gdbstub registers.  Boot: ``boot_stage``, ``arch_boot_entry``.
+5. Traps: ``traps`` (:class:`Traps`, qprobe.arch.traps): its
+   ``trap_entries`` say where the host hears of a breakpoint, by a
+   breakpoint on the entry (or the trap-watch facet, 8); its
+   ``kprobe_break_hook`` says whether a stop on the entry is a trap of
+   kprobes' (and which, :class:`BreakHook`) or another exception on a shared
+   vector (arm64's); its ``decode_trap`` reads where a stop came from.
+   ``resume_registers`` writes a :class:`Resume` back as gdbstub registers.
+   Boot: ``boot_stage``, ``arch_boot_entry``.
 6. The blacklist: ``arch_populate_kprobe_blacklist``,
    ``arch_kretprobe_blacklist``, and the sites the kernel rewrites
    (``jump_label_size``, ``static_call_size``, ``ftrace_site``).
@@ -50,7 +54,7 @@ from the base kprobes hooks; the core checks for None before it uses one.
    ``arch_resume_trap_step`` maps the ip back at that second trap.  None: the
    host single-steps every copy that runs out of line.
 8. ``trap_watch`` (:class:`TrapWatch`): a read the kernel's breakpoint handler
-   makes, watched instead of its entry (``trap_path`` leads there).  None: a
+   makes, watched instead of its entry (``traps.trap_path`` leads there).  None: a
    breakpoint on the entry.
 9. ``optprobes`` (:class:`OptProbes`): jump optimization,
    ``arch_check_optimized_kprobe``, ``arch_prepare_optimized_kprobe``,
@@ -90,6 +94,7 @@ from qprobe.arch.guestram import (
     ReturnLayout,
     RingEntry,
 )
+from qprobe.arch.traps import BreakHook, Trap, TrapHook, Traps, TrapWatch
 
 
 class ResumeKind(enum.Enum):
@@ -129,23 +134,6 @@ class BootStage(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Trap:
-    """A stop decoded as a breakpoint trap: the trapped context as it was before the breakpoint ran.
-
-    ``regs`` are the context's registers (gdbstub names); ``restore`` are the
-    ones the vCPU no longer holds (the stop came after the kernel's handler
-    began) and must get back with the resume.
-    """
-
-    addr: int
-    sp: int
-    flags: int
-    regs: Mapping[str, int]
-    restore: Mapping[str, int] = field(default_factory=dict)
-    user: bool = False
-
-
-@dataclass(frozen=True)
 class ReturnHijack:
     """Where a function's return address is at its first instruction (what arch_prepare_kretprobe replaces).
 
@@ -173,13 +161,6 @@ class Registers(Protocol):
     def __getattr__(self, name: str) -> int: ...
     def __setattr__(self, name: str, value: int) -> None: ...
     def dirty(self) -> dict[str, int]: ...
-
-
-class TrapHook(enum.Enum):
-    """Where the host hears of a guest breakpoint: a breakpoint on the entry, or a watchpoint in its handler."""
-
-    ENTRY = "entry"
-    WATCH = "watch"
 
 
 @dataclass(frozen=True)
@@ -250,23 +231,6 @@ class ArchBlacklist:
     # Functions by name that a kernel without CONFIG_KPROBES cannot list (it has no _kprobe_blacklist)
     # but that the trap path runs through: return and indirect-branch thunks and the like.
     thunks: re.Pattern[str] | None = None
-
-
-@dataclass(frozen=True)
-class TrapWatch:
-    """A data read the kernel's breakpoint handler makes for every kernel-mode trap, to watch instead of its entry.
-
-    The watched word is ``variable``'s ``member`` (of type ``type_name``), read
-    by ``handler``; ``site(code, address, watched)``, given the handler's first
-    bytes ``code`` at ``address``, says where a vCPU is when QEMU reports its
-    read of the word at ``watched``, or None if the read is not in the expected shape.
-    """
-
-    variable: str
-    type_name: str
-    member: str
-    handler: str
-    site: Callable[[bytes, int, int], frozenset[int] | None]
 
 
 @dataclass(frozen=True)
@@ -415,12 +379,8 @@ class Arch(Protocol):
     def arch_fault_fixup(self, prep: Prepared, regs: Registers, mem: Memory) -> None: ...
 
     # -- traps -------------------------------------------------------------------------
-    # Where a kernel-mode breakpoint trap enters the kernel (the first name the kernel has), and the
-    # functions it runs through before trap_watch's read.
-    trap_entries: tuple[str, ...]
-    trap_path: tuple[str, ...]
+    traps: Traps  # the trap entry, and what a stop on it is
 
-    def decode_trap(self, hook: TrapHook, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> Trap: ...
     def resume_registers(self, resume: Resume) -> dict[str, int]: ...
     def ip(self, regs: Mapping[str, int]) -> int: ...
     def boot_stage(self, regs: Mapping[str, int]) -> BootStage:
@@ -455,6 +415,7 @@ __all__ = [
     "Arch",
     "ArchBlacklist",
     "BootStage",
+    "BreakHook",
     "CycleCounter",
     "DetourParams",
     "ExceptionTable",
@@ -481,5 +442,6 @@ __all__ = [
     "TrapHook",
     "TrapStep",
     "TrapWatch",
+    "Traps",
     "Uprobes",
 ]

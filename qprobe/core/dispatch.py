@@ -6,8 +6,10 @@ handler where it has the trap's pt_regs in hand.  Every stop then goes the
 same way, as ``kprobe_int3_handler`` does in the kernel:
 
 1. ``on_entry_stop`` or ``on_watch_stop``: the stop loop's callback for the
-   hook; somebody else's trap passes through.
-2. ``arch.decode_trap`` (called there): the trapped context, as before the
+   hook; somebody else's trap passes through, and so does any other exception
+   that stops on an entry it shares with the breakpoint (arm64's one vector for
+   every synchronous exception: ``arch.traps.kprobe_break_hook`` tells them apart).
+2. ``arch.traps.decode_trap`` (called there): the trapped context, as before the
    breakpoint ran.
 3. ``_handle``: a kretprobe trampoline, a probe removed since the trap, a
    re-entered vCPU (only ``nmissed`` counts), or the probe's pre_handlers
@@ -27,7 +29,7 @@ import logging
 import time
 from collections.abc import Mapping
 
-from qprobe.arch import Arch, Resume, ResumeKind, Trap, TrapHook
+from qprobe.arch import Arch, BreakHook, Resume, ResumeKind, Trap, TrapHook
 from qprobe.core.handlers import Handlers
 from qprobe.core.kprobe import Kprobe
 from qprobe.core.point import KprobeCtlblk, KprobeStatus, ProbePoint
@@ -66,7 +68,7 @@ class Dispatcher:
         # no re-translation, a breakpoint stop does (see the arch's TrapWatch.site).
         self.watch_int3 = True
         self.watch_refs, self.watch_safe = 0, frozenset[int]()
-        self.passed_through = 0
+        self.passed_through = 0  # stops on the entry the guest's own handler took: not ours, or no breakpoint
         self.stale_int3 = 0  # traps on int3s already gone from the text, run again after a step
         self.ntraps = 0  # int3 traps dispatched (each one a VM stop)
         self.boost = True  # hits may run the copy freely (may_boost); the slots they ran stay (InsnSlots)
@@ -134,21 +136,28 @@ class Dispatcher:
 
     def arriving(self, regs: Mapping[str, int]) -> int | None:
         """If a vCPU is stopped on the #BP entry with a trap still to dispatch, the trapped address."""
-        if self.arch.ip(regs) != self.int3_entry:
+        if self.arch.ip(regs) != self.int3_entry or self.arch.traps.kprobe_break_hook(regs) is None:
             return None
-        return self.arch.decode_trap(TrapHook.ENTRY, regs, self.machine.mem.read).addr
+        return self.arch.traps.decode_trap(TrapHook.ENTRY, regs, self.machine.mem.read).addr
 
     # -- 1. and 2. the stop, decoded --------------------------------------------------------------
     def on_entry_stop(self, tid: str, regs: dict[str, int]) -> None:
-        """The breakpoint hook: the vCPU stopped on the #BP entry, the exception frame at its sp."""
-        trap = self.arch.decode_trap(TrapHook.ENTRY, regs, self.machine.mem.read)
-        if not self._ours(tid, trap):
-            # Somebody else's int3: the guest's own #BP handler has it.  A gdb breakpoint sits on
-            # the entry; stepping executes its first instruction.
-            self.passed_through += 1
-            self.machine.gdb.step(tid)
-            return
-        self._dispatch(tid, trap)
+        """The breakpoint hook: the vCPU stopped on the #BP entry, the exception frame at its sp.
+
+        Where the entry is shared with other exceptions (arm64's synchronous vector), a data abort, an
+        undefined instruction or a BRK of BUG's stops here too: no trap of ours, whatever address it
+        was taken at (a copy's fault, fixed up to the probe's address, comes back here).
+        """
+        hook = self.arch.traps.kprobe_break_hook(regs)
+        if hook is not None:
+            trap = self.arch.traps.decode_trap(TrapHook.ENTRY, regs, self.machine.mem.read)
+            if self._ours(tid, trap, hook=hook):
+                self._dispatch(tid, trap)
+                return
+        # Somebody else's trap or exception: the guest's own handler has it, its frame untouched.  A gdb
+        # breakpoint sits on the entry; stepping executes its first instruction.
+        self.passed_through += 1
+        self.machine.gdb.step(tid)
 
     def on_watch_stop(self, tid: str, regs: dict[str, int]) -> None:
         """The watchpoint hook: the vCPU is inside poke_int3_handler, the trap's pt_regs in hand.
@@ -160,7 +169,7 @@ class Dispatcher:
         """
         if self.arch.ip(regs) not in self.watch_safe:
             return
-        trap = self.arch.decode_trap(TrapHook.WATCH, regs, self.machine.mem.read)
+        trap = self.arch.traps.decode_trap(TrapHook.WATCH, regs, self.machine.mem.read)
         if self._ours(tid, trap, removed=False):
             self._dispatch(tid, trap)
         elif not trap.user and self.machine.mem.read(trap.addr, len(self.arch.breakpoint)) != self.arch.breakpoint:
@@ -199,10 +208,16 @@ class Dispatcher:
             if self.arch.ip(regs) in self.watch_safe:
                 self.on_watch_stop(tid, regs)
 
-    def _ours(self, tid: str, trap: Trap, removed: bool = True) -> bool:
-        """Whether the trap is one of our int3s (or, with ``removed``, was when the vCPU executed it)."""
+    def _ours(self, tid: str, trap: Trap, removed: bool = True, hook: BreakHook = BreakHook.KPROBE) -> bool:
+        """Whether the trap is one of our int3s (or, with ``removed``, was when the vCPU executed it).
+
+        ``hook`` is the handler the kernel would run: a single-step breakpoint is ours only at the end of
+        the trap-step its vCPU is part way into (kprobe_breakpoint_ss_handler's check).
+        """
         if trap.user:
             return False
+        if hook is BreakHook.KPROBE_SS:
+            return self._trap_step_end(tid, trap.addr)
         if self._trap_step_end(tid, trap.addr):
             return True
         point = self.table.points.get(trap.addr)

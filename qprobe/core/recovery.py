@@ -107,7 +107,7 @@ class _Recovery:
             self.gdb.step(tid)
             regs = self.gdb.read_registers(tid)
         if arch.ip(regs) in self.watch_safe:
-            trap = arch.decode_trap(TrapHook.WATCH, regs, self.mem.read)
+            trap = arch.traps.decode_trap(TrapHook.WATCH, regs, self.mem.read)
             slot = None if trap.user else self.from_slot(trap.addr, trap.flags)
             if not trap.user and (trap.addr in self.int3s or slot is not None):
                 # On the int3 itself, or on the one after a trap-step's copy: the copy ran, so on past it.
@@ -124,7 +124,7 @@ class _Recovery:
         pc, sp = arch.ip(regs), arch.sp(regs)
         frame = sp - arch.ret_pops  # a return's, had it just returned into a trampoline
         if pc == self.entry:
-            trap = arch.decode_trap(TrapHook.ENTRY, regs, self.mem.read)
+            trap = arch.traps.decode_trap(TrapHook.ENTRY, regs, self.mem.read)
             slot = self.from_slot(trap.addr, trap.flags)
             if trap.addr in self.int3s or slot is not None:
                 ip, flags = slot or (trap.addr, trap.flags)

@@ -20,15 +20,15 @@ _INIT_STACK_SPANS = (("__start_init_stack", "__end_init_stack"), ("__start_init_
 
 def trap_entry(symbols: Symbols, arch: Arch) -> int:
     """Where a breakpoint trap from kernel mode enters the kernel (the first of the arch's entries it has)."""
-    for name in arch.trap_entries:
+    for name in arch.traps.trap_entries:
         if name in symbols:
             return symbols.address(name)
-    raise SymbolError(f"this kernel has no breakpoint entry qprobe knows ({' or '.join(arch.trap_entries)})")
+    raise SymbolError(f"this kernel has no breakpoint entry qprobe knows ({' or '.join(arch.traps.trap_entries)})")
 
 
 def trap_path(symbols: Symbols, arch: Arch) -> list[tuple[int, int]]:
     """[start, end) of each function a trap passes through before the watchpoint hook hears of it."""
-    return [(f.addr, f.addr + f.size) for f in map(symbols.lookup, (n for n in arch.trap_path if n in symbols))]
+    return [(f.addr, f.addr + f.size) for f in map(symbols.lookup, (n for n in arch.traps.trap_path if n in symbols))]
 
 
 def find_watch_site(kernel: KernelData, arch: Arch) -> tuple[int, frozenset[int]] | None:

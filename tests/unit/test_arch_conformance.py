@@ -1,5 +1,5 @@
 """Every registered architecture has every member of the Arch protocol, each method with Arch's parameters,
-and so has each optional facet it provides (OptProbes, GuestRam, TrapStep, Uprobes).
+and so has each optional facet it provides (OptProbes, GuestRam, TrapStep, Uprobes) and its Traps.
 
 make lint's mypy check is the full one (types included); this is its quick
 counterpart in the unit tests, so that a missing or reshaped member also fails
@@ -12,11 +12,12 @@ import inspect
 
 import pytest
 
-from qprobe.arch import Arch, GuestRam, OptProbes, TrapStep, Uprobes
+from qprobe.arch import Arch, GuestRam, OptProbes, Traps, TrapStep, Uprobes
 from qprobe.arch.select import ARCHES
 
-# Arch's attribute -> the protocol of the facet it holds (or None).
-FACETS: dict[str, type] = {"optprobes": OptProbes, "guest_ram": GuestRam, "trap_step": TrapStep, "uprobes": Uprobes}
+# Arch's attribute -> the protocol of the facet it holds (or None; ``traps`` is never None).
+FACETS: dict[str, type] = {"optprobes": OptProbes, "guest_ram": GuestRam, "trap_step": TrapStep, "uprobes": Uprobes,
+                           "traps": Traps}  # fmt: skip
 
 
 def members(protocol: type) -> tuple[set[str], set[str]]:
@@ -56,5 +57,6 @@ def test_the_protocol_s_data_members_and_methods_are_both_found() -> None:
     """The introspection the check relies on sees attributes (annotations) and methods (functions) alike."""
     data, methods = members(Arch)
     assert {"registers", "breakpoint", "trap_watch", *FACETS} <= data
-    assert {"arch_prepare_kprobe", "decode_trap", "page_tables", "jump_label_size"} <= methods
+    assert {"arch_prepare_kprobe", "resume_registers", "page_tables", "jump_label_size"} <= methods
+    assert {"decode_trap", "kprobe_break_hook"} <= members(Traps)[1] and "trap_entries" in members(Traps)[0]
     assert members(GuestRam)[0] >= {"mailbox_size", "ring_entries"} and "read_mailbox" in members(GuestRam)[1]

@@ -17,6 +17,7 @@ from typing import cast
 from qprobe.arch import (
     ArchBlacklist,
     BootStage,
+    BreakHook,
     CycleCounter,
     ExceptionTable,
     FtraceSite,
@@ -31,6 +32,7 @@ from qprobe.arch import (
     ReturnHijack,
     Trap,
     TrapHook,
+    Traps,
     TrapStep,
     TrapWatch,
     Uprobes,
@@ -143,6 +145,27 @@ class X86TrapStep:
         resume_trap_step(_insn(prep), _regs(regs))
 
 
+class X86Traps:
+    """The #BP entry, which only int3 enters, and the trapped context a stop there or in poke_int3_handler has."""
+
+    trap_entries: tuple[str, ...] = TRAP_ENTRIES
+    trap_path: tuple[str, ...] = TRAP_PATH
+
+    def kprobe_break_hook(self, regs: Mapping[str, int]) -> BreakHook | None:
+        """Every stop on the #BP entry is an int3, as exc_int3 is the #BP vector's alone (a fault enters at its
+        own vector); kprobe_int3_handler tells a probe's from the one after a trap-stepped copy by address."""
+        return BreakHook.KPROBE
+
+    def decode_trap(self, hook: TrapHook, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> Trap:
+        """The trapped context of a stop on the #BP entry or in poke_int3_handler (see int3hook)."""
+        if hook is TrapHook.ENTRY:
+            frame = parse_hw_frame(read(regs["rsp"], HW_FRAME_SIZE))
+            return Trap(frame["rip"] - 1, frame["rsp"], frame["eflags"], regs, user=bool(frame["cs"] & 3))
+        pt = parse_pt_regs(read(regs["rdi"], PT_REGS_SIZE))
+        gprs = {name: pt[name] for name in PT_GPRS}
+        return Trap(pt["rip"] - 1, pt["rsp"], pt["eflags"], {**regs, **gprs}, gprs, user=bool(pt["cs"] & 3))
+
+
 class X86_64:
     """The x86_64 implementation of :class:`qprobe.arch.Arch`."""
 
@@ -162,8 +185,7 @@ class X86_64:
     # Annotated as Arch declares them: a protocol's attributes are settable, so their types must match.
     ftrace_site: FtraceSite | None = FtraceSite("__fentry__", CALL_INSN_SIZE, call_target)
     drgn_architecture = "X86_64"
-    trap_entries: tuple[str, ...] = TRAP_ENTRIES
-    trap_path: tuple[str, ...] = TRAP_PATH
+    traps: Traps = X86Traps()
     # Every optional facet: x86 has them all.
     trap_step: TrapStep | None = X86TrapStep()
     trap_watch: TrapWatch | None = TRAP_WATCH
@@ -266,15 +288,6 @@ class X86_64:
                 return
 
     # -- traps -------------------------------------------------------------------------------
-    def decode_trap(self, hook: TrapHook, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> Trap:
-        """The trapped context of a stop on the #BP entry or in poke_int3_handler (see int3hook)."""
-        if hook is TrapHook.ENTRY:
-            frame = parse_hw_frame(read(regs["rsp"], HW_FRAME_SIZE))
-            return Trap(frame["rip"] - 1, frame["rsp"], frame["eflags"], regs, user=bool(frame["cs"] & 3))
-        pt = parse_pt_regs(read(regs["rdi"], PT_REGS_SIZE))
-        gprs = {name: pt[name] for name in PT_GPRS}
-        return Trap(pt["rip"] - 1, pt["rsp"], pt["eflags"], {**regs, **gprs}, gprs, user=bool(pt["cs"] & 3))
-
     def resume_registers(self, resume: Resume) -> dict[str, int]:
         out = dict(resume.changed)
         if resume.sp is not None:

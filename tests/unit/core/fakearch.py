@@ -2,10 +2,16 @@
 
 ``Toy`` implements qprobe.arch's ``Arch`` for a made-up ISA of fixed 4-byte
 instructions (as arm64's), whose breakpoint is 4 bytes too: nothing in the
-core may assume x86's one-byte int3 or its register names.  Its trap entry is
-arm64-like: the vCPU stops on the exception entry with the trapped pc in
-``elr`` and its flags in ``spsr``; and a function returns through its link
-register ``lr``, as on arm64, so nothing may assume a return address on the stack.
+core may assume x86's one-byte int3 or its register names.  Its exceptions are
+arm64's: every one (a BRK, a fault on memory that is not mapped, an undefined
+instruction) enters the one vector ``ENTRY`` (arm64's ``el1h_64_sync``), with
+the trapped pc in ``elr``, its flags in ``spsr`` and the syndrome in ``esr``
+(ESR_EL1's exception class in bits 31:26, a BRK's immediate in the low 16
+bits), so nothing may take every stop on the trap entry for a breakpoint.
+kprobes' BRKs have their own immediates (a probe's and the one after a
+trap-stepped copy), and the toy kernel has BRKs of its own (BUG's).  A
+function returns through its link register ``lr``, as on arm64, so nothing
+may assume a return address on the stack.
 
 ``ToyCpu`` is the gdbstub client (qprobe.vmm.transport.GdbTransport) of
 vCPUs that really execute the toy ISA on a ``ToyMemory``: one bytearray of
@@ -22,8 +28,8 @@ op    name       what it does
 0x04  RET        pc = lr, the link register, as arm64's (cannot be probed)
 0x05  JMPL       pc = the u64 after it (cannot be probed)
 0x06  BTI        a function's landing pad (probes go past it, as ENDBR)
-0xBB  BRK        the breakpoint: an exception to ENTRY
-0x00  (invalid)  cannot be probed
+0xBB  BRK imm    the breakpoint: an exception to ENTRY, ``imm`` (16 bits) in ``esr``
+0x00  (invalid)  an undefined-instruction exception to ENTRY; cannot be probed
 ====  =========  =====================================================
 """
 
@@ -39,6 +45,7 @@ from typing import Any
 from qprobe.arch import (
     ArchBlacklist,
     BootStage,
+    BreakHook,
     MailboxRequest,
     Memory,
     PercpuLayout,
@@ -63,8 +70,11 @@ from qprobe.vmm.machine import Machine
 from qprobe.vmm.memory import MemoryFault
 from qprobe.vmm.rsp import StopReply
 
-NOP, ADDI, LDR, RET, JMPL, BTI, BRK_OP = 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0xBB
-BRK = bytes([BRK_OP, 0, 0, 0])
+NOP, ADDI, LDR, RET, JMPL, BTI, BRK_OP, UNDEF = 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0xBB, 0x00
+# BRK immediates, arm64's (arch/arm64/include/asm/brk-imm.h): kprobes' two, and BUG()'s.
+KPROBES_BRK_IMM, KPROBES_BRK_SS_IMM, BUG_BRK_IMM = 0x004, 0x006, 0x800
+# The syndrome: esr's exception class (ESR_ELx_EC_*) and the BRK immediate's mask (ESR_ELx_BRK64_ISS_COMMENT_MASK).
+EC_UNKNOWN, EC_DABT_LOW, EC_DABT_CUR, EC_BRK64, EC_SHIFT, BRK_IMM_MASK = 0x00, 0x24, 0x25, 0x3C, 26, 0xFFFF
 IRQ = 0x80  # the flags bit set while interrupts are enabled
 USER = 0x01  # the flags bit set in user mode
 STATE_REQUEST, STATE_DONE = 1, 2  # a mailbox's state word
@@ -76,12 +86,15 @@ SCRATCH, SCRATCH_PHYS, SCRATCH_SIZE = 0xFFFF_A000_0000_0000, 0x20000, 0x40000
 STACK, STACK_PHYS, STACK_SIZE = 0xFFFF_C000_0000_0000, 0x80000, 0x10000
 USER_PHYS, PAGE = 0xA0000, 0x1000  # frames for user pages: [USER_PHYS, RAM_SIZE)
 RAM_SIZE = 0x100000
-ENTRY = TEXT + 0x100  # the breakpoint exception's entry (its symbol: int3_entry's name)
-FAULT_ENTRY = TEXT + 0x180  # where an access to memory that is not mapped enters the kernel
+ENTRY = TEXT + 0x100  # the one vector every exception enters (its symbol: ToyTraps.trap_entries')
 
 
 def insn(op: int, imm: int = 0) -> bytes:
     return bytes([op]) + (imm & 0xFFFFFF).to_bytes(3, "little")
+
+
+BRK = insn(BRK_OP, KPROBES_BRK_IMM)  # a probe's breakpoint (and a return trampoline's)
+BRK_SS = insn(BRK_OP, KPROBES_BRK_SS_IMM)  # the breakpoint after a trap-stepped copy
 
 
 # -- the architecture -------------------------------------------------------------------
@@ -244,6 +257,25 @@ class ToyGuestRam:
         return tuple(out)
 
 
+class ToyTraps:
+    """The toy's one vector (arm64's el1h_64_sync), where every exception stops: its syndrome says which."""
+
+    trap_entries = ("toy_el1h_sync",)
+    trap_path: tuple[str, ...] = ()
+
+    def kprobe_break_hook(self, regs: Mapping[str, int]) -> BreakHook | None:
+        """arm64's call_break_hook for kprobes' two immediates: any other exception, or a BRK of another
+        immediate, is the toy kernel's."""
+        esr = regs["esr"]
+        if esr >> EC_SHIFT != EC_BRK64:
+            return None
+        return {KPROBES_BRK_IMM: BreakHook.KPROBE, KPROBES_BRK_SS_IMM: BreakHook.KPROBE_SS}.get(esr & BRK_IMM_MASK)
+
+    def decode_trap(self, hook: TrapHook, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> Trap:
+        addr, flags = regs["elr"], regs["spsr"]
+        return Trap(addr, regs["sp"], flags, {**regs, "pc": addr, "psr": flags}, user=bool(flags & USER))
+
+
 class Toy:
     """The toy ISA's answers to everything the core asks (qprobe.arch.Arch): no jump optimization."""
 
@@ -262,6 +294,7 @@ class Toy:
             "lr": "lr",
             "elr": "elr",
         },
+        system=("esr",),  # the syndrome kprobe_break_hook reads, as arm64's ESR_EL1
         arg_regs=("r0", "r1", "r2", "r3"),
         defaults={},
         general=("r0", "r1", "r2", "r3"),
@@ -277,8 +310,7 @@ class Toy:
     drgn_architecture = "UNKNOWN"
     kprobe_ip_offset = 0  # the trapped pc is the probe's own, as on arm64
     ftrace_site = None  # the toy kernel has no ftrace
-    trap_entries = ("toy_brk_entry",)
-    trap_path: tuple[str, ...] = ()
+    traps = ToyTraps()
     # The facets: the toy has no jump optimization, so every probe stays a breakpoint.
     trap_step: ToyTrapStep | None = ToyTrapStep()
     trap_watch = None  # no watchpoint hook: the dispatcher breaks on the entry
@@ -322,7 +354,7 @@ class Toy:
 
     def arch_slot_code(self, prep: Prepared) -> bytes:
         boosted = prep.copy + insn(JMPL) + (prep.addr + 4).to_bytes(8, "little")
-        return boosted + prep.copy + BRK
+        return boosted + prep.copy + BRK_SS
 
     def arch_setup_resume(self, prep: Prepared, regs: Any, mem: Memory, may_boost: bool,
                           may_trap_step: bool) -> Resume:  # fmt: skip
@@ -353,10 +385,6 @@ class Toy:
             regs.elr = prep.addr + regs.elr - copy
 
     # -- traps ---------------------------------------------------------------------------
-    def decode_trap(self, hook: TrapHook, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> Trap:
-        addr, flags = regs["elr"], regs["spsr"]
-        return Trap(addr, regs["sp"], flags, {**regs, "pc": addr, "psr": flags}, user=bool(flags & USER))
-
     def resume_registers(self, resume: Resume) -> dict[str, int]:
         out = {"pc": resume.ip}
         if resume.sp is not None:
@@ -474,8 +502,8 @@ class ToyCpu:
     def __init__(self, mem: ToyMemory, ncpus: int = 2) -> None:
         self.mem = mem
         self.regs = {f"p1.{i + 1}": {"pc": TEXT, "sp": STACK + STACK_SIZE - 0x100, "psr": IRQ, "r0": 0, "r1": 0,
-                                     "r2": 0, "r3": 0, "lr": 0, "elr": 0, "spsr": 0, "ttbr": 0, "tpidr": 0,
-                                     "cur": 0}
+                                     "r2": 0, "r3": 0, "lr": 0, "elr": 0, "spsr": 0, "esr": 0, "ttbr": 0,
+                                     "tpidr": 0, "cur": 0}
                      for i in range(ncpus)}  # fmt: skip
         self.breakpoints: list[tuple[int, int, int]] = []  # (addr, kind, length) as inserted
         self.steps: list[tuple[str, int]] = []  # (vCPU, pc) of every step
@@ -523,22 +551,30 @@ class ToyCpu:
         return StopReply("T", 5, tid, ())
 
     def execute(self, tid: str) -> None:
-        """Run one instruction of ``tid`` (a breakpoint enters the exception at ENTRY; an access to memory
-        that is not mapped enters it at FAULT_ENTRY, the instruction not run, its address in ``elr``)."""
+        """Run one instruction of ``tid``.  An exception (a BRK, an undefined instruction, an access to memory
+        that is not mapped: the instruction not run) enters ENTRY, its address in ``elr``, its kind in ``esr``."""
         regs = self.regs[tid]
         pgd = regs["ttbr"] if regs["psr"] & USER else 0
         try:
             self._execute(tid, dict(regs), pgd)  # on a copy: a faulting instruction changes nothing
         except MemoryFault:
-            regs.update(elr=regs["pc"], spsr=regs["psr"], pc=FAULT_ENTRY, psr=regs["psr"] & ~(USER | IRQ))
+            self.exception(regs, (EC_DABT_LOW if regs["psr"] & USER else EC_DABT_CUR) << EC_SHIFT)
             return
         self._execute(tid, regs, pgd)
+
+    @staticmethod
+    def exception(regs: dict[str, int], esr: int) -> None:
+        """Take an exception with syndrome ``esr`` at the instruction at pc: to the vector, interrupts off."""
+        regs.update(elr=regs["pc"], spsr=regs["psr"], esr=esr, pc=ENTRY, psr=regs["psr"] & ~(USER | IRQ))
 
     def _execute(self, tid: str, regs: dict[str, int], pgd: int) -> None:
         pc = regs["pc"]
         op, imm = self.mem.read(pc, 1, pgd)[0], int.from_bytes(self.mem.read(pc + 1, 3, pgd), "little")
         if op == BRK_OP:
-            regs.update(elr=pc, spsr=regs["psr"], pc=ENTRY, psr=regs["psr"] & ~IRQ)
+            self.exception(regs, EC_BRK64 << EC_SHIFT | imm & BRK_IMM_MASK)
+            return
+        if op == UNDEF:
+            self.exception(regs, EC_UNKNOWN << EC_SHIFT)
             return
         if op == ADDI:
             regs["r0"] = (regs["r0"] + imm) & ((1 << 64) - 1)
@@ -800,8 +836,8 @@ class ToyTarget:
         self.cpu = ToyCpu(self.mem, ncpus)
         self.machine = ToyMachine(self.cpu, self.mem)
         self.symbols = ToySymbols()
-        # The names kernel.features looks the #BP entry up by (x86's, until the trap-hook site is the arch's).
-        self.symbols.markers.update({"toy_brk_entry": ENTRY, "__entry_text_start": TEXT + 0x100,
+        # The vector kernel.features finds by ToyTraps.trap_entries, and the entry text it is in.
+        self.symbols.markers.update({"toy_el1h_sync": ENTRY, "__entry_text_start": TEXT + 0x100,
                                      "__entry_text_end": TEXT + 0x200})  # fmt: skip
         self.kernel = ToyKernel(self.symbols, self.mem)
         self.scratch = ToyScratch(self.machine)
@@ -829,7 +865,8 @@ class ToyStackReturn(Toy):
 class Rig:
     """A toy target with a KprobeManager on it, the functions the tests probe, and a way to run its vCPUs.
 
-    The toy kernel has no ``bp_desc``, so the dispatcher hooks traps with a breakpoint on ENTRY.
+    The toy kernel has no ``bp_desc``, so the dispatcher hooks traps with a breakpoint on ENTRY, where every
+    exception stops.
     Its functions return through ``lr``, or with ``stack_return`` through a return address on the stack.
     """
 
@@ -860,7 +897,7 @@ class Rig:
         self.step(tid)
 
     def step(self, tid: str) -> None:
-        """Execute one instruction of ``tid``; a breakpoint goes to the dispatcher as the stop loop sends it."""
+        """Execute one instruction of ``tid``; an exception goes to the dispatcher as the stop loop sends it."""
         self.t.cpu.execute(tid)
         regs = self.t.regs(tid)
         if regs["pc"] == ENTRY:

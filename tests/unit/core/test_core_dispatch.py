@@ -17,6 +17,7 @@ import pytest
 from core_fakes import ARCH, FlatMem, flat_regs
 from vmm_fakes import QemuStub, g_offsets
 
+from qprobe.arch import BreakHook
 from qprobe.arch.x86_64.ptregs import PT_REGS_ORDER
 from qprobe.core.dispatch import Dispatcher
 from qprobe.core.handlers import Handlers
@@ -299,6 +300,13 @@ def test_somebody_elses_int3_passes_through_to_the_guest(rig: Rig) -> None:
     rig.dispatcher.on_entry_stop(rig.dispatcher.machine.vcpus[0], rig.trap(PROBE + 0x100))
     assert rig.dispatcher.passed_through == 1 and rig.dispatcher.ntraps == 0
     assert not rig.writes() and len(rig.stub.sent(b"vCont;s")) == 1  # off the breakpoint on the entry
+
+
+def test_every_stop_on_the_int3_entry_is_for_kprobe_int3_handler(rig: Rig) -> None:
+    # exc_int3 is the #BP vector's alone (a fault enters at a vector of its own): x86 reads no syndrome, and
+    # tells its probes' int3s from the one after a trap-stepped copy, and from others', by address.
+    assert ARCH.traps.kprobe_break_hook(rig.trap()) is BreakHook.KPROBE
+    assert ARCH.traps.kprobe_break_hook(rig.trap(PROBE + 0x100, cs=0x33)) is BreakHook.KPROBE
 
 
 def test_a_user_mode_int3_is_never_ours(rig: Rig) -> None:

@@ -14,9 +14,9 @@ import pytest
 from fakearch import (
     ADDI,
     BRK,
+    BRK_SS,
     BTI,
     ENTRY,
-    FAULT_ENTRY,
     IRQ,
     JMPL,
     NOP,
@@ -68,7 +68,8 @@ def test_register_writes_the_breakpoint_and_unregister_puts_the_text_back(rig: R
     slot = rig.km.points[addr].prep.slot_addr
     # The out-of-line copies: boosted (a jump back after it), and trap-stepped (a breakpoint after it).
     assert (
-        rig.t.mem.read(slot, 24) == insn(ADDI, 5) + insn(JMPL) + (addr + 4).to_bytes(8, "little") + insn(ADDI, 5) + BRK
+        rig.t.mem.read(slot, 24)
+        == insn(ADDI, 5) + insn(JMPL) + (addr + 4).to_bytes(8, "little") + insn(ADDI, 5) + BRK_SS
     )
     assert list_probes(rig.km) == f"{addr:016x}  k  toy_fn+0x8\n"
 
@@ -378,7 +379,7 @@ def test_a_stepped_copy_that_faults_is_seen_by_the_guest_at_the_probe_address(ri
     rig.run(A, rig.load, sp=0xFFFF_9000_0000_0000)  # the LDR reads [sp], which is not mapped
     regs = rig.t.regs(A)
     assert rig.t.cpu.steps == [(A, rig.km.points[rig.load].prep.slot_addr + STEP_COPY)]
-    assert (regs["pc"], regs["elr"]) == (FAULT_ENTRY, rig.load)
+    assert (regs["pc"], regs["elr"]) == (ENTRY, rig.load)
     assert (kp.nhit, kp.nfaults, len(faults)) == (1, 1, 1) and "faulted" in faults[0]
 
 

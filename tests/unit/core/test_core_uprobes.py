@@ -17,7 +17,6 @@ from fakearch import (
     ADDI,
     BRK,
     ENTRY,
-    FAULT_ENTRY,
     IRQ,
     LDR,
     NOP,
@@ -355,7 +354,7 @@ def test_a_stop_on_a_page_that_is_not_present_is_no_hit(s: Setup) -> None:
     s.um.register_uprobe(up)
     # QEMU stops on the breakpoint before the fetch; the fetch faults into the kernel.
     after = s.stop(p, BASE + FUNC, r0=1)
-    assert up.nhit == 0 and after["pc"] == FAULT_ENTRY and after["r0"] == 1 and s.um.restarts == set()
+    assert up.nhit == 0 and after["pc"] == ENTRY and after["r0"] == 1 and s.um.restarts == set()
     s.world.fault_in(p, BASE + FUNC)  # the kernel maps the page and returns to the instruction
     after = s.stop(p, BASE + FUNC, r0=1)
     assert up.nhit == 1 and after["r0"] == 2 and after["pc"] == BASE + FUNC + 4
@@ -368,7 +367,7 @@ def test_a_probed_instruction_whose_step_faults_runs_again_without_a_second_hit(
     s.um.register_uprobe(up)
     sp = 0x1000_0000  # LDR reads [sp]: not present yet
     after = s.stop(p, BASE + LOAD, sp=sp)
-    assert up.nhit == 1 and after["pc"] == FAULT_ENTRY and s.um.restarts == {(p.root, BASE + LOAD, sp)}
+    assert up.nhit == 1 and after["pc"] == ENTRY and s.um.restarts == {(p.root, BASE + LOAD, sp)}
     s.rig.t.mem.map_user(p.root, sp, s.world.frame((0x1234).to_bytes(8, "little")))  # the kernel's fault handling
     after = s.stop(p, BASE + LOAD, sp=sp)  # the same instruction again, from the fault's return
     assert up.nhit == 1 and after["r1"] == 0x1234 and after["pc"] == BASE + LOAD + 4 and s.um.restarts == set()

@@ -86,9 +86,10 @@ def _guest_hits(target: qprobe.Target, path: str, offset: int) -> int:
                f"&& echo 1 > {TRACING}/events/uprobes/qifunc/enable").check()  # fmt: skip
     try:
         pid = _pid(target.run(COMMAND).check().output)
+        target.run(f"echo 0 > {TRACING}/events/uprobes/enable").check()
+        trace = target.run(f"cat {TRACING}/trace").check().output  # before the removal: it clears the buffer
     finally:
         target.run(f"echo 0 > {TRACING}/events/uprobes/enable; echo > {events}")
-    trace = target.run(f"cat {TRACING}/trace").check().output
     return len(re.findall(rf"^\s*\S+-{pid}\s+\[\d+\] .*: qifunc: \(", trace, re.M))
 
 

@@ -83,6 +83,8 @@ def _arm_traced(target: Target, definitions: list[str | ProbeEvent], trace: _Tra
         target.timeline.push(hit.order, lambda: trace.show(hit))
 
     lines = in_order if trace.agg is None else None
+    if lines is not None and trace.flush not in target.timeline.flushers:
+        target.timeline.flushers.append(trace.flush)
     flt = None if trace.cpid_filter else trace.filter
     definitions = _user_forms(target, definitions, trace.args.quiet)
     anywhere = trace.args.anywhere if anywhere is None else anywhere

@@ -73,5 +73,13 @@ class HitClock:
         host = time.monotonic() - self.t0
         return host, host
 
+    def record_time(self, cycles: int, vcpu: int) -> tuple[float, float]:
+        """``hit_time`` of a ring record the detour on vCPU number ``vcpu`` timed ``cycles`` (no pt_regs made)."""
+        if self._guest:
+            tsc = self._order.exact(cycles, vcpu, at_once=False)
+            return self.trace_clock.ns(tsc, vcpu) / NSEC_PER_SEC, tsc / self._tsc_hz
+        host = time.monotonic() - self.t0
+        return host, host
+
 
 __all__ = ["HitClock"]

@@ -188,13 +188,17 @@ class TraceEvent:
             body=body, irqs_off=not regs.flags & host.arch.registers.irq_flag, numbers=self.numbers,
             strings=self.strings,
         )  # fmt: skip
+        self._emit(hit)
+
+    def _emit(self, hit: EventHit) -> None:
+        """A hit made: filtered, counted, kept in the guest's order, and handed to the callback."""
         if self.filter is not None and not self.filter(
             {**hit.args, "common_pid": hit.pid, "pid": hit.pid, "comm": hit.comm, "cpu": hit.cpu}
         ):
             self.host_filtered += 1
             return
         self.nhit += 1
-        host.timeline.push(hit.order, lambda: self._keep(hit), hit)  # its time, as the guest's clock prints
+        self.host.timeline.push(hit.order, lambda: self._keep(hit), hit)  # its time, as the guest's clock prints
         if self.callback is not None:
             self.callback(hit)  # at the hit, like a kernel handler; printers order through the timeline
 

@@ -14,10 +14,13 @@ from typing import TYPE_CHECKING, Protocol
 
 from qprobe.core.kprobe import Kprobe, Kretprobe, KretprobeInstance
 from qprobe.errors import QprobeError
-from qprobe.events.context import HostContext
+from qprobe.events.context import HostContext, RecordContext, symbol_lookup
 from qprobe.events.event import TraceEvent
+from qprobe.events.hit import EventHit
 from qprobe.events.inguest import guest_filter, guest_key, in_guest
+from qprobe.events.recordfmt import arg_text
 from qprobe.events.registry import EventHost
+from qprobe.fetch import print_ip_sym
 from qprobe.fetch.context import U64_MASK
 from qprobe.fetch.expr import Arg, Deref
 
@@ -148,7 +151,7 @@ class KprobeEvent(TraceEvent):
         self.in_guest = False
         if in_guest(ev, layout) and not self.anywhere:  # a stub breakpoint is never jump-optimized
             self.in_guest = True
-            kp.recorder = self._guest_record
+            kp.recorder = self._guest_records
             if self.filter is not None:
                 # Rejected in the detour, before the ring; the host filter still runs (the int3 path).
                 kp.guest_filter = guest_filter(ev, self.filter, layout)
@@ -208,7 +211,7 @@ class KprobeEvent(TraceEvent):
 
     def use_host_handler(self, on: bool) -> None:
         if isinstance(self.probe, Kprobe) and self.in_guest:
-            self.probe.recorder = None if on else self._guest_record
+            self.probe.recorder = None if on else self._guest_records
             self.backend.resync(self.probe)
 
     def count_in_guest(self, keys: Sequence[str], value: str | None = None, hist: bool = False) -> bool:
@@ -274,11 +277,40 @@ class KprobeEvent(TraceEvent):
             out[key] = slot if old is None else old.merge(slot)
         return out
 
-    def _guest_record(self, rec: GuestRecord) -> None:
-        """The same hit, recorded in the guest by an optimized probe's detour and drained from its ring."""
-        regs = self.backend.make_regs(rec.values, rec.cpu)
+    def _guest_records(self, records: list[GuestRecord]) -> None:
+        """The same hits, recorded in the guest by an optimized probe's detour: a run drained from its ring.
+
+        The line ``_record`` would make for each, from what the run shares found once (the probe's
+        symbol and place, how each argument reads a record) and each record's registers read where they are.
+        """
         assert isinstance(self.probe, Kprobe)
-        self._record(regs, self.probe.at, None, None, task=(rec.pid, rec.comm))
+        host, ev, ip = self.host, self.definition, self.probe.at
+        layout = host.arch.registers
+        symbol = self._symbolize(ip)
+        head = f"({print_ip_sym(ip, symbol_lookup(host), True, self._return_trampoline())})"
+        fetch_ip, orig_ax, task_size_max = (
+            self._fetch_ip(ip, None),
+            self._orig_ax(None),
+            host.mem.paging.task_size_max(),
+        )
+        make_regs = self.backend.make_regs
+
+        def context(rec: GuestRecord) -> RecordContext:
+            return RecordContext(host, rec, layout, fetch_ip, orig_ax, task_size_max, make_regs)
+
+        texts_of = [arg_text(a, layout, context) for a in ev.args]
+        names = [a.name for a in ev.args]
+        labels = [f" {n}=" for n in names]
+        flags, irq_flag = layout.gdb_name[layout.flags], layout.irq_flag
+        record_time, numbers, strings, event = host.clock.record_time, self.numbers, self.strings, ev.event
+        with host.timeline.batch():  # one hand-on for the run, its callbacks' pushes included
+            for rec in records:
+                texts = [text(rec) for text in texts_of]
+                ts, order = record_time(rec.values["cycles"], rec.cpu)
+                args = dict(zip(names, texts, strict=True))
+                body = head + "".join([label + t for label, t in zip(labels, texts, strict=True)])
+                self._emit(EventHit(event, rec.cpu, rec.pid, rec.comm, ts, ip, symbol, args, body,
+                                    not rec.values[flags] & irq_flag, None, numbers, strings, order))  # fmt: skip
 
     def _kretprobe_entry(self, ri: KretprobeInstance, regs: PtRegs) -> int:
         """``store_trace_entry_data``: the arguments a return probe's ``$argN`` fetch, saved at the entry."""

@@ -62,6 +62,7 @@ class HitTimes(Protocol):
     """When a hit happened (qprobe.events.clock.HitClock)."""
 
     def hit_time(self, regs: PtRegs, recorded: bool = False) -> tuple[float, float]: ...
+    def record_time(self, cycles: int, vcpu: int) -> tuple[float, float]: ...  # a ring record's, its regs unmade
 
 
 class ModuleWatch(Protocol):

@@ -1,0 +1,121 @@
+"""Ring records made hits in bulk (KprobeEvent's recorder): the same hits, line for line, as the path that
+builds each hit's pt_regs and evaluates its definition generically (the int3 path's, and the rings' before)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from qprobe.arch.x86_64.arch import X86_64
+from qprobe.arch.x86_64.ptregs import STUB_FRAME_REGS, X86_EFLAGS_IF
+from qprobe.core.kprobe import GuestRecord, Kprobe
+from qprobe.core.regs import PtRegs
+from qprobe.events import EventHit, KprobeEvent
+from qprobe.events.timeline import Timeline
+from qprobe.fetch import ProbeEvent, parse_event
+
+ARCH = X86_64()
+FUNC, SIZE = 0xFFFF_FFFF_8120_0000, 0xA0
+PROBE = FUNC + 4
+
+
+class Symbols:
+    def containing(self, addr: int) -> SimpleNamespace | None:
+        return SimpleNamespace(name="ksys_read", addr=FUNC) if FUNC <= addr < FUNC + SIZE else None
+
+    def kallsyms_size(self, sym: object) -> int:
+        return SIZE
+
+    def symbolize(self, addr: int) -> str:
+        return f"ksys_read+{addr - FUNC:#x}" if FUNC <= addr < FUNC + SIZE else f"{addr:#x}"
+
+    def address(self, name: str) -> int:
+        raise KeyError(name)
+
+
+class Clock:
+    """A ring record's time is its TSC's, whichever way it is asked."""
+
+    def hit_time(self, regs: PtRegs, recorded: bool = False) -> tuple[float, float]:
+        assert recorded and regs.cycles is not None
+        return self.record_time(regs.cycles, regs.vcpu)
+
+    def record_time(self, cycles: int, vcpu: int) -> tuple[float, float]:
+        return cycles / 1e9 + vcpu, cycles / 1e9
+
+
+MEM = SimpleNamespace(pgd=0x1000, pgd_of=lambda root: root, paging=SimpleNamespace(task_size_max=lambda: 1 << 47))
+
+
+class Backend:
+    trampoline = None
+
+    def make_regs(self, values: dict[str, int], cpu: int) -> PtRegs:
+        return PtRegs(dict(values), f"1.{cpu + 1}", cpu, MEM, layout=ARCH.registers)  # type: ignore[arg-type]
+
+
+def event(definition: str) -> KprobeEvent:
+    host = SimpleNamespace(arch=ARCH, symbols=Symbols(), timeline=Timeline(), mem=MEM, clock=Clock(),
+                           kprobe_backend=Backend())  # fmt: skip
+    ev = parse_event(definition, symbol_exists=lambda name: True)
+    assert isinstance(ev, ProbeEvent)
+    te = KprobeEvent(host, ev)  # type: ignore[arg-type]
+    te.make_probe()
+    assert isinstance(te.probe, Kprobe)
+    te.probe.at = te.probe.resolved = PROBE
+    return te
+
+
+def records() -> list[GuestRecord]:
+    """Records as RecordRings hands them on: the frame's registers, the probe's ip and the TSC."""
+    out = []
+    for n, (word, flags) in enumerate([(0, X86_EFLAGS_IF), (2**64 - 3, 0), (0x1_2345_6789_ABCD, X86_EFLAGS_IF),
+                                       (FUNC + 0x10, 0x2), (0x80, X86_EFLAGS_IF)]):  # fmt: skip
+        values = {name: (word + i) % 2**64 for i, name in enumerate(STUB_FRAME_REGS)}
+        values.update(eflags=flags, rip=PROBE, cycles=1000 * n + 7)
+        out.append(GuestRecord(values, n % 2, 100 + n, ["workload", "sh", "kworker/0:1"][n % 3], 0xFFFF8880, 0.0))
+    return out
+
+
+DEFINITIONS = [
+    "p:rd ksys_read fd=%di:s32 count=%dx:u64",
+    "p:rd ksys_read fd=%di:s32 count=%dx:u64 who=$comm",
+    "p:rd ksys_read a=$arg1 b=$arg2:x32 c=$arg6:s8 d=%r15:u16 e=%ax:x64 f=%si",
+    "p:rd ksys_read ip=%ip sp=$stack fl=%flags:x64 ox=%orig_ax:s64",
+    'p:rd ksys_read bf=%ax:b3@4/32 sym=%di:symbol str=$comm:string imm=\\1234 s=\\"hi\\":string',
+    "p:rd ksys_read",
+]
+
+
+@pytest.mark.parametrize("definition", DEFINITIONS)
+def test_a_run_of_records_gives_the_hits_one_record_at_a_time_gives(definition: str) -> None:
+    bulk, single = event(definition), event(definition)
+    got: list[EventHit] = []
+    expected: list[EventHit] = []
+    bulk.callback, single.callback = got.append, expected.append
+    assert bulk.in_guest and bulk.probe is not None and bulk.probe.recorder is not None
+    bulk.probe.recorder(records())
+    for rec in records():
+        regs = single.backend.make_regs(rec.values, rec.cpu)
+        single._record(regs, PROBE, None, None, task=(rec.pid, rec.comm))
+    assert [h.line() for h in got] == [h.line() for h in expected]
+    assert got == expected  # every field: arguments, symbol, times, irqs
+    assert bulk.nhit == single.nhit == len(expected)
+
+
+def test_a_filter_rejects_the_same_records() -> None:
+    bulk, single = event(DEFINITIONS[0]), event(DEFINITIONS[0])
+    from qprobe.events import event_filter
+
+    for te in (bulk, single):
+        te.filter = event_filter(te.definition, "fd < 0 || count == 0")
+    assert bulk.probe is not None and bulk.probe.recorder is not None
+    bulk.probe.recorder(records())
+    for rec in records():
+        single._record(single.backend.make_regs(rec.values, rec.cpu), PROBE, None, None, task=(rec.pid, rec.comm))
+    assert (bulk.nhit, bulk.host_filtered) == (single.nhit, single.host_filtered)
+    assert 0 < bulk.nhit < len(records())
+    bulk.host.timeline.flush()
+    single.host.timeline.flush()
+    assert [h.line() for h in bulk.hits] == [h.line() for h in single.hits]

@@ -69,8 +69,9 @@ def _trace_lines(target: qprobe.Target) -> list[tuple[str, str]]:
     reader.join(10)
     ring = target.arch.guest_ram
     assert ring is not None  # the records came through the rings
+    kb = target.records_buffer_size_kb
     rows.append(("largest burst held without waiting (record ring, per vCPU)",
-                 f"{ring.ring_entries} records ({ring.ring_entries * ring.ring_entry_size // 1024} KiB)"))  # fmt: skip
+                 f"{kb * 1024 // ring.ring_entry_size} records ({kb} KiB)"))  # fmt: skip
     # The guest's own: the same definition in its kprobe_events, its ftrace ring (buffer_size_kb per CPU).
     target.run(f"mountpoint -q {TRACEFS} || mount -t tracefs nodev {TRACEFS}; echo > {TRACEFS}/trace; "
                f"echo 'p:qpbench ksys_read fd=%di:s32 count=%dx:u64' > {TRACEFS}/kprobe_events && "

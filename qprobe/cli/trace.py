@@ -36,11 +36,13 @@ def cmd_trace(args: argparse.Namespace) -> int:
     at_boot: list[TraceEvent] = []
 
     def arm_at_boot(target: Target) -> None:  # before the kernel's first instruction: stub breakpoints
+        _size_rings(target, args)  # the rings are laid out for the first probe optimized once booted
         at_boot.extend(_arm_traced(target, definitions, trace))  # the int3 path once booted, unless --anywhere
 
     with _boot(args, arm_at_boot if args.boot else None) as target:
         if args.lossy:
             target.records_lossy = True
+        _size_rings(target, args)
         events = at_boot if args.boot else _arm_traced(target, definitions, trace)
         trace.waits_before = target.record_waits()
         status = 0
@@ -49,6 +51,12 @@ def cmd_trace(args: argparse.Namespace) -> int:
         finally:
             _summarize(target, events, trace)
     return status
+
+
+def _size_rings(target: Target, args: argparse.Namespace) -> None:
+    """--buffer-size-kb, before the first recorded probe lays the rings out."""
+    if args.buffer_size_kb is not None:
+        target.records_buffer_size_kb = args.buffer_size_kb
 
 
 def _check_definitions(args: argparse.Namespace, trace: _Trace) -> list[str | ProbeEvent]:

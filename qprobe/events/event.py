@@ -198,16 +198,16 @@ class TraceEvent:
             self.host_filtered += 1
             return
         self.nhit += 1
-        self.host.timeline.push(hit.order, lambda: self._keep(hit), hit)  # its time, as the guest's clock prints
+
+        def keep() -> None:  # in ``hits``, in the guest's order of hits across every event (qprobe.events.timeline)
+            if len(self.hits) >= self.keep:
+                self.hits.popleft()
+                self.evicted += 1
+            self.hits.append(hit)
+
+        self.host.timeline.push(hit.order, keep, hit)  # its time, as the guest's clock prints
         if self.callback is not None:
             self.callback(hit)  # at the hit, like a kernel handler; printers order through the timeline
-
-    def _keep(self, hit: EventHit) -> None:
-        """Keep ``hit`` in ``hits``, in the guest's order of hits across every event (qprobe.events.timeline)."""
-        if len(self.hits) >= self.keep:
-            self.hits.popleft()
-            self.evicted += 1
-        self.hits.append(hit)
 
 
 def event_filter(ev: ProbeEvent | UprobeEvent, text: str) -> EventFilter:

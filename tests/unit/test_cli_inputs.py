@@ -197,3 +197,21 @@ def test_trace_lines_go_out_in_blocks_flushed_after_each_run_the_timeline_hands_
     tl.flush()
     assert out.flushed == ["".join(lines[:2]), "".join(lines)]
     tl.close()
+
+
+def test_trace_buffer_size_kb_sizes_the_rings_before_anything_is_armed(capsys: pytest.CaptureFixture[str]) -> None:
+    """--buffer-size-kb is each CPU's ring in KiB, as ftrace's buffer_size_kb; at least 1, and left alone unless
+    given (the rings' own default then)."""
+    from types import SimpleNamespace
+
+    from qprobe.cli.trace import _size_rings
+
+    parser = cli.build_parser()
+    target = SimpleNamespace(records_buffer_size_kb=0)
+    _size_rings(target, parser.parse_args(["trace", "--buffer-size-kb", "2048", "p:rd vfs_read"]))  # type: ignore[arg-type]
+    assert target.records_buffer_size_kb == 2048
+    _size_rings(target, parser.parse_args(["trace", "p:rd vfs_read"]))  # type: ignore[arg-type]
+    assert target.records_buffer_size_kb == 2048
+    with pytest.raises(SystemExit):
+        parser.parse_args(["trace", "--buffer-size-kb", "0", "p:rd vfs_read"])
+    assert "outside 1.." in capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import sys
 import threading
 from typing import TYPE_CHECKING
@@ -21,6 +22,12 @@ if TYPE_CHECKING:
     from qprobe.fetch import ProbeEvent
 
 
+# A hit is a few small objects that live until the timeline hands it on (a tenth of a second): at tens of
+# thousands of hits a second, collecting the youngest generation every 700 allocations took a third of the
+# host's time a line (the ring-fed harness of docs/performance.md).  Collections come less often, not never.
+LINES_GC_THRESHOLD = (20_000, 10, 10)
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     """Arm kprobe_events definitions, print one line per hit, then a summary.
 
@@ -32,6 +39,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         _need_dwarf(args, "--run (which keeps the hits of the command's processes)")
     trace = _Trace(args)
     definitions = _check_definitions(args, trace)
+    gc.set_threshold(*LINES_GC_THRESHOLD)
     _say_booting(args)
     at_boot: list[TraceEvent] = []
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import sys
 import threading
@@ -95,8 +96,10 @@ def _arm_traced(target: Target, definitions: list[str | ProbeEvent], trace: _Tra
     """Every definition's events, their hits printed in the guest's order of hits (or folded into the map);
     ``anywhere`` (else --anywhere) arms them with stub breakpoints."""
 
+    show = trace.show
+
     def in_order(hit: EventHit) -> None:  # whatever path a hit took, the timeline hands it on in order
-        target.timeline.push(hit.order, lambda: trace.show(hit))
+        target.timeline.push(hit.order, functools.partial(show, hit))
 
     lines = in_order if trace.agg is None else None
     if lines is not None and trace.flush not in target.timeline.flushers:

@@ -198,16 +198,18 @@ class TraceEvent:
             self.host_filtered += 1
             return
         self.nhit += 1
-
-        def keep() -> None:  # in ``hits``, in the guest's order of hits across every event (qprobe.events.timeline)
-            if len(self.hits) >= self.keep:
-                self.hits.popleft()
-                self.evicted += 1
-            self.hits.append(hit)
-
-        self.host.timeline.push(hit.order, keep, hit)  # its time, as the guest's clock prints
+        # Kept in ``hits`` in the guest's order of hits across every event; its time as the guest's clock prints.
+        self.host.timeline.push(hit.order, functools.partial(_keep, self, hit), hit)
         if self.callback is not None:
             self.callback(hit)  # at the hit, like a kernel handler; printers order through the timeline
+
+
+def _keep(te: TraceEvent, hit: EventHit) -> None:
+    """``hit`` in ``te.hits``, older ones falling out (a partial of this, not a closure: fewer objects a hit)."""
+    if len(te.hits) >= te.keep:
+        te.hits.popleft()
+        te.evicted += 1
+    te.hits.append(hit)
 
 
 def event_filter(ev: ProbeEvent | UprobeEvent, text: str) -> EventFilter:

@@ -96,8 +96,8 @@ class Timeline:
     def push(self, ts: float, deliver: Callable[[], None], stamped: Stamped | None = None) -> None:
         """Hold ``deliver`` (a hit at guest time ``ts``) until its turn; ``stamped``: the hit, whose time it prints."""
         pending: list[_Held] | None = getattr(self._batching, "pending", None)
-        if pending is not None:
-            pending.append((ts, next(self._seq), 0.0, deliver, stamped))
+        if pending is not None:  # held since the batch began
+            pending.append((ts, next(self._seq), self._batching.since, deliver, stamped))
             return
         with self._lock:
             heapq.heappush(self._heap, (ts, next(self._seq), time.monotonic(), deliver, stamped))
@@ -113,17 +113,16 @@ class Timeline:
             yield
             return
         pending: list[_Held] = []
-        self._batching.pending = pending
+        self._batching.pending, self._batching.since = pending, time.monotonic()
         try:
             yield
         finally:
             self._batching.pending = None
             if pending:
-                now = time.monotonic()
                 with self._lock:
-                    for ts, seq, _, deliver, stamped in pending:
-                        heapq.heappush(self._heap, (ts, seq, now, deliver, stamped))
-                    self._newest = max(self._newest, max(p[0] for p in pending))
+                    for held in pending:
+                        heapq.heappush(self._heap, held)
+                    self._newest = max(self._newest, max(held[0] for held in pending))
                     self._start_ticking()
                 self._release(all_=False)
 

@@ -14,6 +14,7 @@ rings are laid out (``buffer_size_kb``, as ftrace's file of that name).
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Callable, Container, Mapping
 from typing import TYPE_CHECKING
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("qprobe")
 
 RECORDING = ("record", "filtered")  # detour kinds that write the rings
+_CYCLES = operator.attrgetter("cycles")
 RINGS_SHARE = 2  # the rings take at most 1/RINGS_SHARE of the scratch area: code, counters and maps need the rest
 
 
@@ -158,14 +160,16 @@ class RecordRings:
         """
         if not self.stub:
             return
-        batch: list[tuple[ProbePoint, RingEntry]] = []
+        batch: list[RingEntry] = []
+        points: dict[int, ProbePoint] = {}  # the recording points the batch's probe ids name
         for cpu in range(len(self._tails)):
-            batch += self._read_ring(cpu)
+            batch += self._read_ring(cpu, points)
         if batch:
-            self._deliver(batch)
+            self._deliver(batch, points)
 
-    def _read_ring(self, cpu: int) -> list[tuple[ProbePoint, RingEntry]]:
-        """The valid entries of ``cpu``'s ring since the last drain; the ring's tail moves past them all.
+    def _read_ring(self, cpu: int, points: dict[int, ProbePoint]) -> list[RingEntry]:
+        """The valid entries of ``cpu``'s ring since the last drain, their points added to ``points``; the
+        ring's tail moves past them all.
 
         The new entries are read in one go (two where they wrap) and decoded together.
         """
@@ -187,36 +191,43 @@ class RecordRings:
                 raw += ram.read_phys(base, (count - upto_end) * size)
             by_id, retired = self.by_id, self.retired
             for entry in layouts.parse_ring_entries(raw):
-                point = by_id.get(entry.probe_id)
-                if point is None and entry.probe_id in retired:
-                    self.late_records += 1
-                    continue
-                if point is None or point.opt is None or point.opt.kind not in RECORDING or entry.cpu != cpu:
+                probe_id = entry.probe_id
+                if probe_id not in points:  # each id checked once a drain
+                    point = by_id.get(probe_id)
+                    if point is None and probe_id in retired:
+                        self.late_records += 1
+                        continue
+                    if point is None or point.opt is None or point.opt.kind not in RECORDING:
+                        self.ring_errors += 1
+                        continue
+                    points[probe_id] = point
+                if entry.cpu != cpu:
                     self.ring_errors += 1
                     continue
-                out.append((point, entry))
+                out.append(entry)
         self._tails[cpu] = head
         ram.write_u64_phys(hdr + layouts.ring_tail, head)
         return out
 
-    def _deliver(self, batch: list[tuple[ProbePoint, RingEntry]]) -> None:
+    def _deliver(self, batch: list[RingEntry], points: Mapping[int, ProbePoint]) -> None:
         """Every record, in cycle-counter order, to the recorders of its point's enabled probes: each run of
         records of one point in one call."""
-        batch.sort(key=lambda b: b[1].cycles)
+        batch.sort(key=_CYCLES)
         now = time.monotonic()
         tsc_hz = self._tsc_hz
         if self._tsc_offset is None or not tsc_hz:
-            self._tsc_offset = now - batch[-1][1].cycles / tsc_hz if tsc_hz else 0.0
+            self._tsc_offset = now - batch[-1].cycles / tsc_hz if tsc_hz else 0.0
         offset = self._tsc_offset
         layout = self.arch.registers
         ip = layout.gdb_name[layout.ip]
         run: list[GuestRecord] = []
-        run_point = batch[0][0]
-        for point, entry in batch:
+        run_point = points[batch[0].probe_id]
+        for entry in batch:
+            point = points[entry.probe_id]
             values = entry.values  # the entry's own dict, made for it by the decode
             values[ip] = point.addr
-            values["cycles"] = entry.cycles
-            when = min(now, entry.cycles / tsc_hz + offset) if tsc_hz else now
+            cycles = values["cycles"] = entry.cycles
+            when = min(now, cycles / tsc_hz + offset) if tsc_hz else now
             if point is not run_point:
                 self._hand(run_point, run)
                 run_point, run = point, []

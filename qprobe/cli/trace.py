@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import gc
 import sys
 import threading
@@ -19,7 +18,7 @@ from .output import _summarize, _Trace
 
 if TYPE_CHECKING:
     from qprobe.api import Target
-    from qprobe.events import EventHit, TraceEvent
+    from qprobe.events import TraceEvent
     from qprobe.fetch import ProbeEvent
 
 
@@ -96,12 +95,10 @@ def _arm_traced(target: Target, definitions: list[str | ProbeEvent], trace: _Tra
     """Every definition's events, their hits printed in the guest's order of hits (or folded into the map);
     ``anywhere`` (else --anywhere) arms them with stub breakpoints."""
 
-    show = trace.show
+    from qprobe.events import InOrder
 
-    def in_order(hit: EventHit) -> None:  # whatever path a hit took, the timeline hands it on in order
-        target.timeline.push(hit.order, functools.partial(show, hit))
-
-    lines = in_order if trace.agg is None else None
+    # Whatever path a hit took, the timeline hands it on in the guest's order.
+    lines = InOrder(trace.show) if trace.agg is None else None
     if lines is not None and trace.flush not in target.timeline.flushers:
         target.timeline.flushers.append(trace.flush)
     flt = None if trace.cpid_filter else trace.filter

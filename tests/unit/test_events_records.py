@@ -119,3 +119,24 @@ def test_a_filter_rejects_the_same_records() -> None:
     bulk.host.timeline.flush()
     single.host.timeline.flush()
     assert [h.line() for h in bulk.hits] == [h.line() for h in single.hits]
+
+
+def test_an_in_order_callback_takes_the_hits_once_the_timeline_lets_them_go() -> None:
+    """A plain callback gets a hit at the hit; an InOrder one once the timeline has put it in the guest's
+    order (with the event's own ``hits``), across events: two events' runs come out interleaved by time."""
+    from qprobe.events import InOrder
+
+    first, second, plain = event(DEFINITIONS[0]), event(DEFINITIONS[0]), event(DEFINITIONS[0])
+    second.host = plain.host = first.host  # one target: one timeline
+    ordered: list[EventHit] = []
+    at_hit: list[EventHit] = []
+    first.callback = second.callback = InOrder(ordered.append)
+    plain.callback = at_hit.append
+    recs = records()
+    for te, run in ((first, recs[::2]), (second, recs[1::2]), (plain, recs)):
+        assert te.probe is not None and te.probe.recorder is not None
+        te.probe.recorder(run)
+    assert len(at_hit) == len(recs) and ordered == []  # held: none a window older than the newest
+    first.host.timeline.flush()
+    assert [h.pid for h in ordered] == [rec.pid for rec in recs]  # the two runs interleaved, by time
+    assert ordered[::2] == list(first.hits) and ordered[1::2] == list(second.hits)

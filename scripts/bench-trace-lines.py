@@ -104,10 +104,10 @@ class Symbols:
 
 class Clock:
     def hit_time(self, regs: PtRegs, recorded: bool = False) -> tuple[float, float]:
-        return self.record_time(regs.cycles or 0, regs.vcpu)
+        return (regs.cycles or 0) / 2e9, (regs.cycles or 0) / 2e9
 
-    def record_time(self, cycles: int, vcpu: int) -> tuple[float, float]:
-        return cycles / 2e9, cycles / 2e9
+    def record_times(self, records: list[tuple[int, int]]) -> list[tuple[float, float]]:
+        return [(cycles / 2e9, cycles / 2e9) for cycles, _vcpu in records]
 
 
 class Backend:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from qprobe.events.timeline import Timeline, TscOrder
@@ -73,13 +74,18 @@ class HitClock:
         host = time.monotonic() - self.t0
         return host, host
 
-    def record_time(self, cycles: int, vcpu: int) -> tuple[float, float]:
-        """``hit_time`` of a ring record the detour on vCPU number ``vcpu`` timed ``cycles`` (no pt_regs made)."""
-        if self._guest:
-            tsc = self._order.exact(cycles, vcpu, at_once=False)
-            return self.trace_clock.ns(tsc, vcpu) / NSEC_PER_SEC, tsc / self._tsc_hz
-        host = time.monotonic() - self.t0
-        return host, host
+    def record_times(self, records: Sequence[tuple[int, int]]) -> list[tuple[float, float]]:
+        """``hit_time`` of each ring record (its TSC as the detour read it, its vCPU's number), in order, no
+        pt_regs made and the guest's clock state read once for the run."""
+        if not self._guest:
+            host = time.monotonic() - self.t0
+            return [(host, host)] * len(records)
+        exact = self._order.exact
+        tscs = [(exact(cycles, vcpu, at_once=False), vcpu) for cycles, vcpu in records]
+        hz = self._tsc_hz
+        return [
+            (ns / NSEC_PER_SEC, tsc / hz) for ns, (tsc, _) in zip(self.trace_clock.ns_many(tscs), tscs, strict=True)
+        ]
 
 
 __all__ = ["HitClock"]

@@ -302,11 +302,11 @@ class KprobeEvent(TraceEvent):
         names = [a.name for a in ev.args]
         labels = [f" {n}=" for n in names]
         flags, irq_flag = layout.gdb_name[layout.flags], layout.irq_flag
-        record_time, numbers, strings, event = host.clock.record_time, self.numbers, self.strings, ev.event
+        numbers, strings, event = self.numbers, self.strings, ev.event
+        times = host.clock.record_times([(rec.values["cycles"], rec.cpu) for rec in records])
         with host.timeline.batch():  # one hand-on for the run, its callbacks' pushes included
-            for rec in records:
+            for rec, (ts, order) in zip(records, times, strict=True):
                 texts = [text(rec) for text in texts_of]
-                ts, order = record_time(rec.values["cycles"], rec.cpu)
                 args = dict(zip(names, texts, strict=True))
                 body = head + "".join([label + t for label, t in zip(labels, texts, strict=True)])
                 self._emit(EventHit(event, rec.cpu, rec.pid, rec.comm, ts, ip, symbol, args, body,

@@ -39,10 +39,10 @@ class Clock:
 
     def hit_time(self, regs: PtRegs, recorded: bool = False) -> tuple[float, float]:
         assert recorded and regs.cycles is not None
-        return self.record_time(regs.cycles, regs.vcpu)
+        return regs.cycles / 1e9 + regs.vcpu, regs.cycles / 1e9
 
-    def record_time(self, cycles: int, vcpu: int) -> tuple[float, float]:
-        return cycles / 1e9 + vcpu, cycles / 1e9
+    def record_times(self, records: list[tuple[int, int]]) -> list[tuple[float, float]]:
+        return [(cycles / 1e9 + vcpu, cycles / 1e9) for cycles, vcpu in records]
 
 
 MEM = SimpleNamespace(pgd=0x1000, pgd_of=lambda root: root, paging=SimpleNamespace(task_size_max=lambda: 1 << 47))
@@ -140,3 +140,30 @@ def test_an_in_order_callback_takes_the_hits_once_the_timeline_lets_them_go() ->
     first.host.timeline.flush()
     assert [h.pid for h in ordered] == [rec.pid for rec in recs]  # the two runs interleaved, by time
     assert ordered[::2] == list(first.hits) and ordered[1::2] == list(second.hits)
+
+
+def test_a_run_s_times_are_what_hit_time_gives_each_record() -> None:
+    """HitClock.record_times: each record's (trace-clock seconds, place) as hit_time gives it for the record's
+    pt_regs, the trace clock asked once for the run."""
+    from qprobe.events.clock import HitClock
+    from qprobe.events.timeline import TscOrder
+
+    class Trace:
+        runs = 0
+
+        def ns(self, tsc: int, cpu: int) -> int:
+            return 3 * tsc + cpu
+
+        def ns_many(self, points: list[tuple[int, int]]) -> list[int]:
+            self.runs += 1
+            return [self.ns(tsc, cpu) for tsc, cpu in points]
+
+    def clock() -> HitClock:
+        c = HitClock.__new__(HitClock)
+        c._guest, c._order, c._tsc_hz, c.trace_clock = True, TscOrder(), 2e9, Trace()  # type: ignore[assignment]
+        return c
+
+    recs, one, run = records(), clock(), clock()
+    expected = [one.hit_time(Backend().make_regs(r.values, r.cpu), recorded=True) for r in recs]
+    assert run.record_times([(r.values["cycles"], r.cpu) for r in recs]) == expected
+    assert run.trace_clock.runs == 1  # type: ignore[attr-defined]

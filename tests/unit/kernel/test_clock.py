@@ -8,6 +8,8 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from qprobe.arch import CycleCounter
 from qprobe.arch.x86_64.tsc import after_rdtsc
 from qprobe.kernel.clock import CALIBRATE_WAIT, ROUND, StopClock, TraceClock
@@ -73,6 +75,33 @@ def test_global_never_goes_back_for_a_later_tsc() -> None:
     words[0x1000], words[0x1008] = 1_600, 2_050  # a later tick whose time of day is behind sched_clock's
     assert clock.ns(1_501, 0) == first  # held, as trace_clock_global's prev_time holds it
     assert clock.ns(1_400, 0) == 2_050 - 200  # an older TSC is converted as it is, not held
+
+
+class _CountingRam(_Ram):
+    def __init__(self, words: dict[int, int]) -> None:
+        super().__init__(words)
+        self.reads = 0
+
+    def read(self, addr: int, size: int) -> bytes:
+        self.reads += 1
+        return super().read(addr, size)
+
+
+@pytest.mark.parametrize("stable", [False, True])
+def test_a_run_of_records_reads_the_clock_s_state_once_a_cpu_and_converts_as_one_at_a_time(stable: bool) -> None:
+    """ns_many: each TSC as ns converts it (the offsets, the never-back hold across the run), the guest's
+    per-CPU clock state read once a CPU, not once a record."""
+    words = {0x1000: 1_000, 0x1008: 2_000, 0x1100: 5_000, 0x1108: 9_000, 0x100: int(stable), 0x108: 42, 0x110: 7}
+    points = [(1_500, 0), (5_100, 1), (1_499, 0), (1_600, 0), (5_050, 1), (1_700, 0)]
+    one_at_a_time = _global_clock(dict(words))
+    expected = [one_at_a_time.ns(tsc, cpu) for tsc, cpu in points]
+    clock = _global_clock(dict(words))
+    ram = _CountingRam(dict(words))
+    clock.kernel = type("K", (), {"mem": ram})()  # type: ignore[assignment]
+    assert clock.ns_many(points) == expected
+    reads_a_cpu = ram.reads // 2
+    assert reads_a_cpu == (2 if stable else 4)  # the flag and an offset; unstable, the tick pair read twice too
+    assert clock.ns_many([]) == []
 
 
 class _Guest:

@@ -13,14 +13,17 @@ DEBS   := qemu-system-x86 busybox-static cpio gdb e2fsprogs gcc libc6-dev tmux \
 # text is mem[MOD_INIT_TEXT] from 6.4, init_layout before),
 # and the guest kernel's own kprobes as the oracle (verdicts on kprobe_events definitions, and
 # hits and counts with the guest's own events enabled beside qprobe's, in a VM whose vCPUs share
-# one TCG thread: see docs/reliability.md).
+# one TCG thread: see docs/reliability.md); and what `trace --run` counts of a command (applets,
+# builtins, pipelines, programs, from the fork of its process), whatever the kernel.
 VM_CORE := tests/vm/test_kprobes.py tests/vm/test_kretprobes.py tests/vm/test_optimized.py \
            tests/vm/test_events.py tests/vm/test_stacktrace.py tests/vm/test_drgn.py \
            tests/vm/test_typed.py tests/vm/test_recovery.py tests/vm/test_kprobes_sweep.py tests/vm/test_ibt.py \
            tests/vm/test_oracle.py tests/vm/test_guest_shell.py tests/vm/test_guest_programs.py \
            tests/vm/test_uprobes.py tests/vm/test_uprobe_language.py tests/vm/test_uprobe_frontends.py \
-           tests/vm/test_uprobe_lifecycle.py tests/vm/test_uprobe_guest_view.py tests/vm/test_boot_probes.py \
-           tests/vm/test_boot_frontends.py tests/vm/test_attach_boot.py tests/vm/test_modules.py
+           tests/vm/test_uprobe_lifecycle.py tests/vm/test_uprobe_guest_view.py tests/vm/test_uprobe_ifunc.py \
+           tests/vm/test_boot_probes.py tests/vm/test_boot_frontends.py tests/vm/test_attach_boot.py \
+           tests/vm/test_modules.py \
+           tests/vm/test_cli_frontend.py::test_run_counts_the_command_from_its_fork_applets_builtins_pipelines_and_programs
 # debian-cloud-6.12: IBT, return and call-depth thunks, ORC; minimal-6.12: built here from
 # linux-source-6.12 (scripts/build-minimal-kernel.sh, 3.5-7 min on 2 cores), no kprobes, no ftrace.
 IMAGES_612 := debian-cloud-6.12 minimal-6.12

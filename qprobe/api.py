@@ -9,10 +9,13 @@
         print(t.run("workload lseek 3").output)
         t.unregister_kprobe(kp)
 
-``Target`` is a façade: qprobe.wiring puts its parts together (qprobe.bootprobes, for a kernel probed from
-its first instruction), and its methods hand the work to the objects it holds: ``guest`` (qprobe.guest:
-commands, waiting, records), ``views`` (qprobe.views: the running kernel read) and ``lifetime``
-(qprobe.lifetime: its end); the kprobes and kprobe_events APIs it inherits (qprobe.probeapi, qprobe.eventapi).
+``Target`` is a façade: qprobe.wiring puts its parts (qprobe.parts) together (qprobe.bootprobes, for a kernel
+probed from its first instruction) and the objects over them, and its methods hand the work to those
+objects: ``guest`` (qprobe.guest: commands, waiting, records), ``views`` (qprobe.views: the running kernel
+read), ``lifetime`` (qprobe.lifetime: its end), ``probe_api`` (qprobe.probeapi: the kprobes API) and
+``event_api`` (qprobe.eventapi: the kprobe_events API).  It inherits nothing: the kprobes and kprobe_events
+methods, and the parts its users read, are forwarded to the object that has them (qprobe.facade), and
+cost the class no method of its own.
 """
 
 from __future__ import annotations
@@ -26,11 +29,8 @@ from typing import TYPE_CHECKING
 
 from qprobe.bootprobes import BootProbing
 from qprobe.eventapi import EventAPI
-from qprobe.events.timeline import Timeline
-from qprobe.guest import Guest
-from qprobe.lifetime import Lifetime
+from qprobe.facade import Via, forward
 from qprobe.probeapi import ProbeAPI
-from qprobe.views import KernelViews
 from qprobe.wiring import Wiring
 
 if TYPE_CHECKING:
@@ -41,15 +41,19 @@ if TYPE_CHECKING:
     from qprobe.core.kretprobe import KretprobeManager
     from qprobe.core.regs import PtRegs
     from qprobe.core.uprobes import UprobeManager
-    from qprobe.core.watchpoint import Watchpoints
     from qprobe.events import TraceEvent
     from qprobe.events.clock import HitClock
-    from qprobe.events.kprobe import KprobeBackend
-    from qprobe.events.uprobe import UprobeBackend
+    from qprobe.events.modules import ModuleNotifier
+    from qprobe.events.timeline import Timeline
+    from qprobe.fetch.dialect import Dialect
+    from qprobe.guest import Guest
     from qprobe.images import Image
     from qprobe.kernel.bootslide import BootSlide
     from qprobe.kernel.program import KernelData, Stack, Task
     from qprobe.kernel.symbols import Symbols
+    from qprobe.lifetime import Lifetime
+    from qprobe.parts import Parts
+    from qprobe.views import KernelViews
     from qprobe.vmm.console import Console, GuestShell, RunResult
     from qprobe.vmm.gdbmi import GdbMiRemote
     from qprobe.vmm.gdbremote import GdbRemote
@@ -57,7 +61,6 @@ if TYPE_CHECKING:
     from qprobe.vmm.machine import Machine
     from qprobe.vmm.memory import GuestMemory
     from qprobe.vmm.qemu import QemuProcess
-    from qprobe.vmm.scratch import ScratchArea
 
 SESSION_FILE = "session.json"
 
@@ -72,43 +75,78 @@ class BootPlan:
     unknown: str = ""  # why either is not known
 
 
-class Target(ProbeAPI, EventAPI):
+class Target:
     """A running guest kernel under qprobe's control."""
 
-    # What it was given and keeps.
-    qemu: QemuProcess | None  # qprobe's own QEMU; None when attached to another
-    image: Image | None  # set by boot(); None when attached to a foreign QEMU
-    address: str  # the gdbstub's
-    events: dict[str, TraceEvent]
-    timeline: Timeline
-    timings: dict[str, float]
-    console: Console | None  # the kernel's console: its log, and the oopses in it
-    guest_shell: GuestShell | None  # the shell run() talks to (its own port, or the console)
-    # The parts qprobe.wiring makes (and qprobe.bootprobes, as the kernel boots).
-    gdb: GdbRemote | GdbMiRemote
-    arch: Arch
-    mem: GuestMemory
-    symbols: Symbols
-    slide: int
-    cmdline: str
-    journal: Journal
-    kernel: KernelData
-    recovered: int
-    machine: Machine
-    scratch: ScratchArea
-    kprobes: KprobeManager
-    kretprobes: KretprobeManager
-    uprobes: UprobeManager
-    kprobe_backend: KprobeBackend
-    uprobe_backend: UprobeBackend
-    clock: HitClock
-    watchpoints: Watchpoints
-    boot_slide: BootSlide  # boot-time probes only: how the slide was found
-    # The objects the methods hand their work to.
+    # The objects it is a façade over, which qprobe.wiring makes: each on the target's parts.
+    parts: Parts
     lifetime: Lifetime
     guest: Guest
     views: KernelViews
+    probe_api: ProbeAPI
+    event_api: EventAPI
     boot_probing: BootProbing | None
+
+    # -- the parts its users read (qprobe.parts says what each is) ----------------------
+    qemu: Via[QemuProcess | None] = Via("parts")
+    image: Via[Image | None] = Via("parts")
+    events: Via[dict[str, TraceEvent]] = Via("parts")
+    timeline: Via[Timeline] = Via("parts")
+    timings: Via[dict[str, float]] = Via("parts")
+    console: Via[Console | None] = Via("parts")
+    guest_shell: Via[GuestShell | None] = Via("parts")
+    gdb: Via[GdbRemote | GdbMiRemote] = Via("parts")
+    arch: Via[Arch] = Via("parts")
+    mem: Via[GuestMemory] = Via("parts")
+    symbols: Via[Symbols] = Via("parts")
+    slide: Via[int] = Via("parts")
+    cmdline: Via[str] = Via("parts")
+    journal: Via[Journal] = Via("parts")
+    kernel: Via[KernelData] = Via("parts")
+    recovered: Via[int] = Via("parts")
+    machine: Via[Machine] = Via("parts")
+    kprobes: Via[KprobeManager] = Via("parts")
+    kretprobes: Via[KretprobeManager] = Via("parts")
+    uprobes: Via[UprobeManager] = Via("parts")
+    clock: Via[HitClock] = Via("parts")
+    boot_slide: Via[BootSlide] = Via("parts")  # boot-time probes only: how the slide was found
+
+    # -- the kprobes API (qprobe.probeapi), as <linux/kprobes.h> names it -------------
+    register_kprobe = forward(ProbeAPI.register_kprobe, "probe_api")
+    unregister_kprobe = forward(ProbeAPI.unregister_kprobe, "probe_api")
+    register_kprobes = forward(ProbeAPI.register_kprobes, "probe_api")
+    unregister_kprobes = forward(ProbeAPI.unregister_kprobes, "probe_api")
+    enable_kprobe = forward(ProbeAPI.enable_kprobe, "probe_api")
+    disable_kprobe = forward(ProbeAPI.disable_kprobe, "probe_api")
+    register_uprobe = forward(ProbeAPI.register_uprobe, "probe_api")
+    unregister_uprobe = forward(ProbeAPI.unregister_uprobe, "probe_api")
+    register_kretprobe = forward(ProbeAPI.register_kretprobe, "probe_api")
+    unregister_kretprobe = forward(ProbeAPI.unregister_kretprobe, "probe_api")
+    register_kretprobes = forward(ProbeAPI.register_kretprobes, "probe_api")
+    unregister_kretprobes = forward(ProbeAPI.unregister_kretprobes, "probe_api")
+    enable_kretprobe = forward(ProbeAPI.enable_kretprobe, "probe_api")
+    disable_kretprobe = forward(ProbeAPI.disable_kretprobe, "probe_api")
+    register_watchpoint = forward(ProbeAPI.register_watchpoint, "probe_api")
+    unregister_watchpoint = forward(ProbeAPI.unregister_watchpoint, "probe_api")
+    set_kprobes_enabled = forward(ProbeAPI.set_kprobes_enabled, "probe_api")
+    list_probes = forward(ProbeAPI.list_probes, "probe_api")
+    kprobes_optimization: Via[bool] = Via("probe_api")  # read-only there
+    set_kprobes_optimization = forward(ProbeAPI.set_kprobes_optimization, "probe_api")
+    blacklist = forward(ProbeAPI.blacklist, "probe_api")
+    text_snapshot = forward(ProbeAPI.text_snapshot, "probe_api")
+
+    # -- the kprobe_events API (qprobe.eventapi) --------------------------------------
+    add_event = forward(EventAPI.add_event, "event_api")
+    add_events = forward(EventAPI.add_events, "event_api")
+    remove_event = forward(EventAPI.remove_event, "event_api")
+    remove_events = forward(EventAPI.remove_events, "event_api")
+    user_file_kind = forward(EventAPI.user_file_kind, "event_api")
+    resolve_user_symbol = forward(EventAPI.resolve_user_symbol, "event_api")
+    user_elf = forward(EventAPI.user_elf, "event_api")
+    dialect: Via[Dialect] = Via("event_api")
+    ftrace_locations: Via[list[int]] = Via("event_api")
+    modules: Via[ModuleNotifier] = Via("event_api")
+    trace_events: Via[frozenset[tuple[str, str]]] = Via("event_api")
 
     def __init__(self, gdb_address: str, vmlinux: str | Path, *, ram: Path | None = None, ram_size: int = 0,
                  console: Path | None = None, qemu: QemuProcess | None = None,
@@ -116,26 +154,19 @@ class Target(ProbeAPI, EventAPI):
                  system_map: Path | None = None, transport: str = "rsp",
                  boot: BootPlan | None = None) -> None:  # fmt: skip
         """``boot``: the QEMU was started halted (-S); probe the kernel from its first instructions on."""
-        self.qemu = qemu
-        self.image = None
-        self.address = gdb_address
-        self.events = {}
-        self.timeline = Timeline()
-        self.timings = {}
-        self.console = None
-        self.guest_shell = None
-        self.lifetime = Lifetime(self)
-        self.guest = Guest(self)
-        self.views = KernelViews(self)
+        wiring = Wiring(gdb_address, vmlinux, qemu=qemu, ram=ram, ram_size=ram_size, console=console,
+                        boot_timeout=boot_timeout, doorbell=doorbell, shell=shell, system_map=system_map,
+                        transport=transport)  # fmt: skip
+        self.parts, self.lifetime = wiring.parts, wiring.lifetime
+        self.guest, self.views = wiring.guest, wiring.views
+        self.probe_api, self.event_api = wiring.probe_api, wiring.event_api
         self.boot_probing = None
-        wiring = Wiring(self, vmlinux, ram=ram, ram_size=ram_size, console=console, boot_timeout=boot_timeout,
-                        doorbell=doorbell, shell=shell, system_map=system_map, transport=transport)  # fmt: skip
         try:
             wiring.connect(boot is not None)
             if boot is None:
                 wiring.attach_running()
             else:
-                self.boot_probing = BootProbing(self, wiring, boot, lambda: boot.arm(self))
+                self.boot_probing = BootProbing(wiring, boot, lambda: boot.arm(self))
                 self.boot_probing.boot()
         except BaseException as exc:
             cause = wiring.cause(exc)

@@ -26,7 +26,7 @@ from qprobe.vmm.console import open_shell
 from qprobe.vmm.gdbmi import GdbMiRemote
 from qprobe.vmm.journal import Journal
 from qprobe.vmm.memory import SharedRam
-from qprobe.wiring import Wired, Wiring, boot_setup, read_cmdline, vm_identity
+from qprobe.wiring import Wiring, boot_setup, read_cmdline, vm_identity
 
 if TYPE_CHECKING:
     from qprobe.core.kprobe import Kprobe
@@ -50,19 +50,12 @@ class Plan(Protocol):
     def unknown(self) -> str: ...
 
 
-class Booting(Wired, Protocol):
-    """What boot-time probing uses of a target (qprobe.api.Target): its parts, as the wiring assigns them,
-    and the boot's slide as it was found."""
-
-    boot_slide: BootSlide
-
-
 class BootProbing:
     """The boot of a target's kernel, probed from its first instruction (``boot``); ``arm`` registers the
     plan's probes at the slide's stop, as stub breakpoints (nothing else works yet)."""
 
-    def __init__(self, target: Booting, wiring: Wiring, plan: Plan, arm: Callable[[], None]) -> None:
-        self.target = target
+    def __init__(self, wiring: Wiring, plan: Plan, arm: Callable[[], None]) -> None:
+        self.target = wiring.parts  # assigned on as the kernel boots, as the wiring assigns them
         self.wiring = wiring
         self.plan = plan
         self.arm = arm
@@ -117,7 +110,7 @@ class BootProbing:
             finally:
                 found.set()
 
-        t.lifetime.leave_halted = False  # the breakpoints going in now must go with a detach
+        self.wiring.lifetime.leave_halted = False  # the breakpoints going in now must go with a detach
         machine.call(lambda: slide.arm(on_found, on_failed))
         t0 = time.monotonic()
         machine.resume()
@@ -146,7 +139,7 @@ class BootProbing:
         # (init/main.c): the text boot rewrites is final (alternatives and static calls are patched in
         # start_kernel, __fentry__ sites by ftrace_init, __init text is gone).  What stays rewritable at run
         # time (jump-label and static-call sites, the int3 path refuses them) stays on stub breakpoints.
-        t.kprobes.optimizer.queue.optimize_later(machine.call(t.kprobes.switch_from_boot))
+        t.optimizer.optimize_later(machine.call(t.kprobes.switch_from_boot))
         t.timings["attach"] = time.monotonic() - wiring.t0 - t.timings["boot"]
 
     def _wait_boot(self, done: threading.Event, t0: float, what: Callable[[], str]) -> None:
@@ -246,4 +239,4 @@ class BootProbing:
             t.qemu.remove_with_vm(journal.files())
 
 
-__all__ = ["INIT_EXEC", "BootProbing", "Booting", "Plan"]
+__all__ = ["INIT_EXEC", "BootProbing", "Plan"]

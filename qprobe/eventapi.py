@@ -1,6 +1,8 @@
 """The kprobe_events API of a Target: definitions armed as events, and the kernel facts their language needs.
 
-``Target`` (qprobe.api) inherits it; the work is qprobe.events', on the Target as its EventRegistry.
+``Target`` (qprobe.api) forwards these names to the :class:`EventAPI` it holds.  The work is qprobe.events',
+on the EventAPI as their registry (qprobe.events.define.EventRegistry): it reads the target's parts it
+hands on to events (``arch``, ``symbols``, the backends...) through :class:`Eventing`, never the Target.
 """
 
 from __future__ import annotations
@@ -9,14 +11,15 @@ import functools
 import logging
 import shlex
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from qprobe.errors import InvalidProbe, ProbeError, QprobeError, SymbolError
 from qprobe.events.modules import ModuleNotifier
+from qprobe.facade import Via
 from qprobe.kernel.btf import module_btfs
 from qprobe.kernel.features import thread_size
 from qprobe.kernel.tracefs import ftrace_locations, probe_dialect, trace_event_names
-from qprobe.kernel.userelf import UserElf, UserElfError
+from qprobe.kernel.userelf import UserElf
 
 log = logging.getLogger("qprobe")
 
@@ -30,7 +33,7 @@ if TYPE_CHECKING:
     from qprobe.events.kprobe import KprobeBackend
     from qprobe.events.timeline import Timeline
     from qprobe.events.uprobe import UprobeBackend
-    from qprobe.fetch import ProbeEvent, UprobeEvent
+    from qprobe.fetch import Definition, ProbeEvent, UprobeEvent
     from qprobe.fetch.dialect import Dialect
     from qprobe.fetch.uevent import FileKind
     from qprobe.kernel.program import KernelData
@@ -40,24 +43,49 @@ if TYPE_CHECKING:
     from qprobe.vmm.memory import GuestMemory
 
 
-class EventAPI:
-    """add_event and the rest, on the Target that inherits this."""
+class Eventing(Protocol):
+    """What the kprobe_events API uses of a target's parts: what events use at a hit and are armed through,
+    the stop loop and probe tables (modules followed), and the guest's shell (files read in)."""
 
     events: dict[str, TraceEvent]
     arch: Arch
-    kernel: KernelData
     symbols: Symbols
-    machine: Machine
-    mem: GuestMemory
     timeline: Timeline
+    kernel: KernelData
+    mem: GuestMemory
+    clock: HitClock
+    kprobe_backend: KprobeBackend
+    uprobe_backend: UprobeBackend
+    machine: Machine
     kprobes: KprobeManager
     kretprobes: KretprobeManager
     uprobes: UprobeManager
-    kprobe_backend: KprobeBackend
-    uprobe_backend: UprobeBackend
-    guest_shell: GuestShell | None
-    run: Callable[[str], RunResult]  # Target.run: a command in the guest's shell
-    clock: HitClock
+
+    @property
+    def guest_shell(self) -> GuestShell | None: ...
+
+
+class EventAPI:
+    """add_event and the rest, on one target's parts; the registry its events are defined in and hit through."""
+
+    # What events and the module notifier read of their registry: the parts', as they are when read.
+    events: Via[dict[str, TraceEvent]] = Via("parts")
+    arch: Via[Arch] = Via("parts")
+    symbols: Via[Symbols] = Via("parts")
+    timeline: Via[Timeline] = Via("parts")
+    kernel: Via[KernelData] = Via("parts")
+    mem: Via[GuestMemory] = Via("parts")
+    clock: Via[HitClock] = Via("parts")
+    kprobe_backend: Via[KprobeBackend] = Via("parts")
+    uprobe_backend: Via[UprobeBackend] = Via("parts")
+    machine: Via[Machine] = Via("parts")
+    kprobes: Via[KprobeManager] = Via("parts")
+    kretprobes: Via[KretprobeManager] = Via("parts")
+
+    def __init__(self, parts: Eventing, run: Callable[[str], RunResult]) -> None:
+        """``run``: a command in the guest's shell (Target.run), to read in a file the host does not see."""
+        self.parts = parts
+        self.run = run
 
     @functools.cached_property
     def dialect(self) -> Dialect:
@@ -92,38 +120,37 @@ class EventAPI:
         The host sees only the guest's dentry cache; a path not in it is looked up once by the guest's shell
         (``ls``), as the kernel's own lookup would read it from the disk.
         """
-        files = self.uprobes.files
+        files = self.parts.uprobes.files
         kind = self.machine.call(lambda: files.file_kind(path))
-        if kind == "missing" and self.guest_shell is not None and path.startswith("/"):
+        if kind == "missing" and self.parts.guest_shell is not None and path.startswith("/"):
             self.run(f"ls -d {shlex.quote(path)} >/dev/null 2>&1")
             kind = self.machine.call(lambda: files.file_kind(path))
         return kind
 
     def resolve_user_symbol(self, path: str, spec: str) -> int:
-        """The file offset of ``SYMBOL[+OFFS]`` in the guest's ELF file ``path`` (from its symbol tables).
+        """The file offset of ``SYMBOL[+OFFS]`` in the guest's ELF file ``path`` (from its symbol tables), or of
+        ``SYMBOL@impl[+OFFS]`` (the implementation the guest's loader picked for an indirect function).
 
         The file is read from the guest's page cache; pages not there are read in once by the guest's shell.
         """
-        try:
-            return self.user_elf(path).resolve(spec)
-        except UserElfError as exc:
-            raise InvalidProbe(str(exc)) from None
+        self.user_elf(path)  # read in, if need be
+        return self.parts.uprobes.resolve(path, spec)
 
     def user_elf(self, path: str) -> UserElf:
         """The guest's ELF file ``path``, as its page cache holds it (read in by the guest's shell if need be)."""
         if self.user_file_kind(path) != "regular":
             raise InvalidProbe(f"{path}: no regular file in the guest (ENOENT)")
         try:
-            return self.uprobes.elf(path)
+            return self.parts.uprobes.elf(path)
         except InvalidProbe:
-            if self.guest_shell is None:
+            if self.parts.guest_shell is None:
                 raise
         self.run(f"cat {shlex.quote(path)} >/dev/null")
-        return self.uprobes.elf(path)
+        return self.parts.uprobes.elf(path)
 
     def add_event(
         self,
-        definition: str | ProbeEvent | UprobeEvent,
+        definition: str | Definition | ProbeEvent | UprobeEvent,
         callback: Callable[[EventHit], None] | None = None,
         filter: str | None = None,
         anywhere: bool = False,
@@ -131,8 +158,8 @@ class EventAPI:
         """Arm a kprobe_events or uprobe_events definition (``p:ev vfs_read count=%dx``, ``p:ev /bin/prog:0x1136``,
         ``p:ev /bin/prog:main``); hits go to ``callback`` and ``.hits``.
 
-        A definition a front end parsed already (``qprobe.fetch.parse_event``) is checked with this
-        kernel's symbols rather than parsed again.
+        A definition a front end parsed already (``qprobe.fetch.parse_definition``, or ``parse_event``)
+        is checked with this kernel's symbols rather than parsed again.
 
         ``filter`` is an ftrace event filter (``count > 100 && comm == "cat"``): hits it rejects are
         only counted (``.filtered``).  ``anywhere`` arms it with a stub breakpoint, which also reaches
@@ -145,7 +172,7 @@ class EventAPI:
 
     def add_events(
         self,
-        definition: str | ProbeEvent,
+        definition: str | Definition | ProbeEvent,
         callback: Callable[[EventHit], None] | None = None,
         filter: str | None = None,
         anywhere: bool = False,
@@ -204,4 +231,4 @@ class EventAPI:
         return first if first is not None and te in first.appended else None
 
 
-__all__ = ["EventAPI"]
+__all__ = ["EventAPI", "Eventing"]

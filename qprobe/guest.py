@@ -10,7 +10,7 @@ from qprobe.errors import TargetError, TargetGone
 from qprobe.lifetime import LIVENESS_POLL
 
 if TYPE_CHECKING:
-    from qprobe.core.kprobes import KprobeManager
+    from qprobe.core.optimizer import Optimizer
     from qprobe.core.records import RecordRings
     from qprobe.events.timeline import Timeline
     from qprobe.vmm.console import Console, GuestShell, RunResult
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 class Hosting(Protocol):
-    """What the guest's side uses of a target (qprobe.api.Target)."""
+    """What the guest's side uses of a target's parts (qprobe.parts.Parts)."""
 
     @property
     def console(self) -> Console | None: ...
@@ -27,7 +27,7 @@ class Hosting(Protocol):
     @property
     def machine(self) -> Machine: ...
     @property
-    def kprobes(self) -> KprobeManager: ...
+    def optimizer(self) -> Optimizer: ...
     @property
     def timeline(self) -> Timeline: ...
 
@@ -38,7 +38,7 @@ class Guest:
     def __init__(self, target: Hosting) -> None:
         self.target = target
 
-    def run(self, command: str, timeout: float) -> RunResult:
+    def run(self, command: str, timeout: float = 60.0) -> RunResult:
         """A shell command in the guest, its output exactly what it wrote; the counts synced when it is done."""
         t = self.target
         if t.guest_shell is None:
@@ -75,13 +75,13 @@ class Guest:
 
     def sync(self) -> None:
         """Fold the in-guest counters and record rings now, not at the next 20 ms tick."""
-        self.target.kprobes.optimizer.sync_all()
+        self.target.optimizer.sync_all()
         self.target.timeline.flush()
 
     @property
     def records(self) -> RecordRings | None:
         """The guest's record rings (only on qprobe's own QEMU, with shared RAM)."""
-        return self.target.kprobes.optimizer.records
+        return self.target.optimizer.records
 
     @property
     def records_lossy(self) -> bool:

@@ -45,8 +45,8 @@ UNWIND_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 class Ending(Protocol):
-    """What ending a target (qprobe.api.Target) releases.  From ``gdb`` on, each is read only where the wiring
-    (qprobe.wiring) got as far as making it: an attach may fail before."""
+    """What ending a target releases, of its parts (qprobe.parts.Parts).  From ``gdb`` on, each is read only
+    where the wiring (qprobe.wiring) got as far as making it: an attach may fail before."""
 
     @property
     def qemu(self) -> QemuProcess | None: ...

@@ -12,8 +12,8 @@ if TYPE_CHECKING:
     import drgn
 
     from qprobe.arch import Arch
-    from qprobe.core.kprobes import KprobeManager
     from qprobe.core.regs import PtRegs
+    from qprobe.core.regsmaker import RegsMaker
     from qprobe.kernel.program import KernelData, Stack, Task
     from qprobe.kernel.symbols import Symbols
     from qprobe.vmm.gdbremote import GdbRemote
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 class Viewed(Protocol):
-    """What the views read of a target (qprobe.api.Target)."""
+    """What the views read of a target's parts (qprobe.parts.Parts)."""
 
     @property
     def arch(self) -> Arch: ...
@@ -37,7 +37,7 @@ class Viewed(Protocol):
     @property
     def machine(self) -> Machine: ...
     @property
-    def kprobes(self) -> KprobeManager: ...
+    def regs_maker(self) -> RegsMaker: ...
 
 
 class KernelViews:
@@ -70,7 +70,7 @@ class KernelViews:
             values = t.gdb.read_registers(tid)
             if t.arch.user_mode(values):
                 return values, None
-            return values, t.kprobes.make_regs(values, tid).stack_trace()
+            return values, t.regs_maker.make_regs(values, tid).stack_trace()
 
         return t.machine.call(unwind)
 

@@ -2,9 +2,11 @@
 guest memory and symbols, the stop loop, the undo journal, and the probe managers over them.
 
 The composition root: the one module above qprobe/arch that asks qprobe.arch.select for an Arch.
-:class:`Wiring` assigns the parts onto the target it is given (qprobe.api.Target, a :class:`Wired`):
-``connect`` as far as any target goes, then ``attach_running`` for a kernel that runs; a kernel that
-has not run yet is wired as it boots (qprobe.bootprobes), with ``new_machine`` and ``probing``.
+:class:`Wiring` makes a target's :class:`qprobe.parts.Parts` and the objects a Target is a façade over,
+each on those parts (its kprobes and kprobe_events APIs, its guest, its kernel views, its lifetime), and
+assigns the parts as it builds them: ``connect`` as far as any target goes, then ``attach_running`` for a
+kernel that runs; a kernel that has not run yet is wired as it boots (qprobe.bootprobes), with
+``new_machine`` and ``probing``.
 """
 
 from __future__ import annotations
@@ -14,26 +16,34 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from qprobe.arch import Arch, BootStage
 from qprobe.arch.select import arch_named, arch_of_machine
 from qprobe.core.kprobes import KprobeManager
 from qprobe.core.kretprobe import KretprobeManager
 from qprobe.core.recovery import recover
+from qprobe.core.regsmaker import RegsMaker
+from qprobe.core.table import ProbeTable
 from qprobe.core.uprobes import UprobeManager
 from qprobe.core.watchpoint import Watchpoints
 from qprobe.errors import BootPanic, GuestPanicked, GuestStalled, MemoryFault, QprobeError, TargetError
+from qprobe.eventapi import EventAPI
 from qprobe.events.clock import HitClock
 from qprobe.events.kprobe import KprobeBackend
 from qprobe.events.uprobe import UprobeBackend
+from qprobe.guest import Guest
 from qprobe.kernel.features import fully_preemptible
 from qprobe.kernel.kaslr import detect_slide
 from qprobe.kernel.program import KernelData
 from qprobe.kernel.stalled import vcpu_places
 from qprobe.kernel.symbols import Symbols
 from qprobe.kernel.vmlinux import elf_machine
+from qprobe.lifetime import Lifetime
+from qprobe.parts import Parts
 from qprobe.paths import cache_dir
+from qprobe.probeapi import ProbeAPI
+from qprobe.views import KernelViews
 from qprobe.vmm.bootfail import BootSetup
 from qprobe.vmm.connection import Connection, parse_address
 from qprobe.vmm.console import Console, open_shell
@@ -46,9 +56,6 @@ from qprobe.vmm.peer import listener_pid, process_identity
 from qprobe.vmm.scratch import ScratchArea, memmap_reservation
 
 if TYPE_CHECKING:
-    from qprobe.events.timeline import Timeline
-    from qprobe.lifetime import Lifetime
-    from qprobe.vmm.console import GuestShell
     from qprobe.vmm.qemu import QemuProcess
     from qprobe.vmm.transport import GdbTransport
 
@@ -158,49 +165,22 @@ class SymbolsLoader:
         return self._box[0]
 
 
-class Wired(Protocol):
-    """What the wiring assigns on a target (qprobe.api.Target), and what it reads there."""
-
-    qemu: QemuProcess | None
-    address: str
-    timings: dict[str, float]
-    timeline: Timeline
-    console: Console | None
-    guest_shell: GuestShell | None
-    gdb: GdbRemote | GdbMiRemote
-    arch: Arch
-    mem: GuestMemory
-    symbols: Symbols
-    slide: int
-    cmdline: str
-    journal: Journal
-    kernel: KernelData
-    recovered: int
-    machine: Machine
-    scratch: ScratchArea
-    kprobes: KprobeManager
-    kretprobes: KretprobeManager
-    uprobes: UprobeManager
-    kprobe_backend: KprobeBackend
-    uprobe_backend: UprobeBackend
-    clock: HitClock
-    watchpoints: Watchpoints
-
-    @property
-    def lifetime(self) -> Lifetime: ...
-
-
 class Wiring:
-    """Puts a target together: what ``Target(...)`` was given, assigned onto it as parts."""
+    """Puts a target together from what ``Target(...)`` was given: its parts, and the objects over them."""
 
-    def __init__(self, target: Wired, vmlinux: str | Path, *, ram: Path | None, ram_size: int, console: Path | None,
-                 boot_timeout: float, doorbell: Path | None, shell: Path | None, system_map: Path | None,
-                 transport: str) -> None:  # fmt: skip
-        self.target = target
+    def __init__(self, gdb_address: str, vmlinux: str | Path, *, qemu: QemuProcess | None, ram: Path | None,
+                 ram_size: int, console: Path | None, boot_timeout: float, doorbell: Path | None, shell: Path | None,
+                 system_map: Path | None, transport: str) -> None:  # fmt: skip
+        self.parts = parts = Parts(qemu, gdb_address)
+        self.lifetime = Lifetime(parts)
+        self.guest = Guest(parts)
+        self.views = KernelViews(parts)
+        self.probe_api = ProbeAPI(parts)
+        self.event_api = EventAPI(parts, self.guest.run)
         self.vmlinux, self.system_map, self.transport = vmlinux, system_map, transport
         self.ram, self.ram_size, self.doorbell = ram, ram_size, doorbell
         self.console_path, self.shell_path, self.boot_timeout = console, shell, boot_timeout
-        self.alive = target.qemu.alive if target.qemu is not None else None
+        self.alive = qemu.alive if qemu is not None else None
         self.t0 = time.monotonic()
         self.root = 0  # vCPU 0's page-table register when connected
         self.stalled: GuestStalled | None = None  # a kernel silent in its own boot, said once attached
@@ -208,7 +188,7 @@ class Wiring:
     def connect(self, boot: bool) -> None:
         """The console (and, but for a boot to probe, the guest's shell), the stub, the architecture, guest
         memory as vCPU 0's page tables map it, and the symbols: as far as every target goes."""
-        t = self.target
+        t = self.parts
         loader = SymbolsLoader(self.vmlinux, self.system_map)
         if self.console_path is not None:
             t.console = Console(self.console_path, self.alive)
@@ -227,7 +207,7 @@ class Wiring:
         stage = t.arch.boot_stage(regs0)
         # A VM that has run no instruction is left so when this attach fails before the boot goes on, so that
         # another can (a detach would start it).
-        t.lifetime.leave_halted = stage is BootStage.RESET
+        self.lifetime.leave_halted = stage is BootStage.RESET
         check_stage(stage, boot)
         phys: PhysReader = StubPhys(t.gdb) if self.ram is None else SharedRam(self.ram, self.ram_size, writable=True)
         paging = t.arch.page_tables(regs0)
@@ -240,7 +220,7 @@ class Wiring:
 
     def _open_shell(self, console: Console) -> None:
         """The guest's shell, once up, on a VM without boot-time probes; a boot that stalls is kept for later."""
-        t = self.target
+        t = self.parts
         try:
             # A VM qprobe did not boot has its shell ready already: no boot to wait for.
             t.guest_shell = open_shell(console, self.shell_path, self.alive, self.boot_timeout if t.qemu else None,
@@ -255,7 +235,7 @@ class Wiring:
     def attach_running(self) -> None:
         """The rest, for a kernel that runs: its slide, command line and journal, what an earlier qprobe left
         in it undone, the stop loop and the probe managers."""
-        t = self.target
+        t = self.parts
         t.mem.paging.learn(t.symbols.__contains__)
         t.mem.pgd = t.mem.pgd_of(self.root)
         t.slide = detect_slide(t.symbols, t.mem, t.console.text if t.console else "")
@@ -285,15 +265,15 @@ class Wiring:
     def new_journal(self, identity: Callable[[int | None], str]) -> Journal:
         """The undo journal, named ``identity(QEMU's pid)``, once those of VMs that are gone are swept."""
         sweep_journals()
-        t = self.target
+        t = self.parts
         pid = t.qemu.proc.pid if t.qemu is not None else listener_pid(parse_address(t.address))
         return Journal(identity(pid), process_identity(pid) if pid is not None else None)
 
     def new_machine(self, paused: bool = False) -> Machine:
         """The stop loop over the stub, guest memory and the journal (``paused``: of a VM that has not run)."""
-        t = self.target
+        t = self.parts
         t.machine = Machine(t.gdb, t.mem, t.journal, t.arch.registers.pc, paused=paused)
-        t.machine.exit_hint = t.lifetime.exit_hint
+        t.machine.exit_hint = self.lifetime.exit_hint
         phys = t.mem.phys
         if isinstance(phys, SharedRam) and phys.writable:
             t.machine.data_writer = phys
@@ -303,22 +283,26 @@ class Wiring:
 
     def probing(self) -> None:
         """The probe managers, once the kernel's slide and command line are known."""
-        t = self.target
+        t = self.parts
         reservation = memmap_reservation(t.cmdline)
         if reservation is None:
             raise TargetError("the kernel was not booted with a memmap=2M$ADDR reservation, which qprobe needs for "
                               "its scratch area: add e.g. memmap=2M$0x1e000000 to the kernel command line")  # fmt: skip
         ram = t.mem.phys if isinstance(t.mem.phys, SharedRam) else None
         t.scratch = ScratchArea(t.machine, reservation[0], t.symbols.address("_end"), reservation[1])
-        t.kprobes = KprobeManager(t.machine, t.kernel, t.scratch, t.arch, ram,
+        t.regs_maker = RegsMaker(t.machine, t.kernel, t.arch)  # every handler's pt_regs
+        # The one probe table: registration, the trap path and the optimizer all work on it.
+        t.kprobes = KprobeManager(t.machine, t.kernel, t.scratch, t.arch, ProbeTable(), t.regs_maker, ram,
                                   str(self.doorbell) if self.doorbell else None,
                                   fully_preemptible(t.symbols, t.cmdline))  # fmt: skip
+        t.optimizer = t.kprobes.optimizer
         t.kretprobes = KretprobeManager(t.kprobes)
-        t.uprobes = UprobeManager(t.machine, t.arch, t.kernel, t.kprobes)
-        t.kprobe_backend = KprobeBackend(t.kprobes, t.kretprobes)  # what kprobe events hold probes by
+        t.uprobes = UprobeManager(t.machine, t.arch, t.kernel, t.kprobes, t.kprobes.handlers, t.regs_maker,
+                                  t.kprobes.dispatcher)  # fmt: skip
+        t.kprobe_backend = KprobeBackend(t.kprobes, t.kretprobes, t.regs_maker)  # what kprobe events hold probes by
         t.uprobe_backend = UprobeBackend(t.uprobes)  # and uprobe events theirs
         t.clock = HitClock(t.kernel, t.machine, t.timeline)  # when each event hit happened
-        t.watchpoints = Watchpoints(t.machine, t.symbols, t.kprobes.handlers, t.kprobes.make_regs)
+        t.watchpoints = Watchpoints(t.machine, t.symbols, t.kprobes.handlers, t.regs_maker.make_regs)
 
     def cause(self, exc: BaseException) -> BaseException:
         """What a failed attach raises for ``exc``: the stall of a kernel silent in its own boot, if it was."""
@@ -344,7 +328,6 @@ __all__ = [
     "TRANSPORTS",
     "StubPhys",
     "SymbolsLoader",
-    "Wired",
     "Wiring",
     "arch_of",
     "boot_setup",

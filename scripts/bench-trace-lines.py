@@ -110,6 +110,18 @@ class Clock:
         return [(cycles / 2e9, cycles / 2e9) for cycles, _vcpu in records]
 
 
+class Kernel:
+    """The running kernel as the rings and the event read it: its task offsets, no tsc_khz (records are timed
+    by the stand-in clock), and the ring buffer's bound on a record (Linux 6.8's default sub-buffer)."""
+
+    offsets = (0x20C00, 0x5A0, 0x5A4, 0x740)
+    arch = ARCH
+    symbols = Symbols()
+
+    def event_length_limit(self) -> int | None:
+        return 4056
+
+
 class Backend:
     trampoline = None
 
@@ -122,8 +134,9 @@ def setup(out: io.TextIOBase) -> tuple[RecordRings, Ram, Timeline]:
     ram = Ram(0x600000)
     scratch = Scratch(ram)
     timeline = Timeline()
+    kernel = Kernel()
     host = SimpleNamespace(arch=ARCH, symbols=Symbols(), timeline=timeline, mem=MEM, clock=Clock(),
-                           kprobe_backend=Backend())  # fmt: skip
+                           kprobe_backend=Backend(), kernel=kernel)  # fmt: skip
     ev = parse_event(DEFINITION, symbol_exists=lambda name: True)
     assert isinstance(ev, ProbeEvent)
     te = KprobeEvent(host, ev)  # type: ignore[arg-type]
@@ -141,7 +154,6 @@ def setup(out: io.TextIOBase) -> tuple[RecordRings, Ram, Timeline]:
     point = ProbePoint(PROBE, "ksys_read+0x4", None, [kp])  # type: ignore[arg-type]
     point.opt = Optimized(PROBE_ID, SCRATCH + 0x1000, 8, None, SCRATCH + 0x100A, "record", 0)  # type: ignore[arg-type]
     machine = SimpleNamespace(vcpus=[f"1.{n + 1}" for n in range(NCPUS)])
-    kernel = SimpleNamespace(offsets=(0x20C00, 0x5A0, 0x5A4, 0x740))
     rr = RecordRings(ARCH, machine, scratch, ram, kernel, Symbols(), Handlers(), {PROBE_ID: point}, set())  # type: ignore[arg-type]
     percpu = SimpleNamespace(cpu_number=0x20C08, this_cpu_off=0x20C10, current_task=0x20C00)
     rr.ensure(SCRATCH + 0x500000, percpu, lambda at, size: ram.write_phys(scratch.phys_of(at), bytes(size)), 0xE9)  # type: ignore[arg-type]

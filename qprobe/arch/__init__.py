@@ -62,8 +62,10 @@ from the base kprobes hooks; the core checks for None before it uses one.
     and their trampolines.  None: every hit stops the VM (jump optimization
     needs it too).
 11. ``uprobes`` (:class:`Uprobes`): user-space probes.  None: refused.
-    ``cycle_counter`` (:class:`CycleCounter`): what the host times stops
-    against.  None: stops are not timed against the guest's clock.
+    ``cycle_counter`` (:class:`CycleCounter`, qprobe.arch.cycles): the counter
+    the kernel's sched_clock reads, sched_clock computed from it, and what the
+    host times stops against.  None: trace timestamps are the host's, not the
+    guest's clock.
 
 ``make lint`` type-checks every implementation against this protocol
 (qprobe/arch/select.py), and tests/unit/test_layering.py keeps every other
@@ -78,6 +80,7 @@ from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from qprobe.arch.cycles import CycleCounter, GuestKernel, SchedClock, StopTimer
 from qprobe.arch.guestram import (
     DetourParams,
     GuestRam,
@@ -192,6 +195,10 @@ class RegisterLayout:
     percpu_base: str  # gdbstub name of the register holding the CPU's per-CPU base in kernel mode
     retval: str  # pt_regs name of the register a function returns its value in
     stack_args: int  # at a function's entry, sp + this is its first argument on the stack (x86_64: 8)
+    # The per-CPU variable holding ``current`` wherever no register holds it: always on x86
+    # (``current_task``, set by __switch_to), at a user-mode stop on arm64 (``__entry_task``: SP_EL0 is
+    # then the user's stack pointer).
+    current_percpu: str
     # pt_regs names of every field of struct pt_regs in memory order (what drgn's stack walk is given,
     # and the %REG names kprobe_events takes).
     pt_regs: tuple[str, ...] = ()
@@ -202,9 +209,13 @@ class RegisterLayout:
     flag_bits: tuple[tuple[int, str], ...] = ()
     plain: frozenset[str] = frozenset()  # gdbstub registers whose write has no effect beyond the value
     # gdbstub name of the register that holds ``current`` (the running task_struct's address) in kernel
-    # mode, as arm64's SP_EL0 does; None where ``current`` is the per-CPU variable ``current_task``,
-    # read at the per-CPU base (x86).  qprobe.kernel.program.KernelData.current_address reads either.
+    # mode, as arm64's SP_EL0 does; None where it is always ``current_percpu``, read at the per-CPU base
+    # (x86).  qprobe.kernel.program.KernelData.current_address reads either, by the stop's mode.
     current: str | None = None
+    # pt_regs name of the field that holds a system call's number, which is no register (x86's orig_ax;
+    # arm64's syscallno): a kernel-mode exception entry stores -1 there, so kprobe_events' %REG of it
+    # reads -1 in a kprobe's handler.  None: pt_regs has no such field.
+    syscall_nr: str | None = None
     # gdbstub names of the other registers the architecture's readers take from a stop (x86: CR4 for
     # page_tables, KERNEL_GS_BASE for percpu_base, CR0 for boot_stage).
     system: tuple[str, ...] = ()
@@ -269,19 +280,6 @@ class FtraceSite:
     entry: str
     size: int
     callee: Callable[[bytes, int], int | None]
-
-
-@dataclass(frozen=True)
-class CycleCounter:
-    """The cycle counter the kernel's sched_clock reads, as the host calibrates its stop clock against it.
-
-    ``function`` reads it; ``after_read`` finds where the value just read is in
-    registers, and ``value`` reads it there.
-    """
-
-    function: str
-    after_read: Callable[[bytes, int], int | None]
-    value: Callable[[Mapping[str, int]], int]
 
 
 class PageTables(Protocol):
@@ -391,7 +389,7 @@ class Arch(Protocol):
     optprobes: OptProbes | None  # None: every probe stays a breakpoint
     guest_ram: GuestRam | None  # None: every hit stops the VM (no mailbox, rings, maps or guest-RAM kretprobes)
     uprobes: Uprobes | None  # None: user-space probes are refused
-    cycle_counter: CycleCounter | None  # None: stops are not timed against the guest's clock
+    cycle_counter: CycleCounter | None  # None: hits are timed by the host, not by the guest's trace clock
 
     def page_tables(self, regs: Mapping[str, int]) -> PageTables: ...
     def vmcoreinfo(self, address: Callable[[str], int], virt_to_phys: Callable[[int], int], levels: int) -> list[str]:
@@ -461,6 +459,7 @@ __all__ = [
     "DetourParams",
     "ExceptionTable",
     "FtraceSite",
+    "GuestKernel",
     "GuestRam",
     "MailboxRequest",
     "Memory",
@@ -476,6 +475,8 @@ __all__ = [
     "ReturnHijack",
     "ReturnLayout",
     "RingEntry",
+    "SchedClock",
+    "StopTimer",
     "Trap",
     "TrapHook",
     "TrapStep",

@@ -53,7 +53,7 @@ import gdb
 class Hit(gdb.Breakpoint):
     hits = 0
     def stop(self):
-        gdb.selected_frame().read_register("rdi")
+        gdb.selected_frame().read_register("pc")
         Hit.hits += 1
         return False
 Hit("*{addr:#x}")

@@ -36,7 +36,7 @@ def _probe_matrix(target: qprobe.Target, args: argparse.Namespace) -> list[tuple
         for key, what, boost, optimize, kind in variants:
             if optimize and not can_optimize:
                 continue
-            target.kprobes.boost = boost
+            target.kprobes.dispatcher.boost = boost
             if can_optimize:
                 target.set_kprobes_optimization(optimize)
             n = n_fast if optimize else n_slow
@@ -65,7 +65,7 @@ def _probe_matrix(target: qprobe.Target, args: argparse.Namespace) -> list[tuple
             returns = f", {probe.nreturns // runs} returns" if isinstance(probe, qprobe.Kretprobe) else ""
             what = f"{what} ({probe.nmissed} missed{returns})"
             rows.append(("", Row(name, key, what, n, probe.nhit // runs, seconds, row_base)))
-    target.kprobes.boost = True
+    target.kprobes.dispatcher.boost = True
     if can_optimize:
         target.set_kprobes_optimization(True)
     return rows

@@ -15,7 +15,7 @@ from .host import _host_language, _host_probeability, _host_symbols, _without_bt
 if TYPE_CHECKING:
     from qprobe.api import Target
     from qprobe.events import EventHit, TraceEvent
-    from qprobe.fetch import ProbeEvent, UprobeEvent
+    from qprobe.fetch import Definition, ProbeEvent, UprobeEvent
 
 
 def _perf_definitions(args: argparse.Namespace) -> None:
@@ -35,11 +35,13 @@ def _perf_definitions(args: argparse.Namespace) -> None:
     from qprobe.kernel.perfsyntax import parse_perf_probe
     from qprobe.wiring import vmlinux_arch
 
-    for text in texts:  # a typo gets the closest names, as a kprobe_events definition's does
-        name = parse_perf_probe(text).function
-        if name is not None and name not in symbols:
-            raise unknown_symbol(symbols, name, Probeability.of(symbols, vmlinux_arch(symbols)).functions())
-    found = iter(perf_to_kprobe(texts, symbols, vmlinux_arch(symbols)))
+    probes = []
+    for text in texts:  # each parsed once; a typo gets the closest names, as a kprobe_events definition's does
+        probe = parse_perf_probe(text)
+        if probe.function is not None and probe.function not in symbols:
+            raise unknown_symbol(symbols, probe.function, Probeability.of(symbols, vmlinux_arch(symbols)).functions())
+        probes.append(probe)
+    found = iter(perf_to_kprobe(probes, symbols, vmlinux_arch(symbols)))
     out = []
     for text in args.events:
         if _is_kernel_perf(text):
@@ -77,49 +79,56 @@ def _check_symbols(args: argparse.Namespace, events: list[ProbeEvent]) -> None:
             raise QprobeError(f"{ev.text.strip()}: {exc}") from None
 
 
-def _parse_definitions(args: argparse.Namespace) -> tuple[list[str | ProbeEvent], list[ProbeEvent | UprobeEvent]]:
+def _parse_definitions(
+    args: argparse.Namespace,
+) -> tuple[list[str | Definition | ProbeEvent], list[ProbeEvent | UprobeEvent]]:
     """args.events parsed in the language of the kernel that will run them, if the host knows it: what goes
     down to the target, and the definitions as parsed here, for the options' checks.
 
-    A uprobe's definition (its probe point a guest path, or perf's ``-x`` and bpftrace's ``uprobe:`` forms)
-    goes down as text: its file and symbols are the guest's, so the kernel's checks of them come once booted;
-    the rest of its line is judged here, a symbol standing in as offset 0.
+    A uprobe's definition (its probe point a guest path) goes down parsed but unchecked, perf's ``-x`` and
+    bpftrace's ``uprobe:`` forms as text: their files and symbols are the guest's, so the kernel's checks of
+    them come once booted; the rest of the line is judged here, a symbol standing in as offset 0.
     """
-    from qprobe.events.define import is_uprobe
-    from qprobe.fetch import ProbeEvent, UprobeEvent, parse_event, parse_uprobe_event
+    from qprobe.fetch import ProbeEvent, UprobeEvent, parse_definition, parse_event, parse_uprobe_event
     from qprobe.kernel.usyntax import is_user_form, symbolic_user_form, unresolved_syntax
 
     language = _host_language(args) if args.events else None
     if language is None:
         return list(args.events), []
     dialect, registers = language
-    out: list[str | ProbeEvent] = []
+    out: list[str | Definition | ProbeEvent] = []
     checked: list[ProbeEvent | UprobeEvent] = []
     for text in args.events:
-        line = symbolic_user_form(text, registers) if is_user_form(text) else text
-        if is_uprobe(line):
+        user_form = is_user_form(text)
+        try:
+            definition = parse_definition(symbolic_user_form(text, registers) if user_form else text)
+        except FetchArgError as exc:
+            raise _without_btf(args, exc) from None
+        if definition.is_uprobe:
             try:
-                uev = parse_uprobe_event(unresolved_syntax(line), dialect)
+                uev = parse_uprobe_event(unresolved_syntax(definition), dialect)
             except FetchArgError as exc:
-                raise FetchArgError(exc.reason, line, exc.column, logged=exc.logged, detail=exc.detail) from None
+                raise FetchArgError(exc.reason, definition.text, exc.column, logged=exc.logged,
+                                    detail=exc.detail) from None  # fmt: skip
             if isinstance(uev, UprobeEvent):
                 checked.append(uev)
-            out.append(text)
+            out.append(text if user_form else definition)
             continue
         try:
-            ev = parse_event(text, dialect=dialect)
+            ev = parse_event(definition, dialect=dialect)
         except FetchArgError as exc:
             raise _without_btf(args, exc) from None
         if isinstance(ev, ProbeEvent):
             checked.append(ev)
-        out.append(ev if isinstance(ev, ProbeEvent) else text)  # a deletion is refused once armed, as the API does
+        # A deletion is refused once armed, as the API does.
+        out.append(ev if isinstance(ev, ProbeEvent) else definition)
     return out, checked
 
 
 def _check_boot(args: argparse.Namespace) -> None:
     """--boot's EVENTs are the kernel's (a uprobe's file is the guest's, read once the guest is up), armed
     through qprobe's own gdbstub client."""
-    from qprobe.events.define import is_uprobe
+    from qprobe.fetch import parse_definition
     from qprobe.kernel.usyntax import is_user_form
 
     if (args.kernel_image is not None or args.kernel_cmdline is not None) and not (
@@ -133,17 +142,18 @@ def _check_boot(args: argparse.Namespace) -> None:
         raise QprobeError("--boot stops the kernel at its first instructions through qprobe's own gdbstub client: "
                           "not with --transport gdb")  # fmt: skip
     for text in args.events:
-        if is_uprobe(text) or is_user_form(text):
+        if is_user_form(text) or parse_definition(text).is_uprobe:
             raise QprobeError(f"{text.strip()}: --boot arms kernel probes before the kernel runs; a uprobe's file is "
                               "the guest's, read once the guest is up: add it then")  # fmt: skip
 
 
-def _user_forms(target: Target, definitions: list[str | ProbeEvent], quiet: bool) -> list[str | ProbeEvent]:
+def _user_forms(target: Target, definitions: list[str | Definition | ProbeEvent],
+                quiet: bool) -> list[str | Definition | ProbeEvent]:  # fmt: skip
     """perf's ``-x`` and bpftrace's ``uprobe:`` forms as the uprobe_events lines they make, their symbols
     resolved in the guest's files, each shown as ``perf probe -v`` shows what it writes."""
     from qprobe.kernel.usyntax import is_user_form, user_form_definition
 
-    out: list[str | ProbeEvent] = []
+    out: list[str | Definition | ProbeEvent] = []
     for d in definitions:
         if isinstance(d, str) and is_user_form(d):
             d = user_form_definition(d, target.resolve_user_symbol, target.arch.registers)
@@ -153,14 +163,18 @@ def _user_forms(target: Target, definitions: list[str | ProbeEvent], quiet: bool
     return out
 
 
-def _arm(target: Target, definition: str | ProbeEvent, callback: Callable[[EventHit], None] | None = None,
+def _arm(target: Target, definition: str | Definition | ProbeEvent, callback: Callable[[EventHit], None] | None = None,
          flt: str | None = None, anywhere: bool = False) -> list[TraceEvent]:  # fmt: skip
     """One definition's events: one, or one per function its glob matches (the refused ones said on stderr).
 
-    A definition parsed before boot goes down as its ProbeEvent, checked there, not parsed again.
+    A definition parsed before boot goes down as its ProbeEvent (or Definition), checked there, not parsed
+    again; text is parsed here, once.
     """
-    from qprobe.events.define import is_wildcard
+    from qprobe.events.define import definition_of, is_wildcard
+    from qprobe.fetch import ProbeEvent
 
+    if not isinstance(definition, ProbeEvent):
+        definition = definition_of(definition)
     if not is_wildcard(definition):
         return [target.add_event(definition, callback, flt, anywhere)]
     found = target.add_events(definition, callback, flt, anywhere)

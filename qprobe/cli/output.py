@@ -110,7 +110,7 @@ def _summarize(target: Target, events: list[TraceEvent], trace: _Trace) -> None:
     totals: dict[str, collections.Counter[str]] = {}
     for te in events:
         totals.setdefault(te.definition.event, collections.Counter()).update(
-            hits=te.nhit, nmissed=te.nmissed, lost=te.lost, filtered=te.filtered)  # fmt: skip
+            hits=te.nhit, nmissed=te.nmissed, lost=te.lost, filtered=te.filtered, oversized=te.oversized)  # fmt: skip
     summary: dict[str, dict[str, int]] = {}
     for name, t in totals.items():
         row = {"hits": t["hits"], "nmissed": t["nmissed"], "lost": t["lost"]}
@@ -118,6 +118,8 @@ def _summarize(target: Target, events: list[TraceEvent], trace: _Trace) -> None:
             row.update(hits=trace.shown[name], others=t["hits"] - trace.shown[name])
         if args.filter:
             row["filtered"] = t["filtered"]
+        if t["oversized"]:  # records past the guest's ring buffer's bound: its own event drops them too
+            row["oversized"] = t["oversized"]
         summary[name] = row
     waited = target.record_waits() - trace.waits_before if target.machine.alive else 0
     with trace.lock:

@@ -19,7 +19,7 @@ from .output import _summarize, _Trace
 if TYPE_CHECKING:
     from qprobe.api import Target
     from qprobe.events import TraceEvent
-    from qprobe.fetch import ProbeEvent
+    from qprobe.fetch import Definition, ProbeEvent
 
 
 # A hit is a few small objects that live until the timeline hands it on (a tenth of a second): at tens of
@@ -67,13 +67,13 @@ def _size_rings(target: Target, args: argparse.Namespace) -> None:
         target.records_buffer_size_kb = args.buffer_size_kb
 
 
-def _check_definitions(args: argparse.Namespace, trace: _Trace) -> list[str | ProbeEvent]:
+def _check_definitions(args: argparse.Namespace, trace: _Trace) -> list[str | Definition | ProbeEvent]:
     """Each definition parsed once, before booting where the kernel's vmlinux is at hand: syntax errors
     (events, filter, --format, --map's names) and unknown functions come before a VM does.
 
-    Returns what goes down to the target: each definition's ProbeEvent, or its text where there is
-    none yet (a VM to attach to whose vmlinux is not given: parsed in the running kernel's language;
-    a uprobe's, whose file is the guest's).
+    Returns what goes down to the target: each definition's ProbeEvent, its Definition where there is
+    none yet (a uprobe's, whose file is the guest's), or its text where nothing parsed it (a VM to attach
+    to whose vmlinux is not given: parsed in the running kernel's language; perf's and bpftrace's uprobes).
     """
     from qprobe.fetch import ProbeEvent
 
@@ -90,7 +90,7 @@ def _check_definitions(args: argparse.Namespace, trace: _Trace) -> list[str | Pr
     return definitions
 
 
-def _arm_traced(target: Target, definitions: list[str | ProbeEvent], trace: _Trace,
+def _arm_traced(target: Target, definitions: list[str | Definition | ProbeEvent], trace: _Trace,
                 anywhere: bool | None = None) -> list[TraceEvent]:  # fmt: skip
     """Every definition's events, their hits printed in the guest's order of hits (or folded into the map);
     ``anywhere`` (else --anywhere) arms them with stub breakpoints."""

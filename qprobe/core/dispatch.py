@@ -26,14 +26,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from typing import Protocol
 
 from qprobe.arch import Arch, Resume, ResumeKind, Trap, TrapHook
 from qprobe.core.handlers import Handlers
 from qprobe.core.kprobe import Kprobe
 from qprobe.core.point import KprobeCtlblk, KprobeStatus, ProbePoint
-from qprobe.core.regs import PtRegs
+from qprobe.core.regs import PtRegs, RegsSource
 from qprobe.core.slots import InsnSlots
+from qprobe.core.table import ProbeTable
 from qprobe.errors import ProbeError
 from qprobe.kernel.features import find_watch_site, trap_entry
 from qprobe.kernel.program import KernelData
@@ -44,26 +44,18 @@ log = logging.getLogger("qprobe.kprobes")
 MAX_STEP_RETRIES = 1 << 16
 
 
-class Registry(Protocol):
-    """What the dispatcher reads of the probe table (``qprobe.core.kprobes.KprobeManager``)."""
-
-    points: dict[int, ProbePoint]
-    touched: set[int]
-
-    def make_regs(self, values: Mapping[str, int], tid: str) -> PtRegs: ...
-    def may_boost(self, point: ProbePoint, active: list[Kprobe]) -> bool: ...
-
-
 class Dispatcher:
     """Owns the int3 hook and turns each trap into handlers and one resume (stop-loop thread)."""
 
-    def __init__(self, machine: Machine, kernel: KernelData, arch: Arch, registry: Registry, slots: InsnSlots,
-                 handlers: Handlers) -> None:  # fmt: skip
-        """``slots``: the trampolines it runs, and where boosted copies jump back to (it notes each one)."""
+    def __init__(self, machine: Machine, kernel: KernelData, arch: Arch, table: ProbeTable, slots: InsnSlots,
+                 handlers: Handlers, regs: RegsSource) -> None:  # fmt: skip
+        """``table``: the probe table a trap's address is looked up in; ``slots``: the trampolines it runs, and
+        where boosted copies jump back to (it notes each one); ``regs``: the handlers' pt_regs."""
         self.machine = machine
         self.kernel = kernel
         self.arch = arch
-        self.registry = registry
+        self.table = table
+        self.regs = regs
         self.slots = slots
         self.handlers = handlers
         self.ctlblk: dict[str, KprobeCtlblk] = {tid: KprobeCtlblk() for tid in machine.vcpus}
@@ -77,6 +69,7 @@ class Dispatcher:
         self.passed_through = 0
         self.stale_int3 = 0  # traps on int3s already gone from the text, run again after a step
         self.ntraps = 0  # int3 traps dispatched (each one a VM stop)
+        self.boost = True  # hits may run the copy freely (may_boost); the slots they ran stay (InsnSlots)
 
     # -- the hook -------------------------------------------------------------------------
     def install(self) -> None:
@@ -212,11 +205,10 @@ class Dispatcher:
             return False
         if self._trap_step_end(tid, trap.addr):
             return True
-        reg = self.registry
-        point = reg.points.get(trap.addr)
+        point = self.table.points.get(trap.addr)
         return trap.addr in self.slots.trampolines or (point is not None and point.armed) or (
             removed
-            and trap.addr in reg.touched
+            and trap.addr in self.table.touched
             and self.machine.mem.read(trap.addr, len(self.arch.breakpoint)) != self.arch.breakpoint)  # fmt: skip
 
     # -- 3. handle --------------------------------------------------------------------------------
@@ -258,13 +250,12 @@ class Dispatcher:
 
     def _handle(self, tid: str, trap: Trap, reentered: bool) -> tuple[ProbePoint | None, list[Kprobe], Resume]:
         """What the trap at ``trap.addr`` does: (its probe point, the probes whose handlers ran, the resume)."""
-        reg = self.registry
         tramp = self.slots.trampolines.get(trap.addr)
         if tramp is not None:
             pt = self._regs(tid, trap)
             ip = tramp(pt)
             return None, [], Resume(ResumeKind.CONTINUE, ip, pt.sp, pt.flags, pt.dirty())
-        point = reg.points.get(trap.addr)
+        point = self.table.points.get(trap.addr)
         if point is None or not point.armed:
             # Our int3 was removed after this vCPU executed it but before we saw
             # the trap: back up and run the original instruction (as the kernel does).
@@ -284,11 +275,22 @@ class Dispatcher:
 
     def _regs(self, tid: str, trap: Trap) -> PtRegs:
         """The handlers' pt_regs: the state exactly as before the breakpoint."""
-        pt = self.registry.make_regs(trap.regs, tid)
+        pt = self.regs.make_regs(trap.regs, tid)
         pt.set_quietly("ip", trap.addr)
         pt.set_quietly("sp", trap.sp)
         pt.set_quietly("flags", trap.flags)
         return pt
+
+    def may_boost(self, point: ProbePoint, active: list[Kprobe]) -> bool:
+        """Whether a hit may run the copy freely (the arch still decides whether the instruction can).
+
+        Not with a post_handler to run after the instruction, and not while
+        the point waits to be optimized: the jump back would land inside the jump.  Those hits run
+        the copy to the int3 after it (a trap-step) where it can: with
+        interrupts off, nothing preempts the task there, and the optimizer
+        waits for the vCPU to be back (``trap_step_returns``).
+        """
+        return self.boost and not point.optimizing and not any(kp.post_handler for kp in active)
 
     def _setup(self, point: ProbePoint, pt: PtRegs, active: list[Kprobe], trap_step: bool) -> Resume:
         """setup_singlestep: the arch decides from the prepared instruction (emulate, boost, trap-step or step).
@@ -297,7 +299,7 @@ class Dispatcher:
         """
         may_trap_step = trap_step and self.arch.trap_step is not None
         resume = self.arch.arch_setup_resume(point.prep, pt, _TaskMemory(self.machine, pt),
-                                             self.registry.may_boost(point, active), may_trap_step)  # fmt: skip
+                                             self.may_boost(point, active), may_trap_step)  # fmt: skip
         if resume.kind is ResumeKind.CONTINUE:  # emulated on the host: the instruction has run
             self.handlers.post(active, pt)
             return Resume(ResumeKind.CONTINUE, pt.ip, pt.sp, pt.flags, pt.dirty())
@@ -337,7 +339,7 @@ class Dispatcher:
     def _after_singlestep(self, point: ProbePoint, tid: str, after: dict[str, int],
                           active: list[Kprobe]) -> Resume | None:  # fmt: skip
         """The copy was stepped: the post_handlers, and the resume in the original text (None after a fault)."""
-        post = self.registry.make_regs(after, tid)
+        post = self.regs.make_regs(after, tid)
         prep = point.prep
         if self.arch.step_left_slot(prep, self.arch.ip(after)):
             self._step_faulted(point, tid, post, active)
@@ -403,4 +405,4 @@ class _TaskMemory:
         self.machine.write_phys(phys, data)
 
 
-__all__ = ["Dispatcher", "Registry"]
+__all__ = ["Dispatcher"]

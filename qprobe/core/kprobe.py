@@ -28,6 +28,13 @@ KPROBE_FLAG_DISABLED = 2
 KPROBE_FLAG_OPTIMIZED = 4
 
 
+def check_handlers(**handlers: object) -> None:
+    """Refuse a probe given a handler (by its parameter's name) that is neither None nor callable."""
+    for name, fn in handlers.items():
+        if fn is not None and not callable(fn):
+            raise InvalidProbe(f"{name} must be callable, not {type(fn).__name__} (EINVAL)")
+
+
 class Kprobe:
     """A probe on one kernel instruction.
 
@@ -58,10 +65,7 @@ class Kprobe:
             raise InvalidProbe("a kprobe needs a symbol_name or an addr (EINVAL)")
         if not isinstance(offset, int) or offset < 0:
             raise InvalidProbe(f"offset must be a non-negative int, not {offset!r} (EINVAL)")
-        for name, fn in (("pre_handler", pre_handler), ("post_handler", post_handler),
-                         ("fault_handler", fault_handler)):  # fmt: skip
-            if fn is not None and not callable(fn):
-                raise InvalidProbe(f"{name} must be callable, not {type(fn).__name__} (EINVAL)")
+        check_handlers(pre_handler=pre_handler, post_handler=post_handler, fault_handler=fault_handler)
         self.symbol_name = symbol_name
         self.offset = offset
         self.addr = addr
@@ -120,12 +124,13 @@ class Kprobe:
 class GuestRecord:
     """One hit recorded by a detour in the guest, as the host drained it from a ring."""
 
-    values: dict[str, int]  # registers at the probe (pt_regs names as gdb gives them: rax, rip, rsp, eflags...)
+    # registers at the probe by the gdbstub's names (RegisterLayout.gdb_name's values), and ``cycles``
+    values: dict[str, int]
     cpu: int
     pid: int
     comm: str
     task: int  # the task_struct address
-    time: float  # host monotonic clock, from the record's TSC
+    time: float  # host monotonic clock, from the record's cycle counter value
 
 
 Handler = Callable[["KretprobeInstance", "PtRegs"], Any]
@@ -163,9 +168,7 @@ class Kretprobe:
                  anywhere: bool = False) -> None:  # fmt: skip
         if maxactive < 0 or data_size < 0:
             raise InvalidProbe("maxactive and data_size must not be negative (EINVAL)")
-        for name, fn in (("handler", handler), ("entry_handler", entry_handler)):
-            if fn is not None and not callable(fn):
-                raise InvalidProbe(f"{name} must be callable (EINVAL)")
+        check_handlers(handler=handler, entry_handler=entry_handler)
         self.kp = Kprobe(symbol_name=symbol_name, addr=addr, offset=offset, disabled=disabled, anywhere=anywhere)
         self.kp.kretprobe = self
         self.handler = handler

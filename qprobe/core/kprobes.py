@@ -1,18 +1,20 @@
-"""The architecture-neutral kprobes core, host side: the probe table, aggregation and arming.
+"""The architecture-neutral kprobes core, host side: registration into the probe table, aggregation and arming.
 
 Mirrors kernel/kprobes.c: ``register_kprobe`` resolves and checks
 everything before it writes a byte (``_kprobe_addr``,
 ``check_kprobe_address_safe``), probes at one address share one int3 and one
 out-of-line copy (the aggregate probe, ``aggr_pre_handler``), and a hit while
 the same vCPU is already handling a probe only counts ``nmissed``.  The
-traps themselves go through qprobe.core.dispatch; the architecture is the
-``Arch`` object qprobe.wiring hands in.
+traps themselves go through qprobe.core.dispatch; the probe table
+(qprobe.core.table), the handlers' pt_regs and the architecture are the
+objects qprobe.wiring hands in.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from qprobe.arch import Arch
@@ -22,15 +24,17 @@ from qprobe.core.handlers import Handlers
 from qprobe.core.kprobe import KPROBE_FLAG_DISABLED, KPROBE_FLAG_GONE, Kprobe
 from qprobe.core.optimizer import Optimizer
 from qprobe.core.point import ProbePoint
-from qprobe.core.regs import PtRegs
+from qprobe.core.regsmaker import RegsMaker
 from qprobe.core.sites import ProbeSites
 from qprobe.core.slots import InsnSlots
+from qprobe.core.table import ProbeTable
 from qprobe.core.text import KernelText
 from qprobe.errors import (
     InvalidProbe,
     ProbeBusy,
     ProbeError,
     QprobeError,
+    TargetError,
 )
 from qprobe.kernel.preempted import PREEMPTED_WAIT
 from qprobe.kernel.program import KernelData
@@ -44,7 +48,8 @@ log = logging.getLogger("qprobe.kprobes")
 
 
 class KprobeManager:
-    """Owns the probe table; every method that touches the guest runs on the stop loop."""
+    """Registers kprobes into the probe table and arms its points; every method that touches the guest runs
+    on the stop loop."""
 
     def __init__(
         self,
@@ -52,46 +57,42 @@ class KprobeManager:
         kernel: KernelData,
         scratch: ScratchArea,
         arch: Arch,
+        table: ProbeTable,
+        regs: RegsMaker,
         ram: SharedRam | None = None,
         doorbell: str | None = None,
         fully_preemptible: bool = False,
     ) -> None:
-        """``ram`` and ``doorbell``: the shared RAM file and the doorbell socket jump optimization needs."""
+        """``table``: the probe table, shared with the dispatcher and the optimizer; ``regs``: the handlers'
+        pt_regs; ``ram`` and ``doorbell``: the shared RAM file and the doorbell socket jump optimization needs."""
         self.machine = machine
         self.arch = arch
         self.symbols = kernel.symbols
         self.scratch = scratch
-        self.points: dict[int, ProbePoint] = {}
-        self.vcpu_index = {tid: i for i, tid in enumerate(machine.vcpus)}
+        self.table = table
+        self.regs = regs
         self.enabled = True  # debugfs kprobes/enabled
         # The kernel is booting and cannot take an int3 yet: probes go on stub breakpoints (switch_from_boot).
         self.booting = False
-        self.touched: set[int] = set()  # every address we ever put an int3 at
-        # Probes killed with the text they were in (kill_kprobe: a module's text about to be freed): their
-        # bytes are back, and they stay in the list, [GONE] with their counts, until unregistered or
-        # registered again, as the kernel keeps them in its table.  Probe -> its line's address and the rest.
-        self.gone: dict[Kprobe, tuple[int, str]] = {}
         self.text = KernelText(machine)  # the int3s and jumps of points, and the text under them
         self.sites = ProbeSites(machine, kernel, arch, self.text)  # where a probe goes, and where it may not
         self.slots = InsnSlots(machine, arch, scratch, fully_preemptible)  # what the scratch area's code outlives
         self.kernel = kernel  # the kernel's data through drgn
-        self.boost = True  # hits may run the copy freely (may_boost); the slots they ran stay (InsnSlots)
         self.handlers = Handlers()
-        self.dispatcher = Dispatcher(machine, kernel, arch, self, self.slots, self.handlers)
-        self.stubs = StubProbes(machine, arch, self.handlers, self.make_regs, self.dispatcher.step)
-        # A trampoline a frame returns to -> its real return address (kretprobes'): stack traces see through.
-        self.return_fixers: list[Callable[[int, int], int]] = []
-        self.optimizer = Optimizer(self, ram, doorbell)
+        self.dispatcher = Dispatcher(machine, kernel, arch, table, self.slots, self.handlers, regs)
+        self.stubs = StubProbes(machine, arch, self.handlers, regs.make_regs, self.dispatcher.step)
+        self.optimizer = Optimizer(self, table, regs, ram, doorbell)
 
-    def _regions(self, addr: int) -> list[ProbePoint]:
-        """Optimized points whose displaced instructions cover ``addr`` (other than at their start)."""
-        return [p for p in self.points.values() if p.opt is not None and p.addr < addr < p.addr + p.opt.size]
+    @property
+    def points(self) -> dict[int, ProbePoint]:
+        """The probe table's points by address (for readers: the listing, the shell, events, tests)."""
+        return self.table.points
 
     # -- registration ------------------------------------------------------------
     def register_kprobe(self, kp: Kprobe, optimize: bool = True) -> None:
         if kp.registered:
             raise InvalidProbe(f"{kp.where()} is already registered (EINVAL)")
-        self.gone.pop(kp, None)
+        self.table.gone.pop(kp, None)
         self._at_boot(kp)
         try:
             kp.at = self.sites.kprobe_addr(kp)
@@ -101,7 +102,7 @@ class KprobeManager:
             self._refused_at_boot(kp)
             raise
         if optimize:
-            self.optimizer.queue.optimize_later([addr])
+            self.optimizer.optimize_later([addr])
 
     def _at_boot(self, kp: Kprobe) -> None:
         """While the kernel boots, a probe not asked anywhere goes on a stub breakpoint, marked to move; one
@@ -132,7 +133,7 @@ class KprobeManager:
             raise InvalidProbe(f"{self.symbols.symbolize(addr)} has a probe anywhere=True: probe it so too "
                                "(EBUSY)")  # fmt: skip
         point = self.points.get(addr)
-        for other in self._regions(addr):
+        for other in self.table.regions(addr):
             self.optimizer.unoptimize(other)
             self._sync(other)
         if point is None:
@@ -164,7 +165,7 @@ class KprobeManager:
         """A stub breakpoint: any instruction boundary of kernel text, the blacklist and reserved sites too."""
         where, start, code = self.sites.check_kprobe_address_safe(addr, anywhere=True)
         self.arch.check_boundary(code, start, addr, self.text.patched(), where.split("+")[0])
-        if addr in self.points or self._regions(addr):
+        if addr in self.points or self.table.regions(addr):
             raise InvalidProbe(f"{where} has an int3 or a jump of a probe: probe it with anywhere=False too "
                                "(EBUSY)")  # fmt: skip
         self.stubs.register(kp, addr, where)
@@ -187,7 +188,7 @@ class KprobeManager:
 
         self.machine.call(work)
         if kp.registered and addr in self.points:
-            self.optimizer.queue.optimize_later([addr])
+            self.optimizer.optimize_later([addr])
 
     def register_kprobes(self, kps: Iterable[Kprobe]) -> None:
         """All or nothing: on an error, the ones already registered are unregistered.
@@ -212,10 +213,10 @@ class KprobeManager:
                     for kp in reversed(done):
                         self._unregister(kp)
                     raise
-            return self.optimizer.queue.enqueue(addrs)  # in the same stop
+            return self.optimizer.enqueue(addrs)  # in the same stop
 
         for kp in todo:
-            self.gone.pop(kp, None)
+            self.table.gone.pop(kp, None)
             self._at_boot(kp)
         try:
             for kp in todo:
@@ -227,23 +228,23 @@ class KprobeManager:
                 self._refused_at_boot(kp)
             raise
         if queued:
-            self.optimizer.queue.kprobe_optimizer(addrs)
+            self.optimizer.kprobe_optimizer(addrs)
 
     def unregister_kprobe(self, kp: Kprobe) -> None:
         if not kp.registered:
-            if self.gone.pop(kp, None) is not None:
+            if self.table.gone.pop(kp, None) is not None:
                 return  # killed with its text: nothing left to take out
             raise InvalidProbe(f"{kp.where()} is not registered")
         addr = kp.resolved
         self.machine.call(lambda: self._unregister(kp))
         if addr in self.points:  # the others there may be optimizable now
-            self.optimizer.queue.optimize_later([addr])
+            self.optimizer.optimize_later([addr])
 
     def unregister_kprobes(self, kps: Iterable[Kprobe]) -> None:
         """Every registered (or killed) one of ``kps`` in one VM stop, journaled as one batch."""
         kps = list(kps)
         for kp in kps:
-            self.gone.pop(kp, None)
+            self.table.gone.pop(kp, None)
         todo = [kp for kp in kps if kp.registered]
 
         def unregister_all() -> None:
@@ -254,7 +255,7 @@ class KprobeManager:
 
         self.machine.call(unregister_all)
         # Points that other probes still share may be optimizable now.
-        self.optimizer.queue.optimize_later(sorted({kp.resolved for kp in todo if kp.resolved in self.points}))
+        self.optimizer.optimize_later(sorted({kp.resolved for kp in todo if kp.resolved in self.points}))
 
     def kill_kprobe(self, kp: Kprobe) -> None:
         """``kill_kprobe``: the text under a registered ``kp`` is about to be freed.  Its original bytes go
@@ -266,7 +267,21 @@ class KprobeManager:
         line = (at, f"{self.symbols.symbolize(at)}    {flags}")
         self.unregister_kprobe(kp)
         kp.flags |= KPROBE_FLAG_GONE
-        self.gone[kp] = line
+        self.table.gone[kp] = line
+
+    @contextmanager
+    def reviving(self, kp: Kprobe) -> Iterator[None]:
+        """A killed ``kp`` registered again in the block (its text is back): off the [GONE] list and its flag
+        cleared; both back if the block fails, so that it stays listed as it was."""
+        killed = self.table.gone.pop(kp, None)
+        kp.flags &= ~KPROBE_FLAG_GONE
+        try:
+            yield
+        except QprobeError:
+            kp.flags |= KPROBE_FLAG_GONE
+            if killed is not None:
+                self.table.gone[kp] = killed
+            raise
 
     def _unregister(self, kp: Kprobe) -> None:
         if kp.anywhere:
@@ -307,7 +322,7 @@ class KprobeManager:
 
         self.machine.call(change)
         if not disabled and not kp.anywhere:
-            self.optimizer.queue.optimize_later([kp.resolved])  # as the kernel's arm_kprobe: int3 first, then the jump
+            self.optimizer.optimize_later([kp.resolved])  # as the kernel's arm_kprobe: int3 first, then the jump
 
     def set_enabled(self, on: bool) -> None:
         """debugfs kprobes/enabled: arm or disarm everything, keeping each probe's own state."""
@@ -321,7 +336,22 @@ class KprobeManager:
 
         self.machine.call(change)
         if on:
-            self.optimizer.queue.optimize_later(list(self.points))
+            self.optimizer.optimize_later(list(self.points))
+
+    def set_optimization(self, on: bool) -> None:
+        """debug.kprobes_optimization: optimize every point that can be (the kernel's optimize_all_kprobes),
+        or put every jump back to an int3 (unoptimize_all_kprobes)."""
+        if on and not self.optimizer.available:
+            raise TargetError("jump optimization needs qprobe's own QEMU (a doorbell device and shared RAM)")
+
+        def change() -> None:
+            self.optimizer.enabled = on
+            for point in self.points.values():
+                self._sync(point)
+
+        self.machine.call(change)
+        if on:
+            self.optimizer.optimize_later(list(self.points))
 
     def switch_from_boot(self) -> list[int]:
         """Boot is done (stop loop, every vCPU stopped): the probes on stub breakpoints only because of boot
@@ -377,7 +407,7 @@ class KprobeManager:
             self.optimizer.unoptimize(point)
         if want and not point.armed:
             self.dispatcher.install()
-            self.touched.add(point.addr)
+            self.table.touched.add(point.addr)
             point.int3 = self.text.patch(point.addr, self.arch.breakpoint, "int3", point.prep.slot_addr)
         elif not want and point.int3 is not None:
             self.text.unpatch(point.int3)
@@ -392,7 +422,7 @@ class KprobeManager:
         """
 
         def disarm() -> None:
-            self.gone.clear()
+            self.table.gone.clear()
             self.stubs.remove_all()
             for point in list(self.points.values()):
                 for kp in list(point.probes):
@@ -416,29 +446,3 @@ class KprobeManager:
             self.optimizer.close()
             raise ProbeError(f"qprobe's scratch area stays mapped: after {PREEMPTED_WAIT:g} s {held}")
         self.machine.call(unmap)
-
-    # -- what the dispatcher asks of the table ----------------------------------------------
-    def make_regs(self, values: Mapping[str, int], tid: str) -> PtRegs:
-        """pt_regs for a handler; its stack traces see through kretprobe trampolines."""
-        return PtRegs(dict(values), tid, self.vcpu_index[tid], self.machine.mem, self.symbols, self.kernel,
-                      fix_return=self.fix_return,
-                      layout=self.arch.registers)  # fmt: skip
-
-    def fix_return(self, sp: int, value: int) -> int:
-        """The real return address behind ``value``, a frame's return with stack pointer ``sp`` (else itself)."""
-        for fix in self.return_fixers:
-            real = fix(sp, value)
-            if real != value:
-                return real
-        return value
-
-    def may_boost(self, point: ProbePoint, active: list[Kprobe]) -> bool:
-        """Whether a hit may run the copy freely (the arch still decides whether the instruction can).
-
-        Not with a post_handler to run after the instruction, and not while
-        the point waits to be optimized: the jump back would land inside the jump.  Those hits run
-        the copy to the int3 after it (a trap-step) where it can: with
-        interrupts off, nothing preempts the task there, and the optimizer
-        waits for the vCPU to be back (``trap_step_returns``).
-        """
-        return self.boost and not point.optimizing and not any(kp.post_handler for kp in active)

@@ -39,6 +39,11 @@ class KretprobeManager:
         self.kprobes = kprobes
         self.machine = kprobes.machine
         self.symbols = kprobes.symbols
+        self.arch = kprobes.arch
+        self.kernel = kprobes.kernel
+        self.sites = kprobes.sites
+        self.handlers = kprobes.handlers  # the one place handlers run
+        self.dispatcher = kprobes.dispatcher
         self.trampoline = 0
         self.by_frame: dict[int, KretprobeInstance] = {}
         self.preemptible = preemptible(self.symbols)
@@ -46,13 +51,13 @@ class KretprobeManager:
         # Anywhere: returns caught on stub breakpoints at the return address, the stack left alone.
         self.stub_returns = StubReturns(kprobes.stubs, kprobes.arch)
         self.stub_of: dict[Kretprobe, StubReturn] = {}  # anywhere kretprobes: their calls in flight
-        kprobes.return_fixers.append(self.fix_return)
+        kprobes.regs.add_return_fixer(self.fix_return)
 
     def fix_return(self, sp: int, value: int) -> int:
         """For the unwinder: the real return address behind a trampoline address ``value`` a frame returned to
         with stack pointer ``sp``."""
         if value and value == self.trampoline:  # an instance the host holds, keyed by its frame
-            ri = self.by_frame.get(sp - self.kprobes.arch.ret_pops)
+            ri = self.by_frame.get(sp - self.arch.ret_pops)
             if ri is not None:
                 return ri.ret_addr
         pools = self.kprobes.optimizer.returns
@@ -67,7 +72,7 @@ class KretprobeManager:
         pools = self.kprobes.optimizer.returns
         if rp.pool is not None and pools is not None:
             for _i, slot, ret_addr, task in pools.instances(rp.pool):
-                out.append(KretprobeInstance(rp, ret_addr, slot, self.kprobes.kernel.snapshot(task), frame=slot))
+                out.append(KretprobeInstance(rp, ret_addr, slot, self.kernel.snapshot(task), frame=slot))
         return out
 
     def default_maxactive(self) -> int:
@@ -85,13 +90,13 @@ class KretprobeManager:
             # a kthread's loop) return through the stub's return sites, matched by task and stack pointer,
             # where the trampoline path would find no instance of theirs.
             kp.anywhere = True
-        addr = self.kprobes.sites.kprobe_addr(kp)
+        addr = self.sites.kprobe_addr(kp)
         fn = self.symbols.function(addr)
         name = fn.name if fn else ""
-        if name in self.kprobes.arch.arch_kretprobe_blacklist():
+        if name in self.arch.arch_kretprobe_blacklist():
             raise ProbeError(f"cannot return-probe {name}: it does not return to its caller")
         # kprobe_on_func_entry: the address itself must be a function's entry (sym+SIZE is the next one's).
-        if fn is None or addr not in (fn.addr, fn.addr + self.kprobes.sites.entry_skip(fn.addr)):
+        if fn is None or addr not in (fn.addr, fn.addr + self.sites.entry_skip(fn.addr)):
             raise InvalidProbe(f"{kp.where()} is not a function entry (EINVAL)")
         n = rp.maxactive or self.default_maxactive()
         if kp.anywhere:
@@ -104,7 +109,7 @@ class KretprobeManager:
             self._ensure_trampoline()
             opt = self.kprobes.optimizer
             # Instances in guest RAM serve a "retentry" detour alone: only where the entry can take a jump.
-            jumps = opt.available and self.kprobes.arch.optprobes is not None
+            jumps = opt.available and self.arch.optprobes is not None
             if jumps and opt.returns is not None and opt.stub_missing() is None and rp.entry_handler is None:
                 rp.pool = opt.returns.alloc(rp, n)
                 self._ensure_return_int3s()
@@ -181,7 +186,7 @@ class KretprobeManager:
             scratch.write(self.trampoline, code)
             self.kprobes.slots.trampolines[self.trampoline + len(code) - 1] = self.returned
         else:
-            scratch.write(self.trampoline, self.kprobes.arch.breakpoint)
+            scratch.write(self.trampoline, self.arch.breakpoint)
             self.kprobes.slots.trampolines[self.trampoline] = self.returned
 
     def _ensure_return_int3s(self) -> None:
@@ -204,7 +209,7 @@ class KretprobeManager:
         still comes to the trampoline, where its instance, kept by its frame, sends it on unreported.
         """
         # A vCPU may already have returned into the trampoline: finish that first.
-        self.kprobes.dispatcher.drain()
+        self.dispatcher.drain()
         for frame, ri in list(rp.live.items()):
             del rp.live[frame]
             if ri.patch is not None:
@@ -251,12 +256,12 @@ class KretprobeManager:
         ri = rp.free.pop()
         try:
             ri.frame = regs.sp
-            hijack = self.kprobes.arch.arch_prepare_kretprobe(regs, regs.read_u64)
+            hijack = self.arch.arch_prepare_kretprobe(regs, regs.read_u64)
             ri.ret_addr, ri.stack_slot = hijack.ret_addr, hijack.slot or 0
-            ri.task = self.kprobes.kernel.snapshot(regs=regs.task_regs)
+            ri.task = self.kernel.snapshot(regs=regs.task_regs)
             if rp.entry_handler is not None:
                 what = f"entry_handler of kretprobe {rp.kp.where()}"
-                if self.kprobes.handlers.call(rp, what, rp.entry_handler, ri, regs):
+                if self.handlers.call(rp, what, rp.entry_handler, ri, regs):
                     self._release(ri, restore=False)
                     return 0
             if hijack.slot is not None:
@@ -275,7 +280,7 @@ class KretprobeManager:
     def _task_key(self, regs: PtRegs) -> Hashable:
         """Whose call it is: the current task (the per-CPU base where it cannot be read, early in boot)."""
         try:
-            return self.kprobes.kernel.current_address(regs.task_regs, regs.read_u64)
+            return self.kernel.current_address(regs.task_regs, regs.read_u64)
         except QprobeError:
             return ("percpu", regs.percpu_base)
 
@@ -287,17 +292,17 @@ class KretprobeManager:
             rp.nmissed += 1
             return 0
         ri.ret_addr, ri.frame = inst.ret_addr, regs.sp
-        ri.task = self.kprobes.kernel.snapshot(regs=regs.task_regs)
+        ri.task = self.kernel.snapshot(regs=regs.task_regs)
         if rp.entry_handler is not None:
             what = f"entry_handler of kretprobe {rp.kp.where()}"
-            if self.kprobes.handlers.call(rp, what, rp.entry_handler, ri, regs):
+            if self.handlers.call(rp, what, rp.entry_handler, ri, regs):
                 self.stub_returns.discard(inst)
         return 0
 
     def _returned_anywhere(self, rp: Kretprobe, inst: StubReturnInstance, pt: PtRegs) -> None:
         rp.nreturns += 1
         if rp.handler is not None and not rp.kp.flags & KPROBE_FLAG_DISABLED:
-            self.kprobes.handlers.call(rp, f"handler of kretprobe {rp.kp.where()}", rp.handler, inst.data, pt)
+            self.handlers.call(rp, f"handler of kretprobe {rp.kp.where()}", rp.handler, inst.data, pt)
 
     # -- return (the trampoline's int3, or its mailbox) ---------------------------------------------
     def returned(self, pt: PtRegs) -> int:
@@ -307,7 +312,7 @@ class KretprobeManager:
         or the doorbell thread; ``pt.sp`` is the stack pointer after the return, ``ret_pops``
         bytes above the call's frame.
         """
-        frame = pt.sp - self.kprobes.arch.ret_pops
+        frame = pt.sp - self.arch.ret_pops
         ri = self.by_frame.get(frame)
         pools = self.kprobes.optimizer.returns
         guest = None
@@ -323,7 +328,7 @@ class KretprobeManager:
                 pools.free(index)
                 return ret_addr
             ri = KretprobeInstance(
-                owner, ret_addr, frame, self.kprobes.kernel.snapshot(task), bytearray(owner.data_size), frame=frame
+                owner, ret_addr, frame, self.kernel.snapshot(task), bytearray(owner.data_size), frame=frame
             )
         rp = ri.rp
         if guest is None and frame not in rp.live:  # retired in flight (_retire), unregistered: no handler
@@ -334,7 +339,7 @@ class KretprobeManager:
         layout = pools.ret if pools is not None else None
         pt.set_quietly("ip", self.trampoline if guest is None or layout is None else layout.trampoline(guest[1]))
         if rp.handler is not None and not rp.kp.flags & KPROBE_FLAG_DISABLED:
-            self.kprobes.handlers.call(rp, f"handler of kretprobe {rp.kp.where()}", rp.handler, ri, pt)
+            self.handlers.call(rp, f"handler of kretprobe {rp.kp.where()}", rp.handler, ri, pt)
         ret_addr = ri.ret_addr
         if guest is not None:
             assert pools is not None

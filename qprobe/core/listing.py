@@ -37,6 +37,6 @@ def list_probes(km: KprobeManager, sync: bool = True) -> str:
             if kp.at != addr:  # moved off an __fentry__ site: listed where asked, as the kernel's [FTRACE]
                 at, where, flags = kp.at, km.symbols.symbolize(kp.at), "[FTRACE]" + flags
             lines.append(f"{at:016x}  {kind}  {where}    {flags}".rstrip())
-    for kp, (at, rest) in sorted(km.gone.items(), key=lambda item: item[1]):
+    for kp, (at, rest) in sorted(km.table.gone.items(), key=lambda item: item[1]):
         lines.append(f"{at:016x}  {'r' if kp.kretprobe is not None else 'k'}  {rest}")
     return "\n".join(lines) + ("\n" if lines else "")

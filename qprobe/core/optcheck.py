@@ -46,7 +46,8 @@ def transient(reason: str) -> bool:
 
 
 class JumpTable(Protocol):
-    """What the checks read of the probe table (qprobe.core.kprobes.KprobeManager)."""
+    """What the checks read of the kprobes core (qprobe.core.kprobes.KprobeManager): its parts, and every
+    probed address."""
 
     arch: Arch
     machine: Machine
@@ -94,6 +95,12 @@ class JumpCheck:
         self.kp = table
         self.arch = table.arch
         self.machine = table.machine
+        self.kernel = table.kernel
+        self.symbols = table.symbols
+        self.text = table.text
+        self.sites = table.sites
+        self.dispatcher = table.dispatcher
+        self.slots = table.slots
         self.guest_blacklist = guest_blacklist
         self._thread_size = 0  # the kernel's THREAD_SIZE, once looked up (stack_size)
         # Fully preemptible kernels: the sleeping tasks' live stack words, read once per VM stop that needs them.
@@ -106,13 +113,13 @@ class JumpCheck:
         self.round = self._view()
 
     def _view(self) -> RoundView:
-        return RoundView(None, self.kp.addresses(), sorted(self.kp.slots.resume_targets))
+        return RoundView(None, self.kp.addresses(), sorted(self.slots.resume_targets))
 
     @property
     def stack_size(self) -> int:
         """The kernel's THREAD_SIZE, looked up once (SymbolError where the kernel does not tell)."""
         if not self._thread_size:
-            self._thread_size = thread_size(self.kp.kernel)
+            self._thread_size = thread_size(self.kernel)
         return self._thread_size
 
     def why_not(self, point: ProbePoint) -> str | None:
@@ -122,16 +129,16 @@ class JumpCheck:
         """
         opt = self.arch.optprobes
         assert opt is not None  # Optimizer.why_not refused the point otherwise
-        fn = self.kp.symbols.function(point.addr)
+        fn = self.symbols.function(point.addr)
         if fn is None:
             return "not in a known function"
         code = self.machine.mem.read(fn.addr, fn.size)
-        why, size = opt.arch_check_optimized_kprobe(code, fn.addr, point.addr, self.kp.symbols.exception_table(),
-                                                    self.kp.text.patched(), fn.name)  # fmt: skip
+        why, size = opt.arch_check_optimized_kprobe(code, fn.addr, point.addr, self.symbols.exception_table(),
+                                                    self.text.patched(), fn.name)  # fmt: skip
         if why is not None:
             return why
         end = point.addr + size
-        reserved = self.kp.sites.reserved.conflict(point.addr + 1, end - 1)
+        reserved = self.sites.reserved.conflict(point.addr + 1, end - 1)
         if reserved is not None:  # copy_optimized_instructions' *_text_reserved checks
             return f"the displaced instructions hold {reserved}"
         view = self.round or self._view()
@@ -139,11 +146,11 @@ class JumpCheck:
             return "another probe lies in the region"
         theirs = self.guest_blacklist.kprobes_in(point.addr + 1, end)
         if theirs:
-            return f"the guest kernel's own kprobe at {self.kp.symbols.symbolize(theirs[0])} lies in the region"
+            return f"the guest kernel's own kprobe at {self.symbols.symbolize(theirs[0])} lies in the region"
         now = time.monotonic()
         targets = view.resume_targets
         i, j = bisect.bisect_right(targets, point.addr), bisect.bisect_left(targets, end)
-        returned = [self.kp.slots.resume_targets[a] for a in targets[i:j]]  # when something last jumped back there
+        returned = [self.slots.resume_targets[a] for a in targets[i:j]]  # when something last jumped back there
         if any(t == math.inf for t in returned):
             # A detour (perhaps already removed) jumps back there.
             return "out-of-line code returns into the region"
@@ -151,7 +158,7 @@ class JumpCheck:
             return f"{TRANSIENT[2]} returning into the region ran {RESUME_GRACE} s ago or less"
         if (point.addr & 0xFFF) + opt.jump_size > 0x1000:
             return "the jump would cross a page"
-        for tid, back in self.kp.dispatcher.trap_step_returns().items():
+        for tid, back in self.dispatcher.trap_step_returns().items():
             if point.addr < back < end:
                 return f"{TRANSIENT[0]} {tid} is running a copy out of line that returns inside the region"
         try:
@@ -163,10 +170,10 @@ class JumpCheck:
         held = self._held_on_vcpus(view.vcpus, point.addr + 1, end, "inside the region", trapping=True)
         if held is not None:
             return held
-        if self.kp.slots.fully_preemptible:
+        if self.slots.fully_preemptible:
             try:
                 if self.preempted is None:
-                    self.preempted = preempted_words(self.kp.kernel, stack_size)
+                    self.preempted = preempted_words(self.kernel, stack_size)
             except QprobeError as exc:
                 return f"{TRANSIENT[3]} cannot be ruled out inside the region: {exc}"
             hit = first_inside(self.preempted, point.addr + 1, end)
@@ -174,7 +181,7 @@ class JumpCheck:
                 return f"{TRANSIENT[3]}'s stack holds {hit:#x}, inside the region"
             # A task preempted in a boosted copy jumps back into the region when it runs again.
             scratch = self.kp.scratch
-            if any(point.addr < a < end for a in self.kp.slots.resume_targets) and scratch.mapped:
+            if any(point.addr < a < end for a in self.slots.resume_targets) and scratch.mapped:
                 hit = first_inside(self.preempted, scratch.base, scratch.base + scratch.mapped_size)
                 if hit is not None:
                     return f"{TRANSIENT[3]}'s stack holds {hit:#x}, in out-of-line code that returns into the region"
@@ -189,7 +196,7 @@ class JumpCheck:
         """
         try:
             stack_size = self.stack_size
-            words = preempted_words(self.kp.kernel, stack_size)
+            words = preempted_words(self.kernel, stack_size)
         except QprobeError as exc:
             return f"the tasks' stacks cannot be read: {exc}"
         hit = first_inside(words, lo, hi)
@@ -218,7 +225,7 @@ class JumpCheck:
         out = []
         for tid in self.machine.vcpus:
             regs = self.machine.gdb.read_registers(tid)
-            trapped = self.kp.dispatcher.arriving(regs)
+            trapped = self.dispatcher.arriving(regs)
             out.append(VcpuView(tid, self.arch.ip(regs), trapped, self._stack_words(regs, stack_size)))
         return out
 
@@ -242,7 +249,7 @@ class JumpCheck:
         # task stack's top are extra matches, which only delay.
         stacks = [(sp & ~7, (sp & ~7) + stack_size)]
         try:
-            base = self.kp.kernel.current(regs).stack.value_()
+            base = self.kernel.current(regs).stack.value_()
             stacks.append((base, base + stack_size))
         except (QprobeError, drgn.FaultError):
             return None

@@ -28,7 +28,7 @@ import bisect
 import dataclasses
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
 from qprobe.arch import DetourParams, PercpuLayout
@@ -42,13 +42,14 @@ from qprobe.core.optqueue import OptimizingQueue
 from qprobe.core.point import Optimized, ProbePoint
 from qprobe.core.pools import ReturnPools, page_round
 from qprobe.core.records import RECORDING, RecordRings
+from qprobe.core.table import ProbeTable
 from qprobe.errors import SymbolError
 from qprobe.vmm.memory import SharedRam
 from qprobe.vmm.qemu import DOORBELL_PORT
 
 if TYPE_CHECKING:
     from qprobe.core.handlers import Handlers
-    from qprobe.core.regs import PtRegs
+    from qprobe.core.regs import RegsSource
 
 log = logging.getLogger("qprobe.optimizer")
 
@@ -84,13 +85,11 @@ def detour_kind(point: ProbePoint) -> str:
     return "record"
 
 
-class ProbeTable(JumpTable, Protocol):
-    """What the optimizer works with: the probe table (qprobe.core.kprobes.KprobeManager) and its resources."""
+class KprobeParts(JumpTable, Protocol):
+    """The parts of the kprobes core the optimizer works with (qprobe.core.kprobes.KprobeManager's): what the
+    jump checks read, and the one place handlers run."""
 
     handlers: Handlers
-    points: dict[int, ProbePoint]
-
-    def make_regs(self, values: Mapping[str, int], tid: str) -> PtRegs: ...
 
 
 class Optimizer:
@@ -107,10 +106,15 @@ class Optimizer:
     and every probe stays an int3 (``why_not`` says so).
     """
 
-    def __init__(self, kprobes: ProbeTable, ram: SharedRam | None, doorbell: str | None) -> None:
-        self.kp = kprobes
+    def __init__(self, kprobes: KprobeParts, table: ProbeTable, regs: RegsSource, ram: SharedRam | None,
+                 doorbell: str | None) -> None:  # fmt: skip
+        """``table``: the probe table whose points it queues; ``regs``: pt_regs for the mailbox's handlers."""
         self.arch = kprobes.arch
         self.machine = kprobes.machine
+        self.kernel = kprobes.kernel
+        self.scratch = kprobes.scratch
+        self.text = kprobes.text
+        self.slots = kprobes.slots
         self.ram = ram
         self.doorbell_path = doorbell
         layouts = self.arch.guest_ram
@@ -123,7 +127,7 @@ class Optimizer:
         # What went wrong off the stop loop (doorbell, collector, optimizer thread): a guest can send requests
         # that fail as often as it likes, so the lines kept and the warnings printed are bounded.
         self.errors = ErrorLog(log)
-        self.queue = OptimizingQueue(self.machine, kprobes.points, kprobes.scratch, self.check, self.optimize,
+        self.queue = OptimizingQueue(self.machine, table.points, self.scratch, self.check, self.optimize,
                                      lambda: self.enabled, self.errors)  # fmt: skip
         # Probe id 0 is the kretprobe trampoline's.
         self._free_ids = list(range(MAX_OPTIMIZED - 1, 0, -1))
@@ -144,7 +148,7 @@ class Optimizer:
             self.counts = GuestCounters(layouts, len(self.machine.vcpus), kprobes.scratch, ram, self.by_id,
                                         self.records, self.returns, self.errors)  # fmt: skip
             drain_now = self.counts.drain_now.set
-            self.doorbell = Doorbell(self.arch, self.machine.vcpus, ram, kprobes.handlers, kprobes.make_regs,
+            self.doorbell = Doorbell(self.arch, self.machine.vcpus, ram, kprobes.handlers, regs.make_regs,
                                      self.by_id.get, kprobes.slots.trampolines, self.errors, drain_now)  # fmt: skip
 
     @property
@@ -152,11 +156,23 @@ class Optimizer:
         """Mailbox requests answered so far."""
         return self.doorbell.served if self.doorbell is not None else 0
 
+    def optimize_later(self, addrs: Iterable[int]) -> None:
+        """Queue points for their jump (the kernel's optimize_kprobe()), placed in rounds by ``queue``."""
+        self.queue.optimize_later(addrs)
+
+    def enqueue(self, addrs: list[int]) -> bool:
+        """Queue points for their jump in this VM stop (OptimizingQueue.enqueue); False if none is."""
+        return self.queue.enqueue(addrs)
+
+    def kprobe_optimizer(self, addrs: list[int]) -> None:
+        """Place the jumps queued by ``enqueue`` (OptimizingQueue.kprobe_optimizer), off the stop loop."""
+        self.queue.kprobe_optimizer(addrs)
+
     # -- set-up (stop loop) -------------------------------------------------------------
     def _ensure_stub(self) -> None:
-        if self.stub and self.kp.scratch.mapped:
+        if self.stub and self.scratch.mapped:
             return
-        scratch = self.kp.scratch
+        scratch = self.scratch
         if not scratch.mapped:
             scratch.map()
         ncpus = len(self.machine.vcpus)
@@ -188,7 +204,7 @@ class Optimizer:
         return self.stub
 
     def _percpu(self) -> PercpuLayout:
-        kernel = self.kp.kernel
+        kernel = self.kernel
         return PercpuLayout(kernel.percpu_offset("cpu_number"), kernel.percpu_offset("this_cpu_off"),
                             kernel.current_task_offset)  # fmt: skip
 
@@ -198,7 +214,7 @@ class Optimizer:
 
     def _zero(self, addr: int, size: int) -> None:
         assert self.ram is not None
-        self.ram.write_phys(self.kp.scratch.phys_of(addr), bytes(size))
+        self.ram.write_phys(self.scratch.phys_of(addr), bytes(size))
 
     def _start_threads(self) -> None:
         assert self.doorbell is not None and self.doorbell_path is not None and self.counts is not None
@@ -218,8 +234,8 @@ class Optimizer:
     def stub_missing(self) -> str | None:
         """Why the shared stub cannot be built (the kernel's per-CPU layout is unknown), or None."""
         try:
-            for name in ("cpu_number", "this_cpu_off", "current_task"):
-                self.kp.kernel.percpu_offset(name)
+            for name in ("cpu_number", "this_cpu_off", self.arch.registers.current_percpu):
+                self.kernel.percpu_offset(name)
         except SymbolError as exc:
             return f"the detours need the kernel's per-CPU layout: {exc}"
         return None
@@ -264,11 +280,11 @@ class Optimizer:
             return False
         self._ensure_stub()
         size = point.opt_size
-        region = self.kp.text.original(point.addr, size)
+        region = self.text.original(point.addr, size)
         probe_id = self._free_ids.pop()
         self._retired.discard(probe_id)
         params = self._detour_params(point, probe_id, point.addr + size)
-        scratch, opt = self.kp.scratch, self.arch.optprobes
+        scratch, opt = self.scratch, self.arch.optprobes
         assert opt is not None  # why_not refused the point otherwise
         detour, code, continue_addr = opt.arch_prepare_optimized_kprobe(params, region, point.addr, scratch.base,
                                                                         scratch.alloc)  # fmt: skip
@@ -277,11 +293,11 @@ class Optimizer:
         self.counts.baseline(probe_id)
         # Swap the int3 for the jump while every vCPU is stopped.
         assert point.int3 is not None
-        jmp = self.kp.text.repatch(point.int3, opt.arch_optimize_kprobes(point.addr, detour), "optjmp", detour)
+        jmp = self.text.repatch(point.int3, opt.arch_optimize_kprobes(point.addr, detour), "optjmp", detour)
         point.int3 = None
         fence = self.guest_blacklist.add(point.addr, point.addr + size)
         point.opt = Optimized(probe_id, detour, size, jmp, continue_addr, params.kind, params.tables, fence)
-        self.kp.slots.resume_targets[point.addr + size] = math.inf
+        self.slots.resume_targets[point.addr + size] = math.inf
         if self.check.round is not None:
             bisect.insort(self.check.round.resume_targets, point.addr + size)
         self.by_id[probe_id] = point
@@ -305,11 +321,11 @@ class Optimizer:
             spec, layouts = first.guest_key, self.arch.guest_ram
             assert spec is not None and layouts is not None
             table_bytes = layouts.guest_map_size(spec) * len(self.machine.vcpus)
-            tables = self.kp.scratch.alloc(table_bytes, align=4096)  # written by the guest: apart from code
+            tables = self.scratch.alloc(table_bytes, align=4096)  # written by the guest: apart from code
             self._zero(tables, table_bytes)
-            current, pid, _tgid, comm = self.kp.kernel.offsets
+            current, pid, _tgid, comm = self.kernel.offsets
             return dataclasses.replace(params, guest_key=spec, tables=tables, task=(current, pid, comm),
-                                       cpu_number=self.kp.kernel.percpu_offset("cpu_number"))  # fmt: skip
+                                       cpu_number=self.kernel.percpu_offset("cpu_number"))  # fmt: skip
         if kind == "retentry":
             assert first.kretprobe is not None and first.kretprobe.pool is not None
             assert self.returns is not None
@@ -322,19 +338,19 @@ class Optimizer:
             return
         # Counters folded and records delivered while the point is still what they belong to.
         self.sync_missed(point, opt)
-        self.kp.text.unpatch(opt.jmp)
+        self.text.unpatch(opt.jmp)
         if opt.fence is not None:
             self.guest_blacklist.remove(opt.fence)
-            self.kp.slots.quarantine(opt.fence)
+            self.slots.quarantine(opt.fence)
         point.opt = None
         self.by_id.pop(opt.probe_id, None)
         # A vCPU stopped inside the record stub publishes after this: recognise its id a while longer.
         self._retired.add(opt.probe_id)
         self._free_ids.insert(0, opt.probe_id)
         # A vCPU or an interrupted context may still be in the detour: never reuse it (nor its tables).
-        self.kp.slots.quarantine(opt.detour)
+        self.slots.quarantine(opt.detour)
         if opt.tables:
-            self.kp.slots.quarantine(opt.tables)
+            self.slots.quarantine(opt.tables)
 
     def sync_missed(self, point: ProbePoint, opt: Optimized | None = None) -> None:
         """Fold the guest's counters of an optimized point into its probes (GuestCounters.sync_missed)."""

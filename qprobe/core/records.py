@@ -24,6 +24,7 @@ from qprobe.core.kprobe import GuestRecord
 from qprobe.core.point import ProbePoint
 from qprobe.core.pools import page_round
 from qprobe.errors import QprobeError
+from qprobe.kernel.clock import cycles_hz
 from qprobe.vmm.memory import SharedRam
 
 if TYPE_CHECKING:
@@ -69,8 +70,8 @@ class RecordRings:
         self._tails: list[int] = []
         self.ring_errors = 0  # ring entries or heads that failed validation (a guest scribbling)
         self.late_records = 0  # records of a probe unoptimized while a vCPU was inside its record stub
-        self._tsc_hz = 0.0
-        self._tsc_offset: float | None = None
+        self._cycles_hz = 0.0
+        self._host_offset: float | None = None
         self.lossy = False  # a full ring drops its records (counted as lost) instead of making them wait
 
     def _header(self, cpu: int) -> int:
@@ -146,8 +147,7 @@ class RecordRings:
         stub = scratch.alloc(len(code(scratch.base)), align=64)
         scratch.write(stub, code(stub))
         self.stub = stub
-        if "tsc_khz" in self.symbols:
-            self._tsc_hz = int.from_bytes(self.machine.mem.read(self.symbols.address("tsc_khz"), 4), "little") * 1000.0
+        self._cycles_hz = float(cycles_hz(self.kernel))
         return stub
 
     def drain(self) -> None:
@@ -214,10 +214,10 @@ class RecordRings:
         records of one point in one call."""
         batch.sort(key=_CYCLES)
         now = time.monotonic()
-        tsc_hz = self._tsc_hz
-        if self._tsc_offset is None or not tsc_hz:
-            self._tsc_offset = now - batch[-1].cycles / tsc_hz if tsc_hz else 0.0
-        offset = self._tsc_offset
+        hz = self._cycles_hz
+        if self._host_offset is None or not hz:
+            self._host_offset = now - batch[-1].cycles / hz if hz else 0.0
+        offset = self._host_offset
         layout = self.arch.registers
         ip = layout.gdb_name[layout.ip]
         run: list[GuestRecord] = []
@@ -227,7 +227,7 @@ class RecordRings:
             values = entry.values  # the entry's own dict, made for it by the decode
             values[ip] = point.addr
             cycles = values["cycles"] = entry.cycles
-            when = min(now, cycles / tsc_hz + offset) if tsc_hz else now
+            when = min(now, cycles / hz + offset) if hz else now
             if point is not run_point:
                 self._hand(run_point, run)
                 run_point, run = point, []

@@ -61,8 +61,8 @@ class _Recovery:
                     return back
         return None
 
-    def in_scratch(self, rip: int) -> bool:
-        return self.scratch is not None and self.scratch <= rip < self.scratch + self.scratch_size
+    def in_scratch(self, ip: int) -> bool:
+        return self.scratch is not None and self.scratch <= ip < self.scratch + self.scratch_size
 
     def guest_instances(self) -> dict[int, tuple[int, int]]:
         """Kretprobe instances taken in guest RAM: stack slot -> (trampoline, real return address)."""
@@ -121,9 +121,9 @@ class _Recovery:
         regs = self.gdb.read_registers(tid)
         if self.watch_safe and self.int3s:
             regs = self.take_back(tid, regs)
-        rip, sp = arch.ip(regs), arch.sp(regs)
+        pc, sp = arch.ip(regs), arch.sp(regs)
         frame = sp - arch.ret_pops  # a return's, had it just returned into a trampoline
-        if rip == self.entry:
+        if pc == self.entry:
             trap = arch.decode_trap(TrapHook.ENTRY, regs, self.mem.read)
             slot = self.from_slot(trap.addr, trap.flags)
             if trap.addr in self.int3s or slot is not None:
@@ -131,12 +131,12 @@ class _Recovery:
                 self.resume_at(tid, ip, trap.sp, flags)
             elif trap.addr == self.trampoline and trap.sp - arch.ret_pops in self.retaddrs:
                 self.resume_at(tid, self.retaddrs[trap.sp - arch.ret_pops], trap.sp, trap.flags)
-        elif rip == self.trampoline and frame in self.retaddrs:
+        elif pc == self.trampoline and frame in self.retaddrs:
             self.resume_at(tid, self.retaddrs[frame])
-        elif self.guest.get(frame, (None,))[0] == rip:  # about to enter its instance's trampoline
+        elif self.guest.get(frame, (None,))[0] == pc:  # about to enter its instance's trampoline
             self.resume_at(tid, self.guest[frame][1])
         else:
-            slot = self.from_slot(rip, arch.flags(regs))
+            slot = self.from_slot(pc, arch.flags(regs))
             if slot is not None:
                 ip, flags = slot
                 self.resume_at(tid, ip, flags=flags)
@@ -188,10 +188,10 @@ class _Recovery:
 
     def evacuate(self, tid: str, cpu: int) -> None:
         for _ in range(100_000):
-            rip = self.arch.ip(self.gdb.read_registers(tid))
-            if not self.in_scratch(rip):
+            ip = self.arch.ip(self.gdb.read_registers(tid))
+            if not self.in_scratch(ip):
                 return
-            if rip == self.trampoline:
+            if ip == self.trampoline:
                 self.rewind(tid)
                 continue
             self.answer_mailbox(cpu)

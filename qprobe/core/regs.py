@@ -7,8 +7,8 @@ dispatcher writes exactly the dirty ones back before the vCPU resumes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from qprobe.errors import SymbolError
 from qprobe.vmm.memory import GuestMemory
@@ -85,10 +85,11 @@ class PtRegs:
         init(self, "vcpu", vcpu)
         # What the kernel layer finds ``current`` from (KernelData.current_address), by gdbstub name: the
         # per-CPU base in kernel mode (x86's GS base, arm64's TPIDR_EL1; 0 where the hit did not bring it),
-        # and the register that holds ``current`` where the architecture keeps it in one (arm64's SP_EL0).
+        # and where the architecture keeps ``current`` in a register in kernel mode (arm64's SP_EL0), the
+        # stop's registers, which say the mode (Arch.user_mode) that decides between the two.
         task_regs = {layout.percpu_base: values.get(layout.percpu_base, 0)}
         if layout.current is not None and layout.current in values:
-            task_regs[layout.current] = values[layout.current]
+            task_regs = {**values, **task_regs}
         init(self, "task_regs", task_regs)
         # The architecture's cycle counter (Arch.cycle_counter's; x86's TSC) at the hit where the guest read
         # it (a detour's mailbox or ring entry), else None.
@@ -235,3 +236,9 @@ def regs_return_value(regs: PtRegs) -> int:
 def regs_get_kernel_argument(regs: PtRegs, n: int) -> int:
     """0-based argument, as the kernel's helper of that name."""
     return regs.arg(n + 1)
+
+
+class RegsSource(Protocol):
+    """Where a hit's pt_regs come from (qprobe.core.regsmaker.RegsMaker): vCPU ``tid``'s register values."""
+
+    def make_regs(self, values: Mapping[str, int], tid: str) -> PtRegs: ...

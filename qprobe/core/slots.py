@@ -89,8 +89,8 @@ class InsnSlots:
         gdb = self.machine.gdb
         for tid in self.machine.vcpus:
             for _ in range(100_000):  # a vCPU in the optimized stub spins until served
-                rip = self.arch.ip(gdb.read_registers(tid))
-                if not self.scratch.contains(rip) or rip in self.trampolines:
+                ip = self.arch.ip(gdb.read_registers(tid))
+                if not self.scratch.contains(ip) or ip in self.trampolines:
                     break
                 gdb.step(tid)
             else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from qprobe.core.kprobe import check_handlers
 from qprobe.core.regs import PtRegs
 from qprobe.errors import InvalidProbe
 from qprobe.kernel.ufile import GuestFile
@@ -40,9 +41,7 @@ class Uprobe:
             raise InvalidProbe("give a uprobe an offset or a symbol, one of them (EINVAL)")
         if offset is not None and (not isinstance(offset, int) or offset < 0):
             raise InvalidProbe(f"a uprobe's offset must be a non-negative int, not {offset!r} (EINVAL)")
-        for name, fn in (("handler", handler), ("ret_handler", ret_handler), ("filter", filter)):
-            if fn is not None and not callable(fn):
-                raise InvalidProbe(f"{name} must be callable, not {type(fn).__name__} (EINVAL)")
+        check_handlers(handler=handler, ret_handler=ret_handler, filter=filter)
         self.path = path
         self.offset = offset
         self.symbol = symbol

@@ -36,7 +36,7 @@ from typing import Protocol
 from qprobe.arch import Arch
 from qprobe.core.handlers import Handlers
 from qprobe.core.kprobe import Kprobe
-from qprobe.core.regs import PtRegs
+from qprobe.core.regs import PtRegs, RegsSource
 from qprobe.core.upoints import UprobePoints
 from qprobe.core.uprobe import Uprobe
 from qprobe.core.ureturns import ReturnInstance, UprobeReturns
@@ -63,14 +63,9 @@ class Stepper(Protocol):
 
 
 class Kprobes(Protocol):
-    """What the uprobes use of the kprobes (qprobe.core.kprobes.KprobeManager): the one place handlers run,
-    pt_regs for them, the trap path's single-step, and a kprobe of their own on new mappings (MMAP_HOOK)."""
+    """What the uprobes use of the kprobes (qprobe.core.kprobes.KprobeManager): a kprobe of their own on new
+    mappings (MMAP_HOOK)."""
 
-    @property
-    def handlers(self) -> Handlers: ...
-    @property
-    def dispatcher(self) -> Stepper: ...
-    def make_regs(self, values: Regs[str, int], tid: str) -> PtRegs: ...
     def register_kprobe(self, kp: Kprobe, optimize: bool = True) -> None: ...
     def unregister_kprobe(self, kp: Kprobe) -> None: ...
 
@@ -78,17 +73,23 @@ class Kprobes(Protocol):
 class UprobeManager:
     """The uprobes of one target; every method that changes state runs on the stop loop."""
 
-    def __init__(self, machine: Machine, arch: Arch, kernel: KernelData, kprobes: Kprobes) -> None:
+    def __init__(self, machine: Machine, arch: Arch, kernel: KernelData, kprobes: Kprobes, handlers: Handlers,
+                 regs: RegsSource, stepper: Stepper) -> None:  # fmt: skip
+        """``handlers``: the one place handlers run, the kprobes' too; ``regs``: pt_regs for them;
+        ``stepper``: the trap path's single-step."""
         self.machine = machine
         self.arch = arch
         self.kernel = kernel
         self.kprobes = kprobes
+        self.handlers = handlers
+        self.regs = regs
+        self.stepper = stepper
         self._elves: dict[tuple[int, int], UserElf] = {}  # (inode, size) -> its ELF, read once
         self._files: UserFiles | None = None
         self.probes: dict[tuple[int, int], list[Uprobe]] = {}  # (address_space, offset) -> consumers
         self.spaces: dict[int, GuestFile] = {}  # address_space -> the file, while some probe is on it
         self.points = UprobePoints(machine, self._hit)
-        self.returns = UprobeReturns(arch, kprobes.handlers, self.points)
+        self.returns = UprobeReturns(arch, handlers, self.points)
         self.restarts: set[tuple[int, int, int]] = set()  # (root, ip, sp) of a probed instruction that faulted
         self.hook: Kprobe | None = None
         self.retired: list[Uprobe] = []  # registered on a file since freed: they match nothing
@@ -149,9 +150,35 @@ class UprobeManager:
 
     def _symbol_offset(self, f: GuestFile, symbol: str) -> int:
         try:
-            return self._elf(f).resolve(symbol)
+            elf = self._elf(f)
+            return elf.resolve(symbol, lambda slot: self._loaded(f, elf, slot))
         except UserElfError as exc:
             raise InvalidProbe(str(exc)) from None
+
+    def resolve(self, path: str, spec: str) -> int:
+        """The file offset of ``SYMBOL[+OFFS]`` (or ``SYMBOL@impl[+OFFS]``) in the guest's file ``path``."""
+
+        def find() -> int:
+            f = self.files.lookup(path)
+            if f is None:
+                raise InvalidProbe(f"{path}: no regular file there in the guest's dentry cache (ENOENT)")
+            return self._symbol_offset(f, spec)
+
+        return self.machine.call(find)
+
+    def _loaded(self, f: GuestFile, elf: UserElf, slot: int) -> list[int]:
+        """What the GOT slot at ``slot`` (a vaddr of ``f``'s ELF) holds in each process that maps ``f``, less
+        the process's load bias: each mapping of the file's start tells where the ELF's layout begins."""
+        first = elf.vaddr_of(0)
+        out: list[int] = []
+        for m in self.files.mappings(f):
+            if m.file_start != 0 or first is None:
+                continue
+            bias = m.start - first
+            raw = self.files.read_user(m.mm, bias + slot, 8)
+            if raw is not None:
+                out.append(int.from_bytes(raw, "little") - bias)
+        return out
 
     def elf(self, path: str) -> UserElf:
         """The ELF of the guest's file at ``path``, as its page cache holds it (InvalidProbe if it cannot be read)."""
@@ -302,7 +329,7 @@ class UprobeManager:
                 if point.keys:
                     consumers, code = self._consumers_at(ip, root, task)
             values = regs
-        pt = self.kprobes.make_regs(values, tid)
+        pt = self.regs.make_regs(values, tid)
         for ri in returned:
             self.returns.run(ri, pt)
         if consumers:
@@ -312,7 +339,7 @@ class UprobeManager:
             self.machine.gdb.write_registers(tid, changed)
             if pt.ip != ip:  # a handler moved the task elsewhere: the instruction is not run
                 return
-        after = self.kprobes.dispatcher.step(tid, ip)
+        after = self.stepper.step(tid, ip)
         if consumers and self.arch.uprobes and self.arch.uprobes.arch_uprobe_xol_was_trapped(code, after):
             if len(self.restarts) >= MAX_RESTARTS:
                 self.restarts.clear()
@@ -345,13 +372,13 @@ class UprobeManager:
         take_returns: list[Uprobe] = []
         for up in consumers:
             if up.filter is not None:
-                keep = self.kprobes.handlers.call(up, f"filter of {up.where()}", up.filter, up, pt)
+                keep = self.handlers.call(up, f"filter of {up.where()}", up.filter, up, pt)
                 if not keep:
                     up.nfiltered += 1
                     continue
             up.nhit += 1
             if up.handler is not None:
-                self.kprobes.handlers.call(up, f"handler of {up.where()}", up.handler, up, pt)
+                self.handlers.call(up, f"handler of {up.where()}", up.handler, up, pt)
             if up.ret_handler is not None:
                 take_returns.append(up)
         if take_returns:

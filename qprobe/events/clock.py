@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from qprobe.events.timeline import Timeline, TscOrder
+from qprobe.events.timeline import CycleOrder, Timeline
 from qprobe.kernel.clock import NSEC_PER_SEC, StopClock, TraceClock
 
 if TYPE_CHECKING:
@@ -28,8 +28,8 @@ class HitClock:
         self.t0 = time.monotonic()  # event timestamps count from here when the guest's clock cannot be read
         self.note: str | None = None  # why event timestamps are the host's, once that is found
         self._guest: bool | None = None
-        self._order = TscOrder()
-        self._tsc_hz = 1.0
+        self._order = CycleOrder()
+        self._cycles_hz = 1.0
 
     def host_only(self, note: str) -> None:
         """Time every hit by the host's clock, for ``note``'s reason (probes armed before the guest's clock ran)."""
@@ -45,46 +45,47 @@ class HitClock:
             log.warning("event timestamps are seconds since qprobe attached: %s", self.note)
         self._guest = self.note is None
         if self._guest:
-            self._tsc_hz = self.stop_clock.rate() * NSEC_PER_SEC
+            self._cycles_hz = self.stop_clock.rate() * NSEC_PER_SEC
             self._timeline.monotone = self.trace_clock.name == "global"
 
     def hit_time(self, regs: PtRegs, recorded: bool = False) -> tuple[float, float]:
         """When a hit happened: (seconds on the guest's trace clock, the hit's place among all hits).
 
-        The first is what the guest's own trace prints for it.  The TSC comes from the hit
-        itself where the guest read it (a detour's mailbox or ring entry, exact), else from
-        the VM stop it is handled in (qprobe.kernel.clock.StopClock: to within the time QEMU
-        takes to stop, some tens to hundreds of microseconds).  The place is the TSC in
-        seconds: one counter for every vCPU under QEMU, so hits sort by it exactly, where the
+        The first is what the guest's own trace prints for it.  The cycle counter's value (x86's
+        TSC) comes from the hit itself where the guest read it (a detour's mailbox or ring entry,
+        exact), else from the VM stop it is handled in (qprobe.kernel.clock.StopClock: to within
+        the time QEMU takes to stop, some tens to hundreds of microseconds).  The place is that
+        value in seconds: one counter for every vCPU under QEMU, so hits sort by it exactly, where the
         trace clock (a tick-based clock under TCG) can step between two conversions; a stop's
-        estimate is kept in the order the host handled the hits (qprobe.events.timeline.TscOrder),
+        estimate is kept in the order the host handled the hits (qprobe.events.timeline.CycleOrder),
         which ``recorded`` (the hit came late, from a ring record) tells it.  Seconds since
         qprobe attached, for both, if this guest's clock cannot be read (``note``).
         """
         if self._guest:
-            tsc = regs.cycles
-            if tsc is not None:
-                tsc = self._order.exact(tsc, regs.vcpu, at_once=not recorded)
+            cycles = regs.cycles
+            if cycles is not None:
+                cycles = self._order.exact(cycles, regs.vcpu, at_once=not recorded)
             else:
-                tsc = self.stop_clock.tsc()  # from the HPET, good to the stop's latency
-                if tsc is not None:
-                    tsc = self._order.stop(tsc, regs.vcpu)
-            if tsc is not None:
-                return self.trace_clock.ns(tsc, regs.vcpu) / NSEC_PER_SEC, tsc / self._tsc_hz
+                cycles = self.stop_clock.cycles()  # from the arch's stop timer, good to the stop's latency
+                if cycles is not None:
+                    cycles = self._order.stop(cycles, regs.vcpu)
+            if cycles is not None:
+                return self.trace_clock.ns(cycles, regs.vcpu) / NSEC_PER_SEC, cycles / self._cycles_hz
         host = time.monotonic() - self.t0
         return host, host
 
     def record_times(self, records: Sequence[tuple[int, int]]) -> list[tuple[float, float]]:
-        """``hit_time`` of each ring record (its TSC as the detour read it, its vCPU's number), in order, no
-        pt_regs made and the guest's clock state read once for the run."""
+        """``hit_time`` of each ring record (its cycle counter value as the detour read it, its vCPU's
+        number), in order, no pt_regs made and the guest's clock state read once for the run."""
         if not self._guest:
             host = time.monotonic() - self.t0
             return [(host, host)] * len(records)
         exact = self._order.exact
-        tscs = [(exact(cycles, vcpu, at_once=False), vcpu) for cycles, vcpu in records]
-        hz = self._tsc_hz
+        points = [(exact(cycles, vcpu, at_once=False), vcpu) for cycles, vcpu in records]
+        hz = self._cycles_hz
         return [
-            (ns / NSEC_PER_SEC, tsc / hz) for ns, (tsc, _) in zip(self.trace_clock.ns_many(tscs), tscs, strict=True)
+            (ns / NSEC_PER_SEC, cycles / hz)
+            for ns, (cycles, _) in zip(self.trace_clock.ns_many(points), points, strict=True)
         ]
 
 

@@ -27,12 +27,12 @@ class HostContext:
         self._retval = retval
         self._comm = comm
         self._ip = ip
-        self.orig_ax = U64_MASK
+        self.syscall_nr = U64_MASK  # RegisterLayout.syscall_nr's field, as the kind's handler's pt_regs hold it
         self.task_size_max = host.mem.paging.task_size_max()
 
     def reg(self, name: str) -> int:
-        if name == "orig_ax":
-            return self.orig_ax
+        if name == self.host.arch.registers.syscall_nr:
+            return self.syscall_nr
         if name == "ip" and self._ip is not None:
             return self._ip
         value: int = getattr(self.regs, name)  # a register property, or PtRegs.__getattr__
@@ -81,13 +81,13 @@ class RecordContext:
     through the HostContext of the record's pt_regs, made the first time it is asked for.
     """
 
-    def __init__(self, host: EventHost, rec: GuestRecord, layout: RegisterLayout, ip: int, orig_ax: int,
+    def __init__(self, host: EventHost, rec: GuestRecord, layout: RegisterLayout, ip: int, syscall_nr: int,
                  task_size_max: int, make_regs: Callable[[Mapping[str, int], int], PtRegs]) -> None:  # fmt: skip
         self.host = host
         self.rec = rec
         self._layout = layout
         self._ip = ip
-        self.orig_ax = orig_ax
+        self.syscall_nr = syscall_nr  # RegisterLayout.syscall_nr's field, as the kind's handler's pt_regs hold it
         self.task_size_max = task_size_max
         self._make_regs = make_regs
         self._full: HostContext | None = None
@@ -96,12 +96,12 @@ class RecordContext:
         if self._full is None:
             regs = self._make_regs(self.rec.values, self.rec.cpu)
             self._full = HostContext(self.host, regs, None, self.rec.comm, ip=self._ip)
-            self._full.orig_ax = self.orig_ax
+            self._full.syscall_nr = self.syscall_nr
         return self._full
 
     def reg(self, name: str) -> int:
-        if name == "orig_ax":
-            return self.orig_ax
+        if name == self._layout.syscall_nr:
+            return self.syscall_nr
         if name == "ip":
             return self._ip
         value = self.rec.values.get(self._layout.gdb_name.get(name, ""))

@@ -4,13 +4,12 @@
 arms its probe; ``add_events`` arms one definition on a glob as one event per
 function; ``remove_events`` disarms.  The refusals are the kernel's (its texts and
 carets, ``error_log`` style).  They work on an :class:`EventRegistry`, the narrow
-view of the target they are given (qprobe.api.Target is one).
+view of the target they are given (qprobe.eventapi.EventAPI is the one a Target holds).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypedDict
@@ -25,26 +24,32 @@ from qprobe.errors import (
     SymbolError,
 )
 from qprobe.events.event import TraceEvent, event_filter
-from qprobe.events.funcs import Probeability, check_probe_symbol, did_you_mean, is_glob, wildcard_definitions
+from qprobe.events.funcs import Probeability, check_probe_symbol, did_you_mean, wildcard_definitions
 from qprobe.events.hit import EventHit
 from qprobe.events.kprobe import KprobeEvent, KprobeHost
 from qprobe.events.uprobe import UprobeHost, UprobeTraceEvent
 from qprobe.fetch import (
+    Definition,
+    Glob,
     ProbeEvent,
     UprobeEvent,
     check_append,
     check_event,
     check_uprobe_append,
+    is_glob,
+    parse_definition,
     parse_event,
     parse_uprobe_event,
 )
 from qprobe.fetch import messages as M
-from qprobe.fetch.kstrto import kstrtoul, split_args
+from qprobe.fetch.command import source_of
+from qprobe.fetch.kstrto import kstrtoul
 from qprobe.kernel.tracefs import within_notrace_func
 from qprobe.kernel.usyntax import resolve_uprobe_symbols
 
 if TYPE_CHECKING:
     from qprobe.events.registry import ModuleWatch
+    from qprobe.fetch import DeleteEvent
     from qprobe.fetch.dialect import Dialect
     from qprobe.fetch.uevent import FileKind
 
@@ -81,29 +86,23 @@ def on_func_entry(reg: EventRegistry, symbol: str, offset: int) -> bool:
     return sym is not None and addr - sym.addr in (0, reg.kprobe_backend.entry_skip(sym.addr))
 
 
-def probe_place(text: str) -> tuple[int, str] | None:
-    """A definition's probe point as written, its column and its name without ``+OFFS``/``%return``
-    (``vfs_*`` for ``p:vfs vfs_* fd=%di``), before anything parses it; None if it has none."""
-    words = split_args(text.split("#", 1)[0])
-    if len(words) < 2:
-        return None
-    return words[1][0], re.split(r"[+%]", words[1][1], maxsplit=1)[0]
+def definition_of(definition: str | Definition) -> Definition:
+    """The definition parsed: text is read once here, a Definition taken as it is."""
+    return definition if isinstance(definition, Definition) else parse_definition(definition)
 
 
-def is_wildcard(definition: str | ProbeEvent) -> bool:
+def is_wildcard(definition: Definition | ProbeEvent) -> bool:
     """Whether a definition's probe point is a glob: one event per function (``add_events``)."""
     if isinstance(definition, ProbeEvent):
         return definition.symbol is not None and is_glob(definition.symbol)
-    place = probe_place(definition)
-    return place is not None and is_glob(place[1])
+    return definition.is_wildcard
 
 
-def _suggesting(reg: EventRegistry, exc: FetchArgError) -> FetchArgError:
+def _suggesting(reg: EventRegistry, definition: Definition, exc: FetchArgError) -> FetchArgError:
     """The kernel's refusal of an unknown probe symbol, with the names it was probably meant to be."""
-    place = probe_place(exc.text)
-    if exc.detail or place is None or exc.column != place[0]:
+    symbol = definition.place_name
+    if exc.detail or symbol is None or exc.column != definition.point_column:
         return exc
-    symbol = place[1]
     if not symbol or symbol in reg.symbols or kstrtoul(symbol, 0) is not None:
         return exc
     if is_glob(symbol):
@@ -113,17 +112,16 @@ def _suggesting(reg: EventRegistry, exc: FetchArgError) -> FetchArgError:
     return FetchArgError(exc.reason, exc.text, exc.column, logged=exc.logged, detail=f"no symbol {symbol!r}{hint}")
 
 
-def _follow_modules(reg: EventRegistry, text: str) -> None:
+def _follow_modules(reg: EventRegistry, definition: Definition) -> None:
     """Know the guest's modules before a definition whose probe point may be in one is checked.
 
     ``MOD:SYM`` names a module's symbol; a plain name vmlinux lacks may be one
     (kallsyms_lookup_name searches modules after vmlinux).  Without the
     kernel's debug info a plain name stays unknown, and ``MOD:SYM`` is refused.
     """
-    place = probe_place(text)
-    if place is None or text.lstrip()[:1] not in ("p", "r"):
+    name = definition.place_name
+    if name is None or definition.kind not in ("p", "r"):
         return
-    name = place[1]
     if not name or name[0].isdigit() or is_glob(name) or name in reg.symbols or reg.modules.started:
         return
     try:
@@ -142,21 +140,12 @@ def _registration_error(ev: ProbeEvent, exc: ProbeError | SymbolError, dialect: 
         message = M.BAD_PROBE_ADDR  # -ENOENT
     else:
         message = M.FAIL_REG_PROBE  # -EINVAL, -EBUSY...
-    words = split_args(ev.text.split("#", 1)[0])
-    return FetchArgError(dialect.message(message), ev.text, words[1][0] if len(words) > 1 else 0, detail=str(exc))
-
-
-def is_uprobe(definition: str | ProbeEvent | UprobeEvent) -> bool:
-    """Whether a definition is uprobe_events' (its probe point a path: ``p:ev /bin/prog:0x1136``)."""
-    if not isinstance(definition, str):
-        return isinstance(definition, UprobeEvent)
-    place = probe_place(definition)
-    return place is not None and place[1].startswith("/")
+    return FetchArgError(dialect.message(message), ev.text, source_of(ev).point_column, detail=str(exc))
 
 
 def add_event(
     reg: EventRegistry,
-    definition: str | ProbeEvent | UprobeEvent,
+    definition: str | Definition | ProbeEvent | UprobeEvent,
     callback: Callable[[EventHit], None] | None = None,
     filter: str | None = None,
     anywhere: bool = False,
@@ -167,11 +156,13 @@ def add_event(
     Refusals are the kernel's (its texts and carets, ``error_log`` style), including
     those it makes when it adds the probe to its event table or registers it;
     ``anywhere`` arms it with a stub breakpoint (``Kprobe(anywhere=True)``; a uprobe always is one).
+    The text is parsed once (``parse_definition``); every step after takes the parsed form.
     """
-    if is_uprobe(definition):
-        return _add_uprobe_event(reg, definition, callback, filter)  # type: ignore[arg-type]
-    assert not isinstance(definition, UprobeEvent)
-    _follow_modules(reg, definition.text if isinstance(definition, ProbeEvent) else definition)
+    if isinstance(definition, str):
+        definition = parse_definition(definition)
+    if isinstance(definition, UprobeEvent) or (isinstance(definition, Definition) and definition.is_uprobe):
+        return _add_uprobe_event(reg, definition, callback, filter)
+    _follow_modules(reg, source_of(definition) if isinstance(definition, ProbeEvent) else definition)
     te, first = _prepare(reg, definition, callback, filter, reg.symbols.count, anywhere)
     try:
         te.backend.register([te])
@@ -197,8 +188,8 @@ def add_event(
     return te
 
 
-def _add_uprobe_event(reg: EventRegistry, definition: str | UprobeEvent, callback: Callable[[EventHit], None] | None,
-                      filter: str | None) -> TraceEvent:  # fmt: skip
+def _add_uprobe_event(reg: EventRegistry, definition: Definition | UprobeEvent,
+                      callback: Callable[[EventHit], None] | None, filter: str | None) -> TraceEvent:  # fmt: skip
     """A uprobe_events definition (``PATH:SYMBOL[+OFFS]`` resolved first, from the file's ELF) armed as a Uprobe."""
     dialect = reg.dialect
     if isinstance(definition, UprobeEvent):
@@ -206,11 +197,11 @@ def _add_uprobe_event(reg: EventRegistry, definition: str | UprobeEvent, callbac
         text = definition.text
     else:
         try:
-            text = resolve_uprobe_symbols(definition, reg.resolve_user_symbol)
+            resolved = resolve_uprobe_symbols(definition, reg.resolve_user_symbol)
         except QprobeError as exc:
-            place = probe_place(definition)
-            raise FetchArgError(str(exc), definition, place[0] if place else 0, logged=False) from None
-        ev = parse_uprobe_event(text, dialect, file_check=reg.user_file_kind)
+            raise FetchArgError(str(exc), definition.text, definition.point_column, logged=False) from None
+        text = resolved.text
+        ev = parse_uprobe_event(resolved, dialect, file_check=reg.user_file_kind)
     if not isinstance(ev, UprobeEvent):
         raise FetchArgError("use remove_event() to delete an event", text, 0, logged=False)
     name = f"{ev.group}/{ev.event}"
@@ -225,8 +216,7 @@ def _add_uprobe_event(reg: EventRegistry, definition: str | UprobeEvent, callbac
     try:
         te.backend.register([te])
     except (ProbeError, SymbolError) as exc:
-        place = probe_place(text)
-        raise FetchArgError(dialect.message(M.FAIL_REG_PROBE), text, place[0] if place else 0, logged=False,
+        raise FetchArgError(dialect.message(M.FAIL_REG_PROBE), text, source_of(ev).point_column, logged=False,
                             detail=str(exc)) from None  # fmt: skip
     if first is not None:
         first.appended.append(te)
@@ -249,7 +239,7 @@ MAX_WILDCARD = 1000  # probes one glob may arm: more is almost always a pattern 
 
 def add_events(
     reg: EventRegistry,
-    definition: str | ProbeEvent,
+    definition: str | Definition | ProbeEvent,
     callback: Callable[[EventHit], None] | None = None,
     filter: str | None = None,
     anywhere: bool = False,
@@ -260,24 +250,24 @@ def add_events(
     would refuse (notrace, blacklisted, not unique...) or whose definition it would refuse
     are counted in ``refused`` with the reason.  The probes are registered as one batch.
     """
-    text = definition.text if isinstance(definition, ProbeEvent) else definition
-    words = split_args(text.split("#", 1)[0])
-    pattern = re.match(r"[^+%]*", words[1][1] if len(words) > 1 else "").group(0)  # type: ignore[union-attr]
+    parsed = source_of(definition) if isinstance(definition, ProbeEvent) else definition_of(definition)
+    point = parsed.point
+    pattern = point.pattern if isinstance(point, Glob) else parsed.place_name or ""
     prob = Probeability.of_sites(reg, reg.kprobe_backend.sites)
     # While the kernel boots every probe goes on a stub breakpoint; those the int3 path refuses stay so.
     prob.anywhere = anywhere or reg.kprobe_backend.booting
     found = check_probe_symbol(prob, pattern)
     if not found:
-        raise FetchArgError("not a wildcard: use add_event()", text, words[1][0] if len(words) > 1 else 0)
+        raise FetchArgError("not a wildcard: use add_event()", parsed.text, parsed.point_column)
     refused = {f.name: f.reason for f in found if f.reason is not None}
-    definitions = wildcard_definitions(text, [f.name for f in found if f.reason is None])
+    definitions = wildcard_definitions(parsed, [f.name for f in found if f.reason is None])
     if len(definitions) > MAX_WILDCARD:
         raise ProbeError(f"{pattern!r} matches {len(definitions)} functions that can be probed; "
                          f"qprobe arms at most {MAX_WILDCARD} at once (narrow the pattern)")  # fmt: skip
     prepared: list[TraceEvent] = []
-    for func, definition in definitions:
+    for func, one in definitions:
         try:
-            event, first = _prepare(reg, definition, callback, filter, lambda _name: 1, anywhere)  # unique above
+            event, first = _prepare(reg, one, callback, filter, lambda _name: 1, anywhere)  # unique above
         except FetchArgError as exc:
             refused[func] = exc.explained
             continue
@@ -313,7 +303,7 @@ class _Answers(TypedDict):
 
 
 def _prepare(
-    reg: EventRegistry, definition: str | ProbeEvent, callback: Callable[[EventHit], None] | None,
+    reg: EventRegistry, definition: Definition | ProbeEvent, callback: Callable[[EventHit], None] | None,
     filter: str | None, symbol_count: Callable[[str], int], anywhere: bool,
 ) -> tuple[KprobeEvent, TraceEvent | None]:  # fmt: skip
     """The parsed (or, given parsed, checked), unregistered event, and the existing event it would join (or None).
@@ -325,11 +315,15 @@ def _prepare(
     answers: _Answers = {"symbol_exists": lambda name: name in symbols, "dialect": dialect,
                          "symbol_count": symbol_count,
                          "on_func_entry": lambda sym, off: on_func_entry(reg, sym, off)}  # fmt: skip
-    text = definition.text if isinstance(definition, ProbeEvent) else definition
+    text = definition.text
+    parsed = source_of(definition) if isinstance(definition, ProbeEvent) else definition
     try:
-        ev = check_event(definition, **answers) if isinstance(definition, ProbeEvent) else parse_event(text, **answers)
+        if isinstance(definition, ProbeEvent):
+            ev: ProbeEvent | DeleteEvent = check_event(definition, **answers)
+        else:
+            ev = parse_event(parsed, **answers)
     except FetchArgError as exc:
-        raise _suggesting(reg, exc) from None
+        raise _suggesting(reg, parsed, exc) from None
     if not isinstance(ev, ProbeEvent):
         raise FetchArgError("use remove_event() to delete an event", text, 0, logged=False)
     name = f"{ev.group}/{ev.event}"

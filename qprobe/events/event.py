@@ -20,6 +20,7 @@ from qprobe.events.hit import EventHit
 from qprobe.fetch import ProbeEvent, format_event, format_hit
 from qprobe.fetch.context import U64_MASK
 from qprobe.fetch.filter import EventFilter
+from qprobe.fetch.record import record_length
 
 if TYPE_CHECKING:
     from qprobe.arch.inguest import MapSlot
@@ -53,6 +54,7 @@ class TraceEvent:
     errors: list[str] = field(default_factory=list)
     filter: EventFilter | None = None
     host_filtered: int = 0  # hits the filter rejected on the host (the rest were rejected in the guest)
+    oversized: int = 0  # hits whose record is longer than the guest's ring buffer takes: no line (fetch.record)
     appended: list[TraceEvent] = field(default_factory=list)  # later probes of the same event
     probe: Kprobe | Kretprobe | Uprobe | None = None  # make_probe's; a kind's subclass narrows it to its own
 
@@ -112,8 +114,8 @@ class TraceEvent:
         """``%ip`` as the kind's handler sees it for a hit at ``ip``."""
         return ip
 
-    def _orig_ax(self, func: int | None) -> int:
-        """``orig_ax`` as the kind's handler's pt_regs hold it."""
+    def _syscall_nr(self, func: int | None) -> int:
+        """pt_regs' system call number (``RegisterLayout.syscall_nr``) as the kind's handler's pt_regs hold it."""
         return U64_MASK
 
     def _return_trampoline(self) -> int | None:
@@ -124,7 +126,7 @@ class TraceEvent:
                  entry: dict[int, int] | None) -> FetchContext:  # fmt: skip
         """What the definition's fetch arguments read at this hit (a kernel probe's: kernel-mode pt_regs)."""
         ctx = HostContext(self.host, regs, retval, comm, ip=self._fetch_ip(ip, func), entry=entry)
-        ctx.orig_ax = self._orig_ax(func)
+        ctx.syscall_nr = self._syscall_nr(func)
         return ctx
 
     def _body(self, values: list[Value], ip: int, func: int | None) -> str:
@@ -172,6 +174,10 @@ class TraceEvent:
         recorded = task is not None  # only a ring record brings its task
         ctx = self._context(regs, retval, None if task is None else task[1], ip, func, entry)
         values: list[Value] = self.definition.evaluate(ctx)
+        limit = host.kernel.event_length_limit()
+        if limit is not None and record_length(self.definition, values) > limit:
+            self.oversized += 1  # the kernel's ring buffer refuses the record: no line, as the guest's own
+            return
         body = self._body(values, ip, func)
         if task is None:
             current = host.kernel.snapshot(regs=regs.task_regs)

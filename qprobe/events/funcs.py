@@ -26,8 +26,8 @@ from qprobe.arch import Arch
 from qprobe.core.blacklist import Blacklist
 from qprobe.errors import FetchArgError, SymbolError
 from qprobe.fetch import messages as M
+from qprobe.fetch.definition import Definition, is_glob
 from qprobe.fetch.dialect import Dialect
-from qprobe.fetch.kstrto import split_args
 from qprobe.kernel.reserved import ReservedText
 from qprobe.kernel.symbols import ModuleText, Symbols
 from qprobe.kernel.tracefs import ftrace_locations, probe_dialect, within_notrace_func
@@ -87,14 +87,8 @@ class RunningTarget(KernelFacts, Protocol):
     def kprobes(self) -> ProbeTables: ...
 
 
-_GLOB = re.compile(r"[*?\[]")
 # GCC's names for copies of a function: foo.isra.0, foo.constprop.0, foo.part.0, foo.cold, foo.lto_priv.0
 _CLONE = re.compile(r"^(?P<base>[^.]+)\.")
-
-
-def is_glob(name: str) -> bool:
-    """Is ``name`` a shell-style pattern (``vfs_*``, ``ksys_?ead``, ``do_[rw]*``) rather than one symbol?"""
-    return bool(_GLOB.search(name))
 
 
 @dataclass(frozen=True)
@@ -345,8 +339,9 @@ def render_funcs(prob: Probeability, patterns: Sequence[str]) -> tuple[str, str,
     return "".join(line + "\n" for line in lines), summary, len(found)
 
 
-def wildcard_definitions(text: str, names: Sequence[str]) -> list[tuple[str, str]]:
-    """``(function, definition)`` for each of ``names``: the definition ``text`` with its glob replaced.
+def wildcard_definitions(definition: Definition, names: Sequence[str]) -> list[tuple[str, Definition]]:
+    """``(function, definition)`` for each of ``names``: ``definition`` with its glob replaced (its words
+    rewritten, not its text parsed again).
 
     ``p:NAME GLOB ARGS`` (or ``p:GRP/ GLOB``) becomes ``p:NAME/FUNC FUNC ARGS`` for each
     function: the name becomes the group and each event is named after its function
@@ -355,10 +350,10 @@ def wildcard_definitions(text: str, names: Sequence[str]) -> list[tuple[str, str
     names (``p_FUNC_0``) apply in its ``kprobes`` group.  ``p:GRP/NAME GLOB`` is refused:
     one name cannot be many events.
     """
-    words = split_args(text.split("#", 1)[0])
+    text, words = definition.text, definition.words
     if len(words) < 2:
         raise FetchArgError(M.NO_PROBE_POINT, text, 0)
-    head, (col, point) = words[0][1], words[1]
+    head, point = definition.head, words[1][1]
     m = re.fullmatch(r"([pr]\d*)(?::(.*))?", head)
     if m is None:
         raise FetchArgError(M.NOT_A_PROBE, text, 0)
@@ -371,16 +366,15 @@ def wildcard_definitions(text: str, names: Sequence[str]) -> list[tuple[str, str
                                 text, words[0][0] + len(m.group(1)) + 1)  # fmt: skip
         group = grp
     glob_end = len(re.match(r"[^+%]*", point).group(0))  # type: ignore[union-attr]
-    rest = text[col + glob_end :]
     out = []
     seen: set[str] = set()
     for func in names:
         if group is None:
-            out.append((func, f"{kind} {func}{rest}"))
+            out.append((func, definition.with_point(kind, func, glob_end)))
             continue
         event = func.replace(".", "_")[: M.MAX_EVENT_NAME_LEN - 1]
         if event in seen:  # foo.part.0 and foo_part_0: the first keeps the name
             continue
         seen.add(event)
-        out.append((func, f"{kind}:{group}/{event} {func}{rest}"))
+        out.append((func, definition.with_point(f"{kind}:{group}/{event}", func, glob_end)))
     return out

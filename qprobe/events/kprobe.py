@@ -23,6 +23,7 @@ from qprobe.events.registry import EventHost
 from qprobe.fetch import print_ip_sym
 from qprobe.fetch.context import U64_MASK
 from qprobe.fetch.expr import Arg, Deref
+from qprobe.fetch.record import record_length
 
 if TYPE_CHECKING:
     from qprobe.arch.inguest import KeySpec, MapKey, MapSlot
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from qprobe.core.kprobes import KprobeManager
     from qprobe.core.kretprobe import KretprobeManager
     from qprobe.core.regs import PtRegs
+    from qprobe.core.regsmaker import RegsMaker
     from qprobe.core.sites import ProbeSites
     from qprobe.fetch import ProbeEvent
 
@@ -37,9 +39,10 @@ if TYPE_CHECKING:
 class KprobeBackend:
     """The kprobes and kretprobes of kprobe events, on the target's probe tables."""
 
-    def __init__(self, kprobes: KprobeManager, kretprobes: KretprobeManager) -> None:
+    def __init__(self, kprobes: KprobeManager, kretprobes: KretprobeManager, regs: RegsMaker) -> None:
         self._kprobes = kprobes
         self._kretprobes = kretprobes
+        self._regs = regs
 
     @property
     def booting(self) -> bool:
@@ -85,7 +88,7 @@ class KprobeBackend:
 
     def make_regs(self, values: Mapping[str, int], cpu: int) -> PtRegs:
         """The pt_regs of a hit recorded on vCPU number ``cpu`` with these register values."""
-        return self._kprobes.make_regs(values, self._kprobes.machine.vcpus[cpu])
+        return self._regs.make_regs_on(values, cpu)
 
     @property
     def can_count_in_guest(self) -> bool:
@@ -112,7 +115,7 @@ class KprobeBackend:
 
     def entry_skip(self, func: int) -> int:
         """Bytes after a function's entry that still count as its entry (an ``endbr64``)."""
-        return self._kprobes.sites.entry_skip(func)
+        return self.sites.entry_skip(func)
 
 
 class KprobeHost(EventHost, Protocol):
@@ -196,7 +199,7 @@ class KprobeEvent(TraceEvent):
         the same), and the real return address in a return probe."""
         return ip + self.host.arch.kprobe_ip_offset if func is None else ip
 
-    def _orig_ax(self, func: int | None) -> int:
+    def _syscall_nr(self, func: int | None) -> int:
         # -1 as the int3 entry and the kretprobe trampoline leave it; 0 in a probe the kernel would run
         # from ftrace (one qprobe moved off an __fentry__ site), whose pt_regs come from ftrace_regs_caller.
         probe = self.probe if isinstance(self.probe, Kprobe) else None
@@ -282,31 +285,49 @@ class KprobeEvent(TraceEvent):
 
         The line ``_record`` would make for each, from what the run shares found once (the probe's
         symbol and place, how each argument reads a record) and each record's registers read where they are.
+        A hit whose record the guest's ring buffer would refuse leaves no line, as in ``_record``: a
+        definition without strings has one length for every hit; one with strings is measured a hit,
+        its values evaluated as ``_record`` evaluates them.
         """
         assert isinstance(self.probe, Kprobe)
         host, ev, ip = self.host, self.definition, self.probe.at
+        limit = host.kernel.event_length_limit()
+        measured = limit is not None and any(a.type.string for a in ev.args)
+        if limit is not None and not measured and record_length(ev, [0] * len(ev.args)) > limit:
+            self.oversized += len(records)
+            return
         layout = host.arch.registers
         symbol = self._symbolize(ip)
         head = f"({print_ip_sym(ip, symbol_lookup(host), True, self._return_trampoline())})"
-        fetch_ip, orig_ax, task_size_max = (
+        fetch_ip, syscall_nr, task_size_max = (
             self._fetch_ip(ip, None),
-            self._orig_ax(None),
+            self._syscall_nr(None),
             host.mem.paging.task_size_max(),
         )
         make_regs = self.backend.make_regs
 
         def context(rec: GuestRecord) -> RecordContext:
-            return RecordContext(host, rec, layout, fetch_ip, orig_ax, task_size_max, make_regs)
+            return RecordContext(host, rec, layout, fetch_ip, syscall_nr, task_size_max, make_regs)
 
-        texts_of = [arg_text(a, layout, context) for a in ev.args]
+        if measured:  # the kept records and their arguments' texts, from the values their length was taken of
+            kept, texts_each = [], []
+            for rec in records:
+                values = ev.evaluate(context(rec))
+                if limit is not None and record_length(ev, values) > limit:
+                    self.oversized += 1
+                    continue
+                kept.append(rec)
+                texts_each.append([a.format_value(v) for a, v in zip(ev.args, values, strict=True)])
+        else:
+            texts_of = [arg_text(a, layout, context) for a in ev.args]
+            kept, texts_each = records, [[text(rec) for text in texts_of] for rec in records]
         names = [a.name for a in ev.args]
         labels = [f" {n}=" for n in names]
         flags, irq_flag = layout.gdb_name[layout.flags], layout.irq_flag
         numbers, strings, event = self.numbers, self.strings, ev.event
-        times = host.clock.record_times([(rec.values["cycles"], rec.cpu) for rec in records])
+        times = host.clock.record_times([(rec.values["cycles"], rec.cpu) for rec in kept])
         with host.timeline.batch():  # one hand-on for the run, its callbacks' pushes included
-            for rec, (ts, order) in zip(records, times, strict=True):
-                texts = [text(rec) for text in texts_of]
+            for rec, texts, (ts, order) in zip(kept, texts_each, times, strict=True):
                 args = dict(zip(names, texts, strict=True))
                 body = head + "".join([label + t for label, t in zip(labels, texts, strict=True)])
                 self._emit(EventHit(event, rec.cpu, rec.pid, rec.comm, ts, ip, symbol, args, body,

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Protocol
 import drgn
 
 from qprobe.core.anywhere import InternalProbe, StubPoint
-from qprobe.core.kprobe import KPROBE_FLAG_GONE, Kprobe, Kretprobe
+from qprobe.core.kprobe import Kprobe, Kretprobe
 from qprobe.core.regs import PtRegs
 from qprobe.errors import QprobeError, SymbolError
 from qprobe.kernel.modules import MODULE_STATE_LIVE, loaded_modules, module_state, read_module
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from qprobe.vmm.machine import Machine
 
     class NotifierTarget(EventRegistry, Protocol):
-        """What the notifier uses of a target (qprobe.api.Target): the events' view, the stop loop, the
+        """What the notifier uses of a target (qprobe.eventapi.EventAPI): the events' view, the stop loop, the
         kernel's modules (drgn) and the probe tables (a going module's probes are killed, events or not)."""
 
         machine: Machine
@@ -211,14 +211,7 @@ class ModuleNotifier:
         if kp.registered:
             return
         # Killed on an unload: __unregister_trace_kprobe, then register; listed [GONE] still if that fails.
-        killed = self.target.kprobes.gone.pop(kp, None)
-        try:
+        with self.target.kprobes.reviving(kp):
             if check_notrace(self.target, te.definition, te.anywhere):
                 te.anywhere = kp.anywhere = True  # a notrace function's, while booting: a stub for good
-            kp.flags &= ~KPROBE_FLAG_GONE
             te.backend.register_probe(probe)
-        except QprobeError:
-            kp.flags |= KPROBE_FLAG_GONE
-            if killed is not None:
-                self.target.kprobes.gone[kp] = killed
-            raise

@@ -40,7 +40,7 @@ def arg_text(arg: FetchArg, layout: RegisterLayout, context: Callable[[GuestReco
         name = args[expr.n - 1]
     else:
         return evaluated
-    if name in (layout.ip, "orig_ax") or name not in layout.gdb_name:
+    if name in (layout.ip, layout.syscall_nr) or name not in layout.gdb_name:
         return evaluated  # the handler's view of these is not the record's word
     gdb, bits = layout.gdb_name[name], t.bits
     mask, top, span = (1 << bits) - 1, 1 << (bits - 1), 1 << bits

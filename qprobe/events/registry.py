@@ -1,6 +1,6 @@
 """What events receive of the target they are armed on, narrowed to what they use.
 
-Two views, each a Protocol that ``qprobe.api.Target`` satisfies:
+Two views, each a Protocol that a target's registry (``qprobe.eventapi.EventAPI``) satisfies:
 
 - :class:`EventHost` (here): what an armed event uses at a hit, whatever its
   probe kind: the architecture, the symbols, the task and clock of a hit, the
@@ -30,10 +30,11 @@ if TYPE_CHECKING:
 
 
 class Tasks(Protocol):
-    """The task a hit interrupted (qprobe.kernel.program.KernelData)."""
+    """The task a hit interrupted, and the record its event may take (qprobe.kernel.program.KernelData)."""
 
     def read_task(self, addr: int | None = None, *, regs: Mapping[str, int] | None = None) -> Task: ...
     def snapshot(self, addr: int | None = None, *, regs: Mapping[str, int] | None = None) -> Task | None: ...
+    def event_length_limit(self) -> int | None: ...
 
 
 class Paged(Protocol):
@@ -62,7 +63,7 @@ class HitTimes(Protocol):
     """When a hit happened (qprobe.events.clock.HitClock)."""
 
     def hit_time(self, regs: PtRegs, recorded: bool = False) -> tuple[float, float]: ...
-    def record_times(self, records: Sequence[tuple[int, int]]) -> list[tuple[float, float]]: ...  # (TSC, vCPU) each
+    def record_times(self, records: Sequence[tuple[int, int]]) -> list[tuple[float, float]]: ...  # (cycles, vCPU) each
 
 
 class ModuleWatch(Protocol):

@@ -29,32 +29,33 @@ HOLD = 0.15  # seconds of host time a hit is held at most
 TICK = 0.05  # how often held hits are looked at while nothing new arrives
 
 
-class TscOrder:
-    """The TSC that places each hit among the others, consistent with the order the host handled them in.
+class CycleOrder:
+    """The cycle counter value that places each hit among the others, consistent with the order the host
+    handled them in.
 
-    A hit the guest timed itself (a detour's mailbox, a ring record) carries its exact TSC.
-    A VM stop's TSC is an estimate (qprobe.kernel.clock.StopClock), good to the stop's
+    A hit the guest timed itself (a detour's mailbox, a ring record) carries its exact value.
+    A VM stop's value is an estimate (qprobe.kernel.clock.StopClock), good to the stop's
     latency and the clock model's error, which can put it after hits that came later.  Two
     facts fix the order where it can be known: stops reach the host in the order they
     happened, after every hit already seen; and a hit handled at once (a stop or a mailbox)
     on a vCPU happened after every stop already handled on that vCPU (the host held the vCPU
-    until it had handled the stop).  A ring record reaches the host late, so it keeps its own TSC.
+    until it had handled the stop).  A ring record reaches the host late, so it keeps its own value.
     """
 
     def __init__(self) -> None:
-        self._exact = 0  # the newest TSC a hit carried
-        self._stop = 0  # the last TSC given to a VM stop
-        self._stops: dict[int, int] = {}  # vCPU -> the TSC given to the last stop handled on it
+        self._exact = 0  # the newest value a hit carried
+        self._stop = 0  # the last value given to a VM stop
+        self._stops: dict[int, int] = {}  # vCPU -> the value given to the last stop handled on it
 
-    def exact(self, tsc: int, vcpu: int, at_once: bool) -> int:
-        """The TSC to place a hit that carries ``tsc``; ``at_once``: it came through a mailbox, not a ring."""
+    def exact(self, cycles: int, vcpu: int, at_once: bool) -> int:
+        """The value to place a hit that carries ``cycles``; ``at_once``: it came through a mailbox, not a ring."""
         if at_once:
-            tsc = max(tsc, self._stops.get(vcpu, -1) + 1)
-        self._exact = max(self._exact, tsc)
-        return tsc
+            cycles = max(cycles, self._stops.get(vcpu, -1) + 1)
+        self._exact = max(self._exact, cycles)
+        return cycles
 
     def stop(self, estimate: int, vcpu: int) -> int:
-        """The TSC to place a VM stop's hit whose TSC is ``estimate``."""
+        """The value to place a VM stop's hit whose value is ``estimate``."""
         self._stop = self._stops[vcpu] = max(estimate, self._exact + 1, self._stop + 1)
         return self._stop
 
@@ -186,4 +187,4 @@ class Timeline:
             self._release(all_=False)
 
 
-__all__ = ["HOLD", "WINDOW", "Stamped", "Timeline", "TscOrder"]
+__all__ = ["HOLD", "WINDOW", "CycleOrder", "Stamped", "Timeline"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .args import FetchArg, Value
 from .context import FAULT, Fault, FetchContext, MemoryFault, SymbolValue, UprobeContext, UserFetchContext
+from .definition import Address, Definition, FilePoint, Glob, Point, Symbol, is_glob, parse_definition
 from .event import DeleteEvent, ProbeEvent, check_append, check_event, parse_event, parse_events
 from .expr import Arg, Comm, Deref, FileOffset, Imm, ImmString, Node, Reg, RetVal, Stack, StackPointer, SymbolAddr
 from .ftypes import Bitfield, FetchType
@@ -29,9 +30,11 @@ from .uevent import UprobeEvent, check_uprobe_append, parse_uprobe_event, parse_
 
 __all__ = [
     "FAULT",
+    "Address",
     "Arg",
     "Bitfield",
     "Comm",
+    "Definition",
     "DeleteEvent",
     "Deref",
     "Fault",
@@ -39,15 +42,19 @@ __all__ = [
     "FetchContext",
     "FetchType",
     "FileOffset",
+    "FilePoint",
+    "Glob",
     "Imm",
     "ImmString",
     "MemoryFault",
     "Node",
+    "Point",
     "ProbeEvent",
     "Reg",
     "RetVal",
     "Stack",
     "StackPointer",
+    "Symbol",
     "SymbolAddr",
     "SymbolInfo",
     "SymbolValue",
@@ -63,6 +70,8 @@ __all__ = [
     "format_uprobe_event",
     "format_uprobe_hit",
     "format_uprobe_profile",
+    "is_glob",
+    "parse_definition",
     "parse_event",
     "parse_events",
     "parse_uprobe_event",

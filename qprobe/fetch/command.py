@@ -16,8 +16,9 @@ from qprobe.errors import FetchArgError
 
 from . import messages as M
 from .args import FetchArg
+from .definition import Definition, parse_definition
 from .dialect import BASE, Dialect
-from .kstrto import is_good_name, split_args
+from .kstrto import is_good_name
 
 _P = TypeVar("_P", bound="_Probe")
 
@@ -25,9 +26,10 @@ _P = TypeVar("_P", bound="_Probe")
 class Command:
     """The argv of one line, turning (word index, offset) into caret columns."""
 
-    def __init__(self, text: str, line: str, dialect: Dialect = BASE) -> None:
-        self.text = text
-        self.words = split_args(line)
+    def __init__(self, definition: Definition, dialect: Dialect = BASE) -> None:
+        self.definition = definition
+        self.text = definition.text
+        self.words = definition.words
         self.argv = [w for _, w in self.words]
         self.dialect = dialect
 
@@ -40,14 +42,6 @@ class Command:
     def error(self, index: int, offset: int, message: str, logged: bool = True) -> FetchArgError:
         logged = logged and message not in M.UNLOGGED
         return FetchArgError(self.dialect.message(message), self.text, self.column(index, offset), logged=logged)
-
-
-def strip_line(text: str) -> str:
-    line = text[:-1] if text.endswith("\n") else text
-    if "\n" in line:
-        raise FetchArgError("One definition per line (use parse_events)", text, line.index("\n"))
-    hash_at = line.find("#")
-    return line if hash_at < 0 else line[:hash_at]
 
 
 def parse_event_name(cmd: Command, name: str, offset: int) -> tuple[str | None, str | None]:
@@ -80,6 +74,7 @@ def parse_event_name(cmd: Command, name: str, offset: int) -> tuple[str | None, 
 class _Probe(Protocol):
     text: str
     args: list[FetchArg]
+    source: Definition | None
 
     @property
     def is_return(self) -> bool: ...  # read-only: ProbeEvent's is a property
@@ -90,7 +85,7 @@ def append_checks(new: _P, existing: Sequence[_P], dialect: Dialect, place: Call
     probe's type and arguments, and no second probe at the same ``place`` with the same arguments."""
     if not existing:
         return
-    cmd = Command(new.text, strip_line(new.text), dialect)
+    cmd = Command(source_of(new), dialect)
     old = existing[0]
     if new.is_return != old.is_return:
         raise cmd.error(0, 0, M.DIFF_PROBE_TYPE)
@@ -100,6 +95,11 @@ def append_checks(new: _P, existing: Sequence[_P], dialect: Dialect, place: Call
     for probe in existing:
         if place(probe) == place(new) and [a.body for a in probe.args] == [a.body for a in new.args]:
             raise cmd.error(0, 0, M.SAME_PROBE)
+
+
+def source_of(probe: _Probe) -> Definition:
+    """The definition a probe was parsed from; one made without its parse (a test's) is read from its text."""
+    return probe.source if probe.source is not None else parse_definition(probe.text)
 
 
 def _compare_arg_types(a: list[FetchArg], b: list[FetchArg]) -> int:

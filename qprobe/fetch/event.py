@@ -26,12 +26,13 @@ from qprobe.errors import FetchArgError
 
 from . import messages as M
 from .args import FetchArg, Value, integer_names, parse_fetch_arg, string_names, symbol_refs_of
-from .command import Command, append_checks, parse_event_name, strip_line
+from .command import Command, append_checks, parse_event_name, source_of
 from .context import FetchContext
+from .definition import Definition, parse_definition, strip_line
 from .dialect import BASE, Dialect
 from .expand import expand_dentry_arg, expand_meta_args
 from .expr import FL_FENTRY, FL_KERNEL, FL_RETURN, ArgError, split_symbol_offset
-from .kstrto import isdigit, kstrtouint, kstrtoul, split_args
+from .kstrto import isdigit, kstrtouint, kstrtoul
 
 SymbolExists = Callable[[str], bool]
 SymbolCount = Callable[[str], int]
@@ -60,6 +61,7 @@ class ProbeEvent:
     # decides how its arguments parse): check_event parses it again only where a kernel's answers differ.
     dialect: Dialect = field(default=BASE, compare=False, repr=False)
     fentry: bool = False
+    source: Definition | None = field(default=None, compare=False, repr=False)  # the text parsed, its words
 
     @property
     def integer_args(self) -> frozenset[str]:
@@ -121,7 +123,7 @@ _PERF_PLACE = re.compile(r"(?:[A-Za-z_]\w*=)?[A-Za-z_][\w.]+(?:@[\w./-]+)?(?:[:+
 
 
 def parse_event(
-    text: str,
+    text: str | Definition,
     *,
     symbol_exists: SymbolExists | None = None,
     on_func_entry: OnFuncEntry | None = None,
@@ -134,22 +136,24 @@ def parse_event(
     ``@SYM`` arguments; ``on_func_entry(symbol, offset)`` says whether that
     place is the function entry (for ``$argN`` and return probes); ``dialect``
     is what the running kernel adds to 6.1.0's language and how it words errors;
-    ``symbol_count(name)`` is how many kallsyms entries have that name.
+    ``symbol_count(name)`` is how many kallsyms entries have that name.  A Definition is the line parsed
+    already (``parse_definition``): it is not read again.
     """
-    line = strip_line(text)
+    definition = text if isinstance(text, Definition) else parse_definition(text)
+    text = definition.text
     raw = text[:-1] if text.endswith("\n") else text
     if len(raw.encode()) > M.WRITE_BUFSIZE - 2:
         raise FetchArgError(M.LINE_TOO_LONG, text, M.WRITE_BUFSIZE - 2, logged=False)
-    cmd = Command(text, line, dialect)
-    if line.startswith("-"):
+    cmd = Command(definition, dialect)
+    if definition.kind == "-" and definition.words[0][0] == 0:  # the line starts with '-': a deletion
         return _parse_delete(cmd)
     if not cmd.argv:
         raise FetchArgError(M.EMPTY_COMMAND, text, 0, logged=False)
     head = cmd.argv[0]
     if head[0] not in "pr":
         if _PERF_PLACE.fullmatch(head):  # `vfs_read count`: perf probe's language, typed without its word
-            raise FetchArgError(f"{M.NOT_A_PROBE}; in perf probe's language write: perf {line.strip()}", text, 0,
-                                logged=False)  # fmt: skip
+            perf = strip_line(text).strip()
+            raise FetchArgError(f"{M.NOT_A_PROBE}; in perf probe's language write: perf {perf}", text, 0, logged=False)
         raise cmd.error(0, 0, M.NOT_A_PROBE)
     if len(cmd.argv) < 2:
         raise cmd.error(1, 0, M.NO_PROBE_POINT)
@@ -170,9 +174,10 @@ def parse_events(
     """
     out: list[ProbeEvent | DeleteEvent] = []
     for line in text.split("\n"):
-        if split_args(line.split("#", 1)[0]):
-            out.append(parse_event(line, symbol_exists=symbol_exists, on_func_entry=on_func_entry, dialect=dialect,
-                                   symbol_count=symbol_count))  # fmt: skip
+        definition = parse_definition(line)
+        if definition.words:
+            out.append(parse_event(definition, symbol_exists=symbol_exists, on_func_entry=on_func_entry,
+                                   dialect=dialect, symbol_count=symbol_count))  # fmt: skip
     return out
 
 
@@ -274,6 +279,7 @@ def _parse_probe(
         text=cmd.text,
         dialect=cmd.dialect,
         fentry=bool(flags & FL_FENTRY),
+        source=cmd.definition,
     )
 
 
@@ -295,14 +301,14 @@ def check_event(
     kernel has).
     """
     again = ev.dialect != dialect or (ev.symbol is not None and ":" in ev.symbol)
-    cmd = Command(ev.text, strip_line(ev.text), dialect)
+    cmd = Command(source_of(ev), dialect)
     exists = True
     if not again and ev.symbol is not None:
         _check_unique(cmd, ev.symbol, symbol_count)
         exists, fentry = _place(cmd, ev.symbol, ev.offset, ev.is_return, symbol_exists, on_func_entry)
         again = fentry != ev.fentry
     if again:
-        parsed = parse_event(ev.text, symbol_exists=symbol_exists, on_func_entry=on_func_entry, dialect=dialect,
+        parsed = parse_event(cmd.definition, symbol_exists=symbol_exists, on_func_entry=on_func_entry, dialect=dialect,
                              symbol_count=symbol_count)  # fmt: skip
         assert isinstance(parsed, ProbeEvent), "a definition parses as one"
         return parsed

@@ -23,12 +23,13 @@ from qprobe.errors import FetchArgError
 
 from . import messages as M
 from .args import FetchArg, Value, integer_names, parse_fetch_arg, string_names
-from .command import Command, append_checks, parse_event_name, strip_line
+from .command import Command, append_checks, parse_event_name
 from .context import UprobeContext, UserFetchContext
+from .definition import Definition, parse_definition
 from .dialect import BASE, Dialect
 from .event import DeleteEvent, _parse_delete
 from .expr import FL_RETURN, FL_USER, ArgError
-from .kstrto import isdigit, kstrtoul, split_args
+from .kstrto import isdigit, kstrtoul
 
 FileKind = Literal["regular", "missing", "other"]
 FileCheck = Callable[[str], FileKind]
@@ -51,6 +52,7 @@ class UprobeEvent:
     is_return: bool
     args: list[FetchArg] = field(default_factory=list)
     text: str = ""
+    source: Definition | None = field(default=None, compare=False, repr=False)  # the text parsed, its words
 
     @property
     def kind(self) -> str:
@@ -80,15 +82,18 @@ class UprobeEvent:
 
 
 def parse_uprobe_event(
-    text: str, dialect: Dialect = BASE, *, file_check: FileCheck | None = None
+    text: str | Definition, dialect: Dialect = BASE, *, file_check: FileCheck | None = None
 ) -> UprobeEvent | DeleteEvent:
-    """Parse one uprobe_events line as the kernel whose ``dialect`` is given would, or raise FetchArgError."""
-    line = strip_line(text)
+    """Parse one uprobe_events line as the kernel whose ``dialect`` is given would, or raise FetchArgError.
+
+    A Definition is the line parsed already (``parse_definition``): it is not read again."""
+    definition = text if isinstance(text, Definition) else parse_definition(text)
+    text = definition.text
     raw = text[:-1] if text.endswith("\n") else text
     if len(raw.encode()) > M.WRITE_BUFSIZE - 2:
         raise FetchArgError(M.LINE_TOO_LONG, text, M.WRITE_BUFSIZE - 2, logged=False)
-    cmd = Command(text, line, dialect)
-    if line.startswith("-"):
+    cmd = Command(definition, dialect)
+    if definition.kind == "-" and definition.words[0][0] == 0:  # the line starts with '-': a deletion
         return _parse_delete(cmd)
     if not cmd.argv:
         raise FetchArgError(M.EMPTY_COMMAND, text, 0, logged=False)
@@ -106,11 +111,8 @@ def parse_uprobe_events(
     text: str, dialect: Dialect = BASE, *, file_check: FileCheck | None = None
 ) -> list[UprobeEvent | DeleteEvent]:
     """Every non-empty line of a uprobe_events write, comments removed; stops at the first bad line."""
-    return [
-        parse_uprobe_event(line, dialect, file_check=file_check)
-        for line in text.split("\n")
-        if split_args(line.split("#", 1)[0])
-    ]
+    definitions = [parse_definition(line) for line in text.split("\n")]
+    return [parse_uprobe_event(d, dialect, file_check=file_check) for d in definitions if d.words]
 
 
 def _parse_probe(cmd: Command, colon: int, file_check: FileCheck | None) -> UprobeEvent:
@@ -170,7 +172,7 @@ def _parse_probe(cmd: Command, colon: int, file_check: FileCheck | None) -> Upro
             args.append(parse_fetch_arg(word, i, flags, args, cmd.dialect, None))
         except ArgError as exc:
             raise cmd.error(i + 2, exc.offset, exc.message, exc.logged) from None
-    return UprobeEvent(group, event, path, offset, ref_ctr, is_return, args, cmd.text)
+    return UprobeEvent(group, event, path, offset, ref_ctr, is_return, args, cmd.text, cmd.definition)
 
 
 def default_event_name(path: str, offset: int) -> str:

@@ -1,15 +1,14 @@
-"""The guest's trace clock: what ftrace would stamp an event with, for a given TSC value.
+"""The guest's trace clock: what ftrace would stamp an event with, for a given cycle counter value.
 
 ftrace stamps events with the clock its top-level instance is set to (``trace_clock``):
-``local`` is ``sched_clock()``, which on x86 with a usable TSC is ``native_sched_clock()``:
-``cycles_2_ns(rdtsc())`` with the per-CPU ``cyc2ns`` scale (arch/x86/kernel/tsc.c, a
-latch-protected pair of scales since Linux 4.16's "x86/tsc: Use seqcount_latch() for
-cyc2ns").  A kernel that finds its sched_clock unstable (a TCG guest's TSCs are never
-synchronized) makes ``global`` the default (kernel/trace/trace.c, "Unstable clock detected,
-switching default tracing clock"): ``sched_clock_cpu()``, the per-CPU clock that
+``local`` is ``sched_clock()``, which the architecture computes from its cycle counter
+(``Arch.cycle_counter``'s ``sched_clock``: x86's ``native_sched_clock()`` scales the TSC by
+the per-CPU ``cyc2ns``).  A kernel that finds its sched_clock unstable (a TCG guest's TSCs
+are never synchronized) makes ``global`` the default (kernel/trace/trace.c, "Unstable clock
+detected, switching default tracing clock"): ``sched_clock_cpu()``, the per-CPU clock that
 kernel/sched/clock.c keeps within a tick of the time of day.  Reading the same state
-from the guest turns the TSC that a hit carries into the timestamp the guest's own
-trace would have printed for it.
+from the guest turns the counter value that a hit carries into the timestamp the guest's
+own trace would have printed for it.
 """
 
 from __future__ import annotations
@@ -20,9 +19,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import drgn
-from drgn.helpers.linux.percpu import per_cpu
 
-from qprobe.errors import QprobeError, SymbolError, TargetGone
+from qprobe.arch import CycleCounter, SchedClock, StopTimer
+from qprobe.errors import QprobeError, TargetGone
 from qprobe.kernel.program import KernelData
 from qprobe.vmm.gdbremote import BREAK_HW
 
@@ -31,10 +30,7 @@ if TYPE_CHECKING:
 
 NSEC_PER_SEC = 1_000_000_000
 U64 = (1 << 64) - 1
-# HPET registers (IA-PC HPET specification 1.0a, 2.3): capabilities (the period in fs in
-# the high half), configuration (bit 0 enables the counter) and the main counter.
-HPET_CAP, HPET_CFG, HPET_COUNTER, HPET_ENABLE = 0x000, 0x010, 0x0F0, 1
-RECALIBRATE_NS = 10 * NSEC_PER_SEC  # of guest time between two (TSC, HPET) pairs
+RECALIBRATE_NS = 10 * NSEC_PER_SEC  # of guest time between two (counter, stop timer) pairs
 RATE_BASELINE = 0.5  # seconds between the first two rounds of pairs, for the rate
 ROUND = 3  # pairs per round: the least late one anchors
 LATE_NS = 200_000  # a later anchor is kept if its pair came no later than this after the model's time
@@ -42,21 +38,47 @@ CALIBRATE_WAIT = 5.0  # seconds the first pair may take (sched_clock runs on eve
 TICK_READS = 4  # reads of a CPU's tick pair until two agree (a tick stores it every 1/HZ s)
 
 
+class KernelView:
+    """The running kernel as the architecture's cycle counter facet reads it (``qprobe.arch.GuestKernel``)."""
+
+    def __init__(self, kernel: KernelData) -> None:
+        self.kernel = kernel
+
+    @property
+    def prog(self) -> drgn.Program:
+        return self.kernel.prog
+
+    def address(self, name: str) -> int | None:
+        symbols = self.kernel.symbols
+        return symbols.address(name) if name in symbols else None
+
+    def symbolize(self, addr: int) -> str:
+        return self.kernel.symbols.symbolize(addr)
+
+    def read(self, addr: int, size: int) -> bytes:
+        return self.kernel.mem.read(addr, size)
+
+
+def cycles_hz(kernel: KernelData) -> int:
+    """The cycle counter's rate by the guest kernel's own calibration (x86: ``tsc_khz``); 0: unknown."""
+    counter = kernel.arch.cycle_counter
+    return 0 if counter is None else counter.hz(KernelView(kernel))
+
+
 class TraceClock:
-    """sched_clock() of the guest, computed on the host from a TSC value and the CPU that read it."""
+    """sched_clock() of the guest, computed on the host from a cycle counter value and the CPU that read it."""
 
     def __init__(self, kernel: KernelData) -> None:
         self.kernel = kernel
         self._lock = threading.Lock()
-        self._seq_addrs: dict[int, tuple[int, int, int, drgn.Type]] = {}  # cpu -> (&seq, its size, &data[0], its type)
-        self._scales: dict[int, tuple[int, tuple[int, int, int]]] = {}  # cpu -> (seq, (mul, shift, offset))
+        self._sched: SchedClock | None = None  # the architecture's sched_clock(), once checked
         self._why_not: str | None = None
         self._checked = False
         self.name = "local"  # the guest's trace clock
         self._scd: tuple[int, int, int] | None = None  # per-CPU sched_clock_data: (address, tick_raw, tick_gtod)
         self._addrs = (0, 0, 0)  # __sched_clock_stable's count, __sched_clock_offset, __gtod_offset
         self._percpu: list[int] = []  # __per_cpu_offset
-        self._last: dict[int, tuple[int, int]] = {}  # cpu (-1: all) -> the newest (tsc, ns) converted
+        self._last: dict[int, tuple[int, int]] = {}  # cpu (-1: all) -> the newest (cycles, ns) converted
 
     def unavailable(self) -> str | None:
         """Why the guest's trace clock cannot be computed on the host, or None when it can."""
@@ -72,29 +94,13 @@ class TraceClock:
             prog = self.kernel.prog
         except QprobeError as exc:
             return f"the guest's trace clock needs the kernel's debug info ({exc})"
-        try:
-            prog["cyc2ns"]
-        except KeyError:
-            return "this kernel has no per-CPU cyc2ns (its sched_clock is not the TSC's)"
-        # Without a usable TSC native_sched_clock() counts jiffies instead (__use_tsc off).
-        try:
-            if not prog["__use_tsc"].key.enabled.counter.value_():
-                return "this kernel's sched_clock does not read the TSC (__use_tsc is off)"
-        except (KeyError, LookupError):
-            pass
-        # A paravirtual sched_clock (kvm-clock under KVM, Xen, Hyper-V) replaces the TSC's:
-        # since Linux 5.19 through the pv_sched_clock static call, before through pv_ops.
-        native = self.kernel.symbols.address("native_sched_clock") if "native_sched_clock" in self.kernel.symbols else 0
-        try:
-            target = prog["__SCK__pv_sched_clock"].func.value_()
-        except (KeyError, LookupError):
-            try:
-                target = prog["pv_ops"].time.sched_clock.value_()
-            except (KeyError, LookupError):
-                target = native
-        if native and target != native:
-            name = self.kernel.symbols.symbolize(target)
-            return f"this kernel's sched_clock is {name}, not the TSC's native_sched_clock"
+        counter = self.kernel.arch.cycle_counter
+        if counter is None:
+            return f"qprobe cannot compute {self.kernel.arch.name}'s sched_clock from a cycle counter"
+        sched = counter.sched_clock(KernelView(self.kernel))
+        if isinstance(sched, str):
+            return sched
+        self._sched = sched
         return self._check_trace_clock(prog)
 
     def _check_trace_clock(self, prog: drgn.Program) -> str | None:
@@ -150,110 +156,75 @@ class TraceClock:
         # is not computed: the tick it rests on has been replaced by the time the host reads it.
         return (tick_gtod + u64(gtod_offset) - tick_raw) & U64
 
-    def _scale(self, cpu: int) -> tuple[int, int, int]:
-        """The scale ``cpu`` uses now: read again whenever the latch's sequence moved.
-
-        The kernel rescales after it refines its first, rough TSC calibration (a second
-        or so into boot, set_cyc2ns_scale keeps the clock continuous by a new offset).
-        """
-        where = self._seq_addrs.get(cpu)
-        if where is None:
-            try:
-                c = per_cpu(self.kernel.prog["cyc2ns"], cpu)
-                try:
-                    seq = c.seq.seqcount.sequence
-                except (AttributeError, LookupError):
-                    seq = c.seq.sequence  # a plain seqcount before seqcount_latch_t (Linux 5.10)
-                where = (seq.address_, seq.type_.size, c.data[0].address_, c.data.type_.type)
-            except (drgn.FaultError, LookupError, AttributeError) as exc:
-                raise SymbolError(f"cannot find the guest's cyc2ns scale of CPU {cpu}: {exc}") from None
-            self._seq_addrs[cpu] = where
-        seq_addr, seq_size, data, data_type = where
-        seq = int.from_bytes(self.kernel.mem.read(seq_addr, seq_size), "little")
-        cached = self._scales.get(cpu)
-        if cached is not None and cached[0] == seq:
-            return cached[1]
-        # A rescale is rare: the scale is read through its type, the layout the kernel at hand has.
-        try:
-            d = drgn.Object(self.kernel.prog, data_type, address=data + (seq & 1) * data_type.size)
-            scale = (d.cyc2ns_mul.value_(), d.cyc2ns_shift.value_(), d.cyc2ns_offset.value_())
-        except (drgn.FaultError, LookupError, AttributeError) as exc:
-            raise SymbolError(f"cannot read the guest's cyc2ns scale of CPU {cpu}: {exc}") from None
-        self._scales[cpu] = (seq, scale)
-        return scale
-
-    def ns(self, tsc: int, cpu: int) -> int:
-        """Nanoseconds on the guest's trace clock for the TSC value ``tsc`` read on ``cpu``."""
-        return self.ns_many([(tsc, cpu)])[0]
+    def ns(self, cycles: int, cpu: int) -> int:
+        """Nanoseconds on the guest's trace clock for the cycle counter value ``cycles`` read on ``cpu``."""
+        return self.ns_many([(cycles, cpu)])[0]
 
     def ns_many(self, points: Sequence[tuple[int, int]]) -> list[int]:
-        """``ns`` of each (TSC, CPU), in order, what the guest's clock keeps in its memory read once a CPU
+        """``ns`` of each (cycles, CPU), in order, what the guest's clock keeps in its memory read once a CPU
         for them all (a run of ring records): it is read after the hits either way, a few ms later."""
-        scales: dict[int, tuple[int, int, int]] = {}
-        offsets: dict[int, int] = {}
-        local = self.name == "local"
-        out = []
-        for tsc, cpu in points:
-            scale = scales.get(cpu)
-            if scale is None:
-                scale = scales[cpu] = self._scale(cpu)
-                if not local:
-                    offsets[cpu] = self._cpu_offset(cpu)
-            mul, shift, offset = scale
-            sched_ns = (offset + ((tsc * mul) >> shift)) & U64  # cycles_2_ns()
-            out.append(sched_ns if local else (sched_ns + offsets[cpu]) & U64)
-        if local:
+        assert self._sched is not None  # converting only once unavailable() said the clock can be computed
+        out = self._sched.ns_many(points)
+        if self.name == "local":
             return out
+        offsets: dict[int, int] = {}
+        for i, (_cycles, cpu) in enumerate(points):
+            offset = offsets.get(cpu)
+            if offset is None:
+                offset = offsets[cpu] = self._cpu_offset(cpu)
+            out[i] = (out[i] + offset) & U64
         # sched_clock_local() never goes back on a CPU (its clamp to scd->clock) and trace_clock_global()
         # never goes back at all (its prev_time), though the tick they start from moves under the host's
-        # conversions: neither do these, for a later TSC.
+        # conversions: neither do these, for a later counter value.
         with self._lock:
-            for i, (tsc, cpu) in enumerate(points):
+            for i, (cycles, cpu) in enumerate(points):
                 key = -1 if self.name == "global" else cpu
                 last = self._last.get(key)
-                if last is not None and tsc >= last[0]:
+                if last is not None and cycles >= last[0]:
                     out[i] = max(out[i], last[1])
-                if last is None or tsc >= last[0]:
-                    self._last[key] = (tsc, out[i])
+                if last is None or cycles >= last[0]:
+                    self._last[key] = (cycles, out[i])
         return out
 
 
 class StopClock:
-    """The guest's TSC while the VM is stopped, which the gdbstub cannot read directly.
+    """The guest's cycle counter while the VM is stopped, which the gdbstub cannot read directly.
 
     QEMU stops the guest's clocks with the VM (``vm_stop`` calls ``cpu_disable_ticks``):
-    its TSC and its virtual clock both stand still during a stop and run on together,
-    so TSC = a + b * HPET-time throughout.  The HPET's main counter counts that virtual
-    clock and the gdbstub reads it as device memory; (a, b) come from pairs taken at a
-    hardware breakpoint right after the ``rdtsc`` in ``native_sched_clock``, where
-    ``edx:eax`` hold the TSC of that very stop: the rate from the first anchor and the
-    newest, the offset from the newest (taken again every ten seconds of guest time).
-    QEMU stops the VM some time after the trap, so a stop's time is good to that latency
-    (tens to hundreds of microseconds on a loaded two-core host), never earlier than the trap.
+    its cycle counter and its virtual clock both stand still during a stop and run on
+    together, so counter = a + b * virtual time throughout.  The architecture's stop timer
+    (``CycleCounter.stop_timer``: x86's HPET) is that virtual clock as the gdbstub reads it;
+    (a, b) come from pairs taken at a hardware breakpoint right after sched_clock's read of
+    the counter (x86: the ``rdtsc`` in ``native_sched_clock``), where the registers hold the
+    counter of that very stop: the rate from the first anchor and the newest, the offset
+    from the newest (taken again every ten seconds of guest time).  QEMU stops the VM some
+    time after the trap, so a stop's time is good to that latency (tens to hundreds of
+    microseconds on a loaded two-core host), never earlier than the trap.
 
     An idle guest reads its clock a few times a second, so the calibration proper (two
     rounds of pairs RATE_BASELINE apart) takes seconds: it runs in the background, and
-    until it ends one pair anchors the model at the rate of the guest's own ``tsc_khz``.
+    until it ends one pair anchors the model at the rate of the guest's own calibration
+    (``CycleCounter.hz``: x86's ``tsc_khz``).
     """
 
     def __init__(self, kernel: KernelData, machine: Machine) -> None:
         self.kernel = kernel
         self.machine = machine
-        # ((tsc, hpet ns) where the rate starts, the newest: the offset's anchor), replaced as one
+        # ((cycles, timer ns) where the rate starts, the newest: the offset's anchor), replaced as one
         self._anchors: tuple[tuple[int, int], tuple[int, int]] | None = None
-        self._khz_rate = 0.0  # TSC ticks per ns by the guest's tsc_khz: the rate while one pair is known
+        self._nominal_rate = 0.0  # cycles per ns by the guest's own calibration: the rate while one pair is known
         self._taken: list[tuple[int, int]] = []  # pairs of the round being taken
         self._rounding = False
         self._armed = 0  # the breakpoint's address while it waits for a vCPU
         self._got = threading.Event()
-        self._hpet: tuple[int, int] | None = None  # (physical base, period in fs)
+        self._timer: StopTimer | None = None
         self._why_not: str | None = None
         self._site = 0
         self._counter: Callable[[Mapping[str, int]], int] | None = None  # the value read, from the registers
 
     def unavailable(self) -> str | None:
-        """Why the guest's TSC at a stop cannot be known, or None; waits for one pair (one stop), once,
-        and leaves the calibration proper to a thread of its own."""
+        """Why the guest's cycle counter at a stop cannot be known, or None; waits for one pair (one stop),
+        once, and leaves the calibration proper to a thread of its own."""
         if self._why_not is None and self._anchors is None:
             self._why_not = self._prepare()
             if self._why_not is None:
@@ -281,8 +252,8 @@ class StopClock:
     def _round(self, pairs: int) -> tuple[int, int] | str:
         """Take ``pairs`` pairs and return the least late; why not, if one did not come.
 
-        A pair's HPET time is read when QEMU has stopped, some time after the ``rdtsc``: the
-        pair that implies the largest TSC for a given HPET time waited least.
+        A pair's timer time is read when QEMU has stopped, some time after the counter's read:
+        the pair that implies the largest counter value for a given timer time waited least.
         """
         self._taken, self._rounding = [], True
         try:
@@ -296,44 +267,46 @@ class StopClock:
                     return "no vCPU read the cycle counter in sched_clock to calibrate the clock against"
         finally:
             self._rounding = False
-        return max(self._taken, key=lambda p: p[0] - self._khz_rate * p[1])
+        return max(self._taken, key=lambda p: p[0] - self._nominal_rate * p[1])
 
     def _prepare(self) -> str | None:
-        symbols, mem = self.kernel.symbols, self.kernel.mem
         counter = self.kernel.arch.cycle_counter
         if counter is None:
             return f"qprobe cannot read {self.kernel.arch.name}'s cycle counter at a stop"
-        # The HPET's address comes from the ACPI HPET table, kept in hpet_address (arch/x86/kernel/hpet.c).
-        if "hpet_address" not in symbols or counter.function not in symbols:
-            return f"this kernel has no hpet_address or {counter.function} to time stops with"
-        base = int.from_bytes(mem.read(symbols.address("hpet_address"), 8), "little")
-        if not base:
-            return "the guest has no HPET to time stops with"
-        cap, cfg = self.machine.call(lambda: (self._read_phys(base + HPET_CAP), self._read_phys(base + HPET_CFG)))
-        period = cap >> 32
-        if not period or period == 0xFFFFFFFF or not cfg & HPET_ENABLE:
-            return "the guest's HPET counter is not running"
+        symbols, mem = self.kernel.symbols, self.kernel.mem
+        if counter.function not in symbols:
+            return f"this kernel has no {counter.function} to time stops with"
+        timer = self._stop_timer(counter)
+        if isinstance(timer, str):
+            return timer
         fn = symbols.lookup(counter.function)
         site = counter.after_read(mem.read(fn.addr, fn.size), fn.addr)
         if site is None:
             return f"{counter.function} reads no cycle counter to calibrate the clock against"
+        hz = counter.hz(KernelView(self.kernel))
+        if not hz:
+            return "the guest kernel has no rate of its cycle counter to time stops with"
         self._counter = counter.value
-        self._hpet, self._site = (base, period), site
-        self._khz_rate = int.from_bytes(mem.read(symbols.address("tsc_khz"), 4), "little") / 1e6
+        self._timer, self._site = timer, site
+        self._nominal_rate = hz / NSEC_PER_SEC
         return None
 
-    def _read_phys(self, addr: int) -> int:
+    def _stop_timer(self, counter: CycleCounter) -> StopTimer | str:
+        guest = KernelView(self.kernel)
+        result: StopTimer | str = self.machine.call(lambda: counter.stop_timer(guest, self._read_phys))
+        return result
+
+    def _read_phys(self, addr: int, size: int) -> bytes:
         gdb = self.machine.gdb
         gdb.set_physical(True)
         try:
-            return int.from_bytes(gdb.read_memory(addr, 8), "little")
+            return gdb.read_memory(addr, size)
         finally:
             gdb.set_physical(False)
 
-    def _hpet_ns(self) -> int:
-        assert self._hpet is not None
-        base, period = self._hpet
-        return self._read_phys(base + HPET_COUNTER) * period // 1_000_000
+    def _timer_ns(self) -> int:
+        assert self._timer is not None
+        return self._timer.ns()
 
     def _arm(self) -> None:
         if not self._armed:
@@ -349,45 +322,45 @@ class StopClock:
 
     def _on_read(self, thread: str, regs: dict[str, int]) -> None:
         assert self._counter is not None  # armed only once _prepare found the read
-        tsc = self._counter(regs)
-        pair = (tsc, self._hpet_ns())
+        cycles = self._counter(regs)
+        pair = (cycles, self._timer_ns())
         self._disarm()
         anchors = self._anchors
         if not self._rounding and anchors is not None:
             # A fresh anchor between rounds: kept unless it came later than the model allows.
-            if tsc >= self._predict(pair[1]) - self.rate() * LATE_NS:
+            if cycles >= self._predict(pair[1]) - self.rate() * LATE_NS:
                 self._anchors = (anchors[0], pair)
         else:
             self._taken.append(pair)
         self._got.set()
 
     def rate(self) -> float:
-        """TSC ticks per nanosecond of the guest's virtual time (both run off the host's clocks)."""
+        """Cycles per nanosecond of the guest's virtual time (both run off the host's clocks)."""
         assert self._anchors is not None
         return self._rate_of(self._anchors)
 
     def _rate_of(self, anchors: tuple[tuple[int, int], tuple[int, int]]) -> float:
-        (t0, v0), (t1, v1) = anchors
-        return (t1 - t0) / (v1 - v0) if v1 - v0 > 0 else self._khz_rate
+        (c0, v0), (c1, v1) = anchors
+        return (c1 - c0) / (v1 - v0) if v1 - v0 > 0 else self._nominal_rate
 
-    def _predict(self, hpet_ns: int) -> int:
+    def _predict(self, timer_ns: int) -> int:
         anchors = self._anchors  # one model, though the calibration's thread may replace it meanwhile
         assert anchors is not None
-        tsc0, v0 = anchors[1]
-        return tsc0 + round((hpet_ns - v0) * self._rate_of(anchors))
+        c0, v0 = anchors[1]
+        return c0 + round((timer_ns - v0) * self._rate_of(anchors))
 
-    def tsc(self) -> int | None:
-        """The guest's TSC now, or None if unknown (in a stop's handler, the TSC of that stop)."""
-        if self._anchors is None or self._hpet is None:
+    def cycles(self) -> int | None:
+        """The guest's cycle counter now, or None if unknown (in a stop's handler, the counter of that stop)."""
+        if self._anchors is None or self._timer is None:
             return None
-        return self.machine.call(self._tsc_stopped)  # inline on the stop loop's thread; else one stop
+        return self.machine.call(self._cycles_stopped)  # inline on the stop loop's thread; else one stop
 
-    def _tsc_stopped(self) -> int:
-        now = self._hpet_ns()
+    def _cycles_stopped(self) -> int:
+        now = self._timer_ns()
         assert self._anchors is not None
         if now - self._anchors[1][1] > RECALIBRATE_NS:
             self._arm()  # a fresh anchor at the next sched_clock; this stop still uses the last one
         return self._predict(now)
 
 
-__all__ = ["NSEC_PER_SEC", "StopClock", "TraceClock"]
+__all__ = ["NSEC_PER_SEC", "KernelView", "StopClock", "TraceClock", "cycles_hz"]

@@ -54,7 +54,6 @@ from qprobe.kernel.perfsyntax import (
     PerfProbe,
     PerfProbeError,
     is_perf_definition,
-    parse_perf_probe,
 )
 
 if TYPE_CHECKING:
@@ -254,11 +253,11 @@ def hex_types(symbols: Symbols) -> bool:
     return "x8/16/32/64" in (readme(symbols) or "")
 
 
-def perf_to_kprobe(texts: Sequence[str], symbols: Symbols, arch: Arch) -> list[Translation]:
-    """Each perf probe definition in ``texts`` (``perf ...``) resolved from vmlinux's DWARF; one gdb for all."""
+def perf_to_kprobe(probes: Sequence[PerfProbe], symbols: Symbols, arch: Arch) -> list[Translation]:
+    """Each perf probe definition (``parse_perf_probe``'s, so syntax errors come before gdb starts) resolved
+    from vmlinux's DWARF; one gdb for all."""
     from qprobe.paths import cache_dir
 
-    probes = [parse_perf_probe(t) for t in texts]  # syntax errors before gdb starts
     need_dwarf(symbols.path, "a perf probe definition")
     hexa = hex_types(symbols)
     with GdbDwarf(symbols.path, cache_dir("gdb-index")) as dwarf:

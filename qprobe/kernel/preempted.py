@@ -68,7 +68,8 @@ def first_inside(words: Sequence[int], lo: int, hi: int) -> int | None:
 
 
 def running_tasks(kernel: KernelData) -> set[int]:
-    """The address of each online CPU's ``current`` task (per-CPU ``current_task``, which ``__switch_to`` sets)."""
+    """The address of each online CPU's ``current`` task (the per-CPU ``RegisterLayout.current_percpu``, which
+    ``__switch_to`` sets: x86's ``current_task``, arm64's ``__entry_task``)."""
     prog = kernel.prog
     offsets = prog["__per_cpu_offset"]
     return {

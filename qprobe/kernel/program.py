@@ -33,6 +33,7 @@ import drgn
 from qprobe.arch import Arch
 from qprobe.errors import MemoryFault, SymbolError
 from qprobe.kernel.debuginfo import DWARF_FRAGMENT
+from qprobe.kernel.ringbuffer import max_event_length
 from qprobe.vmm.memory import GuestMemory
 
 if TYPE_CHECKING:
@@ -192,6 +193,7 @@ class KernelData:
         self._prog: drgn.Program | None = None
         self._unusable: str | None = None  # why drgn cannot be used, found once
         self._params: dict[int, list[str]] = {}  # by function address
+        self._event_length_limit: int | None = None  # 0: not known
         # During boot, before the kernel has built its own page tables: the virtual address of those the
         # boot CPU runs on, for drgn to walk (None: the kernel's own).
         self.early_root: int | None = None
@@ -237,11 +239,23 @@ class KernelData:
         except LookupError as exc:
             raise SymbolError(f"{type_name}.{member}: {exc}") from None
 
+    def event_length_limit(self) -> int | None:
+        """The longest record the guest's ring buffer takes (qprobe.kernel.ringbuffer); None when this
+        kernel's types cannot say, and then no hit is refused for its length."""
+        if self._event_length_limit is None:
+            try:
+                self._event_length_limit = max_event_length(self.prog)
+            except (SymbolError, LookupError):
+                self._event_length_limit = 0
+            except drgn.FaultError:  # early in boot, before the buffer is allocated: asked again later
+                return None
+        return self._event_length_limit or None
+
     # -- current -------------------------------------------------------------------------
     def percpu_offset(self, name: str) -> int:
-        """The per-CPU offset of one of x86's hot per-CPU variables (``current_task``, ``cpu_number``...).
+        """The per-CPU offset of a per-CPU variable, among them x86's hot ones (``current_task``, ``cpu_number``...).
 
-        Linux up to 6.1 has each as a per-CPU variable; 6.2 gathered them into
+        Linux up to 6.1 has each of those as a per-CPU variable; 6.2 gathered them into
         ``struct pcpu_hot`` ("x86/percpu: Move current_task to pcpu_hot" and its
         siblings); 6.15 made them per-CPU variables of their own again, in a
         cache-hot section.  Whichever this kernel's debug info has.
@@ -264,8 +278,9 @@ class KernelData:
 
     @cached_property
     def current_task_offset(self) -> int:
-        """The per-CPU offset of the running task's pointer (``this_cpu_read(current_task)``)."""
-        return self.percpu_offset("current_task")
+        """The per-CPU offset of the running task's pointer (``RegisterLayout.current_percpu``: x86's
+        ``current_task``, arm64's ``__entry_task``)."""
+        return self.percpu_offset(self.arch.registers.current_percpu)
 
     @cached_property
     def offsets(self) -> tuple[int, int, int, int]:
@@ -275,15 +290,15 @@ class KernelData:
                 drgn.offsetof(task, "comm"))  # fmt: skip
 
     def current_address(self, regs: Mapping[str, int], read_u64: Callable[[int], int] | None = None) -> int:
-        """The address of ``current``'s task_struct on a vCPU stopped in kernel mode with registers ``regs``
-        (gdbstub names).
+        """The address of ``current``'s task_struct on a vCPU stopped with registers ``regs`` (gdbstub names).
 
-        The register that holds it where the architecture keeps it in one (``RegisterLayout.current``:
-        arm64's SP_EL0), else the per-CPU ``current_task`` at the per-CPU base (``Arch.percpu_base``: x86's
-        GS base), read with ``read_u64`` (default: through drgn).
+        At a kernel-mode stop, the register that holds it where the architecture keeps it in one
+        (``RegisterLayout.current``: arm64's SP_EL0); else (a user-mode stop there, every stop on x86)
+        the per-CPU variable ``RegisterLayout.current_percpu`` at the per-CPU base (``Arch.percpu_base``:
+        x86's GS base), read with ``read_u64`` (default: through drgn).
         """
         register = self.arch.registers.current
-        if register is not None:
+        if register is not None and not self.arch.user_mode(regs):
             return regs[register]
         address = self.arch.percpu_base(regs) + self.current_task_offset
         if read_u64 is not None:

@@ -9,7 +9,8 @@ What user-space probes need from the running Linux, read through drgn with the V
 * every current mapping of a file, from its ``mapping->i_mmap`` interval tree, as ``register_for_each_vma``
   (kernel/events/uprobes.c) finds them;
 * for a physical page, the file page it caches (``page->mapping``, ``page->index``), and for an address
-  of a process, the mapping and file offset its vma gives.
+  of a process, the mapping and file offset its vma gives;
+* a process's own memory (``access_remote_vm`` over its ``mm``), for what its dynamic loader wrote there.
 
 A large folio (Linux 5.16 on) is one ``i_pages`` entry for several indices; its tail pages' ``mapping``
 is not the file's, so a page is read through its head (``compound_head``, bit 0 of the tail's field).
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import drgn
 from drgn.helpers.linux.fs import path_lookup
-from drgn.helpers.linux.mm import vma_find
+from drgn.helpers.linux.mm import access_remote_vm, vma_find
 from drgn.helpers.linux.rbtree import rbtree_inorder_for_each_entry
 from drgn.helpers.linux.xarray import xa_is_value, xa_load
 
@@ -211,6 +212,13 @@ class UserFiles:
         if not vma or not vma.vm_file:
             return None
         return self._mapping(vma), vma.vm_file.f_mapping.value_()
+
+    def read_user(self, mm: int, addr: int, size: int) -> bytes | None:
+        """``size`` bytes at ``addr`` in the address space ``mm``; None where it has no page present."""
+        try:
+            return access_remote_vm(drgn.Object(self.prog, "struct mm_struct *", value=mm), addr, size)
+        except drgn.FaultError:
+            return None
 
     @property
     def _vmemmap(self) -> drgn.Object:

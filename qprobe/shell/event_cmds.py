@@ -11,9 +11,7 @@ from typing import TYPE_CHECKING
 from qprobe.core.kprobe import Kretprobe
 from qprobe.core.uprobe import Uprobe
 from qprobe.errors import FetchArgError, ProbeError
-from qprobe.events.define import is_uprobe
-from qprobe.events.funcs import is_glob
-from qprobe.fetch import DeleteEvent, parse_event
+from qprobe.fetch import Definition, DeleteEvent, is_glob, parse_definition, parse_event
 from qprobe.fetch import messages as M
 
 from .parse import ShellUsageError
@@ -64,26 +62,29 @@ class EventCommands:
 
     def definition(self, text: str) -> None:
         """``p:...``/``r:...`` adds an event, ``-:...`` removes events, as a write to kprobe_events (or to
-        uprobe_events, for a probe point on a guest path: ``p:ev /bin/prog:func``)."""
-        if is_uprobe(text):
-            self.uprobe(text)
+        uprobe_events, for a probe point on a guest path: ``p:ev /bin/prog:func``).  The text is parsed
+        once: what follows takes the parsed form."""
+        definition = parse_definition(text)
+        if definition.is_uprobe:
+            self.uprobe(definition)
             return
-        ev = parse_event(text, dialect=self.shell.target.dialect)  # add_event checks its symbols and suggests names
+        # add_event checks its symbols and suggests names
+        ev = parse_event(definition, dialect=self.shell.target.dialect)
         if isinstance(ev, DeleteEvent):
             gone = [te for te in list(self.shell.target.events.values()) if ev.matches(te.definition)]
             if not gone:
-                raise ProbeError(f"no event matches {text.split()[0]!r} (ENOENT)")
+                raise ProbeError(f"no event matches {definition.head!r} (ENOENT)")
             self.shell.target.remove_events(gone)
             for te in gone:
                 self.shell.armed.pop(te.name, None)
                 self.shell.note(f"removed {te.name} ({te.nhit} hits)")
             return
         if ev.symbol is not None and is_glob(ev.symbol):
-            self.wildcard(text)
+            self.wildcard(definition)
             return
         name = f"{ev.group}/{ev.event}"
         if name in self.shell.target.events:
-            head = text.split()[0]
+            head = definition.head
             raise FetchArgError(M.EVENT_EXIST, text, head.index(":") + 1 if ":" in head else 0)
         te = self.shell.target.add_event(ev)  # checked with the kernel's symbols there, not parsed again
         self.shell.armed[te.name] = time.monotonic()
@@ -91,12 +92,12 @@ class EventCommands:
         kind = "return probe" if ev.is_return else "probe"
         self.shell.out.parts(("added ", None), (te.name, "event"), (f"  ({kind} on {ev.probe_point}{args})", "note"))
 
-    def uprobe(self, text: str) -> None:
+    def uprobe(self, definition: Definition) -> None:
         """A uprobe_events line: its symbol resolved in the guest's file and its line checked there."""
-        name = self._new_event_name(text)
+        name = self._new_event_name(definition)
         if name is not None and name in self.shell.target.events:
-            raise FetchArgError(M.EVENT_EXIST, text, text.index(":") + 1)
-        te = self.shell.target.add_event(text)
+            raise FetchArgError(M.EVENT_EXIST, definition.text, definition.text.index(":") + 1)
+        te = self.shell.target.add_event(definition)
         self.shell.armed[te.name] = time.monotonic()
         ev = te.definition
         args = f" with {' '.join(a.name for a in ev.args)}" if ev.args else ""
@@ -105,12 +106,11 @@ class EventCommands:
         self.shell.out.parts(("added ", None), (te.name, "event"), (f"  (user-space {kind} on {where}{args})", "note"))
 
     @staticmethod
-    def _new_event_name(text: str) -> str | None:
+    def _new_event_name(definition: Definition) -> str | None:
         """``GRP/EVENT`` a ``p:[GRP/]EVENT`` head names (uprobe events' group is ``uprobes``); None if unnamed."""
-        head = text.split(None, 1)[0]
-        if ":" not in head or not head.split(":", 1)[1]:
+        name = definition.name
+        if not name:
             return None
-        name = head.split(":", 1)[1]
         return name if "/" in name else f"uprobes/{name}"
 
     def user_form(self, text: str) -> None:
@@ -120,11 +120,11 @@ class EventCommands:
 
         line = user_form_definition(text, self.shell.target.resolve_user_symbol, self.shell.target.arch.registers)
         self.shell.note(f"writing event: {line}")
-        self.uprobe(line)
+        self.uprobe(parse_definition(line))
 
-    def wildcard(self, text: str) -> None:
+    def wildcard(self, definition: Definition) -> None:
         """``p:vfs vfs_*``: one event per function that can be probed, in group ``vfs``; the refusals counted."""
-        found = self.shell.target.add_events(text)
+        found = self.shell.target.add_events(definition)
         now = time.monotonic()
         for te in found.events:
             self.shell.armed[te.name] = now
@@ -189,12 +189,13 @@ class EventCommands:
         """A perf probe definition: resolved on the host, shown as ``perf probe -v`` shows it, then added
         (``-x PATH``: a program's function, resolved in the guest's file)."""
         from qprobe.kernel.perfprobe import perf_to_kprobe
+        from qprobe.kernel.perfsyntax import parse_perf_probe
 
         if rest.split()[:1] == ["-x"]:
             self.user_form(f"perf {rest}")
             return
 
-        (found,) = perf_to_kprobe([f"perf {rest}"], self.shell.target.symbols, self.shell.target.arch)
+        (found,) = perf_to_kprobe([parse_perf_probe(f"perf {rest}")], self.shell.target.symbols, self.shell.target.arch)
         self.shell.note(f"writing event: {found.definition}")
         self.definition(found.definition)
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from qprobe.core.point import ProbePoint
     from qprobe.events import EventHit, TraceEvent, Wildcard
     from qprobe.events.timeline import Timeline
-    from qprobe.fetch import ProbeEvent
+    from qprobe.fetch import Definition, ProbeEvent
     from qprobe.kernel.program import KernelData, Stack
     from qprobe.vmm.console import RunResult
 
@@ -30,7 +30,9 @@ class ShellProbes(ProbeTables, Protocol):
     """The probe table, as ``list``/``stats``/``enabled`` read it."""
 
     enabled: bool
-    points: dict[int, ProbePoint]
+
+    @property
+    def points(self) -> dict[int, ProbePoint]: ...
 
 
 @runtime_checkable
@@ -49,9 +51,9 @@ class ShellTarget(RunningTarget, Protocol):
     def vcpus(self) -> int: ...
     @property
     def prog(self) -> drgn.Program: ...
-    def add_event(self, definition: str | ProbeEvent, callback: Callable[[EventHit], None] | None = None,
+    def add_event(self, definition: str | Definition | ProbeEvent, callback: Callable[[EventHit], None] | None = None,
                   filter: str | None = None) -> TraceEvent: ...  # fmt: skip
-    def add_events(self, definition: str, callback: Callable[[EventHit], None] | None = None,
+    def add_events(self, definition: str | Definition, callback: Callable[[EventHit], None] | None = None,
                    filter: str | None = None) -> Wildcard: ...  # fmt: skip
     def remove_events(self, events: Iterable[TraceEvent | str]) -> None: ...
     def resolve_user_symbol(self, path: str, spec: str) -> int: ...

@@ -14,6 +14,7 @@ import pytest
 from qprobe.api import Target
 from qprobe.errors import GoneInterrupt, TargetGone
 from qprobe.lifetime import Lifetime
+from qprobe.parts import Parts
 from qprobe.vmm.machine import Machine
 
 
@@ -51,8 +52,9 @@ def _machine() -> tuple[Machine, _DyingStub]:
 
 def _target(machine: Machine) -> Target:
     target = Target.__new__(Target)
+    target.parts = Parts(None, "unix:/x/gdb.sock")
     target.machine = machine
-    target.lifetime = Lifetime(target)
+    target.lifetime = Lifetime(target.parts)
     return target
 
 
@@ -119,12 +121,8 @@ def test_teardown_stops_our_qemu_whatever_the_stop_loop_does() -> None:
             raise TimeoutError("the stop loop did not answer")
 
     stopped: list[str] = []
-    target = Target.__new__(Target)
-    target.machine = cast(Any, _StuckMachine())
-    target.qemu = cast(Any, SimpleNamespace(terminate=lambda: stopped.append("qemu")))
-    target.guest_shell = None
-    target.console = None
-    target.lifetime = Lifetime(target)
+    parts = Parts(cast(Any, SimpleNamespace(terminate=lambda: stopped.append("qemu"))), "unix:/x/gdb.sock")
+    parts.machine = cast(Any, _StuckMachine())
     with pytest.raises(TimeoutError):
-        target.lifetime.teardown()
+        Lifetime(parts).teardown()
     assert stopped == ["qemu"]

@@ -3,6 +3,7 @@ one line (a definition's with the kernel's caret), exit 2."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -13,6 +14,7 @@ import qprobe.wiring
 from qprobe import cli
 from qprobe.arch.x86_64.arch import X86_64
 from qprobe.cli import definitions
+from qprobe.fetch import parse_definition
 from qprobe.kernel.usyntax import is_user_form, render_user_funcs, unresolved_syntax, user_form_definition
 
 X86 = X86_64.registers  # the default image's architecture
@@ -74,12 +76,13 @@ def test_a_filter_is_checked_against_a_uprobe_lines_arguments(capsys: pytest.Cap
     assert capsys.readouterr().err.splitlines() == ["qprobe: error: Field not found", "x == 1", "^"]
 
 
-def test_definitions_go_down_as_text_and_kprobes_as_parsed() -> None:
+def test_uprobes_go_down_parsed_user_forms_as_text_and_kprobes_as_parsed() -> None:
     args = cli.build_parser().parse_args(
         ["trace", "p:uq /bin/uprog:qpt_target a=%di", "p:rd vfs_read", "uprobe:/bin/uprog:qpt_target arg0"]
     )
     down, checked = definitions._parse_definitions(args)
-    assert down[0] == "p:uq /bin/uprog:qpt_target a=%di" and down[2] == "uprobe:/bin/uprog:qpt_target arg0"
+    assert down[0] == parse_definition("p:uq /bin/uprog:qpt_target a=%di")
+    assert down[2] == "uprobe:/bin/uprog:qpt_target arg0"
     assert not isinstance(down[1], str) and down[1].symbol == "vfs_read"
     assert [ev.event for ev in checked] == ["uq", "rd", "qpt_target"]
     assert [a.name for a in checked[2].args] == ["arg0"]
@@ -103,8 +106,9 @@ def test_user_forms() -> None:
     def resolve(path: str, spec: str) -> int:
         return {"qpt_target": 0x1A50, "qpt_target+4": 0x1A54}[spec]
 
-    assert unresolved_syntax("p:uq /bin/uprog:qpt_target+4%return a=1") == "p:uq /bin/uprog:000000000000%return a=1"
-    assert unresolved_syntax("p:uq /bin/uprog:0x1a50 a=%di") == "p:uq /bin/uprog:0x1a50 a=%di"
+    zeros = unresolved_syntax(parse_definition("p:uq /bin/uprog:qpt_target+4%return a=1"))
+    assert zeros == parse_definition("p:uq /bin/uprog:000000000000%return a=1")
+    assert unresolved_syntax(parse_definition("p:uq /bin/uprog:0x1a50 a=%di")).text == "p:uq /bin/uprog:0x1a50 a=%di"
     assert is_user_form("perf -x /bin/uprog qpt_target") and is_user_form("uprobe:/bin/uprog:qpt_target")
     assert not is_user_form("perf vfs_read") and not is_user_form("p:uq /bin/uprog:qpt_target")
     assert user_form_definition("perf -x /bin/uprog qpt_target%return ret=$retval", resolve, X86) == (
@@ -129,3 +133,28 @@ def test_funcs_x_lines() -> None:
     assert text == "0x00001100      300 main\n0x00001a50       60 qpt_target\n" and n == 2
     assert summary == "2 functions match any name in /bin/uprog (file offset, size, name)"
     assert render_user_funcs(Elf(), "/bin/uprog", ["nope*"])[1:] == ("no function of /bin/uprog matches 'nope*'", 0)  # type: ignore[arg-type]
+
+
+def test_funcs_x_marks_an_indirect_function() -> None:
+    from qprobe.kernel.userelf import UserFunction
+
+    class Elf:
+        def functions(self, pattern: str = "*") -> list[UserFunction]:
+            return [
+                UserFunction("strlen", 0x9F1C0, 0x9F1C0, 129, ifunc=True),
+                UserFunction("getppid", 0xD54F0, 0xD54F0, 8),
+            ]
+
+    text, summary, n = render_user_funcs(Elf(), "/lib/libc.so.6", [])  # type: ignore[arg-type]
+    assert text == "0x0009f1c0      129 strlen [ifunc]\n0x000d54f0        8 getppid\n" and n == 2
+    assert summary == ("2 functions match any name in /lib/libc.so.6 (file offset, size, name); [ifunc]: an indirect "
+                       "function, at its resolver (NAME@impl: the implementation picked)")  # fmt: skip
+
+
+def test_each_definition_is_read_once_before_boot(parse_reads: dict[str, Counter[str]]) -> None:
+    texts = ["p:uq /bin/uprog:qpt_target a=%di", "p:rd vfs_read", "uprobe:/bin/uprog:qpt_target arg0"]
+    definitions._parse_definitions(cli.build_parser().parse_args(["trace", *texts]))
+    symbolic = "p:uprobes/qpt_target /bin/uprog:qpt_target arg0=%di:u64"  # the bpftrace form, translated once
+    assert {t: n for t, n in parse_reads["symbolic_user_form"].items() if n} == {texts[2]: 1}
+    assert {t: n for t, n in parse_reads["split_args"].items() if n} == {texts[0]: 1, texts[1]: 1, symbolic: 1}
+    assert {t: n for t, n in parse_reads["parse_definition"].items() if n} == {texts[0]: 1, texts[1]: 1, symbolic: 1}

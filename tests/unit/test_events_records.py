@@ -55,9 +55,19 @@ class Backend:
         return PtRegs(dict(values), f"1.{cpu + 1}", cpu, MEM, layout=ARCH.registers)  # type: ignore[arg-type]
 
 
-def event(definition: str) -> KprobeEvent:
+class Kernel:
+    """The guest's ring buffer's bound on a record's length (None: this kernel's types cannot say)."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+
+    def event_length_limit(self) -> int | None:
+        return self.limit
+
+
+def event(definition: str, limit: int | None = 4056) -> KprobeEvent:
     host = SimpleNamespace(arch=ARCH, symbols=Symbols(), timeline=Timeline(), mem=MEM, clock=Clock(),
-                           kprobe_backend=Backend())  # fmt: skip
+                           kprobe_backend=Backend(), kernel=Kernel(limit))  # fmt: skip
     ev = parse_event(definition, symbol_exists=lambda name: True)
     assert isinstance(ev, ProbeEvent)
     te = KprobeEvent(host, ev)  # type: ignore[arg-type]
@@ -104,6 +114,35 @@ def test_a_run_of_records_gives_the_hits_one_record_at_a_time_gives(definition: 
     assert bulk.nhit == single.nhit == len(expected)
 
 
+def run_both(definition: str, limit: int | None) -> tuple[KprobeEvent, KprobeEvent]:
+    """``definition``'s event fed the records as a run (the rings' path) and one at a time (``_record``)."""
+    bulk, single = event(definition, limit), event(definition, limit)
+    assert bulk.probe is not None and bulk.probe.recorder is not None
+    bulk.probe.recorder(records())
+    for rec in records():
+        single._record(single.backend.make_regs(rec.values, rec.cpu), PROBE, None, None, task=(rec.pid, rec.comm))
+    bulk.host.timeline.flush()
+    single.host.timeline.flush()
+    return bulk, single
+
+
+@pytest.mark.parametrize("limit", [None, 4056, 48, 47, 44, 38])
+def test_a_run_drops_the_records_too_long_for_the_guests_ring_buffer_as_one_at_a_time_does(limit: int | None) -> None:
+    """A record longer than the guest's ring buffer takes leaves no line and counts as oversized, in a run as
+    in ``_record``: here the head, two u64s and the string's __data_loc are 36 bytes, the comm ``"workload"``
+    9 more, ``"sh"`` 3 and ``"kworker/0:1"`` 12: the five records are 45, 39, 48, 45 and 39 bytes long."""
+    bulk, single = run_both("p:rd ksys_read a=%di:u64 b=%si:u64 who=$comm:string", limit)
+    assert [h.line() for h in bulk.hits] == [h.line() for h in single.hits]
+    assert (bulk.nhit, bulk.oversized) == (single.nhit, single.oversized)
+    assert bulk.oversized == {None: 0, 4056: 0, 48: 0, 47: 1, 44: 3, 38: 5}[limit]
+
+
+def test_a_run_without_strings_past_the_bound_leaves_no_line() -> None:
+    bulk, single = run_both(DEFINITIONS[0], 20)  # the head (16) and the two arguments (4 + 8) are 28
+    assert bulk.oversized == single.oversized == len(records())
+    assert bulk.nhit == single.nhit == 0 and not bulk.hits
+
+
 def test_a_filter_rejects_the_same_records() -> None:
     bulk, single = event(DEFINITIONS[0]), event(DEFINITIONS[0])
     from qprobe.events import event_filter
@@ -146,21 +185,21 @@ def test_a_run_s_times_are_what_hit_time_gives_each_record() -> None:
     """HitClock.record_times: each record's (trace-clock seconds, place) as hit_time gives it for the record's
     pt_regs, the trace clock asked once for the run."""
     from qprobe.events.clock import HitClock
-    from qprobe.events.timeline import TscOrder
+    from qprobe.events.timeline import CycleOrder
 
     class Trace:
         runs = 0
 
-        def ns(self, tsc: int, cpu: int) -> int:
-            return 3 * tsc + cpu
+        def ns(self, cycles: int, cpu: int) -> int:
+            return 3 * cycles + cpu
 
         def ns_many(self, points: list[tuple[int, int]]) -> list[int]:
             self.runs += 1
-            return [self.ns(tsc, cpu) for tsc, cpu in points]
+            return [self.ns(cycles, cpu) for cycles, cpu in points]
 
     def clock() -> HitClock:
         c = HitClock.__new__(HitClock)
-        c._guest, c._order, c._tsc_hz, c.trace_clock = True, TscOrder(), 2e9, Trace()  # type: ignore[assignment]
+        c._guest, c._order, c._cycles_hz, c.trace_clock = True, CycleOrder(), 2e9, Trace()  # type: ignore[assignment]
         return c
 
     recs, one, run = records(), clock(), clock()

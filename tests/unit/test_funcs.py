@@ -10,6 +10,7 @@ from qprobe.core.blacklist import BlacklistEntry
 from qprobe.errors import FetchArgError, SymbolError
 from qprobe.events.funcs import Probeability, check_probe_symbol, is_glob, render_funcs, suggest, wildcard_definitions
 from qprobe.fetch import messages as M
+from qprobe.fetch.definition import parse_definition
 from qprobe.fetch.dialect import Dialect
 from qprobe.kernel.symbols import ModuleText, Symbol, Symbols
 from qprobe.kernel.vmlinux import Section
@@ -134,17 +135,21 @@ def test_render_funcs_lists_probeable_names_bare_and_refusals_with_why(prob: Pro
     ],
 )
 def test_a_wildcard_definition_becomes_one_event_per_function(text: str, expected: list[str]) -> None:
-    out = wildcard_definitions(text, ["vfs_read", "f.isra.0"])
-    assert [d for _f, d in out] == expected
+    out = wildcard_definitions(parse_definition(text), ["vfs_read", "f.isra.0"])
+    assert [d.text for _f, d in out] == expected
+    # Each is the parsed form with its point replaced: the words (and their columns) a parse of its text gives.
+    assert [d.words for _f, d in out] == [parse_definition(e).words for e in expected]
     assert [f for f, _d in out] == ["vfs_read", "f.isra.0"]
 
 
 def test_a_wildcard_names_a_group_not_one_event() -> None:
     with pytest.raises(FetchArgError, match="one event per function") as e:
-        wildcard_definitions("p:grp/ev vfs_*", ["vfs_read"])
+        wildcard_definitions(parse_definition("p:grp/ev vfs_*"), ["vfs_read"])
     assert e.value.column == 2
     # Two functions whose names differ only by '.' and '_': the first keeps the event name.
-    assert wildcard_definitions("p:g x*", ["x.a", "x_a"]) == [("x.a", "p:g/x_a x.a")]
+    assert wildcard_definitions(parse_definition("p:g x*"), ["x.a", "x_a"]) == [
+        ("x.a", parse_definition("p:g/x_a x.a"))
+    ]
 
 
 M0 = 0xFFFF_FFFF_C000_0000  # a module's text

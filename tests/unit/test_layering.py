@@ -32,9 +32,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "qprobe.demo",
         ),
     ),
-    # session makes Targets (boot, attach) above the class they make; probeapi and eventapi are the
-    # kprobes and kprobe_events APIs Target inherits; wiring puts a Target's parts together (bootprobes
-    # as the kernel boots), and guest, views and lifetime are the objects its methods hand work to.
+    # session makes Targets (boot, attach) above the class they make; wiring puts a Target's parts
+    # (parts) together (bootprobes as the kernel boots); probeapi and eventapi (the kprobes and kprobe_events
+    # APIs), guest, views and lifetime are the objects its methods are forwarded (facade) or hand work to.
     (
         "api",
         (
@@ -47,6 +47,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "qprobe.guest",
             "qprobe.views",
             "qprobe.lifetime",
+            "qprobe.facade",
+            "qprobe.parts",
         ),
     ),
     # The events package: kprobe_events definitions (define, kprobe, event...), and beside them funcs

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 
 from qprobe.events import timeline
-from qprobe.events.timeline import WINDOW, Timeline, TscOrder
+from qprobe.events.timeline import WINDOW, CycleOrder, Timeline
 
 
 def test_a_late_earlier_hit_still_goes_out_first() -> None:
@@ -65,26 +65,26 @@ def test_a_failing_callback_is_reported_and_the_rest_still_go_out() -> None:
 def test_a_mailbox_hit_after_a_stop_on_its_vcpu_goes_after_it_when_the_stops_estimate_ran_ahead() -> None:
     # vfs_read's entry is a VM stop whose HPET-based estimate is later than the TSC the
     # guest then reads at vfs_read's return, which reaches the host through the mailbox.
-    order = TscOrder()
+    order = CycleOrder()
     entry = order.stop(1_000_500, vcpu=0)
     ret = order.exact(1_000_200, vcpu=0, at_once=True)
     assert entry == 1_000_500 and ret == 1_000_501
 
 
 def test_a_mailbox_hit_on_another_vcpu_keeps_its_own_tsc() -> None:
-    order = TscOrder()
+    order = CycleOrder()
     order.stop(1_000_500, vcpu=0)
     assert order.exact(1_000_200, vcpu=1, at_once=True) == 1_000_200
 
 
 def test_a_ring_record_keeps_its_own_tsc_it_may_be_older_than_the_stop() -> None:
-    order = TscOrder()
+    order = CycleOrder()
     order.stop(1_000_500, vcpu=0)
     assert order.exact(1_000_200, vcpu=0, at_once=False) == 1_000_200
 
 
 def test_a_stop_goes_after_every_hit_already_seen_and_after_the_last_stop() -> None:
-    order = TscOrder()
+    order = CycleOrder()
     assert order.exact(2_000, vcpu=1, at_once=False) == 2_000
     assert order.stop(1_500, vcpu=0) == 2_001  # the ring record was taken before the stop reached the host
     assert order.stop(1_800, vcpu=1) == 2_002  # stops reach the host in their order

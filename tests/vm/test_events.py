@@ -79,14 +79,32 @@ def test_btf_parameter_names_and_entry_arguments_in_return_probes(target: qprobe
     ]
 
 
+# What reads a definition's text, as tests/unit/test_one_parse.py's ENTRIES (kept the same).
+PARSE_ENTRIES = (
+    ("qprobe.fetch.kstrto", "split_args"),
+    ("qprobe.fetch.definition", "parse_definition"),
+    ("qprobe.fetch.event", "parse_event"),
+    ("qprobe.fetch.event", "parse_events"),
+    ("qprobe.fetch.uevent", "parse_uprobe_event"),
+    ("qprobe.fetch.uevent", "parse_uprobe_events"),
+    ("qprobe.kernel.perfsyntax", "parse_perf_probe"),
+    ("qprobe.kernel.usyntax", "user_form_definition"),
+    ("qprobe.kernel.usyntax", "symbolic_user_form"),
+    ("qprobe.kernel.usyntax", "perf_uprobe_definition"),
+    ("qprobe.kernel.usyntax", "bpftrace_uprobe_definition"),
+)
+
+
 def test_a_definition_parsed_before_boot_is_armed_without_a_second_parse(
     target: qprobe.Target, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`qprobe trace` parses a definition in the host vmlinux's language before it boots; the running
     kernel's answers (its language, symbols and function entries) agree with that parse, so the same
-    ProbeEvent is armed, never parsed again, and its hits are the guest's (lseek(fd, i) for i = 1..3)."""
+    ProbeEvent is armed, never parsed again, and its hits are the guest's (lseek(fd, i) for i = 1..3).
+
+    Every tokeniser and parser entry (those tests/unit/test_one_parse.py counts) is refused in every
+    qprobe module that imported it, so a parse any module makes fails the test."""
     from qprobe.cli import host as cli_host
-    from qprobe.events import define
     from qprobe.fetch import ProbeEvent, parse_event
 
     language = cli_host._host_language(argparse.Namespace(image=IMAGE, vmlinux=None, attach=None, file=[]))
@@ -97,9 +115,14 @@ def test_a_definition_parsed_before_boot_is_armed_without_a_second_parse(
     assert isinstance(ev, ProbeEvent)
 
     def no_parse(*args: object, **kw: object) -> None:
-        raise AssertionError("parsed again")
+        raise AssertionError(f"parsed again: {args[0]!r}")
 
-    monkeypatch.setattr(define, "parse_event", no_parse)
+    for module, name in PARSE_ENTRIES:
+        __import__(module)
+        original = getattr(sys.modules[module], name)
+        for holder in [m for n, m in list(sys.modules.items()) if n.startswith("qprobe")]:
+            if getattr(holder, name, None) is original:
+                monkeypatch.setattr(holder, name, no_parse)
     te = target.add_event(ev)
     try:
         res = workload_result(target.run("workload lseek 3").check().output)

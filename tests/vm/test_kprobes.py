@@ -63,7 +63,7 @@ def test_the_int3_path_on_both_vcpus_at_once(target: qprobe.Target, guard: dict[
     seen: list[tuple[int, int]] = []
     kp = Kprobe(symbol_name="ksys_lseek", pre_handler=lambda k, regs: seen.append((regs.vcpu, regs.si)))
     target.set_kprobes_optimization(False)
-    target.kprobes.boost = boost
+    target.kprobes.dispatcher.boost = boost
     try:
         target.register_kprobe(kp)
         # This kernel's #BP handler has the watched read: no breakpoint stops.
@@ -72,7 +72,7 @@ def test_the_int3_path_on_both_vcpus_at_once(target: qprobe.Target, guard: dict[
                          timeout=600).check().output  # fmt: skip
         target.unregister_kprobe(kp)
     finally:
-        target.kprobes.boost = True
+        target.kprobes.dispatcher.boost = True
         target.set_kprobes_optimization(True)
     assert out.count("errors=0") == 2 and kp.nhit == 300 and kp.nmissed == 0
     for cpu in (0, 1):

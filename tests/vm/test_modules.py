@@ -61,8 +61,8 @@ def test_module_probe_pending_loaded_gone_and_back(qprobe_target: qprobe.Target)
     defs = [f"p:qm {MODULE}:bm_status_read n=%dx:u64", f"r:qr {MODULE}:bm_status_read+1"]
     assert [str(case[0]) for case in guest_verdicts(target, [[d] for d in defs])] == ["OK", "OK"]
     seen: list[int] = []
-    te = add_event(target, defs[0], callback=lambda hit: seen.append(int(hit.args["n"])))
-    ret = add_event(target, defs[1])
+    te = add_event(target.event_api, defs[0], callback=lambda hit: seen.append(int(hit.args["n"])))
+    ret = add_event(target.event_api, defs[1])
     assert te.probe is None and ret.probe is None
 
     _load(target)
@@ -110,7 +110,7 @@ def test_loaded_module_verdicts_values_and_text(qprobe_target: qprobe.Target) ->
         start = target.symbols.address(f"{MODULE}:bm_status_read")
         before = target.read(start, 64)
         flags = target.kernel.type_offset("struct file", "f_flags")
-        te = add_event(target, f"p:plain bm_status_read n=%dx:u64 fl=+{flags}(%di):x32")
+        te = add_event(target.event_api, f"p:plain bm_status_read n=%dx:u64 fl=+{flags}(%di):x32")
         values: list[dict[str, str]] = []
         te.callback = lambda hit: values.append(dict(hit.args))
         _read(target, [7, 8, 9])
@@ -119,7 +119,7 @@ def test_loaded_module_verdicts_values_and_text(qprobe_target: qprobe.Target) ->
         assert [v["fl"] for v in values] == ["0x8000"] * 3
         remove_events([te])
         if btf_args:
-            te = add_event(target, "p:named bm_status_read nbytes fl=file->f_flags:x32")
+            te = add_event(target.event_api, "p:named bm_status_read nbytes fl=file->f_flags:x32")
             values.clear()
             te.callback = lambda hit: values.append(dict(hit.args))
             _read(target, [5, 6])
@@ -197,12 +197,14 @@ def test_init_and_exit_functions_across_two_loads_as_the_kernel_s_own_events(
     target.run(f"{on} && echo > {TRACING}/trace").check()
     refusal = f"Failed to re-register probe kexit on {MODULE}"
     refused_before = target.run("dmesg").check().output.count(refusal)
-    entry = add_event(target, f"p:qev {MODULE}:{init_fn}")
+    entry = add_event(target.event_api, f"p:qev {MODULE}:{init_fn}")
     values: list[str] = []
     ret = add_event(
-        target, f"r:qret {MODULE}:{init_fn} rv=$retval:s32", callback=lambda hit: values.append(hit.args["rv"])
+        target.event_api,
+        f"r:qret {MODULE}:{init_fn} rv=$retval:s32",
+        callback=lambda hit: values.append(hit.args["rv"]),
     )
-    exit_event = add_event(target, f"p:qexit {MODULE}:{exit_fn}")
+    exit_event = add_event(target.event_api, f"p:qexit {MODULE}:{exit_fn}")
     assert entry.probe is None and ret.probe is None and exit_event.probe is None  # pending
     hooks = set(target.kprobes.text.patched())  # qprobe's own, on the module notifier's functions
     exits: list[qprobe.Kprobe] = []

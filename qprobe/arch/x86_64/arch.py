@@ -41,6 +41,7 @@ from qprobe.arch.x86_64.bootentry import boot_virtual_entry
 from qprobe.arch.x86_64.decode import check_boundary
 from qprobe.arch.x86_64.emulate import Regs, emulate
 from qprobe.arch.x86_64.guestram import X86GuestRam
+from qprobe.arch.x86_64.hpet import hpet_timer
 from qprobe.arch.x86_64.insn import (
     SLOT_SIZE,
     TRAP_COPY,
@@ -73,7 +74,7 @@ from qprobe.arch.x86_64.ptregs import (
     parse_hw_frame,
     parse_pt_regs,
 )
-from qprobe.arch.x86_64.tsc import after_rdtsc
+from qprobe.arch.x86_64.tsc import after_rdtsc, native_sched_clock, tsc_hz
 from qprobe.arch.x86_64.uprobes import X86Uprobes
 
 # Functions whose return address must not be replaced: __switch_to returns on another task's
@@ -108,9 +109,10 @@ TRAP_PATH = ("asm_exc_int3", "error_entry", "exc_int3", "poke_int3_handler")
 # Where a vCPU is when QEMU reports that read: int3hook.watch_site.
 TRAP_WATCH = TrapWatch("bp_desc", "struct bp_patching_desc", "refs", "poke_int3_handler", watch_site)
 # native_sched_clock() is cycles_2_ns(rdtsc()) on a usable TSC (arch/x86/kernel/tsc.c); after its
-# rdtsc, edx:eax hold the counter just read.
+# rdtsc, edx:eax hold the counter just read.  The host times a VM stop by the HPET.
 TSC = CycleCounter("native_sched_clock", after_rdtsc,
-                   lambda regs: (regs["rdx"] & 0xFFFFFFFF) << 32 | regs["rax"] & 0xFFFFFFFF)  # fmt: skip
+                   lambda regs: (regs["rdx"] & 0xFFFFFFFF) << 32 | regs["rax"] & 0xFFFFFFFF,
+                   native_sched_clock, tsc_hz, hpet_timer)  # fmt: skip
 
 
 def _insn(prep: Prepared) -> PreparedInsn:
@@ -154,7 +156,8 @@ class X86_64:
     registers = RegisterLayout(GDB_NAME, ARG_REGS, {"cs": KERNEL_CS, "ss": KERNEL_DS}, general=guestfilter.GPRS,
                                irq_flag=X86_EFLAGS_IF, page_table="cr3", percpu_base="gs_base",
                                system=("cr4", "k_gs_base", "cr0"),
-                               retval="ax", stack_args=8, pt_regs=PT_NAMES, unwound=(*PT_GPRS, "rip", "rsp"),
+                               retval="ax", stack_args=8, current_percpu="current_task", syscall_nr="orig_ax",
+                               pt_regs=PT_NAMES, unwound=(*PT_GPRS, "rip", "rsp"),
                                display=DISPLAY, flag_bits=FLAG_BITS, plain=PLAIN)  # fmt: skip
     # Annotated as Arch declares them: a protocol's attributes are settable, so their types must match.
     ftrace_site: FtraceSite | None = FtraceSite("__fentry__", CALL_INSN_SIZE, call_target)

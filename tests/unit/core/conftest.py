@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vmm"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernel"))  # ifunc_library
 
 from vmm_fakes import QemuStub
 

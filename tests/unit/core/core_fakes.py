@@ -41,5 +41,5 @@ class FlatMem:
 
 
 def flat_regs(values: Mapping[str, int], tid: str, mem: FlatMem) -> PtRegs:
-    """A hit's pt_regs as the probe table's make_regs builds them, reading ``mem``."""
+    """A hit's pt_regs as RegsMaker.make_regs builds them, reading ``mem``."""
     return PtRegs(dict(values), tid, 0, mem, layout=ARCH.registers)  # type: ignore[arg-type]

@@ -54,6 +54,8 @@ from qprobe.arch import (
 )
 from qprobe.arch.inguest import KeySpec, MapKey, MapSlot
 from qprobe.core.kprobes import KprobeManager
+from qprobe.core.regsmaker import RegsMaker
+from qprobe.core.table import ProbeTable
 from qprobe.errors import InvalidProbe, ProbeError, ProtocolError, SymbolError
 from qprobe.kernel.symbols import Symbol
 from qprobe.vmm.journal import Patch
@@ -265,9 +267,10 @@ class Toy:
         irq_flag=IRQ,
         page_table="ttbr",
         percpu_base="tpidr",
-        current="cur",  # current in a register, as arm64's SP_EL0: the core must not read it per-CPU
+        current="cur",  # current in a register in kernel mode, as arm64's SP_EL0
         retval="r0",
         stack_args=0,
+        current_percpu="entry_task",  # and in a per-CPU variable at a user-mode stop, as arm64's __entry_task
     )
     gdb_architecture = "toy"
     drgn_architecture = "UNKNOWN"
@@ -840,7 +843,8 @@ class Rig:
         self.t.symbols.add("toy_entry", insn(NOP) * 4, at=ENTRY)  # inside the entry-text section
         self.t.mem.write(ENTRY, insn(NOP) * 4)
         arch = ToyStackReturn() if stack_return else Toy()
-        self.km = KprobeManager(self.t.machine, self.t.kernel, self.t.scratch, arch)  # type: ignore[arg-type]
+        regs = RegsMaker(self.t.machine, self.t.kernel, arch)  # type: ignore[arg-type]
+        self.km = KprobeManager(self.t.machine, self.t.kernel, self.t.scratch, arch, ProbeTable(), regs)  # type: ignore[arg-type]
         self.text = bytes(self.t.mem.ram[TEXT_PHYS : TEXT_PHYS + TEXT_SIZE])
 
     def text_unchanged(self) -> bool:

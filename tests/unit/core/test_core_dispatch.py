@@ -61,7 +61,7 @@ class FakeMachine:
 
 
 class Table:
-    """The probe table as the dispatcher reads it (qprobe.core.dispatch.Registry), and its InsnSlots."""
+    """The probe table as the dispatcher reads it (qprobe.core.table.ProbeTable), its InsnSlots and RegsSource."""
 
     def __init__(self, machine: FakeMachine, boost: bool) -> None:
         self.machine = machine
@@ -73,9 +73,6 @@ class Table:
 
     def make_regs(self, values: Mapping[str, int], tid: str) -> PtRegs:
         return flat_regs(values, tid, self.machine.mem)
-
-    def may_boost(self, point: ProbePoint, active: list[Kprobe]) -> bool:
-        return self.boost and not any(kp.post_handler for kp in active)
 
     def probe(self, code: bytes, *probes: Kprobe, fixup: bool = False) -> ProbePoint:
         """A point at PROBE on ``code`` (``fixup``: with an exception-table entry)."""
@@ -124,7 +121,8 @@ def rig(request: pytest.FixtureRequest, stub_gdb: tuple[QemuStub, GdbRemote]) ->
     machine = FakeMachine(gdb, mem)
     table = Table(machine, boost=request.param)
     handlers = Handlers()
-    dispatcher = Dispatcher(machine, FakeKernel(), ARCH, table, table, handlers)  # type: ignore[arg-type]
+    dispatcher = Dispatcher(machine, FakeKernel(), ARCH, table, table, handlers, table)  # type: ignore[arg-type]
+    dispatcher.boost = table.boost
     return Rig(stub, gdb, mem, table, dispatcher, handlers)
 
 

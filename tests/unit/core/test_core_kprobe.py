@@ -1,12 +1,15 @@
-"""Kprobe: argument validation as register_kprobe's EINVAL checks, flags and printing."""
+"""Kprobe: argument validation as register_kprobe's EINVAL checks (and every probe kind's handler check),
+flags and printing."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from qprobe.core.kprobe import KPROBE_FLAG_DISABLED, KPROBE_FLAG_GONE, Kprobe
+from qprobe.core.kprobe import KPROBE_FLAG_DISABLED, KPROBE_FLAG_GONE, Kprobe, Kretprobe
+from qprobe.core.uprobe import Uprobe
 from qprobe.errors import InvalidProbe, ProbeError
 
 
@@ -93,3 +96,20 @@ def test_where_follows_the_resolved_address() -> None:
 def test_positional_arguments_follow_the_kernel_struct_order() -> None:
     kp = Kprobe("vfs_read", 8)
     assert (kp.symbol_name, kp.offset, kp.addr) == ("vfs_read", 8, None)
+
+
+HANDLERS_NOT_CALLABLE: list[tuple[Callable[..., object], dict[str, Any], str]] = [
+    (Kretprobe, {"symbol_name": "vfs_read", "handler": 1}, "handler must be callable, not int"),
+    (Kretprobe, {"symbol_name": "vfs_read", "entry_handler": "x"}, "entry_handler must be callable, not str"),
+    (Uprobe, {"path": "/bin/true", "offset": 0, "handler": 2}, "handler must be callable, not int"),
+    (Uprobe, {"path": "/bin/true", "offset": 0, "ret_handler": [handler]}, "ret_handler must be callable, not list"),
+    (Uprobe, {"path": "/bin/true", "offset": 0, "filter": True}, "filter must be callable, not bool"),
+]
+
+
+@pytest.mark.parametrize(("make", "kwargs", "words"), HANDLERS_NOT_CALLABLE)
+def test_every_probe_kind_refuses_a_handler_it_cannot_call_naming_it(
+    make: Callable[..., object], kwargs: dict[str, Any], words: str
+) -> None:
+    with pytest.raises(InvalidProbe, match=f"^{words} \\(EINVAL\\)$"):
+        make(**kwargs)

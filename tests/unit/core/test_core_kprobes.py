@@ -34,7 +34,9 @@ from qprobe.core.kprobe import KPROBE_FLAG_GONE, Kprobe
 from qprobe.core.kprobes import KprobeManager
 from qprobe.core.listing import list_probes
 from qprobe.core.point import KprobeStatus
-from qprobe.errors import Blacklisted, InvalidProbe, NotKernelText, ProbeError, SymbolError
+from qprobe.core.regsmaker import RegsMaker
+from qprobe.core.table import ProbeTable
+from qprobe.errors import Blacklisted, InvalidProbe, NotKernelText, ProbeError, SymbolError, TargetError
 
 A, B = "p1.1", "p1.2"  # the two vCPUs
 
@@ -131,6 +133,22 @@ def test_a_killed_probe_puts_the_text_back_and_stays_listed_gone_until_unregiste
     rig.km.register_kprobe(other)  # the text is back (a module loaded again): armed, listed once
     assert list_probes(rig.km) == f"{other.resolved:016x}  k  toy_fn+0x8\n"
     rig.km.unregister_kprobe(other)
+    assert rig.text_unchanged()
+
+
+def test_a_killed_probe_registered_again_stays_listed_gone_if_that_fails(rig: Rig) -> None:
+    kp = Kprobe("toy_fn", offset=4)
+    rig.km.register_kprobe(kp)
+    rig.km.kill_kprobe(kp)
+    gone = list_probes(rig.km)
+    with pytest.raises(InvalidProbe), rig.km.reviving(kp):
+        assert not kp.gone and list_probes(rig.km) == ""  # off the list while it is registered again
+        raise InvalidProbe("refused")
+    assert kp.gone and list_probes(rig.km) == gone
+    with rig.km.reviving(kp):
+        rig.km.register_kprobe(kp)
+    assert not kp.gone and list_probes(rig.km) == f"{kp.resolved:016x}  k  toy_fn+0x4\n"
+    rig.km.unregister_kprobe(kp)
     assert rig.text_unchanged()
 
 
@@ -282,10 +300,17 @@ class _Ram:
     writable = True
 
 
+def _with_shared_ram(t: ToyTarget, arch: Toy) -> KprobeManager:
+    """A KprobeManager given shared RAM and a doorbell, as on qprobe's own QEMU."""
+    regs = RegsMaker(t.machine, t.kernel, arch)  # type: ignore[arg-type]
+    table = ProbeTable()
+    return KprobeManager(t.machine, t.kernel, t.scratch, arch, table, regs, ram=_Ram(), doorbell="sock")  # type: ignore[arg-type]
+
+
 def test_without_jump_optimization_every_probe_stays_a_breakpoint_and_says_why() -> None:
-    t = ToyTarget()
+    t, arch = ToyTarget(), Toy()
     t.function("toy_fn", insn(NOP), insn(NOP))
-    km = KprobeManager(t.machine, t.kernel, t.scratch, Toy(), ram=_Ram(), doorbell="sock")  # type: ignore[arg-type]
+    km = _with_shared_ram(t, arch)
     assert km.optimizer.available  # the toy has the guest-RAM layouts: its kretprobes may return through the mailbox
     kp = Kprobe("toy_fn")
     km.register_kprobe(kp, optimize=False)
@@ -297,7 +322,7 @@ def test_without_jump_optimization_every_probe_stays_a_breakpoint_and_says_why()
 def test_without_guest_ram_layouts_the_optimizer_is_unavailable_and_builds_nothing() -> None:
     t, arch = ToyTarget(), Toy()
     arch.guest_ram = None  # type: ignore[assignment]
-    km = KprobeManager(t.machine, t.kernel, t.scratch, arch, ram=_Ram(), doorbell="sock")  # type: ignore[arg-type]
+    km = _with_shared_ram(t, arch)
     opt = km.optimizer
     assert not opt.available and (opt.doorbell, opt.records, opt.returns, opt.counts) == (None, None, None, None)
 
@@ -451,3 +476,24 @@ def test_a_probe_given_twice_to_unregister_kprobes_is_unregistered_once(rig: Rig
     rig.km.unregister_kprobes([kp, other, kp])
     assert (kp.registered, other.registered, rig.km.points) == (False, False, {})
     assert rig.text_unchanged()
+
+
+def test_optimization_off_keeps_every_probe_on_its_breakpoint_and_says_why() -> None:
+    t, arch = ToyTarget(), Toy()
+    t.function("toy_fn", insn(NOP), insn(NOP))
+    km = _with_shared_ram(t, arch)
+    kp = Kprobe("toy_fn")
+    km.register_kprobe(kp, optimize=False)
+    km.set_optimization(False)
+    point = km.points[kp.resolved]
+    assert not km.optimizer.enabled and km.optimizer.why_not(point) == "optimization is off"
+    assert point.armed and t.mem.read(point.addr, 4) == BRK
+    km.set_optimization(True)
+    assert km.optimizer.enabled and km.optimizer.why_not(point) == "toy has no jump optimization"
+
+
+def test_optimization_cannot_be_turned_on_without_shared_ram_and_a_doorbell(rig: Rig) -> None:
+    assert not rig.km.optimizer.available
+    with pytest.raises(TargetError, match="doorbell device and shared RAM"):
+        rig.km.set_optimization(True)
+    assert not rig.km.optimizer.enabled

@@ -149,7 +149,7 @@ def test_unregistering_puts_back_the_return_address_of_every_call_in_flight(stac
     rp = Kretprobe("toy_callee", handler=lambda ri, regs: pytest.fail("handler after unregister"))
     calls.rpm.register_kretprobe(rp)
     calls.enter(A, slot(0), CALLER, task=1)
-    assert calls.km.fix_return(slot(0) + 8, calls.rpm.trampoline) == CALLER  # what an unwinder sees meanwhile
+    assert calls.km.regs.fix_return(slot(0) + 8, calls.rpm.trampoline) == CALLER  # what an unwinder sees meanwhile
     calls.rpm.unregister_kretprobe(rp)
     assert calls.t.mem.read_u64(slot(0)) == CALLER
     assert calls.leave(A) == CALLER
@@ -163,7 +163,7 @@ def test_a_call_in_flight_through_a_link_register_returns_unreported_after_unreg
     rp = Kretprobe("toy_callee", handler=lambda ri, regs: pytest.fail("handler after unregister"))
     calls.rpm.register_kretprobe(rp)
     calls.enter(A, slot(0), CALLER, task=1)
-    assert calls.km.fix_return(slot(0), calls.rpm.trampoline) == CALLER  # what an unwinder sees meanwhile
+    assert calls.km.regs.fix_return(slot(0), calls.rpm.trampoline) == CALLER  # what an unwinder sees meanwhile
     calls.rpm.unregister_kretprobe(rp)
     assert calls.t.regs(A)["lr"] == calls.rpm.trampoline  # where the function may have saved it already
     assert calls.leave(A) == CALLER

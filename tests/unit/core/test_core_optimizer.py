@@ -72,7 +72,7 @@ class Fn:
 
 
 class Table:
-    """The probe table as the optimizer reads it (qprobe.core.optimizer.ProbeTable), and its InsnSlots."""
+    """The kprobes core as the optimizer reads it (qprobe.core.optimizer.KprobeParts), its ProbeTable and InsnSlots."""
 
     arch = ARCH
     fully_preemptible = False
@@ -147,7 +147,7 @@ def rig(stub_gdb: tuple[QemuStub, GdbRemote]) -> Iterator[Rig]:
     mem.fill(FN, CODE)
     table = Table(SimpleNamespace(gdb=gdb, mem=mem, vcpus=gdb.threads(), call=lambda fn: fn(),
                                   journal=SimpleNamespace(batch=contextlib.nullcontext)))  # fmt: skip
-    opt = Optimizer(table, None, None)  # type: ignore[arg-type]
+    opt = Optimizer(table, table, table, None, None)  # type: ignore[arg-type]
     opt.enabled = True  # as with a doorbell and shared RAM; no detour is built here
     r = Rig(stub, table, opt, mem)
     for i in range(len(stub.vcpus)):
@@ -373,7 +373,7 @@ def test_the_optimizer_works_its_queue_in_rounds(rig: Rig, monkeypatch: pytest.M
         return True
 
     monkeypatch.setattr(rig.opt.queue, "optimize", optimize)
-    rig.opt.queue.optimize_later([PROBE])
+    rig.opt.optimize_later([PROBE])
     if attempts > optqueue.OPTIMIZE_RETRIES:
         assert len(tried) >= optqueue.OPTIMIZE_RETRIES  # register returned; the point stays queued
         deadline = time.monotonic() + 10
@@ -387,5 +387,5 @@ def test_the_optimizer_works_its_queue_in_rounds(rig: Rig, monkeypatch: pytest.M
 def test_the_optimizer_does_nothing_with_the_knob_off(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
     rig.opt.enabled = False
     monkeypatch.setattr(rig.opt.queue, "optimize", lambda point: pytest.fail("optimized with the knob off"))
-    rig.opt.queue.optimize_later([PROBE])
+    rig.opt.optimize_later([PROBE])
     assert not rig.point.optimizing

@@ -71,7 +71,8 @@ def rings(by_id: dict[int, ProbePoint], retired: set[int], kb: int | None = None
     ram = FakeRam()
     scratch = FakeScratch(ram)
     machine = SimpleNamespace(vcpus=[f"1.{n + 1}" for n in range(ncpus)])
-    kernel = SimpleNamespace(offsets=(0x20C00, 0x5A0, 0x5A4, 0x740))
+    # A kernel without tsc_khz: records are timed by the host's clock as they are drained.
+    kernel = SimpleNamespace(offsets=(0x20C00, 0x5A0, 0x5A4, 0x740), arch=ARCH, symbols=set())
     rr = RecordRings(ARCH, machine, scratch, ram, kernel, set(), Handlers(), by_id, retired)  # type: ignore[arg-type]
     if kb is not None:
         rr.set_buffer_size_kb(kb)

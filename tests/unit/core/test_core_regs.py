@@ -103,10 +103,11 @@ def test_the_per_cpu_base_is_kept_for_per_cpu_reads() -> None:
     assert regs.task_regs == {"gs_base": GDB_VALUES["gs_base"]}
 
 
-def test_the_register_that_holds_current_is_kept_where_the_architecture_has_one() -> None:
+def test_the_register_that_holds_current_is_kept_with_the_mode_where_the_architecture_has_one() -> None:
     layout = replace(X86_64.registers, current="sp_el0")
     regs = PtRegs({**GDB_VALUES, "sp_el0": 0xFFFF_0000_0123_4000}, "p1.1", 0, FakeMem(), layout=layout)
-    assert regs.task_regs == {"gs_base": GDB_VALUES["gs_base"], "sp_el0": 0xFFFF_0000_0123_4000}
+    # The register holds current in kernel mode only: the stop's registers come too, to tell the mode.
+    assert regs.task_regs == {**GDB_VALUES, "sp_el0": 0xFFFF_0000_0123_4000}
 
 
 def test_the_return_value_is_the_layout_s_register() -> None:

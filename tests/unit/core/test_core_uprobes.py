@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from fakearch import (
@@ -29,13 +30,15 @@ from fakearch import (
     Rig,
     insn,
 )
+from ifunc_library import ifunc_library
 
 from qprobe.core.regs import PtRegs
 from qprobe.core.uprobe import Uprobe, Uretprobe
 from qprobe.core.uprobes import MMAP_HOOK, UprobeManager
 from qprobe.core.ureturns import MAX_URETPROBE_DEPTH
-from qprobe.errors import InvalidProbe
+from qprobe.errors import InvalidProbe, MemoryFault
 from qprobe.kernel.ufile import VM_MAYEXEC, VM_MAYSHARE, VM_WRITE, GuestFile, Mapping
+from qprobe.kernel.userelf import UserElf
 from qprobe.vmm.gdbremote import BREAK_HW
 
 A, B = "p1.1", "p1.2"
@@ -164,6 +167,12 @@ class World:
     def page_owner(self, pfn: int) -> tuple[int, int] | None:
         return self.owners.get(pfn)
 
+    def read_user(self, mm: int, addr: int, size: int) -> bytes | None:
+        try:
+            return self.rig.t.mem.read(addr, size, self.roots[mm])
+        except MemoryFault:
+            return None
+
     def still_there(self, f: GuestFile) -> bool:
         return self.files.get(f.path) == f
 
@@ -209,7 +218,7 @@ def s() -> Iterator[Setup]:
     hook = rig.t.function(MMAP_HOOK, insn(NOP), insn(NOP))
     rig.text = bytes(rig.t.mem.ram[TEXT_PHYS : TEXT_PHYS + TEXT_SIZE])  # with the hook's function in it
     km = rig.km
-    um = UprobeManager(rig.t.machine, km.arch, rig.t.kernel, km)  # type: ignore[arg-type]
+    um = UprobeManager(rig.t.machine, km.arch, rig.t.kernel, km, km.handlers, km.regs, km.dispatcher)  # type: ignore[arg-type]
     world = World(rig)
     um._files = world  # type: ignore[assignment]
     world.file(PROG, _text(1))
@@ -587,3 +596,31 @@ def test_addresses_are_collected_as_new_mappings_add_them(s: Setup) -> None:
     # At 17 addresses (more than 2 * 0 + 16: nothing collected yet) a collection kept the two live ones;
     # the next one waits for more than 2 * 2 + 16.
     assert s.bps() == [BASE + FUNC] + [start + FUNC for start in at[15:]]
+
+
+# -- an indirect function's implementation, as the loader of each process mapping the file picked it -------
+
+
+def test_impl_is_read_from_the_got_slot_of_each_process_mapping_the_file(s: Setup, tmp_path: Path) -> None:
+    path, data = "/usr/lib/libifunc.so", ifunc_library(tmp_path).read_bytes()
+    s.world.file(path, data)
+    elf = UserElf(data, path)
+    (slot,) = elf.irelative_slots(elf.functions("chosen")[0].vaddr)
+    impl, other = elf.functions("plus_two")[0], elf.functions("plain")[0]
+    with pytest.raises(InvalidProbe, match="no process of the guest maps"):
+        s.um.resolve(path, "chosen@impl")
+
+    def load(p: Proc, base: int, picked: int) -> None:
+        """``path`` loaded at ``base``: its first page, and the page of the slot, where the loader wrote."""
+        page = slot // PAGE * PAGE
+        s.world.map(p, base, path, pages=1)
+        s.world.map(p, base + page, path, file_start=page, pages=1, private=True, flags=0)
+        s.rig.t.mem.write_phys(s.rig.t.mem.virt_to_phys(base + slot, p.root), (base + picked).to_bytes(8, "little"))
+
+    load(s.world.process(), 0x50_0000, impl.vaddr)
+    load(s.world.process(), 0x90_0000, impl.vaddr)  # another load base, the same pick
+    assert s.um.resolve(path, "chosen@impl") == impl.offset != s.um.resolve(path, "chosen")
+    load(s.world.process(), 0xB0_0000, other.vaddr)  # a process whose loader picked otherwise
+    with pytest.raises(InvalidProbe, match="picked different implementations") as info:
+        s.um.resolve(path, "chosen@impl")
+    assert f"0x{impl.offset:x}" in str(info.value) and f"0x{other.offset:x}" in str(info.value)

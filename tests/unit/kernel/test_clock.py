@@ -1,38 +1,32 @@
-"""The guest's trace clock computed on the host, and finding the TSC read it is calibrated at."""
+"""The guest's trace clock computed on the host from the architecture's cycle counter, and the stop clock."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from qprobe.arch import CycleCounter
-from qprobe.arch.x86_64.tsc import after_rdtsc
 from qprobe.kernel.clock import CALIBRATE_WAIT, ROUND, StopClock, TraceClock
 
 
-def test_after_rdtsc_is_the_next_instruction() -> None:
-    # native_sched_clock's shape: endbr64; rdtsc; shl $0x20,%rdx; or %rdx,%rax
-    code = bytes.fromhex("f30f1efa0f3148c1e2204809d0c3")
-    assert after_rdtsc(code, 0xFFFFFFFF81000000) == 0xFFFFFFFF81000006
+def test_an_architecture_without_a_cycle_counter_leaves_hits_to_the_host_clock() -> None:
+    kernel = SimpleNamespace(prog=object(), arch=SimpleNamespace(name="toy", cycle_counter=None))
+    assert TraceClock(kernel).unavailable() == "qprobe cannot compute toy's sched_clock from a cycle counter"  # type: ignore[arg-type]
+    assert StopClock(kernel, kernel).unavailable() == "qprobe cannot read toy's cycle counter at a stop"  # type: ignore[arg-type]
 
 
-def test_no_rdtsc_no_site() -> None:
-    assert after_rdtsc(bytes.fromhex("0f01f9c3"), 0x1000) is None  # rdtscp is not taken
-
-
-def test_cycles_2_ns_as_the_kernel_computes_it() -> None:
-    clock = TraceClock.__new__(TraceClock)
-    clock.name = "local"
-    clock._scale = lambda cpu: (0x15555556, 30, 12345)  # type: ignore[method-assign]  # a 3 GHz TSC
-    # arch/x86/kernel/tsc.c: ns = offset + mul_u64_u32_shr(cyc, mul, shift), a 128-bit product
-    cyc = 3_000_000_000 * 1_000_000  # a million seconds of cycles: the product needs more than 64 bits
-    assert clock.ns(cyc, 1) == 12345 + (cyc * 0x15555556 >> 30)
-    assert abs(clock.ns(cyc, 1) - 12345 - 10**15) < 10**15 // 10**8
+def test_the_architectures_reason_its_sched_clock_cannot_be_computed_is_the_clocks() -> None:
+    why = "this kernel's sched_clock is kvm_sched_clock_read, not the TSC's native_sched_clock"
+    counter = CycleCounter("f", lambda code, addr: None, lambda regs: 0, lambda kernel: why, lambda kernel: 0,
+                           lambda kernel, read: "none")  # fmt: skip
+    kernel = SimpleNamespace(prog=object(), arch=SimpleNamespace(name="toy", cycle_counter=counter))
+    assert TraceClock(kernel).unavailable() == why  # type: ignore[arg-type]
 
 
 class _Ram:
@@ -46,12 +40,22 @@ class _Ram:
         return raw[:size]
 
 
+class _OnePerCycle:
+    """A sched_clock of 1 ns per cycle on every CPU."""
+
+    def ns(self, cycles: int, cpu: int) -> int:
+        return cycles
+
+    def ns_many(self, points: list[tuple[int, int]]) -> list[int]:
+        return [cycles for cycles, _cpu in points]
+
+
 def _global_clock(words: dict[int, int]) -> TraceClock:
     clock = TraceClock.__new__(TraceClock)
     clock.name, clock._last = "global", {}
     clock._lock = threading.Lock()
     clock.kernel = type("K", (), {"mem": _Ram(words)})()  # type: ignore[assignment]
-    clock._scale = lambda cpu: (1 << 30, 30, 0)  # type: ignore[method-assign]  # 1 ns per cycle
+    clock._sched = _OnePerCycle()
     clock._addrs = (0x100, 0x108, 0x110)  # __sched_clock_stable, __sched_clock_offset, __gtod_offset
     clock._scd, clock._percpu = (0x1000, 0, 8), [0, 0x100]  # sched_clock_data: tick_raw, tick_gtod
     return clock
@@ -68,7 +72,7 @@ def test_a_stable_sched_clock_only_adds_its_offset() -> None:
     assert clock.ns(1_000, 0) == 1_042
 
 
-def test_global_never_goes_back_for_a_later_tsc() -> None:
+def test_global_never_goes_back_for_a_later_counter_value() -> None:
     words = {0x1000: 1_000, 0x1008: 2_000}
     clock = _global_clock(words)
     first = clock.ns(1_500, 0)
@@ -89,12 +93,12 @@ class _CountingRam(_Ram):
 
 @pytest.mark.parametrize("stable", [False, True])
 def test_a_run_of_records_reads_the_clock_s_state_once_a_cpu_and_converts_as_one_at_a_time(stable: bool) -> None:
-    """ns_many: each TSC as ns converts it (the offsets, the never-back hold across the run), the guest's
+    """ns_many: each counter value as ns converts it (the offsets, the never-back hold across the run), the guest's
     per-CPU clock state read once a CPU, not once a record."""
     words = {0x1000: 1_000, 0x1008: 2_000, 0x1100: 5_000, 0x1108: 9_000, 0x100: int(stable), 0x108: 42, 0x110: 7}
     points = [(1_500, 0), (5_100, 1), (1_499, 0), (1_600, 0), (5_050, 1), (1_700, 0)]
     one_at_a_time = _global_clock(dict(words))
-    expected = [one_at_a_time.ns(tsc, cpu) for tsc, cpu in points]
+    expected = [one_at_a_time.ns(cycles, cpu) for cycles, cpu in points]
     clock = _global_clock(dict(words))
     ram = _CountingRam(dict(words))
     clock.kernel = type("K", (), {"mem": ram})()  # type: ignore[assignment]
@@ -105,11 +109,11 @@ def test_a_run_of_records_reads_the_clock_s_state_once_a_cpu_and_converts_as_one
 
 
 class _Guest:
-    """A guest whose TSC runs at B ticks per ns of its virtual time, reading its clock every few ms, with
-    a gdbstub that stops it LATENCY ns after a breakpoint's trap (the HPET is read at the stop)."""
+    """A guest whose cycle counter runs at B ticks per ns of its virtual time, reading its clock every few ms,
+    with a gdbstub that stops it LATENCY ns after a breakpoint's trap (the stop timer is read at the stop:
+    the toy's counts ns of virtual time at physical address TIMER)."""
 
-    A, B, LATENCY, SITE, HPET = 7_000_000_000, 2.5, 40_000, 0x5000, 0xFED00000
-    PERIOD_FS = 10_000_000  # a 100 MHz HPET
+    A, B, LATENCY, SITE, TIMER = 7_000_000_000, 2.5, 40_000, 0x5000, 0xFED00000
 
     def __init__(self) -> None:
         self.lock = threading.Lock()  # the stop loop: one request or stop at a time
@@ -123,7 +127,8 @@ class _Guest:
         self.symbols, self.mem = self, self
         # The guest's own calibration of its TSC, 1% off: what the model uses until its own rounds end.
         self.arch = SimpleNamespace(name="toy", cycle_counter=CycleCounter(
-            "sched_clock_read", lambda code, addr: self.SITE, lambda regs: regs["tsc"]))  # fmt: skip
+            "sched_clock_read", lambda code, addr: self.SITE, lambda regs: regs["cycles"], lambda kernel: "unused",
+            lambda kernel: round(self.B * 1.01 * 10**6) * 1000, self._timer))  # fmt: skip
         self.runner = threading.Thread(target=self._run, daemon=True)
         self.runner.start()
 
@@ -133,10 +138,14 @@ class _Guest:
             with self.lock:
                 self.virt += 3_000_000
                 if self.armed:
-                    tsc = self.A + round(self.B * self.virt)
+                    cycles = self.A + round(self.B * self.virt)
                     self.virt += self.LATENCY
                     self.pairs += 1
-                    self.stop_handlers[self.armed]("1", {"tsc": tsc})
+                    self.stop_handlers[self.armed]("1", {"cycles": cycles})
+
+    def _timer(self, kernel: object, read_phys: Callable[[int, int], bytes]) -> SimpleNamespace:
+        assert self.lock.locked()  # made on the stop loop's thread
+        return SimpleNamespace(ns=lambda: int.from_bytes(read_phys(self.TIMER, 8), "little"))
 
     # the Machine
     def call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
@@ -154,24 +163,18 @@ class _Guest:
         self.physical = on
 
     def read_memory(self, addr: int, size: int) -> bytes:
-        assert self.physical
-        counter = self.virt * 10**6 // self.PERIOD_FS
-        regs = {self.HPET: self.PERIOD_FS << 32, self.HPET + 0x10: 1, self.HPET + 0xF0: counter}
-        return regs[addr].to_bytes(size, "little")
+        assert self.physical and addr == self.TIMER
+        return self.virt.to_bytes(size, "little")
 
     # the kernel's symbols and memory
     def __contains__(self, name: str) -> bool:
-        return name in ("hpet_address", "sched_clock_read", "tsc_khz")
-
-    def address(self, name: str) -> int:
-        return {"hpet_address": 0x100, "tsc_khz": 0x108}[name]
+        return name == "sched_clock_read"
 
     def lookup(self, name: str) -> SimpleNamespace:
         return SimpleNamespace(addr=0x4000, size=16)
 
     def read(self, addr: int, size: int) -> bytes:
-        value = {0x100: self.HPET, 0x108: round(self.B * 1.01 * 10**6)}.get(addr, 0)
-        return value.to_bytes(8, "little")[:size]
+        return bytes(size)
 
 
 def test_the_stop_clock_is_usable_after_one_pair_and_calibrated_in_the_background() -> None:
@@ -180,13 +183,13 @@ def test_the_stop_clock_is_usable_after_one_pair_and_calibrated_in_the_backgroun
         clock = StopClock(guest, guest)  # type: ignore[arg-type]
         assert clock.unavailable() is None
         assert guest.pairs == 1  # one read of the guest's clock; an idle guest makes one every few 100 ms
-        assert clock.rate() == 2.5 * 1.01  # the guest's tsc_khz until the rounds end
+        assert clock.rate() == 2.5 * 1.01  # the guest's own calibration until the rounds end
         deadline = time.monotonic() + 30  # a bound on waiting, not on speed
         while clock.rate() == 2.5 * 1.01 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert guest.pairs == 1 + 2 * ROUND
         assert abs(clock.rate() - guest.B) < guest.B * 1e-4
-        now = clock.machine.call(clock._tsc_stopped)
+        now = clock.machine.call(clock._cycles_stopped)
         assert abs(now - (guest.A + guest.B * guest.virt)) < guest.B * 2 * guest.LATENCY
     finally:
         guest.alive = False
@@ -224,3 +227,14 @@ def test_a_tick_pair_read_while_the_tick_stores_it_is_read_again() -> None:
     clock = _global_clock({})
     clock.kernel = type("K", (), {"mem": _TickingRam((5_000_000, 7_000_000), (9_000_000, 11_000_000))})()  # type: ignore[assignment]
     assert clock.ns(8_999_000, 0) == 11_000_000 - 1_000
+
+
+def test_a_kernel_without_a_calibrated_counter_rate_leaves_stops_to_the_host_clock() -> None:
+    guest = _Guest()
+    try:
+        guest.arch.cycle_counter = replace(guest.arch.cycle_counter, hz=lambda kernel: 0)
+        clock = StopClock(guest, guest)  # type: ignore[arg-type]
+        assert clock.unavailable() == "the guest kernel has no rate of its cycle counter to time stops with"
+        assert guest.pairs == 0 and clock.cycles() is None
+    finally:
+        guest.alive = False

@@ -16,6 +16,7 @@ from qprobe.errors import FetchArgError, SymbolError
 from qprobe.fetch.messages import BAD_FETCH_ARG, NOSUP_BTFARG
 from qprobe.kernel.debuginfo import has_btf_section, has_dwarf, need_dwarf, section_names
 from qprobe.kernel.perfprobe import perf_to_kprobe
+from qprobe.kernel.perfsyntax import parse_perf_probe
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None or shutil.which("objcopy") is None,
                                 reason="needs gcc and objcopy (make setup)")  # fmt: skip
@@ -52,7 +53,7 @@ def test_a_perf_definition_is_refused_before_gdb(elves: tuple[Path, Path]) -> No
     """Before: gdb ran and said 'no function vfs_read in vmlinux's debug information', as for a typo."""
     symbols = SimpleNamespace(path=elves[1])
     with pytest.raises(SymbolError, match=r"^a perf probe definition needs the kernel's debug info"):
-        perf_to_kprobe(["perf vfs_read count"], symbols, None)  # type: ignore[arg-type]
+        perf_to_kprobe([parse_perf_probe("perf vfs_read count")], symbols, None)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import drgn
 import pytest
@@ -117,13 +116,6 @@ def test_current_is_the_per_cpu_current_task_on_x86() -> None:
     assert kernel.current_address({"gs_base": gs}, memory.__getitem__) == task
     # Before swapgs GS is still the user's: the kernel's per-CPU base waits in KERNEL_GS_BASE.
     assert kernel.current_address({"gs_base": 0x7F00_0000_0000, "k_gs_base": gs}, memory.__getitem__) == task
-
-
-def test_current_is_the_register_that_holds_it_where_the_architecture_keeps_it_in_one() -> None:
-    arch = SimpleNamespace(registers=replace(X86_64.registers, current="sp_el0"))
-    kernel = KernelData(FakeSymbols(), None, arch)  # type: ignore[arg-type]
-    nothing: dict[int, int] = {}  # no memory is read, and no per-CPU current_task looked for (this kernel has none)
-    assert kernel.current_address({"sp_el0": 0xFFFF_0000_0123_4000}, nothing.__getitem__) == 0xFFFF_0000_0123_4000
 
 
 def test_without_debug_info_the_symbol_table_s_per_cpu_variables_are_used() -> None:

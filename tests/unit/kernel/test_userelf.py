@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from qprobe.arch.x86_64.arch import X86_64
+from qprobe.fetch import parse_definition
 from qprobe.kernel.userelf import UserElf, UserElfError
 from qprobe.kernel.usyntax import (
     UprobeSyntaxError,
@@ -99,11 +100,14 @@ def test_the_translations(tmp_path: Path) -> None:
         assert path == "/bin/prog"
         return elf.resolve(spec)
 
-    assert resolve_uprobe_symbols("p:e /bin/prog:add_one+2%return x=%di", resolve) == (
-        f"p:e /bin/prog:{off + 2:#x}%return x=%di"
-    )
-    assert resolve_uprobe_symbols("p /bin/prog:0x10(0x8)", resolve) == "p /bin/prog:0x10(0x8)"
-    assert resolve_uprobe_symbols("p:e /bin/prog:add_one(0x8)", resolve) == f"p:e /bin/prog:{off:#x}(0x8)"
+    def resolved(text: str) -> str:
+        out = resolve_uprobe_symbols(parse_definition(text), resolve)
+        assert out.words == parse_definition(out.text).words  # the words rewritten as a parse of the text has them
+        return out.text
+
+    assert resolved("p:e /bin/prog:add_one+2%return x=%di") == f"p:e /bin/prog:{off + 2:#x}%return x=%di"
+    assert resolved("p /bin/prog:0x10(0x8)") == "p /bin/prog:0x10(0x8)"
+    assert resolved("p:e /bin/prog:add_one(0x8)") == f"p:e /bin/prog:{off:#x}(0x8)"
     assert perf_uprobe_definition("/bin/prog", "add_one %di n=%si:u32", resolve, X86) == (
         f"p:probe_prog/add_one /bin/prog:{off:#x} %di n=%si:u32"
     )

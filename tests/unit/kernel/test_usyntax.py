@@ -9,7 +9,7 @@ from qprobe.arch import RegisterLayout
 from qprobe.arch.x86_64.arch import X86_64
 from qprobe.errors import FetchArgError
 from qprobe.fetch import messages as M
-from qprobe.fetch import parse_uprobe_event
+from qprobe.fetch import parse_definition, parse_uprobe_event
 from qprobe.fetch.dialect import Dialect
 from qprobe.kernel.usyntax import UprobeSyntaxError, symbolic_user_form, unresolved_syntax, user_form_definition
 
@@ -26,6 +26,7 @@ ARM64 = RegisterLayout(
     percpu_base="TPIDR_EL1",
     retval="x0",
     stack_args=0,
+    current_percpu="__entry_task",
     pt_regs=ARM64_PT_REGS,
 )
 
@@ -63,7 +64,7 @@ def test_another_architecture_s_language_takes_its_forms_and_refuses_x86_s_names
     arm64 = Dialect(registers=frozenset(ARM64_PT_REGS))
     line = symbolic_user_form("uprobe:/bin/uprog:qpt_target arg0 arg8", ARM64)
     assert line == "p:uprobes/qpt_target /bin/uprog:qpt_target arg0=%x0:u64 arg8=+0(%sp):u64"
-    assert parse_uprobe_event(unresolved_syntax(line), arm64)
+    assert parse_uprobe_event(unresolved_syntax(parse_definition(line)), arm64)
     x86_line = user_form_definition("uprobe:/bin/uprog:qpt_target arg0", resolve, X86_64.registers)
     with pytest.raises(FetchArgError) as info:
         parse_uprobe_event(x86_line, arm64)

@@ -19,10 +19,18 @@ from qprobe.core.kprobe import Kprobe, Kretprobe
 from qprobe.core.point import ProbePoint
 from qprobe.errors import ProbeError, TargetError
 from qprobe.events import EventHit, KprobeEvent, TraceEvent, Wildcard
-from qprobe.events.define import is_uprobe
 from qprobe.events.timeline import Timeline
 from qprobe.events.uprobe import UprobeTraceEvent
-from qprobe.fetch import ProbeEvent, UprobeEvent, check_event, format_event, parse_event, parse_uprobe_event
+from qprobe.fetch import (
+    Definition,
+    ProbeEvent,
+    UprobeEvent,
+    check_event,
+    format_event,
+    parse_definition,
+    parse_event,
+    parse_uprobe_event,
+)
 from qprobe.fetch.dialect import Dialect
 from qprobe.kernel.program import Stack
 from qprobe.kernel.symbols import Symbols
@@ -85,10 +93,11 @@ class FakeTarget:
         self.unsynced: list[TraceEvent] = []
 
     # events
-    def add_event(self, definition: str | ProbeEvent, callback: object = None) -> TraceEvent:
-        if is_uprobe(definition):  # as the target resolves and parses it, with /bin/uprog's one function
-            text = definition if isinstance(definition, str) else definition.text
-            uev = parse_uprobe_event(resolve_uprobe_symbols(text, self.resolve_user_symbol), self.dialect)
+    def add_event(self, definition: str | Definition | ProbeEvent, callback: object = None) -> TraceEvent:
+        if isinstance(definition, str):
+            definition = parse_definition(definition)
+        if isinstance(definition, Definition) and definition.is_uprobe:  # as the target resolves and parses it
+            uev = parse_uprobe_event(resolve_uprobe_symbols(definition, self.resolve_user_symbol), self.dialect)
             assert isinstance(uev, UprobeEvent)
             ute = UprobeTraceEvent(self, uev, callback)  # type: ignore[arg-type]
             ute.make_probe()
@@ -107,7 +116,7 @@ class FakeTarget:
         self.events[te.name] = te
         return te
 
-    def add_events(self, definition: str, callback: object = None, filter: str | None = None) -> Wildcard:
+    def add_events(self, definition: str | Definition, callback: object = None, filter: str | None = None) -> Wildcard:
         raise ProbeError("the shell's fake target arms no wildcard events")
 
     def resolve_user_symbol(self, path: str, spec: str) -> int:

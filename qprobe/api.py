@@ -244,6 +244,17 @@ class Target:
     def records_lossy(self, on: bool) -> None:
         self.guest.records_lossy = on
 
+    @property
+    def records_buffer_size_kb(self) -> int:
+        """Each CPU's record ring, in KiB (ftrace's ``buffer_size_kb``): the burst of records a vCPU holds
+        before it waits (or, lossy, drops).  Set before the first recorded probe; the ring is the largest power
+        of two of entries that fits, the rings half the scratch area at most.  1024 (4096 records) by default."""
+        return self.guest.records_buffer_size_kb
+
+    @records_buffer_size_kb.setter
+    def records_buffer_size_kb(self, kb: int) -> None:
+        self.guest.records_buffer_size_kb = kb
+
     def record_waits(self) -> int:
         """Hits that found their CPU's record ring full and waited for the host to drain it."""
         return self.guest.record_waits()

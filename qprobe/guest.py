@@ -98,6 +98,19 @@ class Guest:
             return
         records.set_lossy(on)
 
+    @property
+    def records_buffer_size_kb(self) -> int:
+        """Each CPU's record ring in KiB: as laid out, or as it will be (0 without rings)."""
+        records = self.records
+        return records.size_kb if records is not None else 0
+
+    @records_buffer_size_kb.setter
+    def records_buffer_size_kb(self, kb: int) -> None:
+        records = self.records
+        if records is None:
+            raise TargetError("records go through guest rings only on qprobe's own QEMU (shared RAM)")
+        records.set_buffer_size_kb(kb)
+
     def record_waits(self) -> int:
         """Hits that found their CPU's record ring full and waited for the host to drain it."""
         records = self.records

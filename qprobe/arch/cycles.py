@@ -16,7 +16,7 @@ factories are handed the running kernel as a :class:`GuestKernel`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -47,6 +47,11 @@ class SchedClock(Protocol):
 
     def ns(self, cycles: int, cpu: int) -> int:
         """What ``sched_clock()`` returns on ``cpu`` when its read of the counter gives ``cycles``."""
+        ...
+
+    def ns_many(self, points: Sequence[tuple[int, int]]) -> list[int]:
+        """``ns`` of each (cycles, CPU), in order, the guest's state read once a CPU for them all (a run of
+        ring records, converted together)."""
         ...
 
 

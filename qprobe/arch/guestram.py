@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from qprobe.arch.inguest import GuestFilter, KeySpec, MapKey, MapSlot
 
@@ -85,9 +85,8 @@ class MailboxRequest:
     final_sp: int  # the context's sp
 
 
-@dataclass(frozen=True)
-class RingEntry:
-    """One record a detour wrote into its CPU's ring."""
+class RingEntry(NamedTuple):
+    """One record a detour wrote into its CPU's ring (a tuple: a drain makes one per record, thousands at a time)."""
 
     probe_id: int
     cpu: int
@@ -114,19 +113,18 @@ class GuestRam(Protocol):
     def mailbox_answer(self, changed: Mapping[str, int], final_ip: int, final_sp: int) -> list[tuple[int, bytes]]: ...
     def return_trampoline(self, address: int, stub: int) -> bytes: ...
 
-    # -- the record rings (qprobe.core.records)
+    # -- the record rings (qprobe.core.records): per CPU a header, then a power of two of entries
     ring_header_size: int
-    ring_entries: int
+    ring_entries: int  # entries per CPU unless the host asks for another power of two
     ring_entry_size: int
     ring_head: int  # offsets in a ring header: the guest's head, the host's tail,
     ring_tail: int
     ring_waits: int  # the guest's count of records that waited for a full ring to drain,
     ring_lossy: int  # the host's switch that drops them instead
-    ring_entry_read_size: int  # bytes of an entry parse_ring_entry needs
 
-    def build_record_stub(self, rings: int, ncpus: int, lost: int, percpu: PercpuLayout, pid_offset: int,
-                          comm_offset: int, port: int, address: int) -> bytes: ...  # fmt: skip
-    def parse_ring_entry(self, raw: bytes) -> RingEntry: ...
+    def build_record_stub(self, rings: int, ncpus: int, entries: int, lost: int, percpu: PercpuLayout,
+                          pid_offset: int, comm_offset: int, port: int, address: int) -> bytes: ...  # fmt: skip
+    def parse_ring_entries(self, raw: bytes) -> list[RingEntry]: ...  # consecutive entries, in order
 
     # -- a "keyed" detour's per-CPU tables (qprobe.core.optcounters)
     def guest_map_size(self, spec: KeySpec) -> int: ...  # one CPU's table, in bytes

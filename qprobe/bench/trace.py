@@ -7,6 +7,7 @@ Ctrl-C to a ``qprobe trace`` of the glob in its own.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import re
 import signal
@@ -14,9 +15,11 @@ import subprocess
 import sys
 import threading
 import time
+from typing import TextIO
 
 import qprobe
 from qprobe.bench.common import TRACEFS, _wait_for_optimizer
+from qprobe.cli.trace import LINES_GC_THRESHOLD
 from qprobe.errors import TargetError
 from qprobe.events import EventHit
 
@@ -37,16 +40,33 @@ def _trace_lines(target: qprobe.Target) -> list[tuple[str, str]]:
 
     reader = threading.Thread(target=consume, daemon=True)
     reader.start()
-    out = os.fdopen(write_end, "w", buffering=1)
+    # Written as qprobe trace writes: in blocks, flushed after each run of hits the timeline hands on,
+    # with its collector thresholds.
+    out = os.fdopen(write_end, "w")
+    target.timeline.flushers.append(out.flush)
+    gc_before = gc.get_threshold()
+    gc.set_threshold(*LINES_GC_THRESHOLD)
+    try:
+        rows = _trace_line_rows(target, cmd, out, lines)
+    finally:
+        gc.set_threshold(*gc_before)
+        target.timeline.flushers.remove(out.flush)
+    out.close()
+    reader.join(10)
+    return rows
+
+
+def _trace_line_rows(target: qprobe.Target, cmd: str, out: TextIO, lines: list[int]) -> list[tuple[str, str]]:
+    """_trace_lines' rows: the command traced with the rings waiting, then lossy; the guest's own."""
     rows: list[tuple[str, str]] = []
     for lossy in (False, True):
         target.records_lossy = lossy
         waits_before, start_lines = target.record_waits(), lines[0]
         by_pid: dict[int, int] = {}
 
-        def show(hit: EventHit, by_pid: dict[int, int] = by_pid) -> None:
+        def show(hit: EventHit, by_pid: dict[int, int] = by_pid) -> None:  # in the guest's order, as trace prints
             by_pid[hit.pid] = by_pid.get(hit.pid, 0) + 1
-            print(hit.line(), file=out)
+            target.timeline.push(hit.order, lambda: print(hit.line(), file=out))
 
         te = target.add_event("p:qpbench/rd ksys_read fd=%di:s32 count=%dx:u64", show)
         try:
@@ -65,12 +85,11 @@ def _trace_lines(target: qprobe.Target) -> list[tuple[str, str]]:
                      f"{delivered} lines ({mine} of the command's {TRACE_READS} reads, {te.lost} lost, "
                      f"{waits} waits) in {seconds:.2f} s: {delivered / seconds:,.0f} lines/s"))  # fmt: skip
     target.records_lossy = False
-    out.close()
-    reader.join(10)
     ring = target.arch.guest_ram
     assert ring is not None  # the records came through the rings
+    kb = target.records_buffer_size_kb
     rows.append(("largest burst held without waiting (record ring, per vCPU)",
-                 f"{ring.ring_entries} records ({ring.ring_entries * ring.ring_entry_size // 1024} KiB)"))  # fmt: skip
+                 f"{kb * 1024 // ring.ring_entry_size} records ({kb} KiB)"))  # fmt: skip
     # The guest's own: the same definition in its kprobe_events, its ftrace ring (buffer_size_kb per CPU).
     target.run(f"mountpoint -q {TRACEFS} || mount -t tracefs nodev {TRACEFS}; echo > {TRACEFS}/trace; "
                f"echo 'p:qpbench ksys_read fd=%di:s32 count=%dx:u64' > {TRACEFS}/kprobe_events && "

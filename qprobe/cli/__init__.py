@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lossy", action="store_true",
                    help="drop a hit's record when its CPU's ring is full and count it lost, as perf and bpftrace "
                    "do (default: the hitting vCPU waits for qprobe to drain the ring, so no line is lost)")  # fmt: skip
+    p.add_argument("--buffer-size-kb", type=_number(int, 1, 1 << 22), metavar="KB",
+                   help="each CPU's record ring, in KiB, as ftrace's buffer_size_kb (default 1024: 4096 records); "
+                   "the burst a vCPU holds before it waits for qprobe (or, with --lossy, drops)")  # fmt: skip
     p.add_argument("--format", metavar="PRINTF",
                    help="print each hit with bpftrace's printf arguments: '\"%%-16s %%d\\n\", $comm, count' "
                    "($comm $pid $cpu $event $func $ts $addr or argument names)")  # fmt: skip

@@ -76,15 +76,19 @@ class _Trace:
         guest shell reading the line that asks for its pid, are not); with --boot every hit, the boot's first."""
         if self.args.run and not getattr(self.args, "boot", False) and (self.tree is None or not self.tree.owns(hit)):
             return
-        with self.lock:
+        with self.lock:  # unflushed: the timeline flushes after each run of hits it hands on (``flush``)
             self.shown[hit.event] += 1
             if self.fmt is not None:
                 sys.stdout.write(self.fmt(hit.escaped() if self.tty else hit))
-                sys.stdout.flush()
             elif self.args.json:
-                print(json.dumps(hit.as_json()), flush=True)
+                sys.stdout.write(json.dumps(hit.as_json()) + "\n")
             else:
-                print((hit.escaped() if self.tty else hit).line(), flush=True)
+                sys.stdout.write((hit.escaped() if self.tty else hit).line() + "\n")
+
+    def flush(self) -> None:
+        """The lines shown so far out to stdout, in one write where they fit a buffer."""
+        with self.lock:
+            sys.stdout.flush()
 
     def owns(self, hit: EventHit) -> bool:
         """With --run, whether the map takes ``hit``: the command's hits only."""

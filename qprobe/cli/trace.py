@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import sys
 import threading
 from typing import TYPE_CHECKING
@@ -17,8 +18,14 @@ from .output import _summarize, _Trace
 
 if TYPE_CHECKING:
     from qprobe.api import Target
-    from qprobe.events import EventHit, TraceEvent
+    from qprobe.events import TraceEvent
     from qprobe.fetch import Definition, ProbeEvent
+
+
+# A hit is a few small objects that live until the timeline hands it on (a tenth of a second): at tens of
+# thousands of hits a second, collecting the youngest generation every 700 allocations took a third of the
+# host's time a line (the ring-fed harness of docs/performance.md).  Collections come less often, not never.
+LINES_GC_THRESHOLD = (20_000, 10, 10)
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -32,15 +39,18 @@ def cmd_trace(args: argparse.Namespace) -> int:
         _need_dwarf(args, "--run (which keeps the hits of the command's processes)")
     trace = _Trace(args)
     definitions = _check_definitions(args, trace)
+    gc.set_threshold(*LINES_GC_THRESHOLD)
     _say_booting(args)
     at_boot: list[TraceEvent] = []
 
     def arm_at_boot(target: Target) -> None:  # before the kernel's first instruction: stub breakpoints
+        _size_rings(target, args)  # the rings are laid out for the first probe optimized once booted
         at_boot.extend(_arm_traced(target, definitions, trace))  # the int3 path once booted, unless --anywhere
 
     with _boot(args, arm_at_boot if args.boot else None) as target:
         if args.lossy:
             target.records_lossy = True
+        _size_rings(target, args)
         events = at_boot if args.boot else _arm_traced(target, definitions, trace)
         trace.waits_before = target.record_waits()
         status = 0
@@ -49,6 +59,12 @@ def cmd_trace(args: argparse.Namespace) -> int:
         finally:
             _summarize(target, events, trace)
     return status
+
+
+def _size_rings(target: Target, args: argparse.Namespace) -> None:
+    """--buffer-size-kb, before the first recorded probe lays the rings out."""
+    if args.buffer_size_kb is not None:
+        target.records_buffer_size_kb = args.buffer_size_kb
 
 
 def _check_definitions(args: argparse.Namespace, trace: _Trace) -> list[str | Definition | ProbeEvent]:
@@ -79,10 +95,12 @@ def _arm_traced(target: Target, definitions: list[str | Definition | ProbeEvent]
     """Every definition's events, their hits printed in the guest's order of hits (or folded into the map);
     ``anywhere`` (else --anywhere) arms them with stub breakpoints."""
 
-    def in_order(hit: EventHit) -> None:  # whatever path a hit took, the timeline hands it on in order
-        target.timeline.push(hit.order, lambda: trace.show(hit))
+    from qprobe.events import InOrder
 
-    lines = in_order if trace.agg is None else None
+    # Whatever path a hit took, the timeline hands it on in the guest's order.
+    lines = InOrder(trace.show) if trace.agg is None else None
+    if lines is not None and trace.flush not in target.timeline.flushers:
+        target.timeline.flushers.append(trace.flush)
     flt = None if trace.cpid_filter else trace.filter
     definitions = _user_forms(target, definitions, trace.args.quiet)
     anywhere = trace.args.anywhere if anywhere is None else anywhere

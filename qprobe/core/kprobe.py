@@ -84,10 +84,10 @@ class Kprobe:
         self.nfaults = 0
         self.nlost = 0  # hits whose in-guest record was dropped on a full ring (also in nmissed)
         # An action that can run in the guest instead of pre_handler once the probe is jump-optimized:
-        # the detour records the registers into a per-CPU ring and this gets them (see
-        # qprobe.core.optimizer.detour_kind).  Set by kprobe_events definitions; pre_handler still runs
-        # on the int3 path, and must compute the same thing.
-        self.recorder: Callable[[GuestRecord], None] | None = None
+        # the detour records the registers into a per-CPU ring and this gets them, a run of records in
+        # the guest's order at a time (see qprobe.core.optimizer.detour_kind).  Set by kprobe_events
+        # definitions; pre_handler still runs on the int3 path, and must compute the same thing.
+        self.recorder: Callable[[list[GuestRecord]], None] | None = None
         # With a recorder: a filter the detour runs first (register compares, qprobe.arch.inguest); the hits
         # it rejects are counted in nhit and nfiltered and never recorded.
         self.guest_filter: GuestFilter | None = None
@@ -120,7 +120,7 @@ class Kprobe:
         return f"<Kprobe {self.where()} nhit={self.nhit} nmissed={self.nmissed}>"
 
 
-@dataclass
+@dataclass(slots=True)
 class GuestRecord:
     """One hit recorded by a detour in the guest, as the host drained it from a ring."""
 

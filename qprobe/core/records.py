@@ -3,13 +3,18 @@
 A recording detour calls the architecture's record stub, which snapshots
 the registers, the task and the TSC into its CPU's ring and returns: the hit
 wakes nobody.  The optimizer's collector thread drains the rings (RAM reads,
-no VM stop), oldest first across CPUs, and hands each record to its probes'
-recorders as a :class:`GuestRecord` through the one handler runner
-(qprobe.core.handlers).  The ring layout is the architecture's.
+no VM stop): each ring's new entries in one read and one bulk decode, all of
+them oldest first across CPUs, handed to their probes' recorders as runs of
+:class:`GuestRecord` (one call a run, not a record) through the one handler
+runner (qprobe.core.handlers).  The ring layout is the architecture's; its
+size per CPU (a power of two of entries) the host's choice, made when the
+rings are laid out (``buffer_size_kb``, as ftrace's file of that name).
 """
 
 from __future__ import annotations
 
+import logging
+import operator
 import time
 from collections.abc import Callable, Container, Mapping
 from typing import TYPE_CHECKING
@@ -18,6 +23,7 @@ from qprobe.arch import Arch, PercpuLayout, RingEntry
 from qprobe.core.kprobe import GuestRecord
 from qprobe.core.point import ProbePoint
 from qprobe.core.pools import page_round
+from qprobe.errors import QprobeError
 from qprobe.kernel.clock import cycles_hz
 from qprobe.vmm.memory import SharedRam
 
@@ -28,7 +34,11 @@ if TYPE_CHECKING:
     from qprobe.vmm.machine import Machine
     from qprobe.vmm.scratch import ScratchArea
 
+log = logging.getLogger("qprobe")
+
 RECORDING = ("record", "filtered")  # detour kinds that write the rings
+_CYCLES = operator.attrgetter("cycles")
+RINGS_SHARE = 2  # the rings take at most 1/RINGS_SHARE of the scratch area: code, counters and maps need the rest
 
 
 class RecordRings:
@@ -55,6 +65,8 @@ class RecordRings:
         self.retired = retired
         self.stub = 0
         self.rings = 0  # ring headers (ring_header_size per CPU), then the entries
+        self.buffer_size_kb: int | None = None  # asked for, per CPU (None: the architecture's ring_entries)
+        self.entries = 0  # per CPU, once laid out: a power of two
         self._tails: list[int] = []
         self.ring_errors = 0  # ring entries or heads that failed validation (a guest scribbling)
         self.late_records = 0  # records of a probe unoptimized while a vCPU was inside its record stub
@@ -77,8 +89,38 @@ class RecordRings:
             self.ram.read_u64_phys(self._header(cpu) + self.layouts.ring_waits) for cpu in range(len(self._tails))
         )
 
+    def set_buffer_size_kb(self, kb: int) -> None:
+        """Each CPU's ring about ``kb`` KiB (the largest power of two of entries that fits; ftrace's buffer_size_kb).
+
+        Only before the rings are laid out (the first recording probe): the record stub is built for their size.
+        """
+        if kb < 1:
+            raise QprobeError(f"a record ring of {kb} KiB: give at least 1")
+        if self.stub and self._entries_for(kb) != self.entries:
+            raise QprobeError(f"the record rings are laid out already ({self.size_kb} KiB per CPU): "
+                              "set their size before the first recorded probe")  # fmt: skip
+        self.buffer_size_kb = kb
+
+    @property
+    def size_kb(self) -> int:
+        """Each CPU's ring, in KiB: as laid out, else as it would be."""
+        entries = self.entries or self._entries_for(self.buffer_size_kb)
+        return entries * self.layouts.ring_entry_size // 1024
+
+    def _entries_for(self, kb: int | None) -> int:
+        """Entries per CPU for ``kb`` KiB asked (None: the default), within the scratch area's share for rings."""
+        layouts = self.layouts
+        wanted = layouts.ring_entries if kb is None else max(1, kb * 1024 // layouts.ring_entry_size)
+        entries = 1 << (wanted.bit_length() - 1)
+        ncpus = len(self.machine.vcpus)
+        while entries > 1 and ncpus * (layouts.ring_header_size + entries * layouts.ring_entry_size) > (
+            self.scratch.size // RINGS_SHARE
+        ):
+            entries //= 2
+        return entries
+
     def ensure(self, lost: int, percpu: PercpuLayout, zero: Callable[[int, int], None], port: int) -> int:
-        """The record stub's address; the rings and the stub on first use (64 KiB of scratch per CPU).
+        """The record stub's address; the rings (``buffer_size_kb`` per CPU) and the stub on first use.
 
         ``lost`` is the u64 array, by probe id, of records dropped on a full ring; ``port`` the doorbell's.
         """
@@ -86,8 +128,13 @@ class RecordRings:
             return self.stub
         scratch, layouts = self.scratch, self.layouts
         ncpus = len(self.machine.vcpus)
-        size = layouts.ring_header_size * ncpus + layouts.ring_entries * layouts.ring_entry_size * ncpus
+        entries = self._entries_for(self.buffer_size_kb)
+        if self.buffer_size_kb is not None and entries * layouts.ring_entry_size < self.buffer_size_kb * 1024 // 2:
+            log.warning("record rings: %d KiB per CPU asked, %d KiB laid out (the scratch area holds %d MiB)",
+                        self.buffer_size_kb, entries * layouts.ring_entry_size // 1024, scratch.size >> 20)  # fmt: skip
+        size = layouts.ring_header_size * ncpus + entries * layouts.ring_entry_size * ncpus
         self.rings = scratch.alloc(page_round(size), align=4096)  # written by the guest: apart from code
+        self.entries = entries
         zero(self.rings, size)
         self._tails = [0] * ncpus
         if self.lossy:
@@ -95,7 +142,7 @@ class RecordRings:
         _cur, pid_off, _tgid, comm_off = self.kernel.offsets
 
         def code(at: int) -> bytes:
-            return layouts.build_record_stub(self.rings, ncpus, lost, percpu, pid_off, comm_off, port, at)
+            return layouts.build_record_stub(self.rings, ncpus, entries, lost, percpu, pid_off, comm_off, port, at)
 
         stub = scratch.alloc(len(code(scratch.base)), align=64)
         scratch.write(stub, code(stub))
@@ -113,60 +160,88 @@ class RecordRings:
         """
         if not self.stub:
             return
-        batch: list[tuple[ProbePoint, RingEntry]] = []
+        batch: list[RingEntry] = []
+        points: dict[int, ProbePoint] = {}  # the recording points the batch's probe ids name
         for cpu in range(len(self._tails)):
-            batch += self._read_ring(cpu)
+            batch += self._read_ring(cpu, points)
         if batch:
-            self._deliver(batch)
+            self._deliver(batch, points)
 
-    def _read_ring(self, cpu: int) -> list[tuple[ProbePoint, RingEntry]]:
-        """The valid entries of ``cpu``'s ring since the last drain; the ring's tail moves past them all."""
-        ram, scratch, layouts = self.ram, self.scratch, self.layouts
-        ncpus = len(self._tails)
+    def _read_ring(self, cpu: int, points: dict[int, ProbePoint]) -> list[RingEntry]:
+        """The valid entries of ``cpu``'s ring since the last drain, their points added to ``points``; the
+        ring's tail moves past them all.
+
+        The new entries are read in one go (two where they wrap) and decoded together.
+        """
+        ram, layouts, entries = self.ram, self.layouts, self.entries
         hdr = self._header(cpu)
         head, tail = ram.read_u64_phys(hdr + layouts.ring_head), self._tails[cpu]
         if head == tail:
             return []
         out = []
-        if not 0 < head - tail <= layouts.ring_entries:
+        if not 0 < head - tail <= entries:
             self.ring_errors += 1
         else:
-            base = scratch.phys_of(self.rings + layouts.ring_header_size * ncpus
-                                   + cpu * layouts.ring_entries * layouts.ring_entry_size)  # fmt: skip
-            for seq in range(tail, head):
-                raw = ram.read_phys(base + (seq % layouts.ring_entries) * layouts.ring_entry_size,
-                                    layouts.ring_entry_read_size)  # fmt: skip
-                entry = layouts.parse_ring_entry(raw)
-                point = self.by_id.get(entry.probe_id)
-                if point is None and entry.probe_id in self.retired:
-                    self.late_records += 1
-                    continue
-                if point is None or point.opt is None or point.opt.kind not in RECORDING or entry.cpu != cpu:
+            size, count, first = layouts.ring_entry_size, head - tail, tail % entries
+            base = self.scratch.phys_of(self.rings + layouts.ring_header_size * len(self._tails)
+                                        + cpu * entries * size)  # fmt: skip
+            upto_end = min(count, entries - first)
+            raw = ram.read_phys(base + first * size, upto_end * size)
+            if upto_end < count:
+                raw += ram.read_phys(base, (count - upto_end) * size)
+            by_id, retired = self.by_id, self.retired
+            for entry in layouts.parse_ring_entries(raw):
+                probe_id = entry.probe_id
+                if probe_id not in points:  # each id checked once a drain
+                    point = by_id.get(probe_id)
+                    if point is None and probe_id in retired:
+                        self.late_records += 1
+                        continue
+                    if point is None or point.opt is None or point.opt.kind not in RECORDING:
+                        self.ring_errors += 1
+                        continue
+                    points[probe_id] = point
+                if entry.cpu != cpu:
                     self.ring_errors += 1
                     continue
-                out.append((point, entry))
+                out.append(entry)
         self._tails[cpu] = head
         ram.write_u64_phys(hdr + layouts.ring_tail, head)
         return out
 
-    def _deliver(self, batch: list[tuple[ProbePoint, RingEntry]]) -> None:
-        """Each record, in cycle-counter order, to the recorders of its point's enabled probes."""
-        batch.sort(key=lambda b: b[1].cycles)
+    def _deliver(self, batch: list[RingEntry], points: Mapping[int, ProbePoint]) -> None:
+        """Every record, in cycle-counter order, to the recorders of its point's enabled probes: each run of
+        records of one point in one call."""
+        batch.sort(key=_CYCLES)
         now = time.monotonic()
-        if self._host_offset is None or not self._cycles_hz:
-            self._host_offset = now - batch[-1][1].cycles / self._cycles_hz if self._cycles_hz else 0.0
+        hz = self._cycles_hz
+        if self._host_offset is None or not hz:
+            self._host_offset = now - batch[-1].cycles / hz if hz else 0.0
+        offset = self._host_offset
         layout = self.arch.registers
         ip = layout.gdb_name[layout.ip]
-        for point, entry in batch:
-            values = {**entry.values, ip: point.addr, "cycles": entry.cycles}
-            when = min(now, entry.cycles / self._cycles_hz + self._host_offset) if self._cycles_hz else now
-            rec = GuestRecord(values, entry.cpu, entry.pid, entry.comm, entry.task, when)
-            for kp in point.probes:
-                if kp.disabled:
-                    continue
-                kp.nhit += 1
-                if kp.recorder is not None:
-                    self.handlers.call(kp, "recorder", kp.recorder, rec)
+        run: list[GuestRecord] = []
+        run_point = points[batch[0].probe_id]
+        for entry in batch:
+            point = points[entry.probe_id]
+            values = entry.values  # the entry's own dict, made for it by the decode
+            values[ip] = point.addr
+            cycles = values["cycles"] = entry.cycles
+            when = min(now, cycles / hz + offset) if hz else now
+            if point is not run_point:
+                self._hand(run_point, run)
+                run_point, run = point, []
+            run.append(GuestRecord(values, entry.cpu, entry.pid, entry.comm, entry.task, when))
+        self._hand(run_point, run)
+
+    def _hand(self, point: ProbePoint, records: list[GuestRecord]) -> None:
+        """A run of ``point``'s records to its enabled probes' recorders."""
+        for kp in point.probes:
+            if kp.disabled:
+                continue
+            kp.nhit += len(records)
+            if kp.recorder is not None:
+                self.handlers.call(kp, "recorder", kp.recorder, records)
 
 
 __all__ = ["RECORDING", "RecordRings"]

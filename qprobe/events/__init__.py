@@ -24,7 +24,7 @@ The package, top to bottom:
 """
 
 from qprobe.events.define import MAX_WILDCARD, EventRegistry, Wildcard, add_event, add_events, remove_events
-from qprobe.events.event import TraceEvent, event_filter
+from qprobe.events.event import InOrder, TraceEvent, event_filter
 from qprobe.events.hit import EventHit
 from qprobe.events.inguest import guest_filter, guest_key, in_guest
 from qprobe.events.kprobe import KprobeBackend, KprobeEvent, entry_args
@@ -33,6 +33,7 @@ __all__ = [
     "MAX_WILDCARD",
     "EventHit",
     "EventRegistry",
+    "InOrder",
     "KprobeBackend",
     "KprobeEvent",
     "TraceEvent",

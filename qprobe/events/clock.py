@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from qprobe.events.timeline import CycleOrder, Timeline
@@ -72,6 +73,20 @@ class HitClock:
                 return self.trace_clock.ns(cycles, regs.vcpu) / NSEC_PER_SEC, cycles / self._cycles_hz
         host = time.monotonic() - self.t0
         return host, host
+
+    def record_times(self, records: Sequence[tuple[int, int]]) -> list[tuple[float, float]]:
+        """``hit_time`` of each ring record (its cycle counter value as the detour read it, its vCPU's
+        number), in order, no pt_regs made and the guest's clock state read once for the run."""
+        if not self._guest:
+            host = time.monotonic() - self.t0
+            return [(host, host)] * len(records)
+        exact = self._order.exact
+        points = [(exact(cycles, vcpu, at_once=False), vcpu) for cycles, vcpu in records]
+        hz = self._cycles_hz
+        return [
+            (ns / NSEC_PER_SEC, cycles / hz)
+            for ns, (cycles, _) in zip(self.trace_clock.ns_many(points), points, strict=True)
+        ]
 
 
 __all__ = ["HitClock"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from qprobe.errors import QprobeError
@@ -10,6 +10,8 @@ from qprobe.fetch import MemoryFault, SymbolInfo
 from qprobe.fetch.context import U64_MASK
 
 if TYPE_CHECKING:
+    from qprobe.arch import RegisterLayout
+    from qprobe.core.kprobe import GuestRecord
     from qprobe.core.regs import PtRegs
     from qprobe.events.registry import EventHost
 
@@ -72,6 +74,70 @@ class HostContext:
         return f"{info.name}+{info.offset:#x}/{info.size:#x}" if info else f"{addr:#x}"
 
 
+class RecordContext:
+    """The FetchContext of a ring record: its registers as the detour saved them, read without a pt_regs.
+
+    A definition recorded in the guest reads registers only; anything else (memory, the stack) goes
+    through the HostContext of the record's pt_regs, made the first time it is asked for.
+    """
+
+    def __init__(self, host: EventHost, rec: GuestRecord, layout: RegisterLayout, ip: int, syscall_nr: int,
+                 task_size_max: int, make_regs: Callable[[Mapping[str, int], int], PtRegs]) -> None:  # fmt: skip
+        self.host = host
+        self.rec = rec
+        self._layout = layout
+        self._ip = ip
+        self.syscall_nr = syscall_nr  # RegisterLayout.syscall_nr's field, as the kind's handler's pt_regs hold it
+        self.task_size_max = task_size_max
+        self._make_regs = make_regs
+        self._full: HostContext | None = None
+
+    def _host(self) -> HostContext:
+        if self._full is None:
+            regs = self._make_regs(self.rec.values, self.rec.cpu)
+            self._full = HostContext(self.host, regs, None, self.rec.comm, ip=self._ip)
+            self._full.syscall_nr = self.syscall_nr
+        return self._full
+
+    def reg(self, name: str) -> int:
+        if name == self._layout.syscall_nr:
+            return self.syscall_nr
+        if name == "ip":
+            return self._ip
+        value = self.rec.values.get(self._layout.gdb_name.get(name, ""))
+        if value is None:
+            value = self._layout.defaults.get(name)
+        return self._host().reg(name) if value is None else value
+
+    def read(self, addr: int, size: int) -> bytes:
+        return self._host().read(addr, size)
+
+    def read_user(self, addr: int, size: int) -> bytes:
+        return self._host().read_user(addr, size)
+
+    def stack(self, n: int) -> int:
+        return self._host().stack(n)
+
+    def stack_pointer(self) -> int:
+        return self.reg(self._layout.sp)
+
+    def retval(self) -> int:
+        return self._host().retval()
+
+    def comm(self) -> str:
+        return self.rec.comm
+
+    def arg(self, n: int) -> int:
+        args = self._layout.arg_regs
+        return self.reg(args[n - 1]) if 0 < n <= len(args) else self._host().arg(n)
+
+    def symbol_address(self, name: str) -> int:
+        return self.host.symbols.address(name)
+
+    def symbolize(self, addr: int) -> str:
+        return self._host().symbolize(addr)
+
+
 def symbol_lookup(host: EventHost) -> Callable[[int], SymbolInfo | None]:
     def lookup(addr: int) -> SymbolInfo | None:
         sym = host.symbols.containing(addr)
@@ -80,4 +146,4 @@ def symbol_lookup(host: EventHost) -> Callable[[int], SymbolInfo | None]:
     return lookup
 
 
-__all__ = ["HostContext", "symbol_lookup"]
+__all__ = ["HostContext", "RecordContext", "symbol_lookup"]

@@ -194,22 +194,44 @@ class TraceEvent:
             body=body, irqs_off=not regs.flags & host.arch.registers.irq_flag, numbers=self.numbers,
             strings=self.strings,
         )  # fmt: skip
+        self._emit(hit)
+
+    def _emit(self, hit: EventHit) -> None:
+        """A hit made: filtered, counted, kept in the guest's order, and handed to the callback."""
         if self.filter is not None and not self.filter(
             {**hit.args, "common_pid": hit.pid, "pid": hit.pid, "comm": hit.comm, "cpu": hit.cpu}
         ):
             self.host_filtered += 1
             return
         self.nhit += 1
-        host.timeline.push(hit.order, lambda: self._keep(hit), hit)  # its time, as the guest's clock prints
-        if self.callback is not None:
-            self.callback(hit)  # at the hit, like a kernel handler; printers order through the timeline
+        # Kept in ``hits`` in the guest's order of hits across every event; its time as the guest's clock prints.
+        self.host.timeline.push(hit.order, functools.partial(_keep, self, hit), hit)
+        callback = self.callback
+        if callback is not None and not isinstance(callback, InOrder):
+            callback(hit)  # at the hit, like a kernel handler; an InOrder one once the timeline lets it go
 
-    def _keep(self, hit: EventHit) -> None:
-        """Keep ``hit`` in ``hits``, in the guest's order of hits across every event (qprobe.events.timeline)."""
-        if len(self.hits) >= self.keep:
-            self.hits.popleft()
-            self.evicted += 1
-        self.hits.append(hit)
+
+@dataclass(frozen=True)
+class InOrder:
+    """A callback that takes each hit once the timeline lets it go, in the guest's order of hits across every
+    event, rather than at the hit: a printer's (``add_event(definition, InOrder(print_line))``).  What it
+    raises is reported and counted as a timeline's callback's is; the hits after it still go out."""
+
+    fn: Callable[[EventHit], None]
+
+    def __call__(self, hit: EventHit) -> None:
+        self.fn(hit)
+
+
+def _keep(te: TraceEvent, hit: EventHit) -> None:
+    """``hit`` in ``te.hits``, older ones falling out (a partial of this, not a closure: fewer objects a hit),
+    and to an InOrder callback: the timeline's turn for the hit, taken once for both."""
+    if len(te.hits) >= te.keep:
+        te.hits.popleft()
+        te.evicted += 1
+    te.hits.append(hit)
+    if isinstance(te.callback, InOrder):
+        te.callback(hit)
 
 
 def event_filter(ev: ProbeEvent | UprobeEvent, text: str) -> EventFilter:
@@ -218,4 +240,4 @@ def event_filter(ev: ProbeEvent | UprobeEvent, text: str) -> EventFilter:
                        strings={a.name for a in ev.args if a.type.string})  # fmt: skip
 
 
-__all__ = ["ProbeBackend", "TraceEvent", "event_filter"]
+__all__ = ["InOrder", "ProbeBackend", "TraceEvent", "event_filter"]

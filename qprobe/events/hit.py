@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from qprobe.fetch import terminal_safe
 
 
-@dataclass
+@dataclass(slots=True)  # thousands a second from the rings: no __dict__ each
 class EventHit:
     """One hit of an event, with its arguments formatted as ftrace does."""
 

@@ -14,12 +14,16 @@ from typing import TYPE_CHECKING, Protocol
 
 from qprobe.core.kprobe import Kprobe, Kretprobe, KretprobeInstance
 from qprobe.errors import QprobeError
-from qprobe.events.context import HostContext
+from qprobe.events.context import HostContext, RecordContext, symbol_lookup
 from qprobe.events.event import TraceEvent
+from qprobe.events.hit import EventHit
 from qprobe.events.inguest import guest_filter, guest_key, in_guest
+from qprobe.events.recordfmt import arg_text
 from qprobe.events.registry import EventHost
+from qprobe.fetch import print_ip_sym
 from qprobe.fetch.context import U64_MASK
 from qprobe.fetch.expr import Arg, Deref
+from qprobe.fetch.record import record_length
 
 if TYPE_CHECKING:
     from qprobe.arch.inguest import KeySpec, MapKey, MapSlot
@@ -150,7 +154,7 @@ class KprobeEvent(TraceEvent):
         self.in_guest = False
         if in_guest(ev, layout) and not self.anywhere:  # a stub breakpoint is never jump-optimized
             self.in_guest = True
-            kp.recorder = self._guest_record
+            kp.recorder = self._guest_records
             if self.filter is not None:
                 # Rejected in the detour, before the ring; the host filter still runs (the int3 path).
                 kp.guest_filter = guest_filter(ev, self.filter, layout)
@@ -210,7 +214,7 @@ class KprobeEvent(TraceEvent):
 
     def use_host_handler(self, on: bool) -> None:
         if isinstance(self.probe, Kprobe) and self.in_guest:
-            self.probe.recorder = None if on else self._guest_record
+            self.probe.recorder = None if on else self._guest_records
             self.backend.resync(self.probe)
 
     def count_in_guest(self, keys: Sequence[str], value: str | None = None, hist: bool = False) -> bool:
@@ -276,11 +280,58 @@ class KprobeEvent(TraceEvent):
             out[key] = slot if old is None else old.merge(slot)
         return out
 
-    def _guest_record(self, rec: GuestRecord) -> None:
-        """The same hit, recorded in the guest by an optimized probe's detour and drained from its ring."""
-        regs = self.backend.make_regs(rec.values, rec.cpu)
+    def _guest_records(self, records: list[GuestRecord]) -> None:
+        """The same hits, recorded in the guest by an optimized probe's detour: a run drained from its ring.
+
+        The line ``_record`` would make for each, from what the run shares found once (the probe's
+        symbol and place, how each argument reads a record) and each record's registers read where they are.
+        A hit whose record the guest's ring buffer would refuse leaves no line, as in ``_record``: a
+        definition without strings has one length for every hit; one with strings is measured a hit,
+        its values evaluated as ``_record`` evaluates them.
+        """
         assert isinstance(self.probe, Kprobe)
-        self._record(regs, self.probe.at, None, None, task=(rec.pid, rec.comm))
+        host, ev, ip = self.host, self.definition, self.probe.at
+        limit = host.kernel.event_length_limit()
+        measured = limit is not None and any(a.type.string for a in ev.args)
+        if limit is not None and not measured and record_length(ev, [0] * len(ev.args)) > limit:
+            self.oversized += len(records)
+            return
+        layout = host.arch.registers
+        symbol = self._symbolize(ip)
+        head = f"({print_ip_sym(ip, symbol_lookup(host), True, self._return_trampoline())})"
+        fetch_ip, syscall_nr, task_size_max = (
+            self._fetch_ip(ip, None),
+            self._syscall_nr(None),
+            host.mem.paging.task_size_max(),
+        )
+        make_regs = self.backend.make_regs
+
+        def context(rec: GuestRecord) -> RecordContext:
+            return RecordContext(host, rec, layout, fetch_ip, syscall_nr, task_size_max, make_regs)
+
+        if measured:  # the kept records and their arguments' texts, from the values their length was taken of
+            kept, texts_each = [], []
+            for rec in records:
+                values = ev.evaluate(context(rec))
+                if limit is not None and record_length(ev, values) > limit:
+                    self.oversized += 1
+                    continue
+                kept.append(rec)
+                texts_each.append([a.format_value(v) for a, v in zip(ev.args, values, strict=True)])
+        else:
+            texts_of = [arg_text(a, layout, context) for a in ev.args]
+            kept, texts_each = records, [[text(rec) for text in texts_of] for rec in records]
+        names = [a.name for a in ev.args]
+        labels = [f" {n}=" for n in names]
+        flags, irq_flag = layout.gdb_name[layout.flags], layout.irq_flag
+        numbers, strings, event = self.numbers, self.strings, ev.event
+        times = host.clock.record_times([(rec.values["cycles"], rec.cpu) for rec in kept])
+        with host.timeline.batch():  # one hand-on for the run, its callbacks' pushes included
+            for rec, texts, (ts, order) in zip(kept, texts_each, times, strict=True):
+                args = dict(zip(names, texts, strict=True))
+                body = head + "".join([label + t for label, t in zip(labels, texts, strict=True)])
+                self._emit(EventHit(event, rec.cpu, rec.pid, rec.comm, ts, ip, symbol, args, body,
+                                    not rec.values[flags] & irq_flag, None, numbers, strings, order))  # fmt: skip
 
     def _kretprobe_entry(self, ri: KretprobeInstance, regs: PtRegs) -> int:
         """``store_trace_entry_data``: the arguments a return probe's ``$argN`` fetch, saved at the entry."""

@@ -18,7 +18,7 @@ tables but through its backend.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -63,6 +63,7 @@ class HitTimes(Protocol):
     """When a hit happened (qprobe.events.clock.HitClock)."""
 
     def hit_time(self, regs: PtRegs, recorded: bool = False) -> tuple[float, float]: ...
+    def record_times(self, records: Sequence[tuple[int, int]]) -> list[tuple[float, float]]: ...  # (cycles, vCPU) each
 
 
 class ModuleWatch(Protocol):

@@ -11,12 +11,13 @@ on everything at once, when the caller knows all paths are drained.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from qprobe.core.errorlog import ErrorLog
@@ -65,11 +66,15 @@ class Stamped(Protocol):
     ts: float
 
 
+# A held hit: (guest time, arrival number, host time held since, what hands it on, the hit whose time it prints).
+_Held = tuple[float, int, float, Callable[[], None], Stamped | None]
+
+
 class Timeline:
     """A reorder buffer keyed by guest time; ``deliver`` callables run in that order, one at a time."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, float, Callable[[], None], Stamped | None]] = []
+        self._heap: list[_Held] = []
         self._seq = itertools.count()
         self._newest = float("-inf")
         self._lock = threading.Lock()  # the heap
@@ -84,17 +89,50 @@ class Timeline:
         # where the CPUs' own clocks (a tick apart at most) disagree.  Set by whoever knows the clock.
         self.monotone = False
         self._last_stamp = float("-inf")
+        # Threads inside batch(): their pushes are only queued, and handed on once, when the batch ends.
+        self._batching = threading.local()
+        # Run after each run of hand-ons (a printer's flush: its lines go out in blocks, not a write each).
+        self.flushers: list[Callable[[], None]] = []
 
     def push(self, ts: float, deliver: Callable[[], None], stamped: Stamped | None = None) -> None:
         """Hold ``deliver`` (a hit at guest time ``ts``) until its turn; ``stamped``: the hit, whose time it prints."""
+        pending: list[_Held] | None = getattr(self._batching, "pending", None)
+        if pending is not None:  # held since the batch began
+            pending.append((ts, next(self._seq), self._batching.since, deliver, stamped))
+            return
         with self._lock:
             heapq.heappush(self._heap, (ts, next(self._seq), time.monotonic(), deliver, stamped))
             self._newest = max(self._newest, ts)
-            if self._thread is None and not self._closed:
-                self._thread = threading.Thread(target=self._tick, name="qprobe-timeline", daemon=True)
-                self._thread.start()
-            self._wake.notify()
+            self._start_ticking()
         self._release(all_=False)
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """This thread's pushes meanwhile (a ring's records and their callbacks' own) are held together and
+        taken in at the end under one lock, then handed on once: the order the same, microseconds a hit saved."""
+        if getattr(self._batching, "pending", None) is not None:
+            yield
+            return
+        pending: list[_Held] = []
+        self._batching.pending, self._batching.since = pending, time.monotonic()
+        try:
+            yield
+        finally:
+            self._batching.pending = None
+            if pending:
+                with self._lock:
+                    for held in pending:
+                        heapq.heappush(self._heap, held)
+                    self._newest = max(self._newest, max(held[0] for held in pending))
+                    self._start_ticking()
+                self._release(all_=False)
+
+    def _start_ticking(self) -> None:
+        """With the lock held: the thread that releases held hits (started on the first push) looks again."""
+        if self._thread is None and not self._closed:
+            self._thread = threading.Thread(target=self._tick, name="qprobe-timeline", daemon=True)
+            self._thread.start()
+        self._wake.notify()
 
     def flush(self) -> None:
         """Hand on every held hit now."""
@@ -108,25 +146,37 @@ class Timeline:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(1.0)
 
-    def _due(self, all_: bool) -> Callable[[], None] | None:
+    def _due(self, all_: bool) -> list[Callable[[], None]]:
+        """Every held hit whose turn has come, in order, taken off the heap under one lock."""
+        out: list[Callable[[], None]] = []
         with self._lock:
-            if not self._heap:
-                return None
-            ts, _, held_since, deliver, stamped = self._heap[0]
-            if all_ or ts <= self._newest - WINDOW or time.monotonic() - held_since >= HOLD:
-                heapq.heappop(self._heap)
+            heap, now = self._heap, time.monotonic()
+            upto = self._newest - WINDOW
+            while heap:
+                ts, _, held_since, deliver, stamped = heap[0]
+                if not (all_ or ts <= upto or now - held_since >= HOLD):
+                    break
+                heapq.heappop(heap)
                 if stamped is not None and self.monotone:
                     stamped.ts = self._last_stamp = max(stamped.ts, self._last_stamp)
-                return deliver
-            return None
+                out.append(deliver)
+        return out
 
     def _release(self, all_: bool) -> None:
         with self._delivering:
-            while (deliver := self._due(all_)) is not None:
+            delivered = False
+            while due := self._due(all_):
+                delivered = True
+                for deliver in due:
+                    try:
+                        deliver()
+                    except Exception as exc:  # a user's callback: reported, and the hits after it still go out
+                        self.errors.add(f"event callback failed: {type(exc).__name__}: {exc}")
+            for flush in self.flushers if delivered else ():
                 try:
-                    deliver()
-                except Exception as exc:  # a user's callback: reported, and the hits after it still go out
-                    self.errors.add(f"event callback failed: {type(exc).__name__}: {exc}")
+                    flush()
+                except Exception as exc:  # a printer's (a closed pipe): reported as a callback's is
+                    self.errors.add(f"event output failed: {type(exc).__name__}: {exc}")
 
     def _tick(self) -> None:
         while True:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import drgn
@@ -124,8 +124,8 @@ class TraceClock:
             self.name = "local"  # !CONFIG_HAVE_UNSTABLE_SCHED_CLOCK: sched_clock_cpu() is sched_clock()
         return None
 
-    def _cpu_clock(self, sched_ns: int, cpu: int) -> int:
-        """sched_clock_cpu(cpu) at the moment sched_clock() read ``sched_ns`` (kernel/sched/clock.c)."""
+    def _cpu_offset(self, cpu: int) -> int:
+        """What sched_clock_cpu(cpu) adds to sched_clock() now (kernel/sched/clock.c), mod 2**64."""
         mem = self.kernel.mem
 
         def u64(addr: int) -> int:
@@ -133,7 +133,7 @@ class TraceClock:
 
         stable, sched_offset, gtod_offset = self._addrs
         if int.from_bytes(mem.read(stable, 4), "little"):
-            return (sched_ns + u64(sched_offset)) & U64
+            return u64(sched_offset)
         assert self._scd is not None
         base, raw_off, gtod_off = self._scd
         scd, lo = base + self._percpu[cpu], min(raw_off, gtod_off)
@@ -154,26 +154,37 @@ class TraceClock:
         # then negative, which the kernel's clamp never sees and which keeps the sum right.  The clamp's
         # ceiling (that tick's time of day plus one tick, where the clock stands while a tick is late)
         # is not computed: the tick it rests on has been replaced by the time the host reads it.
-        return (tick_gtod + u64(gtod_offset) + sched_ns - tick_raw) & U64
+        return (tick_gtod + u64(gtod_offset) - tick_raw) & U64
 
     def ns(self, cycles: int, cpu: int) -> int:
         """Nanoseconds on the guest's trace clock for the cycle counter value ``cycles`` read on ``cpu``."""
+        return self.ns_many([(cycles, cpu)])[0]
+
+    def ns_many(self, points: Sequence[tuple[int, int]]) -> list[int]:
+        """``ns`` of each (cycles, CPU), in order, what the guest's clock keeps in its memory read once a CPU
+        for them all (a run of ring records): it is read after the hits either way, a few ms later."""
         assert self._sched is not None  # converting only once unavailable() said the clock can be computed
-        sched_ns = self._sched.ns(cycles, cpu)
+        out = self._sched.ns_many(points)
         if self.name == "local":
-            return sched_ns
-        value = self._cpu_clock(sched_ns, cpu)
+            return out
+        offsets: dict[int, int] = {}
+        for i, (_cycles, cpu) in enumerate(points):
+            offset = offsets.get(cpu)
+            if offset is None:
+                offset = offsets[cpu] = self._cpu_offset(cpu)
+            out[i] = (out[i] + offset) & U64
         # sched_clock_local() never goes back on a CPU (its clamp to scd->clock) and trace_clock_global()
         # never goes back at all (its prev_time), though the tick they start from moves under the host's
         # conversions: neither do these, for a later counter value.
-        key = -1 if self.name == "global" else cpu
         with self._lock:
-            last = self._last.get(key)
-            if last is not None and cycles >= last[0]:
-                value = max(value, last[1])
-            if last is None or cycles >= last[0]:
-                self._last[key] = (cycles, value)
-        return value
+            for i, (cycles, cpu) in enumerate(points):
+                key = -1 if self.name == "global" else cpu
+                last = self._last.get(key)
+                if last is not None and cycles >= last[0]:
+                    out[i] = max(out[i], last[1])
+                if last is None or cycles >= last[0]:
+                    self._last[key] = (cycles, out[i])
+        return out
 
 
 class StopClock:

@@ -164,3 +164,54 @@ def test_trace_reports_the_hits_that_waited_during_its_own_run(capsys: pytest.Ca
     trace.waits_before = target.record_waits()  # as trace() takes it once the events are armed
     _summarize(target, [], trace)  # type: ignore[arg-type]
     assert capsys.readouterr().out == "# records: waited=10\n"
+
+
+def test_trace_lines_go_out_in_blocks_flushed_after_each_run_the_timeline_hands_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A line a hit is written but not flushed (a write each was a system call a line); the timeline's flush
+    after the run it handed on sends them together, so a pipe sees them at once all the same."""
+    import io
+
+    from qprobe.cli.output import _Trace
+    from qprobe.events import EventHit
+    from qprobe.events.timeline import Timeline
+
+    class Out(io.StringIO):
+        flushed: list[str] = []
+
+        def flush(self) -> None:
+            self.flushed.append(self.getvalue())
+
+    out = Out()
+    monkeypatch.setattr("sys.stdout", out)
+    trace = _Trace(cli.build_parser().parse_args(["trace", "p:rd vfs_read"]))
+    tl = Timeline()
+    tl.flushers.append(trace.flush)
+    hits = [EventHit("rd", 0, 7, "cat", ts, 0x1000, "vfs_read+0x0", {}, "(vfs_read+0x0/0x10)") for ts in (1, 1.01, 5)]
+    with tl.batch():
+        for hit in hits:
+            tl.push(hit.ts, lambda hit=hit: trace.show(hit))  # type: ignore[misc]
+    lines = [hit.line() + "\n" for hit in hits]
+    assert out.flushed == ["".join(lines[:2])]  # the two a window older than the last, in one flush
+    tl.flush()
+    assert out.flushed == ["".join(lines[:2]), "".join(lines)]
+    tl.close()
+
+
+def test_trace_buffer_size_kb_sizes_the_rings_before_anything_is_armed(capsys: pytest.CaptureFixture[str]) -> None:
+    """--buffer-size-kb is each CPU's ring in KiB, as ftrace's buffer_size_kb; at least 1, and left alone unless
+    given (the rings' own default then)."""
+    from types import SimpleNamespace
+
+    from qprobe.cli.trace import _size_rings
+
+    parser = cli.build_parser()
+    target = SimpleNamespace(records_buffer_size_kb=0)
+    _size_rings(target, parser.parse_args(["trace", "--buffer-size-kb", "2048", "p:rd vfs_read"]))  # type: ignore[arg-type]
+    assert target.records_buffer_size_kb == 2048
+    _size_rings(target, parser.parse_args(["trace", "p:rd vfs_read"]))  # type: ignore[arg-type]
+    assert target.records_buffer_size_kb == 2048
+    with pytest.raises(SystemExit):
+        parser.parse_args(["trace", "--buffer-size-kb", "0", "p:rd vfs_read"])
+    assert "outside 1.." in capsys.readouterr().err

@@ -118,3 +118,25 @@ def test_printed_times_are_left_alone_under_a_per_cpu_clock() -> None:
     tl.flush()
     assert late.ts == 5.0740
     tl.close()
+
+
+def test_a_batch_holds_its_pushes_and_hands_them_on_in_order_at_its_end() -> None:
+    """Inside batch() nothing goes out (not even a hit a window old), pushes nested in it included; at its end
+    they go out in guest-time order, as single pushes would, and the flushers run once after them."""
+    out: list[str] = []
+    flushes: list[int] = []
+    tl = Timeline()
+    tl.flushers.append(lambda: flushes.append(len(out)))
+    with tl.batch():
+        tl.push(2.0, lambda: out.append("b"))
+        with tl.batch():
+            tl.push(1.0, lambda: out.append("a"))
+        tl.push(2.0 + WINDOW + 1.0, lambda: out.append("c"))
+        assert out == [] and flushes == []
+    assert out == ["a", "b"] and flushes == [2]
+    with tl.batch():
+        pass
+    assert flushes == [2]  # nothing handed on: no flush
+    tl.flush()
+    assert out == ["a", "b", "c"] and flushes == [2, 3]
+    tl.close()

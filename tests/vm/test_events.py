@@ -258,7 +258,7 @@ def test_register_only_event_is_recorded_in_the_guest_as_the_stop_path_would(
 
 def test_a_guest_scribbling_over_the_rings_gives_counted_errors(target: qprobe.Target, guard: dict[int, bytes]) -> None:
     """Ring heads and entries are checked before use: garbage is counted and skipped, never trusted."""
-    from qprobe.arch.x86_64.detour import ENTRY_SIZE, R_HEAD, RING_ENTRIES, RING_HEADER
+    from qprobe.arch.x86_64.detour import ENTRY_SIZE, R_HEAD, RING_HEADER
 
     opt = target.kprobes.optimizer
     assert opt is not None and opt.ram is not None and opt.records is not None
@@ -269,15 +269,15 @@ def test_a_guest_scribbling_over_the_rings_gives_counted_errors(target: qprobe.T
         deadline = time.monotonic() + 5
         while seek.nhit < 5 and time.monotonic() < deadline:
             time.sleep(0.02)
-        scratch, ncpus = target.kprobes.scratch, len(target.machine.vcpus)
+        scratch, ncpus, entries = target.kprobes.scratch, len(target.machine.vcpus), rings.entries
         errors = rings.ring_errors
         # A head far past the tail (as if the guest wrote it): refused, counted, resynchronised.
         head0 = scratch.phys_of(rings.rings) + R_HEAD
-        opt.ram.write_u64_phys(head0, opt.ram.read_u64_phys(head0) + 10 * RING_ENTRIES)
+        opt.ram.write_u64_phys(head0, opt.ram.read_u64_phys(head0) + 10 * entries)
         # An entry with a probe id nobody has and a CPU that is not its ring's, published on CPU 1's ring.
         head1 = head0 + RING_HEADER
         n = opt.ram.read_u64_phys(head1)
-        entry = rings.rings + RING_HEADER * ncpus + (RING_ENTRIES + n % RING_ENTRIES) * ENTRY_SIZE
+        entry = rings.rings + RING_HEADER * ncpus + (entries + n % entries) * ENTRY_SIZE
         opt.ram.write_phys(scratch.phys_of(entry), bytes(range(256)) * (ENTRY_SIZE // 256))
         opt.ram.write_u64_phys(head1, n + 1)
         deadline = time.monotonic() + 5

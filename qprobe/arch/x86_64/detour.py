@@ -263,7 +263,9 @@ def build_detour(address: int, probe_id: int, stub: int, relocated: bytes, resum
 
 
 # -- in-guest records: a per-CPU ring the host drains from the RAM file ----------------
-RING_SHIFT = 8  # 256 entries per CPU
+# 4096 entries (1 MiB) per CPU unless the host asks for another power of two: a burst that long is held
+# without its vCPU waiting, as ftrace's per-CPU buffer (buffer_size_kb, 1.4 MB by default) holds one.
+RING_SHIFT = 12
 RING_ENTRIES = 1 << RING_SHIFT
 ENTRY_SHIFT = 8
 ENTRY_SIZE = 1 << ENTRY_SHIFT
@@ -295,7 +297,8 @@ def task_pid(word: int) -> int:
 @dataclass(frozen=True)
 class RecordParams:
     headers: int  # CPU 0's ring header; CPU n's is RING_HEADER * n further
-    data: int  # CPU 0's entries; CPU n's are RING_ENTRIES * ENTRY_SIZE * n further
+    data: int  # CPU 0's entries; CPU n's are entries * ENTRY_SIZE * n further
+    entries: int  # per CPU, a power of two
     lost: int  # per-probe counters of records dropped on a full ring (u64 each)
     cpu_number: int  # per-CPU offset of cpu_number
     current_task: int  # per-CPU offset of current_task
@@ -315,6 +318,9 @@ def build_record_stub(p: RecordParams, address: int) -> bytes:
     SPIN_LIMIT pause loops, the record is dropped instead and counted as lost
     for its probe.  The hit's time is read before any wait.
     """
+    if p.entries <= 0 or p.entries & (p.entries - 1) or p.entries * ENTRY_SIZE > 1 << 31:
+        raise ValueError(f"a ring of {p.entries} entries: a power of two, of at most 2 GiB, is needed")
+    ring_shift = p.entries.bit_length() - 1
     full, done, check, space, spin = 1, 2, 3, 4, 5
     c = Instruction
     code = save_pt_regs()
@@ -336,7 +342,7 @@ def build_record_stub(p: RecordParams, address: int) -> bytes:
         head,
         c.create_reg_reg(Code.MOV_R64_RM64, Register.RCX, Register.RAX),
         c.create_reg_mem(Code.SUB_R64_RM64, Register.RCX, _mem("rbx", R_TAIL)),
-        c.create_reg_i32(Code.CMP_RM64_IMM32, Register.RCX, RING_ENTRIES),
+        c.create_reg_i32(Code.CMP_RM64_IMM32, Register.RCX, p.entries),
         c.create_branch(Code.JB_REL32_64, space),
         c.create_mem_i32(Code.CMP_RM64_IMM8, _mem("rbx", R_LOSSY), 0),
         c.create_branch(Code.JNE_REL32_64, full),
@@ -350,13 +356,13 @@ def build_record_stub(p: RecordParams, address: int) -> bytes:
         c.create_branch(Code.JE_REL32_64, full),
         c.create_branch(Code.JMP_REL32_64, check),
     ]
-    slot = c.create_reg_i32(Code.AND_RM32_IMM32, Register.EAX, RING_ENTRIES - 1)
+    slot = c.create_reg_i32(Code.AND_RM32_IMM32, Register.EAX, p.entries - 1)
     slot.ip = space
     code += [
         slot,
         c.create_reg_i32(Code.SHL_RM32_IMM8, Register.EAX, ENTRY_SHIFT),
         c.create_reg_reg(Code.MOV_R32_RM32, Register.R9D, Register.R8D),
-        c.create_reg_i32(Code.SHL_RM64_IMM8, Register.R9, RING_SHIFT + ENTRY_SHIFT),
+        c.create_reg_i32(Code.SHL_RM64_IMM8, Register.R9, ring_shift + ENTRY_SHIFT),
         c.create_reg_mem(Code.LEA_R64_M, Register.RDI, _mem("rax", p.data, "r9")),
         c.create_reg_reg(Code.MOV_R64_RM64, Register.RSI, Register.RSP),
         c.create_reg_u32(Code.MOV_R32_IMM32, Register.ECX, FRAME_SIZE // 8),

@@ -13,11 +13,17 @@ from collections.abc import Callable, Mapping
 from qprobe.arch.guestram import MailboxRequest, PercpuLayout, ReturnLayout, RingEntry
 from qprobe.arch.inguest import KeySpec, MapKey, MapSlot
 from qprobe.arch.x86_64 import detour, guestagg, retdetour
-from qprobe.arch.x86_64.ptregs import parse_stub_frame, stub_frame_offset
+from qprobe.arch.x86_64.ptregs import STUB_FRAME_REGS, parse_stub_frame, stub_frame_offset, stub_frame_pick
 
 _MAILBOX = struct.Struct(f"<{(detour.MB_REGS + detour.FRAME_SIZE) // 8}Q")  # a mailbox up to the end of its frame
 _ANSWER = struct.Struct("<2Q")  # MB_FINAL_IP, MB_FINAL_SP: written in one go
 assert detour.MB_FINAL_SP == detour.MB_FINAL_IP + 8
+# A ring entry as one unpack: the frame's words, the TSC, CPU and pid, comm (16 bytes) and task, then padding.
+_ENTRY = struct.Struct(f"<{detour.E_COMM // 8}Q16sQ{detour.ENTRY_SIZE - detour.E_TASK - 8}x")
+_E_ID, _E_TSC, _E_CPU_PID = detour.FRAME_ID // 8, detour.E_TSC // 8, detour.E_CPU_PID // 8  # fields of the unpack
+_E_COMM = detour.E_COMM // 8
+_E_TASK = _E_COMM + 1
+assert _ENTRY.size == detour.ENTRY_SIZE and detour.E_TASK == detour.E_COMM + 16
 
 
 class X86GuestRam:
@@ -31,7 +37,6 @@ class X86GuestRam:
     ring_entry_size = detour.ENTRY_SIZE
     ring_head, ring_tail = detour.R_HEAD, detour.R_TAIL
     ring_waits, ring_lossy = detour.R_WAITS, detour.R_LOSSY
-    ring_entry_read_size = detour.E_TASK + 8
     instance_size = retdetour.INSTANCE_SIZE
 
     # -- the mailbox ----------------------------------------------------------------------------
@@ -71,19 +76,26 @@ class X86GuestRam:
         return detour.build_detour(address, retdetour.TRAMPOLINE_ID, stub, b"", 0)[: detour.DETOUR_HEAD] + b"\xcc"
 
     # -- the record rings -------------------------------------------------------------------------
-    def build_record_stub(self, rings: int, ncpus: int, lost: int, percpu: PercpuLayout, pid_offset: int,
-                          comm_offset: int, port: int, address: int) -> bytes:  # fmt: skip
-        params = detour.RecordParams(rings, rings + detour.RING_HEADER * ncpus, lost, percpu.cpu_number,
+    def build_record_stub(self, rings: int, ncpus: int, entries: int, lost: int, percpu: PercpuLayout,
+                          pid_offset: int, comm_offset: int, port: int, address: int) -> bytes:  # fmt: skip
+        params = detour.RecordParams(rings, rings + detour.RING_HEADER * ncpus, entries, lost, percpu.cpu_number,
                                      percpu.current_task, pid_offset, comm_offset, port)  # fmt: skip
         return detour.build_record_stub(params, address)
 
-    def parse_ring_entry(self, raw: bytes) -> RingEntry:
-        values, _ret, probe_id = parse_stub_frame(raw)
-        cpu_pid, task, tsc = (int.from_bytes(raw[o : o + 8], "little")
-                              for o in (detour.E_CPU_PID, detour.E_TASK, detour.E_TSC))  # fmt: skip
-        comm = detour.task_comm(raw[detour.E_COMM : detour.E_COMM + 16])
-        return RingEntry(probe_id, cpu_pid & 0xFFFFFFFF, detour.task_pid(cpu_pid >> 32), comm, task, tsc,
-                         values["rsp"], values)  # fmt: skip
+    def parse_ring_entries(self, raw: bytes) -> list[RingEntry]:
+        """Consecutive entries in one pass: a drain reads thousands, so each is one unpack and one dict."""
+        out = []
+        comms: dict[bytes, str] = {}  # a few tasks make most records: each name decoded once
+        for words in _ENTRY.iter_unpack(raw):
+            values = dict(zip(STUB_FRAME_REGS, stub_frame_pick(words), strict=True))
+            raw_comm = words[_E_COMM]
+            comm = comms.get(raw_comm)
+            if comm is None:
+                comm = comms[raw_comm] = detour.task_comm(raw_comm)
+            cpu_pid = words[_E_CPU_PID]
+            out.append(RingEntry(words[_E_ID], cpu_pid & 0xFFFFFFFF, detour.task_pid(cpu_pid >> 32), comm,
+                                 words[_E_TASK], words[_E_TSC], values["rsp"], values))  # fmt: skip
+        return out
 
     # -- the keyed tables ---------------------------------------------------------------------------
     def guest_map_size(self, spec: KeySpec) -> int:

@@ -9,6 +9,8 @@ cyc2ns".  The host finds the ``rdtsc`` it calibrates against
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import drgn
 from drgn.helpers.linux.percpu import per_cpu
 from iced_x86 import Decoder, Mnemonic
@@ -82,6 +84,18 @@ class Cyc2ns:
         """sched_clock() on ``cpu`` for the TSC value ``cycles``: offset + mul_u64_u32_shr(cycles, mul, shift)."""
         mul, shift, offset = self.scale(cpu)
         return (offset + ((cycles * mul) >> shift)) & U64
+
+    def ns_many(self, points: Sequence[tuple[int, int]]) -> list[int]:
+        """``ns`` of each (cycles, CPU), each CPU's scale read once for them all."""
+        scales: dict[int, tuple[int, int, int]] = {}
+        out = []
+        for cycles, cpu in points:
+            scale = scales.get(cpu)
+            if scale is None:
+                scale = scales[cpu] = self.scale(cpu)
+            mul, shift, offset = scale
+            out.append((offset + ((cycles * mul) >> shift)) & U64)
+        return out
 
     def scale(self, cpu: int) -> tuple[int, int, int]:
         """(mul, shift, offset) of ``cpu``'s scale now."""

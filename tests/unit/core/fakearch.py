@@ -174,14 +174,13 @@ class ToyGuestRam:
     # An instance: u64 stack slot (0: free), return address, task, owner.
     instance_size = 32
     trampoline_id = 0
-    ring_entry_read_size = 64
 
     def build_mailbox_stub(self, mailboxes: int, missed: int, percpu: PercpuLayout, port: int,
                            address: int) -> bytes:  # fmt: skip
         return BRK
 
-    def build_record_stub(self, rings: int, ncpus: int, lost: int, percpu: PercpuLayout, pid_offset: int,
-                          comm_offset: int, port: int, address: int) -> bytes:  # fmt: skip
+    def build_record_stub(self, rings: int, ncpus: int, entries: int, lost: int, percpu: PercpuLayout,
+                          pid_offset: int, comm_offset: int, port: int, address: int) -> bytes:  # fmt: skip
         return BRK
 
     def return_layout(self, instances: int, count: int, trampolines: int, returns: int, stub: int,
@@ -230,9 +229,9 @@ class ToyGuestRam:
         writes.append((0, STATE_DONE.to_bytes(8, "little")))
         return writes
 
-    def parse_ring_entry(self, raw: bytes) -> RingEntry:
-        probe_id, cpu, pid, task, cycles, sp, r0, r1 = struct.unpack("<8Q", raw[:64])
-        return RingEntry(probe_id, cpu, pid, "", task, cycles, sp, {"r0": r0, "r1": r1, "sp": sp})
+    def parse_ring_entries(self, raw: bytes) -> list[RingEntry]:
+        return [RingEntry(probe_id, cpu, pid, "", task, cycles, sp, {"r0": r0, "r1": r1, "sp": sp})
+                for probe_id, cpu, pid, task, cycles, sp, r0, r1 in struct.iter_unpack("<8Q", raw)]  # fmt: skip
 
     def guest_map_size(self, spec: KeySpec) -> int:
         return 64 * (spec.words + 1) * 8
@@ -668,6 +667,7 @@ class ToyScratch:
 
     base = SCRATCH
     GRANULE = 16
+    size = SCRATCH_SIZE
 
     def __init__(self, machine: ToyMachine) -> None:
         self.machine = machine

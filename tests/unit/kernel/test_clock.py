@@ -9,6 +9,8 @@ from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from qprobe.arch import CycleCounter
 from qprobe.kernel.clock import CALIBRATE_WAIT, ROUND, StopClock, TraceClock
 
@@ -38,12 +40,22 @@ class _Ram:
         return raw[:size]
 
 
+class _OnePerCycle:
+    """A sched_clock of 1 ns per cycle on every CPU."""
+
+    def ns(self, cycles: int, cpu: int) -> int:
+        return cycles
+
+    def ns_many(self, points: list[tuple[int, int]]) -> list[int]:
+        return [cycles for cycles, _cpu in points]
+
+
 def _global_clock(words: dict[int, int]) -> TraceClock:
     clock = TraceClock.__new__(TraceClock)
     clock.name, clock._last = "global", {}
     clock._lock = threading.Lock()
     clock.kernel = type("K", (), {"mem": _Ram(words)})()  # type: ignore[assignment]
-    clock._sched = SimpleNamespace(ns=lambda cycles, cpu: cycles)  # type: ignore[assignment]  # 1 ns per cycle
+    clock._sched = _OnePerCycle()
     clock._addrs = (0x100, 0x108, 0x110)  # __sched_clock_stable, __sched_clock_offset, __gtod_offset
     clock._scd, clock._percpu = (0x1000, 0, 8), [0, 0x100]  # sched_clock_data: tick_raw, tick_gtod
     return clock
@@ -67,6 +79,33 @@ def test_global_never_goes_back_for_a_later_counter_value() -> None:
     words[0x1000], words[0x1008] = 1_600, 2_050  # a later tick whose time of day is behind sched_clock's
     assert clock.ns(1_501, 0) == first  # held, as trace_clock_global's prev_time holds it
     assert clock.ns(1_400, 0) == 2_050 - 200  # an older TSC is converted as it is, not held
+
+
+class _CountingRam(_Ram):
+    def __init__(self, words: dict[int, int]) -> None:
+        super().__init__(words)
+        self.reads = 0
+
+    def read(self, addr: int, size: int) -> bytes:
+        self.reads += 1
+        return super().read(addr, size)
+
+
+@pytest.mark.parametrize("stable", [False, True])
+def test_a_run_of_records_reads_the_clock_s_state_once_a_cpu_and_converts_as_one_at_a_time(stable: bool) -> None:
+    """ns_many: each counter value as ns converts it (the offsets, the never-back hold across the run), the guest's
+    per-CPU clock state read once a CPU, not once a record."""
+    words = {0x1000: 1_000, 0x1008: 2_000, 0x1100: 5_000, 0x1108: 9_000, 0x100: int(stable), 0x108: 42, 0x110: 7}
+    points = [(1_500, 0), (5_100, 1), (1_499, 0), (1_600, 0), (5_050, 1), (1_700, 0)]
+    one_at_a_time = _global_clock(dict(words))
+    expected = [one_at_a_time.ns(cycles, cpu) for cycles, cpu in points]
+    clock = _global_clock(dict(words))
+    ram = _CountingRam(dict(words))
+    clock.kernel = type("K", (), {"mem": ram})()  # type: ignore[assignment]
+    assert clock.ns_many(points) == expected
+    reads_a_cpu = ram.reads // 2
+    assert reads_a_cpu == (2 if stable else 4)  # the flag and an offset; unstable, the tick pair read twice too
+    assert clock.ns_many([]) == []
 
 
 class _Guest:

@@ -30,7 +30,6 @@ from qprobe.arch.x86_64.detour import (  # noqa: E402
     R_LOSSY,
     R_TAIL,
     R_WAITS,
-    RING_ENTRIES,
     RING_HEADER,
     RecordParams,
     build_count_detour,
@@ -77,8 +76,9 @@ def run(uc: unicorn.Uc, regs: dict[str, int], flags: int = FLAGS, count: int = 1
 
 
 RECORD_PORT = 0x504
-PARAMS = RecordParams(RINGS, RINGS + RING_HEADER * NCPUS, LOST, CPU_NUMBER, CURRENT_TASK, PID_OFF, COMM_OFF,
-                      RECORD_PORT)  # fmt: skip
+RING_ENTRIES = 256  # not the default: the stub takes its rings' size from RecordParams
+PARAMS = RecordParams(RINGS, RINGS + RING_HEADER * NCPUS, RING_ENTRIES, LOST, CPU_NUMBER, CURRENT_TASK, PID_OFF,
+                      COMM_OFF, RECORD_PORT)  # fmt: skip
 REGS = st.fixed_dictionaries({name: st.integers(0, 2**64 - 1) for name in FRAME_REGS})
 
 

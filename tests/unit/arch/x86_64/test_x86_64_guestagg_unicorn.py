@@ -169,7 +169,7 @@ def test_a_count_without_key_or_value_keeps_one_slot() -> None:
 
 
 def test_the_map_read_back_decodes_comm_and_a_negative_pid_as_a_record_does() -> None:
-    """X86GuestRam.parse_guest_map gives a key's comm as text and its pid signed, as parse_ring_entry does: the
+    """X86GuestRam.parse_guest_map gives a key's comm as text and its pid signed, as parse_ring_entries does: the
     detour's words for one hit (comm ``kworker/0:1``, pid -1, CPU 1) come back as those parts, and two CPUs'
     slots of one key as one."""
     spec = KeySpec((KeyPart("comm"), KeyPart("pid"), KeyPart("cpu")))
@@ -180,5 +180,5 @@ def test_the_map_read_back_decodes_comm_and_a_negative_pid_as_a_record_does() ->
     record = bytearray(ENTRY_SIZE)
     record[E_CPU_PID : E_CPU_PID + 8] = struct.pack("<II", CPU, 0xFFFFFFFF)
     record[E_COMM : E_COMM + 16] = b"kworker/0:1".ljust(16, b"\0")
-    entry = X86GuestRam().parse_ring_entry(bytes(record))
+    (entry,) = X86GuestRam().parse_ring_entries(bytes(record))
     assert (entry.comm, entry.pid, entry.cpu) == ("kworker/0:1", -1, CPU)

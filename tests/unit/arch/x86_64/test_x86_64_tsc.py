@@ -32,6 +32,26 @@ def test_cycles_2_ns_as_the_kernel_computes_it() -> None:
     assert abs(clock.ns(cyc, 1) - 12345 - 10**15) < 10**15 // 10**8
 
 
+def test_a_run_of_counter_values_reads_each_cpus_scale_once() -> None:
+    """ns_many: each value as ns converts it, the scale (its latch's sequence, a read of guest memory) read
+    once a CPU for the run, not once a value."""
+    scales = {0: (0x15555556, 30, 12345), 1: (1 << 30, 30, 7)}
+    asked: list[int] = []
+
+    def scale(cpu: int) -> tuple[int, int, int]:
+        asked.append(cpu)
+        return scales[cpu]
+
+    clock = Cyc2ns.__new__(Cyc2ns)
+    clock.scale = scale  # type: ignore[method-assign]
+    points = [(3_000, 0), (5_000, 1), (2**64 - 1, 0), (9_000, 1), (0, 0)]
+    expected = [clock.ns(cycles, cpu) for cycles, cpu in points]
+    asked.clear()
+    assert clock.ns_many(points) == expected
+    assert sorted(asked) == [0, 1]
+    assert clock.ns_many([]) == []
+
+
 class _Kernel:
     """The guest kernel as the facet reads it: symbols at fixed addresses, little-endian u64s."""
 

@@ -1,0 +1,208 @@
+"""Ring records made hits in bulk (KprobeEvent's recorder): the same hits, line for line, as the path that
+builds each hit's pt_regs and evaluates its definition generically (the int3 path's, and the rings' before)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from qprobe.arch.x86_64.arch import X86_64
+from qprobe.arch.x86_64.ptregs import STUB_FRAME_REGS, X86_EFLAGS_IF
+from qprobe.core.kprobe import GuestRecord, Kprobe
+from qprobe.core.regs import PtRegs
+from qprobe.events import EventHit, KprobeEvent
+from qprobe.events.timeline import Timeline
+from qprobe.fetch import ProbeEvent, parse_event
+
+ARCH = X86_64()
+FUNC, SIZE = 0xFFFF_FFFF_8120_0000, 0xA0
+PROBE = FUNC + 4
+
+
+class Symbols:
+    def containing(self, addr: int) -> SimpleNamespace | None:
+        return SimpleNamespace(name="ksys_read", addr=FUNC) if FUNC <= addr < FUNC + SIZE else None
+
+    def kallsyms_size(self, sym: object) -> int:
+        return SIZE
+
+    def symbolize(self, addr: int) -> str:
+        return f"ksys_read+{addr - FUNC:#x}" if FUNC <= addr < FUNC + SIZE else f"{addr:#x}"
+
+    def address(self, name: str) -> int:
+        raise KeyError(name)
+
+
+class Clock:
+    """A ring record's time is its TSC's, whichever way it is asked."""
+
+    def hit_time(self, regs: PtRegs, recorded: bool = False) -> tuple[float, float]:
+        assert recorded and regs.cycles is not None
+        return regs.cycles / 1e9 + regs.vcpu, regs.cycles / 1e9
+
+    def record_times(self, records: list[tuple[int, int]]) -> list[tuple[float, float]]:
+        return [(cycles / 1e9 + vcpu, cycles / 1e9) for cycles, vcpu in records]
+
+
+MEM = SimpleNamespace(pgd=0x1000, pgd_of=lambda root: root, paging=SimpleNamespace(task_size_max=lambda: 1 << 47))
+
+
+class Backend:
+    trampoline = None
+
+    def make_regs(self, values: dict[str, int], cpu: int) -> PtRegs:
+        return PtRegs(dict(values), f"1.{cpu + 1}", cpu, MEM, layout=ARCH.registers)  # type: ignore[arg-type]
+
+
+class Kernel:
+    """The guest's ring buffer's bound on a record's length (None: this kernel's types cannot say)."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+
+    def event_length_limit(self) -> int | None:
+        return self.limit
+
+
+def event(definition: str, limit: int | None = 4056) -> KprobeEvent:
+    host = SimpleNamespace(arch=ARCH, symbols=Symbols(), timeline=Timeline(), mem=MEM, clock=Clock(),
+                           kprobe_backend=Backend(), kernel=Kernel(limit))  # fmt: skip
+    ev = parse_event(definition, symbol_exists=lambda name: True)
+    assert isinstance(ev, ProbeEvent)
+    te = KprobeEvent(host, ev)  # type: ignore[arg-type]
+    te.make_probe()
+    assert isinstance(te.probe, Kprobe)
+    te.probe.at = te.probe.resolved = PROBE
+    return te
+
+
+def records() -> list[GuestRecord]:
+    """Records as RecordRings hands them on: the frame's registers, the probe's ip and the TSC."""
+    out = []
+    for n, (word, flags) in enumerate([(0, X86_EFLAGS_IF), (2**64 - 3, 0), (0x1_2345_6789_ABCD, X86_EFLAGS_IF),
+                                       (FUNC + 0x10, 0x2), (0x80, X86_EFLAGS_IF)]):  # fmt: skip
+        values = {name: (word + i) % 2**64 for i, name in enumerate(STUB_FRAME_REGS)}
+        values.update(eflags=flags, rip=PROBE, cycles=1000 * n + 7)
+        out.append(GuestRecord(values, n % 2, 100 + n, ["workload", "sh", "kworker/0:1"][n % 3], 0xFFFF8880, 0.0))
+    return out
+
+
+DEFINITIONS = [
+    "p:rd ksys_read fd=%di:s32 count=%dx:u64",
+    "p:rd ksys_read fd=%di:s32 count=%dx:u64 who=$comm",
+    "p:rd ksys_read a=$arg1 b=$arg2:x32 c=$arg6:s8 d=%r15:u16 e=%ax:x64 f=%si",
+    "p:rd ksys_read ip=%ip sp=$stack fl=%flags:x64 ox=%orig_ax:s64",
+    'p:rd ksys_read bf=%ax:b3@4/32 sym=%di:symbol str=$comm:string imm=\\1234 s=\\"hi\\":string',
+    "p:rd ksys_read",
+]
+
+
+@pytest.mark.parametrize("definition", DEFINITIONS)
+def test_a_run_of_records_gives_the_hits_one_record_at_a_time_gives(definition: str) -> None:
+    bulk, single = event(definition), event(definition)
+    got: list[EventHit] = []
+    expected: list[EventHit] = []
+    bulk.callback, single.callback = got.append, expected.append
+    assert bulk.in_guest and bulk.probe is not None and bulk.probe.recorder is not None
+    bulk.probe.recorder(records())
+    for rec in records():
+        regs = single.backend.make_regs(rec.values, rec.cpu)
+        single._record(regs, PROBE, None, None, task=(rec.pid, rec.comm))
+    assert [h.line() for h in got] == [h.line() for h in expected]
+    assert got == expected  # every field: arguments, symbol, times, irqs
+    assert bulk.nhit == single.nhit == len(expected)
+
+
+def run_both(definition: str, limit: int | None) -> tuple[KprobeEvent, KprobeEvent]:
+    """``definition``'s event fed the records as a run (the rings' path) and one at a time (``_record``)."""
+    bulk, single = event(definition, limit), event(definition, limit)
+    assert bulk.probe is not None and bulk.probe.recorder is not None
+    bulk.probe.recorder(records())
+    for rec in records():
+        single._record(single.backend.make_regs(rec.values, rec.cpu), PROBE, None, None, task=(rec.pid, rec.comm))
+    bulk.host.timeline.flush()
+    single.host.timeline.flush()
+    return bulk, single
+
+
+@pytest.mark.parametrize("limit", [None, 4056, 48, 47, 44, 38])
+def test_a_run_drops_the_records_too_long_for_the_guests_ring_buffer_as_one_at_a_time_does(limit: int | None) -> None:
+    """A record longer than the guest's ring buffer takes leaves no line and counts as oversized, in a run as
+    in ``_record``: here the head, two u64s and the string's __data_loc are 36 bytes, the comm ``"workload"``
+    9 more, ``"sh"`` 3 and ``"kworker/0:1"`` 12: the five records are 45, 39, 48, 45 and 39 bytes long."""
+    bulk, single = run_both("p:rd ksys_read a=%di:u64 b=%si:u64 who=$comm:string", limit)
+    assert [h.line() for h in bulk.hits] == [h.line() for h in single.hits]
+    assert (bulk.nhit, bulk.oversized) == (single.nhit, single.oversized)
+    assert bulk.oversized == {None: 0, 4056: 0, 48: 0, 47: 1, 44: 3, 38: 5}[limit]
+
+
+def test_a_run_without_strings_past_the_bound_leaves_no_line() -> None:
+    bulk, single = run_both(DEFINITIONS[0], 20)  # the head (16) and the two arguments (4 + 8) are 28
+    assert bulk.oversized == single.oversized == len(records())
+    assert bulk.nhit == single.nhit == 0 and not bulk.hits
+
+
+def test_a_filter_rejects_the_same_records() -> None:
+    bulk, single = event(DEFINITIONS[0]), event(DEFINITIONS[0])
+    from qprobe.events import event_filter
+
+    for te in (bulk, single):
+        te.filter = event_filter(te.definition, "fd < 0 || count == 0")
+    assert bulk.probe is not None and bulk.probe.recorder is not None
+    bulk.probe.recorder(records())
+    for rec in records():
+        single._record(single.backend.make_regs(rec.values, rec.cpu), PROBE, None, None, task=(rec.pid, rec.comm))
+    assert (bulk.nhit, bulk.host_filtered) == (single.nhit, single.host_filtered)
+    assert 0 < bulk.nhit < len(records())
+    bulk.host.timeline.flush()
+    single.host.timeline.flush()
+    assert [h.line() for h in bulk.hits] == [h.line() for h in single.hits]
+
+
+def test_an_in_order_callback_takes_the_hits_once_the_timeline_lets_them_go() -> None:
+    """A plain callback gets a hit at the hit; an InOrder one once the timeline has put it in the guest's
+    order (with the event's own ``hits``), across events: two events' runs come out interleaved by time."""
+    from qprobe.events import InOrder
+
+    first, second, plain = event(DEFINITIONS[0]), event(DEFINITIONS[0]), event(DEFINITIONS[0])
+    second.host = plain.host = first.host  # one target: one timeline
+    ordered: list[EventHit] = []
+    at_hit: list[EventHit] = []
+    first.callback = second.callback = InOrder(ordered.append)
+    plain.callback = at_hit.append
+    recs = records()
+    for te, run in ((first, recs[::2]), (second, recs[1::2]), (plain, recs)):
+        assert te.probe is not None and te.probe.recorder is not None
+        te.probe.recorder(run)
+    assert len(at_hit) == len(recs) and ordered == []  # held: none a window older than the newest
+    first.host.timeline.flush()
+    assert [h.pid for h in ordered] == [rec.pid for rec in recs]  # the two runs interleaved, by time
+    assert ordered[::2] == list(first.hits) and ordered[1::2] == list(second.hits)
+
+
+def test_a_run_s_times_are_what_hit_time_gives_each_record() -> None:
+    """HitClock.record_times: each record's (trace-clock seconds, place) as hit_time gives it for the record's
+    pt_regs, the trace clock asked once for the run."""
+    from qprobe.events.clock import HitClock
+    from qprobe.events.timeline import CycleOrder
+
+    class Trace:
+        runs = 0
+
+        def ns(self, cycles: int, cpu: int) -> int:
+            return 3 * cycles + cpu
+
+        def ns_many(self, points: list[tuple[int, int]]) -> list[int]:
+            self.runs += 1
+            return [self.ns(cycles, cpu) for cycles, cpu in points]
+
+    def clock() -> HitClock:
+        c = HitClock.__new__(HitClock)
+        c._guest, c._order, c._cycles_hz, c.trace_clock = True, CycleOrder(), 2e9, Trace()  # type: ignore[assignment]
+        return c
+
+    recs, one, run = records(), clock(), clock()
+    expected = [one.hit_time(Backend().make_regs(r.values, r.cpu), recorded=True) for r in recs]
+    assert run.record_times([(r.values["cycles"], r.cpu) for r in recs]) == expected
+    assert run.trace_clock.runs == 1  # type: ignore[attr-defined]

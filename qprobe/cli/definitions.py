@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from qprobe.errors import FetchArgError, QprobeError
+from qprobe.errors import QprobeError
 
 from .host import _host_language, _host_probeability, _host_symbols, _without_btf
 
@@ -23,41 +23,25 @@ def _perf_definitions(args: argparse.Namespace) -> None:
 
     They are resolved from vmlinux's DWARF on the host, before anything boots.
     """
-    from qprobe.kernel.perfprobe import perf_to_kprobe
+    from qprobe.frontend import is_kernel_perf, perf_to_kprobe_events
 
-    texts = [t for t in args.events if _is_kernel_perf(t)]
+    texts = [t for t in args.events if is_kernel_perf(t)]
     if not texts:
         return
     symbols = _host_symbols(args)
     if symbols is None:
         raise QprobeError("a perf definition is resolved from vmlinux's debug information: give --vmlinux")
-    from qprobe.events.funcs import Probeability, unknown_symbol
-    from qprobe.kernel.perfsyntax import parse_perf_probe
     from qprobe.wiring import vmlinux_arch
 
-    probes = []
-    for text in texts:  # each parsed once; a typo gets the closest names, as a kprobe_events definition's does
-        probe = parse_perf_probe(text)
-        if probe.function is not None and probe.function not in symbols:
-            raise unknown_symbol(symbols, probe.function, Probeability.of(symbols, vmlinux_arch(symbols)).functions())
-        probes.append(probe)
-    found = iter(perf_to_kprobe(probes, symbols, vmlinux_arch(symbols)))
+    found = iter(perf_to_kprobe_events(texts, symbols, vmlinux_arch(symbols)))
     out = []
     for text in args.events:
-        if _is_kernel_perf(text):
-            text = next(found).definition
+        if is_kernel_perf(text):
+            text = next(found)
             if not args.quiet:  # as `perf probe -v` says what it writes to kprobe_events
                 print(f"qprobe: writing event: {text}", file=sys.stderr, flush=True)
         out.append(text)
     args.events = out
-
-
-def _is_kernel_perf(text: str) -> bool:
-    """A perf probe definition of the kernel's (``perf -x PATH`` is a program's: a uprobe)."""
-    from qprobe.kernel.perfsyntax import is_perf_definition
-    from qprobe.kernel.usyntax import is_user_form
-
-    return is_perf_definition(text) and not is_user_form(text)
 
 
 def _check_symbols(args: argparse.Namespace, events: list[ProbeEvent]) -> None:
@@ -83,46 +67,15 @@ def _parse_definitions(
     args: argparse.Namespace,
 ) -> tuple[list[str | Definition | ProbeEvent], list[ProbeEvent | UprobeEvent]]:
     """args.events parsed in the language of the kernel that will run them, if the host knows it: what goes
-    down to the target, and the definitions as parsed here, for the options' checks.
-
-    A uprobe's definition (its probe point a guest path) goes down parsed but unchecked, perf's ``-x`` and
-    bpftrace's ``uprobe:`` forms as text: their files and symbols are the guest's, so the kernel's checks of
-    them come once booted; the rest of the line is judged here, a symbol standing in as offset 0.
-    """
-    from qprobe.fetch import ProbeEvent, UprobeEvent, parse_definition, parse_event, parse_uprobe_event
-    from qprobe.kernel.usyntax import is_user_form, symbolic_user_form, unresolved_syntax
+    down to the target, and the definitions as parsed here, for the options' checks (the front end's
+    parse_definitions, a missing BTF said as such)."""
+    from qprobe.frontend import parse_definitions
 
     language = _host_language(args) if args.events else None
     if language is None:
         return list(args.events), []
     dialect, registers = language
-    out: list[str | Definition | ProbeEvent] = []
-    checked: list[ProbeEvent | UprobeEvent] = []
-    for text in args.events:
-        user_form = is_user_form(text)
-        try:
-            definition = parse_definition(symbolic_user_form(text, registers) if user_form else text)
-        except FetchArgError as exc:
-            raise _without_btf(args, exc) from None
-        if definition.is_uprobe:
-            try:
-                uev = parse_uprobe_event(unresolved_syntax(definition), dialect)
-            except FetchArgError as exc:
-                raise FetchArgError(exc.reason, definition.text, exc.column, logged=exc.logged,
-                                    detail=exc.detail) from None  # fmt: skip
-            if isinstance(uev, UprobeEvent):
-                checked.append(uev)
-            out.append(text if user_form else definition)
-            continue
-        try:
-            ev = parse_event(definition, dialect=dialect)
-        except FetchArgError as exc:
-            raise _without_btf(args, exc) from None
-        if isinstance(ev, ProbeEvent):
-            checked.append(ev)
-        # A deletion is refused once armed, as the API does.
-        out.append(ev if isinstance(ev, ProbeEvent) else definition)
-    return out, checked
+    return parse_definitions(args.events, dialect, registers, lambda exc: _without_btf(args, exc))
 
 
 def _check_boot(args: argparse.Namespace) -> None:
@@ -151,16 +104,13 @@ def _user_forms(target: Target, definitions: list[str | Definition | ProbeEvent]
                 quiet: bool) -> list[str | Definition | ProbeEvent]:  # fmt: skip
     """perf's ``-x`` and bpftrace's ``uprobe:`` forms as the uprobe_events lines they make, their symbols
     resolved in the guest's files, each shown as ``perf probe -v`` shows what it writes."""
-    from qprobe.kernel.usyntax import is_user_form, user_form_definition
+    from qprobe.frontend import resolve_user_forms
 
-    out: list[str | Definition | ProbeEvent] = []
-    for d in definitions:
-        if isinstance(d, str) and is_user_form(d):
-            d = user_form_definition(d, target.resolve_user_symbol, target.arch.registers)
-            if not quiet:
-                print(f"qprobe: writing event: {d}", file=sys.stderr, flush=True)
-        out.append(d)
-    return out
+    def show(line: str) -> None:
+        if not quiet:
+            print(f"qprobe: writing event: {line}", file=sys.stderr, flush=True)
+
+    return resolve_user_forms(definitions, target.resolve_user_symbol, target.arch.registers, show)
 
 
 def _arm(target: Target, definition: str | Definition | ProbeEvent, callback: Callable[[EventHit], None] | None = None,

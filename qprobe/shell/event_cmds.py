@@ -116,10 +116,10 @@ class EventCommands:
     def user_form(self, text: str) -> None:
         """perf's ``perf -x PATH DEF`` or bpftrace's ``uprobe:PATH:FUNC [BUILTIN...]``, shown as the
         uprobe_events line it writes, then added."""
-        from qprobe.kernel.usyntax import user_form_definition
+        from qprobe.frontend import user_form_line
 
-        line = user_form_definition(text, self.shell.target.resolve_user_symbol, self.shell.target.arch.registers)
-        self.shell.note(f"writing event: {line}")
+        line = user_form_line(text, self.shell.target.resolve_user_symbol, self.shell.target.arch.registers,
+                              lambda line: self.shell.note(f"writing event: {line}"))  # fmt: skip
         self.uprobe(parse_definition(line))
 
     def wildcard(self, definition: Definition) -> None:
@@ -188,16 +188,15 @@ class EventCommands:
     def cmd_perf(self, rest: str) -> None:
         """A perf probe definition: resolved on the host, shown as ``perf probe -v`` shows it, then added
         (``-x PATH``: a program's function, resolved in the guest's file)."""
-        from qprobe.kernel.perfprobe import perf_to_kprobe
-        from qprobe.kernel.perfsyntax import parse_perf_probe
+        from qprobe.frontend import is_kernel_perf, perf_to_kprobe_events
 
-        if rest.split()[:1] == ["-x"]:
-            self.user_form(f"perf {rest}")
+        text = f"perf {rest}"
+        if not is_kernel_perf(text):
+            self.user_form(text)
             return
-
-        (found,) = perf_to_kprobe([parse_perf_probe(f"perf {rest}")], self.shell.target.symbols, self.shell.target.arch)
-        self.shell.note(f"writing event: {found.definition}")
-        self.definition(found.definition)
+        (line,) = perf_to_kprobe_events([text], self.shell.target.symbols, self.shell.target.arch)
+        self.shell.note(f"writing event: {line}")
+        self.definition(line)
 
 
 __all__ = ["EventCommands", "select_events"]

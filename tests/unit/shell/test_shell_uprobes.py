@@ -105,3 +105,12 @@ def test_enable_disable_a_uprobe_event_is_refused() -> None:
     assert run(shell, out, "disable uq") == [
         "error: uprobes/uq: a uprobe event is armed while it exists (-:uprobes/uq removes it)"
     ]
+
+
+def test_a_misspelt_perf_function_gets_the_closest_names_before_any_dwarf() -> None:
+    """The shell's perf probe goes through the CLI's front end: a typo is said as a kprobe_events one is."""
+    shell, t, out = make_shell()
+    assert run(shell, out, "perf vfs_raed count") == [
+        "error: no symbol 'vfs_raed' in vmlinux (did you mean vfs_read, vfs_readv?)"
+    ]
+    assert not t.events

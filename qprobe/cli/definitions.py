@@ -68,21 +68,37 @@ def _parse_definitions(
 ) -> tuple[list[str | Definition | ProbeEvent], list[ProbeEvent | UprobeEvent]]:
     """args.events parsed in the language of the kernel that will run them, if the host knows it: what goes
     down to the target, and the definitions as parsed here, for the options' checks (the front end's
-    parse_definitions, a missing BTF said as such)."""
-    from qprobe.frontend import parse_definitions
+    parse_definitions, a missing BTF said as such).
 
+    --boot's are parsed even where the host knows no language: each is refused if it is a uprobe (a uprobe's
+    file is the guest's, read once the guest is up), from that one parse.
+    """
+    from qprobe.fetch import Definition, parse_definition
+    from qprobe.frontend import parse_definitions
+    from qprobe.kernel.usyntax import is_user_form
+
+    boot = getattr(args, "boot", False)
     language = _host_language(args) if args.events else None
-    if language is None:
+    out: list[str | Definition | ProbeEvent]
+    checked: list[ProbeEvent | UprobeEvent] = []
+    if language is not None:
+        out, checked = parse_definitions(args.events, language[0], language[1], lambda exc: _without_btf(args, exc))
+    elif boot:
+        out = [text if is_user_form(text) else parse_definition(text) for text in args.events]
+    else:
         return list(args.events), []
-    dialect, registers = language
-    return parse_definitions(args.events, dialect, registers, lambda exc: _without_btf(args, exc))
+    if boot:
+        for d in out:
+            if isinstance(d, str) or (isinstance(d, Definition) and d.is_uprobe):
+                text = d if isinstance(d, str) else d.text
+                raise QprobeError(f"{text.strip()}: --boot arms kernel probes before the kernel runs; a uprobe's "
+                                  "file is the guest's, read once the guest is up: add it then")  # fmt: skip
+    return out, checked
 
 
 def _check_boot(args: argparse.Namespace) -> None:
     """--boot's EVENTs are the kernel's (a uprobe's file is the guest's, read once the guest is up), armed
-    through qprobe's own gdbstub client."""
-    from qprobe.fetch import parse_definition
-    from qprobe.kernel.usyntax import is_user_form
+    through qprobe's own gdbstub client; a uprobe among them is refused as it is parsed (_parse_definitions)."""
 
     if (args.kernel_image is not None or args.kernel_cmdline is not None) and not (
         args.boot and args.attach is not None
@@ -94,10 +110,6 @@ def _check_boot(args: argparse.Namespace) -> None:
     if getattr(args, "transport", "rsp") == "gdb":
         raise QprobeError("--boot stops the kernel at its first instructions through qprobe's own gdbstub client: "
                           "not with --transport gdb")  # fmt: skip
-    for text in args.events:
-        if is_user_form(text) or parse_definition(text).is_uprobe:
-            raise QprobeError(f"{text.strip()}: --boot arms kernel probes before the kernel runs; a uprobe's file is "
-                              "the guest's, read once the guest is up: add it then")  # fmt: skip
 
 
 def _user_forms(target: Target, definitions: list[str | Definition | ProbeEvent],

@@ -122,3 +122,16 @@ def test_a_definition_parsed_by_a_front_end_is_not_read_again(parse_reads: dict[
     define.add_event(reg, definition)  # type: ignore[arg-type]
     assert _texts(parse_reads["split_args"]) == {"p:wr vfs_write": 1}
     assert _texts(parse_reads["parse_definition"]) == {"p:wr vfs_write": 1}
+
+
+def test_boot_s_uprobe_check_is_the_cli_s_one_parse(parse_reads: dict[str, Counter[str]]) -> None:
+    """--boot's EVENTs are parsed once, before boot, for the uprobe refusal too: the parsed form goes down."""
+    from qprobe import cli
+    from qprobe.cli import definitions
+
+    text = "p:a vfs_read"
+    args = cli.build_parser().parse_args(["shell", "--boot", text])
+    definitions._check_boot(args)
+    down, _ = definitions._parse_definitions(args)
+    assert [d.text for d in down if not isinstance(d, str)] == [text]  # a ProbeEvent where the host knows the kernel
+    assert _texts(parse_reads["parse_definition"]) == {text: 1}

@@ -14,7 +14,7 @@ import os
 import stat
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from qprobe.api import SESSION_FILE, BootPlan, Target
 from qprobe.core.kprobe import Kprobe, Kretprobe
@@ -108,11 +108,11 @@ def _boot_once(img: Image, config: QemuConfig, boot_timeout: float, transport: s
     qemu = QemuProcess(config, keepable=keepable)
     try:
         qemu.wait_for_sockets()
-        session = {"gdb": str(qemu.gdb_path), "console": str(qemu.console_path), "shell": str(qemu.shell_path),
-                   "ram": str(qemu.ram_path),
+        session = {"gdb": str(qemu.gdb_path), "console": str(qemu.console_path),
+                   "shell": str(qemu.shell_path) if qemu.shell_path else None, "ram": str(qemu.ram_path),
                    "ram_size": config.memory, "vmlinux": str(img.vmlinux), "image": img.name,
                    "console_log": str(qemu.console_log), "pid": qemu.proc.pid,
-                   "doorbell": str(qemu.doorbell_path)}  # fmt: skip
+                   "doorbell": str(qemu.doorbell_path) if qemu.doorbell_path else None}  # fmt: skip
         path = qemu.rundir / SESSION_FILE
         path.write_text(json.dumps(session))
         os.chmod(path, 0o600)
@@ -183,8 +183,9 @@ def attach(
             ram = ram or str(session["ram"])
             ram_size = ram_size or int(session["ram_size"])  # type: ignore[call-overload]
             console = console or str(session["console"])
-            shell = shell or str(session["shell"])
-            doorbell = str(session["doorbell"])
+            # read_session checked both are strings or None.
+            shell = shell or cast("str | None", session.get("shell"))
+            doorbell = cast("str | None", session.get("doorbell"))
     if vmlinux is None:
         raise TargetError("attach needs the running kernel's vmlinux (vmlinux=PATH / --vmlinux PATH)")
     ram_path = Path(ram) if ram else None
@@ -245,10 +246,17 @@ def read_session(sock: Path) -> dict[str, object] | None:
         raise bad("not JSON") from None
     if not isinstance(data, dict):
         raise bad("not a JSON object")
-    text = ("gdb", "console", "shell", "ram", "vmlinux", "doorbell", "console_log")
-    if not all(isinstance(data.get(k), str) for k in text) or type(data.get("ram_size")) is not int:
-        raise bad(f"it needs strings {', '.join(text)} and a number ram_size")
-    for key in ("gdb", "console", "shell", "doorbell", "console_log"):
+    text = ("gdb", "console", "ram", "vmlinux", "console_log")
+    optional = ("shell", "doorbell")  # null where the board has no such port
+    if (
+        not all(isinstance(data.get(k), str) for k in text)
+        or not all(data.get(k) is None or isinstance(data[k], str) for k in optional)
+        or type(data.get("ram_size")) is not int
+    ):
+        raise bad(f"it needs strings {', '.join(text)}, {' and '.join(optional)} (or null), and a number ram_size")
+    for key in ("gdb", "console", *optional, "console_log"):
+        if data.get(key) is None:
+            continue
         try:
             beside = os.path.samefile(Path(data[key]).parent, sock.parent)
         except OSError:

@@ -44,6 +44,7 @@ from qprobe.parts import Parts
 from qprobe.paths import cache_dir
 from qprobe.probeapi import ProbeAPI
 from qprobe.views import KernelViews
+from qprobe.vmm.boards import board_for
 from qprobe.vmm.bootfail import BootSetup
 from qprobe.vmm.connection import Connection, parse_address
 from qprobe.vmm.console import Console, open_shell
@@ -53,7 +54,7 @@ from qprobe.vmm.journal import Journal, sweep_journals
 from qprobe.vmm.machine import Machine
 from qprobe.vmm.memory import GuestMemory, PhysReader, SharedRam
 from qprobe.vmm.peer import listener_pid, process_identity
-from qprobe.vmm.scratch import ScratchArea, memmap_reservation
+from qprobe.vmm.scratch import ScratchArea
 
 if TYPE_CHECKING:
     from qprobe.vmm.qemu import QemuProcess
@@ -284,10 +285,12 @@ class Wiring:
     def probing(self) -> None:
         """The probe managers, once the kernel's slide and command line are known."""
         t = self.parts
-        reservation = memmap_reservation(t.cmdline)
+        board = board_for(t.arch.name)
+        reservation = board.reserved(t.cmdline)
         if reservation is None:
-            raise TargetError("the kernel was not booted with a memmap=2M$ADDR reservation, which qprobe needs for "
-                              "its scratch area: add e.g. memmap=2M$0x1e000000 to the kernel command line")  # fmt: skip
+            example = board.reserve(board.scratch_phys(512 << 20))
+            raise TargetError(f"the kernel was not booted with the {board.reservation}= reservation qprobe needs for "
+                              f"its scratch area: add e.g. {example} to the kernel command line")  # fmt: skip
         ram = t.mem.phys if isinstance(t.mem.phys, SharedRam) else None
         t.scratch = ScratchArea(t.machine, reservation[0], t.symbols.address("_end"), reservation[1])
         t.regs_maker = RegsMaker(t.machine, t.kernel, t.arch)  # every handler's pt_regs

@@ -30,23 +30,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qprobe.errors import TargetError, TargetGone
+from qprobe.vmm.boards import SCRATCH_SIZE, Board, board_for
 from qprobe.vmm.console import SHELL_CMDLINE
-from qprobe.vmm.scratch import SIZE as SCRATCH_ALIGN
 
 log = logging.getLogger(__name__)
 
-# Reserved with memmap= so the kernel never uses it; qprobe maps it as the
-# scratch area (see qprobe.vmm.scratch), 2 MiB (one PMD) at a time as it fills.
-SCRATCH_SIZE = 8 << 20
 # The isa-debugcon port whose writes are the optimized probes' doorbell: qprobe.core.optimizer
 # hands it to the architecture's mailbox stub, which rings it with an ``out``.
 DOORBELL_PORT = 0x5E0
-# The CPU under TCG: everything QEMU can emulate but cmpxchg16b, whose flags QEMU 7.2's TCG takes from a
-# stale condition-code state (an earlier instruction's operand lands in EFLAGS, VM, AC, TF or DF set, and
-# the kernel's unlocked per-CPU cmpxchg16b in SLUB's fast path double-faults; the stops of a probed boot
-# make it likely).  Without CX16 the kernel takes its fallbacks (arch/x86/lib/cmpxchg16b_emu.S for the
-# per-CPU operation, a locked path for the slab's).  Under KVM the host's CPU runs it.
-TCG_CPU = "max,cx16=off"
+# The x86 CPU under TCG (qprobe.vmm.boards says why); under KVM the host's CPU runs the guest.
+TCG_CPU = board_for("x86_64").tcg_cpu
 RUN_PREFIX = "qprobe-run-"
 SHM_ROOT = Path("/dev/shm")
 SHM_PREFIX = "qprobe-"
@@ -74,15 +67,9 @@ def parse_memory(memory: str | int) -> int:
         raise TargetError(f"bad memory size {memory!r}: expected e.g. 512M or 1G") from None
 
 
-def scratch_phys(ram: int) -> int:
-    """Physical base of the scratch area: 2 MiB-aligned, 32 MiB below the top of low RAM (it ends below the top).
-
-    Below 3 GiB so that it is in the first RAM block of the ``pc`` machine.
-    """
-    top = min(ram, 3 << 30)
-    if top < (128 << 20):
-        raise TargetError(f"guest memory {ram >> 20} MiB is too small: qprobe needs at least 128M")
-    return (top - (32 << 20)) & ~(SCRATCH_ALIGN - 1)
+def scratch_phys(ram: int, arch: str = "x86_64") -> int:
+    """Physical base of the scratch area in ``ram`` bytes of an ``arch`` guest's memory (its board's choice)."""
+    return board_for(arch).scratch_phys(ram)
 
 
 def kvm_usable() -> bool:
@@ -199,6 +186,7 @@ class QemuConfig:
     tcg_thread: str = ""
     extra_args: list[str] = field(default_factory=list)
     name: str = ""  # the image's name, for messages ("": the kernel file's)
+    arch: str = "x86_64"  # the guest's architecture (its vmlinux's), which picks the board (qprobe.vmm.boards)
 
 
 class QemuProcess:
@@ -209,7 +197,7 @@ class QemuProcess:
     until then the janitor still stops it if its owner dies.
     """
 
-    def __init__(self, config: QemuConfig, qemu_binary: str = "qemu-system-x86_64", keepable: bool = False) -> None:
+    def __init__(self, config: QemuConfig, qemu_binary: str | None = None, keepable: bool = False) -> None:
         if config.smp < 1:
             raise TargetError(f"bad -smp {config.smp}: at least one vCPU")
         if config.disk_interface not in ("nvme", "virtio"):
@@ -219,11 +207,13 @@ class QemuProcess:
         for what, path in (("kernel", config.kernel), ("initrd", config.initrd), ("disk", config.disk)):
             if path is not None and not Path(path).is_file():
                 raise TargetError(f"{what} file {path} does not exist")
-        binary = shutil.which(qemu_binary)
+        self.board: Board = board_for(config.arch)
+        wanted = qemu_binary or self.board.binary
+        binary = shutil.which(wanted)
         if binary is None:
-            raise TargetError(f"{qemu_binary} not found: install Debian's qemu-system-x86 (make setup)")
+            raise TargetError(f"{wanted} not found: install Debian's {self.board.package} (make setup)")
         self.config = config
-        self.scratch_phys = scratch_phys(config.memory)
+        self.scratch_phys = self.board.scratch_phys(config.memory)
         sweep_stale()
         self._locks: list[int] = []
         self._janitor: subprocess.Popen[bytes] | None = None
@@ -238,9 +228,10 @@ class QemuProcess:
             self.qmp_path = self.rundir / "qmp.sock"
             self.console_path = self.rundir / "console.sock"
             self.console_log = self.rundir / "console.log"
-            self.shell_path = self.rundir / "shell.sock"
+            # The guest's shell's own port, and the doorbell, where the board has them (None: it has not).
+            self.shell_path: Path | None = self.rundir / "shell.sock" if self.board.shell_port else None
             self.shell_log = self.rundir / "shell.log"
-            self.doorbell_path = self.rundir / "doorbell.sock"
+            self.doorbell_path: Path | None = self.rundir / "doorbell.sock" if self.board.doorbell else None
             self.argv = [binary, *self._args()]
             # PR_SET_PDEATHSIG fires when the forking *thread* ends: only the main thread lives as long
             # as the process.  A VM started from another thread is stopped by the janitor alone.
@@ -311,14 +302,15 @@ class QemuProcess:
     def kernel_cmdline(self) -> str:
         """The command line QEMU gives the kernel (-append)."""
         c = self.config
+        board = self.board
         return " ".join(
             [
-                "console=ttyS0,115200",
+                f"console={board.console},115200",
                 # The guest's shell on a serial port of its own (ttyS1), so that a command's output never
                 # holds a kernel message (scripts/guest/init reads this).
-                SHELL_CMDLINE,
+                *([SHELL_CMDLINE] if board.shell_port else []),
                 # Keep the scratch area away from the kernel (KASLR honours memmap= too).
-                f"memmap={SCRATCH_SIZE >> 20}M${self.scratch_phys:#x}",
+                board.reserve(self.scratch_phys, SCRATCH_SIZE),
                 "panic=-1",
                 c.cmdline,
             ]
@@ -328,29 +320,31 @@ class QemuProcess:
         c = self.config
         mem = c.memory
         append = self.kernel_cmdline
+        board = self.board
         tcg = f"tcg,thread={c.tcg_thread}" if c.tcg_thread else "tcg"
         args = [
             *(["-accel", "kvm", "-accel", tcg] if self.accel == "kvm" else ["-accel", tcg]),
-            "-machine", "pc,memory-backend=pc.ram",
-            "-object", f"memory-backend-file,id=pc.ram,size={mem},mem-path={self.ram_path},share=on",
+            "-machine", f"{board.machine},memory-backend=guest.ram",
+            "-object", f"memory-backend-file,id=guest.ram,size={mem},mem-path={self.ram_path},share=on",
             "-m", f"{mem >> 20}M",
             "-smp", str(c.smp),
-            "-cpu", TCG_CPU if self.accel == "tcg" else "host",
-            "-display", "none", "-vga", "none", "-nodefaults", "-no-reboot",
+            "-cpu", board.tcg_cpu if self.accel == "tcg" else "host",
+            "-display", "none", *board.extra, "-nodefaults", "-no-reboot",
             "-chardev", f"socket,id=gdb0,path={self.gdb_path},server=on,wait=off",
             "-gdb", "chardev:gdb0",
             "-chardev", f"socket,id=qmp0,path={self.qmp_path},server=on,wait=off",
             "-mon", "chardev=qmp0,mode=control",
             "-chardev", f"socket,id=con0,path={self.console_path},server=on,wait=off,logfile={self.console_log}",
             "-serial", "chardev:con0",
-            "-chardev", f"socket,id=sh0,path={self.shell_path},server=on,wait=off,logfile={self.shell_log}",
-            "-serial", "chardev:sh0",
-            # The optimized probes' doorbell: an `out` to this port arrives on the socket.
-            "-chardev", f"socket,id=bell0,path={self.doorbell_path},server=on,wait=off",
-            "-device", f"isa-debugcon,iobase={DOORBELL_PORT:#x},chardev=bell0",
-            "-kernel", str(c.kernel),
-            "-append", append,
         ]  # fmt: skip
+        if board.shell_port:
+            args += ["-chardev", f"socket,id=sh0,path={self.shell_path},server=on,wait=off,logfile={self.shell_log}",
+                     "-serial", "chardev:sh0"]  # fmt: skip
+        if board.doorbell:
+            # The optimized probes' doorbell: an `out` to this port arrives on the socket.
+            args += ["-chardev", f"socket,id=bell0,path={self.doorbell_path},server=on,wait=off",
+                     "-device", f"isa-debugcon,iobase={DOORBELL_PORT:#x},chardev=bell0"]  # fmt: skip
+        args += ["-kernel", str(c.kernel), "-append", append]
         return args + storage_args(c.initrd, c.disk, c.disk_interface) + c.extra_args
 
     def alive(self) -> bool:
@@ -365,7 +359,7 @@ class QemuProcess:
     def wait_for_sockets(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
         paths = (self.gdb_path, self.console_path, self.shell_path, self.qmp_path, self.ram_path, self.doorbell_path)
-        while not all(p.exists() for p in paths):
+        while not all(p.exists() for p in paths if p is not None):
             if not self.alive():
                 raise TargetGone(f"QEMU exited at start-up: {self.stderr_tail() or 'no message'}")
             if time.monotonic() > deadline:

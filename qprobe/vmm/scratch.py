@@ -1,7 +1,8 @@
 """The scratch area: guest RAM the kernel was told not to use, mapped as kernel text.
 
-QEMU boots the kernel with ``memmap=2M$PHYS`` so the kernel (and KASLR)
-never touches that RAM.  qprobe maps it with large-page entries (2 MiB: an
+QEMU boots the kernel with the RAM kept from it (``memmap=SIZE$PHYS`` on x86,
+``mem=`` below it on arm64: ``qprobe.vmm.boards``) so the kernel (and KASLR)
+never touches it.  qprobe maps it with large-page entries (2 MiB: an
 x86 PMD entry) into the page table that maps the kernel image (the
 architecture's ``PageTables.large_page_table``; on x86_64 shared by every
 process's page tables), in slots the image does not use, so that code there
@@ -12,7 +13,6 @@ entries are journaled like any other patch and removed on exit.
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Iterator
 
 from qprobe.errors import MemoryFault, ScratchFull, TargetError
@@ -20,27 +20,6 @@ from qprobe.vmm.journal import Patch
 from qprobe.vmm.machine import Machine
 
 SIZE = 2 << 20
-
-
-_MEMMAP = re.compile(r"memmap=(0x[0-9a-fA-F]+|\d+)([KMG]?)\$(0x[0-9a-fA-F]+|\d+)([KMG]?)")
-
-
-def _memparse(number: str, suffix: str) -> int:
-    """The kernel's memparse(): a number with an optional K/M/G suffix."""
-    return int(number, 0) << {"": 0, "K": 10, "M": 20, "G": 30}[suffix]
-
-
-def memmap_reservation(cmdline: str) -> tuple[int, int] | None:
-    """(physical base, size) of the ``memmap=SIZE$ADDR`` reservation for the scratch area.
-
-    The last one on the command line whose size is a whole number of 2 MiB pages.
-    """
-    found = None
-    for m in _MEMMAP.finditer(cmdline):
-        size = _memparse(m.group(1), m.group(2))
-        if size and not size % SIZE:
-            found = _memparse(m.group(3), m.group(4)), size
-    return found
 
 
 class ScratchArea:

@@ -312,3 +312,23 @@ def test_starting_a_vm_sweeps(tmp_path: Path, fake_qemu: Path, private_roots: tu
         assert sweep_stale(grace=0) == []  # our own live directories are in use
     finally:
         q.terminate()
+
+
+def test_an_aarch64_guest_boots_on_the_virt_board(tmp_path: Path, fake_qemu: Path,
+                                                 private_roots: tuple[Path, Path]) -> None:  # fmt: skip
+    kernel = tmp_path / "Image"
+    kernel.write_bytes(b"")
+    q = QemuProcess(QemuConfig(kernel=kernel, accel="tcg", arch="aarch64", memory=512 << 20),
+                    qemu_binary=str(fake_qemu))  # fmt: skip
+    try:
+        argv = q.argv
+        assert argv[argv.index("-machine") + 1].startswith("virt,")
+        assert argv[argv.index("-cpu") + 1] == "max,pauth-impdef=on"
+        append = argv[argv.index("-append") + 1].split()
+        # One PL011: the kernel's console, and the guest's shell with it; the RAM above mem= is the scratch area.
+        assert "console=ttyAMA0,115200" in append and not any(a.startswith("qprobe.shell=") for a in append)
+        assert q.scratch_phys == 0x4000_0000 + (480 << 20) and "mem=480M" in append
+        assert argv.count("-serial") == 1 and "isa-debugcon" not in " ".join(argv)
+        assert q.shell_path is None and q.doorbell_path is None
+    finally:
+        q.terminate(timeout=1.0)

@@ -9,9 +9,10 @@ from vmm_fakes import ACCESSED, DIRTY, GLOBAL, NX, PS, RW, US, P, PageTables, Ph
 
 from qprobe.arch.x86_64.paging import KERNEL_IMAGE_BASE, X86PageTables, translate
 from qprobe.errors import ScratchFull, TargetError
+from qprobe.vmm.boards import board_for
 from qprobe.vmm.journal import Patch
 from qprobe.vmm.memory import GuestMemory, MemoryFault
-from qprobe.vmm.scratch import SIZE, ScratchArea, memmap_reservation
+from qprobe.vmm.scratch import SIZE, ScratchArea
 
 M2 = 2 << 20
 SCRATCH_PHYS = 0x1E00_0000
@@ -39,15 +40,15 @@ SCRATCH_PHYS = 0x1E00_0000
         ("memmap=2M@0x1e000000", None),  # '@' is usable RAM
     ],
 )
-def test_memmap_reservation(cmdline: str, found: tuple[int, int] | None) -> None:
-    assert memmap_reservation(cmdline) == found
+def test_the_pc_boards_reservation_is_memmap(cmdline: str, found: tuple[int, int] | None) -> None:
+    assert board_for("x86_64").reserved(cmdline) == found
 
 
 @pytest.mark.parametrize(("cmdline", "phys"), [("memmap=2M$480M", 480 << 20), ("memmap=2M$1G", 1 << 30)])
-def test_memmap_reservation_with_a_suffixed_address(cmdline: str, phys: int) -> None:
+def test_a_memmap_reservation_with_a_suffixed_address(cmdline: str, phys: int) -> None:
     # The kernel parses the address with memparse(), which takes K/M/G;
     # "480M" is read as 480 (and then rejected as unaligned, far from the cause).
-    assert memmap_reservation(cmdline) == (phys, M2)
+    assert board_for("x86_64").reserved(cmdline) == (phys, M2)
 
 
 # -- a machine on fake page tables ------------------------------------------------------------

@@ -184,6 +184,7 @@ class Wiring:
         self.alive = qemu.alive if qemu is not None else None
         self.t0 = time.monotonic()
         self.root = 0  # vCPU 0's page-table register when connected
+        self.kernel_pcs: list[int] = []  # the pcs of the vCPUs in kernel mode when connected
         self.stalled: GuestStalled | None = None  # a kernel silent in its own boot, said once attached
 
     def connect(self, boot: bool) -> None:
@@ -206,6 +207,9 @@ class Wiring:
         drop_stale_breakpoints(t.gdb.request, vcpus)  # a killed qprobe's, before anything runs
         regs0 = t.gdb.read_registers(vcpus[0])
         stage = t.arch.boot_stage(regs0)
+        # Where the vCPUs in the kernel are: in its text, which finds a KASLR slide without a window to scan.
+        in_kernel = [regs0] + [t.gdb.read_registers(v) for v in vcpus[1:]] if stage is BootStage.KERNEL else []
+        self.kernel_pcs = [t.arch.ip(r) for r in in_kernel if not t.arch.user_mode(r)]
         # A VM that has run no instruction is left so when this attach fails before the boot goes on, so that
         # another can (a detach would start it).
         self.lifetime.leave_halted = stage is BootStage.RESET
@@ -239,7 +243,7 @@ class Wiring:
         t = self.parts
         t.mem.paging.learn(t.symbols.__contains__)
         t.mem.pgd = t.mem.pgd_of(self.root)
-        t.slide = detect_slide(t.symbols, t.mem, t.console.text if t.console else "")
+        t.slide = detect_slide(t.symbols, t.mem, t.console.text if t.console else "", self.kernel_pcs)
         if self.stalled is not None:
             self.stalled.add_note(f"when it stalled: {vcpu_places(t.gdb, t.arch, t.symbols)}")
             raise self.stalled

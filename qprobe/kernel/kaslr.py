@@ -10,9 +10,10 @@ ftrace NOPs rewrite it at boot).
 
 from __future__ import annotations
 
+import itertools
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from qprobe.errors import ImageError, MemoryFault, VmlinuxMismatch
@@ -20,6 +21,7 @@ from qprobe.kernel.symbols import Symbols
 from qprobe.vmm.memory import GuestMemory
 
 ALIGN = 0x200000
+HINT_ALIGN = 0x10000
 WINDOW = 1 << 30
 KERNEL_IMAGE_BASE = 0xFFFF_FFFF_8000_0000  # __START_KERNEL_map: where the window starts
 
@@ -40,10 +42,29 @@ def check_slide(symbols: Symbols, mem: GuestMemory, slide: int) -> bool:
         return False
 
 
-def detect_slide(symbols: Symbols, mem: GuestMemory, console_text: str = "") -> int:
-    """The KASLR slide of the running kernel; raises VmlinuxMismatch if it is not this vmlinux."""
+def slides_near(symbols: Symbols, pcs: Iterable[int]) -> list[int]:
+    """The slides that put each of ``pcs`` (a vCPU's kernel-mode pc) within the image's text, nearest first.
+
+    arm64's KASLR moves the image anywhere in half of its vmalloc area (arch/arm64/kernel/pi/kaslr_early.c,
+    BIT(VA_BITS_MIN - 3) + the seed's bits): no window to scan, but a vCPU in the kernel is in its text.
+    The step is 64 KiB, arm64's smallest image alignment (SEGMENT_ALIGN), of which x86's 2 MiB is a multiple."""
+    text, etext = symbols.address("_text"), symbols.address("_etext")
+    found: list[int] = []
+    for pc in pcs:
+        high, low = pc - text, pc - etext
+        for slide in range(high - high % HINT_ALIGN, max(low, 0) - 1, -HINT_ALIGN):
+            if slide not in found:
+                found.append(slide)
+    return found
+
+
+def detect_slide(symbols: Symbols, mem: GuestMemory, console_text: str = "", pcs: Iterable[int] = ()) -> int:
+    """The KASLR slide of the running kernel; raises VmlinuxMismatch if it is not this vmlinux.
+
+    ``pcs``, the kernel-mode pcs of the vCPUs, are tried first; then every slide of x86's window."""
     symbols.slide = 0
-    for slide in range(0, WINDOW - (symbols.address("_end") - symbols.address("_text")), ALIGN):
+    window = range(0, WINDOW - (symbols.address("_end") - symbols.address("_text")), ALIGN)
+    for slide in itertools.chain(slides_near(symbols, pcs), window):
         if check_slide(symbols, mem, slide):
             symbols.slide = slide
             return slide

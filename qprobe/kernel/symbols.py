@@ -23,7 +23,7 @@ from pathlib import Path
 
 from qprobe.arch import FtraceSite
 from qprobe.errors import QprobeError, SymbolError
-from qprobe.kernel.vmlinux import LINK_BASE, Section, VmlinuxImage, parse_with_lief, read_build_id
+from qprobe.kernel.vmlinux import Section, VmlinuxImage, image_floor, parse_with_lief, read_build_id
 from qprobe.paths import cache_dir, read_private, write_private
 
 _CACHE_VERSION = 4
@@ -262,7 +262,8 @@ class Symbols(VmlinuxImage):
                     addrs = [base + o for o in offsets]
         except (SymbolError, struct.error):
             return []
-        return sorted(a for a in addrs if a >= LINK_BASE & ~0xFFFFFFF)
+        floor = image_floor(self.address("_text") - self.slide if "_text" in self else None)
+        return sorted(a for a in addrs if a >= floor)
 
     def function(self, addr: int) -> Symbol | None:
         sym = self.containing(addr)

@@ -10,13 +10,24 @@ and the bytes a section holds at a running address (link-time address +
 from __future__ import annotations
 
 import mmap
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from qprobe.errors import SymbolError
 
-LINK_BASE = 0xFFFF_FFFF_8100_0000  # __START_KERNEL with CONFIG_PHYSICAL_START=0x1000000
+# x86_64's __START_KERNEL with CONFIG_PHYSICAL_START=0x1000000: where ``_text`` is when a symbol table lacks it.
+LINK_BASE = 0xFFFF_FFFF_8100_0000
+
+
+def image_floor(text: int | None) -> int:
+    """The lowest address a symbol of the kernel image has, given ``_text``'s link address (None: unknown).
+
+    Below it are what is no address in the image: x86's per-CPU variables (linked from 0) and absolute
+    symbols.  The image starts at ``_text``, within 256 MiB of its region's base (x86_64: 0xffffffff80000000;
+    arm64: KIMAGE_VADDR, 0xffff800008000000 on 6.1 and 0xffff800080000000 on 6.12)."""
+    return (LINK_BASE if text is None else text) & ~0xFFFFFFF
 
 
 @dataclass(frozen=True)
@@ -124,6 +135,8 @@ def parse_system_map(text: str) -> tuple[list[tuple[str, int, int, str]], dict[s
     """
     rows = []
     percpu: dict[str, int] = {}
+    found = re.search(r"^([0-9a-fA-F]+) [Tt] _text$", text, re.M)
+    floor = image_floor(int(found.group(1), 16) if found else None)
     for line in text.splitlines():
         parts = line.split()
         if len(parts) < 3:
@@ -133,7 +146,7 @@ def parse_system_map(text: str) -> tuple[list[tuple[str, int, int, str]], dict[s
         except ValueError:
             continue
         kind, name = parts[1], parts[2]
-        if addr < LINK_BASE & ~0xFFFFFFF:
+        if addr < floor:
             if kind in "Dd":
                 percpu[name] = addr
             continue
@@ -163,10 +176,12 @@ def parse_with_lief(
     syms = []
     percpu: dict[str, int] = {}
     percpu_index = next((i for i, sec in enumerate(binary.sections) if sec.name == ".data..percpu"), -1)
+    text = next((s.value for s in binary.symtab_symbols if s.name == "_text"), None)
+    floor = image_floor(text)
     for s in binary.symtab_symbols:
         if not s.name or isinstance(s.name, bytes) or s.type == lief.ELF.Symbol.TYPE.FILE:  # bytes: not UTF-8
             continue
-        if s.value >= LINK_BASE & ~0xFFFFFFF:
+        if s.value >= floor:
             syms.append((s.name, s.value, s.size, kinds.get(s.type, "other")))
         elif s.shndx == percpu_index and s.type == lief.ELF.Symbol.TYPE.OBJECT:
             percpu[s.name] = s.value

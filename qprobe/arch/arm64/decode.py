@@ -10,19 +10,21 @@ host, or INSN_GOOD (a copy runs out of line).
 
 The kernel's behaviour changed between the two versions qprobe is tested
 on, so every function takes the guest's ``version`` as a tuple compared
-in order ((6, 1), (6, 12), or with the stable patch level, (6, 1, 158)):
+in order: (6, 1), (6, 12), or with the stable patch level, (6, 1, 158),
+which the stable backports below need (Debian's kernels are stable ones):
 
-- 6.12 (c56c599d9002, "arm64: probes: Disable kprobes/uprobes on MOPS
-  instructions") refuses FEAT_MOPS's CPY*/SET* instructions; 6.1 (which has
-  no MOPS support) steps them.
-- 6.12 ("arm64: probes: Remove broken LDR (literal) uprobe support")
-  simulates LDR/LDRSW (literal) for kprobes only,
-  so uprobes refuse them; 6.1 simulated them in uprobes too.  Both that and
-  "Fix simulate_ldr*_literal()" went to 6.1's stable series in 6.1.113.
+- "arm64: probes: Remove broken LDR (literal) uprobe support" (v6.12-rc4;
+  stable 6.1.113): LDR/LDRSW (literal) are simulated for kprobes only, so
+  uprobes refuse them; before, uprobes simulated them too.  With it came
+  "Fix simulate_ldr*_literal()" (simulate.py).
+- "arm64: probes: Disable kprobes/uprobes on MOPS instructions"
+  (c56c599d9002, merged for v6.13, so v6.12 itself steps them; stable
+  6.11.11 and, in the same batch of backports, 6.12.2): FEAT_MOPS's
+  CPY*/SET* are refused.  6.1 has no MOPS support and never took it.
 
 The steppable hints, the exclusive-access masks and the rest agree in 6.1
-and 6.12 (the hint list changed in 2020, the load_ex/store_ex masks and
-NOP simulation only after 6.12).
+and 6.12 (the hint list changed in 2020; the load_ex/store_ex masks and
+NOP simulation only after 6.12, and are not followed here).
 """
 
 from __future__ import annotations
@@ -84,12 +86,12 @@ def _since(version: KernelVersion, mainline: KernelVersion, stable: dict[tuple[i
 
 
 def mops_refused(version: KernelVersion) -> bool:
-    """6.12's "Disable kprobes/uprobes on MOPS instructions" (6.1, which predates MOPS, never took it)."""
-    return _since(version, (6, 12), {})
+    """ "Disable kprobes/uprobes on MOPS instructions": v6.13, 6.12.2 (see above)."""
+    return _since(version, (6, 13), {(6, 12): 2, (6, 11): 11})
 
 
 def ldr_literal_fixed(version: KernelVersion) -> bool:
-    """6.12-rc4's LDR (literal) fixes: a 32-bit load for a W register, and no LDR (literal) uprobes."""
+    """v6.12-rc4's LDR (literal) fixes (6.1.113): a 32-bit load for a W register, no LDR (literal) uprobes."""
     return _since(version, (6, 12), {(6, 1): 113})
 
 

@@ -4,7 +4,7 @@ Only what the kprobes decoder (:mod:`qprobe.arch.arm64.decode`) and the
 simulator (:mod:`qprobe.arch.arm64.simulate`) need.  Each ``aarch64_insn_is_*``
 test is the kernel's ``__AARCH64_INSN_FUNCS(abbr, mask, val)``:
 ``(insn & mask) == val``, with the masks of Linux 6.1 and 6.12 (which agree on
-every one used here; ``mops`` only exists from 6.12 on, see decode.py).
+every one used here; ``mops`` is 6.13's and 6.12.2's, see decode.py).
 Instructions are 32-bit words, little-endian in memory (``le32_to_cpu``).
 """
 
@@ -80,7 +80,7 @@ aarch64_insn_is_exclusive = _funcs(0x3F800000, 0x08000000)
 # work of 2025), so LDAR/STLR (and CAS) count as exclusive loads/stores in the atomic-sequence scan.
 aarch64_insn_is_load_ex = _funcs(0x3F400000, 0x08400000)
 aarch64_insn_is_store_ex = _funcs(0x3F400000, 0x08000000)
-aarch64_insn_is_mops = _funcs(0x3B200C00, 0x19000400)  # 6.12's asm/insn.h (FEAT_MOPS CPY*/SET*)
+aarch64_insn_is_mops = _funcs(0x3B200C00, 0x19000400)  # FEAT_MOPS CPY*/SET* (6.13, 6.12.2)
 aarch64_insn_is_b = _funcs(0xFC000000, 0x14000000)
 aarch64_insn_is_bl = _funcs(0xFC000000, 0x94000000)
 aarch64_insn_is_cbz = _funcs(0x7F000000, 0x34000000)

@@ -164,10 +164,12 @@ def test_literal_loads_are_simulated_for_kprobes_and_for_uprobes_only_before_6_1
 
 
 @pytest.mark.parametrize("word", list(MOPS), ids=_ids(MOPS))
-def test_mops_are_refused_from_6_12(word: int) -> None:
-    assert arm_kprobe_decode_insn(word, version=(6, 1)).kind is GOOD
-    decoded = arm_kprobe_decode_insn(word, version=(6, 12))
-    assert decoded.kind is REJ and decoded.reason is not None and "MOPS" in decoded.reason
+def test_mops_are_refused_from_6_13_and_6_12_2(word: int) -> None:
+    for version in ((6, 1), (6, 12), (6, 12, 1), (6, 11, 10)):
+        assert arm_kprobe_decode_insn(word, version=version).kind is GOOD
+    for version in ((6, 12, 2), (6, 12, 41), (6, 11, 11), (6, 13)):
+        decoded = arm_kprobe_decode_insn(word, version=version)
+        assert decoded.kind is REJ and decoded.reason is not None and "MOPS" in decoded.reason
 
 
 @pytest.mark.parametrize("word", list(SIMD_LITERALS), ids=_ids(SIMD_LITERALS))

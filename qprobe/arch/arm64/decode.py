@@ -149,11 +149,6 @@ def _unsteppable(insn: int, version: KernelVersion) -> str | None:
     return None
 
 
-def aarch64_insn_is_steppable(insn: int, version: KernelVersion = NEWEST) -> bool:
-    """Whether a copy of ``insn`` runs out of line as it would in place."""
-    return _unsteppable(insn, version) is None
-
-
 # arm_probe_decode_insn()'s simulated classes, in its order: (tests, simulate-insn.c handler).
 _SIMULATED = (
     ((aarch64_insn_is_bcond,), "simulate_b_cond"),
@@ -174,7 +169,8 @@ def arm_probe_decode_insn(insn: int, version: KernelVersion = NEWEST) -> Decoded
 
     The pointer-authenticated branches (retaa, braa, blraaz, ...) are
     branches the kernel does not simulate: refused, in 6.1 and 6.12 alike.
-    Before 6.12 this (uprobes') decoder simulated LDR/LDRSW (literal) too.
+    Before the LDR (literal) fixes (see above) this decoder, uprobes', simulated
+    LDR/LDRSW (literal) too.
     """
     why = _unsteppable(insn, version)
     if why is None:
@@ -228,14 +224,13 @@ def arm_kprobe_decode_insn(insn: int, preceding: bytes = b"", version: KernelVer
     line, loading from the slot's neighbourhood instead of the literal.
     qprobe refuses it.
     """
-    decoded = None
-    for tests, handler in _LITERAL_LOADS:
-        if tests[0](insn):
-            decoded = Decoded(ProbeInsn.INSN_GOOD_NO_SLOT, handler)
-    if decoded is None:
-        if aarch64_insn_is_ldr_lit_simd(insn):
-            return _rejected("loads a SIMD&FP register from a PC-relative literal, which no copy out of "
-                             "line reaches (the kernel steps it anyway)")  # fmt: skip
+    literal = next((handler for tests, handler in _LITERAL_LOADS if any(t(insn) for t in tests)), None)
+    if literal is not None:
+        decoded = Decoded(ProbeInsn.INSN_GOOD_NO_SLOT, literal)
+    elif aarch64_insn_is_ldr_lit_simd(insn):
+        return _rejected("loads a SIMD&FP register from a PC-relative literal, which no copy out of "
+                         "line reaches (the kernel steps it anyway)")  # fmt: skip
+    else:
         decoded = arm_probe_decode_insn(insn, version)
     if decoded.kind is not ProbeInsn.INSN_REJECTED:
         why = atomic_reason(preceding)

@@ -7,9 +7,10 @@ runs (kprobes_save_local_irqflag()).  The kernel keeps the DAIF bits it
 masked in its per-CPU kprobe_ctlblk; the host keeps them in where the copy
 runs instead, as x86's port keeps IF: a slot holds one copy (instruction and
 BRK) for each of the 16 DAIF values, the one run being the one at
-``8 * DAIF``, so that the second trap, a step, and a vCPU found in a slot
-by recovery all say which DAIF to give back.  The copies are identical:
-only instructions that do not read the pc run out of line.
+``8 * DAIF``, so that the second trap and a vCPU found in a slot by
+recovery both say which DAIF to give back (a host step runs the same copy
+with DAIF as it was).  The copies are identical: only instructions that do
+not read the pc run out of line.
 
 A hit on an instruction the decoder simulates is finished on the host
 (:func:`emulate`, simulate-insn.c), as arch_simulate_insn() finishes it in

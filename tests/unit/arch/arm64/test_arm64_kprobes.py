@@ -1,0 +1,170 @@
+"""arm64's arch_prepare_kprobe, its slot, and the resume after a hit (kprobes.c on the host)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from qprobe.arch import ResumeKind
+from qprobe.arch.arm64.insn import BRK64_OPCODE_KPROBES, BRK64_OPCODE_KPROBES_SS, DAIF_MASK
+from qprobe.arch.arm64.kprobes import (
+    SLOT_SIZE,
+    Arm64TrapStep,
+    StepOutsideSlot,
+    arch_fault_fixup,
+    arch_setup_resume,
+    arch_slot_resume,
+    check_boundary,
+    prepare_kprobe,
+    resume_singlestep,
+    slot_code,
+    step_left_slot,
+)
+from qprobe.errors import CannotProbe, NotInstructionBoundary, ProbeBusy
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fakes_arm64 import FakeMem, FakeRegs
+
+ADDR = 0xFFFF800008A01234
+SLOT = 0xFFFF800010000040
+ADD = (0x8B020020).to_bytes(4, "little")  # add x0, x1, x2
+LDXR = (0xC85F7C20).to_bytes(4, "little")  # ldxr x0, [x1]
+STXR = (0xC8027C20).to_bytes(4, "little")  # stxr w2, x0, [x1]
+BEQ = (0x54000200).to_bytes(4, "little")  # b.eq .+0x40
+LDR_W = (0x18FFFC0D).to_bytes(4, "little")  # ldr w13, .-0x80
+BRK_SS = BRK64_OPCODE_KPROBES_SS.to_bytes(4, "little")
+NZCV = 0x60000000  # Z and C set
+EL1H = 0x5
+
+
+def test_the_kernel_brk_encodings() -> None:
+    assert BRK64_OPCODE_KPROBES == 0xD4200080  # brk #0x4
+    assert BRK64_OPCODE_KPROBES_SS == 0xD42000C0  # brk #0x6
+
+
+def test_a_steppable_instruction_gets_a_copy_and_a_slot_of_16() -> None:
+    prep = prepare_kprobe(ADD + b"\0" * 12, ADDR, SLOT, where="f+0x34")
+    assert (prep.copy, prep.emulate, prep.boostable, prep.step_reason, prep.length) == (ADD, None, False, None, 4)
+    code = slot_code(prep)
+    assert len(code) == SLOT_SIZE == 128
+    assert code == (ADD + BRK_SS) * 16
+    with pytest.raises(CannotProbe, match="never boost"):
+        prep.boosted_copy()
+
+
+def test_a_simulated_instruction_has_no_slot() -> None:
+    prep = prepare_kprobe(BEQ, ADDR, SLOT)
+    assert (prep.copy, prep.emulate, prep.opcode) == (b"", "simulate_b_cond", 0x54000200)
+    with pytest.raises(ValueError, match="simulated"):
+        slot_code(prep)
+
+
+def test_refusals() -> None:
+    with pytest.raises(CannotProbe, match=r"cannot probe f\+0x34: the instruction 0xd4000001 generates an exception"):
+        prepare_kprobe((0xD4000001).to_bytes(4, "little"), ADDR, SLOT, where="f+0x34")
+    with pytest.raises(ProbeBusy):
+        prepare_kprobe(BRK64_OPCODE_KPROBES.to_bytes(4, "little"), ADDR, SLOT)
+    with pytest.raises(NotInstructionBoundary):
+        prepare_kprobe(ADD, ADDR + 2, SLOT)
+    with pytest.raises(CannotProbe, match="exception-table entry"):
+        prepare_kprobe(ADD, ADDR, SLOT, exception_table={ADDR})
+    with pytest.raises(CannotProbe, match="atomic sequence"):
+        prepare_kprobe(ADD, ADDR, SLOT, preceding=LDXR)
+    with pytest.raises(CannotProbe, match="only 2 byte"):
+        prepare_kprobe(ADD[:2], ADDR, SLOT)
+
+
+def test_qprobe_s_own_brk_is_looked_through() -> None:
+    patched = {ADDR + i: b for i, b in enumerate(ADD)}
+    prep = prepare_kprobe(BRK64_OPCODE_KPROBES.to_bytes(4, "little"), ADDR, SLOT, patched=patched)
+    assert prep.copy == ADD
+
+
+def test_check_boundary() -> None:
+    start = ADDR - 8
+    check_boundary(STXR + ADD + ADD, start, ADDR, {}, "f")
+    with pytest.raises(NotInstructionBoundary, match=r"f\+0x9 is not 4-byte aligned"):
+        check_boundary(ADD * 4, start, ADDR + 1, {}, "f")
+    with pytest.raises(NotInstructionBoundary, match="outside"):
+        check_boundary(ADD * 2, start, ADDR, {}, "f")
+    with pytest.raises(CannotProbe, match=r"f\+0x8: .*atomic sequence"):
+        check_boundary(LDXR + ADD + ADD, start, ADDR, {}, "f")
+    # An LDXR under one of qprobe's own BRKs still opens a sequence.
+    brk = BRK64_OPCODE_KPROBES.to_bytes(4, "little")
+    with pytest.raises(CannotProbe, match="atomic sequence"):
+        check_boundary(brk + ADD + ADD, start, ADDR, {start + i: b for i, b in enumerate(LDXR)}, "f")
+
+
+@pytest.mark.parametrize("daif", [0, 0x80, 0xC0, 0x3C0])
+def test_the_copy_run_stands_for_the_context_s_daif(daif: int) -> None:
+    prep = prepare_kprobe(ADD, ADDR, SLOT)
+    regs = FakeRegs(pc=ADDR, sp=0xFFFF800012000000, pstate=NZCV | daif | EL1H)
+    start = SLOT + 8 * (daif >> 6)
+    trap = arch_setup_resume(prep, regs, FakeMem(), may_trap_step=True)
+    assert (trap.kind, trap.ip, trap.flags) == (ResumeKind.TRAP_STEP, start, NZCV | DAIF_MASK | EL1H)
+    step = arch_setup_resume(prep, regs, FakeMem(), may_trap_step=False)
+    assert (step.kind, step.ip, step.flags) == (ResumeKind.STEP, start, regs.pstate)
+
+    ts = Arm64TrapStep()
+    assert ts.is_trap_step_start(prep, start) and not ts.is_trap_step_start(prep, start + 4)
+    assert ts.is_trap_step_end(prep, start + 4) and not ts.is_trap_step_end(prep, start)
+    assert not ts.is_trap_step_end(prep, SLOT + SLOT_SIZE + 4)
+    # The copy changed the flags (N); the BRK's resume keeps them and gives DAIF back.
+    after = FakeRegs(pc=start + 4, pstate=0x80000000 | DAIF_MASK | EL1H)
+    ts.arch_resume_trap_step(prep, after)
+    assert (after.pc, after.pstate) == (ADDR + 4, 0x80000000 | daif | EL1H)
+
+    stepped = FakeRegs(pc=start + 4, pstate=regs.pstate)
+    assert not step_left_slot(prep, stepped.pc)
+    resume_singlestep(prep, stepped)
+    assert (stepped.pc, stepped.pstate) == (ADDR + 4, regs.pstate)
+
+    assert arch_slot_resume(SLOT, ADDR, start, NZCV | DAIF_MASK) == (ADDR, NZCV | daif)
+    assert arch_slot_resume(SLOT, ADDR, start + 4, NZCV | DAIF_MASK) == (ADDR + 4, NZCV | daif)
+
+
+def test_a_step_that_left_the_slot() -> None:
+    prep = prepare_kprobe(ADD, ADDR, SLOT)
+    vector = 0xFFFF800008010200  # el1h_64_sync's vector
+    assert step_left_slot(prep, vector)
+    assert step_left_slot(prep, SLOT)  # the copy did not run
+    with pytest.raises(StepOutsideSlot):
+        resume_singlestep(prep, FakeRegs(pc=vector))
+    with pytest.raises(StepOutsideSlot):
+        Arm64TrapStep().arch_resume_trap_step(prep, FakeRegs(pc=SLOT + 8))
+    assert arch_slot_resume(SLOT, ADDR, SLOT + SLOT_SIZE, 0) is None
+    assert arch_slot_resume(SLOT, ADDR, SLOT - 4, 0) is None
+
+
+def test_a_fault_in_the_copy_returns_to_the_probe() -> None:
+    prep = prepare_kprobe(ADD, ADDR, SLOT)
+    regs = FakeRegs(pc=0xFFFF800008010200, ELR_EL1=SLOT + 8 * 2)
+    arch_fault_fixup(prep, regs)
+    assert regs.dirty() == {"ELR_EL1": ADDR}
+    elsewhere = FakeRegs(ELR_EL1=0xFFFF800009000000)
+    arch_fault_fixup(prep, elsewhere)
+    assert elsewhere.dirty() == {}
+
+
+def test_a_simulated_hit_continues_where_the_instruction_goes() -> None:
+    taken = arch_setup_resume(prepare_kprobe(BEQ, ADDR, SLOT), FakeRegs(pc=ADDR, pstate=NZCV), FakeMem(), True)
+    assert (taken.kind, taken.ip, taken.changed) == (ResumeKind.CONTINUE, ADDR + 0x40, {"pc": ADDR + 0x40})
+    mem = FakeMem()
+    mem.write(ADDR - 0x80, bytes(range(1, 9)))
+    for version in ((6, 1), (6, 12)):
+        regs = FakeRegs(pc=ADDR, x13=(1 << 64) - 1)
+        arch_setup_resume(prepare_kprobe(LDR_W, ADDR, SLOT, version=version), regs, mem, True)
+        assert (regs.x13, regs.pc) == (0x04030201, ADDR + 4)
+
+
+def test_a_w_literal_load_reads_8_bytes_before_the_fix() -> None:
+    """6.1 loaded 64 bits for a W register (only 4 readable here): the read the kernel would have done."""
+    mem = FakeMem()
+    mem.write(ADDR - 0x80, bytes(range(1, 5)))
+    regs = FakeRegs(pc=ADDR)
+    arch_setup_resume(prepare_kprobe(LDR_W, ADDR, SLOT, version=(6, 12)), regs, mem, True)
+    assert regs.x13 == 0x04030201
+    with pytest.raises(KeyError):
+        arch_setup_resume(prepare_kprobe(LDR_W, ADDR, SLOT, version=(6, 1)), FakeRegs(pc=ADDR), mem, True)

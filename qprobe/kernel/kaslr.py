@@ -48,8 +48,12 @@ def slides_near(symbols: Symbols, pcs: Iterable[int]) -> list[int]:
     arm64's KASLR moves the image anywhere in half of its vmalloc area (arch/arm64/kernel/pi/kaslr_early.c,
     BIT(VA_BITS_MIN - 3) + the seed's bits): no window to scan, but a vCPU in the kernel is in its text.
     The step is 64 KiB, arm64's smallest image alignment (SEGMENT_ALIGN), of which x86's 2 MiB is a multiple."""
-    text, etext = symbols.address("_text"), symbols.address("_etext")
     found: list[int] = []
+    pcs = list(pcs)
+    if not pcs:
+        return found
+    text = symbols.address("_text")
+    etext = symbols.address("_etext" if "_etext" in symbols else "_end")
     for pc in pcs:
         high, low = pc - text, pc - etext
         for slide in range(high - high % HINT_ALIGN, max(low, 0) - 1, -HINT_ALIGN):

@@ -36,8 +36,8 @@ GDB_NAME: dict[str, str] = {**{name: name for name in PT_NAMES[:-1]}, "pstate": 
 PT_NAME: dict[str, str] = {g: pt for pt, g in GDB_NAME.items()}
 PT_GPRS: tuple[str, ...] = PT_NAMES[:31]  # x0-x30, by either name
 
-# Offsets of the fields past user_pt_regs (asm-offsets.c's S_ORIG_X0, S_SYSCALLNO, S_SDEI_TTBR1,
-# S_PMR_SAVE, S_STACKFRAME; the last two fields have no S_ name).
+# Offsets of the fields past user_pt_regs: asm-offsets.c's S_SYSCALLNO, S_SDEI_TTBR1, S_PMR_SAVE and
+# S_STACKFRAME (6.1 and 6.12); the others have no S_ name there and are named here after their fields.
 USER_PT_REGS_SIZE = 8 * len(PT_NAMES)  # 272
 S_ORIG_X0 = USER_PT_REGS_SIZE
 S_SYSCALLNO = S_ORIG_X0 + 8  # s32, then the u32 unused2 (little-endian: syscallno first)
@@ -51,7 +51,6 @@ NO_SYSCALL = -1  # syscallno of a context that is in no system call (ptrace.h)
 
 # PSTATE (SPSR_ELx) bits, arch/arm64/include/uapi/asm/ptrace.h.
 PSR_MODE_EL0t = 0x0
-PSR_MODE_EL1t = 0x4
 PSR_MODE_EL1h = 0x5
 PSR_MODE_MASK = 0xF
 PSR_MODE32_BIT = 0x10
@@ -60,7 +59,6 @@ PSR_I_BIT = 1 << 7  # IRQs masked: interrupts are enabled while it is clear (ptr
 PSR_A_BIT = 1 << 8
 PSR_D_BIT = 1 << 9
 PSR_DAIF_MASK = PSR_D_BIT | PSR_A_BIT | PSR_I_BIT | PSR_F_BIT
-PSR_SS_BIT = 1 << 21  # software step
 
 # The AAPCS64 integer argument registers (pt_regs names): regs_get_kernel_argument's NR_REG_ARGUMENTS = 8.
 ARG_REGS = tuple(f"x{n}" for n in range(8))
@@ -82,9 +80,10 @@ def parse_pt_regs(raw: bytes, offset: int = 0) -> dict[str, int]:
 def pack_pt_regs(values: Mapping[str, int], syscallno: int = NO_SYSCALL) -> bytes:
     """A whole struct pt_regs (PT_REGS_SIZE bytes) from registers by gdbstub name (absent ones are zero).
 
-    ``orig_x0`` may be given by that name; ``syscallno`` defaults to NO_SYSCALL, what
-    a kernel-mode exception entry stores (entry-common.c's el1 handlers never enter a
-    system call).  The fields past them are zero.
+    ``orig_x0`` may be given by that name; ``syscallno`` defaults to NO_SYSCALL (what
+    kernel_entry stores for an entry from EL0 until el0_svc sets the number; an entry
+    from EL1 leaves the field as the stack held it: entry.S, 6.1 and 6.12).  The
+    fields past them are zero.
     """
     regs = _USER_PT_REGS.pack(*(values.get(g, 0) & (1 << 64) - 1 for g in GDB_NAME.values()))
     return regs + _TAIL.pack(values.get("orig_x0", 0) & (1 << 64) - 1, syscallno, 0, 0, 0, 0, 0, 0, 0)
@@ -148,7 +147,10 @@ REGISTERS = RegisterLayout(
     # At a user-mode stop SP_EL0 is the user's stack pointer; __entry_task (arch/arm64/kernel/process.c,
     # 6.1 and 6.12) is what kernel_entry loads into it.
     current_percpu="__entry_task",
-    syscall_nr="syscallno",
+    # pt_regs' syscallno is no %REG of arm64's kprobe_events (regoffset_table ends at pstate), and an
+    # exception from EL1 does not set it (kernel_entry stores NO_SYSCALL for EL0 entries only): a kprobe
+    # handler has no system-call number to show.
+    syscall_nr=None,
     system=SYSTEM,
     retval="x0",
     stack_args=0,  # a call leaves sp at the first stacked argument: the return address is in x30
@@ -180,7 +182,6 @@ __all__ = [
     "PSR_I_BIT",
     "PSR_MODE32_BIT",
     "PSR_MODE_MASK",
-    "PSR_SS_BIT",
     "PT_GPRS",
     "PT_NAME",
     "PT_NAMES",
@@ -204,7 +205,6 @@ __all__ = [
     "VBAR_EL1",
     "PSR_MODE_EL0t",
     "PSR_MODE_EL1h",
-    "PSR_MODE_EL1t",
     "interrupts_enabled",
     "pack_pt_regs",
     "parse_pt_regs",

@@ -31,7 +31,7 @@ DRGN = {*(f"x{n}" for n in range(31)), "sp", "pstate"}
 
 
 def test_the_layout_is_ptrace_h_s() -> None:
-    """asm-offsets.c's S_* offsets and PT_REGS_SIZE (336: S_FRAME_SIZE before 5.x's rename)."""
+    """asm-offsets.c's S_* offsets (and those of the fields it names none for) and PT_REGS_SIZE."""
     assert (S_ORIG_X0, S_SYSCALLNO, S_SDEI_TTBR1, S_PMR_SAVE, S_STACKFRAME, S_LOCKDEP_HARDIRQS, S_EXIT_RCU) == (
         272, 280, 288, 296, 304, 320, 328)  # fmt: skip
     assert PT_REGS_SIZE == 336 and PT_REGS_SIZE % 16 == 0
@@ -47,9 +47,9 @@ def test_every_pt_regs_register_has_its_core_gdb_name() -> None:
     assert REGISTERS.pc == "pc" and REGISTERS.pt_name["cpsr"] == "pstate"
 
 
-def test_memory_only_fields_have_no_gdb_name() -> None:
-    assert REGISTERS.syscall_nr == "syscallno"
-    assert {"orig_x0", "syscallno"}.isdisjoint(REGISTERS.gdb_name)
+def test_memory_only_fields_are_neither_registers_nor_kprobe_events_names() -> None:
+    assert REGISTERS.syscall_nr is None
+    assert {"orig_x0", "syscallno"}.isdisjoint({*REGISTERS.gdb_name, *REGISTERS.pt_regs})
 
 
 def test_stop_registers_are_the_core_ones_and_the_named_system_registers() -> None:

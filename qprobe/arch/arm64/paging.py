@@ -1,0 +1,217 @@
+"""arm64's page tables as the host walks them: the kernel half (TTBR1_EL1), shaped by TCR_EL1.
+
+Nothing about the shape is fixed by the architecture: TCR_EL1 says the
+kernel half's virtual address size (T1SZ: VA_BITS, or the smaller size a
+52-bit kernel falls back to) and its granule (TG1: 4K, 16K or 64K pages), so
+the number of levels and the block sizes follow from it, as they do for the
+MMU and for arch/arm64/include/asm/pgtable-hwdef.h's ARM64_HW_PGTABLE_LEVELS.
+A descriptor is valid when bit 0 is set; above the last level, bit 1 tells a
+table from a block.  Linux maps blocks only where its PUD or PMD may be a
+section (pud_sect_supported(): PUD blocks with 4K pages only), so a block is
+taken at level 1 (4K granule) or level 2 (any granule), and any other is no
+mapping.
+
+The scratch area (``qprobe.vmm.scratch``) is mapped as level-2 blocks (2 MiB
+with 4K pages: ``large_page``) into the table that maps the running kernel
+image, found through VBAR_EL1 (which holds ``vectors``, in the image's text):
+KASLR places arm64's image anywhere in the vmalloc area, so its address is
+read from the CPU, not from a link address.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from qprobe.arch.arm64.ptregs import SCTLR_EL1, TCR_EL1, VBAR_EL1
+from qprobe.errors import MemoryFault, TargetError
+
+# TCR_EL1 fields (arch/arm64/include/asm/pgtable-hwdef.h; TCR_DS is 6.12's, for LPA2).
+TCR_T1SZ_OFFSET = 16
+TCR_TxSZ_WIDTH = 6
+TCR_TG1_SHIFT = 30
+TCR_IPS_SHIFT = 32
+TCR_DS = 1 << 59
+# TG1's encodings -> PAGE_SHIFT (TCR_TG1_16K, TCR_TG1_4K, TCR_TG1_64K); 0 is reserved.
+_TG1_PAGE_SHIFT = {1: 14, 2: 12, 3: 16}
+_IPS_52 = 0b110  # TCR.IPS for a 52-bit physical address space (FEAT_LPA)
+
+# Descriptor bits (pgtable-hwdef.h).
+PMD_TYPE_SECT = 1 << 0  # valid, bit 1 clear: a block
+PMD_TYPE_TABLE = 3 << 0
+PTE_VALID = 1 << 0
+PTE_TABLE_BIT = 1 << 1  # above the last level: a table; at the last level: a page
+PMD_SECT_RDONLY = 1 << 7  # AP[2]
+PMD_SECT_S = 3 << 8  # inner shareable
+PMD_SECT_AF = 1 << 10
+PMD_SECT_PXN = 1 << 53
+PMD_SECT_UXN = 1 << 54
+MT_NORMAL = 0  # the MAIR_EL1 index of Normal write-back memory (asm/memory.h, 6.1 and 6.12)
+_ADDR_48 = 0x0000_FFFF_FFFF_F000  # output address bits [47:12]
+TTBR_ASID_MASK = 0xFFFF << 48
+TTBR_CNP_BIT = 1 << 0
+SCTLR_ELx_WXN = 1 << 19  # every writable page is execute-never
+SCTLR_ELx_ENIA = 1 << 31  # instruction address authentication with the A key
+KERNEL_ROOT_SYMBOL = "swapper_pg_dir"
+
+
+class Arm64PageTables:
+    """The :class:`qprobe.arch.PageTables` of one arm64 guest, from its TCR_EL1 and SCTLR_EL1.
+
+    ``image``: an address in the running kernel image (VBAR_EL1's ``vectors``), or
+    None before the kernel has set one (early boot): the scratch area's table is then
+    not known.  From SCTLR_EL1: WXN, under which no writable mapping executes, and
+    EnIA, which the kernel sets at every entry when it uses address authentication
+    (ptrauth_enable() and kernel_entry, only if system_supports_address_auth()).
+    """
+
+    kernel_root_symbol = KERNEL_ROOT_SYMBOL
+
+    def __init__(self, tcr: int, sctlr: int = 0, image: int | None = None) -> None:
+        tg1 = tcr >> TCR_TG1_SHIFT & 3
+        if tg1 not in _TG1_PAGE_SHIFT:
+            raise TargetError(f"TCR_EL1 {tcr:#x} gives the kernel half no granule (TG1 is {tg1})")
+        self.tcr = tcr
+        self.page_shift = _TG1_PAGE_SHIFT[tg1]
+        self.stride = self.page_shift - 3  # index bits a table resolves: 8-byte descriptors in one page
+        # vabits_actual: 6.12's asm/memory.h reads it from T1SZ, as the MMU does (6.1 keeps it in a variable).
+        self.va_bits = 64 - (tcr >> TCR_T1SZ_OFFSET & (1 << TCR_TxSZ_WIDTH) - 1)
+        if not self.page_shift < self.va_bits <= 52:
+            raise TargetError(f"TCR_EL1 {tcr:#x} gives the kernel half {self.va_bits}-bit addresses")
+        # ARM64_HW_PGTABLE_LEVELS(va_bits): ((va_bits) - 4) / (PAGE_SHIFT - 3), the same as the ceiling below.
+        self.levels = -(-(self.va_bits - self.page_shift) // self.stride)
+        self.lpa2 = bool(tcr & TCR_DS)  # 4K/16K pages with 52-bit output addresses (FEAT_LPA2)
+        self.pa52 = self.lpa2 or (self.page_shift == 16 and tcr >> TCR_IPS_SHIFT & 7 == _IPS_52)
+        self.large_page = 1 << (self.page_shift + self.stride)  # a level-2 block: a PMD section
+        # Linux's PUD sections are 4K-granule only (pud_sect_supported()).
+        self.first_block_level = 1 if self.page_shift == 12 else 2
+        self.wxn = bool(sctlr & SCTLR_ELx_WXN)
+        # ptrauth_kernel_pac_mask(), GENMASK_ULL(63, vabits_actual): the bits a PAC takes in a kernel pointer.
+        self.pac_mask = -(1 << self.va_bits) & (1 << 64) - 1 if sctlr & SCTLR_ELx_ENIA else 0
+        self.image = image if image is not None and self.is_kernel_address(image) else None
+        # The address the large-page table's first entry maps (scratch.py counts its slots from there).
+        span = self.large_page << self.stride
+        self.image_base = self.image & -span if self.image is not None else 0
+
+    def learn(self, has_symbol: Callable[[str], bool]) -> None:
+        """Nothing of the walk depends on the kernel's build: TCR_EL1 says it all."""
+
+    def is_kernel_address(self, vaddr: int) -> bool:
+        """Whether ``vaddr`` is in TTBR1's half: bits 63 down to va_bits all set."""
+        return vaddr >> self.va_bits == (1 << (64 - self.va_bits)) - 1
+
+    def root(self, value: int) -> int:
+        """The physical table TTBR1_EL1 points at: its BADDR, without the ASID (bits 63:48) or CnP (bit 0).
+
+        With 52-bit output addresses, BADDR's bits 51:48 are the register's bits 5:2 (phys_to_ttbr()).
+        """
+        if self.pa52:
+            return value & 0x0000_FFFF_FFFF_FFC0 | (value >> 2 & 0xF) << 48
+        return value & ~(TTBR_ASID_MASK | TTBR_CNP_BIT)
+
+    def _shift(self, level: int) -> int:
+        """The address bit a level's index starts at: PAGE_SHIFT at level 3, one stride more each level up."""
+        return self.page_shift + self.stride * (3 - level)
+
+    def _output_address(self, entry: int) -> int:
+        """A descriptor's output address (next table, block or page), before the block's own alignment."""
+        addr = entry & _ADDR_48 & -(1 << self.page_shift)
+        if self.lpa2:  # bits 49:48 in place, 51:50 in descriptor bits 9:8
+            addr |= entry & (3 << 48) | (entry >> 8 & 3) << 50
+        elif self.pa52:  # 64K pages (FEAT_LPA): bits 51:48 in descriptor bits 15:12
+            addr |= (entry >> 12 & 0xF) << 48
+        return addr
+
+    def walk(self, read_u64: Callable[[int], int], root: int, vaddr: int) -> list[tuple[int, int]]:
+        """The path of ``vaddr``: (table physical address, descriptor) per level, top first.
+
+        Stops at the leaf (a page or a block) or at the first descriptor that maps nothing (included).
+        """
+        path: list[tuple[int, int]] = []
+        table = root
+        top = 4 - self.levels  # level 0 with 4 levels, 1 with 3, -1 with 52-bit LPA2's 5
+        for level in range(top, 4):
+            shift = self._shift(level)
+            bits = self.va_bits - shift if level == top else self.stride
+            entry = read_u64(table + (vaddr >> shift & (1 << bits) - 1) * 8)
+            path.append((table, entry))
+            if not entry & PTE_VALID or level == 3 or not entry & PTE_TABLE_BIT:
+                break
+            table = self._output_address(entry)
+        return path
+
+    def _leaf_level(self, path: list[tuple[int, int]]) -> int:
+        return 4 - self.levels + len(path) - 1
+
+    def translate(self, read_u64: Callable[[int], int], root: int, vaddr: int) -> tuple[int, int, int]:
+        """Walk TTBR1's tables: (physical address, page or block size, leaf descriptor); MemoryFault if unmapped."""
+        if not self.is_kernel_address(vaddr):
+            raise MemoryFault(vaddr, "not in the kernel's half of the address space")
+        path = self.walk(read_u64, root, vaddr)
+        entry, level = path[-1][1], self._leaf_level(path)
+        if not entry & PTE_VALID or (level == 3) != bool(entry & PTE_TABLE_BIT) or level < self.first_block_level:
+            raise MemoryFault(vaddr)
+        size = 1 << self._shift(level)
+        return self._output_address(entry) & -size | vaddr & size - 1, size, entry
+
+    def large_page_table(self, read_u64: Callable[[int], int], root: int) -> int:
+        """The physical address of the level-2 table (PMD) that maps the running kernel image."""
+        if self.image is None:
+            raise TargetError("VBAR_EL1 does not point into the kernel yet: where its image runs is not known")
+        path = self.walk(read_u64, root, self.image)
+        pmd = 2 - (4 - self.levels)  # the level-2 table's place in the path
+        if len(path) <= pmd:  # the walk stopped above it: no table, or a block, on the way
+            raise TargetError("the kernel image is not mapped through a PMD table")
+        return path[pmd][0]
+
+    def large_page_entry(self, phys: int) -> int:
+        """A level-2 block of kernel memory at ``phys``: PROT_SECT_NORMAL_EXEC (asm/pgtable-prot.h, 6.1 and 6.12).
+
+        Valid, accessed, Normal memory, inner shareable (no SH bits under LPA2, where they hold
+        output address bits: PMD_MAYBE_SHARED), writable and executable at EL1 (AP[2] and PXN
+        clear: the guest runs the stubs there and writes their rings), never executable at EL0
+        (UXN), global.
+        """
+        if phys & self.large_page - 1:
+            raise TargetError(f"{phys:#x} is not aligned to the {self.large_page:#x}-byte block it would map")
+        if self.wxn:
+            raise TargetError("SCTLR_EL1.WXN is set: a writable block of code would never execute")
+        addr = phys & _ADDR_48
+        if self.lpa2:
+            addr |= phys & (3 << 48) | (phys >> 50 & 3) << 8
+        elif self.pa52:
+            addr |= (phys >> 48 & 0xF) << 12
+        shared = 0 if self.lpa2 else PMD_SECT_S
+        return addr | PMD_TYPE_SECT | PMD_SECT_AF | shared | MT_NORMAL << 2 | PMD_SECT_UXN
+
+    def task_size_max(self) -> int:
+        """TASK_SIZE_64, ``1 << vabits_actual`` (asm/processor.h), where user addresses end.
+
+        From T1SZ, as 6.12 computes vabits_actual: the kernel sets T0SZ to the same size
+        for every task, but widens it for the identity map while it is installed.
+        """
+        return 1 << self.va_bits
+
+
+def page_tables(regs: Mapping[str, int]) -> Arm64PageTables:
+    """The page tables of the guest whose vCPU has ``regs`` (TCR_EL1, VBAR_EL1 and SCTLR_EL1 of a stop)."""
+    return Arm64PageTables(regs[TCR_EL1], regs.get(SCTLR_EL1, 0), regs.get(VBAR_EL1))
+
+
+__all__ = [
+    "KERNEL_ROOT_SYMBOL",
+    "MT_NORMAL",
+    "PMD_SECT_AF",
+    "PMD_SECT_PXN",
+    "PMD_SECT_RDONLY",
+    "PMD_SECT_S",
+    "PMD_SECT_UXN",
+    "PMD_TYPE_SECT",
+    "PMD_TYPE_TABLE",
+    "PTE_TABLE_BIT",
+    "PTE_VALID",
+    "TCR_DS",
+    "Arm64PageTables",
+    "SCTLR_ELx_ENIA",
+    "SCTLR_ELx_WXN",
+    "page_tables",
+]

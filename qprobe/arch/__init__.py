@@ -356,7 +356,8 @@ class Arch(Protocol):
     cycle_counter: CycleCounter | None  # None: hits are timed by the host, not by the guest's trace clock
 
     def page_tables(self, regs: Mapping[str, int]) -> PageTables: ...
-    def vmcoreinfo(self, address: Callable[[str], int], virt_to_phys: Callable[[int], int], levels: int) -> list[str]:
+    def vmcoreinfo(self, address: Callable[[str], int], virt_to_phys: Callable[[int], int],
+                   read_u64: Callable[[int], int], paging: PageTables) -> list[str]:  # fmt: skip
         """The arch's VMCOREINFO lines drgn reads (its machine_kexec's), for a kernel that exports none."""
         ...
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from qprobe.arch import Arch
+from qprobe.arch.arm64.arch import Arm64
 from qprobe.arch.x86_64.arch import X86_64
 from qprobe.errors import TargetError
 
@@ -20,6 +21,7 @@ from qprobe.errors import TargetError
 # names the member that does not match.
 ARCHES: dict[str, tuple[int, Callable[[], Arch]]] = {
     X86_64.gdb_architecture: (62, lambda: X86_64()),  # EM_X86_64
+    Arm64.gdb_architecture: (183, lambda: Arm64()),  # EM_AARCH64
 }
 
 

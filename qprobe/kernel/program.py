@@ -73,7 +73,7 @@ def synthetic_vmcoreinfo(symbols: Symbols, mem: GuestMemory, arch: Arch, root: i
         f"OSRELEASE={release.group(1).decode()}",
         f"BUILD-ID={symbols.build_id}",
         "PAGESIZE=4096",
-        *arch.vmcoreinfo(address, mem.virt_to_phys, mem.levels),
+        *arch.vmcoreinfo(address, mem.virt_to_phys, mem.read_u64, mem.paging),
         f"KERNELOFFSET={symbols.slide:x}",
     ]
     return ("\n".join(lines) + "\n").encode()

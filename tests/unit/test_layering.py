@@ -123,7 +123,7 @@ def test_imports_run_downward(name: str) -> None:
 # The architecture's own packages (qprobe.arch.<name>) and the one module that names them all,
 # qprobe.arch.select (wiring.py, the composition root, asks it for an Arch by the target's architecture).
 # Everything else sees an architecture only through qprobe.arch's interface and its neutral modules.
-ARCH_PACKAGES = ("qprobe.arch.x86_64",)
+ARCH_PACKAGES = ("qprobe.arch.x86_64", "qprobe.arch.arm64")
 ARCH_CHOOSER = "qprobe.arch.select"
 
 

@@ -24,6 +24,7 @@ from qprobe.arch import (
     GuestRam,
     Memory,
     OptProbes,
+    PageTables,
     Prepared,
     RegisterLayout,
     Registers,
@@ -197,7 +198,8 @@ class X86_64:
     def page_tables(self, regs: Mapping[str, int]) -> X86PageTables:
         return page_tables(regs)
 
-    def vmcoreinfo(self, address: Callable[[str], int], virt_to_phys: Callable[[int], int], levels: int) -> list[str]:
+    def vmcoreinfo(self, address: Callable[[str], int], virt_to_phys: Callable[[int], int],
+                   read_u64: Callable[[int], int], paging: PageTables) -> list[str]:  # fmt: skip
         """arch/x86/kernel/machine_kexec_64.c's lines.
 
         swapper_pg_dir is init_top_pgt (#define in pgtable_64.h), and phys_base is where the image
@@ -206,7 +208,7 @@ class X86_64:
         text = address("_text")
         phys_base = virt_to_phys(text) - (text - KERNEL_IMAGE_BASE)  # printed signed, as VMCOREINFO_NUMBER does
         return [f"SYMBOL(swapper_pg_dir)={address(X86PageTables.kernel_root_symbol):x}",
-                f"NUMBER(phys_base)={phys_base}", f"NUMBER(pgtable_l5_enabled)={int(levels == 5)}"]  # fmt: skip
+                f"NUMBER(phys_base)={phys_base}", f"NUMBER(pgtable_l5_enabled)={int(paging.levels == 5)}"]  # fmt: skip
 
     # -- instructions (core.c) -------------------------------------------------------------
     def arch_adjust_kprobe_addr(self, func_code: bytes, func_start: int, offset: int) -> int:

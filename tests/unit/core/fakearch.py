@@ -48,6 +48,7 @@ from qprobe.arch import (
     BreakHook,
     MailboxRequest,
     Memory,
+    PageTables,
     PercpuLayout,
     Prepared,
     RegisterLayout,
@@ -324,7 +325,8 @@ class Toy:
     def page_tables(self, regs: Mapping[str, int]) -> Any:
         raise AssertionError("the toy target's memory is flat: nothing walks its page tables")
 
-    def vmcoreinfo(self, address: Callable[[str], int], virt_to_phys: Callable[[int], int], levels: int) -> list[str]:
+    def vmcoreinfo(self, address: Callable[[str], int], virt_to_phys: Callable[[int], int],
+                   read_u64: Callable[[int], int], paging: PageTables) -> list[str]:  # fmt: skip
         return []
 
     def jump_label_size(self, code: bytes) -> int:

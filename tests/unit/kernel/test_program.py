@@ -39,8 +39,15 @@ class FakeSymbols:
 
 
 @dataclass
-class FakeMem:
+class FakePaging:
     levels: int = 5
+
+
+class FakeMem:
+    paging = FakePaging()
+
+    def read_u64(self, vaddr: int) -> int:
+        raise AssertionError("x86's lines read no kernel memory")
 
     def virt_to_phys(self, vaddr: int) -> int:
         assert vaddr == TEXT

@@ -24,14 +24,14 @@ from qprobe.images.image import (
     DISK_INTERFACES,
     Image,
     ImageInfo,
-    bzimage_version,
     check_config,
     check_disk,
     check_initrd,
     check_kernel,
-    check_vmlinux,
     disk_interface_of,
+    kernel_release,
     preempt_model,
+    vmlinux_arch,
 )
 from qprobe.images.manifest import DEFAULT_IMAGE, ImageSpec, load_specs
 from qprobe.images.progress import Reporter
@@ -101,7 +101,7 @@ def list_images() -> list[ImageInfo]:
             else:
                 state = _state_of_files(spec)
                 kernel = spec.files["kernel"]
-                release = bzimage_version(kernel) if kernel.is_file() else None
+                release = kernel_release(kernel) if kernel.is_file() else None
         infos.append(
             ImageInfo(
                 name=spec.name,
@@ -156,6 +156,7 @@ def get_image(name: str = DEFAULT_IMAGE, *, fetch: bool = True, progress: bool =
         else:
             assert spec.flavour is not None
             files = debian.fetch_kernel(spec.flavour, spec.abi, reporter, spec.series)
+    arch = vmlinux_arch(files.vmlinux)
     initrd, disk = _rootfs(spec.rootfs, reporter)
     interface = spec.disk_interface or "nvme"
     own = spec.rootfs not in brstyle.FORMS
@@ -172,6 +173,7 @@ def get_image(name: str = DEFAULT_IMAGE, *, fetch: bool = True, progress: bool =
         disk_interface=interface,
         preempt=preempt_model(files.config, cmdline),
         kernel_version=files.release,
+        arch=arch,
         own_init=own,
     )
 
@@ -180,7 +182,7 @@ def _image_from_spec(spec: ImageSpec, reporter: Reporter) -> Image:
     spec = buildroot.resolve(spec)
     f = spec.files
     check_kernel(f["kernel"])
-    check_vmlinux(f["vmlinux"])
+    arch = vmlinux_arch(f["vmlinux"])
     if "config" in f:
         check_config(f["config"])
     if "system_map" in f and not f["system_map"].is_file():
@@ -208,7 +210,8 @@ def _image_from_spec(spec: ImageSpec, reporter: Reporter) -> Image:
         cmdline=cmdline,
         disk_interface=interface,
         preempt=preempt_model(config, cmdline),
-        kernel_version=bzimage_version(f["kernel"]) or "unknown",
+        kernel_version=kernel_release(f["kernel"]) or "unknown",
+        arch=arch,
         own_init=own,
     )
 

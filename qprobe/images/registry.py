@@ -36,6 +36,7 @@ from qprobe.images.image import (
 from qprobe.images.manifest import DEFAULT_IMAGE, ImageSpec, load_specs
 from qprobe.images.progress import Reporter
 from qprobe.images.progress import wanted as progress_wanted
+from qprobe.images.toolchain import toolchain
 
 __all__ = [
     "disk_with_files",
@@ -115,15 +116,19 @@ def list_images() -> list[ImageInfo]:
     return infos
 
 
-def _rootfs(rootfs: str, reporter: Reporter) -> tuple[Path | None, Path | None]:
-    """(initrd, disk) for a root filesystem qprobe builds: its own, or a buildroot-style one."""
+def _rootfs(rootfs: str, reporter: Reporter, arch: str) -> tuple[Path | None, Path | None]:
+    """(initrd, disk) for a root filesystem qprobe builds for a guest of ``arch``: its own, or a buildroot-style one."""
+    if rootfs in brstyle.FORMS and not toolchain(arch).native:
+        raise ImageError(f"the buildroot-style root filesystem {rootfs!r} is built from the host's busybox and "
+                         f"programs: it has no {arch} form")  # fmt: skip
     if rootfs == "buildroot-ext2":
         return None, brstyle.build_rootfs(rootfs, reporter)
     if rootfs == "buildroot-cpio":
         return brstyle.build_rootfs(rootfs, reporter), None
+    files = guest.guest_sources(arch, reporter)
     if rootfs == "disk":
-        return None, guest.build_disk(reporter)
-    return guest.build_initramfs(reporter), None
+        return None, guest.build_disk(reporter, files)
+    return guest.build_initramfs(reporter, files), None
 
 
 def get_image(name: str = DEFAULT_IMAGE, *, fetch: bool = True, progress: bool = True) -> Image:
@@ -157,7 +162,7 @@ def get_image(name: str = DEFAULT_IMAGE, *, fetch: bool = True, progress: bool =
             assert spec.flavour is not None
             files = debian.fetch_kernel(spec.flavour, spec.abi, reporter, spec.series)
     arch = vmlinux_arch(files.vmlinux)
-    initrd, disk = _rootfs(spec.rootfs, reporter)
+    initrd, disk = _rootfs(spec.rootfs, reporter, arch)
     interface = spec.disk_interface or "nvme"
     own = spec.rootfs not in brstyle.FORMS
     cmdline = _disk_cmdline(spec.cmdline, interface, own_disk=own) if disk is not None else spec.cmdline or ""
@@ -194,7 +199,7 @@ def _image_from_spec(spec: ImageSpec, reporter: Reporter) -> Image:
         check_disk(f["disk"])
         initrd, disk = None, f["disk"]
     else:
-        initrd, disk = _rootfs(spec.rootfs, reporter)
+        initrd, disk = _rootfs(spec.rootfs, reporter, arch)
     own = spec.rootfs not in brstyle.FORMS and "initrd" not in f and "disk" not in f
     config = f.get("config")
     interface = spec.disk_interface or (disk_interface_of(config) if disk is not None else "nvme")

@@ -93,8 +93,10 @@ class Image:
     disk_interface: str
     preempt: str
     kernel_version: str
-    arch: str  # the guest's architecture, as uname -m names it: "x86_64", "aarch64" (from vmlinux_arch)
     own_init: bool = True
+    # The guest's architecture as uname -m names it ("x86_64", "aarch64"): get_image and image_from_files
+    # set it from the vmlinux (vmlinux_arch); the default is for images made by hand, as before arm64.
+    arch: str = "x86_64"
 
     def config_option(self, name: str) -> str | None:
         """Value of a kernel config option ("y", "m", a number, a string), or None.

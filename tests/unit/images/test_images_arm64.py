@@ -7,21 +7,11 @@ import os
 from pathlib import Path
 
 import pytest
-from images_fakes import fake_initrd, fake_vmlinux
+from images_fakes import fake_arm64_image, fake_initrd, fake_vmlinux
 
 from qprobe.errors import ImageError
 from qprobe.images import image_from_files
 from qprobe.images.image import check_kernel, check_vmlinux, kernel_release, vmlinux_arch
-
-
-def fake_arm64_image(path: Path, release: str = "6.1.0-57-cloud-arm64", compress: bool = False) -> Path:
-    """An arm64 Image: its header's magic "ARM\\x64" at 0x38, and a linux_banner in its body."""
-    data = bytearray(0x1000)
-    data[0x38:0x3C] = b"ARM\x64"
-    banner = f"Linux version {release} (debian-kernel@lists.debian.org) (gcc 12) #1 SMP Debian\n\0".encode()
-    data[0x800 : 0x800 + len(banner)] = banner
-    path.write_bytes(gzip.compress(bytes(data), mtime=0) if compress else bytes(data))
-    return path
 
 
 def test_check_kernel_takes_an_arm64_image_raw_or_gzipped(tmp_path: Path) -> None:

@@ -8,9 +8,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from images_fakes import fake_arm64_image, fake_config, fake_vmlinux
 
 from qprobe.errors import ImageError
-from qprobe.images import busybox, cache, guest, registry, toolchain
+from qprobe.images import busybox, cache, get_image, guest, registry, toolchain
 from qprobe.images.elf import interpreter, needed
 from qprobe.images.progress import Reporter
 
@@ -102,3 +103,23 @@ def test_buildroot_style_roots_are_refused_for_a_foreign_guest(monkeypatch: pyte
     monkeypatch.setattr(toolchain, "host_arch", lambda: "x86_64")
     with pytest.raises(ImageError, match=r"'buildroot-ext2' is built from the host's busybox .* no aarch64 form"):
         registry._rootfs("buildroot-ext2", Reporter(False), "aarch64")
+
+
+@can_cross_build
+def test_a_cached_arm64_debian_kernel_gets_an_aarch64_root(
+    monkeypatch: pytest.MonkeyPatch, _isolated_images: Path, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(toolchain, "host_arch", lambda: "x86_64")
+    release = "6.1.0-57-cloud-arm64"
+    kernel = cache.subdir("kernels", release)
+    fake_arm64_image(kernel / f"vmlinuz-{release}", release)
+    fake_vmlinux(kernel / f"vmlinux-{release}", machine=183)
+    fake_config(kernel / f"config-{release}", "CONFIG_PREEMPT_VOLUNTARY=y")
+    (kernel / f"System.map-{release}").write_text("0000000000000000 T _text\n")
+    (kernel / "source.json").write_text('{"version": "6.1.192-3"}')
+    shutil.copyfile(busybox.host_busybox(), cache.subdir("busybox", "arm64") / "busybox")
+    image = get_image("debian-cloud-arm64", fetch=False, progress=False)
+    assert (image.arch, image.kernel_version, image.preempt) == ("aarch64", release, "voluntary")
+    assert image.initrd is not None
+    (workload,) = (_isolated_images / "guest").glob("*/tree/bin/workload")
+    assert image.initrd.parent == workload.parents[2] and _e_machine(workload) == 183

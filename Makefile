@@ -6,7 +6,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEBS   := qemu-system-x86 busybox-static cpio gdb e2fsprogs gcc libc6-dev tmux \
-          make flex bison bc libelf-dev xz-utils binutils
+          make flex bison bc libelf-dev xz-utils binutils \
+          qemu-system-arm gcc-aarch64-linux-gnu libc6-dev-arm64-cross
 # The tests every image runs: kprobes, kretprobes, optimized and in-guest probes, events,
 # stack traces, typed data, recovery, the instruction-boundary sweep, probes at an ENDBR entry,
 # a guest command's output kept apart from the kernel's log, probes on a module's functions (its init

@@ -5,6 +5,7 @@ The usual entry points::
     from qprobe.images import get_image, list_images
     image = get_image("debian-cloud")      # fetches and builds what is missing
     image.kernel, image.vmlinux, image.initrd, image.cmdline
+    image.arch                             # "x86_64" or "aarch64": the guest's, from its vmlinux
 
 See ``kernels/images.toml`` for the built-in images and the manifest schema
 users follow in ``$QPROBE_IMAGES`` or ``~/.config/qprobe/images.toml``.

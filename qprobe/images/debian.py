@@ -15,6 +15,9 @@ ABI of the series whose packages apt knows. Debian names ABIs two ways,
 the four members are taken out of the packages, the .deb files are deleted
 afterwards, and the result lands in ``<cache>/kernels/<release>/`` by one
 directory rename, so that directory existing means the kernel is complete.
+
+A flavour names its Debian architecture ("cloud-arm64"); one the host's dpkg
+does not list is asked of a private apt state (qprobe.images.apt).
 """
 
 from __future__ import annotations
@@ -32,12 +35,24 @@ from pathlib import Path
 
 from qprobe.errors import ImageError
 from qprobe.images import cache
+from qprobe.images.apt import AptState, apt_state, flavour_architecture, refresh
+from qprobe.images.apt import run as _apt
 from qprobe.images.image import check_config, check_kernel, check_vmlinux
 from qprobe.images.manifest import ABI_PATTERN, abi_in_series
 from qprobe.images.progress import Reporter, human
 from qprobe.paths import check_owned
 
-__all__ = ["DebianKernel", "KernelFiles", "cached_kernel", "fetch_kernel", "kernel_state"]
+__all__ = [
+    "DebianKernel",
+    "KernelFiles",
+    "cached_kernel",
+    "deb_name",
+    "download",
+    "extract",
+    "fetch_kernel",
+    "kernel_state",
+    "show",
+]
 
 _STAMP = "source.json"
 _CHUNK = 1 << 20
@@ -60,6 +75,11 @@ class DebianKernel:
         """The kernel release, as ``uname -r`` prints it."""
         return f"{self.abi}-{self.flavour}"
 
+    @property
+    def arch(self) -> str:
+        """The Debian architecture the packages are built for ("amd64", "arm64")."""
+        return flavour_architecture(self.flavour)
+
 
 @dataclass(frozen=True)
 class KernelFiles:
@@ -77,15 +97,9 @@ def _abi_key(abi: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", abi))
 
 
-def _apt(*args: str) -> subprocess.CompletedProcess[str]:
-    if shutil.which(args[0]) is None:
-        raise ImageError(f"{args[0]} not found: Debian images need a Debian host with apt; or define a user image")
-    return subprocess.run(list(args), capture_output=True, encoding="utf-8", errors="replace", check=False)
-
-
-def _show(package: str) -> dict[str, str] | None:
+def show(state: AptState, package: str) -> dict[str, str] | None:
     """The candidate version's fields from ``apt-cache show``, None if unknown."""
-    proc = _apt("apt-cache", "show", "--no-all-versions", package)
+    proc = _apt(*state.argv("apt-cache", "show", "--no-all-versions", package))
     if proc.returncode != 0 or not proc.stdout.strip():
         return None
     fields: dict[str, str] = {}
@@ -96,9 +110,9 @@ def _show(package: str) -> dict[str, str] | None:
     return fields
 
 
-def _versions(package: str) -> set[str]:
+def _versions(state: AptState, package: str) -> set[str]:
     """All versions of a package apt knows (``apt-cache madison``)."""
-    proc = _apt("apt-cache", "madison", package)
+    proc = _apt(*state.argv("apt-cache", "madison", package))
     return {parts[1].strip() for line in proc.stdout.splitlines() if len(parts := line.split("|")) >= 3}
 
 
@@ -106,13 +120,13 @@ def _in_series(abi: str, series: str | None) -> bool:
     return series is None or abi_in_series(abi, series)
 
 
-def _candidate_abis(flavour: str, series: str | None = None) -> list[str]:
+def _candidate_abis(state: AptState, flavour: str, series: str | None = None) -> list[str]:
     """ABIs to try, best first: the metapackage's, then every one apt lists."""
     found: list[str] = []
     metas = ([f"linux-image-{series}-{flavour}"] if series else []) + [f"linux-image-{flavour}"]
     pattern = re.compile(rf"Depends:\s*linux-image-({ABI_PATTERN})-{re.escape(flavour)}(?:-unsigned)?\s*$")
     for meta in metas:
-        depends = _apt("apt-cache", "depends", meta)
+        depends = _apt(*state.argv("apt-cache", "depends", meta))
         for line in depends.stdout.splitlines():
             m = pattern.search(line)
             if m and m.group(1) not in found and _in_series(m.group(1), series):
@@ -120,7 +134,8 @@ def _candidate_abis(flavour: str, series: str | None = None) -> list[str]:
         if found:
             break
     # flavour is [a-z0-9-]+ (checked by the manifest): nothing to escape for apt's regex.
-    search = _apt("apt-cache", "search", "--names-only", f"^linux-image-[0-9.]+(-[0-9]+|\\+deb[0-9]+)-{flavour}-dbg$")
+    pattern_dbg = f"^linux-image-[0-9.]+(-[0-9]+|\\+deb[0-9]+)-{flavour}-dbg$"
+    search = _apt(*state.argv("apt-cache", "search", "--names-only", pattern_dbg))
     listed = re.findall(rf"^linux-image-({ABI_PATTERN})-{re.escape(flavour)}-dbg ", search.stdout, re.M)
     found.sort(key=_abi_key, reverse=True)
     listed = [abi for abi in listed if _in_series(abi, series)]
@@ -130,7 +145,20 @@ def _candidate_abis(flavour: str, series: str | None = None) -> list[str]:
 
 def resolve(flavour: str, abi: str | None = None, series: str | None = None) -> DebianKernel:
     """Ask apt which kernel of ``flavour`` to use (``abi`` pins one, ``series`` narrows)."""
-    abis = [abi] if abi else _candidate_abis(flavour, series)
+    state = apt_state(flavour_architecture(flavour))
+    fetched = refresh(state)
+    try:
+        return _resolve(state, flavour, abi, series)
+    except ImageError:
+        if state.root is None or fetched:
+            raise
+    # A private state's lists may predate a kernel the archive has published since.
+    refresh(state, force=True)
+    return _resolve(state, flavour, abi, series)
+
+
+def _resolve(state: AptState, flavour: str, abi: str | None, series: str | None) -> DebianKernel:
+    abis = [abi] if abi else _candidate_abis(state, flavour, series)
     if not abis:
         what = f"linux-image-{series}.*-{flavour}" if series else f"linux-image-*-{flavour}"
         raise ImageError(
@@ -139,15 +167,15 @@ def resolve(flavour: str, abi: str | None = None, series: str | None = None) -> 
         )
     for candidate in abis:
         release = f"{candidate}-{flavour}"
-        dbg = _show(f"linux-image-{release}-dbg")
+        dbg = show(state, f"linux-image-{release}-dbg")
         if dbg is None:
             continue
         version = dbg.get("Version", "")
         for name in (f"linux-image-{release}-unsigned", f"linux-image-{release}"):
-            info = _show(name)
+            info = show(state, name)
             if info is None:
                 continue
-            if info.get("Version") != version and version not in _versions(name):
+            if info.get("Version") != version and version not in _versions(state, name):
                 continue
             size = int(info.get("Size", "0")) if info.get("Version") == version else 0
             return DebianKernel(
@@ -166,21 +194,21 @@ def resolve(flavour: str, abi: str | None = None, series: str | None = None) -> 
     )
 
 
-def _deb_name(package: str, version: str) -> str:
-    # apt-get download names files <package>_<version with ':' as %3a>_<arch>.deb
-    return f"{package}_{version.replace(':', '%3a')}_amd64.deb"
+def deb_name(package: str, version: str, arch: str) -> str:
+    """The file ``apt-get download`` names: <package>_<version with ':' as %3a>_<arch>.deb."""
+    return f"{package}_{version.replace(':', '%3a')}_{arch}.deb"
 
 
-def download(package: str, version: str, size: int, debs: Path, reporter: Reporter) -> Path:
-    """``apt-get download package=version`` into ``debs`` (atomically; reused if there)."""
-    dest = debs / _deb_name(package, version)
+def download(state: AptState, package: str, version: str, size: int, debs: Path, reporter: Reporter) -> Path:
+    """``apt-get download package=version`` of ``state``'s architecture into ``debs`` (atomically; reused if there)."""
+    dest = debs / deb_name(package, version, state.arch)
     if dest.exists():
         return dest
     tmp = Path(tempfile.mkdtemp(prefix=f"{cache.TMP_PREFIX}{package}.", dir=debs))
     try:
         with reporter.transfer(f"downloading {package}", size or None) as update:
             proc = subprocess.Popen(
-                ["apt-get", "download", "-q", f"{package}={version}"],
+                state.argv("apt-get", "download", "-q", f"{package}={version}"),
                 cwd=tmp,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -346,14 +374,15 @@ def fetch_kernel(flavour: str, abi: str | None, reporter: Reporter, series: str 
                 (kernel.image_package, kernel.image_size),
                 (kernel.dbg_package, kernel.dbg_size),
             )
-            if not (debs / _deb_name(package, kernel.version)).exists()
+            if not (debs / deb_name(package, kernel.version, kernel.arch)).exists()
         ]
         todo = f": {human(sum(missing))} to download" if missing else ""
         reporter.note(f"fetching Debian kernel {kernel.release} ({kernel.version}){todo}")
         with cache.locked(debs, "download"):
             cache.remove_leftovers(debs)
-            image_deb = download(kernel.image_package, kernel.version, kernel.image_size, debs, reporter)
-            dbg_deb = download(kernel.dbg_package, kernel.version, kernel.dbg_size, debs, reporter)
+            state = apt_state(kernel.arch)
+            image_deb = download(state, kernel.image_package, kernel.version, kernel.image_size, debs, reporter)
+            dbg_deb = download(state, kernel.dbg_package, kernel.version, kernel.dbg_size, debs, reporter)
         release = kernel.release
         dest = kernels / release
         with cache.atomic_dir(dest) as tmp:

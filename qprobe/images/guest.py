@@ -1,20 +1,26 @@
 """The guest's root filesystem: busybox, /init, the workload and uprog programs.
 
-Built on the host without root from ``scripts/guest/`` and the host's static
-busybox, into ``<cache>/guest/<hash>/``, where the hash covers every input
-(workload.c, init, uprog.c, libqpt.c, the busybox binary, the host libraries
-copied in, this module's layout version): a change to any of them builds a
-new directory, an unchanged checkout reuses the old one.
+Built on the host without root from ``scripts/guest/`` and a static busybox
+of the guest's architecture, into ``<cache>/guest/<hash>/``, where the hash
+covers every input (the architecture, workload.c, init, uprog.c, libqpt.c,
+the busybox binary, the libraries copied in, this module's layout version):
+a change to any of them builds a new directory, an unchanged checkout reuses
+the old one. A guest of the host's architecture is built with the host's gcc,
+libc and busybox; another with Debian's cross toolchain and C library for it
+and Debian's busybox-static of its architecture (qprobe.images.toolchain,
+qprobe.images.busybox), the same programs with the same flags.
 
 uprog is built twice: ``/bin/uprog-static`` (``gcc -static``, with libqpt.c
 linked in) and ``/bin/uprog``, linked against the host's libc and
 ``/usr/lib/libqpt.so`` (its RUNPATH). The dynamic program's interpreter and
 every library the host's loader resolves for it (``ld.so --list``) are
 copied into the tree at the paths the loader gave, which are in its default
-search path (the guest has no ld.so.cache). Which libraries those are is
-known only once uprog is linked, so the first build for some sources links
-it once to find out and remembers the list in ``libs-<hash>``; the
-directory's hash then covers each library's path, size and mtime.
+search path (the guest has no ld.so.cache); a cross-built program's, found
+by its DT_NEEDED in the cross C library, go to that search path too
+(``toolchain.cross_libraries``). Which libraries those are is known only
+once uprog is linked, so the first build for some sources links it once to
+find out and remembers the list in ``libs-<hash>``; the directory's hash
+then covers each library's path, size and mtime.
 
 One tree gives both forms:
 
@@ -38,8 +44,11 @@ from pathlib import Path
 
 from qprobe.errors import ImageError
 from qprobe.images import cache
+from qprobe.images.busybox import applets, busybox_for
 from qprobe.images.cpio import CpioWriter
+from qprobe.images.elf import interpreter
 from qprobe.images.progress import Reporter
+from qprobe.images.toolchain import Toolchain, cross_libraries, host_arch, toolchain
 
 __all__ = [
     "GuestFiles",
@@ -47,7 +56,6 @@ __all__ = [
     "build_initramfs",
     "guest_sources",
     "guest_tree",
-    "interpreter",
     "make_ext2",
 ]
 
@@ -93,10 +101,16 @@ class GuestFiles:
     busybox: Path
     uprog_c: Path
     libqpt_c: Path
+    arch: str  # the guest's, as uname -m names it: "x86_64", "aarch64"
+
+    @property
+    def toolchain(self) -> Toolchain:
+        """What builds the guest's programs: the host's gcc, or a cross compiler."""
+        return toolchain(self.arch)
 
     def sources_key(self) -> str:
-        """Hash of the inputs in the checkout and busybox (not the host libraries)."""
-        items = [("layout", LAYOUT_VERSION.encode())]
+        """Hash of the architecture, the inputs in the checkout and busybox (not the libraries)."""
+        items = [("layout", LAYOUT_VERSION.encode()), ("arch", self.arch.encode())]
         for path in (self.workload_c, self.init, self.uprog_c, self.libqpt_c, self.busybox):
             try:
                 items.append((path.name, path.read_bytes()))
@@ -107,62 +121,37 @@ class GuestFiles:
     def key(self) -> str:
         """Hash of every input: the name of this build's cache directory."""
         items = [("sources", self.sources_key().encode())]
-        for lib in _host_libraries(self):
+        for guest_path, lib in _libraries(self):
             try:
-                st = Path(lib).stat()
+                st = lib.stat()
             except OSError as exc:
                 raise ImageError(f"cannot read host library {lib}: {exc.strerror}") from exc
-            items.append((f"lib {lib}", f"{st.st_size} {st.st_mtime_ns}".encode()))
+            items.append((f"lib {guest_path} {lib}", f"{st.st_size} {st.st_mtime_ns}".encode()))
         return cache.hash_inputs(items)
 
 
-def _find_busybox() -> Path:
-    env = os.environ.get("QPROBE_BUSYBOX")
-    candidates = [Path(env)] if env else [Path("/bin/busybox"), Path(shutil.which("busybox") or "/nonexistent")]
-    for path in candidates:
-        if path.is_file():
-            return path
-    raise ImageError("busybox not found: install busybox-static (or set QPROBE_BUSYBOX to a static busybox)")
-
-
-def guest_sources() -> GuestFiles:
-    """The guest's inputs: ``scripts/guest/`` of this checkout and the host's busybox.
+def guest_sources(arch: str | None = None, reporter: Reporter | None = None) -> GuestFiles:
+    """The inputs of a guest of ``arch`` (the host's by default): ``scripts/guest/`` and a busybox.
 
     ``$QPROBE_GUEST_SRC`` names another directory holding workload.c, init,
-    uprog.c and libqpt.c.
+    uprog.c and libqpt.c. The busybox of a foreign architecture is fetched
+    on first use (``busybox.busybox_for``).
     """
+    chain = toolchain(arch or host_arch())
     env = os.environ.get("QPROBE_GUEST_SRC")
     src = Path(env).expanduser() if env else Path(__file__).resolve().parents[2] / "scripts" / "guest"
     files = GuestFiles(
         workload_c=src / "workload.c",
         init=src / "init",
-        busybox=_find_busybox(),
+        busybox=busybox_for(chain, reporter or Reporter(enabled=False)),
         uprog_c=src / "uprog.c",
         libqpt_c=src / "libqpt.c",
+        arch=chain.arch,
     )
     for path in (files.workload_c, files.init, files.uprog_c, files.libqpt_c):
         if not path.is_file():
             raise ImageError(f"guest source {path} not found; set QPROBE_GUEST_SRC to the scripts/guest directory")
     return files
-
-
-def interpreter(path: Path, what: str = "program") -> str | None:
-    """The ELF program's PT_INTERP (its dynamic loader's path), None for a static program."""
-    data = path.read_bytes()[:4096]
-    if data[:4] != b"\x7fELF" or data[4] != 2:
-        raise ImageError(f"{what} {path} is not a 64-bit ELF program")
-    phoff = int.from_bytes(data[32:40], "little")
-    phentsize = int.from_bytes(data[54:56], "little")
-    phnum = int.from_bytes(data[56:58], "little")
-    for i in range(phnum):
-        off = phoff + i * phentsize
-        if off + 40 <= len(data) and int.from_bytes(data[off : off + 4], "little") == 3:  # PT_INTERP
-            start = int.from_bytes(data[off + 8 : off + 16], "little")
-            size = int.from_bytes(data[off + 32 : off + 40], "little")
-            with path.open("rb") as f:
-                f.seek(start)
-                return f.read(min(size, 4096)).split(b"\0", 1)[0].decode("utf-8", "replace")
-    return None
 
 
 def _check_static(path: Path, what: str, hint: str) -> None:
@@ -171,36 +160,37 @@ def _check_static(path: Path, what: str, hint: str) -> None:
         raise ImageError(f"{what} {path} is dynamically linked; {hint}")
 
 
-def _gcc(tmp: Path, args: list[str], what: Path) -> None:
-    """Run gcc with ``args`` writing ``tmp``; a failure is one line naming the source."""
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        raise ImageError("gcc not found: install gcc and libc6-dev to build the guest programs")
+def _gcc(chain: Toolchain, tmp: Path, args: list[str], what: Path) -> None:
+    """Run the toolchain's gcc with ``args`` writing ``tmp``; a failure is one line naming the source."""
+    gcc = chain.which_gcc()
     proc = subprocess.run(
         [gcc, *args, "-o", str(tmp)], capture_output=True, encoding="utf-8", errors="replace", check=False
     )
     if proc.returncode != 0:
         errors = [line for line in proc.stderr.splitlines() if "error" in line] or proc.stderr.splitlines()
-        raise ImageError(f"gcc failed on {what}: {errors[0] if errors else 'no output'}")
+        raise ImageError(f"{chain.gcc} failed on {what}: {errors[0] if errors else 'no output'}")
 
 
-def _build_workload(src: Path, dest: Path) -> None:
+def _build_workload(chain: Toolchain, src: Path, dest: Path) -> None:
     with cache.atomic_file(dest, 0o755) as tmp:
-        _gcc(tmp, ["-static", "-O2", "-Wall", str(src)], src)
-        _check_static(tmp, "workload", "gcc could not link it statically (install libc6-dev)")
+        _gcc(chain, tmp, ["-static", "-O2", "-Wall", str(src)], src)
+        _check_static(tmp, "workload", f"{chain.gcc} could not link it statically (install {chain.packages})")
 
 
 def _build_uprog(files: GuestFiles, dest: Path) -> None:
     """``uprog-static``, ``libqpt.so`` and ``uprog`` (linked to it) in the directory ``dest``."""
+    chain = files.toolchain
     dest.mkdir(mode=0o755, exist_ok=True)
     with cache.atomic_file(dest / "uprog-static", 0o755) as tmp:
-        _gcc(tmp, ["-static", *_CFLAGS, "-DUPROG_STATIC", str(files.uprog_c), str(files.libqpt_c)], files.uprog_c)
-        _check_static(tmp, "uprog-static", "gcc could not link it statically (install libc6-dev)")
+        static = ["-static", *_CFLAGS, "-DUPROG_STATIC", str(files.uprog_c), str(files.libqpt_c)]
+        _gcc(chain, tmp, static, files.uprog_c)
+        _check_static(tmp, "uprog-static", f"{chain.gcc} could not link it statically (install {chain.packages})")
     with cache.atomic_file(dest / "libqpt.so", 0o755) as tmp:
-        _gcc(tmp, ["-shared", "-fPIC", *_CFLAGS, "-Wl,-soname,libqpt.so", str(files.libqpt_c)], files.libqpt_c)
+        shared = ["-shared", "-fPIC", *_CFLAGS, "-Wl,-soname,libqpt.so", str(files.libqpt_c)]
+        _gcc(chain, tmp, shared, files.libqpt_c)
     with cache.atomic_file(dest / "uprog", 0o755) as tmp:
         link = [f"-L{dest}", "-lqpt", f"-Wl,-rpath,{LIBQPT_DIR}"]
-        _gcc(tmp, [*_CFLAGS, str(files.uprog_c), *link], files.uprog_c)
+        _gcc(chain, tmp, [*_CFLAGS, str(files.uprog_c), *link], files.uprog_c)
 
 
 def _loader_list(uprog: Path) -> list[str]:
@@ -236,18 +226,29 @@ def _loader_list(uprog: Path) -> list[str]:
     return libs
 
 
-def _host_libraries(files: GuestFiles) -> list[str]:
-    """The host libraries the dynamic uprog of these sources loads (remembered per sources hash)."""
+def _uprog_libraries(files: GuestFiles, uprog: Path) -> list[tuple[str, Path]]:
+    """(guest path, host file) of the loader and the libraries the built ``uprog`` loads (not libqpt.so)."""
+    if files.toolchain.native:
+        return [(lib, Path(lib)) for lib in _loader_list(uprog)]
+    return cross_libraries(uprog, files.toolchain, uprog.parent)
+
+
+def _libraries(files: GuestFiles) -> list[tuple[str, Path]]:
+    """``_uprog_libraries`` of these sources' uprog, remembered per sources hash.
+
+    The memo has a line per library: the guest path, then the host file where it differs.
+    """
     base = files.sources_key()
     root = cache.subdir("guest")
     memo = root / f"libs-{base}"
 
-    def remembered() -> list[str]:
+    def remembered() -> list[tuple[str, Path]]:
         try:
-            libs = memo.read_text().split()
+            lines = memo.read_text().splitlines()
         except OSError:
             return []
-        return libs if libs and all(Path(lib).is_file() for lib in libs) else []
+        libs = [(guest, Path(host or guest)) for guest, _, host in (line.partition(" ") for line in lines)]
+        return libs if libs and all(host.is_file() for _guest, host in libs) else []
 
     if libs := remembered():
         return libs
@@ -256,21 +257,11 @@ def _host_libraries(files: GuestFiles) -> list[str]:
             return libs
         with tempfile.TemporaryDirectory(prefix="qprobe-uprog.") as tmp:
             _build_uprog(files, Path(tmp))
-            libs = _loader_list(Path(tmp) / "uprog")
+            libs = _uprog_libraries(files, Path(tmp) / "uprog")
         with cache.atomic_file(memo) as out:
-            out.write_text("".join(f"{lib}\n" for lib in libs))
+            out.write_text("".join(f"{guest} {host}\n" if str(host) != guest else f"{guest}\n" for guest, host in libs))
     cache.prune(root, "libs-*", keep=8, protect=[memo])
     return libs
-
-
-def _applets(busybox: Path) -> list[str]:
-    """Applet paths ("bin/sh", "sbin/poweroff", ...) the busybox binary provides."""
-    proc = subprocess.run(
-        [str(busybox), "--list-full"], capture_output=True, encoding="utf-8", errors="replace", check=False
-    )
-    if proc.returncode != 0 or not proc.stdout.strip():
-        raise ImageError(f"{busybox} --list-full failed: is it a busybox binary?")
-    return [line.strip() for line in proc.stdout.splitlines() if "/" in line.strip()]
 
 
 def _install(tree: Path, guest: str, src: Path) -> None:
@@ -302,14 +293,14 @@ def _build_tree(files: GuestFiles, built: Path, dest: Path) -> None:
         _install(tree, "/bin/uprog-static", built / "uprog" / "uprog-static")
         _install(tree, "/bin/uprog", built / "uprog" / "uprog")
         _install(tree, f"{LIBQPT_DIR}/libqpt.so", built / "uprog" / "libqpt.so")
-        for lib in _loader_list(built / "uprog" / "uprog"):
-            _install(tree, lib, Path(lib))
+        for guest_path, lib in _uprog_libraries(files, built / "uprog" / "uprog"):
+            _install(tree, guest_path, lib)
         shutil.copyfile(files.init, tree / "init")
         (tree / "init").chmod(0o755)
         for name, text in _ETC.items():
             (tree / name).write_text(text)
             (tree / name).chmod(0o644)
-        for applet in _applets(tree / "bin/busybox"):
+        for applet in applets(tree / "bin/busybox", files.toolchain):
             link = tree / applet
             if link.exists() or link.is_symlink():
                 continue  # never replace busybox itself
@@ -329,10 +320,10 @@ def _guest_dir(files: GuestFiles, reporter: Reporter) -> Path:
         directory.mkdir(mode=0o700, exist_ok=True)
         cache.remove_leftovers(directory)
         if not (directory / "workload").is_file():
-            reporter.note("building the guest workload (gcc -static)")
-            _build_workload(files.workload_c, directory / "workload")
+            reporter.note(f"building the {files.arch} guest workload ({files.toolchain.gcc} -static)")
+            _build_workload(files.toolchain, files.workload_c, directory / "workload")
         if not (directory / "uprog" / "uprog").is_file():
-            reporter.note("building the guest uprog programs (gcc)")
+            reporter.note(f"building the {files.arch} guest uprog programs ({files.toolchain.gcc})")
             _build_uprog(files, directory / "uprog")
         if not (directory / "tree").is_dir():
             _build_tree(files, directory, directory / "tree")

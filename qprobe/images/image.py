@@ -1,6 +1,6 @@
 """What a bootable kernel image is, and the checks that catch wrong files early.
 
-An ``Image`` is the set of files one boot needs (bzImage, initrd or disk)
+An ``Image`` is the set of files one boot needs (bzImage or arm64 Image, initrd or disk)
 plus those the host needs to understand the running kernel (vmlinux for
 symbols and code, System.map, the config). The validators check magic
 numbers so that a user who points qprobe at the wrong file hears it at once,
@@ -13,6 +13,7 @@ import functools
 import gzip
 import re
 import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,22 +21,28 @@ from qprobe.errors import ImageError
 
 __all__ = [
     "DISK_INTERFACES",
+    "ELF_MACHINES",
     "Image",
     "ImageInfo",
-    "bzimage_version",
     "check_config",
     "check_disk",
     "check_initrd",
     "check_kernel",
     "check_vmlinux",
     "disk_interface_of",
+    "kernel_release",
     "parse_config",
     "preempt_model",
+    "vmlinux_arch",
 ]
 
 DISK_INTERFACES = ("nvme", "virtio")
 
-_EM_X86_64 = 62
+# The guest architectures qprobe boots, by their vmlinux's ELF e_machine, named as ``uname -m`` names them.
+ELF_MACHINES = {62: "x86_64", 183: "aarch64"}  # EM_X86_64, EM_AARCH64
+# arm64's Image header (Documentation/arch/arm64/booting.rst): "ARM\x64" at offset 0x38.
+_ARM64_MAGIC_AT = 0x38
+_ARM64_MAGIC = b"ARM\x64"
 _EXT_MAGIC = 0xEF53
 # Compressed initrd formats the kernel can unpack (besides plain cpio).
 _COMPRESSED = {
@@ -87,6 +94,9 @@ class Image:
     preempt: str
     kernel_version: str
     own_init: bool = True
+    # The guest's architecture as uname -m names it ("x86_64", "aarch64"): get_image and image_from_files
+    # set it from the vmlinux (vmlinux_arch); the default is for images made by hand, as before arm64.
+    arch: str = "x86_64"
 
     def config_option(self, name: str) -> str | None:
         """Value of a kernel config option ("y", "m", a number, a string), or None.
@@ -137,16 +147,40 @@ def _head(path: Path, size: int, what: str) -> bytes:
         raise ImageError(f"cannot read {what} file {path}: {exc.strerror}") from exc
 
 
+def _gunzip_head(head: bytes, size: int) -> bytes:
+    """The first ``size`` bytes of what a gzip stream beginning with ``head`` holds (less if it is short)."""
+    try:
+        return zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(head, size)
+    except zlib.error:
+        return b""
+
+
+def _kernel_kind(head: bytes) -> str | None:
+    """ "bzImage" or "arm64 Image" by the boot header's magic, None if neither."""
+    if head[0x202:0x206] == b"HdrS":
+        return "bzImage"
+    if head[_ARM64_MAGIC_AT : _ARM64_MAGIC_AT + 4] == _ARM64_MAGIC:
+        return "arm64 Image"
+    return None
+
+
 def check_kernel(path: Path) -> None:
-    """A bzImage carries the boot protocol's "HdrS" magic at offset 0x202."""
-    head = _head(path, 0x206, "kernel")
-    if head[0x202:0x206] != b"HdrS":
-        hint = " (that is an ELF file: use the bzImage, not vmlinux)" if head[:4] == b"\x7fELF" else ""
-        raise ImageError(f"kernel {path} is not a bzImage: no 'HdrS' magic at offset 0x202{hint}")
+    """A kernel QEMU's -kernel boots: a bzImage ("HdrS" at 0x202) or an arm64 Image ("ARM\\x64" at 0x38).
+
+    An arm64 Image may be gzip'd (Image.gz), which QEMU unpacks; its header is read through the gzip stream.
+    """
+    head = _head(path, 64 << 10, "kernel")
+    if _kernel_kind(head) is not None:
+        return
+    if head[:2] == b"\x1f\x8b" and _kernel_kind(_gunzip_head(head, 0x40)) == "arm64 Image":
+        return
+    hint = " (that is an ELF file: use the bzImage or Image, not vmlinux)" if head[:4] == b"\x7fELF" else ""
+    raise ImageError(f"kernel {path} is not a bzImage ('HdrS' magic at offset 0x202) "
+                     f"nor an arm64 Image ('ARM\\x64' at 0x38){hint}")  # fmt: skip
 
 
-def bzimage_version(path: Path) -> str | None:
-    """The release string (``uname -r``) stored in a bzImage header, if any."""
+def _bzimage_release(path: Path) -> str | None:
+    """The release string stored in a bzImage header (its kernel_version field), if any."""
     try:
         with path.open("rb") as f:
             head = f.read(0x210)
@@ -162,8 +196,36 @@ def bzimage_version(path: Path) -> str | None:
     return text.split()[0] if text.split() else None
 
 
-def check_vmlinux(path: Path) -> None:
-    """vmlinux must be a 64-bit little-endian x86-64 ELF (what gdb and lief read)."""
+# init/version.c's linux_banner: "Linux version <release> (<user>@<host>) ...".
+_BANNER = re.compile(rb"Linux version (\S+) \(")
+_BANNER_MAX = 256 << 20
+
+
+def _banner_release(path: Path) -> str | None:
+    """The release in the linux_banner of an uncompressed kernel (an arm64 Image), if any."""
+    try:
+        if path.stat().st_size > _BANNER_MAX:
+            return None
+        with path.open("rb") as f:
+            head = f.read(_ARM64_MAGIC_AT + 4)
+            if _kernel_kind(head) != "arm64 Image":
+                return None
+            m = _BANNER.search(head + f.read())
+    except OSError:
+        return None
+    return m.group(1).decode("ascii", "replace") if m else None
+
+
+def kernel_release(path: Path) -> str | None:
+    """The release (``uname -r``) a kernel file states, if any.
+
+    A bzImage carries it in its boot header; an arm64 Image has no such field, so it is read from the
+    linux_banner in its (uncompressed) body. A gzip'd Image gives None.
+    """
+    return _bzimage_release(path) or _banner_release(path)
+
+
+def _elf_machine(path: Path) -> int:
     head = _head(path, 0x206, "vmlinux")
     if head[:4] != b"\x7fELF":
         hint = " (that is a bzImage: give the uncompressed vmlinux)" if head[0x202:0x206] == b"HdrS" else ""
@@ -171,8 +233,21 @@ def check_vmlinux(path: Path) -> None:
     if len(head) < 20 or head[4] != 2 or head[5] != 1:
         raise ImageError(f"vmlinux {path} is not a 64-bit little-endian ELF file")
     (machine,) = struct.unpack_from("<H", head, 18)
-    if machine != _EM_X86_64:
-        raise ImageError(f"vmlinux {path} is an ELF file for machine {machine}, not x86-64")
+    return int(machine)
+
+
+def vmlinux_arch(path: Path) -> str:
+    """The guest architecture of a vmlinux by its ELF e_machine: "x86_64" or "aarch64" (as uname -m names it)."""
+    machine = _elf_machine(path)
+    if machine not in ELF_MACHINES:
+        known = " or ".join(ELF_MACHINES.values())
+        raise ImageError(f"vmlinux {path} is an ELF file for machine {machine}, not {known}")
+    return ELF_MACHINES[machine]
+
+
+def check_vmlinux(path: Path) -> None:
+    """vmlinux must be a 64-bit little-endian ELF of an architecture qprobe boots (what gdb and lief read)."""
+    vmlinux_arch(path)
 
 
 def check_initrd(path: Path) -> None:

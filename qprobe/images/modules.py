@@ -18,6 +18,7 @@ from pathlib import Path
 
 from qprobe.errors import ImageError
 from qprobe.images import cache, debian
+from qprobe.images.apt import apt_state, flavour_architecture
 from qprobe.images.image import Image
 from qprobe.images.progress import Reporter
 
@@ -68,7 +69,9 @@ def modules_tree(kernel_dir: Path, reporter: Reporter) -> Path:
         reporter.note(f"fetching the modules of {release} ({package})")
         debs = cache.subdir("debs")
         with cache.locked(debs, "download"):
-            deb = debian.download(package, version, 0, debs, reporter)
+            # A release ends in its flavour's architecture ("6.1.0-57-cloud-arm64"), as a flavour does.
+            state = apt_state(flavour_architecture(release))
+            deb = debian.download(state, package, version, 0, debs, reporter)
         try:
             with cache.atomic_dir(dest) as tmp:
                 if not _extract_tree(deb, f"lib/modules/{release}/", tmp):

@@ -23,7 +23,8 @@ from pathlib import Path
 from qprobe.errors import ImageError
 from qprobe.images import cache
 from qprobe.images.cpio import CpioWriter
-from qprobe.images.guest import guest_sources, interpreter
+from qprobe.images.elf import interpreter
+from qprobe.images.guest import guest_sources
 from qprobe.images.image import Image, parse_config
 from qprobe.vmm.bootfail import PREINIT
 
@@ -36,9 +37,9 @@ def _script() -> Path:
     return guest_sources().init.with_name("preinit")
 
 
-def preinit_archive() -> Path:
-    """The pre-init's newc archive (cached by the hash of its three files)."""
-    files = guest_sources()
+def preinit_archive(arch: str | None = None) -> Path:
+    """The pre-init's newc archive for a guest of ``arch`` (the host's by default), cached by its three files."""
+    files = guest_sources(arch)
     if interpreter(files.busybox, "busybox") is not None:
         raise ImageError(f"busybox {files.busybox} is dynamically linked; install busybox-static")
     parts = {"preinit": _script(), "init": files.init, "busybox": files.busybox}
@@ -92,6 +93,6 @@ def with_preinit(image: Image) -> Image:
     if image.config is not None and parse_config(image.config).get("CONFIG_BLK_DEV_INITRD") != "y":
         raise ImageError(f"the kernel of image {image.name!r} has no CONFIG_BLK_DEV_INITRD: qprobe brings its "
                          "shell to a root filesystem of the image's own in an initramfs archive")  # fmt: skip
-    archive = preinit_archive()
+    archive = preinit_archive(image.arch)
     initrd = archive if image.initrd is None else _appended(image.initrd, archive)
     return replace(image, initrd=initrd, cmdline=f"{image.cmdline} {preinit_cmdline(image)}".strip())

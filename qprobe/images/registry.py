@@ -24,18 +24,19 @@ from qprobe.images.image import (
     DISK_INTERFACES,
     Image,
     ImageInfo,
-    bzimage_version,
     check_config,
     check_disk,
     check_initrd,
     check_kernel,
-    check_vmlinux,
     disk_interface_of,
+    kernel_release,
     preempt_model,
+    vmlinux_arch,
 )
 from qprobe.images.manifest import DEFAULT_IMAGE, ImageSpec, load_specs
 from qprobe.images.progress import Reporter
 from qprobe.images.progress import wanted as progress_wanted
+from qprobe.images.toolchain import toolchain
 
 __all__ = [
     "disk_with_files",
@@ -101,7 +102,7 @@ def list_images() -> list[ImageInfo]:
             else:
                 state = _state_of_files(spec)
                 kernel = spec.files["kernel"]
-                release = bzimage_version(kernel) if kernel.is_file() else None
+                release = kernel_release(kernel) if kernel.is_file() else None
         infos.append(
             ImageInfo(
                 name=spec.name,
@@ -115,15 +116,19 @@ def list_images() -> list[ImageInfo]:
     return infos
 
 
-def _rootfs(rootfs: str, reporter: Reporter) -> tuple[Path | None, Path | None]:
-    """(initrd, disk) for a root filesystem qprobe builds: its own, or a buildroot-style one."""
+def _rootfs(rootfs: str, reporter: Reporter, arch: str) -> tuple[Path | None, Path | None]:
+    """(initrd, disk) for a root filesystem qprobe builds for a guest of ``arch``: its own, or a buildroot-style one."""
+    if rootfs in brstyle.FORMS and not toolchain(arch).native:
+        raise ImageError(f"the buildroot-style root filesystem {rootfs!r} is built from the host's busybox and "
+                         f"programs: it has no {arch} form")  # fmt: skip
     if rootfs == "buildroot-ext2":
         return None, brstyle.build_rootfs(rootfs, reporter)
     if rootfs == "buildroot-cpio":
         return brstyle.build_rootfs(rootfs, reporter), None
+    files = guest.guest_sources(arch, reporter)
     if rootfs == "disk":
-        return None, guest.build_disk(reporter)
-    return guest.build_initramfs(reporter), None
+        return None, guest.build_disk(reporter, files)
+    return guest.build_initramfs(reporter, files), None
 
 
 def get_image(name: str = DEFAULT_IMAGE, *, fetch: bool = True, progress: bool = True) -> Image:
@@ -156,7 +161,8 @@ def get_image(name: str = DEFAULT_IMAGE, *, fetch: bool = True, progress: bool =
         else:
             assert spec.flavour is not None
             files = debian.fetch_kernel(spec.flavour, spec.abi, reporter, spec.series)
-    initrd, disk = _rootfs(spec.rootfs, reporter)
+    arch = vmlinux_arch(files.vmlinux)
+    initrd, disk = _rootfs(spec.rootfs, reporter, arch)
     interface = spec.disk_interface or "nvme"
     own = spec.rootfs not in brstyle.FORMS
     cmdline = _disk_cmdline(spec.cmdline, interface, own_disk=own) if disk is not None else spec.cmdline or ""
@@ -172,6 +178,7 @@ def get_image(name: str = DEFAULT_IMAGE, *, fetch: bool = True, progress: bool =
         disk_interface=interface,
         preempt=preempt_model(files.config, cmdline),
         kernel_version=files.release,
+        arch=arch,
         own_init=own,
     )
 
@@ -180,7 +187,7 @@ def _image_from_spec(spec: ImageSpec, reporter: Reporter) -> Image:
     spec = buildroot.resolve(spec)
     f = spec.files
     check_kernel(f["kernel"])
-    check_vmlinux(f["vmlinux"])
+    arch = vmlinux_arch(f["vmlinux"])
     if "config" in f:
         check_config(f["config"])
     if "system_map" in f and not f["system_map"].is_file():
@@ -192,7 +199,7 @@ def _image_from_spec(spec: ImageSpec, reporter: Reporter) -> Image:
         check_disk(f["disk"])
         initrd, disk = None, f["disk"]
     else:
-        initrd, disk = _rootfs(spec.rootfs, reporter)
+        initrd, disk = _rootfs(spec.rootfs, reporter, arch)
     own = spec.rootfs not in brstyle.FORMS and "initrd" not in f and "disk" not in f
     config = f.get("config")
     interface = spec.disk_interface or (disk_interface_of(config) if disk is not None else "nvme")
@@ -208,7 +215,8 @@ def _image_from_spec(spec: ImageSpec, reporter: Reporter) -> Image:
         cmdline=cmdline,
         disk_interface=interface,
         preempt=preempt_model(config, cmdline),
-        kernel_version=bzimage_version(f["kernel"]) or "unknown",
+        kernel_version=kernel_release(f["kernel"]) or "unknown",
+        arch=arch,
         own_init=own,
     )
 

@@ -23,6 +23,16 @@ def fake_bzimage(path: Path, release: str = RELEASE) -> Path:
     return path
 
 
+def fake_arm64_image(path: Path, release: str = "6.1.0-57-cloud-arm64", compress: bool = False) -> Path:
+    """An arm64 Image: its header's magic "ARM\\x64" at 0x38, and a linux_banner in its body."""
+    data = bytearray(0x1000)
+    data[0x38:0x3C] = b"ARM\x64"
+    banner = f"Linux version {release} (debian-kernel@lists.debian.org) (gcc 12) #1 SMP Debian\n\0".encode()
+    data[0x800 : 0x800 + len(banner)] = banner
+    path.write_bytes(gzip.compress(bytes(data), mtime=0) if compress else bytes(data))
+    return path
+
+
 def fake_vmlinux(path: Path, machine: int = 62, elf_class: int = 2) -> Path:
     """An ELF header: 64-bit little-endian, x86-64 unless told otherwise."""
     header = bytearray(64)

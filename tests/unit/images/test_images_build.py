@@ -13,6 +13,7 @@ from images_fakes import fake_bzimage, fake_vmlinux
 
 from qprobe.errors import ImageError
 from qprobe.images import cache, debian, guest, image_from_files, with_files
+from qprobe.images.apt import AptState
 from qprobe.images.progress import Reporter
 
 can_build = pytest.mark.skipif(
@@ -181,7 +182,7 @@ def test_resolve_series_takes_its_metapackage_and_debian_naming(monkeypatch: pyt
     assert debian.resolve("cloud-amd64", series="6.12").release == "6.12.117+deb12-cloud-amd64"
     # Series 6.1 has no linux-image-6.1-<flavour>: the plain metapackage, and never a 6.12 ABI.
     assert debian.resolve("cloud-amd64", series="6.1").release == "6.1.0-56-cloud-amd64"
-    assert debian._candidate_abis("cloud-amd64", "6.1") == ["6.1.0-56"]
+    assert debian._candidate_abis(AptState("amd64"), "cloud-amd64", "6.1") == ["6.1.0-56"]
     assert debian.resolve("cloud-amd64", abi="6.12.117+deb12").image_package.endswith("-unsigned")
 
 

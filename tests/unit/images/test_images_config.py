@@ -91,6 +91,7 @@ def test_image_config_option(tmp_path: Path) -> None:
         disk_interface="nvme",
         preempt="none",
         kernel_version="x",
+        arch="x86_64",
     )
     assert image.config_option("KPROBES") == "y"
     assert image.config_option("CONFIG_VIRTIO_BLK") == "m"

@@ -15,7 +15,7 @@ from qprobe.images import list_images
 from qprobe.images.manifest import builtin_manifest_path, load_manifest, load_specs, parse_spec
 
 
-def test_builtin_manifest_has_the_eight_images() -> None:
+def test_builtin_manifest_has_the_ten_images() -> None:
     specs = load_manifest(builtin_manifest_path(), required=True)
     assert list(specs) == [
         "debian-cloud",
@@ -25,11 +25,18 @@ def test_builtin_manifest_has_the_eight_images() -> None:
         "buildroot-cpio",
         "debian-cloud-6.12",
         "debian-rt-6.12",
+        "debian-cloud-arm64",
+        "debian-cloud-arm64-6.12",
         "minimal-6.12",
     ]
     assert {specs[name].series for name in ("debian-cloud", "debian-rt", "debian-cloud-disk")} == {"6.1"}
     assert (specs["debian-cloud-6.12"].flavour, specs["debian-cloud-6.12"].series) == ("cloud-amd64", "6.12")
     assert (specs["debian-rt-6.12"].flavour, specs["debian-rt-6.12"].series) == ("rt-amd64", "6.12")
+    arm64 = specs["debian-cloud-arm64"], specs["debian-cloud-arm64-6.12"]
+    assert [(s.flavour, s.series, s.form) for s in arm64] == [
+        ("cloud-arm64", "6.1", "initramfs"),
+        ("cloud-arm64", "6.12", "initramfs"),
+    ]
     minimal = specs["minimal-6.12"]
     assert (minimal.source, minimal.package) == ("build", "linux-source-6.12")
     assert minimal.fragment is not None and minimal.fragment.is_file()
@@ -88,6 +95,8 @@ def test_list_images_without_cache_or_files(tmp_path: Path, monkeypatch: pytest.
     assert infos["debian-cloud"].source == "debian:cloud-amd64 (series 6.1)"
     assert (infos["minimal-6.12"].source, infos["minimal-6.12"].state) == ("build:linux-source-6.12", "not fetched")
     assert infos["debian-cloud-disk"].rootfs == "disk"
+    arm64 = infos["debian-cloud-arm64-6.12"]
+    assert (arm64.source, arm64.state) == ("debian:cloud-arm64 (series 6.12)", "not fetched")
     assert infos["half"].state == "partial"
     assert infos["half"].kernel_version == "6.6.0-qptest"
     fake_vmlinux(tmp_path / "vmlinux")

@@ -125,6 +125,8 @@ def test_missing_tools_and_libraries_are_one_line(tmp_path: Path, monkeypatch: p
     # No gcc.
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     src = Path(guest.__file__).resolve().parents[2] / "scripts" / "guest"
-    files = guest.GuestFiles(src / "workload.c", src / "init", Path("/bin/busybox"), src / "uprog.c", src / "libqpt.c")
+    files = guest.GuestFiles(
+        src / "workload.c", src / "init", Path("/bin/busybox"), src / "uprog.c", src / "libqpt.c", "x86_64"
+    )
     with pytest.raises(ImageError, match=r"^gcc not found: install gcc and libc6-dev"):
         guest._build_uprog(files, tmp_path / "out")

@@ -61,7 +61,7 @@ def boot(image: str = "debian-cloud", smp: int = 2, memory: str | int = "512M",
     config = QemuConfig(
         kernel=img.kernel, initrd=img.initrd, disk=img.disk, disk_interface=img.disk_interface,
         cmdline=" ".join(x for x in (img.cmdline, cmdline) if x), smp=smp, memory=parse_memory(memory), accel=accel,
-        tcg_thread=tcg_thread, extra_args=["-S"] if probes or at_boot else [], name=img.name,
+        tcg_thread=tcg_thread, extra_args=["-S"] if probes or at_boot else [], name=img.name, arch=img.arch,
     )  # fmt: skip
     wanted = list(probes)
     if wanted or at_boot is not None:

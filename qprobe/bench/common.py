@@ -122,7 +122,7 @@ def _plain_vm(args: argparse.Namespace, tcg_thread: str = "") -> Iterator[tuple[
     img = get_image(args.image, fetch=False)
     qemu = QemuProcess(QemuConfig(kernel=img.kernel, initrd=img.initrd, disk=img.disk,
                                   disk_interface=img.disk_interface, cmdline=img.cmdline, smp=args.smp,
-                                  memory=parse_memory(args.memory), tcg_thread=tcg_thread))  # fmt: skip
+                                  memory=parse_memory(args.memory), tcg_thread=tcg_thread, arch=img.arch))  # fmt: skip
     try:
         qemu.wait_for_sockets()
         console = Console(qemu.console_path, alive=qemu.alive)

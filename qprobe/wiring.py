@@ -214,7 +214,9 @@ class Wiring:
         # another can (a detach would start it).
         self.lifetime.leave_halted = stage is BootStage.RESET
         check_stage(stage, boot)
-        phys: PhysReader = StubPhys(t.gdb) if self.ram is None else SharedRam(self.ram, self.ram_size, writable=True)
+        ram_base = board_for(t.arch.name).ram_base
+        phys: PhysReader = (StubPhys(t.gdb) if self.ram is None
+                            else SharedRam(self.ram, self.ram_size, writable=True, base=ram_base))  # fmt: skip
         paging = t.arch.page_tables(regs0)
         self.root = regs0[t.arch.registers.page_table]
         t.mem = GuestMemory(phys, paging.root(self.root), paging)

@@ -29,7 +29,7 @@ class PhysReader(Protocol):
 class SharedRam:
     """Guest RAM mapped from QEMU's ``memory-backend-file`` (read-only here)."""
 
-    def __init__(self, path: Path, size: int, writable: bool = False) -> None:
+    def __init__(self, path: Path, size: int, writable: bool = False, base: int = 0) -> None:
         # Writable only for data the guest polls (the optimized probes' mailboxes):
         # code must be written through the stub so translated blocks are dropped.
         fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
@@ -40,14 +40,18 @@ class SharedRam:
             os.close(fd)
         self.writable = writable
         self.size = size
-        # QEMU's pc machine moves RAM above 3 GiB to 4 GiB only from 3.5 GiB of RAM (pc_piix.c).
-        self.low = LOW_RAM_LIMIT if size >= 0xE000_0000 else size
+        # The physical address of the file's first byte: the board's RAM base (qprobe.vmm.boards; 1 GiB on
+        # arm64's virt).  QEMU's pc machine, whose RAM starts at 0, moves RAM above 3 GiB to 4 GiB only from
+        # 3.5 GiB of RAM (pc_piix.c).
+        self.base = base
+        self.low = LOW_RAM_LIMIT if size >= 0xE000_0000 and not base else size
 
     def _offset(self, paddr: int, size: int) -> int:
-        if paddr + size <= self.low:
-            return paddr
-        if paddr >= 1 << 32 and paddr - (1 << 32) + self.low + size <= self.size:
-            return paddr - (1 << 32) + self.low
+        off = paddr - self.base
+        if off >= 0 and off + size <= self.low:
+            return off
+        if off >= 1 << 32 and off - (1 << 32) + self.low + size <= self.size:
+            return off - (1 << 32) + self.low
         raise MemoryFault(paddr, "outside guest RAM")
 
     def read_phys(self, paddr: int, size: int) -> bytes:

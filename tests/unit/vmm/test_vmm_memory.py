@@ -324,6 +324,19 @@ def test_shared_ram_small(tmp_path: Path) -> None:
         ram.close()
 
 
+def test_shared_ram_of_a_board_whose_ram_starts_at_1_gib(tmp_path: Path) -> None:
+    # arm64's virt machine: the file's first byte is physical 0x40000000; below it and past it is no RAM.
+    size, base = 16 * PAGE, 0x4000_0000
+    ram = SharedRam(sparse(tmp_path / "ram", size, {0: b"first", size - 4: b"last"}), size, base=base)
+    try:
+        assert ram.read_phys(base, 5) == b"first" and ram.read_phys(base + size - 4, 4) == b"last"
+        for paddr, n in [(0, 5), (base - 2, 4), (base + size, 1), ((1 << 32) + base, 8)]:
+            with pytest.raises(MemoryFault, match="outside guest RAM"):
+                ram.read_phys(paddr, n)
+    finally:
+        ram.close()
+
+
 def test_shared_ram_sees_later_writes(tmp_path: Path) -> None:
     path = sparse(tmp_path / "ram", PAGE, {})
     ram = SharedRam(path, PAGE)

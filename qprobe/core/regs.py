@@ -19,6 +19,19 @@ if TYPE_CHECKING:
     from qprobe.kernel.symbols import Symbols
 
 _MASK = (1 << 64) - 1
+# The portable names of the instruction pointer, stack pointer and flags, as the kernel's
+# instruction_pointer(), user_stack_pointer() and regs->flags/pstate reach them on every architecture:
+# on arm64 ``regs.ip`` is pt_regs' ``pc`` and ``regs.flags`` its ``pstate``.
+_PORTABLE = ("ip", "sp", "flags")
+
+
+def _portable(name: str) -> property:
+    """Register ``name`` of the layout's (``RegisterLayout.ip``/``sp``/``flags``), by its portable name."""
+
+    def get(self: PtRegs) -> int:
+        return self._values[getattr(self._layout, name)]
+
+    return property(get)
 
 
 def _register(name: str) -> property:
@@ -59,6 +72,10 @@ class PtRegs:
     tid: str
     cycles: int | None
     vcpu: int
+
+    ip = _portable("ip")
+    sp = _portable("sp")
+    flags = _portable("flags")
 
     def __init__(self, values: dict[str, int], tid: str, vcpu: int, mem: GuestMemory,
                  symbols: Symbols | None = None, kernel: KernelData | None = None,
@@ -116,6 +133,8 @@ class PtRegs:
         if name in PtRegs.__slots__:
             object.__setattr__(self, name, value)
             return
+        if name in _PORTABLE:
+            name = getattr(self._layout, name)
         if name not in self._layout.gdb_name:
             raise AttributeError(f"pt_regs has no register {name!r}")
         if not isinstance(value, int):
@@ -146,7 +165,7 @@ class PtRegs:
 
     def set_quietly(self, name: str, value: int) -> None:
         """Change a register as the dispatcher (not the user) sees it."""
-        self._values[name] = value & _MASK
+        self._values[getattr(self._layout, name) if name in _PORTABLE else name] = value & _MASK
 
     def mark_clean(self) -> None:
         self._dirty.clear()
@@ -187,14 +206,14 @@ class PtRegs:
         args = self._layout.arg_regs
         if n <= len(args):
             return self._values[args[n - 1]]
-        return self.read_u64(self._values["sp"] + self._layout.stack_args + 8 * (n - len(args) - 1))
+        return self.read_u64(self.sp + self._layout.stack_args + 8 * (n - len(args) - 1))
 
     def _param_index(self, name: str) -> int:
         if self._symbols is None or self._kernel is None:
             raise ValueError("argument names need the kernel's symbols")
-        fn = self._symbols.function(self._values["ip"])
+        fn = self._symbols.function(self.ip)
         if fn is None:
-            raise ValueError(f"{self._values['ip']:#x} is not in a known function")
+            raise ValueError(f"{self.ip:#x} is not in a known function")
         params = self._kernel.params(fn.name, fn.addr)
         if name not in params:
             raise ValueError(f"{fn.name} has no parameter {name!r} (it has {', '.join(params) or 'none'})")
@@ -206,10 +225,10 @@ class PtRegs:
 
     def stack(self, n: int = 0) -> int:
         """``$stackN``: the n-th u64 on the stack."""
-        return self.read_u64(self._values["sp"] + 8 * n)
+        return self.read_u64(self.sp + 8 * n)
 
     def symbolize(self, addr: int | None = None) -> str:
-        addr = self._values["ip"] if addr is None else addr
+        addr = self.ip if addr is None else addr
         return self._symbols.symbolize(addr) if self._symbols else f"{addr:#x}"
 
     def stack_trace(self, max_frames: int = 64) -> Stack:

@@ -33,7 +33,7 @@ class HostContext:
     def reg(self, name: str) -> int:
         if name == self.host.arch.registers.syscall_nr:
             return self.syscall_nr
-        if name == "ip" and self._ip is not None:
+        if name == self.host.arch.registers.ip and self._ip is not None:
             return self._ip
         value: int = getattr(self.regs, name)  # a register property, or PtRegs.__getattr__
         return value
@@ -53,7 +53,8 @@ class HostContext:
             return 0
 
     def stack_pointer(self) -> int:
-        return self.regs.sp
+        sp: int = self.regs.sp
+        return sp
 
     def retval(self) -> int:
         return self.regs.return_value() if self._retval is None else self._retval
@@ -102,7 +103,7 @@ class RecordContext:
     def reg(self, name: str) -> int:
         if name == self._layout.syscall_nr:
             return self.syscall_nr
-        if name == "ip":
+        if name == self._layout.ip:
             return self._ip
         value = self.rec.values.get(self._layout.gdb_name.get(name, ""))
         if value is None:

@@ -358,7 +358,9 @@ class KernelData:
     def pt_regs(self, values: dict[str, int]) -> drgn.Object:
         """A ``struct pt_regs`` value holding pt_regs-named registers (absent ones are zero)."""
         raw = self._pt_regs.pack(*(values.get(name, 0) & _MASK for name in self.arch.registers.pt_regs))
-        return drgn.Object.from_bytes_(self.prog, "struct pt_regs", raw)
+        # The fields past the registers the layout names (arm64's orig_x0 ... exit_rcu) are zero.
+        size = drgn.sizeof(self.prog.type("struct pt_regs"))
+        return drgn.Object.from_bytes_(self.prog, "struct pt_regs", raw.ljust(size, b"\0"))
 
     def stack_trace(self, values: dict[str, int], fix_return: Callable[[int, int], int] | None = None,
                     max_frames: int = 64) -> Stack:  # fmt: skip
@@ -381,7 +383,7 @@ class KernelData:
                 if real is not None and real != frame.pc:
                     # The trampoline took the place of the return address (on the stack, or in a register).
                     resume = {self._dwarf_to_pt[k]: v for k, v in frame.registers().items() if k in self._dwarf_to_pt}
-                    resume["ip"] = real
+                    resume[self.arch.registers.ip] = real
                     break
                 frames.append(frame)
             if resume is None:

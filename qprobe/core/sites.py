@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Collection
 
 from qprobe.arch import Arch
 from qprobe.core.blacklist import Blacklist
@@ -11,6 +12,7 @@ from qprobe.core.text import KernelText
 from qprobe.errors import Blacklisted, InvalidProbe, NotKernelText, QprobeError, SymbolError
 from qprobe.kernel.program import KernelData
 from qprobe.kernel.reserved import ReservedText
+from qprobe.kernel.tracefs import ftrace_locations
 from qprobe.vmm.machine import Machine
 
 
@@ -85,11 +87,28 @@ class ProbeSites:
             reserved = self.reserved.conflict(addr, addr)
             if reserved is not None:
                 raise InvalidProbe(f"{where} is reserved ({reserved}): the kernel rewrites it at run time (EINVAL)")
+            if addr in self._ftrace_calls(addr):
+                raise InvalidProbe(f"{where} is ftrace's call site: the guest's ftrace rewrites it, and kprobes on "
+                                   "this architecture do not run from ftrace (EINVAL)")  # fmt: skip
         fn = self.symbols.containing(addr) if anywhere else self.symbols.function(addr)
         if fn is None:
             raise NotKernelText(f"{addr:#x} is not inside a known kernel {'symbol' if anywhere else 'function'}")
         code = self.machine.mem.read(fn.addr, fn.size or self.symbols.kallsyms_size(fn))
         return where, fn.addr, code
+
+    def _ftrace_calls(self, addr: int) -> Collection[int]:
+        """The instructions ftrace patches in ``addr``'s text (vmlinux's or its module's), where the architecture
+        has no ftrace call as linked (``Arch.ftrace_site`` None): check_ftrace_location refuses them."""
+        if self.arch.ftrace_site is not None:
+            return ()
+        mod = self.symbols.module_of(addr)
+        return (
+            self._vmlinux_ftrace_calls if mod is None else [a + self.arch.ftrace_call_adjust for a in mod.ftrace_sites]
+        )
+
+    @functools.cached_property
+    def _vmlinux_ftrace_calls(self) -> frozenset[int]:
+        return frozenset(a + self.arch.ftrace_call_adjust for a in ftrace_locations(self.symbols))
 
     @functools.cached_property
     def reserved(self) -> ReservedText:

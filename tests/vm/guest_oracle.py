@@ -15,9 +15,12 @@ import base64
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import qprobe
 from qprobe.errors import FetchArgError, QprobeError
+
+from .conftest import workload_result
 
 TRACING = "/sys/kernel/tracing"
 CHUNK = 700  # base64 characters per console command (the tty line limit is 4095)
@@ -165,3 +168,48 @@ def qprobe_verdicts(target: qprobe.Target, cases: Sequence[Sequence[str]]) -> li
                 target.remove_event(te)
         result.append(got)
     return result
+
+
+# "  <comm>-<pid> [cpu] flags ts: event: body"; the comm may hold spaces and dashes.
+TRACE_LINE = re.compile(
+    r"^\s*(?P<comm>.+)-(?P<pid>\d+)\s+\[(?P<cpu>\d+)\]\s+\S+\s+[\d.]+: (?P<event>\w+): (?P<body>.*)$"
+)
+
+
+def guest_hits(target: qprobe.Target, event: str) -> list[tuple[str, int, int, str]]:
+    """The event's hits: (comm, pid, cpu, body); a string with newlines continues its hit's body on the next lines."""
+    out = []
+    mine = False
+    # Lines end at "\n" only: a string's bytes may hold the other characters splitlines() breaks at.
+    for line in target.run(f"cat {TRACING}/trace").check().output.removesuffix("\n").split("\n"):
+        m = TRACE_LINE.match(line)
+        if m:
+            mine = m["event"] == event
+            if mine:
+                out.append((m["comm"].strip(), int(m["pid"]), int(m["cpu"]), m["body"]))
+        elif mine:
+            comm, pid, cpu, body = out[-1]
+            out[-1] = (comm, pid, cpu, f"{body}\n{line}")
+    return out
+
+
+def paired_hits(target: qprobe.Target, body: str, workload: str) -> tuple[list[Any], list[Any], int, bool, int]:
+    """The guest's ``ghit`` and qprobe's ``qhit`` with the same ``body``, each hit of the workload's process.
+
+    Both see the same calls of the workload in the same order, so hit i of one is hit i of the other.
+    Also returns whether qprobe's event is recorded in the guest, and how many of its hits had records
+    longer than the guest's ring buffer takes (no line on either side).
+    """
+    te = target.add_event(f"p:qhit {body}")
+    try:
+        target.run(f"echo 'p:ghit {body}' >> {TRACING}/kprobe_events && echo > {TRACING}/trace && "
+                   f"echo 1 > {TRACING}/events/kprobes/ghit/enable").check()  # fmt: skip
+        res = workload_result(target.run(workload).check().output)
+        target.run(f"echo 0 > {TRACING}/events/kprobes/ghit/enable").check()
+        pid = int(res["pid"])
+        guest = [h for h in guest_hits(target, "ghit") if h[1] == pid]  # before removing: that clears the buffer
+    finally:
+        target.remove_event(te)
+        target.run(f"echo 0 > {TRACING}/events/kprobes/ghit/enable; echo '-:ghit' >> {TRACING}/kprobe_events")
+    ours = [(h.comm, h.pid, h.cpu, h.body) for h in te.hits if h.pid == pid]
+    return guest, ours, int(res["n"]), te.in_guest, te.oversized

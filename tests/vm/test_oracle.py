@@ -23,7 +23,7 @@ from qprobe import Kprobe
 from qprobe.pytest_plugin import QprobeReset, qprobe_scope
 
 from .conftest import workload_result
-from .guest_oracle import TRACING, guest_verdicts, qprobe_verdicts, readme_lacks
+from .guest_oracle import TRACING, guest_hits, guest_verdicts, paired_hits, qprobe_verdicts, readme_lacks
 from .oracle_defs import FUNC, SELFTEST_VALUES, cases
 
 pytestmark = [pytest.mark.vm, pytest.mark.qprobe_needs_config("KPROBE_EVENTS")]
@@ -42,11 +42,6 @@ def qprobe_boot_kwargs() -> dict[str, Any]:
     """
     return {"tcg_thread": "single"}
 
-
-# "  <comm>-<pid> [cpu] flags ts: event: body"; the comm may hold spaces and dashes.
-TRACE_LINE = re.compile(
-    r"^\s*(?P<comm>.+)-(?P<pid>\d+)\s+\[(?P<cpu>\d+)\]\s+\S+\s+[\d.]+: (?P<event>\w+): (?P<body>.*)$"
-)
 
 # The guest's own events (g0, g1, ...) as its trace prints them after the timestamp, for its grep -o:
 # a pattern that starts with text, not one that backtracks over each line (thousands of lines,
@@ -76,23 +71,6 @@ def test_verdicts_and_listings_equal_the_guest_kernels(target: qprobe.Target) ->
     assert not target.events
 
 
-def _guest_hits(target: qprobe.Target, event: str) -> list[tuple[str, int, int, str]]:
-    """The event's hits: (comm, pid, cpu, body); a string with newlines continues its hit's body on the next lines."""
-    out = []
-    mine = False
-    # Lines end at "\n" only: a string's bytes may hold the other characters splitlines() breaks at.
-    for line in target.run(f"cat {TRACING}/trace").check().output.removesuffix("\n").split("\n"):
-        m = TRACE_LINE.match(line)
-        if m:
-            mine = m["event"] == event
-            if mine:
-                out.append((m["comm"].strip(), int(m["pid"]), int(m["cpu"]), m["body"]))
-        elif mine:
-            comm, pid, cpu, body = out[-1]
-            out[-1] = (comm, pid, cpu, f"{body}\n{line}")
-    return out
-
-
 # The same definition for the guest's event and qprobe's, on vfs_read: dereferences of kernel pointers
 # (slab, stack) and a user one go through the host at the hit; register-only arguments are recorded by
 # the jump's detour in guest RAM and drained later.
@@ -113,28 +91,6 @@ HIT_NEEDS = {"btf": ("btf_args", "dentry", "char"), "bitfield": ("btf_args",)}
 HIT_WORKLOADS = {"bitfield": "workload fork 3"}
 
 
-def _paired_hits(target: qprobe.Target, body: str, workload: str) -> tuple[list[Any], list[Any], int, bool, int]:
-    """The guest's ``ghit`` and qprobe's ``qhit`` with the same ``body``, each hit of the workload's process.
-
-    Both see the same calls of the workload in the same order, so hit i of one is hit i of the other.
-    Also returns whether qprobe's event is recorded in the guest, and how many of its hits had records
-    longer than the guest's ring buffer takes (no line on either side).
-    """
-    te = target.add_event(f"p:qhit {body}")
-    try:
-        target.run(f"echo 'p:ghit {body}' >> {TRACING}/kprobe_events && echo > {TRACING}/trace && "
-                   f"echo 1 > {TRACING}/events/kprobes/ghit/enable").check()  # fmt: skip
-        res = workload_result(target.run(workload).check().output)
-        target.run(f"echo 0 > {TRACING}/events/kprobes/ghit/enable").check()
-        pid = int(res["pid"])
-        guest = [h for h in _guest_hits(target, "ghit") if h[1] == pid]  # before removing: that clears the buffer
-    finally:
-        target.remove_event(te)
-        target.run(f"echo 0 > {TRACING}/events/kprobes/ghit/enable; echo '-:ghit' >> {TRACING}/kprobe_events")
-    ours = [(h.comm, h.pid, h.cpu, h.body) for h in te.hits if h.pid == pid]
-    return guest, ours, int(res["n"]), te.in_guest, te.oversized
-
-
 @pytest.mark.qprobe_needs_config("FUNCTION_TRACER")
 @pytest.mark.parametrize("kind", sorted(HIT_DEFINITIONS))
 def test_every_field_of_every_hit_equals_the_guest_trace(target: qprobe.Target, kind: str) -> None:
@@ -142,7 +98,7 @@ def test_every_field_of_every_hit_equals_the_guest_trace(target: qprobe.Target, 
     lacks = readme_lacks(target, *HIT_NEEDS.get(kind, ()))
     if lacks is not None:
         pytest.skip(lacks)
-    guest, ours, n, in_guest, _ = _paired_hits(target, body, HIT_WORKLOADS.get(kind, "workload read 5 64"))
+    guest, ours, n, in_guest, _ = paired_hits(target, body, HIT_WORKLOADS.get(kind, "workload read 5 64"))
     assert in_guest == (kind == "registers")
     assert len(guest) == n, guest
     assert ours == guest
@@ -200,7 +156,7 @@ def test_every_good_argument_of_the_selftests_reads_what_the_guest_reads(target:
     named = [a.split("=", 1) if "=" in a.split("(")[0] else (f"v{i}", a) for i, a in enumerate(every)]
     names = [name for name, _ in named]
     body = f"{FUNC} " + " ".join(f"{name}={a}" for name, a in named)
-    guest, ours, n, _, oversized = _paired_hits(target, body, "workload read 4 64 /tmp/oracle-read")
+    guest, ours, n, _, oversized = paired_hits(target, body, "workload read 4 64 /tmp/oracle-read")
     # Kernel memory read as strings can make a record longer than the guest's ring buffer takes (a page
     # of text in the direct map): the kernel's event then leaves no line, and qprobe's none either.
     assert len(ours) == len(guest), guest
@@ -260,7 +216,7 @@ def test_a_record_longer_than_the_guests_ring_buffer_takes_leaves_no_line_on_eit
         for n in lengths:  # built in the guest: a command line that long is more than its tty takes
             target.run(f"p=/$(head -c {n - 1} /dev/zero | tr '\\0' a); cat $p 2>/dev/null; true").check()
         target.run(f"echo 0 > {TRACING}/events/kprobes/gopen/enable").check()
-        guest = [h[3] for h in _guest_hits(target, "gopen") if "/aaa" in h[3] or h[3].endswith(LINE_TOO_BIG)]
+        guest = [h[3] for h in guest_hits(target, "gopen") if "/aaa" in h[3] or h[3].endswith(LINE_TOO_BIG)]
     finally:
         target.remove_event(te)
         target.run(f"echo 0 > {TRACING}/events/kprobes/gopen/enable; echo '-:gopen' >> {TRACING}/kprobe_events")

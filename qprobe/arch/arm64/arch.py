@@ -64,6 +64,10 @@ class Arm64:
     # arm64's ftrace site is the NOPs -fpatchable-function-entry puts before the prologue: no call to
     # decode as linked (the guest's ftrace owns them once it has written a call).
     ftrace_site: FtraceSite | None = None
+    # ``__mcount_loc`` holds the first of the two NOPs (``mov x9, x30`` once boot has run ftrace_init_nop),
+    # and ftrace patches the second, a BL when traced (arch/arm64/include/asm/ftrace.h's ftrace_call_adjust
+    # with DYNAMIC_FTRACE_WITH_REGS): a kprobe there is refused (arm64 selects no HAVE_KPROBES_ON_FTRACE).
+    ftrace_call_adjust = 4
     drgn_architecture = "AARCH64"
     trap_step: TrapStep | None = None
     trap_watch: TrapWatch | None = None

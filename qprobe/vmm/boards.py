@@ -10,8 +10,9 @@ architecture is ``qprobe.arch``'s.
   scratch area is reserved with ``memmap=SIZE$ADDR``, which KASLR honours
   too; the optimized probes' doorbell is an ``isa-debugcon`` I/O port.
 - ``virt`` (aarch64): RAM from physical 1 GiB (hw/arm/virt.c's
-  ``VIRT_MEM``); one PL011 port (ttyAMA0), so the guest's shell shares the
-  console (kernel messages can land in a command's output); arm64 Linux has
+  ``VIRT_MEM``); one PL011 port (ttyAMA0), the kernel's console, and the
+  guest's shell on QEMU's PCI 16550 (``pci-serial``), which the 8250 driver
+  names ttyS0 (arm64 has no legacy ports before it); arm64 Linux has
   no ``memmap=``, so the kernel is given ``mem=`` and the scratch area lies
   in the RAM above it, which the kernel never maps; no I/O ports, so no
   doorbell.  The CPU is ``max`` with the implementation-defined pointer
@@ -53,7 +54,8 @@ class Board:
     ram_base: int  # physical address of the first byte of RAM
     tcg_cpu: str
     console: str  # the kernel's console device (console=)
-    shell_port: bool  # a second serial port for the guest's shell
+    shell_tty: str | None  # the guest's name of the serial port for the guest's shell; None: it shares the console
+    shell_device: tuple[str, ...]  # QEMU's arguments for that port, on chardev ``sh0``
     doorbell: bool  # the optimized probes' isa-debugcon doorbell
     reservation: str  # how the scratch area is kept from the kernel: "memmap" or "mem"
     extra: tuple[str, ...] = ()  # more arguments the machine needs
@@ -107,7 +109,8 @@ BOARDS = {
         # (arch/x86/lib/cmpxchg16b_emu.S for the per-CPU operation, a locked path for the slab's).
         tcg_cpu="max,cx16=off",
         console="ttyS0",
-        shell_port=True,
+        shell_tty="ttyS1",
+        shell_device=("-serial", "chardev:sh0"),
         doorbell=True,
         reservation="memmap",
         extra=("-vga", "none"),
@@ -120,7 +123,8 @@ BOARDS = {
         ram_base=0x4000_0000,
         tcg_cpu="max,pauth-impdef=on",
         console="ttyAMA0",
-        shell_port=False,
+        shell_tty="ttyS0",
+        shell_device=("-device", "pci-serial,chardev=sh0"),
         doorbell=False,
         reservation="mem",
     ),

@@ -3,7 +3,8 @@
 QEMU gives the guest two serial ports when qprobe boots it: ttyS0, the
 kernel's console (``console=ttyS0``), carries the kernel's log and nothing
 else; ttyS1 (``qprobe.shell=ttyS1`` on the command line, read by the guest's
-/init) carries the shell.  A command's output therefore holds exactly what
+/init) carries the shell (on arm64's ``virt`` board, the PL011 ttyAMA0 and a PCI
+16550 the guest names ttyS0: ``qprobe.vmm.boards``).  A command's output therefore holds exactly what
 the command wrote, whatever the kernel logs meanwhile, and the oops scan sees
 the kernel's lines only.  A guest whose /init ignores ``qprobe.shell=`` (a
 root filesystem of the user's own, or a QEMU started by hand with one serial
@@ -32,9 +33,6 @@ from qprobe.errors import GuestPanicked, GuestTimeout, TargetError, TargetGone
 from qprobe.vmm.bootfail import BootSetup, BootWatch
 
 READY = "QPROBE-READY"
-# The guest /init's switch that puts the shell on a serial port of its own (scripts/guest/init).
-SHELL_PORT = "ttyS1"
-SHELL_CMDLINE = f"qprobe.shell={SHELL_PORT}"
 # What is kept in memory of a port that may print forever (a guest in a WARNING loop): the last
 # MAX_TEXT characters, and the first MAX_OOPS oops lines.  QEMU's log files have everything.
 MAX_TEXT = 4 << 20

@@ -31,7 +31,6 @@ from pathlib import Path
 
 from qprobe.errors import TargetError, TargetGone
 from qprobe.vmm.boards import SCRATCH_SIZE, Board, board_for
-from qprobe.vmm.console import SHELL_CMDLINE
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +228,7 @@ class QemuProcess:
             self.console_path = self.rundir / "console.sock"
             self.console_log = self.rundir / "console.log"
             # The guest's shell's own port, and the doorbell, where the board has them (None: it has not).
-            self.shell_path: Path | None = self.rundir / "shell.sock" if self.board.shell_port else None
+            self.shell_path: Path | None = self.rundir / "shell.sock" if self.board.shell_tty else None
             self.shell_log = self.rundir / "shell.log"
             self.doorbell_path: Path | None = self.rundir / "doorbell.sock" if self.board.doorbell else None
             self.argv = [binary, *self._args()]
@@ -306,9 +305,9 @@ class QemuProcess:
         return " ".join(
             [
                 f"console={board.console},115200",
-                # The guest's shell on a serial port of its own (ttyS1), so that a command's output never
-                # holds a kernel message (scripts/guest/init reads this).
-                *([SHELL_CMDLINE] if board.shell_port else []),
+                # The guest's shell on a serial port of its own, so that a command's output never holds a
+                # kernel message (scripts/guest/init reads this).
+                *([f"qprobe.shell={board.shell_tty}"] if board.shell_tty else []),
                 # Keep the scratch area away from the kernel (KASLR honours memmap= too).
                 board.reserve(self.scratch_phys, SCRATCH_SIZE),
                 "panic=-1",
@@ -337,9 +336,9 @@ class QemuProcess:
             "-chardev", f"socket,id=con0,path={self.console_path},server=on,wait=off,logfile={self.console_log}",
             "-serial", "chardev:con0",
         ]  # fmt: skip
-        if board.shell_port:
+        if board.shell_tty:
             args += ["-chardev", f"socket,id=sh0,path={self.shell_path},server=on,wait=off,logfile={self.shell_log}",
-                     "-serial", "chardev:sh0"]  # fmt: skip
+                     *board.shell_device]  # fmt: skip
         if board.doorbell:
             # The optimized probes' doorbell: an `out` to this port arrives on the socket.
             args += ["-chardev", f"socket,id=bell0,path={self.doorbell_path},server=on,wait=off",

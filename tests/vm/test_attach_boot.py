@@ -21,8 +21,8 @@ import pytest
 
 import qprobe
 from qprobe.images import get_image
-from qprobe.vmm.console import SHELL_CMDLINE
-from qprobe.vmm.qemu import SCRATCH_SIZE, TCG_CPU, scratch_phys, storage_args
+from qprobe.vmm.boards import board_for
+from qprobe.vmm.qemu import SCRATCH_SIZE, TCG_CPU, storage_args
 
 from .conftest import IMAGE
 from .test_boot_frontends import MARK, _sections
@@ -36,8 +36,10 @@ MEMORY = 512 << 20
 
 def _append() -> str:
     """The kernel's command line: qprobe's scratch reservation, its guest shell on ttyS1, the kernel's oracles."""
-    scratch = f"memmap={SCRATCH_SIZE >> 20}M${scratch_phys(MEMORY):#x}"  # as qprobe's own QEMU reserves it
-    return " ".join(["console=ttyS0,115200", SHELL_CMDLINE, scratch, "panic=-1", get_image(IMAGE, fetch=False).cmdline,
+    pc = board_for("x86_64")
+    scratch = pc.reserve(pc.scratch_phys(MEMORY), SCRATCH_SIZE)  # as qprobe's own QEMU reserves it
+    return " ".join(["console=ttyS0,115200", f"qprobe.shell={pc.shell_tty}", scratch, "panic=-1",
+                     get_image(IMAGE, fetch=False).cmdline,
                      "initcall_debug log_buf_len=8M kprobe_event=p:kic,do_one_initcall"])  # fmt: skip
 
 

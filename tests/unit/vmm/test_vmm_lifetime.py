@@ -325,10 +325,10 @@ def test_an_aarch64_guest_boots_on_the_virt_board(tmp_path: Path, fake_qemu: Pat
         assert argv[argv.index("-machine") + 1].startswith("virt,")
         assert argv[argv.index("-cpu") + 1] == "max,pauth-impdef=on"
         append = argv[argv.index("-append") + 1].split()
-        # One PL011: the kernel's console, and the guest's shell with it; the RAM above mem= is the scratch area.
-        assert "console=ttyAMA0,115200" in append and not any(a.startswith("qprobe.shell=") for a in append)
+        # The PL011 is the kernel's console, the PCI 16550 the guest's shell; the RAM above mem= is the scratch area.
+        assert "console=ttyAMA0,115200" in append and "qprobe.shell=ttyS0" in append
+        assert "pci-serial,chardev=sh0" in argv and argv.count("-serial") == 1
         assert q.scratch_phys == 0x4000_0000 + (480 << 20) and "mem=480M" in append
-        assert argv.count("-serial") == 1 and "isa-debugcon" not in " ".join(argv)
-        assert q.shell_path is None and q.doorbell_path is None
+        assert "isa-debugcon" not in " ".join(argv) and q.shell_path is not None and q.doorbell_path is None
     finally:
         q.terminate(timeout=1.0)

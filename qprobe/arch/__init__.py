@@ -345,9 +345,6 @@ class Arch(Protocol):
     slot_size: int  # bytes of scratch per out-of-line copy
     registers: RegisterLayout
     ftrace_site: FtraceSite | None  # None: no call of ftrace's in a function's linked bytes
-    # Bytes from a ``__mcount_loc`` entry to the instruction ftrace patches (the record's ip, the kernel's
-    # ftrace_call_adjust): with no ``ftrace_site``, the kernel's kprobes refuse that instruction (EINVAL).
-    ftrace_call_adjust: int
     drgn_architecture: str  # the name of drgn.Architecture's member for it
 
     # -- the optional facets -----------------------------------------------------------------

@@ -27,7 +27,6 @@ from qprobe.core.kprobes import KprobeManager
 from qprobe.core.regs import PtRegs
 from qprobe.core.stubreturns import StubReturn, StubReturnInstance, StubReturns
 from qprobe.errors import InvalidProbe, ProbeError, QprobeError
-from qprobe.kernel.features import preemptible
 
 log = logging.getLogger("qprobe.kretprobes")
 
@@ -46,7 +45,6 @@ class KretprobeManager:
         self.dispatcher = kprobes.dispatcher
         self.trampoline = 0
         self.by_frame: dict[int, KretprobeInstance] = {}
-        self.preemptible = preemptible(self.symbols)
         self.registered: set[Kretprobe] = set()
         # Anywhere: returns caught on stub breakpoints at the return address, the stack left alone.
         self.stub_returns = StubReturns(kprobes.stubs, kprobes.arch)
@@ -76,9 +74,9 @@ class KretprobeManager:
         return out
 
     def default_maxactive(self) -> int:
-        """The kernel's default: max(10, 2 * CPUs) when preemptible, else the number of CPUs."""
-        ncpus = len(self.machine.vcpus)
-        return max(10, 2 * ncpus) if self.preemptible else ncpus
+        """The kernel's default: max(10, 2 * possible CPUs), whatever the preemption model (register_kretprobe
+        in kernel/kprobes.c of 6.1 and 6.12; the CONFIG_PREEMPTION-only branch of older kernels is gone)."""
+        return max(10, 2 * len(self.machine.vcpus))
 
     # -- registration ------------------------------------------------------------
     def register_kretprobe(self, rp: Kretprobe) -> None:

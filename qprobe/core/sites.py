@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Collection
 
+import drgn
+
 from qprobe.arch import Arch
 from qprobe.core.blacklist import Blacklist
 from qprobe.core.kprobe import Kprobe
@@ -12,7 +14,7 @@ from qprobe.core.text import KernelText
 from qprobe.errors import Blacklisted, InvalidProbe, NotKernelText, QprobeError, SymbolError
 from qprobe.kernel.program import KernelData
 from qprobe.kernel.reserved import ReservedText
-from qprobe.kernel.tracefs import ftrace_locations
+from qprobe.kernel.tracefs import ftrace_record_ips
 from qprobe.vmm.machine import Machine
 
 
@@ -26,6 +28,7 @@ class ProbeSites:
         self.text = text
         self.symbols = symbols = kernel.symbols
         self.blacklist = Blacklist(symbols, arch.arch_populate_kprobe_blacklist())
+        self._ftrace_records: tuple[int, frozenset[int]] | None = None  # (modules loaded, their ips)
         site = arch.ftrace_site  # its entry is in the kernel with CONFIG_FUNCTION_TRACER
         self._ftrace = (site, symbols.address(site.entry)) if site is not None and site.entry in symbols else None
 
@@ -97,18 +100,18 @@ class ProbeSites:
         return where, fn.addr, code
 
     def _ftrace_calls(self, addr: int) -> Collection[int]:
-        """The instructions ftrace patches in ``addr``'s text (vmlinux's or its module's), where the architecture
-        has no ftrace call as linked (``Arch.ftrace_site`` None): check_ftrace_location refuses them."""
+        """The instructions the guest's ftrace patches, where the architecture has no ftrace call as linked
+        (``Arch.ftrace_site`` None): check_ftrace_location refuses a kprobe on one (EINVAL).  Read from the
+        running kernel again after a module load (a module's records join the list then)."""
         if self.arch.ftrace_site is not None:
             return ()
-        mod = self.symbols.module_of(addr)
-        return (
-            self._vmlinux_ftrace_calls if mod is None else [a + self.arch.ftrace_call_adjust for a in mod.ftrace_sites]
-        )
-
-    @functools.cached_property
-    def _vmlinux_ftrace_calls(self) -> frozenset[int]:
-        return frozenset(a + self.arch.ftrace_call_adjust for a in ftrace_locations(self.symbols))
+        loaded = len(self.symbols.modules)
+        if self._ftrace_records is None or self._ftrace_records[0] != loaded:
+            try:
+                self._ftrace_records = (loaded, ftrace_record_ips(self.kernel.prog))
+            except (QprobeError, drgn.FaultError):
+                self._ftrace_records = (loaded, frozenset())  # no debug info: the kernel's types say nothing
+        return self._ftrace_records[1]
 
     @functools.cached_property
     def reserved(self) -> ReservedText:

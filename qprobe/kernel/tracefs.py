@@ -168,6 +168,32 @@ def ftrace_locations(symbols: Symbols) -> list[int]:
     return sorted(a + symbols.slide for (a,) in struct.iter_unpack("<Q", raw[: len(raw) - len(raw) % 8]) if a)
 
 
+def ftrace_record_ips(prog: drgn.Program) -> frozenset[int]:
+    """The instruction of every call site the guest's ftrace manages, vmlinux's and loaded modules' alike: each
+    ``struct dyn_ftrace``'s ``ip`` in the ``ftrace_pages_start`` list (kernel/trace/ftrace.c), which the
+    kernel's check_ftrace_location compares a kprobe's address with.
+
+    From the running kernel, because arm64's ``__mcount_loc`` is init data filled by relocation at boot, and
+    its records point past the entry (ftrace_call_adjust).  Empty without dynamic ftrace.
+    """
+    try:
+        page = prog["ftrace_pages_start"]
+        rec_type = prog.type("struct dyn_ftrace")
+    except (KeyError, LookupError):
+        return frozenset()
+    size, ip_off = drgn.sizeof(rec_type), rec_type.member("ip").offset
+    ips: set[int] = set()
+    seen = 0
+    # Bounded: a page holds at least one record, and no kernel has more than a few hundred thousand.
+    while page.value_() and seen < 1 << 20:
+        count = page.index.value_()
+        raw = prog.read(page.records.value_(), count * size)
+        ips.update(struct.unpack_from("<Q", raw, i * size + ip_off)[0] for i in range(count))
+        seen += max(count, 1)
+        page = page.next
+    return frozenset(ips)
+
+
 def within_notrace_func(symbols: Symbols, locations: Sequence[int], addr: int) -> bool:
     """trace_kprobe.c's ``within_notrace_func``: is ``addr`` in a function ftrace cannot trace?
 

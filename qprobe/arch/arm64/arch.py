@@ -62,12 +62,9 @@ class Arm64:
     slot_size = kprobes.SLOT_SIZE
     registers: RegisterLayout = REGISTERS
     # arm64's ftrace site is the NOPs -fpatchable-function-entry puts before the prologue: no call to
-    # decode as linked (the guest's ftrace owns them once it has written a call).
+    # decode as linked.  ftrace patches the second (a BL when traced; the first is ``mov x9, x30`` from
+    # boot on), and arm64 selects no HAVE_KPROBES_ON_FTRACE: a kprobe there is refused (core/sites.py).
     ftrace_site: FtraceSite | None = None
-    # ``__mcount_loc`` holds the first of the two NOPs (``mov x9, x30`` once boot has run ftrace_init_nop),
-    # and ftrace patches the second, a BL when traced (arch/arm64/include/asm/ftrace.h's ftrace_call_adjust
-    # with DYNAMIC_FTRACE_WITH_REGS): a kprobe there is refused (arm64 selects no HAVE_KPROBES_ON_FTRACE).
-    ftrace_call_adjust = 4
     drgn_architecture = "AARCH64"
     trap_step: TrapStep | None = None
     trap_watch: TrapWatch | None = None

@@ -35,7 +35,7 @@ from qprobe.arch.arm64.insn import (
     u64,
 )
 from qprobe.arch.arm64.simulate import simulate
-from qprobe.errors import CannotProbe, NotInstructionBoundary, ProbeBusy, ProbeError
+from qprobe.errors import CannotProbe, InvalidProbe, NotInstructionBoundary, ProbeBusy, ProbeError
 
 COPY_SIZE = 2 * AARCH64_INSN_SIZE  # the instruction and the BRK after it
 DAIF_STATES = (DAIF_MASK >> DAIF_SHIFT) + 1  # 16: D, A, I and F each masked or not
@@ -103,7 +103,9 @@ def check_boundary(code: bytes, func_start: int, addr: int, patched: Mapping[int
     """
     where = f"{name}+{addr - func_start:#x}" if name else f"{addr:#x}"
     if addr % AARCH64_INSN_SIZE:
-        raise NotInstructionBoundary(f"{where} is not 4-byte aligned (EINVAL): arm64 instructions are")
+        # arch_prepare_kprobe's EINVAL, which trace_kprobe logs as a failed registration, not as x86's
+        # instruction boundary (EILSEQ).
+        raise InvalidProbe(f"{where} is not 4-byte aligned (EINVAL): arm64 instructions are")
     if not func_start <= addr < func_start + len(code):
         raise NotInstructionBoundary(f"{where} is outside the function's {len(code)} bytes at {func_start:#x}")
     preceding = recover_bytes(code[: addr - func_start], func_start, patched)
@@ -125,7 +127,7 @@ def prepare_kprobe(code: bytes, addr: int, slot_addr: int, *, where: str | None 
     """
     where = where or f"{addr:#x}"
     if addr % AARCH64_INSN_SIZE:
-        raise NotInstructionBoundary(f"cannot probe {where}: not 4-byte aligned (EINVAL)")
+        raise InvalidProbe(f"cannot probe {where}: not 4-byte aligned (EINVAL)")
     code = recover_bytes(code, addr, patched)
     if len(code) < AARCH64_INSN_SIZE:
         raise CannotProbe(f"cannot probe {where}: only {len(code)} byte(s) of its instruction were read")

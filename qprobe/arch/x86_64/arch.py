@@ -185,7 +185,6 @@ class X86_64:
                                display=DISPLAY, flag_bits=FLAG_BITS, plain=PLAIN)  # fmt: skip
     # Annotated as Arch declares them: a protocol's attributes are settable, so their types must match.
     ftrace_site: FtraceSite | None = FtraceSite("__fentry__", CALL_INSN_SIZE, call_target)
-    ftrace_call_adjust = 0  # the entry is the call itself
     drgn_architecture = "X86_64"
     traps: Traps = X86Traps()
     # Every optional facet: x86 has them all.

@@ -310,7 +310,6 @@ class Toy:
     drgn_architecture = "UNKNOWN"
     kprobe_ip_offset = 0  # the trapped pc is the probe's own, as on arm64
     ftrace_site = None  # the toy kernel has no ftrace
-    ftrace_call_adjust = 0
     traps = ToyTraps()
     # The facets: the toy has no jump optimization, so every probe stays a breakpoint.
     trap_step: ToyTrapStep | None = ToyTrapStep()

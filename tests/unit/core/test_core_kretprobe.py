@@ -197,12 +197,10 @@ def test_refused_return_probes_leave_nothing_behind(calls: Calls, where: dict[st
     assert calls.text_unchanged()
 
 
-@pytest.mark.parametrize(("preemptible", "default"), [(False, 2), (True, 10)])
-def test_default_maxactive_is_the_kernels(calls: Calls, preemptible: bool, default: int) -> None:
-    calls.rpm.preemptible = preemptible
+def test_default_maxactive_is_the_kernels(calls: Calls) -> None:
     rp = Kretprobe("toy_callee")
     calls.rpm.register_kretprobe(rp)
-    assert len(rp.free) == default
+    assert len(rp.free) == max(10, 2 * len(calls.km.machine.vcpus))
 
 
 def test_registering_a_registered_return_probe_is_einval_and_leaves_its_calls_alone(calls: Calls) -> None:

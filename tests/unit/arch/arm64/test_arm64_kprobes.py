@@ -22,7 +22,7 @@ from qprobe.arch.arm64.kprobes import (
     slot_code,
     step_left_slot,
 )
-from qprobe.errors import CannotProbe, NotInstructionBoundary, ProbeBusy
+from qprobe.errors import CannotProbe, InvalidProbe, NotInstructionBoundary, ProbeBusy
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fakes_arm64 import FakeMem, FakeRegs
@@ -66,7 +66,7 @@ def test_refusals() -> None:
         prepare_kprobe((0xD4000001).to_bytes(4, "little"), ADDR, SLOT, where="f+0x34")
     with pytest.raises(ProbeBusy):
         prepare_kprobe(BRK64_OPCODE_KPROBES.to_bytes(4, "little"), ADDR, SLOT)
-    with pytest.raises(NotInstructionBoundary):
+    with pytest.raises(InvalidProbe, match="not 4-byte aligned"):
         prepare_kprobe(ADD, ADDR + 2, SLOT)
     with pytest.raises(CannotProbe, match="exception-table entry"):
         prepare_kprobe(ADD, ADDR, SLOT, exception_table={ADDR})
@@ -85,7 +85,7 @@ def test_qprobe_s_own_brk_is_looked_through() -> None:
 def test_check_boundary() -> None:
     start = ADDR - 8
     check_boundary(STXR + ADD + ADD, start, ADDR, {}, "f")
-    with pytest.raises(NotInstructionBoundary, match=r"f\+0x9 is not 4-byte aligned"):
+    with pytest.raises(InvalidProbe, match=r"f\+0x9 is not 4-byte aligned"):
         check_boundary(ADD * 4, start, ADDR + 1, {}, "f")
     with pytest.raises(NotInstructionBoundary, match="outside"):
         check_boundary(ADD * 2, start, ADDR, {}, "f")

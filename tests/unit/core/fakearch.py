@@ -732,6 +732,7 @@ class ToySymbols:
 
     functions: list[Symbol] = field(default_factory=list)
     markers: dict[str, int] = field(default_factory=dict)
+    modules: dict[str, object] = field(default_factory=dict)  # no module is ever loaded
     slide = 0
 
     def add(self, name: str, code: bytes, at: int | None = None) -> int:

@@ -131,7 +131,8 @@ def test_hit_counts_on_random_functions_equal_the_guests_own(target: qprobe.Targ
         target.run(f"{script}; echo > {TRACING}/trace").check()
         target.run(f"for f in {TRACING}/events/kprobes/g*/filter; do echo '{filt}' > $f; done; "
                    f"echo 1 > {TRACING}/events/kprobes/enable").check()  # fmt: skip
-        target.run("workload lseek 100; workload read 30 64").check()
+        # Every hit stops the VM (arm64 has no in-guest records yet): a few thousand of them.
+        target.run("workload lseek 40; workload read 10 64", timeout=600).check()
         target.run(f"echo 0 > {TRACING}/events/kprobes/enable").check()
         target.remove_events(list(ours.values()))
         counts = target.run(f"grep -oE ': g[0-9]+: ' {TRACING}/trace | sort | uniq -c").check().output
@@ -144,7 +145,7 @@ def test_hit_counts_on_random_functions_equal_the_guests_own(target: qprobe.Targ
     reentered = {f.split()[0] for f in profile.splitlines() if len(f.split()) == 3 and f.split()[2] != "0"}
     compared = {name: (theirs.get(g, 0), ours[name].nhit) for name, g in guest.items() if g not in reentered}
     assert len(ours) == 30 and len(compared) >= 25, (len(ours), compared)
-    assert sum(g for g, _ in compared.values()) >= 130, compared
+    assert sum(g for g, _ in compared.values()) >= 50, compared
     assert all(g == q for g, q in compared.values()), {k: v for k, v in compared.items() if v[0] != v[1]}
 
 

@@ -318,7 +318,7 @@ class UprobeManager:
         root = sp = task = 0
         if point is not None and self.arch.user_mode(values):
             regs = {**values, self.arch.registers.percpu_base: self.arch.percpu_base(values)}
-            root = self.machine.mem.pgd_of(values[self.arch.registers.page_table])
+            root = self.machine.mem.pgd_of(values[self.arch.registers.task_page_table])
             sp = self.arch.sp(values)
             if (root, ip, sp) in self.restarts:
                 self.restarts.discard((root, ip, sp))

@@ -336,6 +336,9 @@ class OptProbes(Protocol):
 class Uprobes(Protocol):
     """User-space probes (qprobe.core.uprobes): the kernel's arch/*/kernel/uprobes.c hooks qprobe needs."""
 
+    # UPROBE_SWBP_INSN_SIZE: uprobe_register() refuses a file offset not aligned to it (EINVAL).
+    uprobe_swbp_insn_size: int
+
     # Why the kernel's uprobes refuse an instruction as the probed one (None: they take it).
     def arch_uprobe_analyze_insn(self, code: bytes) -> str | None: ...
     # After the probed user instruction was stepped in place with registers ``after``: whether it trapped

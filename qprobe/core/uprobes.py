@@ -130,6 +130,11 @@ class UprobeManager:
             raise InvalidProbe(f"{up.path}:{offset:#x} is past the end of the file ({f.size} bytes) (EINVAL)")
         if self.arch.uprobes is None:
             raise InvalidProbe(f"{up.path}:{offset:#x}: no user-space probes on this architecture (ENOTSUPP)")
+        # uprobe_register()'s alignment check: a breakpoint inside an instruction would never stop (an arm64
+        # pc is always a multiple of 4).
+        align = self.arch.uprobes.uprobe_swbp_insn_size
+        if offset % align:
+            raise InvalidProbe(f"{up.path}:{offset:#x} is not aligned to {align} bytes (EINVAL)")
         code = self.files.read(f, offset, 16)
         why = self.arch.uprobes.arch_uprobe_analyze_insn(code) if code else None
         if why is not None:

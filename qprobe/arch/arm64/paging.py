@@ -9,16 +9,20 @@ The user half is shaped the same way by T0SZ and TG0, and an address's bit
 55 says which half (and so which root) translates it, as for the MMU.
 
 The user half's root is TTBR0_EL1's, in kernel mode too: cpu_do_switch_mm
-(arch/arm64/mm/proc.S, 6.1 and 6.12) writes the next mm's table there, and
-with UNMAP_KERNEL_AT_EL0 (KPTI) the entry trampoline switches only TTBR1
-(tramp_map_kernel, entry.S) and the user ASID bit, which TCR_EL1.A1 keeps in
-TTBR1 too.  A kernel thread (init_mm) has reserved_pg_dir there, which maps
-nothing.  With CONFIG_ARM64_SW_TTBR0_PAN, kernel code outside uaccess runs
-with reserved_pg_dir in TTBR0 and the task's table saved in its
-``thread_info.ttbr0``; the host does not read that (a read of user memory
-there faults): the kernel uses it only when system_uses_ttbr0_pan(), that is
-without hardware PAN (asm/cpufeature.h), which ``-cpu max`` has, and
-Debian's cloud-arm64 builds have CONFIG_ARM64_PAN=y and SW_TTBR0_PAN unset.
+(arch/arm64/mm/context.c, 6.1 and 6.12) writes the next mm's table there
+(with CnP; the ASID goes to TTBR1, as TCR_EL1.A1 is set: ``root`` drops
+both), and with UNMAP_KERNEL_AT_EL0 (KPTI) the entry trampoline switches
+only TTBR1 and its user ASID bit (tramp_map_kernel, entry.S).  A kernel
+thread (init_mm) has reserved_pg_dir there, which maps nothing.  With
+CONFIG_ARM64_SW_TTBR0_PAN, kernel code outside uaccess would run with
+reserved_pg_dir in TTBR0 and the task's table saved in its
+``thread_info.ttbr0``; the host does not read that (a kernel-mode read of
+user memory there faults): the kernel does it only when
+system_uses_ttbr0_pan(), that is without hardware PAN (asm/cpufeature.h),
+which ``-cpu max`` has, and Debian's 6.1 cloud-arm64 config has
+CONFIG_ARM64_PAN=y and SW_TTBR0_PAN unset.  A user-mode stop (every uprobe)
+always has the task's table in TTBR0: kernel_exit restores it.
+
 A descriptor is valid when bit 0 is set; above the last level, bit 1 tells a
 table from a block.  Linux maps blocks only where its PUD or PMD may be a
 section (pud_sect_supported(): PUD blocks with 4K pages only), so a block is

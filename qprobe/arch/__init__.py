@@ -172,7 +172,7 @@ class RegisterLayout:
     defaults: Mapping[str, int]  # fields a detour's frame lacks, with their kernel-mode values
     general: tuple[str, ...]  # pt_regs names of the general registers (a detour's filter or key may read them)
     irq_flag: int  # the flags bit set while interrupts are enabled
-    page_table: str  # gdbstub name of the register holding the running task's page-table root
+    page_table: str  # gdbstub name of the register holding the running task's page-table root (the kernel half's)
     percpu_base: str  # gdbstub name of the register holding the CPU's per-CPU base in kernel mode
     retval: str  # pt_regs name of the register a function returns its value in
     stack_args: int  # at a function's entry, sp + this is its first argument on the stack (x86_64: 8)
@@ -200,17 +200,26 @@ class RegisterLayout:
     # gdbstub names of the other registers the architecture's readers take from a stop (x86: CR4 for
     # page_tables, KERNEL_GS_BASE for percpu_base, CR0 for boot_stage).
     system: tuple[str, ...] = ()
+    # gdbstub name of the register holding the root of the running task's user half where that is not
+    # ``page_table``'s (arm64's TTBR0_EL1); None: ``page_table``'s root maps both halves (x86's CR3).
+    user_page_table: str | None = None
     ip: str = "ip"  # pt_regs names of the instruction pointer, stack pointer and flags
     sp: str = "sp"
     flags: str = "flags"
 
     @property
     def stop_registers(self) -> frozenset[str]:
-        """gdbstub names of every register a stop's read must bring: pt_regs', the page-table root, the
+        """gdbstub names of every register a stop's read must bring: pt_regs', the page-table roots, the
         per-CPU base, ``current``'s and ``system``.  A transport reads those its ``g`` packet lacks with ``p``
         (QEMU's aarch64 stub has its system registers in a target-description feature of their own)."""
-        named = (self.page_table, self.percpu_base, *self.system, *([self.current] if self.current else []))
+        named = (self.task_page_table, self.page_table, self.percpu_base, *self.system,
+                 *([self.current] if self.current else []))  # fmt: skip
         return frozenset((*self.gdb_name.values(), *named))
+
+    @property
+    def task_page_table(self) -> str:
+        """gdbstub name of the register whose root (``GuestMemory.pgd_of``) the task's memory is read through."""
+        return self.user_page_table or self.page_table
 
     @property
     def pc(self) -> str:
@@ -249,8 +258,10 @@ class FtraceSite:
 class PageTables(Protocol):
     """The guest's page tables as the host walks them (``qprobe.vmm.memory``, the scratch area's mapping).
 
-    ``root`` turns a value of the page-table register (``RegisterLayout.page_table``)
-    into the physical root of the kernel's half; ``learn`` is told the kernel's
+    ``root`` turns a value of a page-table register (``RegisterLayout.page_table``,
+    or ``user_page_table``) into the physical table it points at; ``root_for``
+    says which root walks an address of a task (the kernel's, ``mem.pgd``, or the
+    task's: the same tables on x86; TTBR1's or TTBR0's on arm64); ``learn`` is told the kernel's
     symbols once they are read (a build option may change the roots' shape).
     The scratch area is mapped as ``large_page``-sized pages of kernel text in
     the table ``large_page_table`` finds, within branch reach of ``image_base``.
@@ -263,6 +274,7 @@ class PageTables(Protocol):
 
     def learn(self, has_symbol: Callable[[str], bool]) -> None: ...
     def root(self, value: int) -> int: ...
+    def root_for(self, vaddr: int, kernel: int, task: int | None) -> int: ...
     def translate(self, read_u64: Callable[[int], int], root: int, vaddr: int) -> tuple[int, int, int]: ...
     def large_page_table(self, read_u64: Callable[[int], int], root: int) -> int: ...
     def large_page_entry(self, phys: int) -> int: ...
@@ -323,6 +335,9 @@ class OptProbes(Protocol):
 
 class Uprobes(Protocol):
     """User-space probes (qprobe.core.uprobes): the kernel's arch/*/kernel/uprobes.c hooks qprobe needs."""
+
+    # UPROBE_SWBP_INSN_SIZE: uprobe_register() refuses a file offset not aligned to it (EINVAL).
+    uprobe_swbp_insn_size: int
 
     # Why the kernel's uprobes refuse an instruction as the probed one (None: they take it).
     def arch_uprobe_analyze_insn(self, code: bytes) -> str | None: ...

@@ -95,8 +95,9 @@ class PtRegs:
         init(self, "_mem", mem)
         init(self, "_symbols", symbols)
         init(self, "_kernel", kernel)
-        # Reads use the interrupted task's page tables, so user pointers work too.
-        root = values.get(layout.page_table)
+        # Reads use the interrupted task's page tables, so user pointers work too (arm64: its TTBR0's, for
+        # the user half; GuestMemory walks the kernel half from the kernel's root).
+        root = values.get(layout.task_page_table)
         init(self, "_pgd", mem.pgd if root is None else mem.pgd_of(root))
         init(self, "tid", tid)
         init(self, "vcpu", vcpu)

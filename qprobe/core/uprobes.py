@@ -1,10 +1,11 @@
 """User-space probes as the kernel's uprobes (kernel/events/uprobes.c), from the host: nothing written into the guest.
 
 A uprobe is keyed as the kernel keys it, by (file, offset): the file's ``address_space`` and a byte offset
-in it.  The kernel writes an int3 into a private copy of the page in every mm that maps the file and runs
-the displaced instruction out of line in a per-mm page; qprobe needs neither.  It puts one of the gdbstub's
-own breakpoints (nothing written under TCG) at every virtual address where some process maps the offset,
-and decides at each stop whether the process that stopped really runs that file there:
+in it.  The kernel writes its breakpoint instruction (x86's int3, arm64's brk) into a private copy of the
+page in every mm that maps the file and runs the displaced instruction out of line in a per-mm page; qprobe
+needs neither.  It puts one of the gdbstub's own breakpoints (nothing written under TCG) at every virtual
+address where some process maps the offset, and decides at each stop whether the process that stopped
+really runs that file there:
 
 * **where:** registration finds every current mapping in the file's ``i_mmap`` tree (the kernel's
   ``register_for_each_vma``); a probe where ``mmap_region`` finishes a mapping tells of each new one before
@@ -24,8 +25,8 @@ and decides at each stop whether the process that stopped really runs that file 
 * **returns:** a return probe's entry stops at the return address too (qprobe.core.ureturns).
 
 The page cache, ``read()`` of the file, ``/proc/PID/mem`` and the disk all keep the original bytes: there
-is no int3 anywhere in the guest.  Every hit is two VM stops (the stop and the step), in any process that
-runs the address, so a busy probe costs what an anywhere kprobe costs.
+is no breakpoint instruction anywhere in the guest.  Every hit is two VM stops (the stop and the step), in
+any process that runs the address, so a busy probe costs what an anywhere kprobe costs.
 """
 
 from __future__ import annotations
@@ -130,6 +131,11 @@ class UprobeManager:
             raise InvalidProbe(f"{up.path}:{offset:#x} is past the end of the file ({f.size} bytes) (EINVAL)")
         if self.arch.uprobes is None:
             raise InvalidProbe(f"{up.path}:{offset:#x}: no user-space probes on this architecture (ENOTSUPP)")
+        # uprobe_register()'s alignment check: a breakpoint inside an instruction would never stop (an arm64
+        # pc is always a multiple of 4).
+        align = self.arch.uprobes.uprobe_swbp_insn_size
+        if offset % align:
+            raise InvalidProbe(f"{up.path}:{offset:#x} is not aligned to {align} bytes (EINVAL)")
         code = self.files.read(f, offset, 16)
         why = self.arch.uprobes.arch_uprobe_analyze_insn(code) if code else None
         if why is not None:
@@ -234,7 +240,7 @@ class UprobeManager:
             return
         if MMAP_HOOK not in self.kernel.symbols:
             raise InvalidProbe(f"uprobes follow new mappings at {MMAP_HOOK}(), which this kernel does not have")
-        # A post_handler keeps the probe on its int3 (a probe with one is never jump-optimized), so both
+        # A post_handler keeps the probe on its breakpoint (a probe with one is never jump-optimized), so both
         # handlers run on the stop loop with every vCPU stopped: the breakpoints are in before the task runs on.
         hook = Kprobe(symbol_name=MMAP_HOOK, pre_handler=self._vma_entry, post_handler=self._vma_ready)
         self.kprobes.register_kprobe(hook)
@@ -318,7 +324,7 @@ class UprobeManager:
         root = sp = task = 0
         if point is not None and self.arch.user_mode(values):
             regs = {**values, self.arch.registers.percpu_base: self.arch.percpu_base(values)}
-            root = self.machine.mem.pgd_of(values[self.arch.registers.page_table])
+            root = self.machine.mem.pgd_of(values[self.arch.registers.task_page_table])
             sp = self.arch.sp(values)
             if (root, ip, sp) in self.restarts:
                 self.restarts.discard((root, ip, sp))

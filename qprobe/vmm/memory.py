@@ -86,8 +86,11 @@ class SharedRam:
 class GuestMemory:
     """Kernel virtual memory through a page-table walk over a physical reader.
 
-    ``pgd`` is the root of the page tables walked (physical), ``paging`` the
-    architecture's walk of them.
+    ``pgd`` is the root of the kernel's page tables (physical), ``paging`` the
+    architecture's walk of them.  A reader given a task's root (``pgd_of`` of
+    its ``RegisterLayout.task_page_table``) walks each address from the root
+    ``paging.root_for`` picks: on arm64 the task's for its user half (TTBR0)
+    and ``pgd`` for the kernel's (TTBR1), on x86 the task's for both.
     """
 
     def __init__(self, phys: PhysReader, pgd: int, paging: PageTables) -> None:
@@ -104,17 +107,17 @@ class GuestMemory:
         return self.paging.levels
 
     def pgd_of(self, root: int) -> int:
-        """The kernel half's page-table root of a vCPU whose page-table register holds ``root``."""
+        """The physical table a page-table register holding ``root`` points at (x86's kernel PGD of any CR3)."""
         return self.paging.root(root)
 
     def virt_to_phys(self, vaddr: int, pgd: int | None = None) -> int:
-        return self.paging.translate(self.read_u64_phys, self.pgd if pgd is None else pgd, vaddr)[0]
+        return self.paging.translate(self.read_u64_phys, self.paging.root_for(vaddr, self.pgd, pgd), vaddr)[0]
 
     def read(self, vaddr: int, size: int, pgd: int | None = None) -> bytes:
         out = bytearray()
         while len(out) < size:
             va = vaddr + len(out)
-            pa, page, _ = self.paging.translate(self.read_u64_phys, self.pgd if pgd is None else pgd, va)
+            pa, page, _ = self.paging.translate(self.read_u64_phys, self.paging.root_for(va, self.pgd, pgd), va)
             n = min(size - len(out), page - (va & (page - 1)))
             out += self.phys.read_phys(pa, n)
         return bytes(out)

@@ -9,12 +9,15 @@ host-side additions; the work is done by the modules it names.  A probe is
 out of line in a slot of the scratch area, stepped by the host; PC-relative
 instructions are simulated on the host.
 
+User-space probes (``uprobes``) are the core's, stepped in place under a
+gdbstub breakpoint, with ``Arm64Uprobes``'s answers (decode.py's and
+returns.py's); a task's memory is read through its TTBR0_EL1 (paging).
+
 What arm64 has not yet, each facet ``None`` (docs/porting.md): jump
 optimization (upstream arm64 has none either), the guest-RAM layouts (the
 mailbox, record rings and maps: their stubs are x86 code, and the doorbell is
-an I/O port arm64 lacks), the trap-step (every copy is stepped by the host),
-user-space probes (the host walks only the kernel half, TTBR1_EL1) and the
-cycle counter (event times are the host's).
+an I/O port arm64 lacks), the trap-step (every copy is stepped by the host)
+and the cycle counter (event times are the host's).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from qprobe.arch.arm64.insn import BRK64_OPCODE_KPROBES
 from qprobe.arch.arm64.paging import Arm64PageTables, page_tables
 from qprobe.arch.arm64.ptregs import REGISTERS, TPIDR_EL1, user_mode
 from qprobe.arch.arm64.traps import Arm64Traps
+from qprobe.arch.arm64.uprobes import Arm64Uprobes
 from qprobe.arch.arm64.vmcoreinfo import arch_crash_save_vmcoreinfo
 
 
@@ -70,7 +74,7 @@ class Arm64:
     trap_watch: TrapWatch | None = None
     optprobes: OptProbes | None = None
     guest_ram: GuestRam | None = None
-    uprobes: Uprobes | None = None
+    uprobes: Uprobes | None = Arm64Uprobes()
     cycle_counter: CycleCounter | None = None
     jump_label_probe = blacklist.JUMP_LABEL_PROBE
     jump_label_max = blacklist.JUMP_LABEL_MAX

@@ -1,10 +1,28 @@
-"""arm64's page tables as the host walks them: the kernel half (TTBR1_EL1), shaped by TCR_EL1.
+"""arm64's page tables as the host walks them: the kernel half (TTBR1_EL1) and a task's (TTBR0_EL1), shaped by TCR_EL1.
 
 Nothing about the shape is fixed by the architecture: TCR_EL1 says the
 kernel half's virtual address size (T1SZ: VA_BITS, or the smaller size a
 52-bit kernel falls back to) and its granule (TG1: 4K, 16K or 64K pages), so
 the number of levels and the block sizes follow from it, as they do for the
 MMU and for arch/arm64/include/asm/pgtable-hwdef.h's ARM64_HW_PGTABLE_LEVELS.
+The user half is shaped the same way by T0SZ and TG0, and an address's bit
+55 says which half (and so which root) translates it, as for the MMU.
+
+The user half's root is TTBR0_EL1's, in kernel mode too: cpu_do_switch_mm
+(arch/arm64/mm/context.c, 6.1 and 6.12) writes the next mm's table there
+(with CnP; the ASID goes to TTBR1, as TCR_EL1.A1 is set: ``root`` drops
+both), and with UNMAP_KERNEL_AT_EL0 (KPTI) the entry trampoline switches
+only TTBR1 and its user ASID bit (tramp_map_kernel, entry.S).  A kernel
+thread (init_mm) has reserved_pg_dir there, which maps nothing.  With
+CONFIG_ARM64_SW_TTBR0_PAN, kernel code outside uaccess would run with
+reserved_pg_dir in TTBR0 and the task's table saved in its
+``thread_info.ttbr0``; the host does not read that (a kernel-mode read of
+user memory there faults): the kernel does it only when
+system_uses_ttbr0_pan(), that is without hardware PAN (asm/cpufeature.h),
+which ``-cpu max`` has, and Debian's 6.1 cloud-arm64 config has
+CONFIG_ARM64_PAN=y and SW_TTBR0_PAN unset.  A user-mode stop (every uprobe)
+always has the task's table in TTBR0: kernel_exit restores it.
+
 A descriptor is valid when bit 0 is set; above the last level, bit 1 tells a
 table from a block.  Linux maps blocks only where its PUD or PMD may be a
 section (pud_sect_supported(): PUD blocks with 4K pages only), so a block is
@@ -21,18 +39,24 @@ read from the CPU, not from a link address.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from qprobe.arch.arm64.ptregs import SCTLR_EL1, TCR_EL1, VBAR_EL1
 from qprobe.errors import MemoryFault, TargetError
 
 # TCR_EL1 fields (arch/arm64/include/asm/pgtable-hwdef.h; TCR_DS is 6.12's, for LPA2).
+TCR_T0SZ_OFFSET = 0
 TCR_T1SZ_OFFSET = 16
 TCR_TxSZ_WIDTH = 6
+TCR_TG0_SHIFT = 14
 TCR_TG1_SHIFT = 30
+TCR_TBI0 = 1 << 37  # the top byte of a user address is ignored (a tag): set by __cpu_setup (proc.S)
 TCR_IPS_SHIFT = 32
 TCR_DS = 1 << 59
 # TG1's encodings -> PAGE_SHIFT (TCR_TG1_16K, TCR_TG1_4K, TCR_TG1_64K); 0 is reserved.
 _TG1_PAGE_SHIFT = {1: 14, 2: 12, 3: 16}
+# TG0's encodings -> PAGE_SHIFT (TCR_TG0_4K, TCR_TG0_64K, TCR_TG0_16K); 3 is reserved.
+_TG0_PAGE_SHIFT = {0: 12, 1: 16, 2: 14}
 _IPS_52 = 0b110  # TCR.IPS for a 52-bit physical address space (FEAT_LPA)
 
 # Descriptor bits (pgtable-hwdef.h).
@@ -52,6 +76,47 @@ TTBR_CNP_BIT = 1 << 0
 SCTLR_ELx_WXN = 1 << 19  # every writable page is execute-never
 SCTLR_ELx_ENIA = 1 << 31  # instruction address authentication with the A key
 KERNEL_ROOT_SYMBOL = "swapper_pg_dir"
+_BIT55 = 1 << 55  # the bit that selects the half: set, TTBR1's; clear, TTBR0's
+
+
+@dataclass(frozen=True)
+class Half:
+    """One half's shape: its granule (``page_shift``) and its virtual address size (``va_bits``)."""
+
+    page_shift: int
+    va_bits: int
+
+    @property
+    def stride(self) -> int:
+        """Index bits a table resolves: 8-byte descriptors in one page."""
+        return self.page_shift - 3
+
+    @property
+    def levels(self) -> int:
+        """ARM64_HW_PGTABLE_LEVELS(va_bits): ((va_bits) - 4) / (PAGE_SHIFT - 3), the same as this ceiling."""
+        return -(-(self.va_bits - self.page_shift) // self.stride)
+
+    @property
+    def first_block_level(self) -> int:
+        """Linux's PUD sections are 4K-granule only (pud_sect_supported()): blocks at level 1 or 2, else 2."""
+        return 1 if self.page_shift == 12 else 2
+
+    def shift(self, level: int) -> int:
+        """The address bit a level's index starts at: PAGE_SHIFT at level 3, one stride more each level up."""
+        return self.page_shift + self.stride * (3 - level)
+
+
+def _user_half(tcr: int, kernel: Half) -> Half | None:
+    """TTBR0's half from T0SZ and TG0, or None where they give no shape to walk.
+
+    Linux gives both halves one granule (TCR_TG_FLAGS, proc.S): the descriptors' output addresses are
+    read as the kernel half's granule lays them out, so a user half with another granule is not walked.
+    """
+    page_shift = _TG0_PAGE_SHIFT.get(tcr >> TCR_TG0_SHIFT & 3)
+    va_bits = 64 - (tcr >> TCR_T0SZ_OFFSET & (1 << TCR_TxSZ_WIDTH) - 1)
+    if page_shift != kernel.page_shift or not kernel.page_shift < va_bits <= 52:
+        return None
+    return Half(page_shift, va_bits)
 
 
 class Arm64PageTables:
@@ -77,13 +142,13 @@ class Arm64PageTables:
         self.va_bits = 64 - (tcr >> TCR_T1SZ_OFFSET & (1 << TCR_TxSZ_WIDTH) - 1)
         if not self.page_shift < self.va_bits <= 52:
             raise TargetError(f"TCR_EL1 {tcr:#x} gives the kernel half {self.va_bits}-bit addresses")
-        # ARM64_HW_PGTABLE_LEVELS(va_bits): ((va_bits) - 4) / (PAGE_SHIFT - 3), the same as the ceiling below.
-        self.levels = -(-(self.va_bits - self.page_shift) // self.stride)
+        self.kernel = Half(self.page_shift, self.va_bits)
+        self.levels = self.kernel.levels
+        self.user = _user_half(tcr, self.kernel)
+        self.tbi0 = bool(tcr & TCR_TBI0)
         self.lpa2 = bool(tcr & TCR_DS)  # 4K/16K pages with 52-bit output addresses (FEAT_LPA2)
         self.pa52 = self.lpa2 or (self.page_shift == 16 and tcr >> TCR_IPS_SHIFT & 7 == _IPS_52)
         self.large_page = 1 << (self.page_shift + self.stride)  # a level-2 block: a PMD section
-        # Linux's PUD sections are 4K-granule only (pud_sect_supported()).
-        self.first_block_level = 1 if self.page_shift == 12 else 2
         self.wxn = bool(sctlr & SCTLR_ELx_WXN)
         # ptrauth_kernel_pac_mask(), GENMASK_ULL(63, vabits_actual): the bits a PAC takes in a kernel pointer.
         self.pac_mask = -(1 << self.va_bits) & (1 << 64) - 1 if sctlr & SCTLR_ELx_ENIA else 0
@@ -99,6 +164,21 @@ class Arm64PageTables:
         """Whether ``vaddr`` is in TTBR1's half: bits 63 down to va_bits all set."""
         return vaddr >> self.va_bits == (1 << (64 - self.va_bits)) - 1
 
+    def is_user_address(self, vaddr: int) -> bool:
+        """Whether ``vaddr`` is in TTBR0's half: bits 63 (55 under TBI0: the top byte is a tag) down to T0SZ's
+        size all clear."""
+        if self.user is None:
+            return False
+        return not (vaddr & (1 << 56) - 1 if self.tbi0 else vaddr) >> self.user.va_bits
+
+    def root_for(self, vaddr: int, kernel: int, task: int | None) -> int:
+        """TTBR1's root (``kernel``) for an address with bit 55 set, the task's TTBR0 root otherwise."""
+        if vaddr & _BIT55:
+            return kernel
+        if task is None:
+            raise MemoryFault(vaddr, "a user address, and no task's TTBR0_EL1 to translate it")
+        return task
+
     def root(self, value: int) -> int:
         """The physical table TTBR1_EL1 points at: its BADDR, without the ASID (bits 63:48) or CnP (bit 0).
 
@@ -107,10 +187,6 @@ class Arm64PageTables:
         if self.pa52:
             return value & 0x0000_FFFF_FFFF_FFC0 | (value >> 2 & 0xF) << 48
         return value & ~(TTBR_ASID_MASK | TTBR_CNP_BIT)
-
-    def _shift(self, level: int) -> int:
-        """The address bit a level's index starts at: PAGE_SHIFT at level 3, one stride more each level up."""
-        return self.page_shift + self.stride * (3 - level)
 
     def _output_address(self, entry: int) -> int:
         """A descriptor's output address (next table, block or page), before the block's own alignment."""
@@ -121,17 +197,27 @@ class Arm64PageTables:
             addr |= (entry >> 12 & 0xF) << 48
         return addr
 
+    def half(self, vaddr: int) -> Half:
+        """The shape of the half ``vaddr`` is in (MemoryFault: in neither)."""
+        if self.is_kernel_address(vaddr):
+            return self.kernel
+        if self.user is not None and self.is_user_address(vaddr):
+            return self.user
+        raise MemoryFault(vaddr, "in neither half of the address space")
+
     def walk(self, read_u64: Callable[[int], int], root: int, vaddr: int) -> list[tuple[int, int]]:
-        """The path of ``vaddr``: (table physical address, descriptor) per level, top first.
+        """The path of ``vaddr`` from ``root`` (its half's: see root_for): (table physical address,
+        descriptor) per level, top first.
 
         Stops at the leaf (a page or a block) or at the first descriptor that maps nothing (included).
         """
+        half = self.half(vaddr)
         path: list[tuple[int, int]] = []
         table = root
-        top = 4 - self.levels  # level 0 with 4 levels, 1 with 3, -1 with 52-bit LPA2's 5
+        top = 4 - half.levels  # level 0 with 4 levels, 1 with 3, -1 with 52-bit LPA2's 5
         for level in range(top, 4):
-            shift = self._shift(level)
-            bits = self.va_bits - shift if level == top else self.stride
+            shift = half.shift(level)
+            bits = half.va_bits - shift if level == top else half.stride
             entry = read_u64(table + (vaddr >> shift & (1 << bits) - 1) * 8)
             path.append((table, entry))
             if not entry & PTE_VALID or level == 3 or not entry & PTE_TABLE_BIT:
@@ -139,18 +225,15 @@ class Arm64PageTables:
             table = self._output_address(entry)
         return path
 
-    def _leaf_level(self, path: list[tuple[int, int]]) -> int:
-        return 4 - self.levels + len(path) - 1
-
     def translate(self, read_u64: Callable[[int], int], root: int, vaddr: int) -> tuple[int, int, int]:
-        """Walk TTBR1's tables: (physical address, page or block size, leaf descriptor); MemoryFault if unmapped."""
-        if not self.is_kernel_address(vaddr):
-            raise MemoryFault(vaddr, "not in the kernel's half of the address space")
+        """Walk ``vaddr``'s half from ``root``: (physical address, page or block size, leaf descriptor);
+        MemoryFault if unmapped."""
+        half = self.half(vaddr)
         path = self.walk(read_u64, root, vaddr)
-        entry, level = path[-1][1], self._leaf_level(path)
-        if not entry & PTE_VALID or (level == 3) != bool(entry & PTE_TABLE_BIT) or level < self.first_block_level:
+        entry, level = path[-1][1], 4 - half.levels + len(path) - 1
+        if not entry & PTE_VALID or (level == 3) != bool(entry & PTE_TABLE_BIT) or level < half.first_block_level:
             raise MemoryFault(vaddr)
-        size = 1 << self._shift(level)
+        size = 1 << half.shift(level)
         return self._output_address(entry) & -size | vaddr & size - 1, size, entry
 
     def large_page_table(self, read_u64: Callable[[int], int], root: int) -> int:
@@ -184,12 +267,13 @@ class Arm64PageTables:
         return addr | PMD_TYPE_SECT | PMD_SECT_AF | shared | MT_NORMAL << 2 | PMD_SECT_UXN
 
     def task_size_max(self) -> int:
-        """TASK_SIZE_64, ``1 << vabits_actual`` (asm/processor.h), where user addresses end.
+        """TASK_SIZE_64, ``1 << vabits_actual`` (asm/processor.h), where user addresses end: TTBR0's half's size.
 
-        From T1SZ, as 6.12 computes vabits_actual: the kernel sets T0SZ to the same size
-        for every task, but widens it for the identity map while it is installed.
+        From T0SZ, which cpu_uninstall_idmap sets to TCR_T0SZ(vabits_actual) for every task (the
+        identity map widens it only while it is installed, in early boot and around suspend); from
+        T1SZ, the same size, where TCR_EL1 gives TTBR0 no shape.
         """
-        return 1 << self.va_bits
+        return 1 << (self.user.va_bits if self.user is not None else self.va_bits)
 
 
 def page_tables(regs: Mapping[str, int]) -> Arm64PageTables:

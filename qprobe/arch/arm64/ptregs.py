@@ -105,6 +105,8 @@ def interrupts_enabled(pstate: int) -> bool:
 # exist only with EL2 and VHE (define_arm_vh_e2h_redirects_aliases), which ``-M virt`` without
 # virtualization=on lacks: the kernel runs at EL1 and keeps its state in the EL1 registers.
 TTBR1_EL1 = "TTBR1_EL1"  # the kernel half's page-table root (swapper_pg_dir's physical address, ASID, CnP)
+# The user half's: the running task's mm->pgd (cpu_do_switch_mm), in kernel mode too (paging's docstring).
+TTBR0_EL1 = "TTBR0_EL1"
 TPIDR_EL1 = "TPIDR_EL1"  # this CPU's __per_cpu_offset (set_my_cpu_offset; TPIDR_EL2 only under VHE)
 # ``current`` in kernel mode (asm/current.h reads sp_el0); QEMU's copy is stale while EL0 runs on it,
 # and at such a stop the user's stack pointer is ``sp`` anyway.
@@ -123,7 +125,7 @@ SYSTEM = (ESR_EL1, ELR_EL1, SPSR_EL1, TCR_EL1, SCTLR_EL1, VBAR_EL1)
 # data pointer, pc a code pointer, cpsr by flag; then the system registers above, in hex.
 DISPLAY: tuple[tuple[str, str], ...] = (
     *((g, "int") for g in PT_GPRS), ("sp", "data"), ("pc", "code"), ("cpsr", "flags"),
-    *((g, "hex") for g in (TTBR1_EL1, TPIDR_EL1, SP_EL0, *SYSTEM)),
+    *((g, "hex") for g in (TTBR1_EL1, TTBR0_EL1, TPIDR_EL1, SP_EL0, *SYSTEM)),
 )  # fmt: skip
 # gdb's aarch64 cpsr_flags (gdb/features/aarch64-core.xml), its one-bit fields as masks; QEMU 7.2's
 # description gives cpsr no flags type, so gdb itself would print it as a number.
@@ -142,6 +144,7 @@ REGISTERS = RegisterLayout(
     general=PT_GPRS,
     irq_flag=PSR_I_BIT,  # NB: set while interrupts are *masked* (see interrupts_enabled)
     page_table=TTBR1_EL1,
+    user_page_table=TTBR0_EL1,
     percpu_base=TPIDR_EL1,
     current=SP_EL0,
     # At a user-mode stop SP_EL0 is the user's stack pointer; __entry_task (arch/arm64/kernel/process.c,
@@ -200,6 +203,7 @@ __all__ = [
     "S_SYSCALLNO",
     "TCR_EL1",
     "TPIDR_EL1",
+    "TTBR0_EL1",
     "TTBR1_EL1",
     "USER_PT_REGS_SIZE",
     "VBAR_EL1",

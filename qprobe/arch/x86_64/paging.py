@@ -93,6 +93,10 @@ class X86PageTables:
     def root(self, value: int) -> int:
         return kernel_pgd(value, self.pti)
 
+    def root_for(self, vaddr: int, kernel: int, task: int | None) -> int:
+        """A task's CR3 maps the kernel half as well as its own: its root walks every address."""
+        return kernel if task is None else task
+
     def translate(self, read_u64: Callable[[int], int], root: int, vaddr: int) -> tuple[int, int, int]:
         return translate(read_u64, root, vaddr, self.levels)
 

@@ -13,6 +13,8 @@ _SYSTEM_CALLS = frozenset({Code.SYSCALL, Code.SYSENTER, Code.INT_IMM8, Code.INT3
 class X86Uprobes:
     """Which user instructions may be probed, a step that faulted, and a function's return at its entry."""
 
+    uprobe_swbp_insn_size = 1  # UPROBE_SWBP_INSN_SIZE (asm/uprobes.h): the int3's one byte
+
     def arch_uprobe_analyze_insn(self, code: bytes) -> str | None:
         """The kernel refuses an int3 as the probed instruction (``is_trap_insn``, -ENOTSUPP): it would be
         its own trap.  It also refuses what its decoder cannot read; an instruction qprobe steps in place

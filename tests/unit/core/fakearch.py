@@ -149,6 +149,8 @@ class ToyTrapStep:
 class ToyUprobes:
     """The toy's answers for user-space probes."""
 
+    uprobe_swbp_insn_size = 4  # every toy instruction is a word
+
     def arch_uprobe_analyze_insn(self, code: bytes) -> str | None:
         return "a breakpoint is there already (ENOTSUPP)" if code[:1] == bytes([BRK_OP]) else None
 

@@ -280,6 +280,13 @@ def test_registration_refuses_what_the_kernel_refuses(s: Setup) -> None:
     assert s.um.hook is None and s.rig.km.addresses() == [] and s.um.probes == {}
 
 
+def test_an_offset_not_aligned_to_an_instruction_is_refused(s: Setup) -> None:
+    """uprobe_register()'s IS_ALIGNED(offset, UPROBE_SWBP_INSN_SIZE): the toy's instructions are words."""
+    with pytest.raises(InvalidProbe, match="not aligned to 4 bytes"):
+        s.um.register_uprobe(Uprobe(PROG, FUNC + 2))
+    assert s.um.hook is None and s.um.probes == {}
+
+
 def test_a_new_mapping_is_armed_by_the_hook_before_the_task_runs(s: Setup) -> None:
     up = Uprobe(PROG, FUNC)
     s.um.register_uprobe(up)

@@ -9,6 +9,7 @@ from qprobe.arch.arm64.paging import (
     PMD_SECT_S,
     PMD_SECT_UXN,
     Arm64PageTables,
+    Half,
     page_tables,
 )
 
@@ -46,19 +47,21 @@ class Ram:
 
 
 class Tables:
-    """Descriptors built the way the kernel's create_pgd_mapping writes them (48-bit output addresses)."""
+    """Descriptors built the way the kernel's create_pgd_mapping writes them (48-bit output addresses), for
+    the kernel half (TTBR1) or, with ``half=pt.user``, a task's (TTBR0)."""
 
-    def __init__(self, pt: Arm64PageTables, ram: Ram) -> None:
+    def __init__(self, pt: Arm64PageTables, ram: Ram, half: Half | None = None) -> None:
         self.pt, self.ram = pt, ram
+        self.half = half or pt.kernel
         self.granule = 1 << pt.page_shift
         self.root = ram.alloc(self.granule)
 
     def slot(self, va: int, level: int) -> int:
         """The physical address of ``va``'s descriptor at ``level``, making the tables above it."""
-        table, top = self.root, 4 - self.pt.levels
+        table, top = self.root, 4 - self.half.levels
         for lv in range(top, level + 1):
             shift = self.pt.page_shift + (self.pt.page_shift - 3) * (3 - lv)
-            bits = self.pt.va_bits - shift if lv == top else self.pt.page_shift - 3
+            bits = self.half.va_bits - shift if lv == top else self.pt.page_shift - 3
             slot = table + (va >> shift & (1 << bits) - 1) * 8
             if lv == level:
                 return slot

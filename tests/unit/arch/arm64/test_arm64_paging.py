@@ -74,9 +74,13 @@ def test_unmapped_raises_memory_fault(offset: int) -> None:
 
 
 def test_a_user_address_is_not_walked_through_ttbr1() -> None:
+    """TTBR1's tables map kva(48, x) at the indices of user address x: only the task's root may walk it."""
     ram, t, pt = four_level()
-    with pytest.raises(MemoryFault, match="kernel's half"):
-        pt.translate(ram.read_u64, t.root, 0x1234_5000)
+    assert pt.translate(ram.read_u64, t.root, 0x1234_5000)[0] == 0x4123_4000  # the kernel's page: wrong
+    assert pt.root_for(kva(48, 0x1234_5000), t.root, 0x4800_0000) == t.root
+    assert pt.root_for(0x1234_5000, t.root, 0x4800_0000) == 0x4800_0000
+    with pytest.raises(MemoryFault, match="TTBR0_EL1"):
+        pt.root_for(0x1234_5000, t.root, None)
 
 
 def test_39_bits_is_three_levels_and_the_top_index_is_the_va_s_top_bits() -> None:

@@ -25,7 +25,18 @@ from qprobe.arch.arm64.ptregs import (
 # gdb-xml/aarch64-core.xml's feature, in register-number order: what the ``g`` packet carries.
 CORE_XML = (*(f"x{n}" for n in range(31)), "sp", "pc", "cpsr")
 # The system registers QEMU 7.2 describes in org.qemu.gdb.arm.sys.regs that the layout names.
-SYSREGS = {"TTBR1_EL1", "TPIDR_EL1", "SP_EL0", "ESR_EL1", "ELR_EL1", "SPSR_EL1", "TCR_EL1", "SCTLR", "VBAR"}
+SYSREGS = {
+    "TTBR1_EL1",
+    "TTBR0_EL1",
+    "TPIDR_EL1",
+    "SP_EL0",
+    "ESR_EL1",
+    "ELR_EL1",
+    "SPSR_EL1",
+    "TCR_EL1",
+    "SCTLR",
+    "VBAR",
+}
 # drgn 0.0.3x's aarch64 registers (libdrgn/arch_aarch64_defs.py).
 DRGN = {*(f"x{n}" for n in range(31)), "sp", "pstate"}
 
@@ -56,6 +67,11 @@ def test_stop_registers_are_the_core_ones_and_the_named_system_registers() -> No
     assert REGISTERS.stop_registers == {*CORE_XML, *SYSREGS}
     assert (REGISTERS.page_table, REGISTERS.percpu_base, REGISTERS.current) == ("TTBR1_EL1", "TPIDR_EL1", "SP_EL0")
     assert REGISTERS.current_percpu == "__entry_task"
+
+
+def test_a_task_s_memory_is_read_through_ttbr0() -> None:
+    """The user half's root is TTBR0_EL1's; the kernel half's stays TTBR1_EL1's."""
+    assert (REGISTERS.user_page_table, REGISTERS.task_page_table) == ("TTBR0_EL1", "TTBR0_EL1")
 
 
 def test_every_named_register_is_in_the_layout() -> None:

@@ -193,3 +193,33 @@ def test_verdicts_equal_the_guest_kernels(target: qprobe.Target) -> None:
     ]
     assert not differ, "\n".join(differ)
     assert not target.events
+
+
+def test_a_uprobe_counts_exactly_what_the_guests_own_counts(target: qprobe.Target) -> None:
+    """A uprobe on the static workload's ``syscall()``, on a stub breakpoint, beside the guest's own uprobe on the
+    same instruction: ``workload getppid N`` calls it N times with SYS_getppid (172 on arm64's generic table)."""
+    if target.run(f"test -w {TRACING}/uprobe_events").status != 0:
+        pytest.skip("the guest kernel has no CONFIG_UPROBE_EVENTS")
+    md5 = target.run("md5sum /bin/workload").check().output.split()[0]
+    te = target.add_event("p:qsys /bin/workload:syscall nr=%x0:s64")
+    try:
+        # The guest's own uprobe at the offset qprobe resolved (its listing: PATH:0xOFFSET).
+        point = te.listing().split()[1]
+        assert re.fullmatch(r"/bin/workload:0x[0-9a-f]+", point), te.listing()
+        target.run(f"echo 'p:gsys {point} nr=%x0:s64' >> {TRACING}/uprobe_events && "
+                   f"echo 1 > {TRACING}/events/uprobes/gsys/enable").check()  # fmt: skip
+        res = workload_result(target.run("workload getppid 50").check().output)
+        target.run(f"echo 0 > {TRACING}/events/uprobes/gsys/enable").check()
+        profile = target.run(f"cat {TRACING}/uprobe_profile").check().output
+    finally:
+        target.remove_event(te)
+        target.run(f"echo 0 > {TRACING}/events/uprobes/enable; echo > {TRACING}/uprobe_events")
+    pid = int(res["pid"])
+    ours = [h.body for h in te.hits if h.pid == pid]
+    guest_count = next(int(line.split()[-1]) for line in profile.splitlines() if "gsys" in line)
+    assert int(res["n"]) == 50 and int(res["errors"]) == 0
+    assert (
+        ours.count("(/bin/workload:syscall) nr=172") == 50 or [b.split(") ", 1)[1] for b in ours].count("nr=172") == 50
+    ), ours
+    assert len(ours) == guest_count
+    assert target.run("md5sum /bin/workload").check().output.split()[0] == md5

@@ -171,7 +171,9 @@ class RegisterLayout:
     arg_regs: tuple[str, ...]  # pt_regs names of the integer argument registers, in order
     defaults: Mapping[str, int]  # fields a detour's frame lacks, with their kernel-mode values
     general: tuple[str, ...]  # pt_regs names of the general registers (a detour's filter or key may read them)
-    irq_flag: int  # the flags bit set while interrupts are enabled
+    # The flags register's interrupt bit: x86's IF, set while interrupts are enabled; arm64's PSTATE.I, set
+    # while they are masked (``irq_masked_when_set``).  irqs_disabled_flags() reads it either way.
+    irq_flag: int
     page_table: str  # gdbstub name of the register holding the running task's page-table root (the kernel half's)
     percpu_base: str  # gdbstub name of the register holding the CPU's per-CPU base in kernel mode
     retval: str  # pt_regs name of the register a function returns its value in
@@ -206,6 +208,12 @@ class RegisterLayout:
     ip: str = "ip"  # pt_regs names of the instruction pointer, stack pointer and flags
     sp: str = "sp"
     flags: str = "flags"
+    irq_masked_when_set: bool = False  # irq_flag set means interrupts are off (arm64's PSTATE.I), not on (x86's IF)
+
+    def irqs_disabled_flags(self, flags: int) -> bool:
+        """The kernel's irqs_disabled_flags() (arch_irqs_disabled_flags): whether a flags register's value
+        (pt_regs' ``flags`` field, x86's EFLAGS or arm64's PSTATE) has interrupts off."""
+        return bool(flags & self.irq_flag) == self.irq_masked_when_set
 
     @property
     def stop_registers(self) -> frozenset[str]:

@@ -142,7 +142,8 @@ REGISTERS = RegisterLayout(
     ARG_REGS,
     {},  # every pt_regs register is a gdbstub register: nothing to default
     general=PT_GPRS,
-    irq_flag=PSR_I_BIT,  # NB: set while interrupts are *masked* (see interrupts_enabled)
+    irq_flag=PSR_I_BIT,
+    irq_masked_when_set=True,  # PSTATE.I masks IRQs: interrupts are enabled while it is clear (interrupts_enabled)
     page_table=TTBR1_EL1,
     user_page_table=TTBR0_EL1,
     percpu_base=TPIDR_EL1,

@@ -183,8 +183,11 @@ class RegisterLayout:
     # then the user's stack pointer).
     current_percpu: str
     # pt_regs names of every field of struct pt_regs in memory order (what drgn's stack walk is given,
-    # and the %REG names kprobe_events takes).
+    # and the %REG names kprobe_events takes, with ``reg_aliases``').
     pt_regs: tuple[str, ...] = ()
+    # kprobe_events' other %REG names for a pt_regs field, each with that field's name: the kernel's
+    # regoffset_table (regs_query_register_offset) names arm64's x30 "lr" too.
+    reg_aliases: Mapping[str, str] = field(default_factory=dict)
     unwound: tuple[str, ...] = ()  # gdbstub (and drgn) names of the registers a stack walk carries on from
     # (gdbstub name, how it is shown: "int", "code" or "data" pointer, "flags", "hex") in the order the
     # shell prints a vCPU's registers; the flags register's (mask, name) pairs.
@@ -228,6 +231,11 @@ class RegisterLayout:
     def task_page_table(self) -> str:
         """gdbstub name of the register whose root (``GuestMemory.pgd_of``) the task's memory is read through."""
         return self.user_page_table or self.page_table
+
+    @property
+    def regoffset_table(self) -> dict[str, str]:
+        """kprobe_events' %REG names, each with the pt_regs name of the field it reads (the kernel's table)."""
+        return {**{name: name for name in self.pt_regs}, **self.reg_aliases}
 
     @property
     def pc(self) -> str:

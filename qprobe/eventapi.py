@@ -94,7 +94,9 @@ class EventAPI:
             stack = thread_size(self.kernel)
         except QprobeError:
             stack = None  # $stackN and $argN are refused, naming the unknown THREAD_SIZE
-        return probe_dialect(self.symbols, self.arch.registers.pt_regs, stack, lambda: module_btfs(self.kernel.prog))
+        return probe_dialect(
+            self.symbols, self.arch.registers.regoffset_table, stack, lambda: module_btfs(self.kernel.prog)
+        )
 
     @functools.cached_property
     def ftrace_locations(self) -> list[int]:

@@ -171,7 +171,9 @@ class RegisterLayout:
     arg_regs: tuple[str, ...]  # pt_regs names of the integer argument registers, in order
     defaults: Mapping[str, int]  # fields a detour's frame lacks, with their kernel-mode values
     general: tuple[str, ...]  # pt_regs names of the general registers (a detour's filter or key may read them)
-    irq_flag: int  # the flags bit set while interrupts are enabled
+    # The flags register's interrupt bit: x86's IF, set while interrupts are enabled; arm64's PSTATE.I, set
+    # while they are masked (``irq_masked_when_set``).  irqs_disabled_flags() reads it either way.
+    irq_flag: int
     page_table: str  # gdbstub name of the register holding the running task's page-table root (the kernel half's)
     percpu_base: str  # gdbstub name of the register holding the CPU's per-CPU base in kernel mode
     retval: str  # pt_regs name of the register a function returns its value in
@@ -181,8 +183,11 @@ class RegisterLayout:
     # then the user's stack pointer).
     current_percpu: str
     # pt_regs names of every field of struct pt_regs in memory order (what drgn's stack walk is given,
-    # and the %REG names kprobe_events takes).
+    # and the %REG names kprobe_events takes, with ``reg_aliases``').
     pt_regs: tuple[str, ...] = ()
+    # kprobe_events' other %REG names for a pt_regs field, each with that field's name: the kernel's
+    # regoffset_table (regs_query_register_offset) names arm64's x30 "lr" too.
+    reg_aliases: Mapping[str, str] = field(default_factory=dict)
     unwound: tuple[str, ...] = ()  # gdbstub (and drgn) names of the registers a stack walk carries on from
     # (gdbstub name, how it is shown: "int", "code" or "data" pointer, "flags", "hex") in the order the
     # shell prints a vCPU's registers; the flags register's (mask, name) pairs.
@@ -206,6 +211,12 @@ class RegisterLayout:
     ip: str = "ip"  # pt_regs names of the instruction pointer, stack pointer and flags
     sp: str = "sp"
     flags: str = "flags"
+    irq_masked_when_set: bool = False  # irq_flag set means interrupts are off (arm64's PSTATE.I), not on (x86's IF)
+
+    def irqs_disabled_flags(self, flags: int) -> bool:
+        """The kernel's irqs_disabled_flags() (arch_irqs_disabled_flags): whether a flags register's value
+        (pt_regs' ``flags`` field, x86's EFLAGS or arm64's PSTATE) has interrupts off."""
+        return bool(flags & self.irq_flag) == self.irq_masked_when_set
 
     @property
     def stop_registers(self) -> frozenset[str]:
@@ -220,6 +231,11 @@ class RegisterLayout:
     def task_page_table(self) -> str:
         """gdbstub name of the register whose root (``GuestMemory.pgd_of``) the task's memory is read through."""
         return self.user_page_table or self.page_table
+
+    @property
+    def regoffset_table(self) -> dict[str, str]:
+        """kprobe_events' %REG names, each with the pt_regs name of the field it reads (the kernel's table)."""
+        return {**{name: name for name in self.pt_regs}, **self.reg_aliases}
 
     @property
     def pc(self) -> str:

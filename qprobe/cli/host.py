@@ -93,7 +93,7 @@ def _host_language(args: argparse.Namespace) -> tuple[Dialect, RegisterLayout] |
     if symbols is None:
         return None
     registers = vmlinux_arch(symbols).registers
-    return probe_dialect(symbols, registers.pt_regs, init_stack_span(symbols)), registers
+    return probe_dialect(symbols, registers.regoffset_table, init_stack_span(symbols)), registers
 
 
 def _host_probeability(args: argparse.Namespace) -> Probeability | None:

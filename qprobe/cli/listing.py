@@ -93,8 +93,10 @@ def cmd_images(args: argparse.Namespace) -> int:
             img = get_image(name)
             print(f"{name}: ready ({img.kernel_version}, preempt={img.preempt})")
         return 0
-    for info in list_images():
-        print(f"{info.name:20} {info.state:12} {info.description}")
+    infos = list_images()
+    width = max((len(info.name) for info in infos), default=0)  # the names' column fits the longest
+    for info in infos:
+        print(f"{info.name:{width}} {info.state:12} {info.description}")
     return 0
 
 

@@ -191,7 +191,7 @@ class TraceEvent:
             symbol=self._symbolize(ip),
             func=None if func is None else self._symbolize(func),
             args={a.name: a.format_value(v) for a, v in zip(self.definition.args, values, strict=True)},
-            body=body, irqs_off=not regs.flags & host.arch.registers.irq_flag, numbers=self.numbers,
+            body=body, irqs_off=host.arch.registers.irqs_disabled_flags(regs.flags), numbers=self.numbers,
             strings=self.strings,
         )  # fmt: skip
         self._emit(hit)

@@ -137,7 +137,7 @@ class Probeability:
         # The BUG table's entry size needs the kernel's types; a function's entry is never a BUG site.
         reserved = ReservedText(symbols, symbols.file_bytes, None, arch)
         blacklist = Blacklist(symbols, arch.arch_populate_kprobe_blacklist())
-        dialect = probe_dialect(symbols, arch.registers.pt_regs)
+        dialect = probe_dialect(symbols, arch.registers.regoffset_table)
         return cls(symbols, blacklist, ftrace_locations(symbols), reserved, dialect)
 
     @classmethod

@@ -323,7 +323,7 @@ class KprobeEvent(TraceEvent):
             kept, texts_each = records, [[text(rec) for text in texts_of] for rec in records]
         names = [a.name for a in ev.args]
         labels = [f" {n}=" for n in names]
-        flags, irq_flag = layout.gdb_name[layout.flags], layout.irq_flag
+        flags, irqs_disabled_flags = layout.gdb_name[layout.flags], layout.irqs_disabled_flags
         numbers, strings, event = self.numbers, self.strings, ev.event
         times = host.clock.record_times([(rec.values["cycles"], rec.cpu) for rec in kept])
         with host.timeline.batch():  # one hand-on for the run, its callbacks' pushes included
@@ -331,7 +331,7 @@ class KprobeEvent(TraceEvent):
                 args = dict(zip(names, texts, strict=True))
                 body = head + "".join([label + t for label, t in zip(labels, texts, strict=True)])
                 self._emit(EventHit(event, rec.cpu, rec.pid, rec.comm, ts, ip, symbol, args, body,
-                                    not rec.values[flags] & irq_flag, None, numbers, strings, order))  # fmt: skip
+                                    irqs_disabled_flags(rec.values[flags]), None, numbers, strings, order))  # fmt: skip
 
     def _kretprobe_entry(self, ri: KretprobeInstance, regs: PtRegs) -> int:
         """``store_trace_entry_data``: the arguments a return probe's ``$argN`` fetch, saved at the entry."""

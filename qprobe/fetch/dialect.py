@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Collection
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from . import messages as M
@@ -39,9 +39,11 @@ class Dialect:
     function parameters by name, and ``$argN`` named after them);
     ``return_args``: its README says return probes take ``$arg<N>``;
     ``dentry_args``: its README lists the ``%pd/%pD`` types;
-    ``btf``: its BTF (None: it has none); ``registers``: the pt_regs names its
-    ``%REG`` takes (its architecture's ``RegisterLayout.pt_regs``, what
-    regs_query_register_offset() knows; None: the architecture is unknown).
+    ``btf``: its BTF (None: it has none); ``registers``: the names its ``%REG``
+    takes (its architecture's regoffset_table, what regs_query_register_offset()
+    knows: ``RegisterLayout.regoffset_table``; None: the architecture is
+    unknown); ``reg_aliases``: those of them that name another pt_regs field,
+    each with that field's name (arm64's ``lr``, x30).
     """
 
     types: frozenset[str] = frozenset()
@@ -52,6 +54,7 @@ class Dialect:
     dentry_args: bool = False
     btf: Btf | None = field(default=None, compare=False)
     registers: frozenset[str] | None = None
+    reg_aliases: frozenset[tuple[str, str]] = frozenset()
 
     def proto(self, func: str | None) -> FuncProto | None:
         """``query_btf_context``: the prototype of the probed function, if BTF arguments can use it."""
@@ -59,9 +62,12 @@ class Dialect:
             return None
         return self.btf.proto(func)
 
-    def has_register(self, name: str) -> bool:
-        """Whether ``%name`` names a register; where the architecture is unknown, any name does."""
-        return bool(name) and (self.registers is None or name in self.registers)
+    def register(self, name: str) -> str | None:
+        """regs_query_register_offset(): the pt_regs field ``%name`` reads, by its pt_regs name (an alias's
+        field), or None if ``name`` names none; where the architecture is unknown, any name is its own."""
+        if not name or (self.registers is not None and name not in self.registers):
+            return None
+        return dict(self.reg_aliases).get(name, name)
 
     def has(self, text: str) -> bool:
         """Whether the kernel's error table has this text (so it has the check that logs it)."""
@@ -141,10 +147,11 @@ def readme_dentry_args(readme: str) -> bool:
 
 
 def dialect_of(readme: str | None, messages: list[str] | None, thread_size: int | None = None,
-               btf: Btf | None = None, registers: Collection[str] | None = None) -> Dialect:  # fmt: skip
+               btf: Btf | None = None, registers: Mapping[str, str] | None = None) -> Dialect:  # fmt: skip
     """The Dialect of a kernel from its README text, error-text table, THREAD_SIZE and BTF (any may be unknown).
 
-    ``registers`` are its architecture's pt_regs names (None: unknown, so ``%REG`` takes any name).
+    ``registers`` is its architecture's regoffset_table: each ``%REG`` name with the pt_regs
+    field it reads (None: unknown, so ``%REG`` takes any name).
     """
     types = readme_types(readme) if readme else frozenset()
     return Dialect(
@@ -156,4 +163,5 @@ def dialect_of(readme: str | None, messages: list[str] | None, thread_size: int 
         dentry_args=bool(readme) and readme_dentry_args(readme or ""),
         btf=btf,
         registers=None if registers is None else frozenset(registers),
+        reg_aliases=frozenset((name, pt) for name, pt in (registers or {}).items() if name != pt),
     )

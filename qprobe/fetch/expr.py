@@ -43,7 +43,7 @@ class ArgError(Exception):
 
 @dataclass(frozen=True)
 class Reg:
-    """``%REG``: a pt_regs slot."""
+    """``%REG``: a pt_regs slot, by its pt_regs name (the kernel keeps the offset: arm64's ``%lr`` is x30)."""
 
     name: str
 
@@ -354,9 +354,10 @@ def parse_probe_arg(arg: str, flags: int, offs: int, code: Code) -> Node:
     if head == "$":
         return _parse_vars(arg[1:], flags, offs, code)
     if head == "%":
-        if not code.dialect.has_register(arg[1:]):
+        reg = code.dialect.register(arg[1:])
+        if reg is None:
             raise ArgError(offs, M.BAD_REG_NAME)
-        return Reg(arg[1:])
+        return Reg(reg)
     if head == "@":
         node: Node
         if isdigit(arg[1:2]):

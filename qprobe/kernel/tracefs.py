@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import functools
 import struct
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import drgn
 from drgn.helpers.linux.list import list_for_each_entry
@@ -117,11 +117,12 @@ class _LazyBtf:
         return None if btf is None else btf.member(parent, name)
 
 
-def probe_dialect(symbols: Symbols, registers: Collection[str], thread_size: int | None = None,
+def probe_dialect(symbols: Symbols, registers: Mapping[str, str], thread_size: int | None = None,
                   modules: ModuleBtfs | None = None) -> Dialect:  # fmt: skip
     """The kprobe_events Dialect of the kernel ``symbols`` describes, with its THREAD_SIZE if known.
 
-    ``registers`` are its architecture's pt_regs names; ``modules`` gives the loaded
+    ``registers`` is its architecture's regoffset_table (``RegisterLayout.regoffset_table``:
+    each ``%REG`` name with the pt_regs field it reads); ``modules`` gives the loaded
     modules' BTF (none before a guest is attached).
     """
     return dialect_of(readme(symbols), error_texts(symbols), thread_size, _LazyBtf(symbols, modules), registers)

@@ -215,3 +215,23 @@ def test_trace_buffer_size_kb_sizes_the_rings_before_anything_is_armed(capsys: p
     with pytest.raises(SystemExit):
         parser.parse_args(["trace", "--buffer-size-kb", "0", "p:rd vfs_read"])
     assert "outside 1.." in capsys.readouterr().err
+
+
+def test_images_lists_the_names_in_a_column_as_wide_as_the_longest(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import qprobe.images
+    from qprobe.images import ImageInfo
+
+    infos = [
+        ImageInfo("debian-cloud", "Debian 12 cloud kernel 6.1", "debian:cloud-amd64", "ready", "initramfs"),
+        ImageInfo(
+            "debian-cloud-arm64-6.12", "Debian 12's 6.12 arm64", "debian:cloud-arm64", "not fetched", "initramfs"
+        ),
+    ]
+    monkeypatch.setattr(qprobe.images, "list_images", lambda: infos)
+    assert cli.main(["images"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "debian-cloud            ready        Debian 12 cloud kernel 6.1",
+        "debian-cloud-arm64-6.12 not fetched  Debian 12's 6.12 arm64",
+    ]

@@ -3,6 +3,7 @@ builds each hit's pt_regs and evaluates its definition generically (the int3 pat
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -65,8 +66,8 @@ class Kernel:
         return self.limit
 
 
-def event(definition: str, limit: int | None = 4056) -> KprobeEvent:
-    host = SimpleNamespace(arch=ARCH, symbols=Symbols(), timeline=Timeline(), mem=MEM, clock=Clock(),
+def event(definition: str, limit: int | None = 4056, arch: X86_64 = ARCH) -> KprobeEvent:
+    host = SimpleNamespace(arch=arch, symbols=Symbols(), timeline=Timeline(), mem=MEM, clock=Clock(),
                            kprobe_backend=Backend(), kernel=Kernel(limit))  # fmt: skip
     ev = parse_event(definition, symbol_exists=lambda name: True)
     assert isinstance(ev, ProbeEvent)
@@ -124,6 +125,24 @@ def run_both(definition: str, limit: int | None) -> tuple[KprobeEvent, KprobeEve
     bulk.host.timeline.flush()
     single.host.timeline.flush()
     return bulk, single
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_both_paths_read_irqs_off_in_the_layout_s_sense(masked: bool) -> None:
+    """The irqs-off column is RegisterLayout.irqs_disabled_flags of the flags register, on a run as one at a
+    time: with the interrupt bit's sense turned around (set while masked, as arm64's PSTATE.I) so is the column."""
+    arch = X86_64()
+    arch.registers = replace(ARCH.registers, irq_masked_when_set=masked)
+    bulk, single = event(DEFINITIONS[0], arch=arch), event(DEFINITIONS[0], arch=arch)
+    got: list[EventHit] = []
+    expected: list[EventHit] = []
+    bulk.callback, single.callback = got.append, expected.append
+    assert bulk.probe is not None and bulk.probe.recorder is not None
+    bulk.probe.recorder(records())
+    for rec in records():
+        single._record(single.backend.make_regs(rec.values, rec.cpu), PROBE, None, None, task=(rec.pid, rec.comm))
+    enabled = [bool(rec.values["eflags"] & X86_EFLAGS_IF) for rec in records()]
+    assert [h.irqs_off for h in got] == [h.irqs_off for h in expected] == [on == masked for on in enabled]
 
 
 @pytest.mark.parametrize("limit", [None, 4056, 48, 47, 44, 38])

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 
 from qprobe.arch import RegisterLayout
 
-# pt_regs names of struct user_pt_regs, in memory order: the registers (and kprobe_events' %REG names).
+# pt_regs names of struct user_pt_regs, in memory order: the registers (and, with "lr", kprobe_events' %REG names).
 PT_NAMES: tuple[str, ...] = (*(f"x{n}" for n in range(31)), "sp", "pc", "pstate")
 # pt_regs name -> gdbstub name (QEMU 7.2's aarch64-core.xml calls PSTATE "cpsr", 32 bits wide).
 GDB_NAME: dict[str, str] = {**{name: name for name in PT_NAMES[:-1]}, "pstate": "cpsr"}
@@ -142,7 +142,8 @@ REGISTERS = RegisterLayout(
     ARG_REGS,
     {},  # every pt_regs register is a gdbstub register: nothing to default
     general=PT_GPRS,
-    irq_flag=PSR_I_BIT,  # NB: set while interrupts are *masked* (see interrupts_enabled)
+    irq_flag=PSR_I_BIT,
+    irq_masked_when_set=True,  # PSTATE.I masks IRQs: interrupts are enabled while it is clear (interrupts_enabled)
     page_table=TTBR1_EL1,
     user_page_table=TTBR0_EL1,
     percpu_base=TPIDR_EL1,
@@ -158,6 +159,8 @@ REGISTERS = RegisterLayout(
     retval="x0",
     stack_args=0,  # a call leaves sp at the first stacked argument: the return address is in x30
     pt_regs=PT_NAMES,
+    # regoffset_table (arch/arm64/kernel/ptrace.c, 6.1 and 6.12) names x30 "lr" as well.
+    reg_aliases={"lr": "x30"},
     # drgn's aarch64 registers (libdrgn/arch_aarch64_defs.py) that are gdbstub registers too: x0-x30 and sp
     # (drgn's "pstate" is QEMU's "cpsr", and drgn's frame gives pc itself).
     unwound=(*PT_GPRS, "sp"),

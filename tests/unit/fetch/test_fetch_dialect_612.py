@@ -164,7 +164,7 @@ class FakeBtf:
         return MEMBERS.get((parent.tid, name))
 
 
-REGISTERS = X86_64.registers.pt_regs  # an x86_64 kernel's
+REGISTERS = X86_64.registers.regoffset_table  # an x86_64 kernel's
 D612 = dialect_of(README_612, list(ERRORS_612.values()), 16384, FakeBtf(), REGISTERS)
 D612_NO_BTF = dialect_of(README_612_NO_BTF, list(ERRORS_612.values()), 16384, FakeBtf(), REGISTERS)
 

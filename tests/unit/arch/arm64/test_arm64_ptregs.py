@@ -99,6 +99,7 @@ def test_flags_name_nzcv_and_daif() -> None:
 )  # fmt: skip
 def test_user_mode_and_interrupts_enabled(pstate: int, user: bool, irqs_on: bool) -> None:
     assert (user_mode(pstate), interrupts_enabled(pstate)) == (user, irqs_on)
+    assert REGISTERS.irqs_disabled_flags(pstate) is not irqs_on  # what the trace's irqs-off column shows
 
 
 def test_pack_and_parse_round_trip() -> None:

@@ -300,7 +300,9 @@ class KernelData:
         register = self.arch.registers.current
         if register is not None and not self.arch.user_mode(regs):
             return regs[register]
-        address = self.arch.percpu_base(regs) + self.current_task_offset
+        # Modulo 2**64, as the CPU adds: arm64's per-CPU base (__per_cpu_offset) is the distance from the
+        # variable's address in the image to its copy in the linear map, a "negative" number.
+        address = (self.arch.percpu_base(regs) + self.current_task_offset) & _MASK
         if read_u64 is not None:
             return read_u64(address)
         task: int = drgn.Object(self.prog, "unsigned long", address=address).value_()

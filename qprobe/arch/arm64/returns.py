@@ -24,13 +24,21 @@ LR = "x30"
 GDB_LR, GDB_SP = "x30", "sp"
 RET_POPS = 0  # ``ret`` moves no stack pointer: at the trampoline, sp is the entry's
 
-# arch/arm64/include/asm/insn.h: __AARCH64_INSN_FUNCS(svc, 0xFFE0001F, 0xD4000001)
+# arch/arm64/include/asm/insn.h: __AARCH64_INSN_FUNCS(svc, 0xFFE0001F, 0xD4000001) and (brk, 0xFFE0001F,
+# 0xD4200000)
 _SVC_MASK, _SVC_VALUE = 0xFFE0001F, 0xD4000001
+_BRK_MASK, _BRK_VALUE = 0xFFE0001F, 0xD4200000
 
 
 def aarch64_insn_is_svc(code: bytes) -> bool:
     """Whether the instruction at ``code`` is an ``svc #imm``: a system call."""
     return len(code) >= 4 and int.from_bytes(code[:4], "little") & _SVC_MASK == _SVC_VALUE
+
+
+def aarch64_insn_is_brk(code: bytes) -> bool:
+    """Whether the instruction at ``code`` is a ``brk #imm``: a breakpoint of the kernel's own (its uprobes'
+    ``brk #0x005``), whose handler goes on past it."""
+    return len(code) >= 4 and int.from_bytes(code[:4], "little") & _BRK_MASK == _BRK_VALUE
 
 
 def arch_prepare_kretprobe(regs: Registers, read_u64: Callable[[int], int]) -> ReturnHijack:
@@ -48,10 +56,12 @@ def arch_uprobe_xol_was_trapped(code: bytes, after: Mapping[str, int]) -> bool:
     """Whether the stepped user instruction ``code`` ended in the kernel on a fault it runs again after.
 
     The step ended at EL1 (PSTATE.M no longer EL0t) and the instruction was no ``svc``, which enters
-    the kernel on purpose and returns past itself.  The kernel asks the same of the task's
-    ``thread.fault_code``, which only a fault sets (arch/arm64/kernel/probes/uprobes.c).
+    the kernel on purpose and returns past itself, nor a ``brk``: the guest's own uprobe on the same
+    instruction, whose handler runs the instruction it displaced and returns past it.  The kernel asks the
+    same of the task's ``thread.fault_code``, which only a fault sets (arch/arm64/kernel/probes/uprobes.c).
     """
-    return not pstate_user_mode(after[CPSR]) and not aarch64_insn_is_svc(code)
+    entered = aarch64_insn_is_svc(code) or aarch64_insn_is_brk(code)
+    return not pstate_user_mode(after[CPSR]) and not entered
 
 
 __all__ = [

@@ -70,6 +70,8 @@ EL0T, EL1H_DAIF = 0x8000_0000, 0x3C5  # N set at EL0; the vector's PSTATE
         (SVC_1234, EL1H_DAIF, False),
         (HVC_0, EL1H_DAIF, True),
         (SVC_0, EL0T, False),
+        # The guest's own uprobe (brk #0x005, UPROBES_BRK_IMM) on the same instruction: its handler goes past.
+        ((0xD42000A0).to_bytes(4, "little"), EL1H_DAIF, False),
     ],
 )
 def test_xol_was_trapped_means_a_fault_at_el1(code: bytes, cpsr: int, trapped: bool) -> None:

@@ -28,6 +28,9 @@ VM_CORE := tests/vm/test_kprobes.py tests/vm/test_kretprobes.py tests/vm/test_op
 # debian-cloud-6.12: IBT, return and call-depth thunks, ORC; minimal-6.12: built here from
 # linux-source-6.12 (scripts/build-minimal-kernel.sh, 3.5-7 min on 2 cores), no kprobes, no ftrace.
 IMAGES_612 := debian-cloud-6.12 minimal-6.12
+# arm64 guests under qemu-system-aarch64 (Debian's cloud-arm64 kernels): the arm64 tests, each image a stage.
+IMAGES_ARM64 := debian-cloud-arm64 debian-cloud-arm64-6.12
+VM_ARM64 := tests/vm/test_arm64.py
 MATRIX := debian-cloud debian-rt debian-cloud-6.12 debian-rt-6.12 minimal-6.12
 
 .PHONY: all setup system-deps venv image images-6.12 run test test-612 test-matrix unit vm lint bench soak clean
@@ -70,7 +73,7 @@ vm: image
 # Every test on debian-cloud, the examples on the buildroot-style images, then the VM core on
 # debian-cloud-6.12 and on minimal-6.12, fetched and built in the background meanwhile; a table of the stages' times and counts at the end.
 test: image
-	sh scripts/test-stages.sh $(BIN) "$(VM_CORE)" "$(IMAGES_612)"
+	sh scripts/test-stages.sh $(BIN) "$(VM_CORE)" "$(IMAGES_612)" "$(VM_ARM64)" "$(IMAGES_ARM64)"
 
 # The VM core on both 6.12 kernels.
 test-612: images-6.12

@@ -8,12 +8,16 @@
 # A skip fails every pytest stage unless tests/image-lacks.toml lists the fact it names as one the
 # image lacks (--qprobe-no-skip --qprobe-lacks): a skip is reviewed, never a quiet pass.
 #
-#   test-stages.sh BIN "VM_CORE FILES" "IMAGES"
+# The arm64 images then run their own tests, each a stage.
+#
+#   test-stages.sh BIN "VM_CORE FILES" "IMAGES" "ARM64 FILES" "ARM64 IMAGES"
 set -u
 
 bin=$1
 core=$2
 images=$3
+arm64_files=${4:-}
+arm64_images=${5:-}
 logs=${TMPDIR:-/tmp}/qprobe-test-$$
 mkdir -p "$logs"
 table="$logs/stages"
@@ -42,7 +46,7 @@ run() { # COMMAND... with its status kept beside the log (a pipeline loses it)
 
 # Fetch and build in the background: each image under the cache's own lock, so the fetch before
 # each stage below waits for that image alone (or finds it done) rather than building it again.
-(for i in $images; do NICE=19 nice -n 19 "$bin/qprobe" images --fetch "$i" || exit 1; done) \
+(for i in $images $arm64_images; do NICE=19 nice -n 19 "$bin/qprobe" images --fetch "$i" || exit 1; done) \
 	>"$logs/fetch.log" 2>&1 &
 fetcher=$!
 strict="--qprobe-no-skip --qprobe-lacks tests/image-lacks.toml"
@@ -61,6 +65,12 @@ for i in $images; do
 	"$bin/qprobe" images --fetch "$i" || { status=1; continue; }
 	# shellcheck disable=SC2086 # the options and the list of files are split on purpose
 	stage "$i" "$logs/$i.log" run "$logs/$i.log" "$bin/pytest" -q -rs --durations=25 $strict --qprobe-image "$i" $core
+done
+
+for i in $arm64_images; do
+	"$bin/qprobe" images --fetch "$i" || { status=1; continue; }
+	# shellcheck disable=SC2086 # the options and the list of files are split on purpose
+	stage "$i" "$logs/$i.log" run "$logs/$i.log" "$bin/pytest" -q -rs --durations=25 $strict --qprobe-image "$i" $arm64_files
 done
 
 wait $fetcher || { echo "fetching in the background failed:"; cat "$logs/fetch.log"; }

@@ -16,25 +16,22 @@ import pytest
 
 import qprobe
 from qprobe import Kprobe, Kretprobe
-from qprobe.images.image import vmlinux_arch
 
 from .conftest import workload_result
 from .guest_oracle import TRACING, guest_hits, guest_verdicts, qprobe_verdicts
 
-pytestmark = [pytest.mark.vm, pytest.mark.qprobe_needs_config("KPROBE_EVENTS")]
+# CONFIG_ARM64: an arm64 kernel, told from its config before anything boots.
+pytestmark = [
+    pytest.mark.vm,
+    pytest.mark.qprobe_needs_config("ARM64"),
+    pytest.mark.qprobe_needs_config("KPROBE_EVENTS"),
+]
 
 NOP, PACIASP = 0xD503201F, 0xD503233F
 # The workload's lseek(fd, i, SEEK_SET) reaches the kernel through the syscall wrapper, whose one argument
 # is the pt_regs of the call (ksys_lseek and vfs_llseek are inlined into it on Debian's arm64 builds).
 LSEEK = "__arm64_sys_lseek"
 ARGS = "fd=+0(%x0):u64 off=+8(%x0):s64 whence=+16(%x0):u32 sp=%sp lr=%x30 who=$comm"
-
-
-@pytest.fixture(autouse=True)
-def arm64_only(target: qprobe.Target) -> None:
-    machine = vmlinux_arch(target.symbols.path)
-    if machine != "aarch64":
-        pytest.skip(f"{target.symbols.path.name} is a kernel for {machine}")
 
 
 def _words(target: qprobe.Target, name: str, count: int) -> list[int]:

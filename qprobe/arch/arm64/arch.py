@@ -51,6 +51,7 @@ from qprobe.arch.arm64.ptregs import REGISTERS, TPIDR_EL1, user_mode
 from qprobe.arch.arm64.traps import Arm64Traps
 from qprobe.arch.arm64.uprobes import Arm64Uprobes
 from qprobe.arch.arm64.vmcoreinfo import arch_crash_save_vmcoreinfo
+from qprobe.arch.shared import resume_registers
 
 
 class Arm64:
@@ -132,13 +133,7 @@ class Arm64:
 
     # -- traps -------------------------------------------------------------------------------
     def resume_registers(self, resume: Resume) -> dict[str, int]:
-        out = dict(resume.changed)
-        if resume.sp is not None:
-            out["sp"] = resume.sp
-        if resume.flags is not None:
-            out["cpsr"] = resume.flags
-        out["pc"] = resume.ip
-        return out
+        return resume_registers(self.registers, resume)
 
     def ip(self, regs: Mapping[str, int]) -> int:
         return regs["pc"]

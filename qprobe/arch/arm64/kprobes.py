@@ -35,6 +35,7 @@ from qprobe.arch.arm64.insn import (
     u64,
 )
 from qprobe.arch.arm64.simulate import simulate
+from qprobe.arch.shared import search_exception_tables
 from qprobe.errors import CannotProbe, InvalidProbe, NotInstructionBoundary, ProbeBusy, ProbeError
 
 COPY_SIZE = 2 * AARCH64_INSN_SIZE  # the instruction and the BRK after it
@@ -80,15 +81,6 @@ def _insn(prep: Prepared) -> Arm64Insn:
     """The core hands back what prepare_kprobe returned."""
     assert isinstance(prep, Arm64Insn)
     return prep
-
-
-def search_exception_tables(table: ExceptionTable | None, addr: int) -> bool:
-    """Whether ``addr`` has an exception-table (fixup) entry; None is an empty table."""
-    if table is None:
-        return False
-    if callable(table):
-        return bool(table(addr))
-    return addr in table
 
 
 def check_boundary(code: bytes, func_start: int, addr: int, patched: Mapping[int, int] | None = None,

@@ -38,6 +38,7 @@ from qprobe.arch import (
     TrapWatch,
     Uprobes,
 )
+from qprobe.arch.shared import resume_registers
 from qprobe.arch.x86_64 import guestfilter
 from qprobe.arch.x86_64.boost import CALL_INSN_SIZE, INT3_INSN_OPCODE, JMP32_INSN_SIZE, call_target
 from qprobe.arch.x86_64.bootentry import boot_virtual_entry
@@ -291,13 +292,7 @@ class X86_64:
 
     # -- traps -------------------------------------------------------------------------------
     def resume_registers(self, resume: Resume) -> dict[str, int]:
-        out = dict(resume.changed)
-        if resume.sp is not None:
-            out["rsp"] = resume.sp
-        if resume.flags is not None:
-            out["eflags"] = resume.flags
-        out["rip"] = resume.ip
-        return out
+        return resume_registers(self.registers, resume)
 
     def ip(self, regs: Mapping[str, int]) -> int:
         return regs["rip"]

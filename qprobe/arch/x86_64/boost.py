@@ -12,6 +12,7 @@ from __future__ import annotations
 from iced_x86 import EncodingKind
 
 from qprobe.arch import ExceptionTable
+from qprobe.arch.shared import search_exception_tables
 from qprobe.arch.x86_64.decode import Insn, skip_prefixes
 from qprobe.errors import DisplacementOverflow
 
@@ -37,15 +38,6 @@ CALL_INSN_OPCODE = 0xE8
 CALL_INSN_SIZE = 5
 MAX_INSN_SIZE = 16
 _MASK64 = (1 << 64) - 1
-
-
-def search_exception_tables(table: ExceptionTable | None, addr: int) -> bool:
-    """True if ``addr`` has an exception-table (fixup) entry; None means an empty table."""
-    if table is None:
-        return False
-    if callable(table):
-        return bool(table(addr))
-    return addr in table
 
 
 # --- synthesized jumps ----------------------------------------------------

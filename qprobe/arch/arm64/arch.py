@@ -45,13 +45,15 @@ from qprobe.arch import (
     Uprobes,
 )
 from qprobe.arch.arm64 import blacklist, bootentry, kprobes, returns
+from qprobe.arch.arm64.bootentry import SCTLR_ELx_M
 from qprobe.arch.arm64.insn import BRK64_OPCODE_KPROBES
 from qprobe.arch.arm64.paging import Arm64PageTables, page_tables
-from qprobe.arch.arm64.ptregs import REGISTERS, TPIDR_EL1, user_mode
+from qprobe.arch.arm64.ptregs import REGISTERS, SCTLR_EL1, TPIDR_EL1, user_mode
 from qprobe.arch.arm64.traps import Arm64Traps
 from qprobe.arch.arm64.uprobes import Arm64Uprobes
 from qprobe.arch.arm64.vmcoreinfo import arch_crash_save_vmcoreinfo
 from qprobe.arch.shared import resume_registers
+from qprobe.errors import TargetError
 
 
 class Arm64:
@@ -86,6 +88,12 @@ class Arm64:
         self.traps: Traps = Arm64Traps()
 
     def page_tables(self, regs: Mapping[str, int]) -> Arm64PageTables:
+        """The tables TCR_EL1 shapes; none while the MMU is off (SCTLR_EL1.M clear: at reset, or in the kernel's
+        first instructions, before __enable_mmu)."""
+        if not regs.get(SCTLR_EL1, SCTLR_ELx_M) & SCTLR_ELx_M:
+            raise TargetError("the vCPU runs with its MMU off (at reset or in early boot): qprobe probes an "
+                              "arm64 kernel from its virtual addresses on; boot-time probes on arm64 are not "
+                              "supported yet")  # fmt: skip
         return page_tables(regs)
 
     def vmcoreinfo(self, address: Callable[[str], int], virt_to_phys: Callable[[int], int],

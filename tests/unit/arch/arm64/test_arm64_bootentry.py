@@ -44,3 +44,12 @@ def test_boot_entry_is_primary_switched() -> None:
     del symbols["__primary_switched"]
     with pytest.raises(SymbolError):
         arch_boot_entry(read, address)
+
+
+def test_page_tables_of_a_vcpu_with_its_mmu_off_are_refused_in_one_line() -> None:
+    from qprobe.arch.arm64.arch import Arm64
+    from qprobe.errors import TargetError
+
+    reset = {"pc": 0x4000_0000, "cpsr": 0x3C5, "SCTLR": 0x0C50_0838, "TCR_EL1": 0}  # QEMU virt's -kernel stub
+    with pytest.raises(TargetError, match=r"MMU off .* boot-time probes on arm64 are not supported yet$"):
+        Arm64().page_tables(reset)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from qprobe.arch import BootStage
+from qprobe.arch.arm64.arch import Arm64
 from qprobe.arch.arm64.bootentry import arch_boot_entry, boot_stage
-from qprobe.errors import SymbolError
+from qprobe.errors import SymbolError, TargetError
 
 # SCTLR_EL1 as QEMU's reset leaves it (M, C and I clear) and as the kernel runs (M set).
 SCTLR_RESET, SCTLR_KERNEL = 0x30D00800, 0x3450D91D
@@ -47,9 +48,6 @@ def test_boot_entry_is_primary_switched() -> None:
 
 
 def test_page_tables_of_a_vcpu_with_its_mmu_off_are_refused_in_one_line() -> None:
-    from qprobe.arch.arm64.arch import Arm64
-    from qprobe.errors import TargetError
-
     reset = {"pc": 0x4000_0000, "cpsr": 0x3C5, "SCTLR": 0x0C50_0838, "TCR_EL1": 0}  # QEMU virt's -kernel stub
     with pytest.raises(TargetError, match=r"MMU off .* boot-time probes on arm64 are not supported yet$"):
         Arm64().page_tables(reset)

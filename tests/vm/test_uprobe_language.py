@@ -31,8 +31,7 @@ from qprobe.images.guest import guest_sources
 from qprobe.kernel.ufile import UserFiles
 from qprobe.kernel.userelf import UserElf
 
-from .guest_oracle import TRACING, Verdict, guest_verdicts
-from .test_oracle import TRACE_LINE
+from .guest_oracle import TRACE_LINE, TRACING, Verdict, guest_verdicts
 
 pytestmark = [pytest.mark.vm, pytest.mark.qprobe_needs_config("UPROBE_EVENTS")]
 

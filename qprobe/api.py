@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from qprobe.guest import Guest
     from qprobe.images import Image
     from qprobe.kernel.bootslide import BootSlide
+    from qprobe.kernel.bootswitch import SwitchSlide
     from qprobe.kernel.program import KernelData, Stack, Task
     from qprobe.kernel.symbols import Symbols
     from qprobe.lifetime import Lifetime
@@ -109,7 +110,7 @@ class Target:
     kretprobes: Via[KretprobeManager] = Via("parts")
     uprobes: Via[UprobeManager] = Via("parts")
     clock: Via[HitClock] = Via("parts")
-    boot_slide: Via[BootSlide] = Via("parts")  # boot-time probes only: how the slide was found
+    boot_slide: Via[BootSlide | SwitchSlide] = Via("parts")  # boot-time probes only: how the slide was found
 
     # -- the kprobes API (qprobe.probeapi), as <linux/kprobes.h> names it -------------
     register_kprobe = forward(ProbeAPI.register_kprobe, "probe_api")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 from qprobe.core.anywhere import InternalProbe
 from qprobe.errors import BootPanic, GuestPanicked, TargetError, VmlinuxMismatch
 from qprobe.kernel.bootslide import BootSlide
+from qprobe.kernel.bootswitch import SwitchSlide
 from qprobe.kernel.kaslr import check_slide, image_alignment
 from qprobe.kernel.program import KernelData
 from qprobe.lifetime import LIVENESS_POLL
@@ -77,8 +78,9 @@ class BootProbing:
             raise TargetError(f"boot-time probes need the kernel's command line (nokaslr, the memmap= reservation, "
                               f"preemption): {plan.unknown}; give kernel_cmdline=ARGS / --kernel-cmdline "
                               "ARGS")  # fmt: skip
+        switch = t.arch.arch_boot_switch(t.symbols.file_bytes, t.symbols.address)
         nokaslr = "nokaslr" in plan.cmdline.split()  # the decompressor leaves the kernel where it is linked
-        if plan.image is None and not nokaslr:
+        if plan.image is None and not nokaslr and switch is None:
             raise TargetError(f"boot-time probes need the kernel image QEMU boots (its KASLR alignment): "
                               f"{plan.unknown}; give kernel_image=PATH / --kernel-image PATH")  # fmt: skip
         if t.qemu is None and INIT_EXEC not in t.symbols:
@@ -91,9 +93,13 @@ class BootProbing:
         t.journal = self.wiring.new_journal(lambda pid: f"{t.symbols.build_id}-boot-{pid or f'remote-{os.getpid()}'}")
         t.kernel = KernelData(t.symbols, t.mem, t.arch)
         machine = self.wiring.new_machine(paused=True)
-        align = 0 if plan.image is None else image_alignment(plan.image)
-        slide = BootSlide(machine, t.symbols, t.arch, align, plan.cmdline,
-                          t.mem.phys if isinstance(t.mem.phys, SharedRam) else None)  # fmt: skip
+        slide: BootSlide | SwitchSlide
+        if switch is not None:  # a kernel that relocates itself: stopped on its way to its virtual addresses
+            slide = SwitchSlide(machine, t.symbols, t.arch, switch, t.mem.phys.read_phys)
+        else:
+            align = 0 if plan.image is None else image_alignment(plan.image)
+            slide = BootSlide(machine, t.symbols, t.arch, align, plan.cmdline,
+                              t.mem.phys if isinstance(t.mem.phys, SharedRam) else None)  # fmt: skip
         t.boot_slide = slide
         found = threading.Event()
         failed: list[BaseException] = []
@@ -171,14 +177,15 @@ class BootProbing:
         # The guest's clocks do not run until start_kernel has set them up: hits are timed by the host's.
         t.clock.host_only("the probes were armed before the guest's clocks ran (boot-time probes)")
         # First, so that the user's probes there read through the tables it switches to.
-        t.kprobes.register_kprobe(InternalProbe("start_kernel", anywhere=True, pre_handler=self._kernel_tables))
+        t.kprobes.register_kprobe(InternalProbe(paging.kernel_root_from, anywhere=True,
+                                                pre_handler=self._kernel_tables))  # fmt: skip
         t.kprobes.register_kprobe(InternalProbe("free_initmem", anywhere=True, pre_handler=self._init_freed))
         self.arm()
 
     def _kernel_tables(self, kp: Kprobe, regs: PtRegs) -> int:
-        """At start_kernel (stop loop): x86_64_start_kernel has put the kernel image's mapping into the
-        kernel's own page tables, which setup_arch completes and switches to, and boot is about to clear
-        the early ones: reads go through the kernel's own from here on."""
+        """At ``PageTables.kernel_root_from`` (stop loop; x86's start_kernel, arm64's bootmem_init): the kernel's
+        own page tables map its image, and boot is about to clear or free the early ones: reads go through the
+        kernel's own from here on."""
         t = self.target
         paging = t.mem.paging
         if paging.kernel_root_symbol in t.symbols:
@@ -222,9 +229,12 @@ class BootProbing:
         """The kernel has booted, to its shell or to init's exec (stop loop): its own page tables, command
         line and drawn values as an attach would read them."""
         t = self.target
-        paging = t.mem.paging
-        # The early page tables the slide was found through are gone: walk a vCPU's, then the kernel's own.
-        t.mem.pgd = t.mem.pgd_of(t.gdb.read_registers(t.machine.vcpus[0])[t.arch.registers.page_table])
+        # The early page tables the slide was found through are gone: walk a vCPU's, then the kernel's own, as
+        # the vCPU's registers shape them now (arm64's TCR_EL1 no longer widens the user half for the idmap).
+        regs = t.gdb.read_registers(t.machine.vcpus[0])
+        paging = t.mem.paging = t.arch.page_tables(regs)
+        paging.learn(t.symbols.__contains__)
+        t.mem.pgd = t.mem.pgd_of(regs[t.arch.registers.page_table])
         if paging.kernel_root_symbol in t.symbols:
             t.mem.pgd = t.mem.virt_to_phys(t.symbols.address(paging.kernel_root_symbol))
         t.cmdline = read_cmdline(t.mem, t.symbols)

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from qprobe.events.uprobe import UprobeBackend
     from qprobe.images import Image
     from qprobe.kernel.bootslide import BootSlide
+    from qprobe.kernel.bootswitch import SwitchSlide
     from qprobe.kernel.program import KernelData
     from qprobe.kernel.symbols import Symbols
     from qprobe.vmm.console import Console, GuestShell
@@ -74,7 +75,7 @@ class Parts:
     uprobe_backend: UprobeBackend = field(init=False)  # and uprobe events theirs
     clock: HitClock = field(init=False)  # when each event hit happened
     watchpoints: Watchpoints = field(init=False)
-    boot_slide: BootSlide = field(init=False)  # boot-time probes only: how the slide was found
+    boot_slide: BootSlide | SwitchSlide = field(init=False)  # boot-time probes only: how the slide was found
 
 
 __all__ = ["Parts"]

@@ -206,7 +206,10 @@ class Wiring:
         vcpus = t.gdb.threads()
         drop_stale_breakpoints(t.gdb.request, vcpus)  # a killed qprobe's, before anything runs
         regs0 = t.gdb.read_registers(vcpus[0])
+        board = board_for(t.arch.name)
         stage = t.arch.boot_stage(regs0)
+        if stage is BootStage.EARLY and t.arch.ip(regs0) in board.reset_pcs:
+            stage = BootStage.RESET
         # Where the vCPUs in the kernel are: in its text, which finds a KASLR slide without a window to scan.
         in_kernel = [regs0] + [t.gdb.read_registers(v) for v in vcpus[1:]] if stage is BootStage.KERNEL else []
         self.kernel_pcs = [t.arch.ip(r) for r in in_kernel if not t.arch.user_mode(r)]
@@ -214,9 +217,8 @@ class Wiring:
         # another can (a detach would start it).
         self.lifetime.leave_halted = stage is BootStage.RESET
         check_stage(stage, boot)
-        ram_base = board_for(t.arch.name).ram_base
         phys: PhysReader = (StubPhys(t.gdb) if self.ram is None
-                            else SharedRam(self.ram, self.ram_size, writable=True, base=ram_base))  # fmt: skip
+                            else SharedRam(self.ram, self.ram_size, writable=True, base=board.ram_base))  # fmt: skip
         paging = t.arch.page_tables(regs0)
         self.root = regs0[t.arch.registers.page_table]
         t.mem = GuestMemory(phys, paging.root(self.root), paging)

@@ -42,7 +42,7 @@ from the base kprobes hooks; the core checks for None before it uses one.
    kprobes' (and which, :class:`BreakHook`) or another exception on a shared
    vector (arm64's); its ``decode_trap`` reads where a stop came from.
    ``resume_registers`` writes a :class:`Resume` back as gdbstub registers.
-   Boot: ``boot_stage``, ``arch_boot_entry``.
+   Boot: ``boot_stage``, ``arch_boot_entry``, ``arch_boot_switch``.
 6. The blacklist: ``arch_populate_kprobe_blacklist``,
    ``arch_kretprobe_blacklist``, and the sites the kernel rewrites
    (``jump_label_size``, ``static_call_size``, ``ftrace_site``).
@@ -285,6 +285,7 @@ class PageTables(Protocol):
 
     levels: int
     kernel_root_symbol: str  # the kernel's own page-table root (swapper_pg_dir or its name on this arch)
+    kernel_root_from: str  # the boot function from whose entry on they map the kernel (boot-time reads switch there)
     image_base: int  # the kernel image's virtual base
     large_page: int
 
@@ -422,6 +423,13 @@ class Arch(Protocol):
     def arch_boot_entry(self, read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int:
         """The link address of the first instruction the boot CPU runs at the kernel's virtual addresses
         (plus the KASLR slide), from vmlinux's bytes (``read``) and symbols (``address``); SymbolError if unknown."""
+        ...
+
+    def arch_boot_switch(self, read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int | None:
+        """Where a kernel that relocates itself (arm64) leaves its physical addresses for ``arch_boot_entry``'s
+        instruction: the link address of that branch, whose target the boot CPU computed with the slide; the
+        host stops it there and steps it.  None where a loader of the kernel's own picks the slide from a window
+        of candidates (x86's decompressor: ``qprobe.kernel.bootslide``)."""
         ...
 
     # -- return probes: a call is known by its entry's sp (ri->fp); its return leaves sp ret_pops bytes higher

@@ -30,6 +30,7 @@ __all__ = [
     "check_kernel",
     "check_vmlinux",
     "disk_interface_of",
+    "kernel_kind",
     "kernel_release",
     "parse_config",
     "preempt_model",
@@ -155,7 +156,7 @@ def _gunzip_head(head: bytes, size: int) -> bytes:
         return b""
 
 
-def _kernel_kind(head: bytes) -> str | None:
+def kernel_kind(head: bytes) -> str | None:
     """ "bzImage" or "arm64 Image" by the boot header's magic, None if neither."""
     if head[0x202:0x206] == b"HdrS":
         return "bzImage"
@@ -170,9 +171,9 @@ def check_kernel(path: Path) -> None:
     An arm64 Image may be gzip'd (Image.gz), which QEMU unpacks; its header is read through the gzip stream.
     """
     head = _head(path, 64 << 10, "kernel")
-    if _kernel_kind(head) is not None:
+    if kernel_kind(head) is not None:
         return
-    if head[:2] == b"\x1f\x8b" and _kernel_kind(_gunzip_head(head, 0x40)) == "arm64 Image":
+    if head[:2] == b"\x1f\x8b" and kernel_kind(_gunzip_head(head, 0x40)) == "arm64 Image":
         return
     hint = " (that is an ELF file: use the bzImage or Image, not vmlinux)" if head[:4] == b"\x7fELF" else ""
     raise ImageError(f"kernel {path} is not a bzImage ('HdrS' magic at offset 0x202) "
@@ -208,7 +209,7 @@ def _banner_release(path: Path) -> str | None:
             return None
         with path.open("rb") as f:
             head = f.read(_ARM64_MAGIC_AT + 4)
-            if _kernel_kind(head) != "arm64 Image":
+            if kernel_kind(head) != "arm64 Image":
                 return None
             m = _BANNER.search(head + f.read())
     except OSError:

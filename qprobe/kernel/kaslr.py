@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from qprobe.errors import ImageError, MemoryFault, VmlinuxMismatch
+from qprobe.images.image import kernel_kind
 from qprobe.kernel.symbols import Symbols
 from qprobe.vmm.memory import GuestMemory
 
@@ -48,18 +49,17 @@ def slides_near(symbols: Symbols, pcs: Iterable[int]) -> list[int]:
     arm64's KASLR moves the image anywhere in half of its vmalloc area (arch/arm64/kernel/pi/kaslr_early.c,
     BIT(VA_BITS_MIN - 3) + the seed's bits): no window to scan, but a vCPU in the kernel is in its text.
     The step is 64 KiB, arm64's smallest image alignment (SEGMENT_ALIGN), of which x86's 2 MiB is a multiple."""
-    found: list[int] = []
+    found: dict[int, None] = {}  # ordered, without repeats
     pcs = list(pcs)
     if not pcs:
-        return found
+        return []
     text = symbols.address("_text")
     etext = symbols.address("_etext" if "_etext" in symbols else "_end")
     for pc in pcs:
         high, low = pc - text, pc - etext
         for slide in range(high - high % HINT_ALIGN, max(low, 0) - 1, -HINT_ALIGN):
-            if slide not in found:
-                found.append(slide)
-    return found
+            found.setdefault(slide)
+    return list(found)
 
 
 def detect_slide(symbols: Symbols, mem: GuestMemory, console_text: str = "", pcs: Iterable[int] = ()) -> int:
@@ -85,7 +85,6 @@ def detect_slide(symbols: Symbols, mem: GuestMemory, console_text: str = "", pcs
 # The boot protocol's setup header in a bzImage (Documentation/arch/x86/boot.rst): its magic, the
 # protocol version, and kernel_alignment (protocol 2.05 and later), which holds CONFIG_PHYSICAL_ALIGN.
 HDR_MAGIC, HDR_VERSION, HDR_KERNEL_ALIGNMENT = 0x202, 0x206, 0x230
-ARM64_MAGIC = 0x38  # Documentation/arch/arm64/booting.rst: the Image header's magic, "ARM\x64"
 
 
 def image_alignment(image: Path) -> int:
@@ -96,7 +95,7 @@ def image_alignment(image: Path) -> int:
             head = f.read(0x240)
     except OSError as exc:
         raise ImageError(f"cannot read {image}: {exc.strerror}") from None
-    if head[ARM64_MAGIC : ARM64_MAGIC + 4] == b"ARM\x64":
+    if kernel_kind(head) == "arm64 Image":
         # arm64's image places itself: no decompressor writes it where the slide search could watch, and its
         # slide has some 2**25 candidates, too many for a breakpoint each.
         raise ImageError(f"{image.name} is an arm64 Image: qprobe finds the KASLR slide of a kernel that has not "

@@ -256,6 +256,8 @@ class Symbols(VmlinuxImage):
             else:
                 offsets = struct.unpack(f"<{count}i", self.file_bytes(self.address("kallsyms_offsets"), 4 * count))
                 base = struct.unpack("<Q", self.file_bytes(self.address("kallsyms_relative_base"), 8))[0]
+                if not base:
+                    base = self._relocated(self.address("kallsyms_relative_base") - self.slide)
                 if any(o < 0 for o in offsets):
                     addrs = [o if o >= 0 else base - 1 - o for o in offsets]
                 else:
@@ -264,6 +266,23 @@ class Symbols(VmlinuxImage):
             return []
         floor = image_floor(self.address("_text") - self.slide if "_text" in self else None)
         return sorted(a for a in addrs if a >= floor)
+
+    def _relocated(self, link: int) -> int:
+        """The link-time value of the pointer at link address ``link`` that the kernel relocates itself: arm64
+        links with ``--no-apply-dynamic-relocs``, so the file holds 0 there and a RELA entry in ``.rela.dyn``
+        holds the value as its addend: ``__rela_start``..``__rela_end`` for head.S's __relocate_kernel, named
+        ``__pi_rela_*`` since Linux 6.9 moved it into the position-independent pi/relocate.c.  SymbolError if
+        none does."""
+        names = next((n for n in (("__rela_start", "__rela_end"), ("__pi_rela_start", "__pi_rela_end"))
+                      if n[0] in self._by_name), None)  # fmt: skip
+        if names is None:
+            raise SymbolError(f"{self.path.name} holds 0 at {link:#x} and has no relocations for it")
+        start, end = self.address(names[0]), self.address(names[1])
+        raw = self.file_bytes(start, end - start)
+        for offset, _info, addend in struct.iter_unpack("<QQq", raw[: len(raw) - len(raw) % 24]):
+            if offset == link:
+                return int(addend) & (1 << 64) - 1
+        raise SymbolError(f"{self.path.name} holds 0 at {link:#x} and no relocation of it")
 
     def function(self, addr: int) -> Symbol | None:
         sym = self.containing(addr)

@@ -169,6 +169,11 @@ def ftrace_locations(symbols: Symbols) -> list[int]:
     return sorted(a + symbols.slide for (a,) in struct.iter_unpack("<Q", raw[: len(raw) - len(raw) % 8]) if a)
 
 
+# What ftrace_record_ips reads at most, in records (vmlinux has some 50,000, a distribution's modules as
+# many again).
+MAX_FTRACE_RECORDS = 1 << 20
+
+
 def ftrace_record_ips(prog: drgn.Program) -> frozenset[int]:
     """The instruction of every call site the guest's ftrace manages, vmlinux's and loaded modules' alike: each
     ``struct dyn_ftrace``'s ``ip`` in the ``ftrace_pages_start`` list (kernel/trace/ftrace.c), which the
@@ -183,11 +188,20 @@ def ftrace_record_ips(prog: drgn.Program) -> frozenset[int]:
     except (KeyError, LookupError):
         return frozenset()
     size, ip_off = drgn.sizeof(rec_type), rec_type.member("ip").offset
+    try:
+        page_size: int | None = prog["PAGE_SIZE"].value_()
+    except KeyError:  # not from vmcoreinfo: the budget alone bounds each read
+        page_size = None
     ips: set[int] = set()
     seen = 0
-    # Bounded: a page holds at least one record, and no kernel has more than a few hundred thousand.
-    while page.value_() and seen < 1 << 20:
-        count = page.index.value_()
+    # Bounded: a page's ``index`` (its records) and ``order`` (its size) come from the guest, so neither may
+    # make the host read past the page or more records than the budget has left.
+    while page.value_() and seen < MAX_FTRACE_RECORDS:
+        room = (MAX_FTRACE_RECORDS - seen) * size
+        order = page.order.value_()
+        if page_size is not None and 0 <= order < 32:  # a shift, not a size: the budget bounds the read
+            room = min(room, page_size << order)
+        count = max(min(page.index.value_(), room // size), 0)
         raw = prog.read(page.records.value_(), count * size)
         ips.update(struct.unpack_from("<Q", raw, i * size + ip_off)[0] for i in range(count))
         seen += max(count, 1)

@@ -33,6 +33,9 @@ SCRATCH_ALIGN = 2 << 20
 # How far below the top of RAM the scratch area starts (it ends 24 MiB below the top).
 SCRATCH_GAP = 32 << 20
 MIN_RAM = 128 << 20
+# hw/arm/virt.c's memory map: RAM at 1 GiB (VIRT_MEM), where a -kernel boot's stub starts (hw/arm/boot.c's
+# loader_start); the flash at 0 holds a firmware's reset vector (RVBAR_EL1, QEMU's rvbar property, 0).
+VIRT_MEM = 0x4000_0000
 
 _MEMMAP = re.compile(r"(?:^|\s)memmap=(0x[0-9a-fA-F]+|\d+)([KMG]?)\$(0x[0-9a-fA-F]+|\d+)([KMG]?)(?=\s|$)")
 _MEM = re.compile(r"(?:^|\s)mem=(0x[0-9a-fA-F]+|\d+)([KMG]?)(?=\s|$)")
@@ -59,6 +62,9 @@ class Board:
     doorbell: bool  # the optimized probes' isa-debugcon doorbell
     reservation: str  # how the scratch area is kept from the kernel: "memmap" or "mem"
     extra: tuple[str, ...] = ()  # more arguments the machine needs
+    # Where vCPU 0 of a VM that has run nothing is, where its architecture cannot tell by itself (a reset
+    # vector of its own): a -kernel boot's stub, a firmware's reset vector.
+    reset_pcs: tuple[int, ...] = ()
 
     def scratch_phys(self, ram: int) -> int:
         """Physical base of the scratch area in ``ram`` bytes of guest memory (2 MiB aligned, near the top).
@@ -120,13 +126,14 @@ BOARDS = {
         binary="qemu-system-aarch64",
         package="qemu-system-arm",
         machine="virt",
-        ram_base=0x4000_0000,
+        ram_base=VIRT_MEM,
         tcg_cpu="max,pauth-impdef=on",
         console="ttyAMA0",
         shell_tty="ttyS0",
         shell_device=("-device", "pci-serial,chardev=sh0"),
         doorbell=False,
         reservation="mem",
+        reset_pcs=(0, VIRT_MEM),
     ),
 }
 

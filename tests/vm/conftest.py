@@ -14,7 +14,9 @@ import io
 import itertools
 import os
 import re
+import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, KeysView, Sequence
 from pathlib import Path
@@ -274,3 +276,21 @@ def frames_above(image: Image, path: Sequence[str]) -> list[tuple[str, frozenset
         if calls:
             frames.append((caller, frozenset(f"{caller}+{off:#x}" for off in calls)))
     return frames[::-1]
+
+
+@pytest.fixture
+def booted() -> Iterator[str]:
+    """``qprobe boot`` in the background, started with SIGINT ignored as `qprobe boot &` from a script (or
+    from a pytest run so started) starts it; yields the attach address.  SIGINT still stops it."""
+    proc = subprocess.Popen([sys.executable, "-m", "qprobe.cli", "boot", "--image", IMAGE],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # fmt: skip
+    try:
+        yield readline_matching(proc, r"attach with:\s+qprobe attach (\S+)").group(1)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            assert proc.wait(30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()

@@ -9,16 +9,21 @@ x9, so both see every call with the same argument registers.
 
 from __future__ import annotations
 
+import os
 import random
 import re
+import signal
+import subprocess
+import sys
 
 import pytest
 
 import qprobe
 from qprobe import Kprobe, Kretprobe
 
-from .conftest import workload_result
+from .conftest import IMAGE, readline_matching, workload_result
 from .guest_oracle import TRACING, guest_hits, guest_verdicts, qprobe_verdicts
+from .test_boot_probes import GUEST, ROOT, SMP, check_boot_trace
 
 # CONFIG_ARM64: an arm64 kernel, told from its config before anything boots.
 pytestmark = [
@@ -219,3 +224,53 @@ def test_a_uprobe_counts_exactly_what_the_guests_own_counts(target: qprobe.Targe
     assert [body.split(") ", 1)[1] for body in ours] == ["nr=173"] * 50, ours  # arm64's __NR_getppid
     assert len(te.hits) == guest_count  # every process that ran the file: this one alone
     assert target.run("md5sum /bin/workload").check().output.split()[0] == md5
+
+
+def test_boot_trace_lists_the_kernels_initcalls_and_its_cpus_bring_up() -> None:
+    """``trace --boot`` from the kernel's first instruction, against its own ``initcall_debug`` account and
+    its own boot-time event, as tests/vm/test_boot_probes.py checks on x86.  qprobe finds the slide at the
+    boot CPU's branch to its virtual addresses (qprobe.kernel.bootswitch); the initcall's function is x0, and
+    the kernel's bring-up of a secondary CPU is secondary_start_kernel."""
+    out = subprocess.run(
+        [sys.executable, "-m", "qprobe.cli", "trace", "--image", IMAGE, "--smp", str(SMP), "--boot", "--json",
+         "--cmdline", "initcall_debug log_buf_len=8M kprobe_event=p:kic,do_one_initcall", "--run", GUEST,
+         "p:ic do_one_initcall fn=%x0:symbol", "r:icr do_one_initcall ret=$retval",
+         "p:sk start_kernel", "p:ss secondary_start_kernel"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )  # fmt: skip
+    check_boot_trace(out)
+
+
+PROBER = """
+import sys, qprobe, time
+t = qprobe.attach(sys.argv[1])
+t.register_kprobes([qprobe.Kprobe(symbol_name=n) for n in sys.argv[2:]])
+t.register_kretprobe(qprobe.Kretprobe("__arm64_sys_getppid"))
+print("ARMED", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def test_sigkill_with_probes_armed_then_attach_restores_text(booted: str) -> None:
+    """A qprobe killed with its BRKs in the text: the next attach restores every byte from its journal."""
+    names = ("__arm64_sys_getppid", "__arm64_sys_lseek")
+    with qprobe.attach(booted) as t:
+        before = {n: t.read(n, t.symbols.lookup(n).size) for n in names}
+    prober = subprocess.Popen([sys.executable, "-c", PROBER, booted, *names], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        readline_matching(prober, "ARMED")
+    finally:
+        os.kill(prober.pid, signal.SIGKILL)
+        prober.wait()
+    with qprobe.attach(booted) as t:
+        # Two BRKs (the kretprobe's entry shares getppid's) and the scratch area's table entries were left.
+        assert t.recovered >= 2
+        for n in names:
+            assert t.read(n, len(before[n])) == before[n], f"{n} was not restored"
+        res = workload_result(t.run("workload getppid 20").check().output)
+        assert res["n"] == "20" and res["errors"] == "0"
+        assert t.oopses() == [], t.console.tail(60)  # type: ignore[union-attr]
+    with qprobe.attach(booted) as t:
+        assert t.recovered == 0

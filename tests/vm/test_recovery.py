@@ -13,7 +13,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ import pytest
 import qprobe
 from qprobe.paths import cache_dir
 
-from .conftest import IMAGE, readline_matching, workload_result
+from .conftest import readline_matching, workload_result
 
 pytestmark = pytest.mark.vm
 
@@ -44,24 +43,6 @@ PROBER = textwrap.dedent(
 def _fence_links(t: qprobe.Target) -> int:
     """The words that link qprobe's entries into the guest's kprobe_blacklist (a kernel with kprobes)."""
     return 2 if "kprobe_blacklist" in t.symbols else 0
-
-
-@pytest.fixture
-def booted() -> Iterator[str]:
-    """``qprobe boot`` in the background, started with SIGINT ignored as `qprobe boot &` from a script (or
-    from a pytest run so started) starts it; yields the attach address.  SIGINT still stops it."""
-    proc = subprocess.Popen([sys.executable, "-m", "qprobe.cli", "boot", "--image", IMAGE],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # fmt: skip
-    try:
-        yield readline_matching(proc, r"attach with:\s+qprobe attach (\S+)").group(1)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            assert proc.wait(30) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
 
 
 def test_sigkill_with_probes_armed_then_attach_restores_text(booted: str) -> None:

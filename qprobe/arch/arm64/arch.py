@@ -26,7 +26,6 @@ from collections.abc import Callable, Mapping
 
 from qprobe.arch import (
     ArchBlacklist,
-    BootStage,
     CycleCounter,
     ExceptionTable,
     FtraceSite,
@@ -47,13 +46,12 @@ from qprobe.arch import (
 from qprobe.arch.arm64 import blacklist, bootentry, kprobes, returns
 from qprobe.arch.arm64.bootentry import SCTLR_ELx_M
 from qprobe.arch.arm64.insn import BRK64_OPCODE_KPROBES
-from qprobe.arch.arm64.paging import Arm64PageTables, page_tables
+from qprobe.arch.arm64.paging import Arm64PageTables, MmuOff, page_tables
 from qprobe.arch.arm64.ptregs import REGISTERS, SCTLR_EL1, TPIDR_EL1, user_mode
 from qprobe.arch.arm64.traps import Arm64Traps
 from qprobe.arch.arm64.uprobes import Arm64Uprobes
 from qprobe.arch.arm64.vmcoreinfo import arch_crash_save_vmcoreinfo
 from qprobe.arch.shared import resume_registers
-from qprobe.errors import TargetError
 
 
 class Arm64:
@@ -87,13 +85,11 @@ class Arm64:
         # One per Arch object: it keeps what it read of each trap entry (pt_regs' size, from its code).
         self.traps: Traps = Arm64Traps()
 
-    def page_tables(self, regs: Mapping[str, int]) -> Arm64PageTables:
+    def page_tables(self, regs: Mapping[str, int]) -> Arm64PageTables | MmuOff:
         """The tables TCR_EL1 shapes; none while the MMU is off (SCTLR_EL1.M clear: at reset, or in the kernel's
-        first instructions, before __enable_mmu)."""
+        first instructions, before __enable_mmu), until boot-time probes find the boot CPU with it on."""
         if not regs.get(SCTLR_EL1, SCTLR_ELx_M) & SCTLR_ELx_M:
-            raise TargetError("the vCPU runs with its MMU off (at reset or in early boot): qprobe probes an "
-                              "arm64 kernel from its virtual addresses on; boot-time probes on arm64 are not "
-                              "supported yet")  # fmt: skip
+            return MmuOff()
         return page_tables(regs)
 
     def vmcoreinfo(self, address: Callable[[str], int], virt_to_phys: Callable[[int], int],
@@ -146,11 +142,10 @@ class Arm64:
     def ip(self, regs: Mapping[str, int]) -> int:
         return regs["pc"]
 
-    def boot_stage(self, regs: Mapping[str, int]) -> BootStage:
-        return bootentry.boot_stage(regs)
-
-    def arch_boot_entry(self, read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int:
-        return bootentry.arch_boot_entry(read, address)
+    # Boot (bootentry.py): pure functions of registers and of vmlinux's bytes and symbols.
+    boot_stage = staticmethod(bootentry.boot_stage)
+    arch_boot_entry = staticmethod(bootentry.arch_boot_entry)
+    arch_boot_switch = staticmethod(bootentry.arch_boot_switch)
 
     def arch_prepare_kretprobe(self, regs: Registers, read_u64: Callable[[int], int]) -> ReturnHijack:
         return returns.arch_prepare_kretprobe(regs, read_u64)

@@ -9,11 +9,11 @@ first): the literal is relocated by the slide, so ``__primary_switched`` at
 its link address plus the slide is the first instruction run at a virtual
 address.  Secondary CPUs leave theirs the same way for ``__secondary_switched``.
 
-QEMU's ``virt`` machine (hw/arm/boot.c, 7.2) starts vCPU 0 of a ``-kernel``
-boot at ``info->loader_start``, the start of RAM, where its boot stub loads
-the DTB's address into x0 and branches to the Image; with firmware instead,
-at the reset vector RVBAR, 0 (the flash).  Either way with SCTLR_EL1.M clear:
-the MMU comes on in the kernel's ``__enable_mmu``.
+Where a vCPU comes out of reset is the board's (``qprobe.vmm.boards``): this
+module tells only whether the MMU is on.  The kernel relocates itself, so the
+host cannot guess the slide beforehand as it does with x86's decompressor: it
+stops the boot CPU on that ``br x8`` (``arch_boot_switch``), still at the
+identity map's physical address, and steps it once.
 """
 
 from __future__ import annotations
@@ -21,20 +21,19 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from qprobe.arch import BootStage
-from qprobe.arch.arm64.traps import PC
+from qprobe.errors import TargetError
 
 # QEMU 7.2's gdbstub names SCTLR_EL1 by its ARMCPRegInfo, "SCTLR" (one definition for the AArch32 and
 # AArch64 views, ARM_CP_STATE_BOTH in target/arm/helper.c).
 SCTLR_EL1 = "SCTLR"
 SCTLR_ELx_M = 1 << 0  # arch/arm64/include/asm/sysreg.h: stage 1 translation (the MMU) on
 
-# hw/arm/virt.c's memory map puts RAM at 1 GiB (VIRT_MEM), where a -kernel boot's stub starts; the
-# flash at 0 holds a firmware's reset vector (RVBAR_EL1, QEMU's rvbar property, 0 by default).
-VIRT_RAM_BASE = 0x4000_0000
-RESET_PCS = frozenset({0, VIRT_RAM_BASE})
-
 # The first function run at a virtual address (head.S's ``ldr x8, =__primary_switched; br x8``).
 BOOT_VIRTUAL_ENTRY = "__primary_switched"
+BOOT_SWITCH = "__primary_switch"
+BR_X8 = 0xD61F0100  # br x8: BR's encoding 0xd61f0000 with Rn = 8
+# How far into __primary_switch the branch may be: 28 instructions on 6.1 (with KASLR), 13 on 6.12.
+SWITCH_SEARCH = 64 * 4
 
 
 def arch_boot_entry(read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int:
@@ -46,13 +45,33 @@ def arch_boot_entry(read: Callable[[int, int], bytes], address: Callable[[str], 
     return address(BOOT_VIRTUAL_ENTRY)
 
 
+def arch_boot_switch(read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int:
+    """The link address of ``__primary_switch``'s ``br x8`` to ``__primary_switched``; SymbolError
+    (``address``'s) if vmlinux has no such function, TargetError if the branch is not in it."""
+    start = address(BOOT_SWITCH)
+    code = read(start, SWITCH_SEARCH)
+    for offset in range(0, len(code) - 3, 4):
+        if int.from_bytes(code[offset : offset + 4], "little") == BR_X8:
+            return start + offset
+    raise TargetError(f"no 'br x8' in the first {SWITCH_SEARCH // 4} instructions of {BOOT_SWITCH}: "
+                      "this kernel enters its virtual addresses in a way qprobe does not know")  # fmt: skip
+
+
 def boot_stage(regs: Mapping[str, int]) -> BootStage:
-    """SCTLR_EL1.M set: the kernel runs (its idmap included); clear at RESET_PCS: the vCPU has run nothing;
-    clear elsewhere: the boot stub, firmware, or the kernel before ``__enable_mmu``.  A stub that shows
-    no SCTLR cannot tell: the kernel is taken to run, as an attach expects."""
+    """SCTLR_EL1.M set: the kernel runs (its idmap included); clear: the boot stub, firmware, or the kernel
+    before ``__enable_mmu`` (the board knows its reset pcs, which are RESET).  A stub that shows no SCTLR
+    cannot tell: the kernel is taken to run, as an attach expects."""
     if regs.get(SCTLR_EL1, SCTLR_ELx_M) & SCTLR_ELx_M:
         return BootStage.KERNEL
-    return BootStage.RESET if regs[PC] in RESET_PCS else BootStage.EARLY
+    return BootStage.EARLY
 
 
-__all__ = ["BOOT_VIRTUAL_ENTRY", "RESET_PCS", "SCTLR_EL1", "arch_boot_entry", "boot_stage"]
+__all__ = [
+    "BOOT_SWITCH",
+    "BOOT_VIRTUAL_ENTRY",
+    "BR_X8",
+    "SCTLR_EL1",
+    "arch_boot_entry",
+    "arch_boot_switch",
+    "boot_stage",
+]

@@ -42,6 +42,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from qprobe.arch.arm64.ptregs import SCTLR_EL1, TCR_EL1, VBAR_EL1
+from qprobe.arch.arm64.traps import PC
 from qprobe.errors import MemoryFault, TargetError
 
 # TCR_EL1 fields (arch/arm64/include/asm/pgtable-hwdef.h; TCR_DS is 6.12's, for LPA2).
@@ -76,6 +77,9 @@ TTBR_CNP_BIT = 1 << 0
 SCTLR_ELx_WXN = 1 << 19  # every writable page is execute-never
 SCTLR_ELx_ENIA = 1 << 31  # instruction address authentication with the A key
 KERNEL_ROOT_SYMBOL = "swapper_pg_dir"
+# setup_arch's paging_init maps the kernel into swapper_pg_dir and switches TTBR1_EL1 to it, freeing
+# init_pg_dir; bootmem_init is the next function it calls (arch/arm64/kernel/setup.c, 6.1 and 6.12).
+KERNEL_ROOT_FROM = "bootmem_init"
 _BIT55 = 1 << 55  # the bit that selects the half: set, TTBR1's; clear, TTBR0's
 
 
@@ -130,6 +134,7 @@ class Arm64PageTables:
     """
 
     kernel_root_symbol = KERNEL_ROOT_SYMBOL
+    kernel_root_from = KERNEL_ROOT_FROM
 
     def __init__(self, tcr: int, sctlr: int = 0, image: int | None = None) -> None:
         tg1 = tcr >> TCR_TG1_SHIFT & 3
@@ -276,12 +281,52 @@ class Arm64PageTables:
         return 1 << (self.user.va_bits if self.user is not None else self.va_bits)
 
 
+class MmuOff:
+    """The :class:`qprobe.arch.PageTables` of a vCPU whose MMU is off (at reset, in the boot stub or the
+    kernel's first instructions): no virtual address is mapped, so nothing walks them.  Boot-time probes
+    read physical memory until they stop the boot CPU with its MMU on (qprobe.kernel.bootswitch)."""
+
+    kernel_root_symbol = KERNEL_ROOT_SYMBOL
+    kernel_root_from = KERNEL_ROOT_FROM
+    levels = 0
+    image_base = 0
+    large_page = 0
+
+    def learn(self, has_symbol: Callable[[str], bool]) -> None:
+        """Nothing to learn: there are no tables."""
+
+    def root(self, value: int) -> int:
+        return value
+
+    def root_for(self, vaddr: int, kernel: int, task: int | None) -> int:
+        return kernel
+
+    def translate(self, read_u64: Callable[[int], int], root: int, vaddr: int) -> tuple[int, int, int]:
+        raise MemoryFault(vaddr, "the vCPU's MMU is off: no virtual address is mapped yet")
+
+    def large_page_table(self, read_u64: Callable[[int], int], root: int) -> int:
+        raise TargetError("the vCPU's MMU is off: the kernel image is not mapped yet")
+
+    def large_page_entry(self, phys: int) -> int:
+        raise TargetError("the vCPU's MMU is off: the kernel image is not mapped yet")
+
+    def task_size_max(self) -> int:
+        raise TargetError("the vCPU's MMU is off: there is no user address space yet")
+
+
 def page_tables(regs: Mapping[str, int]) -> Arm64PageTables:
-    """The page tables of the guest whose vCPU has ``regs`` (TCR_EL1, VBAR_EL1 and SCTLR_EL1 of a stop)."""
-    return Arm64PageTables(regs[TCR_EL1], regs.get(SCTLR_EL1, 0), regs.get(VBAR_EL1))
+    """The page tables of the guest whose vCPU has ``regs`` (TCR_EL1, VBAR_EL1 and SCTLR_EL1 of a stop).
+
+    Where the image runs is VBAR_EL1's ``vectors``; before ``__primary_switched`` has set it, the pc of a
+    vCPU stopped in the kernel's text (the boot CPU's first virtual instruction, for boot-time probes)."""
+    image = regs.get(VBAR_EL1)
+    if not image or image >> 63 == 0:
+        image = regs.get(PC)
+    return Arm64PageTables(regs[TCR_EL1], regs.get(SCTLR_EL1, 0), image)
 
 
 __all__ = [
+    "KERNEL_ROOT_FROM",
     "KERNEL_ROOT_SYMBOL",
     "MT_NORMAL",
     "PMD_SECT_AF",
@@ -295,6 +340,7 @@ __all__ = [
     "PTE_VALID",
     "TCR_DS",
     "Arm64PageTables",
+    "MmuOff",
     "SCTLR_ELx_ENIA",
     "SCTLR_ELx_WXN",
     "page_tables",

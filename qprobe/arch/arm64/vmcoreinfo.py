@@ -34,16 +34,18 @@ def arch_crash_save_vmcoreinfo(
     - ``VA_BITS`` is CONFIG_ARM64_VA_BITS, a build option no symbol records; written as the size
       TCR_EL1 gives, which is the same but for a 52-bit build on a CPU without 52-bit addresses
       (QEMU's ``max`` has them).
-    - ``kimage_voffset`` is what __pa_symbol() subtracts from an image address: _text's virtual
-      address less its physical one (head.S sets it so).
+    - ``kimage_voffset`` is what __pa_symbol() subtracts from an image address: _stext's virtual
+      address less its physical one, as head.S computes the kernel's variable.  Not from that variable,
+      which boot-time probes read before __primary_switched stores it; not through _text, whose header
+      page swapper_pg_dir does not map (paging_init's map_kernel maps the image from _stext on).
     - ``PHYS_OFFSET`` is ``memstart_addr`` (asm/memory.h), a variable set at boot.
     - ``KERNELPACMASK`` is ptrauth_kernel_pac_mask() with address authentication in use, else 0.
     """
-    text = address("_text")
+    stext = address("_stext")
     return [
         f"SYMBOL(swapper_pg_dir)={address(KERNEL_ROOT_SYMBOL):x}",
         f"NUMBER(VA_BITS)={paging.va_bits}",
-        f"NUMBER(kimage_voffset)={text - virt_to_phys(text) & _U64:#x}",
+        f"NUMBER(kimage_voffset)={stext - virt_to_phys(stext) & _U64:#x}",
         f"NUMBER(PHYS_OFFSET)={read_u64(address('memstart_addr')) & _U64:#x}",
         f"NUMBER(TCR_EL1_T1SZ)={64 - paging.va_bits:#x}",
         f"NUMBER(KERNELPACMASK)={paging.pac_mask:#x}",

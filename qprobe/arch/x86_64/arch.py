@@ -310,6 +310,10 @@ class X86_64:
     def arch_boot_entry(self, read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int:
         return boot_virtual_entry(read, address)
 
+    def arch_boot_switch(self, read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int | None:
+        """None: the decompressor picks the slide, and the candidates are armed (qprobe.kernel.bootslide)."""
+        return None
+
     def arch_prepare_kretprobe(self, regs: Registers, read_u64: Callable[[int], int]) -> ReturnHijack:
         return ReturnHijack(read_u64(regs.sp), slot=regs.sp)
 

@@ -72,6 +72,9 @@ class X86PageTables:
     root_register = "cr3"
     # swapper_pg_dir is init_top_pgt on x86_64 (#define in arch/x86/include/asm/pgtable_64.h).
     kernel_root_symbol = "init_top_pgt"
+    # x86_64_start_kernel has copied the image's mapping into init_top_pgt (setup_arch switches CR3 to it
+    # later, but the early tables boot builds go away meanwhile).
+    kernel_root_from = "start_kernel"
     image_base = KERNEL_IMAGE_BASE
     large_page = PMD_SIZE
 

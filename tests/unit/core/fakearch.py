@@ -405,6 +405,9 @@ class Toy:
     def arch_boot_entry(self, read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int:
         raise SymbolError("the toy kernel does not boot")
 
+    def arch_boot_switch(self, read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int | None:
+        return None
+
     ret_pops = 0  # RET leaves sp as it is
 
     def arch_prepare_kretprobe(self, regs: Any, read_u64: Callable[[int], int]) -> ReturnHijack:

@@ -6,8 +6,8 @@ import pytest
 
 from qprobe.arch import BootStage
 from qprobe.arch.arm64.arch import Arm64
-from qprobe.arch.arm64.bootentry import arch_boot_entry, boot_stage
-from qprobe.errors import SymbolError, TargetError
+from qprobe.arch.arm64.bootentry import BR_X8, arch_boot_entry, arch_boot_switch, boot_stage
+from qprobe.errors import MemoryFault, SymbolError, TargetError
 
 # SCTLR_EL1 as QEMU's reset leaves it (M, C and I clear) and as the kernel runs (M set).
 SCTLR_RESET, SCTLR_KERNEL = 0x30D00800, 0x3450D91D
@@ -17,8 +17,8 @@ EL1H_DAIF = 0x3C5
 @pytest.mark.parametrize(
     ("regs", "stage"),
     [
-        ({"SCTLR": SCTLR_RESET, "pc": 0x4000_0000, "cpsr": EL1H_DAIF}, BootStage.RESET),  # -kernel's stub, not run
-        ({"SCTLR": SCTLR_RESET, "pc": 0x0, "cpsr": EL1H_DAIF}, BootStage.RESET),  # a firmware's reset vector
+        # Where QEMU's virt starts vCPU 0 is the board's to say (qprobe.vmm.boards): the MMU is off.
+        ({"SCTLR": SCTLR_RESET, "pc": 0x4000_0000, "cpsr": EL1H_DAIF}, BootStage.EARLY),  # -kernel's stub, not run
         ({"SCTLR": SCTLR_RESET, "pc": 0x4000_0010, "cpsr": EL1H_DAIF}, BootStage.EARLY),  # the stub, part way
         ({"SCTLR": SCTLR_RESET, "pc": 0x4020_0040, "cpsr": EL1H_DAIF}, BootStage.EARLY),  # primary_entry, MMU off
         ({"SCTLR": SCTLR_KERNEL, "pc": 0x4020_1000, "cpsr": EL1H_DAIF}, BootStage.KERNEL),  # the idmap, MMU on
@@ -47,7 +47,28 @@ def test_boot_entry_is_primary_switched() -> None:
         arch_boot_entry(read, address)
 
 
-def test_page_tables_of_a_vcpu_with_its_mmu_off_are_refused_in_one_line() -> None:
+def test_a_vcpu_with_its_mmu_off_maps_no_virtual_address() -> None:
     reset = {"pc": 0x4000_0000, "cpsr": 0x3C5, "SCTLR": 0x0C50_0838, "TCR_EL1": 0}  # QEMU virt's -kernel stub
-    with pytest.raises(TargetError, match=r"MMU off .* boot-time probes on arm64 are not supported yet$"):
-        Arm64().page_tables(reset)
+    paging = Arm64().page_tables(reset)
+    with pytest.raises(MemoryFault, match="MMU is off"):
+        paging.translate(lambda pa: 0, 0, 0xFFFF_8000_0800_0000)
+    with pytest.raises(TargetError, match="MMU is off"):
+        paging.large_page_table(lambda pa: 0, 0)
+
+
+# __primary_switch's end on Debian's 6.12 (objdump of its vmlinux): ldr x8, =__primary_switched; adrp x0,
+# _text; br x8.
+SWITCH_612 = bytes.fromhex("fd031faa e00314aa e10315aa 24410094 c8000058 403cffb0 00011fd6".replace(" ", ""))
+
+
+def test_boot_switch_is_the_br_x8_in_primary_switch() -> None:
+    start = 0xFFFF_8000_8187_75B8
+
+    def read(addr: int, size: int) -> bytes:
+        code = SWITCH_612 + b"\0" * 1024
+        return code[addr - start : addr - start + size]
+
+    assert int.from_bytes(SWITCH_612[-4:], "little") == BR_X8
+    assert arch_boot_switch(read, {"__primary_switch": start}.__getitem__) == start + 24
+    with pytest.raises(TargetError, match="no 'br x8'"):
+        arch_boot_switch(lambda addr, size: b"\0" * size, {"__primary_switch": start}.__getitem__)

@@ -9,6 +9,7 @@ SYMBOLS = {
     "_text": 0xFFFF_A1B2_C3E0_0000,
     "swapper_pg_dir": 0xFFFF_A1B2_C5A1_4000,
     "memstart_addr": 0xFFFF_A1B2_C5F0_0008,
+    "_stext": 0xFFFF_A1B2_C3E1_0000,
 }
 TEXT_PHYS = 0x4020_0000
 TCR_48_4K = 16 << 16 | 16 | 2 << 30
@@ -18,8 +19,9 @@ def lines(sctlr: int) -> list[str]:
     memory = {SYMBOLS["memstart_addr"]: 0x4000_0000}
 
     def virt_to_phys(va: int) -> int:
-        assert va == SYMBOLS["_text"], "only _text is translated: kimage_voffset is the image's own offset"
-        return TEXT_PHYS
+        # swapper_pg_dir maps the image from _stext on: the header at _text is not there to translate.
+        assert va == SYMBOLS["_stext"], f"{va:#x} translated"
+        return TEXT_PHYS + va - SYMBOLS["_text"]
 
     return arch_crash_save_vmcoreinfo(SYMBOLS.__getitem__, virt_to_phys, memory.__getitem__,
                                       Arm64PageTables(TCR_48_4K, sctlr))  # fmt: skip

@@ -34,7 +34,9 @@ from the base kprobes hooks; the core checks for None before it uses one.
    memory or a register, back to the probe's), or run to a trap after it with
    the trap-step facet (7).  ``breakpoint`` is the trap instruction
    ``arch_arm_kprobe`` writes (int3; ``brk`` on arm64); ``arch_slot_resume``
-   maps a vCPU left in a slot back to the text (recovery).
+   maps a vCPU left in a slot back to the text (recovery);
+   ``arch_emulate_in_place`` runs a stub breakpoint's instruction on the host
+   where it can (qprobe.core.anywhere).
 5. Traps: ``traps`` (:class:`Traps`, qprobe.arch.traps): its
    ``trap_entries`` say where the host hears of a breakpoint, by a
    breakpoint on the entry (or the trap-watch facet, 8); its
@@ -409,6 +411,11 @@ class Arch(Protocol):
     def step_left_slot(self, prep: Prepared, ip: int) -> bool: ...
     def arch_resume_singlestep(self, prep: Prepared, regs: Registers, mem: Memory) -> None: ...
     def arch_fault_fixup(self, prep: Prepared, regs: Registers, mem: Memory) -> None: ...
+    # The instruction at the registers' ip performed on the host, if it is one the architecture emulates for
+    # its kprobes (branches, calls, returns) or a no-op: a stub breakpoint's hit then needs no single-step,
+    # whose stop costs QEMU 7.2 a flush of its translated code.  False: the host steps it (after a fault part
+    # way, ``regs`` may be changed: give a copy).
+    def arch_emulate_in_place(self, regs: Registers, mem: Memory) -> bool: ...
 
     # -- traps -------------------------------------------------------------------------
     traps: Traps  # the trap entry, and what a stop on it is

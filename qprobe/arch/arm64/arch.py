@@ -139,6 +139,8 @@ class Arm64:
     def arch_fault_fixup(self, prep: Prepared, regs: Registers, mem: Memory) -> None:
         kprobes.arch_fault_fixup(prep, regs)
 
+    arch_emulate_in_place = staticmethod(kprobes.emulate_in_place)
+
     # -- traps -------------------------------------------------------------------------------
     def resume_registers(self, resume: Resume) -> dict[str, int]:
         return resume_registers(self.registers, resume)

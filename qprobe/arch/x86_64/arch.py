@@ -14,6 +14,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import cast
 
+from iced_x86 import Mnemonic
+
 from qprobe.arch import (
     ArchBlacklist,
     BootStage,
@@ -42,16 +44,18 @@ from qprobe.arch.shared import resume_registers
 from qprobe.arch.x86_64 import guestfilter
 from qprobe.arch.x86_64.boost import CALL_INSN_SIZE, INT3_INSN_OPCODE, JMP32_INSN_SIZE, call_target
 from qprobe.arch.x86_64.bootentry import boot_virtual_entry
-from qprobe.arch.x86_64.decode import check_boundary
+from qprobe.arch.x86_64.decode import check_boundary, decode_one
 from qprobe.arch.x86_64.emulate import Regs, emulate
 from qprobe.arch.x86_64.guestram import X86GuestRam
 from qprobe.arch.x86_64.hpet import hpet_timer
 from qprobe.arch.x86_64.insn import (
+    MAX_INSN_SIZE,
     SLOT_SIZE,
     TRAP_COPY,
     PreparedInsn,
     arch_adjust_kprobe_addr,
     is_endbr,
+    prepare_emulation,
     prepare_kprobe,
     resume_singlestep,
     resume_trap_step,
@@ -80,6 +84,7 @@ from qprobe.arch.x86_64.ptregs import (
 )
 from qprobe.arch.x86_64.tsc import after_rdtsc, native_sched_clock, tsc_hz
 from qprobe.arch.x86_64.uprobes import X86Uprobes
+from qprobe.errors import CannotProbe, MemoryFault
 
 # Functions whose return address must not be replaced: __switch_to returns on another task's
 # stack (the kernel's kretprobe_blacklist, arch/x86/kernel/kprobes/core.c before 5.18 and
@@ -289,6 +294,22 @@ class X86_64:
             if lo <= frame_ip <= hi:
                 mem.write(sp + off, (prep.addr + frame_ip - lo).to_bytes(8, "little"))
                 return
+
+    def arch_emulate_in_place(self, regs: Registers, mem: Memory) -> bool:
+        """The kprobes' host emulations (calls, jumps, returns), and no-ops (a function's ``__fentry__`` site),
+        on the bytes at ip now: the kernel may have rewritten them since the probe was placed.  ENDBR is stepped:
+        under IBT the CPU waits for it after an indirect branch."""
+        pt = _regs(regs)
+        try:
+            insn = decode_one(mem.read(pt.ip, MAX_INSN_SIZE), pt.ip)
+            kind = "nop" if insn.instr.mnemonic == Mnemonic.NOP else prepare_emulation(insn)
+            if kind == "nop":
+                pt.ip = insn.addr + insn.length
+            elif kind is not None:
+                emulate(PreparedInsn(insn.addr, insn, b"", 0, kind, False), pt, mem)
+        except (CannotProbe, MemoryFault):  # not an instruction qprobe emulates, or its memory faulted
+            return False
+        return kind is not None
 
     # -- traps -------------------------------------------------------------------------------
     def resume_registers(self, resume: Resume) -> dict[str, int]:

@@ -382,6 +382,12 @@ class Toy:
     def arch_resume_singlestep(self, prep: Prepared, regs: Any, mem: Memory) -> None:
         regs.set_quietly("ip", regs.ip - prep.slot_addr - STEP_COPY + prep.addr)
 
+    def arch_emulate_in_place(self, regs: Any, mem: Memory) -> bool:
+        if mem.read(regs.ip, 1)[0] != NOP:
+            return False
+        regs.ip += 4
+        return True
+
     def arch_fault_fixup(self, prep: Prepared, regs: Any, mem: Memory) -> None:
         copy = prep.slot_addr + STEP_COPY  # arm64's way: the exception's return address is a register
         if copy <= regs.elr <= copy + 4:

@@ -78,7 +78,7 @@ class BootProbing:
             raise TargetError(f"boot-time probes need the kernel's command line (nokaslr, the memmap= reservation, "
                               f"preemption): {plan.unknown}; give kernel_cmdline=ARGS / --kernel-cmdline "
                               "ARGS")  # fmt: skip
-        switch = t.arch.arch_boot_switch(t.symbols.file_bytes, t.symbols.address)
+        switch = t.arch.boot.arch_boot_switch(t.symbols.file_bytes, t.symbols.address)
         nokaslr = "nokaslr" in plan.cmdline.split()  # the decompressor leaves the kernel where it is linked
         if plan.image is None and not nokaslr and switch is None:
             raise TargetError(f"boot-time probes need the kernel image QEMU boots (its KASLR alignment): "

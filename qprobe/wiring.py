@@ -207,7 +207,7 @@ class Wiring:
         drop_stale_breakpoints(t.gdb.request, vcpus)  # a killed qprobe's, before anything runs
         regs0 = t.gdb.read_registers(vcpus[0])
         board = board_for(t.arch.name)
-        stage = t.arch.boot_stage(regs0)
+        stage = t.arch.boot.boot_stage(regs0)
         if stage is BootStage.EARLY and t.arch.ip(regs0) in board.reset_pcs:
             stage = BootStage.RESET
         # Where the vCPUs in the kernel are: in its text, which finds a KASLR slide without a window to scan.

@@ -34,7 +34,9 @@ from the base kprobes hooks; the core checks for None before it uses one.
    memory or a register, back to the probe's), or run to a trap after it with
    the trap-step facet (7).  ``breakpoint`` is the trap instruction
    ``arch_arm_kprobe`` writes (int3; ``brk`` on arm64); ``arch_slot_resume``
-   maps a vCPU left in a slot back to the text (recovery).
+   maps a vCPU left in a slot back to the text (recovery);
+   ``arch_emulate_in_place`` runs a stub breakpoint's instruction on the host
+   where it can (qprobe.core.anywhere).
 5. Traps: ``traps`` (:class:`Traps`, qprobe.arch.traps): its
    ``trap_entries`` say where the host hears of a breakpoint, by a
    breakpoint on the entry (or the trap-watch facet, 8); its
@@ -42,7 +44,7 @@ from the base kprobes hooks; the core checks for None before it uses one.
    kprobes' (and which, :class:`BreakHook`) or another exception on a shared
    vector (arm64's); its ``decode_trap`` reads where a stop came from.
    ``resume_registers`` writes a :class:`Resume` back as gdbstub registers.
-   Boot: ``boot_stage``, ``arch_boot_entry``, ``arch_boot_switch``.
+   Boot: the ``boot`` facet (:class:`Boot`: ``boot_stage``, ``arch_boot_entry``, ``arch_boot_switch``).
 6. The blacklist: ``arch_populate_kprobe_blacklist``,
    ``arch_kretprobe_blacklist``, and the sites the kernel rewrites
    (``jump_label_size``, ``static_call_size``, ``ftrace_site``).
@@ -84,6 +86,7 @@ from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from qprobe.arch.boot import Boot, BootStage
 from qprobe.arch.cycles import CycleCounter, GuestKernel, SchedClock, StopTimer
 from qprobe.arch.guestram import (
     DetourParams,
@@ -123,14 +126,6 @@ class Resume:
     flags: int | None = None
     changed: Mapping[str, int] = field(default_factory=dict)
     jump_back: int = 0  # BOOST: where the copy's jump lands in the original text
-
-
-class BootStage(enum.Enum):
-    """How far a vCPU a debugger stopped has come (what an attach may do with it)."""
-
-    RESET = "reset"  # at its reset vector: it has run no instruction (QEMU started with -S)
-    EARLY = "early"  # running, without the kernel's page tables yet (firmware, boot loader, the kernel's setup)
-    KERNEL = "kernel"  # paging on: the kernel runs
 
 
 @dataclass(frozen=True)
@@ -410,27 +405,19 @@ class Arch(Protocol):
     def step_left_slot(self, prep: Prepared, ip: int) -> bool: ...
     def arch_resume_singlestep(self, prep: Prepared, regs: Registers, mem: Memory) -> None: ...
     def arch_fault_fixup(self, prep: Prepared, regs: Registers, mem: Memory) -> None: ...
+    # The instruction at the registers' ip performed on the host, if it is one the architecture emulates for
+    # its kprobes (branches, calls, returns) or a no-op: a stub breakpoint's hit then needs no single-step,
+    # whose stop costs QEMU 7.2 a flush of its translated code.  False: the host steps it (after a fault part
+    # way, ``regs`` may be changed: give a copy).
+    def arch_emulate_in_place(self, regs: Registers, mem: Memory) -> bool: ...
 
     # -- traps -------------------------------------------------------------------------
     traps: Traps  # the trap entry, and what a stop on it is
 
     def resume_registers(self, resume: Resume) -> dict[str, int]: ...
     def ip(self, regs: Mapping[str, int]) -> int: ...
-    def boot_stage(self, regs: Mapping[str, int]) -> BootStage:
-        """How far the vCPU with registers ``regs`` has come since reset."""
-        ...
 
-    def arch_boot_entry(self, read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int:
-        """The link address of the first instruction the boot CPU runs at the kernel's virtual addresses
-        (plus the KASLR slide), from vmlinux's bytes (``read``) and symbols (``address``); SymbolError if unknown."""
-        ...
-
-    def arch_boot_switch(self, read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int | None:
-        """Where a kernel that relocates itself (arm64) leaves its physical addresses for ``arch_boot_entry``'s
-        instruction: the link address of that branch, whose target the boot CPU computed with the slide; the
-        host stops it there and steps it.  None where a loader of the kernel's own picks the slide from a window
-        of candidates (x86's decompressor: ``qprobe.kernel.bootslide``)."""
-        ...
+    boot: Boot  # how far a vCPU has come since reset, and where the kernel first runs at virtual addresses
 
     # -- return probes: a call is known by its entry's sp (ri->fp); its return leaves sp ret_pops bytes higher
     ret_pops: int
@@ -454,6 +441,7 @@ class Arch(Protocol):
 __all__ = [
     "Arch",
     "ArchBlacklist",
+    "Boot",
     "BootStage",
     "BreakHook",
     "CycleCounter",

@@ -31,7 +31,6 @@ class _Trace:
         self.lock = threading.Lock()  # one line (or map) at a time on stdout
         self.shown: collections.Counter[str] = collections.Counter()  # with --run, the command's hits
         self.tree: ProcessTree | None = None  # with --run, the command's processes once followed
-        self.waits_before = 0  # the rings' count of hits that waited, when this trace began (the VM's may be older)
         # Guest text (a process name, a fetched string) reaches a terminal with its control characters shown;
         # the user's own --format keeps its escapes (a colour, say).
         self.tty = sys.stdout.isatty()
@@ -121,7 +120,8 @@ def _summarize(target: Target, events: list[TraceEvent], trace: _Trace) -> None:
         if t["oversized"]:  # records past the guest's ring buffer's bound: its own event drops them too
             row["oversized"] = t["oversized"]
         summary[name] = row
-    waited = target.record_waits() - trace.waits_before if target.machine.alive else 0
+    # The rings are this process's, zeroed when it laid them out: their count is this run's.
+    waited = target.record_waits() if target.machine.alive else 0
     with trace.lock:
         if args.json:
             rings = {"records": {"waited": waited}} if waited else {}

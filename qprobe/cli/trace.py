@@ -52,7 +52,6 @@ def cmd_trace(args: argparse.Namespace) -> int:
             target.records_lossy = True
         _size_rings(target, args)
         events = at_boot if args.boot else _arm_traced(target, definitions, trace)
-        trace.waits_before = target.record_waits()
         status = 0
         try:
             status = _collect(target, events, trace)

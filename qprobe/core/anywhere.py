@@ -6,9 +6,14 @@ on an int3 they would re-enter.  A stub breakpoint traps nothing in the guest: Q
 stops the VM with the vCPU on the probed instruction, the handlers run on the
 host, and the vCPU single-steps the instruction where it is (QEMU's single-step
 passes over its own breakpoints), so the probe works in any context: before
-``swapgs`` on a system call's entry, in an NMI, in the #BP handler itself.  Every
-hit is a VM stop and a step (two stops), so it costs what the int3 path's slowest
-hit does, never less; there is no optimization.
+``swapgs`` on a system call's entry, in an NMI, in the #BP handler itself.  An
+instruction the architecture emulates for its kprobes (a branch, a call, a
+return) or a no-op (x86's ``__fentry__`` site at a function's start) is
+performed by the host instead of stepped.  Each stop on a breakpoint or a step
+makes QEMU 7.2 throw away all its translated code, which the guest then
+translates again: a hit costs one such stop, or two with the step, whatever the
+host does, and a workload that runs much code between hits pays most; there is
+no optimization.
 
 The breakpoints are gdb's hardware kind (``Z1``): under TCG QEMU checks them as it
 translates and writes nothing (as for ``Z0``, without a limit); under KVM they are
@@ -17,6 +22,7 @@ debug registers, four of them, where ``Z0`` would write an int3 into the text.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -24,6 +30,7 @@ from qprobe.arch import Arch
 from qprobe.core.handlers import Handlers
 from qprobe.core.kprobe import KPROBE_FLAG_GONE, Kprobe
 from qprobe.core.regs import PtRegs
+from qprobe.core.taskmem import TaskMemory
 from qprobe.errors import InvalidProbe, TargetError
 from qprobe.vmm.machine import Machine
 
@@ -40,6 +47,7 @@ class StubPoint:
     where: str
     probes: list[Kprobe] = field(default_factory=list)
     steps: int = 0  # hits whose instruction was stepped in place
+    emulated: int = 0  # hits whose instruction the host performed (no step: a step's stop flushes QEMU's code)
     armed: bool = False  # its breakpoint is in the stub: some probe on it is enabled
 
 
@@ -123,10 +131,14 @@ class StubProbes:
             self._write(tid, pt)
             return
         self._write(tid, pt)
-        after = self.step(tid, pt.ip)
-        point.steps += 1
-        post = self._regs(after, tid)
-        post.mark_clean()
+        pt.mark_clean()
+        post = copy.copy(pt)  # the emulation's own: one that faults part way leaves it to the step
+        if self.arch.arch_emulate_in_place(post, TaskMemory(self.machine, post)):
+            point.emulated += 1
+        else:
+            post = self._regs(self.step(tid, pt.ip), tid)
+            post.mark_clean()
+            point.steps += 1
         self.handlers.post(active, post)
         self._write(tid, post)
 

@@ -36,6 +36,7 @@ from qprobe.core.point import KprobeCtlblk, KprobeStatus, ProbePoint
 from qprobe.core.regs import PtRegs, RegsSource
 from qprobe.core.slots import InsnSlots
 from qprobe.core.table import ProbeTable
+from qprobe.core.taskmem import TaskMemory
 from qprobe.errors import ProbeError
 from qprobe.kernel.features import find_watch_site, trap_entry
 from qprobe.kernel.program import KernelData
@@ -313,7 +314,7 @@ class Dispatcher:
         An architecture without the trap-step facet has every copy that runs out of line stepped by the host.
         """
         may_trap_step = trap_step and self.arch.trap_step is not None
-        resume = self.arch.arch_setup_resume(point.prep, pt, _TaskMemory(self.machine, pt),
+        resume = self.arch.arch_setup_resume(point.prep, pt, TaskMemory(self.machine, pt),
                                              self.may_boost(point, active), may_trap_step)  # fmt: skip
         if resume.kind is ResumeKind.CONTINUE:  # emulated on the host: the instruction has run
             self.handlers.post(active, pt)
@@ -359,7 +360,7 @@ class Dispatcher:
         if self.arch.step_left_slot(prep, self.arch.ip(after)):
             self._step_faulted(point, tid, post, active)
             return None  # the vCPU is at the exception's handler: nothing more to write
-        self.arch.arch_resume_singlestep(prep, post, _TaskMemory(self.machine, post))
+        self.arch.arch_resume_singlestep(prep, post, TaskMemory(self.machine, post))
         post.mark_clean()
         self.handlers.post(active, post)
         return Resume(ResumeKind.CONTINUE, post.ip, changed=post.dirty())
@@ -367,7 +368,7 @@ class Dispatcher:
     def _step_faulted(self, point: ProbePoint, tid: str, post: PtRegs, active: list[Kprobe]) -> None:
         """The copy raised an exception: make the guest see it at the original address (kprobe_fault_handler)."""
         # The exception's return address is in memory (x86's exception frame) or in a register (arm64's ELR_EL1).
-        self.arch.arch_fault_fixup(point.prep, post, _TaskMemory(self.machine, post))
+        self.arch.arch_fault_fixup(point.prep, post, TaskMemory(self.machine, post))
         if post.dirty():
             self.machine.gdb.write_registers(tid, post.dirty())
             post.mark_clean()
@@ -398,26 +399,6 @@ class Dispatcher:
             if self.arch.ip(after) != ip:
                 return after
         raise ProbeError(f"single-step at {ip:#x} never left the slot")
-
-
-class _TaskMemory:
-    """Memory for the emulator: reads through the task's tables, writes through the stub."""
-
-    def __init__(self, machine: Machine, pt: PtRegs) -> None:
-        self.machine = machine
-        self.pt = pt
-
-    def read(self, addr: int, size: int) -> bytes:
-        return self.pt.read(addr, size)
-
-    def write(self, addr: int, data: bytes) -> None:
-        phys = self.machine.mem.virt_to_phys(addr, self.pt._pgd)
-        if (phys & 0xFFF) + len(data) > 0x1000:
-            head = 0x1000 - (phys & 0xFFF)
-            self.write(addr, data[:head])
-            self.write(addr + head, data[head:])
-            return
-        self.machine.write_phys(phys, data)
 
 
 __all__ = ["Dispatcher"]

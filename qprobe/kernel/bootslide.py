@@ -59,7 +59,7 @@ class BootSlide:
         ``ram``: the guest's RAM, if shared: the candidates then go in only once the kernel is entered."""
         self.machine = machine
         assert symbols.slide == 0, "candidates are link addresses plus a slide"
-        self.entry = arch.arch_boot_entry(symbols.file_bytes, symbols.address)
+        self.entry = arch.boot.arch_boot_entry(symbols.file_bytes, symbols.address)
         nokaslr = "nokaslr" in cmdline.split()
         self.slides = range(0, 1) if nokaslr else candidate_slides(symbols, align)
         self.ram = None if nokaslr else ram  # one breakpoint is as cheap as the watch

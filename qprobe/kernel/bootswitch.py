@@ -49,7 +49,7 @@ class SwitchSlide:
         assert symbols.slide == 0, "link addresses"
         self.machine = machine
         self.read_phys = read_phys
-        self.entry = arch.arch_boot_entry(symbols.file_bytes, symbols.address)
+        self.entry = arch.boot.arch_boot_entry(symbols.file_bytes, symbols.address)
         self.text = symbols.address("_text")
         self.switch_offset = switch - self.text
         self.head = symbols.file_bytes(self.text, HEAD)

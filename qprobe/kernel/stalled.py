@@ -17,7 +17,7 @@ def vcpu_places(gdb: GdbTransport, arch: Arch, symbols: Symbols) -> str:
     for n, tid in enumerate(gdb.threads()):
         regs = gdb.read_registers(tid)
         pc = regs[arch.registers.pc]
-        if arch.boot_stage(regs) is BootStage.KERNEL:
+        if arch.boot.boot_stage(regs) is BootStage.KERNEL:
             places.append(f"vCPU {n} at {symbols.symbolize(pc)}")
         else:  # a secondary CPU the kernel has not brought up yet still waits in the firmware
             places.append(f"vCPU {n} at {pc:#x}, not in the kernel yet")

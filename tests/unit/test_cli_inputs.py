@@ -152,17 +152,36 @@ def test_shell_boot_hands_its_checked_events_to_a_boot_that_arms_them(
     assert seen["image"] == "debian-cloud" and seen["cmdline"] == "initcall_debug" and callable(seen["at_boot"])
 
 
-def test_trace_reports_the_hits_that_waited_during_its_own_run(capsys: pytest.CaptureFixture[str]) -> None:
-    # The rings' count lives in guest RAM as long as the VM does: an attached trace reports its own run's.
+def test_trace_reports_every_hit_of_its_run_that_waited_those_while_it_armed_too(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The rings are this process's, zeroed when it lays them out: their count is this run's, and the hits
+    of the events armed first wait on a full ring while the others are armed (a glob of hundreds)."""
+    import contextlib
+    from collections.abc import Iterator
     from types import SimpleNamespace
 
-    from qprobe.cli.output import _summarize, _Trace
+    from qprobe.cli import trace as trace_cli
 
-    trace = _Trace(cli.build_parser().parse_args(["trace", "p:rd vfs_read"]))
-    waits = iter([195, 205])
-    target = SimpleNamespace(record_waits=lambda: next(waits), machine=SimpleNamespace(alive=True))
-    trace.waits_before = target.record_waits()  # as trace() takes it once the events are armed
-    _summarize(target, [], trace)  # type: ignore[arg-type]
+    waits = [0]
+    target = SimpleNamespace(record_waits=lambda: waits[0], machine=SimpleNamespace(alive=True))
+
+    @contextlib.contextmanager
+    def attached(args: object, at_boot: object = None) -> Iterator[object]:
+        yield target
+
+    def arm(*args: object) -> list[object]:
+        waits[0] = 7  # the rings filled while the events were armed
+        return []
+
+    def run(*args: object) -> int:
+        waits[0] = 10
+        return 0
+
+    monkeypatch.setattr(trace_cli, "_boot", attached)
+    monkeypatch.setattr(trace_cli, "_arm_traced", arm)
+    monkeypatch.setattr(trace_cli, "_collect", run)
+    assert cli.main(["trace", "--attach", "unix:/nonexistent/gdb.sock", "--duration", "1", "p:rd vfs_read"]) == 0
     assert capsys.readouterr().out == "# records: waited=10\n"
 
 

@@ -71,3 +71,17 @@ def test_page_faults_equal_the_guest_s_own_tracepoints(target: qprobe.Target, te
     guest = len(re.findall(rf"^\s*\S+-{pid}\s.*\bpage_fault_(?:user|kernel):", trace, re.M))
     assert guest > 0 and _mine(te, pid) == guest, (guest, _mine(te, pid))
     assert target.read("exc_page_fault", 64) == text["exc_page_fault"]
+
+
+def test_a_function_s_entry_runs_each_call_as_the_workload_asked(target: qprobe.Target) -> None:
+    """A function's first instruction (x86's ``__fentry__`` nop, which the host performs instead of stepping):
+    every call of the workload's is seen, with its arguments, and each returns what the workload asked for."""
+    n = 50
+    te = target.add_event("p:ls ksys_lseek fd=%di:s32 off=%si:s64", anywhere=True)
+    try:
+        res = workload_result(target.run(f"workload lseek {n}").check().output)
+    finally:
+        target.remove_event(te)
+    assert (res["errors"], res["ret"]) == ("0", str(n))  # every lseek returned the offset it asked for
+    mine = [h for h in te.hits if str(h.pid) == res["pid"]]
+    assert [(h.args["fd"], h.args["off"]) for h in mine] == [(res["fd"], str(i)) for i in range(1, n + 1)]

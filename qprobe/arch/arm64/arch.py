@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 
 from qprobe.arch import (
     ArchBlacklist,
+    Boot,
     CycleCounter,
     ExceptionTable,
     FtraceSite,
@@ -43,8 +44,8 @@ from qprobe.arch import (
     TrapWatch,
     Uprobes,
 )
-from qprobe.arch.arm64 import blacklist, bootentry, kprobes, returns
-from qprobe.arch.arm64.bootentry import SCTLR_ELx_M
+from qprobe.arch.arm64 import blacklist, kprobes, returns
+from qprobe.arch.arm64.bootentry import Arm64Boot, SCTLR_ELx_M
 from qprobe.arch.arm64.insn import BRK64_OPCODE_KPROBES
 from qprobe.arch.arm64.paging import Arm64PageTables, MmuOff, page_tables
 from qprobe.arch.arm64.ptregs import REGISTERS, SCTLR_EL1, TPIDR_EL1, user_mode
@@ -84,6 +85,7 @@ class Arm64:
     def __init__(self) -> None:
         # One per Arch object: it keeps what it read of each trap entry (pt_regs' size, from its code).
         self.traps: Traps = Arm64Traps()
+        self.boot: Boot = Arm64Boot()
 
     def page_tables(self, regs: Mapping[str, int]) -> Arm64PageTables | MmuOff:
         """The tables TCR_EL1 shapes; none while the MMU is off (SCTLR_EL1.M clear: at reset, or in the kernel's
@@ -135,17 +137,14 @@ class Arm64:
     def arch_fault_fixup(self, prep: Prepared, regs: Registers, mem: Memory) -> None:
         kprobes.arch_fault_fixup(prep, regs)
 
+    arch_emulate_in_place = staticmethod(kprobes.emulate_in_place)
+
     # -- traps -------------------------------------------------------------------------------
     def resume_registers(self, resume: Resume) -> dict[str, int]:
         return resume_registers(self.registers, resume)
 
     def ip(self, regs: Mapping[str, int]) -> int:
         return regs["pc"]
-
-    # Boot (bootentry.py): pure functions of registers and of vmlinux's bytes and symbols.
-    boot_stage = staticmethod(bootentry.boot_stage)
-    arch_boot_entry = staticmethod(bootentry.arch_boot_entry)
-    arch_boot_switch = staticmethod(bootentry.arch_boot_switch)
 
     def arch_prepare_kretprobe(self, regs: Registers, read_u64: Callable[[int], int]) -> ReturnHijack:
         return returns.arch_prepare_kretprobe(regs, read_u64)

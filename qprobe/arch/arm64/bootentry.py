@@ -66,11 +66,20 @@ def boot_stage(regs: Mapping[str, int]) -> BootStage:
     return BootStage.EARLY
 
 
+class Arm64Boot:
+    """The :class:`qprobe.arch.Boot` facet of arm64: this module's functions."""
+
+    boot_stage = staticmethod(boot_stage)
+    arch_boot_entry = staticmethod(arch_boot_entry)
+    arch_boot_switch = staticmethod(arch_boot_switch)
+
+
 __all__ = [
     "BOOT_SWITCH",
     "BOOT_VIRTUAL_ENTRY",
     "BR_X8",
     "SCTLR_EL1",
+    "Arm64Boot",
     "arch_boot_entry",
     "arch_boot_switch",
     "boot_stage",

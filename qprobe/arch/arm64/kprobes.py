@@ -36,7 +36,7 @@ from qprobe.arch.arm64.insn import (
 )
 from qprobe.arch.arm64.simulate import simulate
 from qprobe.arch.shared import search_exception_tables
-from qprobe.errors import CannotProbe, InvalidProbe, NotInstructionBoundary, ProbeBusy, ProbeError
+from qprobe.errors import CannotProbe, InvalidProbe, MemoryFault, NotInstructionBoundary, ProbeBusy, ProbeError
 
 COPY_SIZE = 2 * AARCH64_INSN_SIZE  # the instruction and the BRK after it
 DAIF_STATES = (DAIF_MASK >> DAIF_SHIFT) + 1  # 16: D, A, I and F each masked or not
@@ -164,6 +164,19 @@ def emulate(prep: Prepared, regs: Registers, mem: Memory) -> None:
     if insn.emulate is None:
         raise ValueError(f"the probe at {insn.addr:#x} runs out of line; it is not simulated")
     simulate(insn.emulate, insn.opcode, insn.addr, regs, mem.read, insn.version)
+
+
+def emulate_in_place(regs: Registers, mem: Memory) -> bool:
+    """A stub breakpoint's instruction, simulated on the host if kprobes simulate it (branches, adr, literal
+    loads), on the word at pc now; False: it is to be stepped."""
+    try:
+        prep = prepare_kprobe(mem.read(regs.pc, AARCH64_INSN_SIZE), regs.pc, 0)
+        if prep.emulate is None:
+            return False
+        emulate(prep, regs, mem)
+    except (ProbeError, MemoryFault):  # not an instruction to simulate, or its memory faulted
+        return False
+    return True
 
 
 def arch_setup_resume(prep: Prepared, regs: Registers, mem: Memory, may_trap_step: bool) -> Resume:

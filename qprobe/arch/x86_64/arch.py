@@ -14,9 +14,11 @@ import re
 from collections.abc import Callable, Mapping
 from typing import cast
 
+from iced_x86 import Mnemonic
+
 from qprobe.arch import (
     ArchBlacklist,
-    BootStage,
+    Boot,
     BreakHook,
     CycleCounter,
     ExceptionTable,
@@ -41,17 +43,19 @@ from qprobe.arch import (
 from qprobe.arch.shared import resume_registers
 from qprobe.arch.x86_64 import guestfilter
 from qprobe.arch.x86_64.boost import CALL_INSN_SIZE, INT3_INSN_OPCODE, JMP32_INSN_SIZE, call_target
-from qprobe.arch.x86_64.bootentry import boot_virtual_entry
-from qprobe.arch.x86_64.decode import check_boundary
+from qprobe.arch.x86_64.bootentry import X86Boot
+from qprobe.arch.x86_64.decode import check_boundary, decode_one
 from qprobe.arch.x86_64.emulate import Regs, emulate
 from qprobe.arch.x86_64.guestram import X86GuestRam
 from qprobe.arch.x86_64.hpet import hpet_timer
 from qprobe.arch.x86_64.insn import (
+    MAX_INSN_SIZE,
     SLOT_SIZE,
     TRAP_COPY,
     PreparedInsn,
     arch_adjust_kprobe_addr,
     is_endbr,
+    prepare_emulation,
     prepare_kprobe,
     resume_singlestep,
     resume_trap_step,
@@ -80,6 +84,7 @@ from qprobe.arch.x86_64.ptregs import (
 )
 from qprobe.arch.x86_64.tsc import after_rdtsc, native_sched_clock, tsc_hz
 from qprobe.arch.x86_64.uprobes import X86Uprobes
+from qprobe.errors import CannotProbe, MemoryFault
 
 # Functions whose return address must not be replaced: __switch_to returns on another task's
 # stack (the kernel's kretprobe_blacklist, arch/x86/kernel/kprobes/core.c before 5.18 and
@@ -100,8 +105,6 @@ THUNKS = re.compile(r"__x86_return_thunk|\w+_return_thunk|__x86_indirect_\w*thun
                     r"|srso_\w*safe_ret\w*|preempt_schedule\w*_thunk|warn_thunk_thunk")  # fmt: skip
 
 
-CR0_PG = 1 << 31
-RESET_CS, RESET_IP = 0xF000, 0xFFF0
 # The #BP entry: asm_exc_int3 since Linux 5.8's IDTENTRY rework of the x86 entry code
 # ("x86/entry: Convert INT3 exception to IDTENTRY_RAW"); plain int3 before.
 TRAP_ENTRIES = ("asm_exc_int3", "int3")
@@ -188,6 +191,7 @@ class X86_64:
     ftrace_site: FtraceSite | None = FtraceSite("__fentry__", CALL_INSN_SIZE, call_target)
     drgn_architecture = "X86_64"
     traps: Traps = X86Traps()
+    boot: Boot = X86Boot()
     # Every optional facet: x86 has them all.
     trap_step: TrapStep | None = X86TrapStep()
     trap_watch: TrapWatch | None = TRAP_WATCH
@@ -290,29 +294,28 @@ class X86_64:
                 mem.write(sp + off, (prep.addr + frame_ip - lo).to_bytes(8, "little"))
                 return
 
+    def arch_emulate_in_place(self, regs: Registers, mem: Memory) -> bool:
+        """The kprobes' host emulations (calls, jumps, returns), and no-ops (a function's ``__fentry__`` site),
+        on the bytes at ip now: the kernel may have rewritten them since the probe was placed.  ENDBR is stepped:
+        under IBT the CPU waits for it after an indirect branch."""
+        pt = _regs(regs)
+        try:
+            insn = decode_one(mem.read(pt.ip, MAX_INSN_SIZE), pt.ip)
+            kind = "nop" if insn.instr.mnemonic == Mnemonic.NOP else prepare_emulation(insn)
+            if kind == "nop":
+                pt.ip = insn.addr + insn.length
+            elif kind is not None:
+                emulate(PreparedInsn(insn.addr, insn, b"", 0, kind, False), pt, mem)
+        except (CannotProbe, MemoryFault):  # not an instruction qprobe emulates, or its memory faulted
+            return False
+        return kind is not None
+
     # -- traps -------------------------------------------------------------------------------
     def resume_registers(self, resume: Resume) -> dict[str, int]:
         return resume_registers(self.registers, resume)
 
     def ip(self, regs: Mapping[str, int]) -> int:
         return regs["rip"]
-
-    def boot_stage(self, regs: Mapping[str, int]) -> BootStage:
-        """CR0.PG is on from the kernel's startup code on (the decompressor's long mode, then the kernel's
-        own tables); a CPU comes out of reset at CS:IP f000:fff0 (Intel SDM vol. 3, 9.1.4).  A stub that
-        shows no CR0 cannot tell: the kernel is taken to run, as an attach expects."""
-        if regs.get("cr0", CR0_PG) & CR0_PG:
-            return BootStage.KERNEL
-        if regs["rip"] == RESET_IP and regs["cs"] == RESET_CS:
-            return BootStage.RESET
-        return BootStage.EARLY
-
-    def arch_boot_entry(self, read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int:
-        return boot_virtual_entry(read, address)
-
-    def arch_boot_switch(self, read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int | None:
-        """None: the decompressor picks the slide, and the candidates are armed (qprobe.kernel.bootslide)."""
-        return None
 
     def arch_prepare_kretprobe(self, regs: Registers, read_u64: Callable[[int], int]) -> ReturnHijack:
         return ReturnHijack(read_u64(regs.sp), slot=regs.sp)

@@ -12,14 +12,17 @@ run at ``link address + slide``; the secondary CPUs pass there too.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from iced_x86 import Decoder, FlowControl, Instruction, OpKind
 
+from qprobe.arch import BootStage
 from qprobe.errors import SymbolError
 
 MAX_INSNS = 400  # startup_64 to the jump is some tens of instructions; the bound keeps a bad decode short
 MAX_BYTES = 0x400
+CR0_PG = 1 << 31
+RESET_CS, RESET_IP = 0xF000, 0xFFF0  # where a CPU comes out of reset (Intel SDM vol. 3, 9.1.4)
 
 
 def boot_virtual_entry(read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int:
@@ -53,4 +56,25 @@ def boot_virtual_entry(read: Callable[[int, int], bytes], address: Callable[[str
                       "jmp *%reg, or jmp *ptr(%rip)): boot-time probes need its first virtual instruction")  # fmt: skip
 
 
-__all__ = ["boot_virtual_entry"]
+class X86Boot:
+    """The :class:`qprobe.arch.Boot` facet of x86_64."""
+
+    def boot_stage(self, regs: Mapping[str, int]) -> BootStage:
+        """CR0.PG is on from the kernel's startup code on (the decompressor's long mode, then the kernel's
+        own tables); a CPU comes out of reset at CS:IP f000:fff0.  A stub that shows no CR0 cannot tell: the
+        kernel is taken to run, as an attach expects."""
+        if regs.get("cr0", CR0_PG) & CR0_PG:
+            return BootStage.KERNEL
+        if regs["rip"] == RESET_IP and regs["cs"] == RESET_CS:
+            return BootStage.RESET
+        return BootStage.EARLY
+
+    def arch_boot_entry(self, read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int:
+        return boot_virtual_entry(read, address)
+
+    def arch_boot_switch(self, read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int | None:
+        """None: the decompressor picks the slide, and the candidates are armed (qprobe.kernel.bootslide)."""
+        return None
+
+
+__all__ = ["X86Boot", "boot_virtual_entry"]

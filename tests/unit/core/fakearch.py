@@ -278,6 +278,19 @@ class ToyTraps:
         return Trap(addr, regs["sp"], flags, {**regs, "pc": addr, "psr": flags}, user=bool(flags & USER))
 
 
+class ToyBoot:
+    """The toy kernel is always up: nothing boots."""
+
+    def boot_stage(self, regs: Mapping[str, int]) -> BootStage:
+        return BootStage.KERNEL  # the toy kernel is always up
+
+    def arch_boot_entry(self, read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int:
+        raise SymbolError("the toy kernel does not boot")
+
+    def arch_boot_switch(self, read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int | None:
+        return None
+
+
 class Toy:
     """The toy ISA's answers to everything the core asks (qprobe.arch.Arch): no jump optimization."""
 
@@ -313,6 +326,7 @@ class Toy:
     kprobe_ip_offset = 0  # the trapped pc is the probe's own, as on arm64
     ftrace_site = None  # the toy kernel has no ftrace
     traps = ToyTraps()
+    boot = ToyBoot()
     # The facets: the toy has no jump optimization, so every probe stays a breakpoint.
     trap_step: ToyTrapStep | None = ToyTrapStep()
     trap_watch = None  # no watchpoint hook: the dispatcher breaks on the entry
@@ -382,6 +396,12 @@ class Toy:
     def arch_resume_singlestep(self, prep: Prepared, regs: Any, mem: Memory) -> None:
         regs.set_quietly("ip", regs.ip - prep.slot_addr - STEP_COPY + prep.addr)
 
+    def arch_emulate_in_place(self, regs: Any, mem: Memory) -> bool:
+        if mem.read(regs.ip, 1)[0] != NOP:
+            return False
+        regs.ip += 4
+        return True
+
     def arch_fault_fixup(self, prep: Prepared, regs: Any, mem: Memory) -> None:
         copy = prep.slot_addr + STEP_COPY  # arm64's way: the exception's return address is a register
         if copy <= regs.elr <= copy + 4:
@@ -398,15 +418,6 @@ class Toy:
 
     def ip(self, regs: Mapping[str, int]) -> int:
         return regs["pc"]
-
-    def boot_stage(self, regs: Mapping[str, int]) -> BootStage:
-        return BootStage.KERNEL  # the toy kernel is always up
-
-    def arch_boot_entry(self, read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int:
-        raise SymbolError("the toy kernel does not boot")
-
-    def arch_boot_switch(self, read: Callable[[int, int], bytes], address: Callable[[str], int]) -> int | None:
-        return None
 
     ret_pops = 0  # RET leaves sp as it is
 

@@ -45,11 +45,26 @@ def test_a_blacklisted_instruction_is_probed_without_a_write(rig: Rig) -> None:
     assert rig.text_unchanged() and (ENTRY + 4, BREAK_HW, 1) in rig.t.cpu.breakpoints
     assert "[ANYWHERE]" in list_probes(rig.km)
     after = _hit(rig, ENTRY + 4, r0=1)
-    # The handler before the instruction, the instruction run where it is (a NOP), the post_handler after it.
+    # The handler before the instruction, the instruction performed (a NOP, by the host), the post_handler after it.
     assert seen == [(ENTRY + 4, 1), (ENTRY + 8, 1)] and after["pc"] == ENTRY + 8
-    assert kp.nhit == 1 and rig.t.cpu.steps == [(A, ENTRY + 4)]
+    assert kp.nhit == 1 and rig.t.cpu.steps == []
     rig.km.unregister_kprobe(kp)
     assert rig.t.cpu.breakpoints == [] and ENTRY + 4 not in rig.t.machine.stop_handlers and rig.text_unchanged()
+
+
+def test_an_instruction_the_arch_emulates_is_not_stepped_and_any_other_is_stepped_where_it_is(rig: Rig) -> None:
+    """A step's stop costs QEMU a flush of all its translated code: a hit on an instruction the host can
+    perform (the toy's NOP) makes none; the ADDI beside it runs in place, stepped."""
+    nop, addi = rig.fn + 4, rig.fn + 8
+    assert (rig.t.mem.read(nop, 1)[0], rig.t.mem.read(addi, 1)[0]) == (NOP, ADDI)
+    seen: list[tuple[int, int]] = []
+    for addr in (nop, addi):
+        rig.km.register_kprobe(Kprobe(addr=addr, anywhere=True, post_handler=lambda k, r: seen.append((r.ip, r.r0))))
+    assert _hit(rig, nop, r0=1)["pc"] == nop + 4 and rig.t.cpu.steps == []
+    after = _hit(rig, addi, r0=10)
+    assert rig.t.cpu.steps == [(A, addi)] and after["pc"] == addi + 4 and after["r0"] == 15  # ADDI 5, run
+    assert seen == [(nop + 4, 1), (addi + 4, 15)]
+    assert [(p.emulated, p.steps) for p in rig.km.stubs.points.values()] == [(1, 0), (0, 1)]
 
 
 def test_a_pre_handler_that_moves_ip_skips_the_instruction(rig: Rig) -> None:

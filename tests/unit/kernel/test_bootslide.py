@@ -140,7 +140,7 @@ def boot_slide(
     symbols = SimpleNamespace(slide=0, file_bytes=lambda addr, n: (BANNER + b"\0" + bytes(n))[:n], path=path,
                               address={"_end": 0xFFFF_FFFF_8300_0000, "startup_64": STARTUP, "_text": STARTUP,
                                        "linux_banner": STARTUP + BANNER_AT}.__getitem__)  # fmt: skip
-    arch = SimpleNamespace(arch_boot_entry=lambda read, address: LABEL)
+    arch = SimpleNamespace(boot=SimpleNamespace(arch_boot_entry=lambda read, address: LABEL))
     return BootSlide(machine, symbols, arch, 0x200000, cmdline, ram), machine  # type: ignore[arg-type]
 
 

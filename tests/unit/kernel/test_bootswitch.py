@@ -64,9 +64,13 @@ class Symbols:
         return HEAD[:size]
 
 
-class Arch:
+class Boot:
     def arch_boot_entry(self, read: object, address: object) -> int:
         return ENTRY
+
+
+class Arch:
+    boot = Boot()
 
 
 def read_phys(addr: int, size: int) -> bytes:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from qprobe.arch import ResumeKind
+from qprobe.arch.arm64.arch import Arm64
 from qprobe.arch.arm64.insn import BRK64_OPCODE_KPROBES, BRK64_OPCODE_KPROBES_SS, DAIF_MASK
 from qprobe.arch.arm64.kprobes import (
     SLOT_SIZE,
@@ -168,3 +169,13 @@ def test_a_w_literal_load_reads_8_bytes_before_the_fix() -> None:
     assert regs.x13 == 0x04030201
     with pytest.raises(KeyError):
         arch_setup_resume(prepare_kprobe(LDR_W, ADDR, SLOT, version=(6, 1)), FakeRegs(pc=ADDR), mem, True)
+
+
+def test_in_place_a_simulated_instruction_is_performed_by_the_host_and_any_other_left_to_a_step() -> None:
+    """A stub breakpoint's hit: what kprobes simulate needs no step, an instruction with a slot does."""
+    mem = FakeMem()
+    mem.write(ADDR, BEQ + ADD)
+    regs = FakeRegs(pc=ADDR, pstate=NZCV)
+    assert Arm64().arch_emulate_in_place(regs, mem) and regs.pc == ADDR + 0x40  # type: ignore[arg-type]
+    regs = FakeRegs(pc=ADDR + 4, x1=1, x2=2)
+    assert not Arm64().arch_emulate_in_place(regs, mem) and regs.dirty() == {}  # type: ignore[arg-type]

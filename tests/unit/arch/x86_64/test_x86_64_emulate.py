@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from qprobe.arch.x86_64.arch import X86_64
 from qprobe.arch.x86_64.emulate import emulate, jcc_taken
 from qprobe.arch.x86_64.insn import PreparedInsn, prepare_kprobe
 
@@ -216,3 +217,28 @@ def test_addr32_loop_uses_ecx_and_zero_extends() -> None:
 def test_emulate_single_stepped_instruction_is_an_error() -> None:
     with pytest.raises(ValueError):
         emulate(prep("4889e5"), FakeRegs(), FakeMem())
+
+
+def in_place(hexcode: str, regs: FakeRegs) -> bool:
+    """The stub breakpoint's emulation of the instruction at ``regs.ip``, whose bytes the memory holds."""
+    mem = FakeMem()
+    mem.write(regs.ip, bytes.fromhex(hexcode) + b"\xcc" * 16)
+    return X86_64().arch_emulate_in_place(regs, mem)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("hexcode", "ip", "sp"), [
+    ("0f1f440000", ADDR + 5, STACK),  # the __fentry__ site: a 5-byte nop
+    ("6690", ADDR + 2, STACK),
+    ("e8fb0f0000", ADDR + 0x1000, STACK - 8),  # call: the return address pushed
+    ("eb10", ADDR + 0x12, STACK),
+])  # fmt: skip
+def test_in_place_a_nop_or_a_branch_is_performed_by_the_host(hexcode: str, ip: int, sp: int) -> None:
+    regs = FakeRegs(sp=STACK, ip=ADDR)
+    assert in_place(hexcode, regs) and (regs.ip, regs.sp) == (ip, sp)
+
+
+@pytest.mark.parametrize("hexcode", ["f30f1efa", "55", "4889e5", "fa", "ff2500010000"],
+                         ids=["endbr64", "push", "mov", "cli", "jmp-mem"])  # fmt: skip
+def test_in_place_any_other_instruction_is_left_to_a_step(hexcode: str) -> None:
+    regs = FakeRegs(sp=STACK, ip=ADDR)
+    assert not in_place(hexcode, regs) and regs == FakeRegs(sp=STACK, ip=ADDR)

@@ -23,6 +23,7 @@ from .event_cmds import EventCommands
 from .guest_cmds import GuestCommands
 from .inspect_cmds import InspectCommands
 from .map_cmds import MapCommands
+from .mapsyntax import map_line
 from .output import Output
 from .parse import ShellUsageError, is_bpftrace_uprobe, is_definition, split_call, split_command
 from .probe_cmds import ProbeCommands
@@ -172,6 +173,10 @@ class Shell:
             return
         if is_bpftrace_uprobe(line):
             self.event_commands.user_form(line.strip())
+            return
+        named = map_line(line)  # bpftrace's spellings: @NAME[KEY, ...] = FUNC(...), count()
+        if named is not None:
+            self.map_commands.named(*named)
             return
         call = split_call(line)
         if call is not None:

@@ -106,10 +106,6 @@ class TraceEvent:
         """Fold hits into a map in guest RAM instead of recording them, where the kind can; False if not."""
         return False
 
-    def can_count_in_guest(self, keys: Sequence[str], value: str | None = None, hist: bool = False) -> bool:
-        """Whether ``count_in_guest`` with these arguments would fold the hits in guest RAM (changes nothing)."""
-        return False
-
     def stop_counting_in_guest(self) -> dict[tuple[str | int, ...], MapSlot]:
         """End ``count_in_guest``: the hits folded in the guest, by key."""
         return {}

@@ -236,6 +236,7 @@ class KprobeEvent(TraceEvent):
         return True
 
     def can_count_in_guest(self, keys: Sequence[str], value: str | None = None, hist: bool = False) -> bool:
+        """Whether ``count_in_guest`` with these arguments would fold the hits in guest RAM (changes nothing)."""
         return self._guest_spec(keys, value, hist) is not None
 
     def _guest_spec(self, keys: Sequence[str], value: str | None, hist: bool) -> KeySpec | None:

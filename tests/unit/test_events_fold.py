@@ -10,24 +10,26 @@ import pytest
 from qprobe.arch.inguest import MapSlot
 from qprobe.core.kprobe import Kprobe
 from qprobe.events.fold import GuestMaps, fold_path
+from qprobe.events.kprobe import KprobeEvent
 from qprobe.shell.collect import Aggregation, Collector
 
 FOLDABLE = {"$comm", "$pid", "$cpu", "$func", "$event", "fd", "count"}  # what the fake detour can compute
 
 
-class FakeEvent:
+class FakeEvent(KprobeEvent):
     """A kprobe event whose in-guest map is whatever the test says it folded."""
 
+    nmissed = lost = 0  # nothing missed, nothing dropped
+
     def __init__(self, name: str = "rd", foldable: bool = True, filter: object = None) -> None:
-        self.name = name
-        self.definition = SimpleNamespace(event=name)
+        self.definition = SimpleNamespace(event=name, group="kprobes")  # type: ignore[assignment]
         self.foldable = foldable
-        self.filter = filter
+        self.filter = filter  # type: ignore[assignment]
         self.probe = Kprobe(symbol_name="ksys_read")
         self.folded: dict[tuple[str | int, ...], MapSlot] = {}
         self.asked: list[tuple[tuple[str, ...], str | None, bool]] = []
         self.callback = None
-        self.nmissed = self.lost = 0
+        self.appended = []
 
     def probes(self) -> list[FakeEvent]:
         return [self]
@@ -75,6 +77,7 @@ def test_fold_path_without_a_guest_map() -> None:
     assert fold_path([cannot], "count", ("$comm",), None) == "ring"
     assert fold_path([FakeEvent(foldable=False, filter=object())], "count", (), None) == "ring"
     assert fold_path([FakeEvent(), FakeEvent("wr")], "count", (), None) == "guest map"  # every event its own map
+    assert fold_path([SimpleNamespace(filter=None)], "count", ("$comm",), None) == "ring"  # type: ignore[list-item]
     assert fold_path([FakeEvent(), cannot], "count", (), None) == "probe counts"
     assert fold_path([], "count", (), None) == "ring"
 

@@ -75,8 +75,12 @@ class ProcessTree:
 
     def owns(self, hit: EventHit) -> bool:
         """Whether ``hit`` is the command's: of its process or one its process tree forked."""
+        return self.owns_pid(hit.pid)
+
+    def owns_pid(self, pid: int) -> bool:
+        """Whether task ``pid`` is the command's (a pid reused after a member exited stays a member)."""
         with self._lock:
-            return hit.pid in self.members
+            return pid in self.members
 
     def close(self) -> None:
         self.target.remove_event(self.event)

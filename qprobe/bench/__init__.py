@@ -16,6 +16,7 @@ from pathlib import Path
 import qprobe
 from qprobe.bench.common import WORKLOADS, Row, _time
 from qprobe.bench.gdb import _gdb_rows
+from qprobe.bench.maps import _map_rows
 from qprobe.bench.probes import _probe_matrix, _uprobe_rows
 from qprobe.bench.scale import (
     SCALE_ITERATIONS,
@@ -154,6 +155,8 @@ def run_bench(args: argparse.Namespace) -> int:
         rows += _probe_matrix(target, args) + _uprobe_rows(target, args) if "probes" in args.sections else []
         rows += _trace_lines(target) if "trace" in args.sections else []
         wild = _wildcard_teardown(target) if "trace" in args.sections else None
+        map_rows, map_targets = _map_rows(target) if "maps" in args.sections else ([], [])
+        rows += map_rows
         scale, scale_names = _scale(target, args) if "scale" in args.sections else ([], [])
     if scale_names:
         scale = sorted(scale + _guest_scale_rows(args, scale_names, accel), key=lambda row: row.n)
@@ -180,6 +183,7 @@ def run_bench(args: argparse.Namespace) -> int:
         *_targets([v for _, v in rows if isinstance(v, Row)] + gdb_rows),
         *_scale_targets(scale),
         *teardown_targets,
+        *map_targets,
         "",
         f"Scale: N probes on distinct functions the fork-heavy loop reaches (hottest first; from the guest's "
         f"function tracer, those its kprobe_events accepts and qprobe optimizes); slowdown of {SCALE_ITERATIONS} "

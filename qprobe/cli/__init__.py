@@ -146,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--map", metavar="AGG",
                    help="instead of lines, one bpftrace map over every event, printed at the end (or every S): "
                    "'count by $comm', 'sum(count) by $comm, $pid', 'hist(count)', 'lhist(count, 0, 4096, 512)', "
-                   "'count by $func every 1'; keys $comm $pid $cpu $func $event $stack or argument names")  # fmt: skip
+                   "'count by $func every 1', bpftrace's 'count()' and '@[$comm] = count()'; keys $comm $pid $cpu "
+                   "$func $event $stack or argument names")  # fmt: skip
     p.add_argument(
         "--filter",
         metavar="EXPR",
@@ -239,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", type=Path, help="also write the report (markdown) to this file")
     p.add_argument("--sections", type=_sections, default=BENCH_SECTIONS,
                    help="comma-separated parts to run: probes (the cost matrix), trace (lines through the rings), "
-                        "scale, gdb (default all four); the boot and round-trip rows always run")  # fmt: skip
+                        "scale, gdb, maps (one count from every front end; default all five); the boot and "
+                        "round-trip rows always run")  # fmt: skip
     p.set_defaults(func=cmd_bench)
     return parser
 

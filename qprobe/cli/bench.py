@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-# qprobe bench's parts: the probe-cost matrix, trace lines through the record rings, scale, the GDB rows
-BENCH_SECTIONS = ("probes", "trace", "scale", "gdb")
+# qprobe bench's parts: the probe-cost matrix, trace lines through the record rings, scale, the GDB rows,
+# one count from every front end
+BENCH_SECTIONS = ("probes", "trace", "scale", "gdb", "maps")
 
 
 def _sections(text: str) -> tuple[str, ...]:

@@ -89,12 +89,12 @@ class _Trace:
         with self.lock:
             sys.stdout.flush()
 
-    def owns(self, hit: EventHit) -> bool:
-        """With --run, whether the map takes ``hit``: the command's hits only."""
-        if self.tree is None or not self.tree.owns(hit):
+    def owns(self, event: str, pid: int, hits: int) -> bool:
+        """With --run, whether the map takes ``hits`` hits of ``event`` by task ``pid``: the command's only."""
+        if self.tree is None or not self.tree.owns_pid(pid):
             return False
         with self.lock:
-            self.shown[hit.event] += 1
+            self.shown[event] += hits
         return True
 
     def write(self, text: str) -> None:

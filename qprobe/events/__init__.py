@@ -16,6 +16,7 @@ The package, top to bottom:
 - ``event``: ``TraceEvent``, one definition armed, whatever its probe kind:
   its hits, counts and filter;
 - ``inguest``: what an optimized probe records, filters or counts in the guest;
+- ``fold``: where a map over events is folded (guest RAM, the probes' counts, the rings), for every front end;
 - ``context``, ``hit``: the fetch context of one hit and the hit itself;
 - ``registry``: the target's view at a hit (``EventHost``);
 - ``funcs``: which functions can be probed (also ``qprobe funcs``);
@@ -25,6 +26,7 @@ The package, top to bottom:
 
 from qprobe.events.define import MAX_WILDCARD, EventRegistry, Wildcard, add_event, add_events, remove_events
 from qprobe.events.event import InOrder, TraceEvent, event_filter
+from qprobe.events.fold import GuestMaps, fold_path
 from qprobe.events.hit import EventHit
 from qprobe.events.inguest import guest_filter, guest_key, in_guest
 from qprobe.events.kprobe import KprobeBackend, KprobeEvent, entry_args
@@ -33,6 +35,7 @@ __all__ = [
     "MAX_WILDCARD",
     "EventHit",
     "EventRegistry",
+    "GuestMaps",
     "InOrder",
     "KprobeBackend",
     "KprobeEvent",
@@ -42,6 +45,7 @@ __all__ = [
     "add_events",
     "entry_args",
     "event_filter",
+    "fold_path",
     "guest_filter",
     "guest_key",
     "in_guest",

@@ -228,13 +228,22 @@ class KprobeEvent(TraceEvent):
         usual; ``stop_counting_in_guest`` returns the rest.
         """
         kp = self.probe
-        layout = self.host.arch.registers
-        spec = guest_key(self.definition, keys, value, hist, layout) if self.filter is None else None
-        if spec is None or not isinstance(kp, Kprobe) or not self.backend.can_count_in_guest:
+        spec = self._guest_spec(keys, value, hist)
+        if spec is None or not isinstance(kp, Kprobe):
             return False
         self.guest_map = (tuple(keys), value, hist)
         self.backend.resync(kp, lambda: setattr(kp, "guest_key", spec))
         return True
+
+    def can_count_in_guest(self, keys: Sequence[str], value: str | None = None, hist: bool = False) -> bool:
+        """Whether ``count_in_guest`` with these arguments would fold the hits in guest RAM (changes nothing)."""
+        return self._guest_spec(keys, value, hist) is not None
+
+    def _guest_spec(self, keys: Sequence[str], value: str | None, hist: bool) -> KeySpec | None:
+        """The in-guest map's key for ``count_in_guest``, or None where the detour cannot fold these hits."""
+        if self.filter is not None or not isinstance(self.probe, Kprobe) or not self.backend.can_count_in_guest:
+            return None
+        return guest_key(self.definition, keys, value, hist, self.host.arch.registers)
 
     def stop_counting_in_guest(self) -> dict[tuple[str | int, ...], MapSlot]:
         """End ``count_in_guest``: the hits folded in the guest, by key (its parts as the host formats them,

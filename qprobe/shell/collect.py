@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from qprobe.core.kprobe import Kprobe, Kretprobe
 from qprobe.core.uprobe import Uprobe
+from qprobe.events.fold import GuestMaps, Owner, fold_path
 
-from .parse import EVENT_KEYS, NUMERIC_SPECIAL_KEYS, VALUE_FUNCS, ShellUsageError, key_name, parse_collect, split_call
+from .mapsyntax import MAP_USAGE, map_line
+from .parse import NUMERIC_SPECIAL_KEYS, VALUE_FUNCS, ShellUsageError, key_name, parse_collect, split_call
 from .render import (
     KeyParts,
     MapKey,
@@ -137,12 +139,13 @@ class Aggregation:
     """One bpftrace map: ``count`` (by a key, or one total) or a function of a numeric value.
 
     ``kind`` is count, sum, avg, min, max, stats, hist or lhist (``bounds`` its min, max,
-    step); ``keys`` the parts of the map key; ``value`` what the function takes.  Hits
+    step); ``keys`` the parts of the map key; ``value`` what the function takes; ``label``
+    the map's name where one was given.  Hits
     may arrive on other threads while ``take`` renders and clears (``every S``).
     """
 
     def __init__(self, kind: str, keys: Sequence[str] = (), value: str | None = None, by_event: bool = False,
-                 bounds: tuple[int, int, int] | None = None) -> None:  # fmt: skip
+                 bounds: tuple[int, int, int] | None = None, label: str | None = None) -> None:  # fmt: skip
         if kind not in ("count", *VALUE_FUNCS):
             raise ValueError(kind)
         if (kind == "count") != (value is None) or (kind == "lhist") != (bounds is not None):
@@ -152,6 +155,7 @@ class Aggregation:
         self.value = value
         self.bounds = bounds
         self.by_event = by_event  # count with no key over several events: one row per event
+        self.label = label  # the name bpftrace's @NAME = ... gave the map
         self.counts: dict[MapKey, int] = {}  # count, sum, min, max
         self.pairs: dict[MapKey, tuple[int, int]] = {}  # avg and stats: (count, total)
         self.hists: dict[MapKey, dict[int, int]] = {}  # hist and lhist: bucket -> count
@@ -246,7 +250,10 @@ class Aggregation:
 
     @property
     def name(self) -> str:
-        """The map's name: ``@`` for a count, ``@VALUE`` for a function of a value (``@count = hist(count)``)."""
+        """The map's name: the one it was given (``@bytes = sum(count)``), else ``@`` for a count and
+        ``@VALUE`` for a function of a value (``@count = hist(count)``)."""
+        if self.label is not None:
+            return self.label
         return "" if self.value is None else key_name(self.value)
 
     def render(self) -> str:
@@ -286,27 +293,29 @@ class Aggregation:
 class Collector:
     """One aggregation over ``events`` for as long as a ``with`` block lasts (the shell's count, trace's maps).
 
-    Folded where it can be exact without the host seeing each hit: one event whose key and value
-    the detour can compute is folded in guest RAM (``TraceEvent.count_in_guest``), its hits no
-    longer recorded; else a count with no key, or by ``$func``/``$event`` alone, of entry probes
-    without a filter is each probe's own hit count (kept in guest RAM as the kernel keeps
-    kprobe_profile's; a record dropped on a full ring is still a hit).  Anything else, and every
-    hit when ``owns`` picks the hits (``--run``'s process tree), comes through a :class:`Tap`.
-    ``every`` (seconds) means the map is printed and cleared as hits come, so they all come through the tap.
+    Folded on the path qprobe.events.fold_path picks, the one every front end takes: in guest RAM
+    where the key and value can be computed at the hit (``GuestMaps``: the events' hits no longer
+    recorded), else from each probe's own hit count for a count that needs no more, else through a
+    :class:`Tap` (every hit the host sees).  ``owns(event, pid, hits)`` (``--run``'s process tree)
+    says which tasks' hits count; ``every`` (seconds) means the map is printed and cleared as hits
+    come, so they all come through the tap.
     """
 
     def __init__(self, events: Sequence[TraceEvent], agg: Aggregation, *, every: float | None = None,
-                 owns: Callable[[EventHit], bool] | None = None) -> None:  # fmt: skip
+                 owns: Owner | None = None) -> None:  # fmt: skip
         self.events = list(events)
         self.agg = agg
         self.owns = owns
         self.unwind = stack_unwinder() if "$stack" in agg.keys else None
-        self.per_event = owns is None and every is None and per_event_count(self.events, agg)
+        self.path = fold_path(self.events, agg.kind, agg.keys, agg.value, every=every, owned=owns is not None)
         self._before: list[int] = []
         self._tap: Tap | None = None
-        self.in_guest = False
-        self._every = every
+        self._maps: GuestMaps | None = None
         self._missed = 0
+
+    @property
+    def per_event(self) -> bool:
+        return self.path == "probe counts"
 
     def _uncounted(self) -> int:
         # A per-probe count holds the records dropped on a full ring (nmissed counts those too).
@@ -314,33 +323,21 @@ class Collector:
 
     def __enter__(self) -> Collector:
         self._missed = self._uncounted()
-        if not self.per_event:
-            self._tap_and_fold()
+        if self.per_event:
+            self._before = [_probe_hits(one) for te in self.events for one in te.probes()]
             return self
-        if len(self.events) == 1 and self._tap_and_fold():
-            # Cheaper still than the probe's own count: a map in guest RAM, the event's hits no longer recorded.
-            self.per_event = False
-            self._missed = self._uncounted()  # (the baseline without the per-probe count's lost records)
-            return self
-        if self._tap is not None:  # it could not fold: the probe's own count instead
-            self._tap.__exit__(None, None, None)
-            self._tap = None
-        self._before = [_probe_hits(one) for te in self.events for one in te.probes()]
-        return self
-
-    def _tap_and_fold(self) -> bool:
-        """The tap (hits the host sees), then the map folded in guest RAM where it can be; whether it can."""
         agg, owns = self.agg, self.owns
 
         def sink(te: TraceEvent, hit: EventHit, stack: Stack | None) -> None:
-            if owns is None or owns(hit):
+            if owns is None or owns(hit.event, hit.pid, 1):
                 agg.add(te, hit, stack)
 
+        # The tap also in a guest map: hits the host still sees (before the jump is placed) come through it.
         self._tap = Tap(self.events, sink, self.unwind).__enter__()
-        # Printing and clearing every S needs the hits as they come; lhist's buckets are the host's.
-        if owns is None and self._every is None and len(self.events) == 1 and agg.kind != "lhist":
-            self.in_guest = self.events[0].count_in_guest(agg.keys, agg.value, agg.kind == "hist")
-        return self.in_guest
+        if self.path == "guest map":
+            self._maps = GuestMaps(self.events, agg.keys, agg.value, agg.kind == "hist", owns)
+            self._maps.start()
+        return self
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         if self.per_event:
@@ -356,9 +353,17 @@ class Collector:
             try:
                 self._tap.__exit__(et, ev, tb)
             finally:
-                if self.in_guest:
-                    self.agg.add_slots(self.events[0].stop_counting_in_guest())
+                if self._maps is not None:
+                    for te, slots in self._maps.stop():
+                        if self.agg.by_event:  # a count with no key over several events: a row per event
+                            slots = {(te.definition.event, *parts): slot for parts, slot in slots.items()}
+                        self.agg.add_slots(slots)
         self._missed = self._uncounted() - self._missed
+
+    @property
+    def in_guest(self) -> bool:
+        """Whether the map is folded in guest RAM (every event's, or some of them where a probe refused)."""
+        return self._maps is not None
 
     @property
     def missed(self) -> int:
@@ -376,17 +381,6 @@ def stack_unwinder() -> Callable[[PtRegs], Stack]:
     return unwind
 
 
-def per_event_count(events: Sequence[TraceEvent], agg: Aggregation) -> bool:
-    """A count with no key, or by ``$event``/``$func`` alone, of kprobe entry probes without a filter.
-
-    A uprobe event's probe keeps no count in the guest: its hits each stop the VM and are counted on the
-    host, as they come.
-    """
-    return (agg.kind == "count" and set(agg.keys) <= set(EVENT_KEYS) and len(agg.keys) <= 1
-            and all(te.filter is None and not isinstance(one.probe, (Kretprobe, Uprobe))
-                    for te in events for one in te.probes()))  # fmt: skip
-
-
 def _probe_hits(one: TraceEvent) -> int:
     """Delivered, and recorded in the guest but dropped on a full ring."""
     kp = one.probe
@@ -401,23 +395,24 @@ def _event_key(te: TraceEvent, key: str | None, several: bool) -> MapKey:
 
 
 def parse_map(text: str) -> tuple[Aggregation, float | None]:
-    """``count [by KEY, ...]`` or ``FUNC(VALUE) [by KEY, ...]``, optionally ``every S``: one map over every
-    event (``qprobe trace --map``), and its interval."""
-    call = split_call(text)
-    words = text.split()
-    if words and words[0] == "count()":  # bpftrace's spelling
-        text = text.replace("count()", "count", 1)
-    if call is None and (not words or words[0] not in ("count", "count()")):
+    """``count [by KEY, ...]`` or ``FUNC(VALUE) [by KEY, ...]``, optionally ``every S``, or bpftrace's
+    ``count()`` and ``@NAME[KEY, ...] = FUNC(...)``: one map over every event (``qprobe trace --map``), and
+    its interval."""
+    named = map_line(text)
+    label, line = named if named is not None else (None, text.strip())
+    call = split_call(line)
+    words = line.split()
+    if call is None and (not words or words[0] != "count"):
         raise ShellUsageError(f"--map: expected count [by KEY, ...] or FUNC(VALUE) [by KEY, ...] "
-                              f"(FUNC: {' '.join(VALUE_FUNCS)}), not {text!r}")  # fmt: skip
+                              f"(FUNC: {' '.join(VALUE_FUNCS)}), or {MAP_USAGE}, not {text!r}")  # fmt: skip
     verb = call[0].func if call is not None else "count"
-    spec = parse_collect(call[1] if call is not None else text.split(None, 1)[1] if len(words) > 1 else "", verb=verb)
+    spec = parse_collect(call[1] if call is not None else line.split(None, 1)[1] if len(words) > 1 else "", verb=verb)
     if spec.events or spec.command is not None or spec.seconds is not None:
         raise ShellUsageError(f"--map: {verb} [by KEY, ...] [every S] only: the events are trace's definitions, "
                               "and --run or --duration say for how long")  # fmt: skip
     if call is None:
-        return Aggregation("count", spec.keys), spec.every
-    return Aggregation(call[0].func, spec.keys, call[0].value, bounds=call[0].bounds), spec.every
+        return Aggregation("count", spec.keys, label=label), spec.every
+    return Aggregation(call[0].func, spec.keys, call[0].value, bounds=call[0].bounds, label=label), spec.every
 
 
 def check_argument(name: str, events: Sequence[tuple[str, ProbeEvent | UprobeEvent]], hint: str = "") -> None:

@@ -23,6 +23,7 @@ from .event_cmds import EventCommands
 from .guest_cmds import GuestCommands
 from .inspect_cmds import InspectCommands
 from .map_cmds import MapCommands
+from .mapsyntax import map_line
 from .output import Output
 from .parse import ShellUsageError, is_bpftrace_uprobe, is_definition, split_call, split_command
 from .probe_cmds import ProbeCommands
@@ -115,10 +116,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 KEY_HELP = (
     "KEY: an argument name, $comm, $pid, $cpu, $func, $event or $stack, several joined by commas (by $comm, "
-    "fd); VALUE: a numeric argument, $pid or $cpu. A map of one event, keyed by nothing or $comm, $pid, $cpu, $func, "
-    "$event and integer register arguments, of an integer register value, is folded in guest RAM at each hit; a "
-    "count of several events by nothing, $func or $event is each probe's own hit count (as kprobe_profile's): "
-    "exact, never lost; other maps come from the records the guest writes at each hit; "
+    "fd); VALUE: a numeric argument, $pid or $cpu. bpftrace's spellings too: @NAME[KEY, ...] = count() EVENT... "
+    "(the same as count EVENT... by KEY, ...), sum(), avg() and the rest. A map keyed by nothing or $comm, $pid, "
+    "$cpu, $func, $event and integer register arguments, of an integer register value, is folded in guest RAM at "
+    "each hit, each event's own; where a probe cannot, a count by nothing, $func or $event is each probe's own hit "
+    "count (as kprobe_profile's): exact, never lost; other maps come from the records the guest writes at each hit; "
     "$stack and arguments read from memory stop the vCPU at each hit for the host to compute. since boot: the map "
     "of the hits already made, as each event keeps them (its last 100000; with qprobe shell --boot, from "
     "start_kernel on)"
@@ -172,6 +174,10 @@ class Shell:
             return
         if is_bpftrace_uprobe(line):
             self.event_commands.user_form(line.strip())
+            return
+        named = map_line(line)  # bpftrace's spellings: @NAME[KEY, ...] = FUNC(...), count()
+        if named is not None:
+            self.map_commands.named(*named)
             return
         call = split_call(line)
         if call is not None:

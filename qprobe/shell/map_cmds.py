@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from .collect import Aggregation, Collector, check_argument
 from .event_cmds import select_events
-from .parse import ShellUsageError, parse_collect
+from .parse import ShellUsageError, parse_collect, split_call
 from .show_cmds import kept_hits
 
 if TYPE_CHECKING:
@@ -30,11 +30,20 @@ class MapCommands:
     def handlers(self) -> dict[str, Handler]:
         return {"count": self.cmd_count, "hist": self.cmd_hist}
 
-    def cmd_count(self, rest: str) -> None:
+    def cmd_count(self, rest: str, label: str | None = None) -> None:
         spec = parse_collect(rest, verb="count")
         events = select_events(self.shell.target, spec.events)
-        agg = Aggregation("count", spec.keys, by_event=not spec.keys and len(events) > 1)
+        agg = Aggregation("count", spec.keys, by_event=not spec.keys and len(events) > 1, label=label)
         self._aggregate(spec, events, agg)
+
+    def named(self, label: str | None, line: str) -> None:
+        """A map in bpftrace's spelling (``@NAME[KEY, ...] = FUNC(...) ...``, ``count() ...``), given as the
+        shell's own ``line`` and the map's name (None: the usual one)."""
+        call = split_call(line)
+        if call is not None:
+            self.call(*call, label=label)
+        else:
+            self.cmd_count(line.removeprefix("count").strip(), label)
 
     def cmd_hist(self, rest: str) -> None:
         """``hist EVENT by VALUE``: a histogram of VALUE (the form before ``hist(VALUE)``)."""
@@ -49,12 +58,13 @@ class MapCommands:
         self._check_names(value, events)
         self._aggregate(spec, events, Aggregation("hist", value=value))
 
-    def call(self, call: Call, rest: str) -> None:
+    def call(self, call: Call, rest: str, label: str | None = None) -> None:
         """``sum(VALUE) [EVENT...] [by KEY, ...]`` and the other map functions of a value."""
         spec = parse_collect(rest, verb=call.func)
         events = select_events(self.shell.target, spec.events)
         self._check_names(call.value, events)
-        self._aggregate(spec, events, Aggregation(call.func, spec.keys, call.value, bounds=call.bounds))
+        agg = Aggregation(call.func, spec.keys, call.value, bounds=call.bounds, label=label)
+        self._aggregate(spec, events, agg)
 
     def _check_names(self, name: str, events: list[TraceEvent]) -> None:
         check_argument(name, [(te.name, te.definition) for te in events], "; `help count` lists the keys")

@@ -13,8 +13,6 @@ from dataclasses import dataclass, field
 from qprobe.errors import QprobeError
 
 SPECIAL_KEYS = ("$comm", "$pid", "$cpu", "$func", "$event", "$stack")
-# Keys that name the event a hit is of: a count by these alone is each event's own (in-guest) hit count.
-EVENT_KEYS = ("$func", "$event")
 NUMERIC_SPECIAL_KEYS = ("$pid", "$cpu")
 # The head of a kprobe_events line: p, r, p:EV, r5:GRP/EV, -:EV ...
 _DEFINITION = re.compile(r"^(?:[pr]\d*(?::\S*)?|-\S*)$")

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import qprobe
+from qprobe.events.fold import GuestMaps, fold_path
 from qprobe.shell.core import Shell
 
 from .conftest import IMAGE, shell_do, workload_result
@@ -76,6 +77,9 @@ def test_shell_maps_over_a_hot_loop_equal_the_workload_and_kprobe_profile(
             # Every read in the VM: the workloads' and the few of the guest shell reading the command line.
             ("count rd", lambda text, pids: vcpus * N <= _total(text) <= vcpus * N + 200),
             ("count rd by $comm", lambda text, pids: _rows(text)["workload"] == vcpus * N),
+            # bpftrace's spellings of the same maps
+            ("count() rd", lambda text, pids: vcpus * N <= _total(text) <= vcpus * N + 200),
+            ("@[$comm] = count() rd", lambda text, pids: _rows(text)["workload"] == vcpus * N),
             ("count rd by $pid", lambda text, pids: all(_rows(text)[p] == N for p in pids)),
             ("count rd by $func, $comm", lambda text, pids: _rows(text)["ksys_read, workload"] == vcpus * N),
             ("sum(count) rd by $comm", lambda text, pids: _rows(text, "count")["workload"] == vcpus * N),
@@ -119,6 +123,35 @@ def _hist_row(text: str, key: str, bucket: str) -> int:
     return int(next(line.split()[1] for line in block.splitlines() if line.startswith(bucket)))
 
 
+def test_python_api_and_plugin_counts_equal_the_workload(target: qprobe.Target, guest_event: str) -> None:
+    """The chooser and the in-guest maps by hand, and the plugin's handler-less Kprobe, over the same loop."""
+    te = target.add_event(DEFINITION)
+    try:
+        assert fold_path([te], "count", ("$comm",), None) == "guest map"
+        assert fold_path([te], "count", (), None, owned=True) == "guest map"
+        maps = GuestMaps([te], ("$comm",))
+        assert maps.start()
+        try:
+            res = workload_result(target.run(f"workload read {N} 1").check().output)
+        finally:
+            folded = maps.stop()
+        assert int(res["n"]) == N
+        assert [(t, slots[("workload",)].count) for t, slots in folded] == [(te, N)], folded
+    finally:
+        target.remove_event(te)
+    kp = qprobe.Kprobe(symbol_name="ksys_read")
+    target.register_kprobe(kp)
+    try:
+        before, profile = kp.nhit, _guest_hits(target)
+        target.run(_bracketed(guest_event, f"workload read {N} 1")).check()
+        target.sync()
+        # Every read in the VM while it ran: the workload's and the guest shell's reading the command line.
+        assert _guest_hits(target) - profile == N
+        assert N <= kp.nhit - before <= N + 200, kp.nhit - before
+    finally:
+        target.unregister_kprobe(kp)
+
+
 def test_trace_map_counts_the_command_s_reads_exactly() -> None:
     """``qprobe trace --run CMD --map``: the map holds the command's hits, all of them, and none of the
     guest shell's or the launcher's."""
@@ -130,6 +163,12 @@ def test_trace_map_counts_the_command_s_reads_exactly() -> None:
     assert _rows(out.stdout, "count") == {f"workload, {res['pid']}": N}, out.stdout
     summary = next(line for line in out.stdout.splitlines() if line.startswith("# rd:"))
     assert summary.startswith(f"# rd: hits={N} nmissed=0 lost=0 "), out.stdout
+    # bpftrace's spelling, no key: the command's reads alone (the map folded in the guest by pid as well)
+    out = subprocess.run([sys.executable, "-m", "qprobe.cli", "trace", "--image", IMAGE, "--run",
+                          f"workload read {N} 1", "--map", "count()", DEFINITION],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert re.findall(r"^@: (\d+)$", out.stdout, re.M) == [str(N)], out.stdout
     bad = subprocess.run([sys.executable, "-m", "qprobe.cli", "trace", "--map", "sum(size) by $comm", DEFINITION],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.splitlines() == [

@@ -5,7 +5,8 @@ from __future__ import annotations
 from shell_fakes import make_shell
 
 from qprobe.core.uprobe import Uprobe
-from qprobe.shell.collect import Aggregation, Collector, per_event_count
+from qprobe.events.fold import fold_path
+from qprobe.shell.collect import Aggregation, Collector
 from qprobe.shell.parse import is_bpftrace_uprobe, is_definition
 
 
@@ -78,9 +79,9 @@ def test_uprobe_hits_are_counted_on_the_host() -> None:
     run(shell, out, "p:uq /bin/uprog:qpt_target a=%di")
     te = t.events["uprobes/uq"]
     agg = Aggregation("count", ())
-    assert not per_event_count([te], agg)
+    assert fold_path([te], "count", (), None) == "ring"
     with Collector([te], agg) as c:
-        assert not c.per_event and not c.in_guest
+        assert c.path == "ring" and not c.in_guest
         for _ in range(3):
             t.fire(te, comm="uprog", pid=7, a="0x1")
     assert agg.render() == "@: 3\n"

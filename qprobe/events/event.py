@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from qprobe.events.context import HostContext, symbol_lookup
 from qprobe.events.hit import EventHit
+from qprobe.events.samples import SampleCb, Samples
 from qprobe.fetch import ProbeEvent, format_event, format_hit
 from qprobe.fetch.context import U64_MASK
 from qprobe.fetch.filter import EventFilter
@@ -57,6 +58,8 @@ class TraceEvent:
     oversized: int = 0  # hits whose record is longer than the guest's ring buffer takes: no line (fetch.record)
     appended: list[TraceEvent] = field(default_factory=list)  # later probes of the same event
     probe: Kprobe | Kretprobe | Uprobe | None = None  # make_probe's; a kind's subclass narrows it to its own
+    # A ring handler (qprobe.events.samples) instead of ``callback`` and ``hits``: every hit goes to it in batches.
+    sample_cb: SampleCb | None = None
 
     # -- what a probe kind answers ------------------------------------------------------------
     @property
@@ -174,6 +177,9 @@ class TraceEvent:
         recorded = task is not None  # only a ring record brings its task
         ctx = self._context(regs, retval, None if task is None else task[1], ip, func, entry)
         values: list[Value] = self.definition.evaluate(ctx)
+        if self.sample_cb is not None:
+            self._sample(regs, values, task, recorded)
+            return
         limit = host.kernel.event_length_limit()
         if limit is not None and record_length(self.definition, values) > limit:
             self.oversized += 1  # the kernel's ring buffer refuses the record: no line, as the guest's own
@@ -195,6 +201,18 @@ class TraceEvent:
             strings=self.strings,
         )  # fmt: skip
         self._emit(hit)
+
+    def _sample(self, regs: PtRegs, values: list[Value], task: tuple[int, str] | None, recorded: bool) -> None:
+        """A hit the host took at once (before the probe's jump was placed, say), to the ring handler as a
+        batch of one: what it raises goes to the probe's handler accounting, as at any hit."""
+        assert self.sample_cb is not None
+        if task is None:
+            current = self.host.kernel.snapshot(regs=regs.task_regs)
+            task = (current.pid, current.comm) if current is not None else (-1, "<...>")
+        ts, _order = self.host.clock.hit_time(regs, recorded=recorded)
+        args = {a.name: [v] for a, v in zip(self.definition.args, values, strict=True)}
+        self.nhit += 1
+        self.sample_cb(Samples(self.definition.event, [regs.vcpu], [task[0]], [task[1]], [ts], args))
 
     def _emit(self, hit: EventHit) -> None:
         """A hit made: filtered, counted, kept in the guest's order, and handed to the callback."""

@@ -188,8 +188,9 @@ class EventAPI:
         For counting, filtering, histograms and logging: the hit ran on long before the handler sees it, so
         what must stop the guest (fault injection, writing registers) takes ``add_event``'s callback or a
         kprobe's ``pre_handler``.  The definition must be one the guest records: an entry probe whose arguments
-        read registers or ``$comm``.  What the handler raises is caught, counted (``nfaults``) and reported; the
-        probe stays armed and later batches still come.  ``remove_event`` disarms it.
+        read registers or ``$comm``.  What the handler raises is caught, counted (``probe.nfaults``,
+        ``probe.errors``) and reported; the probe stays armed and later batches still come.  ``remove_event``
+        disarms it.
         """
         from qprobe.events.define import add_event
 

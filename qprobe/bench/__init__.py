@@ -17,6 +17,7 @@ import qprobe
 from qprobe.bench.common import WORKLOADS, Row, _time
 from qprobe.bench.gdb import _gdb_rows
 from qprobe.bench.probes import _probe_matrix, _uprobe_rows
+from qprobe.bench.ring import _ring_handler_rows
 from qprobe.bench.scale import (
     SCALE_ITERATIONS,
     SCALE_PY_ITERATIONS,
@@ -153,6 +154,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
         rows += _probe_matrix(target, args) + _uprobe_rows(target, args) if "probes" in args.sections else []
         rows += _trace_lines(target) if "trace" in args.sections else []
+        ring, ring_targets = _ring_handler_rows(target) if "trace" in args.sections else ([], [])
+        rows += ring
         wild = _wildcard_teardown(target) if "trace" in args.sections else None
         scale, scale_names = _scale(target, args) if "scale" in args.sections else ([], [])
     if scale_names:
@@ -179,6 +182,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "",
         *_targets([v for _, v in rows if isinstance(v, Row)] + gdb_rows),
         *_scale_targets(scale),
+        *ring_targets,
         *teardown_targets,
         "",
         f"Scale: N probes on distinct functions the fork-heavy loop reaches (hottest first; from the guest's "

@@ -177,20 +177,22 @@ class TraceEvent:
         recorded = task is not None  # only a ring record brings its task
         ctx = self._context(regs, retval, None if task is None else task[1], ip, func, entry)
         values: list[Value] = self.definition.evaluate(ctx)
-        if self.sample_cb is not None:
-            self._sample(regs, values, task, recorded)
-            return
         limit = host.kernel.event_length_limit()
-        if limit is not None and record_length(self.definition, values) > limit:
+        if self.sample_cb is None and limit is not None and record_length(self.definition, values) > limit:
             self.oversized += 1  # the kernel's ring buffer refuses the record: no line, as the guest's own
             return
-        body = self._body(values, ip, func)
         if task is None:
             current = host.kernel.snapshot(regs=regs.task_regs)
             # Without the kernel's types (a vmlinux without DWARF) the task is unknown: ftrace's "<...>".
             task = (current.pid, current.comm) if current is not None else (-1, "<...>")
         pid, comm = task
         ts, order = host.clock.hit_time(regs, recorded=recorded)
+        if self.sample_cb is not None:  # a hit the host took at once (before the jump was placed): a batch of one
+            self.nhit += 1
+            args = {a.name: [v] for a, v in zip(self.definition.args, values, strict=True)}
+            self.sample_cb(Samples(self.definition.event, [regs.vcpu], [pid], [comm], [ts], args))
+            return
+        body = self._body(values, ip, func)
         hit = EventHit(
             event=self.definition.event, cpu=regs.vcpu, pid=pid, comm=comm,
             ts=ts, order=order, addr=ip,
@@ -201,18 +203,6 @@ class TraceEvent:
             strings=self.strings,
         )  # fmt: skip
         self._emit(hit)
-
-    def _sample(self, regs: PtRegs, values: list[Value], task: tuple[int, str] | None, recorded: bool) -> None:
-        """A hit the host took at once (before the probe's jump was placed, say), to the ring handler as a
-        batch of one: what it raises goes to the probe's handler accounting, as at any hit."""
-        assert self.sample_cb is not None
-        if task is None:
-            current = self.host.kernel.snapshot(regs=regs.task_regs)
-            task = (current.pid, current.comm) if current is not None else (-1, "<...>")
-        ts, _order = self.host.clock.hit_time(regs, recorded=recorded)
-        args = {a.name: [v] for a, v in zip(self.definition.args, values, strict=True)}
-        self.nhit += 1
-        self.sample_cb(Samples(self.definition.event, [regs.vcpu], [task[0]], [task[1]], [ts], args))
 
     def _emit(self, hit: EventHit) -> None:
         """A hit made: filtered, counted, kept in the guest's order, and handed to the callback."""

@@ -178,11 +178,6 @@ class KprobeEvent(TraceEvent):
         return self.probe.nmissed if self.probe is not None else 0
 
     @property
-    def nfaults(self) -> int:
-        """Calls of the event's handler that raised (a ring handler's batches; the texts in ``probe.errors``)."""
-        return self.probe.nfaults if self.probe is not None else 0
-
-    @property
     def lost(self) -> int:
         return self.kprobe.nlost if self.kprobe is not None else 0
 
@@ -312,7 +307,7 @@ class KprobeEvent(TraceEvent):
     def _ring_records(self, records: list[GuestRecord]) -> None:
         """A run drained from the ring, to the ring handler as one batch of columns (no line, no EventHit).
 
-        Counted before the handler runs: a batch it raised on was delivered, and is counted in ``nfaults``.
+        Counted before the handler runs: a batch it raised on was delivered, and is counted in ``probe.nfaults``.
         """
         sample_cb = self.sample_cb
         assert sample_cb is not None

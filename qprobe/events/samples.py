@@ -17,7 +17,6 @@ handler: ``add_event``'s callback, a kprobe's ``pre_handler``).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from qprobe.fetch.args import Value
@@ -33,23 +32,33 @@ class Sample(NamedTuple):
     args: dict[str, Value]  # the definition's arguments by name, typed as fetched (an s32 negative, a u64 not)
 
 
-@dataclass(frozen=True, slots=True)
 class Samples:
     """One event's hits from one drain of the rings, oldest first, as columns (one list a field, a hit an index).
 
     ``args`` maps each argument of the definition to its column of values as
     the definition types them: an integer (masked to its size, signed for
     ``s8``..``s64``), a string (``$comm``) or what ``FetchArg.evaluate`` makes
-    of the rest.  Iterating gives the hits as :class:`Sample` rows (slower:
-    a tuple and a dict a hit).
+    of the rest.  ``ts`` is worked out from the records' cycle counter values
+    when first read (the guest's clock as it is then): a handler that never
+    reads it does not pay for it.  Iterating gives the hits as :class:`Sample`
+    rows (slower: a tuple and a dict a hit).
     """
 
-    event: str
-    cpu: list[int]
-    pid: list[int]
-    comm: list[str]
-    ts: list[float]
-    args: dict[str, list[Value]]
+    __slots__ = ("_times", "_ts", "args", "comm", "cpu", "event", "pid")
+
+    def __init__(self, event: str, cpu: list[int], pid: list[int], comm: list[str],
+                 ts: list[float] | Callable[[], list[float]], args: dict[str, list[Value]]) -> None:  # fmt: skip
+        self.event, self.cpu, self.pid, self.comm, self.args = event, cpu, pid, comm, args
+        self._ts: list[float] | None = ts if isinstance(ts, list) else None
+        self._times: Callable[[], list[float]] | None = None if isinstance(ts, list) else ts
+
+    @property
+    def ts(self) -> list[float]:
+        """Each hit's time, in seconds on the guest's trace clock, as its trace lines print them."""
+        if self._ts is None:
+            assert self._times is not None
+            self._ts, self._times = self._times(), None
+        return self._ts
 
     def __len__(self) -> int:
         return len(self.cpu)
@@ -59,6 +68,9 @@ class Samples:
         columns = [self.args[n] for n in names]
         for i, (cpu, pid, comm, ts) in enumerate(zip(self.cpu, self.pid, self.comm, self.ts, strict=True)):
             yield Sample(cpu, pid, comm, ts, {n: col[i] for n, col in zip(names, columns, strict=True)})
+
+    def __repr__(self) -> str:
+        return f"<Samples {self.event}: {len(self)} hits>"
 
 
 SampleCb = Callable[[Samples], object]  # libbpf's sample_cb: what it returns is ignored

@@ -1,7 +1,7 @@
 """``qprobe bench``: the numbers docs/performance.md quotes, measured on this machine.
 
 Speed is checked here, with a report, never by timed assertions in tests.  Each part of the report
-is its own module (probes, trace, scale, gdb); this one runs them and writes the report with the
+is its own module (probes, trace, ring, scale, gdb); this one runs them and writes the report with the
 project's performance targets.
 """
 

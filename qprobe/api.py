@@ -139,6 +139,7 @@ class Target:
     # -- the kprobe_events API (qprobe.eventapi) --------------------------------------
     add_event = forward(EventAPI.add_event, "event_api")
     add_events = forward(EventAPI.add_events, "event_api")
+    ring_buffer = forward(EventAPI.ring_buffer, "event_api")
     remove_event = forward(EventAPI.remove_event, "event_api")
     remove_events = forward(EventAPI.remove_events, "event_api")
     user_file_kind = forward(EventAPI.user_file_kind, "event_api")

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from qprobe.events import EventHit, TraceEvent, Wildcard
     from qprobe.events.clock import HitClock
     from qprobe.events.kprobe import KprobeBackend
+    from qprobe.events.samples import SampleCb
     from qprobe.events.timeline import Timeline
     from qprobe.events.uprobe import UprobeBackend
     from qprobe.fetch import Definition, ProbeEvent, UprobeEvent
@@ -171,6 +172,30 @@ class EventAPI:
 
         self.clock.start()
         return add_event(self, definition, callback, filter, anywhere)  # in self.events, or appended to its event
+
+    def ring_buffer(self, definition: str | Definition | ProbeEvent, sample_cb: SampleCb) -> TraceEvent:
+        """Arm a kprobe_events definition whose hits go to ``sample_cb`` in batches, off the record rings:
+        libbpf's ``ring_buffer__new(map, sample_cb)`` consumer, the handler running later, in another context.
+
+        The optimized probe's detour records each hit (its registers, pid, comm, time) in its CPU's ring
+        and returns; the collector thread drains the rings every few milliseconds (at once when one fills)
+        and calls ``sample_cb(samples)`` with each run of the event's hits as ``qprobe.events.Samples``
+        (columns: ``cpu``, ``pid``, ``comm``, ``ts``, ``args[name]``; iterate for rows).  Nothing waits on
+        the handler while it keeps up; when it does not, the rings fill and the hitting vCPU waits for the
+        drain (``record_waits()``), or with ``records_lossy`` the records are dropped and counted (``lost``).
+        Hits the host takes at once (before the probe's jump is placed) come as batches of one.
+
+        For counting, filtering, histograms and logging: the hit ran on long before the handler sees it, so
+        what must stop the guest (fault injection, writing registers) takes ``add_event``'s callback or a
+        kprobe's ``pre_handler``.  The definition must be one the guest records: an entry probe whose arguments
+        read registers or ``$comm``.  What the handler raises is caught, counted (``probe.nfaults``,
+        ``probe.errors``) and reported; the probe stays armed and later batches still come.  ``remove_event``
+        disarms it.
+        """
+        from qprobe.events.define import add_event
+
+        self.clock.start()
+        return add_event(self, definition, sample_cb=sample_cb)
 
     def add_events(
         self,

@@ -1,7 +1,7 @@
 """``qprobe bench``: the numbers docs/performance.md quotes, measured on this machine.
 
 Speed is checked here, with a report, never by timed assertions in tests.  Each part of the report
-is its own module (probes, trace, scale, gdb); this one runs them and writes the report with the
+is its own module (probes, trace, ring, scale, gdb); this one runs them and writes the report with the
 project's performance targets.
 """
 
@@ -18,6 +18,7 @@ from qprobe.bench.common import WORKLOADS, Row, _time
 from qprobe.bench.gdb import _gdb_rows
 from qprobe.bench.maps import _map_rows
 from qprobe.bench.probes import _probe_matrix, _uprobe_rows
+from qprobe.bench.ring import _ring_handler_rows
 from qprobe.bench.scale import (
     SCALE_ITERATIONS,
     SCALE_PY_ITERATIONS,
@@ -154,6 +155,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
         rows += _probe_matrix(target, args) + _uprobe_rows(target, args) if "probes" in args.sections else []
         rows += _trace_lines(target) if "trace" in args.sections else []
+        ring, ring_targets = _ring_handler_rows(target) if "trace" in args.sections else ([], [])
+        rows += ring
         wild = _wildcard_teardown(target) if "trace" in args.sections else None
         map_rows, map_targets = _map_rows(target) if "maps" in args.sections else ([], [])
         rows += map_rows
@@ -182,6 +185,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "",
         *_targets([v for _, v in rows if isinstance(v, Row)] + gdb_rows),
         *_scale_targets(scale),
+        *ring_targets,
         *teardown_targets,
         *map_targets,
         "",

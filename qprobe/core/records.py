@@ -169,7 +169,7 @@ class RecordRings:
 
     def _read_ring(self, cpu: int, points: dict[int, ProbePoint]) -> list[RingEntry]:
         """The valid entries of ``cpu``'s ring since the last drain, their points added to ``points``; the
-        ring's tail moves past them all.
+        ring's tail moves past them all (once they are read, before they are decoded).
 
         The new entries are read in one go (two where they wrap) and decoded together.
         """
@@ -178,36 +178,42 @@ class RecordRings:
         head, tail = ram.read_u64_phys(hdr + layouts.ring_head), self._tails[cpu]
         if head == tail:
             return []
-        out = []
         if not 0 < head - tail <= entries:
             self.ring_errors += 1
-        else:
-            size, count, first = layouts.ring_entry_size, head - tail, tail % entries
-            base = self.scratch.phys_of(self.rings + layouts.ring_header_size * len(self._tails)
-                                        + cpu * entries * size)  # fmt: skip
-            upto_end = min(count, entries - first)
-            raw = ram.read_phys(base + first * size, upto_end * size)
-            if upto_end < count:
-                raw += ram.read_phys(base, (count - upto_end) * size)
-            by_id, retired = self.by_id, self.retired
-            for entry in layouts.parse_ring_entries(raw):
-                probe_id = entry.probe_id
-                if probe_id not in points:  # each id checked once a drain
-                    point = by_id.get(probe_id)
-                    if point is None and probe_id in retired:
-                        self.late_records += 1
-                        continue
-                    if point is None or point.opt is None or point.opt.kind not in RECORDING:
-                        self.ring_errors += 1
-                        continue
-                    points[probe_id] = point
-                if entry.cpu != cpu:
+            self._free(cpu, head)
+            return []
+        size, count, first = layouts.ring_entry_size, head - tail, tail % entries
+        base = self.scratch.phys_of(self.rings + layouts.ring_header_size * len(self._tails) + cpu * entries * size)
+        upto_end = min(count, entries - first)
+        raw = ram.read_phys(base + first * size, upto_end * size)
+        if upto_end < count:
+            raw += ram.read_phys(base, (count - upto_end) * size)
+        # The entries are copied: the ring is free again before they are decoded, so a vCPU waiting on
+        # it goes on now, not once this drain's records have been decoded and handled.
+        self._free(cpu, head)
+        out = []
+        by_id, retired = self.by_id, self.retired
+        for entry in layouts.parse_ring_entries(raw):
+            probe_id = entry.probe_id
+            if probe_id not in points:  # each id checked once a drain
+                point = by_id.get(probe_id)
+                if point is None and probe_id in retired:
+                    self.late_records += 1
+                    continue
+                if point is None or point.opt is None or point.opt.kind not in RECORDING:
                     self.ring_errors += 1
                     continue
-                out.append(entry)
-        self._tails[cpu] = head
-        ram.write_u64_phys(hdr + layouts.ring_tail, head)
+                points[probe_id] = point
+            if entry.cpu != cpu:
+                self.ring_errors += 1
+                continue
+            out.append(entry)
         return out
+
+    def _free(self, cpu: int, head: int) -> None:
+        """``cpu``'s ring read up to ``head``: the guest may write over what lies before it."""
+        self._tails[cpu] = head
+        self.ram.write_u64_phys(self._header(cpu) + self.layouts.ring_tail, head)
 
     def _deliver(self, batch: list[RingEntry], points: Mapping[int, ProbePoint]) -> None:
         """Every record, in cycle-counter order, to the recorders of its point's enabled probes: each run of

@@ -21,7 +21,8 @@ The package, top to bottom:
 - ``registry``: the target's view at a hit (``EventHost``);
 - ``funcs``: which functions can be probed (also ``qprobe funcs``);
 - ``modules``: module events re-registered as their module loads;
-- ``timeline``: hits handed on in the guest's order.
+- ``timeline``: hits handed on in the guest's order;
+- ``samples``: a ring handler's batches (``Target.ring_buffer``), off the record rings.
 """
 
 from qprobe.events.define import MAX_WILDCARD, EventRegistry, Wildcard, add_event, add_events, remove_events
@@ -30,6 +31,7 @@ from qprobe.events.fold import GuestMaps, fold_path
 from qprobe.events.hit import EventHit
 from qprobe.events.inguest import guest_filter, guest_key, in_guest
 from qprobe.events.kprobe import KprobeBackend, KprobeEvent, entry_args
+from qprobe.events.samples import Sample, SampleCb, Samples
 
 __all__ = [
     "MAX_WILDCARD",
@@ -39,6 +41,9 @@ __all__ = [
     "InOrder",
     "KprobeBackend",
     "KprobeEvent",
+    "Sample",
+    "SampleCb",
+    "Samples",
     "TraceEvent",
     "Wildcard",
     "add_event",

@@ -27,6 +27,7 @@ from qprobe.events.event import TraceEvent, event_filter
 from qprobe.events.funcs import Probeability, check_probe_symbol, did_you_mean, wildcard_definitions
 from qprobe.events.hit import EventHit
 from qprobe.events.kprobe import KprobeEvent, KprobeHost
+from qprobe.events.samples import SampleCb
 from qprobe.events.uprobe import UprobeHost, UprobeTraceEvent
 from qprobe.fetch import (
     Definition,
@@ -149,9 +150,11 @@ def add_event(
     callback: Callable[[EventHit], None] | None = None,
     filter: str | None = None,
     anywhere: bool = False,
+    sample_cb: SampleCb | None = None,
 ) -> TraceEvent:
     """Parse a kprobe_events or uprobe_events definition (or take one parsed) and arm it; raises FetchArgError
-    naming the problem.
+    naming the problem.  With ``sample_cb`` (a kprobe event recorded in the guest) its hits go to that ring
+    handler in batches instead of ``callback`` (qprobe.events.samples).
 
     Refusals are the kernel's (its texts and carets, ``error_log`` style), including
     those it makes when it adds the probe to its event table or registers it;
@@ -161,9 +164,11 @@ def add_event(
     if isinstance(definition, str):
         definition = parse_definition(definition)
     if isinstance(definition, UprobeEvent) or (isinstance(definition, Definition) and definition.is_uprobe):
+        if sample_cb is not None:
+            raise InvalidProbe(f"{definition.text}: a ring handler takes kprobe events (a uprobe stops its vCPU)")
         return _add_uprobe_event(reg, definition, callback, filter)
     _follow_modules(reg, source_of(definition) if isinstance(definition, ProbeEvent) else definition)
-    te, first = _prepare(reg, definition, callback, filter, reg.symbols.count, anywhere)
+    te, first = _prepare(reg, definition, callback, filter, reg.symbols.count, anywhere, sample_cb)
     try:
         te.backend.register([te])
     except (ProbeError, SymbolError) as exc:
@@ -304,7 +309,7 @@ class _Answers(TypedDict):
 
 def _prepare(
     reg: EventRegistry, definition: Definition | ProbeEvent, callback: Callable[[EventHit], None] | None,
-    filter: str | None, symbol_count: Callable[[str], int], anywhere: bool,
+    filter: str | None, symbol_count: Callable[[str], int], anywhere: bool, sample_cb: SampleCb | None = None,
 ) -> tuple[KprobeEvent, TraceEvent | None]:  # fmt: skip
     """The parsed (or, given parsed, checked), unregistered event, and the existing event it would join (or None).
 
@@ -334,7 +339,7 @@ def _prepare(
         raise FetchArgError(dialect.message(M.EVENT_EXIST), text, 0)
     anywhere = check_notrace(reg, ev, anywhere)
     te = KprobeEvent(reg, ev, callback, filter=None if filter is None else event_filter(ev, filter),
-                     anywhere=anywhere)  # fmt: skip
+                     anywhere=anywhere, sample_cb=sample_cb)  # fmt: skip
     te.make_probe()
     return te, first
 

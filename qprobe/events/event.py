@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from qprobe.events.context import HostContext, symbol_lookup
 from qprobe.events.hit import EventHit
+from qprobe.events.samples import SampleCb, Samples
 from qprobe.fetch import ProbeEvent, format_event, format_hit
 from qprobe.fetch.context import U64_MASK
 from qprobe.fetch.filter import EventFilter
@@ -57,6 +58,8 @@ class TraceEvent:
     oversized: int = 0  # hits whose record is longer than the guest's ring buffer takes: no line (fetch.record)
     appended: list[TraceEvent] = field(default_factory=list)  # later probes of the same event
     probe: Kprobe | Kretprobe | Uprobe | None = None  # make_probe's; a kind's subclass narrows it to its own
+    # A ring handler (qprobe.events.samples) instead of ``callback`` and ``hits``: every hit goes to it in batches.
+    sample_cb: SampleCb | None = None
 
     # -- what a probe kind answers ------------------------------------------------------------
     @property
@@ -175,16 +178,21 @@ class TraceEvent:
         ctx = self._context(regs, retval, None if task is None else task[1], ip, func, entry)
         values: list[Value] = self.definition.evaluate(ctx)
         limit = host.kernel.event_length_limit()
-        if limit is not None and record_length(self.definition, values) > limit:
+        if self.sample_cb is None and limit is not None and record_length(self.definition, values) > limit:
             self.oversized += 1  # the kernel's ring buffer refuses the record: no line, as the guest's own
             return
-        body = self._body(values, ip, func)
         if task is None:
             current = host.kernel.snapshot(regs=regs.task_regs)
             # Without the kernel's types (a vmlinux without DWARF) the task is unknown: ftrace's "<...>".
             task = (current.pid, current.comm) if current is not None else (-1, "<...>")
         pid, comm = task
         ts, order = host.clock.hit_time(regs, recorded=recorded)
+        if self.sample_cb is not None:  # a hit the host took at once (before the jump was placed): a batch of one
+            self.nhit += 1
+            args = {a.name: [v] for a, v in zip(self.definition.args, values, strict=True)}
+            self.sample_cb(Samples(self.definition.event, [regs.vcpu], [pid], [comm], [ts], args))
+            return
+        body = self._body(values, ip, func)
         hit = EventHit(
             event=self.definition.event, cpu=regs.vcpu, pid=pid, comm=comm,
             ts=ts, order=order, addr=ip,

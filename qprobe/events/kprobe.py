@@ -13,13 +13,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from qprobe.core.kprobe import Kprobe, Kretprobe, KretprobeInstance
-from qprobe.errors import QprobeError
+from qprobe.errors import InvalidProbe, QprobeError
 from qprobe.events.context import HostContext, RecordContext, symbol_lookup
 from qprobe.events.event import TraceEvent
 from qprobe.events.hit import EventHit
 from qprobe.events.inguest import guest_filter, guest_key, in_guest
-from qprobe.events.recordfmt import arg_text
+from qprobe.events.recordfmt import arg_column, arg_text
 from qprobe.events.registry import EventHost
+from qprobe.events.samples import Samples
 from qprobe.fetch import print_ip_sym
 from qprobe.fetch.context import U64_MASK
 from qprobe.fetch.expr import Arg, Deref
@@ -140,6 +141,10 @@ class KprobeEvent(TraceEvent):
 
     def make_probe(self) -> None:
         ev = self.definition
+        layout = self.host.arch.registers
+        if self.sample_cb is not None and (self.anywhere or not in_guest(ev, layout)):
+            raise InvalidProbe(f"{self.name}: a ring handler takes what an optimized probe records in "
+                               "the guest: an entry probe reading registers or $comm, not anywhere")  # fmt: skip
         if ev.is_return:
             saved = entry_args(ev)  # fetched at the entry, as the kernel's trace_kprobe_entry_handler does
             self.probe = Kretprobe(symbol_name=ev.symbol, addr=ev.addr if ev.symbol is None else None,
@@ -150,11 +155,10 @@ class KprobeEvent(TraceEvent):
             return
         kp = Kprobe(symbol_name=ev.symbol, addr=ev.addr if ev.symbol is None else None, offset=ev.offset,
                     pre_handler=self._kprobe_hit, anywhere=self.anywhere)  # fmt: skip
-        layout = self.host.arch.registers
         self.in_guest = False
         if in_guest(ev, layout) and not self.anywhere:  # a stub breakpoint is never jump-optimized
             self.in_guest = True
-            kp.recorder = self._guest_records
+            kp.recorder = self._recorder
             if self.filter is not None:
                 # Rejected in the detour, before the ring; the host filter still runs (the int3 path).
                 kp.guest_filter = guest_filter(ev, self.filter, layout)
@@ -214,7 +218,7 @@ class KprobeEvent(TraceEvent):
 
     def use_host_handler(self, on: bool) -> None:
         if isinstance(self.probe, Kprobe) and self.in_guest:
-            self.probe.recorder = None if on else self._guest_records
+            self.probe.recorder = None if on else self._recorder
             self.backend.resync(self.probe)
 
     def count_in_guest(self, keys: Sequence[str], value: str | None = None, hist: bool = False) -> bool:
@@ -289,6 +293,43 @@ class KprobeEvent(TraceEvent):
             out[key] = slot if old is None else old.merge(slot)
         return out
 
+    @property
+    def _recorder(self) -> Callable[[list[GuestRecord]], None]:
+        """What takes the runs of records drained from the rings: the ring handler, or the trace lines."""
+        return self._ring_records if self.sample_cb is not None else self._guest_records
+
+    def _record_context(self) -> Callable[[GuestRecord], RecordContext]:
+        """The fetch context of each record of a run (what a run's records share found once)."""
+        assert isinstance(self.probe, Kprobe)
+        host, layout, make_regs = self.host, self.host.arch.registers, self.backend.make_regs
+        fetch_ip, syscall_nr, task_size_max = (
+            self._fetch_ip(self.probe.at, None),
+            self._syscall_nr(None),
+            host.mem.paging.task_size_max(),
+        )
+
+        def context(rec: GuestRecord) -> RecordContext:
+            return RecordContext(host, rec, layout, fetch_ip, syscall_nr, task_size_max, make_regs)
+
+        return context
+
+    def _ring_records(self, records: list[GuestRecord]) -> None:
+        """A run drained from the ring, to the ring handler as one batch of columns (no line, no EventHit).
+
+        Counted before the handler runs: a batch it raised on was delivered, and is counted in ``probe.nfaults``.
+        """
+        sample_cb = self.sample_cb
+        assert sample_cb is not None
+        layout, context, clock = self.host.arch.registers, self._record_context(), self.host.clock
+
+        def times() -> list[float]:  # when the handler reads ``ts``: a third of a batch's cost otherwise
+            return [ts for ts, _order in clock.record_times([(rec.values["cycles"], rec.cpu) for rec in records])]
+
+        args = {a.name: arg_column(a, layout, context)(records) for a in self.definition.args}
+        self.nhit += len(records)
+        sample_cb(Samples(self.definition.event, [rec.cpu for rec in records], [rec.pid for rec in records],
+                          [rec.comm for rec in records], times, args))  # fmt: skip
+
     def _guest_records(self, records: list[GuestRecord]) -> None:
         """The same hits, recorded in the guest by an optimized probe's detour: a run drained from its ring.
 
@@ -308,15 +349,7 @@ class KprobeEvent(TraceEvent):
         layout = host.arch.registers
         symbol = self._symbolize(ip)
         head = f"({print_ip_sym(ip, symbol_lookup(host), True, self._return_trampoline())})"
-        fetch_ip, syscall_nr, task_size_max = (
-            self._fetch_ip(ip, None),
-            self._syscall_nr(None),
-            host.mem.paging.task_size_max(),
-        )
-        make_regs = self.backend.make_regs
-
-        def context(rec: GuestRecord) -> RecordContext:
-            return RecordContext(host, rec, layout, fetch_ip, syscall_nr, task_size_max, make_regs)
+        context = self._record_context()
 
         if measured:  # the kept records and their arguments' texts, from the values their length was taken of
             kept, texts_each = [], []

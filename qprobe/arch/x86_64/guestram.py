@@ -13,17 +13,23 @@ from collections.abc import Callable, Mapping
 from qprobe.arch.guestram import MailboxRequest, PercpuLayout, ReturnLayout, RingEntry
 from qprobe.arch.inguest import KeySpec, MapKey, MapSlot
 from qprobe.arch.x86_64 import detour, guestagg, retdetour
-from qprobe.arch.x86_64.ptregs import STUB_FRAME_REGS, parse_stub_frame, stub_frame_offset, stub_frame_pick
+from qprobe.arch.x86_64.ptregs import PT_REGS_ORDER, PT_REGS_SIZE, STUB_FRAME_REGS, parse_stub_frame, stub_frame_offset
 
 _MAILBOX = struct.Struct(f"<{(detour.MB_REGS + detour.FRAME_SIZE) // 8}Q")  # a mailbox up to the end of its frame
 _ANSWER = struct.Struct("<2Q")  # MB_FINAL_IP, MB_FINAL_SP: written in one go
 assert detour.MB_FINAL_SP == detour.MB_FINAL_IP + 8
-# A ring entry as one unpack: the frame's words, the TSC, CPU and pid, comm (16 bytes) and task, then padding.
-_ENTRY = struct.Struct(f"<{detour.E_COMM // 8}Q16sQ{detour.ENTRY_SIZE - detour.E_TASK - 8}x")
-_E_ID, _E_TSC, _E_CPU_PID = detour.FRAME_ID // 8, detour.E_TSC // 8, detour.E_CPU_PID // 8  # fields of the unpack
-_E_COMM = detour.E_COMM // 8
-_E_TASK = _E_COMM + 1
-assert _ENTRY.size == detour.ENTRY_SIZE and detour.E_TASK == detour.E_COMM + 16
+# A ring entry as one unpack: the frame's registers of the probed context in memory order (the words of the
+# rest skipped, so the unpack starts with exactly the registers a record's dict holds), the probe id, the
+# TSC, CPU and pid, comm (16 bytes) and task, then padding.
+_FRAME_KEYS = tuple(g for g in PT_REGS_ORDER if g in STUB_FRAME_REGS)
+_ENTRY = struct.Struct("<" + "".join("Q" if g in STUB_FRAME_REGS else "8x" for g in PT_REGS_ORDER)
+                       + f"QQQ16sQ{detour.ENTRY_SIZE - detour.E_TASK - 8}x")  # fmt: skip
+_E_ID = len(_FRAME_KEYS)  # fields of the unpack
+_E_TSC, _E_CPU_PID, _E_COMM, _E_TASK = _E_ID + 1, _E_ID + 2, _E_ID + 3, _E_ID + 4
+assert sorted(_FRAME_KEYS) == sorted(STUB_FRAME_REGS) and _ENTRY.size == detour.ENTRY_SIZE
+assert detour.FRAME_ID == PT_REGS_SIZE and detour.E_TSC == detour.FRAME_ID + 8
+assert detour.E_CPU_PID == detour.E_TSC + 8 and detour.E_COMM == detour.E_CPU_PID + 8
+assert detour.E_TASK == detour.E_COMM + 16
 
 
 class X86GuestRam:
@@ -87,7 +93,7 @@ class X86GuestRam:
         out = []
         comms: dict[bytes, str] = {}  # a few tasks make most records: each name decoded once
         for words in _ENTRY.iter_unpack(raw):
-            values = dict(zip(STUB_FRAME_REGS, stub_frame_pick(words), strict=True))
+            values = dict(zip(_FRAME_KEYS, words, strict=False))  # the registers: the unpack's first fields
             raw_comm = words[_E_COMM]
             comm = comms.get(raw_comm)
             if comm is None:

@@ -87,11 +87,6 @@ def parse_stub_frame(raw: bytes, offset: int = 0) -> tuple[dict[str, int], int, 
     return values, words[_STUB_FRAME_RET_WORD], words[_STUB_FRAME_ID_WORD]
 
 
-def stub_frame_pick(words: tuple[int, ...]) -> tuple[int, ...]:
-    """The context's registers (STUB_FRAME_REGS' order) from a stub frame's words (one unpacked with more)."""
-    return _STUB_FRAME_PICK(words)  # type: ignore[no-any-return]
-
-
 def stub_frame_offset(gdb_name: str) -> int | None:
     """Where the stub reloads register ``gdb_name`` from (None: not there; sp and ip are the stub's exit's)."""
     return 8 * PT_REGS_ORDER.index(gdb_name) if gdb_name in STUB_FRAME_REGS and gdb_name != "rsp" else None
@@ -147,5 +142,4 @@ __all__ = [
     "parse_pt_regs",
     "parse_stub_frame",
     "stub_frame_offset",
-    "stub_frame_pick",
 ]

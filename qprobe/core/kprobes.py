@@ -341,10 +341,8 @@ class KprobeManager:
     def set_optimization(self, on: bool) -> None:
         """debug.kprobes_optimization: optimize every point that can be (the kernel's optimize_all_kprobes),
         or put every jump back to an int3 (unoptimize_all_kprobes)."""
-        if on and self.arch.optprobes is None:
-            raise TargetError(f"{self.arch.name} has no jump optimization: every hit stops the VM")
         if on and not self.optimizer.available:
-            raise TargetError("jump optimization needs qprobe's own QEMU (a doorbell device and shared RAM)")
+            raise TargetError(self.optimizer.unavailable)
 
         def change() -> None:
             self.optimizer.enabled = on

@@ -119,6 +119,9 @@ class Optimizer:
         self.doorbell_path = doorbell
         layouts = self.arch.guest_ram
         self.available = bool(ram is not None and ram.writable and doorbell and layouts is not None)
+        self.unavailable = (f"{self.arch.name} has no jump optimization nor detours in guest RAM: every hit stops "
+                            "the VM" if layouts is None else
+                            "jump optimization needs qprobe's own QEMU (a doorbell device and shared RAM)")  # fmt: skip
         self.enabled = self.available  # debug.kprobes_optimization
         self.by_id: dict[int, ProbePoint] = {}
         # The text under each jump, listed in the guest's own kprobe_blacklist (see qprobe.core.fence).

@@ -9,7 +9,6 @@ vCPU executes, and the dispatcher is handed that stop as the stop loop would.
 from __future__ import annotations
 
 import inspect
-from typing import cast
 
 import pytest
 from fakearch import (
@@ -30,7 +29,7 @@ from fakearch import (
     insn,
 )
 
-from qprobe.arch import Arch, OptProbes
+from qprobe.arch import Arch
 from qprobe.core.kprobe import KPROBE_FLAG_GONE, Kprobe
 from qprobe.core.kprobes import KprobeManager
 from qprobe.core.listing import list_probes
@@ -490,16 +489,23 @@ def test_optimization_off_keeps_every_probe_on_its_breakpoint_and_says_why() -> 
     point = km.points[kp.resolved]
     assert not km.optimizer.enabled and km.optimizer.why_not(point) == "optimization is off"
     assert point.armed and t.mem.read(point.addr, 4) == BRK
-    # An architecture without jump optimization says so when it is asked for (arm64: none upstream either).
-    with pytest.raises(TargetError, match=r"^toy has no jump optimization: every hit stops the VM$"):
+    km.set_optimization(True)
+    assert km.optimizer.enabled and km.optimizer.why_not(point) == "toy has no jump optimization"
+
+
+def test_optimization_asked_of_an_architecture_without_guest_ram_layouts_says_so_in_one_line() -> None:
+    t, arch = ToyTarget(), Toy()
+    arch.guest_ram = None  # arm64's case: no detours, rings or mailbox
+    t.function("toy_fn", insn(NOP), insn(NOP))
+    km = _with_shared_ram(t, arch)
+    with pytest.raises(TargetError, match=r"^toy has no jump optimization nor detours in guest RAM: every hit stops "
+                       r"the VM$"):  # fmt: skip
         km.set_optimization(True)
-    assert not km.optimizer.enabled and point.armed
+    assert not km.optimizer.enabled
 
 
 def test_optimization_cannot_be_turned_on_without_shared_ram_and_a_doorbell(rig: Rig) -> None:
     assert not rig.km.optimizer.available
-    # An architecture that has it (never reached: the VM's parts are missing first).
-    rig.km.arch.optprobes = cast(OptProbes, object())
     with pytest.raises(TargetError, match="doorbell device and shared RAM"):
         rig.km.set_optimization(True)
     assert not rig.km.optimizer.enabled

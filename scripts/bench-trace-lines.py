@@ -38,6 +38,7 @@ from qprobe.core.point import Optimized, ProbePoint
 from qprobe.core.records import RecordRings
 from qprobe.core.regs import PtRegs
 from qprobe.events import InOrder, KprobeEvent
+from qprobe.events.lines import InOrderLines
 from qprobe.events.timeline import Timeline
 from qprobe.fetch import ProbeEvent, parse_event
 
@@ -149,7 +150,7 @@ def setup(out: io.TextIOBase) -> tuple[RecordRings, Ram, Timeline]:
     trace = _Trace(args)
     trace.tty = False
     sys.stdout = out  # where _Trace writes
-    te.callback = InOrder(trace.show)
+    te.callback = InOrderLines(trace.show, trace.show_run) if trace.bulk else InOrder(trace.show)
     timeline.flushers.append(trace.flush)
     point = ProbePoint(PROBE, "ksys_read+0x4", None, [kp])  # type: ignore[arg-type]
     point.opt = Optimized(PROBE_ID, SCRATCH + 0x1000, 8, None, SCRATCH + 0x100A, "record", 0)  # type: ignore[arg-type]

@@ -154,7 +154,8 @@ def run_bench(args: argparse.Namespace) -> int:
         target.remove_event(first)
 
         rows += _probe_matrix(target, args) + _uprobe_rows(target, args) if "probes" in args.sections else []
-        rows += _trace_lines(target) if "trace" in args.sections else []
+        line_rows, line_targets = _trace_lines(target) if "trace" in args.sections else ([], [])
+        rows += line_rows
         ring, ring_targets = _ring_handler_rows(target) if "trace" in args.sections else ([], [])
         rows += ring
         wild = _wildcard_teardown(target) if "trace" in args.sections else None
@@ -185,6 +186,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "",
         *_targets([v for _, v in rows if isinstance(v, Row)] + gdb_rows),
         *_scale_targets(scale),
+        *line_targets,
         *ring_targets,
         *teardown_targets,
         *map_targets,

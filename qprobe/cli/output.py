@@ -8,7 +8,7 @@ import collections
 import json
 import sys
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from qprobe.errors import QprobeError
 
@@ -17,6 +17,7 @@ from .definitions import _check_boot
 if TYPE_CHECKING:
     from qprobe.api import Target
     from qprobe.events import EventHit, TraceEvent
+    from qprobe.events.lines import LineRun
     from qprobe.fetch import ProbeEvent, UprobeEvent
     from qprobe.proctree import ProcessTree
     from qprobe.shell.collect import Aggregation
@@ -34,6 +35,7 @@ class _Trace:
         # Guest text (a process name, a fetched string) reaches a terminal with its control characters shown;
         # the user's own --format keeps its escapes (a colour, say).
         self.tty = sys.stdout.isatty()
+        self.out: TextIO | None = None  # where lines go; None: sys.stdout, as it is when they go
         self.fmt: HitFormat | None = None
         if args.format is not None:
             from qprobe.shell.printf import parse_printf
@@ -70,6 +72,36 @@ class _Trace:
                 raise QprobeError(f"--format names {missing[0]!r}, which {ev.text!r} does not fetch")
             self.fmt.check_types(ev.integer_args)
 
+    @property
+    def _stdout(self) -> TextIO:
+        return sys.stdout if self.out is None else self.out
+
+    @property
+    def bulk(self) -> bool:
+        """Whether a ring's runs of hits can be printed as blocks of ftrace lines (``show_run``): plain lines,
+        not to a terminal (whose lines show the guest's control characters escaped, a hit at a time)."""
+        return self.fmt is None and not self.args.json and not self.tty
+
+    def show_run(self, run: LineRun, start: int, stop: int) -> None:
+        """Lines ``start`` to ``stop`` of a run, in one write: with --run only the command's, as ``show``."""
+        take = None
+        if self.args.run and not getattr(self.args, "boot", False):
+            tree = self.tree
+            if tree is None:
+                return
+            owned: dict[int, bool] = {}  # a run's few pids, each asked once
+
+            def take(pid: int) -> bool:
+                mine = owned.get(pid)
+                if mine is None:
+                    mine = owned[pid] = tree.owns_pid(pid)
+                return mine
+
+        n, text = run.text(start, stop, take)
+        with self.lock:
+            self.shown[run.event] += n
+            self._stdout.write(text)
+
     def show(self, hit: EventHit) -> None:
         """One hit's line: with --run only the command's (those before its process tree is followed, the
         guest shell reading the line that asks for its pid, are not); with --boot every hit, the boot's first."""
@@ -77,17 +109,18 @@ class _Trace:
             return
         with self.lock:  # unflushed: the timeline flushes after each run of hits it hands on (``flush``)
             self.shown[hit.event] += 1
+            out = self._stdout
             if self.fmt is not None:
-                sys.stdout.write(self.fmt(hit.escaped() if self.tty else hit))
+                out.write(self.fmt(hit.escaped() if self.tty else hit))
             elif self.args.json:
-                sys.stdout.write(json.dumps(hit.as_json()) + "\n")
+                out.write(json.dumps(hit.as_json()) + "\n")
             else:
-                sys.stdout.write((hit.escaped() if self.tty else hit).line() + "\n")
+                out.write((hit.escaped() if self.tty else hit).line() + "\n")
 
     def flush(self) -> None:
         """The lines shown so far out to stdout, in one write where they fit a buffer."""
         with self.lock:
-            sys.stdout.flush()
+            self._stdout.flush()
 
     def owns(self, event: str, pid: int, hits: int) -> bool:
         """With --run, whether the map takes ``hits`` hits of ``event`` by task ``pid``: the command's only."""
@@ -99,8 +132,8 @@ class _Trace:
 
     def write(self, text: str) -> None:
         with self.lock:
-            sys.stdout.write(text)
-            sys.stdout.flush()
+            self._stdout.write(text)
+            self._stdout.flush()
 
 
 def _summarize(target: Target, events: list[TraceEvent], trace: _Trace) -> None:

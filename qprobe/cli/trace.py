@@ -95,9 +95,12 @@ def _arm_traced(target: Target, definitions: list[str | Definition | ProbeEvent]
     ``anywhere`` (else --anywhere) arms them with stub breakpoints."""
 
     from qprobe.events import InOrder
+    from qprobe.events.lines import InOrderLines
 
-    # Whatever path a hit took, the timeline hands it on in the guest's order.
-    lines = InOrder(trace.show) if trace.agg is None else None
+    # Whatever path a hit took, the timeline hands it on in the guest's order; a ring's runs as blocks of lines.
+    lines = None
+    if trace.agg is None:
+        lines = InOrderLines(trace.show, trace.show_run) if trace.bulk else InOrder(trace.show)
     if lines is not None and trace.flush not in target.timeline.flushers:
         target.timeline.flushers.append(trace.flush)
     flt = None if trace.cpid_filter else trace.filter

@@ -8,6 +8,7 @@ or stub-breakpoint handler, an optimized probe's ring record, or a return.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -18,7 +19,8 @@ from qprobe.events.context import HostContext, RecordContext, symbol_lookup
 from qprobe.events.event import TraceEvent
 from qprobe.events.hit import EventHit
 from qprobe.events.inguest import guest_filter, guest_key, in_guest
-from qprobe.events.recordfmt import arg_column, arg_text
+from qprobe.events.lines import InOrderLines, line_run
+from qprobe.events.recordfmt import arg_column, arg_texts
 from qprobe.events.registry import EventHost
 from qprobe.events.samples import Samples
 from qprobe.fetch import print_ip_sym
@@ -352,24 +354,31 @@ class KprobeEvent(TraceEvent):
         context = self._record_context()
 
         if measured:  # the kept records and their arguments' texts, from the values their length was taken of
-            kept, texts_each = [], []
+            kept, rows = [], []
             for rec in records:
                 values = ev.evaluate(context(rec))
                 if limit is not None and record_length(ev, values) > limit:
                     self.oversized += 1
                     continue
                 kept.append(rec)
-                texts_each.append([a.format_value(v) for a, v in zip(ev.args, values, strict=True)])
+                rows.append(tuple(a.format_value(v) for a, v in zip(ev.args, values, strict=True)))
+            columns = [list(column) for column in zip(*rows, strict=True)] if rows else [[] for _ in ev.args]
         else:
-            texts_of = [arg_text(a, layout, context) for a in ev.args]
-            kept, texts_each = records, [[text(rec) for text in texts_of] for rec in records]
+            kept, columns = records, [arg_texts(a, layout, context)(records) for a in ev.args]
         names = [a.name for a in ev.args]
-        labels = [f" {n}=" for n in names]
         flags, irqs_disabled_flags = layout.gdb_name[layout.flags], layout.irqs_disabled_flags
-        numbers, strings, event = self.numbers, self.strings, ev.event
         times = host.clock.record_times([(rec.values["cycles"], rec.cpu) for rec in kept])
+        callback = self.callback
+        if isinstance(callback, InOrderLines) and self.filter is None:  # a printer's: the run as lines, in bulk
+            run = line_run(ev.event, head, names, kept, columns, times, flags, irqs_disabled_flags)
+            self.nhit += len(run)
+            host.timeline.push_run(run, functools.partial(callback.lines, run))
+            return
+        labels = [f" {n}=" for n in names]
+        numbers, strings, event = self.numbers, self.strings, ev.event
+        rows = list(zip(*columns, strict=True)) if columns else [()] * len(kept)
         with host.timeline.batch():  # one hand-on for the run, its callbacks' pushes included
-            for rec, texts, (ts, order) in zip(kept, texts_each, times, strict=True):
+            for rec, texts, (ts, order) in zip(kept, rows, times, strict=True):
                 args = dict(zip(names, texts, strict=True))
                 body = head + "".join([label + t for label, t in zip(labels, texts, strict=True)])
                 self._emit(EventHit(event, rec.cpu, rec.pid, rec.comm, ts, ip, symbol, args, body,

@@ -11,7 +11,9 @@ on everything at once, when the caller knows all paths are drained.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import functools
 import heapq
 import itertools
 import logging
@@ -66,8 +68,25 @@ class Stamped(Protocol):
     ts: float
 
 
-# A held hit: (guest time, arrival number, host time held since, what hands it on, the hit whose time it prints).
-_Held = tuple[float, int, float, Callable[[], None], Stamped | None]
+class Run(Protocol):
+    """Hits held as one: each one's place (ascending) and printed time, by index (qprobe.events.lines.LineRun)."""
+
+    order: list[float]
+    ts: list[float]
+
+
+class _RunCursor:
+    """A held run's hits not yet handed on: from ``at``; ``deliver(start, stop)`` hands on a slice."""
+
+    __slots__ = ("at", "deliver", "run")
+
+    def __init__(self, run: Run, deliver: Callable[[int, int], None]) -> None:
+        self.run, self.deliver, self.at = run, deliver, 0
+
+
+# A held hit (or run): (guest time, arrival number, host time held since, what hands it on (a run's cursor),
+# the hit whose time it prints).
+_Held = tuple[float, int, float, "Callable[[], None] | _RunCursor", Stamped | None]
 
 
 class Timeline:
@@ -106,6 +125,22 @@ class Timeline:
             self._start_ticking()
         self._release(all_=False)
 
+    def push_run(self, run: Run, deliver: Callable[[int, int], None]) -> None:
+        """Hold a run of hits as one (``run.order`` ascending): ``deliver(start, stop)`` hands on a slice of it,
+        the run merged by time with every other hit held, slices as long as the order allows."""
+        if not run.order:
+            return
+        cursor = _RunCursor(run, deliver)
+        pending: list[_Held] | None = getattr(self._batching, "pending", None)
+        if pending is not None:
+            pending.append((run.order[0], next(self._seq), self._batching.since, cursor, None))
+            return
+        with self._lock:
+            heapq.heappush(self._heap, (run.order[0], next(self._seq), time.monotonic(), cursor, None))
+            self._newest = max(self._newest, run.order[-1])
+            self._start_ticking()
+        self._release(all_=False)
+
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
         """This thread's pushes meanwhile (a ring's records and their callbacks' own) are held together and
@@ -123,7 +158,7 @@ class Timeline:
                 with self._lock:
                     for held in pending:
                         heapq.heappush(self._heap, held)
-                    self._newest = max(self._newest, max(held[0] for held in pending))
+                    self._newest = max(self._newest, max(_last(held) for held in pending))
                     self._start_ticking()
                 self._release(all_=False)
 
@@ -153,14 +188,40 @@ class Timeline:
             heap, now = self._heap, time.monotonic()
             upto = self._newest - WINDOW
             while heap:
-                ts, _, held_since, deliver, stamped = heap[0]
+                ts, seq, held_since, deliver, stamped = heap[0]
                 if not (all_ or ts <= upto or now - held_since >= HOLD):
                     break
                 heapq.heappop(heap)
+                if isinstance(deliver, _RunCursor):
+                    out.append(self._run_slice(seq, held_since, deliver, all_ or now - held_since >= HOLD, upto))
+                    continue
                 if stamped is not None and self.monotone:
                     stamped.ts = self._last_stamp = max(stamped.ts, self._last_stamp)
                 out.append(deliver)
         return out
+
+    def _run_slice(self, seq: int, since: float, cursor: _RunCursor, every: bool,
+                   upto: float) -> Callable[[], None]:  # fmt: skip
+        """With the lock held, a run's cursor taken off the heap: its hits up to the next held hit's turn (and
+        up to ``upto`` unless ``every`` is due), to hand on as one slice; the rest held again."""
+        heap, run, start = self._heap, cursor.run, cursor.at
+        order = run.order
+        limit = heap[0][0] if heap else float("inf")
+        if not every:
+            limit = min(limit, upto)
+        stop = max(start + 1, bisect.bisect_right(order, limit, start + 1))
+        if self.monotone:
+            stamps, last = run.ts, self._last_stamp
+            for i in range(start, stop):
+                if stamps[i] < last:
+                    stamps[i] = last
+                else:
+                    last = stamps[i]
+            self._last_stamp = last
+        if stop < len(order):
+            cursor.at = stop
+            heapq.heappush(heap, (order[stop], seq, since, cursor, None))
+        return functools.partial(cursor.deliver, start, stop)
 
     def _release(self, all_: bool) -> None:
         with self._delivering:
@@ -187,4 +248,10 @@ class Timeline:
             self._release(all_=False)
 
 
-__all__ = ["HOLD", "WINDOW", "CycleOrder", "Stamped", "Timeline"]
+def _last(held: _Held) -> float:
+    """The newest guest time a held entry brings: a run's last hit's."""
+    deliver = held[3]
+    return deliver.run.order[-1] if isinstance(deliver, _RunCursor) else held[0]
+
+
+__all__ = ["HOLD", "WINDOW", "CycleOrder", "Run", "Stamped", "Timeline"]

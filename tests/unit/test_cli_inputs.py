@@ -254,3 +254,30 @@ def test_images_lists_the_names_in_a_column_as_wide_as_the_longest(
         "debian-cloud            ready        Debian 12 cloud kernel 6.1",
         "debian-cloud-arm64-6.12 not fetched  Debian 12's 6.12 arm64",
     ]
+
+
+def test_trace_prints_a_run_s_lines_in_one_write_only_the_command_s_with_run() -> None:
+    """``_Trace.show_run``: a slice of a ring's run as one block of EventHit.line's lines; with --run only the
+    hits of the command's process tree, counted as shown; plain lines only when not to a terminal."""
+    import io
+    from types import SimpleNamespace
+
+    from qprobe.cli.output import _Trace
+    from qprobe.events import EventHit
+    from qprobe.events.lines import LineFormat, LineRun, line_head
+
+    hits = [EventHit("rd", n % 2, 7 + n, "cat", 1 + n / 10, 0x1000, "vfs_read+0x0", {"n": str(n)},
+                     f"(vfs_read+0x0/0x10) n={n}", irqs_off=n == 2) for n in range(4)]  # fmt: skip
+    run = LineRun("rd", [h.ts for h in hits], [h.ts for h in hits], [h.pid for h in hits],
+                  [line_head(h.comm, h.pid, h.cpu, h.irqs_off) for h in hits],
+                  LineFormat("rd", "(vfs_read+0x0/0x10)", ["n"]).tails(4, [[str(n) for n in range(4)]]))  # fmt: skip
+    trace = _Trace(cli.build_parser().parse_args(["trace", "--run", "cat x", "p:rd vfs_read n=%di"]))
+    trace.tty, trace.out = False, io.StringIO()
+    assert trace.bulk
+    trace.show_run(run, 0, 4)  # the command's tree not followed yet: none is its
+    trace.tree = SimpleNamespace(owns_pid=lambda pid: pid in (8, 9))  # type: ignore[assignment]
+    trace.show_run(run, 1, 4)
+    assert trace.out.getvalue() == "".join(h.line() + "\n" for h in hits[1:] if h.pid in (8, 9))
+    assert trace.shown["rd"] == 2
+    trace.tty = True
+    assert not trace.bulk

@@ -14,6 +14,7 @@ from qprobe.core.kprobe import GuestRecord, Kprobe
 from qprobe.core.regs import PtRegs
 from qprobe.errors import InvalidProbe
 from qprobe.events import EventHit, KprobeEvent, Samples
+from qprobe.events.lines import InOrderLines
 from qprobe.events.timeline import Timeline
 from qprobe.fetch import ProbeEvent, parse_event
 
@@ -199,6 +200,65 @@ def test_an_in_order_callback_takes_the_hits_once_the_timeline_lets_them_go() ->
     first.host.timeline.flush()
     assert [h.pid for h in ordered] == [rec.pid for rec in recs]  # the two runs interleaved, by time
     assert ordered[::2] == list(first.hits) and ordered[1::2] == list(second.hits)
+
+
+def printed(te: KprobeEvent, out: list[str]) -> None:
+    """``te``'s lines to ``out`` as ``qprobe trace`` prints them: a run's in bulk, any other hit's one at a time."""
+    te.callback = InOrderLines(
+        lambda hit: out.append(hit.line() + "\n"), lambda run, a, b: out.append(run.text(a, b)[1])
+    )
+
+
+@pytest.mark.parametrize("monotone", [False, True])
+@pytest.mark.parametrize("definition", [*DEFINITIONS, "p:rd ksys_read a=%di:u64 b=%si:u64 who=$comm:string"])
+def test_a_printer_s_run_of_lines_is_byte_for_byte_the_lines_of_one_hit_at_a_time(
+    definition: str, monotone: bool
+) -> None:
+    """The bulk lines (columns, heads and tails made once, the run one timeline entry) are EventHit.line's of
+    the hits ``_record`` makes, in the same order, with the same times (moved forward under a monotone
+    clock), the same records dropped as too long; counted in nhit, not kept in hits."""
+    bulk, single = event(definition, limit=47), event(definition, limit=47)
+    bulk.host.timeline.monotone = single.host.timeline.monotone = monotone
+    out: list[str] = []
+    printed(bulk, out)
+    assert bulk.probe is not None and bulk.probe.recorder is not None
+    bulk.probe.recorder(records())
+    for rec in records():
+        single._record(single.backend.make_regs(rec.values, rec.cpu), PROBE, None, None, task=(rec.pid, rec.comm))
+    bulk.host.timeline.flush()
+    single.host.timeline.flush()
+    assert "".join(out) == "".join(h.line() + "\n" for h in single.hits)
+    assert (bulk.nhit, bulk.oversized) == (single.nhit, single.oversized) and not bulk.hits
+
+
+def test_two_events_runs_of_lines_come_out_interleaved_by_time() -> None:
+    first, second = event(DEFINITIONS[0]), event(DEFINITIONS[1])
+    second.host = first.host  # one target: one timeline
+    out: list[str] = []
+    printed(first, out)
+    printed(second, out)
+    recs = records()
+    for te, run in ((first, recs[::2]), (second, recs[1::2])):
+        assert te.probe is not None and te.probe.recorder is not None
+        te.probe.recorder(run)
+    first.host.timeline.flush()
+    lines = "".join(out).splitlines()
+    assert [int(line.split("-")[1].split()[0]) for line in lines] == [rec.pid for rec in recs]
+    assert [" who=" in line for line in lines] == [n % 2 == 1 for n in range(len(recs))]
+
+
+def test_a_run_with_a_host_filter_is_made_hit_by_hit() -> None:
+    from qprobe.events import event_filter
+
+    te = event(DEFINITIONS[0])
+    out: list[str] = []
+    printed(te, out)
+    te.filter = event_filter(te.definition, "fd < 0 || count == 0")
+    assert te.probe is not None and te.probe.recorder is not None
+    te.probe.recorder(records())
+    te.host.timeline.flush()
+    assert 0 < len(out) == te.nhit == len(te.hits) < len(records())
+    assert out == [h.line() + "\n" for h in te.hits]
 
 
 def test_a_run_s_times_are_what_hit_time_gives_each_record() -> None:

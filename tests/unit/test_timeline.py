@@ -140,3 +140,54 @@ def test_a_batch_holds_its_pushes_and_hands_them_on_in_order_at_its_end() -> Non
     tl.flush()
     assert out == ["a", "b", "c"] and flushes == [2, 3]
     tl.close()
+
+
+@dataclass
+class Run:
+    order: list[float]
+    ts: list[float]
+
+
+def test_a_run_goes_out_in_slices_merged_by_time_with_the_other_hits() -> None:
+    """A run held as one entry comes out in the same order as its hits pushed one by one would: cut where
+    another hit's time falls between two of its own, and whole where nothing does."""
+    out: list[object] = []
+    tl = Timeline()
+    tl.push_run(Run([0.01, 0.03, 0.035, 0.05], [0.0] * 4), lambda a, b: out.append((a, b)))
+    tl.push(0.02, lambda: out.append("two"))
+    tl.push(0.04, lambda: out.append("four"))
+    assert out == []  # all within a window of the newest
+    tl.flush()
+    assert out == [(0, 1), "two", (1, 3), "four", (3, 4)]
+    tl.push_run(Run([0.06, 0.07], [0.0] * 2), lambda a, b: out.append((a, b)))
+    tl.flush()
+    assert out[-1] == (0, 2)
+    tl.close()
+
+
+def test_a_run_s_hits_are_due_as_single_hits_are() -> None:
+    """Hits a window older than the newest go out without a flush; the run's newer ones stay held."""
+    out: list[object] = []
+    tl = Timeline()
+    tl.push_run(Run([1.0, 1.05, 1.25, 1.3], [0.0] * 4), lambda a, b: out.append((a, b)))
+    assert out == [(0, 2)]  # 1.0 and 1.05 are a window older than 1.3
+    tl.flush()
+    assert out == [(0, 2), (2, 4)]
+    tl.close()
+
+
+def test_a_run_s_printed_times_never_go_back_under_a_monotone_clock() -> None:
+    @dataclass
+    class Hit:
+        ts: float
+
+    tl = Timeline()
+    tl.monotone = True
+    run = Run([0.01, 0.02, 0.04], [0.5, 0.2, 0.6])
+    before = Hit(0.7)
+    tl.push(0.005, lambda: None, before)
+    tl.push_run(run, lambda a, b: None)
+    tl.push(0.03, lambda: None, after := Hit(0.1))
+    tl.flush()
+    assert run.ts == [0.7, 0.7, 0.7] and after.ts == 0.7
+    tl.close()

@@ -233,6 +233,22 @@ def test_trace_of_a_hot_loop_prints_every_hit_of_the_command() -> None:
     assert f"mode=read n={n} " in out.stderr
 
 
+def test_trace_of_200000_lseeks_prints_each_offset_once_in_the_order_the_command_made_them() -> None:
+    """``workload lseek N`` seeks to 1, 2, .. N: traced to a pipe, its lines (a ring's runs printed in bulk)
+    are exactly N, one for each offset, in the command's order, none lost."""
+    n = 200_000
+    out = _qprobe("trace", "--image", IMAGE, "--run", f"workload lseek {n}",
+                  "p:ls ksys_lseek fd=%di:u32 offset=%si:s64 whence=%dx:u32")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    summary = next(line for line in lines if line.startswith("# ls: "))
+    assert f"# ls: hits={n} nmissed=0 lost=0 " in summary + " ", summary
+    line_of_the_command = re.compile(r"workload-\d+ .* ls: \(ksys_lseek\+0x\w+/0x\w+\) fd=\d+ offset=(\d+) whence=0$")
+    offsets = [int(m.group(1)) for line in lines if (m := line_of_the_command.search(line))]
+    assert len(offsets) == n and offsets == list(range(1, n + 1))
+    assert f"mode=lseek n={n} " in out.stderr
+
+
 def _syscall_text(sock: str) -> tuple[dict[str, bytes], int]:
     """The guest's text of every ``__x64_sys_*`` function, read from its memory through a fresh attach, and how
     many leftover patches that attach found in its undo journal and restored."""

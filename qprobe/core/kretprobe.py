@@ -150,6 +150,21 @@ class KretprobeManager:
         else:
             self.machine.call(lambda: self._retire(rp))
         self.registered.discard(rp)
+        if not self.registered:
+            self.machine.call(self._drop_trampoline)
+
+    def _drop_trampoline(self) -> None:
+        """No kretprobe left, and no call in flight that returns through the trampoline (the host holds every
+        one, with no return pools in guest RAM): it goes, so that the trap hook need not stay for it alone.
+        A hook kept only for it stops the VM at every kernel trap, and arm64's is its EL1 synchronous vector,
+        which every kernel-mode fault and BRK (the guest's own kprobes') also enters."""
+        if not self.trampoline or self.by_frame or self.kprobes.optimizer.returns is not None:
+            return
+        if self.kprobes.slots.trampolines.pop(self.trampoline, None) is not None:
+            self.kprobes.scratch.free(self.trampoline)
+            self.trampoline = 0
+            if not self.kprobes.points:
+                self.dispatcher.remove()
 
     def register_kretprobes(self, rps: Iterable[Kretprobe]) -> None:
         """All or nothing, as register_kprobes."""

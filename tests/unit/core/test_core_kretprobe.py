@@ -171,6 +171,32 @@ def test_a_call_in_flight_through_a_link_register_returns_unreported_after_unreg
     assert calls.text_unchanged()
 
 
+def test_the_last_return_probe_gone_with_no_call_in_flight_takes_the_trampoline_and_the_trap_hook(
+    calls: Calls,
+) -> None:
+    rp = Kretprobe("toy_callee")
+    calls.rpm.register_kretprobe(rp)
+    calls.enter(A, slot(0), CALLER, task=1)
+    trampoline = calls.rpm.trampoline
+    assert calls.leave(A) == CALLER and calls.km.dispatcher.hooked
+    calls.rpm.unregister_kretprobe(rp)
+    assert trampoline not in calls.km.slots.trampolines and calls.rpm.trampoline == 0
+    assert not calls.km.dispatcher.hooked  # no guest trap stops the VM any more
+    calls.rpm.register_kretprobe(rp)  # and a new one makes its own
+    calls.enter(A, slot(0), CALLER, task=1)
+    assert calls.leave(A) == CALLER and rp.nreturns == 2  # its counts go on
+
+
+def test_a_call_in_flight_keeps_the_trampoline_after_the_last_return_probe_goes() -> None:
+    calls = Calls(stack_return=False)
+    rp = Kretprobe("toy_callee")
+    calls.rpm.register_kretprobe(rp)
+    calls.enter(A, slot(0), CALLER, task=1)
+    calls.rpm.unregister_kretprobe(rp)
+    assert calls.rpm.trampoline in calls.km.slots.trampolines and calls.km.dispatcher.hooked
+    assert calls.leave(A) == CALLER
+
+
 def test_a_return_through_the_trampoline_with_no_instance_is_an_error(calls: Calls) -> None:
     rp = Kretprobe("toy_callee")
     calls.rpm.register_kretprobe(rp)

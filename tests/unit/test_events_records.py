@@ -3,6 +3,7 @@ builds each hit's pt_regs and evaluates its definition generically (the int3 pat
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -117,9 +118,15 @@ def test_a_run_of_records_gives_the_hits_one_record_at_a_time_gives(definition: 
     assert bulk.nhit == single.nhit == len(expected)
 
 
-def run_both(definition: str, limit: int | None) -> tuple[KprobeEvent, KprobeEvent]:
-    """``definition``'s event fed the records as a run (the rings' path) and one at a time (``_record``)."""
+Prepare = Callable[[KprobeEvent, KprobeEvent], None]
+
+
+def run_both(definition: str, limit: int | None, prepare: Prepare | None = None) -> tuple[KprobeEvent, KprobeEvent]:
+    """``definition``'s event fed the records as a run (the rings' path) and one at a time (``_record``), each
+    made ready by ``prepare(bulk, single)`` first."""
     bulk, single = event(definition, limit), event(definition, limit)
+    if prepare is not None:
+        prepare(bulk, single)
     assert bulk.probe is not None and bulk.probe.recorder is not None
     bulk.probe.recorder(records())
     for rec in records():
@@ -217,16 +224,13 @@ def test_a_printer_s_run_of_lines_is_byte_for_byte_the_lines_of_one_hit_at_a_tim
     """The bulk lines (columns, heads and tails made once, the run one timeline entry) are EventHit.line's of
     the hits ``_record`` makes, in the same order, with the same times (moved forward under a monotone
     clock), the same records dropped as too long; counted in nhit, not kept in hits."""
-    bulk, single = event(definition, limit=47), event(definition, limit=47)
-    bulk.host.timeline.monotone = single.host.timeline.monotone = monotone
     out: list[str] = []
-    printed(bulk, out)
-    assert bulk.probe is not None and bulk.probe.recorder is not None
-    bulk.probe.recorder(records())
-    for rec in records():
-        single._record(single.backend.make_regs(rec.values, rec.cpu), PROBE, None, None, task=(rec.pid, rec.comm))
-    bulk.host.timeline.flush()
-    single.host.timeline.flush()
+
+    def prepare(bulk: KprobeEvent, single: KprobeEvent) -> None:
+        bulk.host.timeline.monotone = single.host.timeline.monotone = monotone
+        printed(bulk, out)
+
+    bulk, single = run_both(definition, 47, prepare)
     assert "".join(out) == "".join(h.line() + "\n" for h in single.hits)
     assert (bulk.nhit, bulk.oversized) == (single.nhit, single.oversized) and not bulk.hits
 

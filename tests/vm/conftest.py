@@ -294,3 +294,15 @@ def booted() -> Iterator[str]:
         finally:
             if proc.poll() is None:
                 proc.kill()
+
+
+def sigkill_when(code: str, args: Sequence[str], line: str) -> None:
+    """Run ``python -c code args...`` (a qprobe that arms probes) until it prints ``line``, then SIGKILL it: what
+    it wrote into the guest stays, for the next attach to undo."""
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        readline_matching(proc, line)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -9,21 +9,17 @@ x9, so both see every call with the same argument registers.
 
 from __future__ import annotations
 
-import os
 import random
 import re
-import signal
-import subprocess
-import sys
 
 import pytest
 
 import qprobe
 from qprobe import Kprobe, Kretprobe
 
-from .conftest import IMAGE, readline_matching, workload_result
+from .conftest import sigkill_when, workload_result
 from .guest_oracle import TRACING, guest_hits, guest_verdicts, qprobe_verdicts
-from .test_boot_probes import GUEST, ROOT, SMP, check_boot_trace
+from .test_boot_probes import boot_trace, check_boot_trace
 
 # CONFIG_ARM64: an arm64 kernel, told from its config before anything boots.
 pytestmark = [
@@ -231,14 +227,7 @@ def test_boot_trace_lists_the_kernels_initcalls_and_its_cpus_bring_up() -> None:
     its own boot-time event, as tests/vm/test_boot_probes.py checks on x86.  qprobe finds the slide at the
     boot CPU's branch to its virtual addresses (qprobe.kernel.bootswitch); the initcall's function is x0, and
     the kernel's bring-up of a secondary CPU is secondary_start_kernel."""
-    out = subprocess.run(
-        [sys.executable, "-m", "qprobe.cli", "trace", "--image", IMAGE, "--smp", str(SMP), "--boot", "--json",
-         "--cmdline", "initcall_debug log_buf_len=8M kprobe_event=p:kic,do_one_initcall", "--run", GUEST,
-         "p:ic do_one_initcall fn=%x0:symbol", "r:icr do_one_initcall ret=$retval",
-         "p:sk start_kernel", "p:ss secondary_start_kernel"],
-        capture_output=True, text=True, timeout=900, cwd=ROOT,
-    )  # fmt: skip
-    check_boot_trace(out)
+    check_boot_trace(boot_trace("%x0", "secondary_start_kernel"))
 
 
 PROBER = """
@@ -257,13 +246,7 @@ def test_sigkill_with_probes_armed_then_attach_restores_text(booted: str) -> Non
     names = ("__arm64_sys_getppid", "__arm64_sys_lseek")
     with qprobe.attach(booted) as t:
         before = {n: t.read(n, t.symbols.lookup(n).size) for n in names}
-    prober = subprocess.Popen([sys.executable, "-c", PROBER, booted, *names], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        readline_matching(prober, "ARMED")
-    finally:
-        os.kill(prober.pid, signal.SIGKILL)
-        prober.wait()
+    sigkill_when(PROBER, [booted, *names], "ARMED")
     with qprobe.attach(booted) as t:
         # Two BRKs (the kretprobe's entry shares getppid's) and the scratch area's table entries were left.
         assert t.recovered >= 2

@@ -77,15 +77,19 @@ def _kernel_initcalls(dmesg: str) -> list[tuple[str, int]]:
 
 
 def test_boot_trace_lists_the_kernel_s_initcalls_and_its_cpus_bring_up() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "qprobe.cli", "trace", "--image", IMAGE, "--smp", str(SMP), "--tcg-thread", TCG,
-         "--boot", "--json",
-         "--cmdline", "initcall_debug log_buf_len=8M kprobe_event=p:kic,do_one_initcall", "--run", GUEST,
-         "p:ic do_one_initcall fn=%di:symbol", "r:icr do_one_initcall ret=$retval",
-         "p:sk start_kernel", "p:ss start_secondary"],
+    check_boot_trace(boot_trace("%di", "start_secondary", "--tcg-thread", TCG))
+
+
+def boot_trace(first_arg: str, secondary: str, *options: str) -> subprocess.CompletedProcess[str]:
+    """``trace --boot --json --run GUEST`` of do_one_initcall's entry (its function argument, in the register
+    ``first_arg``) and return, start_kernel and ``secondary`` (where the kernel brings up a secondary CPU)."""
+    return subprocess.run(
+        [sys.executable, "-m", "qprobe.cli", "trace", "--image", IMAGE, "--smp", str(SMP), *options, "--boot",
+         "--json", "--cmdline", "initcall_debug log_buf_len=8M kprobe_event=p:kic,do_one_initcall", "--run", GUEST,
+         f"p:ic do_one_initcall fn={first_arg}:symbol", "r:icr do_one_initcall ret=$retval",
+         "p:sk start_kernel", f"p:ss {secondary}"],
         capture_output=True, text=True, timeout=900, cwd=ROOT,
     )  # fmt: skip
-    check_boot_trace(out)
 
 
 def check_boot_trace(out: subprocess.CompletedProcess[str]) -> None:

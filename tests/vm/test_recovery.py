@@ -7,8 +7,6 @@ Also covers the CLI's ``boot`` (keeps the VM, prints how to attach) and
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -20,7 +18,7 @@ import pytest
 import qprobe
 from qprobe.paths import cache_dir
 
-from .conftest import readline_matching, workload_result
+from .conftest import sigkill_when, workload_result
 
 pytestmark = pytest.mark.vm
 
@@ -50,13 +48,7 @@ def test_sigkill_with_probes_armed_then_attach_restores_text(booted: str) -> Non
         names = ("ksys_lseek", "__x64_sys_getppid")
         original = {n: t.read(n, t.symbols.lookup(n).size) for n in names}
         left = 3 + _fence_links(t)
-    prober = subprocess.Popen([sys.executable, "-c", PROBER, booted], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        readline_matching(prober, "ARMED")
-    finally:
-        os.kill(prober.pid, signal.SIGKILL)
-        prober.wait()
+    sigkill_when(PROBER, [booted], "ARMED")
     cli = subprocess.run([sys.executable, "-m", "qprobe.cli", "attach", booted], capture_output=True, text=True)
     assert cli.returncode == 0, cli.stderr
     # The two probes (a jump or an int3 each), the scratch-area mapping and the blacklist links were left behind.
@@ -86,13 +78,7 @@ def test_a_crash_is_recovered_through_every_spelling_of_the_address(booted: str,
         original = {n: t.read(n, t.symbols.lookup(n).size) for n in ("ksys_lseek", "__x64_sys_getppid")}
         left = 3 + _fence_links(t)
     for armed, recovered in zip(spellings, spellings[1:] + spellings[:1], strict=True):
-        prober = subprocess.Popen([sys.executable, "-c", PROBER, armed], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)  # fmt: skip
-        try:
-            readline_matching(prober, "ARMED")
-        finally:
-            os.kill(prober.pid, signal.SIGKILL)
-            prober.wait()
+        sigkill_when(PROBER, [armed], "ARMED")
         cli = subprocess.run([sys.executable, "-m", "qprobe.cli", "attach", recovered], capture_output=True, text=True)
         assert cli.returncode == 0, cli.stderr
         assert f"restored {left} leftover patch(es)" in cli.stdout, (armed, recovered, cli.stdout)
@@ -104,13 +90,7 @@ def test_a_crash_is_recovered_through_every_spelling_of_the_address(booted: str,
 
 
 def test_a_journal_that_does_not_match_the_guest_is_refused(booted: str) -> None:
-    prober = subprocess.Popen([sys.executable, "-c", PROBER, booted], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        readline_matching(prober, "ARMED")
-    finally:
-        os.kill(prober.pid, signal.SIGKILL)
-        prober.wait()
+    sigkill_when(PROBER, [booted], "ARMED")
     journal = next(iter(sorted(cache_dir("journal").glob("*.json"), key=lambda p: p.stat().st_mtime)[-1:]))
     data = json.loads(journal.read_text())
     good = json.dumps(data)
@@ -161,13 +141,7 @@ STUCK = textwrap.dedent(
 
 
 def test_sigkill_while_a_vcpu_waits_in_the_optimized_stub(booted: str) -> None:
-    prober = subprocess.Popen([sys.executable, "-c", STUCK, booted], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        readline_matching(prober, "IN_HANDLER")
-    finally:
-        os.kill(prober.pid, signal.SIGKILL)
-        prober.wait()
+    sigkill_when(STUCK, [booted], "IN_HANDLER")
     with qprobe.attach(booted) as t:
         assert t.recovered >= 2  # the jump and the scratch mapping
         # The stuck vCPU was answered and stepped out; the guest carries on.
@@ -199,13 +173,7 @@ def test_sigkill_with_a_return_in_flight_through_a_guest_instance(booted: str, k
                                                                   sleep: int) -> None:  # fmt: skip
     """The guest itself replaced the sleeper's return address (or its return waits in the stub): recovery
     puts the real one back from the instance array in guest RAM, and the sleeper returns normally."""
-    prober = subprocess.Popen([sys.executable, "-c", RETURNING, booted, kind, str(sleep)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        readline_matching(prober, wait_for)
-    finally:
-        os.kill(prober.pid, signal.SIGKILL)
-        prober.wait()
+    sigkill_when(RETURNING, [booted, kind, str(sleep)], wait_for)
     with qprobe.attach(booted) as t:
         # The jump, its blacklist links and the scratch mapping; for rf also the sleeping task's stack slot.
         assert t.recovered == (3 if kind == "rf" else 2) + _fence_links(t)

@@ -300,7 +300,8 @@ class Wiring:
             raise TargetError(f"the kernel was not booted with the {board.reservation}= reservation qprobe needs for "
                               f"its scratch area: add e.g. {example} to the kernel command line")  # fmt: skip
         ram = t.mem.phys if isinstance(t.mem.phys, SharedRam) else None
-        t.scratch = ScratchArea(t.machine, reservation[0], t.symbols.address("_end"), reservation[1])
+        t.scratch = ScratchArea(t.machine, reservation[0], t.symbols.address("_end"), reservation[1],
+                                t.symbols.address("_text"))  # fmt: skip
         t.regs_maker = RegsMaker(t.machine, t.kernel, t.arch)  # every handler's pt_regs
         # The one probe table: registration, the trap path and the optimizer all work on it.
         t.kprobes = KprobeManager(t.machine, t.kernel, t.scratch, t.arch, ProbeTable(), t.regs_maker, ram,

@@ -13,7 +13,7 @@ entries are journaled like any other patch and removed on exit.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from qprobe.errors import MemoryFault, ScratchFull, TargetError
 from qprobe.vmm.journal import Patch
@@ -33,7 +33,8 @@ class ScratchArea:
 
     GRANULE = 16
 
-    def __init__(self, machine: Machine, phys: int, image_end: int | None = None, size: int = SIZE) -> None:
+    def __init__(self, machine: Machine, phys: int, image_end: int | None = None, size: int = SIZE,
+                 image_start: int | None = None) -> None:  # fmt: skip
         if phys & (SIZE - 1) or size <= 0 or size % SIZE:
             raise TargetError(f"scratch area {phys:#x}+{size:#x} is not 2 MiB aligned in whole 2 MiB pages")
         self.machine = machine
@@ -42,6 +43,9 @@ class ScratchArea:
         # Without KASLR the module area starts 512 MiB into this PUD: take the first
         # free slot just above the kernel image rather than the last one.
         self.image_end = image_end
+        # An image that ends at (or runs past) the end of its table, as arm64's KASLR may place it (anywhere at
+        # 64 KiB steps), leaves no slot above it there: the slots below it are taken then, farthest first.
+        self.image_start = image_start
         self.base = 0
         self._pmd_table = 0
         self._slots: list[int] = []  # PMD indexes chosen for the area, in address order
@@ -61,9 +65,10 @@ class ScratchArea:
             )
         pmd_table = paging.large_page_table(mem.read_u64_phys, mem.pgd)
         base = paging.image_base
-        order = range(511, -1, -1)
+        order: Sequence[int] = range(511, -1, -1)
         if self.image_end is not None:
-            order = range((self.image_end - base) // SIZE + 1, 512)
+            below = (self.image_start - base) // SIZE if self.image_start is not None else 0
+            order = [*range(max((self.image_end - base) // SIZE + 1, 0), 512), *range(min(below, 512))]
         want = self.size // SIZE
 
         def free_run(index: int) -> int:

@@ -377,3 +377,21 @@ def test_a_combined_write_does_not_put_back_what_a_held_write_replaces() -> None
         area.write(a + 8, b"\x07" * 4)  # e.g. a pool's header, written before the allocation's start
         area.write(a, b"\x01" * 4)  # carries bytes 4..16 along: they must hold the 0x07s
     assert m.ram.read_phys(phys, 16) == b"\x01" * 4 + bytes(range(0x44, 0x48)) + b"\x07" * 4 + bytes(range(0x4C, 0x50))
+
+
+def test_an_image_at_the_end_of_its_table_takes_the_slots_below_it_farthest_first() -> None:
+    # arm64's KASLR may end the image in the table's last slot, or past it: no slot above it is free.
+    m = FakeMachine(image_pmds=range(500, 512))
+    start, end = KERNEL_IMAGE_BASE + 500 * M2, KERNEL_IMAGE_BASE + 512 * M2 - 0x1000
+    area = ScratchArea(m, SCRATCH_PHYS, end, image_start=start)  # type: ignore[arg-type]
+    assert area.map() == KERNEL_IMAGE_BASE  # slot 0
+    # Past the table's end: the same.
+    m = FakeMachine(image_pmds=range(500, 512))
+    area = ScratchArea(m, SCRATCH_PHYS, end + 8 * M2, image_start=start)  # type: ignore[arg-type]
+    assert area.map() == KERNEL_IMAGE_BASE
+
+
+def test_the_slots_above_the_image_come_first() -> None:
+    m = FakeMachine()  # the image in slots 8..23
+    area = ScratchArea(m, SCRATCH_PHYS, KERNEL_IMAGE_BASE + 24 * M2 - 1, image_start=KERNEL_IMAGE_BASE + 8 * M2)  # type: ignore[arg-type]
+    assert area.map() == KERNEL_IMAGE_BASE + 24 * M2

@@ -300,6 +300,12 @@ class Memory(Protocol):
     def write(self, addr: int, data: bytes) -> None: ...
 
 
+class UserMemory(Memory, Protocol):
+    """A stopped task's user memory, faulting (MemoryFault) where the task's own access would."""
+
+    def fetch(self, addr: int, size: int) -> bytes: ...
+
+
 class Prepared(Protocol):
     """arch_prepare_kprobe's result (the kernel's ``struct arch_specific_insn``)."""
 
@@ -360,6 +366,16 @@ class Uprobes(Protocol):
     # At a function's first instruction: its return address (``read`` reads the task's memory) and the
     # stack pointer once it has returned (arch_uretprobe_hijack_return_addr's two facts).
     def arch_uretprobe_frame(self, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> tuple[int, int]: ...
+    # The user instruction at the registers' ip performed on the host, if the architecture emulates it (the
+    # kernel's own user emulations, and the moves and arithmetic of prologues and call sites): a hit then
+    # needs no single-step, whose stop costs QEMU 7.2 a flush of its translated code.  ``mem`` faults
+    # (MemoryFault) wherever the task itself would.  False: the host steps it (``regs`` may be changed: give
+    # a copy).
+    def arch_uprobe_emulate(self, regs: Registers, mem: UserMemory) -> bool: ...
+    # Whether a user-mode access of kind ``access`` ("read", "write" or "fetch") to a page whose leaf page-table
+    # entry is ``entry`` completes without a fault and without the CPU having to set any bit in the entry
+    # (a store needs the dirty bit set already: the host's write sets none).
+    def user_page_allows(self, entry: int, access: str) -> bool: ...
 
 
 class Arch(Protocol):
@@ -472,4 +488,5 @@ __all__ = [
     "TrapWatch",
     "Traps",
     "Uprobes",
+    "UserMemory",
 ]

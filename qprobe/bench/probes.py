@@ -88,7 +88,7 @@ def _uprobe_rows(target: qprobe.Target, args: argparse.Namespace) -> list[tuple[
             rows.append(("", _guest_uprobe_events(target, name, f"{path}:{offset:#x}", kind, what,
                                                   cmd.format(n=n_fast), n_fast)))  # fmt: skip
     for key, what, probe in (
-        ("u", "uprobe: gdbstub breakpoint, stepped in place, Python handler",
+        ("u", "uprobe: gdbstub breakpoint, the instruction performed on the host (else stepped), Python handler",
          qprobe.Uprobe(path, offset, handler=lambda up, regs: regs.arg(1))),
         ("ur", "uretprobe: breakpoints at the entry and the return address, Python handler",
          qprobe.Uretprobe(path, offset, ret_handler=lambda up, func, regs: regs.return_value())),

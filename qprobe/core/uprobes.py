@@ -23,14 +23,21 @@ really runs that file there:
   is no hit.  An instruction stepped in place that faults (``arch_uprobe_xol_was_trapped``) runs again
   after the kernel handles the fault; that second stop is no hit either.
 * **returns:** a return probe's entry stops at the return address too (qprobe.core.ureturns).
+* **one stop:** the instruction at the stop (the probed one, or the one a call returns to) is performed on
+  the host where the architecture can (``arch_uprobe_emulate``: the kernel's own user emulations, and the
+  moves and arithmetic of prologues and call sites), on the task's memory as its own accesses would find
+  it (qprobe.core.taskmem.UserMemory: a store only to a writable, dirty page).  Anything else is
+  single-stepped in place: a second VM stop.
 
 The page cache, ``read()`` of the file, ``/proc/PID/mem`` and the disk all keep the original bytes: there
-is no breakpoint instruction anywhere in the guest.  Every hit is two VM stops (the stop and the step), in
-any process that runs the address, so a busy probe costs what an anywhere kprobe costs.
+is no breakpoint instruction anywhere in the guest.  A hit is one VM stop where the host performs the
+instruction, two where it steps it, in any process that runs the address; each stop costs QEMU 7.2 a flush
+of its translated code.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping as Regs
 from typing import Protocol
 
@@ -38,6 +45,7 @@ from qprobe.arch import Arch
 from qprobe.core.handlers import Handlers
 from qprobe.core.kprobe import Kprobe
 from qprobe.core.regs import PtRegs, RegsSource
+from qprobe.core.taskmem import UserMemory
 from qprobe.core.upoints import UprobePoints
 from qprobe.core.uprobe import Uprobe
 from qprobe.core.ureturns import ReturnInstance, UprobeReturns
@@ -96,6 +104,8 @@ class UprobeManager:
         self.retired: list[Uprobe] = []  # registered on a file since freed: they match nothing
         self._pending: dict[str, int] = {}  # vCPU -> the vma its vma_set_page_prot() call is given
         self._after_collect = 0
+        self.emulated = 0  # stops whose instruction the host performed
+        self.stepped = 0  # stops whose instruction was single-stepped in place
 
     @property
     def files(self) -> UserFiles:
@@ -345,11 +355,30 @@ class UprobeManager:
             self.machine.gdb.write_registers(tid, changed)
             if pt.ip != ip:  # a handler moved the task elsewhere: the instruction is not run
                 return
+        if root and self._emulate(tid, pt, root):
+            self.emulated += 1
+            return
+        self.stepped += 1
         after = self.stepper.step(tid, ip)
         if consumers and self.arch.uprobes and self.arch.uprobes.arch_uprobe_xol_was_trapped(code, after):
             if len(self.restarts) >= MAX_RESTARTS:
                 self.restarts.clear()
             self.restarts.add((root, ip, sp))
+
+    def _emulate(self, tid: str, pt: PtRegs, root: int) -> bool:
+        """The instruction performed on the host where the architecture can, as the task would perform it (no
+        step: its stop costs QEMU 7.2 a flush of its translated code).  An instruction the host performs
+        faults nowhere, so it needs no restart."""
+        uprobes = self.arch.uprobes
+        assert uprobes is not None  # a uprobe's breakpoint stopped here
+        pt.mark_clean()
+        post = copy.copy(pt)  # the emulation's own: one that gives up part way leaves it to the step
+        if not uprobes.arch_uprobe_emulate(post, UserMemory(self.machine, root, uprobes.user_page_allows)):
+            return False
+        changed = post.dirty()
+        if changed:
+            self.machine.gdb.write_registers(tid, changed)
+        return True
 
     def _consumers_at(self, ip: int, root: int, task: int) -> tuple[list[Uprobe], bytes]:
         """The probes on the file offset the stopped process runs at ``ip``, and the instruction's bytes."""

@@ -113,6 +113,17 @@ class GuestMemory:
     def virt_to_phys(self, vaddr: int, pgd: int | None = None) -> int:
         return self.paging.translate(self.read_u64_phys, self.paging.root_for(vaddr, self.pgd, pgd), vaddr)[0]
 
+    def leaf(self, vaddr: int, pgd: int) -> tuple[int, int, int]:
+        """(physical address, page size, leaf page-table entry) of ``vaddr`` through ``pgd``'s tables."""
+        return self.paging.translate(self.read_u64_phys, self.paging.root_for(vaddr, self.pgd, pgd), vaddr)
+
+    def read_phys(self, paddr: int, size: int) -> bytes:
+        return self.phys.read_phys(paddr, size)
+
+    def user_end(self) -> int:
+        """Where user addresses end (TASK_SIZE_MAX)."""
+        return self.paging.task_size_max()
+
     def read(self, vaddr: int, size: int, pgd: int | None = None) -> bytes:
         out = bytearray()
         while len(out) < size:

@@ -59,6 +59,7 @@ from qprobe.arch import (
     RingEntry,
     Trap,
     TrapHook,
+    UserMemory,
 )
 from qprobe.arch.inguest import KeySpec, MapKey, MapSlot
 from qprobe.core.kprobes import KprobeManager
@@ -87,6 +88,8 @@ SCRATCH, SCRATCH_PHYS, SCRATCH_SIZE = 0xFFFF_A000_0000_0000, 0x20000, 0x40000
 STACK, STACK_PHYS, STACK_SIZE = 0xFFFF_C000_0000_0000, 0x80000, 0x10000
 USER_PHYS, PAGE = 0xA0000, 0x1000  # frames for user pages: [USER_PHYS, RAM_SIZE)
 RAM_SIZE = 0x100000
+USER_END = 0x8000_0000  # the toy's TASK_SIZE_MAX
+TOY_USER_PAGE = 1  # the toy's leaf entries: a user page, or not
 ENTRY = TEXT + 0x100  # the one vector every exception enters (its symbol: ToyTraps.trap_entries')
 
 
@@ -159,6 +162,19 @@ class ToyUprobes:
 
     def arch_uretprobe_frame(self, regs: Mapping[str, int], read: Callable[[int, int], bytes]) -> tuple[int, int]:
         return int.from_bytes(read(regs["sp"], 4), "little"), regs["sp"] + 4  # the toy's call pushes a word
+
+    def arch_uprobe_emulate(self, regs: Any, mem: UserMemory) -> bool:
+        """The toy performs its NOP on the host; everything else is stepped (and a page the task cannot fetch)."""
+        try:
+            if mem.fetch(regs.ip, 4)[0] != NOP:
+                return False
+        except MemoryFault:
+            return False
+        regs.ip += 4
+        return True
+
+    def user_page_allows(self, entry: int, access: str) -> bool:
+        return bool(entry & TOY_USER_PAGE)
 
 
 class ToyGuestRam:
@@ -481,6 +497,14 @@ class ToyMemory:
         if frame is None:
             raise MemoryFault(addr)
         return frame + addr % PAGE
+
+    def leaf(self, addr: int, pgd: int) -> tuple[int, int, int]:
+        """A user page's entry is TOY_USER_PAGE: the toy's user pages allow every access."""
+        phys = self.virt_to_phys(addr, pgd)
+        return phys, PAGE, TOY_USER_PAGE if addr < USER_END else 0
+
+    def user_end(self) -> int:
+        return USER_END
 
     def read(self, addr: int, size: int, pgd: int | None = None) -> bytes:
         phys = self.virt_to_phys(addr, pgd)

@@ -367,6 +367,21 @@ def test_a_stop_on_a_page_that_is_not_present_is_no_hit(s: Setup) -> None:
     assert up.nhit == 1 and after["r0"] == 2 and after["pc"] == BASE + FUNC + 4
 
 
+def test_an_instruction_the_architecture_performs_is_one_stop_and_no_step(s: Setup) -> None:
+    p = s.world.process()
+    s.world.map(p, BASE, PROG)
+    seen: list[int] = []
+    up = Uprobe(PROG, FUNC + 8, handler=lambda u, regs: seen.append(regs.ip))  # a NOP, which the toy performs
+    s.um.register_uprobe(up)
+    after = s.stop(p, BASE + FUNC + 8, r0=5)
+    assert up.nhit == 1 and seen == [BASE + FUNC + 8]
+    assert after["pc"] == BASE + FUNC + 12 and after["r0"] == 5 and s.rig.t.cpu.steps == []
+    assert (s.um.emulated, s.um.stepped) == (1, 0)
+    s.um.register_uprobe(Uprobe(PROG, FUNC))  # an ADDI, which it steps
+    assert s.stop(p, BASE + FUNC, r0=5)["r0"] == 6 and s.rig.t.cpu.steps == [(A, BASE + FUNC)]
+    assert (s.um.emulated, s.um.stepped) == (1, 1)
+
+
 def test_a_probed_instruction_whose_step_faults_runs_again_without_a_second_hit(s: Setup) -> None:
     p = s.world.process()
     s.world.map(p, BASE, PROG)

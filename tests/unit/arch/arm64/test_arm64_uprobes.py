@@ -1,12 +1,19 @@
-"""arm64's Uprobes facet: the kernel's refusals, a step that faulted, a function's return at its entry."""
+"""arm64's Uprobes facet: the kernel's refusals, a step that faulted, a function's return at its entry, and the
+instructions performed on the host (simulate-insn.c's) with the user pages' permissions."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 
 from qprobe.arch.arm64.arch import Arm64
 from qprobe.arch.arm64.uprobes import Arm64Uprobes
 from qprobe.errors import MemoryFault
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fakes_arm64 import FakeRegs
 
 # Encodings from aarch64-linux-gnu-as.
 LDR_LITERAL, LDRSW_LITERAL = 0x58000040, 0x98000041  # ldr x0, .+8; ldrsw x1, .+8
@@ -54,3 +61,65 @@ def test_the_return_address_is_x30_and_ret_leaves_sp() -> None:
 
     regs = {"x30": 0x40_1234, "sp": 0x7FFF_FFF0_0000, "pc": 0x40_1000}
     assert UP.arch_uretprobe_frame(regs, unread) == (0x40_1234, 0x7FFF_FFF0_0000)
+
+
+class UserMem:
+    """A task's memory: words by address, with a fetch."""
+
+    def __init__(self, words: dict[int, int]) -> None:
+        self.words = words
+
+    def read(self, addr: int, size: int) -> bytes:
+        if addr not in self.words:
+            raise MemoryFault(addr)
+        return self.words[addr].to_bytes(8, "little")[:size]
+
+    fetch = read
+
+    def write(self, addr: int, data: bytes) -> None:
+        raise AssertionError("arm64's simulated instructions write no memory")
+
+
+PC = 0x0000_AAAA_0000_1000
+B_FWD, BL_FWD = 0x14000004, 0x94000004  # b .+16; bl .+16 (imm26 = 4 words)
+LDR_X0 = 0x58000040  # ldr x0, .+8
+DBG_SS = 1 << 21  # PSTATE.SS
+
+
+def test_branches_the_kernel_simulates_are_performed_on_the_host() -> None:
+    regs = FakeRegs(pc=PC, pstate=EL0T)
+    assert UP.arch_uprobe_emulate(regs, UserMem({PC: B_FWD})) and regs.pc == PC + 16  # type: ignore[arg-type]
+    regs = FakeRegs(pc=PC, pstate=EL0T)
+    assert UP.arch_uprobe_emulate(regs, UserMem({PC: BL_FWD}))  # type: ignore[arg-type]
+    assert regs.pc == PC + 16 and regs.x30 == PC + 4  # bl links the next instruction's address
+
+
+def test_a_literal_load_reads_the_task_s_memory_and_a_fault_leaves_it_to_the_step() -> None:
+    regs = FakeRegs(pc=PC, pstate=EL0T)
+    assert UP.arch_uprobe_emulate(regs, UserMem({PC: LDR_X0, PC + 8: 0x1234}))  # type: ignore[arg-type]
+    assert regs.x0 == 0x1234 and regs.pc == PC + 4
+    regs = FakeRegs(pc=PC, pstate=EL0T)
+    assert not UP.arch_uprobe_emulate(regs, UserMem({PC: LDR_X0}))  # type: ignore[arg-type]
+
+
+def test_what_runs_out_of_line_or_under_a_debugger_s_step_is_stepped() -> None:
+    regs = FakeRegs(pc=PC, pstate=EL0T)
+    assert not UP.arch_uprobe_emulate(regs, UserMem({PC: ADD})) and regs.dirty() == {}  # type: ignore[arg-type]
+    regs = FakeRegs(pc=PC, pstate=EL0T | DBG_SS)
+    assert not UP.arch_uprobe_emulate(regs, UserMem({PC: B_FWD})) and regs.dirty() == {}  # type: ignore[arg-type]
+
+
+# Stage-1 leaf descriptors: valid 1<<0, AP[1] (EL0) 1<<6, AP[2] (read-only) 1<<7, AF 1<<10, UXN 1<<54.
+@pytest.mark.parametrize(
+    ("entry", "read", "write", "fetch"),
+    [
+        (0x443, True, True, True),  # EL0 read-write, accessed
+        (0x4C3, True, False, True),  # read-only (copy-on-write, or clean without hardware dirty management)
+        (0x403, False, False, True),  # no EL0 data access: execute-only
+        (0x443 | 1 << 54, True, True, False),  # UXN
+        (0x043, False, False, False),  # the access flag clear: the access would fault to set it
+        (0x442, False, False, False),  # invalid
+    ],
+)
+def test_user_page_allows_what_el0_may_do_without_a_fault(entry: int, read: bool, write: bool, fetch: bool) -> None:
+    assert tuple(UP.user_page_allows(entry, a) for a in ("read", "write", "fetch")) == (read, write, fetch)

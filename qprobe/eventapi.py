@@ -183,7 +183,8 @@ class EventAPI:
         (columns: ``cpu``, ``pid``, ``comm``, ``ts``, ``args[name]``; iterate for rows).  Nothing waits on
         the handler while it keeps up; when it does not, the rings fill and the hitting vCPU waits for the
         drain (``record_waits()``), or with ``records_lossy`` the records are dropped and counted (``lost``).
-        Hits the host takes at once (before the probe's jump is placed) come as batches of one.
+        Hits the host takes at once (before the probe's jump is placed) come as batches of one, on the stop
+        loop's thread rather than the collector's: a handler that keeps state across calls locks it.
 
         For counting, filtering, histograms and logging: the hit ran on long before the handler sees it, so
         what must stop the guest (fault injection, writing registers) takes ``add_event``'s callback or a

@@ -45,7 +45,7 @@ class Kprobe:
     hears about a fault in the out-of-line step or an exception in a handler.
     ``anywhere`` arms it with a breakpoint of QEMU's gdbstub instead of an int3
     in the text, which also reaches what the kernel's kprobes refuse (its
-    blacklist, entry text, text it rewrites at run time), at two VM stops a hit.
+    blacklist, entry text, text it rewrites at run time), at one or two VM stops a hit.
     """
 
     def __init__(

@@ -96,10 +96,9 @@ def image_alignment(image: Path) -> int:
     except OSError as exc:
         raise ImageError(f"cannot read {image}: {exc.strerror}") from None
     if kernel_kind(head) == "arm64 Image":
-        # arm64's image places itself: no decompressor writes it where the slide search could watch, and its
-        # slide has some 2**25 candidates, too many for a breakpoint each.
-        raise ImageError(f"{image.name} is an arm64 Image: qprobe finds the KASLR slide of a kernel that has not "
-                         "run yet only for x86's bzImage; boot-time probes on arm64 are not supported yet")  # fmt: skip
+        # Its slide has some 2**25 candidates, too many for a breakpoint each: Arch.boot.arch_boot_switch finds it.
+        raise ImageError(f"{image.name} is an arm64 Image: it has no KASLR alignment (its slide is found at its "
+                         "branch to virtual addresses)")  # fmt: skip
     if len(head) < 0x240 or head[HDR_MAGIC : HDR_MAGIC + 4] != b"HdrS":
         raise ImageError(f"{image.name} is not a bzImage (no boot protocol header): its KASLR alignment is unknown")
     version: int = struct.unpack_from("<H", head, HDR_VERSION)[0]

@@ -17,6 +17,7 @@ from qprobe.arch import Registers, UserMemory
 from qprobe.arch.arm64 import decode, returns
 from qprobe.arch.arm64.insn import AARCH64_INSN_SIZE
 from qprobe.arch.arm64.kprobes import emulate, prepare_kprobe
+from qprobe.arch.arm64.ptregs import PSR_MODE32_BIT
 from qprobe.errors import MemoryFault, ProbeError
 
 # The decoder as the newest kernel qprobe follows decodes (decode.NEWEST, 6.12): Debian's 6.1 is a stable
@@ -54,7 +55,7 @@ class Arm64Uprobes:
     def arch_uprobe_emulate(self, regs: Registers, mem: UserMemory) -> bool:
         """What the decoder simulates (the kernel's arch_uprobe_skip_sstep: simulate_* of simulate-insn.c), on
         the word at pc fetched as the task would; False: it is stepped."""
-        if regs.pstate & DBG_SPSR_SS:
+        if regs.pstate & (DBG_SPSR_SS | PSR_MODE32_BIT):  # stepping, or an AArch32 task: stepped
             return False
         try:
             prep = prepare_kprobe(mem.fetch(regs.pc, AARCH64_INSN_SIZE), regs.pc, 0, version=UPROBE_DECODE_VERSION)

@@ -15,6 +15,10 @@ from qprobe.arch.x86_64.paging import PAGE_SIZE
 from qprobe.arch.x86_64.uemulate import uprobe_emulate
 from qprobe.errors import CannotProbe, MemoryFault
 
+# arch/x86/include/asm/segment.h: the 64-bit user code segment (GDT_ENTRY_DEFAULT_USER_CS * 8 + 3); an ia32
+# task runs on __USER32_CS (0x23).
+USER_CS = 0x33
+
 # Instructions that enter the kernel on purpose: a step that ends there is no fault to restart.
 _SYSTEM_CALLS = frozenset({Code.SYSCALL, Code.SYSENTER, Code.INT_IMM8, Code.INT3, Code.INTO, Code.INT1})
 
@@ -61,6 +65,8 @@ class X86Uprobes:
     def arch_uprobe_emulate(self, regs: Registers, mem: UserMemory) -> bool:
         """qprobe.arch.x86_64.uemulate on the bytes at ip, fetched as the task would (an instruction that ends
         on a page the task cannot fetch from is stepped, to fault as the CPU would)."""
+        if regs.cs != USER_CS:  # an ia32 task (__USER32_CS): its instructions decode otherwise, stepped
+            return False
         pt = cast(Regs, regs)
         ip = pt.ip
         try:

@@ -85,12 +85,12 @@ def test_the_kaslr_alignment_is_the_bzimage_header_s(tmp_path: Path) -> None:
             image_alignment(image)
 
 
-def test_an_arm64_image_is_refused_in_one_line_naming_it(tmp_path: Path) -> None:
+def test_an_arm64_image_has_no_kaslr_alignment_said_in_one_line(tmp_path: Path) -> None:
     image = tmp_path / "vmlinuz-6.1.0-57-cloud-arm64"
     head = bytearray(0x300)
     head[0x38:0x3C] = b"ARM\x64"  # the Image header's magic (Documentation/arch/arm64/booting.rst)
     image.write_bytes(bytes(head))
-    with pytest.raises(ImageError, match=r"^vmlinuz-6.1.0-57-cloud-arm64 is an arm64 Image: .* not supported yet$"):
+    with pytest.raises(ImageError, match=r"^vmlinuz-6.1.0-57-cloud-arm64 is an arm64 Image: it has no KASLR alignment"):
         image_alignment(image)
 
 

@@ -107,6 +107,8 @@ def test_what_runs_out_of_line_or_under_a_debugger_s_step_is_stepped() -> None:
     assert not UP.arch_uprobe_emulate(regs, UserMem({PC: ADD})) and regs.dirty() == {}  # type: ignore[arg-type]
     regs = FakeRegs(pc=PC, pstate=EL0T | DBG_SS)
     assert not UP.arch_uprobe_emulate(regs, UserMem({PC: B_FWD})) and regs.dirty() == {}  # type: ignore[arg-type]
+    regs = FakeRegs(pc=PC, pstate=0x10)  # AArch32 user mode: the word is an A32 or T32 instruction
+    assert not UP.arch_uprobe_emulate(regs, UserMem({PC: B_FWD})) and regs.dirty() == {}  # type: ignore[arg-type]
 
 
 # Stage-1 leaf descriptors: valid 1<<0, AP[1] (EL0) 1<<6, AP[2] (read-only) 1<<7, AF 1<<10, UXN 1<<54.

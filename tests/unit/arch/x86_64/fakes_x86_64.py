@@ -29,6 +29,7 @@ class FakeRegs:
     r15: int = 0
     ip: int = 0
     flags: int = 0x2
+    cs: int = 0x33  # a 64-bit user task's (the kernel's emulation does not read it)
 
 
 class FakeMem:

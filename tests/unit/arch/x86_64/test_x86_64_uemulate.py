@@ -249,3 +249,9 @@ def test_user_page_allows_what_the_cpu_allows_without_setting_a_bit(entry: int, 
                                                                      fetch: bool) -> None:  # fmt: skip
     got = tuple(UP.user_page_allows(entry, access) for access in ("read", "write", "fetch"))
     assert got == (read, write, fetch)
+
+
+def test_an_ia32_task_s_instruction_is_stepped() -> None:
+    # 0x55 is push ebp there (4 bytes), and 0x40-0x4f are inc/dec, not REX prefixes: nothing is performed.
+    r, mem, done = run("55", cs=0x23, bp=0x1234)
+    assert not done and r.ip == IP and r.sp == SP and mem.writes == []

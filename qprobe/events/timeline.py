@@ -206,10 +206,15 @@ class Timeline:
         up to ``upto`` unless ``every`` is due), to hand on as one slice; the rest held again."""
         heap, run, start = self._heap, cursor.run, cursor.at
         order = run.order
-        limit = heap[0][0] if heap else float("inf")
-        if not every:
-            limit = min(limit, upto)
-        stop = max(start + 1, bisect.bisect_right(order, limit, start + 1))
+        # Up to the next held hit's time: the run's hits at that very time too, unless that hit was pushed before
+        # the run (among equal times the one pushed first goes first, as for single hits).
+        limit, before = float("inf"), False
+        if heap:
+            limit, before = heap[0][0], heap[0][1] < seq
+        if not every and upto < limit:
+            limit, before = upto, False
+        find = bisect.bisect_left if before else bisect.bisect_right
+        stop = max(start + 1, find(order, limit, start + 1))
         if self.monotone:
             stamps, last = run.ts, self._last_stamp
             for i in range(start, stop):

@@ -191,3 +191,15 @@ def test_a_run_s_printed_times_never_go_back_under_a_monotone_clock() -> None:
     tl.flush()
     assert run.ts == [0.7, 0.7, 0.7] and after.ts == 0.7
     tl.close()
+
+
+def test_a_run_s_hit_at_the_time_of_one_held_before_it_goes_after_it() -> None:
+    """Among equal times the hit pushed first goes first, as single hits do: the run pushed after a hit of
+    0.02 hands on its own 0.02 after that one."""
+    out: list[object] = []
+    tl = Timeline()
+    tl.push(0.02, lambda: out.append("held"))
+    tl.push_run(Run([0.01, 0.02, 0.03], [0.0] * 3), lambda a, b: out.append((a, b)))
+    tl.flush()
+    assert out == [(0, 1), "held", (1, 3)]
+    tl.close()

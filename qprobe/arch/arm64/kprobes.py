@@ -19,7 +19,7 @@ the kernel.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from qprobe.arch import ExceptionTable, Memory, Prepared, Registers, Resume, ResumeKind
@@ -169,8 +169,15 @@ def emulate(prep: Prepared, regs: Registers, mem: Memory) -> None:
 def emulate_in_place(regs: Registers, mem: Memory) -> bool:
     """A stub breakpoint's instruction, simulated on the host if kprobes simulate it (branches, adr, literal
     loads), on the word at pc now; False: it is to be stepped."""
+    return simulate_at(mem.read, regs, mem)
+
+
+def simulate_at(fetch: Callable[[int, int], bytes], regs: Registers, mem: Memory,
+                version: KernelVersion = NEWEST) -> bool:  # fmt: skip
+    """The word ``fetch`` gives at pc, simulated on the host if the decoder of ``version`` simulates it;
+    False (nothing changed): it is to be stepped."""
     try:
-        prep = prepare_kprobe(mem.read(regs.pc, AARCH64_INSN_SIZE), regs.pc, 0)
+        prep = prepare_kprobe(fetch(regs.pc, AARCH64_INSN_SIZE), regs.pc, 0, version=version)
         if prep.emulate is None:
             return False
         emulate(prep, regs, mem)

@@ -16,9 +16,8 @@ from collections.abc import Callable, Mapping
 from qprobe.arch import Registers, UserMemory
 from qprobe.arch.arm64 import decode, returns
 from qprobe.arch.arm64.insn import AARCH64_INSN_SIZE
-from qprobe.arch.arm64.kprobes import emulate, prepare_kprobe
+from qprobe.arch.arm64.kprobes import simulate_at
 from qprobe.arch.arm64.ptregs import PSR_MODE32_BIT
-from qprobe.errors import MemoryFault, ProbeError
 
 # The decoder as the newest kernel qprobe follows decodes (decode.NEWEST, 6.12): Debian's 6.1 is a stable
 # 6.1.1xx with "Remove broken LDR (literal) uprobe support" backported (6.1.113), so it refuses LDR
@@ -57,14 +56,7 @@ class Arm64Uprobes:
         the word at pc fetched as the task would; False: it is stepped."""
         if regs.pstate & (DBG_SPSR_SS | PSR_MODE32_BIT):  # stepping, or an AArch32 task: stepped
             return False
-        try:
-            prep = prepare_kprobe(mem.fetch(regs.pc, AARCH64_INSN_SIZE), regs.pc, 0, version=UPROBE_DECODE_VERSION)
-            if prep.emulate is None:
-                return False
-            emulate(prep, regs, mem)
-        except (ProbeError, MemoryFault):  # not an instruction to simulate, or its memory faulted
-            return False
-        return True
+        return simulate_at(mem.fetch, regs, mem, UPROBE_DECODE_VERSION)
 
     def user_page_allows(self, entry: int, access: str) -> bool:
         """EL0 reads need AP[1] and writes AP[2] clear too (writable and, whether or not the hardware manages the

@@ -351,13 +351,16 @@ class UprobeManager:
         if consumers:
             self._run_entry(consumers, pt, values, (root, task))
         changed = pt.dirty()
-        if changed:
+        if changed and pt.ip != ip:  # a handler moved the task elsewhere: the instruction is not run
             self.machine.gdb.write_registers(tid, changed)
-            if pt.ip != ip:  # a handler moved the task elsewhere: the instruction is not run
-                return
-        if root and self._emulate(tid, pt, root):
+            return
+        performed = self._emulate(pt, root) if root else None
+        if performed is not None:  # the handlers' registers and the instruction's in one write
+            self.machine.gdb.write_registers(tid, {**changed, **performed})
             self.emulated += 1
             return
+        if changed:
+            self.machine.gdb.write_registers(tid, changed)
         self.stepped += 1
         after = self.stepper.step(tid, ip)
         if consumers and self.arch.uprobes and self.arch.uprobes.arch_uprobe_xol_was_trapped(code, after):
@@ -365,20 +368,18 @@ class UprobeManager:
                 self.restarts.clear()
             self.restarts.add((root, ip, sp))
 
-    def _emulate(self, tid: str, pt: PtRegs, root: int) -> bool:
+    def _emulate(self, pt: PtRegs, root: int) -> dict[str, int] | None:
         """The instruction performed on the host where the architecture can, as the task would perform it (no
-        step: its stop costs QEMU 7.2 a flush of its translated code).  An instruction the host performs
-        faults nowhere, so it needs no restart."""
+        step: its stop costs QEMU 7.2 a flush of its translated code): the registers it changed, for the
+        caller to write, or None for the step.  Its memory is written here, before them.  An instruction
+        the host performs faults nowhere, so it needs no restart."""
         uprobes = self.arch.uprobes
         assert uprobes is not None  # a uprobe's breakpoint stopped here
-        pt.mark_clean()
         post = copy.copy(pt)  # the emulation's own: one that gives up part way leaves it to the step
+        post.mark_clean()
         if not uprobes.arch_uprobe_emulate(post, UserMemory(self.machine, root, uprobes.user_page_allows)):
-            return False
-        changed = post.dirty()
-        if changed:
-            self.machine.gdb.write_registers(tid, changed)
-        return True
+            return None
+        return post.dirty()
 
     def _consumers_at(self, ip: int, root: int, task: int) -> tuple[list[Uprobe], bytes]:
         """The probes on the file offset the stopped process runs at ``ip``, and the instruction's bytes."""

@@ -168,11 +168,16 @@ class GdbRemote:
         the prefix get their current value back.  Only the registers ``allow_g``
         was given are ever in that prefix: writing a control register even with
         its own value has effects (a TLB flush on x86's CR0/CR3/CR4).
+
+        Two registers are already one ``G``: the stub applies a packet whole, so
+        a qprobe killed part way through an instruction's writes (a result and
+        the ip past it) cannot leave the vCPU with one and not the other, which
+        would run the instruction twice or skip its result.
         """
         descs = [self.regs[name] for name in values]
         top = max((d.regnum for d in descs), default=-1)
         prefix = self._g_prefix[: top + 1]
-        if len(values) < 3 or len(prefix) != top + 1:
+        if len(values) < 2 or len(prefix) != top + 1:
             for name, value in values.items():
                 self.write_register(tid, name, value)
             return

@@ -10,6 +10,10 @@ and the nops (no user IBT on Linux 6.1/6.12: ``endbr`` is a nop in user mode), `
 ``mov`` between registers, immediates and memory, ``lea``, and ``add``/``sub``/``cmp``/``test``/
 ``and``/``or``/``xor`` with their flags.
 
+The host writes the task's memory first and its registers after, in one packet: a qprobe killed between
+the two leaves the instruction to run again, which stores the same bytes (a push, a mov) to the same place.
+An add, sub, and, or or xor into memory would add twice, so those are stepped.
+
 Anything else, a 16-bit or high-byte operand, an fs:/gs: or 32-bit address, the trap flag set (a
 debugger single-stepping the task wants its #DB after the instruction), or a memory access the task
 could not make without a fault (``mem`` raises MemoryFault: not present, not user, a store to a page not
@@ -188,6 +192,8 @@ def _perform(instr: Instruction, op: str, size: int, regs: Regs, mem: Memory) ->
     elif op == "mov":
         _write(instr, 0, size, _read(instr, 1, size, regs, mem), regs, mem)
     else:
+        if op not in ("cmp", "test") and instr.op0_kind == OpKind.MEMORY:
+            raise _Refused  # a read-modify-write of memory: run twice after a kill, it would not be idempotent
         a, b = _read(instr, 0, size, regs, mem), _read(instr, 1, size, regs, mem)
         res = _BINARY[op](a, b)
         if op not in ("cmp", "test"):

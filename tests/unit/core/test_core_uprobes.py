@@ -382,6 +382,22 @@ def test_an_instruction_the_architecture_performs_is_one_stop_and_no_step(s: Set
     assert (s.um.emulated, s.um.stepped) == (1, 1)
 
 
+def test_a_handler_s_registers_and_the_performed_instruction_are_one_write(s: Setup) -> None:
+    """A qprobe killed between two writes would leave the vCPU with the handler's change and not the ip past
+    the instruction, or the reverse: the gdbstub applies one write whole."""
+    p = s.world.process()
+    s.world.map(p, BASE, PROG)
+
+    def change(u: Uprobe, regs: PtRegs) -> None:
+        regs.r0 = 77
+
+    s.um.register_uprobe(Uprobe(PROG, FUNC + 8, handler=change))  # a NOP, which the toy performs
+    s.rig.t.cpu.written.clear()
+    after = s.stop(p, BASE + FUNC + 8, r0=5)
+    assert after["r0"] == 77 and after["pc"] == BASE + FUNC + 12
+    assert [w for _tid, w in s.rig.t.cpu.written] == [{"r0": 77, "pc": BASE + FUNC + 12}]
+
+
 def test_a_probed_instruction_whose_step_faults_runs_again_without_a_second_hit(s: Setup) -> None:
     p = s.world.process()
     s.world.map(p, BASE, PROG)

@@ -355,6 +355,15 @@ def test_write_registers_is_one_g_prefix(stub: QemuStub, gdb: GdbRemote) -> None
         {k: v for k, v in before.items() if k not in ("rip", "rsp", "eflags")}  # fmt: skip
 
 
+def test_two_registers_are_one_g_so_a_kill_cannot_split_them(stub: QemuStub, gdb: GdbRemote) -> None:
+    # An emulated instruction's result and the ip past it: a client killed between two P packets would
+    # leave the vCPU to run it again with its result already in place, or past it without the result.
+    gdb.write_registers("p1.1", {"rax": 402, "rip": KTEXT + 4})
+    assert len(stub.sent(b"G")) == 1 and not stub.sent(b"P")
+    regs = gdb.read_registers("p1.1")
+    assert (regs["rax"], regs["rip"]) == (402, KTEXT + 4)
+
+
 def test_write_registers_reads_what_it_does_not_know(stub: QemuStub, gdb: GdbRemote) -> None:
     stub.vcpus[1].set("rbx", 0x1234)
     gdb.write_registers("p1.2", {"rax": 1, "rcx": 2, "rdx": 3})

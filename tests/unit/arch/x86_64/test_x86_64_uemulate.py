@@ -206,6 +206,8 @@ def test_branches_as_the_kernel_emulates_them() -> None:
         "ff25f0ffffff",  # jmp [rip-0x10]: stepped, as the kernel's kprobes step it
         "66e80000",  # callw: 0x66 on a branch, which the kernel's uprobes refuse (Intel and AMD differ)
         "f0830001",  # lock add dword [rax],1: left to the CPU's atomic
+        "48010424",  # add [rsp],rax: run again after a kill between its store and its ip, it would add twice
+        "83642404fe",  # and dword [rsp+4],-2: the same for every read-modify-write of memory
     ],
 )
 def test_what_is_not_emulated_is_left_to_the_step(code: str) -> None:

@@ -49,7 +49,26 @@ UPPER_HALF = 1 << 63
 WATCH_PERIOD = 0.002  # s between two looks at every candidate (some hundred reads of a few bytes)
 
 
-class BootSlide:
+class StubSearch:
+    """The stub breakpoints a slide search puts in (stop loop), each with its stop handler, taken out together."""
+
+    def __init__(self, machine: Machine) -> None:
+        self.machine = machine
+        self.armed: list[int] = []
+
+    def disarm(self) -> None:
+        for addr in self.armed:
+            self.machine.stop_handlers.pop(addr, None)
+            self.machine.gdb.remove_breakpoint(addr, BREAK_HW)
+        self.armed.clear()
+
+    def _insert(self, addr: int, handler: Callable[[str, dict[str, int]], None]) -> None:
+        self.machine.gdb.insert_breakpoint(addr, BREAK_HW)
+        self.armed.append(addr)
+        self.machine.stop_handlers[addr] = handler
+
+
+class BootSlide(StubSearch):
     """Stub breakpoints on the first virtual instruction at every candidate slide, put in at once or (shared
     RAM) once the kernel is entered (the stop loop's)."""
 
@@ -57,7 +76,7 @@ class BootSlide:
                  ram: SharedRam | None = None) -> None:  # fmt: skip
         """``cmdline``: the kernel's; with ``nokaslr`` the decompressor leaves the kernel at its link address.
         ``ram``: the guest's RAM, if shared: the candidates then go in only once the kernel is entered."""
-        self.machine = machine
+        super().__init__(machine)
         assert symbols.slide == 0, "candidates are link addresses plus a slide"
         self.entry = arch.boot.arch_boot_entry(symbols.file_bytes, symbols.address)
         nokaslr = "nokaslr" in cmdline.split()
@@ -76,7 +95,6 @@ class BootSlide:
             # Read-only characters up to the NUL: nothing handle_relocations changes.
             self.banner = (banner - text, symbols.file_bytes(banner, 160).split(b"\0")[0])
             self.outputs = output_candidates(self.ram.low, self.ram.size, align)
-        self.armed: list[int] = []
         self.on_found: Found | None = None
         self.on_failed: Failed | None = None
         self.armed_at = 0.0  # time.monotonic() when the search began
@@ -111,19 +129,11 @@ class BootSlide:
 
     def disarm(self) -> None:
         self._watching.clear()
-        for addr in self.armed:
-            self.machine.stop_handlers.pop(addr, None)
-            self.machine.gdb.remove_breakpoint(addr, BREAK_HW)
-        self.armed.clear()
+        super().disarm()
 
     def _arm_candidates(self) -> None:
         for slide in self.slides:
             self._insert(self.entry + slide, self._hit)
-
-    def _insert(self, addr: int, handler: Callable[[str, dict[str, int]], None]) -> None:
-        self.machine.gdb.insert_breakpoint(addr, BREAK_HW)
-        self.armed.append(addr)
-        self.machine.stop_handlers[addr] = handler
 
     def _hit(self, tid: str, regs: dict[str, int]) -> None:
         self.found_after = time.monotonic() - self.armed_at
@@ -199,4 +209,4 @@ class BootSlide:
         self._arm_candidates()
 
 
-__all__ = ["BootSlide"]
+__all__ = ["UPPER_HALF", "BootSlide", "Failed", "Found", "StubSearch"]

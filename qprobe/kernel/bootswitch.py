@@ -22,22 +22,19 @@ from collections.abc import Callable
 
 from qprobe.arch import Arch
 from qprobe.errors import MemoryFault, TargetError
+from qprobe.kernel.bootslide import UPPER_HALF, Failed, Found, StubSearch
 from qprobe.kernel.symbols import Symbols
-from qprobe.vmm.gdbremote import BREAK_HW
 from qprobe.vmm.machine import Machine
 
-Found = Callable[[str, dict[str, int], int], None]
-Failed = Callable[[BaseException], None]
 log = logging.getLogger("qprobe")
 
 # A boot loader's stub (QEMU's -kernel loader writes six instructions: hw/arm/boot.c's bootloader_aarch64)
 # enters the image within this many instructions; a firmware would take millions.
 MAX_LOADER_STEPS = 64
 HEAD = 64  # bytes of the image's start compared with vmlinux's (arm64's Image header: no relocated field)
-UPPER_HALF = 1 << 63  # the kernel's virtual addresses (TTBR1's half)
 
 
-class SwitchSlide:
+class SwitchSlide(StubSearch):
     """A stub breakpoint on the branch to the kernel's virtual addresses, at its physical address (put in by
     the stop loop, once vCPU 0 has been stepped into the image)."""
 
@@ -47,13 +44,12 @@ class SwitchSlide:
                  read_phys: Callable[[int, int], bytes]) -> None:  # fmt: skip
         """``switch``: the branch's link address (``Arch.arch_boot_switch``); ``read_phys``: guest RAM."""
         assert symbols.slide == 0, "link addresses"
-        self.machine = machine
+        super().__init__(machine)
         self.read_phys = read_phys
         self.entry = arch.boot.arch_boot_entry(symbols.file_bytes, symbols.address)
         self.text = symbols.address("_text")
         self.switch_offset = switch - self.text
         self.head = symbols.file_bytes(self.text, HEAD)
-        self.armed: list[int] = []
         self.on_found: Found | None = None
         self.on_failed: Failed | None = None
         self.armed_at = 0.0  # time.monotonic() when the search began
@@ -72,9 +68,7 @@ class SwitchSlide:
             on_failed(exc)
             return
         at = self.loaded_at + self.switch_offset
-        self.machine.gdb.insert_breakpoint(at, BREAK_HW)
-        self.armed.append(at)
-        self.machine.stop_handlers[at] = self._switching
+        self._insert(at, self._switching)
         log.debug("boot switch: image at %#x, a breakpoint on its branch to virtual addresses at %#x",
                   self.loaded_at, at)  # fmt: skip
 
@@ -98,12 +92,6 @@ class SwitchSlide:
         if self.loaded_at is None:
             return "vCPU 0 to enter the kernel image"
         return f"the branch to the kernel's virtual addresses at physical {self.loaded_at + self.switch_offset:#x}"
-
-    def disarm(self) -> None:
-        for addr in self.armed:
-            self.machine.stop_handlers.pop(addr, None)
-            self.machine.gdb.remove_breakpoint(addr, BREAK_HW)
-        self.armed.clear()
 
     def _switching(self, tid: str, regs: dict[str, int]) -> None:
         """The boot CPU on the branch (stop loop): one step takes it to the first virtual instruction."""

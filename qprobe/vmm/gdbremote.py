@@ -76,6 +76,10 @@ class GdbRemote:
         stop = parse_stop_reply(self.conn.request(b"?"))
         self.running = False
         self._hg = None
+        # QEMU keeps its physical-memory mode across clients (one flag of the stub's): a qprobe killed while
+        # in it would leave this one reading virtual addresses as physical.  A stub without it has no mode.
+        self.conn.request(b"Qqemu.PhyMemMode:0")
+        self._phys = False
         return stop
 
     def allow_g(self, plain: Collection[str]) -> None:

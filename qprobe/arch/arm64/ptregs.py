@@ -133,9 +133,11 @@ FLAG_BITS = tuple((1 << bit, name) for bit, name in (
     (0, "SP"), (6, "F"), (7, "I"), (8, "A"), (9, "D"), (12, "SSBS"), (20, "IL"), (21, "SS"), (22, "PAN"),
     (23, "UAO"), (24, "DIT"), (25, "TCO"), (28, "V"), (29, "C"), (30, "Z"), (31, "N")))  # fmt: skip
 # Registers a ``G`` may rewrite: QEMU 7.2 stores x0-x30, sp and pc as given (aarch64_cpu_gdb_write_register),
-# but cpsr goes through pstate_write, which neither switches the banked stack pointer nor rebuilds the
-# cached translation flags when its mode, SP or SS bits change.
-PLAIN = frozenset((*PT_GPRS, "sp", "pc"))
+# and cpsr through pstate_write, which neither switches the banked stack pointer nor rebuilds the cached
+# translation flags when its mode, SP or SS bits change.  A ``G``'s prefix ends at the highest register
+# written, so cpsr is in one only when it is written anyway (as a ``P`` would, by the same pstate_write);
+# with it, a resume's pc, sp and cpsr are one packet, which a client killed part way cannot split.
+PLAIN = frozenset((*PT_GPRS, "sp", "pc", "cpsr"))
 
 REGISTERS = RegisterLayout(
     GDB_NAME,

@@ -74,7 +74,7 @@ def test_handshake_survives_the_unsolicited_stop(stub: QemuStub) -> None:
     assert gdb.running is False
     assert stub.requests[0].startswith(b"qSupported:")
     assert b"xmlRegisters=i386" in stub.requests[0]
-    assert stub.requests[-1] == b"?"
+    assert stub.requests[-2:] == [b"?", b"Qqemu.PhyMemMode:0"]
 
 
 def test_vmm_description_is_read_in_two_chunks_across_a_comment(stub: QemuStub, gdb: GdbRemote) -> None:
@@ -473,11 +473,18 @@ def test_read_memory_unsupported_is_an_error_not_a_hang(stub: QemuStub, gdb: Gdb
 
 
 def test_set_physical_is_sent_once(stub: QemuStub, gdb: GdbRemote) -> None:
+    connected = len(stub.sent(b"Qqemu.PhyMemMode"))
     gdb.set_physical(True)
     gdb.set_physical(True)
     assert stub.phys_mode
     gdb.set_physical(False)
-    assert stub.sent(b"Qqemu.PhyMemMode") == [b"Qqemu.PhyMemMode:1", b"Qqemu.PhyMemMode:0"]
+    assert stub.sent(b"Qqemu.PhyMemMode")[connected:] == [b"Qqemu.PhyMemMode:1", b"Qqemu.PhyMemMode:0"]
+    assert not stub.phys_mode
+
+
+def test_a_connect_leaves_no_physical_mode_of_a_killed_client(stub: QemuStub) -> None:
+    stub.phys_mode = True  # the stub's one flag, as a client killed in physical mode left it
+    connect(stub)
     assert not stub.phys_mode
 
 

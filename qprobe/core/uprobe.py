@@ -30,11 +30,16 @@ class Uprobe:
     returns (``func`` the probed address, ``regs_return_value(regs)`` its value).  ``filter(up, regs)``
     decides per hit whether the handlers run (the kernel asks it per mm); a hit it refuses is counted in
     ``nfiltered`` only.
+
+    A probe with none of the three is counted in the guest where the guest's kernel can register it with
+    its own uprobes (qprobe.core.uguest): no VM stop at its hits.  ``in_guest=False`` keeps it on the
+    gdbstub's breakpoints, with nothing written into any process; ``in_guest=True`` refuses it where it
+    cannot be counted in the guest.  After registration, ``in_guest`` says which it is.
     """
 
     def __init__(self, path: str, offset: int | None = None, symbol: str | None = None,
                  handler: UprobeHandler | None = None, ret_handler: RetHandler | None = None,
-                 filter: UprobeFilter | None = None) -> None:  # fmt: skip
+                 filter: UprobeFilter | None = None, in_guest: bool | None = None) -> None:  # fmt: skip
         if not isinstance(path, str) or not path.startswith("/"):
             raise InvalidProbe(f"a uprobe's path must be absolute, not {path!r} (EINVAL)")
         if (offset is None) == (symbol is None):
@@ -48,7 +53,13 @@ class Uprobe:
         self.handler = handler
         self.ret_handler = ret_handler
         self.filter = filter
-        self.nhit = 0  # hits that ran the handlers (the filter let them)
+        self.in_guest = in_guest
+        if in_guest and (handler or ret_handler or filter):
+            raise InvalidProbe("a uprobe counted in the guest runs nothing on the host: no handler, ret_handler "
+                               "or filter (EINVAL)")  # fmt: skip
+        self._nhit = 0
+        # While counted in the guest: the guest's count, read from its RAM.
+        self.guest_count: Callable[[], int] | None = None
         self.nfiltered = 0
         self.nmissed = 0  # returns not probed: the task already held MAX_URETPROBE_DEPTH instances
         self.nreturns = 0
@@ -56,6 +67,15 @@ class Uprobe:
         self.errors: list[str] = []
         self.registered = False
         self.file: GuestFile | None = None
+
+    @property
+    def nhit(self) -> int:
+        """Hits that ran the handlers (the filter let them)."""
+        return self._nhit if self.guest_count is None else self.guest_count()
+
+    @nhit.setter
+    def nhit(self, value: int) -> None:
+        self._nhit = value
 
     def where(self) -> str:
         at = f"{self.offset:#x}" if self.offset is not None else str(self.symbol)

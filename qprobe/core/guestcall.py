@@ -33,6 +33,7 @@ from qprobe.arch.guestcall import (
 from qprobe.errors import QprobeError, TargetError
 from qprobe.kernel.program import KernelData
 from qprobe.vmm.gdbremote import BREAK_HW
+from qprobe.vmm.journal import Patch
 from qprobe.vmm.machine import Machine
 from qprobe.vmm.memory import SharedRam
 from qprobe.vmm.scratch import ScratchArea
@@ -152,6 +153,7 @@ class GuestCaller:
         self.site: CallSite | None = None
         self._lock = threading.Lock()
         self._armed = False
+        self._patch: Patch | None = None
         self.stops = 0  # VM stops the calls took (one each)
 
     def _setup(self) -> CallSite:
@@ -163,7 +165,7 @@ class GuestCaller:
             image = block_image(gc, self.kernel, block)
             self.scratch.write(block, image)
             # Its first code is journaled: a later qprobe finds the block by it, to undo what calls registered.
-            self.machine.patch(block + BLOCK_QUEUE, image[BLOCK_QUEUE : BLOCK_QUEUE + 64], "guestcall")
+            self._patch = self.machine.patch(block + BLOCK_QUEUE, image[BLOCK_QUEUE : BLOCK_QUEUE + 64], "guestcall")
             exit_ = self.kernel.symbols.address(gc.interrupt_exit)
             if exit_ in self.machine.stop_handlers:
                 raise TargetError(f"qprobe cannot make guest calls while {gc.interrupt_exit} is probed")
@@ -192,6 +194,23 @@ class GuestCaller:
                     raise TargetError(f"qprobe's guest call: {self.unavailable}")
                 time.sleep(POLL)
             return self.ram.read_u64_phys(self.scratch.phys_of(site.block + BLOCK_RET))
+
+    def release(self) -> None:
+        """The block taken out (its journal record too) while no call needs it; the next call makes another."""
+        with self._lock:
+            site = self.site
+            if site is None or self.unavailable is not None:  # (a call that timed out may still use it)
+                return
+            self.site = None
+
+            patch = self._patch
+            assert patch is not None
+
+            def drop() -> None:
+                self.machine.unpatch(patch)
+                self.scratch.free(site.block)
+
+            self.machine.call(drop)
 
     def _arm(self, site: CallSite) -> None:
         self.machine.insert_stub_breakpoint(site.interrupt_exit)

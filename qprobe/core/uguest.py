@@ -48,7 +48,7 @@ C_INODE = C_COUNTER + 8  # the held inode
 C_OFFSET = C_INODE + 8
 C_HANDLE = C_OFFSET + 8  # 6.12's struct uprobe *, 1 before (registered)
 C_STATE = C_HANDLE + 8  # the registration's step (below), written before the step's call is made
-C_CODE = C_STATE + 8  # the handler's code (16-aligned)
+C_CODE = C_STATE + 16  # the handler's code, 16-aligned
 C_SIZE = 128
 MAX_ERRNO = 4095  # include/linux/err.h: an ERR_PTR is one of the last 4095 addresses
 # A registration's steps.  The state names the call made last (or being made); the guest call's done flag
@@ -248,6 +248,8 @@ class GuestUprobes:
 
         try:
             self.machine.call(drop)
+            if not self.registered:
+                self.caller.release()
         except TargetError:
             pass  # the VM is gone: nothing of it to forget
 

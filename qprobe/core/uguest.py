@@ -209,7 +209,8 @@ class GuestUprobes:
         self._step(reg, S_ARMED)
         with self._lock:
             self.registered[up] = reg
-        up.guest_count = lambda: self._count(reg)
+        before = up.nhit  # hits of earlier registrations of the same Uprobe
+        up.guest_count = lambda: before + self._count(reg)
 
     def unregister(self, up: Uprobe) -> None:
         """``up`` taken out of the guest's uprobes; ``nhit`` keeps its last count."""
@@ -219,8 +220,9 @@ class GuestUprobes:
             with self._lock:
                 reg = self.registered.pop(up)
             take_out(self._calls(reg), api, reg, True, 0, lambda state: self._step(reg, state))
-        up.nhit = self._count(reg)  # the last count, kept
+        last = up.nhit
         up.guest_count = None
+        up.nhit = last  # kept
         self._forget(reg)
 
     def _count(self, reg: Registration) -> int:

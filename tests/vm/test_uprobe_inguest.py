@@ -1,0 +1,146 @@
+"""Uprobes counted in the guest (qprobe.core.uguest): the guest kernel's own uprobes, with qprobe's consumer.
+
+A Uprobe with nothing to run on the host is registered through the kernel's uprobe_register(): no gdbstub
+breakpoint, no VM stop at a hit.  Every count is checked against the guest's: each program's own summary
+line (``calls=``), and the guest kernel's uprobe_profile for a trace_uprobe of its own uprobe_events on the
+same instruction in the same run (one kernel uprobe, two consumers: both see every hit).  The probed
+files' bytes are unchanged (the fixtures check the md5sums); the probed processes see the kernel's int3 in
+their own memory, as with uprobe_events.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import pytest
+
+import qprobe
+from qprobe import Uprobe
+from qprobe.errors import InvalidProbe
+
+from .guest_oracle import TRACING
+from .test_uprobe_lifecycle import (
+    LIB,
+    PROG,
+    STATIC,
+    background,
+    collect,
+    files,
+    off,
+    ok,
+    run,
+    summary,
+    wait_for,
+)
+
+pytestmark = pytest.mark.vm
+__all__ = ["files", "off"]  # fixtures, shared with the lifecycle tests
+
+EVENT = "uprobes/qpig"
+
+
+@pytest.fixture
+def counted(target: qprobe.Target, files: None) -> None:
+    """A kernel that can count uprobes (CONFIG_UPROBES: the uprobe_register() qprobe calls)."""
+    if "uprobe_register" not in target.symbols:
+        pytest.skip("the guest kernel has no uprobe_register() (CONFIG_UPROBES)")
+
+
+@pytest.fixture
+def profile(target: qprobe.Target, counted: None, off: dict[str, int]) -> Iterator[None]:
+    """The guest's own uprobe on /bin/uprog's qpt_target, enabled: its uprobe_profile is the reference."""
+    if target.run(f"test -w {TRACING}/uprobe_events").status != 0:
+        pytest.skip("the guest kernel has no CONFIG_UPROBE_EVENTS")
+    target.run(f"echo 'p:{EVENT} {PROG}:{off[PROG]:#x}' > {TRACING}/uprobe_events && "
+               f"echo 1 > {TRACING}/events/{EVENT}/enable").check()  # fmt: skip
+    try:
+        yield
+    finally:
+        target.run(f"echo 0 > {TRACING}/events/{EVENT}/enable; echo '-:{EVENT}' >> {TRACING}/uprobe_events").check()
+
+
+def kernel_hits(target: qprobe.Target) -> int:
+    """uprobe_profile's hit count of the guest's own uprobe (``  PATH  EVENT  HITS``)."""
+    out = target.run(f"cat {TRACING}/uprobe_profile").check().output
+    return next(int(line.split()[-1]) for line in out.splitlines() if EVENT.split("/")[1] in line.split())
+
+
+def calls_of(out: str) -> int:
+    """Every call the output's programs report: summary lines, forked children's and pre-exec images'."""
+    total = 0
+    for line in out.splitlines():
+        if line.startswith("uprog-child "):
+            total += int(summary(line, "uprog-child ")["calls"])
+        elif line.startswith("uprog-exec "):
+            total += int(summary(line, "uprog-exec ")["calls"])
+        elif line.startswith("uprog mode=fork"):
+            total += int(summary(line)["m"])  # the parent's own; its calls= counts the children's too
+        elif line.startswith("uprog mode="):
+            total += int(summary(line)["calls"])
+    return total
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "uprog call 300 1 1 a",
+        "uprog call 300 1 1 a > /tmp/p1.out & uprog call 200 2 2 b > /tmp/p2.out & wait; cat /tmp/p1.out /tmp/p2.out",
+        "uprog fork 3 50",
+        "uprog exec 40",
+        "uprog threads 4 50",
+    ],
+    ids=["one", "two-at-once", "fork", "exec", "threads"],
+)
+def test_counts_equal_the_program_and_the_guest_s_uprobe_profile(
+    target: qprobe.Target, profile: None, off: dict[str, int], command: str
+) -> None:
+    before = kernel_hits(target)
+    up = Uprobe(PROG, off[PROG])
+    target.register_uprobe(up)
+    try:
+        assert up.in_guest is True and not target.uprobes.points  # no gdbstub breakpoint: no VM stop
+        out = run(target, command)
+    finally:
+        target.unregister_uprobe(up)
+    assert re.search(r"^rc=0$", out, re.M) and "bad=0" in out and "bad=1" not in out, out
+    expected = calls_of(out)
+    assert expected > 0 and up.nhit == expected == kernel_hits(target) - before, (up, out)
+
+
+def test_a_static_program_and_a_shared_library_at_once(
+    target: qprobe.Target, counted: None, off: dict[str, int]
+) -> None:
+    ups = [Uprobe(STATIC, off[STATIC]), Uprobe(LIB, off[LIB])]
+    for up in ups:
+        target.register_uprobe(up)
+    try:
+        static = ok(run(target, f"{STATIC} call 250 1 1 s"))
+        lib = ok(run(target, "uprog lib 120"))
+    finally:
+        for up in ups:
+            target.unregister_uprobe(up)
+    assert [up.nhit for up in ups] == [int(static["calls"]), int(lib["calls"])] == [250, 120]
+    assert all(up.in_guest for up in ups) and not target.uprobes.registered()
+
+
+def test_registered_and_unregistered_while_the_program_runs(
+    target: qprobe.Target, counted: None, off: dict[str, int]
+) -> None:
+    """The kernel arms the running process's page at registration and disarms it at unregistration."""
+    calls = 200_000
+    up = Uprobe(PROG, off[PROG])
+    background(target, f"uprog wait-then-call 1 {calls}", "/tmp/ig.out")
+    wait_for(target, "/tmp/ig.out", r"^uprog pid=")
+    target.register_uprobe(up)
+    while up.nhit < 100:
+        target.wait(0.01)
+    target.unregister_uprobe(up)
+    res = ok(collect(target, "/tmp/ig.out"))
+    assert 100 <= up.nhit < int(res["calls"]) == calls, (up, res)
+
+
+def test_a_handler_is_refused_with_in_guest(counted: None) -> None:
+    with pytest.raises(InvalidProbe, match="counted in the guest runs nothing on the host") as info:
+        Uprobe(PROG, 0, handler=lambda _u, _r: None, in_guest=True)
+    assert "\n" not in str(info.value)

@@ -44,17 +44,19 @@ from qprobe.vmm.transport import GdbTransport
 
 CONSUMER_MAX = 64  # bytes kept for struct uprobe_consumer (32 in 6.1 and 6.12)
 C_COUNTER = CONSUMER_MAX  # u64: the handler's count
-C_INODE = C_COUNTER + 8  # the held inode
+C_RETURNS = C_COUNTER + 8  # u64: the ret_handler's
+C_INODE = C_RETURNS + 8  # the held inode
 C_OFFSET = C_INODE + 8
 C_HANDLE = C_OFFSET + 8  # 6.12's struct uprobe *, 1 before (registered)
 C_STATE = C_HANDLE + 8  # the registration's step (below), written before the step's call is made
-C_CODE = C_STATE + 16  # the handler's code, 16-aligned
-C_SIZE = 128
+C_CODE = C_STATE + 8  # the handler's code, 16-aligned
+C_RCODE = C_CODE + 16  # the ret_handler's
+C_SIZE = C_RCODE + 16
 MAX_ERRNO = 4095  # include/linux/err.h: an ERR_PTR is one of the last 4095 addresses
 # A registration's steps.  The state names the call made last (or being made); the guest call's done flag
 # says whether it returned, and its result whether it worked: enough to finish a killed qprobe's.
 S_NEW, S_IGRAB, S_REGISTER, S_ARMED, S_UNREGISTER, S_SYNC, S_IPUT = range(7)
-assert C_CODE % 16 == 0 and C_CODE + 16 <= C_SIZE
+assert C_CODE % 16 == 0
 
 
 @dataclass(frozen=True)
@@ -180,8 +182,15 @@ class GuestUprobes:
         assert isinstance(api, UprobeApi) and gc is not None and self.ram is not None  # unavailable said None
         handler_off = self.kernel.type_offset("struct uprobe_consumer", "handler")
         block = self.machine.call(lambda: mapped(self.scratch).alloc(C_SIZE, align=64))
+        image = bytearray(C_SIZE)
         code = gc.build_count_handler(block + C_CODE, block + C_COUNTER)
-        self.machine.call(lambda: self.scratch.write(block, bytes(C_CODE) + code))
+        image[C_CODE : C_CODE + len(code)] = code
+        if up.ret_handler is not None:  # a return probe: the kernel takes the return too (its return_instance)
+            ret_off = self.kernel.type_offset("struct uprobe_consumer", "ret_handler")
+            code = gc.build_count_handler(block + C_RCODE, block + C_RETURNS)
+            image[C_RCODE : C_RCODE + len(code)] = code
+            image[ret_off : ret_off + 8] = (block + C_RCODE).to_bytes(8, "little")
+        self.machine.call(lambda: self.scratch.write(block, bytes(image)))
         self._write(block + C_OFFSET, offset)
         # Journaled before the kernel knows the consumer: a kill from here on is finished by the next attach.
         handler = (block + C_CODE).to_bytes(8, "little")
@@ -209,8 +218,8 @@ class GuestUprobes:
         self._step(reg, S_ARMED)
         with self._lock:
             self.registered[up] = reg
-        before = up.nhit  # hits of earlier registrations of the same Uprobe
-        up.guest_count = lambda: before + self._count(reg)
+        before = (up.nhit, up.nreturns)  # counts of earlier registrations of the same Uprobe
+        up.guest_counts = lambda: (before[0] + self._count(reg, C_COUNTER), before[1] + self._count(reg, C_RETURNS))
 
     def unregister(self, up: Uprobe) -> None:
         """``up`` taken out of the guest's uprobes; ``nhit`` keeps its last count."""
@@ -220,14 +229,14 @@ class GuestUprobes:
             with self._lock:
                 reg = self.registered.pop(up)
             take_out(self._calls(reg), api, reg, True, 0, lambda state: self._step(reg, state))
-        last = up.nhit
-        up.guest_count = None
-        up.nhit = last  # kept
+        last = up.nhit, up.nreturns
+        up.guest_counts = None
+        up.nhit, up.nreturns = last  # kept
         self._forget(reg)
 
-    def _count(self, reg: Registration) -> int:
+    def _count(self, reg: Registration, counter: int) -> int:
         assert self.ram is not None
-        return self.ram.read_u64_phys(self.scratch.phys_of(reg.block + C_COUNTER))
+        return self.ram.read_u64_phys(self.scratch.phys_of(reg.block + counter))
 
     def _write(self, addr: int, value: int) -> None:
         assert self.ram is not None

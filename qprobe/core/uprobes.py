@@ -134,7 +134,7 @@ class UprobeManager:
 
     def _guest_for(self, up: Uprobe) -> GuestUprobes | None:
         """Where ``up`` is counted in the guest (None: it stops the VM at its hits)."""
-        if up.in_guest is False or up.handler or up.ret_handler or up.filter:
+        if up.in_guest is False or not up.runs_nothing:
             return None
         why = "qprobe counts no uprobe in this guest" if self.guest is None else self.guest.unavailable
         if why is None:

@@ -10,13 +10,14 @@ their own memory, as with uprobe_events.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterator
 
 import pytest
 
 import qprobe
-from qprobe import Uprobe
+from qprobe import Uprobe, Uretprobe
 from qprobe.errors import InvalidProbe
 
 from .guest_oracle import TRACING
@@ -47,17 +48,23 @@ def counted(target: qprobe.Target, files: None) -> None:
         pytest.skip("the guest kernel has no uprobe_register() (CONFIG_UPROBES)")
 
 
-@pytest.fixture
-def profile(target: qprobe.Target, counted: None, off: dict[str, int]) -> Iterator[None]:
-    """The guest's own uprobe on /bin/uprog's qpt_target, enabled: its uprobe_profile is the reference."""
+@contextlib.contextmanager
+def guest_uprobe(target: qprobe.Target, spec: str) -> Iterator[None]:
+    """The guest's own uprobe_events ``spec`` (named EVENT), enabled: its uprobe_profile is the reference."""
     if target.run(f"test -w {TRACING}/uprobe_events").status != 0:
         pytest.skip("the guest kernel has no CONFIG_UPROBE_EVENTS")
-    target.run(f"echo 'p:{EVENT} {PROG}:{off[PROG]:#x}' > {TRACING}/uprobe_events && "
-               f"echo 1 > {TRACING}/events/{EVENT}/enable").check()  # fmt: skip
+    target.run(f"echo '{spec}' > {TRACING}/uprobe_events && echo 1 > {TRACING}/events/{EVENT}/enable").check()
     try:
         yield
     finally:
         target.run(f"echo 0 > {TRACING}/events/{EVENT}/enable; echo '-:{EVENT}' >> {TRACING}/uprobe_events").check()
+
+
+@pytest.fixture
+def profile(target: qprobe.Target, counted: None, off: dict[str, int]) -> Iterator[None]:
+    """The guest's own entry uprobe on /bin/uprog's qpt_target."""
+    with guest_uprobe(target, f"p:{EVENT} {PROG}:{off[PROG]:#x}"):
+        yield
 
 
 def kernel_hits(target: qprobe.Target) -> int:
@@ -144,3 +151,24 @@ def test_a_handler_is_refused_with_in_guest(counted: None) -> None:
     with pytest.raises(InvalidProbe, match="counted in the guest runs nothing on the host") as info:
         Uprobe(PROG, 0, handler=lambda _u, _r: None, in_guest=True)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("command", ["uprog recurse 12", "uprog threads 3 20", "uprog call 150 1 1 r"])
+def test_a_return_probe_counts_every_return_as_the_guest_s_own(
+    target: qprobe.Target, counted: None, off: dict[str, int], command: str
+) -> None:
+    """Each entry and each return, counted by the kernel's own return_instance chain (recursion: 13 nested
+    calls of one task; threads: each task's own chain)."""
+    func = off["recurse"] if "recurse" in command else off[PROG]
+    with guest_uprobe(target, f"r:{EVENT} {PROG}:{func:#x}"):
+        before = kernel_hits(target)
+        rp = Uretprobe(PROG, func)
+        target.register_uprobe(rp)
+        try:
+            assert rp.in_guest is True and not target.uprobes.points
+            res = ok(run(target, command))
+        finally:
+            target.unregister_uprobe(rp)
+        returned = kernel_hits(target) - before
+    calls = int(res["calls"])
+    assert rp.nhit == rp.nreturns == calls == returned, (rp, res)

@@ -95,8 +95,12 @@ def _uprobe_rows(target: qprobe.Target, args: argparse.Namespace) -> list[tuple[
     ]  # fmt: skip
     why = target.uprobes.guest.unavailable if target.uprobes.guest is not None else "no guest calls"
     if why is None:
-        kinds.insert(0, ("uc", "uprobe counted in the guest: the guest kernel's uprobe, qprobe's consumer, no VM stop",
-                         qprobe.Uprobe(path, offset, in_guest=True), n_fast))  # fmt: skip
+        kinds[:0] = [
+            ("uc", "uprobe counted in the guest: the guest kernel's uprobe, qprobe's consumer, no VM stop",
+             qprobe.Uprobe(path, offset, in_guest=True), n_fast),
+            ("urc", "uretprobe counted in the guest: the guest kernel's uretprobe, qprobe's consumer, no VM stop",
+             qprobe.Uretprobe(path, offset, in_guest=True), n_fast),
+        ]  # fmt: skip
     for key, what, probe, n in kinds:
         registered = False
 
@@ -117,8 +121,9 @@ def _uprobe_rows(target: qprobe.Target, args: argparse.Namespace) -> list[tuple[
         finally:
             off()
         returns = f", {probe.nreturns // FAST_RUNS} returns" if isinstance(probe, qprobe.Uretprobe) else ""
+        hits = probe.nreturns if isinstance(probe, qprobe.Uretprobe) else probe.nhit
         rows.append(("", Row(name, key, f"{what} ({probe.nmissed} missed{returns})", n,
-                             (probe.nhit or probe.nreturns) // FAST_RUNS, seconds, row_base / n)))  # fmt: skip
+                             hits // FAST_RUNS, seconds, row_base / n)))  # fmt: skip
     return rows
 
 

@@ -245,6 +245,10 @@ class BareCalls:
         self.gdb.set_physical(True)
         return self.gdb.read_memory(self.kernel.mem.virt_to_phys(addr), size)
 
+    def write(self, addr: int, data: bytes) -> None:
+        self.gdb.set_physical(True)
+        self.gdb.write_memory(self.kernel.mem.virt_to_phys(addr), data)
+
     def last(self) -> LastCall:
         return LastCall.parse(self.read(self.site.block + BLOCK_FN, BLOCK_QUEUE - BLOCK_FN))
 
@@ -262,18 +266,18 @@ class BareCalls:
             self.gdb.interrupt()
             self.gdb.wait_stop()
 
-    def __call__(self, name: str, *args: int) -> int:
-        return call_without_loop(self.gdb, self.kernel, self.arch, self.site, name, *args)
+    def __call__(self, name: str, *args: int, tag: int = 0) -> int:
+        return call_without_loop(self.gdb, self.kernel, self.arch, self.site, name, *args, tag=tag)
 
 
 def call_without_loop(gdb: GdbTransport, kernel: KernelData, arch: Arch, site: CallSite, name: str,
-                      *args: int) -> int:  # fmt: skip
-    """A guest call through the bare gdbstub (the VM stopped before and after)."""
+                      *args: int, tag: int = 0) -> int:  # fmt: skip
+    """A guest call through the bare gdbstub (the VM stopped before and after); ``tag`` as GuestCaller.call's."""
     gc = arch.guest_call
     assert gc is not None
     mem = kernel.mem
     gdb.set_physical(True)
-    gdb.write_memory(mem.virt_to_phys(site.block + BLOCK_FN), call_data(kernel.symbols.address(name), args, 0))
+    gdb.write_memory(mem.virt_to_phys(site.block + BLOCK_FN), call_data(kernel.symbols.address(name), args, tag))
     done_phys = mem.virt_to_phys(site.block + BLOCK_DONE)
     deadline = time.monotonic() + CALL_TIMEOUT
     gdb.insert_breakpoint(site.interrupt_exit, BREAK_HW)

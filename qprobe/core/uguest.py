@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from qprobe.arch import Arch
 from qprobe.arch.guestcall import BLOCK_QUEUE
-from qprobe.core.guestcall import BareCalls, CallSite, GuestCaller, mapped, signed
+from qprobe.core.guestcall import BareCalls, CallSite, GuestCaller, LastCall, mapped, signed
 from qprobe.core.uprobe import Uprobe
 from qprobe.errors import InvalidProbe, QprobeError, TargetError
 from qprobe.kernel.program import KernelData
@@ -54,7 +54,8 @@ C_RCODE = C_CODE + 16  # the ret_handler's
 C_SIZE = C_RCODE + 16
 MAX_ERRNO = 4095  # include/linux/err.h: an ERR_PTR is one of the last 4095 addresses
 # A registration's steps.  The state names the call made last (or being made); the guest call's done flag
-# says whether it returned, and its result whether it worked: enough to finish a killed qprobe's.
+# says whether it returned, and its result whether it worked: enough to finish a killed qprobe's.  S_NEW
+# holds nothing of the kernel's: no call made yet, or a recovery finished the registration.
 S_NEW, S_IGRAB, S_REGISTER, S_ARMED, S_UNREGISTER, S_SYNC, S_IPUT = range(7)
 assert C_CODE % 16 == 0
 
@@ -115,12 +116,23 @@ class Registration:
 Call = Callable[..., int]  # a guest call: (function name, *arguments) -> its return value
 
 
+STEP_CALL = {S_IGRAB: "igrab", S_REGISTER: "uprobe_register", S_SYNC: "uprobe_unregister_sync", S_IPUT: "iput"}
+
+
+def step_call(api: UprobeApi, state: int) -> str | None:
+    """The function the step ``state`` calls (None: S_NEW and S_ARMED call none)."""
+    return api.unregister[0] if state == S_UNREGISTER else STEP_CALL.get(state)
+
+
 def take_out(call: Call, api: UprobeApi, reg: Registration, done: bool, ret: int,
              step: Callable[[int], None]) -> None:  # fmt: skip
     """Finish a registration from ``reg.state`` on: the consumer unregistered if it is registered, the inode
-    let go if it is held.  ``done``/``ret``: whether the state's own call returned, and what (a killed
-    qprobe's may not have); ``step(state)`` records each step before its call is made."""
+    let go if it is held.  ``done``/``ret``: whether the state's own call was made (a killed qprobe's may not
+    have been; one the guest queued is waited for first), and what it returned; ``step(state)`` records each
+    step before its call is made."""
     state, inode, consumer = reg.state, reg.inode, reg.block
+    if not done and state in (S_UNREGISTER, S_SYNC, S_IPUT):
+        state -= 1  # the step before is where the registration is (6.1's S_IPUT follows its unregister: no sync)
     if state == S_IGRAB and done:
         inode = ret  # igrab's: held (or NULL) even if the host never wrote it down
     held = bool(inode) and state in (S_IGRAB, S_REGISTER, S_ARMED, S_UNREGISTER, S_SYNC)
@@ -139,6 +151,19 @@ def take_out(call: Call, api: UprobeApi, reg: Registration, done: bool, ret: int
     if held:
         step(S_IPUT)
         call("iput", inode)
+
+
+def left_call(api: UprobeApi, reg: Registration, last: LastCall, address: Callable[[str], int]) -> tuple[bool, int]:
+    """Whether a killed qprobe made the call of ``reg``'s state, and what it returned (take_out's ``done`` and
+    ``ret``), from the guest-call block's ``last`` call (done, if it was queued).  That call is the state's
+    only if it is both this registration's (its tag) and the state's function: the state is written before
+    its call, so the block may still hold this registration's previous call, or another registration's."""
+    name = step_call(api, reg.state)
+    if name is None:
+        return True, 0
+    if last.tag != reg.block or last.fn != address(name) or not last.queued:
+        return False, 0  # never made (one written but not queued never will be: the next call overwrites it)
+    return True, last.ret
 
 
 class GuestUprobes:
@@ -265,12 +290,30 @@ class GuestUprobes:
             pass  # the VM is gone: nothing of it to forget
 
 
+def _finish(calls: BareCalls, api: UprobeApi, reg: Registration, done: bool, ret: int) -> None:
+    """take_out through the bare gdbstub, recorded as a live qprobe's is: a recovery killed in turn is
+    finished by the next."""
+    block = reg.block
+    # What the killed qprobe had not written down yet, as it would have: a later step forgets ``ret``.
+    if done and reg.state == S_IGRAB:
+        reg.inode = ret
+    elif done and reg.state == S_REGISTER and not register_error(api, ret):
+        reg.handle = ret if api.returns_handle else 1
+    calls.write(block + C_INODE, b"".join(w.to_bytes(8, "little") for w in (reg.inode, reg.offset, reg.handle)))
+
+    def step(state: int) -> None:
+        calls.write(block + C_STATE, state.to_bytes(8, "little"))
+
+    take_out(lambda name, *args: calls(name, *args, tag=block), api, reg, done, ret, step)
+    step(S_NEW)  # finished: nothing of the kernel's held any more
+
+
 def finish_left(gdb: GdbTransport, kernel: KernelData, arch: Arch, patches: list[Patch]) -> int:
     """Finish every registration a killed qprobe left (its journal's "uconsumer" records) through the bare
     gdbstub, with the kernel text already restored (the VM runs for each call); how many.
 
     The guest-call block says whose call was last, whether the queue stub ran it and whether it returned:
-    a call it queued is waited for, one it never queued was not made."""
+    a call it queued is waited for, one it never queued was not made (:func:`left_call`)."""
     left = [p for p in patches if p.what == "uconsumer"]
     if not left:
         return 0
@@ -283,18 +326,25 @@ def finish_left(gdb: GdbTransport, kernel: KernelData, arch: Arch, patches: list
                                                   kernel.symbols.address(arch.guest_call.interrupt_exit)))  # fmt: skip
     handler_off = kernel.type_offset("struct uprobe_consumer", "handler")
     last = calls.last()
-    for p in left:
-        block = p.virt - handler_off
-        reg = Registration.parse(block, calls.read(block, C_SIZE))
-        done, ret = True, 0
-        if last.tag == block:  # the call in flight was this registration's
-            done, ret = last.queued and last.done, last.ret
-            if last.queued and not last.done:
-                done, ret = True, calls.wait_done()
-            if not done and reg.state in (S_UNREGISTER, S_SYNC, S_IPUT):
-                reg.state -= 1  # never made: the step before it is where this registration is
-        take_out(calls, api, reg, done, ret, lambda state: None)
+    if last.queued and not last.done:
+        # Waited for before any other call goes through the block (which would take its place).
+        calls.wait_done()
+        last = calls.last()
+    regs = [Registration.parse(p.virt - handler_off, calls.read(p.virt - handler_off, C_SIZE)) for p in left]
+    # The block's last call first: the others' calls replace it.  No other's state call was made (one
+    # registration's calls at a time), or a recovery killed since finished that registration (S_NEW).
+    for reg in sorted(regs, key=lambda r: r.block != last.tag):
+        _finish(calls, api, reg, *left_call(api, reg, last, kernel.symbols.address))
     return len(left)
 
 
-__all__ = ["GuestUprobes", "Registration", "UprobeApi", "finish_left", "take_out", "uprobe_api"]
+__all__ = [
+    "GuestUprobes",
+    "Registration",
+    "UprobeApi",
+    "finish_left",
+    "left_call",
+    "step_call",
+    "take_out",
+    "uprobe_api",
+]

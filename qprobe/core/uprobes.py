@@ -70,6 +70,18 @@ MAX_ELF = 256 << 20  # a file read whole for its symbols (libc is 2 MB)
 MMAP_HOOK = "vma_set_page_prot"
 
 
+def counted_by(guest: GuestUprobes | None, up: Uprobe) -> GuestUprobes | None:
+    """Where ``up`` is counted in the guest (None: it stops the VM at its hits)."""
+    if up.in_guest is False or not up.runs_nothing:
+        return None
+    why = "qprobe counts no uprobe in this guest" if guest is None else guest.unavailable
+    if why is None:
+        return guest
+    if up.in_guest:
+        raise InvalidProbe(f"{up.where()} cannot be counted in the guest: {why}")
+    return None
+
+
 class Stepper(Protocol):
     """The trap path's single-step (qprobe.core.dispatch.Dispatcher.step): the registers after it."""
 
@@ -123,7 +135,7 @@ class UprobeManager:
     def register_uprobe(self, up: Uprobe) -> None:
         if up.registered:
             raise InvalidProbe(f"{up.where()} is already registered (EINVAL)")
-        guest = self._guest_for(up)
+        guest = counted_by(self.guest, up)
         if guest is None:
             self.machine.call(lambda: self._register(up))
             up.in_guest = False
@@ -131,17 +143,6 @@ class UprobeManager:
         f, offset = self.machine.call(lambda: self._checked(up))
         guest.register(up, f, offset)  # guest calls: from this thread, while the stop loop runs the VM
         up.offset, up.file, up.registered, up.in_guest = offset, f, True, True
-
-    def _guest_for(self, up: Uprobe) -> GuestUprobes | None:
-        """Where ``up`` is counted in the guest (None: it stops the VM at its hits)."""
-        if up.in_guest is False or not up.runs_nothing:
-            return None
-        why = "qprobe counts no uprobe in this guest" if self.guest is None else self.guest.unavailable
-        if why is None:
-            return self.guest
-        if up.in_guest:
-            raise InvalidProbe(f"{up.where()} cannot be counted in the guest: {why}")
-        return None
 
     def unregister_uprobe(self, up: Uprobe) -> None:
         if not up.registered:

@@ -205,7 +205,9 @@ class Bare:
 class Up:
     name: str
     nhit: int = 0
-    guest_count: Callable[[], int] | None = None
+    nreturns: int = 0
+    ret_handler: None = None
+    guest_counts: Callable[[], tuple[int, int]] | None = None
 
     def where(self) -> str:
         return self.name

@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol
 
+from qprobe.arch.inguest import KeySpec
+
 WORK_MAX = 64  # bytes kept for the work_struct (32 without lockdep, whose map a zeroed one lacks)
 BLOCK_FN = WORK_MAX
 BLOCK_ARGS = BLOCK_FN + 8
@@ -47,6 +49,11 @@ class GuestCall(Protocol):
     def build_work_function(self, address: int) -> bytes: ...
     # A uprobe_consumer handler at ``address``: ``counter`` += 1, return 0 (keep the breakpoint).
     def build_count_handler(self, address: int, counter: int) -> bytes: ...
+    # A uprobe_consumer handler at ``address`` that folds the hit into the per-CPU keyed tables at ``tables``
+    # (GuestRam.guest_map_size(spec) bytes each; the key's registers from the pt_regs it is given) as an
+    # optimized kprobe's keyed detour does, ``hits`` += 1 (``lost`` for a key with no free slot), return 0.
+    def build_keyed_handler(self, address: int, spec: KeySpec, tables: int, cpu_number: int,
+                            task: tuple[int, int, int], hits: int, lost: int) -> bytes: ...  # fmt: skip
     # A stopped vCPU (``regs``) made to call ``stub`` and come back to where it was: the stack pointer the
     # return address goes at, its bytes, and the registers to write (after the bytes).
     def arch_call_from(self, regs: Mapping[str, int], stub: int) -> tuple[int, bytes, dict[str, int]]: ...

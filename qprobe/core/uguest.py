@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from qprobe.arch import Arch
 from qprobe.arch.guestcall import BLOCK_QUEUE
+from qprobe.arch.inguest import MapKey, MapSlot
 from qprobe.core.guestcall import BareCalls, CallSite, GuestCaller, LastCall, mapped, signed
 from qprobe.core.uprobe import Uprobe
 from qprobe.errors import InvalidProbe, QprobeError, TargetError
@@ -49,9 +50,11 @@ C_INODE = C_RETURNS + 8  # the held inode
 C_OFFSET = C_INODE + 8
 C_HANDLE = C_OFFSET + 8  # 6.12's struct uprobe *, 1 before (registered)
 C_STATE = C_HANDLE + 8  # the registration's step (below), written before the step's call is made
-C_CODE = C_STATE + 8  # the handler's code, 16-aligned
+C_LOST = C_STATE + 8  # u64: hits a keyed handler found no free slot for
+C_CODE = C_LOST + 16  # the handler's code (16-aligned): a keyed one's is a block of its own
 C_RCODE = C_CODE + 16  # the ret_handler's
 C_SIZE = C_RCODE + 16
+KEYED_CODE_MAX = 2048  # bytes of a keyed handler (some hundreds for a key of several parts)
 MAX_ERRNO = 4095  # include/linux/err.h: an ERR_PTR is one of the last 4095 addresses
 # A registration's steps.  The state names the call made last (or being made); the guest call's done flag
 # says whether it returned, and its result whether it worked: enough to finish a killed qprobe's.  S_NEW
@@ -104,6 +107,7 @@ class Registration:
     offset: int = 0
     handle: int = 0
     state: int = S_NEW
+    keyed: tuple[int, int] | None = None  # a keyed handler's code and tables (allocated apart from the block)
 
     @classmethod
     def parse(cls, block: int, raw: bytes) -> Registration:
@@ -210,6 +214,8 @@ class GuestUprobes:
         image = bytearray(C_SIZE)
         code = gc.build_count_handler(block + C_CODE, block + C_COUNTER)
         image[C_CODE : C_CODE + len(code)] = code
+        keyed = self._keyed(up, block) if up.guest_key is not None else None
+        entry = keyed[0] if keyed is not None else block + C_CODE
         if up.ret_handler is not None:  # a return probe: the kernel takes the return too (its return_instance)
             ret_off = self.kernel.type_offset("struct uprobe_consumer", "ret_handler")
             code = gc.build_count_handler(block + C_RCODE, block + C_RETURNS)
@@ -218,9 +224,9 @@ class GuestUprobes:
         self.machine.call(lambda: self.scratch.write(block, bytes(image)))
         self._write(block + C_OFFSET, offset)
         # Journaled before the kernel knows the consumer: a kill from here on is finished by the next attach.
-        handler = (block + C_CODE).to_bytes(8, "little")
+        handler = entry.to_bytes(8, "little")
         patch = self.machine.call(lambda: self.machine.patch(block + handler_off, handler, "uconsumer"))
-        reg = Registration(block, patch, offset=offset)
+        reg = Registration(block, patch, offset=offset, keyed=keyed)
         # A refusal frees the block; a call that failed otherwise (the guest did not complete it) leaves it,
         # journaled, to the next attach: the kernel may still register the consumer.
         call = self._calls(reg)
@@ -259,6 +265,36 @@ class GuestUprobes:
         up.nhit, up.nreturns = last  # kept
         self._forget(reg)
 
+    def _keyed(self, up: Uprobe, block: int) -> tuple[int, int]:
+        """A keyed handler for ``up.guest_key`` (stop-loop thread work done through calls): its code and its
+        zeroed per-CPU tables."""
+        spec, gc, layouts = up.guest_key, self.arch.guest_call, self.arch.guest_ram
+        assert spec is not None and gc is not None and layouts is not None and self.ram is not None
+        size = layouts.guest_map_size(spec) * len(self.machine.vcpus)
+        tables = self.machine.call(lambda: self.scratch.alloc(size, align=4096))  # written by the guest
+        self.ram.write_phys(self.scratch.phys_of(tables), bytes(size))
+        current, pid, _tgid, comm = self.kernel.offsets
+        cpu = self.kernel.percpu_offset("cpu_number")
+
+        def build(at: int) -> bytes:
+            return gc.build_keyed_handler(at, spec, tables, cpu, (current, pid, comm), block + C_COUNTER,
+                                          block + C_LOST)  # fmt: skip
+
+        length = len(build(tables))
+        if length > KEYED_CODE_MAX:
+            raise InvalidProbe(f"{up.where()}: a key of {len(spec.parts)} parts makes a {length}-byte handler")
+        code = self.machine.call(lambda: self.scratch.alloc(KEYED_CODE_MAX, align=16))
+        self.machine.call(lambda: self.scratch.write(code, build(code)))
+        return code, tables
+
+    def keyed_counts(self, up: Uprobe) -> dict[MapKey, MapSlot]:
+        """``up``'s in-guest map so far (``up.guest_key``'s), summed over the CPUs' tables (RAM reads, no stop)."""
+        reg, spec, layouts = self.registered.get(up), up.guest_key, self.arch.guest_ram
+        if reg is None or reg.keyed is None or spec is None or layouts is None or self.ram is None:
+            return {}
+        size = layouts.guest_map_size(spec) * len(self.machine.vcpus)
+        return layouts.parse_guest_map(spec, self.ram.read_phys(self.scratch.phys_of(reg.keyed[1]), size))
+
     def _count(self, reg: Registration, counter: int) -> int:
         assert self.ram is not None
         return self.ram.read_u64_phys(self.scratch.phys_of(reg.block + counter))
@@ -281,6 +317,8 @@ class GuestUprobes:
         def drop() -> None:
             self.machine.unpatch(patch)
             self.scratch.free(reg.block)
+            for addr in reg.keyed or ():
+                self.scratch.free(addr)
 
         try:
             self.machine.call(drop)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from qprobe.arch.inguest import KeySpec
 from qprobe.core.kprobe import check_handlers
 from qprobe.core.regs import PtRegs
 from qprobe.errors import InvalidProbe
@@ -61,6 +62,8 @@ class Uprobe:
         self._nhit = self._nreturns = 0
         # While counted in the guest: the guest's counts (hits, returns), read from its RAM.
         self.guest_counts: Callable[[], tuple[int, int]] | None = None
+        # Counted in the guest by this key (qprobe.events' maps), not only in nhit.
+        self.guest_key: KeySpec | None = None
         self.nfiltered = 0
         self.nmissed = 0  # returns not probed: the task already held MAX_URETPROBE_DEPTH instances
         self.nfaults = 0

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Literal
 
 from qprobe.core.kprobe import Kretprobe
 from qprobe.core.uprobe import Uprobe
-from qprobe.events.kprobe import KprobeEvent
 
 if TYPE_CHECKING:
     from qprobe.arch.inguest import MapSlot
@@ -46,9 +45,9 @@ def fold_path(events: Sequence[TraceEvent], kind: str, keys: Sequence[str], valu
         return "ring"
     hist = kind == "hist"
     mine = (*keys, PID) if owned else tuple(keys)
-    # Only an optimized kprobe's detour folds a map: a kprobe event's, when its jump can be placed.
-    if kind != "lhist" and all(isinstance(te, KprobeEvent) and te.can_count_in_guest(mine, value, hist)
-                               for te in events):  # fmt: skip
+    # An optimized kprobe's detour folds a map (a kprobe event's, when its jump can be placed), and a uprobe
+    # event's consumer in the guest kernel's own uprobes (qprobe.core.uguest), where it has them.
+    if kind != "lhist" and all(te.can_count_in_guest(mine, value, hist) for te in events):
         return "guest map"
     if not owned and probe_counts(events, kind, keys):
         return "probe counts"

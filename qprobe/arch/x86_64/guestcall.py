@@ -7,7 +7,9 @@ from collections.abc import Mapping
 from iced_x86 import BlockEncoder, Code, Instruction, Register
 
 from qprobe.arch.guestcall import BLOCK_ARGS, BLOCK_DONE, BLOCK_FN, BLOCK_QUEUED, BLOCK_RET
+from qprobe.arch.inguest import KeySpec
 from qprobe.arch.x86_64.detour import _mem, locked_inc
+from qprobe.arch.x86_64.guestagg import build_keyed_handler
 
 # Every register a C call may change (the SysV ABI's caller-saved ones): the stub keeps them for the
 # interrupted context, whose compiler did not expect a call there.
@@ -67,6 +69,10 @@ class X86GuestCall:
         code = [c.create(Code.ENDBR64), locked_inc(counter),
                 c.create_reg_reg(Code.XOR_R32_RM32, Register.EAX, Register.EAX), c.create(Code.RETNQ)]  # fmt: skip
         return _encode(code, address)
+
+    def build_keyed_handler(self, address: int, spec: KeySpec, tables: int, cpu_number: int,
+                            task: tuple[int, int, int], hits: int, lost: int) -> bytes:  # fmt: skip
+        return build_keyed_handler(address, spec, tables, cpu_number, task, hits, lost)
 
     def arch_call_from(self, regs: Mapping[str, int], stub: int) -> tuple[int, bytes, dict[str, int]]:
         # A call: the return address below the stack pointer (the kernel has no red zone: -mno-red-zone).

@@ -128,14 +128,20 @@ def _map_rows(target: qprobe.Target, w: MapWorkload) -> tuple[list[tuple[str, st
 
     def plugin() -> int:  # the pytest plugin's documented count: a probe without a handler, its nhit
         probe = w.plain()
-        (target.register_kprobe if isinstance(probe, qprobe.Kprobe) else target.register_uprobe)(probe)
+        if isinstance(probe, qprobe.Kprobe):
+            target.register_kprobe(probe)
+        else:
+            target.register_uprobe(probe)
         try:
             before = probe.nhit
             timed.run(cmd, timeout=1800).check()
             target.sync()
             return probe.nhit - before
         finally:
-            (target.unregister_kprobe if isinstance(probe, qprobe.Kprobe) else target.unregister_uprobe)(probe)
+            if isinstance(probe, qprobe.Kprobe):
+                target.unregister_kprobe(probe)
+            else:
+                target.unregister_uprobe(probe)
 
     paths: list[tuple[str, Callable[[], int]]] = [
         ("shell `count rd` (no key)", shell_line("count qpbench/rd", r"^@: (\d+)$")),

@@ -11,6 +11,7 @@ their own memory, as with uprobe_events.
 from __future__ import annotations
 
 import contextlib
+import io
 import re
 from collections.abc import Iterator
 
@@ -19,7 +20,10 @@ import pytest
 import qprobe
 from qprobe import Uprobe, Uretprobe
 from qprobe.errors import InvalidProbe
+from qprobe.events.fold import fold_path
+from qprobe.shell import Shell
 
+from .conftest import shell_do as do
 from .guest_oracle import TRACING
 from .test_uprobe_lifecycle import (
     LIB,
@@ -172,3 +176,30 @@ def test_a_return_probe_counts_every_return_as_the_guest_s_own(
         returned = kernel_hits(target) - before
     calls = int(res["calls"])
     assert rp.nhit == rp.nreturns == calls == returned, (rp, res)
+
+
+def test_the_shell_folds_a_uprobe_event_s_maps_in_the_guest(target: qprobe.Target, profile: None) -> None:
+    """``count``, ``count by $comm`` and ``hist(a)`` over a uprobe event: each the guest kernel's uprobe with
+    a consumer of qprobe's (the fold path every front end takes), equal to the program's calls and to
+    uprobe_profile's count of the guest's own uprobe on the same instruction."""
+    out = io.StringIO()
+    sh = Shell(target, out=out)
+    do(sh, out, "p:ug /bin/uprog:qpt_target a=%di:s64 b=%si:s64")
+    try:
+        te = target.events["uprobes/ug"]
+        assert fold_path([te], "count", ("$comm",), None) == "guest map"
+        assert fold_path([te], "hist", (), "a") == "guest map"
+        before = kernel_hits(target)
+        text = do(sh, out, "count ug by $comm run uprog call 3000 1 2 c")
+        assert "@[uprog]: 3000" in text.splitlines() and "calls=3000 bad=0" in text, text
+        text = do(sh, out, "count ug run uprog call 500 1 2 k")
+        assert "@: 500" in text.splitlines(), text
+        text = do(sh, out, "hist(a) ug run uprog call 64 0 0 h")  # a = 0..63
+        rows = dict(re.findall(r"^(\[[^]\n]*[])])\s+(\d+) \|", text, re.M))
+        assert rows == {"[0]": "1", "[1]": "1", "[2, 4)": "2", "[4, 8)": "4", "[8, 16)": "8", "[16, 32)": "16",
+                        "[32, 64)": "32"}, text  # fmt: skip
+        assert kernel_hits(target) - before == 3000 + 500 + 64
+        assert not target.uprobes.points  # every hit the kernel's: no gdbstub breakpoint
+    finally:
+        do(sh, out, "-:ug")
+    assert not target.events and not target.uprobes.registered()

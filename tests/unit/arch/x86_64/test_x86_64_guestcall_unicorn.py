@@ -18,7 +18,7 @@ unicorn = pytest.importorskip("unicorn", reason="unicorn is not installed; it on
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from iced_x86 import BlockEncoder, Code, Instruction, Register  # noqa: E402
-from unicorn import x86_const as X  # noqa: E402
+from kernelcpu_x86_64 import CALLEE_SAVED, CALLER_SAVED, KernelCpu  # noqa: E402
 
 from qprobe.arch.guestcall import (  # noqa: E402
     BLOCK_ARGS,
@@ -44,9 +44,7 @@ PERCPU, CPU_NUMBER, CPU = 0xFFFF_8880_1F00_0000, 0x1F0A4, 3  # GS base, cpu_numb
 STACK = 0xFFFF_C900_0001_0000
 WQ = 0xFFFF_8880_0010_0A00
 WORK_ENTRY, WORK_FUNC = 8, 24  # struct work_struct's entry and func
-CALLER_SAVED = ("rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11")
-CALLEE_SAVED = ("rbx", "rbp", "r12", "r13", "r14", "r15")
-UC = {name: getattr(X, f"UC_X86_REG_{name.upper()}") for name in CALLER_SAVED + CALLEE_SAVED}
+UC = CALLER_SAVED + CALLEE_SAVED
 WORD = st.integers(0, (1 << 64) - 1)
 ARITH_FLAGS = st.sets(st.sampled_from([0x1, 0x4, 0x10, 0x40, 0x80, 0x800])).map(lambda s: 0x202 | sum(s))
 GC = X86GuestCall()
@@ -97,64 +95,13 @@ def fake_kernel() -> Any:
                            type_offset=lambda t, m: offsets[m], percpu_offset=lambda n: CPU_NUMBER)  # fmt: skip
 
 
-class Cpu:
-    """A unicorn x86-64 CPU whose kernel addresses are virtual: a TLB of the test's own maps them to low
-    physical memory (unicorn's own addresses are physical ones, which stop far below the kernel's)."""
-
-    def __init__(self) -> None:
-        self.uc = unicorn.Uc(unicorn.UC_ARCH_X86, unicorn.UC_MODE_64)
-        self.uc.ctl_set_tlb_mode(unicorn.UC_TLB_VIRTUAL)
-        self.uc.hook_add(unicorn.UC_HOOK_TLB_FILL, self._fill)
-        self.maps: list[tuple[int, int, int]] = []  # virtual start, size, physical start
-        phys = 0x1000_0000
-        for virt, size in ((TEXT, 0x2000), (DATA, 0x1000), (SCRATCH, 0x2000), (PERCPU, 0x20000),
-                           (STACK - 0x4000, 0x8000)):  # fmt: skip
-            self.uc.mem_map(phys, size)
-            self.maps.append((virt, size, phys))
-            phys += size
-
-    def _phys(self, virt: int) -> int:
-        for start, size, phys in self.maps:
-            if start <= virt < start + size:
-                return phys + virt - start
-        raise AssertionError(f"{virt:#x} is not mapped")
-
-    def _fill(self, uc: Any, vaddr: int, access: int, entry: Any, data: Any) -> bool:
-        entry.paddr, entry.perms = self._phys(vaddr & ~0xFFF), unicorn.UC_PROT_ALL
-        return True
-
-    def write(self, virt: int, data: bytes) -> None:
-        self.uc.mem_write(self._phys(virt), data)
-
-    def read(self, virt: int, size: int) -> bytes:
-        return bytes(self.uc.mem_read(self._phys(virt), size))
-
-    def word(self, virt: int) -> int:
-        return int.from_bytes(self.read(virt, 8), "little")
-
-    def reg(self, name: str, value: int | None = None) -> int:
-        reg = getattr(X, f"UC_X86_REG_{name.upper()}")
-        if value is not None:
-            self.uc.reg_write(reg, value)
-        return int(self.uc.reg_read(reg))
-
-    def regs(self) -> dict[str, int]:
-        return {name: self.reg(name) for name in CALLER_SAVED + CALLEE_SAVED}
-
-    def call(self, fn: int, sp: int) -> None:
-        """``fn`` called with the stack pointer at ``sp`` (the return address already there), to RESUME."""
-        self.reg("rsp", sp)
-        self.uc.emu_start(fn, RESUME, count=1000)
-        assert self.reg("rip") == RESUME
-
-
-def machine() -> Cpu:
-    cpu = Cpu()
+def machine() -> KernelCpu:
+    maps = ((TEXT, 0x2000), (DATA, 0x1000), (SCRATCH, 0x2000), (PERCPU, 0x20000), (STACK - 0x4000, 0x8000))
+    cpu = KernelCpu(maps, PERCPU)
     cpu.write(QUEUE_WORK_ON, queue_work_on())
     cpu.write(CALLEE, callee())
     cpu.write(RESUME, b"\xf4")
     cpu.write(WQ_VAR, WQ.to_bytes(8, "little"))
-    cpu.uc.msr_write(0xC0000101, PERCPU)  # IA32_GS_BASE: the kernel's per-CPU base
     cpu.write(PERCPU + CPU_NUMBER, CPU.to_bytes(4, "little") + b"\xff" * 4)  # an int: the rest is not its
     cpu.write(BLOCK, block_image(GC, fake_kernel(), BLOCK))
     return cpu
@@ -184,7 +131,7 @@ def test_the_queue_stub_queues_the_work_and_returns_with_everything_kept(
     # The vCPU stopped at the interrupt exit, made to call the stub as the host's hijack does.
     new_sp, data, new = GC.arch_call_from({"rsp": sp, "rip": RESUME}, BLOCK + BLOCK_QUEUE)
     cpu.write(new_sp, data)
-    cpu.call(new["rip"], new["rsp"])
+    cpu.call(new["rip"], new["rsp"], RESUME)
     assert cpu.reg("rsp") == sp and cpu.regs() == before
     assert cpu.reg("eflags") & 0xFFF == flags
     wq_cpu, wq, work, queued_at_call, rsp_at_call = (cpu.word(RECORD + 8 * i) for i in range(5))
@@ -206,7 +153,7 @@ def test_the_work_function_makes_the_blocks_call(args: list[int], callee_saved: 
     # The kworker: work->func(work).
     cpu.write(STACK - 8, RESUME.to_bytes(8, "little"))
     cpu.reg("rdi", BLOCK)
-    cpu.call(cpu.word(BLOCK + WORK_FUNC), STACK - 8)
+    cpu.call(cpu.word(BLOCK + WORK_FUNC), STACK - 8, RESUME)
     assert cpu.reg("rsp") == STACK
     assert [cpu.word(RECORD + 8 * i) for i in range(4)] == args
     assert cpu.word(BLOCK + BLOCK_RET) == 0xFFFF_8880_0C0F_FEE0 and cpu.word(BLOCK + BLOCK_DONE) == 1
@@ -221,7 +168,7 @@ def test_the_count_handler_counts_and_keeps_the_breakpoint() -> None:
     for hit in range(3):
         cpu.reg("rax", 0xFFFF_FFFF_FFFF_FFFF)
         cpu.write(STACK - 8, RESUME.to_bytes(8, "little"))
-        cpu.call(handler, STACK - 8)
+        cpu.call(handler, STACK - 8, RESUME)
         assert cpu.reg("rax") == 0  # 0: the breakpoint stays (UPROBE_HANDLER_REMOVE is 1)
         assert cpu.reg("rsp") == STACK
         assert cpu.word(COUNTER) == 42 + hit

@@ -111,46 +111,9 @@ class TraceEvent:
         """Fold hits into a map in guest RAM instead of recording them, where the kind can; False if not."""
         return False
 
-    def can_count_in_guest(self, keys: Sequence[str], value: str | None = None, hist: bool = False) -> bool:
-        """Whether ``count_in_guest`` with these arguments would fold the hits in guest RAM (changes nothing)."""
-        return False
-
     def stop_counting_in_guest(self) -> dict[tuple[str | int, ...], MapSlot]:
         """End ``count_in_guest``: the hits folded in the guest, by key."""
         return {}
-
-    def _host_keys(
-        self, raw: Mapping[MapKey, MapSlot], keys: Sequence[str], hist: bool, make_regs: MakeRegs
-    ) -> dict[tuple[str | int, ...], MapSlot]:
-        """An in-guest map's slots by key, its parts as the host formats them (``keys``' order, the hist()
-        bucket last with ``hist``): ``$func`` and ``$event`` the host's, an argument's text as a hit with its
-        register holding the word shows it."""
-        args = {a.name: a for a in self.definition.args}
-        layout = self.host.arch.registers
-        general = [layout.gdb_name[r] for r in layout.general]
-        rest = {layout.gdb_name[r]: 0 for r in (layout.ip, layout.sp, layout.flags)}
-
-        def formatted(name: str, word: int) -> str:
-            regs = make_regs({**dict.fromkeys(general, word), **rest}, 0)
-            return args[name].format_value(args[name].evaluate(HostContext(self.host, regs, None)))
-
-        out: dict[tuple[str | int, ...], MapSlot] = {}
-        for decoded, slot in raw.items():
-            it = iter(decoded)  # the parts the guest computed, in keys' order
-            parts: list[str | int] = []
-            for name in (*keys, *(("$hist",) if hist else ())):
-                if name in ("$func", "$event"):
-                    parts.append(self.function_name if name == "$func" else self.definition.event)
-                elif name in ("$comm", "$pid", "$cpu", "$hist"):
-                    parts.append(next(it))
-                else:
-                    word = next(it)
-                    assert isinstance(word, int)
-                    parts.append(formatted(name, word))
-            key = tuple(parts)
-            old = out.get(key)
-            out[key] = slot if old is None else old.merge(slot)
-        return out
 
     def _fetch_ip(self, ip: int, func: int | None) -> int:
         """``%ip`` as the kind's handler sees it for a hit at ``ip``."""
@@ -287,4 +250,38 @@ def event_filter(ev: ProbeEvent | UprobeEvent, text: str) -> EventFilter:
                        strings={a.name for a in ev.args if a.type.string})  # fmt: skip
 
 
-__all__ = ["InOrder", "ProbeBackend", "TraceEvent", "event_filter"]
+def host_keys(
+    te: TraceEvent, raw: Mapping[MapKey, MapSlot], keys: Sequence[str], hist: bool, make_regs: MakeRegs
+) -> dict[tuple[str | int, ...], MapSlot]:
+    """An in-guest map's slots by key, its parts as the host formats them (``keys``' order, the hist()
+    bucket last with ``hist``): ``$func`` and ``$event`` the host's, an argument's text as a hit with its
+    register holding the word shows it."""
+    args = {a.name: a for a in te.definition.args}
+    layout = te.host.arch.registers
+    general = [layout.gdb_name[r] for r in layout.general]
+    rest = {layout.gdb_name[r]: 0 for r in (layout.ip, layout.sp, layout.flags)}
+
+    def formatted(name: str, word: int) -> str:
+        regs = make_regs({**dict.fromkeys(general, word), **rest}, 0)
+        return args[name].format_value(args[name].evaluate(HostContext(te.host, regs, None)))
+
+    out: dict[tuple[str | int, ...], MapSlot] = {}
+    for decoded, slot in raw.items():
+        it = iter(decoded)  # the parts the guest computed, in keys' order
+        parts: list[str | int] = []
+        for name in (*keys, *(("$hist",) if hist else ())):
+            if name in ("$func", "$event"):
+                parts.append(te.function_name if name == "$func" else te.definition.event)
+            elif name in ("$comm", "$pid", "$cpu", "$hist"):
+                parts.append(next(it))
+            else:
+                word = next(it)
+                assert isinstance(word, int)
+                parts.append(formatted(name, word))
+        key = tuple(parts)
+        old = out.get(key)
+        out[key] = slot if old is None else old.merge(slot)
+    return out
+
+
+__all__ = ["InOrder", "ProbeBackend", "TraceEvent", "event_filter", "host_keys"]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 from qprobe.core.kprobe import Kprobe, Kretprobe, KretprobeInstance
 from qprobe.errors import InvalidProbe, QprobeError
 from qprobe.events.context import RecordContext, symbol_lookup
-from qprobe.events.event import TraceEvent
+from qprobe.events.event import TraceEvent, host_keys
 from qprobe.events.hit import EventHit
 from qprobe.events.inguest import guest_filter, guest_key, in_guest
 from qprobe.events.lines import InOrderLines, line_run
@@ -268,7 +268,7 @@ class KprobeEvent(TraceEvent):
         self.nhit += sum(slot.count for slot in raw.values())
         keys, _value, hist = self.guest_map
         self.guest_map = None
-        return self._host_keys(raw, keys, hist, backend.make_regs)
+        return host_keys(self, raw, keys, hist, backend.make_regs)
 
     @property
     def _recorder(self) -> Callable[[list[GuestRecord]], None]:

@@ -16,9 +16,8 @@ from qprobe.arch.inguest import KeySpec, MapSlot
 from qprobe.core.uprobe import Uprobe, Uretprobe
 from qprobe.core.uprobes import UprobeManager
 from qprobe.events.context import HostContext
-from qprobe.events.event import TraceEvent
-from qprobe.events.fold import EVENT_KEYS
-from qprobe.events.inguest import guest_key
+from qprobe.events.event import TraceEvent, host_keys
+from qprobe.events.inguest import EVENT_KEYS, guest_key
 from qprobe.events.registry import EventHost
 from qprobe.fetch import UprobeContext, format_uprobe_event, format_uprobe_hit
 
@@ -182,7 +181,7 @@ class UprobeTraceEvent(TraceEvent):
         self.nhit += sum(slot.count for slot in raw.values())
         keys, _value, hist = self.guest_map
         self.counting = self.guest_map = None
-        return self._host_keys(raw, keys, hist, backend.make_regs)
+        return host_keys(self, raw, keys, hist, backend.make_regs)
 
     def _guest_spec(self, keys: Sequence[str], value: str | None, hist: bool) -> KeySpec | None:
         """The key a consumer in the guest folds by, or None where only the host can."""

@@ -207,6 +207,7 @@ class Up:
     nhit: int = 0
     nreturns: int = 0
     ret_handler: None = None
+    guest_key: None = None
     guest_counts: Callable[[], tuple[int, int]] | None = None
 
     def where(self) -> str:

@@ -25,6 +25,7 @@ from qprobe.core.kretprobe import KretprobeManager
 from qprobe.core.recovery import recover
 from qprobe.core.regsmaker import RegsMaker
 from qprobe.core.table import ProbeTable
+from qprobe.core.uguest import GuestUprobes
 from qprobe.core.uprobes import UprobeManager
 from qprobe.core.watchpoint import Watchpoints
 from qprobe.errors import BootPanic, GuestPanicked, GuestStalled, MemoryFault, QprobeError, TargetError
@@ -309,8 +310,9 @@ class Wiring:
                                   fully_preemptible(t.symbols, t.cmdline))  # fmt: skip
         t.optimizer = t.kprobes.optimizer
         t.kretprobes = KretprobeManager(t.kprobes)
+        counted = GuestUprobes(t.machine, t.kernel, t.scratch, t.arch, ram)  # count-only uprobes, in the guest
         t.uprobes = UprobeManager(t.machine, t.arch, t.kernel, t.kprobes, t.kprobes.handlers, t.regs_maker,
-                                  t.kprobes.dispatcher)  # fmt: skip
+                                  t.kprobes.dispatcher, counted)  # fmt: skip
         t.kprobe_backend = KprobeBackend(t.kprobes, t.kretprobes, t.regs_maker)  # what kprobe events hold probes by
         t.uprobe_backend = UprobeBackend(t.uprobes)  # and uprobe events theirs
         t.clock = HitClock(t.kernel, t.machine, t.timeline)  # when each event hit happened

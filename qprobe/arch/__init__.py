@@ -72,6 +72,10 @@ from the base kprobes hooks; the core checks for None before it uses one.
     the kernel's sched_clock reads, sched_clock computed from it, and what the
     host times stops against.  None: trace timestamps are the host's, not the
     guest's clock.
+12. ``guest_call`` (:class:`GuestCall`, qprobe.arch.guestcall): the code that
+    makes the guest kernel call its own functions from a kworker (the queue
+    stub run at an interrupt's exit, the work function), and a counting
+    uprobe_consumer handler.  None: user-space probes always stop the VM.
 
 ``make lint`` type-checks every implementation against this protocol
 (qprobe/arch/select.py), and tests/unit/test_layering.py keeps every other
@@ -88,6 +92,7 @@ from typing import Protocol
 
 from qprobe.arch.boot import Boot, BootStage
 from qprobe.arch.cycles import CycleCounter, GuestKernel, SchedClock, StopTimer
+from qprobe.arch.guestcall import GuestCall
 from qprobe.arch.guestram import (
     DetourParams,
     GuestRam,
@@ -397,6 +402,7 @@ class Arch(Protocol):
     guest_ram: GuestRam | None  # None: every hit stops the VM (no mailbox, rings, maps or guest-RAM kretprobes)
     uprobes: Uprobes | None  # None: user-space probes are refused
     cycle_counter: CycleCounter | None  # None: hits are timed by the host, not by the guest's trace clock
+    guest_call: GuestCall | None  # None: nothing runs as a guest call (every user-space probe hit stops the VM)
 
     def page_tables(self, regs: Mapping[str, int]) -> PageTables: ...
     def vmcoreinfo(self, address: Callable[[str], int], virt_to_phys: Callable[[int], int],
@@ -464,6 +470,7 @@ __all__ = [
     "DetourParams",
     "ExceptionTable",
     "FtraceSite",
+    "GuestCall",
     "GuestKernel",
     "GuestRam",
     "MailboxRequest",

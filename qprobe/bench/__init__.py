@@ -16,7 +16,7 @@ from pathlib import Path
 import qprobe
 from qprobe.bench.common import WORKLOADS, Row, _time
 from qprobe.bench.gdb import _gdb_rows
-from qprobe.bench.maps import _map_rows
+from qprobe.bench.maps import KERNEL, USER, _map_rows
 from qprobe.bench.probes import _probe_matrix, _uprobe_rows
 from qprobe.bench.ring import _ring_handler_rows
 from qprobe.bench.scale import (
@@ -159,7 +159,11 @@ def run_bench(args: argparse.Namespace) -> int:
         ring, ring_targets = _ring_handler_rows(target) if "trace" in args.sections else ([], [])
         rows += ring
         wild = _wildcard_teardown(target) if "trace" in args.sections else None
-        map_rows, map_targets = _map_rows(target) if "maps" in args.sections else ([], [])
+        map_rows, map_targets = _map_rows(target, KERNEL) if "maps" in args.sections else ([], [])
+        guest = target.uprobes.guest
+        if "maps" in args.sections and guest is not None and guest.unavailable is None:
+            user_rows, user_targets = _map_rows(target, USER)  # the same over a uprobe
+            map_rows, map_targets = map_rows + user_rows, map_targets + user_targets
         rows += map_rows
         scale, scale_names = _scale(target, args) if "scale" in args.sections else ([], [])
     if scale_names:

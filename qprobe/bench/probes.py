@@ -87,12 +87,21 @@ def _uprobe_rows(target: qprobe.Target, args: argparse.Namespace) -> list[tuple[
         for kind, what in (("p", "entry"), ("r", "return")):
             rows.append(("", _guest_uprobe_events(target, name, f"{path}:{offset:#x}", kind, what,
                                                   cmd.format(n=n_fast), n_fast)))  # fmt: skip
-    for key, what, probe in (
+    kinds: list[tuple[str, str, qprobe.Uprobe, int]] = [
         ("u", "uprobe: gdbstub breakpoint, the instruction performed on the host (else stepped), Python handler",
-         qprobe.Uprobe(path, offset, handler=lambda up, regs: regs.arg(1))),
+         qprobe.Uprobe(path, offset, handler=lambda up, regs: regs.arg(1)), n_slow),
         ("ur", "uretprobe: breakpoints at the entry and the return address, Python handler",
-         qprobe.Uretprobe(path, offset, ret_handler=lambda up, func, regs: regs.return_value())),
-    ):  # fmt: skip
+         qprobe.Uretprobe(path, offset, ret_handler=lambda up, func, regs: regs.return_value()), n_slow),
+    ]  # fmt: skip
+    why = target.uprobes.guest.unavailable if target.uprobes.guest is not None else "no guest calls"
+    if why is None:
+        kinds[:0] = [
+            ("uc", "uprobe counted in the guest: the guest kernel's uprobe, qprobe's consumer, no VM stop",
+             qprobe.Uprobe(path, offset, in_guest=True), n_fast),
+            ("urc", "uretprobe counted in the guest: the guest kernel's uretprobe, qprobe's consumer, no VM stop",
+             qprobe.Uretprobe(path, offset, in_guest=True), n_fast),
+        ]  # fmt: skip
+    for key, what, probe, n in kinds:
         registered = False
 
         def on(probe: qprobe.Uprobe = probe) -> None:
@@ -108,12 +117,13 @@ def _uprobe_rows(target: qprobe.Target, args: argparse.Namespace) -> list[tuple[
                 registered = False
 
         try:
-            seconds, row_base = _paired(target, cmd.format(n=n_slow), on, off)
+            seconds, row_base = _paired(target, cmd.format(n=n), on, off)
         finally:
             off()
         returns = f", {probe.nreturns // FAST_RUNS} returns" if isinstance(probe, qprobe.Uretprobe) else ""
-        rows.append(("", Row(name, key, f"{what} ({probe.nmissed} missed{returns})", n_slow,
-                             (probe.nhit or probe.nreturns) // FAST_RUNS, seconds, row_base / n_slow)))  # fmt: skip
+        hits = probe.nreturns if isinstance(probe, qprobe.Uretprobe) else probe.nhit
+        rows.append(("", Row(name, key, f"{what} ({probe.nmissed} missed{returns})", n,
+                             hits // FAST_RUNS, seconds, row_base / n)))  # fmt: skip
     return rows
 
 

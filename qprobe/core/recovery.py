@@ -20,6 +20,7 @@ import time
 from collections.abc import Mapping
 
 from qprobe.arch import Arch, Resume, ResumeKind, TrapHook
+from qprobe.core.uguest import finish_left
 from qprobe.errors import QprobeError
 from qprobe.kernel.features import find_watch_site, thread_size, trap_entry, trap_path
 from qprobe.kernel.preempted import PREEMPTED_WAIT, first_inside, preempted_words, wait_preempted_out
@@ -30,6 +31,7 @@ from qprobe.vmm.transport import GdbTransport
 
 log = logging.getLogger("qprobe.recovery")
 GRACE = 0.1
+LATER = ("uconsumer", "guestcall")  # the scratch area's own records: put back after the guest calls
 
 
 class _Recovery:
@@ -220,6 +222,17 @@ def check_journal_matches(gdb: GdbTransport, journal: Journal, patches: list[Pat
             )
 
 
+def _restore(gdb: GdbTransport, patches: list[Patch]) -> int:
+    """The old bytes back wherever qprobe's are still there, the latest patch first; how many."""
+    restored = 0
+    gdb.set_physical(True)
+    for p in reversed(patches):
+        if gdb.read_memory(p.phys, len(p.new)) == p.new:
+            gdb.write_memory(p.phys, p.old)
+            restored += 1
+    return restored
+
+
 def recover(gdb: GdbTransport, kernel: KernelData, arch: Arch, journal: Journal,
             fully_preemptible: bool = False) -> int:  # fmt: skip
     """Undo an earlier qprobe's patches in this guest; returns how many were undone.
@@ -237,16 +250,17 @@ def recover(gdb: GdbTransport, kernel: KernelData, arch: Arch, journal: Journal,
     for tid in vcpus:
         r.rewind(tid)
     restored = 0
-    gdb.set_physical(True)
-    for p in reversed([p for p in patches if p.what != "pmd"]):
-        if gdb.read_memory(p.phys, len(p.new)) == p.new:
-            gdb.write_memory(p.phys, p.old)
-            restored += 1
+    # The guest's own uprobes hold consumers in the scratch area: taken out by guest calls once the text is
+    # the kernel's again (the VM runs for them), before the area goes.
+    later = [p for p in patches if p.what in LATER]
+    restored += _restore(gdb, [p for p in patches if p.what != "pmd" and p.what not in LATER])
     restored += r.restore_guest_stacks()
     pmd = [p for p in patches if p.what == "pmd"]
     if pmd:
         for cpu, tid in enumerate(vcpus):
             r.evacuate(tid, cpu)
+        restored += finish_left(gdb, kernel, arch, patches)
+        restored += _restore(gdb, later)
         r.let_run(vcpus)
         held = wait_preempted_out(r.preempted_inside, lambda: r.let_run(vcpus)) if fully_preemptible else None
         if held is not None:

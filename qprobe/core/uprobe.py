@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from qprobe.arch.inguest import KeySpec
 from qprobe.core.kprobe import check_handlers
 from qprobe.core.regs import PtRegs
 from qprobe.errors import InvalidProbe
@@ -30,11 +31,17 @@ class Uprobe:
     returns (``func`` the probed address, ``regs_return_value(regs)`` its value).  ``filter(up, regs)``
     decides per hit whether the handlers run (the kernel asks it per mm); a hit it refuses is counted in
     ``nfiltered`` only.
+
+    A probe with none of the three (a Uretprobe without its handler: counting returns) is counted in the
+    guest where the guest's kernel can register it with its own uprobes (qprobe.core.uguest): no VM stop at
+    its hits.  ``in_guest=False`` keeps it on the gdbstub's breakpoints, with nothing written into any
+    process; ``in_guest=True`` refuses it where it cannot be counted in the guest.  After registration,
+    ``in_guest`` says which it is.
     """
 
     def __init__(self, path: str, offset: int | None = None, symbol: str | None = None,
                  handler: UprobeHandler | None = None, ret_handler: RetHandler | None = None,
-                 filter: UprobeFilter | None = None) -> None:  # fmt: skip
+                 filter: UprobeFilter | None = None, in_guest: bool | None = None) -> None:  # fmt: skip
         if not isinstance(path, str) or not path.startswith("/"):
             raise InvalidProbe(f"a uprobe's path must be absolute, not {path!r} (EINVAL)")
         if (offset is None) == (symbol is None):
@@ -48,14 +55,44 @@ class Uprobe:
         self.handler = handler
         self.ret_handler = ret_handler
         self.filter = filter
-        self.nhit = 0  # hits that ran the handlers (the filter let them)
+        self.in_guest = in_guest
+        if in_guest and not self.runs_nothing:
+            raise InvalidProbe("a uprobe counted in the guest runs nothing on the host: no handler, ret_handler "
+                               "or filter (EINVAL)")  # fmt: skip
+        self._nhit = self._nreturns = 0
+        # While counted in the guest: the guest's counts (hits, returns), read from its RAM.
+        self.guest_counts: Callable[[], tuple[int, int]] | None = None
+        # Counted in the guest by this key (qprobe.events' maps), not only in nhit.
+        self.guest_key: KeySpec | None = None
         self.nfiltered = 0
         self.nmissed = 0  # returns not probed: the task already held MAX_URETPROBE_DEPTH instances
-        self.nreturns = 0
         self.nfaults = 0
         self.errors: list[str] = []
         self.registered = False
         self.file: GuestFile | None = None
+
+    @property
+    def runs_nothing(self) -> bool:
+        """No handler, filter or ret_handler of the user's: the hits (and returns) are only counted."""
+        return self.handler is None and self.filter is None and self.ret_handler in (None, _no_return_handler)
+
+    @property
+    def nhit(self) -> int:
+        """Hits that ran the handlers (the filter let them)."""
+        return self._nhit if self.guest_counts is None else self.guest_counts()[0]
+
+    @nhit.setter
+    def nhit(self, value: int) -> None:
+        self._nhit = value
+
+    @property
+    def nreturns(self) -> int:
+        """Returns of the probed function that ran ``ret_handler``."""
+        return self._nreturns if self.guest_counts is None else self.guest_counts()[1]
+
+    @nreturns.setter
+    def nreturns(self, value: int) -> None:
+        self._nreturns = value
 
     def where(self) -> str:
         at = f"{self.offset:#x}" if self.offset is not None else str(self.symbol)
@@ -70,8 +107,10 @@ class Uretprobe(Uprobe):
     """A return probe on a function of a file: a Uprobe with only ``ret_handler`` (``uretprobe`` events)."""
 
     def __init__(self, path: str, offset: int | None = None, symbol: str | None = None,
-                 ret_handler: RetHandler | None = None, filter: UprobeFilter | None = None) -> None:  # fmt: skip
-        super().__init__(path, offset, symbol, ret_handler=ret_handler or _no_return_handler, filter=filter)
+                 ret_handler: RetHandler | None = None, filter: UprobeFilter | None = None,
+                 in_guest: bool | None = None) -> None:  # fmt: skip
+        super().__init__(path, offset, symbol, ret_handler=ret_handler or _no_return_handler, filter=filter,
+                         in_guest=in_guest)  # fmt: skip
 
 
 def _no_return_handler(up: Uprobe, func: int, regs: PtRegs) -> None:

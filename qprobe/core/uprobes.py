@@ -1,5 +1,9 @@
 """User-space probes as the kernel's uprobes (kernel/events/uprobes.c), from the host: nothing written into the guest.
 
+(A probe that runs nothing on the host at its hits is counted in the guest instead, by the guest kernel's own
+uprobes, where it can be: qprobe.core.uguest.  What follows is the path of every other probe, and of those
+given ``in_guest=False``.)
+
 A uprobe is keyed as the kernel keys it, by (file, offset): the file's ``address_space`` and a byte offset
 in it.  The kernel writes its breakpoint instruction (x86's int3, arm64's brk) into a private copy of the
 page in every mm that maps the file and runs the displaced instruction out of line in a per-mm page; qprobe
@@ -46,6 +50,7 @@ from qprobe.core.handlers import Handlers
 from qprobe.core.kprobe import Kprobe
 from qprobe.core.regs import PtRegs, RegsSource
 from qprobe.core.taskmem import UserMemory
+from qprobe.core.uguest import GuestUprobes
 from qprobe.core.upoints import UprobePoints
 from qprobe.core.uprobe import Uprobe
 from qprobe.core.ureturns import ReturnInstance, UprobeReturns
@@ -63,6 +68,18 @@ MAX_ELF = 256 << 20  # a file read whole for its symbols (libc is 2 MB)
 # after linking it into the file's i_mmap, beside uprobe_mmap(vma) (mm/mmap.c, Linux 4.x to 6.12: 6.12's
 # __mmap_region too); mprotect_fixup() calls it for a vma whose protection changed.
 MMAP_HOOK = "vma_set_page_prot"
+
+
+def counted_by(guest: GuestUprobes | None, up: Uprobe) -> GuestUprobes | None:
+    """Where ``up`` is counted in the guest (None: it stops the VM at its hits)."""
+    if up.in_guest is False or not up.runs_nothing:
+        return None
+    why = "qprobe counts no uprobe in this guest" if guest is None else guest.unavailable
+    if why is None:
+        return guest
+    if up.in_guest:
+        raise InvalidProbe(f"{up.where()} cannot be counted in the guest: {why}")
+    return None
 
 
 class Stepper(Protocol):
@@ -83,10 +100,11 @@ class UprobeManager:
     """The uprobes of one target; every method that changes state runs on the stop loop."""
 
     def __init__(self, machine: Machine, arch: Arch, kernel: KernelData, kprobes: Kprobes, handlers: Handlers,
-                 regs: RegsSource, stepper: Stepper) -> None:  # fmt: skip
+                 regs: RegsSource, stepper: Stepper, guest: GuestUprobes | None = None) -> None:  # fmt: skip
         """``handlers``: the one place handlers run, the kprobes' too; ``regs``: pt_regs for them;
-        ``stepper``: the trap path's single-step."""
+        ``stepper``: the trap path's single-step; ``guest``: the probes counted in the guest, where it can."""
         self.machine = machine
+        self.guest = guest
         self.arch = arch
         self.kernel = kernel
         self.kprobes = kprobes
@@ -117,21 +135,50 @@ class UprobeManager:
     def register_uprobe(self, up: Uprobe) -> None:
         if up.registered:
             raise InvalidProbe(f"{up.where()} is already registered (EINVAL)")
-        self.machine.call(lambda: self._register(up))
+        guest = counted_by(self.guest, up)
+        if guest is None:
+            self.machine.call(lambda: self._register(up))
+            up.in_guest = False
+            return
+        f, offset = self.machine.call(lambda: self._checked(up))
+        guest.register(up, f, offset)  # guest calls: from this thread, while the stop loop runs the VM
+        up.offset, up.file, up.registered, up.in_guest = offset, f, True, True
 
     def unregister_uprobe(self, up: Uprobe) -> None:
         if not up.registered:
             raise InvalidProbe(f"{up.where()} is not registered (EINVAL)")
+        if self.guest is not None and up in self.guest.registered:
+            self.guest.unregister(up)
+            up.registered = False
+            return
         self.machine.call(lambda: self._unregister(up))
 
     def registered(self) -> list[Uprobe]:
-        return [*(up for consumers in self.probes.values() for up in consumers), *self.retired]
+        guest = list(self.guest.registered) if self.guest is not None else []
+        return [*(up for consumers in self.probes.values() for up in consumers), *self.retired, *guest]
 
     def remove_all(self) -> None:
         for up in self.registered():
             self.unregister_uprobe(up)
 
     def _register(self, up: Uprobe) -> None:
+        f, offset = self._checked(up)
+        self._ensure_hook()
+        known = self.spaces.get(f.mapping)
+        if known is not None and known != f:
+            self._retire(f.mapping)  # a file freed since its probes were registered; this one took its memory
+        key = (f.mapping, offset)
+        up.offset, up.file = offset, f
+        self.probes.setdefault(key, []).append(up)
+        self.spaces[f.mapping] = f
+        up.registered = True
+        for m in self.files.mappings(f):
+            va = m.address_of(offset)
+            if va is not None and m.probeable:
+                self.points.add(va, key)
+
+    def _checked(self, up: Uprobe) -> tuple[GuestFile, int]:
+        """The file and offset ``up`` names, refused as the kernel's uprobe_register() refuses them."""
         f = self.files.lookup(up.path)
         if f is None:
             raise InvalidProbe(f"{up.path}: no regular file there in the guest's dentry cache (ENOENT)")
@@ -150,19 +197,7 @@ class UprobeManager:
         why = self.arch.uprobes.arch_uprobe_analyze_insn(code) if code else None
         if why is not None:
             raise InvalidProbe(f"{up.path}:{offset:#x}: {why}")
-        self._ensure_hook()
-        known = self.spaces.get(f.mapping)
-        if known is not None and known != f:
-            self._retire(f.mapping)  # a file freed since its probes were registered; this one took its memory
-        key = (f.mapping, offset)
-        up.offset, up.file = offset, f
-        self.probes.setdefault(key, []).append(up)
-        self.spaces[f.mapping] = f
-        up.registered = True
-        for m in self.files.mappings(f):
-            va = m.address_of(offset)
-            if va is not None and m.probeable:
-                self.points.add(va, key)
+        return f, offset
 
     def _symbol_offset(self, f: GuestFile, symbol: str) -> int:
         try:

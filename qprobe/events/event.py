@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -24,7 +24,7 @@ from qprobe.fetch.filter import EventFilter
 from qprobe.fetch.record import record_length
 
 if TYPE_CHECKING:
-    from qprobe.arch.inguest import MapSlot
+    from qprobe.arch.inguest import MapKey, MapSlot
     from qprobe.core.kprobe import Kprobe, Kretprobe
     from qprobe.core.regs import PtRegs
     from qprobe.core.uprobe import Uprobe
@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from qprobe.fetch.args import Value
     from qprobe.fetch.context import FetchContext
     from qprobe.fetch.uevent import UprobeEvent
+
+    MakeRegs = Callable[[dict[str, int], int], PtRegs]  # gdbstub registers and a vCPU -> a hit's pt_regs
 
 
 class ProbeBackend(Protocol):
@@ -248,4 +250,38 @@ def event_filter(ev: ProbeEvent | UprobeEvent, text: str) -> EventFilter:
                        strings={a.name for a in ev.args if a.type.string})  # fmt: skip
 
 
-__all__ = ["InOrder", "ProbeBackend", "TraceEvent", "event_filter"]
+def host_keys(
+    te: TraceEvent, raw: Mapping[MapKey, MapSlot], keys: Sequence[str], hist: bool, make_regs: MakeRegs
+) -> dict[tuple[str | int, ...], MapSlot]:
+    """An in-guest map's slots by key, its parts as the host formats them (``keys``' order, the hist()
+    bucket last with ``hist``): ``$func`` and ``$event`` the host's, an argument's text as a hit with its
+    register holding the word shows it."""
+    args = {a.name: a for a in te.definition.args}
+    layout = te.host.arch.registers
+    general = [layout.gdb_name[r] for r in layout.general]
+    rest = {layout.gdb_name[r]: 0 for r in (layout.ip, layout.sp, layout.flags)}
+
+    def formatted(name: str, word: int) -> str:
+        regs = make_regs({**dict.fromkeys(general, word), **rest}, 0)
+        return args[name].format_value(args[name].evaluate(HostContext(te.host, regs, None)))
+
+    out: dict[tuple[str | int, ...], MapSlot] = {}
+    for decoded, slot in raw.items():
+        it = iter(decoded)  # the parts the guest computed, in keys' order
+        parts: list[str | int] = []
+        for name in (*keys, *(("$hist",) if hist else ())):
+            if name in ("$func", "$event"):
+                parts.append(te.function_name if name == "$func" else te.definition.event)
+            elif name in ("$comm", "$pid", "$cpu", "$hist"):
+                parts.append(next(it))
+            else:
+                word = next(it)
+                assert isinstance(word, int)
+                parts.append(formatted(name, word))
+        key = tuple(parts)
+        old = out.get(key)
+        out[key] = slot if old is None else old.merge(slot)
+    return out
+
+
+__all__ = ["InOrder", "ProbeBackend", "TraceEvent", "event_filter", "host_keys"]

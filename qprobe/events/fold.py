@@ -23,14 +23,15 @@ from typing import TYPE_CHECKING, Literal
 
 from qprobe.core.kprobe import Kretprobe
 from qprobe.core.uprobe import Uprobe
+from qprobe.events.inguest import EVENT_KEYS
 from qprobe.events.kprobe import KprobeEvent
+from qprobe.events.uprobe import UprobeTraceEvent
 
 if TYPE_CHECKING:
     from qprobe.arch.inguest import MapSlot
     from qprobe.events.event import TraceEvent
 
 FoldPath = Literal["guest map", "probe counts", "ring"]
-EVENT_KEYS = ("$func", "$event")  # the same for every hit of one probe
 PID = "$pid"
 # Whether the owner takes the hits of ``pid`` on ``event`` (``hits`` of them, for its own accounting).
 Owner = Callable[[str, int, int], bool]
@@ -46,8 +47,10 @@ def fold_path(events: Sequence[TraceEvent], kind: str, keys: Sequence[str], valu
         return "ring"
     hist = kind == "hist"
     mine = (*keys, PID) if owned else tuple(keys)
-    # Only an optimized kprobe's detour folds a map: a kprobe event's, when its jump can be placed.
-    if kind != "lhist" and all(isinstance(te, KprobeEvent) and te.can_count_in_guest(mine, value, hist)
+    # An optimized kprobe's detour folds a map (a kprobe event's, when its jump can be placed), and a uprobe
+    # event's consumer in the guest kernel's own uprobes (qprobe.core.uguest), where it has them.
+    foldable = (KprobeEvent, UprobeTraceEvent)
+    if kind != "lhist" and all(isinstance(te, foldable) and te.can_count_in_guest(mine, value, hist)
                                for te in events):  # fmt: skip
         return "guest map"
     if not owned and probe_counts(events, kind, keys):

@@ -61,6 +61,7 @@ def _arg_register(a: FetchArg, layout: RegisterLayout) -> str | None:
 
 
 GUEST_KEYS = {"$comm": KeyPart("comm"), "$pid": KeyPart("pid"), "$cpu": KeyPart("cpu")}
+EVENT_KEYS = ("$func", "$event")  # the same for every hit of one probe: the host adds them
 
 
 def guest_key(ev: ProbeEvent, keys: Sequence[str], value: str | None, hist: bool,
@@ -125,4 +126,4 @@ def guest_filter(ev: ProbeEvent, flt: EventFilter, layout: RegisterLayout) -> Gu
     return bind(flt.tree, where) if in_guest(ev, layout) else None
 
 
-__all__ = ["GUEST_KEYS", "guest_filter", "guest_key", "in_guest"]
+__all__ = ["EVENT_KEYS", "GUEST_KEYS", "guest_filter", "guest_key", "in_guest"]

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from qprobe.core.kprobe import Kprobe, Kretprobe, KretprobeInstance
 from qprobe.errors import InvalidProbe, QprobeError
-from qprobe.events.context import HostContext, RecordContext, symbol_lookup
-from qprobe.events.event import TraceEvent
+from qprobe.events.context import RecordContext, symbol_lookup
+from qprobe.events.event import TraceEvent, host_keys
 from qprobe.events.hit import EventHit
 from qprobe.events.inguest import guest_filter, guest_key, in_guest
 from qprobe.events.lines import InOrderLines, line_run
@@ -268,32 +268,7 @@ class KprobeEvent(TraceEvent):
         self.nhit += sum(slot.count for slot in raw.values())
         keys, _value, hist = self.guest_map
         self.guest_map = None
-        args = {a.name: a for a in self.definition.args}
-        layout = self.host.arch.registers
-        general = [layout.gdb_name[r] for r in layout.general]
-        rest = {layout.gdb_name[r]: 0 for r in (layout.ip, layout.sp, layout.flags)}
-
-        def formatted(name: str, word: int) -> str:  # the argument's text, as a hit with that register shows it
-            regs = backend.make_regs({**dict.fromkeys(general, word), **rest}, 0)
-            return args[name].format_value(args[name].evaluate(HostContext(self.host, regs, None)))
-
-        out: dict[tuple[str | int, ...], MapSlot] = {}
-        for decoded, slot in raw.items():
-            it = iter(decoded)  # the parts the guest computed, in keys' order ($func and $event are the host's)
-            parts: list[str | int] = []
-            for name in (*keys, *(("$hist",) if hist else ())):
-                if name in ("$func", "$event"):
-                    parts.append(self.function_name if name == "$func" else self.definition.event)
-                elif name in ("$comm", "$pid", "$cpu", "$hist"):
-                    parts.append(next(it))
-                else:
-                    word = next(it)
-                    assert isinstance(word, int)
-                    parts.append(formatted(name, word))
-            key = tuple(parts)
-            old = out.get(key)
-            out[key] = slot if old is None else old.merge(slot)
-        return out
+        return host_keys(self, raw, keys, hist, backend.make_regs)
 
     @property
     def _recorder(self) -> Callable[[list[GuestRecord]], None]:

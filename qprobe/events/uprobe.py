@@ -12,14 +12,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from qprobe.arch.inguest import KeySpec, MapSlot
 from qprobe.core.uprobe import Uprobe, Uretprobe
 from qprobe.core.uprobes import UprobeManager
 from qprobe.events.context import HostContext
-from qprobe.events.event import TraceEvent
+from qprobe.events.event import TraceEvent, host_keys
+from qprobe.events.inguest import EVENT_KEYS, guest_key
 from qprobe.events.registry import EventHost
 from qprobe.fetch import UprobeContext, format_uprobe_event, format_uprobe_hit
 
 if TYPE_CHECKING:
+    from qprobe.arch.inguest import MapKey
     from qprobe.core.regs import PtRegs
     from qprobe.fetch import UprobeEvent
     from qprobe.fetch.args import Value
@@ -48,6 +51,28 @@ class UprobeBackend:
         for te in events:
             if isinstance(te, UprobeTraceEvent) and te.probe is not None and te.probe.registered:
                 self._uprobes.unregister_uprobe(te.probe)
+
+    @property
+    def counts_in_guest(self) -> bool:
+        """Whether a probe that only counts is the guest kernel's own here (qprobe.core.uguest)."""
+        guest = self._uprobes.guest
+        return guest is not None and guest.unavailable is None
+
+    def swap(self, out: Uprobe, into: Uprobe) -> None:
+        """``out`` unregistered and ``into`` registered; ``out`` back if ``into`` cannot be."""
+        self._uprobes.unregister_uprobe(out)
+        try:
+            self._uprobes.register_uprobe(into)
+        except BaseException:
+            self._uprobes.register_uprobe(out)
+            raise
+
+    def keyed_counts(self, up: Uprobe) -> dict[MapKey, MapSlot]:
+        guest = self._uprobes.guest
+        return guest.keyed_counts(up) if guest is not None else {}
+
+    def make_regs(self, values: dict[str, int], tid: int) -> PtRegs:
+        return self._uprobes.regs.make_regs(values, str(tid))
 
     def function_name(self, path: str, offset: int) -> str:
         """The name of the function of ``path`` that holds file byte ``offset`` (``path:0xOFFS`` if none does)."""
@@ -82,6 +107,9 @@ class UprobeTraceEvent(TraceEvent):
 
     host: UprobeHost
     probe: Uprobe | None = None
+    # While a map is folded in the guest: the probe that counts in the event's probe's place, and the map.
+    counting: Uprobe | None = None
+    guest_map: tuple[tuple[str, ...], str | None, bool] | None = None
 
     @property
     def udef(self) -> UprobeEvent:
@@ -122,6 +150,46 @@ class UprobeTraceEvent(TraceEvent):
     def listing(self) -> str:
         """The lines ``cat uprobe_events`` shows for the event, one per probe."""
         return "\n".join(format_uprobe_event(te.udef) for te in self.probes() if isinstance(te, UprobeTraceEvent))
+
+    def can_count_in_guest(self, keys: Sequence[str], value: str | None = None, hist: bool = False) -> bool:
+        return self._guest_spec(keys, value, hist) is not None
+
+    def count_in_guest(self, keys: Sequence[str], value: str | None = None, hist: bool = False) -> bool:
+        """Fold hits in the guest: the event's probe taken out, and in its place one the guest kernel's uprobes
+        call to count (a key of registers, ``$comm``, ``$pid`` or ``$cpu``: a keyed one, for entries), until
+        ``stop_counting_in_guest`` puts it back.  A hit in between the two is neither (a process already
+        running; a command run for the map starts after)."""
+        spec = self._guest_spec(keys, value, hist)
+        if spec is None or self.probe is None:
+            return False
+        ev = self.udef
+        counting = (Uretprobe if ev.is_return else Uprobe)(ev.path, ev.offset, in_guest=True)
+        counting.guest_key = spec if spec.parts or spec.value is not None else None
+        self.backend.swap(self.probe, counting)
+        self.counting, self.guest_map = counting, (tuple(keys), value, hist)
+        return True
+
+    def stop_counting_in_guest(self) -> dict[tuple[str | int, ...], MapSlot]:
+        counting, backend = self.counting, self.backend
+        if counting is None or self.guest_map is None or self.probe is None:
+            return {}
+        raw = backend.keyed_counts(counting) if counting.guest_key is not None else {}
+        backend.swap(counting, self.probe)
+        if counting.guest_key is None:  # a count: the consumer's own (a return event's hits are returns)
+            n = counting.nreturns if self.udef.is_return else counting.nhit
+            raw = {(): MapSlot(n)} if n else {}
+        self.nhit += sum(slot.count for slot in raw.values())
+        keys, _value, hist = self.guest_map
+        self.counting = self.guest_map = None
+        return host_keys(self, raw, keys, hist, backend.make_regs)
+
+    def _guest_spec(self, keys: Sequence[str], value: str | None, hist: bool) -> KeySpec | None:
+        """The key a consumer in the guest folds by, or None where only the host can."""
+        if self.filter is not None or not self.registered or not self.backend.counts_in_guest:
+            return None
+        if value is None and not hist and set(keys) <= set(EVENT_KEYS):
+            return KeySpec(())  # the same for every hit: a count
+        return guest_key(self.definition, keys, value, hist, self.host.arch.registers)
 
     def _hit(self, up: Uprobe, regs: PtRegs) -> None:
         self._record(regs, regs.ip, None, None)

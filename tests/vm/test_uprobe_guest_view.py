@@ -1,10 +1,11 @@
 """What the guest sees of a probed file: the file (``read()``, after ``sync`` and eviction the disk's bytes)
 and the probed process's memory (``/proc/PID/mem``), with qprobe's uprobe armed and with the kernel's own.
 
-qprobe's breakpoints are the gdbstub's: nothing is written anywhere, so every view shows the original
-bytes.  The kernel's uprobe writes an int3 into a private copy of the page in each mm that maps the file
-(``uprobe_write_opcode``): ``/proc/PID/mem`` shows its 0xcc while ``read()`` and the disk keep the file's
-bytes.  Run on ``debian-cloud-disk`` (root on an ext2 NVMe disk) for the disk; it runs on every image.
+qprobe's breakpoints (``in_guest=False``) are the gdbstub's: nothing is written anywhere, so every view
+shows the original bytes.  The kernel's uprobe writes an int3 into a private copy of the page in each mm
+that maps the file (``uprobe_write_opcode``): ``/proc/PID/mem`` shows its 0xcc while ``read()`` and the
+disk keep the file's bytes; a uprobe counted in the guest is the kernel's, and shows the same.  Run on
+``debian-cloud-disk`` (root on an ext2 NVMe disk) for the disk; it runs on every image.
 """
 
 from __future__ import annotations
@@ -55,7 +56,11 @@ def views(target: qprobe.Target, offset: int, pid: int, addr: int) -> dict[str, 
     return out
 
 
-def test_the_file_and_the_process_memory_keep_the_original_bytes(target: qprobe.Target, qprobe_reset: object) -> None:
+@pytest.mark.parametrize("in_guest", [False, True], ids=["stub", "guest"])
+def test_the_file_and_the_process_memory_keep_the_original_bytes(target: qprobe.Target, qprobe_reset: object,
+                                                                 in_guest: bool) -> None:  # fmt: skip
+    if in_guest and "uprobe_register" not in target.symbols:
+        pytest.skip("the guest kernel has no uprobe_register() (CONFIG_UPROBES)")
     offset, code = original("qpt_target")
     target.run(f"ls {PROG} >/dev/null").check()
     md5 = target.run(f"{EVICT}; md5sum {PROG}").check().output.split()[0]
@@ -71,13 +76,15 @@ def test_the_file_and_the_process_memory_keep_the_original_bytes(target: qprobe.
     pid, addr = int(m[1]), int(m[2], 16)
     expected = {"md5": md5, "read": code, "mem": code, "md5 evicted": md5, "read evicted": code}
 
-    up = Uprobe(PROG, offset)
+    up = Uprobe(PROG, offset, in_guest=in_guest)
     target.register_uprobe(up)
     try:
         qprobe_view = views(target, offset, pid, addr)
     finally:
         target.unregister_uprobe(up)
-    assert qprobe_view == expected
+    # Counted in the guest, the kernel's int3 in the process's copy (as its own uprobe_events' below).
+    assert qprobe_view == ({**expected, "mem": b"\xcc" + code[1:]} if in_guest else expected)
+    assert views(target, offset, pid, addr)["mem"] == code  # unregistered: the original byte back
     if target.run(f"test -w {TRACING}/uprobe_events").status != 0:
         target.run(f"kill {pid}")
         return  # no CONFIG_UPROBES: nothing to compare with

@@ -30,6 +30,7 @@ from qprobe.arch import (
     CycleCounter,
     ExceptionTable,
     FtraceSite,
+    GuestCall,
     GuestRam,
     Memory,
     OptProbes,
@@ -78,6 +79,7 @@ class Arm64:
     guest_ram: GuestRam | None = None
     uprobes: Uprobes | None = Arm64Uprobes()
     cycle_counter: CycleCounter | None = None
+    guest_call: GuestCall | None = None
     jump_label_probe = blacklist.JUMP_LABEL_PROBE
     jump_label_max = blacklist.JUMP_LABEL_MAX
     static_call_size = blacklist.STATIC_CALL_SIZE

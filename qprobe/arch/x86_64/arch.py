@@ -23,6 +23,7 @@ from qprobe.arch import (
     CycleCounter,
     ExceptionTable,
     FtraceSite,
+    GuestCall,
     GuestRam,
     Memory,
     OptProbes,
@@ -46,6 +47,7 @@ from qprobe.arch.x86_64.boost import CALL_INSN_SIZE, INT3_INSN_OPCODE, JMP32_INS
 from qprobe.arch.x86_64.bootentry import X86Boot
 from qprobe.arch.x86_64.decode import check_boundary, decode_one
 from qprobe.arch.x86_64.emulate import Regs, emulate
+from qprobe.arch.x86_64.guestcall import X86GuestCall
 from qprobe.arch.x86_64.guestram import X86GuestRam
 from qprobe.arch.x86_64.hpet import hpet_timer
 from qprobe.arch.x86_64.insn import (
@@ -199,6 +201,7 @@ class X86_64:
     guest_ram: GuestRam | None = X86GuestRam()
     uprobes: Uprobes | None = X86Uprobes()
     cycle_counter: CycleCounter | None = TSC
+    guest_call: GuestCall | None = X86GuestCall()
 
     def page_tables(self, regs: Mapping[str, int]) -> X86PageTables:
         return page_tables(regs)

@@ -21,9 +21,10 @@ from __future__ import annotations
 import struct
 from typing import TYPE_CHECKING
 
-from iced_x86 import Code, Instruction, MemoryOperand, Register
+from iced_x86 import BlockEncoder, Code, Instruction, MemoryOperand, Register
 
 from qprobe.arch.inguest import KeyPart, KeySpec, MapKey, MapSlot
+from qprobe.arch.x86_64.ptregs import PT_REGS_ORDER
 
 if TYPE_CHECKING:
     from iced_x86._iced_x86_py import Register as RegisterKind
@@ -138,7 +139,11 @@ def _stack(word: int) -> MemoryOperand:
 
 
 def _register(name: str) -> RegisterKind:
-    return _r("r" + name if not name.startswith("r") else name)
+    return _r(_gdb(name))
+
+
+def _gdb(name: str) -> str:
+    return "r" + name if not name.startswith("r") else name
 
 
 def build_keyed_detour(
@@ -151,6 +156,25 @@ def build_keyed_detour(
     per-CPU offset of the CPU's number; ``task`` the per-CPU offset of ``current_task`` and
     offsetof(task_struct, pid) and (…, comm); ``hits`` and ``lost`` the probe's u64 counters.
     """
+    return encode_detour(keyed_code(spec, tables, cpu_number, task, hits, lost), address, relocated, resume)
+
+
+def build_keyed_handler(address: int, spec: KeySpec, tables: int, cpu_number: int, task: tuple[int, int, int],
+                        hits: int, lost: int) -> bytes:  # fmt: skip
+    """A ``uprobe_consumer`` handler at ``address`` that folds the hit as the keyed detour does, the registers
+    of the key taken from the ``struct pt_regs`` it is given (its second argument, in rsi); it returns 0."""
+    c = Instruction
+    code = [c.create(Code.ENDBR64), *keyed_code(spec, tables, cpu_number, task, hits, lost, Register.RSI),
+            c.create_reg_reg(Code.XOR_R32_RM32, Register.EAX, Register.EAX), c.create(Code.RETNQ)]  # fmt: skip
+    enc = BlockEncoder(64)
+    enc.add_many(code)
+    return bytes(enc.encode(address))
+
+
+def keyed_code(spec: KeySpec, tables: int, cpu_number: int, task: tuple[int, int, int], hits: int, lost: int,
+               regs: RegisterKind | None = None) -> list[Instruction]:  # fmt: skip
+    """The fold of one hit, every register kept: the key's registers as they are (``regs`` None), or from the
+    ``struct pt_regs`` at ``regs``."""
     c = Instruction
     rax, rcx, rdx, rsi = Register.RAX, Register.RCX, Register.RDX, Register.RSI
     loop, empty, found, out, nxt = 1, 2, 3, 4, 5
@@ -177,8 +201,14 @@ def build_keyed_detour(
     if spec.value is not None:
         slots.append((k, spec.value))
     for at, part in slots:
-        if part.kind in ("reg", "hist"):
+        if part.kind not in ("reg", "hist"):
+            continue
+        if regs is None:
             code.append(c.create_mem_reg(Code.MOV_RM64_R64, _stack(at), _register(part.reg)))
+        else:
+            pt = MemoryOperand(regs, Register.NONE, 1, 8 * PT_REGS_ORDER.index(_gdb(part.reg)), 1, False,
+                               Register.NONE)  # fmt: skip
+            code += [c.create_reg_mem(Code.MOV_R64_RM64, rax, pt), c.create_mem_reg(Code.MOV_RM64_R64, _stack(at), rax)]
     for at, part in slots:
         if part.kind in ("reg", "hist"):
             dest = rax if part.bits == 64 or part.signed else Register.EAX
@@ -278,5 +308,4 @@ def build_keyed_detour(
     if buf:
         tail.insert(0, c.create_reg_i32(Code.ADD_RM64_IMM32, Register.RSP, buf * 8))
     tail[0].ip = out
-    code += tail
-    return encode_detour(code, address, relocated, resume)
+    return code + tail

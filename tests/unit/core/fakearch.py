@@ -350,6 +350,7 @@ class Toy:
     guest_ram = ToyGuestRam()
     uprobes = ToyUprobes()
     cycle_counter = None
+    guest_call = None
     jump_label_probe = 4
     jump_label_max = 4
     static_call_size = 4

@@ -16,6 +16,7 @@ import pytest
 unicorn = pytest.importorskip("unicorn", reason="unicorn is not installed; it only cross-checks the arch layer")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from mapmodel_x86_64 import SPECS, TASKS, VALUES, Hit, model  # noqa: E402
 from unicorn import x86_const as X  # noqa: E402
 
 from qprobe.arch.inguest import KeyPart, KeySpec, MapSlot  # noqa: E402
@@ -29,9 +30,7 @@ from qprobe.arch.x86_64.guestagg import (  # noqa: E402
     slot_index,
     slot_words,
     table_size,
-    typed,
 )
-from qprobe.arch.x86_64.guestfilter import GPRS  # noqa: E402
 from qprobe.arch.x86_64.guestram import X86GuestRam  # noqa: E402
 from qprobe.shell.render import log2_bucket  # noqa: E402
 
@@ -81,46 +80,16 @@ def table(uc: unicorn.Uc, spec: KeySpec, cpu: int = CPU) -> dict[tuple[int, ...]
     return parse_tables(spec, raw)
 
 
-def model(spec: KeySpec, hits: list[tuple[dict[str, int], int, bytes]]) -> dict[tuple[int, ...], MapSlot]:
-    out: dict[tuple[int, ...], MapSlot] = {}
-    for regs, pid, comm in hits:
-        words: tuple[int, ...] = ()
-        for part in spec.parts:
-            raw = regs.get("r" + part.reg if not part.reg.startswith("r") else part.reg, 0) if part.reg else 0
-            words += part_words(part, raw, cpu=CPU, pid=pid, comm=comm)
-        v = spec.value
-        value = 0 if v is None else typed(v, regs["r" + v.reg if not v.reg.startswith("r") else v.reg])
-        one = MapSlot(1, value, value, value) if v is not None else MapSlot(1)
-        out[words] = one if words not in out else out[words].merge(one)
-    if spec.value is not None:  # the guest's sum wraps at 64 bits, read as the value's type
-        out = {k: MapSlot(s.count, typed(KeyPart("reg", signed=spec.value.signed), s.total), s.min, s.max)
-               for k, s in out.items()}  # fmt: skip
-    return out
-
-
-REG_PARTS = st.builds(lambda kind, reg, bits, signed: KeyPart(kind, reg, bits, signed),
-                      st.sampled_from(["reg", "hist"]), st.sampled_from(GPRS), st.sampled_from([8, 16, 32, 64]),
-                      st.booleans())  # fmt: skip
-PARTS = st.one_of(REG_PARTS, st.sampled_from([KeyPart("cpu"), KeyPart("pid"), KeyPart("comm")]))
-VALUE_PARTS = st.builds(lambda reg, bits, signed: KeyPart("reg", reg, bits, signed), st.sampled_from(GPRS),
-                        st.sampled_from([8, 16, 32, 64]), st.booleans())  # fmt: skip
-SPECS = st.builds(lambda parts, value: KeySpec(tuple(parts), value), st.lists(PARTS, max_size=3),
-                  st.one_of(st.none(), VALUE_PARTS))  # fmt: skip
-VALUES = st.one_of(st.integers(0, 2**64 - 1), st.integers(0, 40), st.integers(2**64 - 40, 2**64 - 1),
-                   st.sampled_from([0, 1, 2, 3, 0x80, 0xFF, 0x8000, 0x7FFFFFFF, 0x80000000, 2**63]))  # fmt: skip
-TASKS = st.tuples(st.integers(0, 2**31 - 1), st.sampled_from([b"workload", b"sh", b"kworker/0:1H-kb", b""]))
-
-
 @settings(max_examples=80, deadline=None)
 @given(SPECS, st.lists(st.tuples(VALUES, VALUES, TASKS), min_size=1, max_size=12), ARITH_FLAGS)
 def test_the_table_holds_the_model_s_map(spec: KeySpec, hits: list[tuple[int, int, tuple[int, bytes]]],
                                          flags: int) -> None:  # fmt: skip
     uc = machine(spec)
-    done = []
+    done: list[Hit] = []
     for i, (a, b, (pid, comm)) in enumerate(hits):
         regs = {name: (a if (j + i) % 2 else b) for j, name in enumerate(FRAME_REGS)}
         hit(uc, regs, flags, pid, comm)
-        done.append((regs, pid, comm))
+        done.append((regs, CPU, pid, comm))
     assert table(uc, spec) == model(spec, done)
     assert table(uc, spec, cpu=0) == {}  # another CPU's table is not touched
     assert struct.unpack("<2Q", uc.mem_read(HITS, 16)) == (len(hits), 0)

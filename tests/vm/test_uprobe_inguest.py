@@ -1,0 +1,205 @@
+"""Uprobes counted in the guest (qprobe.core.uguest): the guest kernel's own uprobes, with qprobe's consumer.
+
+A Uprobe with nothing to run on the host is registered through the kernel's uprobe_register(): no gdbstub
+breakpoint, no VM stop at a hit.  Every count is checked against the guest's: each program's own summary
+line (``calls=``), and the guest kernel's uprobe_profile for a trace_uprobe of its own uprobe_events on the
+same instruction in the same run (one kernel uprobe, two consumers: both see every hit).  The probed
+files' bytes are unchanged (the fixtures check the md5sums); the probed processes see the kernel's int3 in
+their own memory, as with uprobe_events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from collections.abc import Iterator
+
+import pytest
+
+import qprobe
+from qprobe import Uprobe, Uretprobe
+from qprobe.errors import InvalidProbe
+from qprobe.events.fold import fold_path
+from qprobe.shell import Shell
+
+from .conftest import shell_do as do
+from .guest_oracle import TRACING
+from .test_uprobe_lifecycle import (
+    LIB,
+    PROG,
+    STATIC,
+    background,
+    collect,
+    files,
+    off,
+    ok,
+    run,
+    summary,
+    wait_for,
+)
+
+pytestmark = pytest.mark.vm
+__all__ = ["files", "off"]  # fixtures, shared with the lifecycle tests
+
+EVENT = "uprobes/qpig"
+
+
+@pytest.fixture
+def counted(target: qprobe.Target, files: None) -> None:
+    """A kernel that can count uprobes (CONFIG_UPROBES: the uprobe_register() qprobe calls)."""
+    if "uprobe_register" not in target.symbols:
+        pytest.skip("the guest kernel has no uprobe_register() (CONFIG_UPROBES)")
+
+
+@contextlib.contextmanager
+def guest_uprobe(target: qprobe.Target, spec: str) -> Iterator[None]:
+    """The guest's own uprobe_events ``spec`` (named EVENT), enabled: its uprobe_profile is the reference."""
+    if target.run(f"test -w {TRACING}/uprobe_events").status != 0:
+        pytest.skip("the guest kernel has no CONFIG_UPROBE_EVENTS")
+    target.run(f"echo '{spec}' > {TRACING}/uprobe_events && echo 1 > {TRACING}/events/{EVENT}/enable").check()
+    try:
+        yield
+    finally:
+        target.run(f"echo 0 > {TRACING}/events/{EVENT}/enable; echo '-:{EVENT}' >> {TRACING}/uprobe_events").check()
+
+
+@pytest.fixture
+def profile(target: qprobe.Target, counted: None, off: dict[str, int]) -> Iterator[None]:
+    """The guest's own entry uprobe on /bin/uprog's qpt_target."""
+    with guest_uprobe(target, f"p:{EVENT} {PROG}:{off[PROG]:#x}"):
+        yield
+
+
+def kernel_hits(target: qprobe.Target) -> int:
+    """uprobe_profile's hit count of the guest's own uprobe (``  PATH  EVENT  HITS``)."""
+    out = target.run(f"cat {TRACING}/uprobe_profile").check().output
+    return next(int(line.split()[-1]) for line in out.splitlines() if EVENT.split("/")[1] in line.split())
+
+
+def calls_of(out: str) -> int:
+    """Every call the output's programs report: summary lines, forked children's and pre-exec images'."""
+    total = 0
+    for line in out.splitlines():
+        if line.startswith("uprog-child "):
+            total += int(summary(line, "uprog-child ")["calls"])
+        elif line.startswith("uprog-exec "):
+            total += int(summary(line, "uprog-exec ")["calls"])
+        elif line.startswith("uprog mode=fork"):
+            total += int(summary(line)["m"])  # the parent's own; its calls= counts the children's too
+        elif line.startswith("uprog mode="):
+            total += int(summary(line)["calls"])
+    return total
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "uprog call 300 1 1 a",
+        "uprog call 300 1 1 a > /tmp/p1.out & uprog call 200 2 2 b > /tmp/p2.out & wait; cat /tmp/p1.out /tmp/p2.out",
+        "uprog fork 3 50",
+        "uprog exec 40",
+        "uprog threads 4 50",
+    ],
+    ids=["one", "two-at-once", "fork", "exec", "threads"],
+)
+def test_counts_equal_the_program_and_the_guest_s_uprobe_profile(
+    target: qprobe.Target, profile: None, off: dict[str, int], command: str
+) -> None:
+    before = kernel_hits(target)
+    up = Uprobe(PROG, off[PROG])
+    target.register_uprobe(up)
+    try:
+        assert up.in_guest is True and not target.uprobes.points  # no gdbstub breakpoint: no VM stop
+        out = run(target, command)
+    finally:
+        target.unregister_uprobe(up)
+    assert re.search(r"^rc=0$", out, re.M) and "bad=0" in out and "bad=1" not in out, out
+    expected = calls_of(out)
+    assert expected > 0 and up.nhit == expected == kernel_hits(target) - before, (up, out)
+
+
+def test_a_static_program_and_a_shared_library_at_once(
+    target: qprobe.Target, counted: None, off: dict[str, int]
+) -> None:
+    ups = [Uprobe(STATIC, off[STATIC]), Uprobe(LIB, off[LIB])]
+    for up in ups:
+        target.register_uprobe(up)
+    try:
+        static = ok(run(target, f"{STATIC} call 250 1 1 s"))
+        lib = ok(run(target, "uprog lib 120"))
+    finally:
+        for up in ups:
+            target.unregister_uprobe(up)
+    assert [up.nhit for up in ups] == [int(static["calls"]), int(lib["calls"])] == [250, 120]
+    assert all(up.in_guest for up in ups) and not target.uprobes.registered()
+
+
+def test_registered_and_unregistered_while_the_program_runs(
+    target: qprobe.Target, counted: None, off: dict[str, int]
+) -> None:
+    """The kernel arms the running process's page at registration and disarms it at unregistration."""
+    calls = 200_000
+    up = Uprobe(PROG, off[PROG])
+    background(target, f"uprog wait-then-call 1 {calls}", "/tmp/ig.out")
+    wait_for(target, "/tmp/ig.out", r"^uprog pid=")
+    target.register_uprobe(up)
+    while up.nhit < 100:
+        target.wait(0.01)
+    target.unregister_uprobe(up)
+    res = ok(collect(target, "/tmp/ig.out"))
+    assert 100 <= up.nhit < int(res["calls"]) == calls, (up, res)
+
+
+def test_a_handler_is_refused_with_in_guest(counted: None) -> None:
+    with pytest.raises(InvalidProbe, match="counted in the guest runs nothing on the host") as info:
+        Uprobe(PROG, 0, handler=lambda _u, _r: None, in_guest=True)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("command", ["uprog recurse 12", "uprog threads 3 20", "uprog call 150 1 1 r"])
+def test_a_return_probe_counts_every_return_as_the_guest_s_own(
+    target: qprobe.Target, counted: None, off: dict[str, int], command: str
+) -> None:
+    """Each entry and each return, counted by the kernel's own return_instance chain (recursion: 13 nested
+    calls of one task; threads: each task's own chain)."""
+    func = off["recurse"] if "recurse" in command else off[PROG]
+    with guest_uprobe(target, f"r:{EVENT} {PROG}:{func:#x}"):
+        before = kernel_hits(target)
+        rp = Uretprobe(PROG, func)
+        target.register_uprobe(rp)
+        try:
+            assert rp.in_guest is True and not target.uprobes.points
+            res = ok(run(target, command))
+        finally:
+            target.unregister_uprobe(rp)
+        returned = kernel_hits(target) - before
+    calls = int(res["calls"])
+    assert rp.nhit == rp.nreturns == calls == returned, (rp, res)
+
+
+def test_the_shell_folds_a_uprobe_event_s_maps_in_the_guest(target: qprobe.Target, profile: None) -> None:
+    """``count``, ``count by $comm`` and ``hist(a)`` over a uprobe event: each the guest kernel's uprobe with
+    a consumer of qprobe's (the fold path every front end takes), equal to the program's calls and to
+    uprobe_profile's count of the guest's own uprobe on the same instruction."""
+    out = io.StringIO()
+    sh = Shell(target, out=out)
+    do(sh, out, "p:ug /bin/uprog:qpt_target a=%di:s64 b=%si:s64")
+    try:
+        te = target.events["uprobes/ug"]
+        assert fold_path([te], "count", ("$comm",), None) == "guest map"
+        assert fold_path([te], "hist", (), "a") == "guest map"
+        before = kernel_hits(target)
+        text = do(sh, out, "count ug by $comm run uprog call 3000 1 2 c")
+        assert "@[uprog]: 3000" in text.splitlines() and "calls=3000 bad=0" in text, text
+        text = do(sh, out, "count ug run uprog call 500 1 2 k")
+        assert "@: 500" in text.splitlines(), text
+        text = do(sh, out, "hist(a) ug run uprog call 64 0 0 h")  # a = 0..63
+        rows = dict(re.findall(r"^(\[[^]\n]*[])])\s+(\d+) \|", text, re.M))
+        assert rows == {"[0]": "1", "[1]": "1", "[2, 4)": "2", "[4, 8)": "4", "[8, 16)": "8", "[16, 32)": "16",
+                        "[32, 64)": "32"}, text  # fmt: skip
+        assert kernel_hits(target) - before == 3000 + 500 + 64
+        assert not target.uprobes.points  # every hit the kernel's: no gdbstub breakpoint
+    finally:
+        do(sh, out, "-:ug")
+    assert not target.events and not target.uprobes.registered()

@@ -15,12 +15,14 @@ import io
 import re
 from collections.abc import Iterator
 
+import lief
 import pytest
 
 import qprobe
 from qprobe import Uprobe, Uretprobe
 from qprobe.errors import InvalidProbe
 from qprobe.events.fold import fold_path
+from qprobe.images.guest import guest_tree
 from qprobe.shell import Shell
 
 from .conftest import shell_do as do
@@ -203,3 +205,64 @@ def test_the_shell_folds_a_uprobe_event_s_maps_in_the_guest(target: qprobe.Targe
     finally:
         do(sh, out, "-:ug")
     assert not target.events and not target.uprobes.registered()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "uprog call 20 1 1 a > /tmp/m1.out & uprog threads 2 5 > /tmp/m2.out & wait; cat /tmp/m1.out /tmp/m2.out",
+        "uprog fork 3 5",
+        "uprog exec 5",
+        "uprog threads 4 10",
+    ],
+    ids=["two-at-once", "fork", "exec", "threads"],
+)
+def test_libc_malloc_entries_and_returns_equal_the_guest_s_own(
+    target: qprobe.Target, counted: None, libc: tuple[str, int], command: str
+) -> None:
+    """libc's ``malloc``, an entry and a return probe counted in the guest, beside the guest's own ``p`` and
+    ``r`` uprobe_events on the same offset: uprobe_profile's counts are qprobe's, hit for hit (only the
+    dynamic programs call this libc: the shell and its tools are busybox, linked statically)."""
+    path, offset = libc
+    if target.run(f"test -w {TRACING}/uprobe_events").status != 0:
+        pytest.skip("the guest kernel has no CONFIG_UPROBE_EVENTS")
+    target.run(f"echo 'p:uprobes/qpm {path}:{offset:#x}' > {TRACING}/uprobe_events && "
+               f"echo 'r:uprobes/qpmr {path}:{offset:#x}' >> {TRACING}/uprobe_events && "
+               f"echo 1 > {TRACING}/events/uprobes/enable").check()  # fmt: skip
+    up, rp = Uprobe(path, offset), Uretprobe(path, offset)
+    try:
+        target.register_uprobe(up)
+        target.register_uprobe(rp)
+        try:
+            before = profile_hits(target)
+            out = run(target, command)
+            after = profile_hits(target)
+        finally:
+            target.unregister_uprobe(up)
+            target.unregister_uprobe(rp)
+    finally:
+        target.run(f"echo 0 > {TRACING}/events/uprobes/enable; echo > {TRACING}/uprobe_events").check()
+    assert "bad=1" not in out and calls_of(out) > 0, out
+    entries, returns = after["qpm"] - before["qpm"], after["qpmr"] - before["qpmr"]
+    assert entries > 0 and up.in_guest and rp.in_guest, (entries, out)
+    assert (up.nhit, rp.nhit, rp.nreturns) == (entries, entries, returns), (up, rp, before, after)
+
+
+@pytest.fixture(scope="module")
+def libc() -> tuple[str, int]:
+    """The guest's libc.so.6 (its path in the guest) and malloc's file offset, from the host's copy."""
+    tree = guest_tree()
+    found = sorted(p for p in tree.rglob("libc.so.6") if p.is_file() and not p.is_symlink())
+    assert found, f"no libc.so.6 in {tree}"
+    elf = lief.ELF.parse(str(found[0]))
+    assert isinstance(elf, lief.ELF.Binary)
+    (sym,) = [s for s in elf.dynamic_symbols if s.name == "malloc" and s.value]
+    offset = elf.virtual_address_to_offset(sym.value)
+    assert isinstance(offset, int)
+    return "/" + found[0].relative_to(tree).as_posix(), offset
+
+
+def profile_hits(target: qprobe.Target) -> dict[str, int]:
+    """uprobe_profile's hit count of each of the guest's own uprobes, by event name."""
+    out = target.run(f"cat {TRACING}/uprobe_profile").check().output
+    return {line.split()[1]: int(line.split()[-1]) for line in out.splitlines() if len(line.split()) == 3}

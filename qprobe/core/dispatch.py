@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from qprobe.arch import Arch, BreakHook, Resume, ResumeKind, Trap, TrapHook
 from qprobe.core.handlers import Handlers
@@ -45,6 +45,8 @@ from qprobe.vmm.machine import Machine
 
 log = logging.getLogger("qprobe.kprobes")
 MAX_STEP_RETRIES = 1 << 16
+# A trap's probe point, the probes whose handlers ran, the resume, and what to run once it is written.
+Handled = tuple[ProbePoint | None, list[Kprobe], Resume, Callable[[], None] | None]
 
 
 class Dispatcher:
@@ -247,8 +249,10 @@ class Dispatcher:
         reentered = status is not KprobeStatus.IDLE
         ctl.status = KprobeStatus.HIT_ACTIVE
         try:
-            point, active, resume = self._handle(tid, trap, reentered)
+            point, active, resume, resumed = self._handle(tid, trap, reentered)
             after = self.apply(tid, resume, trap.restore)
+            if resumed is not None:
+                resumed()
             if resume.kind is ResumeKind.STEP:
                 assert point is not None
                 final = self._after_singlestep(point, tid, after, active)
@@ -264,30 +268,30 @@ class Dispatcher:
             else:
                 ctl.status = KprobeStatus.HIT_SS if ctl.point is not None else KprobeStatus.IDLE
 
-    def _handle(self, tid: str, trap: Trap, reentered: bool) -> tuple[ProbePoint | None, list[Kprobe], Resume]:
-        """What the trap at ``trap.addr`` does: (its probe point, the probes whose handlers ran, the resume)."""
+    def _handle(self, tid: str, trap: Trap, reentered: bool) -> Handled:
+        """What the trap at ``trap.addr`` does (see ``Handled``)."""
         tramp = self.slots.trampolines.get(trap.addr)
         if tramp is not None:
             pt = self._regs(tid, trap)
-            ip = tramp(pt)
-            return None, [], Resume(ResumeKind.CONTINUE, ip, pt.sp, pt.flags, pt.dirty())
+            ip, resumed = tramp(pt)
+            return None, [], Resume(ResumeKind.CONTINUE, ip, pt.sp, pt.flags, pt.dirty()), resumed
         point = self.table.points.get(trap.addr)
         if point is None or not point.armed:
             # Our int3 was removed after this vCPU executed it but before we saw
             # the trap: back up and run the original instruction (as the kernel does).
-            return None, [], Resume(ResumeKind.CONTINUE, trap.addr, trap.sp, trap.flags)
+            return None, [], Resume(ResumeKind.CONTINUE, trap.addr, trap.sp, trap.flags), None
         pt = self._regs(tid, trap)
         if reentered:
             # A hit while this vCPU is handling a probe (an NMI inside a trap-stepped copy, say): counted
             # as missed, its instruction still runs, stepped by the host so the outer hit keeps the slot.
             for kp in point.probes:
                 kp.nmissed += 1
-            return point, [], self._setup(point, pt, [], trap_step=False)
+            return point, [], self._setup(point, pt, [], trap_step=False), None
         active = point.active()
         if self.handlers.pre(active, pt):
             # A pre_handler changed ip and asked to skip the instruction.
-            return point, active, Resume(ResumeKind.CONTINUE, pt.ip, pt.sp, pt.flags, pt.dirty())
-        return point, active, self._setup(point, pt, active, trap_step=True)
+            return point, active, Resume(ResumeKind.CONTINUE, pt.ip, pt.sp, pt.flags, pt.dirty()), None
+        return point, active, self._setup(point, pt, active, trap_step=True), None
 
     def _regs(self, tid: str, trap: Trap) -> PtRegs:
         """The handlers' pt_regs: the state exactly as before the breakpoint."""

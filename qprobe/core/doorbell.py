@@ -109,13 +109,14 @@ class Doorbell:
         point = self.point_of(req.probe_id)
         values = req.values
         dirty: dict[str, int] = {}
+        resumed: Callable[[], None] | None = None
         tramp = self.trampolines.get(req.continue_addr) if req.probe_id == self.layouts.trampoline_id else None
         if tramp is not None:
             # A kretprobe's return, called from its trampoline's mailbox call (the int3 after the
             # call is the same trampoline's stop path).  No default here: without its instance
             # the real return address is unknown.
             pt = self.make_regs(values, self.vcpus[cpu])
-            final_ip = tramp(pt)
+            final_ip, resumed = tramp(pt)
             dirty = pt.dirty()
         elif point is not None and point.opt is not None:
             values[self.arch.registers.gdb_name[self.arch.registers.ip]] = point.addr
@@ -134,6 +135,8 @@ class Doorbell:
         self.served += 1
         # Published last, in one store: the stub reads the answer only after it sees DONE.
         ram.write_u64_phys(mb + state, int.from_bytes(done, "little"))
+        if resumed is not None:
+            resumed()
 
 
 __all__ = ["Doorbell"]

@@ -20,13 +20,14 @@ crash puts every real return address back.
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 from qprobe.core.kprobe import KPROBE_FLAG_DISABLED, Kretprobe, KretprobeInstance
 from qprobe.core.kprobes import KprobeManager
 from qprobe.core.regs import PtRegs
 from qprobe.core.stubreturns import StubReturn, StubReturnInstance, StubReturns
 from qprobe.errors import InvalidProbe, ProbeError, QprobeError
+from qprobe.vmm.journal import Patch
 
 log = logging.getLogger("qprobe.kretprobes")
 
@@ -210,7 +211,7 @@ class KretprobeManager:
         self.kprobes.slots.trampolines[busy] = self.returned
         self.kprobes.slots.trampolines[bad] = self._returned_bad
 
-    def _returned_bad(self, pt: PtRegs) -> int:
+    def _returned_bad(self, pt: PtRegs) -> tuple[int, Callable[[], None] | None]:
         """A return whose instance was not its own: the pushed index is still on the stack, the slot a word further."""
         pt.set_quietly("sp", pt.sp + 8)
         return self.returned(pt)
@@ -318,8 +319,9 @@ class KretprobeManager:
             self.handlers.call(rp, f"handler of kretprobe {rp.kp.where()}", rp.handler, inst.data, pt)
 
     # -- return (the trampoline's int3, or its mailbox) ---------------------------------------------
-    def returned(self, pt: PtRegs) -> int:
-        """Run the handler of the instance whose call just returned; the real return address.
+    def returned(self, pt: PtRegs) -> tuple[int, Callable[[], None] | None]:
+        """Run the handler of the instance whose call just returned; the real return address, and what to run
+        once the vCPU's registers send it there (a qprobe.core.slots.Trampoline).
 
         Called from the dispatcher (a breakpoint trampoline: a qprobe.core.slots.Trampoline)
         or the doorbell thread; ``pt.sp`` is the stack pointer after the return, ``ret_pops``
@@ -339,14 +341,14 @@ class KretprobeManager:
             if owner is None:  # unregistered while this call was in flight: no handler (as the kernel)
                 assert pools is not None
                 pools.free(index)
-                return ret_addr
+                return ret_addr, None
             ri = KretprobeInstance(
                 owner, ret_addr, frame, self.kernel.snapshot(task), bytearray(owner.data_size), frame=frame
             )
         rp = ri.rp
         if guest is None and frame not in rp.live:  # retired in flight (_retire), unregistered: no handler
             self.by_frame.pop(frame, None)
-            return ri.ret_addr
+            return ri.ret_addr, None
         rp.nreturns += 1
         # Where the ret went (the unwinder maps it back to the real return address while the instance is taken).
         layout = pools.ret if pools is not None else None
@@ -357,8 +359,16 @@ class KretprobeManager:
         if guest is not None:
             assert pools is not None
             pools.free(guest[1])
-            return ret_addr
+            return ret_addr, None
         rp.live.pop(frame, None)
-        # The return address was consumed by the return: only forget the patch.
+        # The return address was consumed by the return: only forget the patch, and only once the vCPU's
+        # registers send it to the real one: until then the journal's record is what sends a vCPU still on
+        # the trampoline there, should qprobe be killed in between (qprobe.core.recovery).
+        patch, ri.patch = ri.patch, None
         self._release(ri, restore=False)
-        return ret_addr
+        return ret_addr, None if patch is None else lambda: self._forget_patch(patch)
+
+    def _forget_patch(self, patch: Patch) -> None:
+        journal = self.machine.journal
+        if journal.patches.get(patch.phys) is patch:  # not a later call's, at the same stack slot
+            journal.forget_often(patch.phys)

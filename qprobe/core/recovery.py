@@ -48,7 +48,13 @@ class _Recovery:
         self.on_the_way = trap_path(symbols, arch)
         self.int3s = {p.virt: p for p in patches if p.what == "int3"}
         self.retaddrs = {p.virt: int.from_bytes(p.old, "little") for p in patches if p.what == "retaddr"}
-        self.trampoline = next((int.from_bytes(p.new, "little") for p in patches if p.what == "retaddr"), None)
+        tramp = next((int.from_bytes(p.new, "little") for p in patches if p.what == "retaddr"), None)
+        # Where a vCPU stands on the trampoline's int3: its first byte, or with the doorbell channel the one
+        # after the mailbox call (KretprobeManager._ensure_trampoline); either way with the return's sp.
+        self.trampolines: frozenset[int] = frozenset()
+        if tramp is not None:
+            size = len(arch.guest_ram.return_trampoline(tramp, tramp)) if arch.guest_ram is not None else 1
+            self.trampolines = frozenset({tramp, tramp + size - 1})
         pmds = sorted(p.virt for p in patches if p.what == "pmd")  # 2 MiB each, contiguous
         self.scratch = pmds[0] if pmds else None
         self.scratch_size = len(pmds) * SCRATCH_SIZE
@@ -116,12 +122,16 @@ class _Recovery:
                 ip, flags = slot or (trap.addr, trap.flags)
                 self.resume_at(tid, ip, trap.sp, flags, trap.restore)
                 return self.gdb.read_registers(tid)
+            ret = self.retaddrs.get(trap.sp - arch.ret_pops)
+            if not trap.user and trap.addr in self.trampolines and ret is not None:
+                self.resume_at(tid, ret, trap.sp, trap.flags, trap.restore)
+                return self.gdb.read_registers(tid)
         return regs
 
     def rewind(self, tid: str) -> None:
         arch = self.arch
         regs = self.gdb.read_registers(tid)
-        if self.watch_safe and self.int3s:
+        if self.watch_safe and (self.int3s or self.trampolines):
             regs = self.take_back(tid, regs)
         pc, sp = arch.ip(regs), arch.sp(regs)
         frame = sp - arch.ret_pops  # a return's, had it just returned into a trampoline
@@ -131,9 +141,9 @@ class _Recovery:
             if trap.addr in self.int3s or slot is not None:
                 ip, flags = slot or (trap.addr, trap.flags)
                 self.resume_at(tid, ip, trap.sp, flags)
-            elif trap.addr == self.trampoline and trap.sp - arch.ret_pops in self.retaddrs:
+            elif trap.addr in self.trampolines and trap.sp - arch.ret_pops in self.retaddrs:
                 self.resume_at(tid, self.retaddrs[trap.sp - arch.ret_pops], trap.sp, trap.flags)
-        elif pc == self.trampoline and frame in self.retaddrs:
+        elif pc in self.trampolines and frame in self.retaddrs:
             self.resume_at(tid, self.retaddrs[frame])
         elif self.guest.get(frame, (None,))[0] == pc:  # about to enter its instance's trampoline
             self.resume_at(tid, self.guest[frame][1])
@@ -193,7 +203,8 @@ class _Recovery:
             ip = self.arch.ip(self.gdb.read_registers(tid))
             if not self.in_scratch(ip):
                 return
-            if ip == self.trampoline:
+            if ip in self.trampolines or self.from_slot(ip, 0) is not None:
+                # Stepped, a copy in a slot would run on into the int3 after it, which no one handles now.
                 self.rewind(tid)
                 continue
             self.answer_mailbox(cpu)

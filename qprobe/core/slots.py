@@ -24,8 +24,9 @@ from qprobe.vmm.scratch import ScratchArea
 __all__ = ["InsnSlots", "Trampoline"]
 
 # An int3 in the scratch area that is not a probe (a kretprobe trampoline's): given the
-# registers at the trap (sp and flags as before the int3), it runs its handlers and returns the ip to resume at.
-Trampoline = Callable[[PtRegs], int]
+# registers at the trap (sp and flags as before the int3), it runs its handlers and returns the ip to resume at,
+# and what to run once the vCPU's registers that resume there are written (None: nothing).
+Trampoline = Callable[[PtRegs], tuple[int, Callable[[], None] | None]]
 
 
 class InsnSlots:

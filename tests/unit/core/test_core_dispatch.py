@@ -10,7 +10,7 @@ x86_64 arch; only the probe table and guest memory are small fakes.
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import pytest
@@ -318,15 +318,16 @@ def test_a_user_mode_int3_is_never_ours(rig: Rig) -> None:
 def test_a_trampoline_resumes_where_its_handler_says(rig: Rig) -> None:
     tramp = SLOT + 0x800
     calls: list[tuple[int, int]] = []
+    resumed: list[int] = []
 
-    def returned(pt: PtRegs) -> int:
+    def returned(pt: PtRegs) -> tuple[int, Callable[[], None]]:
         calls.append((pt.ip, pt.sp))
         pt.ax = 0x1234  # a return probe may change the return value
-        return PROBE + 0x99
+        return PROBE + 0x99, lambda: resumed.append(rig.reg("rip"))
 
     rig.table.trampolines[tramp] = returned
     rig.dispatcher.on_entry_stop(rig.dispatcher.machine.vcpus[0], rig.trap(tramp))
-    assert calls == [(tramp, CONTEXT_SP)]
+    assert calls == [(tramp, CONTEXT_SP)] and resumed == [PROBE + 0x99]  # run once the registers are written
     assert rig.reg("rip") == PROBE + 0x99 and rig.reg("rax") == 0x1234 and rig.reg("rsp") == CONTEXT_SP
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import socket
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ class Bell:
         self.errors = ErrorLog(logging.getLogger("test.doorbell"), keep=10)
         self.points: dict[int, ProbePoint] = {}
         self.returns: list[int] = []
+        self.resumed: list[int] = []  # the mailbox's state when a trampoline's after-resume ran
         trampolines = {TRAMPOLINE: self._returned}
         self.bell = Doorbell(Toy(), ["p1.1", "p1.2"], self.mem, Handlers(), self.make_regs,  # type: ignore[arg-type]
                              self.points.get, trampolines, self.errors, self._drain)  # fmt: skip
@@ -56,10 +57,10 @@ class Bell:
     def _drain(self) -> None:
         self.drains += 1
 
-    def _returned(self, pt: PtRegs) -> int:
+    def _returned(self, pt: PtRegs) -> tuple[int, Callable[[], None]]:
         self.returns.append(pt.sp)
         pt.r0 = 0x77  # a handler injecting a return value
-        return 0xFFFF_8000_0000_9000
+        return 0xFFFF_8000_0000_9000, lambda: self.resumed.append(self.mailbox(0)[0])
 
     def probe(self, probe_id: int, *kps: Kprobe) -> None:
         jmp = Patch(0, PROBED, b"\x01\0\0\0", b"\x05\0\0\0", "jmp")
@@ -128,7 +129,7 @@ def test_a_pre_handler_that_moves_ip_sends_the_vcpu_there(bell: Bell) -> None:
 def test_a_kretprobe_return_through_the_mailbox_goes_to_the_real_return_address(bell: Bell) -> None:
     bell.request(0, ToyGuestRam.trampoline_id, cont=TRAMPOLINE)
     bell.ring(b"\x00")
-    assert bell.returns == [SP]
+    assert bell.returns == [SP] and bell.resumed == [STATE_DONE]  # only once the vCPU is released
     assert bell.mailbox(0) == (STATE_DONE, 0, TRAMPOLINE, SP, 0x77, 0, 0xFFFF_8000_0000_9000, SP)
 
 

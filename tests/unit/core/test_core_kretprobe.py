@@ -144,6 +144,27 @@ def test_entry_handler_shares_data_with_the_handler_and_can_leave_a_call_unprobe
     assert rp.free[0].data == bytearray(8)  # cleared for the next call
 
 
+def test_a_returns_journal_record_stays_until_its_vcpu_is_sent_to_the_real_return_address(
+    stack_calls: Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Killed in between, the next qprobe finds a vCPU on the trampoline: only the record sends it back.
+    calls = stack_calls
+    calls.rpm.register_kretprobe(Kretprobe("toy_callee"))
+    calls.enter(A, slot(0), CALLER, task=1)
+    journal, cpu = calls.km.machine.journal, calls.t.cpu
+    (retaddr,) = (p.phys for p in journal.patches.values() if p.what == "retaddr")
+    held: list[bool] = []
+    write = cpu.write_registers
+
+    def write_registers(tid: str, values: dict[str, int]) -> None:
+        held.append(retaddr in journal.patches)
+        write(tid, values)
+
+    monkeypatch.setattr(cpu, "write_registers", write_registers)
+    assert calls.leave(A) == CALLER
+    assert held == [True] and retaddr not in journal.patches
+
+
 def test_unregistering_puts_back_the_return_address_of_every_call_in_flight(stack_calls: Calls) -> None:
     calls = stack_calls
     rp = Kretprobe("toy_callee", handler=lambda ri, regs: pytest.fail("handler after unregister"))

@@ -16,9 +16,11 @@ from vmm_fakes import QemuStub, g_offsets
 
 from qprobe.arch.x86_64 import detour, retdetour
 from qprobe.arch.x86_64.arch import X86_64
+from qprobe.arch.x86_64.ptregs import PT_REGS_ORDER
 from qprobe.core.recovery import _Recovery, recover
 from qprobe.vmm.gdbremote import GdbRemote
 from qprobe.vmm.journal import Journal, JournalError, Patch
+from qprobe.vmm.scratch import SIZE as SCRATCH_SIZE
 
 ARCH = X86_64()
 ENTRY = 0xFFFF_FFFF_81C0_0BA0  # asm_exc_int3
@@ -132,6 +134,54 @@ def test_a_return_into_the_trampoline_goes_to_the_real_return_address(rig: Rig) 
     recover(rig.gdb, rig.kernel, ARCH, journal)  # type: ignore[arg-type]
     assert rig.reg("rip", 0) == real
     assert rig.stub.read(slot, 8) == real.to_bytes(8, "little")  # what a later ret would find
+
+
+def retaddr_patch(tramp: int, real: int) -> Patch:
+    slot = CONTEXT_SP - 8
+    return Patch(slot, slot, real.to_bytes(8, "little"), tramp.to_bytes(8, "little"), "retaddr")
+
+
+def test_a_return_trapped_on_the_doorbell_trampolines_int3_goes_to_the_real_return_address(rig: Rig) -> None:
+    # push 0; call stub; int3: the int3 after the call is where a return whose mailbox was busy traps.
+    tramp, real = SCRATCH + 0x100, 0xFFFF_FFFF_8130_0042
+    int3 = tramp + len(ARCH.guest_ram.return_trampoline(tramp, SCRATCH)) - 1  # type: ignore[union-attr]
+    rig.stub.fill(STACK, struct.pack("<5Q", int3 + 1, 0x10, FLAGS, CONTEXT_SP, 0x18))
+    rig.stub.vcpus[0].set("rip", ENTRY)
+    rig.stub.vcpus[0].set("rsp", STACK)
+    r = _Recovery(rig.gdb, rig.kernel, ARCH, [retaddr_patch(tramp, real)], {})  # type: ignore[arg-type]
+    r.rewind(rig.gdb.threads()[0])
+    assert (rig.reg("rip", 0), rig.reg("rsp", 0), rig.reg("eflags", 0)) == (real, CONTEXT_SP, FLAGS)
+
+
+def test_a_return_trapped_on_the_trampoline_under_the_watchpoint_hook_goes_to_the_real_return_address(
+    rig: Rig,
+) -> None:
+    """Stopped inside poke_int3_handler with the trap's pt_regs at rdi: the context goes on, its registers back."""
+    tramp, real, safe, ptregs = SCRATCH + 0x100, 0xFFFF_FFFF_8130_0042, ENTRY + 0x40, STACK - 0x200
+    values = dict.fromkeys(PT_REGS_ORDER, 0) | {"rax": 0xA, "rbx": 0xB0B, "rip": tramp + 1, "cs": 0x10,
+                                                 "eflags": FLAGS, "rsp": CONTEXT_SP, "ss": 0x18}  # fmt: skip
+    rig.stub.fill(ptregs, struct.pack(f"<{len(PT_REGS_ORDER)}Q", *(values[n] for n in PT_REGS_ORDER)))
+    for name, value in (("rip", safe), ("rdi", ptregs), ("rbx", 1)):
+        rig.stub.vcpus[0].set(name, value)
+    r = _Recovery(rig.gdb, rig.kernel, ARCH, [retaddr_patch(tramp, real)], {})  # type: ignore[arg-type]
+    r.watch_safe = frozenset({safe})
+    r.rewind(rig.gdb.threads()[0])
+    assert (rig.reg("rip", 0), rig.reg("rsp", 0), rig.reg("eflags", 0)) == (real, CONTEXT_SP, FLAGS)
+    assert (rig.reg("rax", 0), rig.reg("rbx", 0)) == (0xA, 0xB0B)
+
+
+def test_a_vcpu_found_in_a_slot_while_the_area_is_emptied_goes_back_to_the_text(rig: Rig) -> None:
+    # Back in a trap-step's copy after the text was restored (an exception taken there returned): a step
+    # would run it on into the int3 after it, which nothing handles any more.
+    slot = SCRATCH + SCRATCH_SIZE - 64  # the area's last slot: any step leaves the area at once
+    rig.stub.vcpus[1].set("rip", slot + 32)
+    rig.stub.vcpus[1].set("eflags", 0x46)
+    pmd = Patch(0x1000, SCRATCH, bytes(8), b"\x01" * 8, "pmd")
+    probe = Patch(PROBE_PHYS, PROBE, b"\x55", b"\xcc", "int3", slot)
+    r = _Recovery(rig.gdb, rig.kernel, ARCH, [probe, pmd], {})  # type: ignore[arg-type]
+    r.evacuate(rig.gdb.threads()[1], 1)
+    assert (rig.reg("rip", 1), rig.reg("eflags", 1)) == (PROBE, 0x46)
+    assert not rig.stub.sent(b"vCont;s")
 
 
 def test_a_journal_that_does_not_match_the_guest_is_refused_untouched(rig: Rig) -> None:

@@ -108,6 +108,9 @@ def parse_tables(spec: KeySpec, raw: bytes) -> dict[tuple[int, ...], MapSlot]:
             slot = MapSlot(count, total, lo, hi)
         old = out.get(key)
         out[key] = slot if old is None else old.merge(slot)
+    if value is not None:  # the CPUs' sums added as one CPU's would be: wrapping at 64 bits, read as the type
+        wrap = KeyPart("reg", bits=64, signed=value.signed)
+        out = {key: MapSlot(s.count, typed(wrap, s.total), s.min, s.max) for key, s in out.items()}
     return out
 
 

@@ -151,3 +151,16 @@ def test_the_map_read_back_decodes_comm_and_a_negative_pid_as_a_record_does() ->
     record[E_COMM : E_COMM + 16] = b"kworker/0:1".ljust(16, b"\0")
     (entry,) = X86GuestRam().parse_ring_entries(bytes(record))
     assert (entry.comm, entry.pid, entry.cpu) == ("kworker/0:1", -1, CPU)
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_the_cpus_sums_wrap_at_64_bits_as_one_cpu_s_would(signed: bool) -> None:
+    """Two CPUs' sums that pass 2**64 together: added as one CPU's adds, modulo 2**64, read as the value's type."""
+    spec = KeySpec((), KeyPart("reg", "rax", 64, signed))
+    big = (1 << 63) + 5  # each CPU's one hit
+    table = bytes(table_size(spec))
+    slot = struct.pack("<4Q", 1, big, big, big)  # count, sum, min, max in the no-key slot
+    raw = slot + table[len(slot) :]
+    (got,) = parse_tables(spec, raw + raw).values()
+    want = (2 * big) & ((1 << 64) - 1)  # 10
+    assert got.count == 2 and got.total == want

@@ -21,7 +21,7 @@ from __future__ import annotations
 import struct
 from typing import TYPE_CHECKING
 
-from iced_x86 import BlockEncoder, Code, Instruction, MemoryOperand, Register
+from iced_x86 import Code, Instruction, MemoryOperand, Register
 
 from qprobe.arch.inguest import KeyPart, KeySpec, MapKey, MapSlot
 from qprobe.arch.x86_64.ptregs import PT_REGS_ORDER
@@ -160,18 +160,6 @@ def build_keyed_detour(
     offsetof(task_struct, pid) and (…, comm); ``hits`` and ``lost`` the probe's u64 counters.
     """
     return encode_detour(keyed_code(spec, tables, cpu_number, task, hits, lost), address, relocated, resume)
-
-
-def build_keyed_handler(address: int, spec: KeySpec, tables: int, cpu_number: int, task: tuple[int, int, int],
-                        hits: int, lost: int) -> bytes:  # fmt: skip
-    """A ``uprobe_consumer`` handler at ``address`` that folds the hit as the keyed detour does, the registers
-    of the key taken from the ``struct pt_regs`` it is given (its second argument, in rsi); it returns 0."""
-    c = Instruction
-    code = [c.create(Code.ENDBR64), *keyed_code(spec, tables, cpu_number, task, hits, lost, Register.RSI),
-            c.create_reg_reg(Code.XOR_R32_RM32, Register.EAX, Register.EAX), c.create(Code.RETNQ)]  # fmt: skip
-    enc = BlockEncoder(64)
-    enc.add_many(code)
-    return bytes(enc.encode(address))
 
 
 def keyed_code(spec: KeySpec, tables: int, cpu_number: int, task: tuple[int, int, int], hits: int, lost: int,

@@ -9,7 +9,7 @@ from iced_x86 import BlockEncoder, Code, Instruction, Register
 from qprobe.arch.guestcall import BLOCK_ARGS, BLOCK_DONE, BLOCK_FN, BLOCK_QUEUED, BLOCK_RET
 from qprobe.arch.inguest import KeySpec
 from qprobe.arch.x86_64.detour import _mem, locked_inc
-from qprobe.arch.x86_64.guestagg import build_keyed_handler
+from qprobe.arch.x86_64.guestagg import keyed_code
 
 # Every register a C call may change (the SysV ABI's caller-saved ones): the stub keeps them for the
 # interrupted context, whose compiler did not expect a call there.
@@ -23,6 +23,14 @@ def _encode(code: list[Instruction], address: int) -> bytes:
     enc = BlockEncoder(64)
     enc.add_many(code)
     return bytes(enc.encode(address))
+
+
+def _handler(body: list[Instruction], address: int) -> bytes:
+    """A uprobe_consumer handler at ``address``: ``body``, then return 0 (keep the breakpoint).  It starts with
+    endbr64: the kernel calls it indirectly, which a kernel with IBT checks."""
+    c = Instruction
+    return _encode([c.create(Code.ENDBR64), *body, c.create_reg_reg(Code.XOR_R32_RM32, Register.EAX, Register.EAX),
+                    c.create(Code.RETNQ)], address)  # fmt: skip
 
 
 class X86GuestCall:
@@ -65,14 +73,12 @@ class X86GuestCall:
         return _encode(code, address)
 
     def build_count_handler(self, address: int, counter: int) -> bytes:
-        c = Instruction
-        code = [c.create(Code.ENDBR64), locked_inc(counter),
-                c.create_reg_reg(Code.XOR_R32_RM32, Register.EAX, Register.EAX), c.create(Code.RETNQ)]  # fmt: skip
-        return _encode(code, address)
+        return _handler([locked_inc(counter)], address)
 
     def build_keyed_handler(self, address: int, spec: KeySpec, tables: int, cpu_number: int,
                             task: tuple[int, int, int], hits: int, lost: int) -> bytes:  # fmt: skip
-        return build_keyed_handler(address, spec, tables, cpu_number, task, hits, lost)
+        # The key's registers from the struct pt_regs the kernel passes (the second argument, in rsi).
+        return _handler(keyed_code(spec, tables, cpu_number, task, hits, lost, Register.RSI), address)
 
     def arch_call_from(self, regs: Mapping[str, int], stub: int) -> tuple[int, bytes, dict[str, int]]:
         # A call: the return address below the stack pointer (the kernel has no red zone: -mno-red-zone).

@@ -1,4 +1,4 @@
-"""The keyed uprobe handler (qprobe.arch.x86_64.guestagg.build_keyed_handler), run on unicorn at kernel addresses.
+"""The keyed uprobe handler (X86GuestCall.build_keyed_handler), run on unicorn at kernel addresses.
 
 The kernel calls it as a ``uprobe_consumer``'s handler(uc, regs), ``regs`` the probed user task's
 ``struct pt_regs``, with the CPU's own registers the kernel's, not the user's.  The tables it leaves must be
@@ -27,13 +27,13 @@ from qprobe.arch.x86_64.guestagg import (  # noqa: E402
     COMM_LEN,
     MAX_PROBE,
     TABLE_ENTRIES,
-    build_keyed_handler,
     decode_key,
     parse_tables,
     slot_index,
     slot_words,
     table_size,
 )
+from qprobe.arch.x86_64.guestcall import X86GuestCall  # noqa: E402
 from qprobe.arch.x86_64.ptregs import PT_GPRS, PT_REGS_ORDER, PT_REGS_SIZE, X86_EFLAGS_IF  # noqa: E402
 
 TEXT = 0xFFFF_FFFF_8100_0000
@@ -75,7 +75,10 @@ def machine(spec: KeySpec) -> KernelCpu:
             (STACK - 0x4000, 0x4000))  # fmt: skip
     cpu = KernelCpu(maps, PERCPU)
     assert table_size(spec) * NCPUS <= TABLES_SIZE
-    cpu.write(HANDLER, build_keyed_handler(HANDLER, spec, TABLES, CPU_NUMBER, (CURRENT, PID_OFF, COMM_OFF), HITS, LOST))
+    cpu.write(
+        HANDLER,
+        X86GuestCall().build_keyed_handler(HANDLER, spec, TABLES, CPU_NUMBER, (CURRENT, PID_OFF, COMM_OFF), HITS, LOST),
+    )
     cpu.write(RESUME, b"\xf4")
     cpu.write(PERCPU + CURRENT, TASK.to_bytes(8, "little"))
     at = cpu.phys(TABLES)

@@ -5,7 +5,7 @@ puts a stub breakpoint on the architecture's interrupt exit, and at the first vC
 call the queue stub (one VM stop); the kworker makes the call, and the host reads the result in RAM.
 
 Two drivers share the block: :class:`GuestCaller` through the stop loop of a live session, and
-:func:`call_without_loop` through the bare gdbstub, for the recovery of a killed qprobe's registrations.
+:class:`BareCalls` through the bare gdbstub, for the recovery of a killed qprobe's registrations.
 """
 
 from __future__ import annotations
@@ -252,65 +252,49 @@ class BareCalls:
     def last(self) -> LastCall:
         return LastCall.parse(self.read(self.site.block + BLOCK_FN, BLOCK_QUEUE - BLOCK_FN))
 
-    def wait_done(self) -> int:
-        """The result of a call queued but not done yet, once the guest has made it."""
-        deadline = time.monotonic() + CALL_TIMEOUT
+    def wait_done(self, name: str | None = None, deadline: float | None = None) -> int:
+        """The result of a call queued but not done yet (``name``'s, if known), once the guest has made it."""
+        deadline = time.monotonic() + CALL_TIMEOUT if deadline is None else deadline
         while True:
             call = self.last()
             if call.done:
                 return call.ret
             if time.monotonic() > deadline:
-                raise TargetError(f"the guest did not complete qprobe's call of {call.fn:#x} in {CALL_TIMEOUT:g} s")
+                what = f"{name}()" if name else f"{call.fn:#x}"
+                raise TargetError(f"the guest did not complete qprobe's call of {what} within {CALL_TIMEOUT:g} s")
             self.gdb.cont()
             time.sleep(POLL * 4)
             self.gdb.interrupt()
             self.gdb.wait_stop()
 
     def __call__(self, name: str, *args: int, tag: int = 0) -> int:
-        return call_without_loop(self.gdb, self.kernel, self.arch, self.site, name, *args, tag=tag)
+        """``name(*args)`` called by the guest in a kworker; ``tag`` as GuestCaller.call's."""
+        gc, gdb, site, mem = self.arch.guest_call, self.gdb, self.site, self.kernel.mem
+        assert gc is not None
+        self.write(site.block + BLOCK_FN, call_data(self.kernel.symbols.address(name), args, tag))
+        deadline = time.monotonic() + CALL_TIMEOUT
+        gdb.insert_breakpoint(site.interrupt_exit, BREAK_HW)
+        try:
+            while True:
+                gdb.cont()
+                stop = gdb.wait_stop(max(0.1, deadline - time.monotonic()))
+                regs = gdb.read_registers(stop.thread) if stop.thread is not None else {}
+                if regs and self.arch.ip(regs) == site.interrupt_exit:
+                    break
+                if time.monotonic() > deadline:
+                    raise TargetError(f"no interrupt reached {gc.interrupt_exit} in {CALL_TIMEOUT:g} s")
+        finally:
+            gdb.remove_breakpoint(site.interrupt_exit, BREAK_HW)
+        assert stop.thread is not None
+        tid = stop.thread
+        root = mem.pgd_of(regs[self.arch.registers.task_page_table])
+
+        def write_virt(va: int, data: bytes) -> None:
+            gdb.set_physical(True)
+            gdb.write_memory(mem.virt_to_phys(va, root), data)
+
+        hijack(gc, site, regs, write_virt, lambda new: gdb.write_registers(tid, new))
+        return self.wait_done(name, deadline)
 
 
-def call_without_loop(gdb: GdbTransport, kernel: KernelData, arch: Arch, site: CallSite, name: str,
-                      *args: int, tag: int = 0) -> int:  # fmt: skip
-    """A guest call through the bare gdbstub (the VM stopped before and after); ``tag`` as GuestCaller.call's."""
-    gc = arch.guest_call
-    assert gc is not None
-    mem = kernel.mem
-    gdb.set_physical(True)
-    gdb.write_memory(mem.virt_to_phys(site.block + BLOCK_FN), call_data(kernel.symbols.address(name), args, tag))
-    done_phys = mem.virt_to_phys(site.block + BLOCK_DONE)
-    deadline = time.monotonic() + CALL_TIMEOUT
-    gdb.insert_breakpoint(site.interrupt_exit, BREAK_HW)
-    try:
-        while True:
-            gdb.cont()
-            stop = gdb.wait_stop(max(0.1, deadline - time.monotonic()))
-            regs = gdb.read_registers(stop.thread) if stop.thread is not None else {}
-            if regs and arch.ip(regs) == site.interrupt_exit:
-                break
-            if time.monotonic() > deadline:
-                raise TargetError(f"no interrupt reached {gc.interrupt_exit} in {CALL_TIMEOUT:g} s")
-    finally:
-        gdb.remove_breakpoint(site.interrupt_exit, BREAK_HW)
-    assert stop.thread is not None
-    tid = stop.thread
-    root = mem.pgd_of(regs[arch.registers.task_page_table])
-
-    def write_virt(va: int, data: bytes) -> None:
-        gdb.set_physical(True)
-        gdb.write_memory(mem.virt_to_phys(va, root), data)
-
-    hijack(gc, site, regs, write_virt, lambda new: gdb.write_registers(tid, new))
-    while True:
-        gdb.cont()
-        time.sleep(POLL * 4)
-        gdb.interrupt()
-        gdb.wait_stop()
-        gdb.set_physical(True)
-        if int.from_bytes(gdb.read_memory(done_phys, 8), "little"):
-            return int.from_bytes(gdb.read_memory(mem.virt_to_phys(site.block + BLOCK_RET), 8), "little")
-        if time.monotonic() > deadline:
-            raise TargetError(f"the guest did not complete a call of {name}() within {CALL_TIMEOUT:g} s")
-
-
-__all__ = ["BareCalls", "CallSite", "GuestCaller", "LastCall", "call_without_loop", "mapped", "signed", "unavailable"]
+__all__ = ["BareCalls", "CallSite", "GuestCaller", "LastCall", "mapped", "signed", "unavailable"]

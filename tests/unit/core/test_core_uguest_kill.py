@@ -141,7 +141,7 @@ class World:
     def word(self, addr: int) -> int:
         return int.from_bytes(self.read(addr, 8), "little")
 
-    # The guest-call block: what GuestCaller.call and call_without_loop write, and the stub and kworker do.
+    # The guest-call block: what GuestCaller.call and BareCalls write, and the stub and kworker do.
     def call(self, name: str, *args: int, tag: int = 0) -> int:
         self.write(GC_BLOCK + BLOCK_FN, call_data(SYMBOLS[name], args, tag))
         self.write(GC_BLOCK + BLOCK_QUEUED, (1).to_bytes(8, "little"))

@@ -131,13 +131,6 @@ def hijack(gc: GuestCall, site: CallSite, regs: Mapping[str, int],
     write_regs(new)
 
 
-def mapped(scratch: ScratchArea) -> ScratchArea:
-    """The scratch area, mapped if it was not (stop-loop thread)."""
-    if not scratch.mapped:
-        scratch.map()
-    return scratch
-
-
 def signed(value: int) -> int:
     return value - (1 << 64) if value >> 63 else value
 
@@ -161,7 +154,8 @@ class GuestCaller:
         if self.site is None:
             gc = self.arch.guest_call
             assert gc is not None
-            block = mapped(self.scratch).alloc(BLOCK_SIZE, align=256)  # the journaled code within 256 bytes
+            self.scratch.ensure_mapped()
+            block = self.scratch.alloc(BLOCK_SIZE, align=256)  # the journaled code within 256 bytes
             image = block_image(gc, self.kernel, block)
             self.scratch.write(block, image)
             # Its first code is journaled: a later qprobe finds the block by it, to undo what calls registered.
@@ -297,4 +291,4 @@ class BareCalls:
         return self.wait_done(name, deadline)
 
 
-__all__ = ["BareCalls", "CallSite", "GuestCaller", "LastCall", "mapped", "signed", "unavailable"]
+__all__ = ["BareCalls", "CallSite", "GuestCaller", "LastCall", "signed", "unavailable"]

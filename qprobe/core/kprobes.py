@@ -142,8 +142,7 @@ class KprobeManager:
                 # Its int3 is refused below; a jump it has put there in place of the int3 is not seen in the text.
                 raise ProbeBusy(f"the guest kernel's own kprobe is already at {where}")
             self.arch.check_boundary(code, fn_start, addr, self.text.patched(), where.split("+")[0])
-            if not self.scratch.mapped:
-                self.scratch.map()
+            self.scratch.ensure_mapped()
             slot = self.scratch.alloc(self.arch.slot_size)
             try:
                 prep = self.arch.arch_prepare_kprobe(self.text.original(addr, 16), addr, slot, where,

@@ -192,8 +192,7 @@ class KretprobeManager:
         if self.trampoline and self.kprobes.scratch.mapped:
             return
         scratch, opt = self.kprobes.scratch, self.kprobes.optimizer
-        if not scratch.mapped:
-            scratch.map()
+        scratch.ensure_mapped()
         self.trampoline = scratch.alloc(32)
         if opt.available and opt.stub_missing() is None:
             code = opt.trampoline_code(self.trampoline)

@@ -176,8 +176,7 @@ class Optimizer:
         if self.stub and self.scratch.mapped:
             return
         scratch = self.scratch
-        if not scratch.mapped:
-            scratch.map()
+        scratch.ensure_mapped()
         ncpus = len(self.machine.vcpus)
         # Data the host writes through the RAM file lives on pages of its own, apart from code.
         layouts = self.arch.guest_ram

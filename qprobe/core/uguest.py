@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from qprobe.arch import Arch
 from qprobe.arch.guestcall import BLOCK_QUEUE
 from qprobe.arch.inguest import MapKey, MapSlot
-from qprobe.core.guestcall import BareCalls, CallSite, GuestCaller, LastCall, mapped, signed
+from qprobe.core.guestcall import BareCalls, CallSite, GuestCaller, LastCall, signed
 from qprobe.core.uprobe import Uprobe
 from qprobe.errors import InvalidProbe, QprobeError, TargetError
 from qprobe.kernel.program import KernelData
@@ -210,11 +210,15 @@ class GuestUprobes:
         gc = self.arch.guest_call
         assert isinstance(api, UprobeApi) and gc is not None and self.ram is not None  # unavailable said None
         handler_off = self.kernel.type_offset("struct uprobe_consumer", "handler")
-        block = self.machine.call(lambda: mapped(self.scratch).alloc(C_SIZE, align=64))
+        block = self._alloc(C_SIZE, 64)
         image = bytearray(C_SIZE)
         code = gc.build_count_handler(block + C_CODE, block + C_COUNTER)
         image[C_CODE : C_CODE + len(code)] = code
-        keyed = self._keyed(up, block) if up.guest_key is not None else None
+        try:
+            keyed = self._keyed(up, block) if up.guest_key is not None else None
+        except InvalidProbe:
+            self.machine.call(lambda: self.scratch.free(block))
+            raise
         entry = keyed[0] if keyed is not None else block + C_CODE
         if up.ret_handler is not None:  # a return probe: the kernel takes the return too (its return_instance)
             ret_off = self.kernel.type_offset("struct uprobe_consumer", "ret_handler")
@@ -271,21 +275,31 @@ class GuestUprobes:
         spec, gc, layouts = up.guest_key, self.arch.guest_call, self.arch.guest_ram
         assert spec is not None and gc is not None and layouts is not None and self.ram is not None
         size = layouts.guest_map_size(spec) * len(self.machine.vcpus)
-        tables = self.machine.call(lambda: self.scratch.alloc(size, align=4096))  # written by the guest
+        tables = self._alloc(size, 4096)  # written by the guest: apart from code
         self.ram.write_phys(self.scratch.phys_of(tables), bytes(size))
         current, pid, _tgid, comm = self.kernel.offsets
-        cpu = self.kernel.percpu_offset("cpu_number")
+        code = self._alloc(KEYED_CODE_MAX, 16)
+        built = gc.build_keyed_handler(code, spec, tables, self.kernel.percpu_offset("cpu_number"),
+                                       (current, pid, comm), block + C_COUNTER, block + C_LOST)  # fmt: skip
+        if len(built) > KEYED_CODE_MAX:
 
-        def build(at: int) -> bytes:
-            return gc.build_keyed_handler(at, spec, tables, cpu, (current, pid, comm), block + C_COUNTER,
-                                          block + C_LOST)  # fmt: skip
+            def drop() -> None:
+                self.scratch.free(code)
+                self.scratch.free(tables)
 
-        length = len(build(tables))
-        if length > KEYED_CODE_MAX:
-            raise InvalidProbe(f"{up.where()}: a key of {len(spec.parts)} parts makes a {length}-byte handler")
-        code = self.machine.call(lambda: self.scratch.alloc(KEYED_CODE_MAX, align=16))
-        self.machine.call(lambda: self.scratch.write(code, build(code)))
+            self.machine.call(drop)
+            raise InvalidProbe(f"{up.where()}: a key of {len(spec.parts)} parts makes a {len(built)}-byte handler")
+        self.machine.call(lambda: self.scratch.write(code, built))
         return code, tables
+
+    def _alloc(self, size: int, align: int) -> int:
+        """``size`` bytes of the scratch area (mapped first if it is not yet)."""
+
+        def alloc() -> int:
+            self.scratch.ensure_mapped()
+            return self.scratch.alloc(size, align=align)
+
+        return self.machine.call(alloc)
 
     def keyed_counts(self, up: Uprobe) -> dict[MapKey, MapSlot]:
         """``up``'s in-guest map so far (``up.guest_key``'s), summed over the CPUs' tables (RAM reads, no stop)."""

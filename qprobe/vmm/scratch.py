@@ -114,6 +114,11 @@ class ScratchArea:
         self._release(n * SIZE, SIZE)
         return True
 
+    def ensure_mapped(self) -> None:
+        """``map`` if the area is not mapped yet (stop-loop thread)."""
+        if not self._pmds:
+            self.map()
+
     @property
     def mapped_size(self) -> int:
         return len(self._pmds) * SIZE

@@ -723,6 +723,10 @@ class ToyScratch:
         self.maps += 1
         return self.base
 
+    def ensure_mapped(self) -> None:
+        if not self.mapped:
+            self.map()
+
     def unmap(self) -> None:
         self.mapped = False
         self.allocs.clear()

@@ -226,8 +226,8 @@ def fake_kernel(api: UprobeApi) -> Any:
 
 def uprobes(world: World) -> GuestUprobes:
     machine: Any = SimpleNamespace(call=lambda fn: fn(), patch=world.patch, unpatch=world.unpatch)
-    scratch: Any = SimpleNamespace(mapped=True, alloc=world.alloc, write=world.write, phys_of=lambda a: a,
-                                   free=world.free.append)  # fmt: skip
+    scratch: Any = SimpleNamespace(ensure_mapped=lambda: None, alloc=world.alloc, write=world.write,
+                                   phys_of=lambda a: a, free=world.free.append)  # fmt: skip
     ram: Any = SimpleNamespace(write_phys=world.write, read_u64_phys=world.word)
     gu = GuestUprobes(machine, fake_kernel(world.kernel.api), scratch, ARCH, ram)
     gu.caller = SimpleNamespace(call=world.call, release=lambda: None, unavailable=None)  # type: ignore[assignment]

@@ -276,11 +276,7 @@ def recover(gdb: GdbTransport, kernel: KernelData, arch: Arch, journal: Journal,
         held = wait_preempted_out(r.preempted_inside, lambda: r.let_run(vcpus)) if fully_preemptible else None
         if held is not None:
             raise QprobeError(f"qprobe's scratch area stays mapped: after {PREEMPTED_WAIT:g} s {held}")
-        gdb.set_physical(True)
-        for p in pmd:
-            if gdb.read_memory(p.phys, len(p.new)) == p.new:
-                gdb.write_memory(p.phys, p.old)
-                restored += 1
+        restored += _restore(gdb, pmd)
     log.warning("restored %d patch(es) an earlier qprobe left in this guest", restored)
     journal.clear()
     return restored

@@ -69,6 +69,10 @@ class UprobeApi:
 
     returns_handle: bool  # 6.12 on: a struct uprobe * (or ERR_PTR), and the nosync/sync unregister pair
 
+    def handle(self, ret: int) -> int:
+        """What a registration keeps of uprobe_register()'s ``ret``: 6.12's struct uprobe *, else 1."""
+        return ret if self.returns_handle else 1
+
     @property
     def unregister(self) -> tuple[str, ...]:
         return ("uprobe_unregister_nosync", "uprobe_unregister_sync") if self.returns_handle else ("uprobe_unregister",)
@@ -248,7 +252,7 @@ class GuestUprobes:
             take_out(call, api, reg, True, ret, lambda state: self._step(reg, state))
             self._forget(reg)
             raise InvalidProbe(f"{up.where()}: the guest's uprobe_register() refused it ({errno_text(error)})")
-        reg.handle = ret if api.returns_handle else 1
+        reg.handle = api.handle(ret)
         self._write(block + C_HANDLE, reg.handle)
         self._step(reg, S_ARMED)
         with self._lock:
@@ -350,7 +354,7 @@ def _finish(calls: BareCalls, api: UprobeApi, reg: Registration, done: bool, ret
     if done and reg.state == S_IGRAB:
         reg.inode = ret
     elif done and reg.state == S_REGISTER and not register_error(api, ret):
-        reg.handle = ret if api.returns_handle else 1
+        reg.handle = api.handle(ret)
     calls.write(block + C_INODE, b"".join(w.to_bytes(8, "little") for w in (reg.inode, reg.offset, reg.handle)))
 
     def step(state: int) -> None:

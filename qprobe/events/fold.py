@@ -3,11 +3,11 @@ Python API make, and the in-guest maps it picks where it can.
 
 Three paths, cheapest first:
 
-- ``"guest map"``: every event's optimized probe folds its hits into a map in guest RAM
-  (``TraceEvent.count_in_guest``), nobody woken and no record written.  Each part of the key and
-  the value must be computable at the hit (see qprobe.events.inguest); with ``owned`` (only some
-  processes' hits count, as ``trace --run``'s) the map is keyed by the task's pid as well, and the
-  pids that are not the owner's are dropped when the map is read.
+- ``"guest map"``: every event's optimized probe (a uprobe event's: a consumer in the guest kernel's own
+  uprobes) folds its hits into a map in guest RAM (``count_in_guest``), nobody woken and no record written.
+  Each part of the key and the value must be computable at the hit (see qprobe.events.inguest); with
+  ``owned`` (only some processes' hits count, as ``trace --run``'s) the map is keyed by the task's pid as
+  well, and the pids that are not the owner's are dropped when the map is read.
 - ``"probe counts"``: a count with no key, or by ``$func``/``$event`` alone, of entry kprobes
   without a filter, taken from each probe's own hit count (kept in guest RAM).
 - ``"ring"``: every hit reaches the host (a record drained from the rings, or a stop), which folds it.
@@ -61,8 +61,8 @@ def fold_path(events: Sequence[TraceEvent], kind: str, keys: Sequence[str], valu
 def probe_counts(events: Sequence[TraceEvent], kind: str, keys: Sequence[str]) -> bool:
     """A count with no key, or by ``$event``/``$func`` alone, of kprobe entry probes without a filter.
 
-    A uprobe event's probe keeps no count in the guest: its hits each stop the VM and are counted on the
-    host, as they come.
+    A uprobe event's own probe keeps no count in the guest (its hits each stop the VM and are counted on the
+    host, as they come): where the guest can count it, its count is a "guest map".
     """
     return (kind == "count" and set(keys) <= set(EVENT_KEYS) and len(keys) <= 1
             and all(te.filter is None and not isinstance(one.probe, (Kretprobe, Uprobe))

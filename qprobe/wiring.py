@@ -310,7 +310,8 @@ class Wiring:
                                   fully_preemptible(t.symbols, t.cmdline))  # fmt: skip
         t.optimizer = t.kprobes.optimizer
         t.kretprobes = KretprobeManager(t.kprobes)
-        counted = GuestUprobes(t.machine, t.kernel, t.scratch, t.arch, ram)  # count-only uprobes, in the guest
+        # Uprobes counted, folded or recorded in the guest (into the optimizer's record rings).
+        counted = GuestUprobes(t.machine, t.kernel, t.scratch, t.arch, ram, t.optimizer)
         t.uprobes = UprobeManager(t.machine, t.arch, t.kernel, t.kprobes, t.kprobes.handlers, t.regs_maker,
                                   t.kprobes.dispatcher, counted)  # fmt: skip
         t.kprobe_backend = KprobeBackend(t.kprobes, t.kretprobes, t.regs_maker)  # what kprobe events hold probes by

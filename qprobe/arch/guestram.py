@@ -95,7 +95,8 @@ class RingEntry(NamedTuple):
     task: int
     cycles: int  # the cycle counter (x86's TSC) when the detour ran
     sp: int
-    values: dict[str, int]  # gdbstub names, the ip not set (the host knows the probe's address)
+    values: dict[str, int]  # gdbstub names; the ip a uprobe handler's (a detour's: the host knows the probe's)
+    func: int = 0  # a return record's probed function, as a uprobe's ret_handler had it (a detour's: stale)
 
 
 class GuestRam(Protocol):
@@ -124,6 +125,11 @@ class GuestRam(Protocol):
 
     def build_record_stub(self, rings: int, ncpus: int, entries: int, lost: int, percpu: PercpuLayout,
                           pid_offset: int, comm_offset: int, port: int, address: int) -> bytes: ...  # fmt: skip
+    def build_record_handler(self, rings: int, ncpus: int, entries: int, lost: int, percpu: PercpuLayout,
+                             pid_offset: int, comm_offset: int, port: int, probe_id: int, counter: int,
+                             returns: bool, address: int) -> bytes: ...  # fmt: skip
+    # ^ a uprobe_consumer handler (ret_handler if ``returns``) that counts at ``counter`` and records the user
+    #   registers as ``probe_id``'s entry in the same rings
     def parse_ring_entries(self, raw: bytes) -> list[RingEntry]: ...  # consecutive entries, in order
 
     # -- a "keyed" detour's per-CPU tables (qprobe.core.optcounters)

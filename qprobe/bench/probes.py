@@ -11,6 +11,7 @@ from functools import partial
 
 import qprobe
 from qprobe.bench.common import FAST_RUNS, TRACEFS, WORKLOADS, Row, _guest_seconds, _paired
+from qprobe.events import TraceEvent
 
 
 def _probe_matrix(target: qprobe.Target, args: argparse.Namespace) -> list[tuple[str, Row]]:
@@ -124,7 +125,43 @@ def _uprobe_rows(target: qprobe.Target, args: argparse.Namespace) -> list[tuple[
         hits = probe.nreturns if isinstance(probe, qprobe.Uretprobe) else probe.nhit
         rows.append(("", Row(name, key, f"{what} ({probe.nmissed} missed{returns})", n,
                              hits // FAST_RUNS, seconds, row_base / n)))  # fmt: skip
+    guest = target.uprobes.guest
+    if guest is not None and guest.records_unavailable is None:
+        where = f"{path}:{offset:#x}"
+        for key, definition, what in (
+            ("ut", f"p:qpbut {where} a=%di b=%si", "uprobe event recorded in the guest: the guest kernel's uprobe, "
+             "qprobe's handler writes the ring, a trace line off it, no VM stop"),
+            ("urt", f"r:qpburt {where} ret=$retval", "uretprobe event recorded in the guest, as ut"),
+        ):  # fmt: skip
+            rows.append(("", _recorded_event_row(target, name, key, definition, what, cmd.format(n=n_fast), n_fast)))
     return rows
+
+
+def _recorded_event_row(target: qprobe.Target, name: str, key: str, definition: str, what: str, cmd: str,
+                        n: int) -> Row:  # fmt: skip
+    """A uprobe event whose hits the guest records (its lines made off the ring), added for each probed run."""
+    events: list[TraceEvent] = []
+    armed = False
+
+    def on() -> None:
+        nonlocal armed
+        if not armed:
+            events.append(target.add_event(definition))
+            armed = True
+
+    def off() -> None:
+        nonlocal armed
+        if armed:
+            target.remove_event(events[-1])
+            armed = False
+
+    try:
+        seconds, row_base = _paired(target, cmd, on, off)
+    finally:
+        off()
+    lost = sum(te.lost for te in events)
+    return Row(name, key, f"{what} ({lost} lost)", n, sum(te.nhit for te in events) // FAST_RUNS, seconds,
+               row_base / n)  # fmt: skip
 
 
 def _guest_uprobe_events(target: qprobe.Target, name: str, where: str, kind: str, what: str, cmd: str,

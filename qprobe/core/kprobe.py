@@ -122,7 +122,7 @@ class Kprobe:
 
 @dataclass(slots=True)
 class GuestRecord:
-    """One hit recorded by a detour in the guest, as the host drained it from a ring."""
+    """One hit recorded in the guest (by a detour, or a uprobe handler), as the host drained it from a ring."""
 
     # registers at the probe by the gdbstub's names (RegisterLayout.gdb_name's values), and ``cycles``
     values: dict[str, int]
@@ -131,6 +131,7 @@ class GuestRecord:
     comm: str
     task: int  # the task_struct address
     time: float  # host monotonic clock, from the record's cycle counter value
+    func: int = 0  # a uprobe return's probed function (the ring's func; 0 for every other record)
 
 
 Handler = Callable[["KretprobeInstance", "PtRegs"], Any]

@@ -131,6 +131,12 @@ class GuestCounters:
                     if opt.kind == "filtered":
                         kp.nfiltered += counted
 
+    def drain_lost(self, probe_id: int) -> int:
+        """The rings drained, and the records ``probe_id`` lost on a full ring since its baseline (a recorder's)."""
+        with self._fold_lock:
+            self.records.drain()
+            return self._read_counter(self.lost, probe_id) - self._lost_seen.get(probe_id, 0)
+
     def sync_all(self) -> None:
         """Drain the rings once and fold every in-guest counter now (RAM reads, no VM stop)."""
         with self._fold_lock:

@@ -28,7 +28,7 @@ import bisect
 import dataclasses
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
 from qprobe.arch import DetourParams, PercpuLayout
@@ -41,14 +41,15 @@ from qprobe.core.optcounters import MAX_OPTIMIZED, GuestCounters
 from qprobe.core.optqueue import OptimizingQueue
 from qprobe.core.point import Optimized, ProbePoint
 from qprobe.core.pools import ReturnPools, page_round
-from qprobe.core.records import RECORDING, RecordRings
+from qprobe.core.records import RECORDING, RecordRings, Sink
 from qprobe.core.table import ProbeTable
-from qprobe.errors import SymbolError
+from qprobe.errors import QprobeError, SymbolError
 from qprobe.vmm.memory import SharedRam
 from qprobe.vmm.qemu import DOORBELL_PORT
 
 if TYPE_CHECKING:
-    from qprobe.core.handlers import Handlers
+    from qprobe.core.handlers import Counted, Handlers
+    from qprobe.core.kprobe import GuestRecord
     from qprobe.core.regs import RegsSource
 
 log = logging.getLogger("qprobe.optimizer")
@@ -353,6 +354,30 @@ class Optimizer:
         self.slots.quarantine(opt.detour)
         if opt.tables:
             self.slots.quarantine(opt.tables)
+
+    # -- records the guest's own uprobes' handlers write (qprobe.core.uguest) --------------------------
+    def open_recorder(self, owner: Counted, deliver: Callable[[list[GuestRecord]], None]) -> int:
+        """A probe id whose ring records go to ``deliver`` as ``owner``'s, the rings laid out (stop loop)."""
+        assert self.records is not None and self.counts is not None and self.available
+        self._ensure_stub()
+        self.records.ensure(self.counts.lost, self._percpu(), self._zero, DOORBELL_PORT)
+        if not self._free_ids:
+            raise QprobeError(f"every one of the {MAX_OPTIMIZED - 1} probe ids of detours and recorders is in use")
+        probe_id = self._free_ids.pop()
+        self._retired.discard(probe_id)
+        self.counts.baseline(probe_id)
+        self.records.sinks[probe_id] = Sink(owner, deliver)
+        return probe_id
+
+    def close_recorder(self, probe_id: int) -> int:
+        """``probe_id``'s records delivered and the id given back, once the guest calls none of its handlers (stop
+        loop); the records it lost on a full ring."""
+        assert self.records is not None and self.counts is not None
+        lost = self.counts.drain_lost(probe_id)
+        del self.records.sinks[probe_id]
+        self._retired.add(probe_id)
+        self._free_ids.insert(0, probe_id)
+        return lost
 
     def sync_missed(self, point: ProbePoint, opt: Optimized | None = None) -> None:
         """Fold the guest's counters of an optimized point into its probes (GuestCounters.sync_missed)."""

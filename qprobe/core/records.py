@@ -9,6 +9,10 @@ them oldest first across CPUs, handed to their probes' recorders as runs of
 runner (qprobe.core.handlers).  The ring layout is the architecture's; its
 size per CPU (a power of two of entries) the host's choice, made when the
 rings are laid out (``buffer_size_kb``, as ftrace's file of that name).
+
+The same rings take the records of uprobes the guest kernel's own uprobes
+call a handler of qprobe's for (qprobe.core.uguest): each such probe id is a
+:class:`Sink`, whose records carry the user ip they were taken at.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import logging
 import operator
 import time
 from collections.abc import Callable, Container, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from qprobe.arch import Arch, PercpuLayout, RingEntry
@@ -28,7 +33,7 @@ from qprobe.kernel.clock import cycles_hz
 from qprobe.vmm.memory import SharedRam
 
 if TYPE_CHECKING:
-    from qprobe.core.handlers import Handlers
+    from qprobe.core.handlers import Counted, Handlers
     from qprobe.kernel.program import KernelData
     from qprobe.kernel.symbols import Symbols
     from qprobe.vmm.machine import Machine
@@ -39,6 +44,15 @@ log = logging.getLogger("qprobe")
 RECORDING = ("record", "filtered")  # detour kinds that write the rings
 _CYCLES = operator.attrgetter("cycles")
 RINGS_SHARE = 2  # the rings take at most 1/RINGS_SHARE of the scratch area: code, counters and maps need the rest
+
+
+@dataclass(frozen=True)
+class Sink:
+    """Where the records of a probe id that is no optimized point go: ``deliver`` runs of them, as ``owner``'s
+    handler (its exceptions counted on it)."""
+
+    owner: Counted
+    deliver: Callable[[list[GuestRecord]], None]
 
 
 class RecordRings:
@@ -63,6 +77,8 @@ class RecordRings:
         self.handlers = handlers
         self.by_id = by_id
         self.retired = retired
+        self.sinks: dict[int, Sink] = {}  # probe ids recorded by handlers of the guest's own uprobes
+        self._stub_args: tuple[int, PercpuLayout, int, int, int, int] | None = None  # ensure()'s, for the handlers
         self.stub = 0
         self.rings = 0  # ring headers (ring_header_size per CPU), then the entries
         self.buffer_size_kb: int | None = None  # asked for, per CPU (None: the architecture's ring_entries)
@@ -140,6 +156,7 @@ class RecordRings:
         if self.lossy:
             self.set_lossy(True)
         _cur, pid_off, _tgid, comm_off = self.kernel.offsets
+        self._stub_args = (lost, percpu, pid_off, comm_off, port, ncpus)
 
         def code(at: int) -> bytes:
             return layouts.build_record_stub(self.rings, ncpus, entries, lost, percpu, pid_off, comm_off, port, at)
@@ -149,6 +166,14 @@ class RecordRings:
         self.stub = stub
         self._cycles_hz = float(cycles_hz(self.kernel))
         return stub
+
+    def handler_code(self, probe_id: int, counter: int, returns: bool, at: int) -> bytes:
+        """A uprobe_consumer handler at ``at`` recording ``probe_id``'s hits (``returns``: a ret_handler) into the
+        rings, counting each at ``counter`` (the rings laid out first: ``ensure``)."""
+        assert self._stub_args is not None
+        lost, percpu, pid_off, comm_off, port, ncpus = self._stub_args
+        return self.layouts.build_record_handler(self.rings, ncpus, self.entries, lost, percpu, pid_off, comm_off,
+                                                 port, probe_id, counter, returns, at)  # fmt: skip
 
     def drain(self) -> None:
         """Deliver every record in the rings, oldest first across CPUs (the caller serializes drains).
@@ -161,13 +186,13 @@ class RecordRings:
         if not self.stub:
             return
         batch: list[RingEntry] = []
-        points: dict[int, ProbePoint] = {}  # the recording points the batch's probe ids name
+        points: dict[int, ProbePoint | Sink] = {}  # the recording points (or sinks) the batch's probe ids name
         for cpu in range(len(self._tails)):
             batch += self._read_ring(cpu, points)
         if batch:
             self._deliver(batch, points)
 
-    def _read_ring(self, cpu: int, points: dict[int, ProbePoint]) -> list[RingEntry]:
+    def _read_ring(self, cpu: int, points: dict[int, ProbePoint | Sink]) -> list[RingEntry]:
         """The valid entries of ``cpu``'s ring since the last drain, their points added to ``points``; the
         ring's tail moves past them all (once they are read, before they are decoded).
 
@@ -192,18 +217,22 @@ class RecordRings:
         # it goes on now, not once this drain's records have been decoded and handled.
         self._free(cpu, head)
         out = []
-        by_id, retired = self.by_id, self.retired
+        by_id, retired, sinks = self.by_id, self.retired, self.sinks
         for entry in layouts.parse_ring_entries(raw):
             probe_id = entry.probe_id
             if probe_id not in points:  # each id checked once a drain
                 point = by_id.get(probe_id)
-                if point is None and probe_id in retired:
+                sink = sinks.get(probe_id)
+                if point is None and sink is None and probe_id in retired:
                     self.late_records += 1
                     continue
-                if point is None or point.opt is None or point.opt.kind not in RECORDING:
+                if sink is not None:
+                    points[probe_id] = sink
+                elif point is None or point.opt is None or point.opt.kind not in RECORDING:
                     self.ring_errors += 1
                     continue
-                points[probe_id] = point
+                else:
+                    points[probe_id] = point
             if entry.cpu != cpu:
                 self.ring_errors += 1
                 continue
@@ -215,9 +244,10 @@ class RecordRings:
         self._tails[cpu] = head
         self.ram.write_u64_phys(self._header(cpu) + self.layouts.ring_tail, head)
 
-    def _deliver(self, batch: list[RingEntry], points: Mapping[int, ProbePoint]) -> None:
-        """Every record, in cycle-counter order, to the recorders of its point's enabled probes: each run of
-        records of one point in one call."""
+    def _deliver(self, batch: list[RingEntry], points: Mapping[int, ProbePoint | Sink]) -> None:
+        """Every record, in cycle-counter order, to the recorders of its point's enabled probes (or its sink):
+        each run of records of one point in one call.  A point's records take its address as their ip; a
+        sink's keep the one they were taken at."""
         batch.sort(key=_CYCLES)
         now = time.monotonic()
         hz = self._cycles_hz
@@ -231,17 +261,21 @@ class RecordRings:
         for entry in batch:
             point = points[entry.probe_id]
             values = entry.values  # the entry's own dict, made for it by the decode
-            values[ip] = point.addr
+            if isinstance(point, ProbePoint):
+                values[ip] = point.addr
             cycles = values["cycles"] = entry.cycles
             when = min(now, cycles / hz + offset) if hz else now
             if point is not run_point:
                 self._hand(run_point, run)
                 run_point, run = point, []
-            run.append(GuestRecord(values, entry.cpu, entry.pid, entry.comm, entry.task, when))
+            run.append(GuestRecord(values, entry.cpu, entry.pid, entry.comm, entry.task, when, entry.func))
         self._hand(run_point, run)
 
-    def _hand(self, point: ProbePoint, records: list[GuestRecord]) -> None:
-        """A run of ``point``'s records to its enabled probes' recorders."""
+    def _hand(self, point: ProbePoint | Sink, records: list[GuestRecord]) -> None:
+        """A run of ``point``'s records to its enabled probes' recorders (or to the sink)."""
+        if isinstance(point, Sink):
+            self.handlers.call(point.owner, "recorder", point.deliver, records)
+            return
         for kp in point.probes:
             if kp.disabled:
                 continue
@@ -250,4 +284,4 @@ class RecordRings:
                 self.handlers.call(kp, "recorder", kp.recorder, records)
 
 
-__all__ = ["RECORDING", "RecordRings"]
+__all__ = ["RECORDING", "RecordRings", "Sink"]

@@ -28,6 +28,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from qprobe.arch import Arch
 from qprobe.arch.guestcall import BLOCK_QUEUE
@@ -42,6 +43,9 @@ from qprobe.vmm.machine import Machine
 from qprobe.vmm.memory import SharedRam
 from qprobe.vmm.scratch import ScratchArea
 from qprobe.vmm.transport import GdbTransport
+
+if TYPE_CHECKING:
+    from qprobe.core.optimizer import Optimizer
 
 CONSUMER_MAX = 64  # bytes kept for struct uprobe_consumer (32 in 6.1 and 6.12)
 C_COUNTER = CONSUMER_MAX  # u64: the handler's count
@@ -112,6 +116,7 @@ class Registration:
     handle: int = 0
     state: int = S_NEW
     keyed: tuple[int, int] | None = None  # a keyed handler's code and tables (allocated apart from the block)
+    recorder: tuple[int, int] | None = None  # a recording handler's code (apart from the block) and probe id
 
     @classmethod
     def parse(cls, block: int, raw: bytes) -> Registration:
@@ -178,8 +183,10 @@ class GuestUprobes:
     """Count-only uprobes registered with the guest kernel's uprobes (see the module's docstring)."""
 
     def __init__(self, machine: Machine, kernel: KernelData, scratch: ScratchArea, arch: Arch,
-                 ram: SharedRam | None) -> None:  # fmt: skip
+                 ram: SharedRam | None, optimizer: Optimizer | None = None) -> None:  # fmt: skip
+        """``optimizer``: whose record rings a recording probe's handler writes (none: no probe records)."""
         self.machine, self.kernel, self.scratch, self.arch, self.ram = machine, kernel, scratch, arch, ram
+        self.optimizer = optimizer
         self.caller = GuestCaller(machine, kernel, scratch, arch, ram)
         self.registered: dict[Uprobe, Registration] = {}
         self._lock = threading.Lock()
@@ -204,6 +211,14 @@ class GuestUprobes:
             return f"struct uprobe_consumer is {size} bytes here, more than qprobe's {CONSUMER_MAX}"
         return None
 
+    @property
+    def records_unavailable(self) -> str | None:
+        """Why a probe's hits cannot be recorded into the rings here (None: they can)."""
+        opt = self.optimizer
+        if opt is None or not opt.available or opt.records is None:
+            return "the record rings need qprobe's own QEMU (a doorbell device and shared RAM)"
+        return self.unavailable or opt.stub_missing()
+
     def register(self, up: Uprobe, f: GuestFile, offset: int) -> None:
         """``up`` registered with the guest's uprobes at ``offset`` of ``f`` (any thread but the stop loop's)."""
         with self._seq:
@@ -218,23 +233,29 @@ class GuestUprobes:
         image = bytearray(C_SIZE)
         code = gc.build_count_handler(block + C_CODE, block + C_COUNTER)
         image[C_CODE : C_CODE + len(code)] = code
+        assert up.guest_key is None or up.recorder is None  # a probe folds its hits or records them
+        returns = up.ret_handler is not None  # a return probe: the kernel takes the return too (its return_instance)
         try:
             keyed = self._keyed(up, block) if up.guest_key is not None else None
-        except InvalidProbe:
+            recorder = self._recorder(up, block + (C_RETURNS if returns else C_COUNTER), returns)
+        except QprobeError:
             self.machine.call(lambda: self.scratch.free(block))
             raise
         entry = keyed[0] if keyed is not None else block + C_CODE
-        if up.ret_handler is not None:  # a return probe: the kernel takes the return too (its return_instance)
+        if recorder is not None and not returns:
+            entry = recorder[0]
+        if returns:
             ret_off = self.kernel.type_offset("struct uprobe_consumer", "ret_handler")
             code = gc.build_count_handler(block + C_RCODE, block + C_RETURNS)
             image[C_RCODE : C_RCODE + len(code)] = code
-            image[ret_off : ret_off + 8] = (block + C_RCODE).to_bytes(8, "little")
+            ret = block + C_RCODE if recorder is None else recorder[0]
+            image[ret_off : ret_off + 8] = ret.to_bytes(8, "little")
         self.machine.call(lambda: self.scratch.write(block, bytes(image)))
         self._write(block + C_OFFSET, offset)
         # Journaled before the kernel knows the consumer: a kill from here on is finished by the next attach.
         handler = entry.to_bytes(8, "little")
         patch = self.machine.call(lambda: self.machine.patch(block + handler_off, handler, "uconsumer"))
-        reg = Registration(block, patch, offset=offset, keyed=keyed)
+        reg = Registration(block, patch, offset=offset, keyed=keyed, recorder=recorder)
         # A refusal frees the block; a call that failed otherwise (the guest did not complete it) leaves it,
         # journaled, to the next attach: the kernel may still register the consumer.
         call = self._calls(reg)
@@ -271,7 +292,7 @@ class GuestUprobes:
         last = up.nhit, up.nreturns
         up.guest_counts = None
         up.nhit, up.nreturns = last  # kept
-        self._forget(reg)
+        up.nlost += self._forget(reg)
 
     def _keyed(self, up: Uprobe, block: int) -> tuple[int, int]:
         """A keyed handler for ``up.guest_key`` (stop-loop thread work done through calls): its code and its
@@ -295,6 +316,20 @@ class GuestUprobes:
             raise InvalidProbe(f"{up.where()}: a key of {len(spec.parts)} parts makes a {len(built)}-byte handler")
         self.machine.call(lambda: self.scratch.write(code, built))
         return code, tables
+
+    def _recorder(self, up: Uprobe, counter: int, returns: bool) -> tuple[int, int] | None:
+        """For a probe with a recorder, a handler recording its hits (its returns) into the optimizer's rings and
+        counting them at ``counter``: its code, and its probe id there (stop-loop work done through calls)."""
+        deliver, opt = up.recorder, self.optimizer
+        if deliver is None:
+            return None
+        assert opt is not None and opt.records is not None
+        records = opt.records
+        probe_id = self.machine.call(lambda: opt.open_recorder(up, deliver))
+        size = len(records.handler_code(probe_id, counter, returns, self.scratch.base))
+        code = self._alloc(size, 16)
+        self.machine.call(lambda: self.scratch.write(code, records.handler_code(probe_id, counter, returns, code)))
+        return code, probe_id
 
     def _alloc(self, size: int, align: int) -> int:
         """``size`` bytes of the scratch area (mapped first if it is not yet)."""
@@ -328,22 +363,30 @@ class GuestUprobes:
         reg.state = state
         self._write(reg.block + C_STATE, state)
 
-    def _forget(self, reg: Registration) -> None:
+    def _forget(self, reg: Registration) -> int:
+        """The registration's scratch space freed (the kernel calls none of its handlers any more): the records
+        its recorder lost on a full ring."""
         patch = reg.patch
         assert patch is not None
 
-        def drop() -> None:
+        def drop() -> int:
             self.machine.unpatch(patch)
             self.scratch.free(reg.block)
             for addr in reg.keyed or ():
                 self.scratch.free(addr)
+            if reg.recorder is None or self.optimizer is None:
+                return 0
+            code, probe_id = reg.recorder
+            self.scratch.free(code)
+            return self.optimizer.close_recorder(probe_id)
 
         try:
-            self.machine.call(drop)
+            lost = self.machine.call(drop)
             if not self.registered:
                 self.caller.release()
+            return lost
         except TargetError:
-            pass  # the VM is gone: nothing of it to forget
+            return 0  # the VM is gone: nothing of it to forget
 
 
 def _finish(calls: BareCalls, api: UprobeApi, reg: Registration, done: bool, ret: int) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from qprobe.arch.inguest import KeySpec
-from qprobe.core.kprobe import check_handlers
+from qprobe.core.kprobe import GuestRecord, check_handlers
 from qprobe.core.regs import PtRegs
 from qprobe.errors import InvalidProbe
 from qprobe.kernel.ufile import GuestFile
@@ -64,6 +64,10 @@ class Uprobe:
         self.guest_counts: Callable[[], tuple[int, int]] | None = None
         # Counted in the guest by this key (qprobe.events' maps), not only in nhit.
         self.guest_key: KeySpec | None = None
+        # Recorded in the guest (qprobe.events' trace lines): each hit's user registers, task and time go into
+        # the record rings, and runs of them to ``recorder`` off the ring, as an optimized kprobe's do.
+        self.recorder: Callable[[list[GuestRecord]], None] | None = None
+        self.nlost = 0  # recorded hits whose record a full ring dropped
         self.nfiltered = 0
         self.nmissed = 0  # returns not probed: the task already held MAX_URETPROBE_DEPTH instances
         self.nfaults = 0

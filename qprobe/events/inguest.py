@@ -14,19 +14,19 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from qprobe.arch.inguest import GuestFilter, KeyPart, KeySpec
-from qprobe.fetch.expr import Arg, Comm, Imm, ImmString, Node, Reg, StackPointer, SymbolAddr
+from qprobe.fetch.expr import Arg, Comm, Imm, ImmString, Node, Reg, RetVal, StackPointer, SymbolAddr
 from qprobe.fetch.filter import EventFilter, GuestReg, Pred, bind
 
 if TYPE_CHECKING:
     from qprobe.arch import RegisterLayout
-    from qprobe.fetch import ProbeEvent
+    from qprobe.fetch import ProbeEvent, UprobeEvent
     from qprobe.fetch.args import FetchArg
 
 
 def _register_only(node: Node, layout: RegisterLayout) -> bool:
     """Whether a fetch argument's value is in the registers at the hit (no memory read)."""
     match node:
-        case Reg() | StackPointer() | Imm() | ImmString() | Comm():
+        case Reg() | StackPointer() | Imm() | ImmString() | Comm() | RetVal():
             return True
         case Arg(n):
             return n <= len(layout.arg_regs)  # the later ones are on the stack
@@ -35,11 +35,13 @@ def _register_only(node: Node, layout: RegisterLayout) -> bool:
     return False
 
 
-def in_guest(ev: ProbeEvent, layout: RegisterLayout) -> bool:
+def in_guest(ev: ProbeEvent | UprobeEvent, layout: RegisterLayout, returns: bool = False) -> bool:
     """Can an optimized probe record this event in the guest (a register snapshot), waking nobody?
 
     Only when every fetch argument comes from the registers (or is $comm, which the
     record carries): a memory dereference must be read at the hit, which needs the host.
+    A return event only with ``returns`` (a uprobe's ret_handler records the registers at
+    the return, ``$retval`` among them; a kprobe's return has no record).
     """
 
     def ok(a: FetchArg) -> bool:
@@ -47,7 +49,7 @@ def in_guest(ev: ProbeEvent, layout: RegisterLayout) -> bool:
             return isinstance(a.expr, Comm | ImmString)
         return _register_only(a.expr, layout) and not a.type.array
 
-    return not ev.is_return and all(ok(a) for a in ev.args)
+    return (returns or not ev.is_return) and all(ok(a) for a in ev.args)
 
 
 def _arg_register(a: FetchArg, layout: RegisterLayout) -> str | None:

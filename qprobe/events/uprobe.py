@@ -4,6 +4,10 @@
 ``uprobe_backend``); :class:`UprobeTraceEvent` makes its probe from its definition
 (:class:`qprobe.fetch.UprobeEvent`) and records each hit as trace_uprobe.c would print it:
 ``name: (0x401136) a=1``, a return ``name: (0x4011a0 <- 0x401136) ret=2``.
+
+An event whose arguments all come from the registers (or are ``$comm``) is recorded in the guest where it
+can be: the guest kernel's own uprobes call a handler of qprobe's that writes the hit's user registers into
+the record rings (qprobe.core.uguest), and the lines are made from the records off the ring, no VM stop.
 """
 
 from __future__ import annotations
@@ -17,12 +21,13 @@ from qprobe.core.uprobe import Uprobe, Uretprobe
 from qprobe.core.uprobes import UprobeManager
 from qprobe.events.context import HostContext
 from qprobe.events.event import TraceEvent, host_keys
-from qprobe.events.inguest import EVENT_KEYS, guest_key
+from qprobe.events.inguest import EVENT_KEYS, guest_key, in_guest
 from qprobe.events.registry import EventHost
 from qprobe.fetch import UprobeContext, format_uprobe_event, format_uprobe_hit
 
 if TYPE_CHECKING:
     from qprobe.arch.inguest import MapKey
+    from qprobe.core.kprobe import GuestRecord
     from qprobe.core.regs import PtRegs
     from qprobe.fetch import UprobeEvent
     from qprobe.fetch.args import Value
@@ -67,6 +72,16 @@ class UprobeBackend:
             self._uprobes.register_uprobe(out)
             raise
 
+    @property
+    def records_in_guest(self) -> bool:
+        """Whether a probe's hits can be recorded into the rings by the guest kernel's own uprobes here."""
+        guest = self._uprobes.guest
+        return guest is not None and guest.records_unavailable is None
+
+    def record_regs(self, values: dict[str, int], cpu: int) -> PtRegs:
+        """pt_regs of a hit recorded on the ``cpu``-th vCPU (its user registers, as the kernel passed them)."""
+        return self._uprobes.regs.make_regs(values, self._uprobes.machine.vcpus[cpu])
+
     def keyed_counts(self, up: Uprobe) -> dict[MapKey, MapSlot]:
         guest = self._uprobes.guest
         return guest.keyed_counts(up) if guest is not None else {}
@@ -92,8 +107,8 @@ class UprobeHost(EventHost, Protocol):
 class _UserContext(HostContext):
     """A uprobe hit's FetchContext: the user-mode registers, and where the probed file is mapped."""
 
-    def __init__(self, host: EventHost, regs: PtRegs, retval: int | None, base: int) -> None:
-        super().__init__(host, regs, retval)
+    def __init__(self, host: EventHost, regs: PtRegs, retval: int | None, base: int, comm: str | None) -> None:
+        super().__init__(host, regs, retval, comm)  # ``comm``: a record's (its task's, read in the guest)
         self._base = base
 
     def file_address(self, offset: int) -> int:
@@ -121,7 +136,10 @@ class UprobeTraceEvent(TraceEvent):
 
     def make_probe(self) -> None:
         ev = self.udef
-        if ev.is_return:
+        if self.backend.records_in_guest and in_guest(ev, self.host.arch.registers, returns=True):
+            self.probe = (Uretprobe if ev.is_return else Uprobe)(ev.path, ev.offset, in_guest=True)
+            self.probe.recorder = self._guest_records
+        elif ev.is_return:
             self.probe = Uretprobe(ev.path, ev.offset, ret_handler=self._returned)
         else:
             self.probe = Uprobe(ev.path, ev.offset, handler=self._hit)
@@ -136,7 +154,7 @@ class UprobeTraceEvent(TraceEvent):
 
     @property
     def lost(self) -> int:
-        return 0  # every hit is a VM stop: none goes through a ring
+        return self.probe.nlost if self.probe is not None else 0  # recorded hits a full ring dropped
 
     @property
     def maxactive(self) -> int:
@@ -197,10 +215,22 @@ class UprobeTraceEvent(TraceEvent):
     def _returned(self, up: Uprobe, func: int, regs: PtRegs) -> None:
         self._record(regs, regs.ip, func, regs.return_value())
 
+    def _guest_records(self, records: list[GuestRecord]) -> None:
+        """A run of hits the guest recorded, each as the handler would have taken it (its ip the probed address,
+        or for a return the return address and ``func`` the probed one)."""
+        make_regs, returns = self.backend.record_regs, self.udef.is_return
+        with self.host.timeline.batch():  # one hand-on for the run
+            for rec in records:
+                regs = make_regs(rec.values, rec.cpu)
+                if returns:
+                    self._record(regs, regs.ip, rec.func, regs.return_value(), (rec.pid, rec.comm))
+                else:
+                    self._record(regs, regs.ip, None, None, (rec.pid, rec.comm))
+
     def _context(self, regs: PtRegs, retval: int | None, comm: str | None, ip: int, func: int | None,
                  entry: dict[int, int] | None) -> UprobeContext:  # fmt: skip
         probed = ip if func is None else func
-        return UprobeContext(_UserContext(self.host, regs, retval, probed - self.udef.offset))
+        return UprobeContext(_UserContext(self.host, regs, retval, probed - self.udef.offset, comm))
 
     def _body(self, values: list[Value], ip: int, func: int | None) -> str:
         return format_uprobe_hit(self.udef, values, ip, func)

@@ -32,6 +32,7 @@ class FakeKprobeBackend:
     """Registers nothing: the events layer's parsing, not the probes, is what is counted."""
 
     booting = False
+    records_in_guest = False  # a uprobe event takes the stop path: nothing is recorded in a guest
     sites = SimpleNamespace(blacklist=SimpleNamespace(lookup=lambda addr: None), reserved=None)
 
     def __init__(self) -> None:

@@ -266,3 +266,48 @@ def profile_hits(target: qprobe.Target) -> dict[str, int]:
     """uprobe_profile's hit count of each of the guest's own uprobes, by event name."""
     out = target.run(f"cat {TRACING}/uprobe_profile").check().output
     return {line.split()[1]: int(line.split()[-1]) for line in out.splitlines() if len(line.split()) == 3}
+
+
+LINE = re.compile(r"^\s*(?P<comm>.{1,16})-(?P<pid>\d+)\s+\[\d+\].*?\s(?P<event>gpigr?): (?P<body>.*)$")
+
+
+@pytest.mark.parametrize("command", ["uprog call 200 -5 3 a", "uprog threads 3 40", "uprog fork 2 30"],
+                         ids=["one", "threads", "fork"])  # fmt: skip
+def test_trace_lines_recorded_in_the_guest_equal_the_guest_s_own(
+    target: qprobe.Target, counted: None, off: dict[str, int], command: str
+) -> None:
+    """An entry and a return event whose arguments are registers (and ``$comm``) are recorded by the guest
+    kernel's uprobes into the record rings, no VM stop: every line, per task and in order, is the line of the
+    guest's own uprobe_events on the same instruction in the same run."""
+    if target.run(f"test -w {TRACING}/uprobe_events").status != 0:
+        pytest.skip("the guest kernel has no CONFIG_UPROBE_EVENTS")
+    where = f"{PROG}:{off[PROG]:#x}"
+    args, ret_args = "a=%di:s64 b=%si:s64 c=$comm", "ret=$retval:s64"
+    target.run(f"echo > {TRACING}/trace; echo 'p:uprobes/gpig {where} {args}' > {TRACING}/uprobe_events; "
+               f"echo 'r:uprobes/gpigr {where} {ret_args}' >> {TRACING}/uprobe_events; "
+               f"echo 1 > {TRACING}/events/uprobes/enable").check()  # fmt: skip
+    entry = target.add_event(f"p:qpig {where} {args}")
+    ret = target.add_event(f"r:qpigr {where} {ret_args}")
+    try:
+        for te in (entry, ret):
+            assert te.probe is not None and te.probe.in_guest and te.probe.recorder is not None
+        assert not target.uprobes.points  # no gdbstub breakpoint: no VM stop at a hit
+        out = run(target, command)
+    finally:
+        target.remove_events([entry, ret])
+        target.run(f"echo 0 > {TRACING}/events/uprobes/enable").check()
+    trace = target.run(f"cat {TRACING}/trace").check().output
+    target.run(f"echo > {TRACING}/uprobe_events").check()
+    assert re.search(r"^rc=0$", out, re.M) and "bad=1" not in out, out
+    kernel: dict[tuple[str, int], list[str]] = {}
+    for m in filter(None, map(LINE.match, trace.splitlines())):
+        ours = m["event"].replace("g", "q", 1)  # the guest's gpig is qprobe's qpig
+        kernel.setdefault((ours, int(m["pid"])), []).append(f"{m['comm'].strip()} {m['body']}")
+    mine: dict[tuple[str, int], list[str]] = {}
+    for te in (entry, ret):
+        for h in te.hits:
+            mine.setdefault((h.event, h.pid), []).append(f"{h.comm} {h.body}")
+    calls = calls_of(out)
+    assert sum(map(len, mine.values())) == 2 * calls == entry.nhit + ret.nhit
+    assert mine == kernel
+    assert entry.lost == ret.lost == 0

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 from qprobe.arch.x86_64.boost import synthesize_relcall, synthesize_reljump
 from qprobe.arch.x86_64.ptregs import (
     PT_GPRS,
+    PT_REGS_SIZE,
     STUB_FRAME_FLAGS,
     STUB_FRAME_ID,
     STUB_FRAME_RET,
@@ -280,7 +281,11 @@ SPIN_LIMIT = 1 << 24
 DRAIN_DOORBELL = 0xFF
 # An entry: the stub's frame (a pt_regs, the probe id after it), then what the host cannot read later.
 E_TSC, E_CPU_PID, E_COMM, E_TASK = FRAME_SIZE, FRAME_SIZE + 8, FRAME_SIZE + 16, FRAME_SIZE + 32
-assert E_TASK + 8 <= ENTRY_SIZE and MB_REGS + FRAME_SIZE <= MAILBOX_SIZE
+# A uprobe handler's entry is the user pt_regs whole (its ip and cs included, which a detour's leaves as they
+# were), and for a return the probed function's address, which a detour's entry leaves as it was.
+E_FUNC = E_TASK + 8
+PT_REGS_WORDS = PT_REGS_SIZE // 8
+assert E_FUNC + 8 <= ENTRY_SIZE and MB_REGS + FRAME_SIZE <= MAILBOX_SIZE
 
 
 def task_comm(raw: bytes) -> str:
@@ -318,13 +323,65 @@ def build_record_stub(p: RecordParams, address: int) -> bytes:
     SPIN_LIMIT pause loops, the record is dropped instead and counted as lost
     for its probe.  The hit's time is read before any wait.
     """
+    c = Instruction
+    done = 1
+    source = [c.create_reg_reg(Code.MOV_R64_RM64, Register.RSI, Register.RSP)]
+    lost_id = c.create_reg_mem(Code.MOV_R64_RM64, Register.RAX, _mem("rsp", FRAME_ID))
+    code = [*save_pt_regs(), *_append_record(p, source, FRAME_SIZE // 8, [], lost_id)]
+    # Past the sp slot without touching the flags just restored, then to the continue label.
+    code += [*restore_pt_regs(done), c.create_reg_mem(Code.LEA_R64_M, Register.RSP, _mem("rsp", 8)),
+             c.create_i32(Code.RETNQ_IMM16, 8)]  # fmt: skip
+    enc = BlockEncoder(64)
+    enc.add_many(code)
+    return bytes(enc.encode(address))
+
+
+def build_record_handler(p: RecordParams, probe_id: int, counter: int, returns: bool, address: int) -> bytes:
+    """A ``struct uprobe_consumer`` handler that records the hit's user registers into this CPU's ring.
+
+    Called by the kernel's uprobes as ``handler(self, regs)``, or for a
+    return as ``ret_handler(self, func, regs)``: it counts the hit at
+    ``counter``, copies ``*regs`` (the user context, its ip the probed
+    address, or the return address) into an entry as the record stub's
+    frame would lie, with ``probe_id`` and, for a return, ``func`` (E_FUNC),
+    and returns 0.  Interrupts are off while it writes (the ring is per CPU);
+    a full ring waits or drops as the record stub's does.
+    """
+    c = Instruction
+    done, kept = 1, ("rbx", "r12", "r13", "r14")  # callee-saved ones the record uses, and its two arguments
+    code = [c.create(Code.ENDBR64), *save_regs(*kept),
+            c.create_reg_reg(Code.MOV_R64_RM64, Register.R13, Register.RDX if returns else Register.RSI),
+            c.create_reg_reg(Code.MOV_R64_RM64, Register.R14, Register.RSI) if returns else
+            c.create_reg_reg(Code.XOR_R32_RM32, Register.R14D, Register.R14D),
+            locked_inc(counter)]  # fmt: skip
+    fill = [
+        c.create_mem_i32(Code.MOV_RM64_IMM32, _mem("rdi", FRAME_ID), probe_id),
+        c.create_mem_reg(Code.MOV_RM64_R64, _mem("rdi", E_FUNC), Register.R14),
+    ]
+    source = [c.create_reg_reg(Code.MOV_R64_RM64, Register.RSI, Register.R13)]
+    lost_id = c.create_reg_u32(Code.MOV_R32_IMM32, Register.EAX, probe_id)
+    code += _append_record(p, source, PT_REGS_WORDS, fill, lost_id)
+    code += [*restore_regs(*kept, label=done), c.create_reg_reg(Code.XOR_R32_RM32, Register.EAX, Register.EAX),
+             c.create(Code.RETNQ)]  # fmt: skip
+    enc = BlockEncoder(64)
+    enc.add_many(code)
+    return bytes(enc.encode(address))
+
+
+def _append_record(p: RecordParams, source: list[Instruction], words: int, fill: list[Instruction],
+                   lost_id: Instruction) -> list[Instruction]:  # fmt: skip
+    """Append one entry to this CPU's ring, interrupts off: ``words`` u64s copied from where ``source`` points rsi,
+    then ``fill`` (rdi at the entry), then the time, CPU, pid, comm and task; a record dropped on a full ring is
+    counted for the probe id ``lost_id`` puts in rax.  Ends by going to label 1, which the caller places next.
+
+    Uses rax, rbx, rcx, rdx, rsi, rdi and r8 to r12; the direction flag must be clear.
+    """
     if p.entries <= 0 or p.entries & (p.entries - 1) or p.entries * ENTRY_SIZE > 1 << 31:
         raise ValueError(f"a ring of {p.entries} entries: a power of two, of at most 2 GiB, is needed")
     ring_shift = p.entries.bit_length() - 1
-    full, done, check, space, spin = 1, 2, 3, 4, 5
+    done, full, check, space, spin = 1, 2, 3, 4, 5
     c = Instruction
-    code = save_pt_regs()
-    code += [
+    code = [
         c.create(Code.RDTSC),
         c.create_reg_i32(Code.SHL_RM64_IMM8, Register.RDX, 32),
         c.create_reg_reg(Code.OR_R64_RM64, Register.RAX, Register.RDX),
@@ -364,10 +421,11 @@ def build_record_stub(p: RecordParams, address: int) -> bytes:
         c.create_reg_reg(Code.MOV_R32_RM32, Register.R9D, Register.R8D),
         c.create_reg_i32(Code.SHL_RM64_IMM8, Register.R9, ring_shift + ENTRY_SHIFT),
         c.create_reg_mem(Code.LEA_R64_M, Register.RDI, _mem("rax", p.data, "r9")),
-        c.create_reg_reg(Code.MOV_R64_RM64, Register.RSI, Register.RSP),
-        c.create_reg_u32(Code.MOV_R32_IMM32, Register.ECX, FRAME_SIZE // 8),
+        *source,
+        c.create_reg_u32(Code.MOV_R32_IMM32, Register.ECX, words),
         c.create_movsq(64, Register.NONE, RepPrefixKind.REPE),
-        c.create_reg_mem(Code.LEA_R64_M, Register.RDI, _mem("rdi", -FRAME_SIZE)),
+        c.create_reg_mem(Code.LEA_R64_M, Register.RDI, _mem("rdi", -8 * words)),
+        *fill,
         c.create_mem_reg(Code.MOV_RM64_R64, _mem("rdi", E_TSC), Register.R11),
         c.create_reg_mem(Code.MOV_R64_RM64, Register.RAX, _mem(disp=p.current_task, seg="gs")),
         c.create_mem_reg(Code.MOV_RM64_R64, _mem("rdi", E_TASK), Register.RAX),
@@ -383,14 +441,7 @@ def build_record_stub(p: RecordParams, address: int) -> bytes:
         c.create_mem(Code.INC_RM64, _mem("rbx", R_HEAD)),
         c.create_branch(Code.JMP_REL32_64, done),
     ]
-    lost = c.create_reg_mem(Code.MOV_R64_RM64, Register.RAX, _mem("rsp", FRAME_ID))
-    lost.ip = full
+    lost_id.ip = full
     inc = c.create_mem(Code.INC_RM64, _mem(None, p.lost, "rax", 8))
     inc.has_lock_prefix = True
-    code += [lost, inc]
-    # Past the sp slot without touching the flags just restored, then to the continue label.
-    code += [*restore_pt_regs(done), c.create_reg_mem(Code.LEA_R64_M, Register.RSP, _mem("rsp", 8)),
-             c.create_i32(Code.RETNQ_IMM16, 8)]  # fmt: skip
-    enc = BlockEncoder(64)
-    enc.add_many(code)
-    return bytes(enc.encode(address))
+    return [*code, lost_id, inc]

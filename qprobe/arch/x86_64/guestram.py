@@ -18,18 +18,20 @@ from qprobe.arch.x86_64.ptregs import PT_REGS_ORDER, PT_REGS_SIZE, STUB_FRAME_RE
 _MAILBOX = struct.Struct(f"<{(detour.MB_REGS + detour.FRAME_SIZE) // 8}Q")  # a mailbox up to the end of its frame
 _ANSWER = struct.Struct("<2Q")  # MB_FINAL_IP, MB_FINAL_SP: written in one go
 assert detour.MB_FINAL_SP == detour.MB_FINAL_IP + 8
-# A ring entry as one unpack: the frame's registers of the probed context in memory order (the words of the
-# rest skipped, so the unpack starts with exactly the registers a record's dict holds), the probe id, the
-# TSC, CPU and pid, comm (16 bytes) and task, then padding.
-_FRAME_KEYS = tuple(g for g in PT_REGS_ORDER if g in STUB_FRAME_REGS)
-_ENTRY = struct.Struct("<" + "".join("Q" if g in STUB_FRAME_REGS else "8x" for g in PT_REGS_ORDER)
-                       + f"QQQ16sQ{detour.ENTRY_SIZE - detour.E_TASK - 8}x")  # fmt: skip
+# A ring entry as one unpack: the frame's registers of the probed context in memory order, and the ip a
+# uprobe handler's entry holds (the words of the rest skipped, so the unpack starts with exactly the registers
+# a record's dict holds), the probe id, the TSC, CPU and pid, comm (16 bytes), task and a return's function,
+# then padding.
+_KEPT = (*STUB_FRAME_REGS, "rip")
+_FRAME_KEYS = tuple(g for g in PT_REGS_ORDER if g in _KEPT)
+_ENTRY = struct.Struct("<" + "".join("Q" if g in _KEPT else "8x" for g in PT_REGS_ORDER)
+                       + f"QQQ16sQQ{detour.ENTRY_SIZE - detour.E_FUNC - 8}x")  # fmt: skip
 _E_ID = len(_FRAME_KEYS)  # fields of the unpack
-_E_TSC, _E_CPU_PID, _E_COMM, _E_TASK = _E_ID + 1, _E_ID + 2, _E_ID + 3, _E_ID + 4
-assert sorted(_FRAME_KEYS) == sorted(STUB_FRAME_REGS) and _ENTRY.size == detour.ENTRY_SIZE
+_E_TSC, _E_CPU_PID, _E_COMM, _E_TASK, _E_FUNC = _E_ID + 1, _E_ID + 2, _E_ID + 3, _E_ID + 4, _E_ID + 5
+assert sorted(_FRAME_KEYS) == sorted(_KEPT) and _ENTRY.size == detour.ENTRY_SIZE
 assert detour.FRAME_ID == PT_REGS_SIZE and detour.E_TSC == detour.FRAME_ID + 8
 assert detour.E_CPU_PID == detour.E_TSC + 8 and detour.E_COMM == detour.E_CPU_PID + 8
-assert detour.E_TASK == detour.E_COMM + 16
+assert detour.E_TASK == detour.E_COMM + 16 and detour.E_FUNC == detour.E_TASK + 8
 
 
 class X86GuestRam:
@@ -88,6 +90,13 @@ class X86GuestRam:
                                      percpu.current_task, pid_offset, comm_offset, port)  # fmt: skip
         return detour.build_record_stub(params, address)
 
+    def build_record_handler(self, rings: int, ncpus: int, entries: int, lost: int, percpu: PercpuLayout,
+                             pid_offset: int, comm_offset: int, port: int, probe_id: int, counter: int,
+                             returns: bool, address: int) -> bytes:  # fmt: skip
+        params = detour.RecordParams(rings, rings + detour.RING_HEADER * ncpus, entries, lost, percpu.cpu_number,
+                                     percpu.current_task, pid_offset, comm_offset, port)  # fmt: skip
+        return detour.build_record_handler(params, probe_id, counter, returns, address)
+
     def parse_ring_entries(self, raw: bytes) -> list[RingEntry]:
         """Consecutive entries in one pass: a drain reads thousands, so each is one unpack and one dict."""
         out = []
@@ -100,7 +109,7 @@ class X86GuestRam:
                 comm = comms[raw_comm] = detour.task_comm(raw_comm)
             cpu_pid = words[_E_CPU_PID]
             out.append(RingEntry(words[_E_ID], cpu_pid & 0xFFFFFFFF, detour.task_pid(cpu_pid >> 32), comm,
-                                 words[_E_TASK], words[_E_TSC], values["rsp"], values))  # fmt: skip
+                                 words[_E_TASK], words[_E_TSC], values["rsp"], values, words[_E_FUNC]))  # fmt: skip
         return out
 
     # -- the keyed tables ---------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from qprobe.arch.x86_64.ptregs import PT_REGS_ORDER, STUB_FRAME_ID
 from qprobe.core.handlers import Handlers
 from qprobe.core.kprobe import GuestRecord, Kprobe
 from qprobe.core.point import Optimized, ProbePoint
-from qprobe.core.records import RecordRings
+from qprobe.core.records import RecordRings, Sink
 from qprobe.errors import QprobeError
 
 ARCH = X86_64()
@@ -218,3 +218,48 @@ def test_the_ring_size_is_a_power_of_two_within_the_scratch_area_s_share() -> No
     with pytest.raises(QprobeError, match="at least 1"):
         RecordRings(ARCH, SimpleNamespace(vcpus=["1.1"]), None, None, None, set(), Handlers(), {}, set()  # type: ignore[arg-type]
                     ).set_buffer_size_kb(0)  # fmt: skip
+
+
+def test_a_sink_s_records_keep_the_user_ip_and_function_they_were_taken_with_and_a_closed_one_s_are_late() -> None:
+    """A uprobe handler's entry (qprobe.core.uguest) carries its own ip and, for a return, the probed function."""
+    point, kprobe_got = recording_point()
+    retired: set[int] = set()
+    rr, ram = rings({7: point}, retired)
+    got: list[GuestRecord] = []
+    owner = SimpleNamespace(nfaults=0, errors=[])
+    rr.sinks[12] = Sink(owner, got.extend)  # type: ignore[arg-type]
+    for n, (tsc, ip) in enumerate(((100, 0x401136), (300, 0x7F00_0000_1234))):
+        publish(rr, ram, 0, 12, tsc=tsc, di=5)
+        entry = rr.scratch.phys_of(rr.rings + RINGS.ring_header_size * 2 + n * RINGS.ring_entry_size)  # CPU 0's
+        ram.write_u64_phys(entry + 8 * PT_REGS_ORDER.index("rip"), ip)
+        ram.write_u64_phys(entry + detour.E_FUNC, ip - 0x10)
+    publish(rr, ram, 1, 7, tsc=200, di=9)
+    rr.drain()
+    assert [(r.values["rip"], r.func, r.values["rdi"]) for r in got] == [
+        (0x401136, 0x401126, 5),
+        (0x7F00_0000_1234, 0x7F00_0000_1224, 5),
+    ]
+    assert [r.values["rip"] for r in kprobe_got] == [PROBE] and rr.ring_errors == 0
+    del rr.sinks[12]
+    retired.add(12)
+    publish(rr, ram, 0, 12, tsc=400, di=5)
+    rr.drain()
+    assert len(got) == 2 and rr.late_records == 1 and rr.ring_errors == 0
+
+
+def test_a_sink_that_raises_is_counted_on_its_owner_and_the_ring_goes_on() -> None:
+    rr, ram = rings({}, set())
+    owner = SimpleNamespace(nfaults=0, errors=[])
+
+    def deliver(records: list[GuestRecord]) -> None:
+        raise ValueError("a handler of the user's")
+
+    rr.sinks[3] = Sink(owner, deliver)  # type: ignore[arg-type]
+    publish(rr, ram, 1, 3, tsc=10, di=1)
+    rr.drain()
+    assert owner.nfaults == 1 and "ValueError" in owner.errors[0]
+    got: list[GuestRecord] = []
+    rr.sinks[3] = Sink(owner, got.extend)  # type: ignore[arg-type]
+    publish(rr, ram, 1, 3, tsc=20, di=2)
+    rr.drain()
+    assert [r.values["rdi"] for r in got] == [2]

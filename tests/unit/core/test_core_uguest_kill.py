@@ -208,6 +208,8 @@ class Up:
     nreturns: int = 0
     ret_handler: None = None
     guest_key: None = None
+    recorder: None = None
+    nlost: int = 0
     guest_counts: Callable[[], tuple[int, int]] | None = None
 
     def where(self) -> str:

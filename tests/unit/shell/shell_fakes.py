@@ -80,7 +80,7 @@ class FakeTarget:
         self.kprobes = FakeProbes(self.symbols)
         # What kprobe events hold their probes by: no jump optimization, so nothing is counted in the guest.
         self.kprobe_backend = SimpleNamespace(can_count_in_guest=False, trampoline=None)
-        self.uprobe_backend = SimpleNamespace(function_name=lambda path, offset: "qpt_target")
+        self.uprobe_backend = SimpleNamespace(function_name=lambda path, offset: "qpt_target", records_in_guest=False)
         self.kernel = SimpleNamespace(read_task=lambda regs: SimpleNamespace(comm="swapper/0", pid=0))
         self.interrupts = 0  # Ctrl-Cs sent to the guest's foreground command
         self.slide = 0

@@ -268,7 +268,7 @@ def profile_hits(target: qprobe.Target) -> dict[str, int]:
     return {line.split()[1]: int(line.split()[-1]) for line in out.splitlines() if len(line.split()) == 3}
 
 
-LINE = re.compile(r"^\s*(?P<comm>.{1,16})-(?P<pid>\d+)\s+\[\d+\].*?\s(?P<event>gpigr?): (?P<body>.*)$")
+LINE = re.compile(r"^\s*(?P<comm>.{1,16})-(?P<pid>\d+)\s+\[\d+\].*?\s(?P<event>gtlr?): (?P<body>.*)$")
 
 
 @pytest.mark.parametrize("command", ["uprog call 200 -5 3 a", "uprog threads 3 40", "uprog fork 2 30"],
@@ -283,11 +283,11 @@ def test_trace_lines_recorded_in_the_guest_equal_the_guest_s_own(
         pytest.skip("the guest kernel has no CONFIG_UPROBE_EVENTS")
     where = f"{PROG}:{off[PROG]:#x}"
     args, ret_args = "a=%di:s64 b=%si:s64 c=$comm", "ret=$retval:s64"
-    target.run(f"echo > {TRACING}/trace; echo 'p:uprobes/gpig {where} {args}' > {TRACING}/uprobe_events; "
-               f"echo 'r:uprobes/gpigr {where} {ret_args}' >> {TRACING}/uprobe_events; "
+    target.run(f"echo > {TRACING}/trace; echo 'p:uprobes/gtl {where} {args}' > {TRACING}/uprobe_events; "
+               f"echo 'r:uprobes/gtlr {where} {ret_args}' >> {TRACING}/uprobe_events; "
                f"echo 1 > {TRACING}/events/uprobes/enable").check()  # fmt: skip
-    entry = target.add_event(f"p:qpig {where} {args}")
-    ret = target.add_event(f"r:qpigr {where} {ret_args}")
+    entry = target.add_event(f"p:qtl {where} {args}")
+    ret = target.add_event(f"r:qtlr {where} {ret_args}")
     try:
         for te in (entry, ret):
             assert te.probe is not None and te.probe.in_guest and te.probe.recorder is not None
@@ -301,7 +301,7 @@ def test_trace_lines_recorded_in_the_guest_equal_the_guest_s_own(
     assert re.search(r"^rc=0$", out, re.M) and "bad=1" not in out, out
     kernel: dict[tuple[str, int], list[str]] = {}
     for m in filter(None, map(LINE.match, trace.splitlines())):
-        ours = m["event"].replace("g", "q", 1)  # the guest's gpig is qprobe's qpig
+        ours = m["event"].replace("g", "q", 1)  # the guest's gtl is qprobe's qtl
         kernel.setdefault((ours, int(m["pid"])), []).append(f"{m['comm'].strip()} {m['body']}")
     mine: dict[tuple[str, int], list[str]] = {}
     for te in (entry, ret):

@@ -173,9 +173,9 @@ class EventAPI:
         self.clock.start()
         return add_event(self, definition, callback, filter, anywhere)  # in self.events, or appended to its event
 
-    def ring_buffer(self, definition: str | Definition | ProbeEvent, sample_cb: SampleCb) -> TraceEvent:
-        """Arm a kprobe_events definition whose hits go to ``sample_cb`` in batches, off the record rings:
-        libbpf's ``ring_buffer__new(map, sample_cb)`` consumer, the handler running later, in another context.
+    def ring_buffer(self, definition: str | Definition | ProbeEvent | UprobeEvent, sample_cb: SampleCb) -> TraceEvent:
+        """Arm a kprobe_events or uprobe_events definition whose hits go to ``sample_cb`` in batches, off the record
+        rings: libbpf's ``ring_buffer__new(map, sample_cb)`` consumer, the handler running later, in another context.
 
         The optimized probe's detour records each hit (its registers, pid, comm, time) in its CPU's ring
         and returns; the collector thread drains the rings every few milliseconds (at once when one fills)
@@ -189,9 +189,10 @@ class EventAPI:
         For counting, filtering, histograms and logging: the hit ran on long before the handler sees it, so
         what must stop the guest (fault injection, writing registers) takes ``add_event``'s callback or a
         kprobe's ``pre_handler``.  The definition must be one the guest records: an entry probe whose arguments
-        read registers or ``$comm``.  What the handler raises is caught, counted (``probe.nfaults``,
-        ``probe.errors``) and reported; the probe stays armed and later batches still come.  ``remove_event``
-        disarms it.
+        read registers or ``$comm`` (a uprobe event's return too, ``$retval`` among them: the guest kernel's own
+        uprobe records the user registers, where it has CONFIG_UPROBES and qprobe runs its QEMU).  What the handler
+        raises is caught, counted (``probe.nfaults``, ``probe.errors``) and reported; the probe stays armed and
+        later batches still come.  ``remove_event`` disarms it.
         """
         from qprobe.events.define import add_event
 

@@ -153,7 +153,7 @@ def add_event(
     sample_cb: SampleCb | None = None,
 ) -> TraceEvent:
     """Parse a kprobe_events or uprobe_events definition (or take one parsed) and arm it; raises FetchArgError
-    naming the problem.  With ``sample_cb`` (a kprobe event recorded in the guest) its hits go to that ring
+    naming the problem.  With ``sample_cb`` (an event recorded in the guest) its hits go to that ring
     handler in batches instead of ``callback`` (qprobe.events.samples).
 
     Refusals are the kernel's (its texts and carets, ``error_log`` style), including
@@ -164,9 +164,7 @@ def add_event(
     if isinstance(definition, str):
         definition = parse_definition(definition)
     if isinstance(definition, UprobeEvent) or (isinstance(definition, Definition) and definition.is_uprobe):
-        if sample_cb is not None:
-            raise InvalidProbe(f"{definition.text}: a ring handler takes kprobe events (a uprobe stops its vCPU)")
-        return _add_uprobe_event(reg, definition, callback, filter)
+        return _add_uprobe_event(reg, definition, callback, filter, sample_cb)
     _follow_modules(reg, source_of(definition) if isinstance(definition, ProbeEvent) else definition)
     te, first = _prepare(reg, definition, callback, filter, reg.symbols.count, anywhere, sample_cb)
     try:
@@ -194,7 +192,8 @@ def add_event(
 
 
 def _add_uprobe_event(reg: EventRegistry, definition: Definition | UprobeEvent,
-                      callback: Callable[[EventHit], None] | None, filter: str | None) -> TraceEvent:  # fmt: skip
+                      callback: Callable[[EventHit], None] | None, filter: str | None,
+                      sample_cb: SampleCb | None = None) -> TraceEvent:  # fmt: skip
     """A uprobe_events definition (``PATH:SYMBOL[+OFFS]`` resolved first, from the file's ELF) armed as a Uprobe."""
     dialect = reg.dialect
     if isinstance(definition, UprobeEvent):
@@ -216,7 +215,8 @@ def _add_uprobe_event(reg: EventRegistry, definition: Definition | UprobeEvent,
     check_uprobe_append(ev, [te.definition for te in first.probes()] if first else [], dialect)  # type: ignore[misc]
     if first is None and (ev.group, ev.event) in reg.trace_events:
         raise FetchArgError(dialect.message(M.EVENT_EXIST), text, 0)
-    te = UprobeTraceEvent(reg, ev, callback, filter=None if filter is None else event_filter(ev, filter))  # type: ignore[arg-type]
+    te = UprobeTraceEvent(reg, ev, callback, filter=None if filter is None else event_filter(ev, filter),  # type: ignore[arg-type]
+                          sample_cb=sample_cb)  # fmt: skip
     te.make_probe()
     try:
         te.backend.register([te])

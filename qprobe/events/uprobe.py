@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING, Protocol
 from qprobe.arch.inguest import KeySpec, MapSlot
 from qprobe.core.uprobe import Uprobe, Uretprobe
 from qprobe.core.uprobes import UprobeManager
+from qprobe.errors import InvalidProbe
 from qprobe.events.context import HostContext
 from qprobe.events.event import TraceEvent, host_keys
 from qprobe.events.inguest import EVENT_KEYS, guest_key, in_guest
 from qprobe.events.registry import EventHost
+from qprobe.events.samples import Samples
 from qprobe.fetch import UprobeContext, format_uprobe_event, format_uprobe_hit
 
 if TYPE_CHECKING:
@@ -75,8 +77,13 @@ class UprobeBackend:
     @property
     def records_in_guest(self) -> bool:
         """Whether a probe's hits can be recorded into the rings by the guest kernel's own uprobes here."""
+        return self.records_unavailable is None
+
+    @property
+    def records_unavailable(self) -> str | None:
+        """Why they cannot (None: they can)."""
         guest = self._uprobes.guest
-        return guest is not None and guest.records_unavailable is None
+        return "qprobe has no guest calls here" if guest is None else guest.records_unavailable
 
     def record_regs(self, values: dict[str, int], cpu: int) -> PtRegs:
         """pt_regs of a hit recorded on the ``cpu``-th vCPU (its user registers, as the kernel passed them)."""
@@ -136,9 +143,13 @@ class UprobeTraceEvent(TraceEvent):
 
     def make_probe(self) -> None:
         ev = self.udef
-        if self.backend.records_in_guest and in_guest(ev, self.host.arch.registers, returns=True):
+        recordable = in_guest(ev, self.host.arch.registers, returns=True)
+        if self.backend.records_in_guest and recordable:
             self.probe = (Uretprobe if ev.is_return else Uprobe)(ev.path, ev.offset, in_guest=True)
             self.probe.recorder = self._guest_records
+        elif self.sample_cb is not None:
+            why = self.backend.records_unavailable if recordable else "an argument is read from memory at the hit"
+            raise InvalidProbe(f"{ev.text}: a ring handler takes an event the guest records, and {why}")
         elif ev.is_return:
             self.probe = Uretprobe(ev.path, ev.offset, ret_handler=self._returned)
         else:
@@ -219,6 +230,9 @@ class UprobeTraceEvent(TraceEvent):
         """A run of hits the guest recorded, each as the handler would have taken it (its ip the probed address,
         or for a return the return address and ``func`` the probed one)."""
         make_regs, returns = self.backend.record_regs, self.udef.is_return
+        if self.sample_cb is not None:
+            self._ring_samples(records)
+            return
         with self.host.timeline.batch():  # one hand-on for the run
             for rec in records:
                 regs = make_regs(rec.values, rec.cpu)
@@ -226,6 +240,25 @@ class UprobeTraceEvent(TraceEvent):
                     self._record(regs, regs.ip, rec.func, regs.return_value(), (rec.pid, rec.comm))
                 else:
                     self._record(regs, regs.ip, None, None, (rec.pid, rec.comm))
+
+    def _ring_samples(self, records: list[GuestRecord]) -> None:
+        """A run drained from the ring, to the ring handler as one batch of columns (no line, no EventHit).
+
+        Counted before the handler runs: a batch it raised on was delivered, and is counted in ``probe.nfaults``.
+        """
+        sample_cb, ev, returns = self.sample_cb, self.udef, self.udef.is_return
+        assert sample_cb is not None
+        make_regs, clock = self.backend.record_regs, self.host.clock
+        rows, times = [], []
+        for rec in records:
+            regs = make_regs(rec.values, rec.cpu)
+            retval, func = (regs.return_value(), rec.func) if returns else (None, None)
+            rows.append(ev.evaluate(self._context(regs, retval, rec.comm, regs.ip, func, None)))
+            times.append(clock.hit_time(regs, recorded=True)[0])
+        args = {a.name: [row[i] for row in rows] for i, a in enumerate(ev.args)}
+        self.nhit += len(records)
+        sample_cb(Samples(ev.event, [rec.cpu for rec in records], [rec.pid for rec in records],
+                          [rec.comm for rec in records], times, args))  # fmt: skip
 
     def _context(self, regs: PtRegs, retval: int | None, comm: str | None, ip: int, func: int | None,
                  entry: dict[int, int] | None) -> UprobeContext:  # fmt: skip

@@ -311,3 +311,40 @@ def test_trace_lines_recorded_in_the_guest_equal_the_guest_s_own(
     assert sum(map(len, mine.values())) == 2 * calls == entry.nhit + ret.nhit
     assert mine == kernel
     assert entry.lost == ret.lost == 0
+
+
+def test_a_ring_handler_takes_a_uprobe_event_s_values_as_the_program_passed_them(
+    target: qprobe.Target, counted: None, off: dict[str, int]
+) -> None:
+    """``ring_buffer`` on a uprobe event, entry and return: batches off the rings, each value the one the
+    program passed to ``qpt_target(A+i, B, s)`` or got back (``A+i+B``), in its order, no VM stop."""
+    where = f"{PROG}:{off[PROG]:#x}"
+    got: list[tuple[int, int, str, int]] = []
+    rets: list[int] = []
+
+    def entries(samples: qprobe.events.Samples) -> None:
+        got.extend((int(s.args["a"]), int(s.args["b"]), s.comm, s.pid) for s in samples)
+
+    def returns(samples: qprobe.events.Samples) -> None:
+        rets.extend(int(s.args["ret"]) for s in samples)
+
+    entry = target.ring_buffer(f"p:qrb {where} a=%di:s64 b=%si:s64", entries)
+    ret = target.ring_buffer(f"r:qrbr {where} ret=$retval:s64", returns)
+    try:
+        assert not target.uprobes.points  # no gdbstub breakpoint: no VM stop at a hit
+        res = ok(run(target, "uprog call 300 -7 3 x"))
+    finally:
+        target.remove_events([entry, ret])
+    pid = int(res["pid"])
+    assert got == [(-7 + i, 3, "uprog", pid) for i in range(300)]
+    assert rets == [-7 + i + 3 for i in range(300)]
+    assert entry.nhit == ret.nhit == 300 and entry.lost == ret.lost == 0
+
+
+def test_a_ring_handler_refuses_a_uprobe_event_that_reads_user_memory(
+    target: qprobe.Target, counted: None, off: dict[str, int]
+) -> None:
+    """A string is read from the process's memory at the hit: only the host can, so no ring takes it."""
+    with pytest.raises(InvalidProbe, match="read from memory at the hit") as info:
+        target.ring_buffer(f"p:qrbs {PROG}:{off[PROG]:#x} s=+0(%dx):string", lambda samples: None)
+    assert "\n" not in str(info.value) and "uprobes/qrbs" not in target.events

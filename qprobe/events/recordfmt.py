@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from qprobe.fetch.expr import Arg, Comm, Reg
+from qprobe.fetch.expr import Arg, Comm, Reg, RetVal
 
 if TYPE_CHECKING:
     from qprobe.arch import RegisterLayout
@@ -36,6 +36,8 @@ def _plain_register(arg: FetchArg, layout: RegisterLayout) -> str | None:
         name = expr.name
     elif isinstance(expr, Arg) and 0 < expr.n <= len(args):
         name = args[expr.n - 1]
+    elif isinstance(expr, RetVal):  # a uprobe return's record: the user registers at the return
+        name = layout.retval
     else:
         return None
     if name in (layout.ip, layout.syscall_nr) or name not in layout.gdb_name:

@@ -12,6 +12,7 @@ the record rings (qprobe.core.uguest), and the lines are made from the records o
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -22,10 +23,14 @@ from qprobe.core.uprobes import UprobeManager
 from qprobe.errors import InvalidProbe
 from qprobe.events.context import HostContext
 from qprobe.events.event import TraceEvent, host_keys
+from qprobe.events.hit import EventHit
 from qprobe.events.inguest import EVENT_KEYS, guest_key, in_guest
+from qprobe.events.lines import InOrderLines, line_run
+from qprobe.events.recordfmt import arg_texts
 from qprobe.events.registry import EventHost
 from qprobe.events.samples import Samples
 from qprobe.fetch import UprobeContext, format_uprobe_event, format_uprobe_hit
+from qprobe.fetch.record import record_length
 
 if TYPE_CHECKING:
     from qprobe.arch.inguest import MapKey
@@ -228,11 +233,56 @@ class UprobeTraceEvent(TraceEvent):
 
     def _guest_records(self, records: list[GuestRecord]) -> None:
         """A run of hits the guest recorded, each as the handler would have taken it (its ip the probed address,
-        or for a return the return address and ``func`` the probed one)."""
-        make_regs, returns = self.backend.record_regs, self.udef.is_return
+        or for a return the return address and ``func`` the probed one).
+
+        Made in bulk, as a recorded kprobe's are (each argument's column of text read from the records, the
+        lines of a printer's run made together), where every hit's record has one length; else hit by hit.
+        """
         if self.sample_cb is not None:
             self._ring_samples(records)
             return
+        host, ev = self.host, self.udef
+        limit = host.kernel.event_length_limit()
+        if limit is not None and (any(a.type.string for a in ev.args) or record_length(ev, [0] * len(ev.args)) > limit):
+            self._records_one_by_one(records)
+            return
+        layout, make_regs, returns = host.arch.registers, self.backend.record_regs, ev.is_return
+
+        def context(rec: GuestRecord) -> UprobeContext:  # an argument not read from the record as it is
+            regs = make_regs(rec.values, rec.cpu)
+            return self._context(regs, regs.return_value() if returns else None, rec.comm, regs.ip,
+                                 rec.func if returns else None, None)  # fmt: skip
+
+        columns = [arg_texts(a, layout, context)(records) for a in ev.args]
+        times = host.clock.record_times([(rec.values["cycles"], rec.cpu) for rec in records])
+        ip_name, flags = layout.gdb_name[layout.ip], layout.gdb_name[layout.flags]
+        names, irqs_off = [a.name for a in ev.args], layout.irqs_disabled_flags
+        callback = self.callback
+        if isinstance(callback, InOrderLines) and self.filter is None:  # a printer's: the run as lines, in bulk
+            start = 0
+            for stop in range(1, len(records) + 1):  # each stretch of one place (one head) is one LineRun
+                if stop < len(records) and _place(records[stop], ip_name) == _place(records[start], ip_name):
+                    continue
+                head = _head(*_place(records[start], ip_name), returns)
+                part = [column[start:stop] for column in columns]
+                run = line_run(ev.event, head, names, records[start:stop], part, times[start:stop], flags, irqs_off)
+                self.nhit += len(run)
+                host.timeline.push_run(run, functools.partial(callback.lines, run))
+                start = stop
+            return
+        labels = [f" {n}=" for n in names]
+        rows = list(zip(*columns, strict=True)) if columns else [()] * len(records)
+        with host.timeline.batch():  # one hand-on for the run, its callbacks' pushes included
+            for rec, texts, (ts, order) in zip(records, rows, times, strict=True):
+                ip, func = _place(rec, ip_name)
+                body = _head(ip, func, returns) + "".join([label + t for label, t in zip(labels, texts, strict=True)])
+                self._emit(EventHit(ev.event, rec.cpu, rec.pid, rec.comm, ts, ip, f"{ip:#x}",
+                                    dict(zip(names, texts, strict=True)), body, irqs_off(rec.values[flags]),
+                                    f"{func:#x}" if returns else None, self.numbers, self.strings, order))  # fmt: skip
+
+    def _records_one_by_one(self, records: list[GuestRecord]) -> None:
+        """``_guest_records`` for a definition whose records differ in length: each hit as the stop path's."""
+        make_regs, returns = self.backend.record_regs, self.udef.is_return
         with self.host.timeline.batch():  # one hand-on for the run
             for rec in records:
                 regs = make_regs(rec.values, rec.cpu)
@@ -270,6 +320,16 @@ class UprobeTraceEvent(TraceEvent):
 
     def _symbolize(self, addr: int) -> str:
         return f"{addr:#x}"
+
+
+def _place(rec: GuestRecord, ip_name: str) -> tuple[int, int]:
+    """Where a record's hit was: its ip, and a return's function."""
+    return rec.values[ip_name], rec.func
+
+
+def _head(ip: int, func: int, returns: bool) -> str:
+    """trace_uprobe.c's ``(0x401136)``, a return's ``(0x4011a0 <- 0x401136)``."""
+    return f"({ip:#x} <- {func:#x})" if returns else f"({ip:#x})"
 
 
 __all__ = ["UprobeBackend", "UprobeHost", "UprobeTraceEvent"]

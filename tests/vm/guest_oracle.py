@@ -52,6 +52,13 @@ README_FACTS = {
 }
 
 
+def enable_uprobe_events(target: qprobe.Target, *definitions: str) -> None:
+    """The guest's own uprobe_events, exactly ``definitions`` (group uprobes), enabled, with an empty trace."""
+    lines = "; ".join(f"echo '{d}' >> {TRACING}/uprobe_events" for d in definitions)
+    target.run(f"echo > {TRACING}/trace; echo > {TRACING}/uprobe_events; {lines}; "
+               f"echo 1 > {TRACING}/events/uprobes/enable").check()  # fmt: skip
+
+
 def readme_lacks(target: qprobe.Target, *facts: str) -> str | None:
     """Why the guest's kprobe_events lacks one of ``facts`` (README_FACTS names), naming the image; or None."""
     image = target.image.name if target.image is not None else "the attached VM"

@@ -26,7 +26,7 @@ from qprobe.images.guest import guest_tree
 from qprobe.shell import Shell
 
 from .conftest import shell_do as do
-from .guest_oracle import TRACING
+from .guest_oracle import TRACING, enable_uprobe_events
 from .test_uprobe_lifecycle import (
     LIB,
     PROG,
@@ -283,9 +283,7 @@ def test_trace_lines_recorded_in_the_guest_equal_the_guest_s_own(
         pytest.skip("the guest kernel has no CONFIG_UPROBE_EVENTS")
     where = f"{PROG}:{off[PROG]:#x}"
     args, ret_args = "a=%di:s64 b=%si:s64 c=$comm", "ret=$retval:s64"
-    target.run(f"echo > {TRACING}/trace; echo 'p:uprobes/gtl {where} {args}' > {TRACING}/uprobe_events; "
-               f"echo 'r:uprobes/gtlr {where} {ret_args}' >> {TRACING}/uprobe_events; "
-               f"echo 1 > {TRACING}/events/uprobes/enable").check()  # fmt: skip
+    enable_uprobe_events(target, f"p:uprobes/gtl {where} {args}", f"r:uprobes/gtlr {where} {ret_args}")
     entry = target.add_event(f"p:qtl {where} {args}")
     ret = target.add_event(f"r:qtlr {where} {ret_args}")
     try:

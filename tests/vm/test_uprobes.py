@@ -23,7 +23,7 @@ from qprobe import Uprobe, Uretprobe, regs_return_value
 from qprobe.images.guest import guest_tree
 
 from .conftest import workload_result
-from .guest_oracle import TRACING
+from .guest_oracle import TRACING, enable_uprobe_events
 
 pytestmark = pytest.mark.vm
 
@@ -195,9 +195,8 @@ def test_a_shared_library_equals_the_guest_s_own_uprobes(target: qprobe.Target, 
     if not has_uprobe_events(target):
         pytest.skip("the guest kernel has no uprobe_events (CONFIG_UPROBE_EVENTS)")
     offset = file_offset(guest_tree(), LIB, "qpt_lib_add")
-    target.run(f"echo > {TRACING}/trace; echo 'p:uprobes/glib {LIB}:{offset:#x} a=%di:s64 b=%si:s64' "
-               f"> {TRACING}/uprobe_events; echo 'r:uprobes/glibr {LIB}:{offset:#x} ret=$retval:s64' "
-               f">> {TRACING}/uprobe_events; echo 1 > {TRACING}/events/uprobes/enable").check()  # fmt: skip
+    enable_uprobe_events(target, f"p:uprobes/glib {LIB}:{offset:#x} a=%di:s64 b=%si:s64",
+                         f"r:uprobes/glibr {LIB}:{offset:#x} ret=$retval:s64")  # fmt: skip
     entry = target.add_event(f"p:qlib {LIB}:qpt_lib_add a=%di:s64 b=%si:s64")
     ret = target.add_event(f"r:qlibr {LIB}:qpt_lib_add ret=$retval:s64")
     try:

@@ -10,7 +10,7 @@ import subprocess
 import tempfile
 import time
 
-from qprobe.bench.common import WORKLOADS, Row, _plain_vm
+from qprobe.bench.common import WORKLOADS, Row, _plain_vm, workload_function
 
 
 def _gdb_rows(args: argparse.Namespace) -> list[Row]:
@@ -19,7 +19,10 @@ def _gdb_rows(args: argparse.Namespace) -> list[Row]:
         return []
     rows = []
     with _plain_vm(args) as (qemu, console):
-        for name, func, cmd, _fast, slow in WORKLOADS:
+        for name, funcs, cmd, _fast, slow in WORKLOADS:
+            found = console.run(f"grep -E ' ({'|'.join(funcs)})$' /proc/kallsyms").check().output.splitlines()
+            addrs = {line.split()[-1]: int(line.split()[0], 16) for line in found}
+            func = workload_function(addrs.__contains__, funcs)
             n = max(slow * args.hits // 2000, 5)
 
             def timed(command: str) -> float:
@@ -28,7 +31,7 @@ def _gdb_rows(args: argparse.Namespace) -> list[Row]:
                 return time.perf_counter() - t
 
             base = statistics.median(timed(cmd.format(n=n)) for _ in range(3)) / n
-            addr = int(console.run(f"grep ' {func}$' /proc/kallsyms").check().output.split()[0], 16)
+            addr = addrs[func]
             with tempfile.NamedTemporaryFile("w", suffix=".py") as script:
                 script.write(GDB_SCRIPT.format(addr=addr))
                 script.flush()

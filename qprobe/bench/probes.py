@@ -10,7 +10,7 @@ import statistics
 from functools import partial
 
 import qprobe
-from qprobe.bench.common import FAST_RUNS, TRACEFS, WORKLOADS, Row, _guest_seconds, _paired
+from qprobe.bench.common import FAST_RUNS, TRACEFS, WORKLOADS, Row, _guest_seconds, _paired, workload_function
 from qprobe.events import TraceEvent
 
 
@@ -18,7 +18,8 @@ def _probe_matrix(target: qprobe.Target, args: argparse.Namespace) -> list[tuple
     rows: list[tuple[str, Row]] = []
     optimizer = target.kprobes.optimizer
     can_optimize = optimizer is not None and optimizer.available
-    for name, func, cmd, fast, slow in WORKLOADS:
+    for name, funcs, cmd, fast, slow in WORKLOADS:
+        func = workload_function(lambda f: f in target.symbols, funcs)
         n_fast, n_slow = fast * args.hits // 2000, max(slow * args.hits // 2000, 5)
         base = statistics.median(_guest_seconds(target, cmd.format(n=n_fast)) for _ in range(3)) / n_fast
         rows.append(("", Row(name, "unprobed", "", n_fast, 0, base * n_fast, base)))

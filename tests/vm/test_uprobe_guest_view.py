@@ -21,8 +21,10 @@ from qprobe import Uprobe
 from qprobe.images.guest import guest_tree
 
 from .guest_oracle import TRACING
+from .one_tcg_thread import qprobe_boot_kwargs
 
 pytestmark = pytest.mark.vm
+__all__ = ["qprobe_boot_kwargs"]  # a fixture: the guest enables its own events
 
 PROG = "/bin/uprog"
 EVICT = "sync; echo 3 > /proc/sys/vm/drop_caches"

@@ -24,8 +24,10 @@ from qprobe.images.guest import guest_tree
 from qprobe.kernel.usyntax import render_user_funcs
 
 from .guest_oracle import TRACING
+from .one_tcg_thread import qprobe_boot_kwargs
 
 pytestmark = [pytest.mark.vm, pytest.mark.qprobe_needs_config("UPROBE_EVENTS")]
+__all__ = ["qprobe_boot_kwargs"]  # a fixture: the guest enables its own events
 
 COMMAND = "uprog call 3 1 2 hi"
 HOLDER = "/tmp/ifunc-holder.out"  # a uprog that sleeps with libc mapped, so strlen@impl can be read

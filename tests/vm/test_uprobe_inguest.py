@@ -27,6 +27,7 @@ from qprobe.shell import Shell
 
 from .conftest import shell_do as do
 from .guest_oracle import TRACING, enable_uprobe_events
+from .one_tcg_thread import qprobe_boot_kwargs
 from .test_uprobe_lifecycle import (
     LIB,
     PROG,
@@ -42,7 +43,7 @@ from .test_uprobe_lifecycle import (
 )
 
 pytestmark = pytest.mark.vm
-__all__ = ["files", "off"]  # fixtures, shared with the lifecycle tests
+__all__ = ["files", "off", "qprobe_boot_kwargs"]  # fixtures (files and off shared with the lifecycle tests)
 
 EVENT = "uprobes/qpig"
 

@@ -32,8 +32,10 @@ from qprobe.kernel.ufile import UserFiles
 from qprobe.kernel.userelf import UserElf
 
 from .guest_oracle import TRACE_LINE, TRACING, Verdict, guest_verdicts
+from .one_tcg_thread import qprobe_boot_kwargs
 
 pytestmark = [pytest.mark.vm, pytest.mark.qprobe_needs_config("UPROBE_EVENTS")]
+__all__ = ["qprobe_boot_kwargs"]  # a fixture: the guest enables its own events
 
 W = "/bin/workload"  # static, built by the image
 SH = "/bin/sh"  # a symlink to /bin/busybox: the kernel follows it

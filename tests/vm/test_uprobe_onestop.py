@@ -23,8 +23,10 @@ from qprobe import Uprobe, Uretprobe, regs_return_value
 from qprobe.images.guest import guest_tree
 
 from .guest_oracle import TRACING
+from .one_tcg_thread import qprobe_boot_kwargs
 
 pytestmark = [pytest.mark.vm, pytest.mark.qprobe_needs_config("UPROBE_EVENTS")]
+__all__ = ["qprobe_boot_kwargs"]  # a fixture: the guest enables its own events
 
 
 @pytest.fixture(scope="module")

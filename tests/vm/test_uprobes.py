@@ -24,8 +24,10 @@ from qprobe.images.guest import guest_tree
 
 from .conftest import workload_result
 from .guest_oracle import TRACING, enable_uprobe_events
+from .one_tcg_thread import qprobe_boot_kwargs
 
 pytestmark = pytest.mark.vm
+__all__ = ["qprobe_boot_kwargs"]  # a fixture: the guest enables its own events
 
 PROGRAM = "/bin/workload"
 SYS_GETPPID = 110  # x86_64's number, what workload passes syscall() for getppid

@@ -86,7 +86,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -279,8 +279,9 @@ class PageTables(Protocol):
     says which root walks an address of a task (the kernel's, ``mem.pgd``, or the
     task's: the same tables on x86; TTBR1's or TTBR0's on arm64); ``learn`` is told the kernel's
     symbols once they are read (a build option may change the roots' shape).
-    The scratch area is mapped as ``large_page``-sized pages of kernel text in
-    the table ``large_page_table`` finds, within branch reach of ``image_base``.
+    The scratch area is mapped as ``large_page``-sized pages of kernel text in the table
+    ``large_page_table`` finds, within branch reach of ``image_base``, in the first free run of
+    ``scratch_slots`` (the slots the kernel itself maps last, given those ``image`` spans).
     """
 
     levels: int
@@ -295,6 +296,7 @@ class PageTables(Protocol):
     def translate(self, read_u64: Callable[[int], int], root: int, vaddr: int) -> tuple[int, int, int]: ...
     def large_page_table(self, read_u64: Callable[[int], int], root: int) -> int: ...
     def large_page_entry(self, phys: int) -> int: ...
+    def scratch_slots(self, image: range) -> Sequence[int]: ...
     def task_size_max(self) -> int: ...
 
 

@@ -40,11 +40,9 @@ class ScratchArea:
         self.machine = machine
         self.phys = phys
         self.size = size  # reserved; mapped as needed, 2 MiB at a time
-        # Without KASLR the module area starts 512 MiB into this PUD: take the first
-        # free slot just above the kernel image rather than the last one.
+        # Where the image lies picks the slots: the kernel maps some of its table's free slots
+        # later (modules, vmalloc), the architecture's ``PageTables.scratch_slots`` says which last.
         self.image_end = image_end
-        # An image that ends at (or runs past) the end of its table, as arm64's KASLR may place it (anywhere at
-        # 64 KiB steps), leaves no slot above it there: the slots below it are taken then, farthest first.
         self.image_start = image_start
         self.base = 0
         self._pmd_table = 0
@@ -67,8 +65,8 @@ class ScratchArea:
         base = paging.image_base
         order: Sequence[int] = range(511, -1, -1)
         if self.image_end is not None:
-            below = (self.image_start - base) // SIZE if self.image_start is not None else 0
-            order = [*range(max((self.image_end - base) // SIZE + 1, 0), 512), *range(min(below, 512))]
+            first = (self.image_start - base) // SIZE if self.image_start is not None else 0
+            order = paging.scratch_slots(range(first, (self.image_end - base) // SIZE + 1))
         want = self.size // SIZE
 
         def free_run(index: int) -> int:

@@ -17,7 +17,7 @@ import pytest
 import qprobe
 from qprobe import Kprobe, Kretprobe
 
-from .conftest import sigkill_when, workload_result
+from .conftest import IMAGE, sigkill_when, workload_result
 from .guest_oracle import TRACING, guest_hits, guest_verdicts, qprobe_verdicts
 from .test_boot_probes import boot_trace, check_boot_trace
 
@@ -228,6 +228,30 @@ def test_boot_trace_lists_the_kernels_initcalls_and_its_cpus_bring_up() -> None:
     boot CPU's branch to its virtual addresses (qprobe.kernel.bootswitch); the initcall's function is x0, and
     the kernel's bring-up of a secondary CPU is secondary_start_kernel."""
     check_boot_trace(boot_trace("%x0", "secondary_start_kernel"))
+
+
+def test_without_kaslr_the_scratch_area_is_not_where_vmalloc_allocates_next() -> None:
+    """Without KASLR vmalloc's area starts at the image and hands out its lowest free range: each fork's
+    VMAP stack lands just above the image. A scratch block there was walked as a table by the next fork
+    (an oops, the shell's loop killed by SIGSEGV). Forks with a probe armed; then the guest's own
+    /proc/vmallocinfo, read with real addresses, must hold stacks in the image's table and none in the area."""
+    with qprobe.boot(IMAGE, cmdline="nokaslr") as t:
+        assert "KASLR disabled" in t.run("dmesg").check().output
+        kp = Kprobe("__arm64_sys_getppid")
+        t.register_kprobe(kp)
+        n, forks = 20, 300
+        loop = f"i=0; while [ $i -lt {forks} ]; do /bin/true; i=$((i+1)); done; echo forked $i"
+        out = t.run(f"workload getppid {n}; {loop}", timeout=300).check().output
+        assert workload_result(out)["n"] == str(n) and f"forked {forks}" in out, out
+        assert kp.nhit == n
+        assert t.oopses() == [], t.console.tail(60)  # type: ignore[union-attr]
+        info = t.run("echo 1 > /proc/sys/kernel/kptr_restrict; cat /proc/vmallocinfo").check().output
+        stacks = [(int(a, 16), int(b, 16)) for a, b in re.findall(r"^0x(\w+)-0x(\w+)\s+\d+ kernel_clone", info, re.M)]
+        area = t.kprobes.scratch
+        table = area.base & -(1 << 30), (area.base & -(1 << 30)) + (1 << 30)  # the 1 GiB the image's table maps
+        assert any(table[0] <= a < table[1] for a, _ in stacks), info  # what made the old place wrong
+        assert not [r for r in stacks if r[0] < area.base + area.mapped_size and area.base < r[1]], info
+        t.unregister_kprobe(kp)
 
 
 PROBER = """

@@ -38,7 +38,7 @@ read from the CPU, not from a link address.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from qprobe.arch.arm64.ptregs import SCTLR_EL1, TCR_EL1, VBAR_EL1
@@ -271,6 +271,19 @@ class Arm64PageTables:
         shared = 0 if self.lpa2 else PMD_SECT_S
         return addr | PMD_TYPE_SECT | PMD_SECT_AF | shared | MT_NORMAL << 2 | PMD_SECT_UXN
 
+    def scratch_slots(self, image: range) -> Sequence[int]:
+        """Below the image first, nearest first; then the table's top, downward.
+
+        vmalloc's area starts where the image does (VMALLOC_START is MODULES_END, KIMAGE_VADDR
+        since Linux 4.6) and vmalloc hands out the lowest free range (find_vmap_lowest_match):
+        without KASLR every vmalloc allocation (each fork's VMAP stack) lands just above the image,
+        and a block there would be walked as their table. Modules are allocated lowest first in
+        a 128 MiB window that ends with the image (at _etext in 6.1, arch/arm64/kernel/kaslr.c; at
+        _end since 6.5, module_init_limits), so the slot just below the image is the last they
+        take. With KASLR the image sits far above VMALLOC_START and either side is free.
+        """
+        return [*range(min(image.start, 512) - 1, -1, -1), *range(511, max(image.stop, 0) - 1, -1)]
+
     def task_size_max(self) -> int:
         """TASK_SIZE_64, ``1 << vabits_actual`` (asm/processor.h), where user addresses end: TTBR0's half's size.
 
@@ -308,6 +321,9 @@ class MmuOff:
         raise TargetError("the vCPU's MMU is off: the kernel image is not mapped yet")
 
     def large_page_entry(self, phys: int) -> int:
+        raise TargetError("the vCPU's MMU is off: the kernel image is not mapped yet")
+
+    def scratch_slots(self, image: range) -> Sequence[int]:
         raise TargetError("the vCPU's MMU is off: the kernel image is not mapped yet")
 
     def task_size_max(self) -> int:

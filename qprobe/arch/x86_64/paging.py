@@ -9,7 +9,7 @@ process's page tables), so that code there is within +/-2 GiB of kernel text
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from qprobe.errors import MemoryFault, TargetError
 
@@ -114,6 +114,17 @@ class X86PageTables:
     def large_page_entry(self, phys: int) -> int:
         """A kernel-text PMD entry for the 2 MiB at ``phys``: present, writable, executable, global."""
         return phys | _PMD_FLAGS
+
+    def scratch_slots(self, image: range) -> Sequence[int]:
+        """Above the image first, then below it, farthest first.
+
+        The image's table maps [__START_KERNEL_map, +1 GiB). Without KASLR the image may use only
+        its first KERNEL_IMAGE_SIZE (512 MiB) and the module area (MODULES_VADDR, allocated lowest
+        first) begins there, so the slots just above the image are free for good. With
+        CONFIG_RANDOMIZE_BASE, KERNEL_IMAGE_SIZE is 1 GiB (arch/x86/include/asm/page_64_types.h)
+        and the modules start past this table: no slot of it is ever the kernel's but the image's.
+        """
+        return [*range(max(image.stop, 0), 512), *range(min(image.start, 512))]
 
     def task_size_max(self) -> int:
         """``TASK_SIZE_MAX``: ``(1 << __VIRTUAL_MASK_SHIFT) - PAGE_SIZE``.

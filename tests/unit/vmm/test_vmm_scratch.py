@@ -380,7 +380,7 @@ def test_a_combined_write_does_not_put_back_what_a_held_write_replaces() -> None
 
 
 def test_an_image_at_the_end_of_its_table_takes_the_slots_below_it_farthest_first() -> None:
-    # arm64's KASLR may end the image in the table's last slot, or past it: no slot above it is free.
+    # x86_64's order (PageTables.scratch_slots) when no slot above the image is free, or the image runs past.
     m = FakeMachine(image_pmds=range(500, 512))
     start, end = KERNEL_IMAGE_BASE + 500 * M2, KERNEL_IMAGE_BASE + 512 * M2 - 0x1000
     area = ScratchArea(m, SCRATCH_PHYS, end, image_start=start)  # type: ignore[arg-type]

@@ -173,6 +173,22 @@ def test_the_image_base_is_where_the_image_s_pmd_table_starts() -> None:
     assert pt.large_page_table(ram.read_u64, t.root) == t.slot(IMAGE, 2) - (IMAGE >> 21 & 0x1FF) * 8
 
 
+@pytest.mark.parametrize(
+    ("image", "first", "last"),
+    [
+        (range(64, 84), [*range(63, -1, -1), 511], 84),  # 6.1 without KASLR: KIMAGE_VADDR is 128 MiB in
+        (range(0, 21), [511, 510], 21),  # 6.12 without KASLR: the image starts its table (MODULES_VSIZE 2 GiB)
+        (range(500, 515), [499, 498], 0),  # KASLR may end the image past its table: only slots below it
+    ],
+)
+def test_the_scratch_slots_are_below_the_image_then_the_table_s_top(image: range, first: list[int],
+                                                                    last: int) -> None:  # fmt: skip
+    # Never just above the image: without KASLR that is where vmalloc's next allocation goes.
+    order = Arm64PageTables(tcr(48)).scratch_slots(image)
+    assert order[: len(first)] == first and order[-1] == last
+    assert not set(order) & set(image) and len(order) == len(set(order)) == 512 - len(set(image) & set(range(512)))
+
+
 def test_large_page_entry_round_trips_through_translate() -> None:
     ram, t, pt = image_tables()
     pmd = pt.large_page_table(ram.read_u64, t.root)

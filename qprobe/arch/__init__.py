@@ -274,11 +274,10 @@ class FtraceSite:
 class PageTables(Protocol):
     """The guest's page tables as the host walks them (``qprobe.vmm.memory``, the scratch area's mapping).
 
-    ``root`` turns a value of a page-table register (``RegisterLayout.page_table``,
-    or ``user_page_table``) into the physical table it points at; ``root_for``
-    says which root walks an address of a task (the kernel's, ``mem.pgd``, or the
-    task's: the same tables on x86; TTBR1's or TTBR0's on arm64); ``learn`` is told the kernel's
-    symbols once they are read (a build option may change the roots' shape).
+    ``root`` turns a value of a page-table register (``RegisterLayout.page_table``, or
+    ``user_page_table``) into the physical table it points at; ``root_for`` says which root walks an
+    address of a task (the kernel's, ``mem.pgd``, or the task's: the same tables on x86; TTBR1's or
+    TTBR0's on arm64); ``learn`` is told the kernel's symbols (a build option may shape the roots).
     The scratch area is mapped as ``large_page``-sized pages of kernel text in the table
     ``large_page_table`` finds, within branch reach of ``image_base``, in the first free run of
     ``scratch_slots`` (the slots the kernel itself maps last, given those ``image`` spans).

@@ -59,6 +59,7 @@ C_CODE = C_LOST + 16  # the handler's code (16-aligned): a keyed one's is a bloc
 C_RCODE = C_CODE + 16  # the ret_handler's
 C_SIZE = C_RCODE + 16
 KEYED_CODE_MAX = 2048  # bytes of a keyed handler (some hundreds for a key of several parts)
+RECORD_CODE_MAX = 1024  # bytes of a recording handler (about 400: a fixed copy of the registers, then the ring's)
 MAX_ERRNO = 4095  # include/linux/err.h: an ERR_PTR is one of the last 4095 addresses
 # A registration's steps.  The state names the call made last (or being made); the guest call's done flag
 # says whether it returned, and its result whether it worked: enough to finish a killed qprobe's.  S_NEW
@@ -325,10 +326,15 @@ class GuestUprobes:
             return None
         assert opt is not None and opt.records is not None
         records = opt.records
-        probe_id = self.machine.call(lambda: opt.open_recorder(up, deliver))
-        size = len(records.handler_code(probe_id, counter, returns, self.scratch.base))
-        code = self._alloc(size, 16)
-        self.machine.call(lambda: self.scratch.write(code, records.handler_code(probe_id, counter, returns, code)))
+        code = self._alloc(RECORD_CODE_MAX, 16)
+        try:
+            probe_id = self.machine.call(lambda: opt.open_recorder(up, deliver))
+        except QprobeError:  # no id left, or no room for the rings
+            self.machine.call(lambda: self.scratch.free(code))
+            raise
+        built = records.handler_code(probe_id, counter, returns, code)
+        assert len(built) <= RECORD_CODE_MAX, f"internal: a {len(built)}-byte record handler"
+        self.machine.call(lambda: self.scratch.write(code, built))
         return code, probe_id
 
     def _alloc(self, size: int, align: int) -> int:

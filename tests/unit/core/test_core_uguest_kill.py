@@ -23,7 +23,7 @@ from qprobe.arch.x86_64.guestcall import X86GuestCall
 from qprobe.core import uguest
 from qprobe.core.guestcall import LastCall, call_data
 from qprobe.core.uguest import C_SIZE, GuestUprobes, UprobeApi, finish_left
-from qprobe.errors import InvalidProbe
+from qprobe.errors import InvalidProbe, QprobeError, ScratchFull
 from qprobe.vmm.journal import Patch
 
 SCRATCH, GC_BLOCK, CONSUMERS = 0xFFFF_FFFF_A000_0000, 0xFFFF_FFFF_A000_0100, 0xFFFF_FFFF_A000_1000
@@ -332,3 +332,40 @@ def test_a_recovery_killed_anywhere_is_finished_by_the_next(
             assert world.kernel.clean() == [], f"killed after write {kills}"
             break
         kills += 1
+
+
+class Ids:
+    """The optimizer's probe ids of recorders (``open_recorder``), full when told."""
+
+    def __init__(self, full: bool) -> None:
+        self.full = full
+        self.open: set[int] = set()
+        self.records = SimpleNamespace(handler_code=lambda probe_id, counter, returns, at: b"\x90" * 64)
+
+    def open_recorder(self, owner: object, deliver: object) -> int:
+        if self.full:
+            raise QprobeError("every one of the 255 probe ids of detours and recorders is in use")
+        self.open.add(len(self.open) + 1)
+        return len(self.open)
+
+
+@pytest.mark.parametrize("short", ["probe ids", "scratch"])
+def test_a_recorder_that_cannot_be_had_leaves_no_id_and_no_scratch_behind(short: str) -> None:
+    world = World(APIS[0])
+    gu = uprobes(world)
+    gu.optimizer = ids = Ids(full=short == "probe ids")  # type: ignore[assignment]
+    taken: list[int] = []
+    alloc = world.alloc
+
+    def scratch_alloc(size: int, align: int) -> int:
+        if short == "scratch" and taken:  # the consumer's block fits; the handler's code does not
+            raise ScratchFull("the scratch area is full")
+        taken.append(alloc(size, align))
+        return taken[-1]
+
+    gu.scratch.alloc = scratch_alloc
+    up = Up("a")
+    up.recorder = lambda records: None  # type: ignore[assignment]
+    with pytest.raises(QprobeError):
+        gu.register(up, FILES[0], 0x1139)  # type: ignore[arg-type]
+    assert sorted(world.free) == sorted(taken) and not ids.open and not world.kernel.clean()

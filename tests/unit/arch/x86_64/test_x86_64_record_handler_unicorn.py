@@ -20,6 +20,7 @@ from qprobe.arch.guestram import PercpuLayout
 from qprobe.arch.x86_64.detour import ENTRY_SIZE, R_HEAD, R_LOSSY, R_WAITS, RING_HEADER
 from qprobe.arch.x86_64.guestram import X86GuestRam
 from qprobe.arch.x86_64.ptregs import PT_REGS_ORDER, PT_REGS_SIZE
+from qprobe.core.uguest import RECORD_CODE_MAX
 
 SCRATCH, PERCPU, TASK, STACK = (
     0xFFFF_FFFF_C000_0000,
@@ -47,6 +48,7 @@ def machine(returns: bool, lossy_full: bool = False) -> KernelCpu:
     code = LAYOUTS.build_record_handler(RINGS, NCPUS, ENTRIES, LOST, percpu, PID_OFF, COMM_OFF, PORT, PROBE_ID,
                                         COUNTER, returns, CODE)  # fmt: skip
     assert code[:4] == bytes.fromhex("f30f1efa")  # endbr64: the kernel calls it indirectly
+    assert len(code) <= RECORD_CODE_MAX  # what GuestUprobes allocates for it
     cpu.write(CODE, code)
     if lossy_full:
         header = RINGS + RING_HEADER * CPU

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from qprobe.arch import Arch, BreakHook, Resume, ResumeKind, Trap, TrapHook
+from qprobe.core.copyfault import CopyFaults
 from qprobe.core.handlers import Handlers
 from qprobe.core.kprobe import Kprobe
 from qprobe.core.point import KprobeCtlblk, KprobeStatus, ProbePoint
@@ -75,6 +76,7 @@ class Dispatcher:
         self.stale_int3 = 0  # traps on int3s already gone from the text, run again after a step
         self.ntraps = 0  # int3 traps dispatched (each one a VM stop)
         self.boost = True  # hits may run the copy freely (may_boost); the slots they ran stay (InsnSlots)
+        self.faults = CopyFaults(machine, arch, handlers, regs, self.ctlblk, self.step)
 
     # -- the hook -------------------------------------------------------------------------
     def install(self) -> None:
@@ -149,7 +151,8 @@ class Dispatcher:
 
         Where the entry is shared with other exceptions (arm64's synchronous vector), a data abort, an
         undefined instruction or a BRK of BUG's stops here too: no trap of ours, whatever address it
-        was taken at (a copy's fault, fixed up to the probe's address, comes back here).
+        was taken at (a copy's fault, fixed up to the probe's address, comes back here), but the fault
+        of a copy the vCPU is trap-stepping ends that hit (``CopyFaults``).
         """
         hook = self.arch.traps.kprobe_break_hook(regs)
         if hook is not None:
@@ -157,6 +160,8 @@ class Dispatcher:
             if self._ours(tid, trap, hook=hook):
                 self._dispatch(tid, trap)
                 return
+        elif self.faults.on_entry(tid, regs):
+            return
         # Somebody else's trap or exception: the guest's own handler has it, its frame untouched.  A gdb
         # breakpoint sits on the entry; stepping executes its first instruction.
         self.passed_through += 1
@@ -362,24 +367,12 @@ class Dispatcher:
         post = self.regs.make_regs(after, tid)
         prep = point.prep
         if self.arch.step_left_slot(prep, self.arch.ip(after)):
-            self._step_faulted(point, tid, post, active)
+            self.faults.fixup(point, tid, post, active)
             return None  # the vCPU is at the exception's handler: nothing more to write
         self.arch.arch_resume_singlestep(prep, post, TaskMemory(self.machine, post))
         post.mark_clean()
         self.handlers.post(active, post)
         return Resume(ResumeKind.CONTINUE, post.ip, changed=post.dirty())
-
-    def _step_faulted(self, point: ProbePoint, tid: str, post: PtRegs, active: list[Kprobe]) -> None:
-        """The copy raised an exception: make the guest see it at the original address (kprobe_fault_handler)."""
-        # The exception's return address is in memory (x86's exception frame) or in a register (arm64's ELR_EL1).
-        self.arch.arch_fault_fixup(point.prep, post, TaskMemory(self.machine, post))
-        if post.dirty():
-            self.machine.gdb.write_registers(tid, post.dirty())
-            post.mark_clean()
-        exc = ProbeError(f"the out-of-line copy of {point.where} faulted (guest exception at {post.symbolize()})")
-        for kp in active:
-            kp.nfaults += 1
-            self.handlers.fault(kp, post, exc)
 
     # -- 4. the resume ---------------------------------------------------------------------------
     def apply(self, tid: str, resume: Resume, restore: Mapping[str, int] | None = None) -> dict[str, int]:

@@ -136,8 +136,8 @@ class Arm64:
     def arch_resume_singlestep(self, prep: Prepared, regs: Registers, mem: Memory) -> None:
         kprobes.resume_singlestep(prep, regs)
 
-    def arch_fault_fixup(self, prep: Prepared, regs: Registers, mem: Memory) -> None:
-        kprobes.arch_fault_fixup(prep, regs)
+    def arch_fault_fixup(self, prep: Prepared, regs: Registers, mem: Memory) -> bool:
+        return kprobes.arch_fault_fixup(prep, regs)
 
     arch_emulate_in_place = staticmethod(kprobes.emulate_in_place)
 

@@ -42,7 +42,7 @@ COPY_SIZE = 2 * AARCH64_INSN_SIZE  # the instruction and the BRK after it
 DAIF_STATES = (DAIF_MASK >> DAIF_SHIFT) + 1  # 16: D, A, I and F each masked or not
 SLOT_SIZE = COPY_SIZE * DAIF_STATES
 # The register a synchronous exception's return address is in (the gdbstub's and RegisterLayout's name).
-ELR = "ELR_EL1"
+ELR, SPSR = "ELR_EL1", "SPSR_EL1"
 
 
 class StepOutsideSlot(ProbeError):
@@ -240,13 +240,21 @@ def arch_slot_resume(slot: int, addr: int, ip: int, flags: int) -> tuple[int, in
     return addr + off, flags & ~DAIF_MASK | daif
 
 
-def arch_fault_fixup(prep: Prepared, regs: Registers) -> None:
-    """kprobe_fault_handler() for KPROBE_HIT_SS: the exception returns to the probed address, not the slot.
+def arch_fault_fixup(prep: Prepared, regs: Registers) -> bool:
+    """kprobe_fault_handler() for KPROBE_HIT_SS: the exception must return to the probed address, not the slot.
 
-    The vCPU is on the exception vector: its return address is ELR_EL1.
+    ``regs`` are the exception's: its return address ELR_EL1, the PSTATE it was taken with SPSR_EL1.  The
+    kernel sets ELR_EL1; QEMU 7.2's stub writes no system register, so instead ``regs`` go back to the
+    context the copy ran in, at the probed instruction with the DAIF the copy stands for, for the core to
+    take the exception again there (False).  An exception taken elsewhere needs nothing (True).
     """
-    if copy_index(prep.slot_addr, getattr(regs, ELR)) is not None:
-        setattr(regs, ELR, prep.addr)
+    at = copy_index(prep.slot_addr, getattr(regs, ELR))
+    if at is None:
+        return True
+    daif, off = at
+    regs.pc = u64(prep.addr + off)
+    regs.pstate = getattr(regs, SPSR) & ~DAIF_MASK | daif
+    return False
 
 
 class Arm64TrapStep:

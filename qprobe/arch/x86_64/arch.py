@@ -286,7 +286,7 @@ class X86_64:
     def arch_resume_singlestep(self, prep: Prepared, regs: Registers, mem: Memory) -> None:
         resume_singlestep(_insn(prep), _regs(regs), mem)
 
-    def arch_fault_fixup(self, prep: Prepared, regs: Registers, mem: Memory) -> None:
+    def arch_fault_fixup(self, prep: Prepared, regs: Registers, mem: Memory) -> bool:
         """As kprobe_fault_handler does for KPROBE_HIT_SS: the exception frame's ip moves from the slot
         back to the probe address, so the kernel's fixup (exception tables) and oops reports see the real text.
         """
@@ -295,7 +295,8 @@ class X86_64:
             frame_ip = int.from_bytes(mem.read(sp + off, 8), "little")
             if lo <= frame_ip <= hi:
                 mem.write(sp + off, (prep.addr + frame_ip - lo).to_bytes(8, "little"))
-                return
+                break
+        return True
 
     def arch_emulate_in_place(self, regs: Registers, mem: Memory) -> bool:
         """The kprobes' host emulations (calls, jumps, returns), and no-ops (a function's ``__fentry__`` site),

@@ -324,6 +324,7 @@ class Toy:
             "r3": "r3",
             "lr": "lr",
             "elr": "elr",
+            "spsr": "spsr",
         },
         system=("esr",),  # the syndrome kprobe_break_hook reads, as arm64's ESR_EL1
         arg_regs=("r0", "r1", "r2", "r3"),
@@ -345,6 +346,7 @@ class Toy:
     boot = ToyBoot()
     # The facets: the toy has no jump optimization, so every probe stays a breakpoint.
     trap_step: ToyTrapStep | None = ToyTrapStep()
+    elr_writable = True  # arm64's ELR_EL1 is not, through QEMU 7.2's stub
     trap_watch = None  # no watchpoint hook: the dispatcher breaks on the entry
     optprobes = None
     guest_ram = ToyGuestRam()
@@ -419,10 +421,17 @@ class Toy:
         regs.ip += 4
         return True
 
-    def arch_fault_fixup(self, prep: Prepared, regs: Any, mem: Memory) -> None:
+    def arch_fault_fixup(self, prep: Prepared, regs: Any, mem: Memory) -> bool:
         copy = prep.slot_addr + STEP_COPY  # arm64's way: the exception's return address is a register
-        if copy <= regs.elr <= copy + 4:
+        if not copy <= regs.elr <= copy + 4:
+            return True
+        if self.elr_writable:
             regs.elr = prep.addr + regs.elr - copy
+            return True
+        back = self.arch_slot_resume(prep.slot_addr, prep.addr, regs.elr, regs.spsr)
+        assert back is not None
+        regs.ip, regs.flags = back  # to take the exception again at the probe
+        return False
 
     # -- traps ---------------------------------------------------------------------------
     def resume_registers(self, resume: Resume) -> dict[str, int]:

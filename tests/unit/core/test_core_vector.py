@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from fakearch import (
+    BRK,
     BRK_OP,
     BRK_SS,
     BUG_BRK_IMM,
@@ -13,6 +14,7 @@ from fakearch import (
     EC_SHIFT,
     EC_UNKNOWN,
     ENTRY,
+    IRQ,
     KPROBES_BRK_IMM,
     KPROBES_BRK_SS_IMM,
     Rig,
@@ -86,6 +88,32 @@ def test_a_copy_that_faulted_goes_on_from_the_vector_to_the_kernels_fault_handle
     assert (regs["pc"], regs["elr"]) == (ENTRY + 4, rig.load)  # the kernel handles the fault at the probe
     assert (kp.nhit, kp.nmissed, kp.nfaults, rig.km.dispatcher.ntraps) == (1, 0, 1, 1)
     assert rig.km.dispatcher.ctlblk[A].status is KprobeStatus.IDLE
+
+
+@pytest.mark.parametrize("trap_step", [False, True], ids=["stepped", "trap-stepped"])
+def test_where_the_return_address_cannot_be_written_the_guest_takes_the_fault_again_at_the_probe(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch, trap_step: bool
+) -> None:
+    # arm64 through QEMU 7.2's stub: the fix-up cannot set ELR_EL1, so the vCPU goes back to the probed
+    # instruction's context and runs the original instruction there once; it faults again, at the probe.
+    monkeypatch.setattr(Toy, "elr_writable", False)
+    kp = Kprobe("toy_load")
+    rig.km.register_kprobe(kp)
+    point = rig.km.points[rig.load]
+    if trap_step:  # run to the BRK after the copy: the fault is heard on the entry, the hit still open
+        point.prep.step_reason = None  # type: ignore[misc]
+    rig.run(A, rig.load, sp=UNMAPPED)
+    if trap_step:
+        assert rig.km.dispatcher.ctlblk[A].status is KprobeStatus.HIT_SS and kp.nfaults == 0
+        rig.step(A)  # the copy faults: the stop on the entry
+    regs = rig.t.regs(A)
+    assert (regs["pc"], regs["elr"], regs["esr"]) == (ENTRY, rig.load, EC_DABT_CUR << EC_SHIFT)
+    assert regs["spsr"] & IRQ  # taken in the context the probed instruction ran in, interrupts on
+    assert rig.t.cpu.steps[-1] == (A, rig.load) and rig.at(rig.load) == BRK  # in place, the probe armed again
+    assert (kp.nhit, kp.nmissed, kp.nfaults) == (1, 0, 1)
+    assert rig.km.dispatcher.ctlblk[A].status is KprobeStatus.IDLE and not rig.km.dispatcher.in_slot(point)
+    rig.km.dispatcher.on_entry_stop(A, dict(regs))  # back on the entry: the kernel's fault, no second hit
+    assert (regs["pc"], kp.nhit, rig.km.dispatcher.passed_through) == (ENTRY + 4, 1, 1)
 
 
 @pytest.mark.parametrize("brk", [insn(BRK_OP, BUG_BRK_IMM), BRK_SS], ids=["bug", "guest-kprobes-ss"])

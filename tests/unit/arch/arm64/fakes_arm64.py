@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-REG_NAMES = (*(f"x{n}" for n in range(31)), "sp", "pc", "pstate", "ELR_EL1")
+REG_NAMES = (*(f"x{n}" for n in range(31)), "sp", "pc", "pstate", "ELR_EL1", "SPSR_EL1")
 
 
 class FakeRegs:
-    """A trapped context's registers by pt_regs name (and ELR_EL1), as qprobe.arch.Registers reads them."""
+    """A trapped context's registers by pt_regs name (and ELR_EL1, SPSR_EL1), as qprobe.arch.Registers reads them."""
 
     def __init__(self, **values: int) -> None:
         unknown = set(values) - set(REG_NAMES)

@@ -154,8 +154,8 @@ ExceptionTable = Container[int] | Callable[[int], bool]
 class Registers(Protocol):
     """A trapped context's registers as the core hands them to the architecture (``qprobe.core.regs.PtRegs``).
 
-    Every pt_regs field of the architecture's :class:`RegisterLayout` reads and
-    writes as an attribute; ``dirty`` gives the changed ones by gdbstub name.
+    Every pt_regs field of the architecture's :class:`RegisterLayout` reads and writes as an attribute, its
+    ``system`` registers only read; ``dirty`` gives the changed ones by gdbstub name.
     """
 
     def __getattr__(self, name: str) -> int: ...

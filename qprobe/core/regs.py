@@ -53,8 +53,8 @@ class PtRegs:
     under QEMU), ``tid`` the stub's thread id.
     """
 
-    __slots__ = ("_dirty", "_kernel", "_layout", "_mem", "_pgd", "_symbols", "_values", "cycles", "fix_return",
-                 "task_regs", "tid", "vcpu")  # fmt: skip
+    __slots__ = ("_dirty", "_kernel", "_layout", "_mem", "_pgd", "_symbols", "_system", "_values", "cycles",
+                 "fix_return", "task_regs", "tid", "vcpu")  # fmt: skip
     # The layout whose registers are class attributes (one per architecture, added on first use: a
     # read through __getattr__ costs a failed lookup first, several times a plain attribute's, on every hit).
     _read_for: ClassVar[RegisterLayout | None] = None
@@ -66,6 +66,7 @@ class PtRegs:
     _mem: GuestMemory
     _pgd: int
     _symbols: Symbols | None
+    _system: dict[str, int]
     _values: dict[str, int]
     fix_return: Callable[[int, int], int] | None
     task_regs: dict[str, int]
@@ -91,6 +92,9 @@ class PtRegs:
         init = object.__setattr__
         init(self, "_layout", layout)
         init(self, "_values", regs)
+        # The stop's system registers (arm64's ELR_EL1, SPSR_EL1...): read as attributes, never written
+        # (QEMU 7.2's stub writes none), and no pt_regs field (as_dict and dirty leave them out).
+        init(self, "_system", {name: values[name] for name in layout.system if name in values})
         init(self, "_dirty", set())
         init(self, "_mem", mem)
         init(self, "_symbols", symbols)
@@ -127,6 +131,10 @@ class PtRegs:
             raise AttributeError(name)
         try:
             return self._values[name]
+        except KeyError:
+            pass
+        try:
+            return self._system[name]
         except KeyError:
             raise AttributeError(f"pt_regs has no register {name!r}") from None
 

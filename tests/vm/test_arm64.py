@@ -254,6 +254,32 @@ def test_without_kaslr_the_scratch_area_is_not_where_vmalloc_allocates_next() ->
         t.unregister_kprobe(kp)
 
 
+def test_a_fault_in_the_copy_is_the_kernel_s_at_the_probed_instruction() -> None:
+    """A pre_handler makes the probed load fault once (x0, the pt_regs the syscall wrapper is handed, set to
+    NULL). The kernel must take that fault at the probed instruction, as its kprobe_fault_handler() arranges,
+    so its oops names the probed function rather than the slot; the hit ends there, and every later hit on
+    any CPU is a hit again. Its own boot: the oops taints the kernel and kills the workload."""
+    with qprobe.boot(IMAGE) as t:
+        off = 4 * _words(t, LSEEK, 32).index(0xB9400000)  # ldr w0, [x0]: the fd, from the pt_regs
+        nulled: list[int] = []
+
+        def null_once(kp: Kprobe, regs: qprobe.PtRegs) -> int:
+            if not nulled:
+                nulled.append(regs.ip)
+                regs.x0 = 0
+            return 0
+
+        kp = Kprobe(LSEEK, offset=off, pre_handler=null_once)
+        t.register_kprobe(kp)
+        killed = t.run("workload lseek 1", timeout=120)
+        oops = t.run("dmesg").check().output
+        assert killed.status != 0 and "Unable to handle kernel NULL pointer dereference" in oops, oops
+        assert f"pc : {LSEEK}+{off:#x}/" in oops, oops
+        assert workload_result(t.run("workload lseek 30").check().output)["errors"] == "0"
+        assert (kp.nhit, kp.nmissed, kp.nfaults) == (31, 0, 1), kp.errors
+        t.unregister_kprobe(kp)
+
+
 PROBER = """
 import sys, qprobe, time
 t = qprobe.attach(sys.argv[1])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -23,6 +24,8 @@ from qprobe.arch.arm64.kprobes import (
     slot_code,
     step_left_slot,
 )
+from qprobe.arch.arm64.ptregs import REGISTERS
+from qprobe.core.regs import PtRegs
 from qprobe.errors import CannotProbe, InvalidProbe, NotInstructionBoundary, ProbeBusy
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -137,6 +140,20 @@ def test_a_step_that_left_the_slot() -> None:
         Arm64TrapStep().arch_resume_trap_step(prep, FakeRegs(pc=SLOT + 8))
     assert arch_slot_resume(SLOT, ADDR, SLOT + SLOT_SIZE, 0) is None
     assert arch_slot_resume(SLOT, ADDR, SLOT - 4, 0) is None
+
+
+def test_the_fault_fixup_reads_the_exception_from_the_pt_regs_of_a_stop_and_writes_no_system_register() -> None:
+    # What the core hands it: pt_regs made from the stop on the vector, ELR_EL1 and SPSR_EL1 among the stop's
+    # system registers, no pt_regs fields (reading them as fields stopped the stop loop).
+    prep = prepare_kprobe(ADD, ADDR, SLOT)
+    stop = {"pc": 0xFFFF800008010200, "sp": 0xFFFF800012000000, "cpsr": DAIF_MASK | EL1H, "ELR_EL1": SLOT + 8 * 2,
+            "SPSR_EL1": NZCV | DAIF_MASK | EL1H, "ESR_EL1": 0x96000006}  # fmt: skip
+    regs = PtRegs(stop, "p1.1", 0, SimpleNamespace(pgd=0), layout=REGISTERS)  # type: ignore[arg-type]
+    assert arch_fault_fixup(prep, regs) is False
+    assert regs.dirty() == {"pc": ADDR, "cpsr": NZCV | 2 << 6 | EL1H}
+    assert "ELR_EL1" not in regs.as_dict() and regs.ELR_EL1 == SLOT + 8 * 2
+    with pytest.raises(AttributeError, match="ELR_EL1"):
+        regs.ELR_EL1 = ADDR
 
 
 def test_a_fault_in_the_copy_is_taken_again_at_the_probe_in_the_copy_s_context() -> None:

@@ -13,7 +13,7 @@ the record rings (qprobe.core.uguest), and the lines are made from the records o
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -26,7 +26,7 @@ from qprobe.events.event import TraceEvent, host_keys
 from qprobe.events.hit import EventHit
 from qprobe.events.inguest import EVENT_KEYS, guest_key, in_guest
 from qprobe.events.lines import InOrderLines, line_run
-from qprobe.events.recordfmt import arg_texts
+from qprobe.events.recordfmt import arg_column, arg_texts
 from qprobe.events.registry import EventHost
 from qprobe.events.samples import Samples
 from qprobe.fetch import UprobeContext, format_uprobe_event, format_uprobe_hit
@@ -246,13 +246,7 @@ class UprobeTraceEvent(TraceEvent):
         if limit is not None and (any(a.type.string for a in ev.args) or record_length(ev, [0] * len(ev.args)) > limit):
             self._records_one_by_one(records)
             return
-        layout, make_regs, returns = host.arch.registers, self.backend.record_regs, ev.is_return
-
-        def context(rec: GuestRecord) -> UprobeContext:  # an argument not read from the record as it is
-            regs = make_regs(rec.values, rec.cpu)
-            return self._context(regs, regs.return_value() if returns else None, rec.comm, regs.ip,
-                                 rec.func if returns else None, None)  # fmt: skip
-
+        layout, context, returns = host.arch.registers, self._record_context(), ev.is_return
         columns = [arg_texts(a, layout, context)(records) for a in ev.args]
         times = host.clock.record_times([(rec.values["cycles"], rec.cpu) for rec in records])
         ip_name, flags = layout.gdb_name[layout.ip], layout.gdb_name[layout.flags]
@@ -296,19 +290,28 @@ class UprobeTraceEvent(TraceEvent):
 
         Counted before the handler runs: a batch it raised on was delivered, and is counted in ``probe.nfaults``.
         """
-        sample_cb, ev, returns = self.sample_cb, self.udef, self.udef.is_return
+        sample_cb = self.sample_cb
         assert sample_cb is not None
-        make_regs, clock = self.backend.record_regs, self.host.clock
-        rows, times = [], []
-        for rec in records:
-            regs = make_regs(rec.values, rec.cpu)
-            retval, func = (regs.return_value(), rec.func) if returns else (None, None)
-            rows.append(ev.evaluate(self._context(regs, retval, rec.comm, regs.ip, func, None)))
-            times.append(clock.hit_time(regs, recorded=True)[0])
-        args = {a.name: [row[i] for row in rows] for i, a in enumerate(ev.args)}
+        layout, context, clock = self.host.arch.registers, self._record_context(), self.host.clock
+
+        def times() -> list[float]:  # only when the handler reads ``ts``
+            return [ts for ts, _order in clock.record_times([(rec.values["cycles"], rec.cpu) for rec in records])]
+
+        args = {a.name: arg_column(a, layout, context)(records) for a in self.udef.args}
         self.nhit += len(records)
-        sample_cb(Samples(ev.event, [rec.cpu for rec in records], [rec.pid for rec in records],
+        sample_cb(Samples(self.udef.event, [rec.cpu for rec in records], [rec.pid for rec in records],
                           [rec.comm for rec in records], times, args))  # fmt: skip
+
+    def _record_context(self) -> Callable[[GuestRecord], UprobeContext]:
+        """An argument's context in a recorded hit, where it is not read from the record as it is."""
+        make_regs, returns = self.backend.record_regs, self.udef.is_return
+
+        def context(rec: GuestRecord) -> UprobeContext:
+            regs = make_regs(rec.values, rec.cpu)
+            return self._context(regs, regs.return_value() if returns else None, rec.comm, regs.ip,
+                                 rec.func if returns else None, None)  # fmt: skip
+
+        return context
 
     def _context(self, regs: PtRegs, retval: int | None, comm: str | None, ip: int, func: int | None,
                  entry: dict[int, int] | None) -> UprobeContext:  # fmt: skip

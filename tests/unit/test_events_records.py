@@ -8,6 +8,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
+from events_fakes import MEM, Clock
 
 from qprobe.arch.x86_64.arch import X86_64
 from qprobe.arch.x86_64.ptregs import STUB_FRAME_REGS, X86_EFLAGS_IF
@@ -36,20 +37,6 @@ class Symbols:
 
     def address(self, name: str) -> int:
         raise KeyError(name)
-
-
-class Clock:
-    """A ring record's time is its TSC's, whichever way it is asked."""
-
-    def hit_time(self, regs: PtRegs, recorded: bool = False) -> tuple[float, float]:
-        assert recorded and regs.cycles is not None
-        return regs.cycles / 1e9 + regs.vcpu, regs.cycles / 1e9
-
-    def record_times(self, records: list[tuple[int, int]]) -> list[tuple[float, float]]:
-        return [(cycles / 1e9 + vcpu, cycles / 1e9) for cycles, vcpu in records]
-
-
-MEM = SimpleNamespace(pgd=0x1000, pgd_of=lambda root: root, paging=SimpleNamespace(task_size_max=lambda: 1 << 47))
 
 
 class Backend:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from events_fakes import MEM, Clock
 
 from qprobe.arch.x86_64.arch import X86_64
 from qprobe.arch.x86_64.ptregs import PT_REGS_ORDER, X86_EFLAGS_IF
@@ -14,24 +15,13 @@ from qprobe.core.kprobe import GuestRecord
 from qprobe.core.regs import PtRegs
 from qprobe.events import EventHit
 from qprobe.events.lines import InOrderLines
+from qprobe.events.samples import Samples
 from qprobe.events.timeline import Timeline
 from qprobe.events.uprobe import UprobeTraceEvent
 from qprobe.fetch import UprobeEvent, parse_uprobe_event
 
 ARCH = X86_64()
-MEM = SimpleNamespace(pgd=0x1000, pgd_of=lambda root: root, paging=SimpleNamespace(task_size_max=lambda: 1 << 47))
 PLACES = [(0x401136, 0x401100), (0x55D0_0000_1A50, 0x55D0_0000_1A00), (0x7F12_3456_1A50, 0x7F12_3456_1A00)]
-
-
-class Clock:
-    """A ring record's time is its cycle counter's, whichever way it is asked."""
-
-    def hit_time(self, regs: PtRegs, recorded: bool = False) -> tuple[float, float]:
-        assert recorded and regs.cycles is not None
-        return regs.cycles / 1e9 + regs.vcpu, regs.cycles / 1e9
-
-    def record_times(self, records: list[tuple[int, int]]) -> list[tuple[float, float]]:
-        return [(cycles / 1e9 + vcpu, cycles / 1e9) for cycles, vcpu in records]
 
 
 class Backend:
@@ -125,3 +115,23 @@ def test_a_return_line_names_the_return_address_and_the_probed_function() -> Non
     te.probe.recorder(records()[:1])
     rax = records()[0].values["rax"]
     assert rax < 2**63 and got[0].body == f"({PLACES[0][0]:#x} <- {PLACES[0][1]:#x}) ret={rax}"
+
+
+@pytest.mark.parametrize("definition", DEFINITIONS)
+def test_a_ring_handler_s_columns_are_each_hit_s_values_as_the_stop_path_evaluates_them(definition: str) -> None:
+    te = event(definition, None)
+    batches: list[Samples] = []
+    te.sample_cb = batches.append
+    assert te.probe is not None and te.probe.recorder is not None
+    te.probe.recorder(records())
+    (batch,) = batches
+    expected, returns = [], te.udef.is_return
+    for rec in records():  # each record's values through the hit's own context, as the stop path makes it
+        regs = te.backend.record_regs(rec.values, rec.cpu)
+        func, retval = (rec.func, regs.return_value()) if returns else (None, None)
+        expected.append(te.udef.evaluate(te._context(regs, retval, rec.comm, regs.ip, func, None)))
+    assert batch.args == {a.name: [row[i] for row in expected] for i, a in enumerate(te.udef.args)}
+    assert batch.ts == [Clock().hit_time(te.backend.record_regs(r.values, r.cpu), recorded=True)[0] for r in records()]
+    fields = ("cpu", "pid", "comm")
+    assert [getattr(batch, f) for f in fields] == [[getattr(r, f) for r in records()] for f in fields]
+    assert te.nhit == len(records())

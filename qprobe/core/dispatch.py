@@ -79,8 +79,13 @@ class Dispatcher:
         self.faults = CopyFaults(machine, arch, handlers, regs, self.ctlblk, self.step)
 
     # -- the hook -------------------------------------------------------------------------
-    def install(self) -> None:
-        """Hear of every guest int3: a read watchpoint in the #BP handler if it can be found, else a breakpoint."""
+    def install(self, watch_only: bool = False) -> None:
+        """Hear of every guest int3: a read watchpoint in the #BP handler if it can be found, else a breakpoint.
+
+        ``watch_only``: the hook only where it is the watchpoint, which no user-mode trap reaches (the in-guest
+        uprobes' int3s stop nothing), kept then to the end like any watchpoint hook: with no probe of ours
+        in the text it still steps away a stale int3 of the guest's own text_poke_bp (``_stale_int3``).
+        """
         if self.hooked:
             return
         site = find_watch_site(self.kernel, self.arch) if self.watch_int3 else None
@@ -89,6 +94,8 @@ class Dispatcher:
             self.machine.gdb.insert_breakpoint(self.watch_refs, WATCH_READ, 4)
             self.machine.watch_handlers[self.watch_refs] = self.on_watch_stop
             self.machine.after_stop = self.lost_traps
+        elif watch_only:
+            return
         else:
             self.machine.gdb.insert_breakpoint(self.int3_entry)
             self.machine.stop_handlers[self.int3_entry] = self.on_entry_stop

@@ -83,9 +83,10 @@ def counted_by(guest: GuestUprobes | None, up: Uprobe) -> GuestUprobes | None:
 
 
 class Stepper(Protocol):
-    """The trap path's single-step (qprobe.core.dispatch.Dispatcher.step): the registers after it."""
+    """The trap path (qprobe.core.dispatch.Dispatcher): its single-step (the registers after it), and its hook."""
 
     def step(self, tid: str, ip: int) -> dict[str, int]: ...
+    def install(self, watch_only: bool = False) -> None: ...
 
 
 class Kprobes(Protocol):
@@ -143,6 +144,9 @@ class UprobeManager:
         f, offset = self.machine.call(lambda: self._checked(up))
         guest.register(up, f, offset)  # guest calls: from this thread, while the stop loop runs the VM
         up.offset, up.file, up.registered, up.in_guest = offset, f, True, True
+        # Under QEMU's multi-threaded TCG a guest that toggles its own trace events can loop on a stale int3
+        # of its text_poke_bp; the trap hook ends that loop and, as a watchpoint, costs these probes nothing.
+        self.machine.call(lambda: self.stepper.install(watch_only=True))
 
     def unregister_uprobe(self, up: Uprobe) -> None:
         if not up.registered:

@@ -34,11 +34,15 @@ def one_tcg_thread(tree: ast.Module) -> bool:
 # arm64's kernel patches a static key's branch with one store of one instruction (aarch64_insn_patch_text_nosync),
 # no int3 for a vCPU to trap on and no IPI for the other to wait in.
 NOT_X86 = {"test_arm64.py"}
-ENABLING = sorted(p.name for p in VM.glob("test_*.py") if ENABLES.search(p.read_text()) and p.name not in NOT_X86)
+# Shows that qprobe's in-guest uprobes keep the trap hook, which ends the loop: booted on purpose without the fixture.
+HOOKED = {"test_uprobe_inguest_mttcg.py"}
+ENABLING = sorted(p.name for p in VM.glob("test_*.py")
+                  if ENABLES.search(p.read_text()) and p.name not in NOT_X86 | HOOKED)  # fmt: skip
 
 
 def test_modules_that_enable_guest_uprobe_events_are_found() -> None:
     assert "test_uprobe_inguest.py" in ENABLING
+    assert all((VM / name).exists() for name in HOOKED)
 
 
 @pytest.mark.parametrize("name", ENABLING)

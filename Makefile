@@ -23,7 +23,7 @@ VM_CORE := tests/vm/test_kprobes.py tests/vm/test_kretprobes.py tests/vm/test_op
            tests/vm/test_oracle.py tests/vm/test_guest_shell.py tests/vm/test_guest_programs.py \
            tests/vm/test_uprobes.py tests/vm/test_uprobe_language.py tests/vm/test_uprobe_frontends.py \
            tests/vm/test_uprobe_lifecycle.py tests/vm/test_uprobe_guest_view.py tests/vm/test_uprobe_ifunc.py \
-           tests/vm/test_uprobe_inguest.py \
+           tests/vm/test_uprobe_inguest.py tests/vm/test_uprobe_inguest_mttcg.py \
            tests/vm/test_boot_probes.py tests/vm/test_boot_frontends.py tests/vm/test_attach_boot.py \
            tests/vm/test_modules.py \
            tests/vm/test_cli_frontend.py::test_run_counts_the_command_from_its_fork_applets_builtins_pipelines_and_programs
